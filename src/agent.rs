@@ -1,0 +1,489 @@
+//! The transfer-agent contract: registration, remote agents, one-sided
+//! READ/WRITE requests with completion status, and sync messages.
+//!
+//! This is TensorRT-LLM's `BaseTransferAgent` in Rust. A request names local
+//! descriptors and remote descriptors pairwise (TensorRT-LLM's `src` is the
+//! local list and `dst` the remote list, whatever the direction):
+//!
+//! | op | data flows | `local` | `remote` |
+//! |---|---|---|---|
+//! | [`TransferOp::Write`] | local → remote | source | destination |
+//! | [`TransferOp::Read`]  | remote → local | destination | source |
+//!
+//! # Ordering guarantee
+//! A request's sync message reaches the remote agent's inbox only after
+//! every byte of that request is visible in the destination memory (for a
+//! READ: after the remote has finished reading its source memory and the
+//! initiator's status completes once the bytes have landed locally), and it
+//! is delivered exactly once. A request that fails delivers no sync message.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::desc::AgentDesc;
+use crate::error::Error;
+use crate::memory::MemoryDescs;
+
+/// Direction of a one-sided transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransferOp {
+    /// Local memory is read, remote memory written.
+    Write,
+    /// Remote memory is read, local memory written.
+    Read,
+}
+
+/// One transfer: pairs of equally long local and remote descriptors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransferRequest {
+    /// Direction.
+    pub op: TransferOp,
+    /// Local descriptors (TensorRT-LLM's `src`).
+    pub local: MemoryDescs,
+    /// Remote descriptors (TensorRT-LLM's `dst`), pairwise with `local`.
+    pub remote: MemoryDescs,
+    /// Name of the remote agent.
+    pub remote_agent: String,
+    /// Delivered to the remote agent after all of this request's data.
+    pub sync_message: Option<Vec<u8>>,
+}
+
+impl TransferRequest {
+    /// WRITE `local` (source) into `remote` (destination) at `remote_agent`.
+    pub fn write(local: MemoryDescs, remote: MemoryDescs, remote_agent: impl Into<String>) -> Self {
+        Self {
+            op: TransferOp::Write,
+            local,
+            remote,
+            remote_agent: remote_agent.into(),
+            sync_message: None,
+        }
+    }
+
+    /// READ `remote` (source) at `remote_agent` into `local` (destination).
+    pub fn read(local: MemoryDescs, remote: MemoryDescs, remote_agent: impl Into<String>) -> Self {
+        Self {
+            op: TransferOp::Read,
+            local,
+            remote,
+            remote_agent: remote_agent.into(),
+            sync_message: None,
+        }
+    }
+
+    /// Attaches a sync message, delivered after the request's data.
+    pub fn with_sync_message(mut self, msg: impl Into<Vec<u8>>) -> Self {
+        self.sync_message = Some(msg.into());
+        self
+    }
+
+    /// Checks the pairing: same count, same lengths, non-empty descriptors.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] or [`Error::InvalidDescriptor`].
+    pub fn validate_shape(&self) -> Result<(), Error> {
+        if self.local.len() != self.remote.len() {
+            return Err(Error::InvalidRequest(format!(
+                "{} local descriptors but {} remote descriptors",
+                self.local.len(),
+                self.remote.len()
+            )));
+        }
+        for (i, (l, r)) in self.local.descs.iter().zip(&self.remote.descs).enumerate() {
+            l.validate()?;
+            r.validate()?;
+            if l.len != r.len {
+                return Err(Error::InvalidRequest(format!(
+                    "descriptor {i}: local length {} != remote length {}",
+                    l.len, r.len
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Progress of a transfer, as `wait` reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransferState {
+    /// Not finished yet.
+    InProgress,
+    /// Finished successfully.
+    Completed,
+}
+
+#[derive(Debug)]
+enum Cell {
+    Pending,
+    Done(Result<(), Error>),
+}
+
+/// Shared completion cell behind a [`TransferStatus`]. Backends complete it
+/// once; later completions are ignored (first outcome wins).
+#[derive(Debug)]
+pub(crate) struct Completion {
+    cell: Mutex<Cell>,
+    cv: Condvar,
+}
+
+impl Completion {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self {
+            cell: Mutex::new(Cell::Pending),
+            cv: Condvar::new(),
+        })
+    }
+
+    /// Records the outcome; returns false when one was already recorded.
+    pub(crate) fn complete(&self, outcome: Result<(), Error>) -> bool {
+        let mut c = self.cell.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(*c, Cell::Done(_)) {
+            return false;
+        }
+        *c = Cell::Done(outcome);
+        self.cv.notify_all();
+        true
+    }
+
+    fn snapshot(c: &Cell) -> Result<TransferState, Error> {
+        match c {
+            Cell::Pending => Ok(TransferState::InProgress),
+            Cell::Done(Ok(())) => Ok(TransferState::Completed),
+            Cell::Done(Err(e)) => Err(e.clone()),
+        }
+    }
+}
+
+/// Handle on a submitted transfer. Cheap to clone; every clone observes the
+/// same outcome. Dropping it does not cancel the transfer.
+#[derive(Clone, Debug)]
+pub struct TransferStatus {
+    id: u64,
+    completion: Arc<Completion>,
+}
+
+impl TransferStatus {
+    pub(crate) fn new(id: u64, completion: Arc<Completion>) -> Self {
+        Self { id, completion }
+    }
+
+    /// The request id (unique per agent, 64-bit).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Whether the transfer has finished, successfully or not.
+    pub fn is_completed(&self) -> bool {
+        matches!(
+            *self.completion.cell.lock().unwrap_or_else(|p| p.into_inner()),
+            Cell::Done(_)
+        )
+    }
+
+    /// The state now, without blocking.
+    ///
+    /// # Errors
+    /// The transfer's failure, if it failed.
+    pub fn poll(&self) -> Result<TransferState, Error> {
+        Completion::snapshot(&self.completion.cell.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Blocks until the transfer finishes or `timeout` elapses. Returns
+    /// `Ok(InProgress)` when the timeout elapsed first.
+    ///
+    /// # Errors
+    /// The transfer's failure, if it failed.
+    pub fn wait(&self, timeout: Duration) -> Result<TransferState, Error> {
+        let deadline = Instant::now().checked_add(timeout);
+        let mut c = self.completion.cell.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if matches!(*c, Cell::Done(_)) {
+                return Completion::snapshot(&c);
+            }
+            let left = match deadline {
+                Some(d) => d.saturating_duration_since(Instant::now()),
+                None => Duration::from_secs(3600),
+            };
+            if left.is_zero() {
+                return Ok(TransferState::InProgress);
+            }
+            c = self
+                .completion
+                .cv
+                .wait_timeout(c, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Like [`wait`](Self::wait), but a transfer still running at the
+    /// timeout is an [`Error::Timeout`].
+    ///
+    /// # Errors
+    /// The transfer's failure, or `Timeout`.
+    pub fn wait_success(&self, timeout: Duration) -> Result<(), Error> {
+        match self.wait(timeout)? {
+            TransferState::Completed => Ok(()),
+            TransferState::InProgress => Err(Error::Timeout {
+                what: "transfer",
+                after: timeout,
+            }),
+        }
+    }
+}
+
+/// Sync messages received, grouped by sending agent, each group in arrival
+/// order.
+pub type SyncMessages = HashMap<String, Vec<Vec<u8>>>;
+
+/// Which backend [`make_transfer_agent`] builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Backend {
+    /// The best backend available on this host (RDMA once it exists,
+    /// TCP otherwise); the choice and the reason are logged.
+    #[default]
+    Auto,
+    /// The TCP fallback.
+    Tcp,
+}
+
+impl FromStr for Backend {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Backend::Auto),
+            "tcp" => Ok(Backend::Tcp),
+            other => Err(Error::InvalidConfig(format!(
+                "unknown backend {other:?} (expected auto or tcp)"
+            ))),
+        }
+    }
+}
+
+/// Agent configuration. Construct with [`AgentConfig::new`] and adjust with
+/// the `with_*` methods.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct AgentConfig {
+    /// The agent's name, unique among communicating agents.
+    pub name: String,
+    /// Address the side-channel/data listener binds (default
+    /// `127.0.0.1:0`, an ephemeral loopback port).
+    pub listen: SocketAddr,
+    /// Address advertised to peers, when it differs from the bound one
+    /// (e.g. listening on `0.0.0.0`).
+    pub advertise: Option<String>,
+    /// TCP streams per remote agent (default 1, chosen by measurement: see
+    /// `docs/benchmarks.md`).
+    pub streams_per_peer: usize,
+    /// Largest data segment; larger descriptors are split (default 4 MiB).
+    pub segment_size: u64,
+    /// Bound on connection establishment, including the hello exchange
+    /// (default 5 s).
+    pub connect_timeout: Duration,
+    /// A connection with requests outstanding that moves no byte for this
+    /// long is declared dead and its requests fail (default 30 s).
+    pub io_timeout: Duration,
+}
+
+impl AgentConfig {
+    /// Defaults for an agent called `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            streams_per_peer: 1,
+            segment_size: 4 << 20,
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// Sets the listen address.
+    pub fn with_listen(mut self, addr: SocketAddr) -> Self {
+        self.listen = addr;
+        self
+    }
+
+    /// Sets the advertised address.
+    pub fn with_advertise(mut self, addr: impl Into<String>) -> Self {
+        self.advertise = Some(addr.into());
+        self
+    }
+
+    /// Sets the number of streams per peer.
+    pub fn with_streams_per_peer(mut self, n: usize) -> Self {
+        self.streams_per_peer = n;
+        self
+    }
+
+    /// Sets the largest segment.
+    pub fn with_segment_size(mut self, n: u64) -> Self {
+        self.segment_size = n;
+        self
+    }
+
+    /// Sets the connect timeout.
+    pub fn with_connect_timeout(mut self, t: Duration) -> Self {
+        self.connect_timeout = t;
+        self
+    }
+
+    /// Sets the I/O (no progress) timeout.
+    pub fn with_io_timeout(mut self, t: Duration) -> Self {
+        self.io_timeout = t;
+        self
+    }
+
+    /// Checks every field's range.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the field.
+    pub fn validate(&self) -> Result<(), Error> {
+        let bad = |m: String| Err(Error::InvalidConfig(m));
+        if self.name.is_empty() || self.name.len() > crate::desc::MAX_AGENT_NAME {
+            return bad(format!(
+                "name must be 1..={} bytes",
+                crate::desc::MAX_AGENT_NAME
+            ));
+        }
+        if !(1..=64).contains(&self.streams_per_peer) {
+            return bad(format!(
+                "streams_per_peer must be 1..=64, got {}",
+                self.streams_per_peer
+            ));
+        }
+        if self.segment_size < 4096 {
+            return bad(format!(
+                "segment_size must be at least 4096, got {}",
+                self.segment_size
+            ));
+        }
+        if self.connect_timeout.is_zero() || self.io_timeout.is_zero() {
+            return bad("timeouts must be non-zero".into());
+        }
+        Ok(())
+    }
+}
+
+/// The transfer-agent contract, implemented by every backend.
+///
+/// All methods take `&self`; agents are `Send + Sync` and meant to be shared
+/// between threads (wrap the box in an `Arc`).
+pub trait TransferAgent: Send + Sync {
+    /// This agent's name.
+    fn name(&self) -> &str;
+
+    /// The backend's name (`"tcp"`, ...).
+    fn backend_name(&self) -> &'static str;
+
+    /// Registers every descriptor of `descs` for local use and remote access.
+    /// All or nothing: on error nothing is registered.
+    ///
+    /// # Safety
+    /// For as long as a range stays registered, it must remain valid for
+    /// reads and writes (allocated, not unmapped), and the caller must not
+    /// access bytes that a transfer in flight is reading or writing except
+    /// through this agent: the agent and remote peers read and write it at
+    /// any time while a transfer names it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDescriptor`], [`Error::Overlap`] (with an existing
+    /// registration or another descriptor of `descs`),
+    /// [`Error::UnsupportedMemoryType`].
+    unsafe fn register_memory(&self, descs: &MemoryDescs) -> Result<(), Error>;
+
+    /// Deregisters ranges registered before, each given exactly as it was
+    /// registered. All or nothing.
+    ///
+    /// # Errors
+    /// [`Error::NotARegistration`], or [`Error::RegionBusy`] while a
+    /// transfer in flight uses the region.
+    fn deregister_memory(&self, descs: &MemoryDescs) -> Result<(), Error>;
+
+    /// A descriptor of this agent: name, endpoints, exported regions and
+    /// their keys, as registered now.
+    fn local_agent_desc(&self) -> AgentDesc;
+
+    /// Loads (or replaces) a remote agent from its descriptor.
+    ///
+    /// # Errors
+    /// [`Error::InvalidAgentDesc`] when the descriptor is inconsistent, or
+    /// was produced by a backend this agent cannot talk to.
+    fn load_remote_agent(&self, desc: &AgentDesc) -> Result<(), Error>;
+
+    /// Fetches a remote agent's descriptor from its connection info
+    /// (`host:port`) over the side channel, loads it, and returns its name.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConnectionInfo`], [`Error::Connect`],
+    /// [`Error::Timeout`], [`Error::InvalidAgentDesc`].
+    fn load_remote_agent_by_connection(&self, connection_info: &str) -> Result<String, Error>;
+
+    /// Forgets a remote agent and closes its connections; its transfers in
+    /// flight fail.
+    ///
+    /// # Errors
+    /// [`Error::UnknownAgent`].
+    fn invalidate_remote_agent(&self, name: &str) -> Result<(), Error>;
+
+    /// Connection info (`host:port`) other agents pass to
+    /// [`load_remote_agent_by_connection`](Self::load_remote_agent_by_connection).
+    fn local_connection_info(&self) -> String;
+
+    /// Validates and submits a transfer. Local descriptors are checked
+    /// against local registrations, remote ones against the regions the
+    /// remote exported, before anything is sent.
+    ///
+    /// # Errors
+    /// Validation errors ([`Error::UnknownAgent`], [`Error::NotRegistered`],
+    /// [`Error::RemoteRangeNotExported`], [`Error::InvalidRequest`], ...);
+    /// failures after submission are reported by the returned status.
+    fn submit_transfer(&self, request: TransferRequest) -> Result<TransferStatus, Error>;
+
+    /// Sends a sync message not tied to a transfer. It is ordered after the
+    /// data of every transfer submitted earlier to the same remote agent.
+    /// The status completes once the remote has delivered it.
+    ///
+    /// # Errors
+    /// [`Error::UnknownAgent`], [`Error::Connect`].
+    fn notify_sync_message(&self, remote: &str, message: Vec<u8>) -> Result<TransferStatus, Error>;
+
+    /// Takes every sync message received so far.
+    fn take_sync_messages(&self) -> SyncMessages;
+
+    /// Waits up to `timeout` for at least one sync message, then takes all
+    /// received so far (empty on timeout).
+    fn wait_sync_messages(&self, timeout: Duration) -> SyncMessages;
+
+    /// Whether every descriptor lies inside a region `remote` exported, as
+    /// known from its loaded descriptor. False for an unknown agent.
+    fn check_remote_descs(&self, remote: &str, descs: &MemoryDescs) -> bool;
+}
+
+/// Builds a transfer agent on `backend`.
+///
+/// # Errors
+/// [`Error::InvalidConfig`], [`Error::BackendUnavailable`], or the
+/// listener's bind error.
+pub fn make_transfer_agent(
+    backend: Backend,
+    config: AgentConfig,
+) -> Result<Box<dyn TransferAgent>, Error> {
+    match backend {
+        Backend::Auto => {
+            tracing::info!(
+                agent = %config.name,
+                "backend auto: chose tcp (this build has no RDMA or shared-memory backend)"
+            );
+            Ok(Box::new(crate::tcp::TcpAgent::new(config)?))
+        }
+        Backend::Tcp => Ok(Box::new(crate::tcp::TcpAgent::new(config)?)),
+    }
+}

@@ -1,0 +1,257 @@
+//! `AgentDesc`: what one agent tells another so that it can be reached and
+//! written to.
+//!
+//! Encoding (see `docs/wire-format.md`): the 4-byte magic `KVXA`, a
+//! little-endian `u16` format version, then the [`AgentDesc`] body in
+//! postcard. Decoding checks the magic, the version, the body and its
+//! invariants, and reports each failure as a typed [`DescError`]; it never
+//! panics on any input.
+
+use serde::{Deserialize, Serialize};
+
+use crate::memory::{MemoryDesc, MemoryType, RegionMap};
+
+/// Magic bytes that open every encoded [`AgentDesc`].
+pub const DESC_MAGIC: [u8; 4] = *b"KVXA";
+/// The descriptor format version this build writes and reads.
+pub const DESC_VERSION: u16 = 1;
+/// Longest agent name accepted, in bytes.
+pub const MAX_AGENT_NAME: usize = 256;
+
+/// Why an encoded [`AgentDesc`] was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DescError {
+    /// Fewer bytes than the fixed prefix.
+    #[error("descriptor truncated: {0} bytes")]
+    Truncated(usize),
+    /// The bytes do not start with `KVXA`: not a kvxfer descriptor.
+    #[error("not a kvxfer agent descriptor (bad magic {0:02x?})")]
+    BadMagic([u8; 4]),
+    /// Written by a version of kvxfer this build cannot read.
+    #[error("agent descriptor format version {found} is not supported (this build reads {supported})")]
+    UnsupportedVersion {
+        /// Version found.
+        found: u16,
+        /// Version this build reads.
+        supported: u16,
+    },
+    /// The body does not decode.
+    #[error("malformed agent descriptor body: {0}")]
+    Malformed(String),
+    /// The body decodes but breaks an invariant.
+    #[error("inconsistent agent descriptor: {0}")]
+    Invalid(String),
+}
+
+/// Which backend produced a descriptor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum BackendKind {
+    /// The TCP fallback.
+    Tcp,
+}
+
+impl BackendKind {
+    /// The backend's name (`"tcp"`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Tcp => "tcp",
+        }
+    }
+}
+
+/// A region a remote agent may read or write, with its access key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportedRegion {
+    /// The region's memory type.
+    pub mem_type: MemoryType,
+    /// The registered range.
+    pub desc: MemoryDesc,
+    /// The key a request must present to touch the region (an rkey on RDMA;
+    /// a random 64-bit tag on TCP that changes with every registration).
+    pub key: u64,
+}
+
+/// Everything a peer needs to reach an agent and address its memory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentDesc {
+    /// The agent's name, unique among the agents that talk to each other.
+    pub name: String,
+    /// Random per-process instance id; a restarted agent has a new one, so a
+    /// stale descriptor is detected at connection time.
+    pub instance: u64,
+    /// The backend that serves this agent's memory.
+    pub backend: BackendKind,
+    /// Endpoints (`host:port`) of the agent's listener, best first.
+    pub endpoints: Vec<String>,
+    /// Regions exported for one-sided access.
+    pub regions: Vec<ExportedRegion>,
+}
+
+impl AgentDesc {
+    /// Encodes the descriptor (magic, version, postcard body).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64 + self.regions.len() * 24);
+        out.extend_from_slice(&DESC_MAGIC);
+        out.extend_from_slice(&DESC_VERSION.to_le_bytes());
+        // Serialising plain data into a Vec cannot fail.
+        postcard::to_io(self, &mut out).expect("postcard into Vec is infallible");
+        out
+    }
+
+    /// Decodes and validates an encoded descriptor.
+    ///
+    /// # Errors
+    /// A [`DescError`] naming the first problem found.
+    pub fn decode(bytes: &[u8]) -> Result<Self, DescError> {
+        if bytes.len() < 6 {
+            return Err(DescError::Truncated(bytes.len()));
+        }
+        let magic: [u8; 4] = bytes[..4].try_into().expect("length checked");
+        if magic != DESC_MAGIC {
+            return Err(DescError::BadMagic(magic));
+        }
+        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+        if version != DESC_VERSION {
+            return Err(DescError::UnsupportedVersion {
+                found: version,
+                supported: DESC_VERSION,
+            });
+        }
+        let (desc, rest): (AgentDesc, &[u8]) =
+            postcard::take_from_bytes(&bytes[6..]).map_err(|e| DescError::Malformed(e.to_string()))?;
+        if !rest.is_empty() {
+            return Err(DescError::Malformed(format!(
+                "{} trailing bytes",
+                rest.len()
+            )));
+        }
+        desc.validate()?;
+        Ok(desc)
+    }
+
+    /// Checks the invariants `decode` relies on.
+    ///
+    /// # Errors
+    /// [`DescError::Invalid`] naming the broken invariant.
+    pub fn validate(&self) -> Result<(), DescError> {
+        if self.name.is_empty() || self.name.len() > MAX_AGENT_NAME {
+            return Err(DescError::Invalid(format!(
+                "agent name must be 1..={MAX_AGENT_NAME} bytes, got {}",
+                self.name.len()
+            )));
+        }
+        if self.endpoints.is_empty() {
+            return Err(DescError::Invalid("no endpoint".into()));
+        }
+        self.region_map().map(|_| ())
+    }
+
+    /// The exported regions as a lookup map (region → key).
+    ///
+    /// # Errors
+    /// [`DescError::Invalid`] when a region is empty, wraps, or overlaps
+    /// another.
+    pub fn region_map(&self) -> Result<RegionMap<u64>, DescError> {
+        let mut map = RegionMap::new();
+        for r in &self.regions {
+            map.insert(r.mem_type, r.desc, r.key)
+                .map_err(|e| DescError::Invalid(e.to_string()))?;
+        }
+        Ok(map)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample() -> AgentDesc {
+        AgentDesc {
+            name: "ctx-0".into(),
+            instance: 0xdead_beef,
+            backend: BackendKind::Tcp,
+            endpoints: vec!["127.0.0.1:4000".into()],
+            regions: vec![
+                ExportedRegion {
+                    mem_type: MemoryType::Dram,
+                    desc: MemoryDesc::new(0x1000, 4096, 0),
+                    key: 7,
+                },
+                ExportedRegion {
+                    mem_type: MemoryType::Dram,
+                    desc: MemoryDesc::new(0x4000, 4096, 0),
+                    key: 8,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let d = sample();
+        assert_eq!(AgentDesc::decode(&d.encode()).unwrap(), d);
+    }
+
+    #[test]
+    fn typed_errors() {
+        let good = sample().encode();
+        assert_eq!(AgentDesc::decode(&good[..3]), Err(DescError::Truncated(3)));
+        let mut bad = good.clone();
+        bad[0] = b'X';
+        assert!(matches!(AgentDesc::decode(&bad), Err(DescError::BadMagic(_))));
+        let mut v2 = good.clone();
+        v2[4] = 2;
+        assert_eq!(
+            AgentDesc::decode(&v2),
+            Err(DescError::UnsupportedVersion {
+                found: 2,
+                supported: 1
+            })
+        );
+        assert!(matches!(
+            AgentDesc::decode(&good[..good.len() - 3]),
+            Err(DescError::Malformed(_))
+        ));
+        let mut trailing = good.clone();
+        trailing.push(0);
+        assert!(matches!(
+            AgentDesc::decode(&trailing),
+            Err(DescError::Malformed(_))
+        ));
+        let mut overlapping = sample();
+        overlapping.regions[1].desc.addr = 0x1800;
+        assert!(matches!(
+            AgentDesc::decode(&overlapping.encode()),
+            Err(DescError::Invalid(_))
+        ));
+        let mut unnamed = sample();
+        unnamed.name.clear();
+        assert!(matches!(
+            AgentDesc::decode(&unnamed.encode()),
+            Err(DescError::Invalid(_))
+        ));
+    }
+
+    proptest! {
+        /// Arbitrary bytes after a valid prefix never panic the decoder.
+        #[test]
+        fn decode_never_panics(body in prop::collection::vec(any::<u8>(), 0..512)) {
+            let mut bytes = DESC_MAGIC.to_vec();
+            bytes.extend_from_slice(&DESC_VERSION.to_le_bytes());
+            bytes.extend_from_slice(&body);
+            let _ = AgentDesc::decode(&bytes);
+        }
+
+        /// Flipping any byte of a valid encoding never panics the decoder.
+        #[test]
+        fn corrupted_never_panics(pos in 0usize..200, val in any::<u8>()) {
+            let mut bytes = sample().encode();
+            let p = pos % bytes.len();
+            bytes[p] = val;
+            let _ = AgentDesc::decode(&bytes);
+        }
+    }
+}

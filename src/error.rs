@@ -1,0 +1,233 @@
+//! The agent layer's error type.
+//!
+//! Variants are grouped by who is at fault: the caller (API misuse), the
+//! remote peer (rejections, protocol violations, disconnects) or the
+//! environment (I/O, timeouts). Every variant is `Clone`, so one failure can
+//! be reported to every waiter of a transfer status.
+
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::desc::DescError;
+use crate::memory::{MemoryDesc, MemoryType};
+
+/// Why a remote agent refused part of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RejectReason {
+    /// The range lies in no region the target registered and exported.
+    NotRegistered,
+    /// The access key does not match the region (stale descriptor: the region
+    /// was deregistered and registered again).
+    BadKey,
+    /// The target does not accept this memory type over this backend.
+    UnsupportedMemoryType,
+    /// The request was malformed.
+    Malformed,
+    /// The target agent is shutting down.
+    ShuttingDown,
+}
+
+impl RejectReason {
+    /// Numeric code used on the wire.
+    pub(crate) fn code(self) -> u16 {
+        match self {
+            RejectReason::NotRegistered => 1,
+            RejectReason::BadKey => 2,
+            RejectReason::UnsupportedMemoryType => 3,
+            RejectReason::Malformed => 4,
+            RejectReason::ShuttingDown => 5,
+        }
+    }
+
+    /// Decodes a wire code; unknown codes read as `Malformed`.
+    pub(crate) fn from_code(code: u16) -> Self {
+        match code {
+            1 => RejectReason::NotRegistered,
+            2 => RejectReason::BadKey,
+            3 => RejectReason::UnsupportedMemoryType,
+            5 => RejectReason::ShuttingDown,
+            _ => RejectReason::Malformed,
+        }
+    }
+}
+
+impl std::fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RejectReason::NotRegistered => "range not registered at the target",
+            RejectReason::BadKey => "access key does not match the region (stale descriptor)",
+            RejectReason::UnsupportedMemoryType => "memory type not supported by the target",
+            RejectReason::Malformed => "malformed request",
+            RejectReason::ShuttingDown => "target agent is shutting down",
+        })
+    }
+}
+
+/// Errors of the transfer-agent layer.
+#[derive(Clone, Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    // ---- caller's fault -------------------------------------------------
+    /// A descriptor is empty or wraps around the address space.
+    #[error("invalid descriptor {desc:?}: {reason}")]
+    InvalidDescriptor {
+        /// The offending descriptor.
+        desc: MemoryDesc,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A registration overlaps one that already exists.
+    #[error("descriptor {desc:?} overlaps registered region {existing:?}")]
+    Overlap {
+        /// The descriptor being registered.
+        desc: MemoryDesc,
+        /// The existing registration it overlaps.
+        existing: MemoryDesc,
+    },
+    /// The backend cannot register or move this memory type.
+    #[error("memory type {mem_type} is not supported by the {backend} backend")]
+    UnsupportedMemoryType {
+        /// The memory type asked for.
+        mem_type: MemoryType,
+        /// The backend's name.
+        backend: &'static str,
+    },
+    /// A local descriptor lies outside every registered region.
+    #[error("local {mem_type} range {desc:?} is not inside a registered region")]
+    NotRegistered {
+        /// The memory type of the descriptor.
+        mem_type: MemoryType,
+        /// The descriptor.
+        desc: MemoryDesc,
+    },
+    /// Deregistration asked for a range that was never registered as such.
+    #[error("{mem_type} region {desc:?} is not registered (deregister takes the registered range)")]
+    NotARegistration {
+        /// The memory type of the descriptor.
+        mem_type: MemoryType,
+        /// The descriptor.
+        desc: MemoryDesc,
+    },
+    /// Deregistration of a region that in-flight transfers still use.
+    #[error("region {desc:?} has {in_flight} transfer(s) in flight; wait for them before deregistering")]
+    RegionBusy {
+        /// The region.
+        desc: MemoryDesc,
+        /// How many transfers use it now.
+        in_flight: usize,
+    },
+    /// No remote agent of that name is loaded.
+    #[error("unknown remote agent {0:?} (load it first, or it was invalidated)")]
+    UnknownAgent(String),
+    /// A remote descriptor lies outside every region the remote exported.
+    #[error("remote agent {remote:?} exported no {mem_type} region containing {desc:?}")]
+    RemoteRangeNotExported {
+        /// The remote agent.
+        remote: String,
+        /// The memory type of the descriptor.
+        mem_type: MemoryType,
+        /// The descriptor.
+        desc: MemoryDesc,
+    },
+    /// Source and destination lists do not pair up.
+    #[error("request is malformed: {0}")]
+    InvalidRequest(String),
+    /// A remote agent descriptor could not be decoded or is inconsistent.
+    #[error("invalid agent descriptor: {0}")]
+    InvalidAgentDesc(#[from] DescError),
+    /// Connection information is not a `host:port` this agent can reach.
+    #[error("invalid connection info {info:?}: {reason}")]
+    InvalidConnectionInfo {
+        /// The string given.
+        info: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// The backend asked for is not available in this build or on this host.
+    #[error("backend {backend} is unavailable: {reason}")]
+    BackendUnavailable {
+        /// The backend's name.
+        backend: &'static str,
+        /// Why.
+        reason: String,
+    },
+
+    // ---- peer's fault ---------------------------------------------------
+    /// The remote agent refused (part of) the request; nothing of the
+    /// refused range was touched.
+    #[error("remote agent {remote:?} rejected the request: {reason}")]
+    RemoteRejected {
+        /// The remote agent.
+        remote: String,
+        /// Why it refused.
+        reason: RejectReason,
+    },
+    /// The remote agent's process is not the one the loaded descriptor
+    /// describes (it restarted); reload its descriptor.
+    #[error("remote agent {remote:?} at {addr} is a different instance than the loaded descriptor")]
+    StaleAgent {
+        /// The remote agent.
+        remote: String,
+        /// The endpoint that answered.
+        addr: String,
+    },
+    /// The peer sent something this protocol does not allow.
+    #[error("protocol violation by {remote:?}: {detail}")]
+    ProtocolViolation {
+        /// The remote agent (or endpoint).
+        remote: String,
+        /// What was wrong.
+        detail: String,
+    },
+    /// The connection to the peer broke (reset, closed, or the peer died).
+    #[error("connection to remote agent {remote:?} lost: {cause}")]
+    ConnectionLost {
+        /// The remote agent.
+        remote: String,
+        /// The I/O error that ended it.
+        cause: Arc<io::Error>,
+    },
+
+    // ---- environment ----------------------------------------------------
+    /// Connecting to the peer failed.
+    #[error("cannot connect to {addr}: {cause}")]
+    Connect {
+        /// The endpoint.
+        addr: String,
+        /// The I/O error.
+        cause: Arc<io::Error>,
+    },
+    /// The peer made no progress for longer than the configured I/O timeout.
+    #[error("remote agent {remote:?} made no progress for {idle:?}; connection declared dead")]
+    PeerTimedOut {
+        /// The remote agent.
+        remote: String,
+        /// How long nothing moved.
+        idle: Duration,
+    },
+    /// A blocking call did not finish in time.
+    #[error("{what} timed out after {after:?}")]
+    Timeout {
+        /// The operation.
+        what: &'static str,
+        /// The timeout that elapsed.
+        after: Duration,
+    },
+    /// The agent is shutting down.
+    #[error("the agent is shutting down")]
+    Closed,
+    /// A local I/O error outside any peer connection.
+    #[error("I/O error: {0}")]
+    Io(Arc<io::Error>),
+}
+
+impl From<io::Error> for Error {
+    fn from(e: io::Error) -> Self {
+        Error::Io(Arc::new(e))
+    }
+}

@@ -1,0 +1,77 @@
+//! # kvxfer
+//!
+//! Moves LLM KV-cache between serving executors with one-sided transfers
+//! straight between registered memory regions: no staging copy, every wait
+//! bounded, every failure typed.
+//!
+//! ```text
+//!  initiator agent                                   target agent
+//!  ┌─────────────────────────┐                        ┌──────────────────────────┐
+//!  │ submit_transfer ──► plan│  data stream(s)        │ serve thread per stream  │
+//!  │  (validate, segment)    │ ─────────────────────► │  check range + key       │
+//!  │ sender thread: sendmsg  │  hdr|payload|hdr|...   │  readv straight into     │
+//!  │  straight from region   │  ...|COMMIT(+sync)     │  the registered region   │
+//!  │ reader thread: ACKs,    │ ◄───────────────────── │  all segments done ──►   │
+//!  │  READ data into region  │  ACK / READ data       │  deliver sync, then ACK  │
+//!  └─────────────────────────┘                        └──────────────────────────┘
+//! ```
+//!
+//! ## Quick start
+//! ```
+//! use std::time::Duration;
+//! use kvxfer::{AgentConfig, Backend, MemoryDescs, TransferRequest, make_transfer_agent};
+//!
+//! let target = make_transfer_agent(Backend::Tcp, AgentConfig::new("gen-0")).unwrap();
+//! let initiator = make_transfer_agent(Backend::Tcp, AgentConfig::new("ctx-0")).unwrap();
+//! let src = vec![7u8; 4096];
+//! let dst = vec![0u8; 4096];
+//! // SAFETY: both buffers outlive their registration and are not touched
+//! // while the transfer runs.
+//! unsafe {
+//!     initiator.register_memory(&MemoryDescs::dram(&src)).unwrap();
+//!     target.register_memory(&MemoryDescs::dram(&dst)).unwrap();
+//! }
+//! let name = initiator
+//!     .load_remote_agent_by_connection(&target.local_connection_info())
+//!     .unwrap();
+//! let req = TransferRequest::write(MemoryDescs::dram(&src), MemoryDescs::dram(&dst), name)
+//!     .with_sync_message(b"blocks 0..1 ready".to_vec());
+//! initiator.submit_transfer(req).unwrap().wait_success(Duration::from_secs(5)).unwrap();
+//! let msgs = target.wait_sync_messages(Duration::from_secs(5));
+//! assert_eq!(msgs["ctx-0"], vec![b"blocks 0..1 ready".to_vec()]);
+//! assert!(dst.iter().all(|&b| b == 7));
+//! # target.deregister_memory(&MemoryDescs::dram(&dst)).unwrap();
+//! ```
+//!
+//! ## Layers
+//! - [`memory`]: memory types, descriptors, and the region map that
+//!   validates them.
+//! - [`desc`]: the agent descriptor exchanged between agents.
+//! - [`agent`]: the [`TransferAgent`] contract, requests, statuses, config.
+//! - [`tcp`]: the TCP fallback backend.
+//!
+//! ## Thread safety
+//! Agents are `Send + Sync`; every method takes `&self`. A
+//! [`TransferStatus`] may be cloned and waited on from any thread.
+//!
+//! ## Resource cleanup
+//! Dropping an agent closes its listener and connections, fails its
+//! requests in flight with [`Error::Closed`], and joins its threads before
+//! returning. A request's local regions stay busy (deregistration is
+//! refused) until its status has completed, and a status completes only
+//! when no thread of the agent can touch the request's memory any more.
+
+pub mod agent;
+pub mod desc;
+pub mod error;
+pub mod memory;
+mod registry;
+pub mod tcp;
+
+pub use agent::{
+    AgentConfig, Backend, SyncMessages, TransferAgent, TransferOp, TransferRequest, TransferState,
+    TransferStatus, make_transfer_agent,
+};
+pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion};
+pub use error::{Error, RejectReason};
+pub use memory::{MemoryDesc, MemoryDescs, MemoryType};

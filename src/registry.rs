@@ -1,0 +1,254 @@
+//! Backend-independent agent state: local registrations (with access keys
+//! and in-flight counters), and the sync-message inbox.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use crate::agent::SyncMessages;
+use crate::desc::ExportedRegion;
+use crate::error::{Error, RejectReason};
+use crate::memory::{MemoryDesc, MemoryDescs, MemoryType, RegionMap};
+
+/// A random 64-bit value (SipHash keyed from the OS's randomness, mixed with
+/// a counter). For access keys and instance ids: unpredictable enough to
+/// catch stale descriptors, not a security boundary.
+pub(crate) fn random_u64() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u128(
+        std::time::SystemTime::UNIX_EPOCH
+            .elapsed()
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+/// One local registration.
+#[derive(Debug)]
+pub(crate) struct LocalRegion {
+    pub(crate) key: u64,
+    busy: AtomicUsize,
+}
+
+/// Holds a region in use; deregistration is refused while any guard lives.
+#[derive(Debug)]
+pub(crate) struct RegionGuard(Arc<LocalRegion>);
+
+impl Drop for RegionGuard {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Local registrations of one agent.
+#[derive(Debug, Default)]
+pub(crate) struct Registry {
+    map: RwLock<RegionMap<Arc<LocalRegion>>>,
+}
+
+impl Registry {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, RegionMap<Arc<LocalRegion>>> {
+        self.map.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, RegionMap<Arc<LocalRegion>>> {
+        self.map.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers all of `descs` or none.
+    pub(crate) fn register(
+        &self,
+        descs: &MemoryDescs,
+        supported: &[MemoryType],
+        backend: &'static str,
+    ) -> Result<(), Error> {
+        if !supported.contains(&descs.mem_type) {
+            return Err(Error::UnsupportedMemoryType {
+                mem_type: descs.mem_type,
+                backend,
+            });
+        }
+        let mut map = self.write();
+        // Validate against existing registrations and among themselves
+        // before touching the map.
+        let mut batch = RegionMap::new();
+        for d in &descs.descs {
+            map.check_insert(descs.mem_type, d)?;
+            batch.insert(descs.mem_type, *d, ())?;
+        }
+        for d in &descs.descs {
+            let region = Arc::new(LocalRegion {
+                key: random_u64(),
+                busy: AtomicUsize::new(0),
+            });
+            map.insert(descs.mem_type, *d, region)
+                .expect("checked above under the same lock");
+        }
+        Ok(())
+    }
+
+    /// Deregisters all of `descs` or none.
+    pub(crate) fn deregister(&self, descs: &MemoryDescs) -> Result<(), Error> {
+        let mut map = self.write();
+        for d in &descs.descs {
+            let Some(r) = map.get_exact(descs.mem_type, d) else {
+                return Err(Error::NotARegistration {
+                    mem_type: descs.mem_type,
+                    desc: *d,
+                });
+            };
+            let in_flight = r.value.busy.load(Ordering::Acquire);
+            if in_flight > 0 {
+                return Err(Error::RegionBusy { desc: *d, in_flight });
+            }
+        }
+        for d in &descs.descs {
+            map.remove_exact(descs.mem_type, d);
+        }
+        Ok(())
+    }
+
+    /// Guards for every region the local descriptors fall in (one guard per
+    /// distinct region touched consecutively).
+    pub(crate) fn acquire_local(&self, descs: &MemoryDescs) -> Result<Vec<RegionGuard>, Error> {
+        let map = self.read();
+        let mut guards: Vec<RegionGuard> = Vec::new();
+        for d in &descs.descs {
+            let Some(r) = map.find(descs.mem_type, d) else {
+                return Err(Error::NotRegistered {
+                    mem_type: descs.mem_type,
+                    desc: *d,
+                });
+            };
+            if guards.last().is_some_and(|g| Arc::ptr_eq(&g.0, &r.value)) {
+                continue;
+            }
+            r.value.busy.fetch_add(1, Ordering::AcqRel);
+            guards.push(RegionGuard(Arc::clone(&r.value)));
+        }
+        Ok(guards)
+    }
+
+    /// Admits a remote access to `[addr, addr + len)` presenting `key`.
+    pub(crate) fn admit_remote(
+        &self,
+        mem_type: MemoryType,
+        addr: u64,
+        len: u64,
+        key: u64,
+    ) -> Result<RegionGuard, RejectReason> {
+        let map = self.read();
+        let r = map
+            .find(mem_type, &MemoryDesc::new(addr, len, 0))
+            .ok_or(RejectReason::NotRegistered)?;
+        if r.value.key != key {
+            return Err(RejectReason::BadKey);
+        }
+        r.value.busy.fetch_add(1, Ordering::AcqRel);
+        Ok(RegionGuard(Arc::clone(&r.value)))
+    }
+
+    /// The regions to export in the agent descriptor.
+    pub(crate) fn exported(&self) -> Vec<ExportedRegion> {
+        self.read()
+            .iter()
+            .map(|r| ExportedRegion {
+                mem_type: r.mem_type,
+                desc: r.desc,
+                key: r.value.key,
+            })
+            .collect()
+    }
+}
+
+/// Received sync messages, grouped by sender.
+#[derive(Debug, Default)]
+pub(crate) struct Inbox {
+    messages: Mutex<SyncMessages>,
+    cv: Condvar,
+}
+
+impl Inbox {
+    pub(crate) fn deliver(&self, from: &str, msg: Vec<u8>) {
+        let mut m = self.messages.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(from.to_owned()).or_default().push(msg);
+        self.cv.notify_all();
+    }
+
+    pub(crate) fn take(&self) -> SyncMessages {
+        std::mem::take(&mut *self.messages.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    pub(crate) fn wait(&self, timeout: Duration) -> SyncMessages {
+        let deadline = Instant::now() + timeout;
+        let mut m = self.messages.lock().unwrap_or_else(|p| p.into_inner());
+        while m.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            m = self.cv.wait_timeout(m, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        std::mem::take(&mut *m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dram(descs: &[(u64, u64)]) -> MemoryDescs {
+        MemoryDescs::new(
+            MemoryType::Dram,
+            descs.iter().map(|&(a, l)| MemoryDesc::new(a, l, 0)).collect(),
+        )
+    }
+
+    #[test]
+    fn register_is_all_or_nothing() {
+        let r = Registry::default();
+        r.register(&dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t").unwrap();
+        // Second batch: one good, one overlapping an existing region.
+        assert!(r.register(&dram(&[(0x5000, 10), (0x1010, 10)]), &[MemoryType::Dram], "t").is_err());
+        // ... or overlapping each other.
+        assert!(r.register(&dram(&[(0x5000, 10), (0x5005, 10)]), &[MemoryType::Dram], "t").is_err());
+        assert_eq!(r.exported().len(), 1);
+        assert!(matches!(
+            r.register(&MemoryDescs::new(MemoryType::Vram, vec![MemoryDesc::new(1, 1, 0)]), &[MemoryType::Dram], "t"),
+            Err(Error::UnsupportedMemoryType { .. })
+        ));
+    }
+
+    #[test]
+    fn busy_region_cannot_be_deregistered() {
+        let r = Registry::default();
+        let d = dram(&[(0x1000, 100)]);
+        r.register(&d, &[MemoryType::Dram], "t").unwrap();
+        let g = r.acquire_local(&dram(&[(0x1010, 10), (0x1020, 10)])).unwrap();
+        assert_eq!(g.len(), 1, "consecutive descriptors in one region share a guard");
+        assert!(matches!(r.deregister(&d), Err(Error::RegionBusy { in_flight: 1, .. })));
+        drop(g);
+        let key = r.exported()[0].key;
+        let g = r.admit_remote(MemoryType::Dram, 0x1000, 100, key).unwrap();
+        assert!(r.deregister(&d).is_err());
+        drop(g);
+        assert!(matches!(r.deregister(&dram(&[(0x1000, 99)])), Err(Error::NotARegistration { .. })));
+        r.deregister(&d).unwrap();
+        assert_eq!(r.admit_remote(MemoryType::Dram, 0x1000, 1, key).unwrap_err(), RejectReason::NotRegistered);
+    }
+
+    #[test]
+    fn remote_access_checks_key_and_bounds() {
+        let r = Registry::default();
+        r.register(&dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t").unwrap();
+        let key = r.exported()[0].key;
+        assert_eq!(r.admit_remote(MemoryType::Dram, 0x1000, 100, key ^ 1).unwrap_err(), RejectReason::BadKey);
+        assert_eq!(r.admit_remote(MemoryType::Dram, 0x1000, 101, key).unwrap_err(), RejectReason::NotRegistered);
+        assert!(r.admit_remote(MemoryType::Dram, 0x1063, 1, key).is_ok());
+    }
+}

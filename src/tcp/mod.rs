@@ -1,0 +1,1296 @@
+//! The TCP fallback backend.
+//!
+//! One listener per agent serves both the side channel (descriptor fetch)
+//! and incoming data streams. To each remote agent an initiator opens a
+//! *link*: `streams_per_peer` TCP connections, each with a sender thread
+//! (writes frames and payloads straight from registered memory with one
+//! `sendmsg` per up to 1024 iovecs) and a reader thread (lands READ data
+//! straight in registered memory, routes acknowledgements). The target runs
+//! one thread per incoming connection that lands WRITE payloads straight in
+//! its registered memory after checking range and key, serves READs from it,
+//! and acknowledges each request once all its segments have been processed.
+//! See `docs/architecture.md` for threads and ownership, and
+//! `docs/wire-format.md` for the frames.
+
+mod session;
+mod sock;
+pub(crate) mod wire;
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::agent::{
+    AgentConfig, Completion, SyncMessages, TransferAgent, TransferOp, TransferRequest,
+    TransferStatus,
+};
+use crate::desc::{AgentDesc, BackendKind};
+use crate::error::{Error, RejectReason};
+use crate::memory::{MemoryDescs, MemoryType, RegionMap};
+use crate::registry::{Inbox, RegionGuard, Registry, random_u64};
+
+use session::{Finished, RequestTable};
+use sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
+use wire::{CommitOp, Frame, HEADER_LEN, PROTOCOL_VERSION, status};
+
+const BACKEND: &str = "tcp";
+const SUPPORTED: &[MemoryType] = &[MemoryType::Dram];
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// How often a blocked reader wakes to check timeouts and shutdown.
+fn tick(io_timeout: Duration) -> Duration {
+    (io_timeout / 4).clamp(Duration::from_millis(10), Duration::from_millis(200))
+}
+
+/// A transfer agent over TCP. See the module docs.
+///
+/// # Resource cleanup
+/// Dropping the agent stops the listener, closes every incoming connection
+/// and every link to remote agents (their requests in flight fail with
+/// [`Error::Closed`]), and joins all threads before returning.
+pub struct TcpAgent {
+    inner: Arc<Inner>,
+    listener_thread: Option<JoinHandle<()>>,
+}
+
+struct Inner {
+    config: AgentConfig,
+    instance: u64,
+    endpoint: String,
+    listen_addr: SocketAddr,
+    registry: Registry,
+    inbox: Inbox,
+    peers: RwLock<HashMap<String, Arc<Peer>>>,
+    next_req: AtomicU64,
+    closing: AtomicBool,
+    server: Mutex<ServerConns>,
+    sessions: Mutex<HashMap<(u64, u64), Arc<Session>>>,
+}
+
+#[derive(Default)]
+struct ServerConns {
+    next_id: u64,
+    socks: HashMap<u64, TcpStream>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl TcpAgent {
+    /// Binds the listener and starts the accept thread.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`], or the bind error.
+    pub fn new(config: AgentConfig) -> Result<Self, Error> {
+        config.validate()?;
+        let listener = TcpListener::bind(config.listen)?;
+        let listen_addr = listener.local_addr()?;
+        let endpoint = match &config.advertise {
+            Some(a) => a.clone(),
+            None => listen_addr.to_string(),
+        };
+        let inner = Arc::new(Inner {
+            instance: random_u64() | 1,
+            endpoint,
+            listen_addr,
+            registry: Registry::default(),
+            inbox: Inbox::default(),
+            peers: RwLock::new(HashMap::new()),
+            next_req: AtomicU64::new(1),
+            closing: AtomicBool::new(false),
+            server: Mutex::new(ServerConns::default()),
+            sessions: Mutex::new(HashMap::new()),
+            config,
+        });
+        let acceptor = Arc::clone(&inner);
+        let listener_thread = std::thread::Builder::new()
+            .name(format!("kvxfer-accept-{}", inner.config.name))
+            .spawn(move || acceptor.accept_loop(listener))?;
+        tracing::debug!(agent = %inner.config.name, endpoint = %inner.endpoint, "tcp agent listening");
+        Ok(Self {
+            inner,
+            listener_thread: Some(listener_thread),
+        })
+    }
+
+    /// The address the listener is bound to.
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.inner.listen_addr
+    }
+}
+
+impl Drop for TcpAgent {
+    fn drop(&mut self) {
+        let inner = &self.inner;
+        inner.closing.store(true, Ordering::SeqCst);
+        // Wake the accept loop with a connection of our own; it sees
+        // `closing` and returns, dropping the listener.
+        let mut wake = inner.listen_addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        if let Some(t) = self.listener_thread.take() {
+            let _ = t.join();
+        }
+        // Incoming connections: shut down, then join their threads.
+        let (socks, threads) = {
+            let mut s = lock(&inner.server);
+            (std::mem::take(&mut s.socks), std::mem::take(&mut s.threads))
+        };
+        for s in socks.values() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        for t in threads {
+            let _ = t.join();
+        }
+        // Outgoing links.
+        let peers: Vec<_> = inner
+            .peers
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .collect();
+        for (_, p) in peers {
+            if let Some(link) = lock(&p.link).take() {
+                link.fail(Error::Closed);
+                link.join();
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Target side: accept loop and per-connection service.
+// ---------------------------------------------------------------------------
+
+/// One initiator's link as seen by the target.
+struct Session {
+    remote: String,
+    table: Mutex<RequestTable>,
+    streams: AtomicUsize,
+}
+
+struct ServerIdle<'a> {
+    inner: &'a Inner,
+    clock: &'a ProgressClock,
+}
+
+impl IdlePolicy for ServerIdle<'_> {
+    fn on_idle(&mut self, mid_frame: bool) -> io::Result<()> {
+        if self.inner.closing.load(Ordering::Relaxed) {
+            return Err(io::Error::new(io::ErrorKind::ConnectionAborted, "agent closing"));
+        }
+        if mid_frame && self.clock.idle() > self.inner.config.io_timeout {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "initiator stalled in the middle of a frame",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn violation(detail: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, detail.into())
+}
+
+/// Sends header-only frames.
+fn send_frames(sock: &TcpStream, frames: &[[u8; HEADER_LEN]], clock: &ProgressClock) -> io::Result<()> {
+    let mut iovs: Vec<_> = frames.iter().map(|f| iov(f.as_ptr(), HEADER_LEN)).collect();
+    // SAFETY: the iovecs point into `frames`, alive for the call.
+    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock) }
+}
+
+impl Inner {
+    fn accept_loop(self: Arc<Self>, listener: TcpListener) {
+        for conn in listener.incoming() {
+            if self.closing.load(Ordering::SeqCst) {
+                break;
+            }
+            let sock = match conn {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(agent = %self.config.name, error = %e, "accept failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
+            let mut server = lock(&self.server);
+            server.threads.retain(|t| !t.is_finished());
+            let id = server.next_id;
+            server.next_id += 1;
+            let Ok(clone) = sock.try_clone() else { continue };
+            server.socks.insert(id, clone);
+            let me = Arc::clone(&self);
+            let spawned = std::thread::Builder::new()
+                .name(format!("kvxfer-serve-{}", self.config.name))
+                .spawn(move || {
+                    if let Err(e) = me.serve(&sock) {
+                        tracing::debug!(agent = %me.config.name, error = %e, "incoming connection ended");
+                    }
+                    lock(&me.server).socks.remove(&id);
+                });
+            match spawned {
+                Ok(t) => server.threads.push(t),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot spawn connection thread");
+                    server.socks.remove(&id);
+                }
+            }
+        }
+    }
+
+    fn serve(&self, sock: &TcpStream) -> io::Result<()> {
+        sock.set_nodelay(true)?;
+        sock.set_read_timeout(Some(tick(self.config.io_timeout)))?;
+        sock.set_write_timeout(Some(self.config.io_timeout))?;
+        let clock = ProgressClock::new();
+        let mut idle = ServerIdle {
+            inner: self,
+            clock: &clock,
+        };
+        let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
+        loop {
+            let Some(raw) = reader.next_header(&mut idle)? else {
+                return Ok(());
+            };
+            match Frame::decode(&raw).map_err(|e| violation(e.to_string()))? {
+                Frame::DescRequest => {
+                    let body = self.local_desc().encode();
+                    let hdr = Frame::DescReply {
+                        body_len: body.len() as u32,
+                    }
+                    .encode();
+                    let mut iovs = [iov(hdr.as_ptr(), HEADER_LEN), iov(body.as_ptr(), body.len())];
+                    // SAFETY: both iovecs point into live locals.
+                    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, &clock)? };
+                }
+                Frame::Hello {
+                    instance,
+                    expect,
+                    version,
+                    link,
+                    stream: _,
+                    name_len,
+                } => {
+                    let name = reader.read_vec(name_len as usize, &mut idle)?;
+                    let name = String::from_utf8(name).map_err(|_| violation("agent name is not UTF-8"))?;
+                    let st = if version != PROTOCOL_VERSION {
+                        status::BAD_VERSION
+                    } else if expect != 0 && expect != self.instance {
+                        status::STALE_INSTANCE
+                    } else {
+                        status::OK
+                    };
+                    send_frames(
+                        sock,
+                        &[Frame::HelloAck {
+                            instance: self.instance,
+                            status: st,
+                        }
+                        .encode()],
+                        &clock,
+                    )?;
+                    if st != status::OK {
+                        return Ok(());
+                    }
+                    let key = (instance, link);
+                    let session = {
+                        let mut sessions = lock(&self.sessions);
+                        let s = sessions.entry(key).or_insert_with(|| {
+                            Arc::new(Session {
+                                remote: name,
+                                table: Mutex::new(RequestTable::default()),
+                                streams: AtomicUsize::new(0),
+                            })
+                        });
+                        s.streams.fetch_add(1, Ordering::SeqCst);
+                        Arc::clone(s)
+                    };
+                    let r = self.serve_data(sock, &mut reader, &mut idle, &session);
+                    if session.streams.fetch_sub(1, Ordering::SeqCst) == 1 {
+                        lock(&self.sessions).remove(&key);
+                    }
+                    return r;
+                }
+                other => return Err(violation(format!("unexpected first frame {other:?}"))),
+            }
+        }
+    }
+
+    fn serve_data(
+        &self,
+        sock: &TcpStream,
+        reader: &mut FrameReader<'_>,
+        idle: &mut ServerIdle<'_>,
+        session: &Session,
+    ) -> io::Result<()> {
+        let clock = idle.clock;
+        loop {
+            let Some(raw) = reader.next_header(idle)? else {
+                return Ok(());
+            };
+            let finished = match Frame::decode(&raw).map_err(|e| violation(e.to_string()))? {
+                Frame::Write {
+                    req,
+                    mem_type,
+                    addr,
+                    len,
+                    key,
+                } => {
+                    let result = match self.registry.admit_remote(mem_type, addr, len, key) {
+                        Ok(guard) => {
+                            // SAFETY: `[addr, addr + len)` lies inside a region
+                            // registered with this agent, whose registrant
+                            // promised it stays valid for writes while
+                            // registered; `guard` keeps it from being
+                            // deregistered until the payload has landed.
+                            unsafe { reader.read_into(addr as *mut u8, len as usize, idle)? };
+                            drop(guard);
+                            Ok(())
+                        }
+                        Err(reason) => {
+                            tracing::debug!(remote = %session.remote, addr, len, %reason, "refused write segment");
+                            reader.discard(len, idle)?;
+                            Err(reason)
+                        }
+                    };
+                    lock(&session.table).segment(req, result)
+                }
+                Frame::ReadReq {
+                    req,
+                    mem_type,
+                    addr,
+                    len,
+                    key,
+                } => {
+                    let result = match self.registry.admit_remote(mem_type, addr, len, key) {
+                        Ok(guard) => {
+                            let hdr = Frame::ReadData {
+                                req,
+                                len,
+                                status: status::OK,
+                            }
+                            .encode();
+                            let mut iovs = [
+                                iov(hdr.as_ptr(), HEADER_LEN),
+                                iov(addr as *const u8, len as usize),
+                            ];
+                            // SAFETY: the payload range lies inside a region
+                            // registered here and held by `guard`; the header
+                            // is a live local.
+                            unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock)? };
+                            drop(guard);
+                            Ok(())
+                        }
+                        Err(reason) => {
+                            send_frames(
+                                sock,
+                                &[Frame::ReadData {
+                                    req,
+                                    len: 0,
+                                    status: reason.code(),
+                                }
+                                .encode()],
+                                clock,
+                            )?;
+                            Err(reason)
+                        }
+                    };
+                    lock(&session.table).segment(req, result)
+                }
+                Frame::Fence { req } => lock(&session.table).segment(req, Ok(())),
+                Frame::Commit {
+                    req,
+                    op: _,
+                    segments,
+                    sync_len,
+                    has_sync,
+                } => {
+                    let sync = if has_sync {
+                        Some(reader.read_vec(sync_len as usize, idle)?)
+                    } else if sync_len != 0 {
+                        return Err(violation("commit body without a sync message"));
+                    } else {
+                        None
+                    };
+                    lock(&session.table)
+                        .commit(req, segments, sync)
+                        .map_err(violation)?
+                }
+                other => return Err(violation(format!("unexpected frame {other:?}"))),
+            };
+            if let Some(f) = finished {
+                self.finish(sock, session, f, clock)?;
+            }
+        }
+    }
+
+    fn finish(&self, sock: &TcpStream, session: &Session, f: Finished, clock: &ProgressClock) -> io::Result<()> {
+        if let (Ok(()), Some(msg)) = (&f.outcome, f.sync) {
+            self.inbox.deliver(&session.remote, msg);
+        }
+        let st = match f.outcome {
+            Ok(()) => status::OK,
+            Err(r) => r.code(),
+        };
+        send_frames(sock, &[Frame::Ack { req: f.req, status: st }.encode()], clock)
+    }
+
+    fn local_desc(&self) -> AgentDesc {
+        AgentDesc {
+            name: self.config.name.clone(),
+            instance: self.instance,
+            backend: BackendKind::Tcp,
+            endpoints: vec![self.endpoint.clone()],
+            regions: self.registry.exported(),
+        }
+    }
+
+    fn peer(&self, name: &str) -> Result<Arc<Peer>, Error> {
+        self.peers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::UnknownAgent(name.to_owned()))
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Initiator side: peers, links, streams.
+// ---------------------------------------------------------------------------
+
+/// A loaded remote agent.
+struct Peer {
+    desc: AgentDesc,
+    regions: RegionMap<u64>,
+    link: Mutex<Option<Arc<Link>>>,
+}
+
+/// One outstanding request at the initiator. It completes when every
+/// expected event (one acknowledgement, plus one per READ segment) has
+/// arrived, so a failed request no longer touches local memory either.
+struct Pending {
+    completion: Arc<Completion>,
+    outstanding: AtomicUsize,
+    error: Mutex<Option<Error>>,
+    guards: Mutex<Vec<RegionGuard>>,
+}
+
+impl Pending {
+    /// Records one event; returns true when it was the last.
+    fn event(&self, result: Result<(), Error>) -> bool {
+        if let Err(e) = result {
+            lock(&self.error).get_or_insert(e);
+        }
+        self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1
+    }
+
+    fn finish(&self, forced: Option<Error>) {
+        lock(&self.guards).clear();
+        let outcome = match forced.or_else(|| lock(&self.error).take()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        self.completion.complete(outcome);
+    }
+}
+
+struct ReadSlot {
+    req: u64,
+    dst: u64,
+    len: u64,
+    pending: Arc<Pending>,
+}
+
+#[derive(Clone, Copy)]
+struct Seg {
+    mem_type: MemoryType,
+    local: u64,
+    remote: u64,
+    len: u64,
+    key: u64,
+}
+
+enum Tail {
+    None,
+    Commit { segments: u64, sync: Option<Vec<u8>> },
+    Fence,
+}
+
+enum Job {
+    Frames {
+        req: u64,
+        op: TransferOp,
+        segs: Vec<Seg>,
+        tail: Tail,
+        pending: Arc<Pending>,
+    },
+    Stop,
+}
+
+struct StreamHandle {
+    tx: Sender<Job>,
+    reads: Mutex<VecDeque<ReadSlot>>,
+    sock: TcpStream,
+}
+
+#[derive(Default)]
+struct PendingTable {
+    map: HashMap<u64, Arc<Pending>>,
+    broken: Option<Error>,
+}
+
+/// The connections from this agent to one remote agent.
+struct Link {
+    remote: String,
+    io_timeout: Duration,
+    streams: Vec<StreamHandle>,
+    pending: Mutex<PendingTable>,
+    clock: ProgressClock,
+    alive: AtomicUsize,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Link {
+    /// Opens `streams_per_peer` connections to `peer` and starts their
+    /// threads.
+    fn open(inner: &Inner, peer: &AgentDesc) -> Result<Arc<Link>, Error> {
+        let cfg = &inner.config;
+        let link_id = random_u64();
+        let mut streams = Vec::with_capacity(cfg.streams_per_peer);
+        let mut receivers = Vec::with_capacity(cfg.streams_per_peer);
+        for i in 0..cfg.streams_per_peer {
+            let sock = connect_any(&peer.endpoints, cfg.connect_timeout)?;
+            let clock = ProgressClock::new();
+            handshake(inner, peer, &sock, link_id, i as u32, &clock)?;
+            sock.set_read_timeout(Some(tick(cfg.io_timeout)))?;
+            sock.set_write_timeout(Some(cfg.io_timeout))?;
+            let (tx, rx) = crossbeam_channel::unbounded();
+            streams.push(StreamHandle {
+                tx,
+                reads: Mutex::new(VecDeque::new()),
+                sock,
+            });
+            receivers.push(rx);
+        }
+        let link = Arc::new(Link {
+            remote: peer.name.clone(),
+            io_timeout: cfg.io_timeout,
+            alive: AtomicUsize::new(2 * streams.len()),
+            streams,
+            pending: Mutex::new(PendingTable::default()),
+            clock: ProgressClock::new(),
+            threads: Mutex::new(Vec::new()),
+        });
+        let mut threads = Vec::new();
+        for (i, rx) in receivers.into_iter().enumerate() {
+            let l = Arc::clone(&link);
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("kvxfer-send-{}-{i}", peer.name))
+                    .spawn(move || l.run_sender(i, rx))?,
+            );
+            let l = Arc::clone(&link);
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("kvxfer-recv-{}-{i}", peer.name))
+                    .spawn(move || l.run_reader(i))?,
+            );
+        }
+        *lock(&link.threads) = threads;
+        tracing::debug!(remote = %peer.name, streams = link.streams.len(), "link open");
+        Ok(link)
+    }
+
+    fn is_broken(&self) -> bool {
+        lock(&self.pending).broken.is_some()
+    }
+
+    fn insert(&self, id: u64, p: Arc<Pending>) -> Result<(), Error> {
+        let mut t = lock(&self.pending);
+        if let Some(e) = &t.broken {
+            return Err(e.clone());
+        }
+        t.map.insert(id, p);
+        Ok(())
+    }
+
+    /// Marks the link broken (first cause wins), unblocks its threads. The
+    /// last thread to exit fails the requests still outstanding, so none
+    /// completes while a thread may still touch its memory.
+    fn fail(&self, cause: Error) {
+        {
+            let mut t = lock(&self.pending);
+            if t.broken.is_some() {
+                return;
+            }
+            tracing::debug!(remote = %self.remote, %cause, "link failed");
+            t.broken = Some(cause);
+        }
+        for s in &self.streams {
+            let _ = s.sock.shutdown(Shutdown::Both);
+            let _ = s.tx.send(Job::Stop);
+        }
+    }
+
+    fn thread_exit(&self) {
+        if self.alive.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let (pending, cause) = {
+            let mut t = lock(&self.pending);
+            let cause = t.broken.clone().unwrap_or(Error::Closed);
+            (std::mem::take(&mut t.map), cause)
+        };
+        for s in &self.streams {
+            lock(&s.reads).clear();
+        }
+        for (_, p) in pending {
+            p.finish(Some(cause.clone()));
+        }
+    }
+
+    fn join(&self) {
+        let threads = std::mem::take(&mut *lock(&self.threads));
+        let me = std::thread::current().id();
+        for t in threads {
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
+        }
+    }
+
+    fn io_error(&self, e: io::Error) -> Error {
+        if e.kind() == io::ErrorKind::TimedOut {
+            Error::PeerTimedOut {
+                remote: self.remote.clone(),
+                idle: self.io_timeout,
+            }
+        } else if e.kind() == io::ErrorKind::InvalidData {
+            Error::ProtocolViolation {
+                remote: self.remote.clone(),
+                detail: e.to_string(),
+            }
+        } else {
+            Error::ConnectionLost {
+                remote: self.remote.clone(),
+                cause: Arc::new(e),
+            }
+        }
+    }
+
+    fn complete_event(&self, req: u64, p: &Pending, result: Result<(), Error>) {
+        if p.event(result) {
+            lock(&self.pending).map.remove(&req);
+            p.finish(None);
+        }
+    }
+
+    fn run_sender(self: Arc<Self>, idx: usize, rx: Receiver<Job>) {
+        let fd = self.streams[idx].sock.as_raw_fd();
+        let mut headers: Vec<[u8; HEADER_LEN]> = Vec::new();
+        let mut iovs: Vec<libc::iovec> = Vec::new();
+        while let Ok(job) = rx.recv() {
+            let Job::Frames {
+                req,
+                op,
+                segs,
+                tail,
+                pending,
+            } = job
+            else {
+                break;
+            };
+            headers.clear();
+            iovs.clear();
+            for s in &segs {
+                let f = match op {
+                    TransferOp::Write => Frame::Write {
+                        req,
+                        mem_type: s.mem_type,
+                        addr: s.remote,
+                        len: s.len,
+                        key: s.key,
+                    },
+                    TransferOp::Read => Frame::ReadReq {
+                        req,
+                        mem_type: s.mem_type,
+                        addr: s.remote,
+                        len: s.len,
+                        key: s.key,
+                    },
+                };
+                headers.push(f.encode());
+            }
+            let sync = match &tail {
+                Tail::None => None,
+                Tail::Fence => {
+                    headers.push(Frame::Fence { req }.encode());
+                    None
+                }
+                Tail::Commit { segments, sync } => {
+                    headers.push(
+                        Frame::Commit {
+                            req,
+                            op: match op {
+                                TransferOp::Write => CommitOp::Write,
+                                TransferOp::Read => CommitOp::Read,
+                            },
+                            segments: *segments,
+                            sync_len: sync.as_ref().map_or(0, |m| m.len() as u32),
+                            has_sync: sync.is_some(),
+                        }
+                        .encode(),
+                    );
+                    sync.as_deref()
+                }
+            };
+            for (i, h) in headers.iter().enumerate() {
+                iovs.push(iov(h.as_ptr(), HEADER_LEN));
+                if let (TransferOp::Write, Some(s)) = (op, segs.get(i)) {
+                    iovs.push(iov(s.local as *const u8, s.len as usize));
+                }
+            }
+            if let Some(m) = sync {
+                iovs.push(iov(m.as_ptr(), m.len()));
+            }
+            if op == TransferOp::Read {
+                let mut reads = lock(&self.streams[idx].reads);
+                for s in &segs {
+                    reads.push_back(ReadSlot {
+                        req,
+                        dst: s.local,
+                        len: s.len,
+                        pending: Arc::clone(&pending),
+                    });
+                }
+            }
+            // SAFETY: header iovecs point into `headers`, the sync iovec into
+            // the job (both alive until the call returns); payload iovecs
+            // point into local regions validated at submit time and held by
+            // the request's guards, which live until the request completes,
+            // which cannot happen before this write returns (its
+            // acknowledgement follows these bytes).
+            if let Err(e) = unsafe { writev_all(fd, &mut iovs, &self.clock) } {
+                self.fail(self.io_error(e));
+                break;
+            }
+        }
+        self.thread_exit();
+    }
+
+    fn run_reader(self: Arc<Self>, idx: usize) {
+        let sock = &self.streams[idx].sock;
+        let clock = ProgressClock::new();
+        let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
+        let mut idle = LinkIdle { link: &self };
+        let r = self.read_loop(idx, &mut reader, &mut idle);
+        if let Err(e) = r {
+            self.fail(e);
+        } else {
+            self.fail(Error::ConnectionLost {
+                remote: self.remote.clone(),
+                cause: Arc::new(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "remote agent closed the connection",
+                )),
+            });
+        }
+        self.thread_exit();
+    }
+
+    fn read_loop(&self, idx: usize, reader: &mut FrameReader<'_>, idle: &mut LinkIdle<'_>) -> Result<(), Error> {
+        loop {
+            let raw = match reader.next_header(idle) {
+                Ok(Some(raw)) => raw,
+                Ok(None) => return Ok(()),
+                Err(e) => return Err(self.link_error(e)),
+            };
+            self.clock.touch();
+            let frame = Frame::decode(&raw).map_err(|e| Error::ProtocolViolation {
+                remote: self.remote.clone(),
+                detail: e.to_string(),
+            })?;
+            match frame {
+                Frame::ReadData { req, len, status: st } => {
+                    let slot = lock(&self.streams[idx].reads).pop_front();
+                    let Some(slot) = slot else {
+                        return Err(self.violation("READ data with no READ outstanding"));
+                    };
+                    if slot.req != req {
+                        return Err(self.violation("READ data out of order"));
+                    }
+                    let result = if st == status::OK {
+                        if len != slot.len {
+                            return Err(self.violation("READ data length differs from the request"));
+                        }
+                        // SAFETY: `slot.dst` lies inside a local region that
+                        // was registered and validated at submit time, and the
+                        // request's guards (in `slot.pending`) keep it
+                        // registered until every event, this one included,
+                        // has been processed.
+                        unsafe { reader.read_into(slot.dst as *mut u8, len as usize, idle) }
+                            .map_err(|e| self.link_error(e))?;
+                        Ok(())
+                    } else {
+                        Err(Error::RemoteRejected {
+                            remote: self.remote.clone(),
+                            reason: RejectReason::from_code(st),
+                        })
+                    };
+                    self.complete_event(req, &slot.pending, result);
+                }
+                Frame::Ack { req, status: st } => {
+                    let p = lock(&self.pending).map.get(&req).cloned();
+                    let Some(p) = p else {
+                        return Err(self.violation("acknowledgement for an unknown request"));
+                    };
+                    let result = if st == status::OK {
+                        Ok(())
+                    } else {
+                        Err(Error::RemoteRejected {
+                            remote: self.remote.clone(),
+                            reason: RejectReason::from_code(st),
+                        })
+                    };
+                    self.complete_event(req, &p, result);
+                }
+                other => return Err(self.violation(&format!("unexpected frame {other:?}"))),
+            }
+        }
+    }
+
+    fn violation(&self, detail: &str) -> Error {
+        Error::ProtocolViolation {
+            remote: self.remote.clone(),
+            detail: detail.to_owned(),
+        }
+    }
+
+    /// Maps a reader error, preferring the cause already recorded (the
+    /// reader's error is often the echo of a shutdown by another thread).
+    fn link_error(&self, e: io::Error) -> Error {
+        if let Some(c) = &lock(&self.pending).broken {
+            return c.clone();
+        }
+        self.io_error(e)
+    }
+}
+
+struct LinkIdle<'a> {
+    link: &'a Link,
+}
+
+impl IdlePolicy for LinkIdle<'_> {
+    fn on_idle(&mut self, _mid_frame: bool) -> io::Result<()> {
+        let t = lock(&self.link.pending);
+        if t.broken.is_some() {
+            return Err(io::Error::new(io::ErrorKind::ConnectionAborted, "link closed"));
+        }
+        if !t.map.is_empty() && self.link.clock.idle() > self.link.io_timeout {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no progress within the I/O timeout",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn connect_any(endpoints: &[String], timeout: Duration) -> Result<TcpStream, Error> {
+    let mut last = None;
+    for ep in endpoints {
+        let addrs = match ep.to_socket_addrs() {
+            Ok(a) => a,
+            Err(e) => {
+                last = Some(Error::Connect {
+                    addr: ep.clone(),
+                    cause: Arc::new(e),
+                });
+                continue;
+            }
+        };
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, timeout) {
+                Ok(s) => {
+                    s.set_nodelay(true)?;
+                    let _ = socket2::SockRef::from(&s).set_tcp_keepalive(
+                        &socket2::TcpKeepalive::new()
+                            .with_time(Duration::from_secs(10))
+                            .with_interval(Duration::from_secs(5)),
+                    );
+                    return Ok(s);
+                }
+                Err(e) => {
+                    last = Some(Error::Connect {
+                        addr: a.to_string(),
+                        cause: Arc::new(e),
+                    })
+                }
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| Error::InvalidConnectionInfo {
+        info: String::new(),
+        reason: "no endpoint".into(),
+    }))
+}
+
+/// Sends `Hello` and checks the `HelloAck`.
+fn handshake(
+    inner: &Inner,
+    peer: &AgentDesc,
+    sock: &TcpStream,
+    link: u64,
+    stream: u32,
+    clock: &ProgressClock,
+) -> Result<(), Error> {
+    let t = inner.config.connect_timeout;
+    sock.set_read_timeout(Some(t))?;
+    sock.set_write_timeout(Some(t))?;
+    let name = inner.config.name.as_bytes();
+    let hello = Frame::Hello {
+        instance: inner.instance,
+        expect: peer.instance,
+        version: PROTOCOL_VERSION,
+        link,
+        stream,
+        name_len: name.len() as u32,
+    }
+    .encode();
+    let mut iovs = [iov(hello.as_ptr(), HEADER_LEN), iov(name.as_ptr(), name.len())];
+    let conn_err = |e: io::Error| Error::ConnectionLost {
+        remote: peer.name.clone(),
+        cause: Arc::new(e),
+    };
+    // SAFETY: both iovecs point into live locals.
+    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock) }.map_err(conn_err)?;
+    let mut reader = FrameReader::new(sock.as_raw_fd(), clock);
+    let raw = reader
+        .next_header(&mut FailOnIdle("hello"))
+        .map_err(|e| timeout_or(e, "connection handshake", t, conn_err))?
+        .ok_or_else(|| conn_err(io::ErrorKind::UnexpectedEof.into()))?;
+    match Frame::decode(&raw) {
+        Ok(Frame::HelloAck { status: status::OK, .. }) => Ok(()),
+        Ok(Frame::HelloAck {
+            status: status::STALE_INSTANCE,
+            ..
+        }) => Err(Error::StaleAgent {
+            remote: peer.name.clone(),
+            addr: sock.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
+        }),
+        other => Err(Error::ProtocolViolation {
+            remote: peer.name.clone(),
+            detail: format!("bad hello answer {other:?}"),
+        }),
+    }
+}
+
+/// An idle policy for blocking control exchanges: the first timeout tick
+/// (the socket's read timeout) is fatal.
+struct FailOnIdle(&'static str);
+
+impl IdlePolicy for FailOnIdle {
+    fn on_idle(&mut self, _mid_frame: bool) -> io::Result<()> {
+        Err(io::Error::new(io::ErrorKind::TimedOut, self.0))
+    }
+}
+
+fn timeout_or(e: io::Error, what: &'static str, after: Duration, other: impl FnOnce(io::Error) -> Error) -> Error {
+    if e.kind() == io::ErrorKind::TimedOut {
+        Error::Timeout { what, after }
+    } else {
+        other(e)
+    }
+}
+
+/// Fetches an agent descriptor over the side channel.
+fn fetch_desc(info: &str, timeout: Duration) -> Result<AgentDesc, Error> {
+    let addrs: Vec<SocketAddr> = info
+        .to_socket_addrs()
+        .map_err(|e| Error::InvalidConnectionInfo {
+            info: info.to_owned(),
+            reason: e.to_string(),
+        })?
+        .collect();
+    if addrs.is_empty() {
+        return Err(Error::InvalidConnectionInfo {
+            info: info.to_owned(),
+            reason: "resolves to no address".into(),
+        });
+    }
+    let sock = connect_any(&[info.to_owned()], timeout)?;
+    sock.set_read_timeout(Some(timeout))?;
+    sock.set_write_timeout(Some(timeout))?;
+    let clock = ProgressClock::new();
+    let conn_err = |e: io::Error| Error::Connect {
+        addr: info.to_owned(),
+        cause: Arc::new(e),
+    };
+    send_frames(&sock, &[Frame::DescRequest.encode()], &clock).map_err(conn_err)?;
+    let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
+    let mut idle = FailOnIdle("descriptor fetch");
+    let raw = reader
+        .next_header(&mut idle)
+        .map_err(|e| timeout_or(e, "descriptor fetch", timeout, conn_err))?
+        .ok_or_else(|| conn_err(io::ErrorKind::UnexpectedEof.into()))?;
+    let Ok(Frame::DescReply { body_len }) = Frame::decode(&raw) else {
+        return Err(Error::ProtocolViolation {
+            remote: info.to_owned(),
+            detail: "expected a descriptor reply".into(),
+        });
+    };
+    let body = reader
+        .read_vec(body_len as usize, &mut idle)
+        .map_err(|e| timeout_or(e, "descriptor fetch", timeout, conn_err))?;
+    Ok(AgentDesc::decode(&body)?)
+}
+
+impl Peer {
+    /// The live link, opening a new one when there is none or it broke.
+    fn link(&self, inner: &Inner) -> Result<Arc<Link>, Error> {
+        let mut slot = lock(&self.link);
+        if let Some(l) = slot.as_ref() {
+            if !l.is_broken() {
+                return Ok(Arc::clone(l));
+            }
+            let old = slot.take().expect("checked above");
+            old.join();
+        }
+        let l = Link::open(inner, &self.desc)?;
+        *slot = Some(Arc::clone(&l));
+        Ok(l)
+    }
+}
+
+/// Splits `(local, remote)` pairs into segments of at most `max` bytes and
+/// spreads them over `streams` streams, balancing bytes.
+fn plan_segments(
+    req: &TransferRequest,
+    keys: &[u64],
+    max: u64,
+    streams: usize,
+) -> Vec<Vec<Seg>> {
+    let mut out: Vec<Vec<Seg>> = (0..streams).map(|_| Vec::new()).collect();
+    let mut load = vec![0u64; streams];
+    for ((l, r), &key) in req.local.descs.iter().zip(&req.remote.descs).zip(keys) {
+        let mut off = 0;
+        while off < l.len {
+            let len = (l.len - off).min(max);
+            let k = if streams == 1 {
+                0
+            } else {
+                (0..streams).min_by_key(|&i| load[i]).unwrap_or(0)
+            };
+            out[k].push(Seg {
+                mem_type: req.remote.mem_type,
+                local: l.addr + off,
+                remote: r.addr + off,
+                len,
+                key,
+            });
+            load[k] += len;
+            off += len;
+        }
+    }
+    out
+}
+
+impl TcpAgent {
+    fn submit(&self, req: TransferRequest, fence: bool) -> Result<TransferStatus, Error> {
+        let inner = &self.inner;
+        if inner.closing.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        req.validate_shape()?;
+        if req.local.mem_type != MemoryType::Dram && !req.local.is_empty() {
+            return Err(Error::UnsupportedMemoryType {
+                mem_type: req.local.mem_type,
+                backend: BACKEND,
+            });
+        }
+        let peer = inner.peer(&req.remote_agent)?;
+        let guards = inner.registry.acquire_local(&req.local)?;
+        let mut keys = Vec::with_capacity(req.remote.len());
+        for d in &req.remote.descs {
+            let Some(r) = peer.regions.find(req.remote.mem_type, d) else {
+                return Err(Error::RemoteRangeNotExported {
+                    remote: req.remote_agent.clone(),
+                    mem_type: req.remote.mem_type,
+                    desc: *d,
+                });
+            };
+            keys.push(r.value);
+        }
+        let link = peer.link(inner)?;
+        let n = link.streams.len();
+        let plan = plan_segments(&req, &keys, inner.config.segment_size, n);
+        let total: usize = plan.iter().map(Vec::len).sum();
+        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
+        let completion = Completion::new();
+        let reads = if req.op == TransferOp::Read { total } else { 0 };
+        let fences = if fence { n - 1 } else { 0 };
+        let pending = Arc::new(Pending {
+            completion: Arc::clone(&completion),
+            outstanding: AtomicUsize::new(reads + 1),
+            error: Mutex::new(None),
+            guards: Mutex::new(guards),
+        });
+        link.insert(id, Arc::clone(&pending))?;
+        link.clock.touch();
+        let mut sync = req.sync_message;
+        // Stream 0 carries the commit, after its own segments; every other
+        // stream carries its segments (and a fence, for data-less requests).
+        for (k, segs) in plan.into_iter().enumerate().rev() {
+            let tail = if k == 0 {
+                Tail::Commit {
+                    segments: (total + fences) as u64,
+                    sync: sync.take(),
+                }
+            } else if fence {
+                Tail::Fence
+            } else if segs.is_empty() {
+                continue;
+            } else {
+                Tail::None
+            };
+            let job = Job::Frames {
+                req: id,
+                op: req.op,
+                segs,
+                tail,
+                pending: Arc::clone(&pending),
+            };
+            if link.streams[k].tx.send(job).is_err() {
+                link.fail(Error::Closed);
+                break;
+            }
+        }
+        Ok(TransferStatus::new(id, completion))
+    }
+}
+
+impl TransferAgent for TcpAgent {
+    fn name(&self) -> &str {
+        &self.inner.config.name
+    }
+
+    fn backend_name(&self) -> &'static str {
+        BACKEND
+    }
+
+    unsafe fn register_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
+        self.inner.registry.register(descs, SUPPORTED, BACKEND)
+    }
+
+    fn deregister_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
+        self.inner.registry.deregister(descs)
+    }
+
+    fn local_agent_desc(&self) -> AgentDesc {
+        self.inner.local_desc()
+    }
+
+    fn load_remote_agent(&self, desc: &AgentDesc) -> Result<(), Error> {
+        desc.validate()?;
+        if desc.backend != BackendKind::Tcp {
+            return Err(Error::InvalidAgentDesc(crate::desc::DescError::Invalid(format!(
+                "descriptor is for the {} backend",
+                desc.backend.as_str()
+            ))));
+        }
+        let regions = desc.region_map()?;
+        let mut peers = self.inner.peers.write().unwrap_or_else(|p| p.into_inner());
+        // Same process: keep the live link, refresh the regions.
+        let link = match peers.get(&desc.name) {
+            Some(old) if old.desc.instance == desc.instance => lock(&old.link).take(),
+            Some(old) => {
+                if let Some(l) = lock(&old.link).take() {
+                    l.fail(Error::StaleAgent {
+                        remote: desc.name.clone(),
+                        addr: desc.endpoints.join(","),
+                    });
+                }
+                None
+            }
+            None => None,
+        };
+        peers.insert(
+            desc.name.clone(),
+            Arc::new(Peer {
+                desc: desc.clone(),
+                regions,
+                link: Mutex::new(link),
+            }),
+        );
+        Ok(())
+    }
+
+    fn load_remote_agent_by_connection(&self, connection_info: &str) -> Result<String, Error> {
+        let desc = fetch_desc(connection_info, self.inner.config.connect_timeout)?;
+        self.load_remote_agent(&desc)?;
+        Ok(desc.name)
+    }
+
+    fn invalidate_remote_agent(&self, name: &str) -> Result<(), Error> {
+        let peer = self
+            .inner
+            .peers
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name)
+            .ok_or_else(|| Error::UnknownAgent(name.to_owned()))?;
+        if let Some(l) = lock(&peer.link).take() {
+            l.fail(Error::UnknownAgent(name.to_owned()));
+            l.join();
+        }
+        Ok(())
+    }
+
+    fn local_connection_info(&self) -> String {
+        self.inner.endpoint.clone()
+    }
+
+    fn submit_transfer(&self, request: TransferRequest) -> Result<TransferStatus, Error> {
+        self.submit(request, false)
+    }
+
+    fn notify_sync_message(&self, remote: &str, message: Vec<u8>) -> Result<TransferStatus, Error> {
+        let req = TransferRequest::write(
+            MemoryDescs::new(MemoryType::Dram, Vec::new()),
+            MemoryDescs::new(MemoryType::Dram, Vec::new()),
+            remote,
+        )
+        .with_sync_message(message);
+        self.submit(req, true)
+    }
+
+    fn take_sync_messages(&self) -> SyncMessages {
+        self.inner.inbox.take()
+    }
+
+    fn wait_sync_messages(&self, timeout: Duration) -> SyncMessages {
+        self.inner.inbox.wait(timeout)
+    }
+
+    fn check_remote_descs(&self, remote: &str, descs: &MemoryDescs) -> bool {
+        let Ok(peer) = self.inner.peer(remote) else {
+            return false;
+        };
+        descs
+            .descs
+            .iter()
+            .all(|d| peer.regions.find(descs.mem_type, d).is_some())
+    }
+}

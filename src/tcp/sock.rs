@@ -1,0 +1,267 @@
+//! Raw vectored socket I/O straight between the kernel and registered
+//! memory: `writev` from source regions, `readv` into destination regions.
+//!
+//! The kernel does every copy, so no Rust reference to registered memory is
+//! ever formed (such memory may be written concurrently by peers).
+//! Receiving reads the payload of frame *n* and the header of frame *n + 1*
+//! in one `readv`, so headers cost no extra system call when frames arrive
+//! back to back.
+
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use super::wire::HEADER_LEN;
+
+/// Most iovecs passed to one `writev`/`readv` (Linux's `IOV_MAX`).
+pub(crate) const IOV_MAX: usize = 1024;
+
+/// A monotonic clock in nanoseconds since an agent-local origin, shared by
+/// the threads of one connection to record the time of the last progress.
+#[derive(Debug)]
+pub(crate) struct ProgressClock {
+    origin: Instant,
+    last: AtomicU64,
+}
+
+impl ProgressClock {
+    pub(crate) fn new() -> Self {
+        Self {
+            origin: Instant::now(),
+            last: AtomicU64::new(0),
+        }
+    }
+
+    fn now_ns(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Records progress now.
+    pub(crate) fn touch(&self) {
+        self.last.store(self.now_ns(), Ordering::Relaxed);
+    }
+
+    /// Time since the last recorded progress.
+    pub(crate) fn idle(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(
+            self.now_ns()
+                .saturating_sub(self.last.load(Ordering::Relaxed)),
+        )
+    }
+}
+
+/// An iovec over bytes the caller keeps alive and unmoved until the write
+/// returns.
+pub(crate) fn iov(ptr: *const u8, len: usize) -> libc::iovec {
+    libc::iovec {
+        iov_base: ptr as *mut libc::c_void,
+        iov_len: len,
+    }
+}
+
+fn would_block(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+}
+
+/// Writes every byte described by `iovs`, in order, handling partial writes.
+/// A send timeout (`SO_SNDTIMEO`) expiring with no byte written is returned
+/// as `TimedOut`.
+///
+/// # Safety
+/// Every iovec must describe memory valid for reads for the whole call
+/// (kernel copies from it; a bad pointer yields `EFAULT`, not undefined
+/// behaviour in this process, but callers must still uphold it).
+pub(crate) unsafe fn writev_all(
+    fd: RawFd,
+    iovs: &mut [libc::iovec],
+    clock: &ProgressClock,
+) -> io::Result<()> {
+    let mut i = 0;
+    while i < iovs.len() {
+        if iovs[i].iov_len == 0 {
+            i += 1;
+            continue;
+        }
+        let n = (iovs.len() - i).min(IOV_MAX);
+        // SAFETY: an all-zero msghdr is a valid "no address, no control"
+        // header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iovs[i..].as_mut_ptr();
+        msg.msg_iovlen = n as _;
+        // SAFETY: `msg` points at `n` live, initialised iovecs whose memory is
+        // valid for reads per this function's contract. `sendmsg` with
+        // MSG_NOSIGNAL is `writev` that reports a dead peer as EPIPE instead
+        // of raising SIGPIPE, which would kill a host process that does not
+        // ignore it.
+        let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            if would_block(&e) {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "send made no progress within the I/O timeout",
+                ));
+            }
+            return Err(e);
+        }
+        clock.touch();
+        let mut written = r as usize;
+        while written > 0 {
+            let cur = &mut iovs[i];
+            if written >= cur.iov_len {
+                written -= cur.iov_len;
+                cur.iov_len = 0;
+                i += 1;
+            } else {
+                // SAFETY: `written < iov_len`, so the advanced pointer stays
+                // inside the same buffer.
+                cur.iov_base = unsafe { (cur.iov_base as *mut u8).add(written) } as *mut libc::c_void;
+                cur.iov_len -= written;
+                written = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What a reader does when a receive timeout (`SO_RCVTIMEO`) expires.
+pub(crate) trait IdlePolicy {
+    /// Called on each timeout tick; `mid_frame` tells whether a frame is
+    /// partly read. Return an error to abandon the connection.
+    fn on_idle(&mut self, mid_frame: bool) -> io::Result<()>;
+}
+
+/// Reads frames from a socket, landing payloads directly in memory.
+pub(crate) struct FrameReader<'c> {
+    fd: RawFd,
+    hdr: [u8; HEADER_LEN],
+    filled: usize,
+    clock: &'c ProgressClock,
+}
+
+impl<'c> FrameReader<'c> {
+    pub(crate) fn new(fd: RawFd, clock: &'c ProgressClock) -> Self {
+        Self {
+            fd,
+            hdr: [0; HEADER_LEN],
+            filled: 0,
+            clock,
+        }
+    }
+
+    /// One `readv` into `payload` then the next header's free space.
+    ///
+    /// # Safety
+    /// `payload` must be valid for writes of `payload_len` bytes.
+    unsafe fn readv_once(
+        &mut self,
+        payload: *mut u8,
+        payload_len: usize,
+        idle: &mut dyn IdlePolicy,
+        mid_frame: bool,
+    ) -> io::Result<usize> {
+        let mut iovs = [iov(payload, payload_len), iov(std::ptr::null(), 0)];
+        let mut n = 0;
+        if payload_len > 0 {
+            n += 1;
+        }
+        let free = HEADER_LEN - self.filled;
+        if free > 0 {
+            // SAFETY: `filled <= HEADER_LEN`, so the pointer is inside or one
+            // past `hdr`, and `free` bytes from it are inside `hdr`.
+            iovs[n] = iov(unsafe { self.hdr.as_ptr().add(self.filled) }, free);
+            n += 1;
+        }
+        loop {
+            // SAFETY: the iovecs point into `payload` (valid for writes per the
+            // contract) and into `self.hdr`, which we borrow mutably.
+            let r = unsafe { libc::readv(self.fd, iovs.as_ptr(), n as libc::c_int) };
+            if r > 0 {
+                self.clock.touch();
+                let r = r as usize;
+                if r > payload_len {
+                    self.filled += r - payload_len;
+                }
+                return Ok(r);
+            }
+            if r == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "peer closed the connection",
+                ));
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            if would_block(&e) {
+                idle.on_idle(mid_frame)?;
+                continue;
+            }
+            return Err(e);
+        }
+    }
+
+    /// Reads the next frame header; `Ok(None)` on a clean close between
+    /// frames.
+    pub(crate) fn next_header(
+        &mut self,
+        idle: &mut dyn IdlePolicy,
+    ) -> io::Result<Option<[u8; HEADER_LEN]>> {
+        while self.filled < HEADER_LEN {
+            let mid = self.filled > 0;
+            // SAFETY: a zero-length payload is never written to.
+            match unsafe { self.readv_once(std::ptr::null_mut(), 0, idle, mid) } {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof && !mid => return Ok(None),
+                Err(e) => return Err(e),
+            }
+        }
+        self.filled = 0;
+        Ok(Some(self.hdr))
+    }
+
+    /// Reads exactly `len` payload bytes into `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `len` bytes for the whole call.
+    pub(crate) unsafe fn read_into(
+        &mut self,
+        dst: *mut u8,
+        len: usize,
+        idle: &mut dyn IdlePolicy,
+    ) -> io::Result<()> {
+        let mut done = 0;
+        while done < len {
+            // SAFETY: `done < len`, so `dst + done` and the `len - done` bytes
+            // after it lie inside the caller's buffer.
+            let r = unsafe { self.readv_once(dst.add(done), len - done, idle, true)? };
+            done += r.min(len - done);
+        }
+        Ok(())
+    }
+
+    /// Reads a control body of `len` bytes into a new vector.
+    pub(crate) fn read_vec(&mut self, len: usize, idle: &mut dyn IdlePolicy) -> io::Result<Vec<u8>> {
+        let mut v = vec![0u8; len];
+        // SAFETY: `v` owns `len` initialised bytes, valid for writes.
+        unsafe { self.read_into(v.as_mut_ptr(), len, idle)? };
+        Ok(v)
+    }
+
+    /// Reads and drops `len` bytes (the payload of a refused segment).
+    pub(crate) fn discard(&mut self, mut len: u64, idle: &mut dyn IdlePolicy) -> io::Result<()> {
+        let mut scratch = vec![0u8; 64 << 10];
+        while len > 0 {
+            let n = len.min(scratch.len() as u64) as usize;
+            // SAFETY: `scratch` owns at least `n` bytes, valid for writes.
+            unsafe { self.read_into(scratch.as_mut_ptr(), n, idle)? };
+            len -= n as u64;
+        }
+        Ok(())
+    }
+}

@@ -1226,14 +1226,18 @@ impl TransferAgent for TcpAgent {
             }
             None => None,
         };
-        peers.insert(
-            desc.name.clone(),
-            Arc::new(Peer {
-                desc: desc.clone(),
-                regions,
-                link: Mutex::new(link),
-            }),
-        );
+        let peer = Arc::new(Peer {
+            desc: desc.clone(),
+            regions,
+            link: Mutex::new(link),
+        });
+        peers.insert(desc.name.clone(), Arc::clone(&peer));
+        drop(peers);
+        // Connect now, so the first transfer does not pay for connection
+        // setup. A failure is not fatal: the first transfer retries.
+        if let Err(e) = peer.link(&self.inner) {
+            tracing::info!(remote = %desc.name, error = %e, "eager connect failed; will retry on first transfer");
+        }
         Ok(())
     }
 

@@ -1,0 +1,563 @@
+//! The agent conformance suite: two agents in two processes over loopback.
+//! Runs on the backend named by `KVXFER_TEST_BACKEND` (default `tcp`).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvxfer::{
+    AgentDesc, DescError, Error, MemoryDescs, RejectReason, TransferRequest, TransferState,
+};
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Entry point of the peer process (see `common::peer_main`). In a normal
+/// run it checks that a peer process starts, answers and stops.
+#[test]
+fn peer_process_entry() {
+    if std::env::var_os("KVXFER_PEER").is_some() {
+        peer_main();
+    }
+    let mut p = PeerProc::spawn("harness", 4096, 1, &[]);
+    assert_eq!(p.cmd("check 1 0 4096"), "OK");
+    assert_eq!(p.cmd("check 2 0 4096").split_whitespace().next(), Some("BAD"));
+}
+
+fn write_then_read(size: u64) {
+    let mut peer = PeerProc::spawn("target", size, 11, &[]);
+    let agent = local_agent("init", |c| c);
+    let mut src = vec![0u8; size as usize];
+    fill(&mut src, 22, 0);
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    assert_eq!(name, "target");
+
+    let st = agent
+        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, size), &name))
+        .unwrap();
+    st.wait_success(WAIT).unwrap();
+    assert!(st.is_completed());
+    assert_eq!(peer.cmd(&format!("check 22 0 {size}")), "OK");
+
+    // READ it back into a second local buffer, after the peer re-patterns it.
+    assert_eq!(peer.cmd("fill 33"), "OK");
+    let dst = vec![0u8; size as usize];
+    register(agent.as_ref(), &dst);
+    agent
+        .submit_transfer(TransferRequest::read(MemoryDescs::dram(&dst), peer.range(0, size), &name))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(first_mismatch(&dst, 33, 0), None);
+}
+
+#[test]
+fn write_and_read_1_byte() {
+    write_then_read(1);
+}
+
+#[test]
+fn write_and_read_64_kib() {
+    write_then_read(64 << 10);
+}
+
+#[test]
+fn write_and_read_256_mib() {
+    write_then_read(256 << 20);
+}
+
+#[test]
+fn ten_thousand_small_descriptors_in_one_request() {
+    const N: u64 = 10_000;
+    const STRIDE: u64 = 256;
+    const LEN: u64 = 100;
+    let size = N * STRIDE;
+    let mut peer = PeerProc::spawn("target", size, 5, &[]);
+    let agent = local_agent("init", |c| c);
+    let mut src = vec![0u8; size as usize];
+    fill(&mut src, 6, 0);
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    // Source descriptor i at i*STRIDE, destination at (N-1-i)*STRIDE + 13:
+    // a permutation, so a mis-paired descriptor cannot go unnoticed.
+    let local = dram((0..N).map(|i| (src.as_ptr() as u64 + i * STRIDE, LEN)));
+    let remote = dram((0..N).map(|i| (peer.addr + (N - 1 - i) * STRIDE + 13, LEN)));
+    agent
+        .submit_transfer(TransferRequest::write(local.clone(), remote.clone(), &name))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    // Expected image of the peer's buffer.
+    let mut expect = vec![0u8; size as usize];
+    fill(&mut expect, 5, 0);
+    for i in 0..N {
+        let d = ((N - 1 - i) * STRIDE + 13) as usize;
+        let s = (i * STRIDE) as usize;
+        expect[d..d + LEN as usize].copy_from_slice(&src[s..s + LEN as usize]);
+    }
+    assert_eq!(peer.cmd("hash"), fnv(&expect).to_string());
+    // And back again with one READ of 10,000 descriptors.
+    let back = vec![0u8; size as usize];
+    register(agent.as_ref(), &back);
+    let local_back = dram((0..N).map(|i| (back.as_ptr() as u64 + i * STRIDE, LEN)));
+    agent
+        .submit_transfer(TransferRequest::read(local_back, remote, &name))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    for i in 0..N as usize {
+        let s = i * STRIDE as usize;
+        assert_eq!(back[s..s + LEN as usize], src[s..s + LEN as usize], "descriptor {i}");
+    }
+}
+
+/// The target checks its whole buffer against the pattern named in the
+/// message at the moment it takes the message. With four streams per peer
+/// the data is spread over four connections, so a message released when its
+/// own stream is done (rather than when every segment is) would be seen
+/// before the data and fail the check.
+#[test]
+fn sync_message_arrives_after_all_data() {
+    let size: u64 = 64 << 20;
+    let mut peer = PeerProc::spawn("target", size, 1, &[]);
+    assert_eq!(peer.cmd("watch"), "OK");
+    let agent = local_agent("init", |c| c.with_streams_per_peer(4).with_segment_size(256 << 10));
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let mut src = vec![0u8; size as usize];
+    register(agent.as_ref(), &src);
+    for round in 2..6u64 {
+        fill(&mut src, round, 0);
+        let st = agent
+            .submit_transfer(
+                TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, size), &name)
+                    .with_sync_message(format!("seed:{round}")),
+            )
+            .unwrap();
+        let msg = peer.line(WAIT).expect("sync message");
+        assert_eq!(msg, format!("MSG init seed:{round} OK"));
+        st.wait_success(WAIT).unwrap();
+    }
+    // Exactly once: nothing more arrives.
+    assert_eq!(peer.line(Duration::from_millis(300)), None);
+}
+
+/// A standalone notification is ordered after the data of the transfers
+/// submitted before it, even across streams.
+#[test]
+fn notify_follows_earlier_transfers() {
+    let size: u64 = 32 << 20;
+    let mut peer = PeerProc::spawn("target", size, 1, &[]);
+    assert_eq!(peer.cmd("watch"), "OK");
+    let agent = local_agent("init", |c| c.with_streams_per_peer(3).with_segment_size(128 << 10));
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let mut src = vec![0u8; size as usize];
+    fill(&mut src, 9, 0);
+    register(agent.as_ref(), &src);
+    let st = agent
+        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, size), &name))
+        .unwrap();
+    let n = agent.notify_sync_message(&name, b"seed:9".to_vec()).unwrap();
+    assert_eq!(peer.line(WAIT).unwrap(), "MSG init seed:9 OK");
+    st.wait_success(WAIT).unwrap();
+    n.wait_success(WAIT).unwrap();
+}
+
+#[test]
+fn sync_messages_in_both_directions_grouped_by_sender() {
+    let peer = PeerProc::spawn("target", 4096, 1, &[]);
+    let a = local_agent("a", |c| c);
+    let b = local_agent("b", |c| c);
+    let name = a.load_remote_agent_by_connection(&peer.conn).unwrap();
+    b.load_remote_agent_by_connection(&peer.conn).unwrap();
+    // Two in-process agents notify each other, and both notify the peer.
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    b.load_remote_agent(&a.local_agent_desc()).unwrap();
+    for i in 0..3 {
+        a.notify_sync_message("b", format!("a{i}").into_bytes()).unwrap().wait_success(WAIT).unwrap();
+        b.notify_sync_message("a", format!("b{i}").into_bytes()).unwrap().wait_success(WAIT).unwrap();
+    }
+    a.notify_sync_message(&name, b"from-a".to_vec()).unwrap().wait_success(WAIT).unwrap();
+    b.notify_sync_message(&name, b"from-b".to_vec()).unwrap().wait_success(WAIT).unwrap();
+    let at_b = b.take_sync_messages();
+    assert_eq!(at_b["a"], vec![b"a0".to_vec(), b"a1".to_vec(), b"a2".to_vec()]);
+    let at_a = a.take_sync_messages();
+    assert_eq!(at_a["b"], vec![b"b0".to_vec(), b"b1".to_vec(), b"b2".to_vec()]);
+    assert!(a.take_sync_messages().is_empty(), "taken messages are gone");
+    let mut peer = peer;
+    let mut got: Vec<String> = peer.cmd("msgs").split_whitespace().map(String::from).collect();
+    got.sort();
+    assert_eq!(got, vec!["a=from-a", "b=from-b"]);
+}
+
+#[test]
+fn two_writers_into_one_target() {
+    let size: u64 = 8 << 20;
+    let mut peer = PeerProc::spawn("target", size, 1, &[]);
+    let half = size / 2;
+    let mut handles = Vec::new();
+    for (i, seed) in [(0u64, 40u64), (1, 41)] {
+        let conn = peer.conn.clone();
+        let addr = peer.addr + i * half;
+        handles.push(std::thread::spawn(move || {
+            let agent = local_agent(&format!("writer{i}"), |c| c);
+            let name = agent.load_remote_agent_by_connection(&conn).unwrap();
+            let mut src = vec![0u8; half as usize];
+            fill(&mut src, seed, i * half);
+            register(agent.as_ref(), &src);
+            agent
+                .submit_transfer(TransferRequest::write(
+                    MemoryDescs::dram(&src),
+                    dram([(addr, half)]),
+                    name,
+                ))
+                .unwrap()
+                .wait_success(WAIT)
+                .unwrap();
+        }));
+    }
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(peer.cmd(&format!("check 40 0 {half}")), "OK");
+    assert_eq!(peer.cmd(&format!("check 41 {half} {half}")), "OK");
+}
+
+#[test]
+fn out_of_range_remote_descriptor_is_refused_and_target_unchanged() {
+    let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let agent = local_agent("init", |c| c);
+    let src = vec![0xAAu8; 8192];
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    // One byte past the end, straddling the end, and far away.
+    for (addr, len) in [(peer.addr + 4096, 1), (peer.addr + 4000, 200), (peer.addr + (1 << 40), 8)] {
+        let err = agent
+            .submit_transfer(TransferRequest::write(
+                dram([(src.as_ptr() as u64, len)]),
+                dram([(addr, len)]),
+                &name,
+            ))
+            .unwrap_err();
+        assert!(matches!(err, Error::RemoteRangeNotExported { .. }), "{err}");
+    }
+    // A mixed request (one good descriptor, one bad) is refused whole.
+    let err = agent
+        .submit_transfer(TransferRequest::write(
+            dram([(src.as_ptr() as u64, 16), (src.as_ptr() as u64 + 16, 16)]),
+            dram([(peer.addr, 16), (peer.addr + 4090, 16)]),
+            &name,
+        ))
+        .unwrap_err();
+    assert!(matches!(err, Error::RemoteRangeNotExported { .. }), "{err}");
+    assert_eq!(peer.cmd("check 3 0 4096"), "OK");
+}
+
+#[test]
+fn unregistered_local_source_is_refused_before_sending() {
+    let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
+    assert_eq!(peer.cmd("watch"), "OK");
+    let agent = local_agent("init", |c| c);
+    let registered = vec![1u8; 4096];
+    register(agent.as_ref(), &registered);
+    let unregistered = vec![2u8; 4096];
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    for local in [
+        MemoryDescs::dram(&unregistered),
+        // Straddles the end of the registered buffer.
+        dram([(registered.as_ptr() as u64 + 4000, 200)]),
+    ] {
+        let len = local.descs[0].len;
+        let err = agent
+            .submit_transfer(
+                TransferRequest::write(local, peer.range(0, len), &name).with_sync_message(b"x".to_vec()),
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::NotRegistered { .. }), "{err}");
+    }
+    assert_eq!(peer.cmd("check 3 0 4096"), "OK");
+    assert_eq!(peer.line(Duration::from_millis(300)), None, "no sync message");
+}
+
+#[test]
+fn mismatched_request_shapes_are_refused() {
+    let peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let agent = local_agent("init", |c| c);
+    let src = vec![1u8; 4096];
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let a = src.as_ptr() as u64;
+    for (l, r) in [
+        (dram([(a, 10)]), dram([(peer.addr, 11)])),
+        (dram([(a, 10), (a + 10, 10)]), dram([(peer.addr, 10)])),
+        (dram([(a, 0)]), dram([(peer.addr, 0)])),
+    ] {
+        let err = agent.submit_transfer(TransferRequest::write(l, r, &name)).unwrap_err();
+        assert!(matches!(err, Error::InvalidRequest(_) | Error::InvalidDescriptor { .. }), "{err}");
+    }
+}
+
+#[test]
+fn invalidated_remote_cannot_be_used() {
+    let peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let agent = local_agent("init", |c| c);
+    let src = vec![1u8; 4096];
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    agent
+        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 4096), &name))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    agent.invalidate_remote_agent(&name).unwrap();
+    let err = agent
+        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 4096), &name))
+        .unwrap_err();
+    assert!(matches!(err, Error::UnknownAgent(_)), "{err}");
+    assert!(matches!(agent.notify_sync_message(&name, vec![1]), Err(Error::UnknownAgent(_))));
+    assert!(!agent.check_remote_descs(&name, &peer.range(0, 1)));
+    assert!(matches!(agent.invalidate_remote_agent(&name), Err(Error::UnknownAgent(_))));
+    // Loading it again makes it usable again.
+    agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    agent
+        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 4096), &name))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+}
+
+#[test]
+fn write_after_target_deregistered_is_rejected() {
+    let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let agent = local_agent("init", |c| c);
+    let src = vec![0x55u8; 4096];
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let before = peer.cmd("hash");
+    assert_eq!(peer.cmd("dereg"), "OK");
+    // The initiator's copy of the descriptor is now stale; the target
+    // itself refuses.
+    for req in [
+        TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 4096), &name),
+        TransferRequest::read(MemoryDescs::dram(&src), peer.range(0, 4096), &name),
+    ] {
+        let err = agent.submit_transfer(req).unwrap().wait(WAIT).unwrap_err();
+        assert!(
+            matches!(err, Error::RemoteRejected { reason: RejectReason::NotRegistered, .. }),
+            "{err}"
+        );
+    }
+    assert_eq!(peer.cmd("hash"), before, "target memory unchanged");
+    assert!(src.iter().all(|&b| b == 0x55), "local memory unchanged by the refused READ");
+    // The connection survives a refusal: a notification still goes through.
+    agent.notify_sync_message(&name, b"still here".to_vec()).unwrap().wait_success(WAIT).unwrap();
+    assert_eq!(peer.cmd("msgs"), "init=still here");
+}
+
+#[test]
+fn refused_request_withholds_its_sync_message() {
+    let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let agent = local_agent("init", |c| c);
+    let src = vec![0x55u8; 4096];
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    assert_eq!(peer.cmd("dereg"), "OK");
+    let st = agent
+        .submit_transfer(
+            TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 4096), &name)
+                .with_sync_message(b"must not arrive".to_vec()),
+        )
+        .unwrap();
+    assert!(st.wait(WAIT).is_err());
+    assert_eq!(peer.cmd("msgs"), "");
+}
+
+#[test]
+fn target_killed_mid_transfer_fails_within_timeout() {
+    let size: u64 = 64 << 20;
+    let io_timeout = Duration::from_secs(3);
+    let mut peer = PeerProc::spawn("target", size, 3, &[]);
+    let agent = local_agent("init", |c| c.with_io_timeout(io_timeout));
+    let src = vec![7u8; size as usize];
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    // Freeze the target so the transfer is certainly in the middle, then
+    // kill it.
+    peer.signal("STOP");
+    let local = dram((0..16).map(|_| (src.as_ptr() as u64, size)));
+    let remote = dram((0..16).map(|_| (peer.addr, size)));
+    let st = agent.submit_transfer(TransferRequest::write(local, remote, &name)).unwrap();
+    assert_eq!(st.wait(Duration::from_millis(300)).unwrap(), TransferState::InProgress);
+    let t0 = Instant::now();
+    peer.kill();
+    let err = st.wait(io_timeout * 2).unwrap_err();
+    assert!(t0.elapsed() < io_timeout, "failed after {:?}", t0.elapsed());
+    assert!(matches!(err, Error::ConnectionLost { .. }), "{err}");
+    // The local region is free again once the status has failed.
+    agent.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
+}
+
+#[test]
+fn frozen_target_times_out() {
+    let size: u64 = 64 << 20;
+    let io_timeout = Duration::from_secs(1);
+    let peer = PeerProc::spawn("target", size, 3, &[]);
+    let agent = local_agent("init", |c| c.with_io_timeout(io_timeout));
+    let src = vec![7u8; size as usize];
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    peer.signal("STOP");
+    let local = dram((0..4).map(|_| (src.as_ptr() as u64, size)));
+    let remote = dram((0..4).map(|_| (peer.addr, size)));
+    let t0 = Instant::now();
+    let st = agent.submit_transfer(TransferRequest::write(local, remote, &name)).unwrap();
+    let err = st.wait(io_timeout * 10).unwrap_err();
+    let took = t0.elapsed();
+    peer.signal("CONT");
+    assert!(matches!(err, Error::PeerTimedOut { .. }), "{err}");
+    assert!(took >= io_timeout && took < io_timeout * 3, "took {took:?}");
+    // A later request reconnects and works.
+    let st = agent
+        .submit_transfer(TransferRequest::write(dram([(src.as_ptr() as u64, 4096)]), peer.range(0, 4096), &name))
+        .unwrap();
+    st.wait_success(WAIT).unwrap();
+}
+
+#[test]
+fn deregistering_a_region_in_flight_is_refused() {
+    let size: u64 = 64 << 20;
+    let peer = PeerProc::spawn("target", size, 3, &[]);
+    let agent = local_agent("init", |c| c);
+    let src = vec![7u8; size as usize];
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    peer.signal("STOP");
+    let st = agent
+        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, size), &name))
+        .unwrap();
+    let err = agent.deregister_memory(&MemoryDescs::dram(&src)).unwrap_err();
+    assert!(matches!(err, Error::RegionBusy { .. }), "{err}");
+    peer.signal("CONT");
+    st.wait_success(WAIT).unwrap();
+    agent.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
+}
+
+#[test]
+fn check_remote_descs_true_and_false() {
+    let peer = PeerProc::spawn("target", 1 << 20, 3, &[]);
+    let agent = local_agent("init", |c| c);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    assert!(agent.check_remote_descs(&name, &peer.range(0, 1 << 20)));
+    assert!(agent.check_remote_descs(&name, &dram([(peer.addr, 1), (peer.addr + 1000, 24)])));
+    assert!(!agent.check_remote_descs(&name, &dram([(peer.addr, (1 << 20) + 1)])));
+    assert!(!agent.check_remote_descs(&name, &dram([(peer.addr, 1), (peer.addr - 1, 1)])));
+    assert!(!agent.check_remote_descs("nobody", &peer.range(0, 1)));
+    let vram = MemoryDescs::new(kvxfer::MemoryType::Vram, peer.range(0, 1).descs);
+    assert!(!agent.check_remote_descs(&name, &vram));
+}
+
+#[test]
+fn malformed_agent_desc_is_an_error() {
+    let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let hex = peer.cmd("desc");
+    let bytes: Vec<u8> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect();
+    let desc = AgentDesc::decode(&bytes).unwrap();
+    assert_eq!(desc.name, "target");
+    assert!(matches!(AgentDesc::decode(&bytes[..bytes.len() - 1]), Err(DescError::Malformed(_))));
+    assert!(matches!(AgentDesc::decode(b"GARBAGE!"), Err(DescError::BadMagic(_))));
+    let mut v9 = bytes.clone();
+    v9[4] = 9;
+    assert!(matches!(AgentDesc::decode(&v9), Err(DescError::UnsupportedVersion { found: 9, .. })));
+    // An inconsistent descriptor is refused by the agent too.
+    let agent = local_agent("init", |c| c);
+    let mut bad = desc.clone();
+    bad.endpoints.clear();
+    assert!(matches!(agent.load_remote_agent(&bad), Err(Error::InvalidAgentDesc(_))));
+    // Connection info that is not an agent: a listener that answers junk.
+    let junk = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = junk.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        if let Ok((mut s, _)) = junk.accept() {
+            let mut b = [0u8; 40];
+            let _ = s.read_exact(&mut b);
+            let mut reply = [0u8; 40];
+            reply[0] = 4; // a descriptor reply ...
+            reply[4] = 12; // ... of 12 bytes ...
+            let _ = s.write_all(&reply);
+            let _ = s.write_all(b"not-a-desc!!"); // ... that are junk.
+        }
+    });
+    let err = agent.load_remote_agent_by_connection(&addr).unwrap_err();
+    assert!(matches!(err, Error::InvalidAgentDesc(DescError::BadMagic(_))), "{err}");
+    assert!(matches!(
+        agent.load_remote_agent_by_connection("not an address"),
+        Err(Error::InvalidConnectionInfo { .. })
+    ));
+}
+
+#[test]
+fn restarted_target_is_detected_as_stale() {
+    let peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let agent = local_agent("init", |c| c);
+    let src = vec![1u8; 4096];
+    register(agent.as_ref(), &src);
+    agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let mut desc = agent_desc_of(&peer);
+    drop(peer);
+    // A descriptor pointing at a live listener of another instance.
+    let other = PeerProc::spawn("target", 4096, 3, &[]);
+    desc.endpoints = vec![other.conn.clone()];
+    agent.load_remote_agent(&desc).unwrap();
+    let err = agent
+        .submit_transfer(TransferRequest::write(
+            dram([(src.as_ptr() as u64, 16)]),
+            dram([(desc.regions[0].desc.addr, 16)]),
+            "target",
+        ))
+        .unwrap_err();
+    assert!(matches!(err, Error::StaleAgent { .. }), "{err}");
+}
+
+/// The peer's descriptor, fetched over the side channel by hand (a
+/// `DescRequest` frame), as a non-Rust client would.
+fn agent_desc_of(peer: &PeerProc) -> AgentDesc {
+    fetch(&peer.conn)
+}
+
+fn fetch(conn: &str) -> AgentDesc {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(conn).unwrap();
+    let mut req = [0u8; 40];
+    req[0] = 3;
+    s.write_all(&req).unwrap();
+    let mut hdr = [0u8; 40];
+    s.read_exact(&mut hdr).unwrap();
+    let n = u32::from_le_bytes(hdr[4..8].try_into().unwrap()) as usize;
+    let mut body = vec![0u8; n];
+    s.read_exact(&mut body).unwrap();
+    AgentDesc::decode(&body).unwrap()
+}
+
+#[test]
+fn agent_drop_fails_requests_in_flight_and_returns() {
+    let size: u64 = 64 << 20;
+    let peer = PeerProc::spawn("target", size, 3, &[]);
+    let agent = local_agent("init", |c| c);
+    let src = vec![7u8; size as usize];
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    peer.signal("STOP");
+    let st = agent
+        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, size), &name))
+        .unwrap();
+    let t0 = Instant::now();
+    drop(agent);
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    assert!(st.is_completed());
+    assert!(matches!(st.poll(), Err(Error::Closed)), "{:?}", st.poll());
+    peer.signal("CONT");
+}

@@ -1,0 +1,369 @@
+//! Test harness: a peer agent in a separate process, driven over its
+//! stdin/stdout, plus a deterministic byte pattern.
+//!
+//! The peer is this same test binary re-executed with `KVXFER_PEER=1` and
+//! `--exact peer_process_entry`; that entry point runs [`peer_main`].
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::time::{Duration, Instant};
+
+use kvxfer::{AgentConfig, Backend, MemoryDesc, MemoryDescs, MemoryType, TransferAgent};
+
+/// The backend the suite runs on (`KVXFER_TEST_BACKEND`, default `tcp`).
+pub fn backend() -> Backend {
+    std::env::var("KVXFER_TEST_BACKEND")
+        .unwrap_or_else(|_| "tcp".into())
+        .parse()
+        .expect("KVXFER_TEST_BACKEND")
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The pattern byte at absolute offset `off` for `seed`.
+pub fn pattern_byte(seed: u64, off: u64) -> u8 {
+    splitmix(seed ^ (off / 8).wrapping_mul(0x1000_0000_01B3)).to_le_bytes()[(off % 8) as usize]
+}
+
+/// Fills `buf`, which sits at offset `base` of the patterned space.
+pub fn fill(buf: &mut [u8], seed: u64, base: u64) {
+    let mut i = 0usize;
+    while i < buf.len() {
+        let off = base + i as u64;
+        if off % 8 == 0 && i + 8 <= buf.len() {
+            let w = splitmix(seed ^ (off / 8).wrapping_mul(0x1000_0000_01B3));
+            buf[i..i + 8].copy_from_slice(&w.to_le_bytes());
+            i += 8;
+        } else {
+            buf[i] = pattern_byte(seed, off);
+            i += 1;
+        }
+    }
+}
+
+/// First offset where `buf` (at `base`) departs from the pattern.
+pub fn first_mismatch(buf: &[u8], seed: u64, base: u64) -> Option<usize> {
+    let mut i = 0usize;
+    while i < buf.len() {
+        let off = base + i as u64;
+        if off % 8 == 0 && i + 8 <= buf.len() {
+            let w = splitmix(seed ^ (off / 8).wrapping_mul(0x1000_0000_01B3)).to_le_bytes();
+            if buf[i..i + 8] != w {
+                return Some(i + (0..8).find(|&k| buf[i + k] != w[k]).unwrap_or(0));
+            }
+            i += 8;
+        } else {
+            if buf[i] != pattern_byte(seed, off) {
+                return Some(i);
+            }
+            i += 1;
+        }
+    }
+    None
+}
+
+/// FNV-1a over `buf`.
+pub fn fnv(buf: &[u8]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for &b in buf {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// A new agent in this process, on the suite's backend.
+pub fn local_agent(name: &str, tweak: impl FnOnce(AgentConfig) -> AgentConfig) -> Box<dyn TransferAgent> {
+    kvxfer::make_transfer_agent(backend(), tweak(AgentConfig::new(name))).expect("agent")
+}
+
+/// Registers `buf` with `agent`.
+pub fn register(agent: &dyn TransferAgent, buf: &[u8]) {
+    // SAFETY: test buffers outlive the agent's use of them: each test drops
+    // or deregisters before freeing, and does not touch a buffer while a
+    // transfer on it is in flight.
+    unsafe { agent.register_memory(&MemoryDescs::dram(buf)).expect("register") };
+}
+
+/// Host descriptors for `(addr, len)` pairs.
+pub fn dram(pairs: impl IntoIterator<Item = (u64, u64)>) -> MemoryDescs {
+    MemoryDescs::new(
+        MemoryType::Dram,
+        pairs.into_iter().map(|(a, l)| MemoryDesc::new(a, l, 0)).collect(),
+    )
+}
+
+// ---------------------------------------------------------------------------
+// The peer process.
+// ---------------------------------------------------------------------------
+
+/// A peer agent running in a child process, with one registered buffer
+/// filled with the pattern of `seed`.
+pub struct PeerProc {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+    /// The peer's agent name.
+    pub name: String,
+    /// Its connection info.
+    pub conn: String,
+    /// Address of its registered buffer.
+    pub addr: u64,
+    /// Length of its registered buffer.
+    pub len: u64,
+}
+
+const REPLY: &str = "@@";
+
+impl PeerProc {
+    /// Starts a peer with a `len`-byte buffer patterned with `seed`.
+    pub fn spawn(name: &str, len: u64, seed: u64, env: &[(&str, &str)]) -> Self {
+        let exe = std::env::current_exe().expect("current exe");
+        let mut cmd = Command::new(exe);
+        cmd.args(["--exact", "peer_process_entry", "--nocapture", "--test-threads", "1"])
+            .env("KVXFER_PEER", "1")
+            .env("KVXFER_PEER_NAME", name)
+            .env("KVXFER_PEER_LEN", len.to_string())
+            .env("KVXFER_PEER_SEED", seed.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn peer");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(p) = line.find(REPLY) {
+                    if tx.send(line[p + REPLY.len()..].to_string()).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let mut p = PeerProc {
+            child,
+            stdin,
+            lines: rx,
+            name: name.to_string(),
+            conn: String::new(),
+            addr: 0,
+            len: 0,
+        };
+        let ready = p.line(Duration::from_secs(60)).expect("peer did not start");
+        let f: Vec<&str> = ready.split_whitespace().collect();
+        assert_eq!(f[0], "READY", "{ready}");
+        p.conn = f[1].to_string();
+        p.addr = f[2].parse().unwrap();
+        p.len = f[3].parse().unwrap();
+        p
+    }
+
+    /// The next reply line, if one arrives in time.
+    pub fn line(&mut self, timeout: Duration) -> Option<String> {
+        match self.lines.recv_timeout(timeout) {
+            Ok(l) => Some(l),
+            Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => None,
+        }
+    }
+
+    /// Sends a command and returns its reply.
+    pub fn cmd(&mut self, c: &str) -> String {
+        writeln!(self.stdin, "{c}").expect("peer stdin");
+        self.stdin.flush().unwrap();
+        self.line(Duration::from_secs(120))
+            .unwrap_or_else(|| panic!("peer gave no reply to {c:?}"))
+    }
+
+    /// Descriptor of `[off, off + len)` of the peer's buffer.
+    pub fn range(&self, off: u64, len: u64) -> MemoryDescs {
+        assert!(off + len <= self.len);
+        dram([(self.addr + off, len)])
+    }
+
+    /// The peer's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal to the peer process.
+    pub fn signal(&self, sig: &str) {
+        let st = Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid().to_string()])
+            .status()
+            .expect("kill");
+        assert!(st.success());
+    }
+
+    /// Kills the peer and waits for it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for PeerProc {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "quit");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.kill();
+    }
+}
+
+/// A buffer shared between the command loop and the sync watcher.
+#[derive(Clone, Copy)]
+struct Shared {
+    ptr: usize,
+    len: usize,
+}
+
+impl Shared {
+    /// A snapshot of bytes `[off, off + len)`, read with volatile loads since
+    /// the agent may be writing them concurrently.
+    fn snapshot(&self, off: usize, len: usize) -> Vec<u8> {
+        assert!(off + len <= self.len);
+        (off..off + len)
+            // SAFETY: in bounds of the leaked buffer, which lives for the
+            // whole process; volatile reads tolerate concurrent writes by the
+            // kernel on behalf of the agent.
+            .map(|i| unsafe { std::ptr::read_volatile((self.ptr + i) as *const u8) })
+            .collect()
+    }
+}
+
+/// Body of the peer process. Commands, one per line on stdin; each reply
+/// is one stdout line starting with `@@`:
+///
+/// - `check SEED OFF LEN` → `OK` or `BAD <offset>`
+/// - `hash` → FNV-1a of the whole buffer
+/// - `fill SEED` → `OK`
+/// - `dereg` → `OK` or `ERR <error>`
+/// - `desc` → the encoded agent descriptor in hex
+/// - `watch` → `OK`, then for each sync message received
+///   `MSG <from> <text> <verdict>`, where a message `seed:S` is checked
+///   against the whole buffer at the moment it is taken (`OK`/`BAD@off`)
+/// - `msgs` → every message received so far, `from=text` space-separated
+/// - `quit`
+pub fn peer_main() {
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k}"));
+    let name = var("KVXFER_PEER_NAME");
+    let len: usize = var("KVXFER_PEER_LEN").parse().unwrap();
+    let seed: u64 = var("KVXFER_PEER_SEED").parse().unwrap();
+    let streams: usize = std::env::var("KVXFER_PEER_STREAMS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    let agent: &'static dyn TransferAgent =
+        Box::leak(local_agent(&name, |c| c.with_streams_per_peer(streams)));
+    let buf: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
+    fill(buf, seed, 0);
+    let shared = Shared {
+        ptr: buf.as_ptr() as usize,
+        len,
+    };
+    let region = MemoryDescs::dram(buf);
+    // SAFETY: the buffer is leaked, so it lives as long as the process; the
+    // process only reads it through volatile snapshots.
+    unsafe { agent.register_memory(&region).expect("register") };
+    let out = |s: String| {
+        let mut o = std::io::stdout().lock();
+        writeln!(o, "\n{REPLY}{s}").unwrap();
+        o.flush().unwrap();
+    };
+    out(format!(
+        "READY {} {} {}",
+        agent.local_connection_info(),
+        shared.ptr,
+        len
+    ));
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        let f: Vec<&str> = line.split_whitespace().collect();
+        match f.first().copied() {
+            Some("check") => {
+                let (s, off, n): (u64, usize, usize) =
+                    (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap());
+                let snap = shared.snapshot(off, n);
+                out(match first_mismatch(&snap, s, off as u64) {
+                    None => "OK".into(),
+                    Some(i) => format!("BAD {}", off + i),
+                });
+            }
+            Some("hash") => out(format!("{}", fnv(&shared.snapshot(0, len)))),
+            Some("fill") => {
+                let s: u64 = f[1].parse().unwrap();
+                let mut v = vec![0u8; len];
+                fill(&mut v, s, 0);
+                for (i, b) in v.into_iter().enumerate() {
+                    // SAFETY: in bounds of the leaked buffer; no transfer is
+                    // in flight while a test asks for a fill.
+                    unsafe { std::ptr::write_volatile((shared.ptr + i) as *mut u8, b) };
+                }
+                out("OK".into());
+            }
+            Some("dereg") => out(match agent.deregister_memory(&region) {
+                Ok(()) => "OK".into(),
+                Err(e) => format!("ERR {e}"),
+            }),
+            Some("desc") => out(
+                agent
+                    .local_agent_desc()
+                    .encode()
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect(),
+            ),
+            Some("watch") => {
+                std::thread::spawn(move || {
+                    loop {
+                        for (from, msgs) in agent.wait_sync_messages(Duration::from_millis(50)) {
+                            for m in msgs {
+                                let text = String::from_utf8_lossy(&m).into_owned();
+                                let verdict = match text.strip_prefix("seed:") {
+                                    Some(s) => {
+                                        let s: u64 = s.parse().unwrap();
+                                        match first_mismatch(&shared.snapshot(0, len), s, 0) {
+                                            None => "OK".to_string(),
+                                            Some(i) => format!("BAD@{i}"),
+                                        }
+                                    }
+                                    None => "-".to_string(),
+                                };
+                                out(format!("MSG {from} {text} {verdict}"));
+                            }
+                        }
+                    }
+                });
+                out("OK".into());
+            }
+            Some("msgs") => {
+                let mut all: Vec<String> = Vec::new();
+                for (from, msgs) in agent.take_sync_messages() {
+                    for m in msgs {
+                        all.push(format!("{from}={}", String::from_utf8_lossy(&m)));
+                    }
+                }
+                out(all.join(" "));
+            }
+            Some("quit") | None => break,
+            Some(other) => out(format!("ERR unknown command {other}")),
+        }
+    }
+    std::process::exit(0);
+}

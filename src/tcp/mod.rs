@@ -204,10 +204,15 @@ fn violation(detail: impl Into<String>) -> io::Error {
 }
 
 /// Sends header-only frames.
-fn send_frames(sock: &TcpStream, frames: &[[u8; HEADER_LEN]], clock: &ProgressClock) -> io::Result<()> {
+fn send_frames(
+    sock: &TcpStream,
+    frames: &[[u8; HEADER_LEN]],
+    clock: &ProgressClock,
+    io_timeout: Duration,
+) -> io::Result<()> {
     let mut iovs: Vec<_> = frames.iter().map(|f| iov(f.as_ptr(), HEADER_LEN)).collect();
     // SAFETY: the iovecs point into `frames`, alive for the call.
-    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock) }
+    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, io_timeout) }
 }
 
 impl Inner {
@@ -252,7 +257,7 @@ impl Inner {
     fn serve(&self, sock: &TcpStream) -> io::Result<()> {
         sock.set_nodelay(true)?;
         sock.set_read_timeout(Some(tick(self.config.io_timeout)))?;
-        sock.set_write_timeout(Some(self.config.io_timeout))?;
+        sock.set_write_timeout(Some(tick(self.config.io_timeout)))?;
         let clock = ProgressClock::new();
         let mut idle = ServerIdle {
             inner: self,
@@ -272,7 +277,7 @@ impl Inner {
                     .encode();
                     let mut iovs = [iov(hdr.as_ptr(), HEADER_LEN), iov(body.as_ptr(), body.len())];
                     // SAFETY: both iovecs point into live locals.
-                    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, &clock)? };
+                    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, &clock, self.config.io_timeout)? };
                 }
                 Frame::Hello {
                     instance,
@@ -299,6 +304,7 @@ impl Inner {
                         }
                         .encode()],
                         &clock,
+                        self.config.io_timeout,
                     )?;
                     if st != status::OK {
                         return Ok(());
@@ -388,7 +394,7 @@ impl Inner {
                             // SAFETY: the payload range lies inside a region
                             // registered here and held by `guard`; the header
                             // is a live local.
-                            unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock)? };
+                            unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, self.config.io_timeout)? };
                             drop(guard);
                             Ok(())
                         }
@@ -402,6 +408,7 @@ impl Inner {
                                 }
                                 .encode()],
                                 clock,
+                                self.config.io_timeout,
                             )?;
                             Err(reason)
                         }
@@ -443,7 +450,12 @@ impl Inner {
             Ok(()) => status::OK,
             Err(r) => r.code(),
         };
-        send_frames(sock, &[Frame::Ack { req: f.req, status: st }.encode()], clock)
+        send_frames(
+            sock,
+            &[Frame::Ack { req: f.req, status: st }.encode()],
+            clock,
+            self.config.io_timeout,
+        )
     }
 
     fn local_desc(&self) -> AgentDesc {
@@ -575,7 +587,7 @@ impl Link {
             let clock = ProgressClock::new();
             handshake(inner, peer, &sock, link_id, i as u32, &clock)?;
             sock.set_read_timeout(Some(tick(cfg.io_timeout)))?;
-            sock.set_write_timeout(Some(cfg.io_timeout))?;
+            sock.set_write_timeout(Some(tick(cfg.io_timeout)))?;
             let (tx, rx) = crossbeam_channel::unbounded();
             streams.push(StreamHandle {
                 tx,
@@ -782,7 +794,7 @@ impl Link {
             // the request's guards, which live until the request completes,
             // which cannot happen before this write returns (its
             // acknowledgement follows these bytes).
-            if let Err(e) = unsafe { writev_all(fd, &mut iovs, &self.clock) } {
+            if let Err(e) = unsafe { writev_all(fd, &mut iovs, &self.clock, self.io_timeout) } {
                 self.fail(self.io_error(e));
                 break;
             }
@@ -975,7 +987,7 @@ fn handshake(
         cause: Arc::new(e),
     };
     // SAFETY: both iovecs point into live locals.
-    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock) }.map_err(conn_err)?;
+    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, t) }.map_err(conn_err)?;
     let mut reader = FrameReader::new(sock.as_raw_fd(), clock);
     let raw = reader
         .next_header(&mut FailOnIdle("hello"))
@@ -1038,7 +1050,7 @@ fn fetch_desc(info: &str, timeout: Duration) -> Result<AgentDesc, Error> {
         addr: info.to_owned(),
         cause: Arc::new(e),
     };
-    send_frames(&sock, &[Frame::DescRequest.encode()], &clock).map_err(conn_err)?;
+    send_frames(&sock, &[Frame::DescRequest.encode()], &clock, timeout).map_err(conn_err)?;
     let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
     let mut idle = FailOnIdle("descriptor fetch");
     let raw = reader

@@ -16,6 +16,8 @@ use super::wire::HEADER_LEN;
 
 /// Most iovecs passed to one `writev`/`readv` (Linux's `IOV_MAX`).
 pub(crate) const IOV_MAX: usize = 1024;
+/// Most bytes handed to one `sendmsg`.
+const MAX_CALL_BYTES: usize = 4 << 20;
 
 /// A monotonic clock in nanoseconds since an agent-local origin, shared by
 /// the threads of one connection to record the time of the last progress.
@@ -65,8 +67,9 @@ fn would_block(e: &io::Error) -> bool {
 }
 
 /// Writes every byte described by `iovs`, in order, handling partial writes.
-/// A send timeout (`SO_SNDTIMEO`) expiring with no byte written is returned
-/// as `TimedOut`.
+/// The socket's send timeout (`SO_SNDTIMEO`) should be a short tick; when
+/// no byte has moved on `clock` for `io_timeout`, the write fails with
+/// `TimedOut`.
 ///
 /// # Safety
 /// Every iovec must describe memory valid for reads for the whole call
@@ -76,6 +79,7 @@ pub(crate) unsafe fn writev_all(
     fd: RawFd,
     iovs: &mut [libc::iovec],
     clock: &ProgressClock,
+    io_timeout: std::time::Duration,
 ) -> io::Result<()> {
     let mut i = 0;
     while i < iovs.len() {
@@ -83,7 +87,19 @@ pub(crate) unsafe fn writev_all(
             i += 1;
             continue;
         }
-        let n = (iovs.len() - i).min(IOV_MAX);
+        // Batch up to IOV_MAX iovecs and MAX_CALL_BYTES bytes, trimming the
+        // last iovec temporarily: each call then returns (and records
+        // progress) often enough for the no-progress timeout to be precise.
+        let mut end = i;
+        let mut bytes = 0usize;
+        while end < iovs.len() && end - i < IOV_MAX && bytes < MAX_CALL_BYTES {
+            bytes += iovs[end].iov_len;
+            end += 1;
+        }
+        let n = end - i;
+        let last = end - 1;
+        let saved = iovs[last].iov_len;
+        iovs[last].iov_len -= bytes.saturating_sub(MAX_CALL_BYTES);
         // SAFETY: an all-zero msghdr is a valid "no address, no control"
         // header.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -95,16 +111,22 @@ pub(crate) unsafe fn writev_all(
         // of raising SIGPIPE, which would kill a host process that does not
         // ignore it.
         let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
+        iovs[last].iov_len = saved;
         if r < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
                 continue;
             }
             if would_block(&e) {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "send made no progress within the I/O timeout",
-                ));
+                // The socket's send timeout is a short tick; the connection
+                // is dead only when nothing moved for the whole I/O timeout.
+                if clock.idle() > io_timeout {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "send made no progress within the I/O timeout",
+                    ));
+                }
+                continue;
             }
             return Err(e);
         }

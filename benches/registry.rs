@@ -6,7 +6,8 @@ use std::hint::black_box;
 fn lookup(c: &mut Criterion) {
     let mut m = RegionMap::new();
     for i in 0..10_000u64 {
-        m.insert(MemoryType::Dram, MemoryDesc::new(i * 8192, 4096, 0), i).unwrap();
+        m.insert(MemoryType::Dram, MemoryDesc::new(i * 8192, 4096, 0), i)
+            .unwrap();
     }
     c.bench_function("region_map_find_10k", |b| {
         let mut i = 0u64;

@@ -178,7 +178,11 @@ impl TransferStatus {
     /// Whether the transfer has finished, successfully or not.
     pub fn is_completed(&self) -> bool {
         matches!(
-            *self.completion.cell.lock().unwrap_or_else(|p| p.into_inner()),
+            *self
+                .completion
+                .cell
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
             Cell::Done(_)
         )
     }
@@ -188,7 +192,13 @@ impl TransferStatus {
     /// # Errors
     /// The transfer's failure, if it failed.
     pub fn poll(&self) -> Result<TransferState, Error> {
-        Completion::snapshot(&self.completion.cell.lock().unwrap_or_else(|p| p.into_inner()))
+        Completion::snapshot(
+            &self
+                .completion
+                .cell
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        )
     }
 
     /// Blocks until the transfer finishes or `timeout` elapses. Returns
@@ -198,7 +208,11 @@ impl TransferStatus {
     /// The transfer's failure, if it failed.
     pub fn wait(&self, timeout: Duration) -> Result<TransferState, Error> {
         let deadline = Instant::now().checked_add(timeout);
-        let mut c = self.completion.cell.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self
+            .completion
+            .cell
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         loop {
             if matches!(*c, Cell::Done(_)) {
                 return Completion::snapshot(&c);
@@ -425,6 +439,12 @@ pub trait TransferAgent: Send + Sync {
     /// [`Error::InvalidConnectionInfo`], [`Error::Connect`],
     /// [`Error::Timeout`], [`Error::InvalidAgentDesc`].
     fn load_remote_agent_by_connection(&self, connection_info: &str) -> Result<String, Error>;
+
+    /// The descriptor a remote agent was loaded from.
+    ///
+    /// # Errors
+    /// [`Error::UnknownAgent`].
+    fn remote_agent_desc(&self, name: &str) -> Result<AgentDesc, Error>;
 
     /// Forgets a remote agent and closes its connections; its transfers in
     /// flight fail.

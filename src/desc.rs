@@ -29,7 +29,9 @@ pub enum DescError {
     #[error("not a kvxfer agent descriptor (bad magic {0:02x?})")]
     BadMagic([u8; 4]),
     /// Written by a version of kvxfer this build cannot read.
-    #[error("agent descriptor format version {found} is not supported (this build reads {supported})")]
+    #[error(
+        "agent descriptor format version {found} is not supported (this build reads {supported})"
+    )]
     UnsupportedVersion {
         /// Version found.
         found: u16,
@@ -119,8 +121,8 @@ impl AgentDesc {
                 supported: DESC_VERSION,
             });
         }
-        let (desc, rest): (AgentDesc, &[u8]) =
-            postcard::take_from_bytes(&bytes[6..]).map_err(|e| DescError::Malformed(e.to_string()))?;
+        let (desc, rest): (AgentDesc, &[u8]) = postcard::take_from_bytes(&bytes[6..])
+            .map_err(|e| DescError::Malformed(e.to_string()))?;
         if !rest.is_empty() {
             return Err(DescError::Malformed(format!(
                 "{} trailing bytes",
@@ -201,7 +203,10 @@ mod tests {
         assert_eq!(AgentDesc::decode(&good[..3]), Err(DescError::Truncated(3)));
         let mut bad = good.clone();
         bad[0] = b'X';
-        assert!(matches!(AgentDesc::decode(&bad), Err(DescError::BadMagic(_))));
+        assert!(matches!(
+            AgentDesc::decode(&bad),
+            Err(DescError::BadMagic(_))
+        ));
         let mut v2 = good.clone();
         v2[4] = 2;
         assert_eq!(

@@ -111,7 +111,9 @@ pub enum Error {
         desc: MemoryDesc,
     },
     /// Deregistration of a region that in-flight transfers still use.
-    #[error("region {desc:?} has {in_flight} transfer(s) in flight; wait for them before deregistering")]
+    #[error(
+        "region {desc:?} has {in_flight} transfer(s) in flight; wait for them before deregistering"
+    )]
     RegionBusy {
         /// The region.
         desc: MemoryDesc,

@@ -251,7 +251,12 @@ impl<V> RegionMap<V> {
     ///
     /// # Errors
     /// As [`RegionMap::check_insert`]; nothing changes on error.
-    pub fn insert(&mut self, mem_type: MemoryType, desc: MemoryDesc, value: V) -> Result<(), Error> {
+    pub fn insert(
+        &mut self,
+        mem_type: MemoryType,
+        desc: MemoryDesc,
+        value: V,
+    ) -> Result<(), Error> {
         self.check_insert(mem_type, &desc)?;
         self.spaces
             .entry(AddressSpace::of(mem_type, &desc))
@@ -352,8 +357,10 @@ mod tests {
     #[test]
     fn address_spaces_are_separate_for_files_not_for_vram() {
         let mut m = RegionMap::new();
-        m.insert(MemoryType::File, MemoryDesc::new(0, 10, 3), ()).unwrap();
-        m.insert(MemoryType::File, MemoryDesc::new(0, 10, 4), ()).unwrap();
+        m.insert(MemoryType::File, MemoryDesc::new(0, 10, 3), ())
+            .unwrap();
+        m.insert(MemoryType::File, MemoryDesc::new(0, 10, 4), ())
+            .unwrap();
         m.insert(MemoryType::Vram, MemoryDesc::new(0x1000, 10, 0), ())
             .unwrap();
         assert!(
@@ -372,7 +379,12 @@ mod tests {
         assert!(m.find(MemoryType::Dram, &d(250, 10)).is_none());
         assert!(m.find(MemoryType::Vram, &d(150, 10)).is_none());
         assert!(m.remove_exact(MemoryType::Dram, &d(100, 99)).is_none());
-        assert_eq!(m.remove_exact(MemoryType::Dram, &d(100, 100)).unwrap().value, 'a');
+        assert_eq!(
+            m.remove_exact(MemoryType::Dram, &d(100, 100))
+                .unwrap()
+                .value,
+            'a'
+        );
         assert!(m.find(MemoryType::Dram, &d(150, 1)).is_none());
         assert_eq!(m.len(), 1);
     }

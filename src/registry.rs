@@ -104,7 +104,10 @@ impl Registry {
             };
             let in_flight = r.value.busy.load(Ordering::Acquire);
             if in_flight > 0 {
-                return Err(Error::RegionBusy { desc: *d, in_flight });
+                return Err(Error::RegionBusy {
+                    desc: *d,
+                    in_flight,
+                });
             }
         }
         for d in &descs.descs {
@@ -192,7 +195,11 @@ impl Inbox {
             if left.is_zero() {
                 break;
             }
-            m = self.cv.wait_timeout(m, left).unwrap_or_else(|p| p.into_inner()).0;
+            m = self
+                .cv
+                .wait_timeout(m, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         std::mem::take(&mut *m)
     }
@@ -205,21 +212,43 @@ mod tests {
     fn dram(descs: &[(u64, u64)]) -> MemoryDescs {
         MemoryDescs::new(
             MemoryType::Dram,
-            descs.iter().map(|&(a, l)| MemoryDesc::new(a, l, 0)).collect(),
+            descs
+                .iter()
+                .map(|&(a, l)| MemoryDesc::new(a, l, 0))
+                .collect(),
         )
     }
 
     #[test]
     fn register_is_all_or_nothing() {
         let r = Registry::default();
-        r.register(&dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t").unwrap();
+        r.register(&dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t")
+            .unwrap();
         // Second batch: one good, one overlapping an existing region.
-        assert!(r.register(&dram(&[(0x5000, 10), (0x1010, 10)]), &[MemoryType::Dram], "t").is_err());
+        assert!(
+            r.register(
+                &dram(&[(0x5000, 10), (0x1010, 10)]),
+                &[MemoryType::Dram],
+                "t"
+            )
+            .is_err()
+        );
         // ... or overlapping each other.
-        assert!(r.register(&dram(&[(0x5000, 10), (0x5005, 10)]), &[MemoryType::Dram], "t").is_err());
+        assert!(
+            r.register(
+                &dram(&[(0x5000, 10), (0x5005, 10)]),
+                &[MemoryType::Dram],
+                "t"
+            )
+            .is_err()
+        );
         assert_eq!(r.exported().len(), 1);
         assert!(matches!(
-            r.register(&MemoryDescs::new(MemoryType::Vram, vec![MemoryDesc::new(1, 1, 0)]), &[MemoryType::Dram], "t"),
+            r.register(
+                &MemoryDescs::new(MemoryType::Vram, vec![MemoryDesc::new(1, 1, 0)]),
+                &[MemoryType::Dram],
+                "t"
+            ),
             Err(Error::UnsupportedMemoryType { .. })
         ));
     }
@@ -229,26 +258,51 @@ mod tests {
         let r = Registry::default();
         let d = dram(&[(0x1000, 100)]);
         r.register(&d, &[MemoryType::Dram], "t").unwrap();
-        let g = r.acquire_local(&dram(&[(0x1010, 10), (0x1020, 10)])).unwrap();
-        assert_eq!(g.len(), 1, "consecutive descriptors in one region share a guard");
-        assert!(matches!(r.deregister(&d), Err(Error::RegionBusy { in_flight: 1, .. })));
+        let g = r
+            .acquire_local(&dram(&[(0x1010, 10), (0x1020, 10)]))
+            .unwrap();
+        assert_eq!(
+            g.len(),
+            1,
+            "consecutive descriptors in one region share a guard"
+        );
+        assert!(matches!(
+            r.deregister(&d),
+            Err(Error::RegionBusy { in_flight: 1, .. })
+        ));
         drop(g);
         let key = r.exported()[0].key;
         let g = r.admit_remote(MemoryType::Dram, 0x1000, 100, key).unwrap();
         assert!(r.deregister(&d).is_err());
         drop(g);
-        assert!(matches!(r.deregister(&dram(&[(0x1000, 99)])), Err(Error::NotARegistration { .. })));
+        assert!(matches!(
+            r.deregister(&dram(&[(0x1000, 99)])),
+            Err(Error::NotARegistration { .. })
+        ));
         r.deregister(&d).unwrap();
-        assert_eq!(r.admit_remote(MemoryType::Dram, 0x1000, 1, key).unwrap_err(), RejectReason::NotRegistered);
+        assert_eq!(
+            r.admit_remote(MemoryType::Dram, 0x1000, 1, key)
+                .unwrap_err(),
+            RejectReason::NotRegistered
+        );
     }
 
     #[test]
     fn remote_access_checks_key_and_bounds() {
         let r = Registry::default();
-        r.register(&dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t").unwrap();
+        r.register(&dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t")
+            .unwrap();
         let key = r.exported()[0].key;
-        assert_eq!(r.admit_remote(MemoryType::Dram, 0x1000, 100, key ^ 1).unwrap_err(), RejectReason::BadKey);
-        assert_eq!(r.admit_remote(MemoryType::Dram, 0x1000, 101, key).unwrap_err(), RejectReason::NotRegistered);
+        assert_eq!(
+            r.admit_remote(MemoryType::Dram, 0x1000, 100, key ^ 1)
+                .unwrap_err(),
+            RejectReason::BadKey
+        );
+        assert_eq!(
+            r.admit_remote(MemoryType::Dram, 0x1000, 101, key)
+                .unwrap_err(),
+            RejectReason::NotRegistered
+        );
         assert!(r.admit_remote(MemoryType::Dram, 0x1063, 1, key).is_ok());
     }
 }

@@ -21,7 +21,10 @@ fn peer_process_entry() {
     }
     let mut p = PeerProc::spawn("harness", 4096, 1, &[]);
     assert_eq!(p.cmd("check 1 0 4096"), "OK");
-    assert_eq!(p.cmd("check 2 0 4096").split_whitespace().next(), Some("BAD"));
+    assert_eq!(
+        p.cmd("check 2 0 4096").split_whitespace().next(),
+        Some("BAD")
+    );
 }
 
 fn write_then_read(size: u64) {
@@ -34,7 +37,11 @@ fn write_then_read(size: u64) {
     assert_eq!(name, "target");
 
     let st = agent
-        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, size), &name))
+        .submit_transfer(TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, size),
+            &name,
+        ))
         .unwrap();
     st.wait_success(WAIT).unwrap();
     assert!(st.is_completed());
@@ -45,7 +52,11 @@ fn write_then_read(size: u64) {
     let dst = vec![0u8; size as usize];
     register(agent.as_ref(), &dst);
     agent
-        .submit_transfer(TransferRequest::read(MemoryDescs::dram(&dst), peer.range(0, size), &name))
+        .submit_transfer(TransferRequest::read(
+            MemoryDescs::dram(&dst),
+            peer.range(0, size),
+            &name,
+        ))
         .unwrap()
         .wait_success(WAIT)
         .unwrap();
@@ -108,7 +119,11 @@ fn ten_thousand_small_descriptors_in_one_request() {
         .unwrap();
     for i in 0..N as usize {
         let s = i * STRIDE as usize;
-        assert_eq!(back[s..s + LEN as usize], src[s..s + LEN as usize], "descriptor {i}");
+        assert_eq!(
+            back[s..s + LEN as usize],
+            src[s..s + LEN as usize],
+            "descriptor {i}"
+        );
     }
 }
 
@@ -122,7 +137,9 @@ fn sync_message_arrives_after_all_data() {
     let size: u64 = 64 << 20;
     let mut peer = PeerProc::spawn("target", size, 1, &[]);
     assert_eq!(peer.cmd("watch"), "OK");
-    let agent = local_agent("init", |c| c.with_streams_per_peer(4).with_segment_size(256 << 10));
+    let agent = local_agent("init", |c| {
+        c.with_streams_per_peer(4).with_segment_size(256 << 10)
+    });
     let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
     let mut src = vec![0u8; size as usize];
     register(agent.as_ref(), &src);
@@ -149,15 +166,23 @@ fn notify_follows_earlier_transfers() {
     let size: u64 = 32 << 20;
     let mut peer = PeerProc::spawn("target", size, 1, &[]);
     assert_eq!(peer.cmd("watch"), "OK");
-    let agent = local_agent("init", |c| c.with_streams_per_peer(3).with_segment_size(128 << 10));
+    let agent = local_agent("init", |c| {
+        c.with_streams_per_peer(3).with_segment_size(128 << 10)
+    });
     let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
     let mut src = vec![0u8; size as usize];
     fill(&mut src, 9, 0);
     register(agent.as_ref(), &src);
     let st = agent
-        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, size), &name))
+        .submit_transfer(TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, size),
+            &name,
+        ))
         .unwrap();
-    let n = agent.notify_sync_message(&name, b"seed:9".to_vec()).unwrap();
+    let n = agent
+        .notify_sync_message(&name, b"seed:9".to_vec())
+        .unwrap();
     assert_eq!(peer.line(WAIT).unwrap(), "MSG init seed:9 OK");
     st.wait_success(WAIT).unwrap();
     n.wait_success(WAIT).unwrap();
@@ -174,18 +199,40 @@ fn sync_messages_in_both_directions_grouped_by_sender() {
     a.load_remote_agent(&b.local_agent_desc()).unwrap();
     b.load_remote_agent(&a.local_agent_desc()).unwrap();
     for i in 0..3 {
-        a.notify_sync_message("b", format!("a{i}").into_bytes()).unwrap().wait_success(WAIT).unwrap();
-        b.notify_sync_message("a", format!("b{i}").into_bytes()).unwrap().wait_success(WAIT).unwrap();
+        a.notify_sync_message("b", format!("a{i}").into_bytes())
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+        b.notify_sync_message("a", format!("b{i}").into_bytes())
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
     }
-    a.notify_sync_message(&name, b"from-a".to_vec()).unwrap().wait_success(WAIT).unwrap();
-    b.notify_sync_message(&name, b"from-b".to_vec()).unwrap().wait_success(WAIT).unwrap();
+    a.notify_sync_message(&name, b"from-a".to_vec())
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    b.notify_sync_message(&name, b"from-b".to_vec())
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
     let at_b = b.take_sync_messages();
-    assert_eq!(at_b["a"], vec![b"a0".to_vec(), b"a1".to_vec(), b"a2".to_vec()]);
+    assert_eq!(
+        at_b["a"],
+        vec![b"a0".to_vec(), b"a1".to_vec(), b"a2".to_vec()]
+    );
     let at_a = a.take_sync_messages();
-    assert_eq!(at_a["b"], vec![b"b0".to_vec(), b"b1".to_vec(), b"b2".to_vec()]);
+    assert_eq!(
+        at_a["b"],
+        vec![b"b0".to_vec(), b"b1".to_vec(), b"b2".to_vec()]
+    );
     assert!(a.take_sync_messages().is_empty(), "taken messages are gone");
     let mut peer = peer;
-    let mut got: Vec<String> = peer.cmd("msgs").split_whitespace().map(String::from).collect();
+    let mut got: Vec<String> = peer
+        .cmd("msgs")
+        .split_whitespace()
+        .map(String::from)
+        .collect();
     got.sort();
     assert_eq!(got, vec!["a=from-a", "b=from-b"]);
 }
@@ -231,7 +278,11 @@ fn out_of_range_remote_descriptor_is_refused_and_target_unchanged() {
     register(agent.as_ref(), &src);
     let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
     // One byte past the end, straddling the end, and far away.
-    for (addr, len) in [(peer.addr + 4096, 1), (peer.addr + 4000, 200), (peer.addr + (1 << 40), 8)] {
+    for (addr, len) in [
+        (peer.addr + 4096, 1),
+        (peer.addr + 4000, 200),
+        (peer.addr + (1 << 40), 8),
+    ] {
         let err = agent
             .submit_transfer(TransferRequest::write(
                 dram([(src.as_ptr() as u64, len)]),
@@ -270,13 +321,18 @@ fn unregistered_local_source_is_refused_before_sending() {
         let len = local.descs[0].len;
         let err = agent
             .submit_transfer(
-                TransferRequest::write(local, peer.range(0, len), &name).with_sync_message(b"x".to_vec()),
+                TransferRequest::write(local, peer.range(0, len), &name)
+                    .with_sync_message(b"x".to_vec()),
             )
             .unwrap_err();
         assert!(matches!(err, Error::NotRegistered { .. }), "{err}");
     }
     assert_eq!(peer.cmd("check 3 0 4096"), "OK");
-    assert_eq!(peer.line(Duration::from_millis(300)), None, "no sync message");
+    assert_eq!(
+        peer.line(Duration::from_millis(300)),
+        None,
+        "no sync message"
+    );
 }
 
 #[test]
@@ -292,8 +348,16 @@ fn mismatched_request_shapes_are_refused() {
         (dram([(a, 10), (a + 10, 10)]), dram([(peer.addr, 10)])),
         (dram([(a, 0)]), dram([(peer.addr, 0)])),
     ] {
-        let err = agent.submit_transfer(TransferRequest::write(l, r, &name)).unwrap_err();
-        assert!(matches!(err, Error::InvalidRequest(_) | Error::InvalidDescriptor { .. }), "{err}");
+        let err = agent
+            .submit_transfer(TransferRequest::write(l, r, &name))
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidRequest(_) | Error::InvalidDescriptor { .. }
+            ),
+            "{err}"
+        );
     }
 }
 
@@ -305,22 +369,40 @@ fn invalidated_remote_cannot_be_used() {
     register(agent.as_ref(), &src);
     let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
     agent
-        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 4096), &name))
+        .submit_transfer(TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, 4096),
+            &name,
+        ))
         .unwrap()
         .wait_success(WAIT)
         .unwrap();
     agent.invalidate_remote_agent(&name).unwrap();
     let err = agent
-        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 4096), &name))
+        .submit_transfer(TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, 4096),
+            &name,
+        ))
         .unwrap_err();
     assert!(matches!(err, Error::UnknownAgent(_)), "{err}");
-    assert!(matches!(agent.notify_sync_message(&name, vec![1]), Err(Error::UnknownAgent(_))));
+    assert!(matches!(
+        agent.notify_sync_message(&name, vec![1]),
+        Err(Error::UnknownAgent(_))
+    ));
     assert!(!agent.check_remote_descs(&name, &peer.range(0, 1)));
-    assert!(matches!(agent.invalidate_remote_agent(&name), Err(Error::UnknownAgent(_))));
+    assert!(matches!(
+        agent.invalidate_remote_agent(&name),
+        Err(Error::UnknownAgent(_))
+    ));
     // Loading it again makes it usable again.
     agent.load_remote_agent_by_connection(&peer.conn).unwrap();
     agent
-        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 4096), &name))
+        .submit_transfer(TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, 4096),
+            &name,
+        ))
         .unwrap()
         .wait_success(WAIT)
         .unwrap();
@@ -343,14 +425,27 @@ fn write_after_target_deregistered_is_rejected() {
     ] {
         let err = agent.submit_transfer(req).unwrap().wait(WAIT).unwrap_err();
         assert!(
-            matches!(err, Error::RemoteRejected { reason: RejectReason::NotRegistered, .. }),
+            matches!(
+                err,
+                Error::RemoteRejected {
+                    reason: RejectReason::NotRegistered,
+                    ..
+                }
+            ),
             "{err}"
         );
     }
     assert_eq!(peer.cmd("hash"), before, "target memory unchanged");
-    assert!(src.iter().all(|&b| b == 0x55), "local memory unchanged by the refused READ");
+    assert!(
+        src.iter().all(|&b| b == 0x55),
+        "local memory unchanged by the refused READ"
+    );
     // The connection survives a refusal: a notification still goes through.
-    agent.notify_sync_message(&name, b"still here".to_vec()).unwrap().wait_success(WAIT).unwrap();
+    agent
+        .notify_sync_message(&name, b"still here".to_vec())
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
     assert_eq!(peer.cmd("msgs"), "init=still here");
 }
 
@@ -386,8 +481,13 @@ fn target_killed_mid_transfer_fails_within_timeout() {
     peer.signal("STOP");
     let local = dram((0..16).map(|_| (src.as_ptr() as u64, size)));
     let remote = dram((0..16).map(|_| (peer.addr, size)));
-    let st = agent.submit_transfer(TransferRequest::write(local, remote, &name)).unwrap();
-    assert_eq!(st.wait(Duration::from_millis(300)).unwrap(), TransferState::InProgress);
+    let st = agent
+        .submit_transfer(TransferRequest::write(local, remote, &name))
+        .unwrap();
+    assert_eq!(
+        st.wait(Duration::from_millis(300)).unwrap(),
+        TransferState::InProgress
+    );
     let t0 = Instant::now();
     peer.kill();
     let err = st.wait(io_timeout * 2).unwrap_err();
@@ -410,7 +510,9 @@ fn frozen_target_times_out() {
     let local = dram((0..4).map(|_| (src.as_ptr() as u64, size)));
     let remote = dram((0..4).map(|_| (peer.addr, size)));
     let t0 = Instant::now();
-    let st = agent.submit_transfer(TransferRequest::write(local, remote, &name)).unwrap();
+    let st = agent
+        .submit_transfer(TransferRequest::write(local, remote, &name))
+        .unwrap();
     let err = st.wait(io_timeout * 10).unwrap_err();
     let took = t0.elapsed();
     peer.signal("CONT");
@@ -418,7 +520,11 @@ fn frozen_target_times_out() {
     assert!(took >= io_timeout && took < io_timeout * 3, "took {took:?}");
     // A later request reconnects and works.
     let st = agent
-        .submit_transfer(TransferRequest::write(dram([(src.as_ptr() as u64, 4096)]), peer.range(0, 4096), &name))
+        .submit_transfer(TransferRequest::write(
+            dram([(src.as_ptr() as u64, 4096)]),
+            peer.range(0, 4096),
+            &name,
+        ))
         .unwrap();
     st.wait_success(WAIT).unwrap();
 }
@@ -433,9 +539,15 @@ fn deregistering_a_region_in_flight_is_refused() {
     let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
     peer.signal("STOP");
     let st = agent
-        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, size), &name))
+        .submit_transfer(TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, size),
+            &name,
+        ))
         .unwrap();
-    let err = agent.deregister_memory(&MemoryDescs::dram(&src)).unwrap_err();
+    let err = agent
+        .deregister_memory(&MemoryDescs::dram(&src))
+        .unwrap_err();
     assert!(matches!(err, Error::RegionBusy { .. }), "{err}");
     peer.signal("CONT");
     st.wait_success(WAIT).unwrap();
@@ -466,16 +578,28 @@ fn malformed_agent_desc_is_an_error() {
         .collect();
     let desc = AgentDesc::decode(&bytes).unwrap();
     assert_eq!(desc.name, "target");
-    assert!(matches!(AgentDesc::decode(&bytes[..bytes.len() - 1]), Err(DescError::Malformed(_))));
-    assert!(matches!(AgentDesc::decode(b"GARBAGE!"), Err(DescError::BadMagic(_))));
+    assert!(matches!(
+        AgentDesc::decode(&bytes[..bytes.len() - 1]),
+        Err(DescError::Malformed(_))
+    ));
+    assert!(matches!(
+        AgentDesc::decode(b"GARBAGE!"),
+        Err(DescError::BadMagic(_))
+    ));
     let mut v9 = bytes.clone();
     v9[4] = 9;
-    assert!(matches!(AgentDesc::decode(&v9), Err(DescError::UnsupportedVersion { found: 9, .. })));
+    assert!(matches!(
+        AgentDesc::decode(&v9),
+        Err(DescError::UnsupportedVersion { found: 9, .. })
+    ));
     // An inconsistent descriptor is refused by the agent too.
     let agent = local_agent("init", |c| c);
     let mut bad = desc.clone();
     bad.endpoints.clear();
-    assert!(matches!(agent.load_remote_agent(&bad), Err(Error::InvalidAgentDesc(_))));
+    assert!(matches!(
+        agent.load_remote_agent(&bad),
+        Err(Error::InvalidAgentDesc(_))
+    ));
     // Connection info that is not an agent: a listener that answers junk.
     let junk = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = junk.local_addr().unwrap().to_string();
@@ -492,7 +616,10 @@ fn malformed_agent_desc_is_an_error() {
         }
     });
     let err = agent.load_remote_agent_by_connection(&addr).unwrap_err();
-    assert!(matches!(err, Error::InvalidAgentDesc(DescError::BadMagic(_))), "{err}");
+    assert!(
+        matches!(err, Error::InvalidAgentDesc(DescError::BadMagic(_))),
+        "{err}"
+    );
     assert!(matches!(
         agent.load_remote_agent_by_connection("not an address"),
         Err(Error::InvalidConnectionInfo { .. })
@@ -552,7 +679,11 @@ fn agent_drop_fails_requests_in_flight_and_returns() {
     let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
     peer.signal("STOP");
     let st = agent
-        .submit_transfer(TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, size), &name))
+        .submit_transfer(TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, size),
+            &name,
+        ))
         .unwrap();
     let t0 = Instant::now();
     drop(agent);

@@ -1,1 +1,401 @@
-fn main() {}
+//! `kvxfer-bench`: transfer benchmark between two agents.
+//!
+//! With no arguments it starts a target process on loopback and sweeps block
+//! sizes 4 KiB – 4 MiB as the initiator. `--listen` runs only the target
+//! role, `--connect` only the initiator role, for runs across two hosts.
+
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvxfer::{
+    AgentConfig, Backend, MemoryDesc, MemoryDescs, MemoryType, TransferAgent, TransferRequest,
+    make_transfer_agent,
+};
+
+#[derive(Parser, Debug, Clone)]
+#[command(version, about = "kvxfer transfer benchmark (loopback by default)")]
+struct Args {
+    /// Backend: auto, tcp.
+    #[arg(long, default_value = "auto")]
+    backend: String,
+    /// Operation: write or read.
+    #[arg(long, default_value = "write", value_parser = ["write", "read"])]
+    op: String,
+    /// Block (descriptor) size, e.g. 4096, 64KiB, 1MiB. Repeat for several
+    /// points. Default: the sweep 4 KiB, 16 KiB, ..., 4 MiB.
+    #[arg(long = "block-size", value_parser = parse_size)]
+    block_size: Vec<u64>,
+    /// Descriptors per request. Default: 256, fewer for large blocks so a
+    /// request stays within 64 MiB.
+    #[arg(long)]
+    batch: Option<u64>,
+    /// Measured requests per point. Default: enough for about 1 GiB, at
+    /// least 20 and at most 2000.
+    #[arg(long)]
+    iters: Option<u64>,
+    /// Unmeasured requests before each point.
+    #[arg(long, default_value_t = 5)]
+    warmup: u64,
+    /// TCP streams per peer.
+    #[arg(long, default_value_t = 1)]
+    streams: usize,
+    /// One JSON object per measured point on stdout instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Run only the target role, listening on ADDR (e.g. 0.0.0.0:7000).
+    #[arg(long, conflicts_with = "connect")]
+    listen: Option<SocketAddr>,
+    /// Address to advertise to peers in target role (default: the bound one).
+    #[arg(long, requires = "listen")]
+    advertise: Option<String>,
+    /// Run only the initiator role against the target at ADDR (host:port).
+    #[arg(long)]
+    connect: Option<String>,
+    /// Size of the target's registered region, e.g. 256MiB.
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    region_size: u64,
+    /// Internal: in target role, exit when standard input closes.
+    #[arg(long, hide = true)]
+    exit_with_parent: bool,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("bad size {s:?}"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("bad size unit in {s:?} (use B, KiB, MiB, GiB)")),
+    };
+    n.checked_mul(mult)
+        .filter(|&v| v > 0)
+        .ok_or_else(|| format!("size {s:?} out of range"))
+}
+
+fn human(n: u64) -> String {
+    match n {
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{} GiB", n >> 30),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}
+
+fn config(name: &str, args: &Args) -> AgentConfig {
+    AgentConfig::new(name).with_streams_per_peer(args.streams)
+}
+
+/// A page-aligned, zeroed, registered-for-life buffer.
+struct Buffer {
+    mem: Vec<u64>,
+}
+
+impl Buffer {
+    fn new(len: u64) -> Self {
+        Self {
+            mem: vec![0x5a5a_5a5a_5a5a_5a5a; len.div_ceil(8) as usize],
+        }
+    }
+    fn addr(&self) -> u64 {
+        self.mem.as_ptr() as u64
+    }
+    fn desc(&self) -> MemoryDescs {
+        MemoryDescs::new(
+            MemoryType::Dram,
+            vec![MemoryDesc::new(self.addr(), (self.mem.len() * 8) as u64, 0)],
+        )
+    }
+}
+
+fn run_target(args: &Args, listen: SocketAddr) -> Result<()> {
+    let backend: Backend = args.backend.parse()?;
+    let mut cfg = config("kvxfer-bench-target", args).with_listen(listen);
+    if let Some(a) = &args.advertise {
+        cfg = cfg.with_advertise(a.clone());
+    }
+    let agent = make_transfer_agent(backend, cfg)?;
+    let buf = Buffer::new(args.region_size);
+    // SAFETY: `buf` lives until after the agent is dropped at the end of
+    // this function; this process never touches it otherwise.
+    unsafe { agent.register_memory(&buf.desc())? };
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "LISTENING {}", agent.local_connection_info())?;
+    out.flush()?;
+    drop(out);
+    if args.exit_with_parent {
+        let mut sink = String::new();
+        while std::io::stdin().read_line(&mut sink)? > 0 {}
+    } else {
+        eprintln!(
+            "target serving {} on {}; Ctrl-C to stop",
+            human(args.region_size),
+            agent.local_connection_info()
+        );
+        loop {
+            std::thread::park();
+        }
+    }
+    drop(agent);
+    drop(buf);
+    Ok(())
+}
+
+/// Starts `kvxfer-bench --listen` as a child process on loopback.
+fn spawn_target(args: &Args, region: u64) -> Result<(Child, String)> {
+    let exe = std::env::current_exe()?;
+    let mut child = Command::new(exe)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--exit-with-parent",
+            "--backend",
+            &args.backend,
+            "--streams",
+            &args.streams.to_string(),
+            "--region-size",
+            &region.to_string(),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting the target process")?;
+    let stdout = child.stdout.take().context("target stdout")?;
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    let Some(conn) = line.trim().strip_prefix("LISTENING ") else {
+        let _ = child.kill();
+        bail!("target process did not start: {line:?}");
+    };
+    Ok((child, conn.to_string()))
+}
+
+struct Point {
+    block: u64,
+    batch: u64,
+    iters: u64,
+}
+
+struct Measured {
+    gb_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+    mean_us: f64,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+fn measure(
+    agent: &dyn TransferAgent,
+    remote: &str,
+    remote_base: u64,
+    src: &Buffer,
+    args: &Args,
+    pt: &Point,
+    bar: &ProgressBar,
+) -> Result<Measured> {
+    let local = MemoryDescs::new(
+        MemoryType::Dram,
+        (0..pt.batch)
+            .map(|i| MemoryDesc::new(src.addr() + i * pt.block, pt.block, 0))
+            .collect(),
+    );
+    let dst = MemoryDescs::new(
+        MemoryType::Dram,
+        (0..pt.batch)
+            .map(|i| MemoryDesc::new(remote_base + i * pt.block, pt.block, 0))
+            .collect(),
+    );
+    let make = || match args.op.as_str() {
+        "read" => TransferRequest::read(local.clone(), dst.clone(), remote),
+        _ => TransferRequest::write(local.clone(), dst.clone(), remote),
+    };
+    let timeout = Duration::from_secs(120);
+    for _ in 0..args.warmup {
+        agent.submit_transfer(make())?.wait_success(timeout)?;
+    }
+    let mut lat = Vec::with_capacity(pt.iters as usize);
+    let start = Instant::now();
+    for _ in 0..pt.iters {
+        let req = make();
+        let t = Instant::now();
+        agent.submit_transfer(req)?.wait_success(timeout)?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+        bar.inc(1);
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let bytes = (pt.block * pt.batch * pt.iters) as f64;
+    let mean_us = lat.iter().sum::<f64>() / lat.len().max(1) as f64;
+    lat.sort_by(|a, b| a.total_cmp(b));
+    Ok(Measured {
+        gb_per_s: bytes / elapsed / 1e9,
+        p50_us: percentile(&lat, 0.50),
+        p99_us: percentile(&lat, 0.99),
+        mean_us,
+    })
+}
+
+fn plan(args: &Args) -> Vec<Point> {
+    let blocks = if args.block_size.is_empty() {
+        (0..6).map(|i| 4096u64 << (2 * i)).collect()
+    } else {
+        args.block_size.clone()
+    };
+    blocks
+        .into_iter()
+        .map(|block| {
+            let batch = args
+                .batch
+                .unwrap_or_else(|| (64u64 << 20).div_euclid(block).clamp(1, 256));
+            let per_iter = block * batch;
+            let iters = args
+                .iters
+                .unwrap_or_else(|| (1u64 << 30).div_ceil(per_iter).clamp(20, 2000));
+            Point {
+                block,
+                batch,
+                iters,
+            }
+        })
+        .collect()
+}
+
+fn run_initiator(args: &Args, conn: &str) -> Result<()> {
+    let backend: Backend = args.backend.parse()?;
+    let points = plan(args);
+    let need = points.iter().map(|p| p.block * p.batch).max().unwrap_or(0);
+    let agent = make_transfer_agent(backend, config("kvxfer-bench-initiator", args))?;
+    let src = Buffer::new(need);
+    // SAFETY: `src` outlives the agent (dropped first, below) and is only
+    // touched by transfers.
+    unsafe { agent.register_memory(&src.desc())? };
+    let remote = agent.load_remote_agent_by_connection(conn)?;
+    let desc = agent.remote_agent_desc(&remote)?;
+    let region = desc
+        .regions
+        .iter()
+        .find(|r| r.mem_type == MemoryType::Dram)
+        .context("target exports no host region")?;
+    if region.desc.len < need {
+        bail!(
+            "target region is {} but the plan needs {}; raise the target's --region-size",
+            human(region.desc.len),
+            human(need)
+        );
+    }
+    let total: u64 = points.iter().map(|p| p.iters).sum();
+    let bar = if args.json || !std::io::stderr().is_terminal() {
+        ProgressBar::hidden()
+    } else {
+        let b = ProgressBar::new(total);
+        b.set_style(
+            ProgressStyle::with_template("{spinner} [{bar:40}] {pos}/{len} {msg}")
+                .expect("static template")
+                .progress_chars("=> "),
+        );
+        b
+    };
+    let backend_name = agent.backend_name();
+    let mut rows = Vec::new();
+    for pt in &points {
+        bar.set_message(format!("{} × {}", human(pt.block), pt.batch));
+        let m = measure(
+            agent.as_ref(),
+            &remote,
+            region.desc.addr,
+            &src,
+            args,
+            pt,
+            &bar,
+        )?;
+        if args.json {
+            println!(
+                "{{\"backend\":\"{backend_name}\",\"op\":\"{}\",\"block_size\":{},\"batch\":{},\"iters\":{},\"streams\":{},\"bytes_per_request\":{},\"gb_per_s\":{:.4},\"p50_us\":{:.1},\"p99_us\":{:.1},\"mean_us\":{:.1}}}",
+                args.op,
+                pt.block,
+                pt.batch,
+                pt.iters,
+                args.streams,
+                pt.block * pt.batch,
+                m.gb_per_s,
+                m.p50_us,
+                m.p99_us,
+                m.mean_us
+            );
+        }
+        rows.push((pt, m));
+    }
+    bar.finish_and_clear();
+    if !args.json {
+        println!(
+            "{:<8} {:<6} {:>9} {:>6} {:>6} {:>9} {:>10} {:>10}",
+            "backend", "op", "block", "batch", "iters", "GB/s", "p50 µs", "p99 µs"
+        );
+        for (pt, m) in rows {
+            println!(
+                "{:<8} {:<6} {:>9} {:>6} {:>6} {:>9.3} {:>10.1} {:>10.1}",
+                backend_name,
+                args.op,
+                human(pt.block),
+                pt.batch,
+                pt.iters,
+                m.gb_per_s,
+                m.p50_us,
+                m.p99_us
+            );
+        }
+        println!("(GB/s = 10^9 bytes/s; latency is per request: submit to completion)");
+    }
+    drop(agent);
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVXFER_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    if let Some(listen) = args.listen {
+        return run_target(&args, listen);
+    }
+    if let Some(conn) = &args.connect {
+        return run_initiator(&args, conn);
+    }
+    let need = plan(&args)
+        .iter()
+        .map(|p| p.block * p.batch)
+        .max()
+        .unwrap_or(0);
+    let (mut child, conn) = spawn_target(&args, need)?;
+    let result = run_initiator(&args, &conn);
+    drop(child.stdin.take());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if child.try_wait()?.is_some() {
+            return result;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    result
+}

@@ -187,7 +187,10 @@ struct ServerIdle<'a> {
 impl IdlePolicy for ServerIdle<'_> {
     fn on_idle(&mut self, mid_frame: bool) -> io::Result<()> {
         if self.inner.closing.load(Ordering::Relaxed) {
-            return Err(io::Error::new(io::ErrorKind::ConnectionAborted, "agent closing"));
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "agent closing",
+            ));
         }
         if mid_frame && self.clock.idle() > self.inner.config.io_timeout {
             return Err(io::Error::new(
@@ -233,7 +236,9 @@ impl Inner {
             server.threads.retain(|t| !t.is_finished());
             let id = server.next_id;
             server.next_id += 1;
-            let Ok(clone) = sock.try_clone() else { continue };
+            let Ok(clone) = sock.try_clone() else {
+                continue;
+            };
             server.socks.insert(id, clone);
             let me = Arc::clone(&self);
             let spawned = std::thread::Builder::new()
@@ -275,9 +280,14 @@ impl Inner {
                         body_len: body.len() as u32,
                     }
                     .encode();
-                    let mut iovs = [iov(hdr.as_ptr(), HEADER_LEN), iov(body.as_ptr(), body.len())];
+                    let mut iovs = [
+                        iov(hdr.as_ptr(), HEADER_LEN),
+                        iov(body.as_ptr(), body.len()),
+                    ];
                     // SAFETY: both iovecs point into live locals.
-                    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, &clock, self.config.io_timeout)? };
+                    unsafe {
+                        writev_all(sock.as_raw_fd(), &mut iovs, &clock, self.config.io_timeout)?
+                    };
                 }
                 Frame::Hello {
                     instance,
@@ -288,7 +298,8 @@ impl Inner {
                     name_len,
                 } => {
                     let name = reader.read_vec(name_len as usize, &mut idle)?;
-                    let name = String::from_utf8(name).map_err(|_| violation("agent name is not UTF-8"))?;
+                    let name = String::from_utf8(name)
+                        .map_err(|_| violation("agent name is not UTF-8"))?;
                     let st = if version != PROTOCOL_VERSION {
                         status::BAD_VERSION
                     } else if expect != 0 && expect != self.instance {
@@ -394,7 +405,14 @@ impl Inner {
                             // SAFETY: the payload range lies inside a region
                             // registered here and held by `guard`; the header
                             // is a live local.
-                            unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, self.config.io_timeout)? };
+                            unsafe {
+                                writev_all(
+                                    sock.as_raw_fd(),
+                                    &mut iovs,
+                                    clock,
+                                    self.config.io_timeout,
+                                )?
+                            };
                             drop(guard);
                             Ok(())
                         }
@@ -442,7 +460,13 @@ impl Inner {
         }
     }
 
-    fn finish(&self, sock: &TcpStream, session: &Session, f: Finished, clock: &ProgressClock) -> io::Result<()> {
+    fn finish(
+        &self,
+        sock: &TcpStream,
+        session: &Session,
+        f: Finished,
+        clock: &ProgressClock,
+    ) -> io::Result<()> {
         if let (Ok(()), Some(msg)) = (&f.outcome, f.sync) {
             self.inbox.deliver(&session.remote, msg);
         }
@@ -452,7 +476,11 @@ impl Inner {
         };
         send_frames(
             sock,
-            &[Frame::Ack { req: f.req, status: st }.encode()],
+            &[Frame::Ack {
+                req: f.req,
+                status: st,
+            }
+            .encode()],
             clock,
             self.config.io_timeout,
         )
@@ -536,7 +564,10 @@ struct Seg {
 
 enum Tail {
     None,
-    Commit { segments: u64, sync: Option<Vec<u8>> },
+    Commit {
+        segments: u64,
+        sync: Option<Vec<u8>>,
+    },
     Fence,
 }
 
@@ -822,7 +853,12 @@ impl Link {
         self.thread_exit();
     }
 
-    fn read_loop(&self, idx: usize, reader: &mut FrameReader<'_>, idle: &mut LinkIdle<'_>) -> Result<(), Error> {
+    fn read_loop(
+        &self,
+        idx: usize,
+        reader: &mut FrameReader<'_>,
+        idle: &mut LinkIdle<'_>,
+    ) -> Result<(), Error> {
         loop {
             let raw = match reader.next_header(idle) {
                 Ok(Some(raw)) => raw,
@@ -835,7 +871,11 @@ impl Link {
                 detail: e.to_string(),
             })?;
             match frame {
-                Frame::ReadData { req, len, status: st } => {
+                Frame::ReadData {
+                    req,
+                    len,
+                    status: st,
+                } => {
                     let slot = lock(&self.streams[idx].reads).pop_front();
                     let Some(slot) = slot else {
                         return Err(self.violation("READ data with no READ outstanding"));
@@ -908,7 +948,10 @@ impl IdlePolicy for LinkIdle<'_> {
     fn on_idle(&mut self, _mid_frame: bool) -> io::Result<()> {
         let t = lock(&self.link.pending);
         if t.broken.is_some() {
-            return Err(io::Error::new(io::ErrorKind::ConnectionAborted, "link closed"));
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "link closed",
+            ));
         }
         if !t.map.is_empty() && self.link.clock.idle() > self.link.io_timeout {
             return Err(io::Error::new(
@@ -981,7 +1024,10 @@ fn handshake(
         name_len: name.len() as u32,
     }
     .encode();
-    let mut iovs = [iov(hello.as_ptr(), HEADER_LEN), iov(name.as_ptr(), name.len())];
+    let mut iovs = [
+        iov(hello.as_ptr(), HEADER_LEN),
+        iov(name.as_ptr(), name.len()),
+    ];
     let conn_err = |e: io::Error| Error::ConnectionLost {
         remote: peer.name.clone(),
         cause: Arc::new(e),
@@ -994,7 +1040,9 @@ fn handshake(
         .map_err(|e| timeout_or(e, "connection handshake", t, conn_err))?
         .ok_or_else(|| conn_err(io::ErrorKind::UnexpectedEof.into()))?;
     match Frame::decode(&raw) {
-        Ok(Frame::HelloAck { status: status::OK, .. }) => Ok(()),
+        Ok(Frame::HelloAck {
+            status: status::OK, ..
+        }) => Ok(()),
         Ok(Frame::HelloAck {
             status: status::STALE_INSTANCE,
             ..
@@ -1019,7 +1067,12 @@ impl IdlePolicy for FailOnIdle {
     }
 }
 
-fn timeout_or(e: io::Error, what: &'static str, after: Duration, other: impl FnOnce(io::Error) -> Error) -> Error {
+fn timeout_or(
+    e: io::Error,
+    what: &'static str,
+    after: Duration,
+    other: impl FnOnce(io::Error) -> Error,
+) -> Error {
     if e.kind() == io::ErrorKind::TimedOut {
         Error::Timeout { what, after }
     } else {
@@ -1088,12 +1141,7 @@ impl Peer {
 
 /// Splits `(local, remote)` pairs into segments of at most `max` bytes and
 /// spreads them over `streams` streams, balancing bytes.
-fn plan_segments(
-    req: &TransferRequest,
-    keys: &[u64],
-    max: u64,
-    streams: usize,
-) -> Vec<Vec<Seg>> {
+fn plan_segments(req: &TransferRequest, keys: &[u64], max: u64, streams: usize) -> Vec<Vec<Seg>> {
     let mut out: Vec<Vec<Seg>> = (0..streams).map(|_| Vec::new()).collect();
     let mut load = vec![0u64; streams];
     for ((l, r), &key) in req.local.descs.iter().zip(&req.remote.descs).zip(keys) {
@@ -1217,10 +1265,9 @@ impl TransferAgent for TcpAgent {
     fn load_remote_agent(&self, desc: &AgentDesc) -> Result<(), Error> {
         desc.validate()?;
         if desc.backend != BackendKind::Tcp {
-            return Err(Error::InvalidAgentDesc(crate::desc::DescError::Invalid(format!(
-                "descriptor is for the {} backend",
-                desc.backend.as_str()
-            ))));
+            return Err(Error::InvalidAgentDesc(crate::desc::DescError::Invalid(
+                format!("descriptor is for the {} backend", desc.backend.as_str()),
+            )));
         }
         let regions = desc.region_map()?;
         let mut peers = self.inner.peers.write().unwrap_or_else(|p| p.into_inner());
@@ -1257,6 +1304,10 @@ impl TransferAgent for TcpAgent {
         let desc = fetch_desc(connection_info, self.inner.config.connect_timeout)?;
         self.load_remote_agent(&desc)?;
         Ok(desc.name)
+    }
+
+    fn remote_agent_desc(&self, name: &str) -> Result<AgentDesc, Error> {
+        Ok(self.inner.peer(name)?.desc.clone())
     }
 
     fn invalidate_remote_agent(&self, name: &str) -> Result<(), Error> {

@@ -38,7 +38,11 @@ pub(crate) struct RequestTable {
 
 impl RequestTable {
     /// Records one processed segment (or fence) of `req`.
-    pub(crate) fn segment(&mut self, req: u64, result: Result<(), RejectReason>) -> Option<Finished> {
+    pub(crate) fn segment(
+        &mut self,
+        req: u64,
+        result: Result<(), RejectReason>,
+    ) -> Option<Finished> {
         let p = self.open.entry(req).or_default();
         p.done += 1;
         if let Err(r) = result {

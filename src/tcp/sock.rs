@@ -63,7 +63,10 @@ pub(crate) fn iov(ptr: *const u8, len: usize) -> libc::iovec {
 }
 
 fn would_block(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }
 
 /// Writes every byte described by `iovs`, in order, handling partial writes.
@@ -141,7 +144,8 @@ pub(crate) unsafe fn writev_all(
             } else {
                 // SAFETY: `written < iov_len`, so the advanced pointer stays
                 // inside the same buffer.
-                cur.iov_base = unsafe { (cur.iov_base as *mut u8).add(written) } as *mut libc::c_void;
+                cur.iov_base =
+                    unsafe { (cur.iov_base as *mut u8).add(written) } as *mut libc::c_void;
                 cur.iov_len -= written;
                 written = 0;
             }
@@ -268,7 +272,11 @@ impl<'c> FrameReader<'c> {
     }
 
     /// Reads a control body of `len` bytes into a new vector.
-    pub(crate) fn read_vec(&mut self, len: usize, idle: &mut dyn IdlePolicy) -> io::Result<Vec<u8>> {
+    pub(crate) fn read_vec(
+        &mut self,
+        len: usize,
+        idle: &mut dyn IdlePolicy,
+    ) -> io::Result<Vec<u8>> {
         let mut v = vec![0u8; len];
         // SAFETY: `v` owns `len` initialised bytes, valid for writes.
         unsafe { self.read_into(v.as_mut_ptr(), len, idle)? };

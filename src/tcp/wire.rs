@@ -15,7 +15,9 @@ pub const PROTOCOL_VERSION: u16 = 1;
 pub const MAX_CONTROL_BODY: u32 = 16 << 20;
 
 /// The raw header, as it sits on the wire.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable,
+)]
 #[repr(C)]
 pub struct RawHeader {
     kind: u8,

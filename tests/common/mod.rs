@@ -37,7 +37,7 @@ pub fn fill(buf: &mut [u8], seed: u64, base: u64) {
     let mut i = 0usize;
     while i < buf.len() {
         let off = base + i as u64;
-        if off % 8 == 0 && i + 8 <= buf.len() {
+        if off.is_multiple_of(8) && i + 8 <= buf.len() {
             let w = splitmix(seed ^ (off / 8).wrapping_mul(0x1000_0000_01B3));
             buf[i..i + 8].copy_from_slice(&w.to_le_bytes());
             i += 8;
@@ -53,7 +53,7 @@ pub fn first_mismatch(buf: &[u8], seed: u64, base: u64) -> Option<usize> {
     let mut i = 0usize;
     while i < buf.len() {
         let off = base + i as u64;
-        if off % 8 == 0 && i + 8 <= buf.len() {
+        if off.is_multiple_of(8) && i + 8 <= buf.len() {
             let w = splitmix(seed ^ (off / 8).wrapping_mul(0x1000_0000_01B3)).to_le_bytes();
             if buf[i..i + 8] != w {
                 return Some(i + (0..8).find(|&k| buf[i + k] != w[k]).unwrap_or(0));
@@ -79,7 +79,10 @@ pub fn fnv(buf: &[u8]) -> u64 {
 }
 
 /// A new agent in this process, on the suite's backend.
-pub fn local_agent(name: &str, tweak: impl FnOnce(AgentConfig) -> AgentConfig) -> Box<dyn TransferAgent> {
+pub fn local_agent(
+    name: &str,
+    tweak: impl FnOnce(AgentConfig) -> AgentConfig,
+) -> Box<dyn TransferAgent> {
     kvxfer::make_transfer_agent(backend(), tweak(AgentConfig::new(name))).expect("agent")
 }
 
@@ -88,14 +91,21 @@ pub fn register(agent: &dyn TransferAgent, buf: &[u8]) {
     // SAFETY: test buffers outlive the agent's use of them: each test drops
     // or deregisters before freeing, and does not touch a buffer while a
     // transfer on it is in flight.
-    unsafe { agent.register_memory(&MemoryDescs::dram(buf)).expect("register") };
+    unsafe {
+        agent
+            .register_memory(&MemoryDescs::dram(buf))
+            .expect("register")
+    };
 }
 
 /// Host descriptors for `(addr, len)` pairs.
 pub fn dram(pairs: impl IntoIterator<Item = (u64, u64)>) -> MemoryDescs {
     MemoryDescs::new(
         MemoryType::Dram,
-        pairs.into_iter().map(|(a, l)| MemoryDesc::new(a, l, 0)).collect(),
+        pairs
+            .into_iter()
+            .map(|(a, l)| MemoryDesc::new(a, l, 0))
+            .collect(),
     )
 }
 
@@ -126,14 +136,20 @@ impl PeerProc {
     pub fn spawn(name: &str, len: u64, seed: u64, env: &[(&str, &str)]) -> Self {
         let exe = std::env::current_exe().expect("current exe");
         let mut cmd = Command::new(exe);
-        cmd.args(["--exact", "peer_process_entry", "--nocapture", "--test-threads", "1"])
-            .env("KVXFER_PEER", "1")
-            .env("KVXFER_PEER_NAME", name)
-            .env("KVXFER_PEER_LEN", len.to_string())
-            .env("KVXFER_PEER_SEED", seed.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+        cmd.args([
+            "--exact",
+            "peer_process_entry",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("KVXFER_PEER", "1")
+        .env("KVXFER_PEER_NAME", name)
+        .env("KVXFER_PEER_LEN", len.to_string())
+        .env("KVXFER_PEER_SEED", seed.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -144,10 +160,10 @@ impl PeerProc {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                if let Some(p) = line.find(REPLY) {
-                    if tx.send(line[p + REPLY.len()..].to_string()).is_err() {
-                        break;
-                    }
+                if let Some(p) = line.find(REPLY)
+                    && tx.send(line[p + REPLY.len()..].to_string()).is_err()
+                {
+                    break;
                 }
             }
         });
@@ -297,8 +313,11 @@ pub fn peer_main() {
         let f: Vec<&str> = line.split_whitespace().collect();
         match f.first().copied() {
             Some("check") => {
-                let (s, off, n): (u64, usize, usize) =
-                    (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap());
+                let (s, off, n): (u64, usize, usize) = (
+                    f[1].parse().unwrap(),
+                    f[2].parse().unwrap(),
+                    f[3].parse().unwrap(),
+                );
                 let snap = shared.snapshot(off, n);
                 out(match first_mismatch(&snap, s, off as u64) {
                     None => "OK".into(),
@@ -321,14 +340,12 @@ pub fn peer_main() {
                 Ok(()) => "OK".into(),
                 Err(e) => format!("ERR {e}"),
             }),
-            Some("desc") => out(
-                agent
-                    .local_agent_desc()
-                    .encode()
-                    .iter()
-                    .map(|b| format!("{b:02x}"))
-                    .collect(),
-            ),
+            Some("desc") => out(agent
+                .local_agent_desc()
+                .encode()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect()),
             Some("watch") => {
                 std::thread::spawn(move || {
                     loop {

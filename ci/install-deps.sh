@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs the Debian packages a kvxfer job needs; idempotent.
+#   ci/install-deps.sh build   # compiler toolchain pieces
+#   ci/install-deps.sh bench   # + iperf3, python3 for the comparison script
+set -euo pipefail
+want=(gcc pkg-config ca-certificates)
+case "${1:-build}" in
+  build) ;;
+  bench) want+=(iperf3 python3) ;;
+  test) want+=(procps) ;;
+  *) echo "usage: $0 build|bench|test" >&2; exit 2 ;;
+esac
+missing=()
+for p in "${want[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "cargo not found: install Rust (rustup) first; kvxfer needs Rust >= 1.88" >&2
+  exit 1
+fi

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-5}
 SECS=${SECONDS_PER_RUN:-4}
-STREAMS=${STREAMS:-1}
+STREAMS=${STREAMS:-}  # empty: the library default
 
 bash ci/install-deps.sh bench >&2
 cargo build --release --locked --bin kvxfer-bench >&2
@@ -30,7 +30,7 @@ print(d["end"]["sum_received"]["bits_per_second"] / 8 / 1e9)'
 iters=$((SECS * 180))
 kvxfer_once() {
   "$BENCH" --backend tcp --op write --block-size 64KiB --batch 256 \
-    --iters "$iters" --warmup 10 --streams "$STREAMS" --json | python3 -c '
+    --iters "$iters" --warmup 10 ${STREAMS:+--streams "$STREAMS"} --json | python3 -c '
 import json, sys
 print(json.loads(sys.stdin.readline())["gb_per_s"])'
 }

@@ -292,8 +292,8 @@ pub struct AgentConfig {
     /// Address advertised to peers, when it differs from the bound one
     /// (e.g. listening on `0.0.0.0`).
     pub advertise: Option<String>,
-    /// TCP streams per remote agent (default 1, chosen by measurement: see
-    /// `docs/benchmarks.md`).
+    /// TCP streams per remote agent (default 2, chosen by measurement: see
+    /// `docs/benchmarks.md`). Small requests use only the first stream.
     pub streams_per_peer: usize,
     /// Largest data segment; larger descriptors are split (default 4 MiB).
     pub segment_size: u64,
@@ -312,7 +312,7 @@ impl AgentConfig {
             name: name.into(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise: None,
-            streams_per_peer: 1,
+            streams_per_peer: 2,
             segment_size: 4 << 20,
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(30),

@@ -41,9 +41,9 @@ struct Args {
     /// Unmeasured requests before each point.
     #[arg(long, default_value_t = 5)]
     warmup: u64,
-    /// TCP streams per peer.
-    #[arg(long, default_value_t = 1)]
-    streams: usize,
+    /// TCP streams per peer (default: the library's, 2).
+    #[arg(long)]
+    streams: Option<usize>,
     /// One JSON object per measured point on stdout instead of a table.
     #[arg(long)]
     json: bool,
@@ -91,7 +91,11 @@ fn human(n: u64) -> String {
 }
 
 fn config(name: &str, args: &Args) -> AgentConfig {
-    AgentConfig::new(name).with_streams_per_peer(args.streams)
+    let cfg = AgentConfig::new(name);
+    match args.streams {
+        Some(n) => cfg.with_streams_per_peer(n),
+        None => cfg,
+    }
 }
 
 /// A page-aligned, zeroed, registered-for-life buffer.
@@ -159,8 +163,6 @@ fn spawn_target(args: &Args, region: u64) -> Result<(Child, String)> {
             "--exit-with-parent",
             "--backend",
             &args.backend,
-            "--streams",
-            &args.streams.to_string(),
             "--region-size",
             &region.to_string(),
         ])
@@ -311,6 +313,9 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
         b
     };
     let backend_name = agent.backend_name();
+    let streams = args
+        .streams
+        .unwrap_or(AgentConfig::new("defaults").streams_per_peer);
     let mut rows = Vec::new();
     for pt in &points {
         bar.set_message(format!("{} × {}", human(pt.block), pt.batch));
@@ -330,7 +335,7 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
                 pt.block,
                 pt.batch,
                 pt.iters,
-                args.streams,
+                streams,
                 pt.block * pt.batch,
                 m.gb_per_s,
                 m.p50_us,

@@ -281,12 +281,7 @@ pub fn peer_main() {
     let name = var("KVXFER_PEER_NAME");
     let len: usize = var("KVXFER_PEER_LEN").parse().unwrap();
     let seed: u64 = var("KVXFER_PEER_SEED").parse().unwrap();
-    let streams: usize = std::env::var("KVXFER_PEER_STREAMS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1);
-    let agent: &'static dyn TransferAgent =
-        Box::leak(local_agent(&name, |c| c.with_streams_per_peer(streams)));
+    let agent: &'static dyn TransferAgent = Box::leak(local_agent(&name, |c| c));
     let buf: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
     fill(buf, seed, 0);
     let shared = Shared {

@@ -476,6 +476,10 @@ fn target_killed_mid_transfer_fails_within_timeout() {
     let src = vec![7u8; size as usize];
     register(agent.as_ref(), &src);
     let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let mut bystander = PeerProc::spawn("bystander", size, 4, &[]);
+    let other = agent
+        .load_remote_agent_by_connection(&bystander.conn)
+        .unwrap();
     // Freeze the target so the transfer is certainly in the middle, then
     // kill it.
     peer.signal("STOP");
@@ -493,6 +497,17 @@ fn target_killed_mid_transfer_fails_within_timeout() {
     let err = st.wait(io_timeout * 2).unwrap_err();
     assert!(t0.elapsed() < io_timeout, "failed after {:?}", t0.elapsed());
     assert!(matches!(err, Error::ConnectionLost { .. }), "{err}");
+    // Requests to other peers are unaffected.
+    agent
+        .submit_transfer(TransferRequest::write(
+            MemoryDescs::dram(&src),
+            bystander.range(0, size),
+            &other,
+        ))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(bystander.cmd("hash"), fnv(&src).to_string());
     // The local region is free again once the status has failed.
     agent.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
 }

@@ -29,11 +29,9 @@ fn peer_process_entry() {
 
 fn write_then_read(size: u64) {
     let mut peer = PeerProc::spawn("target", size, 11, &[]);
-    let agent = local_agent("init", |c| c);
     let mut src = vec![0u8; size as usize];
     fill(&mut src, 22, 0);
-    register(agent.as_ref(), &src);
-    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let (agent, name) = connect(&peer, &src);
     assert_eq!(name, "target");
 
     let st = agent
@@ -85,11 +83,9 @@ fn ten_thousand_small_descriptors_in_one_request() {
     const LEN: u64 = 100;
     let size = N * STRIDE;
     let mut peer = PeerProc::spawn("target", size, 5, &[]);
-    let agent = local_agent("init", |c| c);
     let mut src = vec![0u8; size as usize];
     fill(&mut src, 6, 0);
-    register(agent.as_ref(), &src);
-    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let (agent, name) = connect(&peer, &src);
     // Source descriptor i at i*STRIDE, destination at (N-1-i)*STRIDE + 13:
     // a permutation, so a mis-paired descriptor cannot go unnoticed.
     let local = dram((0..N).map(|i| (src.as_ptr() as u64 + i * STRIDE, LEN)));
@@ -273,10 +269,8 @@ fn two_writers_into_one_target() {
 #[test]
 fn out_of_range_remote_descriptor_is_refused_and_target_unchanged() {
     let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
-    let agent = local_agent("init", |c| c);
     let src = vec![0xAAu8; 8192];
-    register(agent.as_ref(), &src);
-    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let (agent, name) = connect(&peer, &src);
     // One byte past the end, straddling the end, and far away.
     for (addr, len) in [
         (peer.addr + 4096, 1),
@@ -338,10 +332,8 @@ fn unregistered_local_source_is_refused_before_sending() {
 #[test]
 fn mismatched_request_shapes_are_refused() {
     let peer = PeerProc::spawn("target", 4096, 3, &[]);
-    let agent = local_agent("init", |c| c);
     let src = vec![1u8; 4096];
-    register(agent.as_ref(), &src);
-    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let (agent, name) = connect(&peer, &src);
     let a = src.as_ptr() as u64;
     for (l, r) in [
         (dram([(a, 10)]), dram([(peer.addr, 11)])),
@@ -364,10 +356,8 @@ fn mismatched_request_shapes_are_refused() {
 #[test]
 fn invalidated_remote_cannot_be_used() {
     let peer = PeerProc::spawn("target", 4096, 3, &[]);
-    let agent = local_agent("init", |c| c);
     let src = vec![1u8; 4096];
-    register(agent.as_ref(), &src);
-    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let (agent, name) = connect(&peer, &src);
     agent
         .submit_transfer(TransferRequest::write(
             MemoryDescs::dram(&src),
@@ -411,10 +401,8 @@ fn invalidated_remote_cannot_be_used() {
 #[test]
 fn write_after_target_deregistered_is_rejected() {
     let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
-    let agent = local_agent("init", |c| c);
     let src = vec![0x55u8; 4096];
-    register(agent.as_ref(), &src);
-    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let (agent, name) = connect(&peer, &src);
     let before = peer.cmd("hash");
     assert_eq!(peer.cmd("dereg"), "OK");
     // The initiator's copy of the descriptor is now stale; the target
@@ -452,10 +440,8 @@ fn write_after_target_deregistered_is_rejected() {
 #[test]
 fn refused_request_withholds_its_sync_message() {
     let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
-    let agent = local_agent("init", |c| c);
     let src = vec![0x55u8; 4096];
-    register(agent.as_ref(), &src);
-    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let (agent, name) = connect(&peer, &src);
     assert_eq!(peer.cmd("dereg"), "OK");
     let st = agent
         .submit_transfer(
@@ -548,10 +534,8 @@ fn frozen_target_times_out() {
 fn deregistering_a_region_in_flight_is_refused() {
     let size: u64 = 64 << 20;
     let peer = PeerProc::spawn("target", size, 3, &[]);
-    let agent = local_agent("init", |c| c);
     let src = vec![7u8; size as usize];
-    register(agent.as_ref(), &src);
-    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let (agent, name) = connect(&peer, &src);
     peer.signal("STOP");
     let st = agent
         .submit_transfer(TransferRequest::write(
@@ -688,10 +672,8 @@ fn fetch(conn: &str) -> AgentDesc {
 fn agent_drop_fails_requests_in_flight_and_returns() {
     let size: u64 = 64 << 20;
     let peer = PeerProc::spawn("target", size, 3, &[]);
-    let agent = local_agent("init", |c| c);
     let src = vec![7u8; size as usize];
-    register(agent.as_ref(), &src);
-    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let (agent, name) = connect(&peer, &src);
     peer.signal("STOP");
     let st = agent
         .submit_transfer(TransferRequest::write(

@@ -86,6 +86,18 @@ pub fn local_agent(
     kvxfer::make_transfer_agent(backend(), tweak(AgentConfig::new(name))).expect("agent")
 }
 
+/// A new initiator agent "init" with `src` registered, connected to `peer`;
+/// returns it and the peer's agent name. Declare `src` before the call so
+/// that it outlives the agent.
+pub fn connect(peer: &PeerProc, src: &[u8]) -> (Box<dyn TransferAgent>, String) {
+    let agent = local_agent("init", |c| c);
+    register(agent.as_ref(), src);
+    let name = agent
+        .load_remote_agent_by_connection(&peer.conn)
+        .expect("load peer");
+    (agent, name)
+}
+
 /// Registers `buf` with `agent`.
 pub fn register(agent: &dyn TransferAgent, buf: &[u8]) {
     // SAFETY: test buffers outlive the agent's use of them: each test drops

@@ -12,9 +12,13 @@ echo "== cargo clippy"
 cargo clippy --locked --all-targets -- -D warnings
 echo "== cargo doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -q
-echo "== cargo test (TCP backend)"
+echo "== cargo test (agent suite on tcp, unit tests, benches in test mode)"
 cargo test --locked --all-targets
 cargo test --locked --doc
+for b in shm auto; do
+  echo "== agent suite on $b"
+  KVXFER_TEST_BACKEND=$b cargo test --locked --test agent
+done
 echo "== bench CLI smoke run"
 cargo build --release --locked --bin kvxfer-bench
 target/release/kvxfer-bench --block-size 64KiB --batch 16 --iters 20 --warmup 2 --json

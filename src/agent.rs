@@ -257,12 +257,16 @@ pub type SyncMessages = HashMap<String, Vec<Vec<u8>>>;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Backend {
-    /// The best backend available on this host (RDMA once it exists,
-    /// TCP otherwise); the choice and the reason are logged.
+    /// The best path per peer: cross-memory attach to peers on this host
+    /// that allow it, TCP to the others (RDMA once that backend exists);
+    /// each choice and its reason are logged.
     #[default]
     Auto,
     /// The TCP fallback.
     Tcp,
+    /// Intra-node only: cross-memory attach to peers on this host; loading
+    /// a peer it cannot reach that way fails.
+    Shm,
 }
 
 impl FromStr for Backend {
@@ -272,8 +276,9 @@ impl FromStr for Backend {
         match s.to_ascii_lowercase().as_str() {
             "auto" => Ok(Backend::Auto),
             "tcp" => Ok(Backend::Tcp),
+            "shm" => Ok(Backend::Shm),
             other => Err(Error::InvalidConfig(format!(
-                "unknown backend {other:?} (expected auto or tcp)"
+                "unknown backend {other:?} (expected auto, tcp or shm)"
             ))),
         }
     }
@@ -440,6 +445,12 @@ pub trait TransferAgent: Send + Sync {
     /// [`Error::Timeout`], [`Error::InvalidAgentDesc`].
     fn load_remote_agent_by_connection(&self, connection_info: &str) -> Result<String, Error>;
 
+    /// The data path used to reach a loaded remote agent: `"tcp"`, `"shm"`.
+    ///
+    /// # Errors
+    /// [`Error::UnknownAgent`].
+    fn remote_transport(&self, name: &str) -> Result<&'static str, Error>;
+
     /// The descriptor a remote agent was loaded from.
     ///
     /// # Errors
@@ -496,14 +507,16 @@ pub fn make_transfer_agent(
     backend: Backend,
     config: AgentConfig,
 ) -> Result<Box<dyn TransferAgent>, Error> {
+    use crate::tcp::{Mode, TcpAgent};
     match backend {
         Backend::Auto => {
             tracing::info!(
                 agent = %config.name,
-                "backend auto: chose tcp (this build has no RDMA or shared-memory backend)"
+                "backend auto: shm (cross-memory attach) to same-host peers that allow it, tcp otherwise; this build has no RDMA backend"
             );
-            Ok(Box::new(crate::tcp::TcpAgent::new(config)?))
+            Ok(Box::new(TcpAgent::with_mode(config, Mode::Auto)?))
         }
-        Backend::Tcp => Ok(Box::new(crate::tcp::TcpAgent::new(config)?)),
+        Backend::Tcp => Ok(Box::new(TcpAgent::new(config)?)),
+        Backend::Shm => Ok(Box::new(TcpAgent::with_mode(config, Mode::Shm)?)),
     }
 }

@@ -52,15 +52,34 @@ pub enum DescError {
 pub enum BackendKind {
     /// The TCP fallback.
     Tcp,
+    /// Intra-node: cross-memory attach between processes of one host, with
+    /// the TCP side channel for control.
+    Shm,
 }
 
 impl BackendKind {
-    /// The backend's name (`"tcp"`, ...).
+    /// The backend's name (`"tcp"`, `"shm"`, ...).
     pub fn as_str(self) -> &'static str {
         match self {
             BackendKind::Tcp => "tcp",
+            BackendKind::Shm => "shm",
         }
     }
+}
+
+/// How a peer on the same host may reach the agent's memory directly
+/// (cross-memory attach). Present when the agent accepts it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalAccess {
+    /// Host identity: the kernel's boot id. Agents with different values are
+    /// on different hosts (or different boots) and never use this path.
+    pub host: String,
+    /// The agent's process id, in its own pid namespace.
+    pub pid: u32,
+    /// Address of an 8-byte word in the agent's memory holding `instance`:
+    /// a peer that reads it back through cross-memory attach has proved it
+    /// reaches this very process (same pid namespace, permission granted).
+    pub probe_addr: u64,
 }
 
 /// A region a remote agent may read or write, with its access key.
@@ -89,6 +108,8 @@ pub struct AgentDesc {
     pub endpoints: Vec<String>,
     /// Regions exported for one-sided access.
     pub regions: Vec<ExportedRegion>,
+    /// Direct access for peers on the same host, if offered.
+    pub local_access: Option<LocalAccess>,
 }
 
 impl AgentDesc {
@@ -188,6 +209,11 @@ mod tests {
                     key: 8,
                 },
             ],
+            local_access: Some(LocalAccess {
+                host: "boot".into(),
+                pid: 42,
+                probe_addr: 0x1234,
+            }),
         }
     }
 

@@ -66,12 +66,13 @@ pub mod desc;
 pub mod error;
 pub mod memory;
 mod registry;
+mod shm;
 pub mod tcp;
 
 pub use agent::{
     AgentConfig, Backend, SyncMessages, TransferAgent, TransferOp, TransferRequest, TransferState,
     TransferStatus, make_transfer_agent,
 };
-pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion};
+pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion, LocalAccess};
 pub use error::{Error, RejectReason};
 pub use memory::{MemoryDesc, MemoryDescs, MemoryType};

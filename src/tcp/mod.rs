@@ -9,6 +9,14 @@
 //! one thread per incoming connection that lands WRITE payloads straight in
 //! its registered memory after checking range and key, serves READs from it,
 //! and acknowledges each request once all its segments have been processed.
+//!
+//! For peers on the same host the same agent can move data by cross-memory
+//! attach instead (the `shm` backend, or `auto`): the initiator asks the
+//! target to *grant* the ranges (the target checks them and pins the regions
+//! against deregistration), copies with one `process_vm_writev`/`readv` per
+//! up to 1024 descriptors, then commits over the socket as usual, so sync
+//! messages and acknowledgements keep the same ordering guarantees.
+//!
 //! See `docs/architecture.md` for threads and ownership, and
 //! `docs/wire-format.md` for the frames.
 
@@ -31,16 +39,36 @@ use crate::agent::{
     AgentConfig, Completion, SyncMessages, TransferAgent, TransferOp, TransferRequest,
     TransferStatus,
 };
-use crate::desc::{AgentDesc, BackendKind};
+use crate::desc::{AgentDesc, BackendKind, LocalAccess};
 use crate::error::{Error, RejectReason};
 use crate::memory::{MemoryDescs, MemoryType, RegionMap};
 use crate::registry::{Inbox, RegionGuard, Registry, random_u64};
+use crate::shm::{self, Direction, Piece};
 
 use session::{Finished, RequestTable};
 use sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
 use wire::{CommitOp, Frame, HEADER_LEN, PROTOCOL_VERSION, status};
 
 const BACKEND: &str = "tcp";
+
+/// Which data paths an agent offers and uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// TCP only.
+    Tcp,
+    /// Cross-memory attach only: every peer must be on this host.
+    Shm,
+    /// Cross-memory attach to peers on this host that allow it, TCP to the
+    /// others.
+    Auto,
+}
+
+/// How data reaches one peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Tcp,
+    Cma { pid: u32 },
+}
 const SUPPORTED: &[MemoryType] = &[MemoryType::Dram];
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -65,7 +93,11 @@ pub struct TcpAgent {
 
 struct Inner {
     config: AgentConfig,
+    mode: Mode,
     instance: u64,
+    /// Holds `instance`; peers read it back to prove direct access works.
+    probe_word: Box<u64>,
+    host: String,
     endpoint: String,
     listen_addr: SocketAddr,
     registry: Registry,
@@ -85,11 +117,15 @@ struct ServerConns {
 }
 
 impl TcpAgent {
-    /// Binds the listener and starts the accept thread.
+    /// A TCP-only agent: binds the listener and starts the accept thread.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`], or the bind error.
     pub fn new(config: AgentConfig) -> Result<Self, Error> {
+        Self::with_mode(config, Mode::Tcp)
+    }
+
+    pub(crate) fn with_mode(config: AgentConfig, mode: Mode) -> Result<Self, Error> {
         config.validate()?;
         let listener = TcpListener::bind(config.listen)?;
         let listen_addr = listener.local_addr()?;
@@ -97,8 +133,12 @@ impl TcpAgent {
             Some(a) => a.clone(),
             None => listen_addr.to_string(),
         };
+        let instance = random_u64() | 1;
         let inner = Arc::new(Inner {
-            instance: random_u64() | 1,
+            mode,
+            instance,
+            probe_word: Box::new(instance),
+            host: shm::host_id(),
             endpoint,
             listen_addr,
             registry: Registry::default(),
@@ -176,7 +216,16 @@ impl Drop for TcpAgent {
 struct Session {
     remote: String,
     table: Mutex<RequestTable>,
+    /// Cross-memory grants held until each request's commit.
+    grants: Mutex<HashMap<u64, Grants>>,
     streams: AtomicUsize,
+}
+
+#[derive(Default)]
+struct Grants {
+    seen: u32,
+    guards: Vec<RegionGuard>,
+    refused: Option<RejectReason>,
 }
 
 struct ServerIdle<'a> {
@@ -327,6 +376,7 @@ impl Inner {
                             Arc::new(Session {
                                 remote: name,
                                 table: Mutex::new(RequestTable::default()),
+                                grants: Mutex::new(HashMap::new()),
                                 streams: AtomicUsize::new(0),
                             })
                         });
@@ -434,6 +484,44 @@ impl Inner {
                     lock(&session.table).segment(req, result)
                 }
                 Frame::Fence { req } => lock(&session.table).segment(req, Ok(())),
+                Frame::Grant {
+                    req,
+                    mem_type,
+                    addr,
+                    len,
+                    key,
+                    total,
+                } => {
+                    let admitted = self.registry.admit_remote(mem_type, addr, len, key);
+                    let answer = {
+                        let mut grants = lock(&session.grants);
+                        let g = grants.entry(req).or_default();
+                        g.seen += 1;
+                        match admitted {
+                            Ok(guard) => g.guards.push(guard),
+                            Err(r) => {
+                                g.refused.get_or_insert(r);
+                            }
+                        }
+                        if g.seen < total {
+                            None
+                        } else if let Some(r) = g.refused {
+                            grants.remove(&req);
+                            Some(r.code())
+                        } else {
+                            Some(status::OK)
+                        }
+                    };
+                    if let Some(st) = answer {
+                        send_frames(
+                            sock,
+                            &[Frame::Granted { req, status: st }.encode()],
+                            clock,
+                            self.config.io_timeout,
+                        )?;
+                    }
+                    None
+                }
                 Frame::Commit {
                     req,
                     op: _,
@@ -467,6 +555,8 @@ impl Inner {
         f: Finished,
         clock: &ProgressClock,
     ) -> io::Result<()> {
+        // The initiator's direct copies are over: unpin before telling anyone.
+        lock(&session.grants).remove(&f.req);
         if let (Ok(()), Some(msg)) = (&f.outcome, f.sync) {
             self.inbox.deliver(&session.remote, msg);
         }
@@ -490,9 +580,42 @@ impl Inner {
         AgentDesc {
             name: self.config.name.clone(),
             instance: self.instance,
-            backend: BackendKind::Tcp,
+            backend: match self.mode {
+                Mode::Shm => BackendKind::Shm,
+                Mode::Tcp | Mode::Auto => BackendKind::Tcp,
+            },
             endpoints: vec![self.endpoint.clone()],
             regions: self.registry.exported(),
+            local_access: (self.mode != Mode::Tcp).then(|| LocalAccess {
+                host: self.host.clone(),
+                pid: std::process::id(),
+                probe_addr: &*self.probe_word as *const u64 as u64,
+            }),
+        }
+    }
+
+    /// Chooses the data path to a remote agent (see [`Mode`]).
+    fn choose_path(&self, desc: &AgentDesc) -> Result<Path, Error> {
+        if self.mode == Mode::Tcp {
+            return Ok(Path::Tcp);
+        }
+        let verdict = match &desc.local_access {
+            None => Err("the remote agent does not offer cross-memory access".to_string()),
+            Some(a) => shm::probe(a, desc.instance, &self.host).map(|()| a.pid),
+        };
+        match (verdict, self.mode) {
+            (Ok(pid), _) => {
+                tracing::info!(agent = %self.config.name, remote = %desc.name, pid, "data path: shm (cross-memory attach)");
+                Ok(Path::Cma { pid })
+            }
+            (Err(reason), Mode::Shm) => Err(Error::BackendUnavailable {
+                backend: "shm",
+                reason: format!("remote agent {:?}: {reason}", desc.name),
+            }),
+            (Err(reason), _) => {
+                tracing::info!(agent = %self.config.name, remote = %desc.name, %reason, "data path: tcp (shm not possible)");
+                Ok(Path::Tcp)
+            }
         }
     }
 
@@ -514,6 +637,7 @@ impl Inner {
 struct Peer {
     desc: AgentDesc,
     regions: RegionMap<u64>,
+    path: Path,
     link: Mutex<Option<Arc<Link>>>,
 }
 
@@ -525,6 +649,8 @@ struct Pending {
     outstanding: AtomicUsize,
     error: Mutex<Option<Error>>,
     guards: Mutex<Vec<RegionGuard>>,
+    /// Cross-memory path: the target's answer to the request's grants.
+    granted: (Sender<u16>, Receiver<u16>),
 }
 
 impl Pending {
@@ -571,7 +697,25 @@ enum Tail {
     Fence,
 }
 
+/// A range the target must grant for a cross-memory request.
+struct GrantRange {
+    mem_type: MemoryType,
+    addr: u64,
+    len: u64,
+    key: u64,
+}
+
 enum Job {
+    /// Cross-memory request: grants, direct copy, commit.
+    Cma {
+        req: u64,
+        op: TransferOp,
+        pid: u32,
+        pieces: Vec<Piece>,
+        grants: Vec<GrantRange>,
+        sync: Option<Vec<u8>>,
+        pending: Arc<Pending>,
+    },
     Frames {
         req: u64,
         op: TransferOp,
@@ -608,12 +752,12 @@ struct Link {
 impl Link {
     /// Opens `streams_per_peer` connections to `peer` and starts their
     /// threads.
-    fn open(inner: &Inner, peer: &AgentDesc) -> Result<Arc<Link>, Error> {
+    fn open(inner: &Inner, peer: &AgentDesc, n_streams: usize) -> Result<Arc<Link>, Error> {
         let cfg = &inner.config;
         let link_id = random_u64();
-        let mut streams = Vec::with_capacity(cfg.streams_per_peer);
-        let mut receivers = Vec::with_capacity(cfg.streams_per_peer);
-        for i in 0..cfg.streams_per_peer {
+        let mut streams = Vec::with_capacity(n_streams);
+        let mut receivers = Vec::with_capacity(n_streams);
+        for i in 0..n_streams {
             let sock = connect_any(&peer.endpoints, cfg.connect_timeout)?;
             let clock = ProgressClock::new();
             handshake(inner, peer, &sock, link_id, i as u32, &clock)?;
@@ -745,15 +889,37 @@ impl Link {
         let mut headers: Vec<[u8; HEADER_LEN]> = Vec::new();
         let mut iovs: Vec<libc::iovec> = Vec::new();
         while let Ok(job) = rx.recv() {
-            let Job::Frames {
-                req,
-                op,
-                segs,
-                tail,
-                pending,
-            } = job
-            else {
-                break;
+            let (req, op, segs, tail, pending) = match job {
+                Job::Stop => break,
+                Job::Cma {
+                    req,
+                    op,
+                    pid,
+                    pieces,
+                    grants,
+                    sync,
+                    pending,
+                } => match self.run_cma(fd, req, op, pid, &pieces, &grants, &pending) {
+                    Ok(true) => (
+                        req,
+                        op,
+                        Vec::new(),
+                        Tail::Commit { segments: 0, sync },
+                        pending,
+                    ),
+                    Ok(false) => continue,
+                    Err(e) => {
+                        self.fail(e);
+                        break;
+                    }
+                },
+                Job::Frames {
+                    req,
+                    op,
+                    segs,
+                    tail,
+                    pending,
+                } => (req, op, segs, tail, pending),
             };
             headers.clear();
             iovs.clear();
@@ -833,6 +999,81 @@ impl Link {
         self.thread_exit();
     }
 
+    /// Grants and direct copy of a cross-memory request. `Ok(true)`: go on
+    /// and commit; `Ok(false)`: the target refused the grants and the
+    /// request has failed; `Err`: the link is broken.
+    #[allow(clippy::too_many_arguments)]
+    fn run_cma(
+        &self,
+        fd: std::os::fd::RawFd,
+        req: u64,
+        op: TransferOp,
+        pid: u32,
+        pieces: &[Piece],
+        grants: &[GrantRange],
+        pending: &Pending,
+    ) -> Result<bool, Error> {
+        if grants.is_empty() {
+            return Ok(true);
+        }
+        let frames: Vec<[u8; HEADER_LEN]> = grants
+            .iter()
+            .map(|g| {
+                Frame::Grant {
+                    req,
+                    mem_type: g.mem_type,
+                    addr: g.addr,
+                    len: g.len,
+                    key: g.key,
+                    total: grants.len() as u32,
+                }
+                .encode()
+            })
+            .collect();
+        let mut iovs: Vec<_> = frames.iter().map(|f| iov(f.as_ptr(), HEADER_LEN)).collect();
+        // SAFETY: the iovecs point into `frames`, alive for the call.
+        unsafe { writev_all(fd, &mut iovs, &self.clock, self.io_timeout) }
+            .map_err(|e| self.io_error(e))?;
+        let st = loop {
+            match pending.granted.1.recv_timeout(tick(self.io_timeout)) {
+                Ok(st) => break st,
+                Err(_) => {
+                    if let Some(e) = &lock(&self.pending).broken {
+                        return Err(e.clone());
+                    }
+                }
+            }
+        };
+        if st != status::OK {
+            self.complete_event(
+                req,
+                pending,
+                Err(Error::RemoteRejected {
+                    remote: self.remote.clone(),
+                    reason: RejectReason::from_code(st),
+                }),
+            );
+            return Ok(false);
+        }
+        let dir = match op {
+            TransferOp::Write => Direction::Write,
+            TransferOp::Read => Direction::Read,
+        };
+        // SAFETY: local pieces lie in regions validated at submit time and
+        // held by the request's guards until it completes, which cannot
+        // happen before this copy returns (the commit follows it).
+        unsafe { shm::copy(pid, dir, pieces) }.map_err(|e| Error::ConnectionLost {
+            remote: self.remote.clone(),
+            cause: Arc::new(if e.raw_os_error() == Some(libc::ESRCH) {
+                io::Error::new(io::ErrorKind::ConnectionReset, "target process exited")
+            } else {
+                e
+            }),
+        })?;
+        self.clock.touch();
+        Ok(true)
+    }
+
     fn run_reader(self: Arc<Self>, idx: usize) {
         let sock = &self.streams[idx].sock;
         let clock = ProgressClock::new();
@@ -902,6 +1143,15 @@ impl Link {
                         })
                     };
                     self.complete_event(req, &slot.pending, result);
+                }
+                Frame::Granted { req, status: st } => {
+                    let p = lock(&self.pending).map.get(&req).cloned();
+                    let Some(p) = p else {
+                        return Err(self.violation("grant answer for an unknown request"));
+                    };
+                    if p.granted.0.try_send(st).is_err() {
+                        return Err(self.violation("second grant answer for a request"));
+                    }
                 }
                 Frame::Ack { req, status: st } => {
                     let p = lock(&self.pending).map.get(&req).cloned();
@@ -1133,7 +1383,12 @@ impl Peer {
             let old = slot.take().expect("checked above");
             old.join();
         }
-        let l = Link::open(inner, &self.desc)?;
+        let n = match self.path {
+            Path::Tcp => inner.config.streams_per_peer,
+            // Data bypasses the socket; one stream carries the control.
+            Path::Cma { .. } => 1,
+        };
+        let l = Link::open(inner, &self.desc, n)?;
         *slot = Some(Arc::clone(&l));
         Ok(l)
     }
@@ -1167,6 +1422,29 @@ fn plan_segments(req: &TransferRequest, keys: &[u64], max: u64, streams: usize) 
     out
 }
 
+/// One grant per remote region a request touches, covering the span of its
+/// descriptors in that region.
+fn grant_ranges(remote: &MemoryDescs, keys: &[u64]) -> Vec<GrantRange> {
+    let mut spans: Vec<GrantRange> = Vec::new();
+    for (d, &key) in remote.descs.iter().zip(keys) {
+        let end = d.addr + d.len;
+        match spans.iter_mut().find(|g| g.key == key) {
+            Some(g) => {
+                let g_end = (g.addr + g.len).max(end);
+                g.addr = g.addr.min(d.addr);
+                g.len = g_end - g.addr;
+            }
+            None => spans.push(GrantRange {
+                mem_type: remote.mem_type,
+                addr: d.addr,
+                len: d.len,
+                key,
+            }),
+        }
+    }
+    spans
+}
+
 impl TcpAgent {
     fn submit(&self, req: TransferRequest, fence: bool) -> Result<TransferStatus, Error> {
         let inner = &self.inner;
@@ -1194,19 +1472,51 @@ impl TcpAgent {
             keys.push(r.value);
         }
         let link = peer.link(inner)?;
+        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
+        let completion = Completion::new();
+        let new_pending = |outstanding: usize| {
+            Arc::new(Pending {
+                completion: Arc::clone(&completion),
+                outstanding: AtomicUsize::new(outstanding),
+                error: Mutex::new(None),
+                guards: Mutex::new(guards),
+                granted: crossbeam_channel::bounded(1),
+            })
+        };
+        if let Path::Cma { pid } = peer.path {
+            let pending = new_pending(1);
+            link.insert(id, Arc::clone(&pending))?;
+            link.clock.touch();
+            let job = Job::Cma {
+                req: id,
+                op: req.op,
+                pid,
+                pieces: req
+                    .local
+                    .descs
+                    .iter()
+                    .zip(&req.remote.descs)
+                    .map(|(l, r)| Piece {
+                        local: l.addr,
+                        remote: r.addr,
+                        len: l.len,
+                    })
+                    .collect(),
+                grants: grant_ranges(&req.remote, &keys),
+                sync: req.sync_message,
+                pending,
+            };
+            if link.streams[0].tx.send(job).is_err() {
+                link.fail(Error::Closed);
+            }
+            return Ok(TransferStatus::new(id, completion));
+        }
         let n = link.streams.len();
         let plan = plan_segments(&req, &keys, inner.config.segment_size, n);
         let total: usize = plan.iter().map(Vec::len).sum();
-        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
-        let completion = Completion::new();
         let reads = if req.op == TransferOp::Read { total } else { 0 };
         let fences = if fence { n - 1 } else { 0 };
-        let pending = Arc::new(Pending {
-            completion: Arc::clone(&completion),
-            outstanding: AtomicUsize::new(reads + 1),
-            error: Mutex::new(None),
-            guards: Mutex::new(guards),
-        });
+        let pending = new_pending(reads + 1);
         link.insert(id, Arc::clone(&pending))?;
         link.clock.touch();
         let mut sync = req.sync_message;
@@ -1247,7 +1557,18 @@ impl TransferAgent for TcpAgent {
     }
 
     fn backend_name(&self) -> &'static str {
-        BACKEND
+        match self.inner.mode {
+            Mode::Tcp => "tcp",
+            Mode::Shm => "shm",
+            Mode::Auto => "auto",
+        }
+    }
+
+    fn remote_transport(&self, name: &str) -> Result<&'static str, Error> {
+        Ok(match self.inner.peer(name)?.path {
+            Path::Tcp => "tcp",
+            Path::Cma { .. } => "shm",
+        })
     }
 
     unsafe fn register_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
@@ -1264,16 +1585,14 @@ impl TransferAgent for TcpAgent {
 
     fn load_remote_agent(&self, desc: &AgentDesc) -> Result<(), Error> {
         desc.validate()?;
-        if desc.backend != BackendKind::Tcp {
-            return Err(Error::InvalidAgentDesc(crate::desc::DescError::Invalid(
-                format!("descriptor is for the {} backend", desc.backend.as_str()),
-            )));
-        }
         let regions = desc.region_map()?;
+        let path = self.inner.choose_path(desc)?;
         let mut peers = self.inner.peers.write().unwrap_or_else(|p| p.into_inner());
         // Same process: keep the live link, refresh the regions.
         let link = match peers.get(&desc.name) {
-            Some(old) if old.desc.instance == desc.instance => lock(&old.link).take(),
+            Some(old) if old.desc.instance == desc.instance && old.path == path => {
+                lock(&old.link).take()
+            }
             Some(old) => {
                 if let Some(l) = lock(&old.link).take() {
                     l.fail(Error::StaleAgent {
@@ -1288,6 +1607,7 @@ impl TransferAgent for TcpAgent {
         let peer = Arc::new(Peer {
             desc: desc.clone(),
             regions,
+            path,
             link: Mutex::new(link),
         });
         peers.insert(desc.name.clone(), Arc::clone(&peer));

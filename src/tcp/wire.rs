@@ -53,6 +53,8 @@ const K_READ_DATA: u8 = 7;
 const K_COMMIT: u8 = 8;
 const K_ACK: u8 = 9;
 const K_FENCE: u8 = 10;
+const K_GRANT: u8 = 11;
+const K_GRANTED: u8 = 12;
 
 /// Direction of a committed request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -154,6 +156,30 @@ pub enum Frame {
     Fence {
         /// Request id.
         req: u64,
+    },
+    /// Cross-memory path: asks the target to admit direct access to
+    /// `[addr, addr + len)` of the region keyed `key` until the request's
+    /// commit; one of `total` grants of the request.
+    Grant {
+        /// Request id.
+        req: u64,
+        /// Memory type of the region.
+        mem_type: MemoryType,
+        /// Start of the range.
+        addr: u64,
+        /// Length of the range.
+        len: u64,
+        /// Region access key.
+        key: u64,
+        /// Number of grants the request asks for.
+        total: u32,
+    },
+    /// Answer to a request's grants: all admitted (OK) or the first refusal.
+    Granted {
+        /// Request id.
+        req: u64,
+        /// `status::OK` or a reject code.
+        status: u16,
     },
     /// The target finished a committed request.
     Ack {
@@ -284,6 +310,27 @@ impl Frame {
                 h.kind = K_FENCE;
                 h.id = req.into();
             }
+            Frame::Grant {
+                req,
+                mem_type,
+                addr,
+                len,
+                key,
+                total,
+            } => {
+                h.kind = K_GRANT;
+                h.flags = mem_code(mem_type);
+                h.id = req.into();
+                h.addr = addr.into();
+                h.len = len.into();
+                h.key = key.into();
+                h.aux = total.into();
+            }
+            Frame::Granted { req, status } => {
+                h.kind = K_GRANTED;
+                h.id = req.into();
+                h.status = status.into();
+            }
             Frame::Ack { req, status } => {
                 h.kind = K_ACK;
                 h.id = req.into();
@@ -371,6 +418,27 @@ impl Frame {
                 has_sync: h.flags & 0x80 != 0,
             },
             K_FENCE => Frame::Fence { req: h.id.get() },
+            K_GRANT => {
+                let (addr, len) = (h.addr.get(), h.len.get());
+                if len == 0 || addr.checked_add(len).is_none() {
+                    return Err(WireError::BadField("grant range"));
+                }
+                if aux == 0 {
+                    return Err(WireError::BadField("grant total"));
+                }
+                Frame::Grant {
+                    req: h.id.get(),
+                    mem_type: mem_from_code(h.flags)?,
+                    addr,
+                    len,
+                    key: h.key.get(),
+                    total: aux,
+                }
+            }
+            K_GRANTED => Frame::Granted {
+                req: h.id.get(),
+                status: h.status.get(),
+            },
             K_ACK => Frame::Ack {
                 req: h.id.get(),
                 status: h.status.get(),
@@ -428,6 +496,15 @@ mod tests {
                 has_sync: true,
             },
             Frame::Fence { req: 13 },
+            Frame::Grant {
+                req: 14,
+                mem_type: MemoryType::Dram,
+                addr: 4096,
+                len: 1 << 20,
+                key: 99,
+                total: 2,
+            },
+            Frame::Granted { req: 14, status: 1 },
             Frame::Ack { req: 12, status: 2 },
         ]
     }

@@ -95,7 +95,20 @@ pub fn connect(peer: &PeerProc, src: &[u8]) -> (Box<dyn TransferAgent>, String) 
     let name = agent
         .load_remote_agent_by_connection(&peer.conn)
         .expect("load peer");
+    assert_eq!(
+        agent.remote_transport(&name).unwrap(),
+        expected_transport(),
+        "data path chosen for a peer on this host"
+    );
     (agent, name)
+}
+
+/// The data path the suite's backend must choose for a peer on this host.
+pub fn expected_transport() -> &'static str {
+    match backend() {
+        Backend::Tcp => "tcp",
+        _ => "shm",
+    }
 }
 
 /// Registers `buf` with `agent`.
@@ -139,6 +152,7 @@ pub struct PeerProc {
     pub addr: u64,
     /// Length of its registered buffer.
     pub len: u64,
+    exe_copy: Option<std::path::PathBuf>,
 }
 
 const REPLY: &str = "@@";
@@ -146,8 +160,36 @@ const REPLY: &str = "@@";
 impl PeerProc {
     /// Starts a peer with a `len`-byte buffer patterned with `seed`.
     pub fn spawn(name: &str, len: u64, seed: u64, env: &[(&str, &str)]) -> Self {
-        let exe = std::env::current_exe().expect("current exe");
+        Self::spawn_as(name, len, seed, env, None)
+    }
+
+    /// As [`spawn`](Self::spawn), running as user and group `uid` when given
+    /// (the binary is copied where that user can execute it).
+    pub fn spawn_as(
+        name: &str,
+        len: u64,
+        seed: u64,
+        env: &[(&str, &str)],
+        uid: Option<u32>,
+    ) -> Self {
+        let mut exe = std::env::current_exe().expect("current exe");
+        let mut exe_copy = None;
+        if uid.is_some() {
+            use std::os::unix::fs::PermissionsExt;
+            let dir = std::env::temp_dir().join(format!("kvxfer-peer-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+            let copy = dir.join(format!("peer-{name}"));
+            std::fs::copy(&exe, &copy).unwrap();
+            std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+            exe = copy.clone();
+            exe_copy = Some(copy);
+        }
         let mut cmd = Command::new(exe);
+        if let Some(uid) = uid {
+            use std::os::unix::process::CommandExt;
+            cmd.uid(uid).gid(uid);
+        }
         cmd.args([
             "--exact",
             "peer_process_entry",
@@ -187,6 +229,7 @@ impl PeerProc {
             conn: String::new(),
             addr: 0,
             len: 0,
+            exe_copy,
         };
         let ready = p.line(Duration::from_secs(60)).expect("peer did not start");
         let f: Vec<&str> = ready.split_whitespace().collect();
@@ -246,11 +289,17 @@ impl Drop for PeerProc {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
-                return;
+                break;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
         self.kill();
+        if let Some(copy) = self.exe_copy.take() {
+            let _ = std::fs::remove_file(&copy);
+            if let Some(dir) = copy.parent() {
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
     }
 }
 
@@ -315,6 +364,7 @@ pub fn peer_main() {
         shared.ptr,
         len
     ));
+    let remote: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         let f: Vec<&str> = line.split_whitespace().collect();
@@ -384,6 +434,49 @@ pub fn peer_main() {
                     }
                 }
                 out(all.join(" "));
+            }
+            Some("connect") => {
+                *remote.lock().unwrap() = match agent.load_remote_agent_by_connection(f[1]) {
+                    Ok(name) => {
+                        out(format!("{name} {}", agent.remote_transport(&name).unwrap()));
+                        Some(name)
+                    }
+                    Err(e) => {
+                        out(format!("ERR {e}"));
+                        None
+                    }
+                };
+            }
+            Some("put") => {
+                // put REMOTE_ADDR LEN SEED: write our buffer's first LEN
+                // bytes, patterned with SEED, to REMOTE_ADDR at the remote.
+                let (addr, n, s): (u64, usize, u64) = (
+                    f[1].parse().unwrap(),
+                    f[2].parse().unwrap(),
+                    f[3].parse().unwrap(),
+                );
+                let mut v = vec![0u8; n];
+                fill(&mut v, s, 0);
+                for (i, b) in v.into_iter().enumerate() {
+                    // SAFETY: in bounds of the leaked buffer; no transfer is
+                    // in flight.
+                    unsafe { std::ptr::write_volatile((shared.ptr + i) as *mut u8, b) };
+                }
+                let name = remote.lock().unwrap().clone().expect("connect first");
+                let req = kvxfer::TransferRequest::write(
+                    dram([(shared.ptr as u64, n as u64)]),
+                    dram([(addr, n as u64)]),
+                    name,
+                );
+                out(
+                    match agent
+                        .submit_transfer(req)
+                        .and_then(|st| st.wait_success(Duration::from_secs(60)))
+                    {
+                        Ok(()) => "OK".into(),
+                        Err(e) => format!("ERR {e}"),
+                    },
+                );
             }
             Some("quit") | None => break,
             Some(other) => out(format!("ERR unknown command {other}")),

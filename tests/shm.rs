@@ -1,0 +1,132 @@
+//! Choice of the intra-node (cross-memory attach) data path: offered only
+//! to peers on this host that the kernel lets us reach, with a clean TCP
+//! fallback under `auto` and a typed error under `shm`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvxfer::{AgentConfig, Backend, Error, MemoryDescs, TransferRequest, make_transfer_agent};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Entry point of the peer process (see `common::peer_main`); in a normal
+/// run, checks that a peer starts and answers.
+#[test]
+fn peer_process_entry() {
+    if std::env::var_os("KVXFER_PEER").is_some() {
+        peer_main();
+    }
+    let mut p = PeerProc::spawn("harness", 64, 1, &[]);
+    assert_eq!(p.cmd("check 1 0 64"), "OK");
+}
+
+fn agent(name: &str, backend: Backend) -> Box<dyn kvxfer::TransferAgent> {
+    make_transfer_agent(backend, AgentConfig::new(name)).unwrap()
+}
+
+fn write_and_check(a: &dyn kvxfer::TransferAgent, name: &str, peer: &mut PeerProc, seed: u64) {
+    let mut src = vec![0u8; peer.len as usize];
+    fill(&mut src, seed, 0);
+    register(a, &src);
+    a.submit_transfer(TransferRequest::write(
+        MemoryDescs::dram(&src),
+        peer.range(0, peer.len),
+        name,
+    ))
+    .unwrap()
+    .wait_success(WAIT)
+    .unwrap();
+    assert_eq!(peer.cmd(&format!("check {seed} 0 {}", peer.len)), "OK");
+    a.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
+}
+
+#[test]
+fn same_host_uses_shm_other_host_uses_tcp() {
+    let mut peer = PeerProc::spawn("target", 1 << 20, 1, &[("KVXFER_TEST_BACKEND", "auto")]);
+    let auto = agent("auto", Backend::Auto);
+    let name = auto.load_remote_agent_by_connection(&peer.conn).unwrap();
+    assert_eq!(auto.remote_transport(&name).unwrap(), "shm");
+    write_and_check(auto.as_ref(), &name, &mut peer, 2);
+
+    // The same peer, described as living on another host.
+    let mut elsewhere = auto.remote_agent_desc(&name).unwrap();
+    elsewhere.local_access.as_mut().unwrap().host = "some-other-host".into();
+    let auto2 = agent("auto2", Backend::Auto);
+    auto2.load_remote_agent(&elsewhere).unwrap();
+    assert_eq!(auto2.remote_transport(&name).unwrap(), "tcp");
+    write_and_check(auto2.as_ref(), &name, &mut peer, 3);
+
+    let shm = agent("shm", Backend::Shm);
+    let err = shm.load_remote_agent(&elsewhere).unwrap_err();
+    assert!(
+        matches!(&err, Error::BackendUnavailable { backend: "shm", reason } if reason.contains("another host")),
+        "{err}"
+    );
+    assert!(matches!(
+        shm.remote_transport(&name),
+        Err(Error::UnknownAgent(_))
+    ));
+}
+
+#[test]
+fn tcp_only_peer_is_not_reached_by_shm() {
+    let mut peer = PeerProc::spawn("target", 1 << 16, 1, &[("KVXFER_TEST_BACKEND", "tcp")]);
+    let auto = agent("auto", Backend::Auto);
+    let name = auto.load_remote_agent_by_connection(&peer.conn).unwrap();
+    assert_eq!(auto.remote_transport(&name).unwrap(), "tcp");
+    write_and_check(auto.as_ref(), &name, &mut peer, 4);
+    let shm = agent("shm", Backend::Shm);
+    let err = shm.load_remote_agent_by_connection(&peer.conn).unwrap_err();
+    assert!(matches!(err, Error::BackendUnavailable { .. }), "{err}");
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+/// An unprivileged process may not attach to a root-owned one: `auto`
+/// falls back to TCP and the transfer still works; `shm` refuses the peer.
+#[test]
+fn denied_cross_memory_attach_falls_back_to_tcp() {
+    if !is_root() {
+        eprintln!(
+            "SKIPPED denied_cross_memory_attach_falls_back_to_tcp: needs root to start a peer as another user (CI runs it as root)"
+        );
+        return;
+    }
+    let mut target = PeerProc::spawn("target", 1 << 20, 1, &[("KVXFER_TEST_BACKEND", "auto")]);
+    let nobody = Some(65534);
+    let mut init = PeerProc::spawn_as(
+        "nobody-auto",
+        1 << 20,
+        9,
+        &[("KVXFER_TEST_BACKEND", "auto")],
+        nobody,
+    );
+    assert_eq!(init.cmd(&format!("connect {}", target.conn)), "target tcp");
+    assert_eq!(
+        init.cmd(&format!("put {} {} 5", target.addr, 1 << 20)),
+        "OK"
+    );
+    assert_eq!(target.cmd(&format!("check 5 0 {}", 1 << 20)), "OK");
+
+    let mut strict = PeerProc::spawn_as(
+        "nobody-shm",
+        4096,
+        9,
+        &[("KVXFER_TEST_BACKEND", "shm")],
+        nobody,
+    );
+    let reply = strict.cmd(&format!("connect {}", target.conn));
+    assert!(
+        reply.starts_with("ERR") && reply.contains("denied"),
+        "{reply}"
+    );
+}

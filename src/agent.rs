@@ -302,6 +302,10 @@ pub struct AgentConfig {
     pub streams_per_peer: usize,
     /// Largest data segment; larger descriptors are split (default 4 MiB).
     pub segment_size: u64,
+    /// Threads that copy one large cross-memory (shm) request in parallel,
+    /// the submitting link's thread included (default: the number of CPUs,
+    /// at most 4). Requests under 2 MiB always use one.
+    pub shm_copy_threads: usize,
     /// Bound on connection establishment, including the hello exchange
     /// (default 5 s).
     pub connect_timeout: Duration,
@@ -319,6 +323,9 @@ impl AgentConfig {
             advertise: None,
             streams_per_peer: 2,
             segment_size: 4 << 20,
+            shm_copy_threads: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(4),
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(30),
         }
@@ -345,6 +352,12 @@ impl AgentConfig {
     /// Sets the largest segment.
     pub fn with_segment_size(mut self, n: u64) -> Self {
         self.segment_size = n;
+        self
+    }
+
+    /// Sets the number of threads copying one large shm request.
+    pub fn with_shm_copy_threads(mut self, n: usize) -> Self {
+        self.shm_copy_threads = n;
         self
     }
 
@@ -376,6 +389,12 @@ impl AgentConfig {
             return bad(format!(
                 "streams_per_peer must be 1..=64, got {}",
                 self.streams_per_peer
+            ));
+        }
+        if !(1..=64).contains(&self.shm_copy_threads) {
+            return bad(format!(
+                "shm_copy_threads must be 1..=64, got {}",
+                self.shm_copy_threads
             ));
         }
         if self.segment_size < 4096 {

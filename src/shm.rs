@@ -157,9 +157,99 @@ pub(crate) unsafe fn copy(pid: u32, dir: Direction, pieces: &[Piece]) -> io::Res
     Ok(())
 }
 
+/// Splits `pieces` into `parts` runs of about equal bytes (splitting pieces
+/// where needed), in order.
+pub(crate) fn split(pieces: &[Piece], parts: usize) -> Vec<Vec<Piece>> {
+    let total: u64 = pieces.iter().map(|p| p.len).sum();
+    let parts = parts.max(1);
+    let share = total.div_ceil(parts as u64).max(1);
+    let mut out: Vec<Vec<Piece>> = vec![Vec::new()];
+    let mut room = share;
+    for p in pieces {
+        let mut p = *p;
+        while p.len > 0 {
+            if room == 0 {
+                out.push(Vec::new());
+                room = share;
+            }
+            let n = p.len.min(room);
+            out.last_mut().expect("never empty").push(Piece {
+                local: p.local,
+                remote: p.remote,
+                len: n,
+            });
+            p.local += n;
+            p.remote += n;
+            p.len -= n;
+            room -= n;
+        }
+    }
+    out
+}
+
+/// [`copy`] with the pieces spread over `threads` threads (the caller's
+/// included) when there are at least `min_bytes` to move.
+///
+/// # Safety
+/// As [`copy`].
+pub(crate) unsafe fn copy_parallel(
+    pid: u32,
+    dir: Direction,
+    pieces: &[Piece],
+    threads: usize,
+    min_bytes: u64,
+) -> io::Result<()> {
+    let total: u64 = pieces.iter().map(|p| p.len).sum();
+    if threads <= 1 || total < min_bytes {
+        // SAFETY: forwarded contract.
+        return unsafe { copy(pid, dir, pieces) };
+    }
+    let parts = split(pieces, threads);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = parts[1..]
+            .iter()
+            // SAFETY: forwarded contract; each part is a subset of `pieces`.
+            .map(|part| s.spawn(move || unsafe { copy(pid, dir, part) }))
+            .collect();
+        // SAFETY: forwarded contract.
+        let first = unsafe { copy(pid, dir, &parts[0]) };
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(io::Error::other("copy thread panicked")))
+            })
+            .fold(first, |acc, r| acc.and(r))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_keeps_order_and_bytes() {
+        let pieces: Vec<Piece> = (0..5u64)
+            .map(|i| Piece {
+                local: i * 100,
+                remote: 1000 + i * 100,
+                len: 100,
+            })
+            .collect();
+        for parts in 1..8 {
+            let out = split(&pieces, parts);
+            assert!(out.len() <= parts);
+            let flat: Vec<Piece> = out.concat();
+            assert_eq!(flat.iter().map(|p| p.len).sum::<u64>(), 500);
+            // Consecutive bytes, in order, same local/remote offsets.
+            let mut at = 0u64;
+            for p in &flat {
+                assert_eq!(p.remote - p.local, 1000);
+                assert_eq!(p.local, at);
+                at += p.len;
+            }
+        }
+    }
 
     #[test]
     fn copies_within_own_process_and_probes_self() {
@@ -190,7 +280,7 @@ mod tests {
             .collect();
         // SAFETY: `src` is valid for reads; `dst` is written by the kernel
         // only and read after the call.
-        unsafe { copy(std::process::id(), Direction::Write, &pieces).unwrap() };
+        unsafe { copy_parallel(std::process::id(), Direction::Write, &pieces, 3, 1).unwrap() };
         let dst = std::hint::black_box(dst);
         for i in 0..3000 {
             assert_eq!(dst[i * 9..i * 9 + 7], src[i * 7..i * 7 + 7]);

@@ -20,7 +20,7 @@ use kvxfer::{
 #[derive(Parser, Debug, Clone)]
 #[command(version, about = "kvxfer transfer benchmark (loopback by default)")]
 struct Args {
-    /// Backend: auto, tcp.
+    /// Backend: auto, tcp, shm.
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Operation: write or read.
@@ -44,6 +44,9 @@ struct Args {
     /// TCP streams per peer (default: the library's, 2).
     #[arg(long)]
     streams: Option<usize>,
+    /// Threads copying one large shm request (default: the library's).
+    #[arg(long)]
+    shm_copy_threads: Option<usize>,
     /// One JSON object per measured point on stdout instead of a table.
     #[arg(long)]
     json: bool,
@@ -59,6 +62,11 @@ struct Args {
     /// Size of the target's registered region, e.g. 256MiB.
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     region_size: u64,
+    /// Measure a single-thread memcpy of the same descriptors between two
+    /// buffers of this process instead of transfers (the baseline for the
+    /// intra-node backend).
+    #[arg(long, conflicts_with_all = ["listen", "connect"])]
+    memcpy: bool,
     /// Internal: in target role, exit when standard input closes.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
@@ -91,11 +99,14 @@ fn human(n: u64) -> String {
 }
 
 fn config(name: &str, args: &Args) -> AgentConfig {
-    let cfg = AgentConfig::new(name);
-    match args.streams {
-        Some(n) => cfg.with_streams_per_peer(n),
-        None => cfg,
+    let mut cfg = AgentConfig::new(name);
+    if let Some(n) = args.streams {
+        cfg = cfg.with_streams_per_peer(n);
     }
+    if let Some(n) = args.shm_copy_threads {
+        cfg = cfg.with_shm_copy_threads(n);
+    }
+    cfg
 }
 
 /// A page-aligned, zeroed, registered-for-life buffer.
@@ -240,16 +251,56 @@ fn measure(
         lat.push(t.elapsed().as_secs_f64() * 1e6);
         bar.inc(1);
     }
-    let elapsed = start.elapsed().as_secs_f64();
-    let bytes = (pt.block * pt.batch * pt.iters) as f64;
+    Ok(summarize(
+        start.elapsed().as_secs_f64(),
+        (pt.block * pt.batch * pt.iters) as f64,
+        lat,
+    ))
+}
+
+/// Copies `batch` blocks from `src` to `dst` with `memcpy`, `iters` times.
+fn measure_memcpy(args: &Args, pt: &Point) -> Measured {
+    let src = Buffer::new(pt.block * pt.batch);
+    let mut dst = Buffer::new(pt.block * pt.batch);
+    let (s, d) = (
+        src.mem.as_ptr().cast::<u8>(),
+        dst.mem.as_mut_ptr().cast::<u8>(),
+    );
+    let copy_all = || {
+        for i in 0..pt.batch {
+            let off = (i * pt.block) as usize;
+            // SAFETY: both buffers hold `block * batch` bytes, so every
+            // block lies inside them; they do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping(s.add(off), d.add(off), pt.block as usize) };
+        }
+        std::hint::black_box(d);
+    };
+    for _ in 0..args.warmup {
+        copy_all();
+    }
+    let mut lat = Vec::with_capacity(pt.iters as usize);
+    let start = Instant::now();
+    for _ in 0..pt.iters {
+        let t = Instant::now();
+        copy_all();
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    summarize(
+        start.elapsed().as_secs_f64(),
+        (pt.block * pt.batch * pt.iters) as f64,
+        lat,
+    )
+}
+
+fn summarize(elapsed: f64, bytes: f64, mut lat: Vec<f64>) -> Measured {
     let mean_us = lat.iter().sum::<f64>() / lat.len().max(1) as f64;
     lat.sort_by(|a, b| a.total_cmp(b));
-    Ok(Measured {
+    Measured {
         gb_per_s: bytes / elapsed / 1e9,
         p50_us: percentile(&lat, 0.50),
         p99_us: percentile(&lat, 0.99),
         mean_us,
-    })
+    }
 }
 
 fn plan(args: &Args) -> Vec<Point> {
@@ -379,6 +430,23 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    if args.memcpy {
+        for pt in plan(&args) {
+            let m = measure_memcpy(&args, &pt);
+            println!(
+                "{{\"backend\":\"memcpy\",\"op\":\"copy\",\"block_size\":{},\"batch\":{},\"iters\":{},\"bytes_per_request\":{},\"gb_per_s\":{:.4},\"p50_us\":{:.1},\"p99_us\":{:.1},\"mean_us\":{:.1}}}",
+                pt.block,
+                pt.batch,
+                pt.iters,
+                pt.block * pt.batch,
+                m.gb_per_s,
+                m.p50_us,
+                m.p99_us,
+                m.mean_us
+            );
+        }
+        return Ok(());
+    }
     if let Some(listen) = args.listen {
         return run_target(&args, listen);
     }

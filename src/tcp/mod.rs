@@ -50,6 +50,8 @@ use sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
 use wire::{CommitOp, Frame, HEADER_LEN, PROTOCOL_VERSION, status};
 
 const BACKEND: &str = "tcp";
+/// Cross-memory requests smaller than this are copied by one thread.
+const PARALLEL_COPY_MIN: u64 = 2 << 20;
 
 /// Which data paths an agent offers and uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -742,6 +744,7 @@ struct PendingTable {
 struct Link {
     remote: String,
     io_timeout: Duration,
+    copy_threads: usize,
     streams: Vec<StreamHandle>,
     pending: Mutex<PendingTable>,
     clock: ProgressClock,
@@ -774,6 +777,7 @@ impl Link {
         let link = Arc::new(Link {
             remote: peer.name.clone(),
             io_timeout: cfg.io_timeout,
+            copy_threads: cfg.shm_copy_threads,
             alive: AtomicUsize::new(2 * streams.len()),
             streams,
             pending: Mutex::new(PendingTable::default()),
@@ -1062,14 +1066,15 @@ impl Link {
         // SAFETY: local pieces lie in regions validated at submit time and
         // held by the request's guards until it completes, which cannot
         // happen before this copy returns (the commit follows it).
-        unsafe { shm::copy(pid, dir, pieces) }.map_err(|e| Error::ConnectionLost {
-            remote: self.remote.clone(),
-            cause: Arc::new(if e.raw_os_error() == Some(libc::ESRCH) {
-                io::Error::new(io::ErrorKind::ConnectionReset, "target process exited")
-            } else {
-                e
-            }),
-        })?;
+        unsafe { shm::copy_parallel(pid, dir, pieces, self.copy_threads, PARALLEL_COPY_MIN) }
+            .map_err(|e| Error::ConnectionLost {
+                remote: self.remote.clone(),
+                cause: Arc::new(if e.raw_os_error() == Some(libc::ESRCH) {
+                    io::Error::new(io::ErrorKind::ConnectionReset, "target process exited")
+                } else {
+                    e
+                }),
+            })?;
         self.clock.touch();
         Ok(true)
     }

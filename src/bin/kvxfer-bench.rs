@@ -363,7 +363,8 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
         );
         b
     };
-    let backend_name = agent.backend_name();
+    // The data path actually used (auto picks shm on one host).
+    let backend_name = agent.remote_transport(&remote)?;
     let streams = args
         .streams
         .unwrap_or(AgentConfig::new("defaults").streams_per_peer);

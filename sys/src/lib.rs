@@ -1,0 +1,1040 @@
+//! C ABI for kvxfer: `libkvxfer.so`, `libkvxfer.a`, `include/kvxfer.h`.
+//!
+//! Conventions (see `sys/README.md`):
+//! - Every function returns a [`kvxfer_result`] (except the few that return
+//!   a static string or a length, and say so); outputs go through pointer
+//!   arguments, written only on success.
+//! - The last failure's message is kept per thread: [`kvxfer_last_error`].
+//! - Handles are opaque pointers. Every call checks that a handle is live
+//!   (issued by this library, of the right kind, not yet freed): a null,
+//!   forged or freed handle is `KVXFER_ERR_NULL_ARGUMENT` /
+//!   `KVXFER_ERR_INVALID_HANDLE`, not a crash.
+//! - No panic crosses the boundary: it becomes `KVXFER_ERR_PANIC`.
+//! - Memory types and operations are plain `uint32_t` values checked on
+//!   entry, so an out-of-range value from C is an error, not undefined
+//!   behaviour.
+#![allow(non_camel_case_types)]
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_char};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use kvxfer_core::{
+    AgentConfig, Backend, Error, MemoryDesc, MemoryDescs, MemoryType, TransferAgent,
+    TransferRequest, TransferState, TransferStatus,
+};
+
+/// Result of every call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvxfer_result {
+    /// Success.
+    KVXFER_OK = 0,
+    /// `kvxfer_status_wait`: the transfer is still running at the timeout.
+    KVXFER_IN_PROGRESS = 1,
+    /// A required pointer argument is NULL.
+    KVXFER_ERR_NULL_ARGUMENT = 100,
+    /// A handle that this library did not issue, of another kind, or freed.
+    KVXFER_ERR_INVALID_HANDLE = 101,
+    /// An argument is out of range (memory type, operation, UTF-8, backend
+    /// name, option, request shape).
+    KVXFER_ERR_INVALID_ARGUMENT = 102,
+    /// An output buffer is too small; the needed length was written.
+    KVXFER_ERR_BUFFER_TOO_SMALL = 103,
+    /// A descriptor is empty or wraps around the address space.
+    KVXFER_ERR_INVALID_DESCRIPTOR = 200,
+    /// A registration overlaps an existing one.
+    KVXFER_ERR_OVERLAP = 201,
+    /// The backend cannot handle this memory type.
+    KVXFER_ERR_UNSUPPORTED_MEMORY_TYPE = 202,
+    /// A local descriptor is outside every registered region (or, for
+    /// deregistration, is not a registration).
+    KVXFER_ERR_NOT_REGISTERED = 203,
+    /// Deregistration of a region that transfers in flight use.
+    KVXFER_ERR_REGION_BUSY = 204,
+    /// No remote agent of that name is loaded.
+    KVXFER_ERR_UNKNOWN_AGENT = 205,
+    /// A remote descriptor is outside every region the remote exported.
+    KVXFER_ERR_REMOTE_RANGE = 206,
+    /// An agent descriptor does not decode or is inconsistent.
+    KVXFER_ERR_INVALID_AGENT_DESC = 207,
+    /// The backend is not available (in this build, on this host, or for
+    /// this peer).
+    KVXFER_ERR_BACKEND_UNAVAILABLE = 208,
+    /// The remote agent refused the request.
+    KVXFER_ERR_REMOTE_REJECTED = 300,
+    /// The remote agent restarted since its descriptor was loaded.
+    KVXFER_ERR_STALE_AGENT = 301,
+    /// The peer broke the protocol.
+    KVXFER_ERR_PROTOCOL = 302,
+    /// The connection to the peer was lost (reset, closed, peer died).
+    KVXFER_ERR_CONNECTION_LOST = 303,
+    /// Connecting to the peer failed.
+    KVXFER_ERR_CONNECT = 304,
+    /// The peer made no progress within the I/O timeout.
+    KVXFER_ERR_PEER_TIMEOUT = 305,
+    /// A blocking call timed out.
+    KVXFER_ERR_TIMEOUT = 306,
+    /// The agent is shutting down.
+    KVXFER_ERR_CLOSED = 307,
+    /// Another I/O error.
+    KVXFER_ERR_IO = 308,
+    /// A bug: a panic was caught at the boundary.
+    KVXFER_ERR_PANIC = 900,
+}
+
+use kvxfer_result::*;
+
+/// A memory type: one of the `KVXFER_MEM_*` values.
+pub type kvxfer_mem_type = u32;
+/// Host memory.
+pub const KVXFER_MEM_DRAM: kvxfer_mem_type = 0;
+/// GPU memory.
+pub const KVXFER_MEM_VRAM: kvxfer_mem_type = 1;
+/// Block device.
+pub const KVXFER_MEM_BLK: kvxfer_mem_type = 2;
+/// Object store.
+pub const KVXFER_MEM_OBJ: kvxfer_mem_type = 3;
+/// File.
+pub const KVXFER_MEM_FILE: kvxfer_mem_type = 4;
+
+/// A transfer direction: one of the `KVXFER_OP_*` values.
+pub type kvxfer_op = u32;
+/// Local memory is read, remote memory written.
+pub const KVXFER_OP_WRITE: kvxfer_op = 0;
+/// Remote memory is read, local memory written.
+pub const KVXFER_OP_READ: kvxfer_op = 1;
+
+/// One byte range: `[addr, addr + len)` on device `device_id`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvxfer_mem_desc {
+    /// Start address (or offset for block/object/file memory).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Device index.
+    pub device_id: u32,
+}
+
+/// Optional agent settings. Zero or NULL fields keep the default. Set
+/// `struct_size` to `sizeof(kvxfer_options)`: later versions append fields
+/// and read only what the caller's struct holds.
+#[repr(C)]
+pub struct kvxfer_options {
+    /// `sizeof(kvxfer_options)` as the caller compiled it.
+    pub struct_size: usize,
+    /// Listen address (`host:port`), default `127.0.0.1:0`.
+    pub listen: *const c_char,
+    /// Address advertised to peers, default: the bound one.
+    pub advertise: *const c_char,
+    /// TCP streams per remote agent (default 2).
+    pub streams_per_peer: u32,
+    /// No-progress timeout in milliseconds (default 30000).
+    pub io_timeout_ms: u32,
+    /// Connection timeout in milliseconds (default 5000).
+    pub connect_timeout_ms: u32,
+}
+
+/// A transfer request. `local` and `remote` pair up element by element
+/// (TensorRT-LLM's `src` is `local`, `dst` is `remote`).
+#[repr(C)]
+pub struct kvxfer_request {
+    /// `KVXFER_OP_WRITE` or `KVXFER_OP_READ`.
+    pub op: kvxfer_op,
+    /// Memory type of `local`.
+    pub local_type: kvxfer_mem_type,
+    /// Local descriptors.
+    pub local: *const kvxfer_mem_desc,
+    /// Number of local descriptors.
+    pub local_count: usize,
+    /// Memory type of `remote`.
+    pub remote_type: kvxfer_mem_type,
+    /// Remote descriptors.
+    pub remote: *const kvxfer_mem_desc,
+    /// Number of remote descriptors.
+    pub remote_count: usize,
+    /// Name of the remote agent (NUL-terminated UTF-8).
+    pub remote_agent: *const c_char,
+    /// Sync message delivered after the data, or NULL for none.
+    pub sync_message: *const u8,
+    /// Length of the sync message (it may be 0 with a non-NULL pointer).
+    pub sync_message_len: usize,
+}
+
+/// A transfer agent. Thread-safe: every function taking a
+/// `kvxfer_agent*` may be called from several threads at once, except
+/// `kvxfer_agent_free`, which must be the last call on it.
+pub struct kvxfer_agent {
+    agent: Box<dyn TransferAgent>,
+}
+
+/// A submitted transfer. Thread-safe for `kvxfer_status_*` queries and
+/// waits; free it once, after the last of them. Freeing does not cancel.
+pub struct kvxfer_status {
+    status: TransferStatus,
+}
+
+/// A batch of received sync messages, read-only: safe to read from several
+/// threads; free once.
+pub struct kvxfer_messages {
+    items: Vec<(CString, Vec<u8>)>,
+}
+
+// ---------------------------------------------------------------------------
+// Handles, errors, the panic boundary.
+// ---------------------------------------------------------------------------
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Agent,
+    Status,
+    Messages,
+}
+
+fn handles() -> std::sync::MutexGuard<'static, HashMap<usize, Kind>> {
+    static H: OnceLock<Mutex<HashMap<usize, Kind>>> = OnceLock::new();
+    H.get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+fn issue<T>(b: Box<T>, kind: Kind) -> *mut T {
+    let p = Box::into_raw(b);
+    handles().insert(p as usize, kind);
+    p
+}
+
+struct Fail {
+    code: kvxfer_result,
+    msg: String,
+}
+
+impl Fail {
+    fn new(code: kvxfer_result, msg: impl Into<String>) -> Self {
+        Self {
+            code,
+            msg: msg.into(),
+        }
+    }
+}
+
+impl From<Error> for Fail {
+    fn from(e: Error) -> Self {
+        let code = match &e {
+            Error::InvalidDescriptor { .. } => KVXFER_ERR_INVALID_DESCRIPTOR,
+            Error::Overlap { .. } => KVXFER_ERR_OVERLAP,
+            Error::UnsupportedMemoryType { .. } => KVXFER_ERR_UNSUPPORTED_MEMORY_TYPE,
+            Error::NotRegistered { .. } | Error::NotARegistration { .. } => {
+                KVXFER_ERR_NOT_REGISTERED
+            }
+            Error::RegionBusy { .. } => KVXFER_ERR_REGION_BUSY,
+            Error::UnknownAgent(_) => KVXFER_ERR_UNKNOWN_AGENT,
+            Error::RemoteRangeNotExported { .. } => KVXFER_ERR_REMOTE_RANGE,
+            Error::InvalidRequest(_)
+            | Error::InvalidConfig(_)
+            | Error::InvalidConnectionInfo { .. } => KVXFER_ERR_INVALID_ARGUMENT,
+            Error::InvalidAgentDesc(_) => KVXFER_ERR_INVALID_AGENT_DESC,
+            Error::BackendUnavailable { .. } => KVXFER_ERR_BACKEND_UNAVAILABLE,
+            Error::RemoteRejected { .. } => KVXFER_ERR_REMOTE_REJECTED,
+            Error::StaleAgent { .. } => KVXFER_ERR_STALE_AGENT,
+            Error::ProtocolViolation { .. } => KVXFER_ERR_PROTOCOL,
+            Error::ConnectionLost { .. } => KVXFER_ERR_CONNECTION_LOST,
+            Error::Connect { .. } => KVXFER_ERR_CONNECT,
+            Error::PeerTimedOut { .. } => KVXFER_ERR_PEER_TIMEOUT,
+            Error::Timeout { .. } => KVXFER_ERR_TIMEOUT,
+            Error::Closed => KVXFER_ERR_CLOSED,
+            _ => KVXFER_ERR_IO,
+        };
+        Fail::new(code, e.to_string())
+    }
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(msg: &str) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+}
+
+/// Runs `f` behind the panic boundary, recording a failure's message.
+fn boundary(f: impl FnOnce() -> Result<kvxfer_result, Fail>) -> kvxfer_result {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(code)) => code,
+        Ok(Err(fail)) => {
+            set_last_error(&fail.msg);
+            fail.code
+        }
+        Err(_) => {
+            set_last_error("internal error: a panic was caught at the C boundary");
+            KVXFER_ERR_PANIC
+        }
+    }
+}
+
+/// The live object behind `p`, checked against the handle table.
+///
+/// # Safety
+/// A handle found in the table points to a live `T` of that kind: handles
+/// are inserted when boxed and removed before being freed.
+unsafe fn live<'a, T>(p: *const T, kind: Kind, what: &str) -> Result<&'a T, Fail> {
+    if p.is_null() {
+        return Err(Fail::new(KVXFER_ERR_NULL_ARGUMENT, format!("{what} is NULL")));
+    }
+    if handles().get(&(p as usize)) != Some(&kind) {
+        return Err(Fail::new(
+            KVXFER_ERR_INVALID_HANDLE,
+            format!("{what} is not a live {kind:?} handle (never issued, or already freed)"),
+        ));
+    }
+    // SAFETY: per this function's contract, a registered pointer of this
+    // kind is a live, boxed T.
+    Ok(unsafe { &*p })
+}
+
+/// Removes a handle from the table and frees it. NULL is a no-op.
+///
+/// # Safety
+/// As [`live`].
+unsafe fn free_handle<T>(p: *mut T, kind: Kind, what: &str) -> Result<kvxfer_result, Fail> {
+    if p.is_null() {
+        return Ok(KVXFER_OK);
+    }
+    let known = handles().remove(&(p as usize));
+    if known != Some(kind) {
+        if let Some(k) = known {
+            handles().insert(p as usize, k);
+        }
+        return Err(Fail::new(
+            KVXFER_ERR_INVALID_HANDLE,
+            format!("{what} is not a live {kind:?} handle (never issued, or already freed)"),
+        ));
+    }
+    // SAFETY: the pointer came from `Box::into_raw` in `issue` and was just
+    // removed from the table, so it is freed exactly once.
+    drop(unsafe { Box::from_raw(p) });
+    Ok(KVXFER_OK)
+}
+
+fn non_null<T>(p: *const T, what: &str) -> Result<(), Fail> {
+    if p.is_null() {
+        Err(Fail::new(KVXFER_ERR_NULL_ARGUMENT, format!("{what} is NULL")))
+    } else {
+        Ok(())
+    }
+}
+
+/// # Safety
+/// `p` is NULL or a NUL-terminated string valid for the call.
+unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a str, Fail> {
+    non_null(p, what)?;
+    // SAFETY: non-null and NUL-terminated per the caller's contract.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| Fail::new(KVXFER_ERR_INVALID_ARGUMENT, format!("{what} is not UTF-8")))
+}
+
+/// # Safety
+/// `p` is valid for reads of `n` elements when `n > 0`.
+unsafe fn slice<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], Fail> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    non_null(p, what)?;
+    // SAFETY: non-null, and valid for `n` reads per the caller's contract.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+fn mem_type(t: kvxfer_mem_type) -> Result<MemoryType, Fail> {
+    Ok(match t {
+        KVXFER_MEM_DRAM => MemoryType::Dram,
+        KVXFER_MEM_VRAM => MemoryType::Vram,
+        KVXFER_MEM_BLK => MemoryType::Blk,
+        KVXFER_MEM_OBJ => MemoryType::Obj,
+        KVXFER_MEM_FILE => MemoryType::File,
+        other => {
+            return Err(Fail::new(
+                KVXFER_ERR_INVALID_ARGUMENT,
+                format!("unknown memory type {other}"),
+            ));
+        }
+    })
+}
+
+/// # Safety
+/// As [`slice`].
+unsafe fn descs(t: kvxfer_mem_type, p: *const kvxfer_mem_desc, n: usize, what: &str) -> Result<MemoryDescs, Fail> {
+    // SAFETY: forwarded contract.
+    let raw = unsafe { slice(p, n, what)? };
+    Ok(MemoryDescs::new(
+        mem_type(t)?,
+        raw.iter().map(|d| MemoryDesc::new(d.addr, d.len, d.device_id)).collect(),
+    ))
+}
+
+/// Copies `bytes` (plus a NUL when `nul`) into `buf`, writing the needed
+/// length (without NUL) to `out_len`.
+///
+/// # Safety
+/// `buf` is valid for `cap` writes when non-NULL; `out_len` is NULL or valid.
+unsafe fn write_out(bytes: &[u8], nul: bool, buf: *mut u8, cap: usize, out_len: *mut usize) -> Result<kvxfer_result, Fail> {
+    if !out_len.is_null() {
+        // SAFETY: non-null and valid per the contract.
+        unsafe { *out_len = bytes.len() };
+    }
+    let need = bytes.len() + usize::from(nul);
+    if buf.is_null() || cap < need {
+        return Err(Fail::new(
+            KVXFER_ERR_BUFFER_TOO_SMALL,
+            format!("output needs {need} bytes, buffer has {cap}"),
+        ));
+    }
+    // SAFETY: `buf` holds at least `need` bytes; the regions are distinct.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len());
+        if nul {
+            *buf.add(bytes.len()) = 0;
+        }
+    }
+    Ok(KVXFER_OK)
+}
+
+// ---------------------------------------------------------------------------
+// Library-wide.
+// ---------------------------------------------------------------------------
+
+/// The library version, a static NUL-terminated string.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvxfer_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// The name of a result code (e.g. `"KVXFER_ERR_UNKNOWN_AGENT"`), a static
+/// NUL-terminated string.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvxfer_result_name(code: kvxfer_result) -> *const c_char {
+    macro_rules! names {
+        ($($v:ident),*) => {
+            match code { $( $v => concat!(stringify!($v), "\0"), )* }
+        };
+    }
+    let s: &'static str = names!(
+        KVXFER_OK,
+        KVXFER_IN_PROGRESS,
+        KVXFER_ERR_NULL_ARGUMENT,
+        KVXFER_ERR_INVALID_HANDLE,
+        KVXFER_ERR_INVALID_ARGUMENT,
+        KVXFER_ERR_BUFFER_TOO_SMALL,
+        KVXFER_ERR_INVALID_DESCRIPTOR,
+        KVXFER_ERR_OVERLAP,
+        KVXFER_ERR_UNSUPPORTED_MEMORY_TYPE,
+        KVXFER_ERR_NOT_REGISTERED,
+        KVXFER_ERR_REGION_BUSY,
+        KVXFER_ERR_UNKNOWN_AGENT,
+        KVXFER_ERR_REMOTE_RANGE,
+        KVXFER_ERR_INVALID_AGENT_DESC,
+        KVXFER_ERR_BACKEND_UNAVAILABLE,
+        KVXFER_ERR_REMOTE_REJECTED,
+        KVXFER_ERR_STALE_AGENT,
+        KVXFER_ERR_PROTOCOL,
+        KVXFER_ERR_CONNECTION_LOST,
+        KVXFER_ERR_CONNECT,
+        KVXFER_ERR_PEER_TIMEOUT,
+        KVXFER_ERR_TIMEOUT,
+        KVXFER_ERR_CLOSED,
+        KVXFER_ERR_IO,
+        KVXFER_ERR_PANIC
+    );
+    s.as_ptr().cast()
+}
+
+/// Copies the message of the last failed call on this thread into `buf`
+/// (NUL-terminated, truncated to `cap - 1` bytes) and returns its full
+/// length. `buf` may be NULL when `cap` is 0, to ask for the length.
+///
+/// # Safety
+/// `buf` is valid for `cap` writes when `cap > 0`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_last_error(buf: *mut c_char, cap: usize) -> usize {
+    LAST_ERROR.with(|l| {
+        let l = l.borrow();
+        let bytes = l.as_bytes();
+        if !buf.is_null() && cap > 0 {
+            let n = bytes.len().min(cap - 1);
+            // SAFETY: `buf` holds `cap > n` bytes per the contract.
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.cast::<u8>(), n);
+                *buf.add(n) = 0;
+            }
+        }
+        bytes.len()
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Agents.
+// ---------------------------------------------------------------------------
+
+/// Creates an agent called `name` on `backend` (`"auto"`, `"tcp"`, `"shm"`),
+/// with optional settings (`options` may be NULL).
+///
+/// # Safety
+/// Strings are NUL-terminated; `options` is NULL or points at
+/// `options->struct_size` readable bytes; `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_new(
+    name: *const c_char,
+    backend: *const c_char,
+    options: *const kvxfer_options,
+    out: *mut *mut kvxfer_agent,
+) -> kvxfer_result {
+    boundary(|| {
+        non_null(out, "out")?;
+        // SAFETY: NUL-terminated per the contract.
+        let name = unsafe { text(name, "name")? };
+        // SAFETY: as above.
+        let backend: Backend = unsafe { text(backend, "backend")? }.parse()?;
+        let mut cfg = AgentConfig::new(name);
+        if !options.is_null() {
+            // SAFETY: non-null; the caller's struct holds `struct_size` bytes,
+            // and we read only fields that fit in it.
+            let size = unsafe { (*options).struct_size };
+            let has = |end: usize| size >= end;
+            let o = options;
+            macro_rules! field {
+                ($f:ident: $t:ty) => {{
+                    let end = std::mem::offset_of!(kvxfer_options, $f) + std::mem::size_of::<$t>();
+                    if has(end) {
+                        // SAFETY: the field lies within the `struct_size`
+                        // bytes the caller provides; no reference to the
+                        // (possibly shorter) struct is formed.
+                        Some(unsafe { std::ptr::addr_of!((*o).$f).read_unaligned() })
+                    } else {
+                        None
+                    }
+                }};
+            }
+            if let Some(p) = field!(listen: *const c_char).filter(|p| !p.is_null()) {
+                // SAFETY: NUL-terminated per the contract.
+                let s = unsafe { text(p, "options.listen")? };
+                cfg = cfg.with_listen(s.parse().map_err(|e| {
+                    Fail::new(KVXFER_ERR_INVALID_ARGUMENT, format!("options.listen {s:?}: {e}"))
+                })?);
+            }
+            if let Some(p) = field!(advertise: *const c_char).filter(|p| !p.is_null()) {
+                // SAFETY: NUL-terminated per the contract.
+                cfg = cfg.with_advertise(unsafe { text(p, "options.advertise")? });
+            }
+            if let Some(n) = field!(streams_per_peer: u32).filter(|&n| n > 0) {
+                cfg = cfg.with_streams_per_peer(n as usize);
+            }
+            if let Some(ms) = field!(io_timeout_ms: u32).filter(|&n| n > 0) {
+                cfg = cfg.with_io_timeout(Duration::from_millis(ms.into()));
+            }
+            if let Some(ms) = field!(connect_timeout_ms: u32).filter(|&n| n > 0) {
+                cfg = cfg.with_connect_timeout(Duration::from_millis(ms.into()));
+            }
+        }
+        let agent = kvxfer_core::make_transfer_agent(backend, cfg)?;
+        let p = issue(Box::new(kvxfer_agent { agent }), Kind::Agent);
+        // SAFETY: `out` is non-null and valid for a write.
+        unsafe { *out = p };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Destroys an agent: closes its connections, fails its transfers in
+/// flight, joins its threads. NULL is a no-op.
+///
+/// # Safety
+/// No other call on `agent` may run concurrently or follow.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_free(agent: *mut kvxfer_agent) -> kvxfer_result {
+    // SAFETY: see `free_handle`.
+    boundary(|| unsafe { free_handle(agent, Kind::Agent, "agent") })
+}
+
+/// Registers `count` descriptors of type `mem_type` (all or none).
+///
+/// # Safety
+/// `descs` is valid for `count` reads. Every range must stay allocated
+/// while registered, and not be accessed by the caller while a transfer
+/// that names it is in flight.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_register_memory(
+    agent: *const kvxfer_agent,
+    mem_type: kvxfer_mem_type,
+    descs: *const kvxfer_mem_desc,
+    count: usize,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        // SAFETY: `descs` is valid for `count` reads.
+        let d = unsafe { self::descs(mem_type, descs, count, "descs")? };
+        // SAFETY: the caller upholds the registration contract above.
+        unsafe { a.agent.register_memory(&d)? };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Deregisters descriptors, each exactly as registered (all or none).
+///
+/// # Safety
+/// `descs` is valid for `count` reads.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_deregister_memory(
+    agent: *const kvxfer_agent,
+    mem_type: kvxfer_mem_type,
+    descs: *const kvxfer_mem_desc,
+    count: usize,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        // SAFETY: `descs` is valid for `count` reads.
+        let d = unsafe { self::descs(mem_type, descs, count, "descs")? };
+        a.agent.deregister_memory(&d)?;
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Writes the encoded local agent descriptor into `buf` and its length to
+/// `out_len` (also when the buffer is too small: call with `cap = 0` to
+/// learn the size).
+///
+/// # Safety
+/// `buf` is valid for `cap` writes (or NULL); `out_len` is NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_local_desc(
+    agent: *const kvxfer_agent,
+    buf: *mut u8,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        let bytes = a.agent.local_agent_desc().encode();
+        // SAFETY: forwarded contract.
+        unsafe { write_out(&bytes, false, buf, cap, out_len) }
+    })
+}
+
+/// Loads a remote agent from an encoded descriptor; writes its name
+/// (NUL-terminated) to `name_buf` when that is non-NULL.
+///
+/// # Safety
+/// `desc` is valid for `len` reads; `name_buf` is NULL or valid for
+/// `name_cap` writes; `name_len` is NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_load_remote(
+    agent: *const kvxfer_agent,
+    desc: *const u8,
+    len: usize,
+    name_buf: *mut c_char,
+    name_cap: usize,
+    name_len: *mut usize,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        // SAFETY: `desc` is valid for `len` reads.
+        let bytes = unsafe { slice(desc, len, "desc")? };
+        let d = kvxfer_core::AgentDesc::decode(bytes).map_err(Error::from)?;
+        a.agent.load_remote_agent(&d)?;
+        // SAFETY: forwarded contract.
+        unsafe { name_out(&d.name, name_buf, name_cap, name_len) }
+    })
+}
+
+/// # Safety
+/// As `write_out`; a NULL `buf` means "not wanted".
+unsafe fn name_out(name: &str, buf: *mut c_char, cap: usize, len: *mut usize) -> Result<kvxfer_result, Fail> {
+    if buf.is_null() {
+        if !len.is_null() {
+            // SAFETY: non-null and valid per the contract.
+            unsafe { *len = name.len() };
+        }
+        return Ok(KVXFER_OK);
+    }
+    // SAFETY: forwarded contract.
+    unsafe { write_out(name.as_bytes(), true, buf.cast(), cap, len) }
+}
+
+/// Fetches a remote agent's descriptor from its connection info
+/// (`host:port`) and loads it; writes its name as `kvxfer_agent_load_remote`.
+///
+/// # Safety
+/// As `kvxfer_agent_load_remote`; `connection_info` is NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_load_remote_by_connection(
+    agent: *const kvxfer_agent,
+    connection_info: *const c_char,
+    name_buf: *mut c_char,
+    name_cap: usize,
+    name_len: *mut usize,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        // SAFETY: NUL-terminated per the contract.
+        let info = unsafe { text(connection_info, "connection_info")? };
+        let name = a.agent.load_remote_agent_by_connection(info)?;
+        // SAFETY: forwarded contract.
+        unsafe { name_out(&name, name_buf, name_cap, name_len) }
+    })
+}
+
+/// Forgets a remote agent; its transfers in flight fail.
+///
+/// # Safety
+/// `name` is NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_invalidate_remote(
+    agent: *const kvxfer_agent,
+    name: *const c_char,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        // SAFETY: NUL-terminated per the contract.
+        a.agent.invalidate_remote_agent(unsafe { text(name, "name")? })?;
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Writes the agent's connection info (`host:port`, NUL-terminated).
+///
+/// # Safety
+/// `buf` is valid for `cap` writes (or NULL); `out_len` is NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_connection_info(
+    agent: *const kvxfer_agent,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        let info = a.agent.local_connection_info();
+        // SAFETY: forwarded contract.
+        unsafe { write_out(info.as_bytes(), true, buf.cast(), cap, out_len) }
+    })
+}
+
+/// Validates and submits a transfer; on success `*out` is a status handle
+/// to free with `kvxfer_status_free`.
+///
+/// # Safety
+/// `request` and the arrays and strings it points to are valid for the call
+/// (the library copies what it keeps); `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_submit(
+    agent: *const kvxfer_agent,
+    request: *const kvxfer_request,
+    out: *mut *mut kvxfer_status,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        non_null(request, "request")?;
+        non_null(out, "out")?;
+        // SAFETY: non-null and valid per the contract.
+        let r = unsafe { &*request };
+        // SAFETY: the arrays are valid for their counts.
+        let local = unsafe { descs(r.local_type, r.local, r.local_count, "request.local")? };
+        // SAFETY: as above.
+        let remote = unsafe { descs(r.remote_type, r.remote, r.remote_count, "request.remote")? };
+        // SAFETY: NUL-terminated per the contract.
+        let name = unsafe { text(r.remote_agent, "request.remote_agent")? };
+        let mut req = match r.op {
+            KVXFER_OP_WRITE => TransferRequest::write(local, remote, name),
+            KVXFER_OP_READ => TransferRequest::read(local, remote, name),
+            other => {
+                return Err(Fail::new(
+                    KVXFER_ERR_INVALID_ARGUMENT,
+                    format!("unknown operation {other}"),
+                ));
+            }
+        };
+        if !r.sync_message.is_null() {
+            // SAFETY: valid for `sync_message_len` reads.
+            let m = unsafe { slice(r.sync_message, r.sync_message_len, "request.sync_message")? };
+            req = req.with_sync_message(m.to_vec());
+        }
+        let status = a.agent.submit_transfer(req)?;
+        let p = issue(Box::new(kvxfer_status { status }), Kind::Status);
+        // SAFETY: `out` is non-null and valid for a write.
+        unsafe { *out = p };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Sends a sync message not tied to a transfer, ordered after the data of
+/// every transfer submitted earlier to `remote`. `out` may be NULL (fire and
+/// forget); otherwise it receives a status that completes on delivery.
+///
+/// # Safety
+/// `remote` is NUL-terminated; `msg` is valid for `len` reads; `out` is NULL
+/// or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_notify(
+    agent: *const kvxfer_agent,
+    remote: *const c_char,
+    msg: *const u8,
+    len: usize,
+    out: *mut *mut kvxfer_status,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        // SAFETY: NUL-terminated per the contract.
+        let remote = unsafe { text(remote, "remote")? };
+        // SAFETY: valid for `len` reads.
+        let m = unsafe { slice(msg, len, "msg")? }.to_vec();
+        let status = a.agent.notify_sync_message(remote, m)?;
+        if !out.is_null() {
+            let p = issue(Box::new(kvxfer_status { status }), Kind::Status);
+            // SAFETY: non-null and valid for a write.
+            unsafe { *out = p };
+        }
+        Ok(KVXFER_OK)
+    })
+}
+
+fn messages_handle(m: kvxfer_core::SyncMessages) -> *mut kvxfer_messages {
+    let mut groups: Vec<_> = m.into_iter().collect();
+    groups.sort_by(|a, b| a.0.cmp(&b.0));
+    let items = groups
+        .into_iter()
+        .flat_map(|(from, msgs)| {
+            let from = CString::new(from).unwrap_or_default();
+            msgs.into_iter().map(move |m| (from.clone(), m))
+        })
+        .collect();
+    issue(Box::new(kvxfer_messages { items }), Kind::Messages)
+}
+
+/// Takes every sync message received so far (possibly none) as a batch:
+/// grouped by sending agent (agents in name order), each group in arrival
+/// order.
+///
+/// # Safety
+/// `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_take_messages(
+    agent: *const kvxfer_agent,
+    out: *mut *mut kvxfer_messages,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        non_null(out, "out")?;
+        let h = messages_handle(a.agent.take_sync_messages());
+        // SAFETY: non-null and valid for a write.
+        unsafe { *out = h };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// As `kvxfer_agent_take_messages`, first waiting up to `timeout_ms` for at
+/// least one message.
+///
+/// # Safety
+/// `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_wait_messages(
+    agent: *const kvxfer_agent,
+    timeout_ms: u32,
+    out: *mut *mut kvxfer_messages,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        non_null(out, "out")?;
+        let m = a
+            .agent
+            .wait_sync_messages(Duration::from_millis(timeout_ms.into()));
+        let h = messages_handle(m);
+        // SAFETY: non-null and valid for a write.
+        unsafe { *out = h };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Whether every descriptor lies in a region `remote` exported (false for
+/// an unknown agent), written to `*out`.
+///
+/// # Safety
+/// `remote` is NUL-terminated; `descs` is valid for `count` reads; `out` is
+/// valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_check_remote_descs(
+    agent: *const kvxfer_agent,
+    remote: *const c_char,
+    mem_type: kvxfer_mem_type,
+    descs: *const kvxfer_mem_desc,
+    count: usize,
+    out: *mut bool,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        non_null(out, "out")?;
+        // SAFETY: NUL-terminated per the contract.
+        let remote = unsafe { text(remote, "remote")? };
+        // SAFETY: valid for `count` reads.
+        let d = unsafe { self::descs(mem_type, descs, count, "descs")? };
+        let ok = a.agent.check_remote_descs(remote, &d);
+        // SAFETY: non-null and valid for a write.
+        unsafe { *out = ok };
+        Ok(KVXFER_OK)
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Statuses.
+// ---------------------------------------------------------------------------
+
+/// Writes whether the transfer has finished (successfully or not).
+///
+/// # Safety
+/// `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_status_is_completed(status: *const kvxfer_status, out: *mut bool) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let s = unsafe { live(status, Kind::Status, "status")? };
+        non_null(out, "out")?;
+        // SAFETY: non-null and valid for a write.
+        unsafe { *out = s.status.is_completed() };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Waits up to `timeout_ms` (a negative value: until the transfer ends,
+/// which the agent's I/O timeout bounds). Returns `KVXFER_OK` on success,
+/// `KVXFER_IN_PROGRESS` if still running, or the transfer's error code
+/// (message in `kvxfer_last_error`). May be called again after any result.
+///
+/// # Safety
+/// None beyond a valid or NULL handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_status_wait(status: *const kvxfer_status, timeout_ms: i64) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let s = unsafe { live(status, Kind::Status, "status")? };
+        let state = if timeout_ms < 0 {
+            loop {
+                if let TransferState::Completed = s.status.wait(Duration::from_secs(3600))? {
+                    break TransferState::Completed;
+                }
+            }
+        } else {
+            s.status.wait(Duration::from_millis(timeout_ms as u64))?
+        };
+        Ok(match state {
+            TransferState::Completed => KVXFER_OK,
+            TransferState::InProgress => KVXFER_IN_PROGRESS,
+        })
+    })
+}
+
+/// Writes the request id (unique per agent).
+///
+/// # Safety
+/// `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_status_id(status: *const kvxfer_status, out: *mut u64) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let s = unsafe { live(status, Kind::Status, "status")? };
+        non_null(out, "out")?;
+        // SAFETY: non-null and valid for a write.
+        unsafe { *out = s.status.id() };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Frees a status handle (does not cancel the transfer). NULL is a no-op.
+///
+/// # Safety
+/// No other call on `status` may run concurrently or follow.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_status_free(status: *mut kvxfer_status) -> kvxfer_result {
+    // SAFETY: see `free_handle`.
+    boundary(|| unsafe { free_handle(status, Kind::Status, "status") })
+}
+
+// ---------------------------------------------------------------------------
+// Message batches.
+// ---------------------------------------------------------------------------
+
+/// Writes the number of messages in the batch.
+///
+/// # Safety
+/// `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_messages_count(messages: *const kvxfer_messages, out: *mut usize) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let m = unsafe { live(messages, Kind::Messages, "messages")? };
+        non_null(out, "out")?;
+        // SAFETY: non-null and valid for a write.
+        unsafe { *out = m.items.len() };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Message `index`: the sending agent's name (NUL-terminated) and the
+/// bytes. The pointers stay valid until the batch is freed.
+///
+/// # Safety
+/// The output pointers are valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_messages_get(
+    messages: *const kvxfer_messages,
+    index: usize,
+    agent_name: *mut *const c_char,
+    data: *mut *const u8,
+    len: *mut usize,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let m = unsafe { live(messages, Kind::Messages, "messages")? };
+        non_null(agent_name, "agent_name")?;
+        non_null(data, "data")?;
+        non_null(len, "len")?;
+        let (from, bytes) = m.items.get(index).ok_or_else(|| {
+            Fail::new(
+                KVXFER_ERR_INVALID_ARGUMENT,
+                format!("index {index} out of range ({} messages)", m.items.len()),
+            )
+        })?;
+        // SAFETY: all three are non-null and valid for a write.
+        unsafe {
+            *agent_name = from.as_ptr();
+            *data = bytes.as_ptr();
+            *len = bytes.len();
+        }
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Frees a message batch. NULL is a no-op.
+///
+/// # Safety
+/// No other call on `messages` may run concurrently or follow, and pointers
+/// obtained from it are no longer used.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_messages_free(messages: *mut kvxfer_messages) -> kvxfer_result {
+    // SAFETY: see `free_handle`.
+    boundary(|| unsafe { free_handle(messages, Kind::Messages, "messages") })
+}

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Installs the Debian packages a kvxfer job needs; idempotent.
 #   ci/install-deps.sh build   # compiler toolchain pieces
-#   ci/install-deps.sh bench   # + iperf3, python3 for the comparison script
+#   ci/install-deps.sh bench   # + iperf3, python3 for the comparison scripts
+#   ci/install-deps.sh test    # + g++, valgrind for the C/C++ ABI tests
 set -euo pipefail
 want=(gcc pkg-config ca-certificates)
 case "${1:-build}" in
   build) ;;
   bench) want+=(iperf3 python3) ;;
-  test) want+=(procps) ;;
+  test) want+=(procps g++ valgrind) ;;
   *) echo "usage: $0 build|bench|test" >&2; exit 2 ;;
 esac
 missing=()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Every test: formatting, lints, unit and integration tests (two-process
-# agent suite over TCP), doc tests, benches compiled and smoke-run once.
+# Every test: formatting, lints, unit and integration tests (the two-process
+# agent suite on tcp, shm and auto; the C and C++ programs against
+# libkvxfer, once under valgrind; the header freshness check), doc tests,
+# benches compiled and smoke-run once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install-deps.sh test
@@ -9,12 +11,12 @@ export CARGO_TERM_COLOR=never RUST_BACKTRACE=1
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
-cargo clippy --locked --all-targets -- -D warnings
+cargo clippy --locked --workspace --all-targets -- -D warnings
 echo "== cargo doc"
-RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -q
-echo "== cargo test (agent suite on tcp, unit tests, benches in test mode)"
-cargo test --locked --all-targets
-cargo test --locked --doc
+RUSTDOCFLAGS="-D warnings" cargo doc --locked --workspace --no-deps -q
+echo "== cargo test (agent suite on tcp, unit tests, C/C++ ABI tests, benches in test mode)"
+cargo test --locked --workspace --all-targets
+cargo test --locked --workspace --doc
 for b in shm auto; do
   echo "== agent suite on $b"
   KVXFER_TEST_BACKEND=$b cargo test --locked --test agent

@@ -284,7 +284,10 @@ fn boundary(f: impl FnOnce() -> Result<kvxfer_result, Fail>) -> kvxfer_result {
 /// are inserted when boxed and removed before being freed.
 unsafe fn live<'a, T>(p: *const T, kind: Kind, what: &str) -> Result<&'a T, Fail> {
     if p.is_null() {
-        return Err(Fail::new(KVXFER_ERR_NULL_ARGUMENT, format!("{what} is NULL")));
+        return Err(Fail::new(
+            KVXFER_ERR_NULL_ARGUMENT,
+            format!("{what} is NULL"),
+        ));
     }
     if handles().get(&(p as usize)) != Some(&kind) {
         return Err(Fail::new(
@@ -323,7 +326,10 @@ unsafe fn free_handle<T>(p: *mut T, kind: Kind, what: &str) -> Result<kvxfer_res
 
 fn non_null<T>(p: *const T, what: &str) -> Result<(), Fail> {
     if p.is_null() {
-        Err(Fail::new(KVXFER_ERR_NULL_ARGUMENT, format!("{what} is NULL")))
+        Err(Fail::new(
+            KVXFER_ERR_NULL_ARGUMENT,
+            format!("{what} is NULL"),
+        ))
     } else {
         Ok(())
     }
@@ -368,12 +374,19 @@ fn mem_type(t: kvxfer_mem_type) -> Result<MemoryType, Fail> {
 
 /// # Safety
 /// As [`slice`].
-unsafe fn descs(t: kvxfer_mem_type, p: *const kvxfer_mem_desc, n: usize, what: &str) -> Result<MemoryDescs, Fail> {
+unsafe fn descs(
+    t: kvxfer_mem_type,
+    p: *const kvxfer_mem_desc,
+    n: usize,
+    what: &str,
+) -> Result<MemoryDescs, Fail> {
     // SAFETY: forwarded contract.
     let raw = unsafe { slice(p, n, what)? };
     Ok(MemoryDescs::new(
         mem_type(t)?,
-        raw.iter().map(|d| MemoryDesc::new(d.addr, d.len, d.device_id)).collect(),
+        raw.iter()
+            .map(|d| MemoryDesc::new(d.addr, d.len, d.device_id))
+            .collect(),
     ))
 }
 
@@ -382,7 +395,13 @@ unsafe fn descs(t: kvxfer_mem_type, p: *const kvxfer_mem_desc, n: usize, what: &
 ///
 /// # Safety
 /// `buf` is valid for `cap` writes when non-NULL; `out_len` is NULL or valid.
-unsafe fn write_out(bytes: &[u8], nul: bool, buf: *mut u8, cap: usize, out_len: *mut usize) -> Result<kvxfer_result, Fail> {
+unsafe fn write_out(
+    bytes: &[u8],
+    nul: bool,
+    buf: *mut u8,
+    cap: usize,
+    out_len: *mut usize,
+) -> Result<kvxfer_result, Fail> {
     if !out_len.is_null() {
         // SAFETY: non-null and valid per the contract.
         unsafe { *out_len = bytes.len() };
@@ -523,7 +542,10 @@ pub unsafe extern "C" fn kvxfer_agent_new(
                 // SAFETY: NUL-terminated per the contract.
                 let s = unsafe { text(p, "options.listen")? };
                 cfg = cfg.with_listen(s.parse().map_err(|e| {
-                    Fail::new(KVXFER_ERR_INVALID_ARGUMENT, format!("options.listen {s:?}: {e}"))
+                    Fail::new(
+                        KVXFER_ERR_INVALID_ARGUMENT,
+                        format!("options.listen {s:?}: {e}"),
+                    )
                 })?);
             }
             if let Some(p) = field!(advertise: *const c_char).filter(|p| !p.is_null()) {
@@ -655,7 +677,12 @@ pub unsafe extern "C" fn kvxfer_agent_load_remote(
 
 /// # Safety
 /// As `write_out`; a NULL `buf` means "not wanted".
-unsafe fn name_out(name: &str, buf: *mut c_char, cap: usize, len: *mut usize) -> Result<kvxfer_result, Fail> {
+unsafe fn name_out(
+    name: &str,
+    buf: *mut c_char,
+    cap: usize,
+    len: *mut usize,
+) -> Result<kvxfer_result, Fail> {
     if buf.is_null() {
         if !len.is_null() {
             // SAFETY: non-null and valid per the contract.
@@ -704,7 +731,8 @@ pub unsafe extern "C" fn kvxfer_agent_invalidate_remote(
         // SAFETY: checked against the handle table.
         let a = unsafe { live(agent, Kind::Agent, "agent")? };
         // SAFETY: NUL-terminated per the contract.
-        a.agent.invalidate_remote_agent(unsafe { text(name, "name")? })?;
+        let name = unsafe { text(name, "name")? };
+        a.agent.invalidate_remote_agent(name)?;
         Ok(KVXFER_OK)
     })
 }
@@ -908,7 +936,10 @@ pub unsafe extern "C" fn kvxfer_agent_check_remote_descs(
 /// # Safety
 /// `out` is valid for a write.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvxfer_status_is_completed(status: *const kvxfer_status, out: *mut bool) -> kvxfer_result {
+pub unsafe extern "C" fn kvxfer_status_is_completed(
+    status: *const kvxfer_status,
+    out: *mut bool,
+) -> kvxfer_result {
     boundary(|| {
         // SAFETY: checked against the handle table.
         let s = unsafe { live(status, Kind::Status, "status")? };
@@ -927,7 +958,10 @@ pub unsafe extern "C" fn kvxfer_status_is_completed(status: *const kvxfer_status
 /// # Safety
 /// None beyond a valid or NULL handle.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvxfer_status_wait(status: *const kvxfer_status, timeout_ms: i64) -> kvxfer_result {
+pub unsafe extern "C" fn kvxfer_status_wait(
+    status: *const kvxfer_status,
+    timeout_ms: i64,
+) -> kvxfer_result {
     boundary(|| {
         // SAFETY: checked against the handle table.
         let s = unsafe { live(status, Kind::Status, "status")? };
@@ -952,7 +986,10 @@ pub unsafe extern "C" fn kvxfer_status_wait(status: *const kvxfer_status, timeou
 /// # Safety
 /// `out` is valid for a write.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvxfer_status_id(status: *const kvxfer_status, out: *mut u64) -> kvxfer_result {
+pub unsafe extern "C" fn kvxfer_status_id(
+    status: *const kvxfer_status,
+    out: *mut u64,
+) -> kvxfer_result {
     boundary(|| {
         // SAFETY: checked against the handle table.
         let s = unsafe { live(status, Kind::Status, "status")? };
@@ -982,7 +1019,10 @@ pub unsafe extern "C" fn kvxfer_status_free(status: *mut kvxfer_status) -> kvxfe
 /// # Safety
 /// `out` is valid for a write.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvxfer_messages_count(messages: *const kvxfer_messages, out: *mut usize) -> kvxfer_result {
+pub unsafe extern "C" fn kvxfer_messages_count(
+    messages: *const kvxfer_messages,
+    out: *mut usize,
+) -> kvxfer_result {
     boundary(|| {
         // SAFETY: checked against the handle table.
         let m = unsafe { live(messages, Kind::Messages, "messages")? };

@@ -5,7 +5,8 @@
 #[test]
 fn header_is_current() {
     let dir = env!("CARGO_MANIFEST_DIR");
-    let config = cbindgen::Config::from_file(format!("{dir}/cbindgen.toml")).expect("cbindgen.toml");
+    let config =
+        cbindgen::Config::from_file(format!("{dir}/cbindgen.toml")).expect("cbindgen.toml");
     let bindings = cbindgen::Builder::new()
         .with_crate(dir)
         .with_config(config)

@@ -1,0 +1,209 @@
+/* Two agents over TCP through the C ABI: WRITE, READ, sync messages after
+ * the data, descriptor exchange, and bad calls with their error codes.
+ * Built and run by sys/tests/c_programs.rs. */
+#include <kvxfer.h>
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int checks = 0;
+
+#define CHECK(call)                                                          \
+  do {                                                                       \
+    kvxfer_result r_ = (call);                                               \
+    if (r_ != KVXFER_OK) {                                                   \
+      char m_[512];                                                          \
+      kvxfer_last_error(m_, sizeof m_);                                      \
+      fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call,    \
+              kvxfer_result_name(r_), m_);                                   \
+      exit(1);                                                               \
+    }                                                                        \
+    checks++;                                                                \
+  } while (0)
+
+#define EXPECT(cond)                                                         \
+  do {                                                                       \
+    if (!(cond)) {                                                           \
+      fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond);    \
+      exit(1);                                                               \
+    }                                                                        \
+    checks++;                                                                \
+  } while (0)
+
+/* A call must fail with `code`, with a message that contains `needle`. */
+#define EXPECT_ERR(call, code, needle)                                       \
+  do {                                                                       \
+    kvxfer_result r_ = (call);                                               \
+    char m_[512];                                                            \
+    kvxfer_last_error(m_, sizeof m_);                                        \
+    if (r_ != (code) || strstr(m_, (needle)) == NULL) {                      \
+      fprintf(stderr, "%s:%d: %s -> %s (%s), expected %s with \"%s\"\n",     \
+              __FILE__, __LINE__, #call, kvxfer_result_name(r_), m_,         \
+              kvxfer_result_name(code), (needle));                           \
+      exit(1);                                                               \
+    }                                                                        \
+    checks++;                                                                \
+  } while (0)
+
+enum { N = 1 << 20 };
+
+static void fill(uint8_t *p, size_t n, uint8_t seed) {
+  for (size_t i = 0; i < n; i++) p[i] = (uint8_t)(i * 131u + seed);
+}
+
+int main(void) {
+  kvxfer_agent *target = NULL, *init = NULL;
+  CHECK(kvxfer_agent_new("c-target", "tcp", NULL, &target));
+  kvxfer_options opts;
+  memset(&opts, 0, sizeof opts);
+  opts.struct_size = sizeof opts;
+  opts.io_timeout_ms = 5000;
+  opts.streams_per_peer = 2;
+  CHECK(kvxfer_agent_new("c-init", "tcp", &opts, &init));
+
+  uint8_t *dst = calloc(N, 1), *src = malloc(N);
+  fill(src, N, 7);
+  kvxfer_mem_desc dreg = {(uint64_t)(uintptr_t)dst, N, 0};
+  kvxfer_mem_desc sreg = {(uint64_t)(uintptr_t)src, N, 0};
+  CHECK(kvxfer_agent_register_memory(target, KVXFER_MEM_DRAM, &dreg, 1));
+  CHECK(kvxfer_agent_register_memory(init, KVXFER_MEM_DRAM, &sreg, 1));
+
+  /* Load the target by connection info. */
+  char conn[128], name[64];
+  CHECK(kvxfer_agent_connection_info(target, conn, sizeof conn, NULL));
+  size_t name_len = 0;
+  CHECK(kvxfer_agent_load_remote_by_connection(init, conn, name, sizeof name, &name_len));
+  EXPECT(strcmp(name, "c-target") == 0 && name_len == 8);
+
+  /* WRITE with a sync message: the message arrives after the data. */
+  kvxfer_request req;
+  memset(&req, 0, sizeof req);
+  req.op = KVXFER_OP_WRITE;
+  req.local_type = KVXFER_MEM_DRAM;
+  req.local = &sreg;
+  req.local_count = 1;
+  req.remote_type = KVXFER_MEM_DRAM;
+  req.remote = &dreg;
+  req.remote_count = 1;
+  req.remote_agent = name;
+  req.sync_message = (const uint8_t *)"write done";
+  req.sync_message_len = 10;
+  kvxfer_status *st = NULL;
+  CHECK(kvxfer_agent_submit(init, &req, &st));
+  kvxfer_messages *msgs = NULL;
+  CHECK(kvxfer_agent_wait_messages(target, 10000, &msgs));
+  size_t count = 0;
+  CHECK(kvxfer_messages_count(msgs, &count));
+  EXPECT(count == 1);
+  const char *from;
+  const uint8_t *data;
+  size_t len;
+  CHECK(kvxfer_messages_get(msgs, 0, &from, &data, &len));
+  EXPECT(strcmp(from, "c-init") == 0 && len == 10 && memcmp(data, "write done", 10) == 0);
+  /* Checked the moment the message is seen: every byte is already there. */
+  EXPECT(memcmp(dst, src, N) == 0);
+  EXPECT_ERR(kvxfer_messages_get(msgs, 1, &from, &data, &len), KVXFER_ERR_INVALID_ARGUMENT, "out of range");
+  CHECK(kvxfer_messages_free(msgs));
+  CHECK(kvxfer_status_wait(st, 10000));
+  bool done = false;
+  CHECK(kvxfer_status_is_completed(st, &done));
+  EXPECT(done);
+  uint64_t id = 0;
+  CHECK(kvxfer_status_id(st, &id));
+  EXPECT(id > 0);
+  CHECK(kvxfer_status_free(st));
+
+  /* READ back into the initiator after the target changes its memory. */
+  fill(dst, N, 99);
+  memset(src, 0, N);
+  req.op = KVXFER_OP_READ;
+  req.sync_message = NULL;
+  req.sync_message_len = 0;
+  CHECK(kvxfer_agent_submit(init, &req, &st));
+  CHECK(kvxfer_status_wait(st, -1));
+  EXPECT(memcmp(dst, src, N) == 0);
+  CHECK(kvxfer_status_free(st));
+
+  /* A standalone notification, and its status. */
+  CHECK(kvxfer_agent_notify(init, name, (const uint8_t *)"ping", 4, &st));
+  CHECK(kvxfer_status_wait(st, 10000));
+  CHECK(kvxfer_status_free(st));
+  CHECK(kvxfer_agent_notify(init, name, (const uint8_t *)"", 0, NULL));
+  CHECK(kvxfer_agent_wait_messages(target, 10000, &msgs));
+  CHECK(kvxfer_messages_count(msgs, &count));
+  EXPECT(count >= 1);
+  CHECK(kvxfer_messages_free(msgs));
+
+  /* The descriptor as bytes: size query, then load from bytes. */
+  size_t desc_len = 0;
+  EXPECT_ERR(kvxfer_agent_local_desc(target, NULL, 0, &desc_len), KVXFER_ERR_BUFFER_TOO_SMALL, "needs");
+  EXPECT(desc_len > 6);
+  uint8_t *desc = malloc(desc_len);
+  CHECK(kvxfer_agent_local_desc(target, desc, desc_len, &desc_len));
+  kvxfer_agent *other = NULL;
+  CHECK(kvxfer_agent_new("c-other", "tcp", NULL, &other));
+  CHECK(kvxfer_agent_load_remote(other, desc, desc_len, NULL, 0, &name_len));
+  EXPECT(name_len == 8);
+  desc[0] ^= 0xff;
+  EXPECT_ERR(kvxfer_agent_load_remote(other, desc, desc_len, NULL, 0, NULL), KVXFER_ERR_INVALID_AGENT_DESC, "magic");
+  free(desc);
+
+  /* check_remote_descs. */
+  bool ok = false;
+  CHECK(kvxfer_agent_check_remote_descs(init, name, KVXFER_MEM_DRAM, &dreg, 1, &ok));
+  EXPECT(ok);
+  kvxfer_mem_desc past = {dreg.addr + 1, N, 0};
+  CHECK(kvxfer_agent_check_remote_descs(init, name, KVXFER_MEM_DRAM, &past, 1, &ok));
+  EXPECT(!ok);
+
+  /* Bad calls: documented codes and useful messages. */
+  EXPECT_ERR(kvxfer_agent_register_memory(NULL, KVXFER_MEM_DRAM, &sreg, 1), KVXFER_ERR_NULL_ARGUMENT, "agent");
+  EXPECT_ERR(kvxfer_agent_submit((kvxfer_agent *)(uintptr_t)0x1234, &req, &st), KVXFER_ERR_INVALID_HANDLE, "handle");
+  EXPECT_ERR(kvxfer_agent_new("x", "carrier-pigeon", NULL, &other), KVXFER_ERR_INVALID_ARGUMENT, "carrier-pigeon");
+  EXPECT_ERR(kvxfer_agent_register_memory(init, 99, &sreg, 1), KVXFER_ERR_INVALID_ARGUMENT, "memory type");
+  EXPECT_ERR(kvxfer_agent_register_memory(init, KVXFER_MEM_DRAM, &sreg, 1), KVXFER_ERR_OVERLAP, "overlaps");
+  req.remote_agent = "nobody";
+  EXPECT_ERR(kvxfer_agent_submit(init, &req, &st), KVXFER_ERR_UNKNOWN_AGENT, "nobody");
+  req.remote_agent = name;
+  kvxfer_mem_desc too_long = {sreg.addr, (uint64_t)N + 1, 0};
+  kvxfer_mem_desc remote_long = {dreg.addr, (uint64_t)N + 1, 0};
+  req.local = &too_long;
+  req.remote = &remote_long;
+  EXPECT_ERR(kvxfer_agent_submit(init, &req, &st), KVXFER_ERR_NOT_REGISTERED, "not inside a registered region");
+  req.local = &sreg;
+  req.remote = &past;
+  EXPECT_ERR(kvxfer_agent_submit(init, &req, &st), KVXFER_ERR_REMOTE_RANGE, "exported no");
+  req.remote = &dreg;
+  req.op = 7;
+  EXPECT_ERR(kvxfer_agent_submit(init, &req, &st), KVXFER_ERR_INVALID_ARGUMENT, "operation");
+  req.op = KVXFER_OP_WRITE;
+  EXPECT_ERR(kvxfer_agent_invalidate_remote(init, "nobody"), KVXFER_ERR_UNKNOWN_AGENT, "nobody");
+  char small[4];
+  EXPECT_ERR(kvxfer_agent_connection_info(init, small, sizeof small, NULL), KVXFER_ERR_BUFFER_TOO_SMALL, "needs");
+
+  /* A freed handle is refused, not dereferenced. */
+  CHECK(kvxfer_agent_notify(init, name, (const uint8_t *)"x", 1, &st));
+  CHECK(kvxfer_status_wait(st, 10000));
+  CHECK(kvxfer_status_free(st));
+  EXPECT_ERR(kvxfer_status_wait(st, 0), KVXFER_ERR_INVALID_HANDLE, "freed");
+  EXPECT_ERR(kvxfer_status_free(st), KVXFER_ERR_INVALID_HANDLE, "freed");
+  /* A handle of another kind is refused too. */
+  EXPECT_ERR(kvxfer_status_wait((kvxfer_status *)init, 0), KVXFER_ERR_INVALID_HANDLE, "Status");
+  CHECK(kvxfer_agent_free(NULL));
+
+  /* Invalidate, then the remote is unknown. */
+  CHECK(kvxfer_agent_invalidate_remote(init, name));
+  EXPECT_ERR(kvxfer_agent_submit(init, &req, &st), KVXFER_ERR_UNKNOWN_AGENT, "unknown remote agent");
+
+  CHECK(kvxfer_agent_deregister_memory(init, KVXFER_MEM_DRAM, &sreg, 1));
+  EXPECT_ERR(kvxfer_agent_deregister_memory(init, KVXFER_MEM_DRAM, &sreg, 1), KVXFER_ERR_NOT_REGISTERED, "not registered");
+  CHECK(kvxfer_agent_free(other));
+  CHECK(kvxfer_agent_free(init));
+  CHECK(kvxfer_agent_free(target));
+  free(src);
+  free(dst);
+  printf("c agent test (kvxfer %s): %d checks passed\n", kvxfer_version(), checks);
+  return 0;
+}

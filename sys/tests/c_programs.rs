@@ -1,0 +1,154 @@
+//! Compiles the C and C++ programs under `tests/c/`, `tests/cpp/` and
+//! `examples/` with the system gcc/g++ against `include/` and the built
+//! `libkvxfer.so`, runs them, and runs the C test once more under valgrind.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn manifest() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The directory holding `libkvxfer.so` for this build profile.
+fn lib_dir() -> PathBuf {
+    // The test binary is target/<profile>/deps/c_programs-<hash>.
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    assert!(
+        dir.join("libkvxfer.so").exists(),
+        "libkvxfer.so not found in {}: build the kvxfer-capi crate first",
+        dir.display()
+    );
+    dir
+}
+
+fn out_dir() -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("capi-tests");
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn compile(compiler: &str, std: &str, source: &Path, out: &Path) {
+    let lib = lib_dir();
+    let status = Command::new(compiler)
+        .args([std, "-Wall", "-Wextra", "-Werror", "-g", "-O1"])
+        .arg("-I")
+        .arg(manifest().join("include"))
+        .arg(source)
+        .arg("-o")
+        .arg(out)
+        .arg("-L")
+        .arg(&lib)
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .args(["-lkvxfer", "-lpthread", "-ldl", "-lm"])
+        .status()
+        .unwrap_or_else(|e| {
+            panic!("cannot run {compiler}: {e} (ci/install-deps.sh test installs it)")
+        });
+    assert!(
+        status.success(),
+        "{compiler} failed on {}",
+        source.display()
+    );
+}
+
+fn run(program: &Path, wrapper: &[&str]) -> String {
+    let mut cmd = match wrapper.split_first() {
+        Some((w, rest)) => {
+            let mut c = Command::new(w);
+            c.args(rest).arg(program);
+            c
+        }
+        None => Command::new(program),
+    };
+    let out = cmd.output().expect("run program");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{} failed ({}):\n{stdout}\n{stderr}",
+        program.display(),
+        out.status
+    );
+    stdout + &stderr
+}
+
+#[test]
+fn c_agent_test() {
+    let exe = out_dir().join("agent_test");
+    compile(
+        "gcc",
+        "-std=c11",
+        &manifest().join("tests/c/agent_test.c"),
+        &exe,
+    );
+    let out = run(&exe, &[]);
+    assert!(out.contains("checks passed"), "{out}");
+}
+
+#[test]
+fn c_agent_test_under_valgrind() {
+    if Command::new("valgrind").arg("--version").output().is_err() {
+        panic!("valgrind is required (ci/install-deps.sh test installs it)");
+    }
+    let exe = out_dir().join("agent_test_vg");
+    compile(
+        "gcc",
+        "-std=c11",
+        &manifest().join("tests/c/agent_test.c"),
+        &exe,
+    );
+    let out = run(
+        &exe,
+        &[
+            "valgrind",
+            "--error-exitcode=99",
+            "--leak-check=full",
+            "--errors-for-leak-kinds=definite,indirect",
+            "--show-leak-kinds=definite,indirect",
+            "--quiet",
+        ],
+    );
+    assert!(out.contains("checks passed"), "{out}");
+}
+
+#[test]
+fn cpp_adapter_transfer_agent_test() {
+    let exe = out_dir().join("transfer_agent_test");
+    compile(
+        "g++",
+        "-std=c++17",
+        &manifest().join("tests/cpp/transfer_agent_test.cpp"),
+        &exe,
+    );
+    let out = run(&exe, &[]);
+    assert!(out.contains("5 passed, 0 failed"), "{out}");
+}
+
+#[test]
+fn documented_c_example_compiles_and_runs() {
+    let exe = out_dir().join("example");
+    compile(
+        "gcc",
+        "-std=c11",
+        &manifest().join("examples/example.c"),
+        &exe,
+    );
+    let out = run(&exe, &[]);
+    assert!(out.contains("received"), "{out}");
+}
+
+#[test]
+fn headers_compile_twice_in_c_and_cpp() {
+    let dir = out_dir();
+    let c = dir.join("twice.c");
+    std::fs::write(&c, "#include <kvxfer.h>\n#include <kvxfer.h>\nint main(void) { return kvxfer_version() == 0; }\n").unwrap();
+    compile("gcc", "-std=c99", &c, &dir.join("twice_c"));
+    let cpp = dir.join("twice.cpp");
+    std::fs::write(
+        &cpp,
+        "#include <kvxfer/transfer_agent.hpp>\n#include <kvxfer/transfer_agent.hpp>\n#include <kvxfer.h>\nint main() { return kvxfer_version() == nullptr; }\n",
+    )
+    .unwrap();
+    compile("g++", "-std=c++17", &cpp, &dir.join("twice_cpp"));
+}

@@ -3,13 +3,15 @@
 #   ci/install-deps.sh build   # compiler toolchain pieces
 #   ci/install-deps.sh bench   # + iperf3, python3 for the comparison scripts
 #   ci/install-deps.sh test    # + g++, valgrind for the C/C++ ABI tests
+#   ci/install-deps.sh guest   # + QEMU, busybox, rdma-core, perftest for ci/rxe-guest
 set -euo pipefail
 want=(gcc pkg-config ca-certificates)
 case "${1:-build}" in
   build) ;;
   bench) want+=(iperf3 python3) ;;
   test) want+=(procps g++ valgrind) ;;
-  *) echo "usage: $0 build|bench|test" >&2; exit 2 ;;
+  guest) want+=(qemu-system-x86 busybox-static cpio kmod gzip rdma-core ibverbs-providers ibverbs-utils perftest iproute2) ;;
+  *) echo "usage: $0 build|bench|test|guest" >&2; exit 2 ;;
 esac
 missing=()
 for p in "${want[@]}"; do

@@ -5,7 +5,10 @@
 #   ci/install-deps.sh test    # + g++, valgrind for the C/C++ ABI tests
 #   ci/install-deps.sh guest   # + QEMU, busybox, rdma-core, perftest for ci/rxe-guest
 set -euo pipefail
-want=(gcc pkg-config ca-certificates)
+# cmake, libclang-dev: rdma-mummy-sys (under sideway) builds vendored
+# rdma-core headers with cmake and runs bindgen; no rdma-core -dev package
+# is needed, libibverbs is loaded at run time.
+want=(gcc pkg-config ca-certificates cmake libclang-dev linux-libc-dev)
 case "${1:-build}" in
   build) ;;
   bench) want+=(iperf3 python3) ;;

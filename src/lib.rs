@@ -68,6 +68,7 @@ pub mod memory;
 mod registry;
 mod shm;
 pub mod tcp;
+pub mod verbs;
 
 pub use agent::{
     AgentConfig, Backend, SyncMessages, TransferAgent, TransferOp, TransferRequest, TransferState,

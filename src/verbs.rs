@@ -1,0 +1,629 @@
+//! Verbs layer: the one module that talks to `sideway` (RDMA verbs). Device
+//! selection, protection domain, memory regions, reliable-connected queue
+//! pairs and completion polling, with one typed error per verb.
+//!
+//! This is the foundation of the RDMA backend (issue 3); the agent does not
+//! use it yet. Hosts without an RDMA-capable kernel get
+//! [`VerbsError::NoDevice`] from [`Device::open`], never a crash: the verbs
+//! library is loaded at run time.
+//!
+//! # Resource cleanup
+//! Every resource holds an `Arc` to its parents (sideway's design), so a
+//! protection domain outlives its memory regions and queue pairs, and a
+//! device context outlives all of them. Within [`RcQueuePair`] the queue
+//! pair is declared before its completion queues, so it is destroyed first.
+
+use std::io;
+use std::sync::Arc;
+
+use sideway::ibverbs::AccessFlags;
+use sideway::ibverbs::address::{AddressHandleAttribute, Gid, GidType};
+use sideway::ibverbs::completion::{GenericCompletionQueue, PollCompletionQueueError};
+use sideway::ibverbs::device::{DeviceInfo, DeviceList};
+use sideway::ibverbs::device_context::{DeviceContext, Mtu, PortState};
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::{
+    GenericQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairAttributeMask,
+    QueuePairState, SendOperationFlags, SetInlineData, SetScatterGatherEntry, WorkRequestFlags,
+};
+
+/// Errors of the verbs layer: one variant per verb, with the OS error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum VerbsError {
+    /// No usable RDMA device: the kernel has no RDMA support, no device
+    /// exists, or none has an active port.
+    #[error("no usable RDMA device: {0}")]
+    NoDevice(String),
+    /// The operation is not supported by this device or provider.
+    #[error("{what} is not supported by this RDMA device")]
+    Unsupported {
+        /// The operation.
+        what: &'static str,
+    },
+    /// A verb failed.
+    #[error("{verb} failed: {source}")]
+    Verb {
+        /// The verb (`ibv_reg_mr`, `ibv_modify_qp(RTR)`, ...).
+        verb: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// A work request completed with an error status.
+    #[error(
+        "work request {wr_id} completed with {status_name} (status {status}, vendor error {vendor_err:#x})"
+    )]
+    WorkCompletion {
+        /// The request's id.
+        wr_id: u64,
+        /// `ibv_wc_status` value.
+        status: u32,
+        /// Its name (`IBV_WC_REM_ACCESS_ERR`, ...).
+        status_name: &'static str,
+        /// Vendor error code.
+        vendor_err: u32,
+    },
+}
+
+fn verb(verb: &'static str) -> impl FnOnce(io::Error) -> VerbsError {
+    move |source| {
+        if source.raw_os_error() == Some(libc::EOPNOTSUPP) {
+            VerbsError::Unsupported { what: verb }
+        } else {
+            VerbsError::Verb { verb, source }
+        }
+    }
+}
+
+fn other(e: impl std::fmt::Display) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+/// The name of an `ibv_wc_status` value.
+pub fn wc_status_name(status: u32) -> &'static str {
+    const NAMES: [&str; 23] = [
+        "IBV_WC_SUCCESS",
+        "IBV_WC_LOC_LEN_ERR",
+        "IBV_WC_LOC_QP_OP_ERR",
+        "IBV_WC_LOC_EEC_OP_ERR",
+        "IBV_WC_LOC_PROT_ERR",
+        "IBV_WC_WR_FLUSH_ERR",
+        "IBV_WC_MW_BIND_ERR",
+        "IBV_WC_BAD_RESP_ERR",
+        "IBV_WC_LOC_ACCESS_ERR",
+        "IBV_WC_REM_INV_REQ_ERR",
+        "IBV_WC_REM_ACCESS_ERR",
+        "IBV_WC_REM_OP_ERR",
+        "IBV_WC_RETRY_EXC_ERR",
+        "IBV_WC_RNR_RETRY_EXC_ERR",
+        "IBV_WC_LOC_RDD_VIOL_ERR",
+        "IBV_WC_REM_INV_RD_REQ_ERR",
+        "IBV_WC_REM_ABORT_ERR",
+        "IBV_WC_INV_EECN_ERR",
+        "IBV_WC_INV_EEC_STATE_ERR",
+        "IBV_WC_FATAL_ERR",
+        "IBV_WC_RESP_TIMEOUT_ERR",
+        "IBV_WC_GENERAL_ERR",
+        "IBV_WC_TM_ERR",
+    ];
+    NAMES
+        .get(status as usize)
+        .copied()
+        .unwrap_or("IBV_WC_UNKNOWN")
+}
+
+/// Names of the RDMA devices present (empty, or `NoDevice`, without RDMA).
+///
+/// # Errors
+/// [`VerbsError::NoDevice`] when the device list cannot be read (no kernel
+/// support: ENOSYS).
+pub fn device_names() -> Result<Vec<String>, VerbsError> {
+    let list =
+        DeviceList::new().map_err(|e| VerbsError::NoDevice(format!("ibv_get_device_list: {e}")))?;
+    Ok(list.iter().map(|d| d.name()).collect())
+}
+
+/// An opened device: context, protection domain, the port and GID in use,
+/// and the limits the data path must respect.
+pub struct Device {
+    name: String,
+    port: u8,
+    gid_index: u32,
+    gid: [u8; 16],
+    gid_type: &'static str,
+    mtu: Mtu,
+    max_sge: u32,
+    max_qp_wr: u32,
+    max_msg_size: u64,
+    pd: Arc<ProtectionDomain>,
+    ctx: Arc<DeviceContext>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("name", &self.name)
+            .field("port", &self.port)
+            .field("gid_index", &self.gid_index)
+            .field("gid_type", &self.gid_type)
+            .field("max_sge", &self.max_sge)
+            .field("max_qp_wr", &self.max_qp_wr)
+            .finish()
+    }
+}
+
+/// Where a queue pair can be reached: exchanged over the side channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QpInfo {
+    /// Queue pair number.
+    pub qpn: u32,
+    /// Initial packet sequence number.
+    pub psn: u32,
+    /// GID of the port.
+    pub gid: [u8; 16],
+    /// Path MTU code (`ibv_mtu`).
+    pub mtu: u32,
+}
+
+impl Device {
+    /// Opens a device: `name`, else `KVXFER_RDMA_DEVICE`, else the first one
+    /// with an active port 1. GID: `gid_index`, else `KVXFER_RDMA_GID_INDEX`,
+    /// else the first RoCE v2 GID of the port, else index 0.
+    ///
+    /// # Errors
+    /// [`VerbsError::NoDevice`], or the failing verb.
+    pub fn open(name: Option<&str>, gid_index: Option<u32>) -> Result<Self, VerbsError> {
+        let env_name = std::env::var("KVXFER_RDMA_DEVICE").ok();
+        let want = name.or(env_name.as_deref());
+        let list = DeviceList::new()
+            .map_err(|e| VerbsError::NoDevice(format!("ibv_get_device_list: {e}")))?;
+        if list.is_empty() {
+            return Err(VerbsError::NoDevice("the device list is empty".into()));
+        }
+        let port = 1u8;
+        let mut reasons = Vec::new();
+        for dev in list.iter() {
+            let dname = dev.name();
+            if want.is_some_and(|w| w != dname) {
+                continue;
+            }
+            let ctx = dev.open().map_err(|e| verb("ibv_open_device")(other(e)))?;
+            let pattr = ctx
+                .query_port(port)
+                .map_err(|e| verb("ibv_query_port")(other(e)))?;
+            if pattr.port_state() != PortState::Active {
+                reasons.push(format!("{dname}: port {port} not active"));
+                continue;
+            }
+            let env_gid = std::env::var("KVXFER_RDMA_GID_INDEX")
+                .ok()
+                .and_then(|s| s.parse().ok());
+            let table = ctx
+                .query_gid_table()
+                .map_err(|e| verb("ibv_query_gid_table")(other(e)))?;
+            let entry = match gid_index.or(env_gid) {
+                Some(i) => table
+                    .iter()
+                    .find(|g| g.gid_index() == i && g.port_num() == u32::from(port)),
+                None => table
+                    .iter()
+                    .find(|g| g.port_num() == u32::from(port) && g.gid_type() == GidType::RoceV2)
+                    .or_else(|| table.iter().find(|g| g.port_num() == u32::from(port))),
+            };
+            let Some(entry) = entry else {
+                reasons.push(format!("{dname}: no usable GID on port {port}"));
+                continue;
+            };
+            let gid_type = match entry.gid_type() {
+                GidType::RoceV2 => "RoCE v2",
+                GidType::RoceV1 => "RoCE v1",
+                _ => "InfiniBand",
+            };
+            let dattr = ctx
+                .query_device()
+                .map_err(|e| verb("ibv_query_device")(other(e)))?;
+            let a = &dattr.attr.orig_attr;
+            let pd = ctx.alloc_pd().map_err(|e| verb("ibv_alloc_pd")(other(e)))?;
+            let d = Device {
+                name: dname,
+                port,
+                gid_index: entry.gid_index(),
+                gid: entry.gid().raw,
+                gid_type,
+                mtu: pattr.active_mtu(),
+                max_sge: a.max_sge.max(1) as u32,
+                max_qp_wr: a.max_qp_wr.max(1) as u32,
+                max_msg_size: u64::from(pattr.attr.max_msg_sz).max(1),
+                pd,
+                ctx,
+            };
+            tracing::info!(device = %d.name, port, gid_index = d.gid_index, gid_type, "RDMA device opened");
+            return Ok(d);
+        }
+        Err(VerbsError::NoDevice(match want {
+            Some(w) if reasons.is_empty() => format!("no device named {w:?}"),
+            _ => reasons.join("; "),
+        }))
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// GID index in use.
+    pub fn gid_index(&self) -> u32 {
+        self.gid_index
+    }
+
+    /// Most scatter-gather entries per work request.
+    pub fn max_sge(&self) -> u32 {
+        self.max_sge
+    }
+
+    /// Most outstanding work requests per queue.
+    pub fn max_qp_wr(&self) -> u32 {
+        self.max_qp_wr
+    }
+
+    /// Largest message of one work request.
+    pub fn max_msg_size(&self) -> u64 {
+        self.max_msg_size
+    }
+
+    /// Registers `[addr, addr + len)` for local write and remote read/write.
+    ///
+    /// # Safety
+    /// The range must stay allocated until the returned region is dropped.
+    ///
+    /// # Errors
+    /// `ibv_reg_mr`'s error.
+    pub unsafe fn register(&self, addr: u64, len: u64) -> Result<Arc<MemoryRegion>, VerbsError> {
+        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+        // SAFETY: forwarded contract: the range outlives the region.
+        unsafe { self.pd.reg_mr(addr as usize, len as usize, access) }
+            .map_err(|e| verb("ibv_reg_mr")(other(e)))
+    }
+
+    /// A reliable-connected queue pair with its own completion queues, able
+    /// to hold `depth` outstanding sends and receives.
+    ///
+    /// # Errors
+    /// The failing verb.
+    pub fn create_rc(&self, depth: u32) -> Result<RcQueuePair, VerbsError> {
+        let depth = depth.clamp(1, self.max_qp_wr);
+        let mut cqb = self.ctx.create_cq_builder();
+        cqb.setup_cqe(depth * 2);
+        let send_cq =
+            GenericCompletionQueue::from(cqb.build().map_err(|e| verb("ibv_create_cq")(other(e)))?);
+        let recv_cq =
+            GenericCompletionQueue::from(cqb.build().map_err(|e| verb("ibv_create_cq")(other(e)))?);
+        let mut qpb = self.pd.create_qp_builder();
+        qpb.setup_max_send_wr(depth)
+            .setup_max_recv_wr(depth)
+            .setup_max_send_sge(self.max_sge.min(30))
+            .setup_max_recv_sge(1)
+            .setup_max_inline_data(64)
+            .setup_send_cq(send_cq.clone())
+            .setup_recv_cq(recv_cq.clone())
+            .setup_send_ops_flags(
+                SendOperationFlags::Send
+                    | SendOperationFlags::SendWithImmediate
+                    | SendOperationFlags::Write
+                    | SendOperationFlags::WriteWithImmediate
+                    | SendOperationFlags::Read,
+            );
+        let qp: GenericQueuePair = qpb
+            .build()
+            .map_err(|e| verb("ibv_create_qp")(other(e)))?
+            .into();
+        let psn = crate::registry::random_u64() as u32 & 0x00ff_ffff;
+        let mut rc = RcQueuePair {
+            qp,
+            send_cq,
+            recv_cq,
+            port: self.port,
+            gid_index: self.gid_index,
+            gid: self.gid,
+            mtu: self.mtu,
+            psn,
+            max_sge: self.max_sge.min(30),
+        };
+        rc.modify_to_init()?;
+        Ok(rc)
+    }
+}
+
+/// One local piece of a work request: `len` bytes at `addr` in the region
+/// with `lkey`.
+#[derive(Clone, Copy, Debug)]
+pub struct Sge {
+    /// Local key of the memory region.
+    pub lkey: u32,
+    /// Address.
+    pub addr: u64,
+    /// Length.
+    pub len: u32,
+}
+
+/// A completed work request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The id given when posting.
+    pub wr_id: u64,
+    /// `ibv_wc_status` (0 = success).
+    pub status: u32,
+    /// Vendor error.
+    pub vendor_err: u32,
+    /// Bytes received (receives).
+    pub byte_len: u32,
+    /// Immediate data (receives of WRITE_WITH_IMM / SEND_WITH_IMM).
+    pub imm: u32,
+}
+
+impl Completion {
+    /// The completion as a result.
+    ///
+    /// # Errors
+    /// [`VerbsError::WorkCompletion`] for an error status.
+    pub fn ok(&self) -> Result<(), VerbsError> {
+        if self.status == 0 {
+            Ok(())
+        } else {
+            Err(VerbsError::WorkCompletion {
+                wr_id: self.wr_id,
+                status: self.status,
+                status_name: wc_status_name(self.status),
+                vendor_err: self.vendor_err,
+            })
+        }
+    }
+}
+
+/// A reliable-connected queue pair and its completion queues.
+pub struct RcQueuePair {
+    // Declared first: destroyed before the completion queues it uses.
+    qp: GenericQueuePair,
+    send_cq: GenericCompletionQueue,
+    recv_cq: GenericCompletionQueue,
+    port: u8,
+    gid_index: u32,
+    gid: [u8; 16],
+    mtu: Mtu,
+    psn: u32,
+    max_sge: u32,
+}
+
+/// Connection parameters, chosen for RoCE and documented in
+/// `docs/architecture.md`: local ACK timeout 4.096 µs × 2^14 ≈ 67 ms, 7
+/// transport retries, 7 RNR retries (infinite), minimum RNR timer 12
+/// (0.64 ms), 16 outstanding RDMA READs each way.
+const QP_TIMEOUT: u8 = 14;
+const QP_RETRY_CNT: u8 = 7;
+const QP_RNR_RETRY: u8 = 7;
+const QP_MIN_RNR_TIMER: u8 = 12;
+const QP_RD_ATOMIC: u8 = 16;
+
+impl RcQueuePair {
+    fn modify_to_init(&mut self) -> Result<(), VerbsError> {
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(self.port)
+            .setup_access_flags(
+                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
+            );
+        self.qp
+            .modify(&attr)
+            .map_err(|e| verb("ibv_modify_qp(INIT)")(other(e)))
+    }
+
+    /// This queue pair's address, for the peer.
+    pub fn info(&self) -> QpInfo {
+        QpInfo {
+            qpn: self.qp.qp_number(),
+            psn: self.psn,
+            gid: self.gid,
+            mtu: self.mtu as u32,
+        }
+    }
+
+    /// Connects to `remote`: INIT → RTR → RTS.
+    ///
+    /// # Errors
+    /// `ibv_modify_qp`'s error for the failing transition.
+    pub fn connect(&mut self, remote: &QpInfo) -> Result<(), VerbsError> {
+        let mtu = Mtu::from(remote.mtu.min(self.mtu as u32));
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::ReadyToReceive)
+            .setup_path_mtu(mtu)
+            .setup_dest_qp_num(remote.qpn)
+            .setup_rq_psn(remote.psn)
+            .setup_max_dest_read_atomic(QP_RD_ATOMIC)
+            .setup_min_rnr_timer(QP_MIN_RNR_TIMER);
+        let mut ah = AddressHandleAttribute::new();
+        ah.setup_dest_lid(0)
+            .setup_port(self.port)
+            .setup_service_level(0)
+            .setup_grh_src_gid_index(self.gid_index as u8)
+            .setup_grh_dest_gid(&Gid { raw: remote.gid })
+            .setup_grh_hop_limit(64);
+        attr.setup_address_vector(&ah);
+        self.qp
+            .modify(&attr)
+            .map_err(|e| verb("ibv_modify_qp(RTR)")(other(e)))?;
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::ReadyToSend)
+            .setup_sq_psn(self.psn)
+            .setup_timeout(QP_TIMEOUT)
+            .setup_retry_cnt(QP_RETRY_CNT)
+            .setup_rnr_retry(QP_RNR_RETRY)
+            .setup_max_read_atomic(QP_RD_ATOMIC);
+        self.qp
+            .modify(&attr)
+            .map_err(|e| verb("ibv_modify_qp(RTS)")(other(e)))
+    }
+
+    /// Whether the queue pair is in the error state, as the device reports
+    /// it now (`ibv_query_qp`; the cached state does not see transitions the
+    /// hardware makes on a failed completion).
+    pub fn is_error(&self) -> bool {
+        match self.qp.query(QueuePairAttributeMask::State) {
+            Ok((attr, _)) => attr.state() == QueuePairState::Error,
+            Err(_) => true,
+        }
+    }
+
+    /// Most scatter-gather entries per work request on this queue pair.
+    pub fn max_sge(&self) -> u32 {
+        self.max_sge
+    }
+
+    /// Posts an RDMA WRITE of `sges` (gathered in order) to `remote_addr`
+    /// with `rkey`, with immediate data when `imm` is given.
+    ///
+    /// # Safety
+    /// The local pieces must stay registered and valid until the request
+    /// completes.
+    ///
+    /// # Errors
+    /// `ibv_post_send`'s error.
+    pub unsafe fn post_write(
+        &mut self,
+        wr_id: u64,
+        sges: &[Sge],
+        rkey: u32,
+        remote_addr: u64,
+        imm: Option<u32>,
+        signaled: bool,
+    ) -> Result<(), VerbsError> {
+        let flags = if signaled {
+            WorkRequestFlags::Signaled
+        } else {
+            WorkRequestFlags::none()
+        };
+        let raw = raw_sges(sges);
+        let mut guard = self.qp.start_post_send();
+        let wr = guard.construct_wr(wr_id, flags);
+        let h = match imm {
+            Some(i) => wr.setup_write_imm(rkey, remote_addr, i),
+            None => wr.setup_write(rkey, remote_addr),
+        };
+        // SAFETY: forwarded contract: the pieces stay valid until completion.
+        unsafe { h.setup_sge_list(&raw) };
+        guard
+            .post()
+            .map_err(|e| verb("ibv_post_send(WRITE)")(other(e)))
+    }
+
+    /// Posts an RDMA READ from `remote_addr` (with `rkey`) scattered into
+    /// `sges` in order.
+    ///
+    /// # Safety
+    /// As [`post_write`](Self::post_write).
+    ///
+    /// # Errors
+    /// `ibv_post_send`'s error.
+    pub unsafe fn post_read(
+        &mut self,
+        wr_id: u64,
+        sges: &[Sge],
+        rkey: u32,
+        remote_addr: u64,
+        signaled: bool,
+    ) -> Result<(), VerbsError> {
+        let flags = if signaled {
+            WorkRequestFlags::Signaled
+        } else {
+            WorkRequestFlags::none()
+        };
+        let raw = raw_sges(sges);
+        let mut guard = self.qp.start_post_send();
+        let h = guard
+            .construct_wr(wr_id, flags)
+            .setup_read(rkey, remote_addr);
+        // SAFETY: forwarded contract.
+        unsafe { h.setup_sge_list(&raw) };
+        guard
+            .post()
+            .map_err(|e| verb("ibv_post_send(READ)")(other(e)))
+    }
+
+    /// Posts a SEND of a small inline message with immediate data.
+    ///
+    /// # Errors
+    /// `ibv_post_send`'s error.
+    pub fn post_send_inline(&mut self, wr_id: u64, msg: &[u8], imm: u32) -> Result<(), VerbsError> {
+        let mut guard = self.qp.start_post_send();
+        guard
+            .construct_wr(wr_id, WorkRequestFlags::Signaled | WorkRequestFlags::Inline)
+            .setup_send_imm(imm)
+            .setup_inline_data(msg);
+        guard
+            .post()
+            .map_err(|e| verb("ibv_post_send(SEND)")(other(e)))
+    }
+
+    /// Posts a receive buffer.
+    ///
+    /// # Safety
+    /// The buffer must stay registered and valid until the receive completes
+    /// or the queue pair is destroyed.
+    ///
+    /// # Errors
+    /// `ibv_post_recv`'s error.
+    pub unsafe fn post_recv(&mut self, wr_id: u64, sge: Sge) -> Result<(), VerbsError> {
+        let mut guard = self.qp.start_post_recv();
+        let h = guard.construct_wr(wr_id);
+        // SAFETY: forwarded contract.
+        unsafe { h.setup_sge(sge.lkey, sge.addr, sge.len) };
+        guard.post().map_err(|e| verb("ibv_post_recv")(other(e)))
+    }
+
+    /// Appends the send queue's completions to `out`; returns how many.
+    ///
+    /// # Errors
+    /// `ibv_poll_cq`'s error.
+    pub fn poll_send(&self, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
+        poll(&self.send_cq, out)
+    }
+
+    /// Appends the receive queue's completions to `out`; returns how many.
+    ///
+    /// # Errors
+    /// `ibv_poll_cq`'s error.
+    pub fn poll_recv(&self, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
+        poll(&self.recv_cq, out)
+    }
+}
+
+fn raw_sges(sges: &[Sge]) -> Vec<rdma_mummy_sys::ibv_sge> {
+    sges.iter()
+        .map(|s| rdma_mummy_sys::ibv_sge {
+            addr: s.addr,
+            length: s.len,
+            lkey: s.lkey,
+        })
+        .collect()
+}
+
+fn poll(cq: &GenericCompletionQueue, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
+    let before = out.len();
+    let poller = match cq.start_poll() {
+        Ok(p) => p,
+        Err(PollCompletionQueueError::CompletionQueueEmpty) => return Ok(0),
+        Err(e) => return Err(verb("ibv_poll_cq")(other(e))),
+    };
+    for wc in poller {
+        out.push(Completion {
+            wr_id: wc.wr_id(),
+            status: wc.status(),
+            vendor_err: wc.vendor_err(),
+            byte_len: wc.byte_len(),
+            imm: wc.imm_data(),
+        });
+    }
+    Ok(out.len() - before)
+}

@@ -26,7 +26,7 @@ cargo test --locked --test rdma_verbs -- --nocapture
 echo "== RDMA verbs tests inside the soft-RoCE guest (ci/rxe-guest: rxe0/rxe1 on a veth pair)"
 bin=$(cargo test --locked --test rdma_verbs --no-run 2>&1 | grep -o 'target/debug/deps/rdma_verbs-[0-9a-f]*' | tail -n1)
 [ -x "$bin" ] || { echo "cannot find the rdma_verbs test binary" >&2; exit 1; }
-ci/rxe-guest --timeout 900 "$bin" --test-threads 1
+ci/rxe-guest --timeout 900 "$bin" --test-threads 1 --color never
 echo "== bench CLI smoke run"
 cargo build --release --locked --bin kvxfer-bench
 target/release/kvxfer-bench --block-size 64KiB --batch 16 --iters 20 --warmup 2 --json

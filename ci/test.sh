@@ -23,10 +23,18 @@ for b in shm auto; do
 done
 echo "== RDMA verbs tests on the host (they say SKIPPED where no RDMA device exists)"
 cargo test --locked --test rdma_verbs -- --nocapture
-echo "== RDMA verbs tests inside the soft-RoCE guest (ci/rxe-guest: rxe0/rxe1 on a veth pair)"
-bin=$(cargo test --locked --test rdma_verbs --no-run 2>&1 | grep -o 'target/debug/deps/rdma_verbs-[0-9a-f]*' | tail -n1)
-[ -x "$bin" ] || { echo "cannot find the rdma_verbs test binary" >&2; exit 1; }
-ci/rxe-guest --timeout 900 "$bin" --test-threads 1 --color never
+echo "== RDMA tests inside the soft-RoCE guest (ci/rxe-guest: rxe0/rxe1 on a veth pair):"
+echo "   the verbs layer, then the agent suite on the rdma backend"
+test_bin() {
+  local b
+  b=$(cargo test --locked --test "$1" --no-run 2>&1 | grep -o "target/debug/deps/$1-[0-9a-f]*" | tail -n1)
+  [ -x "$b" ] || { echo "cannot find the $1 test binary" >&2; exit 1; }
+  echo "$b"
+}
+verbs_bin=$(test_bin rdma_verbs)
+agent_bin=$(test_bin agent)
+KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 1800 sh -c \
+  "$verbs_bin --test-threads 1 --color never && $agent_bin --test-threads 2 --color never"
 echo "== bench CLI smoke run"
 cargo build --release --locked --bin kvxfer-bench
 target/release/kvxfer-bench --block-size 64KiB --batch 16 --iters 20 --warmup 2 --json

@@ -267,6 +267,9 @@ pub enum Backend {
     /// Intra-node only: cross-memory attach to peers on this host; loading
     /// a peer it cannot reach that way fails.
     Shm,
+    /// RDMA verbs only (reliable-connected queue pairs); creating the agent
+    /// fails without a usable device, loading a peer without one fails.
+    Rdma,
 }
 
 impl FromStr for Backend {
@@ -277,8 +280,9 @@ impl FromStr for Backend {
             "auto" => Ok(Backend::Auto),
             "tcp" => Ok(Backend::Tcp),
             "shm" => Ok(Backend::Shm),
+            "rdma" => Ok(Backend::Rdma),
             other => Err(Error::InvalidConfig(format!(
-                "unknown backend {other:?} (expected auto, tcp or shm)"
+                "unknown backend {other:?} (expected auto, tcp, shm or rdma)"
             ))),
         }
     }
@@ -464,7 +468,8 @@ pub trait TransferAgent: Send + Sync {
     /// [`Error::Timeout`], [`Error::InvalidAgentDesc`].
     fn load_remote_agent_by_connection(&self, connection_info: &str) -> Result<String, Error>;
 
-    /// The data path used to reach a loaded remote agent: `"tcp"`, `"shm"`.
+    /// The data path used to reach a loaded remote agent: `"tcp"`, `"shm"`,
+    /// `"rdma"`.
     ///
     /// # Errors
     /// [`Error::UnknownAgent`].
@@ -531,11 +536,12 @@ pub fn make_transfer_agent(
         Backend::Auto => {
             tracing::info!(
                 agent = %config.name,
-                "backend auto: shm (cross-memory attach) to same-host peers that allow it, tcp otherwise; this build has no RDMA backend"
+                "backend auto: shm (cross-memory attach) to same-host peers that allow it, rdma to peers with a device when this host has one, tcp otherwise"
             );
             Ok(Box::new(TcpAgent::with_mode(config, Mode::Auto)?))
         }
         Backend::Tcp => Ok(Box::new(TcpAgent::new(config)?)),
         Backend::Shm => Ok(Box::new(TcpAgent::with_mode(config, Mode::Shm)?)),
+        Backend::Rdma => Ok(Box::new(TcpAgent::with_mode(config, Mode::Rdma)?)),
     }
 }

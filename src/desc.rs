@@ -55,6 +55,9 @@ pub enum BackendKind {
     /// Intra-node: cross-memory attach between processes of one host, with
     /// the TCP side channel for control.
     Shm,
+    /// RDMA verbs (reliable-connected queue pairs), with the TCP side channel
+    /// for control.
+    Rdma,
 }
 
 impl BackendKind {
@@ -63,6 +66,7 @@ impl BackendKind {
         match self {
             BackendKind::Tcp => "tcp",
             BackendKind::Shm => "shm",
+            BackendKind::Rdma => "rdma",
         }
     }
 }
@@ -92,6 +96,15 @@ pub struct ExportedRegion {
     /// The key a request must present to touch the region (an rkey on RDMA;
     /// a random 64-bit tag on TCP that changes with every registration).
     pub key: u64,
+    /// The RDMA remote key, when the region is registered with a device.
+    pub rkey: Option<u32>,
+}
+
+/// RDMA reachability of an agent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaInfo {
+    /// The device serving the agent's regions (e.g. `mlx5_0`, `rxe0`).
+    pub device: String,
 }
 
 /// Everything a peer needs to reach an agent and address its memory.
@@ -110,6 +123,9 @@ pub struct AgentDesc {
     pub regions: Vec<ExportedRegion>,
     /// Direct access for peers on the same host, if offered.
     pub local_access: Option<LocalAccess>,
+    /// RDMA access, if the agent has a device: the queue pairs themselves
+    /// are set up per connection over the side channel.
+    pub rdma: Option<RdmaInfo>,
 }
 
 impl AgentDesc {
@@ -176,10 +192,10 @@ impl AgentDesc {
     /// # Errors
     /// [`DescError::Invalid`] when a region is empty, wraps, or overlaps
     /// another.
-    pub fn region_map(&self) -> Result<RegionMap<u64>, DescError> {
+    pub fn region_map(&self) -> Result<RegionMap<(u64, Option<u32>)>, DescError> {
         let mut map = RegionMap::new();
         for r in &self.regions {
-            map.insert(r.mem_type, r.desc, r.key)
+            map.insert(r.mem_type, r.desc, (r.key, r.rkey))
                 .map_err(|e| DescError::Invalid(e.to_string()))?;
         }
         Ok(map)
@@ -202,17 +218,22 @@ mod tests {
                     mem_type: MemoryType::Dram,
                     desc: MemoryDesc::new(0x1000, 4096, 0),
                     key: 7,
+                    rkey: Some(0x1234),
                 },
                 ExportedRegion {
                     mem_type: MemoryType::Dram,
                     desc: MemoryDesc::new(0x4000, 4096, 0),
                     key: 8,
+                    rkey: None,
                 },
             ],
             local_access: Some(LocalAccess {
                 host: "boot".into(),
                 pid: 42,
                 probe_addr: 0x1234,
+            }),
+            rdma: Some(RdmaInfo {
+                device: "rxe0".into(),
             }),
         }
     }

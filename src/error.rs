@@ -204,6 +204,27 @@ pub enum Error {
         /// The I/O error.
         cause: Arc<io::Error>,
     },
+    /// An RDMA operation failed: a verb, or a work completion with an error
+    /// status (named in `detail`, e.g. `IBV_WC_REM_ACCESS_ERR`).
+    #[error("RDMA failure with remote agent {remote:?}: {detail}")]
+    Rdma {
+        /// The remote agent (empty for local operations such as registration).
+        remote: String,
+        /// What failed.
+        detail: String,
+    },
+    /// An RDMA work request completed with an error status, e.g.
+    /// `IBV_WC_REM_ACCESS_ERR` (the remote region was deregistered, or the
+    /// range lies outside it) or `IBV_WC_RETRY_EXC_ERR` (the peer is
+    /// unreachable). The queue pair is then in error: the link is rebuilt
+    /// on the next request.
+    #[error("RDMA work request to remote agent {remote:?} completed with {status}")]
+    RdmaCompletion {
+        /// The remote agent.
+        remote: String,
+        /// The work-completion status (`IBV_WC_*`).
+        status: &'static str,
+    },
     /// The peer made no progress for longer than the configured I/O timeout.
     #[error("remote agent {remote:?} made no progress for {idle:?}; connection declared dead")]
     PeerTimedOut {

@@ -33,6 +33,21 @@ pub(crate) fn random_u64() -> u64 {
 pub(crate) struct LocalRegion {
     pub(crate) key: u64,
     busy: AtomicUsize,
+    /// The region's registration with the RDMA device, when the agent has
+    /// one. Dropped (deregistered) with the region.
+    mr: Option<Arc<sideway::ibverbs::memory_region::MemoryRegion>>,
+}
+
+impl LocalRegion {
+    /// The RDMA remote key, when registered with a device.
+    pub(crate) fn rkey(&self) -> Option<u32> {
+        self.mr.as_ref().map(|m| m.rkey())
+    }
+
+    /// The RDMA local key, when registered with a device.
+    pub(crate) fn lkey(&self) -> Option<u32> {
+        self.mr.as_ref().map(|m| m.lkey())
+    }
 }
 
 /// Holds a region in use; deregistration is refused while any guard lives.
@@ -61,11 +76,16 @@ impl Registry {
     }
 
     /// Registers all of `descs` or none.
-    pub(crate) fn register(
+    ///
+    /// # Safety
+    /// With a `device`, every range must stay allocated while registered
+    /// (the device may access it); see `TransferAgent::register_memory`.
+    pub(crate) unsafe fn register(
         &self,
         descs: &MemoryDescs,
         supported: &[MemoryType],
         backend: &'static str,
+        device: Option<&crate::verbs::Device>,
     ) -> Result<(), Error> {
         if !supported.contains(&descs.mem_type) {
             return Err(Error::UnsupportedMemoryType {
@@ -81,10 +101,27 @@ impl Registry {
             map.check_insert(descs.mem_type, d)?;
             batch.insert(descs.mem_type, *d, ())?;
         }
+        // Device registrations first: if one fails, the ones made so far are
+        // dropped (deregistered) and nothing was inserted.
+        let mut mrs = Vec::with_capacity(descs.descs.len());
         for d in &descs.descs {
+            let Some(dev) = device else {
+                mrs.push(None);
+                continue;
+            };
+            // SAFETY: the caller guarantees the range stays allocated while
+            // registered; the MR is dropped with the region.
+            let mr = unsafe { dev.register(d.addr, d.len) }.map_err(|e| Error::Rdma {
+                remote: String::new(),
+                detail: e.to_string(),
+            })?;
+            mrs.push(Some(mr));
+        }
+        for (d, mr) in descs.descs.iter().zip(mrs) {
             let region = Arc::new(LocalRegion {
                 key: random_u64(),
                 busy: AtomicUsize::new(0),
+                mr,
             });
             map.insert(descs.mem_type, *d, region)
                 .expect("checked above under the same lock");
@@ -118,7 +155,18 @@ impl Registry {
 
     /// Guards for every region the local descriptors fall in (one guard per
     /// distinct region touched consecutively).
+    #[cfg(test)]
     pub(crate) fn acquire_local(&self, descs: &MemoryDescs) -> Result<Vec<RegionGuard>, Error> {
+        self.acquire_local_keyed(descs, None)
+    }
+
+    /// As [`acquire_local`](Self::acquire_local), also collecting each
+    /// descriptor's RDMA local key (0 where the region has none).
+    pub(crate) fn acquire_local_keyed(
+        &self,
+        descs: &MemoryDescs,
+        mut lkeys: Option<&mut Vec<u32>>,
+    ) -> Result<Vec<RegionGuard>, Error> {
         let map = self.read();
         let mut guards: Vec<RegionGuard> = Vec::new();
         for d in &descs.descs {
@@ -128,6 +176,9 @@ impl Registry {
                     desc: *d,
                 });
             };
+            if let Some(k) = lkeys.as_deref_mut() {
+                k.push(r.value.lkey().unwrap_or(0));
+            }
             if guards.last().is_some_and(|g| Arc::ptr_eq(&g.0, &r.value)) {
                 continue;
             }
@@ -164,6 +215,7 @@ impl Registry {
                 mem_type: r.mem_type,
                 desc: r.desc,
                 key: r.value.key,
+                rkey: r.value.rkey(),
             })
             .collect()
     }
@@ -209,6 +261,11 @@ impl Inbox {
 mod tests {
     use super::*;
 
+    fn reg(r: &Registry, d: &MemoryDescs, t: &[MemoryType], b: &'static str) -> Result<(), Error> {
+        // SAFETY: no device: nothing accesses the (fake) ranges.
+        unsafe { r.register(d, t, b, None) }
+    }
+
     fn dram(descs: &[(u64, u64)]) -> MemoryDescs {
         MemoryDescs::new(
             MemoryType::Dram,
@@ -222,11 +279,11 @@ mod tests {
     #[test]
     fn register_is_all_or_nothing() {
         let r = Registry::default();
-        r.register(&dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t")
-            .unwrap();
+        reg(&r, &dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t").unwrap();
         // Second batch: one good, one overlapping an existing region.
         assert!(
-            r.register(
+            reg(
+                &r,
                 &dram(&[(0x5000, 10), (0x1010, 10)]),
                 &[MemoryType::Dram],
                 "t"
@@ -235,7 +292,8 @@ mod tests {
         );
         // ... or overlapping each other.
         assert!(
-            r.register(
+            reg(
+                &r,
                 &dram(&[(0x5000, 10), (0x5005, 10)]),
                 &[MemoryType::Dram],
                 "t"
@@ -244,7 +302,8 @@ mod tests {
         );
         assert_eq!(r.exported().len(), 1);
         assert!(matches!(
-            r.register(
+            reg(
+                &r,
                 &MemoryDescs::new(MemoryType::Vram, vec![MemoryDesc::new(1, 1, 0)]),
                 &[MemoryType::Dram],
                 "t"
@@ -257,7 +316,7 @@ mod tests {
     fn busy_region_cannot_be_deregistered() {
         let r = Registry::default();
         let d = dram(&[(0x1000, 100)]);
-        r.register(&d, &[MemoryType::Dram], "t").unwrap();
+        reg(&r, &d, &[MemoryType::Dram], "t").unwrap();
         let g = r
             .acquire_local(&dram(&[(0x1010, 10), (0x1020, 10)]))
             .unwrap();
@@ -290,8 +349,7 @@ mod tests {
     #[test]
     fn remote_access_checks_key_and_bounds() {
         let r = Registry::default();
-        r.register(&dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t")
-            .unwrap();
+        reg(&r, &dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t").unwrap();
         let key = r.exported()[0].key;
         assert_eq!(
             r.admit_remote(MemoryType::Dram, 0x1000, 100, key ^ 1)

@@ -566,6 +566,54 @@ impl RcQueuePair {
             .map_err(|e| verb("ibv_post_send(SEND)")(other(e)))
     }
 
+    /// Posts a SEND of `sges` with immediate data (signaled).
+    ///
+    /// # Safety
+    /// As [`post_write`](Self::post_write).
+    ///
+    /// # Errors
+    /// `ibv_post_send`'s error.
+    pub unsafe fn post_send(
+        &mut self,
+        wr_id: u64,
+        sges: &[Sge],
+        imm: u32,
+    ) -> Result<(), VerbsError> {
+        let raw = raw_sges(sges);
+        let mut guard = self.qp.start_post_send();
+        let h = guard
+            .construct_wr(wr_id, WorkRequestFlags::Signaled)
+            .setup_send_imm(imm);
+        // SAFETY: forwarded contract.
+        unsafe { h.setup_sge_list(&raw) };
+        guard
+            .post()
+            .map_err(|e| verb("ibv_post_send(SEND)")(other(e)))
+    }
+
+    /// Moves the queue pair to the error state: every outstanding work
+    /// request then completes with `IBV_WC_WR_FLUSH_ERR`.
+    ///
+    /// # Errors
+    /// `ibv_modify_qp`'s error.
+    pub fn set_error(&mut self) -> Result<(), VerbsError> {
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Error);
+        self.qp
+            .modify(&attr)
+            .map_err(|e| verb("ibv_modify_qp(ERR)")(other(e)))
+    }
+
+    /// A handle on the send completion queue, usable without the queue pair.
+    pub fn send_poller(&self) -> CqPoller {
+        CqPoller(self.send_cq.clone())
+    }
+
+    /// A handle on the receive completion queue, usable without the queue pair.
+    pub fn recv_poller(&self) -> CqPoller {
+        CqPoller(self.recv_cq.clone())
+    }
+
     /// Posts a receive buffer.
     ///
     /// # Safety
@@ -596,6 +644,21 @@ impl RcQueuePair {
     /// `ibv_poll_cq`'s error.
     pub fn poll_recv(&self, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
         poll(&self.recv_cq, out)
+    }
+}
+
+/// A completion queue handle that polls without holding the queue pair
+/// (the queue pair is usually behind a lock for posting).
+#[derive(Clone)]
+pub struct CqPoller(GenericCompletionQueue);
+
+impl CqPoller {
+    /// Appends completions to `out`; returns how many.
+    ///
+    /// # Errors
+    /// `ibv_poll_cq`'s error.
+    pub fn poll(&self, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
+        poll(&self.0, out)
     }
 }
 

@@ -20,6 +20,7 @@
 //! See `docs/architecture.md` for threads and ownership, and
 //! `docs/wire-format.md` for the frames.
 
+mod rdma;
 mod session;
 mod sock;
 pub(crate) mod wire;
@@ -39,11 +40,12 @@ use crate::agent::{
     AgentConfig, Completion, SyncMessages, TransferAgent, TransferOp, TransferRequest,
     TransferStatus,
 };
-use crate::desc::{AgentDesc, BackendKind, LocalAccess};
+use crate::desc::{AgentDesc, BackendKind, LocalAccess, RdmaInfo};
 use crate::error::{Error, RejectReason};
 use crate::memory::{MemoryDescs, MemoryType, RegionMap};
 use crate::registry::{Inbox, RegionGuard, Registry, random_u64};
 use crate::shm::{self, Direction, Piece};
+use crate::verbs::{Device, QpInfo, Sge};
 
 use session::{Finished, RequestTable};
 use sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
@@ -60,9 +62,11 @@ pub(crate) enum Mode {
     Tcp,
     /// Cross-memory attach only: every peer must be on this host.
     Shm,
-    /// Cross-memory attach to peers on this host that allow it, TCP to the
-    /// others.
+    /// Cross-memory attach to peers on this host that allow it, RDMA to
+    /// other peers when both have a device, TCP to the rest.
     Auto,
+    /// RDMA only: every peer must be reachable over RDMA.
+    Rdma,
 }
 
 /// How data reaches one peer.
@@ -70,6 +74,7 @@ pub(crate) enum Mode {
 enum Path {
     Tcp,
     Cma { pid: u32 },
+    Rdma,
 }
 const SUPPORTED: &[MemoryType] = &[MemoryType::Dram];
 
@@ -100,10 +105,12 @@ struct Inner {
     /// Holds `instance`; peers read it back to prove direct access works.
     probe_word: Box<u64>,
     host: String,
+    /// The RDMA device, for `rdma` and (when one exists) `auto` agents.
+    device: Option<Arc<Device>>,
     endpoint: String,
     listen_addr: SocketAddr,
     registry: Registry,
-    inbox: Inbox,
+    inbox: Arc<Inbox>,
     peers: RwLock<HashMap<String, Arc<Peer>>>,
     next_req: AtomicU64,
     closing: AtomicBool,
@@ -129,6 +136,22 @@ impl TcpAgent {
 
     pub(crate) fn with_mode(config: AgentConfig, mode: Mode) -> Result<Self, Error> {
         config.validate()?;
+        let device = match mode {
+            Mode::Rdma => Some(Arc::new(Device::open(None, None).map_err(|e| {
+                Error::BackendUnavailable {
+                    backend: "rdma",
+                    reason: e.to_string(),
+                }
+            })?)),
+            Mode::Auto => match Device::open(None, None) {
+                Ok(d) => Some(Arc::new(d)),
+                Err(e) => {
+                    tracing::info!(agent = %config.name, reason = %e, "no RDMA device; auto uses shm and tcp");
+                    None
+                }
+            },
+            Mode::Tcp | Mode::Shm => None,
+        };
         let listener = TcpListener::bind(config.listen)?;
         let listen_addr = listener.local_addr()?;
         let endpoint = match &config.advertise {
@@ -140,11 +163,12 @@ impl TcpAgent {
             mode,
             instance,
             probe_word: Box::new(instance),
+            device,
             host: shm::host_id(),
             endpoint,
             listen_addr,
             registry: Registry::default(),
-            inbox: Inbox::default(),
+            inbox: Arc::new(Inbox::default()),
             peers: RwLock::new(HashMap::new()),
             next_req: AtomicU64::new(1),
             closing: AtomicBool::new(false),
@@ -404,6 +428,9 @@ impl Inner {
         session: &Session,
     ) -> io::Result<()> {
         let clock = idle.clock;
+        // RDMA receive threads of this connection; stopped and joined when it
+        // ends (dropping them).
+        let mut rdma_receivers: Vec<RdmaReceiver> = Vec::new();
         loop {
             let Some(raw) = reader.next_header(idle)? else {
                 return Ok(());
@@ -486,6 +513,49 @@ impl Inner {
                     lock(&session.table).segment(req, result)
                 }
                 Frame::Fence { req } => lock(&session.table).segment(req, Ok(())),
+                Frame::QpConnect { qpn, psn, mtu } => {
+                    let gid: [u8; 16] = reader
+                        .read_vec(16, idle)?
+                        .try_into()
+                        .map_err(|_| violation("short GID"))?;
+                    let remote = QpInfo { qpn, psn, gid, mtu };
+                    match self.accept_qp(&remote, &session.remote) {
+                        Ok((info, receiver)) => {
+                            let hdr = Frame::QpAccept {
+                                qpn: info.qpn,
+                                psn: info.psn,
+                                mtu: info.mtu,
+                                status: status::OK,
+                            }
+                            .encode();
+                            let mut iovs =
+                                [iov(hdr.as_ptr(), HEADER_LEN), iov(info.gid.as_ptr(), 16)];
+                            // SAFETY: both iovecs point into live locals.
+                            unsafe {
+                                writev_all(
+                                    sock.as_raw_fd(),
+                                    &mut iovs,
+                                    clock,
+                                    self.config.io_timeout,
+                                )?
+                            };
+                            rdma_receivers.push(receiver);
+                        }
+                        Err(st) => send_frames(
+                            sock,
+                            &[Frame::QpAccept {
+                                qpn: 0,
+                                psn: 0,
+                                mtu: 0,
+                                status: st,
+                            }
+                            .encode()],
+                            clock,
+                            self.config.io_timeout,
+                        )?,
+                    }
+                    None
+                }
                 Frame::Grant {
                     req,
                     mem_type,
@@ -578,17 +648,64 @@ impl Inner {
         )
     }
 
+    /// Target side of `QpConnect`: a queue pair connected to the
+    /// initiator's, receive buffers posted, and a thread that delivers the
+    /// sync messages arriving as SENDs.
+    fn accept_qp(&self, remote: &QpInfo, remote_name: &str) -> Result<(QpInfo, RdmaReceiver), u16> {
+        let Some(dev) = self.device.as_ref() else {
+            return Err(status::NO_RDMA);
+        };
+        let setup =
+            || -> Result<(crate::verbs::RcQueuePair, rdma::MsgRing), crate::verbs::VerbsError> {
+                let mut qp = dev.create_rc(rdma::WINDOW)?;
+                qp.connect(remote)?;
+                let ring = rdma::MsgRing::new(dev, rdma::RING)?;
+                for slot in 0..rdma::RING {
+                    // SAFETY: the ring lives in the receiver thread with the queue
+                    // pair, and is dropped after it.
+                    unsafe { qp.post_recv(slot as u64, ring.sge(slot, rdma::SYNC_MAX))? };
+                }
+                Ok((qp, ring))
+            };
+        let (qp, ring) = setup().map_err(|e| {
+            tracing::warn!(remote = %remote_name, error = %e, "cannot accept an RDMA connection");
+            status::QP_FAILED
+        })?;
+        let info = qp.info();
+        let stop = Arc::new(AtomicBool::new(false));
+        let ctx = ReceiverCtx {
+            inbox: Arc::clone(&self.inbox),
+            remote: remote_name.to_owned(),
+            stop: Arc::clone(&stop),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("kvxfer-rdma-recv-{remote_name}"))
+            .spawn(move || ctx.run(qp, ring))
+            .map_err(|_| status::QP_FAILED)?;
+        Ok((
+            info,
+            RdmaReceiver {
+                stop,
+                thread: Some(thread),
+            },
+        ))
+    }
+
     fn local_desc(&self) -> AgentDesc {
         AgentDesc {
             name: self.config.name.clone(),
             instance: self.instance,
             backend: match self.mode {
                 Mode::Shm => BackendKind::Shm,
+                Mode::Rdma => BackendKind::Rdma,
                 Mode::Tcp | Mode::Auto => BackendKind::Tcp,
             },
             endpoints: vec![self.endpoint.clone()],
             regions: self.registry.exported(),
-            local_access: (self.mode != Mode::Tcp).then(|| LocalAccess {
+            rdma: self.device.as_ref().map(|d| RdmaInfo {
+                device: d.name().to_owned(),
+            }),
+            local_access: matches!(self.mode, Mode::Shm | Mode::Auto).then(|| LocalAccess {
                 host: self.host.clone(),
                 pid: std::process::id(),
                 probe_addr: &*self.probe_word as *const u64 as u64,
@@ -600,6 +717,17 @@ impl Inner {
     fn choose_path(&self, desc: &AgentDesc) -> Result<Path, Error> {
         if self.mode == Mode::Tcp {
             return Ok(Path::Tcp);
+        }
+        let rdma_ok = self.device.is_some() && desc.rdma.is_some();
+        if self.mode == Mode::Rdma {
+            if !rdma_ok {
+                return Err(Error::BackendUnavailable {
+                    backend: "rdma",
+                    reason: format!("remote agent {:?} has no RDMA device", desc.name),
+                });
+            }
+            tracing::info!(agent = %self.config.name, remote = %desc.name, "data path: rdma");
+            return Ok(Path::Rdma);
         }
         let verdict = match &desc.local_access {
             None => Err("the remote agent does not offer cross-memory access".to_string()),
@@ -614,8 +742,12 @@ impl Inner {
                 backend: "shm",
                 reason: format!("remote agent {:?}: {reason}", desc.name),
             }),
+            (Err(reason), _) if rdma_ok => {
+                tracing::info!(agent = %self.config.name, remote = %desc.name, %reason, "data path: rdma (shm not possible)");
+                Ok(Path::Rdma)
+            }
             (Err(reason), _) => {
-                tracing::info!(agent = %self.config.name, remote = %desc.name, %reason, "data path: tcp (shm not possible)");
+                tracing::info!(agent = %self.config.name, remote = %desc.name, %reason, "data path: tcp (neither shm nor rdma possible)");
                 Ok(Path::Tcp)
             }
         }
@@ -638,7 +770,8 @@ impl Inner {
 /// A loaded remote agent.
 struct Peer {
     desc: AgentDesc,
-    regions: RegionMap<u64>,
+    /// Exported regions: (access key, RDMA remote key).
+    regions: RegionMap<(u64, Option<u32>)>,
     path: Path,
     link: Mutex<Option<Arc<Link>>>,
 }
@@ -742,6 +875,8 @@ struct PendingTable {
 
 /// The connections from this agent to one remote agent.
 struct Link {
+    /// RDMA path: the connection's queue pair (posting, window, buffers).
+    rdma: Option<rdma::RdmaConn>,
     remote: String,
     io_timeout: Duration,
     copy_threads: usize,
@@ -755,15 +890,24 @@ struct Link {
 impl Link {
     /// Opens `streams_per_peer` connections to `peer` and starts their
     /// threads.
-    fn open(inner: &Inner, peer: &AgentDesc, n_streams: usize) -> Result<Arc<Link>, Error> {
+    fn open(
+        inner: &Inner,
+        peer: &AgentDesc,
+        n_streams: usize,
+        use_rdma: bool,
+    ) -> Result<Arc<Link>, Error> {
         let cfg = &inner.config;
         let link_id = random_u64();
         let mut streams = Vec::with_capacity(n_streams);
         let mut receivers = Vec::with_capacity(n_streams);
+        let mut rdma_conn = None;
         for i in 0..n_streams {
             let sock = connect_any(&peer.endpoints, cfg.connect_timeout)?;
             let clock = ProgressClock::new();
             handshake(inner, peer, &sock, link_id, i as u32, &clock)?;
+            if i == 0 && use_rdma {
+                rdma_conn = Some(rdma_connect(inner, peer, &sock, &clock)?);
+            }
             sock.set_read_timeout(Some(tick(cfg.io_timeout)))?;
             sock.set_write_timeout(Some(tick(cfg.io_timeout)))?;
             let (tx, rx) = crossbeam_channel::unbounded();
@@ -774,11 +918,13 @@ impl Link {
             });
             receivers.push(rx);
         }
+        let has_rdma = rdma_conn.is_some();
         let link = Arc::new(Link {
+            rdma: rdma_conn,
             remote: peer.name.clone(),
             io_timeout: cfg.io_timeout,
             copy_threads: cfg.shm_copy_threads,
-            alive: AtomicUsize::new(2 * streams.len()),
+            alive: AtomicUsize::new(2 * streams.len() + usize::from(has_rdma)),
             streams,
             pending: Mutex::new(PendingTable::default()),
             clock: ProgressClock::new(),
@@ -797,6 +943,14 @@ impl Link {
                 std::thread::Builder::new()
                     .name(format!("kvxfer-recv-{}-{i}", peer.name))
                     .spawn(move || l.run_reader(i))?,
+            );
+        }
+        if has_rdma {
+            let l = Arc::clone(&link);
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("kvxfer-rdma-{}", peer.name))
+                    .spawn(move || l.run_rdma_progress())?,
             );
         }
         *lock(&link.threads) = threads;
@@ -828,6 +982,11 @@ impl Link {
             }
             tracing::debug!(remote = %self.remote, %cause, "link failed");
             t.broken = Some(cause);
+        }
+        if let Some(r) = &self.rdma {
+            // Flush every posted work request; the progress thread drains
+            // the completions and exits when none is left.
+            let _ = lock(&r.qp).set_error();
         }
         for s in &self.streams {
             let _ = s.sock.shutdown(Shutdown::Both);
@@ -1391,9 +1550,9 @@ impl Peer {
         let n = match self.path {
             Path::Tcp => inner.config.streams_per_peer,
             // Data bypasses the socket; one stream carries the control.
-            Path::Cma { .. } => 1,
+            Path::Cma { .. } | Path::Rdma => 1,
         };
-        let l = Link::open(inner, &self.desc, n)?;
+        let l = Link::open(inner, &self.desc, n, self.path == Path::Rdma)?;
         *slot = Some(Arc::clone(&l));
         Ok(l)
     }
@@ -1464,8 +1623,12 @@ impl TcpAgent {
             });
         }
         let peer = inner.peer(&req.remote_agent)?;
-        let guards = inner.registry.acquire_local(&req.local)?;
+        let mut lkeys = Vec::new();
+        let guards = inner
+            .registry
+            .acquire_local_keyed(&req.local, (peer.path == Path::Rdma).then_some(&mut lkeys))?;
         let mut keys = Vec::with_capacity(req.remote.len());
+        let mut rkeys = Vec::new();
         for d in &req.remote.descs {
             let Some(r) = peer.regions.find(req.remote.mem_type, d) else {
                 return Err(Error::RemoteRangeNotExported {
@@ -1474,7 +1637,27 @@ impl TcpAgent {
                     desc: *d,
                 });
             };
-            keys.push(r.value);
+            keys.push(r.value.0);
+            if peer.path == Path::Rdma {
+                rkeys.push(r.value.1.ok_or_else(|| Error::Rdma {
+                    remote: req.remote_agent.clone(),
+                    detail: format!(
+                        "remote region {:?} is not registered with an RDMA device",
+                        r.desc
+                    ),
+                })?);
+            }
+        }
+        if peer.path == Path::Rdma
+            && req
+                .sync_message
+                .as_ref()
+                .is_some_and(|m| m.len() > rdma::SYNC_MAX)
+        {
+            return Err(Error::InvalidRequest(format!(
+                "sync messages on the RDMA path are at most {} bytes",
+                rdma::SYNC_MAX
+            )));
         }
         let link = peer.link(inner)?;
         let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
@@ -1488,6 +1671,39 @@ impl TcpAgent {
                 granted: crossbeam_channel::bounded(1),
             })
         };
+        if peer.path == Path::Rdma {
+            let pieces: Vec<_> = req
+                .local
+                .descs
+                .iter()
+                .zip(&lkeys)
+                .zip(req.remote.descs.iter().zip(&rkeys))
+                .map(|((l, &lk), (r, &rk))| (lk, l.addr, rk, r.addr, l.len))
+                .collect();
+            let conn = link.rdma.as_ref().ok_or(Error::Closed)?;
+            let wrs = rdma::plan_wrs(
+                &pieces,
+                conn.max_msg.min(inner.config.segment_size),
+                conn.max_sge,
+            );
+            let events = wrs.len() + usize::from(req.sync_message.is_some());
+            if events == 0 {
+                completion.complete(Ok(()));
+                return Ok(TransferStatus::new(id, completion));
+            }
+            let pending = new_pending(events);
+            link.insert(id, Arc::clone(&pending))?;
+            link.clock.touch();
+            link.post_rdma(
+                conn,
+                id,
+                req.op,
+                &wrs,
+                req.sync_message.as_deref(),
+                &pending,
+            );
+            return Ok(TransferStatus::new(id, completion));
+        }
         if let Path::Cma { pid } = peer.path {
             let pending = new_pending(1);
             link.insert(id, Arc::clone(&pending))?;
@@ -1566,6 +1782,7 @@ impl TransferAgent for TcpAgent {
             Mode::Tcp => "tcp",
             Mode::Shm => "shm",
             Mode::Auto => "auto",
+            Mode::Rdma => "rdma",
         }
     }
 
@@ -1573,11 +1790,17 @@ impl TransferAgent for TcpAgent {
         Ok(match self.inner.peer(name)?.path {
             Path::Tcp => "tcp",
             Path::Cma { .. } => "shm",
+            Path::Rdma => "rdma",
         })
     }
 
     unsafe fn register_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
-        self.inner.registry.register(descs, SUPPORTED, BACKEND)
+        // SAFETY: forwarded contract of `register_memory`.
+        unsafe {
+            self.inner
+                .registry
+                .register(descs, SUPPORTED, BACKEND, self.inner.device.as_deref())
+        }
     }
 
     fn deregister_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
@@ -1684,5 +1907,322 @@ impl TransferAgent for TcpAgent {
             .descs
             .iter()
             .all(|d| peer.regions.find(descs.mem_type, d).is_some())
+    }
+}
+
+// ---------------------------------------------------------------------------
+// RDMA path.
+// ---------------------------------------------------------------------------
+
+/// Polls a completion queue with a short spin, then sleeps: a busy-poll
+/// phase for latency, bounded CPU when idle.
+struct Backoff {
+    idle_polls: u32,
+}
+
+impl Backoff {
+    fn new() -> Self {
+        Self { idle_polls: 0 }
+    }
+
+    fn reset(&mut self) {
+        self.idle_polls = 0;
+    }
+
+    fn wait(&mut self) {
+        self.idle_polls = self.idle_polls.saturating_add(1);
+        if self.idle_polls < 200 {
+            std::hint::spin_loop();
+        } else if self.idle_polls < 2000 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
+/// What the target's receive thread needs.
+struct ReceiverCtx {
+    inbox: Arc<Inbox>,
+    remote: String,
+    stop: Arc<AtomicBool>,
+}
+
+impl ReceiverCtx {
+    /// Delivers each SEND (a sync message, after its request's data by RC
+    /// ordering) and reposts its buffer, until stopped or the queue pair
+    /// fails. Owns the queue pair and the ring; the queue pair is declared
+    /// first in the tuple so it is destroyed before the ring's registration.
+    fn run(self, mut qp: crate::verbs::RcQueuePair, ring: rdma::MsgRing) {
+        let poller = qp.recv_poller();
+        let mut done = Vec::new();
+        let mut backoff = Backoff::new();
+        while !self.stop.load(Ordering::Relaxed) {
+            done.clear();
+            if poller.poll(&mut done).is_err() {
+                break;
+            }
+            if done.is_empty() {
+                backoff.wait();
+                continue;
+            }
+            backoff.reset();
+            for c in &done {
+                let slot = c.wr_id as usize;
+                if c.status != 0 || slot >= rdma::RING {
+                    tracing::debug!(remote = %self.remote, status = crate::verbs::wc_status_name(c.status), "RDMA receive ended");
+                    return;
+                }
+                self.inbox
+                    .deliver(&self.remote, ring.read(slot, c.byte_len as usize));
+                // SAFETY: the slot belongs to `ring`, which outlives `qp`.
+                if unsafe { qp.post_recv(slot as u64, ring.sge(slot, rdma::SYNC_MAX)) }.is_err() {
+                    return;
+                }
+            }
+        }
+        drop(qp);
+        drop(ring);
+    }
+}
+
+/// Stops and joins a receive thread when dropped.
+struct RdmaReceiver {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for RdmaReceiver {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Initiator side of the queue-pair exchange on a fresh stream.
+fn rdma_connect(
+    inner: &Inner,
+    peer: &AgentDesc,
+    sock: &TcpStream,
+    clock: &ProgressClock,
+) -> Result<rdma::RdmaConn, Error> {
+    let dev = inner
+        .device
+        .as_ref()
+        .ok_or_else(|| Error::BackendUnavailable {
+            backend: "rdma",
+            reason: "this agent has no RDMA device".into(),
+        })?;
+    let rerr = |e: crate::verbs::VerbsError| rdma::rdma_err(&peer.name, e);
+    let mut qp = dev.create_rc(rdma::WINDOW).map_err(rerr)?;
+    let mine = qp.info();
+    let hdr = Frame::QpConnect {
+        qpn: mine.qpn,
+        psn: mine.psn,
+        mtu: mine.mtu,
+    }
+    .encode();
+    let t = inner.config.connect_timeout;
+    let conn_err = |e: io::Error| Error::ConnectionLost {
+        remote: peer.name.clone(),
+        cause: Arc::new(e),
+    };
+    let mut iovs = [iov(hdr.as_ptr(), HEADER_LEN), iov(mine.gid.as_ptr(), 16)];
+    // SAFETY: both iovecs point into live locals.
+    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, t) }.map_err(conn_err)?;
+    let mut reader = FrameReader::new(sock.as_raw_fd(), clock);
+    let mut idle = FailOnIdle("queue pair exchange");
+    let raw = reader
+        .next_header(&mut idle)
+        .map_err(|e| timeout_or(e, "queue pair exchange", t, conn_err))?
+        .ok_or_else(|| conn_err(io::ErrorKind::UnexpectedEof.into()))?;
+    let (qpn, psn, mtu) = match Frame::decode(&raw) {
+        Ok(Frame::QpAccept {
+            qpn,
+            psn,
+            mtu,
+            status: status::OK,
+        }) => (qpn, psn, mtu),
+        Ok(Frame::QpAccept { status: st, .. }) => {
+            return Err(Error::BackendUnavailable {
+                backend: "rdma",
+                reason: format!(
+                    "remote agent {:?} refused the queue pair ({})",
+                    peer.name,
+                    if st == status::NO_RDMA {
+                        "it has no RDMA device"
+                    } else {
+                        "it could not create or connect one"
+                    }
+                ),
+            });
+        }
+        other => {
+            return Err(Error::ProtocolViolation {
+                remote: peer.name.clone(),
+                detail: format!("bad queue pair answer {other:?}"),
+            });
+        }
+    };
+    let gid: [u8; 16] = reader
+        .read_vec(16, &mut idle)
+        .map_err(|e| timeout_or(e, "queue pair exchange", t, conn_err))?
+        .try_into()
+        .map_err(|_| Error::ProtocolViolation {
+            remote: peer.name.clone(),
+            detail: "short GID".into(),
+        })?;
+    qp.connect(&QpInfo { qpn, psn, gid, mtu }).map_err(rerr)?;
+    rdma::RdmaConn::new(qp, dev, u64::MAX).map_err(rerr)
+}
+
+impl Link {
+    fn broken_cause(&self) -> Option<Error> {
+        lock(&self.pending).broken.clone()
+    }
+
+    /// Posts a request's work requests (then its sync message as a SEND),
+    /// within the send window. Work requests that cannot be posted count as
+    /// failed events of the request, so it still completes exactly once.
+    fn post_rdma(
+        &self,
+        conn: &rdma::RdmaConn,
+        id: u64,
+        op: TransferOp,
+        wrs: &[rdma::Wr],
+        sync: Option<&[u8]>,
+        pending: &Arc<Pending>,
+    ) {
+        let deadline = std::time::Instant::now() + self.io_timeout;
+        let broken = || self.broken_cause();
+        let total = wrs.len() + usize::from(sync.is_some());
+        let mut posted = 0usize;
+        let mut failure: Option<Error> = None;
+        for wr in wrs {
+            if let Err(e) = conn.acquire_slot(deadline, &broken) {
+                failure = Some(e);
+                break;
+            }
+            let sges: Vec<Sge> = wr
+                .sges
+                .iter()
+                .map(|&(lkey, addr, len)| Sge { lkey, addr, len })
+                .collect();
+            conn.posted.fetch_add(1, Ordering::AcqRel);
+            // SAFETY: the local pieces lie in registered regions held by the
+            // request's guards, which live until every work request of the
+            // request has completed (the request's events).
+            let r = unsafe {
+                let mut qp = lock(&conn.qp);
+                match op {
+                    TransferOp::Write => qp.post_write(id, &sges, wr.rkey, wr.remote, None, true),
+                    TransferOp::Read => qp.post_read(id, &sges, wr.rkey, wr.remote, true),
+                }
+            };
+            if let Err(e) = r {
+                conn.posted.fetch_sub(1, Ordering::AcqRel);
+                conn.release_slot();
+                failure = Some(rdma::rdma_err(&self.remote, e));
+                break;
+            }
+            posted += 1;
+        }
+        if failure.is_none()
+            && let Some(msg) = sync
+        {
+            let sent = conn.acquire_slot(deadline, &broken).and_then(|()| {
+                let slot = match conn.sends.acquire(deadline, &broken) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        conn.release_slot();
+                        return Err(e);
+                    }
+                };
+                conn.sends.write(slot, msg);
+                conn.posted.fetch_add(1, Ordering::AcqRel);
+                let wr_id = rdma::SEND_FLAG | ((slot as u64) << 40) | id;
+                // SAFETY: the slot is ours until the SEND completes (the
+                // progress thread releases it).
+                let r = unsafe {
+                    lock(&conn.qp).post_send(wr_id, &[conn.sends.sge(slot, msg.len())], 0)
+                };
+                r.map_err(|e| {
+                    conn.posted.fetch_sub(1, Ordering::AcqRel);
+                    conn.release_slot();
+                    conn.sends.release(slot);
+                    rdma::rdma_err(&self.remote, e)
+                })
+            });
+            match sent {
+                Ok(()) => posted += 1,
+                Err(e) => failure = Some(e),
+            }
+        }
+        if let Some(e) = failure {
+            for _ in posted..total {
+                self.complete_event(id, pending, Err(e.clone()));
+            }
+            if !matches!(e, Error::Timeout { .. }) {
+                self.fail(e);
+            }
+        }
+    }
+
+    /// Drains the send completion queue: frees window slots and message
+    /// buffers, completes request events, fails the link on the first error
+    /// completion. Exits when the link is broken and nothing is posted.
+    fn run_rdma_progress(self: Arc<Self>) {
+        let Some(conn) = self.rdma.as_ref() else {
+            self.thread_exit();
+            return;
+        };
+        let mut done = Vec::new();
+        let mut backoff = Backoff::new();
+        loop {
+            done.clear();
+            if let Err(e) = conn.cq.poll(&mut done) {
+                self.fail(rdma::rdma_err(&self.remote, e));
+            }
+            if done.is_empty() {
+                if self.is_broken() && conn.posted.load(Ordering::Acquire) == 0 {
+                    break;
+                }
+                backoff.wait();
+                continue;
+            }
+            backoff.reset();
+            self.clock.touch();
+            for c in &done {
+                let (req, slot) = rdma::decode_wr_id(c.wr_id);
+                conn.posted.fetch_sub(1, Ordering::AcqRel);
+                conn.release_slot();
+                if let Some(slot) = slot {
+                    conn.sends.release(slot);
+                }
+                let result = match c.ok() {
+                    Ok(()) => Ok(()),
+                    Err(e) => {
+                        let err = self.broken_cause().unwrap_or_else(|| match e {
+                            crate::verbs::VerbsError::WorkCompletion { status_name, .. } => {
+                                Error::RdmaCompletion {
+                                    remote: self.remote.clone(),
+                                    status: status_name,
+                                }
+                            }
+                            other => rdma::rdma_err(&self.remote, other),
+                        });
+                        self.fail(err.clone());
+                        Err(err)
+                    }
+                };
+                let p = lock(&self.pending).map.get(&req).cloned();
+                if let Some(p) = p {
+                    self.complete_event(req, &p, result);
+                }
+            }
+        }
+        self.thread_exit();
     }
 }

@@ -41,6 +41,10 @@ pub mod status {
     pub const STALE_INSTANCE: u16 = 10;
     /// Hello: protocol version not supported.
     pub const BAD_VERSION: u16 = 11;
+    /// QpConnect: the target has no RDMA device.
+    pub const NO_RDMA: u16 = 12;
+    /// QpConnect: the target failed to create or connect its queue pair.
+    pub const QP_FAILED: u16 = 13;
 }
 
 const K_HELLO: u8 = 1;
@@ -55,6 +59,8 @@ const K_ACK: u8 = 9;
 const K_FENCE: u8 = 10;
 const K_GRANT: u8 = 11;
 const K_GRANTED: u8 = 12;
+const K_QP_CONNECT: u8 = 13;
+const K_QP_ACCEPT: u8 = 14;
 
 /// Direction of a committed request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,6 +185,27 @@ pub enum Frame {
         /// Request id.
         req: u64,
         /// `status::OK` or a reject code.
+        status: u16,
+    },
+    /// RDMA path: the initiator's queue pair; its 16-byte GID follows.
+    QpConnect {
+        /// Queue pair number.
+        qpn: u32,
+        /// Initial packet sequence number.
+        psn: u32,
+        /// Path MTU code.
+        mtu: u32,
+    },
+    /// Answer to `QpConnect`: the target's queue pair (GID follows), or a
+    /// refusal status with no body.
+    QpAccept {
+        /// Queue pair number.
+        qpn: u32,
+        /// Initial packet sequence number.
+        psn: u32,
+        /// Path MTU code.
+        mtu: u32,
+        /// `status::OK`, or why the target refused.
         status: u16,
     },
     /// The target finished a committed request.
@@ -326,6 +353,26 @@ impl Frame {
                 h.key = key.into();
                 h.aux = total.into();
             }
+            Frame::QpConnect { qpn, psn, mtu } => {
+                h.kind = K_QP_CONNECT;
+                h.addr = u64::from(qpn).into();
+                h.len = u64::from(psn).into();
+                h.key = u64::from(mtu).into();
+                h.aux = 16.into();
+            }
+            Frame::QpAccept {
+                qpn,
+                psn,
+                mtu,
+                status,
+            } => {
+                h.kind = K_QP_ACCEPT;
+                h.addr = u64::from(qpn).into();
+                h.len = u64::from(psn).into();
+                h.key = u64::from(mtu).into();
+                h.status = status.into();
+                h.aux = if status == self::status::OK { 16 } else { 0 }.into();
+            }
             Frame::Granted { req, status } => {
                 h.kind = K_GRANTED;
                 h.id = req.into();
@@ -435,6 +482,33 @@ impl Frame {
                     total: aux,
                 }
             }
+            K_QP_CONNECT | K_QP_ACCEPT => {
+                let field = |v: u64, what| u32::try_from(v).map_err(|_| WireError::BadField(what));
+                let (qpn, psn, mtu) = (
+                    field(h.addr.get(), "qpn")?,
+                    field(h.len.get(), "psn")?,
+                    field(h.key.get(), "mtu")?,
+                );
+                let st = h.status.get();
+                let body_ok = if h.kind == K_QP_CONNECT || st == status::OK {
+                    16
+                } else {
+                    0
+                };
+                if aux != body_ok {
+                    return Err(WireError::BadField("queue pair body length"));
+                }
+                if h.kind == K_QP_CONNECT {
+                    Frame::QpConnect { qpn, psn, mtu }
+                } else {
+                    Frame::QpAccept {
+                        qpn,
+                        psn,
+                        mtu,
+                        status: st,
+                    }
+                }
+            }
             K_GRANTED => Frame::Granted {
                 req: h.id.get(),
                 status: h.status.get(),
@@ -505,6 +579,23 @@ mod tests {
                 total: 2,
             },
             Frame::Granted { req: 14, status: 1 },
+            Frame::QpConnect {
+                qpn: 17,
+                psn: 0xabcdef,
+                mtu: 3,
+            },
+            Frame::QpAccept {
+                qpn: 18,
+                psn: 5,
+                mtu: 3,
+                status: status::OK,
+            },
+            Frame::QpAccept {
+                qpn: 0,
+                psn: 0,
+                mtu: 0,
+                status: status::NO_RDMA,
+            },
             Frame::Ack { req: 12, status: 2 },
         ]
     }

@@ -61,6 +61,9 @@ typedef enum kvxfer_result {
   KVXFER_ERR_CLOSED = 307,
   // Another I/O error.
   KVXFER_ERR_IO = 308,
+  // An RDMA verb failed, or a work request completed with an error status
+  // (named in the message, e.g. `IBV_WC_REM_ACCESS_ERR`).
+  KVXFER_ERR_RDMA = 309,
   // A bug: a panic was caught at the boundary.
   KVXFER_ERR_PANIC = 900,
 } kvxfer_result;
@@ -177,7 +180,8 @@ const char *kvxfer_result_name(enum kvxfer_result code);
 // `buf` is valid for `cap` writes when `cap > 0`.
 size_t kvxfer_last_error(char *buf, size_t cap);
 
-// Creates an agent called `name` on `backend` (`"auto"`, `"tcp"`, `"shm"`),
+// Creates an agent called `name` on `backend` (`"auto"`, `"tcp"`, `"shm"`,
+// `"rdma"`),
 // with optional settings (`options` may be NULL).
 //
 // # Safety

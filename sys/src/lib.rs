@@ -82,6 +82,9 @@ pub enum kvxfer_result {
     KVXFER_ERR_CLOSED = 307,
     /// Another I/O error.
     KVXFER_ERR_IO = 308,
+    /// An RDMA verb failed, or a work request completed with an error status
+    /// (named in the message, e.g. `IBV_WC_REM_ACCESS_ERR`).
+    KVXFER_ERR_RDMA = 309,
     /// A bug: a panic was caught at the boundary.
     KVXFER_ERR_PANIC = 900,
 }
@@ -247,6 +250,7 @@ impl From<Error> for Fail {
             Error::PeerTimedOut { .. } => KVXFER_ERR_PEER_TIMEOUT,
             Error::Timeout { .. } => KVXFER_ERR_TIMEOUT,
             Error::Closed => KVXFER_ERR_CLOSED,
+            Error::Rdma { .. } | Error::RdmaCompletion { .. } => KVXFER_ERR_RDMA,
             _ => KVXFER_ERR_IO,
         };
         Fail::new(code, e.to_string())
@@ -467,6 +471,7 @@ pub extern "C" fn kvxfer_result_name(code: kvxfer_result) -> *const c_char {
         KVXFER_ERR_TIMEOUT,
         KVXFER_ERR_CLOSED,
         KVXFER_ERR_IO,
+        KVXFER_ERR_RDMA,
         KVXFER_ERR_PANIC
     );
     s.as_ptr().cast()
@@ -499,7 +504,8 @@ pub unsafe extern "C" fn kvxfer_last_error(buf: *mut c_char, cap: usize) -> usiz
 // Agents.
 // ---------------------------------------------------------------------------
 
-/// Creates an agent called `name` on `backend` (`"auto"`, `"tcp"`, `"shm"`),
+/// Creates an agent called `name` on `backend` (`"auto"`, `"tcp"`, `"shm"`,
+/// `"rdma"`),
 /// with optional settings (`options` may be NULL).
 ///
 /// # Safety

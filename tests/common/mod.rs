@@ -107,6 +107,7 @@ pub fn connect(peer: &PeerProc, src: &[u8]) -> (Box<dyn TransferAgent>, String) 
 pub fn expected_transport() -> &'static str {
     match backend() {
         Backend::Tcp => "tcp",
+        Backend::Rdma => "rdma",
         _ => "shm",
     }
 }
@@ -186,6 +187,12 @@ impl PeerProc {
             exe_copy = Some(copy);
         }
         let mut cmd = Command::new(exe);
+        // With two RDMA devices (the soft-RoCE guest), peers use the second
+        // one, so traffic crosses between devices.
+        if backend() == Backend::Rdma && std::path::Path::new("/sys/class/infiniband/rxe1").exists()
+        {
+            cmd.env("KVXFER_RDMA_DEVICE", "rxe1");
+        }
         if let Some(uid) = uid {
             use std::os::unix::process::CommandExt;
             cmd.uid(uid).gid(uid);

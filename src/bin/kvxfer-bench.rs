@@ -20,7 +20,7 @@ use kvxfer::{
 #[derive(Parser, Debug, Clone)]
 #[command(version, about = "kvxfer transfer benchmark (loopback by default)")]
 struct Args {
-    /// Backend: auto, tcp, shm.
+    /// Backend: auto, tcp, shm, rdma.
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Operation: write or read.
@@ -67,6 +67,11 @@ struct Args {
     /// intra-node backend).
     #[arg(long, conflicts_with_all = ["listen", "connect"])]
     memcpy: bool,
+    /// RDMA device for the target process started on loopback (default: the
+    /// same selection as the initiator: `KVXFER_RDMA_DEVICE`, else the first
+    /// active device).
+    #[arg(long)]
+    target_rdma_device: Option<String>,
     /// Internal: in target role, exit when standard input closes.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
@@ -167,7 +172,11 @@ fn run_target(args: &Args, listen: SocketAddr) -> Result<()> {
 /// Starts `kvxfer-bench --listen` as a child process on loopback.
 fn spawn_target(args: &Args, region: u64) -> Result<(Child, String)> {
     let exe = std::env::current_exe()?;
-    let mut child = Command::new(exe)
+    let mut cmd = Command::new(exe);
+    if let Some(d) = &args.target_rdma_device {
+        cmd.env("KVXFER_RDMA_DEVICE", d);
+    }
+    let mut child = cmd
         .args([
             "--listen",
             "127.0.0.1:0",

@@ -519,7 +519,7 @@ impl Inner {
                         .try_into()
                         .map_err(|_| violation("short GID"))?;
                     let remote = QpInfo { qpn, psn, gid, mtu };
-                    match self.accept_qp(&remote, &session.remote) {
+                    match self.accept_qp(&remote, &session.remote, sock) {
                         Ok((info, receiver)) => {
                             let hdr = Frame::QpAccept {
                                 qpn: info.qpn,
@@ -651,7 +651,12 @@ impl Inner {
     /// Target side of `QpConnect`: a queue pair connected to the
     /// initiator's, receive buffers posted, and a thread that delivers the
     /// sync messages arriving as SENDs.
-    fn accept_qp(&self, remote: &QpInfo, remote_name: &str) -> Result<(QpInfo, RdmaReceiver), u16> {
+    fn accept_qp(
+        &self,
+        remote: &QpInfo,
+        remote_name: &str,
+        sock: &TcpStream,
+    ) -> Result<(QpInfo, RdmaReceiver), u16> {
         let Some(dev) = self.device.as_ref() else {
             return Err(status::NO_RDMA);
         };
@@ -677,6 +682,8 @@ impl Inner {
             inbox: Arc::clone(&self.inbox),
             remote: remote_name.to_owned(),
             stop: Arc::clone(&stop),
+            sock: sock.try_clone().map_err(|_| status::QP_FAILED)?,
+            io_timeout: self.config.io_timeout,
         };
         let thread = std::thread::Builder::new()
             .name(format!("kvxfer-rdma-recv-{remote_name}"))
@@ -1652,11 +1659,11 @@ impl TcpAgent {
             && req
                 .sync_message
                 .as_ref()
-                .is_some_and(|m| m.len() > rdma::SYNC_MAX)
+                .is_some_and(|m| m.len() > rdma::SYNC_MSG_MAX)
         {
             return Err(Error::InvalidRequest(format!(
                 "sync messages on the RDMA path are at most {} bytes",
-                rdma::SYNC_MAX
+                rdma::SYNC_MSG_MAX
             )));
         }
         let link = peer.link(inner)?;
@@ -1686,7 +1693,9 @@ impl TcpAgent {
                 conn.max_msg.min(inner.config.segment_size),
                 conn.max_sge,
             );
-            let events = wrs.len() + usize::from(req.sync_message.is_some());
+            // A sync message is two events: its SEND's completion, and the
+            // target's acknowledgement that it delivered it.
+            let events = wrs.len() + 2 * usize::from(req.sync_message.is_some());
             if events == 0 {
                 completion.complete(Ok(()));
                 return Ok(TransferStatus::new(id, completion));
@@ -1946,6 +1955,11 @@ struct ReceiverCtx {
     inbox: Arc<Inbox>,
     remote: String,
     stop: Arc<AtomicBool>,
+    /// The connection's socket: after delivering a request's sync message
+    /// the thread acknowledges it there (the serve thread no longer writes
+    /// on an RDMA connection).
+    sock: TcpStream,
+    io_timeout: Duration,
 }
 
 impl ReceiverCtx {
@@ -1955,6 +1969,7 @@ impl ReceiverCtx {
     /// first in the tuple so it is destroyed before the ring's registration.
     fn run(self, mut qp: crate::verbs::RcQueuePair, ring: rdma::MsgRing) {
         let poller = qp.recv_poller();
+        let clock = ProgressClock::new();
         let mut done = Vec::new();
         let mut backoff = Backoff::new();
         while !self.stop.load(Ordering::Relaxed) {
@@ -1973,8 +1988,20 @@ impl ReceiverCtx {
                     tracing::debug!(remote = %self.remote, status = crate::verbs::wc_status_name(c.status), "RDMA receive ended");
                     return;
                 }
-                self.inbox
-                    .deliver(&self.remote, ring.read(slot, c.byte_len as usize));
+                let bytes = ring.read(slot, c.byte_len as usize);
+                let Some((req, msg)) = rdma::split_sync(&bytes) else {
+                    tracing::warn!(remote = %self.remote, "malformed RDMA sync message");
+                    return;
+                };
+                self.inbox.deliver(&self.remote, msg.to_vec());
+                let ack = [Frame::Ack {
+                    req,
+                    status: status::OK,
+                }
+                .encode()];
+                if send_frames(&self.sock, &ack, &clock, self.io_timeout).is_err() {
+                    return;
+                }
                 // SAFETY: the slot belongs to `ring`, which outlives `qp`.
                 if unsafe { qp.post_recv(slot as u64, ring.sge(slot, rdma::SYNC_MAX)) }.is_err() {
                     return;
@@ -2097,7 +2124,7 @@ impl Link {
     ) {
         let deadline = std::time::Instant::now() + self.io_timeout;
         let broken = || self.broken_cause();
-        let total = wrs.len() + usize::from(sync.is_some());
+        let total = wrs.len() + 2 * usize::from(sync.is_some());
         let mut posted = 0usize;
         let mut failure: Option<Error> = None;
         for wr in wrs {
@@ -2140,14 +2167,12 @@ impl Link {
                         return Err(e);
                     }
                 };
-                conn.sends.write(slot, msg);
+                let len = conn.sends.write_sync(slot, id, msg);
                 conn.posted.fetch_add(1, Ordering::AcqRel);
                 let wr_id = rdma::SEND_FLAG | ((slot as u64) << 40) | id;
                 // SAFETY: the slot is ours until the SEND completes (the
                 // progress thread releases it).
-                let r = unsafe {
-                    lock(&conn.qp).post_send(wr_id, &[conn.sends.sge(slot, msg.len())], 0)
-                };
+                let r = unsafe { lock(&conn.qp).post_send(wr_id, &[conn.sends.sge(slot, len)], 0) };
                 r.map_err(|e| {
                     conn.posted.fetch_sub(1, Ordering::AcqRel);
                     conn.release_slot();
@@ -2156,7 +2181,8 @@ impl Link {
                 })
             });
             match sent {
-                Ok(()) => posted += 1,
+                // The SEND and, later, the target's acknowledgement.
+                Ok(()) => posted += 2,
                 Err(e) => failure = Some(e),
             }
         }

@@ -13,8 +13,17 @@ use sideway::ibverbs::memory_region::MemoryRegion;
 use crate::error::Error;
 use crate::verbs::{CqPoller, Device, RcQueuePair, Sge, VerbsError};
 
-/// Largest sync message on the RDMA path (one receive buffer).
+/// Size of one message buffer (a receive buffer on the target).
 pub(crate) const SYNC_MAX: usize = 4096;
+/// Largest sync message on the RDMA path: a buffer less the request id that
+/// precedes the message in the SEND.
+pub(crate) const SYNC_MSG_MAX: usize = SYNC_MAX - 8;
+
+/// Splits a received SEND into (request id, message).
+pub(crate) fn split_sync(bytes: &[u8]) -> Option<(u64, &[u8])> {
+    let (id, msg) = bytes.split_first_chunk::<8>()?;
+    Some((u64::from_le_bytes(*id), msg))
+}
 /// Message buffers per connection, each side.
 pub(crate) const RING: usize = 64;
 /// Outstanding work requests per queue pair.
@@ -93,6 +102,16 @@ impl MsgRing {
             // from the free list) and no work request uses it.
             unsafe { std::ptr::write_volatile((start + i) as *mut u8, *b) };
         }
+    }
+
+    /// Writes a SEND payload (request id, then the message) into `slot`;
+    /// returns its length.
+    pub(crate) fn write_sync(&self, slot: usize, req: u64, msg: &[u8]) -> usize {
+        let mut payload = Vec::with_capacity(8 + msg.len());
+        payload.extend_from_slice(&req.to_le_bytes());
+        payload.extend_from_slice(msg);
+        self.write(slot, &payload);
+        payload.len().min(SYNC_MAX)
     }
 
     pub(crate) fn acquire(
@@ -322,6 +341,14 @@ mod tests {
             assert!(wr.len <= 96 && wr.sges.len() <= 3);
             at += wr.len;
         }
+    }
+
+    #[test]
+    fn sync_payload_round_trip() {
+        let mut p = 42u64.to_le_bytes().to_vec();
+        p.extend_from_slice(b"hello");
+        assert_eq!(split_sync(&p), Some((42, &b"hello"[..])));
+        assert_eq!(split_sync(&p[..7]), None);
     }
 
     #[test]

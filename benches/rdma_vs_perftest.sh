@@ -16,36 +16,43 @@ if [ "${KVXFER_RDMA_GUEST:-}" != 1 ]; then
 fi
 
 B=target/release/kvxfer-bench
-N=${ITERS:-200}
+N=${ITERS:-50}
 out=$(mktemp -d)
 json() { python3 -c "import json,sys; d=json.loads(sys.stdin.readline()); print(d['$1'])"; }
 
 perf_bw() { # tool size -> MB/s (average)
-  "$1" -d rxe1 -x 0 -s "$2" -n "$N" >/dev/null 2>&1 &
+  timeout 300 "$1" -d rxe1 -x 0 -s "$2" -n "$N" >/dev/null 2>&1 &
   local srv=$!
   sleep 1
-  "$1" -d rxe0 -x 0 -s "$2" -n "$N" 127.0.0.1 2>/dev/null | awk '$1 == "'"$2"'" {print $4}'
+  timeout 300 "$1" -d rxe0 -x 0 -s "$2" -n "$N" 127.0.0.1 2>/dev/null | awk '$1 == "'"$2"'" {print $4}'
   wait "$srv" || true
 }
 perf_lat() { # -> typical (median) latency in us
-  ib_write_lat -d rxe1 -x 0 -s 8 -n "$N" >/dev/null 2>&1 &
+  timeout 300 ib_write_lat -d rxe1 -x 0 -s 8 -n 500 >/dev/null 2>&1 &
   local srv=$!
   sleep 1
-  ib_write_lat -d rxe0 -x 0 -s 8 -n "$N" 127.0.0.1 2>/dev/null | awk '$1 == "8" {print $5}'
+  timeout 300 ib_write_lat -d rxe0 -x 0 -s 8 -n 500 127.0.0.1 2>/dev/null | awk '$1 == "8" {print $5}'
   wait "$srv" || true
 }
 kx() { # backend op block batch -> json line
-  KVXFER_RDMA_DEVICE=rxe0 "$B" --backend "$1" --op "$2" --block-size "$3" --batch "$4" \
-    --iters "${5:-20}" --warmup 3 --target-rdma-device rxe1 --json
+  KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$B" --backend "$1" --op "$2" --block-size "$3" --batch "$4" \
+    --iters "${5:-12}" --warmup 2 --target-rdma-device rxe1 --json
 }
 
 wbw=$(perf_bw ib_write_bw 1048576)
-kw=$(kx rdma write 1MiB 16 | json gb_per_s)
+echo "ib_write_bw: $wbw MB/s" >&2
+kw=$(kx rdma write 1MiB 4 | json gb_per_s)
+echo "kvxfer write: $kw GB/s" >&2
 rbw=$(perf_bw ib_read_bw 1048576)
-kr=$(kx rdma read 1MiB 16 | json gb_per_s)
+echo "ib_read_bw: $rbw MB/s" >&2
+kr=$(kx rdma read 1MiB 4 | json gb_per_s)
+echo "kvxfer read: $kr GB/s" >&2
 lat=$(perf_lat)
-kl=$(kx rdma write 8 1 "$N" | json p50_us)
-kt=$(kx tcp write 1MiB 16 | json gb_per_s)
+echo "ib_write_lat: $lat us" >&2
+kl=$(kx rdma write 8 1 500 | json p50_us)
+echo "kvxfer 8 B write p50: $kl us" >&2
+kt=$(kx tcp write 1MiB 4 | json gb_per_s)
+echo "kvxfer tcp: $kt GB/s" >&2
 python3 - "$wbw" "$kw" "$rbw" "$kr" "$lat" "$kl" "$kt" <<'PY'
 import sys
 wbw, kw, rbw, kr, lat, kl, kt = (float(x) for x in sys.argv[1:])

@@ -1690,7 +1690,9 @@ impl TcpAgent {
             let conn = link.rdma.as_ref().ok_or(Error::Closed)?;
             let wrs = rdma::plan_wrs(
                 &pieces,
-                conn.max_msg.min(inner.config.segment_size),
+                conn.max_msg
+                    .min(inner.config.segment_size)
+                    .min(rdma::WR_MAX),
                 conn.max_sge,
             );
             // A sync message is two events: its SEND's completion, and the
@@ -1938,9 +1940,17 @@ impl Backoff {
         self.idle_polls = 0;
     }
 
-    fn wait(&mut self) {
+    /// Waits before the next poll. `busy`: work is outstanding, so the
+    /// completion is due soon — keep polling (yielding the CPU) instead of
+    /// sleeping, which costs a timer tick of latency.
+    fn wait(&mut self, busy: bool) {
         self.idle_polls = self.idle_polls.saturating_add(1);
-        if self.idle_polls < 200 {
+        // While work is outstanding, sleep less: 20 µs instead of 100.
+        // Pure spinning was measured worse on soft-RoCE, where the polling
+        // thread takes the CPU from the kernel threads that move the data.
+        if busy && self.idle_polls >= 2000 {
+            std::thread::sleep(Duration::from_micros(20));
+        } else if self.idle_polls < 200 {
             std::hint::spin_loop();
         } else if self.idle_polls < 2000 {
             std::thread::yield_now();
@@ -1978,7 +1988,7 @@ impl ReceiverCtx {
                 break;
             }
             if done.is_empty() {
-                backoff.wait();
+                backoff.wait(false);
                 continue;
             }
             backoff.reset();
@@ -2215,7 +2225,7 @@ impl Link {
                 if self.is_broken() && conn.posted.load(Ordering::Acquire) == 0 {
                     break;
                 }
-                backoff.wait();
+                backoff.wait(conn.posted.load(Ordering::Acquire) > 0);
                 continue;
             }
             backoff.reset();

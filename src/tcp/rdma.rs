@@ -26,6 +26,10 @@ pub(crate) fn split_sync(bytes: &[u8]) -> Option<(u64, &[u8])> {
 }
 /// Message buffers per connection, each side.
 pub(crate) const RING: usize = 64;
+/// Largest work request: large transfers become several requests, so
+/// several READs are outstanding at once (up to the queue pair's
+/// read/atomic depth) and completions arrive regularly.
+pub(crate) const WR_MAX: u64 = 1 << 20;
 /// Outstanding work requests per queue pair.
 pub(crate) const WINDOW: u32 = 256;
 /// `wr_id` bit marking a SEND (whose bits 40..56 name its buffer slot).

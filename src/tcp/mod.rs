@@ -1705,14 +1705,7 @@ impl TcpAgent {
             let pending = new_pending(events);
             link.insert(id, Arc::clone(&pending))?;
             link.clock.touch();
-            link.post_rdma(
-                conn,
-                id,
-                req.op,
-                &wrs,
-                req.sync_message.as_deref(),
-                &pending,
-            );
+            link.post_rdma(conn, id, req.op, wrs, req.sync_message, &pending);
             return Ok(TransferStatus::new(id, completion));
         }
         if let Path::Cma { pid } = peer.path {
@@ -2120,88 +2113,104 @@ impl Link {
         lock(&self.pending).broken.clone()
     }
 
-    /// Posts a request's work requests (then its sync message as a SEND),
-    /// within the send window. Work requests that cannot be posted count as
-    /// failed events of the request, so it still completes exactly once.
+    /// Queues a request's work requests (then its sync message as a SEND)
+    /// and posts as many as the send window allows; the progress thread
+    /// posts the rest as completions free the window. Never blocks.
     fn post_rdma(
         &self,
         conn: &rdma::RdmaConn,
         id: u64,
         op: TransferOp,
-        wrs: &[rdma::Wr],
-        sync: Option<&[u8]>,
+        wrs: Vec<rdma::Wr>,
+        sync: Option<Vec<u8>>,
         pending: &Arc<Pending>,
     ) {
-        let deadline = std::time::Instant::now() + self.io_timeout;
-        let broken = || self.broken_cause();
-        let total = wrs.len() + 2 * usize::from(sync.is_some());
-        let mut posted = 0usize;
-        let mut failure: Option<Error> = None;
-        for wr in wrs {
-            if let Err(e) = conn.acquire_slot(deadline, &broken) {
-                failure = Some(e);
-                break;
+        {
+            let mut q = lock(&conn.queue);
+            for wr in wrs {
+                q.push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
             }
-            let sges: Vec<Sge> = wr
-                .sges
-                .iter()
-                .map(|&(lkey, addr, len)| Sge { lkey, addr, len })
-                .collect();
+            if let Some(msg) = sync {
+                q.push_back((rdma::Queued::Sync { id, msg }, Arc::clone(pending)));
+            }
+        }
+        self.pump(conn);
+    }
+
+    /// Posts queued work requests while the window and the message buffers
+    /// allow, in order. On a broken link, fails every queued one instead
+    /// (each counts its events, so requests still complete exactly once).
+    fn pump(&self, conn: &rdma::RdmaConn) {
+        loop {
+            let mut q = lock(&conn.queue);
+            if let Some(cause) = self.broken_cause() {
+                let drained: Vec<_> = q.drain(..).collect();
+                drop(q);
+                for (item, p) in drained {
+                    for _ in 0..item.events() {
+                        self.complete_event(item.id(), &p, Err(cause.clone()));
+                    }
+                }
+                return;
+            }
+            let Some((front, _)) = q.front() else { return };
+            if !conn.try_take_slot() {
+                return;
+            }
+            let send_slot = match front {
+                rdma::Queued::Sync { .. } => match conn.sends.try_acquire() {
+                    Some(s) => Some(s),
+                    None => {
+                        conn.release_slot();
+                        return;
+                    }
+                },
+                rdma::Queued::Data { .. } => None,
+            };
+            let (item, p) = q.pop_front().expect("front exists");
             conn.posted.fetch_add(1, Ordering::AcqRel);
-            // SAFETY: the local pieces lie in registered regions held by the
-            // request's guards, which live until every work request of the
-            // request has completed (the request's events).
+            // SAFETY: data pieces lie in registered regions held by the
+            // request's guards, which live until every event of the request
+            // (this work request's completion among them) has happened; a
+            // message slot is ours until its SEND completes.
             let r = unsafe {
                 let mut qp = lock(&conn.qp);
-                match op {
-                    TransferOp::Write => qp.post_write(id, &sges, wr.rkey, wr.remote, None, true),
-                    TransferOp::Read => qp.post_read(id, &sges, wr.rkey, wr.remote, true),
+                match (&item, send_slot) {
+                    (rdma::Queued::Data { id, op, wr }, _) => {
+                        let sges: Vec<Sge> = wr
+                            .sges
+                            .iter()
+                            .map(|&(lkey, addr, len)| Sge { lkey, addr, len })
+                            .collect();
+                        match op {
+                            TransferOp::Write => {
+                                qp.post_write(*id, &sges, wr.rkey, wr.remote, None, true)
+                            }
+                            TransferOp::Read => qp.post_read(*id, &sges, wr.rkey, wr.remote, true),
+                        }
+                    }
+                    (rdma::Queued::Sync { id, msg }, Some(slot)) => {
+                        let len = conn.sends.write_sync(slot, *id, msg);
+                        let wr_id = rdma::SEND_FLAG | ((slot as u64) << 40) | id;
+                        qp.post_send(wr_id, &[conn.sends.sge(slot, len)], 0)
+                    }
+                    (rdma::Queued::Sync { .. }, None) => {
+                        unreachable!("a sync message always has a slot here")
+                    }
                 }
             };
+            drop(q);
             if let Err(e) = r {
                 conn.posted.fetch_sub(1, Ordering::AcqRel);
                 conn.release_slot();
-                failure = Some(rdma::rdma_err(&self.remote, e));
-                break;
-            }
-            posted += 1;
-        }
-        if failure.is_none()
-            && let Some(msg) = sync
-        {
-            let sent = conn.acquire_slot(deadline, &broken).and_then(|()| {
-                let slot = match conn.sends.acquire(deadline, &broken) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        conn.release_slot();
-                        return Err(e);
-                    }
-                };
-                let len = conn.sends.write_sync(slot, id, msg);
-                conn.posted.fetch_add(1, Ordering::AcqRel);
-                let wr_id = rdma::SEND_FLAG | ((slot as u64) << 40) | id;
-                // SAFETY: the slot is ours until the SEND completes (the
-                // progress thread releases it).
-                let r = unsafe { lock(&conn.qp).post_send(wr_id, &[conn.sends.sge(slot, len)], 0) };
-                r.map_err(|e| {
-                    conn.posted.fetch_sub(1, Ordering::AcqRel);
-                    conn.release_slot();
+                if let Some(slot) = send_slot {
                     conn.sends.release(slot);
-                    rdma::rdma_err(&self.remote, e)
-                })
-            });
-            match sent {
-                // The SEND and, later, the target's acknowledgement.
-                Ok(()) => posted += 2,
-                Err(e) => failure = Some(e),
-            }
-        }
-        if let Some(e) = failure {
-            for _ in posted..total {
-                self.complete_event(id, pending, Err(e.clone()));
-            }
-            if !matches!(e, Error::Timeout { .. }) {
-                self.fail(e);
+                }
+                let err = rdma::rdma_err(&self.remote, e);
+                for _ in 0..item.events() {
+                    self.complete_event(item.id(), &p, Err(err.clone()));
+                }
+                self.fail(err);
             }
         }
     }
@@ -2222,8 +2231,11 @@ impl Link {
                 self.fail(rdma::rdma_err(&self.remote, e));
             }
             if done.is_empty() {
-                if self.is_broken() && conn.posted.load(Ordering::Acquire) == 0 {
-                    break;
+                if self.is_broken() {
+                    self.pump(conn);
+                    if conn.posted.load(Ordering::Acquire) == 0 {
+                        break;
+                    }
                 }
                 backoff.wait(conn.posted.load(Ordering::Acquire) > 0);
                 continue;
@@ -2258,6 +2270,8 @@ impl Link {
                     self.complete_event(req, &p, result);
                 }
             }
+            // The window has room again: post what is queued.
+            self.pump(conn);
         }
         self.thread_exit();
     }

@@ -4,9 +4,9 @@
 //! regions; a request's sync message sent as a SEND on the same queue pair
 //! after its data, so RC ordering delivers it only after every byte landed.
 
+use std::collections::VecDeque;
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
 
 use sideway::ibverbs::memory_region::MemoryRegion;
 
@@ -63,7 +63,6 @@ pub(crate) struct MsgRing {
     mr: Arc<MemoryRegion>,
     buf: Box<[u8]>,
     free: Mutex<Vec<usize>>,
-    cv: Condvar,
 }
 
 impl MsgRing {
@@ -75,7 +74,6 @@ impl MsgRing {
             mr,
             buf,
             free: Mutex::new((0..slots).collect()),
-            cv: Condvar::new(),
         })
     }
 
@@ -118,37 +116,51 @@ impl MsgRing {
         payload.len().min(SYNC_MAX)
     }
 
-    pub(crate) fn acquire(
-        &self,
-        deadline: Instant,
-        broken: &dyn Fn() -> Option<Error>,
-    ) -> Result<usize, Error> {
-        let mut free = lock(&self.free);
-        loop {
-            if let Some(s) = free.pop() {
-                return Ok(s);
-            }
-            if let Some(e) = broken() {
-                return Err(e);
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout {
-                    what: "waiting for an RDMA message buffer",
-                    after: Duration::ZERO,
-                });
-            }
-            free = self
-                .cv
-                .wait_timeout(free, left.min(Duration::from_millis(50)))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+    /// Takes a free buffer, if any.
+    pub(crate) fn try_acquire(&self) -> Option<usize> {
+        lock(&self.free).pop()
     }
 
     pub(crate) fn release(&self, slot: usize) {
         lock(&self.free).push(slot);
-        self.cv.notify_one();
+    }
+}
+
+/// Work waiting to be posted on a queue pair.
+pub(crate) enum Queued {
+    /// One WRITE or READ of a request.
+    Data {
+        /// Request id.
+        id: u64,
+        /// Direction.
+        op: crate::agent::TransferOp,
+        /// The work request.
+        wr: Wr,
+    },
+    /// A request's sync message, to send after its data.
+    Sync {
+        /// Request id.
+        id: u64,
+        /// The message.
+        msg: Vec<u8>,
+    },
+}
+
+impl Queued {
+    /// The request it belongs to.
+    pub(crate) fn id(&self) -> u64 {
+        match self {
+            Queued::Data { id, .. } | Queued::Sync { id, .. } => *id,
+        }
+    }
+
+    /// Events it stands for in the request: a data work request's
+    /// completion; a SEND's completion and the target's acknowledgement.
+    pub(crate) fn events(&self) -> usize {
+        match self {
+            Queued::Data { .. } => 1,
+            Queued::Sync { .. } => 2,
+        }
     }
 }
 
@@ -232,7 +244,8 @@ pub(crate) struct RdmaConn {
     pub(crate) cq: CqPoller,
     pub(crate) sends: MsgRing,
     window: Mutex<u32>,
-    window_cv: Condvar,
+    /// Work waiting for room in the send queue, in posting order.
+    pub(crate) queue: Mutex<VecDeque<(Queued, Arc<super::Pending>)>>,
     /// Work requests posted and not yet completed.
     pub(crate) posted: AtomicUsize,
     pub(crate) max_sge: usize,
@@ -247,45 +260,25 @@ impl RdmaConn {
             qp: Mutex::new(qp),
             sends: MsgRing::new(dev, RING)?,
             window: Mutex::new(WINDOW),
-            window_cv: Condvar::new(),
+            queue: Mutex::new(VecDeque::new()),
             posted: AtomicUsize::new(0),
             max_msg: max_msg.min(dev.max_msg_size()),
         })
     }
 
-    /// Takes one send-queue slot, waiting until `deadline`.
-    pub(crate) fn acquire_slot(
-        &self,
-        deadline: Instant,
-        broken: &dyn Fn() -> Option<Error>,
-    ) -> Result<(), Error> {
+    /// Takes one send-queue slot if one is free.
+    pub(crate) fn try_take_slot(&self) -> bool {
         let mut w = lock(&self.window);
-        loop {
-            if let Some(e) = broken() {
-                return Err(e);
-            }
-            if *w > 0 {
-                *w -= 1;
-                return Ok(());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout {
-                    what: "waiting for room in the RDMA send queue",
-                    after: Duration::ZERO,
-                });
-            }
-            w = self
-                .window_cv
-                .wait_timeout(w, left.min(Duration::from_millis(50)))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        if *w > 0 {
+            *w -= 1;
+            true
+        } else {
+            false
         }
     }
 
     pub(crate) fn release_slot(&self) {
         *lock(&self.window) += 1;
-        self.window_cv.notify_one();
     }
 }
 

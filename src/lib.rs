@@ -48,7 +48,11 @@
 //!   validates them.
 //! - [`desc`]: the agent descriptor exchanged between agents.
 //! - [`agent`]: the [`TransferAgent`] contract, requests, statuses, config.
-//! - [`tcp`]: the TCP fallback backend.
+//! - [`tcp`]: the agent: TCP side channel and data streams, plus the
+//!   intra-node (cross-memory attach, `shm`) and RDMA data paths, chosen
+//!   per peer ([`Backend`]).
+//! - [`verbs`]: the RDMA verbs layer (sideway), the only module that talks
+//!   to the RDMA stack.
 //!
 //! ## Thread safety
 //! Agents are `Send + Sync`; every method takes `&self`. A

@@ -51,7 +51,15 @@ use session::{Finished, RequestTable};
 use sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
 use wire::{CommitOp, Frame, HEADER_LEN, PROTOCOL_VERSION, status};
 
-const BACKEND: &str = "tcp";
+/// The backend name of an agent mode, for errors and logs.
+fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Tcp => "tcp",
+        Mode::Shm => "shm",
+        Mode::Auto => "auto",
+        Mode::Rdma => "rdma",
+    }
+}
 /// Cross-memory requests smaller than this are copied by one thread.
 const PARALLEL_COPY_MIN: u64 = 2 << 20;
 
@@ -1626,7 +1634,7 @@ impl TcpAgent {
         if req.local.mem_type != MemoryType::Dram && !req.local.is_empty() {
             return Err(Error::UnsupportedMemoryType {
                 mem_type: req.local.mem_type,
-                backend: BACKEND,
+                backend: mode_name(inner.mode),
             });
         }
         let peer = inner.peer(&req.remote_agent)?;
@@ -1782,12 +1790,7 @@ impl TransferAgent for TcpAgent {
     }
 
     fn backend_name(&self) -> &'static str {
-        match self.inner.mode {
-            Mode::Tcp => "tcp",
-            Mode::Shm => "shm",
-            Mode::Auto => "auto",
-            Mode::Rdma => "rdma",
-        }
+        mode_name(self.inner.mode)
     }
 
     fn remote_transport(&self, name: &str) -> Result<&'static str, Error> {
@@ -1801,9 +1804,12 @@ impl TransferAgent for TcpAgent {
     unsafe fn register_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
         // SAFETY: forwarded contract of `register_memory`.
         unsafe {
-            self.inner
-                .registry
-                .register(descs, SUPPORTED, BACKEND, self.inner.device.as_deref())
+            self.inner.registry.register(
+                descs,
+                SUPPORTED,
+                mode_name(self.inner.mode),
+                self.inner.device.as_deref(),
+            )
         }
     }
 
@@ -2194,8 +2200,12 @@ impl Link {
                         let wr_id = rdma::SEND_FLAG | ((slot as u64) << 40) | id;
                         qp.post_send(wr_id, &[conn.sends.sge(slot, len)], 0)
                     }
+                    // Not reached: a sync message is taken with a buffer
+                    // above. Reported as a failure rather than a panic.
                     (rdma::Queued::Sync { .. }, None) => {
-                        unreachable!("a sync message always has a slot here")
+                        Err(crate::verbs::VerbsError::Unsupported {
+                            what: "a sync message without a message buffer",
+                        })
                     }
                 }
             };

@@ -4,22 +4,44 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 
 fn manifest() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
 /// The directory holding `libkvxfer.so` for this build profile.
+///
+/// `cargo test` builds only what the test binaries link, and nothing links
+/// the cdylib, so the first caller runs `cargo build -p kvxfer-capi` for the
+/// test's own profile (a no-op when it is fresh): the programs are always
+/// compiled against the library of the current sources, never a stale one.
 fn lib_dir() -> PathBuf {
-    // The test binary is target/<profile>/deps/c_programs-<hash>.
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-    assert!(
-        dir.join("libkvxfer.so").exists(),
-        "libkvxfer.so not found in {}: build the kvxfer-capi crate first",
-        dir.display()
-    );
-    dir
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            // The test binary is target/<profile>/deps/c_programs-<hash>.
+            let exe = std::env::current_exe().unwrap();
+            let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+            let target = dir.parent().unwrap();
+            let mut cmd = Command::new(env!("CARGO"));
+            cmd.args(["build", "--quiet", "-p", "kvxfer-capi", "--lib"])
+                .arg("--target-dir")
+                .arg(target)
+                .current_dir(manifest());
+            if dir.file_name().is_some_and(|n| n == "release") {
+                cmd.arg("--release");
+            }
+            let status = cmd.status().expect("run cargo build -p kvxfer-capi");
+            assert!(status.success(), "cargo build -p kvxfer-capi failed");
+            assert!(
+                dir.join("libkvxfer.so").exists(),
+                "libkvxfer.so not found in {} after building kvxfer-capi",
+                dir.display()
+            );
+            dir
+        })
+        .clone()
 }
 
 fn out_dir() -> PathBuf {

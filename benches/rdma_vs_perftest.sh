@@ -3,7 +3,12 @@
 # boot of the guest (ci/rxe-guest): rxe0 (initiator) -> rxe1 (target).
 #   WRITE bandwidth at 1 MiB   kvxfer-bench --op write  vs  ib_write_bw
 #   READ bandwidth at 1 MiB    kvxfer-bench --op read   vs  ib_read_bw
-#   8-byte WRITE latency       kvxfer-bench (batch 1)   vs  ib_write_lat
+#   8-byte WRITE latency       kvxfer-bench --pingpong  vs  ib_write_lat
+#                              (both: half the round trip of a write ping-pong,
+#                              each side spinning on its memory), and kvxfer's
+#                              submit-to-completion time (batch 1)
+#   RDMA progress thread: completion channel (events) vs polling, on latency
+#   and on CPU (idle agents; the initiator during the 1 MiB WRITE run)
 #   and the TCP fallback on the same workload, same guest (loopback).
 # TCG emulation makes absolute figures meaningless: compare ratios only.
 #
@@ -34,33 +39,47 @@ perf_lat() { # -> typical (median) latency in us
   timeout 300 ib_write_lat -d rxe0 -x 0 -s 8 -n 500 127.0.0.1 2>/dev/null | awk '$1 == "8" {print $5}'
   wait "$srv" || true
 }
-kx() { # backend op block batch -> json line
+kx() { # backend op block batch [iters] [progress] -> json line
   KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$B" --backend "$1" --op "$2" --block-size "$3" --batch "$4" \
-    --iters "${5:-12}" --warmup 2 --target-rdma-device rxe1 --json
+    --iters "${5:-12}" --warmup 2 --target-rdma-device rxe1 --rdma-progress "${6:-events}" --json
+}
+pp() { # progress -> json line
+  KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$B" --backend rdma --pingpong --iters 500 --warmup 20 \
+    --target-rdma-device rxe1 --rdma-progress "$1" --json
 }
 
 wbw=$(perf_bw ib_write_bw 1048576)
 echo "ib_write_bw: $wbw MB/s" >&2
-kw=$(kx rdma write 1MiB 4 | json gb_per_s)
-echo "kvxfer write: $kw GB/s" >&2
+kwj=$(kx rdma write 1MiB 4)
+kw=$(echo "$kwj" | json gb_per_s)
+echo "kvxfer write: $kwj" >&2
 rbw=$(perf_bw ib_read_bw 1048576)
 echo "ib_read_bw: $rbw MB/s" >&2
 kr=$(kx rdma read 1MiB 4 | json gb_per_s)
 echo "kvxfer read: $kr GB/s" >&2
 lat=$(perf_lat)
 echo "ib_write_lat: $lat us" >&2
+ppe=$(pp events); echo "kvxfer ping-pong (events): $ppe" >&2
+ppp=$(pp poll); echo "kvxfer ping-pong (poll): $ppp" >&2
 kl=$(kx rdma write 8 1 500 | json p50_us)
-echo "kvxfer 8 B write p50: $kl us" >&2
+echo "kvxfer 8 B write submit-to-completion p50: $kl us" >&2
+kwpj=$(kx rdma write 1MiB 4 12 poll)
+echo "kvxfer write (poll): $kwpj" >&2
 kt=$(kx tcp write 1MiB 4 | json gb_per_s)
 echo "kvxfer tcp: $kt GB/s" >&2
-python3 - "$wbw" "$kw" "$rbw" "$kr" "$lat" "$kl" "$kt" <<'PY'
-import sys
-wbw, kw, rbw, kr, lat, kl, kt = (float(x) for x in sys.argv[1:])
+python3 - "$wbw" "$kw" "$rbw" "$kr" "$lat" "$kl" "$kt" "$ppe" "$ppp" "$kwj" "$kwpj" <<'PY'
+import json, sys
+wbw, kw, rbw, kr, lat, kl, kt = (float(x) for x in sys.argv[1:8])
+ppe, ppp, kwj, kwpj = (json.loads(x) for x in sys.argv[8:12])
 kw_mb, kr_mb, kt_mb = kw * 1e3, kr * 1e3, kt * 1e3   # GB/s (10^9) -> MB/s (10^6)
 # perftest reports MB/sec as 2^20 bytes/s.
 wbw_mb, rbw_mb = wbw * 1.048576, rbw * 1.048576
+pl = ppe["p50_us"]
 print(f"WRITE 1 MiB : ib_write_bw {wbw_mb:9.1f} MB/s  kvxfer {kw_mb:9.1f} MB/s  ratio {kw_mb/wbw_mb:.3f} (target >= 0.95)")
 print(f"READ  1 MiB : ib_read_bw  {rbw_mb:9.1f} MB/s  kvxfer {kr_mb:9.1f} MB/s  ratio {kr_mb/rbw_mb:.3f} (target >= 0.95)")
-print(f"WRITE 8 B   : ib_write_lat {lat:8.2f} us    kvxfer {kl:8.2f} us (p50, submit to completion)  ratio {kl/lat:.3f} (target <= 1.1)")
+print(f"WRITE 8 B   : ib_write_lat {lat:8.2f} us    kvxfer ping-pong {pl:8.2f} us (p50 one-way)  ratio {pl/lat:.3f} (target <= 1.1)")
+print(f"              kvxfer submit-to-completion p50 {kl:.2f} us (a full round trip plus the library's work)")
+print(f"progress    : events: ping-pong p50 {ppe['p50_us']:.2f} us, idle {ppe['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwj['cpu_cores']:.3f} cores at {kwj['gb_per_s']*1e3:.1f} MB/s")
+print(f"              poll:   ping-pong p50 {ppp['p50_us']:.2f} us, idle {ppp['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwpj['cpu_cores']:.3f} cores at {kwpj['gb_per_s']*1e3:.1f} MB/s")
 print(f"TCP fallback, same workload, same guest (loopback): {kt_mb:9.1f} MB/s; RDMA/TCP {kw_mb/kt_mb:.2f}x")
 PY

@@ -33,8 +33,12 @@ test_bin() {
 }
 verbs_bin=$(test_bin rdma_verbs)
 agent_bin=$(test_bin agent)
+# The suite runs with the default progress mode (completion channel); the
+# data-path tests once more with the polling progress thread.
 KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 1800 sh -c \
-  "$verbs_bin --test-threads 1 --color never && $agent_bin --test-threads 2 --color never"
+  "$verbs_bin --test-threads 1 --color never && $agent_bin --test-threads 2 --color never && \
+   KVXFER_TEST_RDMA_PROGRESS=poll $agent_bin --test-threads 2 --color never \
+     write_and_read sync_message notify_follows target_killed write_after_target_deregistered"
 echo "== bench CLI smoke run"
 cargo build --release --locked --bin kvxfer-bench
 target/release/kvxfer-bench --block-size 64KiB --batch 16 --iters 20 --warmup 2 --json

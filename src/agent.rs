@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::str::FromStr;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::desc::AgentDesc;
@@ -127,14 +127,72 @@ enum Cell {
 pub(crate) struct Completion {
     cell: Mutex<Cell>,
     cv: Condvar,
+    /// The backend's completion source (an RDMA completion queue), polled
+    /// by a waiting thread itself: the completion then costs no thread
+    /// wake-up. `Weak`: a status must not keep a connection alive.
+    driver: Option<Weak<dyn Progress>>,
 }
+
+/// Something a waiting thread can drive: a completion queue it may poll in
+/// place of the backend's progress thread.
+pub(crate) trait Progress: Send + Sync {
+    /// Processes whatever completions are ready (without blocking); true
+    /// when there were some.
+    fn progress(&self) -> bool;
+}
+
+/// How long [`TransferStatus::wait`] polls a driver after its last progress
+/// before it sleeps on the condition variable (re-polling every
+/// [`DRIVE_SLICE`]): small transfers complete inside the window with no
+/// wake-up; long ones leave the CPU to the progress thread.
+const DRIVE_SPIN: Duration = Duration::from_micros(200);
+const DRIVE_SLICE: Duration = Duration::from_millis(1);
 
 impl Completion {
     pub(crate) fn new() -> Arc<Self> {
+        Self::with_driver(None)
+    }
+
+    pub(crate) fn with_driver(driver: Option<Weak<dyn Progress>>) -> Arc<Self> {
         Arc::new(Self {
             cell: Mutex::new(Cell::Pending),
             cv: Condvar::new(),
+            driver,
         })
+    }
+
+    fn is_done(&self) -> bool {
+        matches!(
+            *self.cell.lock().unwrap_or_else(|p| p.into_inner()),
+            Cell::Done(_)
+        )
+    }
+
+    /// Polls the driver until the outcome is in, the deadline passes, or
+    /// nothing has happened for [`DRIVE_SPIN`].
+    fn drive(&self, deadline: Option<Instant>) {
+        let Some(driver) = self.driver.as_ref().and_then(Weak::upgrade) else {
+            return;
+        };
+        let mut last = Instant::now();
+        let mut idle = 0u32;
+        while !self.is_done() {
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) || now - last > DRIVE_SPIN {
+                return;
+            }
+            if driver.progress() {
+                last = now;
+                idle = 0;
+            } else {
+                idle += 1;
+                if idle.is_multiple_of(64) {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
     }
 
     /// Records the outcome; returns false when one was already recorded.
@@ -208,28 +266,38 @@ impl TransferStatus {
     /// The transfer's failure, if it failed.
     pub fn wait(&self, timeout: Duration) -> Result<TransferState, Error> {
         let deadline = Instant::now().checked_add(timeout);
-        let mut c = self
-            .completion
-            .cell
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let driven = self.completion.driver.is_some();
         loop {
+            if driven {
+                self.completion.drive(deadline);
+            }
+            let c = self
+                .completion
+                .cell
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             if matches!(*c, Cell::Done(_)) {
                 return Completion::snapshot(&c);
             }
-            let left = match deadline {
+            let mut left = match deadline {
                 Some(d) => d.saturating_duration_since(Instant::now()),
                 None => Duration::from_secs(3600),
             };
             if left.is_zero() {
                 return Ok(TransferState::InProgress);
             }
-            c = self
+            if driven {
+                left = left.min(DRIVE_SLICE);
+            }
+            let c = self
                 .completion
                 .cv
                 .wait_timeout(c, left)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+            if matches!(*c, Cell::Done(_)) {
+                return Completion::snapshot(&c);
+            }
         }
     }
 
@@ -316,6 +384,44 @@ pub struct AgentConfig {
     /// A connection with requests outstanding that moves no byte for this
     /// long is declared dead and its requests fail (default 30 s).
     pub io_timeout: Duration,
+    /// RDMA device by name (e.g. `mlx5_0`); `None`: `KVXFER_RDMA_DEVICE`,
+    /// else the first device with an active port.
+    pub rdma_device: Option<String>,
+    /// GID index on that device's port; `None`: `KVXFER_RDMA_GID_INDEX`,
+    /// else the port's first RoCE v2 GID, else 0.
+    pub rdma_gid_index: Option<u32>,
+    /// How the RDMA progress thread waits for completions (default
+    /// [`RdmaProgress::Events`], chosen by measurement: see
+    /// `docs/benchmarks.md`). Threads waiting on a request poll the
+    /// completion queue themselves either way.
+    pub rdma_progress: RdmaProgress,
+}
+
+/// How an RDMA connection's progress thread waits for completions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum RdmaProgress {
+    /// Sleep on a completion channel (no CPU while idle; one wake-up per
+    /// burst of completions).
+    #[default]
+    Events,
+    /// Poll the completion queue, spinning, then yielding, then sleeping
+    /// 20-100 µs between polls while idle.
+    Poll,
+}
+
+impl FromStr for RdmaProgress {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.to_ascii_lowercase().as_str() {
+            "events" => Ok(Self::Events),
+            "poll" => Ok(Self::Poll),
+            other => Err(Error::InvalidConfig(format!(
+                "unknown RDMA progress mode {other:?} (events, poll)"
+            ))),
+        }
+    }
 }
 
 impl AgentConfig {
@@ -332,6 +438,9 @@ impl AgentConfig {
                 .min(4),
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(30),
+            rdma_device: None,
+            rdma_gid_index: None,
+            rdma_progress: RdmaProgress::default(),
         }
     }
 
@@ -362,6 +471,20 @@ impl AgentConfig {
     /// Sets the number of threads copying one large shm request.
     pub fn with_shm_copy_threads(mut self, n: usize) -> Self {
         self.shm_copy_threads = n;
+        self
+    }
+
+    /// Chooses the RDMA device (and optionally the GID index) instead of
+    /// the environment or the first active device.
+    pub fn with_rdma_device(mut self, name: impl Into<String>, gid_index: Option<u32>) -> Self {
+        self.rdma_device = Some(name.into());
+        self.rdma_gid_index = gid_index;
+        self
+    }
+
+    /// Sets how the RDMA progress thread waits for completions.
+    pub fn with_rdma_progress(mut self, p: RdmaProgress) -> Self {
+        self.rdma_progress = p;
         self
     }
 

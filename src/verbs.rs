@@ -2,8 +2,7 @@
 //! selection, protection domain, memory regions, reliable-connected queue
 //! pairs and completion polling, with one typed error per verb.
 //!
-//! This is the foundation of the RDMA backend (issue 3); the agent does not
-//! use it yet. Hosts without an RDMA-capable kernel get
+//! The agent's RDMA path (`tcp/rdma.rs`) is built on it. Hosts without an RDMA-capable kernel get
 //! [`VerbsError::NoDevice`] from [`Device::open`], never a crash: the verbs
 //! library is loaded at run time.
 //!
@@ -18,7 +17,9 @@ use std::sync::Arc;
 
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid, GidType};
-use sideway::ibverbs::completion::{GenericCompletionQueue, PollCompletionQueueError};
+use sideway::ibverbs::completion::{
+    CompletionChannel, CompletionQueue, GenericCompletionQueue, PollCompletionQueueError,
+};
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
 use sideway::ibverbs::device_context::{DeviceContext, Mtu, PortState};
 use sideway::ibverbs::memory_region::MemoryRegion;
@@ -293,12 +294,34 @@ impl Device {
     /// # Errors
     /// The failing verb.
     pub fn create_rc(&self, depth: u32) -> Result<RcQueuePair, VerbsError> {
+        self.create_rc_with(depth, false)
+    }
+
+    /// As [`create_rc`](Self::create_rc); with `send_events`, the send
+    /// completion queue also signals a completion channel, so a thread can
+    /// sleep until a completion arrives ([`RcQueuePair::send_events`]).
+    ///
+    /// # Errors
+    /// The failing verb.
+    pub fn create_rc_with(&self, depth: u32, send_events: bool) -> Result<RcQueuePair, VerbsError> {
         let depth = depth.clamp(1, self.max_qp_wr);
+        let channel = if send_events {
+            let ch = CompletionChannel::new(&self.ctx)
+                .map_err(|e| verb("ibv_create_comp_channel")(other(e)))?;
+            ch.set_nonblocking(true)
+                .map_err(verb("fcntl(O_NONBLOCK) on the completion channel"))?;
+            Some(ch)
+        } else {
+            None
+        };
         let mut cqb = self.ctx.create_cq_builder();
         cqb.setup_cqe(depth * 2);
-        let send_cq =
-            GenericCompletionQueue::from(cqb.build().map_err(|e| verb("ibv_create_cq")(other(e)))?);
         let recv_cq =
+            GenericCompletionQueue::from(cqb.build().map_err(|e| verb("ibv_create_cq")(other(e)))?);
+        if let Some(ch) = &channel {
+            cqb.setup_comp_channel(ch, 0);
+        }
+        let send_cq =
             GenericCompletionQueue::from(cqb.build().map_err(|e| verb("ibv_create_cq")(other(e)))?);
         let mut qpb = self.pd.create_qp_builder();
         qpb.setup_max_send_wr(depth)
@@ -324,6 +347,7 @@ impl Device {
             qp,
             send_cq,
             recv_cq,
+            channel,
             port: self.port,
             gid_index: self.gid_index,
             gid: self.gid,
@@ -388,6 +412,10 @@ pub struct RcQueuePair {
     qp: GenericQueuePair,
     send_cq: GenericCompletionQueue,
     recv_cq: GenericCompletionQueue,
+    /// The send completion queue's channel, when created with events. The
+    /// completion queue holds a reference too, so the channel is destroyed
+    /// after it.
+    channel: Option<Arc<CompletionChannel>>,
     port: u8,
     gid_index: u32,
     gid: [u8; 16],
@@ -609,6 +637,14 @@ impl RcQueuePair {
         CqPoller(self.send_cq.clone())
     }
 
+    /// Completion events of the send queue, when created with them.
+    pub fn send_events(&self) -> Option<CqEvents> {
+        self.channel.as_ref().map(|ch| CqEvents {
+            channel: Arc::clone(ch),
+            cq: self.send_cq.clone(),
+        })
+    }
+
     /// A handle on the receive completion queue, usable without the queue pair.
     pub fn recv_poller(&self) -> CqPoller {
         CqPoller(self.recv_cq.clone())
@@ -659,6 +695,79 @@ impl CqPoller {
     /// `ibv_poll_cq`'s error.
     pub fn poll(&self, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
         poll(&self.0, out)
+    }
+}
+
+/// Sleeping until a completion queue has news, instead of polling it:
+/// arm, re-poll (a completion may have arrived before arming), then
+/// [`wait`](Self::wait).
+pub struct CqEvents {
+    channel: Arc<CompletionChannel>,
+    cq: GenericCompletionQueue,
+}
+
+impl CqEvents {
+    /// Requests an event for the next completion (`ibv_req_notify_cq`).
+    ///
+    /// # Errors
+    /// The verb's error.
+    pub fn arm(&self) -> Result<(), VerbsError> {
+        // SAFETY: the completion queue is alive (we hold it).
+        let rc = unsafe { rdma_mummy_sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(verb("ibv_req_notify_cq")(io::Error::from_raw_os_error(rc)))
+        }
+    }
+
+    /// Waits up to `timeout` for an event; consumes and acknowledges it.
+    /// Returns whether one came.
+    ///
+    /// # Errors
+    /// `poll` or `ibv_get_cq_event`'s error.
+    pub fn wait(&self, timeout: std::time::Duration) -> Result<bool, VerbsError> {
+        let mut pfd = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&*self.channel),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(false);
+            }
+            return Err(verb("poll(completion channel)")(e));
+        }
+        if n == 0 {
+            return Ok(false);
+        }
+        let mut cq = std::ptr::null_mut();
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: the channel is alive and non-blocking; the out pointers
+        // point to locals.
+        let rc = unsafe {
+            rdma_mummy_sys::ibv_get_cq_event(
+                self.channel.comp_channel().as_ptr(),
+                &mut cq,
+                &mut ctx,
+            )
+        };
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::WouldBlock {
+                return Ok(false);
+            }
+            return Err(verb("ibv_get_cq_event")(e));
+        }
+        // SAFETY: `cq` is the completion queue the event came from (ours,
+        // alive); each event is acknowledged once, so destroying the queue
+        // never waits for unacknowledged events.
+        unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
+        Ok(true)
     }
 }
 

@@ -239,3 +239,59 @@ fn missing_device_is_a_typed_error() {
         other => panic!("expected NoDevice, got {other:?}"),
     }
 }
+
+#[test]
+fn completion_channel_wakes_a_sleeper_and_times_out_when_idle() {
+    let Some((a, b)) = two_devices("completion_channel_wakes_a_sleeper_and_times_out_when_idle")
+    else {
+        return;
+    };
+    let mut qa = a.create_rc_with(16, true).expect("create qp with events");
+    let mut qb = b.create_rc(16).expect("create qp b");
+    let (ia, ib) = (qa.info(), qb.info());
+    qa.connect(&ib).expect("connect a");
+    qb.connect(&ia).expect("connect b");
+    assert!(qb.send_events().is_none(), "no channel unless asked for");
+    let ev = qa.send_events().expect("channel");
+    let src = vec![3u8; 4096];
+    let dst = vec![0u8; 4096];
+    // SAFETY: both buffers outlive the regions and the queue pairs' work.
+    let (smr, dmr) = unsafe {
+        (
+            a.register(src.as_ptr() as u64, 4096).unwrap(),
+            b.register(dst.as_ptr() as u64, 4096).unwrap(),
+        )
+    };
+    // Idle: an armed channel reports nothing within the timeout.
+    ev.arm().unwrap();
+    let t = Instant::now();
+    assert!(!ev.wait(Duration::from_millis(50)).unwrap());
+    assert!(t.elapsed() >= Duration::from_millis(40));
+    for round in 0..3u64 {
+        ev.arm().unwrap();
+        // SAFETY: the piece lies in `smr`, alive until the completion.
+        unsafe {
+            qa.post_write(
+                round,
+                &[Sge {
+                    lkey: smr.lkey(),
+                    addr: src.as_ptr() as u64,
+                    len: 4096,
+                }],
+                dmr.rkey(),
+                dst.as_ptr() as u64,
+                None,
+                true,
+            )
+            .unwrap();
+        }
+        assert!(
+            ev.wait(Duration::from_secs(30)).unwrap(),
+            "no event for the completion of round {round}"
+        );
+        let c = wait_for(&qa, false, 1);
+        assert_eq!(c[0].wr_id, round);
+        c[0].ok().unwrap();
+    }
+    assert_eq!(dst, src);
+}

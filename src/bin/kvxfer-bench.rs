@@ -72,6 +72,16 @@ struct Args {
     /// active device).
     #[arg(long)]
     target_rdma_device: Option<String>,
+    /// Latency the way `ib_write_lat` measures it: two agents in this
+    /// process (the second on `--target-rdma-device`) bounce one block
+    /// (default 8 bytes) back and forth with WRITEs, each side spinning on
+    /// its own memory for the other's write; reports half the round trip.
+    #[arg(long, conflicts_with_all = ["listen", "connect", "memcpy"])]
+    pingpong: bool,
+    /// How RDMA progress threads wait for completions: events or poll
+    /// (default: the library's).
+    #[arg(long)]
+    rdma_progress: Option<String>,
     /// Internal: in target role, exit when standard input closes.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
@@ -110,6 +120,15 @@ fn config(name: &str, args: &Args) -> AgentConfig {
     }
     if let Some(n) = args.shm_copy_threads {
         cfg = cfg.with_shm_copy_threads(n);
+    }
+    if let Some(p) = &args.rdma_progress {
+        match p.parse() {
+            Ok(p) => cfg = cfg.with_rdma_progress(p),
+            Err(e) => {
+                eprintln!("{e}");
+                std::process::exit(2);
+            }
+        }
     }
     cfg
 }
@@ -212,6 +231,8 @@ struct Measured {
     p50_us: f64,
     p99_us: f64,
     mean_us: f64,
+    /// CPU time of this process over wall time (initiator side only).
+    cpu_cores: f64,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -252,6 +273,7 @@ fn measure(
         agent.submit_transfer(make())?.wait_success(timeout)?;
     }
     let mut lat = Vec::with_capacity(pt.iters as usize);
+    let cpu0 = cpu_seconds();
     let start = Instant::now();
     for _ in 0..pt.iters {
         let req = make();
@@ -260,11 +282,10 @@ fn measure(
         lat.push(t.elapsed().as_secs_f64() * 1e6);
         bar.inc(1);
     }
-    Ok(summarize(
-        start.elapsed().as_secs_f64(),
-        (pt.block * pt.batch * pt.iters) as f64,
-        lat,
-    ))
+    let elapsed = start.elapsed().as_secs_f64();
+    let mut m = summarize(elapsed, (pt.block * pt.batch * pt.iters) as f64, lat);
+    m.cpu_cores = (cpu_seconds() - cpu0) / elapsed;
+    Ok(m)
 }
 
 /// Copies `batch` blocks from `src` to `dst` with `memcpy`, `iters` times.
@@ -309,6 +330,7 @@ fn summarize(elapsed: f64, bytes: f64, mut lat: Vec<f64>) -> Measured {
         p50_us: percentile(&lat, 0.50),
         p99_us: percentile(&lat, 0.99),
         mean_us,
+        cpu_cores: 0.0,
     }
 }
 
@@ -391,7 +413,7 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
         )?;
         if args.json {
             println!(
-                "{{\"backend\":\"{backend_name}\",\"op\":\"{}\",\"block_size\":{},\"batch\":{},\"iters\":{},\"streams\":{},\"bytes_per_request\":{},\"gb_per_s\":{:.4},\"p50_us\":{:.1},\"p99_us\":{:.1},\"mean_us\":{:.1}}}",
+                "{{\"backend\":\"{backend_name}\",\"op\":\"{}\",\"block_size\":{},\"batch\":{},\"iters\":{},\"streams\":{},\"bytes_per_request\":{},\"gb_per_s\":{:.4},\"p50_us\":{:.1},\"p99_us\":{:.1},\"mean_us\":{:.1},\"cpu_cores\":{:.3}}}",
                 args.op,
                 pt.block,
                 pt.batch,
@@ -401,7 +423,8 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
                 m.gb_per_s,
                 m.p50_us,
                 m.p99_us,
-                m.mean_us
+                m.mean_us,
+                m.cpu_cores
             );
         }
         rows.push((pt, m));
@@ -431,6 +454,148 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
     Ok(())
 }
 
+/// CPU time (user + system) this process has used, in seconds.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the zeroed struct we pass.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Spins until the first word of `buf` equals `want`.
+fn spin_until(buf: &Buffer, want: u64, timeout: Duration) -> Result<()> {
+    let start = Instant::now();
+    let mut n = 0u32;
+    // SAFETY: the first word of a live, aligned buffer; read volatile
+    // because the transport (another agent's WRITE) changes it.
+    while unsafe { std::ptr::read_volatile(buf.mem.as_ptr()) } != want {
+        n = n.wrapping_add(1);
+        if n.is_multiple_of(1024) {
+            if start.elapsed() > timeout {
+                bail!("no ping-pong write with value {want} within {timeout:?}");
+            }
+            // Let the transport's threads run where cores are scarce.
+            std::thread::yield_now();
+        }
+        std::hint::spin_loop();
+    }
+    Ok(())
+}
+
+/// One side of the ping-pong: its agent, the block it sends from and the
+/// block the other side writes into.
+struct Side {
+    agent: Box<dyn TransferAgent>,
+    src: Buffer,
+    dst: Buffer,
+    peer: String,
+    peer_dst: MemoryDescs,
+}
+
+impl Side {
+    fn new(cfg: AgentConfig, backend: Backend, size: u64) -> Result<Self> {
+        let agent = make_transfer_agent(backend, cfg)?;
+        let (src, dst) = (Buffer::new(size), Buffer::new(size));
+        // SAFETY: both buffers live in the `Side` with the agent, which
+        // `Drop` order (agent first) releases before them.
+        unsafe {
+            agent.register_memory(&src.desc())?;
+            agent.register_memory(&dst.desc())?;
+        }
+        // SAFETY: writes the first word of our own buffer, before any
+        // transfer uses it.
+        unsafe { std::ptr::write_volatile(dst.mem.as_ptr().cast_mut(), 0) };
+        Ok(Self {
+            agent,
+            src,
+            dst,
+            peer: String::new(),
+            peer_dst: MemoryDescs::new(MemoryType::Dram, Vec::new()),
+        })
+    }
+
+    /// Writes `value` (in the first word of the block) to the other side.
+    fn send(&mut self, value: u64, timeout: Duration) -> Result<()> {
+        self.src.mem[0] = value;
+        let req = TransferRequest::write(self.src.desc(), self.peer_dst.clone(), &self.peer);
+        self.agent.submit_transfer(req)?.wait_success(timeout)?;
+        Ok(())
+    }
+}
+
+fn run_pingpong(args: &Args) -> Result<()> {
+    let backend: Backend = args.backend.parse()?;
+    let size = args.block_size.first().copied().unwrap_or(8).max(8);
+    let iters = args.iters.unwrap_or(1000);
+    let total = args.warmup + iters;
+    let timeout = Duration::from_secs(10);
+    let mut cfg_b = config("kvxfer-pong", args);
+    if let Some(d) = &args.target_rdma_device {
+        cfg_b = cfg_b.with_rdma_device(d.clone(), None);
+    }
+    let mut a = Side::new(config("kvxfer-ping", args), backend, size)?;
+    let mut b = Side::new(cfg_b, backend, size)?;
+    let (da, db) = (a.agent.local_agent_desc(), b.agent.local_agent_desc());
+    a.agent.load_remote_agent(&db)?;
+    b.agent.load_remote_agent(&da)?;
+    a.peer = db.name;
+    b.peer = da.name;
+    a.peer_dst = b.dst.desc();
+    b.peer_dst = a.dst.desc();
+    let backend_name = a.agent.remote_transport(&a.peer)?;
+    let pong = std::thread::spawn(move || -> Result<()> {
+        for i in 0..total {
+            spin_until(&b.dst, 2 * i + 1, timeout)?;
+            b.send(2 * i + 2, timeout)?;
+        }
+        Ok(())
+    });
+    let mut lat = Vec::with_capacity(iters as usize);
+    let mut result = Ok(());
+    let start = Instant::now();
+    for i in 0..total {
+        let t = Instant::now();
+        if let Err(e) = a
+            .send(2 * i + 1, timeout)
+            .and_then(|()| spin_until(&a.dst, 2 * i + 2, timeout))
+        {
+            result = Err(e);
+            break;
+        }
+        if i >= args.warmup {
+            lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+        }
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    result?;
+    pong.join()
+        .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;
+    let m = summarize(elapsed, (size * 2 * total) as f64, lat);
+    // What the two connected, idle agents cost: their progress threads.
+    let (c0, t0) = (cpu_seconds(), Instant::now());
+    std::thread::sleep(Duration::from_secs(1));
+    let idle_pct = 100.0 * (cpu_seconds() - c0) / t0.elapsed().as_secs_f64();
+    if args.json {
+        println!(
+            "{{\"backend\":\"{backend_name}\",\"op\":\"pingpong\",\"block_size\":{size},\"iters\":{iters},\"p50_us\":{:.2},\"p99_us\":{:.2},\"mean_us\":{:.2},\"idle_cpu_pct\":{idle_pct:.2}}}",
+            m.p50_us, m.p99_us, m.mean_us
+        );
+    } else {
+        println!(
+            "{backend_name} ping-pong, {} blocks, {iters} round trips: one-way latency p50 {:.2} µs, p99 {:.2} µs, mean {:.2} µs; idle agents use {idle_pct:.2}% of a CPU",
+            human(size),
+            m.p50_us,
+            m.p99_us,
+            m.mean_us
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -456,6 +621,9 @@ fn main() -> Result<()> {
             );
         }
         return Ok(());
+    }
+    if args.pingpong {
+        return run_pingpong(&args);
     }
     if let Some(listen) = args.listen {
         return run_target(&args, listen);

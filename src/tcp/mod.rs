@@ -37,7 +37,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::agent::{
-    AgentConfig, Completion, SyncMessages, TransferAgent, TransferOp, TransferRequest,
+    AgentConfig, Completion, Progress, SyncMessages, TransferAgent, TransferOp, TransferRequest,
     TransferStatus,
 };
 use crate::desc::{AgentDesc, BackendKind, LocalAccess, RdmaInfo};
@@ -144,15 +144,17 @@ impl TcpAgent {
 
     pub(crate) fn with_mode(config: AgentConfig, mode: Mode) -> Result<Self, Error> {
         config.validate()?;
+        let open = || Device::open(config.rdma_device.as_deref(), config.rdma_gid_index);
         let device = match mode {
-            Mode::Rdma => Some(Arc::new(Device::open(None, None).map_err(|e| {
-                Error::BackendUnavailable {
-                    backend: "rdma",
-                    reason: e.to_string(),
-                }
+            Mode::Rdma => Some(Arc::new(open().map_err(|e| Error::BackendUnavailable {
+                backend: "rdma",
+                reason: e.to_string(),
             })?)),
-            Mode::Auto => match Device::open(None, None) {
-                Ok(d) => Some(Arc::new(d)),
+            Mode::Auto => match open() {
+                Ok(d) => {
+                    tracing::info!(agent = %config.name, device = d.name(), gid_index = d.gid_index(), "RDMA device with an active port found; auto uses rdma to remote hosts (shm on this host where possible)");
+                    Some(Arc::new(d))
+                }
                 Err(e) => {
                     tracing::info!(agent = %config.name, reason = %e, "no RDMA device; auto uses shm and tcp");
                     None
@@ -1676,7 +1678,12 @@ impl TcpAgent {
         }
         let link = peer.link(inner)?;
         let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
-        let completion = Completion::new();
+        let completion = if peer.path == Path::Rdma {
+            let driver: Arc<dyn Progress> = link.clone();
+            Completion::with_driver(Some(Arc::downgrade(&driver)))
+        } else {
+            Completion::new()
+        };
         let new_pending = |outstanding: usize| {
             Arc::new(Pending {
                 completion: Arc::clone(&completion),
@@ -2052,7 +2059,8 @@ fn rdma_connect(
             reason: "this agent has no RDMA device".into(),
         })?;
     let rerr = |e: crate::verbs::VerbsError| rdma::rdma_err(&peer.name, e);
-    let mut qp = dev.create_rc(rdma::WINDOW).map_err(rerr)?;
+    let events = inner.config.rdma_progress == crate::agent::RdmaProgress::Events;
+    let mut qp = dev.create_rc_with(rdma::WINDOW, events).map_err(rerr)?;
     let mine = qp.info();
     let hdr = Frame::QpConnect {
         qpn: mine.qpn,
@@ -2112,6 +2120,14 @@ fn rdma_connect(
         })?;
     qp.connect(&QpInfo { qpn, psn, gid, mtu }).map_err(rerr)?;
     rdma::RdmaConn::new(qp, dev, u64::MAX).map_err(rerr)
+}
+
+impl Progress for Link {
+    fn progress(&self) -> bool {
+        self.rdma
+            .as_ref()
+            .is_some_and(|c| self.drain_rdma(c, false) > 0)
+    }
 }
 
 impl Link {
@@ -2225,63 +2241,108 @@ impl Link {
         }
     }
 
-    /// Drains the send completion queue: frees window slots and message
-    /// buffers, completes request events, fails the link on the first error
-    /// completion. Exits when the link is broken and nothing is posted.
+    /// Drains the send completion queue once: frees window slots and
+    /// message buffers, completes request events, fails the link on the
+    /// first error completion, then posts what the freed window allows.
+    /// Called by the progress thread and by threads waiting on a request
+    /// (whoever gets the poll lock; the other returns at once). Returns how
+    /// many completions it processed.
+    /// `wait_turn`: take the poll lock even when another thread holds it
+    /// (the progress thread after arming its completion channel, which
+    /// must not miss a completion the other thread polled too early for).
+    fn drain_rdma(&self, conn: &rdma::RdmaConn, wait_turn: bool) -> usize {
+        let mut done = if wait_turn {
+            lock(&conn.polled)
+        } else {
+            match conn.polled.try_lock() {
+                Ok(d) => d,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return 0,
+            }
+        };
+        done.clear();
+        if let Err(e) = conn.cq.poll(&mut done) {
+            self.fail(rdma::rdma_err(&self.remote, e));
+        }
+        if done.is_empty() {
+            return 0;
+        }
+        self.clock.touch();
+        for c in done.iter() {
+            let (req, slot) = rdma::decode_wr_id(c.wr_id);
+            conn.posted.fetch_sub(1, Ordering::AcqRel);
+            conn.release_slot();
+            if let Some(slot) = slot {
+                conn.sends.release(slot);
+            }
+            let result = match c.ok() {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    let err = self.broken_cause().unwrap_or_else(|| match e {
+                        crate::verbs::VerbsError::WorkCompletion { status_name, .. } => {
+                            Error::RdmaCompletion {
+                                remote: self.remote.clone(),
+                                status: status_name,
+                            }
+                        }
+                        other => rdma::rdma_err(&self.remote, other),
+                    });
+                    self.fail(err.clone());
+                    Err(err)
+                }
+            };
+            let p = lock(&self.pending).map.get(&req).cloned();
+            if let Some(p) = p {
+                self.complete_event(req, &p, result);
+            }
+        }
+        let n = done.len();
+        drop(done);
+        // The window has room again: post what is queued.
+        self.pump(conn);
+        n
+    }
+
+    /// The progress thread: drains the completion queue whenever nobody
+    /// waiting on a request does, so requests complete without waiters
+    /// too. Exits when the link is broken and nothing is posted.
     fn run_rdma_progress(self: Arc<Self>) {
         let Some(conn) = self.rdma.as_ref() else {
             self.thread_exit();
             return;
         };
-        let mut done = Vec::new();
         let mut backoff = Backoff::new();
         loop {
-            done.clear();
-            if let Err(e) = conn.cq.poll(&mut done) {
-                self.fail(rdma::rdma_err(&self.remote, e));
-            }
-            if done.is_empty() {
-                if self.is_broken() {
-                    self.pump(conn);
-                    if conn.posted.load(Ordering::Acquire) == 0 {
-                        break;
-                    }
-                }
-                backoff.wait(conn.posted.load(Ordering::Acquire) > 0);
+            if self.drain_rdma(conn, false) > 0 {
+                backoff.reset();
                 continue;
             }
-            backoff.reset();
-            self.clock.touch();
-            for c in &done {
-                let (req, slot) = rdma::decode_wr_id(c.wr_id);
-                conn.posted.fetch_sub(1, Ordering::AcqRel);
-                conn.release_slot();
-                if let Some(slot) = slot {
-                    conn.sends.release(slot);
-                }
-                let result = match c.ok() {
-                    Ok(()) => Ok(()),
-                    Err(e) => {
-                        let err = self.broken_cause().unwrap_or_else(|| match e {
-                            crate::verbs::VerbsError::WorkCompletion { status_name, .. } => {
-                                Error::RdmaCompletion {
-                                    remote: self.remote.clone(),
-                                    status: status_name,
-                                }
-                            }
-                            other => rdma::rdma_err(&self.remote, other),
-                        });
-                        self.fail(err.clone());
-                        Err(err)
-                    }
-                };
-                let p = lock(&self.pending).map.get(&req).cloned();
-                if let Some(p) = p {
-                    self.complete_event(req, &p, result);
+            if self.is_broken() {
+                self.pump(conn);
+                if conn.posted.load(Ordering::Acquire) == 0 {
+                    break;
                 }
             }
-            // The window has room again: post what is queued.
-            self.pump(conn);
+            match &conn.events {
+                Some(ev) => {
+                    // Arm, then poll once more: a completion that came
+                    // before arming raises no event.
+                    if let Err(e) = ev.arm() {
+                        self.fail(rdma::rdma_err(&self.remote, e));
+                        backoff.wait(false);
+                        continue;
+                    }
+                    if self.drain_rdma(conn, true) > 0 {
+                        continue;
+                    }
+                    // Bounded, so a broken link is noticed.
+                    if let Err(e) = ev.wait(Duration::from_millis(20)) {
+                        self.fail(rdma::rdma_err(&self.remote, e));
+                        backoff.wait(false);
+                    }
+                }
+                None => backoff.wait(conn.posted.load(Ordering::Acquire) > 0),
+            }
         }
         self.thread_exit();
     }

@@ -242,6 +242,11 @@ pub(crate) struct RdmaConn {
     /// Posting needs exclusive access; polling goes through `cq`.
     pub(crate) qp: Mutex<RcQueuePair>,
     pub(crate) cq: CqPoller,
+    /// The completion channel, in [`RdmaProgress::Events`](crate::RdmaProgress) mode.
+    pub(crate) events: Option<crate::verbs::CqEvents>,
+    /// Held while draining `cq` (by the progress thread or a waiter); the
+    /// buffer the completions are polled into.
+    pub(crate) polled: Mutex<Vec<crate::verbs::Completion>>,
     pub(crate) sends: MsgRing,
     window: Mutex<u32>,
     /// Work waiting for room in the send queue, in posting order.
@@ -256,6 +261,8 @@ impl RdmaConn {
     pub(crate) fn new(qp: RcQueuePair, dev: &Device, max_msg: u64) -> Result<Self, VerbsError> {
         Ok(Self {
             cq: qp.send_poller(),
+            events: qp.send_events(),
+            polled: Mutex::new(Vec::with_capacity(WINDOW as usize)),
             max_sge: qp.max_sge() as usize,
             qp: Mutex::new(qp),
             sends: MsgRing::new(dev, RING)?,

@@ -78,12 +78,17 @@ pub fn fnv(buf: &[u8]) -> u64 {
     h
 }
 
-/// A new agent in this process, on the suite's backend.
+/// A new agent in this process, on the suite's backend, with the RDMA
+/// progress mode `KVXFER_TEST_RDMA_PROGRESS` names (default: the library's).
 pub fn local_agent(
     name: &str,
     tweak: impl FnOnce(AgentConfig) -> AgentConfig,
 ) -> Box<dyn TransferAgent> {
-    kvxfer::make_transfer_agent(backend(), tweak(AgentConfig::new(name))).expect("agent")
+    let mut cfg = AgentConfig::new(name);
+    if let Ok(p) = std::env::var("KVXFER_TEST_RDMA_PROGRESS") {
+        cfg = cfg.with_rdma_progress(p.parse().expect("KVXFER_TEST_RDMA_PROGRESS"));
+    }
+    kvxfer::make_transfer_agent(backend(), tweak(cfg)).expect("agent")
 }
 
 /// A new initiator agent "init" with `src` registered, connected to `peer`;

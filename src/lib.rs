@@ -66,6 +66,7 @@
 //! when no thread of the agent can touch the request's memory any more.
 
 pub mod agent;
+pub mod cache;
 pub mod desc;
 pub mod error;
 pub mod memory;

@@ -237,6 +237,9 @@ pub(crate) fn plan_wrs(
     out
 }
 
+/// Largest request whose waiting thread polls the completion queue itself.
+pub(crate) const DRIVE_MAX_BYTES: u64 = 1 << 20;
+
 /// The initiator's side of one RDMA connection.
 pub(crate) struct RdmaConn {
     /// Posting needs exclusive access; polling goes through `cq`.

@@ -2,14 +2,17 @@
 //! (decode) executor with different parallel layouts (issue 4).
 //!
 //! This first part holds the pure logic both sides run: each side's
-//! [`CacheState`], the compatibility check between two states, and the
-//! rank mapping (which peer ranks a rank exchanges cache with, which of
-//! duplicate replicas sends). The fragment mapping and the sender/receiver
-//! protocol build on it.
+//! [`CacheState`], the compatibility check between two states, the rank
+//! mapping (which peer ranks a rank exchanges cache with, which of
+//! duplicate replicas sends) and the fragment mapping (which bytes of which
+//! context block land where in which generation block, coalesced, with no
+//! staging buffer). The sender/receiver protocol builds on it.
 
+mod fragments;
 mod mapping;
 mod state;
 
+pub use fragments::{Fragment, FragmentStats, RankSlice, distinct_heads, map_blocks, rank_slice};
 pub use mapping::{TargetRanks, needs_send, recv_ranks, target_ranks};
 pub use state::{Attention, AttentionDp, CacheState, DataType};
 

@@ -30,10 +30,10 @@ fn mapping(c: &mut Criterion) {
         let d = distinct_heads(&ctx, &gen_s);
         let (src, dst) = (rank_slice(&ctx, 0, d), rank_slice(&gen_s, 0, d));
         let sb: Vec<u64> = (0..blocks)
-            .map(|i| 1 << 32 | i * src.block_bytes())
+            .map(|i| (1 << 32) + i * src.block_bytes())
             .collect();
         let db: Vec<u64> = (0..blocks)
-            .map(|i| 3 << 32 | (blocks - 1 - i) * dst.block_bytes())
+            .map(|i| (3 << 32) + (blocks - 1 - i) * dst.block_bytes())
             .collect();
         let mut out = Vec::with_capacity(1 << 16);
         let n = map_blocks(&src, &dst, &sb, &db, &mut out)

@@ -67,7 +67,7 @@ impl RankSlice {
     }
 
     /// Offset in a block of `(layer, kv, head)` given in model numbering.
-    fn offset(&self, layer: u32, kv: u32, head: u32) -> u64 {
+    pub(crate) fn offset(&self, layer: u32, kv: u32, head: u32) -> u64 {
         let l = u64::from(layer - self.first_layer);
         let h = u64::from(head - self.first_head);
         ((l * u64::from(self.kv_factor) + u64::from(kv)) * u64::from(self.heads_in_block) + h)
@@ -170,18 +170,8 @@ pub fn map_blocks(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::pattern::{check_block, fill_block};
     use crate::cache::{Attention, DataType, needs_send, recv_ranks, target_ranks};
-
-    /// The value of one element: a hash of its model coordinates.
-    fn value(layer: u32, kv: u32, head: u32, token: u32, dim: u32) -> u32 {
-        let mut h: u32 = 0x811c_9dc5;
-        for x in [layer, kv, head, token, dim] {
-            for b in x.to_le_bytes() {
-                h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
-            }
-        }
-        h
-    }
 
     struct Pools {
         slices: Vec<RankSlice>,
@@ -199,35 +189,6 @@ mod tests {
         Pools { slices, mem }
     }
 
-    /// Visits every element of `rank`'s block `b` (pool block index),
-    /// logical block `lb`: (byte offset in the pool, expected value).
-    fn for_each_element(
-        state: &CacheState,
-        s: &RankSlice,
-        b: u32,
-        lb: u32,
-        mut f: impl FnMut(usize, u32, u32),
-    ) {
-        let e = state.dtype.size();
-        let t = state.tokens_per_block;
-        for layer in s.first_layer..s.first_layer + s.layers {
-            for kv in 0..s.kv_factor {
-                for h in 0..s.heads_in_block {
-                    let head = s.first_head + h.min(s.heads - 1);
-                    for tok in 0..t {
-                        for d in 0..state.head_size {
-                            let off = u64::from(b) * s.block_bytes()
-                                + s.offset(layer, kv, head)
-                                + u64::from(tok * state.head_size + d) * u64::from(e);
-                            let token = lb * t + tok;
-                            f(off as usize, token, value(layer, kv, head, token, d));
-                        }
-                    }
-                }
-            }
-        }
-    }
-
     /// Runs the whole mapping for one request of `tokens` tokens from every
     /// context rank to every generation rank (applying fragments with a
     /// memory copy in place of the transport) and checks every element of
@@ -242,13 +203,12 @@ mod tests {
         // Blocks in scattered, different orders on the two sides.
         let ctx_ids: Vec<u32> = (0..nblocks).map(|i| (i * 3 + 1) % pool_blocks).collect();
         let gen_ids: Vec<u32> = (0..nblocks).map(|i| pool_blocks - 1 - i).collect();
-        let e = ctx.dtype.size() as usize;
         for r in 0..ctx.world_size() as usize {
             let s = cp.slices[r];
+            let bb = s.block_bytes() as usize;
             for (lb, &b) in ctx_ids.iter().enumerate() {
-                for_each_element(ctx, &s, b, lb as u32, |off, _, v| {
-                    cp.mem[r][off..off + e].copy_from_slice(&v.to_le_bytes()[..e]);
-                });
+                let b = b as usize;
+                fill_block(ctx, &s, &mut cp.mem[r][b * bb..(b + 1) * bb], lb as u32);
             }
         }
         let mut total = FragmentStats::default();
@@ -286,16 +246,13 @@ mod tests {
         }
         for g in 0..gen_s.world_size() as usize {
             let s = gp.slices[g];
+            let bb = s.block_bytes() as usize;
             for (lb, &b) in gen_ids.iter().enumerate() {
-                for_each_element(gen_s, &s, b, lb as u32, |off, token, v| {
-                    if token < tokens {
-                        assert_eq!(
-                            gp.mem[g][off..off + e],
-                            v.to_le_bytes()[..e],
-                            "gen rank {g} block {lb} offset {off}"
-                        );
-                    }
-                });
+                let b = b as usize;
+                let blk = &gp.mem[g][b * bb..(b + 1) * bb];
+                if let Some(m) = check_block(gen_s, &s, blk, lb as u32, tokens) {
+                    panic!("generation rank {g}: {m}");
+                }
             }
         }
         total

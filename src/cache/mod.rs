@@ -9,15 +9,25 @@
 //! staging buffer). The sender/receiver protocol builds on it.
 
 mod fragments;
+mod lookup;
 mod mapping;
+pub mod pattern;
+mod receiver;
+mod sender;
+mod session;
 mod state;
+pub mod wire;
 
 pub use fragments::{Fragment, FragmentStats, RankSlice, distinct_heads, map_blocks, rank_slice};
+pub use lookup::{BlockLookup, MemBlockLookup};
 pub use mapping::{TargetRanks, needs_send, recv_ranks, target_ranks};
+pub use receiver::{CacheReceiver, ReceiverConfig, RecvHandle, RecvRequest};
+pub use sender::{CacheSender, SendHandle, SenderConfig};
+pub use session::{PeerMeasure, SessionStats};
 pub use state::{Attention, AttentionDp, CacheState, DataType};
 
 /// Errors of the KV-cache layer.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CacheError {
     /// A cache state is inconsistent on its own.
@@ -33,4 +43,43 @@ pub enum CacheError {
         /// Its value on the generation side.
         generation: String,
     },
+    /// A peer sent something this protocol cannot accept.
+    #[error("protocol violation by {peer}: {detail}")]
+    Protocol {
+        /// The peer's agent name.
+        peer: String,
+        /// What was wrong.
+        detail: String,
+    },
+    /// A wait ran out.
+    #[error("{what} timed out after {after:?}")]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// The timeout.
+        after: std::time::Duration,
+    },
+    /// The request was cancelled (by either side) before it completed.
+    #[error("request {request_id} cancelled: {reason}")]
+    Cancelled {
+        /// The request.
+        request_id: u64,
+        /// Who cancelled, or why.
+        reason: String,
+    },
+    /// A request id already in use on this side.
+    #[error("request {0} is already in progress")]
+    DuplicateRequest(u64),
+    /// A request id this side does not know.
+    #[error("unknown request {0}")]
+    UnknownRequest(u64),
+    /// The block lookup does not know a key (partial reuse).
+    #[error("no block with key {0:#x} in the block lookup")]
+    UnknownBlockKey(u64),
+    /// The transport failed.
+    #[error("transfer failed: {0}")]
+    Transfer(#[from] crate::Error),
+    /// The sender or receiver is shut down.
+    #[error("the cache sender or receiver is closed")]
+    Closed,
 }

@@ -1,0 +1,582 @@
+//! The KV-cache protocol end to end: every rank of both executors is its
+//! own agent (threads of this process), on the backend `KVXFER_TEST_BACKEND`
+//! names (default tcp). Every element of every received block is checked
+//! against the deterministic pattern.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvxfer::cache::pattern::{check_block, fill_block};
+use kvxfer::cache::{
+    Attention, CacheError, CacheReceiver, CacheSender, CacheState, DataType, MemBlockLookup,
+    RankSlice, ReceiverConfig, RecvRequest, SenderConfig, distinct_heads, rank_slice,
+};
+use kvxfer::{AgentConfig, MemoryDescs, TransferAgent};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// One rank: its agent and its block pool (registered).
+struct Rank {
+    agent: Arc<dyn TransferAgent>,
+    slice: RankSlice,
+    pool: Vec<u8>,
+}
+
+impl Rank {
+    fn new(name: String, slice: RankSlice, blocks: u32) -> Self {
+        let agent: Arc<dyn TransferAgent> =
+            Arc::from(common::local_agent(&name, |c: AgentConfig| {
+                c.with_streams_per_peer(1)
+            }));
+        let pool = vec![0u8; (slice.block_bytes() * u64::from(blocks)) as usize];
+        // SAFETY: the pool outlives the agent's use of it: `Rank` drops the
+        // agent handle first, and the senders/receivers holding clones are
+        // dropped before the ranks in every test.
+        unsafe { agent.register_memory(&MemoryDescs::dram(&pool)).unwrap() };
+        Self { agent, slice, pool }
+    }
+
+    fn block_addr(&self, b: u32) -> u64 {
+        self.pool.as_ptr() as u64 + u64::from(b) * self.slice.block_bytes()
+    }
+
+    fn block_mut(&mut self, b: u32) -> &mut [u8] {
+        let bb = self.slice.block_bytes() as usize;
+        &mut self.pool[b as usize * bb..(b as usize + 1) * bb]
+    }
+
+    fn block(&self, b: u32) -> &[u8] {
+        let bb = self.slice.block_bytes() as usize;
+        &self.pool[b as usize * bb..(b as usize + 1) * bb]
+    }
+}
+
+struct Cluster {
+    ctx_state: CacheState,
+    gen_state: CacheState,
+    // Declared first: dropped (threads joined) before the ranks' pools.
+    senders: Vec<CacheSender>,
+    receivers: Vec<CacheReceiver>,
+    lookups: Vec<Arc<MemBlockLookup>>,
+    ctx: Vec<Rank>,
+    gen_ranks: Vec<Rank>,
+    pool_blocks: u32,
+}
+
+fn cluster(
+    tag: &str,
+    ctx_state: &CacheState,
+    gen_state: &CacheState,
+    pool_blocks: u32,
+    sc: SenderConfig,
+    rc: ReceiverConfig,
+) -> Cluster {
+    let d = distinct_heads(ctx_state, gen_state);
+    let ctx: Vec<Rank> = (0..ctx_state.world_size())
+        .map(|r| {
+            Rank::new(
+                format!("{tag}-ctx{r}"),
+                rank_slice(ctx_state, r, d),
+                pool_blocks,
+            )
+        })
+        .collect();
+    let gen_ranks: Vec<Rank> = (0..gen_state.world_size())
+        .map(|r| {
+            Rank::new(
+                format!("{tag}-gen{r}"),
+                rank_slice(gen_state, r, d),
+                pool_blocks,
+            )
+        })
+        .collect();
+    let lookups: Vec<Arc<MemBlockLookup>> = ctx
+        .iter()
+        .map(|_| Arc::new(MemBlockLookup::new()))
+        .collect();
+    let senders = ctx
+        .iter()
+        .enumerate()
+        .map(|(r, k)| {
+            let l: Arc<dyn kvxfer::cache::BlockLookup> = lookups[r].clone();
+            CacheSender::new(
+                Arc::clone(&k.agent),
+                ctx_state.clone(),
+                r as u32,
+                Some(l),
+                sc.clone(),
+            )
+            .unwrap()
+        })
+        .collect();
+    let conns: Vec<String> = ctx
+        .iter()
+        .map(|k| k.agent.local_connection_info())
+        .collect();
+    let receivers = gen_ranks
+        .iter()
+        .enumerate()
+        .map(|(r, k)| {
+            CacheReceiver::new(
+                Arc::clone(&k.agent),
+                gen_state.clone(),
+                r as u32,
+                ctx_state.clone(),
+                &conns,
+                rc.clone(),
+            )
+            .unwrap()
+        })
+        .collect();
+    Cluster {
+        ctx_state: ctx_state.clone(),
+        gen_state: gen_state.clone(),
+        senders,
+        receivers,
+        lookups,
+        ctx,
+        gen_ranks,
+        pool_blocks,
+    }
+}
+
+/// Block keys of request `id`: one per logical block.
+fn key(id: u64, block: u32) -> u64 {
+    id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ u64::from(block)
+}
+
+impl Cluster {
+    /// The context blocks of a request: scattered over the pool.
+    fn ctx_blocks(&self, n: u32, salt: u32) -> Vec<u32> {
+        (0..n).map(|i| (i * 3 + salt) % self.pool_blocks).collect()
+    }
+
+    /// Fills the context side's blocks for request `id` and records them in
+    /// the block lookups.
+    fn prefill(&mut self, id: u64, ids: &[u32]) {
+        let keys: Vec<u64> = (0..ids.len() as u32).map(|b| key(id, b)).collect();
+        for (r, k) in self.ctx.iter_mut().enumerate() {
+            let slice = k.slice;
+            for (lb, &b) in ids.iter().enumerate() {
+                fill_block(&self.ctx_state, &slice, k.block_mut(b), lb as u32);
+            }
+            let addrs: Vec<u64> = ids.iter().map(|&b| k.block_addr(b)).collect();
+            self.lookups[r].insert_sequence(&keys, &addrs);
+        }
+    }
+
+    /// Runs one request end to end: `gen_ids` are the destination blocks
+    /// of the request's last `gen_ids.len()` blocks; `gen_filter` picks the
+    /// generation ranks taking part (attention DP: one group).
+    #[allow(clippy::too_many_arguments)]
+    fn transfer(
+        &mut self,
+        id: u64,
+        tokens: u32,
+        ctx_ids: &[u32],
+        gen_ids: &[u32],
+        by_key: Option<u64>,
+        ctx_dp_rank: u32,
+        gen_filter: impl Fn(u32) -> bool,
+    ) -> Vec<kvxfer::cache::SessionStats> {
+        let n = ctx_ids.len() as u32;
+        let first = n - gen_ids.len() as u32;
+        let mut recv = Vec::new();
+        for (g, r) in self.receivers.iter().enumerate() {
+            if !gen_filter(g as u32) {
+                continue;
+            }
+            let blocks = gen_ids
+                .iter()
+                .map(|&b| self.gen_ranks[g].block_addr(b))
+                .collect();
+            recv.push(
+                r.request(RecvRequest {
+                    request_id: id,
+                    ctx_dp_rank,
+                    blocks,
+                    last_block_key: by_key.map(|seq| key(seq, n - 1)),
+                })
+                .unwrap(),
+            );
+        }
+        let mut send = Vec::new();
+        for (c, s) in self.senders.iter().enumerate() {
+            let blocks = ctx_ids.iter().map(|&b| self.ctx[c].block_addr(b)).collect();
+            send.push(s.send(id, blocks).unwrap());
+        }
+        let mut stats = Vec::new();
+        for h in send {
+            stats.push(h.wait(WAIT).unwrap());
+        }
+        for h in recv {
+            h.wait(WAIT).unwrap();
+        }
+        for (g, k) in self.gen_ranks.iter().enumerate() {
+            if !gen_filter(g as u32) {
+                continue;
+            }
+            for (i, &b) in gen_ids.iter().enumerate() {
+                if let Some(m) = check_block(
+                    &self.gen_state,
+                    &k.slice,
+                    k.block(b),
+                    first + i as u32,
+                    tokens,
+                ) {
+                    panic!("request {id}, generation rank {g}: {m}");
+                }
+            }
+        }
+        stats
+    }
+}
+
+fn state(layers: u32, heads: u32, tp: u32, pp: u32, dtype: DataType) -> CacheState {
+    CacheState::new(
+        layers,
+        (heads / tp).max(1),
+        8,
+        16,
+        dtype,
+        Attention::Default,
+        tp,
+        pp,
+    )
+}
+
+/// Two rounds: every prompt length, then the same prompts again with the
+/// generation side reusing all but the last two blocks (found by key).
+fn run_case(tag: &str, ctx: &CacheState, gen_s: &CacheState) {
+    let mut c = cluster(
+        tag,
+        ctx,
+        gen_s,
+        16,
+        SenderConfig::default(),
+        ReceiverConfig::default(),
+    );
+    for (i, tokens) in [10u32, 30, 60, 80].into_iter().enumerate() {
+        let id = (i as u64) << 40 | 0xfff; // ids past 12 bits
+        let n = tokens.div_ceil(16);
+        let ctx_ids = c.ctx_blocks(n, i as u32);
+        c.prefill(id, &ctx_ids);
+        let gen_ids: Vec<u32> = (0..n).map(|b| 15 - b).collect();
+        let stats = c.transfer(id, tokens, &ctx_ids, &gen_ids, None, 0, |_| true);
+        assert!(stats.iter().all(|s| s.staging_copies == 0));
+        let bytes: u64 = stats.iter().map(|s| s.bytes).sum();
+        assert!(bytes > 0, "{tag}: nothing moved");
+        // Second round: prefix reused, the last two blocks move.
+        let keep = n.saturating_sub(2);
+        let gen2: Vec<u32> = (keep..n).map(|b| b - keep).collect();
+        c.transfer(id + 1, tokens, &ctx_ids, &gen2, Some(id), 0, |_| true);
+    }
+}
+
+#[test]
+fn tp_pp_matrix() {
+    let layouts = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)];
+    let dtypes = [DataType::F32, DataType::Bf16, DataType::I8];
+    let mut k = 0;
+    for &(ct, cp) in &layouts {
+        for &(gt, gp) in &layouts {
+            let dt = dtypes[k % 3];
+            k += 1;
+            run_case(
+                &format!("m{ct}{cp}{gt}{gp}"),
+                &state(4, 4, ct, cp, dt),
+                &state(4, 4, gt, gp, dt),
+            );
+        }
+    }
+}
+
+#[test]
+fn uneven_pp_and_duplicate_heads() {
+    run_case(
+        "uneven",
+        &state(10, 4, 1, 4, DataType::F32),
+        &state(10, 4, 2, 2, DataType::F32),
+    );
+    // 2 KV heads over TP4: each head on two context ranks, one sends.
+    let dup = CacheState::new(4, 1, 8, 16, DataType::Bf16, Attention::Default, 4, 1);
+    run_case("dup-a", &dup, &state(4, 2, 1, 2, DataType::Bf16));
+    run_case("dup-b", &state(4, 2, 2, 1, DataType::Bf16), &dup);
+}
+
+fn mla(tp: u32, pp: u32) -> CacheState {
+    CacheState::new(
+        6,
+        1,
+        32,
+        16,
+        DataType::Bf16,
+        Attention::Mla { kv_factor: 1 },
+        tp,
+        pp,
+    )
+}
+
+#[test]
+fn mla_and_attention_dp() {
+    run_case("mla-a", &mla(4, 1), &mla(1, 2));
+    run_case("mla-b", &mla(2, 2), &mla(4, 1));
+    // Generation with attention DP (each rank its own group): request i
+    // goes to group i % 2 only.
+    let ctx = mla(2, 1);
+    let gen0 = mla(2, 1).with_attention_dp(0, 2);
+    let mut c = cluster(
+        "dp",
+        &ctx,
+        &gen0,
+        8,
+        SenderConfig::default(),
+        ReceiverConfig::default(),
+    );
+    // Each generation rank's receiver must know its own DP rank.
+    c.receivers.clear();
+    let conns: Vec<String> = c
+        .ctx
+        .iter()
+        .map(|k| k.agent.local_connection_info())
+        .collect();
+    for g in 0..2u32 {
+        let st = mla(2, 1).with_attention_dp(g, 2);
+        c.receivers.push(
+            CacheReceiver::new(
+                Arc::clone(&c.gen_ranks[g as usize].agent),
+                st,
+                g,
+                ctx.clone(),
+                &conns,
+                ReceiverConfig::default(),
+            )
+            .unwrap(),
+        );
+    }
+    for i in 0..4u64 {
+        let ids = c.ctx_blocks(2, i as u32);
+        c.prefill(i, &ids);
+        let group = (i % 2) as u32;
+        c.transfer(i, 30, &ids, &[4, 5], None, 0, |g| g == group);
+    }
+}
+
+#[test]
+fn cancel_before_ready_reaches_the_receiver() {
+    let s = state(2, 2, 1, 1, DataType::F32);
+    let c = cluster(
+        "cb",
+        &s,
+        &s,
+        4,
+        SenderConfig::default(),
+        ReceiverConfig::default(),
+    );
+    let h = c.receivers[0]
+        .request(RecvRequest {
+            request_id: 5,
+            ctx_dp_rank: 0,
+            blocks: vec![c.gen_ranks[0].block_addr(0)],
+            last_block_key: None,
+        })
+        .unwrap();
+    // The context side never had it ready: wait until its request info
+    // arrived, then cancel.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match c.senders[0].cancel(5) {
+            Ok(()) => break,
+            Err(CacheError::UnknownRequest(_)) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let err = h.wait(WAIT).unwrap_err();
+    assert!(
+        matches!(err, CacheError::Cancelled { request_id: 5, .. }),
+        "{err}"
+    );
+}
+
+/// A large request cancelled in flight, from either side: cancel returns
+/// only when nothing more can land, so the destination pool stays as it
+/// is afterwards.
+#[test]
+fn cancel_in_flight_from_either_side() {
+    for side in ["context", "generation"] {
+        let s = CacheState::new(8, 8, 128, 64, DataType::F32, Attention::Default, 1, 1);
+        let sc = SenderConfig {
+            batch_bytes: 64 << 10,
+            batches_in_flight: 1,
+            ..Default::default()
+        };
+        let mut c = cluster(
+            &format!("ci-{side}"),
+            &s,
+            &s,
+            32,
+            sc,
+            ReceiverConfig::default(),
+        );
+        let ids: Vec<u32> = (0..32).collect();
+        c.prefill(9, &ids);
+        let gen_addrs: Vec<u64> = ids.iter().map(|&b| c.gen_ranks[0].block_addr(b)).collect();
+        let h = c.receivers[0]
+            .request(RecvRequest {
+                request_id: 9,
+                ctx_dp_rank: 0,
+                blocks: gen_addrs,
+                last_block_key: None,
+            })
+            .unwrap();
+        let ctx_addrs: Vec<u64> = ids.iter().map(|&b| c.ctx[0].block_addr(b)).collect();
+        let sh = c.senders[0].send(9, ctx_addrs).unwrap();
+        // Let some of it move, then cancel.
+        let deadline = Instant::now() + WAIT;
+        while c.gen_ranks[0].pool[..64].iter().all(|&b| b == 0) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        match side {
+            "context" => c.senders[0].cancel(9).unwrap(),
+            _ => c.receivers[0].cancel(9).unwrap(),
+        }
+        let snapshot = c.gen_ranks[0].pool.clone();
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            c.gen_ranks[0].pool == snapshot,
+            "{side}: the pool changed after cancel returned"
+        );
+        let complete = check_block(
+            &s,
+            &c.gen_ranks[0].slice,
+            c.gen_ranks[0].block(31),
+            31,
+            32 * 64,
+        )
+        .is_none();
+        assert!(
+            !complete,
+            "{side}: the transfer finished before the cancel (make it larger)"
+        );
+        assert!(matches!(h.wait(WAIT), Err(CacheError::Cancelled { .. })));
+        assert!(matches!(sh.wait(WAIT), Err(CacheError::Cancelled { .. })));
+    }
+}
+
+#[test]
+fn missing_counterpart_times_out_and_dead_peer_is_survived() {
+    let ctx = state(2, 2, 1, 1, DataType::F32);
+    let gen_s = state(2, 2, 2, 1, DataType::F32);
+    let short = Duration::from_millis(500);
+    let mut c = cluster(
+        "to",
+        &ctx,
+        &gen_s,
+        4,
+        SenderConfig {
+            timeout: short,
+            ..Default::default()
+        },
+        ReceiverConfig {
+            timeout: 4 * short,
+            ..Default::default()
+        },
+    );
+    c.prefill(1, &[0]);
+    // Only generation rank 0 asks; rank 1 never does.
+    let h = c.receivers[0]
+        .request(RecvRequest {
+            request_id: 1,
+            ctx_dp_rank: 0,
+            blocks: vec![c.gen_ranks[0].block_addr(0)],
+            last_block_key: None,
+        })
+        .unwrap();
+    let sh = c.senders[0].send(1, vec![c.ctx[0].block_addr(0)]).unwrap();
+    let e = sh.wait(WAIT).unwrap_err();
+    assert!(matches!(e, CacheError::Timeout { .. }), "{e}");
+    let e = h.wait(WAIT).unwrap_err();
+    assert!(matches!(e, CacheError::Cancelled { .. }), "{e}");
+    // The context rank dies: a request to it times out, and dropping the
+    // receiver still returns promptly.
+    c.senders.clear();
+    drop(c.lookups.drain(..));
+    let dead = c.ctx.remove(0);
+    drop(dead.agent);
+    let h = c.receivers[1].request(RecvRequest {
+        request_id: 2,
+        ctx_dp_rank: 0,
+        blocks: vec![c.gen_ranks[1].block_addr(0)],
+        last_block_key: None,
+    });
+    if let Ok(h) = h {
+        let e = h.wait(WAIT).unwrap_err();
+        assert!(matches!(e, CacheError::Timeout { .. }), "{e}");
+    }
+    let t = Instant::now();
+    c.receivers.clear();
+    assert!(t.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn mismatched_cache_state_is_a_typed_error() {
+    let a = state(4, 4, 1, 1, DataType::F32);
+    let b = state(4, 4, 1, 1, DataType::Bf16);
+    // The receiver checks what it believes of the context side.
+    let k = Rank::new("mm-gen".into(), rank_slice(&b, 0, 4), 1);
+    let e = CacheReceiver::new(
+        k.agent.clone(),
+        b.clone(),
+        0,
+        a.clone(),
+        &[String::new()],
+        ReceiverConfig::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(
+        matches!(e, CacheError::Incompatible { field: "dtype", .. }),
+        "{e}"
+    );
+    // A receiver wrong about the context side is refused by the sender.
+    let mut c = cluster(
+        "mm",
+        &a,
+        &a,
+        2,
+        SenderConfig::default(),
+        ReceiverConfig::default(),
+    );
+    let conns: Vec<String> = c
+        .ctx
+        .iter()
+        .map(|k| k.agent.local_connection_info())
+        .collect();
+    let liar = CacheReceiver::new(
+        k.agent.clone(),
+        b.clone(),
+        0,
+        b.clone(),
+        &conns,
+        ReceiverConfig::default(),
+    )
+    .unwrap();
+    let h = liar
+        .request(RecvRequest {
+            request_id: 3,
+            ctx_dp_rank: 0,
+            blocks: vec![k.block_addr(0)],
+            last_block_key: None,
+        })
+        .unwrap();
+    match h.wait(WAIT) {
+        Err(CacheError::Cancelled { reason, .. }) => assert!(reason.contains("dtype"), "{reason}"),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    drop(liar);
+    c.receivers.clear();
+}

@@ -18,13 +18,13 @@ echo "== cargo test (agent suite on tcp, unit tests, C/C++ ABI tests, benches in
 cargo test --locked --workspace --all-targets
 cargo test --locked --workspace --doc
 for b in shm auto; do
-  echo "== agent suite on $b"
-  KVXFER_TEST_BACKEND=$b cargo test --locked --test agent
+  echo "== agent suite and KV-cache protocol on $b"
+  KVXFER_TEST_BACKEND=$b cargo test --locked --test agent --test cache
 done
 echo "== RDMA verbs tests on the host (they say SKIPPED where no RDMA device exists)"
 cargo test --locked --test rdma_verbs -- --nocapture
 echo "== RDMA tests inside the soft-RoCE guest (ci/rxe-guest: rxe0/rxe1 on a veth pair):"
-echo "   the verbs layer, then the agent suite on the rdma backend"
+echo "   the verbs layer, the agent suite and the KV-cache protocol on the rdma backend"
 test_bin() {
   local b
   b=$(cargo test --locked --test "$1" --no-run 2>&1 | grep -o "target/debug/deps/$1-[0-9a-f]*" | tail -n1)
@@ -33,12 +33,15 @@ test_bin() {
 }
 verbs_bin=$(test_bin rdma_verbs)
 agent_bin=$(test_bin agent)
+cache_bin=$(test_bin cache)
 # The suite runs with the default progress mode (completion channel); the
-# data-path tests once more with the polling progress thread.
-KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 1800 sh -c \
+# data-path tests once more with the polling progress thread; then the
+# KV-cache protocol suite on RDMA.
+KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 2400 sh -c \
   "$verbs_bin --test-threads 1 --color never && $agent_bin --test-threads 2 --color never && \
    KVXFER_TEST_RDMA_PROGRESS=poll $agent_bin --test-threads 2 --color never \
-     write_and_read sync_message notify_follows target_killed write_after_target_deregistered"
+     write_and_read sync_message notify_follows target_killed write_after_target_deregistered && \
+   $cache_bin --test-threads 2 --color never"
 echo "== bench CLI smoke run"
 cargo build --release --locked --bin kvxfer-bench
 target/release/kvxfer-bench --block-size 64KiB --batch 16 --iters 20 --warmup 2 --json

@@ -580,3 +580,97 @@ fn mismatched_cache_state_is_a_typed_error() {
     drop(liar);
     c.receivers.clear();
 }
+
+/// The context rank of `context_rank_in_another_process`, when this binary
+/// is re-executed with `KVXFER_CACHE_PEER=1`: prints its connection info,
+/// then for each `send <id> <blocks>` line on stdin fills that many blocks
+/// and sends them, answering `OK <bytes>` or `ERR <error>`.
+fn cache_peer_main(s: &CacheState) -> ! {
+    use std::io::{BufRead, Write};
+    let mut k = Rank::new("proc-ctx0".into(), rank_slice(s, 0, distinct_heads(s, s)), 8);
+    let sender =
+        CacheSender::new(Arc::clone(&k.agent), s.clone(), 0, None, SenderConfig::default())
+            .unwrap();
+    println!("READY {}", k.agent.local_connection_info());
+    std::io::stdout().flush().unwrap();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap();
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let (id, n): (u64, u32) = (w[1].parse().unwrap(), w[2].parse().unwrap());
+        let slice = k.slice;
+        for b in 0..n {
+            fill_block(s, &slice, k.block_mut(b), b);
+        }
+        let addrs = (0..n).map(|b| k.block_addr(b)).collect();
+        match sender.send_blocking(id, addrs, WAIT) {
+            Ok(st) => println!("OK {}", st.bytes),
+            Err(e) => println!("ERR {e}"),
+        }
+        std::io::stdout().flush().unwrap();
+    }
+    drop(sender);
+    std::process::exit(0)
+}
+
+#[test]
+fn context_rank_in_another_process() {
+    use std::io::{BufRead, BufReader, Write};
+    let s = state(4, 4, 1, 1, DataType::Bf16);
+    if std::env::var_os("KVXFER_CACHE_PEER").is_some() {
+        cache_peer_main(&s);
+    }
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "context_rank_in_another_process", "--nocapture"])
+        .env("KVXFER_CACHE_PEER", "1")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut stdin = child.stdin.take().unwrap();
+    let mut line = String::new();
+    let conn = loop {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "peer exited");
+        if let Some(c) = line.trim().strip_prefix("READY ") {
+            break c.to_owned();
+        }
+    };
+    let mut g = Rank::new("proc-gen0".into(), rank_slice(&s, 0, distinct_heads(&s, &s)), 8);
+    let recv = CacheReceiver::new(
+        Arc::clone(&g.agent),
+        s.clone(),
+        0,
+        s.clone(),
+        &[conn],
+        ReceiverConfig::default(),
+    )
+    .unwrap();
+    for (id, tokens) in [(1u64 << 33, 30u32), (7, 80)] {
+        let n = tokens.div_ceil(16);
+        g.pool.iter_mut().for_each(|b| *b = 0);
+        let blocks = (0..n).map(|b| g.block_addr(7 - b)).collect();
+        let h = recv
+            .request(RecvRequest {
+                request_id: id,
+                ctx_dp_rank: 0,
+                blocks,
+                last_block_key: None,
+            })
+            .unwrap();
+        writeln!(stdin, "send {id} {n}").unwrap();
+        line.clear();
+        out.read_line(&mut line).unwrap();
+        assert!(line.starts_with("OK "), "{line}");
+        let st = h.wait(WAIT).unwrap();
+        assert_eq!(line.trim(), format!("OK {}", st.bytes));
+        for b in 0..n {
+            if let Some(m) = check_block(&s, &g.slice, g.block(7 - b), b, tokens) {
+                panic!("request {id}: {m}");
+            }
+        }
+    }
+    drop(stdin);
+    assert!(child.wait().unwrap().success());
+    drop(recv);
+}

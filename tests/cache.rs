@@ -587,10 +587,19 @@ fn mismatched_cache_state_is_a_typed_error() {
 /// and sends them, answering `OK <bytes>` or `ERR <error>`.
 fn cache_peer_main(s: &CacheState) -> ! {
     use std::io::{BufRead, Write};
-    let mut k = Rank::new("proc-ctx0".into(), rank_slice(s, 0, distinct_heads(s, s)), 8);
-    let sender =
-        CacheSender::new(Arc::clone(&k.agent), s.clone(), 0, None, SenderConfig::default())
-            .unwrap();
+    let mut k = Rank::new(
+        "proc-ctx0".into(),
+        rank_slice(s, 0, distinct_heads(s, s)),
+        8,
+    );
+    let sender = CacheSender::new(
+        Arc::clone(&k.agent),
+        s.clone(),
+        0,
+        None,
+        SenderConfig::default(),
+    )
+    .unwrap();
     println!("READY {}", k.agent.local_connection_info());
     std::io::stdout().flush().unwrap();
     for line in std::io::stdin().lock().lines() {
@@ -636,7 +645,11 @@ fn context_rank_in_another_process() {
             break c.to_owned();
         }
     };
-    let mut g = Rank::new("proc-gen0".into(), rank_slice(&s, 0, distinct_heads(&s, &s)), 8);
+    let mut g = Rank::new(
+        "proc-gen0".into(),
+        rank_slice(&s, 0, distinct_heads(&s, &s)),
+        8,
+    );
     let recv = CacheReceiver::new(
         Arc::clone(&g.agent),
         s.clone(),

@@ -3,6 +3,10 @@
 //! With no arguments it starts a target process on loopback and sweeps block
 //! sizes 4 KiB – 4 MiB as the initiator. `--listen` runs only the target
 //! role, `--connect` only the initiator role, for runs across two hosts.
+//! `kvxfer-bench kv` measures the KV-cache protocol (see `kv.rs`).
+
+#[path = "kvxfer-bench/kv.rs"]
+mod kv;
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::net::SocketAddr;
@@ -20,6 +24,8 @@ use kvxfer::{
 #[derive(Parser, Debug, Clone)]
 #[command(version, about = "kvxfer transfer benchmark (loopback by default)")]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Sub>,
     /// Backend: auto, tcp, shm, rdma.
     #[arg(long, default_value = "auto")]
     backend: String,
@@ -85,6 +91,14 @@ struct Args {
     /// Internal: in target role, exit when standard input closes.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
+}
+
+#[derive(clap::Subcommand, Debug, Clone)]
+enum Sub {
+    /// One request's KV cache between a context and a generation executor
+    /// (every rank an agent in this process), against the raw agent
+    /// bandwidth for the same bytes.
+    Kv(kv::KvArgs),
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -605,6 +619,9 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    if let Some(Sub::Kv(k)) = &args.command {
+        return kv::run(k);
+    }
     if args.memcpy {
         for pt in plan(&args) {
             let m = measure_memcpy(&args, &pt);

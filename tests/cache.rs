@@ -63,6 +63,8 @@ struct Cluster {
     ctx: Vec<Rank>,
     gen_ranks: Vec<Rank>,
     pool_blocks: u32,
+    /// Attention DP on the context side: only this rank sends.
+    send_only: Option<u32>,
 }
 
 fn cluster(
@@ -139,6 +141,7 @@ fn cluster(
         ctx,
         gen_ranks,
         pool_blocks,
+        send_only: None,
     }
 }
 
@@ -204,6 +207,9 @@ impl Cluster {
         }
         let mut send = Vec::new();
         for (c, s) in self.senders.iter().enumerate() {
+            if self.send_only.is_some_and(|o| o != c as u32) {
+                continue;
+            }
             let blocks = ctx_ids.iter().map(|&b| self.ctx[c].block_addr(b)).collect();
             send.push(s.send(id, blocks).unwrap());
         }
@@ -258,6 +264,7 @@ fn run_case(tag: &str, ctx: &CacheState, gen_s: &CacheState) {
         SenderConfig::default(),
         ReceiverConfig::default(),
     );
+    let mut moved = 0u64;
     for (i, tokens) in [10u32, 30, 60, 80].into_iter().enumerate() {
         let id = (i as u64) << 40 | 0xfff; // ids past 12 bits
         let n = tokens.div_ceil(16);
@@ -268,11 +275,21 @@ fn run_case(tag: &str, ctx: &CacheState, gen_s: &CacheState) {
         assert!(stats.iter().all(|s| s.staging_copies == 0));
         let bytes: u64 = stats.iter().map(|s| s.bytes).sum();
         assert!(bytes > 0, "{tag}: nothing moved");
+        moved += bytes;
         // Second round: prefix reused, the last two blocks move.
         let keep = n.saturating_sub(2);
         let gen2: Vec<u32> = (keep..n).map(|b| b - keep).collect();
-        c.transfer(id + 1, tokens, &ctx_ids, &gen2, Some(id), 0, |_| true);
+        let stats = c.transfer(id + 1, tokens, &ctx_ids, &gen2, Some(id), 0, |_| true);
+        moved += stats.iter().map(|s| s.bytes).sum::<u64>();
     }
+    let m: Vec<_> = c.senders.iter().map(|s| s.metrics()).collect();
+    assert!(
+        m.iter()
+            .all(|m| m.completed == 8 && m.staging_copies == 0 && m.failed == 0)
+    );
+    assert_eq!(m.iter().map(|m| m.bytes).sum::<u64>(), moved);
+    let r: Vec<_> = c.receivers.iter().map(|r| r.metrics()).collect();
+    assert!(r.iter().all(|m| m.completed == 8));
 }
 
 #[test]
@@ -291,6 +308,57 @@ fn tp_pp_matrix() {
             );
         }
     }
+    // The larger layouts, each on both sides at least once.
+    for ((ct, cp), (gt, gp)) in [
+        ((4, 2), (2, 4)),
+        ((2, 4), (4, 2)),
+        ((4, 4), (1, 1)),
+        ((1, 1), (4, 4)),
+    ] {
+        run_case(
+            &format!("m{ct}{cp}{gt}{gp}"),
+            &state(4, 4, ct, cp, DataType::Bf16),
+            &state(4, 4, gt, gp, DataType::Bf16),
+        );
+    }
+}
+
+/// Context-side attention DP (each context rank its own group): request i
+/// is served by context group i % 2 alone; every generation rank asks it.
+#[test]
+fn context_attention_dp_routing() {
+    let dp = |d: u32| {
+        CacheState::new(4, 4, 8, 16, DataType::F32, Attention::Default, 2, 1)
+            .with_attention_dp(d, 2)
+    };
+    let gen_s = state(4, 4, 2, 1, DataType::F32);
+    let mut c = cluster(
+        "cdp",
+        &dp(0),
+        &gen_s,
+        8,
+        SenderConfig::default(),
+        ReceiverConfig::default(),
+    );
+    // Each context rank's sender knows its own group.
+    let l: Arc<dyn kvxfer::cache::BlockLookup> = c.lookups[1].clone();
+    c.senders[1] = CacheSender::new(
+        Arc::clone(&c.ctx[1].agent),
+        dp(1),
+        1,
+        Some(l),
+        SenderConfig::default(),
+    )
+    .unwrap();
+    for i in 0..4u64 {
+        let group = (i % 2) as u32;
+        let ids = c.ctx_blocks(3, i as u32);
+        c.prefill(100 + i, &ids);
+        c.send_only = Some(group);
+        c.transfer(100 + i, 40, &ids, &[5, 6, 7], None, group, |_| true);
+    }
+    assert_eq!(c.senders[0].metrics().completed, 2);
+    assert_eq!(c.senders[1].metrics().completed, 2);
 }
 
 #[test]

@@ -23,7 +23,7 @@ pub use lookup::{BlockLookup, MemBlockLookup};
 pub use mapping::{TargetRanks, needs_send, recv_ranks, target_ranks};
 pub use receiver::{CacheReceiver, ReceiverConfig, RecvHandle, RecvRequest};
 pub use sender::{CacheSender, SendHandle, SenderConfig};
-pub use session::{PeerMeasure, SessionStats};
+pub use session::{Metrics, PeerMeasure, SessionStats};
 pub use state::{Attention, AttentionDp, CacheState, DataType};
 
 /// Errors of the KV-cache layer.

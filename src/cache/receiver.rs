@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::sender::Cell;
-use super::session::{PeerMeasure, SessionStats, append_csv};
+use super::session::{Metrics, MetricsCell, PeerMeasure, SessionStats, append_csv};
 use super::wire::{Msg, Reassembler, RequestInfo, is_ours};
 use super::{CacheError, CacheState, recv_ranks, target_ranks};
 use crate::agent::TransferAgent;
@@ -110,6 +110,7 @@ struct Shared {
     config: ReceiverConfig,
     reqs: Mutex<HashMap<u64, Req>>,
     stop: AtomicBool,
+    metrics: MetricsCell,
 }
 
 /// The generation side of the KV-cache protocol for one rank.
@@ -163,6 +164,7 @@ impl CacheReceiver {
             config,
             reqs: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
+            metrics: MetricsCell::default(),
         });
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -274,6 +276,11 @@ impl CacheReceiver {
         self.request(req)?.wait(timeout)
     }
 
+    /// Totals over the requests this receiver finished.
+    pub fn metrics(&self) -> Metrics {
+        self.shared.metrics.snapshot()
+    }
+
     /// Cancels a request: every context rank asked is told, and this
     /// returns once each rank that sends has answered (`Cancelled` after
     /// its posted writes finished, or `Done`): nothing can still land in
@@ -306,6 +313,9 @@ impl CacheReceiver {
                     .any(|(a, v)| v.2.is_none() && !r.settled.contains(a));
                 if !open {
                     let r = reqs.remove(&request_id).expect("present");
+                    if r.cell.get().is_none() {
+                        s.metrics.record::<()>(&Err(()), true);
+                    }
                     r.cell.set(Err(CacheError::Cancelled {
                         request_id,
                         reason: "cancelled by the generation side".into(),
@@ -388,6 +398,7 @@ fn run(s: &Shared) {
                     .filter(|v| v.2.is_none())
                     .map(|v| v.0)
                     .collect();
+                s.metrics.record::<()>(&Err(()), false);
                 r.cell.set(Err(CacheError::Timeout {
                     what: format!("request {id}: shares of context ranks {missing:?}"),
                     after: s.config.timeout,
@@ -436,6 +447,9 @@ fn message(s: &Shared, from: &str, m: Msg) {
                 reason: format!("context agent {from}: {reason}"),
             };
             r.failed.get_or_insert(e.clone());
+            if r.cell.get().is_none() {
+                s.metrics.record::<()>(&Err(()), true);
+            }
             r.cell.set(Err(e));
         }
         other => tracing::warn!(remote = from, ?other, "unexpected message on a receiver"),
@@ -476,5 +490,7 @@ fn complete(s: &Shared, id: u64, r: Req) {
     {
         tracing::warn!(%e, "cannot write receive timings");
     }
-    r.cell.set(Ok(stats));
+    let outcome = Ok(stats);
+    s.metrics.record::<CacheError>(&outcome, false);
+    r.cell.set(outcome);
 }

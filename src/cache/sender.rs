@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::lookup::walk_back;
-use super::session::{PeerMeasure, SessionStats, append_csv};
+use super::session::{Metrics, MetricsCell, PeerMeasure, SessionStats, append_csv};
 use super::wire::{Msg, Reassembler, RequestInfo, is_ours};
 use super::{
     BlockLookup, CacheError, CacheState, distinct_heads, map_blocks, rank_slice, target_ranks,
@@ -177,6 +177,7 @@ struct Shared {
     lookup: Option<Arc<dyn BlockLookup>>,
     config: SenderConfig,
     stop: AtomicBool,
+    metrics: MetricsCell,
 }
 
 /// The context side of the KV-cache protocol for one rank.
@@ -214,6 +215,7 @@ impl CacheSender {
             lookup,
             config,
             stop: AtomicBool::new(false),
+            metrics: MetricsCell::default(),
         });
         let (tx, rx) = crossbeam_channel::unbounded();
         let s = Arc::clone(&shared);
@@ -257,6 +259,11 @@ impl CacheSender {
         timeout: Duration,
     ) -> Result<SessionStats, CacheError> {
         self.send(request_id, blocks)?.wait(timeout)
+    }
+
+    /// Totals over the requests this sender finished.
+    pub fn metrics(&self) -> Metrics {
+        self.shared.metrics.snapshot()
     }
 
     /// Cancels a request: no new write is posted; returns once nothing
@@ -827,6 +834,10 @@ impl Engine {
         };
         for w in r.cancel_waiters {
             let _ = w.send(Ok(()));
+        }
+        if r.cell.is_some() {
+            let cancelled = matches!(outcome, Err(CacheError::Cancelled { .. }));
+            self.s.metrics.record(&outcome, cancelled);
         }
         if let Some(c) = r.cell {
             c.set(outcome);

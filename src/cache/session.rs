@@ -66,6 +66,65 @@ pub struct SessionStats {
     pub staging_copies: u64,
 }
 
+/// Running totals of one sender or receiver, for a metrics exporter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Metrics {
+    /// Requests completed.
+    pub completed: u64,
+    /// Requests cancelled (by either side).
+    pub cancelled: u64,
+    /// Requests failed otherwise (timeouts, transport errors).
+    pub failed: u64,
+    /// Bytes moved by completed requests.
+    pub bytes: u64,
+    /// Fragments before coalescing.
+    pub fragments: u64,
+    /// Fragments posted.
+    pub fragments_coalesced: u64,
+    /// Staging copies of KV bytes (0 on every path so far).
+    pub staging_copies: u64,
+}
+
+/// Lock-free accumulation of [`Metrics`].
+#[derive(Default)]
+pub(crate) struct MetricsCell {
+    v: [std::sync::atomic::AtomicU64; 7],
+}
+
+impl MetricsCell {
+    pub(crate) fn record<T>(&self, outcome: &Result<SessionStats, T>, cancelled: bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        match outcome {
+            Ok(s) => {
+                self.v[0].fetch_add(1, Relaxed);
+                self.v[3].fetch_add(s.bytes, Relaxed);
+                self.v[4].fetch_add(s.fragments, Relaxed);
+                self.v[5].fetch_add(s.fragments_coalesced, Relaxed);
+                self.v[6].fetch_add(s.staging_copies, Relaxed);
+            }
+            Err(_) if cancelled => {
+                self.v[1].fetch_add(1, Relaxed);
+            }
+            Err(_) => {
+                self.v[2].fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> Metrics {
+        let g = |i: usize| self.v[i].load(std::sync::atomic::Ordering::Relaxed);
+        Metrics {
+            completed: g(0),
+            cancelled: g(1),
+            failed: g(2),
+            bytes: g(3),
+            fragments: g(4),
+            fragments_coalesced: g(5),
+            staging_copies: g(6),
+        }
+    }
+}
+
 /// Appends one row for `s` to `<dir>/rank_<rank>_<side>.csv`, writing the
 /// header first when the file is empty.
 ///

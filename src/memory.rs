@@ -306,6 +306,28 @@ impl<V> RegionMap<V> {
         r.contains(desc.addr, desc.len).then_some(r)
     }
 
+    /// As [`find`](Self::find), trying `hint` (the region the previous
+    /// descriptor was found in) first: descriptors of one request usually
+    /// fall in one region, and this skips the tree walk for them.
+    pub fn find_hinted<'a>(
+        &'a self,
+        mem_type: MemoryType,
+        desc: &MemoryDesc,
+        hint: Option<&'a Region<V>>,
+    ) -> Option<&'a Region<V>> {
+        match hint {
+            Some(r)
+                if r.mem_type == mem_type
+                    && r.desc.device_id == desc.device_id
+                    && desc.len > 0
+                    && r.contains(desc.addr, desc.len) =>
+            {
+                Some(r)
+            }
+            _ => self.find(mem_type, desc),
+        }
+    }
+
     /// Every region, ordered by address space then address.
     pub fn iter(&self) -> impl Iterator<Item = &Region<V>> {
         self.spaces.values().flat_map(|s| s.values())

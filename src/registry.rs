@@ -169,8 +169,11 @@ impl Registry {
     ) -> Result<Vec<RegionGuard>, Error> {
         let map = self.read();
         let mut guards: Vec<RegionGuard> = Vec::new();
+        let mut hint = None;
         for d in &descs.descs {
-            let Some(r) = map.find(descs.mem_type, d) else {
+            let found = map.find_hinted(descs.mem_type, d, hint);
+            hint = found;
+            let Some(r) = found else {
                 return Err(Error::NotRegistered {
                     mem_type: descs.mem_type,
                     desc: *d,

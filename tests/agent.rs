@@ -406,9 +406,13 @@ fn write_after_target_deregistered_is_rejected() {
     let before = peer.cmd("hash");
     assert_eq!(peer.cmd("dereg"), "OK");
     // The initiator's copy of the descriptor is now stale; the target
-    // itself refuses.
+    // itself refuses: one segment, many small ones (a write list on TCP),
+    // and a READ.
+    let small_local = dram((0..64).map(|i| (src.as_ptr() as u64 + i * 64, 64)));
+    let small_remote = dram((0..64).map(|i| (peer.addr + (63 - i) * 64, 64)));
     for req in [
         TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 4096), &name),
+        TransferRequest::write(small_local, small_remote, &name),
         TransferRequest::read(MemoryDescs::dram(&src), peer.range(0, 4096), &name),
     ] {
         let err = agent.submit_transfer(req).unwrap().wait(WAIT).unwrap_err();

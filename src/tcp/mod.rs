@@ -49,7 +49,13 @@ use crate::verbs::{Device, QpInfo, Sge};
 
 use session::{Finished, RequestTable};
 use sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
-use wire::{CommitOp, Frame, HEADER_LEN, PROTOCOL_VERSION, status};
+use wire::{
+    CommitOp, Frame, HEADER_LEN, PROTOCOL_VERSION, WRITE_LIST_ENTRY, WRITE_LIST_MAX, status,
+};
+
+/// Largest segment sent inside a write list; bigger ones go alone (their
+/// own `readv` costs little next to their payload).
+const WRITE_LIST_PIECE_MAX: u64 = 64 << 10;
 
 /// The backend name of an agent mode, for errors and logs.
 fn mode_name(mode: Mode) -> &'static str {
@@ -523,6 +529,56 @@ impl Inner {
                     lock(&session.table).segment(req, result)
                 }
                 Frame::Fence { req } => lock(&session.table).segment(req, Ok(())),
+                Frame::WriteList {
+                    req,
+                    mem_type,
+                    count,
+                    total,
+                    key,
+                } => {
+                    let table =
+                        reader.read_vec_mid_frame(count as usize * WRITE_LIST_ENTRY, idle)?;
+                    let mut pieces = Vec::with_capacity(count as usize);
+                    let (mut lo, mut hi, mut sum) = (u64::MAX, 0u64, 0u64);
+                    for e in table.chunks_exact(WRITE_LIST_ENTRY) {
+                        let addr = u64::from_le_bytes(e[..8].try_into().expect("8 bytes"));
+                        let len = u64::from_le_bytes(e[8..].try_into().expect("8 bytes"));
+                        let end = addr
+                            .checked_add(len)
+                            .filter(|_| len > 0)
+                            .ok_or_else(|| violation("bad write list entry"))?;
+                        lo = lo.min(addr);
+                        hi = hi.max(end);
+                        sum = sum
+                            .checked_add(len)
+                            .ok_or_else(|| violation("write list overflows"))?;
+                        pieces.push((addr as *mut u8, len as usize));
+                    }
+                    if sum != total {
+                        return Err(violation(format!(
+                            "write list announces {total} bytes, its table {sum}"
+                        )));
+                    }
+                    // One admission for the span: a key names one region,
+                    // so the span inside it puts every piece inside it.
+                    let result = match self.registry.admit_remote(mem_type, lo, hi - lo, key) {
+                        Ok(guard) => {
+                            // SAFETY: every piece lies inside the admitted
+                            // span of a registered region, writable while
+                            // registered; `guard` holds the registration
+                            // until the payload has landed.
+                            unsafe { reader.read_into_many(&pieces, idle)? };
+                            drop(guard);
+                            Ok(())
+                        }
+                        Err(reason) => {
+                            tracing::debug!(remote = %session.remote, lo, hi, %reason, "refused write list");
+                            reader.discard(total, idle)?;
+                            Err(reason)
+                        }
+                    };
+                    lock(&session.table).segments(req, u64::from(count), result)
+                }
                 Frame::QpConnect { qpn, psn, mtu } => {
                     let gid: [u8; 16] = reader
                         .read_vec(16, idle)?
@@ -1068,6 +1124,7 @@ impl Link {
         let fd = self.streams[idx].sock.as_raw_fd();
         let mut headers: Vec<[u8; HEADER_LEN]> = Vec::new();
         let mut iovs: Vec<libc::iovec> = Vec::new();
+        let mut tables: Vec<Vec<u8>> = Vec::new();
         while let Ok(job) = rx.recv() {
             let (req, op, segs, tail, pending) = match job {
                 Job::Stop => break,
@@ -1103,7 +1160,74 @@ impl Link {
             };
             headers.clear();
             iovs.clear();
-            for s in &segs {
+            tables.clear();
+            if op == TransferOp::Write {
+                // Runs of small segments to one region go as write lists
+                // (one frame and one scatter read at the target for up to
+                // WRITE_LIST_MAX of them); the rest as single segments.
+                headers.reserve(segs.len() + 2);
+                let mut i = 0;
+                while i < segs.len() {
+                    let s0 = &segs[i];
+                    let mut j = i + 1;
+                    if s0.len <= WRITE_LIST_PIECE_MAX {
+                        while j < segs.len()
+                            && j - i < WRITE_LIST_MAX as usize
+                            && segs[j].len <= WRITE_LIST_PIECE_MAX
+                            && segs[j].key == s0.key
+                            && segs[j].mem_type == s0.mem_type
+                        {
+                            j += 1;
+                        }
+                    }
+                    if j - i >= 2 {
+                        let run = &segs[i..j];
+                        let mut table = Vec::with_capacity(run.len() * WRITE_LIST_ENTRY);
+                        for s in run {
+                            table.extend_from_slice(&s.remote.to_le_bytes());
+                            table.extend_from_slice(&s.len.to_le_bytes());
+                        }
+                        headers.push(
+                            Frame::WriteList {
+                                req,
+                                mem_type: s0.mem_type,
+                                count: run.len() as u32,
+                                total: run.iter().map(|s| s.len).sum(),
+                                key: s0.key,
+                            }
+                            .encode(),
+                        );
+                        iovs.push(iov(
+                            headers.last().expect("just pushed").as_ptr(),
+                            HEADER_LEN,
+                        ));
+                        iovs.push(iov(table.as_ptr(), table.len()));
+                        tables.push(table);
+                        for s in run {
+                            iovs.push(iov(s.local as *const u8, s.len as usize));
+                        }
+                        i = j;
+                    } else {
+                        headers.push(
+                            Frame::Write {
+                                req,
+                                mem_type: s0.mem_type,
+                                addr: s0.remote,
+                                len: s0.len,
+                                key: s0.key,
+                            }
+                            .encode(),
+                        );
+                        iovs.push(iov(
+                            headers.last().expect("just pushed").as_ptr(),
+                            HEADER_LEN,
+                        ));
+                        iovs.push(iov(s0.local as *const u8, s0.len as usize));
+                        i += 1;
+                    }
+                }
+            }
+            for s in segs.iter().filter(|_| op == TransferOp::Read) {
                 let f = match op {
                     TransferOp::Write => Frame::Write {
                         req,
@@ -1145,11 +1269,15 @@ impl Link {
                     sync.as_deref()
                 }
             };
-            for (i, h) in headers.iter().enumerate() {
+            // Write frames are in `iovs` already; then the read requests
+            // and the tail.
+            let first_tail = if op == TransferOp::Write {
+                headers.len() - usize::from(!matches!(tail, Tail::None))
+            } else {
+                0
+            };
+            for h in &headers[first_tail..] {
                 iovs.push(iov(h.as_ptr(), HEADER_LEN));
-                if let (TransferOp::Write, Some(s)) = (op, segs.get(i)) {
-                    iovs.push(iov(s.local as *const u8, s.len as usize));
-                }
             }
             if let Some(m) = sync {
                 iovs.push(iov(m.as_ptr(), m.len()));
@@ -1646,8 +1774,11 @@ impl TcpAgent {
             .acquire_local_keyed(&req.local, (peer.path == Path::Rdma).then_some(&mut lkeys))?;
         let mut keys = Vec::with_capacity(req.remote.len());
         let mut rkeys = Vec::new();
+        let mut hint = None;
         for d in &req.remote.descs {
-            let Some(r) = peer.regions.find(req.remote.mem_type, d) else {
+            let found = peer.regions.find_hinted(req.remote.mem_type, d, hint);
+            hint = found;
+            let Some(r) = found else {
                 return Err(Error::RemoteRangeNotExported {
                     remote: req.remote_agent.clone(),
                     mem_type: req.remote.mem_type,

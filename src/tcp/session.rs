@@ -43,8 +43,18 @@ impl RequestTable {
         req: u64,
         result: Result<(), RejectReason>,
     ) -> Option<Finished> {
+        self.segments(req, 1, result)
+    }
+
+    /// Records `n` segments of `req` with one outcome (a write list).
+    pub(crate) fn segments(
+        &mut self,
+        req: u64,
+        n: u64,
+        result: Result<(), RejectReason>,
+    ) -> Option<Finished> {
         let p = self.open.entry(req).or_default();
-        p.done += 1;
+        p.done += n;
         if let Err(r) = result {
             p.error.get_or_insert(r);
         }

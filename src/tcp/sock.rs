@@ -167,6 +167,9 @@ pub(crate) struct FrameReader<'c> {
     hdr: [u8; HEADER_LEN],
     filled: usize,
     clock: &'c ProgressClock,
+    /// Set while reading a part of a frame that more payload follows (a
+    /// write list's table): no header read-ahead then.
+    no_read_ahead: bool,
 }
 
 impl<'c> FrameReader<'c> {
@@ -176,6 +179,7 @@ impl<'c> FrameReader<'c> {
             hdr: [0; HEADER_LEN],
             filled: 0,
             clock,
+            no_read_ahead: false,
         }
     }
 
@@ -196,7 +200,7 @@ impl<'c> FrameReader<'c> {
             n += 1;
         }
         let free = HEADER_LEN - self.filled;
-        if free > 0 {
+        if free > 0 && !self.no_read_ahead {
             // SAFETY: `filled <= HEADER_LEN`, so the pointer is inside or one
             // past `hdr`, and `free` bytes from it are inside `hdr`.
             iovs[n] = iov(unsafe { self.hdr.as_ptr().add(self.filled) }, free);
@@ -269,6 +273,96 @@ impl<'c> FrameReader<'c> {
             done += r.min(len - done);
         }
         Ok(())
+    }
+
+    /// Reads `pieces` (pointer, length) back to back from the stream, with
+    /// as few `readv` calls as the socket allows (up to 1023 pieces, plus
+    /// the next header's free space, per call).
+    ///
+    /// # Safety
+    /// Every piece must be valid for writes of its length for the whole
+    /// call.
+    pub(crate) unsafe fn read_into_many(
+        &mut self,
+        pieces: &[(*mut u8, usize)],
+        idle: &mut dyn IdlePolicy,
+    ) -> io::Result<()> {
+        let mut i = 0;
+        let mut off = 0;
+        let mut iovs: Vec<libc::iovec> = Vec::with_capacity(pieces.len().min(1023) + 1);
+        while i < pieces.len() {
+            iovs.clear();
+            let mut want = 0;
+            for (k, &(p, len)) in pieces[i..].iter().take(1023).enumerate() {
+                let skip = if k == 0 { off } else { 0 };
+                // SAFETY: `skip < len` for the first piece (a finished
+                // piece is stepped over below), so the pointer stays inside
+                // the caller's piece.
+                iovs.push(iov(unsafe { p.add(skip) }, len - skip));
+                want += len - skip;
+            }
+            // The next header's free space, only behind the last piece:
+            // bytes past a capped list belong to the pieces after it.
+            let free = HEADER_LEN - self.filled;
+            if free > 0 && pieces.len() - i <= 1023 {
+                // SAFETY: as in `readv_once`: inside `hdr`.
+                iovs.push(iov(unsafe { self.hdr.as_ptr().add(self.filled) }, free));
+            }
+            let r = loop {
+                // SAFETY: the iovecs point into the caller's pieces (valid
+                // for writes per the contract) and into `self.hdr`.
+                let r = unsafe { libc::readv(self.fd, iovs.as_ptr(), iovs.len() as libc::c_int) };
+                if r > 0 {
+                    self.clock.touch();
+                    break r as usize;
+                }
+                if r == 0 {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "peer closed the connection",
+                    ));
+                }
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                if would_block(&e) {
+                    idle.on_idle(true)?;
+                    continue;
+                }
+                return Err(e);
+            };
+            if r > want {
+                self.filled += r - want;
+            }
+            // Advance over what landed.
+            let mut left = r.min(want);
+            while left > 0 {
+                let rest = pieces[i].1 - off;
+                if left >= rest {
+                    left -= rest;
+                    i += 1;
+                    off = 0;
+                } else {
+                    off += left;
+                    left = 0;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads `len` bytes that more of the same frame follows (no header
+    /// read-ahead) into a new vector.
+    pub(crate) fn read_vec_mid_frame(
+        &mut self,
+        len: usize,
+        idle: &mut dyn IdlePolicy,
+    ) -> io::Result<Vec<u8>> {
+        self.no_read_ahead = true;
+        let r = self.read_vec(len, idle);
+        self.no_read_ahead = false;
+        r
     }
 
     /// Reads a control body of `len` bytes into a new vector.

@@ -61,6 +61,12 @@ const K_GRANT: u8 = 11;
 const K_GRANTED: u8 = 12;
 const K_QP_CONNECT: u8 = 13;
 const K_QP_ACCEPT: u8 = 14;
+const K_WRITE_LIST: u8 = 15;
+
+/// Most pieces in one [`Frame::WriteList`].
+pub const WRITE_LIST_MAX: u32 = 1024;
+/// Bytes per entry of a write list's table: address and length, u64 LE.
+pub const WRITE_LIST_ENTRY: usize = 16;
 
 /// Direction of a committed request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,6 +161,23 @@ pub enum Frame {
         sync_len: u32,
         /// Whether a sync message is present (it may be empty).
         has_sync: bool,
+    },
+    /// `count` small WRITE segments in one frame: a table of `count`
+    /// (address, length) pairs (16 bytes each, little-endian) follows, then
+    /// their payloads back to back, `total` bytes, all to the region keyed
+    /// `key`. The target lands them with one scatter read; they count as
+    /// `count` segments.
+    WriteList {
+        /// Request id.
+        req: u64,
+        /// Memory type of the destinations.
+        mem_type: MemoryType,
+        /// Pieces (2 to [`WRITE_LIST_MAX`]).
+        count: u32,
+        /// Payload bytes in all.
+        total: u64,
+        /// Region access key.
+        key: u64,
     },
     /// Counts as one segment of request `req` once everything sent before it
     /// on this stream has been processed: orders a data-less request after
@@ -337,6 +360,20 @@ impl Frame {
                 h.kind = K_FENCE;
                 h.id = req.into();
             }
+            Frame::WriteList {
+                req,
+                mem_type,
+                count,
+                total,
+                key,
+            } => {
+                h.kind = K_WRITE_LIST;
+                h.flags = mem_code(mem_type);
+                h.id = req.into();
+                h.aux = count.into();
+                h.len = total.into();
+                h.key = key.into();
+            }
             Frame::Grant {
                 req,
                 mem_type,
@@ -465,6 +502,22 @@ impl Frame {
                 has_sync: h.flags & 0x80 != 0,
             },
             K_FENCE => Frame::Fence { req: h.id.get() },
+            K_WRITE_LIST => {
+                let count = h.aux.get();
+                if !(2..=WRITE_LIST_MAX).contains(&count) {
+                    return Err(WireError::BadField("write list length"));
+                }
+                if h.len.get() == 0 {
+                    return Err(WireError::BadField("empty write list"));
+                }
+                Frame::WriteList {
+                    req: h.id.get(),
+                    mem_type: mem_from_code(h.flags)?,
+                    count,
+                    total: h.len.get(),
+                    key: h.key.get(),
+                }
+            }
             K_GRANT => {
                 let (addr, len) = (h.addr.get(), h.len.get());
                 if len == 0 || addr.checked_add(len).is_none() {
@@ -570,6 +623,13 @@ mod tests {
                 has_sync: true,
             },
             Frame::Fence { req: 13 },
+            Frame::WriteList {
+                req: 16,
+                mem_type: MemoryType::Dram,
+                count: 3,
+                total: 3 << 14,
+                key: 0xabc,
+            },
             Frame::Grant {
                 req: 14,
                 mem_type: MemoryType::Dram,

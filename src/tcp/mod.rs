@@ -2312,14 +2312,18 @@ impl Link {
                 return;
             }
             let Some((front, _)) = q.front() else { return };
-            if !conn.try_take_slot() {
+            let len = match front {
+                rdma::Queued::Data { wr, .. } => wr.len,
+                rdma::Queued::Sync { msg, .. } => msg.len() as u64,
+            };
+            if !conn.try_take_slot(len) {
                 return;
             }
             let send_slot = match front {
                 rdma::Queued::Sync { .. } => match conn.sends.try_acquire() {
                     Some(s) => Some(s),
                     None => {
-                        conn.release_slot();
+                        conn.unwind_slot();
                         return;
                     }
                 },
@@ -2364,7 +2368,7 @@ impl Link {
             drop(q);
             if let Err(e) = r {
                 conn.posted.fetch_sub(1, Ordering::AcqRel);
-                conn.release_slot();
+                conn.unwind_slot();
                 if let Some(slot) = send_slot {
                     conn.sends.release(slot);
                 }

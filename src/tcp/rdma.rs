@@ -32,6 +32,12 @@ pub(crate) const RING: usize = 64;
 pub(crate) const WR_MAX: u64 = 1 << 20;
 /// Outstanding work requests per queue pair.
 pub(crate) const WINDOW: u32 = 256;
+/// Bytes of posted, uncompleted work requests per connection (at least one
+/// request is always allowed). 16 MiB covers the bandwidth-delay product of
+/// a 400 Gb/s link many times over; without a cap, 256 MiB in flight on
+/// soft-RoCE overflowed its packet queues (dropped ACKs, go-back-N
+/// retransmission storms that stalled a transfer for over 30 s).
+pub(crate) const MAX_INFLIGHT_BYTES: u64 = 16 << 20;
 /// `wr_id` bit marking a SEND (whose bits 40..56 name its buffer slot).
 pub(crate) const SEND_FLAG: u64 = 1 << 63;
 const REQ_MASK: u64 = (1 << 40) - 1;
@@ -251,7 +257,7 @@ pub(crate) struct RdmaConn {
     /// buffer the completions are polled into.
     pub(crate) polled: Mutex<Vec<crate::verbs::Completion>>,
     pub(crate) sends: MsgRing,
-    window: Mutex<u32>,
+    window: Mutex<Window>,
     /// Work waiting for room in the send queue, in posting order.
     pub(crate) queue: Mutex<VecDeque<(Queued, Arc<super::Pending>)>>,
     /// Work requests posted and not yet completed.
@@ -269,27 +275,57 @@ impl RdmaConn {
             max_sge: qp.max_sge() as usize,
             qp: Mutex::new(qp),
             sends: MsgRing::new(dev, RING)?,
-            window: Mutex::new(WINDOW),
+            window: Mutex::new(Window {
+                slots: WINDOW,
+                bytes: 0,
+                lens: VecDeque::with_capacity(WINDOW as usize),
+            }),
             queue: Mutex::new(VecDeque::new()),
             posted: AtomicUsize::new(0),
             max_msg: max_msg.min(dev.max_msg_size()),
         })
     }
 
-    /// Takes one send-queue slot if one is free.
-    pub(crate) fn try_take_slot(&self) -> bool {
+    /// Takes one send-queue slot for a work request of `len` bytes if one
+    /// is free and the bytes in flight allow it.
+    pub(crate) fn try_take_slot(&self, len: u64) -> bool {
         let mut w = lock(&self.window);
-        if *w > 0 {
-            *w -= 1;
+        if w.slots > 0 && (w.lens.is_empty() || w.bytes + len <= MAX_INFLIGHT_BYTES) {
+            w.slots -= 1;
+            w.bytes += len;
+            w.lens.push_back(len);
             true
         } else {
             false
         }
     }
 
+    /// Gives back the slot of the oldest posted work request (completions
+    /// of one send queue arrive in posting order).
     pub(crate) fn release_slot(&self) {
-        *lock(&self.window) += 1;
+        let mut w = lock(&self.window);
+        if let Some(len) = w.lens.pop_front() {
+            w.bytes -= len;
+            w.slots += 1;
+        }
     }
+
+    /// Gives back the slot just taken, for a work request not posted.
+    pub(crate) fn unwind_slot(&self) {
+        let mut w = lock(&self.window);
+        if let Some(len) = w.lens.pop_back() {
+            w.bytes -= len;
+            w.slots += 1;
+        }
+    }
+}
+
+/// The send window: free slots, and the sizes of the posted work requests
+/// in posting order.
+struct Window {
+    slots: u32,
+    bytes: u64,
+    lens: VecDeque<u64>,
 }
 
 #[cfg(test)]

@@ -54,6 +54,12 @@ pub struct KvArgs {
     /// every received element (slow for large models).
     #[arg(long)]
     verify: bool,
+    /// Bytes per posted write batch of a sender (default: the library's).
+    #[arg(long, value_parser = crate::parse_size)]
+    batch_bytes: Option<u64>,
+    /// Write batches in flight per peer (default: the library's).
+    #[arg(long)]
+    batches_in_flight: Option<usize>,
     /// One JSON object on stdout.
     #[arg(long)]
     json: bool,
@@ -132,6 +138,13 @@ pub fn run(a: &KvArgs) -> Result<()> {
             }
         }
     }
+    let mut sc = SenderConfig::default();
+    if let Some(b) = a.batch_bytes {
+        sc.batch_bytes = b;
+    }
+    if let Some(n) = a.batches_in_flight {
+        sc.batches_in_flight = n;
+    }
     let senders: Vec<CacheSender> = ctx
         .iter()
         .enumerate()
@@ -141,7 +154,7 @@ pub fn run(a: &KvArgs) -> Result<()> {
                 ctx_s.clone(),
                 r as u32,
                 None,
-                SenderConfig::default(),
+                sc.clone(),
             )
         })
         .collect::<Result<_, _>>()?;

@@ -44,8 +44,8 @@ pub struct KvArgs {
     /// Backend: auto, tcp, shm, rdma.
     #[arg(long, default_value = "tcp")]
     backend: String,
-    /// Measured requests.
-    #[arg(long, default_value_t = 5)]
+    /// Measured requests (each followed by a raw round; medians reported).
+    #[arg(long, default_value_t = 9)]
     iters: u32,
     /// Unmeasured requests first.
     #[arg(long, default_value_t = 1)]
@@ -124,7 +124,7 @@ pub fn run(a: &KvArgs) -> Result<()> {
     let ctx: Vec<Rank> = (0..ctx_s.world_size())
         .map(|r| Rank::new(format!("kv-ctx{r}"), backend, rank_slice(&ctx_s, r, d), n))
         .collect::<Result<_>>()?;
-    let mut gen_ranks: Vec<Rank> = (0..gen_s.world_size())
+    let gen_ranks: Vec<Rank> = (0..gen_s.world_size())
         .map(|r| Rank::new(format!("kv-gen{r}"), backend, rank_slice(&gen_s, r, d), n))
         .collect::<Result<_>>()?;
     let mut ctx = ctx;
@@ -177,8 +177,16 @@ pub fn run(a: &KvArgs) -> Result<()> {
         })
         .collect::<Result<_, _>>()?;
     let wait = Duration::from_secs(300);
-    let (mut kv_time, mut bytes, mut frags, mut coalesced, mut copies) = (0.0, 0, 0, 0, 0);
-    for i in 0..a.warmup + a.iters {
+    // KV and raw rounds alternate, so that both see the same machine.
+    for k in &ctx {
+        for g in &gen_ranks {
+            k.agent.load_remote_agent(&g.agent.local_agent_desc())?;
+        }
+    }
+    let (mut kv_times, mut raw_times) = (Vec::new(), Vec::new());
+    let (mut per_iter, mut frags, mut coalesced, mut copies) = (0, 0, 0, 0);
+    let total = a.warmup + a.iters.max(1);
+    for i in 0..total {
         let id = u64::from(i) + 1;
         let t = Instant::now();
         let recv: Vec<_> = receivers
@@ -199,51 +207,47 @@ pub fn run(a: &KvArgs) -> Result<()> {
             .map(|(c, s)| s.send(id, (0..n).map(|b| ctx[c].addr(b)).collect()))
             .collect::<Result<_, _>>()?;
         let mut it_bytes = 0;
+        let (mut it_frags, mut it_coal, mut it_copies) = (0, 0, 0);
         for h in send {
             let st = h.wait(wait)?;
             it_bytes += st.bytes;
-            if i >= a.warmup {
-                frags += st.fragments;
-                coalesced += st.fragments_coalesced;
-                copies += st.staging_copies;
-            }
+            it_frags += st.fragments;
+            it_coal += st.fragments_coalesced;
+            it_copies += st.staging_copies;
         }
         for h in recv {
             h.wait(wait)?;
         }
-        if i >= a.warmup {
-            kv_time += t.elapsed().as_secs_f64();
-            bytes += it_bytes;
-        }
-    }
-    if a.verify {
-        for (g, k) in gen_ranks.iter_mut().enumerate() {
-            let bb = k.slice.block_bytes() as usize;
-            for b in 0..n {
-                let blk = &k.pool[b as usize * bb..(b as usize + 1) * bb];
-                if let Some(m) = check_block(&gen_s, &k.slice, blk, b, a.tokens) {
-                    bail!("generation rank {g}: {m}");
+        let kv_t = t.elapsed().as_secs_f64();
+        per_iter = it_bytes;
+        if a.verify && i + 1 == total {
+            for (g, k) in gen_ranks.iter().enumerate() {
+                let bb = k.slice.block_bytes() as usize;
+                for b in 0..n {
+                    let blk = &k.pool[b as usize * bb..(b as usize + 1) * bb];
+                    if let Some(m) = check_block(&gen_s, &k.slice, blk, b, a.tokens) {
+                        bail!("generation rank {g}: {m}");
+                    }
                 }
             }
+        }
+        let raw_t = raw_round(&ctx, &gen_ranks, &ctx_s, &gen_s, it_bytes)?;
+        if i >= a.warmup {
+            kv_times.push(kv_t);
+            raw_times.push(raw_t);
+            frags = it_frags;
+            coalesced = it_coal;
+            copies += it_copies;
         }
     }
     drop(receivers);
     drop(senders);
-    // The raw agent figure: the same bytes between the same agents, each
-    // context rank writing its share's byte count to the generation rank it
-    // sends most to, as whole contiguous blocks (no layout mapping).
-    let per_iter = bytes / u64::from(a.iters.max(1));
-    let raw_time = raw(
-        &ctx,
-        &gen_ranks,
-        &ctx_s,
-        &gen_s,
-        per_iter,
-        a.iters.max(1),
-        a.warmup,
-    )?;
-    let kv_gbps = bytes as f64 / kv_time / 1e9;
-    let raw_gbps = per_iter as f64 * f64::from(a.iters.max(1)) / raw_time / 1e9;
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|x, y| x.total_cmp(y));
+        v[v.len() / 2]
+    };
+    let kv_gbps = per_iter as f64 / median(&mut kv_times) / 1e9;
+    let raw_gbps = per_iter as f64 / median(&mut raw_times) / 1e9;
     let transport = ctx[0]
         .agent
         .remote_transport(&gen_agent_name(&gen_ranks, 0))
@@ -260,8 +264,8 @@ pub fn run(a: &KvArgs) -> Result<()> {
             a.tokens_per_block,
             a.iters,
             kv_gbps / raw_gbps,
-            frags / u64::from(a.iters.max(1)),
-            coalesced / u64::from(a.iters.max(1)),
+            frags,
+            coalesced,
         );
     } else {
         println!(
@@ -274,8 +278,8 @@ pub fn run(a: &KvArgs) -> Result<()> {
             a.tokens,
             per_iter as f64 / (1 << 20) as f64,
             kv_gbps / raw_gbps,
-            frags / u64::from(a.iters.max(1)),
-            coalesced / u64::from(a.iters.max(1)),
+            frags,
+            coalesced,
         );
     }
     Ok(())
@@ -285,59 +289,64 @@ fn gen_agent_name(gen_ranks: &[Rank], g: usize) -> String {
     gen_ranks[g].agent.name().to_owned()
 }
 
-/// Seconds for `iters` rounds in which context ranks together write
-/// `bytes` to the generation ranks as plain WRITEs of whole blocks.
-fn raw(
+/// Seconds for one round in which the context ranks together write
+/// `bytes` to the generation ranks as plain WRITEs of 1 MiB descriptors:
+/// each context rank its equal share, dealt over the generation ranks
+/// round-robin by 1 MiB chunk, each generation pool filled from its start.
+fn raw_round(
     ctx: &[Rank],
     gen_ranks: &[Rank],
     ctx_s: &CacheState,
     gen_s: &CacheState,
     bytes: u64,
-    iters: u32,
-    warmup: u32,
 ) -> Result<f64> {
-    for k in ctx {
-        for g in gen_ranks {
-            k.agent.load_remote_agent(&g.agent.local_agent_desc())?;
+    const CHUNK: u64 = 1 << 20;
+    let senders = u64::from(ctx_s.world_size()).max(1);
+    let gens = gen_s.world_size() as usize;
+    let share = bytes / senders;
+    // (context rank, generation rank) -> (local, remote) descriptors.
+    let mut plan: Vec<Vec<(Vec<MemoryDesc>, Vec<MemoryDesc>)>> =
+        vec![vec![(Vec::new(), Vec::new()); gens]; ctx.len()];
+    let mut cursor = vec![0u64; gens];
+    for (c, k) in ctx.iter().enumerate() {
+        let mut off = 0;
+        let mut turn = c;
+        while off < share.min(k.pool.len() as u64) {
+            let len = CHUNK.min(share - off).min(k.pool.len() as u64 - off);
+            let g = turn % gens;
+            turn += 1;
+            let pool = &gen_ranks[g].pool;
+            if cursor[g] + len > pool.len() as u64 {
+                cursor[g] = 0;
+            }
+            plan[c][g]
+                .0
+                .push(MemoryDesc::new(k.pool.as_ptr() as u64 + off, len, 0));
+            plan[c][g]
+                .1
+                .push(MemoryDesc::new(pool.as_ptr() as u64 + cursor[g], len, 0));
+            cursor[g] += len;
+            off += len;
         }
     }
-    let senders = ctx_s.world_size() as u64;
-    let share = bytes / senders.max(1);
-    let mut total = 0.0;
-    for i in 0..warmup + iters {
-        let t = Instant::now();
-        let mut sts = Vec::new();
-        for (c, k) in ctx.iter().enumerate() {
-            let g = &gen_ranks[c % gen_s.world_size() as usize];
-            // This sender's slot of the destination pool.
-            let room = g.pool.len() as u64 / senders;
-            let len = share.min(room).min(k.pool.len() as u64);
-            if len == 0 {
+    let t = Instant::now();
+    let mut sts = Vec::new();
+    for (c, per_gen) in plan.into_iter().enumerate() {
+        for (g, (l, r)) in per_gen.into_iter().enumerate() {
+            if l.is_empty() {
                 continue;
             }
-            let slot = (c as u64 / gen_s.world_size() as u64) * room;
             let req = TransferRequest::write(
-                MemoryDescs::new(MemoryType::Dram, chunks(k.pool.as_ptr() as u64, len)),
-                MemoryDescs::new(MemoryType::Dram, chunks(g.pool.as_ptr() as u64 + slot, len)),
-                g.agent.name(),
+                MemoryDescs::new(MemoryType::Dram, l),
+                MemoryDescs::new(MemoryType::Dram, r),
+                gen_ranks[g].agent.name(),
             );
-            sts.push(k.agent.submit_transfer(req)?);
-        }
-        for st in sts {
-            st.wait_success(Duration::from_secs(300))
-                .context("raw transfer")?;
-        }
-        if i >= warmup {
-            total += t.elapsed().as_secs_f64();
+            sts.push(ctx[c].agent.submit_transfer(req)?);
         }
     }
-    Ok(total)
-}
-
-/// `[addr, addr + len)` as 1 MiB descriptors.
-fn chunks(addr: u64, len: u64) -> Vec<MemoryDesc> {
-    let step = 1 << 20;
-    (0..len.div_ceil(step))
-        .map(|i| MemoryDesc::new(addr + i * step, step.min(len - i * step), 0))
-        .collect()
+    for st in sts {
+        st.wait_success(Duration::from_secs(300))
+            .context("raw transfer")?;
+    }
+    Ok(t.elapsed().as_secs_f64())
 }

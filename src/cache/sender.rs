@@ -371,6 +371,17 @@ impl Engine {
         }
     }
 
+    /// Tells each of `agents` that request `id` is cancelled, and why.
+    fn tell_cancelled(&self, agents: &[String], id: u64, why: &CacheError) {
+        let m = Msg::Cancelled {
+            request_id: id,
+            reason: why.to_string(),
+        };
+        for a in agents {
+            self.notify(a, &m);
+        }
+    }
+
     fn command(&mut self, cmd: Cmd) {
         match cmd {
             Cmd::Send { id, blocks, cell } => {
@@ -648,15 +659,7 @@ impl Engine {
         r.stats.mapping = t_map.elapsed();
         if let Some(e) = failure {
             let agents: Vec<String> = r.asked.values().map(|(a, _)| a.clone()).collect();
-            for a in agents {
-                self.notify(
-                    &a,
-                    &Msg::Cancelled {
-                        request_id: id,
-                        reason: e.to_string(),
-                    },
-                );
-            }
+            self.tell_cancelled(&agents, id, &e);
             self.finish(id, Err(e));
             return;
         }
@@ -780,15 +783,7 @@ impl Engine {
             Some(e) => {
                 // Nothing posted is left: tell every counterpart.
                 let agents: Vec<String> = r.asked.values().map(|(a, _)| a.clone()).collect();
-                for a in agents {
-                    self.notify(
-                        &a,
-                        &Msg::Cancelled {
-                            request_id: id,
-                            reason: e.to_string(),
-                        },
-                    );
-                }
+                self.tell_cancelled(&agents, id, &e);
                 self.finish(id, Err(e));
             }
             None => {
@@ -815,15 +810,7 @@ impl Engine {
         }
         if r.writes.is_none() {
             let agents: Vec<String> = r.asked.values().map(|(a, _)| a.clone()).collect();
-            for a in agents {
-                self.notify(
-                    &a,
-                    &Msg::Cancelled {
-                        request_id: id,
-                        reason: why.to_string(),
-                    },
-                );
-            }
+            self.tell_cancelled(&agents, id, &why);
         }
         self.progress(id);
     }

@@ -206,17 +206,32 @@ impl<'c> FrameReader<'c> {
             iovs[n] = iov(unsafe { self.hdr.as_ptr().add(self.filled) }, free);
             n += 1;
         }
+        // SAFETY: the iovecs point into `payload` (valid for writes per the
+        // contract) and into `self.hdr`, which we borrow mutably.
+        let r = unsafe { self.readv_retry(&iovs[..n], idle, mid_frame)? };
+        if r > payload_len {
+            self.filled += r - payload_len;
+        }
+        Ok(r)
+    }
+
+    /// One successful `readv` into `iovs`, retried on interruption and,
+    /// after asking `idle`, on a timeout. Returns the bytes read (> 0).
+    ///
+    /// # Safety
+    /// Every iovec must be valid for writes for the whole call.
+    unsafe fn readv_retry(
+        &mut self,
+        iovs: &[libc::iovec],
+        idle: &mut dyn IdlePolicy,
+        mid_frame: bool,
+    ) -> io::Result<usize> {
         loop {
-            // SAFETY: the iovecs point into `payload` (valid for writes per the
-            // contract) and into `self.hdr`, which we borrow mutably.
-            let r = unsafe { libc::readv(self.fd, iovs.as_ptr(), n as libc::c_int) };
+            // SAFETY: forwarded contract.
+            let r = unsafe { libc::readv(self.fd, iovs.as_ptr(), iovs.len() as libc::c_int) };
             if r > 0 {
                 self.clock.touch();
-                let r = r as usize;
-                if r > payload_len {
-                    self.filled += r - payload_len;
-                }
-                return Ok(r);
+                return Ok(r as usize);
             }
             if r == 0 {
                 return Err(io::Error::new(
@@ -308,30 +323,9 @@ impl<'c> FrameReader<'c> {
                 // SAFETY: as in `readv_once`: inside `hdr`.
                 iovs.push(iov(unsafe { self.hdr.as_ptr().add(self.filled) }, free));
             }
-            let r = loop {
-                // SAFETY: the iovecs point into the caller's pieces (valid
-                // for writes per the contract) and into `self.hdr`.
-                let r = unsafe { libc::readv(self.fd, iovs.as_ptr(), iovs.len() as libc::c_int) };
-                if r > 0 {
-                    self.clock.touch();
-                    break r as usize;
-                }
-                if r == 0 {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "peer closed the connection",
-                    ));
-                }
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                if would_block(&e) {
-                    idle.on_idle(true)?;
-                    continue;
-                }
-                return Err(e);
-            };
+            // SAFETY: the iovecs point into the caller's pieces (valid for
+            // writes per the contract) and into `self.hdr`.
+            let r = unsafe { self.readv_retry(&iovs, idle, true)? };
             if r > want {
                 self.filled += r - want;
             }

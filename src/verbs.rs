@@ -527,11 +527,7 @@ impl RcQueuePair {
         imm: Option<u32>,
         signaled: bool,
     ) -> Result<(), VerbsError> {
-        let flags = if signaled {
-            WorkRequestFlags::Signaled
-        } else {
-            WorkRequestFlags::none()
-        };
+        let flags = send_flags(signaled);
         let raw = raw_sges(sges);
         let mut guard = self.qp.start_post_send();
         let wr = guard.construct_wr(wr_id, flags);
@@ -562,11 +558,7 @@ impl RcQueuePair {
         remote_addr: u64,
         signaled: bool,
     ) -> Result<(), VerbsError> {
-        let flags = if signaled {
-            WorkRequestFlags::Signaled
-        } else {
-            WorkRequestFlags::none()
-        };
+        let flags = send_flags(signaled);
         let raw = raw_sges(sges);
         let mut guard = self.qp.start_post_send();
         let h = guard
@@ -768,6 +760,14 @@ impl CqEvents {
         // never waits for unacknowledged events.
         unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
         Ok(true)
+    }
+}
+
+fn send_flags(signaled: bool) -> WorkRequestFlags {
+    if signaled {
+        WorkRequestFlags::Signaled
+    } else {
+        WorkRequestFlags::none()
     }
 }
 

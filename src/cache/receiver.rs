@@ -314,7 +314,7 @@ impl CacheReceiver {
                 if !open {
                     let r = reqs.remove(&request_id).expect("present");
                     if r.cell.get().is_none() {
-                        s.metrics.record::<()>(&Err(()), true);
+                        s.metrics.ended(true);
                     }
                     r.cell.set(Err(CacheError::Cancelled {
                         request_id,
@@ -398,7 +398,7 @@ fn run(s: &Shared) {
                     .filter(|v| v.2.is_none())
                     .map(|v| v.0)
                     .collect();
-                s.metrics.record::<()>(&Err(()), false);
+                s.metrics.ended(false);
                 r.cell.set(Err(CacheError::Timeout {
                     what: format!("request {id}: shares of context ranks {missing:?}"),
                     after: s.config.timeout,
@@ -448,7 +448,7 @@ fn message(s: &Shared, from: &str, m: Msg) {
             };
             r.failed.get_or_insert(e.clone());
             if r.cell.get().is_none() {
-                s.metrics.record::<()>(&Err(()), true);
+                s.metrics.ended(true);
             }
             r.cell.set(Err(e));
         }
@@ -490,7 +490,6 @@ fn complete(s: &Shared, id: u64, r: Req) {
     {
         tracing::warn!(%e, "cannot write receive timings");
     }
-    let outcome = Ok(stats);
-    s.metrics.record::<CacheError>(&outcome, false);
-    r.cell.set(outcome);
+    s.metrics.completed(&stats);
+    r.cell.set(Ok(stats));
 }

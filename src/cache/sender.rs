@@ -823,8 +823,13 @@ impl Engine {
             let _ = w.send(Ok(()));
         }
         if r.cell.is_some() {
-            let cancelled = matches!(outcome, Err(CacheError::Cancelled { .. }));
-            self.s.metrics.record(&outcome, cancelled);
+            match &outcome {
+                Ok(stats) => self.s.metrics.completed(stats),
+                Err(e) => self
+                    .s
+                    .metrics
+                    .ended(matches!(e, CacheError::Cancelled { .. })),
+            }
         }
         if let Some(c) = r.cell {
             c.set(outcome);

@@ -92,23 +92,20 @@ pub(crate) struct MetricsCell {
 }
 
 impl MetricsCell {
-    pub(crate) fn record<T>(&self, outcome: &Result<SessionStats, T>, cancelled: bool) {
+    /// A completed request.
+    pub(crate) fn completed(&self, s: &SessionStats) {
         use std::sync::atomic::Ordering::Relaxed;
-        match outcome {
-            Ok(s) => {
-                self.v[0].fetch_add(1, Relaxed);
-                self.v[3].fetch_add(s.bytes, Relaxed);
-                self.v[4].fetch_add(s.fragments, Relaxed);
-                self.v[5].fetch_add(s.fragments_coalesced, Relaxed);
-                self.v[6].fetch_add(s.staging_copies, Relaxed);
-            }
-            Err(_) if cancelled => {
-                self.v[1].fetch_add(1, Relaxed);
-            }
-            Err(_) => {
-                self.v[2].fetch_add(1, Relaxed);
-            }
-        }
+        self.v[0].fetch_add(1, Relaxed);
+        self.v[3].fetch_add(s.bytes, Relaxed);
+        self.v[4].fetch_add(s.fragments, Relaxed);
+        self.v[5].fetch_add(s.fragments_coalesced, Relaxed);
+        self.v[6].fetch_add(s.staging_copies, Relaxed);
+    }
+
+    /// A request that ended without completing: cancelled or failed.
+    pub(crate) fn ended(&self, cancelled: bool) {
+        let i = if cancelled { 1 } else { 2 };
+        self.v[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub(crate) fn snapshot(&self) -> Metrics {

@@ -1813,8 +1813,8 @@ impl TcpAgent {
         // small, latency-bound requests: on large ones a spinning waiter
         // takes the CPU from the stack that moves the data (measured on
         // soft-RoCE: dropped ACKs and stalls), and saves nothing.
-        let small = req.local.descs.iter().map(|d| d.len).sum::<u64>() <= rdma::DRIVE_MAX_BYTES;
-        let completion = if peer.path == Path::Rdma && small {
+        let small = || req.local.descs.iter().map(|d| d.len).sum::<u64>() <= rdma::DRIVE_MAX_BYTES;
+        let completion = if peer.path == Path::Rdma && small() {
             let driver: Arc<dyn Progress> = link.clone();
             Completion::with_driver(Some(Arc::downgrade(&driver)))
         } else {

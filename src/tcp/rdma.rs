@@ -276,7 +276,6 @@ impl RdmaConn {
             qp: Mutex::new(qp),
             sends: MsgRing::new(dev, RING)?,
             window: Mutex::new(Window {
-                slots: WINDOW,
                 bytes: 0,
                 lens: VecDeque::with_capacity(WINDOW as usize),
             }),
@@ -290,8 +289,9 @@ impl RdmaConn {
     /// is free and the bytes in flight allow it.
     pub(crate) fn try_take_slot(&self, len: u64) -> bool {
         let mut w = lock(&self.window);
-        if w.slots > 0 && (w.lens.is_empty() || w.bytes + len <= MAX_INFLIGHT_BYTES) {
-            w.slots -= 1;
+        if w.lens.len() < WINDOW as usize
+            && (w.lens.is_empty() || w.bytes + len <= MAX_INFLIGHT_BYTES)
+        {
             w.bytes += len;
             w.lens.push_back(len);
             true
@@ -306,7 +306,6 @@ impl RdmaConn {
         let mut w = lock(&self.window);
         if let Some(len) = w.lens.pop_front() {
             w.bytes -= len;
-            w.slots += 1;
         }
     }
 
@@ -315,15 +314,13 @@ impl RdmaConn {
         let mut w = lock(&self.window);
         if let Some(len) = w.lens.pop_back() {
             w.bytes -= len;
-            w.slots += 1;
         }
     }
 }
 
-/// The send window: free slots, and the sizes of the posted work requests
-/// in posting order.
+/// The send window: the sizes of the posted work requests in posting order
+/// (at most [`WINDOW`]), and their sum.
 struct Window {
-    slots: u32,
     bytes: u64,
     lens: VecDeque<u64>,
 }

@@ -640,6 +640,13 @@ pub trait TransferAgent: Send + Sync {
     /// received so far (empty on timeout).
     fn wait_sync_messages(&self, timeout: Duration) -> SyncMessages;
 
+    /// Makes every thread now blocked in
+    /// [`wait_sync_messages`](Self::wait_sync_messages) return at once (with
+    /// what has arrived, possibly nothing). For event loops that wait on
+    /// sync messages and also take commands from other threads: a command
+    /// is seen now, not when the wait times out.
+    fn wake_sync_waiters(&self);
+
     /// Whether every descriptor lies inside a region `remote` exported, as
     /// known from its loaded descriptor. False for an unknown agent.
     fn check_remote_descs(&self, remote: &str, descs: &MemoryDescs) -> bool;

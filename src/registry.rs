@@ -227,25 +227,46 @@ impl Registry {
 /// Received sync messages, grouped by sender.
 #[derive(Debug, Default)]
 pub(crate) struct Inbox {
-    messages: Mutex<SyncMessages>,
+    messages: Mutex<Mailbox>,
     cv: Condvar,
 }
 
+/// The inbox's state: the messages, and how many times waiters were woken
+/// without one (see [`Inbox::wake`]).
+#[derive(Debug, Default)]
+struct Mailbox {
+    messages: SyncMessages,
+    wakes: u64,
+}
+
 impl Inbox {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Mailbox> {
+        self.messages.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(crate) fn deliver(&self, from: &str, msg: Vec<u8>) {
-        let mut m = self.messages.lock().unwrap_or_else(|p| p.into_inner());
-        m.entry(from.to_owned()).or_default().push(msg);
+        let mut m = self.lock();
+        m.messages.entry(from.to_owned()).or_default().push(msg);
         self.cv.notify_all();
     }
 
     pub(crate) fn take(&self) -> SyncMessages {
-        std::mem::take(&mut *self.messages.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut self.lock().messages)
+    }
+
+    /// Makes every thread now in [`wait`](Self::wait) return at once, with
+    /// whatever has arrived (possibly nothing).
+    pub(crate) fn wake(&self) {
+        let mut m = self.lock();
+        m.wakes = m.wakes.wrapping_add(1);
+        self.cv.notify_all();
     }
 
     pub(crate) fn wait(&self, timeout: Duration) -> SyncMessages {
         let deadline = Instant::now() + timeout;
-        let mut m = self.messages.lock().unwrap_or_else(|p| p.into_inner());
-        while m.is_empty() {
+        let mut m = self.lock();
+        let wakes = m.wakes;
+        while m.messages.is_empty() && m.wakes == wakes {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
@@ -256,13 +277,39 @@ impl Inbox {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        std::mem::take(&mut *m)
+        std::mem::take(&mut m.messages)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn inbox_wait_returns_on_message_or_wake() {
+        let inbox = std::sync::Arc::new(Inbox::default());
+        // A message: delivered to the waiter, grouped by sender.
+        let i = std::sync::Arc::clone(&inbox);
+        let t = std::thread::spawn(move || i.wait(Duration::from_secs(600)));
+        inbox.deliver("a", vec![1]);
+        let got = t.join().unwrap();
+        assert_eq!(got.get("a"), Some(&vec![vec![1u8]]));
+        // A wake without a message: the waiter returns (empty) long before
+        // its timeout; the test would hang for ten minutes otherwise.
+        let i = std::sync::Arc::clone(&inbox);
+        let t = std::thread::spawn(move || i.wait(Duration::from_secs(600)));
+        while !t.is_finished() {
+            inbox.wake();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(t.join().unwrap().is_empty());
+        // A wake before a wait does not make a later wait return early:
+        // it waits for its (short) timeout.
+        inbox.wake();
+        let t0 = Instant::now();
+        assert!(inbox.wait(Duration::from_millis(50)).is_empty());
+        assert!(t0.elapsed() >= Duration::from_millis(50));
+    }
 
     fn reg(r: &Registry, d: &MemoryDescs, t: &[MemoryType], b: &'static str) -> Result<(), Error> {
         // SAFETY: no device: nothing accesses the (fake) ranges.

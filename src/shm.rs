@@ -87,8 +87,34 @@ pub(crate) struct Piece {
     pub(crate) len: u64,
 }
 
-/// Copies every piece between this process and `pid`, up to 1024 pieces per
-/// system call, resuming after partial transfers.
+/// Whether `addr` can go into an iovec list: it extends the last entry, or
+/// the list has room for another.
+fn fits(v: &[libc::iovec], addr: u64) -> bool {
+    v.last()
+        .is_some_and(|last| last.iov_base as u64 + last.iov_len as u64 == addr)
+        || v.len() < IOV_MAX
+}
+
+/// Appends `len` bytes at `addr` to an iovec list, extending the last entry
+/// when the bytes follow it.
+fn push_iov(v: &mut Vec<libc::iovec>, addr: u64, len: u64) {
+    match v.last_mut() {
+        Some(last) if last.iov_base as u64 + last.iov_len as u64 == addr => {
+            last.iov_len += len as usize;
+        }
+        _ => v.push(libc::iovec {
+            iov_base: addr as *mut libc::c_void,
+            iov_len: len as usize,
+        }),
+    }
+}
+
+/// Copies every piece between this process and `pid`, resuming after
+/// partial transfers. Each side's ranges are merged where they are adjacent
+/// (the two iovec lists of a call need not match entry for entry), up to
+/// 1024 entries per side per call: the kernel pins the other process's pages
+/// one iovec at a time, so a contiguous remote side costs one pin call per
+/// 16 pages rather than one per piece.
 ///
 /// # Safety
 /// Every `local` range must be valid for reads (`Write`) or writes (`Read`)
@@ -103,30 +129,31 @@ pub(crate) unsafe fn copy(pid: u32, dir: Direction, pieces: &[Piece]) -> io::Res
         local.clear();
         remote.clear();
         let (mut j, mut o) = (i, off);
-        while j < pieces.len() && local.len() < IOV_MAX {
+        while j < pieces.len() {
             let p = pieces[j];
-            local.push(libc::iovec {
-                iov_base: (p.local + o) as *mut libc::c_void,
-                iov_len: (p.len - o) as usize,
-            });
-            remote.push(libc::iovec {
-                iov_base: (p.remote + o) as *mut libc::c_void,
-                iov_len: (p.len - o) as usize,
-            });
+            let (l, r, n) = (p.local + o, p.remote + o, p.len - o);
+            // Both lists take the piece, or neither does: a full list ends
+            // the call (the first piece always fits in empty lists).
+            if !fits(&local, l) || !fits(&remote, r) {
+                break;
+            }
+            push_iov(&mut local, l, n);
+            push_iov(&mut remote, r, n);
             j += 1;
             o = 0;
         }
-        let cnt = local.len() as libc::c_ulong;
-        // SAFETY: both iovec arrays are live and hold `cnt` entries; local
-        // ranges are valid per this function's contract; remote ranges are
-        // only touched by the kernel in the other process (EFAULT if bad).
+        let (lc, rc) = (local.len() as libc::c_ulong, remote.len() as libc::c_ulong);
+        // SAFETY: both iovec arrays are live and hold `lc` / `rc` entries
+        // covering the same number of bytes; local ranges are valid per this
+        // function's contract; remote ranges are only touched by the kernel
+        // in the other process (EFAULT if bad).
         let n = unsafe {
             match dir {
                 Direction::Write => {
-                    libc::process_vm_writev(pid, local.as_ptr(), cnt, remote.as_ptr(), cnt, 0)
+                    libc::process_vm_writev(pid, local.as_ptr(), lc, remote.as_ptr(), rc, 0)
                 }
                 Direction::Read => {
-                    libc::process_vm_readv(pid, local.as_ptr(), cnt, remote.as_ptr(), cnt, 0)
+                    libc::process_vm_readv(pid, local.as_ptr(), lc, remote.as_ptr(), rc, 0)
                 }
             }
         };
@@ -285,6 +312,79 @@ mod tests {
         for i in 0..3000 {
             assert_eq!(dst[i * 9..i * 9 + 7], src[i * 7..i * 7 + 7]);
             assert_eq!(dst[i * 9 + 7..i * 9 + 9], [0, 0]);
+        }
+    }
+
+    /// Runs of adjacent ranges on either side, broken at different places
+    /// on each, over more than one call's worth of iovecs per side, both
+    /// directions: every byte lands where its piece says, nothing else is
+    /// written.
+    #[test]
+    fn merges_each_side_independently() {
+        let n = 5000u64;
+        let len = |i: u64| 1 + (i * 7919) % 13;
+        // Local: a gap after every 4th piece (1250 runs); remote: after
+        // every 3rd (1667 runs): more than 1024 entries on either side.
+        let (mut lo, mut ro) = (Vec::new(), Vec::new());
+        let (mut l, mut r) = (0u64, 0u64);
+        for i in 0..n {
+            lo.push(l);
+            ro.push(r);
+            l += len(i) + u64::from(i % 4 == 3);
+            r += len(i) + 2 * u64::from(i % 3 == 2);
+        }
+        let src: Vec<u8> = (0..l).map(|i| (i * 131 % 251) as u8 + 1).collect();
+        for dir in [Direction::Write, Direction::Read] {
+            let other = vec![0u8; r as usize];
+            let mut here = vec![0u8; l as usize];
+            let (local_base, remote_base) = match dir {
+                Direction::Write => (src.as_ptr() as u64, other.as_ptr() as u64),
+                Direction::Read => (here.as_mut_ptr() as u64, other.as_ptr() as u64),
+            };
+            if dir == Direction::Read {
+                // Fill the remote side from `src` first (a write), then read
+                // it back into `here`.
+                let w: Vec<Piece> = (0..n)
+                    .map(|i| Piece {
+                        local: src.as_ptr() as u64 + lo[i as usize],
+                        remote: remote_base + ro[i as usize],
+                        len: len(i),
+                    })
+                    .collect();
+                // SAFETY: `src` is readable; `other` is written by the kernel
+                // only and read after the call.
+                unsafe { copy(std::process::id(), Direction::Write, &w).unwrap() };
+            }
+            let pieces: Vec<Piece> = (0..n)
+                .map(|i| Piece {
+                    local: local_base + lo[i as usize],
+                    remote: remote_base + ro[i as usize],
+                    len: len(i),
+                })
+                .collect();
+            // SAFETY: local ranges lie in `src` (readable) or `here`
+            // (written by the kernel only, read after the call).
+            unsafe { copy(std::process::id(), dir, &pieces).unwrap() };
+            let (other, here) = (std::hint::black_box(other), std::hint::black_box(here));
+            let mut touched = vec![false; r as usize];
+            for i in 0..n as usize {
+                let k = len(i as u64) as usize;
+                let want = &src[lo[i] as usize..lo[i] as usize + k];
+                assert_eq!(
+                    &other[ro[i] as usize..ro[i] as usize + k],
+                    want,
+                    "piece {i}"
+                );
+                if dir == Direction::Read {
+                    assert_eq!(&here[lo[i] as usize..lo[i] as usize + k], want, "piece {i}");
+                }
+                touched[ro[i] as usize..ro[i] as usize + k].fill(true);
+            }
+            for (b, t) in other.iter().zip(&touched) {
+                if !t {
+                    assert_eq!(*b, 0, "a gap was written");
+                }
+            }
         }
     }
 }

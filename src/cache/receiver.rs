@@ -338,6 +338,7 @@ impl Drop for CacheReceiver {
     /// Stops and joins the thread; open requests fail with `Closed`.
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
+        self.shared.agent.wake_sync_waiters();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -245,6 +245,9 @@ impl CacheSender {
                 cell: Arc::clone(&cell),
             })
             .map_err(|_| CacheError::Closed)?;
+        // The protocol thread may be waiting for sync messages: have it
+        // take the command now.
+        self.shared.agent.wake_sync_waiters();
         Ok(SendHandle { request_id, cell })
     }
 
@@ -281,6 +284,7 @@ impl CacheSender {
                 reply,
             })
             .map_err(|_| CacheError::Closed)?;
+        self.shared.agent.wake_sync_waiters();
         let t = self.shared.config.timeout;
         rx.recv_timeout(t).unwrap_or(Err(CacheError::Timeout {
             what: format!("cancelling request {request_id}"),
@@ -294,6 +298,7 @@ impl Drop for CacheSender {
     /// `Closed` (after their posted writes finished or timed out).
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
+        self.shared.agent.wake_sync_waiters();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -2052,6 +2052,10 @@ impl TransferAgent for TcpAgent {
         self.inner.inbox.wait(timeout)
     }
 
+    fn wake_sync_waiters(&self) {
+        self.inner.inbox.wake();
+    }
+
     fn check_remote_descs(&self, remote: &str, descs: &MemoryDescs) -> bool {
         let Ok(peer) = self.inner.peer(remote) else {
             return false;

@@ -311,6 +311,14 @@ enum kvxfer_result kvxfer_agent_wait_messages(const struct kvxfer_agent *agent,
                                               uint32_t timeout_ms,
                                               struct kvxfer_messages **out);
 
+// Makes every thread now blocked in `kvxfer_agent_wait_messages` on this
+// agent return at once (with what has arrived, possibly nothing): for an
+// event loop that also takes work from other threads.
+//
+// # Safety
+// `agent` is a handle from `kvxfer_agent_new` (checked).
+enum kvxfer_result kvxfer_agent_wake_waiters(const struct kvxfer_agent *agent);
+
 // Whether every descriptor lies in a region `remote` exported (false for
 // an unknown agent), written to `*out`.
 //

@@ -903,6 +903,22 @@ pub unsafe extern "C" fn kvxfer_agent_wait_messages(
     })
 }
 
+/// Makes every thread now blocked in `kvxfer_agent_wait_messages` on this
+/// agent return at once (with what has arrived, possibly nothing): for an
+/// event loop that also takes work from other threads.
+///
+/// # Safety
+/// `agent` is a handle from `kvxfer_agent_new` (checked).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_wake_waiters(agent: *const kvxfer_agent) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        a.agent.wake_sync_waiters();
+        Ok(KVXFER_OK)
+    })
+}
+
 /// Whether every descriptor lies in a region `remote` exported (false for
 /// an unknown agent), written to `*out`.
 ///

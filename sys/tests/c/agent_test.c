@@ -135,6 +135,21 @@ int main(void) {
   CHECK(kvxfer_messages_count(msgs, &count));
   EXPECT(count >= 1);
   CHECK(kvxfer_messages_free(msgs));
+  /* A wake with nobody waiting is harmless, and does not cut a later wait
+   * short: that one still times out with no message. First every message
+   * is taken: "y" is delivered once its status completes, and the empty
+   * one sent before it, ordered on the same connection, before it. */
+  CHECK(kvxfer_agent_notify(init, name, (const uint8_t *)"y", 1, &st));
+  CHECK(kvxfer_status_wait(st, 10000));
+  CHECK(kvxfer_status_free(st));
+  CHECK(kvxfer_agent_take_messages(target, &msgs));
+  CHECK(kvxfer_messages_free(msgs));
+  CHECK(kvxfer_agent_wake_waiters(target));
+  CHECK(kvxfer_agent_wait_messages(target, 20, &msgs));
+  CHECK(kvxfer_messages_count(msgs, &count));
+  EXPECT(count == 0);
+  CHECK(kvxfer_messages_free(msgs));
+  EXPECT_ERR(kvxfer_agent_wake_waiters(NULL), KVXFER_ERR_NULL_ARGUMENT, "agent");
 
   /* The descriptor as bytes: size query, then load from bytes. */
   size_t desc_len = 0;

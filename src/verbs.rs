@@ -338,10 +338,17 @@ impl Device {
                     | SendOperationFlags::WriteWithImmediate
                     | SendOperationFlags::Read,
             );
-        let qp: GenericQueuePair = qpb
-            .build()
-            .map_err(|e| verb("ibv_create_qp")(other(e)))?
-            .into();
+        // The extended verbs post a batch of work requests atomically
+        // (all or none); devices without them get a basic queue pair.
+        let qp: GenericQueuePair = match qpb.build_ex() {
+            Ok(qp) => qp.into(),
+            Err(e) => {
+                tracing::debug!(device = %self.name, error = %e, "ibv_create_qp_ex failed; using a basic queue pair");
+                qpb.build()
+                    .map_err(|e| verb("ibv_create_qp")(other(e)))?
+                    .into()
+            }
+        };
         let psn = crate::registry::random_u64() as u32 & 0x00ff_ffff;
         let mut rc = RcQueuePair {
             qp,
@@ -370,6 +377,44 @@ pub struct Sge {
     pub addr: u64,
     /// Length.
     pub len: u32,
+}
+
+/// What one work request of a [`RcQueuePair::post_batch`] does.
+#[derive(Clone, Copy, Debug)]
+pub enum PostOp {
+    /// RDMA WRITE of the gathered pieces to `remote_addr`, with immediate
+    /// data when `imm` is given.
+    Write {
+        /// Remote key.
+        rkey: u32,
+        /// Remote address.
+        remote_addr: u64,
+        /// Immediate data.
+        imm: Option<u32>,
+    },
+    /// RDMA READ from `remote_addr`, scattered into the pieces.
+    Read {
+        /// Remote key.
+        rkey: u32,
+        /// Remote address.
+        remote_addr: u64,
+    },
+    /// SEND of the gathered pieces with immediate data.
+    Send {
+        /// Immediate data.
+        imm: u32,
+    },
+}
+
+/// One work request of a batch.
+#[derive(Clone, Copy, Debug)]
+pub struct Post<'a> {
+    /// Returned in its completion.
+    pub wr_id: u64,
+    /// The operation.
+    pub op: PostOp,
+    /// Local pieces, in order.
+    pub sges: &'a [Sge],
 }
 
 /// A completed work request.
@@ -527,19 +572,13 @@ impl RcQueuePair {
         imm: Option<u32>,
         signaled: bool,
     ) -> Result<(), VerbsError> {
-        let flags = send_flags(signaled);
-        let raw = raw_sges(sges);
-        let mut guard = self.qp.start_post_send();
-        let wr = guard.construct_wr(wr_id, flags);
-        let h = match imm {
-            Some(i) => wr.setup_write_imm(rkey, remote_addr, i),
-            None => wr.setup_write(rkey, remote_addr),
+        let op = PostOp::Write {
+            rkey,
+            remote_addr,
+            imm,
         };
-        // SAFETY: forwarded contract: the pieces stay valid until completion.
-        unsafe { h.setup_sge_list(&raw) };
-        guard
-            .post()
-            .map_err(|e| verb("ibv_post_send(WRITE)")(other(e)))
+        // SAFETY: forwarded contract.
+        unsafe { self.post_one(wr_id, op, sges, signaled) }
     }
 
     /// Posts an RDMA READ from `remote_addr` (with `rkey`) scattered into
@@ -558,17 +597,9 @@ impl RcQueuePair {
         remote_addr: u64,
         signaled: bool,
     ) -> Result<(), VerbsError> {
-        let flags = send_flags(signaled);
-        let raw = raw_sges(sges);
-        let mut guard = self.qp.start_post_send();
-        let h = guard
-            .construct_wr(wr_id, flags)
-            .setup_read(rkey, remote_addr);
+        let op = PostOp::Read { rkey, remote_addr };
         // SAFETY: forwarded contract.
-        unsafe { h.setup_sge_list(&raw) };
-        guard
-            .post()
-            .map_err(|e| verb("ibv_post_send(READ)")(other(e)))
+        unsafe { self.post_one(wr_id, op, sges, signaled) }
     }
 
     /// Posts a SEND of a small inline message with immediate data.
@@ -599,16 +630,79 @@ impl RcQueuePair {
         sges: &[Sge],
         imm: u32,
     ) -> Result<(), VerbsError> {
-        let raw = raw_sges(sges);
-        let mut guard = self.qp.start_post_send();
-        let h = guard
-            .construct_wr(wr_id, WorkRequestFlags::Signaled)
-            .setup_send_imm(imm);
         // SAFETY: forwarded contract.
-        unsafe { h.setup_sge_list(&raw) };
-        guard
-            .post()
-            .map_err(|e| verb("ibv_post_send(SEND)")(other(e)))
+        unsafe { self.post_one(wr_id, PostOp::Send { imm }, sges, true) }
+    }
+
+    /// Whether a failed [`post_batch`](Self::post_batch) posted none of
+    /// its work requests: true on queue pairs built with the extended verbs
+    /// (`ibv_wr_start` … `ibv_wr_complete`, which discards the whole batch
+    /// on error); false on basic ones, where `ibv_post_send` may have posted
+    /// a prefix — post one work request per batch there.
+    pub fn batch_is_atomic(&self) -> bool {
+        matches!(self.qp, GenericQueuePair::Extended(_))
+    }
+
+    /// Posts `wrs` in order with one doorbell, each signaled: one system
+    /// call (soft-RoCE) or one MMIO write (hardware) for the whole batch.
+    ///
+    /// # Safety
+    /// As [`post_write`](Self::post_write), for every work request.
+    ///
+    /// # Errors
+    /// The post's error; see [`batch_is_atomic`](Self::batch_is_atomic)
+    /// for what was posted then.
+    pub unsafe fn post_batch(&mut self, wrs: &[Post<'_>]) -> Result<(), VerbsError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.post_wrs(wrs, true) }
+    }
+
+    /// One work request, signaled or not.
+    ///
+    /// # Safety
+    /// As [`post_write`](Self::post_write).
+    unsafe fn post_one(
+        &mut self,
+        wr_id: u64,
+        op: PostOp,
+        sges: &[Sge],
+        signaled: bool,
+    ) -> Result<(), VerbsError> {
+        let w = [Post { wr_id, op, sges }];
+        // SAFETY: forwarded contract.
+        unsafe { self.post_wrs(&w, signaled) }
+    }
+
+    /// # Safety
+    /// As [`post_write`](Self::post_write).
+    unsafe fn post_wrs(&mut self, wrs: &[Post<'_>], signaled: bool) -> Result<(), VerbsError> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let flags = send_flags(signaled);
+        let mut guard = self.qp.start_post_send();
+        for w in wrs {
+            let raw = raw_sges(w.sges);
+            let wr = guard.construct_wr(w.wr_id, flags);
+            let h = match w.op {
+                PostOp::Write {
+                    rkey,
+                    remote_addr,
+                    imm: Some(i),
+                } => wr.setup_write_imm(rkey, remote_addr, i),
+                PostOp::Write {
+                    rkey,
+                    remote_addr,
+                    imm: None,
+                } => wr.setup_write(rkey, remote_addr),
+                PostOp::Read { rkey, remote_addr } => wr.setup_read(rkey, remote_addr),
+                PostOp::Send { imm } => wr.setup_send_imm(imm),
+            };
+            // SAFETY: forwarded contract: the pieces stay valid until the
+            // work request completes. The list is copied at once.
+            unsafe { h.setup_sge_list(&raw) };
+        }
+        guard.post().map_err(|e| verb("ibv_post_send")(other(e)))
     }
 
     /// Moves the queue pair to the error state: every outstanding work

@@ -295,3 +295,88 @@ fn completion_channel_wakes_a_sleeper_and_times_out_when_idle() {
     }
     assert_eq!(dst, src);
 }
+
+/// A batch posted with one doorbell: 40 WRITEs scattered over the remote
+/// region (more than one batch of the agent's), then a READ of them back,
+/// complete in posting order with their ids and move every byte.
+#[test]
+fn batch_of_work_requests_with_one_doorbell() {
+    let Some((a, b)) = two_devices("batch_of_work_requests_with_one_doorbell") else {
+        return;
+    };
+    let (mut qa, _qb) = connected_pair(&a, &b);
+    const K: usize = 40;
+    const PIECE: usize = 1024;
+    let src: Vec<u8> = (0..K * PIECE).map(|i| (i * 7 % 251) as u8 + 1).collect();
+    let dst = vec![0u8; 2 * K * PIECE];
+    let back = vec![0u8; 2 * K * PIECE];
+    // SAFETY: the buffers outlive the regions (dropped at the end).
+    let (src_mr, dst_mr, back_mr) = unsafe {
+        (
+            a.register(src.as_ptr() as u64, src.len() as u64).unwrap(),
+            b.register(dst.as_ptr() as u64, dst.len() as u64).unwrap(),
+            a.register(back.as_ptr() as u64, back.len() as u64).unwrap(),
+        )
+    };
+    let pieces: Vec<[Sge; 1]> = (0..K)
+        .map(|i| {
+            [Sge {
+                lkey: src_mr.lkey(),
+                addr: src.as_ptr() as u64 + (i * PIECE) as u64,
+                len: PIECE as u32,
+            }]
+        })
+        .collect();
+    let whole = [Sge {
+        lkey: back_mr.lkey(),
+        addr: back.as_ptr() as u64,
+        len: back.len() as u32,
+    }];
+    // Piece i lands at 2i * PIECE: every other KiB of the remote region.
+    let mut posts: Vec<verbs::Post<'_>> = pieces
+        .iter()
+        .enumerate()
+        .map(|(i, p)| verbs::Post {
+            wr_id: 100 + i as u64,
+            op: verbs::PostOp::Write {
+                rkey: dst_mr.rkey(),
+                remote_addr: dst.as_ptr() as u64 + (2 * i * PIECE) as u64,
+                imm: None,
+            },
+            sges: p,
+        })
+        .collect();
+    posts.push(verbs::Post {
+        wr_id: 999,
+        op: verbs::PostOp::Read {
+            rkey: dst_mr.rkey(),
+            remote_addr: dst.as_ptr() as u64,
+        },
+        sges: &whole,
+    });
+    eprintln!("batch_is_atomic: {}", qa.batch_is_atomic());
+    // SAFETY: every piece lies in a registered region alive until the
+    // completions below.
+    unsafe { qa.post_batch(&posts).unwrap() };
+    let done = wait_for(&qa, false, K + 1);
+    let ids: Vec<u64> = done.iter().map(|c| c.wr_id).collect();
+    let want: Vec<u64> = (0..K as u64).map(|i| 100 + i).chain([999]).collect();
+    assert_eq!(ids, want);
+    for c in &done {
+        c.ok().unwrap();
+    }
+    let (dst, back) = (std::hint::black_box(dst), std::hint::black_box(back));
+    for i in 0..K {
+        let want = &src[i * PIECE..(i + 1) * PIECE];
+        assert_eq!(&dst[2 * i * PIECE..(2 * i + 1) * PIECE], want, "piece {i}");
+        assert!(
+            dst[(2 * i + 1) * PIECE..(2 * i + 2) * PIECE]
+                .iter()
+                .all(|&x| x == 0)
+        );
+    }
+    // The READ, posted after the WRITEs on the same queue pair, saw them.
+    assert_eq!(back, dst);
+    drop((qa, _qb));
+    drop((src_mr, dst_mr, back_mr));
+}

@@ -2300,9 +2300,18 @@ impl Link {
     }
 
     /// Posts queued work requests while the window and the message buffers
-    /// allow, in order. On a broken link, fails every queued one instead
-    /// (each counts its events, so requests still complete exactly once).
+    /// allow, in order, up to [`rdma::DOORBELL_BATCH`] per doorbell. On a
+    /// broken link, fails every queued one instead (each counts its events,
+    /// so requests still complete exactly once).
     fn pump(&self, conn: &rdma::RdmaConn) {
+        // A basic queue pair may post part of a failed batch: one at a time.
+        let batch_max = if conn.batch_is_atomic {
+            rdma::DOORBELL_BATCH
+        } else {
+            1
+        };
+        let mut batch: Vec<(rdma::Queued, Arc<Pending>, Option<usize>)> = Vec::new();
+        let mut sges: Vec<Vec<Sge>> = Vec::new();
         loop {
             let mut q = lock(&conn.queue);
             if let Some(cause) = self.broken_cause() {
@@ -2315,70 +2324,94 @@ impl Link {
                 }
                 return;
             }
-            let Some((front, _)) = q.front() else { return };
-            let len = match front {
-                rdma::Queued::Data { wr, .. } => wr.len,
-                rdma::Queued::Sync { msg, .. } => msg.len() as u64,
-            };
-            if !conn.try_take_slot(len) {
+            batch.clear();
+            while batch.len() < batch_max {
+                let Some((front, _)) = q.front() else { break };
+                let len = match front {
+                    rdma::Queued::Data { wr, .. } => wr.len,
+                    rdma::Queued::Sync { msg, .. } => msg.len() as u64,
+                };
+                if !conn.try_take_slot(len) {
+                    break;
+                }
+                let send_slot = match front {
+                    rdma::Queued::Sync { .. } => match conn.sends.try_acquire() {
+                        Some(s) => Some(s),
+                        None => {
+                            conn.unwind_slot();
+                            break;
+                        }
+                    },
+                    rdma::Queued::Data { .. } => None,
+                };
+                let (item, p) = q.pop_front().expect("front exists");
+                batch.push((item, p, send_slot));
+            }
+            if batch.is_empty() {
                 return;
             }
-            let send_slot = match front {
-                rdma::Queued::Sync { .. } => match conn.sends.try_acquire() {
-                    Some(s) => Some(s),
-                    None => {
-                        conn.unwind_slot();
-                        return;
-                    }
-                },
-                rdma::Queued::Data { .. } => None,
-            };
-            let (item, p) = q.pop_front().expect("front exists");
-            conn.posted.fetch_add(1, Ordering::AcqRel);
-            // SAFETY: data pieces lie in registered regions held by the
-            // request's guards, which live until every event of the request
-            // (this work request's completion among them) has happened; a
-            // message slot is ours until its SEND completes.
-            let r = unsafe {
-                let mut qp = lock(&conn.qp);
-                match (&item, send_slot) {
-                    (rdma::Queued::Data { id, op, wr }, _) => {
-                        let sges: Vec<Sge> = wr
-                            .sges
-                            .iter()
-                            .map(|&(lkey, addr, len)| Sge { lkey, addr, len })
-                            .collect();
-                        match op {
-                            TransferOp::Write => {
-                                qp.post_write(*id, &sges, wr.rkey, wr.remote, None, true)
-                            }
-                            TransferOp::Read => qp.post_read(*id, &sges, wr.rkey, wr.remote, true),
-                        }
-                    }
+            conn.posted.fetch_add(batch.len(), Ordering::AcqRel);
+            sges.clear();
+            for (item, _, slot) in &batch {
+                sges.push(match (item, slot) {
+                    (rdma::Queued::Data { wr, .. }, _) => wr
+                        .sges
+                        .iter()
+                        .map(|&(lkey, addr, len)| Sge { lkey, addr, len })
+                        .collect(),
                     (rdma::Queued::Sync { id, msg }, Some(slot)) => {
-                        let len = conn.sends.write_sync(slot, *id, msg);
-                        let wr_id = rdma::SEND_FLAG | ((slot as u64) << 40) | id;
-                        qp.post_send(wr_id, &[conn.sends.sge(slot, len)], 0)
+                        let len = conn.sends.write_sync(*slot, *id, msg);
+                        vec![conn.sends.sge(*slot, len)]
                     }
-                    // Not reached: a sync message is taken with a buffer
-                    // above. Reported as a failure rather than a panic.
-                    (rdma::Queued::Sync { .. }, None) => {
-                        Err(crate::verbs::VerbsError::Unsupported {
-                            what: "a sync message without a message buffer",
-                        })
-                    }
-                }
-            };
+                    (rdma::Queued::Sync { .. }, None) => Vec::new(),
+                });
+            }
+            let posts: Vec<crate::verbs::Post<'_>> = batch
+                .iter()
+                .zip(&sges)
+                .map(|((item, _, slot), sg)| match item {
+                    rdma::Queued::Data { id, op, wr } => crate::verbs::Post {
+                        wr_id: *id,
+                        op: match op {
+                            TransferOp::Write => crate::verbs::PostOp::Write {
+                                rkey: wr.rkey,
+                                remote_addr: wr.remote,
+                                imm: None,
+                            },
+                            TransferOp::Read => crate::verbs::PostOp::Read {
+                                rkey: wr.rkey,
+                                remote_addr: wr.remote,
+                            },
+                        },
+                        sges: sg,
+                    },
+                    rdma::Queued::Sync { id, .. } => crate::verbs::Post {
+                        // A sync message always has a buffer (taken above).
+                        wr_id: rdma::SEND_FLAG | ((slot.unwrap_or(0) as u64) << 40) | id,
+                        op: crate::verbs::PostOp::Send { imm: 0 },
+                        sges: sg,
+                    },
+                })
+                .collect();
+            // SAFETY: data pieces lie in registered regions held by the
+            // requests' guards, which live until every event of a request
+            // (these work requests' completions among them) has happened; a
+            // message slot is ours until its SEND completes.
+            let r = unsafe { lock(&conn.qp).post_batch(&posts) };
+            drop(posts);
             drop(q);
             if let Err(e) = r {
-                conn.posted.fetch_sub(1, Ordering::AcqRel);
-                conn.unwind_slot();
-                if let Some(slot) = send_slot {
-                    conn.sends.release(slot);
-                }
+                // Nothing of the batch was posted (atomic batches, or one).
+                conn.posted.fetch_sub(batch.len(), Ordering::AcqRel);
                 let err = rdma::rdma_err(&self.remote, e);
-                for _ in 0..item.events() {
-                    self.complete_event(item.id(), &p, Err(err.clone()));
+                for (item, p, slot) in batch.drain(..).rev() {
+                    conn.unwind_slot();
+                    if let Some(slot) = slot {
+                        conn.sends.release(slot);
+                    }
+                    for _ in 0..item.events() {
+                        self.complete_event(item.id(), &p, Err(err.clone()));
+                    }
                 }
                 self.fail(err);
             }

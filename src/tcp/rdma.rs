@@ -38,6 +38,8 @@ pub(crate) const WINDOW: u32 = 256;
 /// soft-RoCE overflowed its packet queues (dropped ACKs, go-back-N
 /// retransmission storms that stalled a transfer for over 30 s).
 pub(crate) const MAX_INFLIGHT_BYTES: u64 = 16 << 20;
+/// Most work requests posted with one doorbell (one `ibv_post_send`).
+pub(crate) const DOORBELL_BATCH: usize = 32;
 /// `wr_id` bit marking a SEND (whose bits 40..56 name its buffer slot).
 pub(crate) const SEND_FLAG: u64 = 1 << 63;
 const REQ_MASK: u64 = (1 << 40) - 1;
@@ -264,6 +266,9 @@ pub(crate) struct RdmaConn {
     pub(crate) posted: AtomicUsize,
     pub(crate) max_sge: usize,
     pub(crate) max_msg: u64,
+    /// Whether a failed batch post posted nothing (see
+    /// [`RcQueuePair::batch_is_atomic`]).
+    pub(crate) batch_is_atomic: bool,
 }
 
 impl RdmaConn {
@@ -273,6 +278,7 @@ impl RdmaConn {
             events: qp.send_events(),
             polled: Mutex::new(Vec::with_capacity(WINDOW as usize)),
             max_sge: qp.max_sge() as usize,
+            batch_is_atomic: qp.batch_is_atomic(),
             qp: Mutex::new(qp),
             sends: MsgRing::new(dev, RING)?,
             window: Mutex::new(Window {

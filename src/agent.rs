@@ -378,6 +378,14 @@ pub struct AgentConfig {
     /// the submitting link's thread included (default: the number of CPUs,
     /// at most 4). Requests under 2 MiB always use one.
     pub shm_copy_threads: usize,
+    /// Cross-memory (shm) copies are done by whichever side's memory is the
+    /// contiguous one (default true): a request whose remote pieces are
+    /// much more scattered than its local ones is copied by the target
+    /// (which asks nothing of the initiator's layout), because the kernel
+    /// pins the *other* process's pages one iovec at a time. An agent with
+    /// `false` neither asks its targets to copy nor copies for initiators
+    /// (its threads never spend time on other agents' requests).
+    pub shm_delegate: bool,
     /// Bound on connection establishment, including the hello exchange
     /// (default 5 s).
     pub connect_timeout: Duration,
@@ -436,6 +444,7 @@ impl AgentConfig {
             shm_copy_threads: std::thread::available_parallelism()
                 .map_or(1, |n| n.get())
                 .min(4),
+            shm_delegate: true,
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(30),
             rdma_device: None,
@@ -471,6 +480,13 @@ impl AgentConfig {
     /// Sets the number of threads copying one large shm request.
     pub fn with_shm_copy_threads(mut self, n: usize) -> Self {
         self.shm_copy_threads = n;
+        self
+    }
+
+    /// Sets whether shm copies may be done by the side whose memory is
+    /// contiguous (see [`shm_delegate`](Self::shm_delegate)).
+    pub fn with_shm_delegate(mut self, on: bool) -> Self {
+        self.shm_delegate = on;
         self
     }
 

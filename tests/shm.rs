@@ -130,3 +130,45 @@ fn denied_cross_memory_attach_falls_back_to_tcp() {
         "{reply}"
     );
 }
+
+/// A peer process, written in scattered 4 KiB pieces (every other one) from
+/// one contiguous buffer here: the case where the target copies (its side
+/// is the scattered one, see `AgentConfig::shm_delegate`). Each piece holds
+/// the new pattern, each gap the old one, and the sync message arrives.
+#[test]
+fn scattered_write_to_another_process() {
+    const P: u64 = 4096;
+    const K: u64 = 48;
+    let mut peer = PeerProc::spawn("target", 2 * K * P, 1, &[("KVXFER_TEST_BACKEND", "shm")]);
+    let a = agent("init", Backend::Shm);
+    let name = a.load_remote_agent_by_connection(&peer.conn).unwrap();
+    assert_eq!(a.remote_transport(&name).unwrap(), "shm");
+    let mut src = vec![0u8; (K * P) as usize];
+    for i in 0..K {
+        let piece = &mut src[(i * P) as usize..((i + 1) * P) as usize];
+        fill(piece, 7, 2 * i * P);
+    }
+    register(a.as_ref(), &src);
+    let local: Vec<_> = (0..K).map(|i| (src.as_ptr() as u64 + i * P, P)).collect();
+    let remote: Vec<_> = (0..K).map(|i| (peer.addr + 2 * i * P, P)).collect();
+    a.submit_transfer(
+        TransferRequest::write(dram(local), dram(remote), &name).with_sync_message(b"s".to_vec()),
+    )
+    .unwrap()
+    .wait_success(WAIT)
+    .unwrap();
+    for i in 0..K {
+        assert_eq!(
+            peer.cmd(&format!("check 7 {} {P}", 2 * i * P)),
+            "OK",
+            "piece {i}"
+        );
+        assert_eq!(
+            peer.cmd(&format!("check 1 {} {P}", (2 * i + 1) * P)),
+            "OK",
+            "gap {i}"
+        );
+    }
+    assert_eq!(peer.cmd("msgs"), "init=s");
+    a.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
+}

@@ -261,12 +261,19 @@ struct Session {
     /// Cross-memory grants held until each request's commit.
     grants: Mutex<HashMap<u64, Grants>>,
     streams: AtomicUsize,
+    /// Whether this agent copies for the initiator (`Delegate`): the
+    /// initiator's (pid, probe address, instance) and the probe's verdict,
+    /// decided on its first delegated request.
+    delegate: Mutex<Option<(u32, u64, u64, bool)>>,
 }
 
 #[derive(Default)]
 struct Grants {
     seen: u32,
     guards: Vec<RegionGuard>,
+    /// The admitted ranges, `(addr, len)`: a delegated copy may write (or
+    /// read) only inside them.
+    spans: Vec<(u64, u64)>,
     refused: Option<RejectReason>,
 }
 
@@ -420,6 +427,7 @@ impl Inner {
                                 table: Mutex::new(RequestTable::default()),
                                 grants: Mutex::new(HashMap::new()),
                                 streams: AtomicUsize::new(0),
+                                delegate: Mutex::new(None),
                             })
                         });
                         s.streams.fetch_add(1, Ordering::SeqCst);
@@ -636,7 +644,10 @@ impl Inner {
                         let g = grants.entry(req).or_default();
                         g.seen += 1;
                         match admitted {
-                            Ok(guard) => g.guards.push(guard),
+                            Ok(guard) => {
+                                g.guards.push(guard);
+                                g.spans.push((addr, len));
+                            }
                             Err(r) => {
                                 g.refused.get_or_insert(r);
                             }
@@ -659,6 +670,77 @@ impl Inner {
                         )?;
                     }
                     None
+                }
+                Frame::Delegate {
+                    req,
+                    op,
+                    count,
+                    pid,
+                    probe_addr,
+                    instance,
+                    sync_len,
+                    has_sync,
+                } => {
+                    // The sync message may follow: no header read-ahead.
+                    let table =
+                        reader.read_vec_mid_frame(count as usize * wire::DELEGATE_ENTRY, idle)?;
+                    let sync = if has_sync {
+                        Some(reader.read_vec(sync_len as usize, idle)?)
+                    } else if sync_len != 0 {
+                        return Err(violation("delegate body without a sync message"));
+                    } else {
+                        None
+                    };
+                    let answer = |st| {
+                        send_frames(
+                            sock,
+                            &[Frame::Granted { req, status: st }.encode()],
+                            clock,
+                            self.config.io_timeout,
+                        )
+                    };
+                    if !self.may_copy_for(session, pid, probe_addr, instance) {
+                        answer(status::DELEGATE_REFUSED)?;
+                        None
+                    } else {
+                        let spans = lock(&session.grants)
+                            .get(&req)
+                            .map(|g| g.spans.clone())
+                            .unwrap_or_default();
+                        let pieces = delegated_pieces(&table, &spans).map_err(violation)?;
+                        let dir = match op {
+                            CommitOp::Write => shm::Direction::Read,
+                            CommitOp::Read => shm::Direction::Write,
+                        };
+                        // SAFETY: every local range lies inside a span granted
+                        // for this request (checked above), in a region this
+                        // agent registered, whose registrant promised it stays
+                        // valid while registered; the request's grant guards
+                        // keep it registered until the commit below.
+                        let copied = unsafe {
+                            shm::copy_parallel(
+                                pid,
+                                dir,
+                                &pieces,
+                                self.config.shm_copy_threads,
+                                PARALLEL_COPY_MIN,
+                            )
+                        };
+                        match copied {
+                            Ok(()) => {
+                                answer(status::OK)?;
+                                lock(&session.table)
+                                    .commit(req, 0, sync)
+                                    .map_err(violation)?
+                            }
+                            Err(e) => {
+                                tracing::warn!(agent = %self.config.name, remote = %session.remote, req, error = %e, "delegated cross-memory copy failed");
+                                lock(&session.grants).remove(&req);
+                                answer(status::DELEGATE_FAILED)?;
+                                None
+                            }
+                        }
+                    }
                 }
                 Frame::Commit {
                     req,
@@ -684,6 +766,36 @@ impl Inner {
                 self.finish(sock, session, f, clock)?;
             }
         }
+    }
+
+    /// Whether this agent copies for the initiator of `session`, which says
+    /// it is process `pid` with `instance` readable at `probe_addr`: only
+    /// when delegation is on and the probe proves this process can reach
+    /// that very agent (decided once per session).
+    fn may_copy_for(&self, session: &Session, pid: u32, probe_addr: u64, instance: u64) -> bool {
+        if !self.config.shm_delegate {
+            return false;
+        }
+        let mut d = lock(&session.delegate);
+        if let Some((p, a, i, ok)) = *d
+            && (p, a, i) == (pid, probe_addr, instance)
+        {
+            return ok;
+        }
+        let access = LocalAccess {
+            host: self.host.clone(),
+            pid,
+            probe_addr,
+        };
+        let ok = match shm::probe(&access, instance, &self.host) {
+            Ok(()) => true,
+            Err(why) => {
+                tracing::info!(agent = %self.config.name, remote = %session.remote, %why, "not copying for this initiator; it copies itself");
+                false
+            }
+        };
+        *d = Some((pid, probe_addr, instance, ok));
+        ok
     }
 
     fn finish(
@@ -922,6 +1034,8 @@ enum Job {
         pieces: Vec<Piece>,
         grants: Vec<GrantRange>,
         sync: Option<Vec<u8>>,
+        /// Ask the target to copy (see [`should_delegate`]).
+        delegate: bool,
         pending: Arc<Pending>,
     },
     Frames {
@@ -953,6 +1067,12 @@ struct Link {
     remote: String,
     io_timeout: Duration,
     copy_threads: usize,
+    /// This agent's probe address and instance, sent with `Delegate` so the
+    /// target can prove it reaches this process; `None`: never delegate.
+    delegate_probe: Option<(u64, u64)>,
+    /// Cleared when the target refuses a delegated copy: later requests do
+    /// not ask again.
+    delegate_ok: AtomicBool,
     streams: Vec<StreamHandle>,
     pending: Mutex<PendingTable>,
     clock: ProgressClock,
@@ -997,6 +1117,10 @@ impl Link {
             remote: peer.name.clone(),
             io_timeout: cfg.io_timeout,
             copy_threads: cfg.shm_copy_threads,
+            delegate_probe: cfg
+                .shm_delegate
+                .then_some((&*inner.probe_word as *const u64 as u64, inner.instance)),
+            delegate_ok: AtomicBool::new(true),
             alive: AtomicUsize::new(2 * streams.len() + usize::from(has_rdma)),
             streams,
             pending: Mutex::new(PendingTable::default()),
@@ -1135,8 +1259,18 @@ impl Link {
                     pieces,
                     grants,
                     sync,
+                    delegate,
                     pending,
-                } => match self.run_cma(fd, req, op, pid, &pieces, &grants, &pending) {
+                } => match self.run_cma(
+                    fd,
+                    req,
+                    op,
+                    pid,
+                    &pieces,
+                    &grants,
+                    delegate.then_some(sync.as_deref()),
+                    &pending,
+                ) {
                     Ok(true) => (
                         req,
                         op,
@@ -1310,6 +1444,84 @@ impl Link {
     /// Grants and direct copy of a cross-memory request. `Ok(true)`: go on
     /// and commit; `Ok(false)`: the target refused the grants and the
     /// request has failed; `Err`: the link is broken.
+    /// Waits for the target's answer to a request's grants (or delegate).
+    fn wait_granted(&self, pending: &Pending) -> Result<u16, Error> {
+        loop {
+            match pending.granted.1.recv_timeout(tick(self.io_timeout)) {
+                Ok(st) => return Ok(st),
+                Err(_) => {
+                    if let Some(e) = &lock(&self.pending).broken {
+                        return Err(e.clone());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Asks the target to do a granted request's copy and commit it with
+    /// `sync`. `Ok(true)`: done (its `Ack` completes the request);
+    /// `Ok(false)`: refused, the caller copies and commits (and this link
+    /// asks no more); `Err`: the target's copy failed, the link is broken.
+    #[allow(clippy::too_many_arguments)]
+    fn run_delegate(
+        &self,
+        fd: std::os::fd::RawFd,
+        req: u64,
+        op: TransferOp,
+        pieces: &[Piece],
+        sync: Option<&[u8]>,
+        (probe_addr, instance): (u64, u64),
+        pending: &Pending,
+    ) -> Result<bool, Error> {
+        let mut table = Vec::with_capacity(pieces.len() * wire::DELEGATE_ENTRY);
+        for p in pieces {
+            table.extend_from_slice(&p.remote.to_le_bytes());
+            table.extend_from_slice(&p.local.to_le_bytes());
+            table.extend_from_slice(&p.len.to_le_bytes());
+        }
+        let hdr = Frame::Delegate {
+            req,
+            op: match op {
+                TransferOp::Write => CommitOp::Write,
+                TransferOp::Read => CommitOp::Read,
+            },
+            count: pieces.len() as u32,
+            pid: std::process::id(),
+            probe_addr,
+            instance,
+            sync_len: sync.map_or(0, |m| m.len() as u32),
+            has_sync: sync.is_some(),
+        }
+        .encode();
+        let body = sync.unwrap_or_default();
+        let mut iovs = [
+            iov(hdr.as_ptr(), HEADER_LEN),
+            iov(table.as_ptr(), table.len()),
+            iov(body.as_ptr(), body.len()),
+        ];
+        // SAFETY: the iovecs point into `hdr`, `table` and `body`, alive for
+        // the call.
+        unsafe { writev_all(fd, &mut iovs, &self.clock, self.io_timeout) }
+            .map_err(|e| self.io_error(e))?;
+        match self.wait_granted(pending)? {
+            status::OK => {
+                self.clock.touch();
+                Ok(true)
+            }
+            status::DELEGATE_REFUSED => {
+                tracing::debug!(remote = %self.remote, "target declined delegated copies; copying here");
+                self.delegate_ok.store(false, Ordering::Relaxed);
+                Ok(false)
+            }
+            st => Err(Error::ConnectionLost {
+                remote: self.remote.clone(),
+                cause: Arc::new(io::Error::other(format!(
+                    "the target's delegated cross-memory copy failed (status {st})"
+                ))),
+            }),
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn run_cma(
         &self,
@@ -1319,6 +1531,7 @@ impl Link {
         pid: u32,
         pieces: &[Piece],
         grants: &[GrantRange],
+        delegate: Option<Option<&[u8]>>,
         pending: &Pending,
     ) -> Result<bool, Error> {
         if grants.is_empty() {
@@ -1342,16 +1555,7 @@ impl Link {
         // SAFETY: the iovecs point into `frames`, alive for the call.
         unsafe { writev_all(fd, &mut iovs, &self.clock, self.io_timeout) }
             .map_err(|e| self.io_error(e))?;
-        let st = loop {
-            match pending.granted.1.recv_timeout(tick(self.io_timeout)) {
-                Ok(st) => break st,
-                Err(_) => {
-                    if let Some(e) = &lock(&self.pending).broken {
-                        return Err(e.clone());
-                    }
-                }
-            }
-        };
+        let st = self.wait_granted(pending)?;
         if st != status::OK {
             self.complete_event(
                 req,
@@ -1361,6 +1565,12 @@ impl Link {
                     reason: RejectReason::from_code(st),
                 }),
             );
+            return Ok(false);
+        }
+        if let (Some(sync), Some((probe_addr, instance))) = (delegate, self.delegate_probe)
+            && self.delegate_ok.load(Ordering::Relaxed)
+            && self.run_delegate(fd, req, op, pieces, sync, (probe_addr, instance), pending)?
+        {
             return Ok(false);
         }
         let dir = match op {
@@ -1731,6 +1941,56 @@ fn plan_segments(req: &TransferRequest, keys: &[u64], max: u64, streams: usize) 
     out
 }
 
+/// The pieces of a `Delegate` table, as (local = the target's address,
+/// remote = the initiator's): each non-empty, and inside one of `spans`
+/// (the request's admitted grants).
+fn delegated_pieces(table: &[u8], spans: &[(u64, u64)]) -> Result<Vec<Piece>, &'static str> {
+    let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+    table
+        .chunks_exact(wire::DELEGATE_ENTRY)
+        .map(|e| {
+            let (target, initiator, len) = (word(&e[..8]), word(&e[8..16]), word(&e[16..]));
+            let inside = len > 0
+                && target.checked_add(len).is_some_and(|end| {
+                    spans
+                        .iter()
+                        .any(|&(a, l)| target >= a && end <= a.saturating_add(l))
+                });
+            if inside {
+                Ok(Piece {
+                    local: target,
+                    remote: initiator,
+                    len,
+                })
+            } else {
+                Err("delegated piece outside the request's grants")
+            }
+        })
+        .collect()
+}
+
+/// Adjacent runs in a descriptor list (pieces that continue the previous
+/// one's range count once).
+fn runs(descs: &[crate::memory::MemoryDesc]) -> usize {
+    descs
+        .iter()
+        .zip(descs.iter().skip(1))
+        .filter(|(a, b)| a.addr.checked_add(a.len) != Some(b.addr))
+        .count()
+        + usize::from(!descs.is_empty())
+}
+
+/// Whether a cross-memory request should be copied by the target: its
+/// remote pieces are many and much more scattered than its local ones.
+fn should_delegate(req: &TransferRequest) -> bool {
+    let n = req.remote.descs.len();
+    if n > wire::DELEGATE_MAX as usize {
+        return false;
+    }
+    let remote = runs(&req.remote.descs);
+    remote >= 16 && remote >= 2 * runs(&req.local.descs)
+}
+
 /// One grant per remote region a request touches, covering the span of its
 /// descriptors in that region.
 fn grant_ranges(remote: &MemoryDescs, keys: &[u64]) -> Vec<GrantRange> {
@@ -1879,6 +2139,7 @@ impl TcpAgent {
                     })
                     .collect(),
                 grants: grant_ranges(&req.remote, &keys),
+                delegate: should_delegate(&req),
                 sync: req.sync_message,
                 pending,
             };
@@ -2522,5 +2783,153 @@ impl Link {
             }
         }
         self.thread_exit();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::MemoryDesc;
+
+    fn descs(v: &[(u64, u64)]) -> Vec<MemoryDesc> {
+        v.iter().map(|&(a, l)| MemoryDesc::new(a, l, 0)).collect()
+    }
+
+    #[test]
+    fn runs_count_breaks_in_adjacency() {
+        assert_eq!(runs(&[]), 0);
+        assert_eq!(runs(&descs(&[(0, 10), (10, 5), (15, 1)])), 1);
+        assert_eq!(runs(&descs(&[(0, 10), (20, 5), (25, 1), (0, 4)])), 3);
+        assert_eq!(runs(&descs(&[(u64::MAX - 1, 1), (0, 1)])), 2);
+    }
+
+    #[test]
+    fn delegation_only_for_much_more_scattered_remote_sides() {
+        let req = |local: Vec<MemoryDesc>, remote: Vec<MemoryDesc>| {
+            TransferRequest::write(
+                MemoryDescs::new(MemoryType::Dram, local),
+                MemoryDescs::new(MemoryType::Dram, remote),
+                "t",
+            )
+        };
+        let contiguous: Vec<_> = (0..64).map(|i| (i * 16, 16)).collect();
+        let strided: Vec<_> = (0..64).map(|i| (i * 32, 16)).collect();
+        assert!(should_delegate(&req(descs(&contiguous), descs(&strided))));
+        assert!(!should_delegate(&req(descs(&strided), descs(&contiguous))));
+        assert!(!should_delegate(&req(descs(&strided), descs(&strided))));
+        // Few pieces: not worth a round trip.
+        assert!(!should_delegate(&req(
+            descs(&contiguous[..8]),
+            descs(&strided[..8])
+        )));
+    }
+
+    #[test]
+    fn delegated_pieces_must_lie_in_the_grants() {
+        let entry =
+            |t: u64, i: u64, n: u64| [t.to_le_bytes(), i.to_le_bytes(), n.to_le_bytes()].concat();
+        let spans = [(1000, 100), (5000, 10)];
+        let ok = [entry(1000, 7, 100), entry(5005, 9, 5)].concat();
+        let p = delegated_pieces(&ok, &spans).unwrap();
+        assert_eq!(
+            p.iter()
+                .map(|p| (p.local, p.remote, p.len))
+                .collect::<Vec<_>>(),
+            [(1000, 7, 100), (5005, 9, 5)]
+        );
+        for bad in [
+            entry(1000, 0, 101),      // runs past its span
+            entry(1090, 0, 20),       // straddles the end
+            entry(2000, 0, 1),        // in no span
+            entry(1000, 0, 0),        // empty
+            entry(u64::MAX, 0, 2),    // wraps
+            entry(5000, 0, u64::MAX), // wraps
+        ] {
+            assert!(delegated_pieces(&bad, &spans).is_err());
+        }
+        assert!(delegated_pieces(&ok, &[]).is_err());
+    }
+
+    /// Two shm agents in this process: a WRITE to scattered remote pieces
+    /// from one contiguous local range is copied by the target (which
+    /// probed the initiator and accepted), and a READ of them back too;
+    /// with delegation off at the target, the initiator copies. Bytes and
+    /// sync messages are right either way.
+    #[test]
+    fn scattered_remote_side_is_copied_by_the_target() {
+        for target_delegates in [true, false] {
+            let init = TcpAgent::with_mode(AgentConfig::new("init"), Mode::Shm).unwrap();
+            let target = TcpAgent::with_mode(
+                AgentConfig::new("target").with_shm_delegate(target_delegates),
+                Mode::Shm,
+            )
+            .unwrap();
+            const P: usize = 4096;
+            const K: usize = 40;
+            let src: Vec<u8> = (0..K * P).map(|i| (i % 251) as u8 + 1).collect();
+            let back = vec![0u8; K * P];
+            let dst = vec![0u8; 2 * K * P];
+            // SAFETY: the buffers outlive the agents (dropped first below).
+            unsafe {
+                init.register_memory(&MemoryDescs::dram(&src)).unwrap();
+                init.register_memory(&MemoryDescs::dram(&back)).unwrap();
+                target.register_memory(&MemoryDescs::dram(&dst)).unwrap();
+            }
+            init.load_remote_agent(&target.local_agent_desc()).unwrap();
+            let scattered: Vec<MemoryDesc> = (0..K)
+                .map(|i| MemoryDesc::new(dst.as_ptr() as u64 + (2 * i * P) as u64, P as u64, 0))
+                .collect();
+            let pieces = |base: &[u8]| -> Vec<MemoryDesc> {
+                (0..K)
+                    .map(|i| MemoryDesc::new(base.as_ptr() as u64 + (i * P) as u64, P as u64, 0))
+                    .collect()
+            };
+            let write = TransferRequest::write(
+                MemoryDescs::new(MemoryType::Dram, pieces(&src)),
+                MemoryDescs::new(MemoryType::Dram, scattered.clone()),
+                "target",
+            )
+            .with_sync_message(b"landed".to_vec());
+            assert!(should_delegate(&write));
+            init.submit_transfer(write)
+                .unwrap()
+                .wait_success(Duration::from_secs(30))
+                .unwrap();
+            let msgs = target.wait_sync_messages(Duration::from_secs(30));
+            assert_eq!(msgs.get("init"), Some(&vec![b"landed".to_vec()]));
+            let read = TransferRequest::read(
+                MemoryDescs::new(MemoryType::Dram, pieces(&back)),
+                MemoryDescs::new(MemoryType::Dram, scattered),
+                "target",
+            );
+            init.submit_transfer(read)
+                .unwrap()
+                .wait_success(Duration::from_secs(30))
+                .unwrap();
+            let (dst, back) = (std::hint::black_box(dst), std::hint::black_box(back));
+            for i in 0..K {
+                assert_eq!(&dst[2 * i * P..(2 * i + 1) * P], &src[i * P..(i + 1) * P]);
+                assert!(
+                    dst[(2 * i + 1) * P..(2 * i + 2) * P]
+                        .iter()
+                        .all(|&b| b == 0)
+                );
+            }
+            assert_eq!(back, src);
+            // Who copied: the target probed the initiator and accepted only
+            // when delegation is on; otherwise it was never asked to probe
+            // (it refused before probing) and the initiator stopped asking.
+            let verdicts: Vec<Option<bool>> = lock(&target.inner.sessions)
+                .values()
+                .map(|s| lock(&s.delegate).map(|d| d.3))
+                .collect();
+            if target_delegates {
+                assert!(verdicts.contains(&Some(true)), "{verdicts:?}");
+            } else {
+                assert!(verdicts.iter().all(Option::is_none), "{verdicts:?}");
+            }
+            drop((init, target));
+            drop((src, back, dst));
+        }
     }
 }

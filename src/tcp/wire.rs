@@ -45,6 +45,12 @@ pub mod status {
     pub const NO_RDMA: u16 = 12;
     /// QpConnect: the target failed to create or connect its queue pair.
     pub const QP_FAILED: u16 = 13;
+    /// Delegate: the target does not copy for this initiator (it declines
+    /// delegated copies, or cannot reach the initiator's memory); the
+    /// initiator copies itself and commits.
+    pub const DELEGATE_REFUSED: u16 = 14;
+    /// Delegate: the target's copy failed part-way.
+    pub const DELEGATE_FAILED: u16 = 15;
 }
 
 const K_HELLO: u8 = 1;
@@ -62,6 +68,13 @@ const K_GRANTED: u8 = 12;
 const K_QP_CONNECT: u8 = 13;
 const K_QP_ACCEPT: u8 = 14;
 const K_WRITE_LIST: u8 = 15;
+const K_DELEGATE: u8 = 16;
+
+/// Most pieces in one [`Frame::Delegate`].
+pub const DELEGATE_MAX: u32 = 1 << 16;
+/// Bytes per entry of a delegate's table: target address, initiator
+/// address, length, u64 LE.
+pub const DELEGATE_ENTRY: usize = 24;
 
 /// Most pieces in one [`Frame::WriteList`].
 pub const WRITE_LIST_MAX: u32 = 1024;
@@ -203,7 +216,37 @@ pub enum Frame {
         /// Number of grants the request asks for.
         total: u32,
     },
-    /// Answer to a request's grants: all admitted (OK) or the first refusal.
+    /// Cross-memory path, after `Granted`: asks the target to do the
+    /// request's copy itself (its side of the copy is the contiguous one, and
+    /// the kernel pins the *other* process's pages one iovec at a time), then
+    /// to commit the request with the sync message. A table of `count`
+    /// (target address, initiator address, length) triples follows (24 bytes
+    /// each, little-endian), then the sync message (`sync_len` bytes). The
+    /// initiator is the process `pid`, proven by reading `instance` at
+    /// `probe_addr` there. The target answers `Granted` (OK: copied and
+    /// committed, an `Ack` follows; `DELEGATE_REFUSED`: the initiator copies
+    /// and commits itself; `DELEGATE_FAILED`).
+    Delegate {
+        /// Request id.
+        req: u64,
+        /// Direction of the request (the target reads from the initiator for
+        /// a WRITE).
+        op: CommitOp,
+        /// Pieces (1 to [`DELEGATE_MAX`]).
+        count: u32,
+        /// The initiator's process id.
+        pid: u32,
+        /// Where the initiator's instance id can be read.
+        probe_addr: u64,
+        /// The initiator's instance id.
+        instance: u64,
+        /// Length of the sync message (0: none).
+        sync_len: u32,
+        /// Whether a sync message is present (it may be empty).
+        has_sync: bool,
+    },
+    /// Answer to a request's grants: all admitted (OK) or the first refusal;
+    /// also the answer to its `Delegate`.
     Granted {
         /// Request id.
         req: u64,
@@ -410,6 +453,27 @@ impl Frame {
                 h.status = status.into();
                 h.aux = if status == self::status::OK { 16 } else { 0 }.into();
             }
+            Frame::Delegate {
+                req,
+                op,
+                count,
+                pid,
+                probe_addr,
+                instance,
+                sync_len,
+                has_sync,
+            } => {
+                h.kind = K_DELEGATE;
+                h.flags = match op {
+                    CommitOp::Write => 1,
+                    CommitOp::Read => 2,
+                } | if has_sync { 0x80 } else { 0 };
+                h.id = req.into();
+                h.aux = count.into();
+                h.addr = probe_addr.into();
+                h.key = instance.into();
+                h.len = (u64::from(sync_len) << 32 | u64::from(pid)).into();
+            }
             Frame::Granted { req, status } => {
                 h.kind = K_GRANTED;
                 h.id = req.into();
@@ -562,6 +626,27 @@ impl Frame {
                     }
                 }
             }
+            K_DELEGATE => {
+                let count = h.aux.get();
+                if !(1..=DELEGATE_MAX).contains(&count) {
+                    return Err(WireError::BadField("delegate table length"));
+                }
+                let len = h.len.get();
+                Frame::Delegate {
+                    req: h.id.get(),
+                    op: match h.flags & 0x7f {
+                        1 => CommitOp::Write,
+                        2 => CommitOp::Read,
+                        _ => return Err(WireError::BadField("delegate op")),
+                    },
+                    count,
+                    pid: len as u32,
+                    probe_addr: h.addr.get(),
+                    instance: h.key.get(),
+                    sync_len: body_limit((len >> 32) as u32)?,
+                    has_sync: h.flags & 0x80 != 0,
+                }
+            }
             K_GRANTED => Frame::Granted {
                 req: h.id.get(),
                 status: h.status.get(),
@@ -639,6 +724,26 @@ mod tests {
                 total: 2,
             },
             Frame::Granted { req: 14, status: 1 },
+            Frame::Delegate {
+                req: 15,
+                op: CommitOp::Write,
+                count: 4096,
+                pid: 4242,
+                probe_addr: 0x7fff_0000_1000,
+                instance: 0xdead_beef_cafe,
+                sync_len: 77,
+                has_sync: true,
+            },
+            Frame::Delegate {
+                req: 16,
+                op: CommitOp::Read,
+                count: 1,
+                pid: u32::MAX,
+                probe_addr: 0,
+                instance: 0,
+                sync_len: 0,
+                has_sync: false,
+            },
             Frame::QpConnect {
                 qpn: 17,
                 psn: 0xabcdef,
@@ -699,6 +804,35 @@ mod tests {
             Frame::decode(&big),
             Err(WireError::BodyTooLarge(_))
         ));
+        let delegate = |count, sync_len| {
+            Frame::Delegate {
+                req: 1,
+                op: CommitOp::Write,
+                count,
+                pid: 1,
+                probe_addr: 0,
+                instance: 0,
+                sync_len,
+                has_sync: true,
+            }
+            .encode()
+        };
+        for count in [0, DELEGATE_MAX + 1] {
+            assert_eq!(
+                Frame::decode(&delegate(count, 0)),
+                Err(WireError::BadField("delegate table length"))
+            );
+        }
+        assert!(matches!(
+            Frame::decode(&delegate(1, MAX_CONTROL_BODY + 1)),
+            Err(WireError::BodyTooLarge(_))
+        ));
+        let mut bad_op = delegate(1, 0);
+        bad_op[1] = 0x83;
+        assert_eq!(
+            Frame::decode(&bad_op),
+            Err(WireError::BadField("delegate op"))
+        );
     }
 
     proptest! {

@@ -54,6 +54,10 @@ pub struct KvArgs {
     /// every received element (slow for large models).
     #[arg(long)]
     verify: bool,
+    /// shm: every copy by the initiator, never by the target (the
+    /// library's default lets the side whose memory is contiguous copy).
+    #[arg(long)]
+    no_shm_delegate: bool,
     /// Bytes per posted write batch of a sender (default: the library's).
     #[arg(long, value_parser = crate::parse_size)]
     batch_bytes: Option<u64>,
@@ -98,9 +102,15 @@ struct Rank {
 }
 
 impl Rank {
-    fn new(name: String, backend: Backend, slice: RankSlice, blocks: u32) -> Result<Self> {
-        let agent: Arc<dyn TransferAgent> =
-            Arc::from(make_transfer_agent(backend, AgentConfig::new(name))?);
+    fn new(
+        name: String,
+        backend: Backend,
+        slice: RankSlice,
+        blocks: u32,
+        delegate: bool,
+    ) -> Result<Self> {
+        let cfg = AgentConfig::new(name).with_shm_delegate(delegate);
+        let agent: Arc<dyn TransferAgent> = Arc::from(make_transfer_agent(backend, cfg)?);
         let pool = vec![0x5au8; (slice.block_bytes() * u64::from(blocks)) as usize];
         // SAFETY: the pool lives in `Rank` with the agent; senders and
         // receivers using the agent are dropped before the ranks.
@@ -122,10 +132,16 @@ pub fn run(a: &KvArgs) -> Result<()> {
     let d = distinct_heads(&ctx_s, &gen_s);
     let n = a.tokens.div_ceil(a.tokens_per_block);
     let ctx: Vec<Rank> = (0..ctx_s.world_size())
-        .map(|r| Rank::new(format!("kv-ctx{r}"), backend, rank_slice(&ctx_s, r, d), n))
+        .map(|r| {
+            let s = rank_slice(&ctx_s, r, d);
+            Rank::new(format!("kv-ctx{r}"), backend, s, n, !a.no_shm_delegate)
+        })
         .collect::<Result<_>>()?;
     let gen_ranks: Vec<Rank> = (0..gen_s.world_size())
-        .map(|r| Rank::new(format!("kv-gen{r}"), backend, rank_slice(&gen_s, r, d), n))
+        .map(|r| {
+            let s = rank_slice(&gen_s, r, d);
+            Rank::new(format!("kv-gen{r}"), backend, s, n, !a.no_shm_delegate)
+        })
         .collect::<Result<_>>()?;
     let mut ctx = ctx;
     if a.verify {

@@ -304,25 +304,46 @@ impl Device {
     /// # Errors
     /// The failing verb.
     pub fn create_rc_with(&self, depth: u32, send_events: bool) -> Result<RcQueuePair, VerbsError> {
+        self.create_rc_with_events(depth, send_events, false)
+    }
+
+    /// As [`create_rc_with`](Self::create_rc_with), choosing for each
+    /// completion queue whether it signals a channel of its own
+    /// ([`RcQueuePair::send_events`], [`RcQueuePair::recv_events`]).
+    ///
+    /// # Errors
+    /// The failing verb.
+    pub fn create_rc_with_events(
+        &self,
+        depth: u32,
+        send_events: bool,
+        recv_events: bool,
+    ) -> Result<RcQueuePair, VerbsError> {
         let depth = depth.clamp(1, self.max_qp_wr);
-        let channel = if send_events {
+        let new_channel = |on: bool| -> Result<Option<Arc<CompletionChannel>>, VerbsError> {
+            if !on {
+                return Ok(None);
+            }
             let ch = CompletionChannel::new(&self.ctx)
                 .map_err(|e| verb("ibv_create_comp_channel")(other(e)))?;
             ch.set_nonblocking(true)
                 .map_err(verb("fcntl(O_NONBLOCK) on the completion channel"))?;
-            Some(ch)
-        } else {
-            None
+            Ok(Some(ch))
         };
-        let mut cqb = self.ctx.create_cq_builder();
-        cqb.setup_cqe(depth * 2);
-        let recv_cq =
-            GenericCompletionQueue::from(cqb.build().map_err(|e| verb("ibv_create_cq")(other(e)))?);
-        if let Some(ch) = &channel {
-            cqb.setup_comp_channel(ch, 0);
-        }
-        let send_cq =
-            GenericCompletionQueue::from(cqb.build().map_err(|e| verb("ibv_create_cq")(other(e)))?);
+        let (channel, recv_channel) = (new_channel(send_events)?, new_channel(recv_events)?);
+        let cq =
+            |ch: &Option<Arc<CompletionChannel>>| -> Result<GenericCompletionQueue, VerbsError> {
+                let mut cqb = self.ctx.create_cq_builder();
+                cqb.setup_cqe(depth * 2);
+                if let Some(ch) = ch {
+                    cqb.setup_comp_channel(ch, 0);
+                }
+                Ok(GenericCompletionQueue::from(
+                    cqb.build().map_err(|e| verb("ibv_create_cq")(other(e)))?,
+                ))
+            };
+        let recv_cq = cq(&recv_channel)?;
+        let send_cq = cq(&channel)?;
         let mut qpb = self.pd.create_qp_builder();
         qpb.setup_max_send_wr(depth)
             .setup_max_recv_wr(depth)
@@ -355,6 +376,7 @@ impl Device {
             send_cq,
             recv_cq,
             channel,
+            recv_channel,
             port: self.port,
             gid_index: self.gid_index,
             gid: self.gid,
@@ -461,6 +483,8 @@ pub struct RcQueuePair {
     /// completion queue holds a reference too, so the channel is destroyed
     /// after it.
     channel: Option<Arc<CompletionChannel>>,
+    /// The receive completion queue's channel, likewise.
+    recv_channel: Option<Arc<CompletionChannel>>,
     port: u8,
     gid_index: u32,
     gid: [u8; 16],
@@ -728,6 +752,15 @@ impl RcQueuePair {
         self.channel.as_ref().map(|ch| CqEvents {
             channel: Arc::clone(ch),
             cq: self.send_cq.clone(),
+        })
+    }
+
+    /// The receive completion queue's channel, when created with receive
+    /// events.
+    pub fn recv_events(&self) -> Option<CqEvents> {
+        self.recv_channel.as_ref().map(|ch| CqEvents {
+            channel: Arc::clone(ch),
+            cq: self.recv_cq.clone(),
         })
     }
 

@@ -247,11 +247,15 @@ fn completion_channel_wakes_a_sleeper_and_times_out_when_idle() {
         return;
     };
     let mut qa = a.create_rc_with(16, true).expect("create qp with events");
-    let mut qb = b.create_rc(16).expect("create qp b");
+    let mut qb = b
+        .create_rc_with_events(16, false, true)
+        .expect("create qp b with receive events");
     let (ia, ib) = (qa.info(), qb.info());
     qa.connect(&ib).expect("connect a");
     qb.connect(&ia).expect("connect b");
     assert!(qb.send_events().is_none(), "no channel unless asked for");
+    assert!(qa.recv_events().is_none(), "no channel unless asked for");
+    let rev = qb.recv_events().expect("receive channel");
     let ev = qa.send_events().expect("channel");
     let src = vec![3u8; 4096];
     let dst = vec![0u8; 4096];
@@ -294,6 +298,33 @@ fn completion_channel_wakes_a_sleeper_and_times_out_when_idle() {
         c[0].ok().unwrap();
     }
     assert_eq!(dst, src);
+
+    // The receive side: a SEND landing in a posted buffer wakes a sleeper
+    // on the receive channel; with nothing arriving, it times out.
+    // SAFETY: the buffer lies in `dmr`, alive until the receive completes.
+    unsafe {
+        qb.post_recv(
+            42,
+            Sge {
+                lkey: dmr.lkey(),
+                addr: dst.as_ptr() as u64,
+                len: 4096,
+            },
+        )
+        .unwrap();
+    }
+    rev.arm().unwrap();
+    assert!(!rev.wait(Duration::from_millis(50)).unwrap());
+    rev.arm().unwrap();
+    qa.post_send_inline(7, b"wake up", 5).unwrap();
+    assert!(
+        rev.wait(Duration::from_secs(30)).unwrap(),
+        "no receive event for the SEND"
+    );
+    let r = wait_for(&qb, true, 1);
+    assert_eq!((r[0].wr_id, r[0].imm, r[0].byte_len), (42, 5, 7));
+    r[0].ok().unwrap();
+    wait_for(&qa, false, 1)[0].ok().unwrap();
 }
 
 /// A batch posted with one doorbell: 40 WRITEs scattered over the remote

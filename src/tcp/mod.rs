@@ -840,7 +840,8 @@ impl Inner {
         };
         let setup =
             || -> Result<(crate::verbs::RcQueuePair, rdma::MsgRing), crate::verbs::VerbsError> {
-                let mut qp = dev.create_rc(rdma::WINDOW)?;
+                // Receive events: the thread sleeps until a SEND lands.
+                let mut qp = dev.create_rc_with_events(rdma::WINDOW, false, true)?;
                 qp.connect(remote)?;
                 let ring = rdma::MsgRing::new(dev, rdma::RING)?;
                 for slot in 0..rdma::RING {
@@ -2386,16 +2387,35 @@ impl ReceiverCtx {
     /// first in the tuple so it is destroyed before the ring's registration.
     fn run(self, mut qp: crate::verbs::RcQueuePair, ring: rdma::MsgRing) {
         let poller = qp.recv_poller();
+        let events = qp.recv_events();
         let clock = ProgressClock::new();
         let mut done = Vec::new();
         let mut backoff = Backoff::new();
+        let mut armed = false;
         while !self.stop.load(Ordering::Relaxed) {
             done.clear();
             if poller.poll(&mut done).is_err() {
                 break;
             }
             if done.is_empty() {
-                backoff.wait(false);
+                match &events {
+                    // Arm, then poll once more before sleeping: a SEND
+                    // that landed before arming raises no event. The
+                    // bounded sleep notices `stop`.
+                    Some(ev) if !armed => {
+                        if ev.arm().is_err() {
+                            break;
+                        }
+                        armed = true;
+                    }
+                    Some(ev) => {
+                        armed = false;
+                        if ev.wait(Duration::from_millis(50)).is_err() {
+                            break;
+                        }
+                    }
+                    None => backoff.wait(false),
+                }
                 continue;
             }
             backoff.reset();

@@ -403,6 +403,11 @@ pub struct AgentConfig {
     /// `docs/benchmarks.md`). Threads waiting on a request poll the
     /// completion queue themselves either way.
     pub rdma_progress: RdmaProgress,
+    /// Reliable-connected queue pairs per remote agent (default 1, at most
+    /// 16). With several, a request's work requests are spread over them
+    /// (for paths and ports a single flow does not use); a sync message
+    /// still follows all of the data before it.
+    pub rdma_qps_per_peer: usize,
 }
 
 /// How an RDMA connection's progress thread waits for completions.
@@ -450,6 +455,7 @@ impl AgentConfig {
             rdma_device: None,
             rdma_gid_index: None,
             rdma_progress: RdmaProgress::default(),
+            rdma_qps_per_peer: 1,
         }
     }
 
@@ -498,6 +504,12 @@ impl AgentConfig {
         self
     }
 
+    /// Sets the number of RDMA queue pairs per remote agent.
+    pub fn with_rdma_qps_per_peer(mut self, n: usize) -> Self {
+        self.rdma_qps_per_peer = n;
+        self
+    }
+
     /// Sets how the RDMA progress thread waits for completions.
     pub fn with_rdma_progress(mut self, p: RdmaProgress) -> Self {
         self.rdma_progress = p;
@@ -532,6 +544,12 @@ impl AgentConfig {
             return bad(format!(
                 "streams_per_peer must be 1..=64, got {}",
                 self.streams_per_peer
+            ));
+        }
+        if !(1..=16).contains(&self.rdma_qps_per_peer) {
+            return bad(format!(
+                "rdma_qps_per_peer must be 1..=16, got {}",
+                self.rdma_qps_per_peer
             ));
         }
         if !(1..=64).contains(&self.shm_copy_threads) {

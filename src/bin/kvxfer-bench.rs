@@ -88,6 +88,9 @@ struct Args {
     /// (default: the library's).
     #[arg(long)]
     rdma_progress: Option<String>,
+    /// RDMA queue pairs per remote agent (default: the library's).
+    #[arg(long)]
+    rdma_qps: Option<usize>,
     /// Internal: in target role, exit when standard input closes.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
@@ -134,6 +137,9 @@ fn config(name: &str, args: &Args) -> AgentConfig {
     }
     if let Some(n) = args.shm_copy_threads {
         cfg = cfg.with_shm_copy_threads(n);
+    }
+    if let Some(n) = args.rdma_qps {
+        cfg = cfg.with_rdma_qps_per_peer(n);
     }
     if let Some(p) = &args.rdma_progress {
         match p.parse() {

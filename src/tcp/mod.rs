@@ -1064,7 +1064,11 @@ struct PendingTable {
 /// The connections from this agent to one remote agent.
 struct Link {
     /// RDMA path: the connection's queue pair (posting, window, buffers).
-    rdma: Option<rdma::RdmaConn>,
+    /// RDMA path: the link's queue pairs (empty on other paths); sync
+    /// messages go on the first.
+    rdma: Vec<rdma::RdmaConn>,
+    /// Rotates the queue pair a request's first work request goes to.
+    next_stripe: AtomicUsize,
     remote: String,
     io_timeout: Duration,
     copy_threads: usize,
@@ -1094,13 +1098,15 @@ impl Link {
         let link_id = random_u64();
         let mut streams = Vec::with_capacity(n_streams);
         let mut receivers = Vec::with_capacity(n_streams);
-        let mut rdma_conn = None;
+        let mut rdma_conns = Vec::new();
         for i in 0..n_streams {
             let sock = connect_any(&peer.endpoints, cfg.connect_timeout)?;
             let clock = ProgressClock::new();
             handshake(inner, peer, &sock, link_id, i as u32, &clock)?;
             if i == 0 && use_rdma {
-                rdma_conn = Some(rdma_connect(inner, peer, &sock, &clock)?);
+                for k in 0..cfg.rdma_qps_per_peer {
+                    rdma_conns.push(rdma_connect(inner, peer, &sock, &clock, k)?);
+                }
             }
             sock.set_read_timeout(Some(tick(cfg.io_timeout)))?;
             sock.set_write_timeout(Some(tick(cfg.io_timeout)))?;
@@ -1112,9 +1118,10 @@ impl Link {
             });
             receivers.push(rx);
         }
-        let has_rdma = rdma_conn.is_some();
+        let n_qps = rdma_conns.len();
         let link = Arc::new(Link {
-            rdma: rdma_conn,
+            rdma: rdma_conns,
+            next_stripe: AtomicUsize::new(0),
             remote: peer.name.clone(),
             io_timeout: cfg.io_timeout,
             copy_threads: cfg.shm_copy_threads,
@@ -1122,7 +1129,7 @@ impl Link {
                 .shm_delegate
                 .then_some((&*inner.probe_word as *const u64 as u64, inner.instance)),
             delegate_ok: AtomicBool::new(true),
-            alive: AtomicUsize::new(2 * streams.len() + usize::from(has_rdma)),
+            alive: AtomicUsize::new(2 * streams.len() + n_qps),
             streams,
             pending: Mutex::new(PendingTable::default()),
             clock: ProgressClock::new(),
@@ -1143,12 +1150,12 @@ impl Link {
                     .spawn(move || l.run_reader(i))?,
             );
         }
-        if has_rdma {
+        for k in 0..n_qps {
             let l = Arc::clone(&link);
             threads.push(
                 std::thread::Builder::new()
-                    .name(format!("kvxfer-rdma-{}", peer.name))
-                    .spawn(move || l.run_rdma_progress())?,
+                    .name(format!("kvxfer-rdma-{}-{k}", peer.name))
+                    .spawn(move || l.run_rdma_progress(k))?,
             );
         }
         *lock(&link.threads) = threads;
@@ -1181,9 +1188,9 @@ impl Link {
             tracing::debug!(remote = %self.remote, %cause, "link failed");
             t.broken = Some(cause);
         }
-        if let Some(r) = &self.rdma {
-            // Flush every posted work request; the progress thread drains
-            // the completions and exits when none is left.
+        for r in &self.rdma {
+            // Flush every posted work request; the progress threads drain
+            // the completions and exit when none is left.
             let _ = lock(&r.qp).set_error();
         }
         for s in &self.streams {
@@ -2099,7 +2106,7 @@ impl TcpAgent {
                 .zip(req.remote.descs.iter().zip(&rkeys))
                 .map(|((l, &lk), (r, &rk))| (lk, l.addr, rk, r.addr, l.len))
                 .collect();
-            let conn = link.rdma.as_ref().ok_or(Error::Closed)?;
+            let conn = link.rdma.first().ok_or(Error::Closed)?;
             let wrs = rdma::plan_wrs(
                 &pieces,
                 conn.max_msg
@@ -2117,7 +2124,7 @@ impl TcpAgent {
             let pending = new_pending(events);
             link.insert(id, Arc::clone(&pending))?;
             link.clock.touch();
-            link.post_rdma(conn, id, req.op, wrs, req.sync_message, &pending);
+            link.post_rdma(id, req.op, wrs, req.sync_message, &pending);
             return Ok(TransferStatus::new(id, completion));
         }
         if let Path::Cma { pid } = peer.path {
@@ -2471,6 +2478,7 @@ fn rdma_connect(
     peer: &AgentDesc,
     sock: &TcpStream,
     clock: &ProgressClock,
+    index: usize,
 ) -> Result<rdma::RdmaConn, Error> {
     let dev = inner
         .device
@@ -2540,14 +2548,18 @@ fn rdma_connect(
             detail: "short GID".into(),
         })?;
     qp.connect(&QpInfo { qpn, psn, gid, mtu }).map_err(rerr)?;
-    rdma::RdmaConn::new(qp, dev, u64::MAX).map_err(rerr)
+    rdma::RdmaConn::new(qp, dev, u64::MAX, (index, inner.config.rdma_qps_per_peer)).map_err(rerr)
 }
 
 impl Progress for Link {
     fn progress(&self) -> bool {
+        // Every queue pair is drained (no short cut at the first with
+        // completions).
         self.rdma
-            .as_ref()
-            .is_some_and(|c| self.drain_rdma(c, false) > 0)
+            .iter()
+            .map(|c| self.drain_rdma(c, false))
+            .sum::<usize>()
+            > 0
     }
 }
 
@@ -2561,23 +2573,59 @@ impl Link {
     /// posts the rest as completions free the window. Never blocks.
     fn post_rdma(
         &self,
-        conn: &rdma::RdmaConn,
         id: u64,
         op: TransferOp,
         wrs: Vec<rdma::Wr>,
         sync: Option<Vec<u8>>,
         pending: &Arc<Pending>,
     ) {
-        {
+        let n = self.rdma.len();
+        // Work requests go round the queue pairs, starting where the
+        // previous request left off, so small requests spread too.
+        let start = if n > 1 {
+            self.next_stripe
+                .fetch_add(wrs.len().max(1), Ordering::Relaxed)
+        } else {
+            0
+        };
+        let mut per_qp: Vec<Vec<rdma::Wr>> = (0..n).map(|_| Vec::new()).collect();
+        for (i, wr) in wrs.into_iter().enumerate() {
+            per_qp[(start + i) % n].push(wr);
+        }
+        for (conn, wrs) in self.rdma.iter().zip(per_qp.iter_mut()) {
+            if wrs.is_empty() {
+                continue;
+            }
             let mut q = lock(&conn.queue);
-            for wr in wrs {
+            conn.queued.fetch_add(wrs.len() as u64, Ordering::AcqRel);
+            for wr in wrs.drain(..) {
                 q.push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
             }
-            if let Some(msg) = sync {
-                q.push_back((rdma::Queued::Sync { id, msg }, Arc::clone(pending)));
-            }
         }
-        self.pump(conn);
+        if let Some(msg) = sync {
+            // After everything queued so far on the other queue pairs
+            // (this request's data included): RC orders the SEND only
+            // behind its own queue pair's work.
+            let gate = self.rdma[1..]
+                .iter()
+                .map(|c| c.queued.load(Ordering::Acquire))
+                .collect();
+            let conn = &self.rdma[0];
+            let mut q = lock(&conn.queue);
+            conn.queued.fetch_add(1, Ordering::AcqRel);
+            q.push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
+        }
+        for conn in &self.rdma {
+            self.pump(conn);
+        }
+    }
+
+    /// Whether a sync message's gate is open: every work request it waits
+    /// for on the other queue pairs has completed.
+    fn gate_open(&self, gate: &[u64]) -> bool {
+        gate.iter()
+            .zip(&self.rdma[1..])
+            .all(|(&g, c)| c.completed.load(Ordering::Acquire) >= g)
     }
 
     /// Posts queued work requests while the window and the message buffers
@@ -2610,6 +2658,7 @@ impl Link {
                 let Some((front, _)) = q.front() else { break };
                 let len = match front {
                     rdma::Queued::Data { wr, .. } => wr.len,
+                    rdma::Queued::Sync { gate, .. } if !self.gate_open(gate) => break,
                     rdma::Queued::Sync { msg, .. } => msg.len() as u64,
                 };
                 if !conn.try_take_slot(len) {
@@ -2640,7 +2689,7 @@ impl Link {
                         .iter()
                         .map(|&(lkey, addr, len)| Sge { lkey, addr, len })
                         .collect(),
-                    (rdma::Queued::Sync { id, msg }, Some(slot)) => {
+                    (rdma::Queued::Sync { id, msg, .. }, Some(slot)) => {
                         let len = conn.sends.write_sync(*slot, *id, msg);
                         vec![conn.sends.sge(*slot, len)]
                     }
@@ -2729,6 +2778,7 @@ impl Link {
         for c in done.iter() {
             let (req, slot) = rdma::decode_wr_id(c.wr_id);
             conn.posted.fetch_sub(1, Ordering::AcqRel);
+            conn.completed.fetch_add(1, Ordering::AcqRel);
             conn.release_slot();
             if let Some(slot) = slot {
                 conn.sends.release(slot);
@@ -2758,14 +2808,18 @@ impl Link {
         drop(done);
         // The window has room again: post what is queued.
         self.pump(conn);
+        if conn.index != 0 {
+            // A sync message on the first queue pair may wait for these.
+            self.pump(&self.rdma[0]);
+        }
         n
     }
 
     /// The progress thread: drains the completion queue whenever nobody
     /// waiting on a request does, so requests complete without waiters
     /// too. Exits when the link is broken and nothing is posted.
-    fn run_rdma_progress(self: Arc<Self>) {
-        let Some(conn) = self.rdma.as_ref() else {
+    fn run_rdma_progress(self: Arc<Self>, index: usize) {
+        let Some(conn) = self.rdma.get(index) else {
             self.thread_exit();
             return;
         };

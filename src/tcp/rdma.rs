@@ -5,7 +5,7 @@
 //! after its data, so RC ordering delivers it only after every byte landed.
 
 use std::collections::VecDeque;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex};
 
 use sideway::ibverbs::memory_region::MemoryRegion;
@@ -32,8 +32,8 @@ pub(crate) const RING: usize = 64;
 pub(crate) const WR_MAX: u64 = 1 << 20;
 /// Outstanding work requests per queue pair.
 pub(crate) const WINDOW: u32 = 256;
-/// Bytes of posted, uncompleted work requests per connection (at least one
-/// request is always allowed). 16 MiB covers the bandwidth-delay product of
+/// Bytes of posted, uncompleted work requests per link, shared equally by
+/// its queue pairs (each may always have one request posted). 16 MiB covers the bandwidth-delay product of
 /// a 400 Gb/s link many times over; without a cap, 256 MiB in flight on
 /// soft-RoCE overflowed its packet queues (dropped ACKs, go-back-N
 /// retransmission storms that stalled a transfer for over 30 s).
@@ -151,6 +151,11 @@ pub(crate) enum Queued {
         id: u64,
         /// The message.
         msg: Vec<u8>,
+        /// With several queue pairs: for each other one (the link's
+        /// second, third, ...), how many of its work requests must have
+        /// completed before this SEND may be posted — all those queued
+        /// before it, so every earlier byte has landed.
+        gate: Vec<u64>,
     },
 }
 
@@ -250,6 +255,14 @@ pub(crate) const DRIVE_MAX_BYTES: u64 = 1 << 20;
 
 /// The initiator's side of one RDMA connection.
 pub(crate) struct RdmaConn {
+    /// Position among the link's queue pairs (sync messages go on 0).
+    pub(crate) index: usize,
+    /// Work requests ever queued here, and ever completed (in order: one
+    /// send queue completes in posting order).
+    pub(crate) queued: AtomicU64,
+    pub(crate) completed: AtomicU64,
+    /// This queue pair's share of [`MAX_INFLIGHT_BYTES`].
+    max_inflight: u64,
     /// Posting needs exclusive access; polling goes through `cq`.
     pub(crate) qp: Mutex<RcQueuePair>,
     pub(crate) cq: CqPoller,
@@ -272,8 +285,18 @@ pub(crate) struct RdmaConn {
 }
 
 impl RdmaConn {
-    pub(crate) fn new(qp: RcQueuePair, dev: &Device, max_msg: u64) -> Result<Self, VerbsError> {
+    /// The `index`-th of a link's `of` queue pairs.
+    pub(crate) fn new(
+        qp: RcQueuePair,
+        dev: &Device,
+        max_msg: u64,
+        (index, of): (usize, usize),
+    ) -> Result<Self, VerbsError> {
         Ok(Self {
+            index,
+            max_inflight: MAX_INFLIGHT_BYTES / of.max(1) as u64,
+            queued: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
             cq: qp.send_poller(),
             events: qp.send_events(),
             polled: Mutex::new(Vec::with_capacity(WINDOW as usize)),
@@ -296,7 +319,7 @@ impl RdmaConn {
     pub(crate) fn try_take_slot(&self, len: u64) -> bool {
         let mut w = lock(&self.window);
         if w.lens.len() < WINDOW as usize
-            && (w.lens.is_empty() || w.bytes + len <= MAX_INFLIGHT_BYTES)
+            && (w.lens.is_empty() || w.bytes + len <= self.max_inflight)
         {
             w.bytes += len;
             w.lens.push_back(len);

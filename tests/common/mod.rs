@@ -79,7 +79,8 @@ pub fn fnv(buf: &[u8]) -> u64 {
 }
 
 /// A new agent in this process, on the suite's backend, with the RDMA
-/// progress mode `KVXFER_TEST_RDMA_PROGRESS` names (default: the library's).
+/// progress mode `KVXFER_TEST_RDMA_PROGRESS` names and the queue pairs per
+/// peer `KVXFER_TEST_RDMA_QPS` asks for (default: the library's).
 pub fn local_agent(
     name: &str,
     tweak: impl FnOnce(AgentConfig) -> AgentConfig,
@@ -87,6 +88,9 @@ pub fn local_agent(
     let mut cfg = AgentConfig::new(name);
     if let Ok(p) = std::env::var("KVXFER_TEST_RDMA_PROGRESS") {
         cfg = cfg.with_rdma_progress(p.parse().expect("KVXFER_TEST_RDMA_PROGRESS"));
+    }
+    if let Ok(n) = std::env::var("KVXFER_TEST_RDMA_QPS") {
+        cfg = cfg.with_rdma_qps_per_peer(n.parse().expect("KVXFER_TEST_RDMA_QPS"));
     }
     kvxfer::make_transfer_agent(backend(), tweak(cfg)).expect("agent")
 }

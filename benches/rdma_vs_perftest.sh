@@ -9,7 +9,8 @@
 #                              submit-to-completion time (batch 1)
 #   RDMA progress thread: completion channel (events) vs polling, on latency
 #   and on CPU (idle agents; the initiator during the 1 MiB WRITE run)
-#   and the TCP fallback on the same workload, same guest (loopback).
+#   and the TCP fallback on the same workload, same guest (loopback);
+#   and the 1 MiB WRITE with 4 queue pairs per peer against 1.
 # TCG emulation makes absolute figures meaningless: compare ratios only.
 #
 #   benches/rdma_vs_perftest.sh
@@ -39,9 +40,10 @@ perf_lat() { # -> typical (median) latency in us
   timeout 300 ib_write_lat -d rxe0 -x 0 -s 8 -n 500 127.0.0.1 2>/dev/null | awk '$1 == "8" {print $5}'
   wait "$srv" || true
 }
-kx() { # backend op block batch [iters] [progress] -> json line
+kx() { # backend op block batch [iters] [progress] [queue pairs] -> json line
   KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$B" --backend "$1" --op "$2" --block-size "$3" --batch "$4" \
-    --iters "${5:-12}" --warmup 2 --target-rdma-device rxe1 --rdma-progress "${6:-events}" --json
+    --iters "${5:-12}" --warmup 2 --target-rdma-device rxe1 --rdma-progress "${6:-events}" \
+    --rdma-qps "${7:-1}" --json
 }
 pp() { # progress -> json line
   KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$B" --backend rdma --pingpong --iters 500 --warmup 20 \
@@ -67,10 +69,13 @@ kwpj=$(kx rdma write 1MiB 4 12 poll)
 echo "kvxfer write (poll): $kwpj" >&2
 kt=$(kx tcp write 1MiB 4 | json gb_per_s)
 echo "kvxfer tcp: $kt GB/s" >&2
-python3 - "$wbw" "$kw" "$rbw" "$kr" "$lat" "$kl" "$kt" "$ppe" "$ppp" "$kwj" "$kwpj" <<'PY'
+kq=$(kx rdma write 1MiB 4 12 events 4 | json gb_per_s)
+echo "kvxfer write, 4 queue pairs: $kq GB/s" >&2
+python3 - "$wbw" "$kw" "$rbw" "$kr" "$lat" "$kl" "$kt" "$ppe" "$ppp" "$kwj" "$kwpj" "$kq" <<'PY'
 import json, sys
 wbw, kw, rbw, kr, lat, kl, kt = (float(x) for x in sys.argv[1:8])
 ppe, ppp, kwj, kwpj = (json.loads(x) for x in sys.argv[8:12])
+kq = float(sys.argv[12])
 kw_mb, kr_mb, kt_mb = kw * 1e3, kr * 1e3, kt * 1e3   # GB/s (10^9) -> MB/s (10^6)
 # perftest reports MB/sec as 2^20 bytes/s.
 wbw_mb, rbw_mb = wbw * 1.048576, rbw * 1.048576
@@ -82,4 +87,5 @@ print(f"              kvxfer submit-to-completion p50 {kl:.2f} us (a full round 
 print(f"progress    : events: ping-pong p50 {ppe['p50_us']:.2f} us, idle {ppe['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwj['cpu_cores']:.3f} cores at {kwj['gb_per_s']*1e3:.1f} MB/s")
 print(f"              poll:   ping-pong p50 {ppp['p50_us']:.2f} us, idle {ppp['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwpj['cpu_cores']:.3f} cores at {kwpj['gb_per_s']*1e3:.1f} MB/s")
 print(f"TCP fallback, same workload, same guest (loopback): {kt_mb:9.1f} MB/s; RDMA/TCP {kw_mb/kt_mb:.2f}x")
+print(f"queue pairs : 4 per peer {kq*1e3:9.1f} MB/s vs 1: {kw_mb:.1f} MB/s ({kq*1e3/kw_mb:.2f}x)")
 PY

@@ -300,6 +300,23 @@ impl IdlePolicy for ServerIdle<'_> {
     }
 }
 
+/// Reads the sync message a `Commit` or `Delegate` announces (none: no
+/// body allowed).
+fn read_sync(
+    reader: &mut FrameReader<'_>,
+    has_sync: bool,
+    sync_len: u32,
+    idle: &mut dyn IdlePolicy,
+) -> io::Result<Option<Vec<u8>>> {
+    if has_sync {
+        Ok(Some(reader.read_vec(sync_len as usize, idle)?))
+    } else if sync_len != 0 {
+        Err(violation("a body without a sync message"))
+    } else {
+        Ok(None)
+    }
+}
+
 fn violation(detail: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, detail.into())
 }
@@ -684,13 +701,7 @@ impl Inner {
                     // The sync message may follow: no header read-ahead.
                     let table =
                         reader.read_vec_mid_frame(count as usize * wire::DELEGATE_ENTRY, idle)?;
-                    let sync = if has_sync {
-                        Some(reader.read_vec(sync_len as usize, idle)?)
-                    } else if sync_len != 0 {
-                        return Err(violation("delegate body without a sync message"));
-                    } else {
-                        None
-                    };
+                    let sync = read_sync(reader, has_sync, sync_len, idle)?;
                     let answer = |st| {
                         send_frames(
                             sock,
@@ -749,13 +760,7 @@ impl Inner {
                     sync_len,
                     has_sync,
                 } => {
-                    let sync = if has_sync {
-                        Some(reader.read_vec(sync_len as usize, idle)?)
-                    } else if sync_len != 0 {
-                        return Err(violation("commit body without a sync message"));
-                    } else {
-                        None
-                    };
+                    let sync = read_sync(reader, has_sync, sync_len, idle)?;
                     lock(&session.table)
                         .commit(req, segments, sync)
                         .map_err(violation)?

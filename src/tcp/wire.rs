@@ -321,6 +321,23 @@ fn mem_from_code(c: u8) -> Result<MemoryType, WireError> {
     })
 }
 
+/// `flags` of `Commit` and `Delegate`: the direction in the low bits, bit 7
+/// when a sync message follows.
+fn op_flags(op: CommitOp, has_sync: bool) -> u8 {
+    (match op {
+        CommitOp::Write => 1,
+        CommitOp::Read => 2,
+    }) | if has_sync { 0x80 } else { 0 }
+}
+
+fn flags_op(flags: u8) -> Option<CommitOp> {
+    match flags & 0x7f {
+        1 => Some(CommitOp::Write),
+        2 => Some(CommitOp::Read),
+        _ => None,
+    }
+}
+
 impl Frame {
     /// Encodes the header.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
@@ -391,10 +408,7 @@ impl Frame {
                 has_sync,
             } => {
                 h.kind = K_COMMIT;
-                h.flags = match op {
-                    CommitOp::Write => 1,
-                    CommitOp::Read => 2,
-                } | if has_sync { 0x80 } else { 0 };
+                h.flags = op_flags(op, has_sync);
                 h.id = req.into();
                 h.len = segments.into();
                 h.aux = sync_len.into();
@@ -464,10 +478,7 @@ impl Frame {
                 has_sync,
             } => {
                 h.kind = K_DELEGATE;
-                h.flags = match op {
-                    CommitOp::Write => 1,
-                    CommitOp::Read => 2,
-                } | if has_sync { 0x80 } else { 0 };
+                h.flags = op_flags(op, has_sync);
                 h.id = req.into();
                 h.aux = count.into();
                 h.addr = probe_addr.into();
@@ -556,11 +567,7 @@ impl Frame {
             },
             K_COMMIT => Frame::Commit {
                 req: h.id.get(),
-                op: match h.flags & 0x7f {
-                    1 => CommitOp::Write,
-                    2 => CommitOp::Read,
-                    _ => return Err(WireError::BadField("commit op")),
-                },
+                op: flags_op(h.flags).ok_or(WireError::BadField("commit op"))?,
                 segments: h.len.get(),
                 sync_len: body_limit(aux)?,
                 has_sync: h.flags & 0x80 != 0,
@@ -634,11 +641,7 @@ impl Frame {
                 let len = h.len.get();
                 Frame::Delegate {
                     req: h.id.get(),
-                    op: match h.flags & 0x7f {
-                        1 => CommitOp::Write,
-                        2 => CommitOp::Read,
-                        _ => return Err(WireError::BadField("delegate op")),
-                    },
+                    op: flags_op(h.flags).ok_or(WireError::BadField("delegate op"))?,
                     count,
                     pid: len as u32,
                     probe_addr: h.addr.get(),

@@ -227,7 +227,7 @@ impl Registry {
 /// Received sync messages, grouped by sender.
 #[derive(Debug, Default)]
 pub(crate) struct Inbox {
-    messages: Mutex<Mailbox>,
+    mailbox: Mutex<Mailbox>,
     cv: Condvar,
 }
 
@@ -241,7 +241,7 @@ struct Mailbox {
 
 impl Inbox {
     fn lock(&self) -> std::sync::MutexGuard<'_, Mailbox> {
-        self.messages.lock().unwrap_or_else(|p| p.into_inner())
+        self.mailbox.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn deliver(&self, from: &str, msg: Vec<u8>) {

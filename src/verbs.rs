@@ -704,9 +704,17 @@ impl RcQueuePair {
             return Ok(());
         }
         let flags = send_flags(signaled);
+        // One scratch list for the whole batch: each work request's list is
+        // copied when it is set up.
+        let mut raw = Vec::with_capacity(wrs.iter().map(|w| w.sges.len()).max().unwrap_or(0));
         let mut guard = self.qp.start_post_send();
         for w in wrs {
-            let raw = raw_sges(w.sges);
+            raw.clear();
+            raw.extend(w.sges.iter().map(|s| rdma_mummy_sys::ibv_sge {
+                addr: s.addr,
+                length: s.len,
+                lkey: s.lkey,
+            }));
             let wr = guard.construct_wr(w.wr_id, flags);
             let h = match w.op {
                 PostOp::Write {
@@ -896,16 +904,6 @@ fn send_flags(signaled: bool) -> WorkRequestFlags {
     } else {
         WorkRequestFlags::none()
     }
-}
-
-fn raw_sges(sges: &[Sge]) -> Vec<rdma_mummy_sys::ibv_sge> {
-    sges.iter()
-        .map(|s| rdma_mummy_sys::ibv_sge {
-            addr: s.addr,
-            length: s.len,
-            lkey: s.lkey,
-        })
-        .collect()
 }
 
 fn poll(cq: &GenericCompletionQueue, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {

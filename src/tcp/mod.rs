@@ -2585,29 +2585,34 @@ impl Link {
         pending: &Arc<Pending>,
     ) {
         let n = self.rdma.len();
-        // Work requests go round the queue pairs, starting where the
-        // previous request left off, so small requests spread too.
-        let start = if n > 1 {
-            self.next_stripe
-                .fetch_add(wrs.len().max(1), Ordering::Relaxed)
+        let per_qp: Vec<Vec<rdma::Wr>> = if n == 1 {
+            vec![wrs]
         } else {
-            0
+            // Work requests go round the queue pairs, starting where the
+            // previous request left off, so small requests spread too.
+            let start = self
+                .next_stripe
+                .fetch_add(wrs.len().max(1), Ordering::Relaxed);
+            let mut per_qp: Vec<Vec<rdma::Wr>> = (0..n).map(|_| Vec::new()).collect();
+            for (i, wr) in wrs.into_iter().enumerate() {
+                per_qp[(start + i) % n].push(wr);
+            }
+            per_qp
         };
-        let mut per_qp: Vec<Vec<rdma::Wr>> = (0..n).map(|_| Vec::new()).collect();
-        for (i, wr) in wrs.into_iter().enumerate() {
-            per_qp[(start + i) % n].push(wr);
-        }
-        for (conn, wrs) in self.rdma.iter().zip(per_qp.iter_mut()) {
+        let mut touched = vec![false; n];
+        for ((conn, wrs), t) in self.rdma.iter().zip(per_qp).zip(&mut touched) {
             if wrs.is_empty() {
                 continue;
             }
+            *t = true;
             let mut q = lock(&conn.queue);
             conn.queued.fetch_add(wrs.len() as u64, Ordering::AcqRel);
-            for wr in wrs.drain(..) {
+            for wr in wrs {
                 q.push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
             }
         }
         if let Some(msg) = sync {
+            touched[0] = true;
             // After everything queued so far on the other queue pairs
             // (this request's data included): RC orders the SEND only
             // behind its own queue pair's work.
@@ -2620,7 +2625,7 @@ impl Link {
             conn.queued.fetch_add(1, Ordering::AcqRel);
             q.push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
         }
-        for conn in &self.rdma {
+        for (conn, _) in self.rdma.iter().zip(touched).filter(|(_, t)| *t) {
             self.pump(conn);
         }
     }
@@ -2645,7 +2650,9 @@ impl Link {
             1
         };
         let mut batch: Vec<(rdma::Queued, Arc<Pending>, Option<usize>)> = Vec::new();
-        let mut sges: Vec<Vec<Sge>> = Vec::new();
+        // Every work request's pieces back to back, and where each one's are.
+        let mut sges: Vec<Sge> = Vec::new();
+        let mut spans: Vec<std::ops::Range<usize>> = Vec::new();
         loop {
             let mut q = lock(&conn.queue);
             if let Some(cause) = self.broken_cause() {
@@ -2687,45 +2694,53 @@ impl Link {
             }
             conn.posted.fetch_add(batch.len(), Ordering::AcqRel);
             sges.clear();
+            spans.clear();
             for (item, _, slot) in &batch {
-                sges.push(match (item, slot) {
-                    (rdma::Queued::Data { wr, .. }, _) => wr
-                        .sges
-                        .iter()
-                        .map(|&(lkey, addr, len)| Sge { lkey, addr, len })
-                        .collect(),
+                let start = sges.len();
+                match (item, slot) {
+                    (rdma::Queued::Data { wr, .. }, _) => {
+                        sges.extend(wr.sges.iter().map(|&(lkey, addr, len)| Sge {
+                            lkey,
+                            addr,
+                            len,
+                        }))
+                    }
                     (rdma::Queued::Sync { id, msg, .. }, Some(slot)) => {
                         let len = conn.sends.write_sync(*slot, *id, msg);
-                        vec![conn.sends.sge(*slot, len)]
+                        sges.push(conn.sends.sge(*slot, len));
                     }
-                    (rdma::Queued::Sync { .. }, None) => Vec::new(),
-                });
+                    (rdma::Queued::Sync { .. }, None) => {}
+                }
+                spans.push(start..sges.len());
             }
             let posts: Vec<crate::verbs::Post<'_>> = batch
                 .iter()
-                .zip(&sges)
-                .map(|((item, _, slot), sg)| match item {
-                    rdma::Queued::Data { id, op, wr } => crate::verbs::Post {
-                        wr_id: *id,
-                        op: match op {
-                            TransferOp::Write => crate::verbs::PostOp::Write {
-                                rkey: wr.rkey,
-                                remote_addr: wr.remote,
-                                imm: None,
+                .zip(&spans)
+                .map(|((item, _, slot), span)| {
+                    let sg = &sges[span.clone()];
+                    match item {
+                        rdma::Queued::Data { id, op, wr } => crate::verbs::Post {
+                            wr_id: *id,
+                            op: match op {
+                                TransferOp::Write => crate::verbs::PostOp::Write {
+                                    rkey: wr.rkey,
+                                    remote_addr: wr.remote,
+                                    imm: None,
+                                },
+                                TransferOp::Read => crate::verbs::PostOp::Read {
+                                    rkey: wr.rkey,
+                                    remote_addr: wr.remote,
+                                },
                             },
-                            TransferOp::Read => crate::verbs::PostOp::Read {
-                                rkey: wr.rkey,
-                                remote_addr: wr.remote,
-                            },
+                            sges: sg,
                         },
-                        sges: sg,
-                    },
-                    rdma::Queued::Sync { id, .. } => crate::verbs::Post {
-                        // A sync message always has a buffer (taken above).
-                        wr_id: rdma::SEND_FLAG | ((slot.unwrap_or(0) as u64) << 40) | id,
-                        op: crate::verbs::PostOp::Send { imm: 0 },
-                        sges: sg,
-                    },
+                        rdma::Queued::Sync { id, .. } => crate::verbs::Post {
+                            // A sync message always has a buffer (taken above).
+                            wr_id: rdma::SEND_FLAG | ((slot.unwrap_or(0) as u64) << 40) | id,
+                            op: crate::verbs::PostOp::Send { imm: 0 },
+                            sges: sg,
+                        },
+                    }
                 })
                 .collect();
             // SAFETY: data pieces lie in registered regions held by the

@@ -33,10 +33,11 @@ pub(crate) const WR_MAX: u64 = 1 << 20;
 /// Outstanding work requests per queue pair.
 pub(crate) const WINDOW: u32 = 256;
 /// Bytes of posted, uncompleted work requests per link, shared equally by
-/// its queue pairs (each may always have one request posted). 16 MiB covers the bandwidth-delay product of
-/// a 400 Gb/s link many times over; without a cap, 256 MiB in flight on
-/// soft-RoCE overflowed its packet queues (dropped ACKs, go-back-N
-/// retransmission storms that stalled a transfer for over 30 s).
+/// its queue pairs (each may always have one request posted). 16 MiB
+/// covers the bandwidth-delay product of a 400 Gb/s link many times over;
+/// without a cap, 256 MiB in flight on soft-RoCE overflowed its packet
+/// queues (dropped ACKs, go-back-N retransmission storms that stalled a
+/// transfer for over 30 s).
 pub(crate) const MAX_INFLIGHT_BYTES: u64 = 16 << 20;
 /// Most work requests posted with one doorbell (one `ibv_post_send`).
 pub(crate) const DOORBELL_BATCH: usize = 32;

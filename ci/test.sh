@@ -36,17 +36,17 @@ agent_bin=$(test_bin agent)
 cache_bin=$(test_bin cache)
 # The suite runs with the default progress mode (completion channel); the
 # data-path tests once more with the polling progress thread, and with three
-# queue pairs per peer (not the 256 MiB one: with three queue pairs' READs at
-# once, rxe under TCG drops ACKs and one run in two failed with a flushed
-# work request, see docs/benchmarks.md); then the KV-cache protocol suite on
-# RDMA.
-KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 2400 sh -c \
+# queue pairs per peer; then the KV-cache protocol suite on RDMA.
+# ACK timeout 20 (4.3 s) instead of the library's 14 (67 ms): under TCG the
+# guest stalls for longer than 67 ms at times, each expiry resends everything
+# unacknowledged, and on a 256 MiB READ that snowballed into a stall past the
+# 30 s I/O timeout (docs/benchmarks.md, "Soft-RoCE retransmissions").
+KVXFER_RDMA_ACK_TIMEOUT=20 KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 2400 sh -c \
   "$verbs_bin --test-threads 1 --color never && $agent_bin --test-threads 2 --color never && \
    KVXFER_TEST_RDMA_PROGRESS=poll $agent_bin --test-threads 2 --color never \
      write_and_read sync_message notify_follows target_killed write_after_target_deregistered && \
    KVXFER_TEST_RDMA_QPS=3 $agent_bin --test-threads 2 --color never \
-     write_and_read_1_byte write_and_read_64_kib ten_thousand sync_message notify_follows \
-     target_killed && \
+     write_and_read ten_thousand sync_message notify_follows target_killed && \
    $cache_bin --test-threads 2 --color never"
 echo "== bench CLI smoke run"
 cargo build --release --locked --bin kvxfer-bench

@@ -408,6 +408,13 @@ pub struct AgentConfig {
     /// (for paths and ports a single flow does not use); a sync message
     /// still follows all of the data before it.
     pub rdma_qps_per_peer: usize,
+    /// Local ACK timeout of RDMA queue pairs, as the verbs exponent: a
+    /// requester retransmits after 4.096 µs × 2^n without an
+    /// acknowledgement, 7 times, then the queue pair fails. `None`:
+    /// `KVXFER_RDMA_ACK_TIMEOUT`, else 14 (≈ 67 ms, as perftest). Raise it on
+    /// fabrics (or emulators) slow enough that 67 ms fires while packets are
+    /// still on their way: each firing resends everything unacknowledged.
+    pub rdma_ack_timeout: Option<u8>,
 }
 
 /// How an RDMA connection's progress thread waits for completions.
@@ -456,6 +463,7 @@ impl AgentConfig {
             rdma_gid_index: None,
             rdma_progress: RdmaProgress::default(),
             rdma_qps_per_peer: 1,
+            rdma_ack_timeout: None,
         }
     }
 
@@ -510,6 +518,36 @@ impl AgentConfig {
         self
     }
 
+    /// Sets the RDMA local ACK timeout exponent (1..=31).
+    pub fn with_rdma_ack_timeout(mut self, exp: u8) -> Self {
+        self.rdma_ack_timeout = Some(exp);
+        self
+    }
+
+    /// The RDMA local ACK timeout exponent in effect: the field, else
+    /// `KVXFER_RDMA_ACK_TIMEOUT`, else [`crate::verbs::DEFAULT_ACK_TIMEOUT`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when either is outside 1..=31 or the
+    /// variable is not a number.
+    pub fn effective_rdma_ack_timeout(&self) -> Result<u8, Error> {
+        let exp = match self.rdma_ack_timeout {
+            Some(e) => e,
+            None => match std::env::var("KVXFER_RDMA_ACK_TIMEOUT") {
+                Ok(v) => v.trim().parse().map_err(|_| {
+                    Error::InvalidConfig(format!("KVXFER_RDMA_ACK_TIMEOUT {v:?} is not 1..=31"))
+                })?,
+                Err(_) => crate::verbs::DEFAULT_ACK_TIMEOUT,
+            },
+        };
+        if !(1..=31).contains(&exp) {
+            return Err(Error::InvalidConfig(format!(
+                "rdma_ack_timeout must be 1..=31, got {exp}"
+            )));
+        }
+        Ok(exp)
+    }
+
     /// Sets how the RDMA progress thread waits for completions.
     pub fn with_rdma_progress(mut self, p: RdmaProgress) -> Self {
         self.rdma_progress = p;
@@ -552,6 +590,7 @@ impl AgentConfig {
                 self.rdma_qps_per_peer
             ));
         }
+        self.effective_rdma_ack_timeout()?;
         if !(1..=64).contains(&self.shm_copy_threads) {
             return bad(format!(
                 "shm_copy_threads must be 1..=64, got {}",
@@ -707,5 +746,30 @@ pub fn make_transfer_agent(
         Backend::Tcp => Ok(Box::new(TcpAgent::new(config)?)),
         Backend::Shm => Ok(Box::new(TcpAgent::with_mode(config, Mode::Shm)?)),
         Backend::Rdma => Ok(Box::new(TcpAgent::with_mode(config, Mode::Rdma)?)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_ranges_are_checked() {
+        let ok = AgentConfig::new("a");
+        assert!(ok.validate().is_ok());
+        for bad in [
+            AgentConfig::new("a").with_rdma_qps_per_peer(0),
+            AgentConfig::new("a").with_rdma_qps_per_peer(17),
+            AgentConfig::new("a").with_rdma_ack_timeout(0),
+            AgentConfig::new("a").with_rdma_ack_timeout(32),
+            AgentConfig::new("a").with_streams_per_peer(0),
+        ] {
+            assert!(
+                matches!(bad.validate(), Err(Error::InvalidConfig(_))),
+                "{bad:?}"
+            );
+        }
+        let set = AgentConfig::new("a").with_rdma_ack_timeout(20);
+        assert_eq!(set.effective_rdma_ack_timeout().unwrap(), 20);
     }
 }

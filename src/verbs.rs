@@ -383,6 +383,7 @@ impl Device {
             mtu: self.mtu,
             psn,
             max_sge: self.max_sge.min(30),
+            ack_timeout: DEFAULT_ACK_TIMEOUT,
         };
         rc.modify_to_init()?;
         Ok(rc)
@@ -491,19 +492,34 @@ pub struct RcQueuePair {
     mtu: Mtu,
     psn: u32,
     max_sge: u32,
+    /// Local ACK timeout exponent used by [`connect`](Self::connect).
+    ack_timeout: u8,
 }
 
+/// The local ACK timeout exponent a queue pair gets unless
+/// [`RcQueuePair::set_ack_timeout`] says otherwise: 4.096 µs × 2^14 ≈ 67 ms,
+/// perftest's default and a common choice on RoCE fabrics.
+pub const DEFAULT_ACK_TIMEOUT: u8 = 14;
+
 /// Connection parameters, chosen for RoCE and documented in
-/// `docs/architecture.md`: local ACK timeout 4.096 µs × 2^14 ≈ 67 ms, 7
+/// `docs/architecture.md`: local ACK timeout [`DEFAULT_ACK_TIMEOUT`], 7
 /// transport retries, 7 RNR retries (infinite), minimum RNR timer 12
 /// (0.64 ms), 16 outstanding RDMA READs each way.
-const QP_TIMEOUT: u8 = 14;
 const QP_RETRY_CNT: u8 = 7;
 const QP_RNR_RETRY: u8 = 7;
 const QP_MIN_RNR_TIMER: u8 = 12;
 const QP_RD_ATOMIC: u8 = 16;
 
 impl RcQueuePair {
+    /// Sets the local ACK timeout that [`connect`](Self::connect) gives the
+    /// queue pair: the requester retransmits after 4.096 µs × 2^`exp`
+    /// without an acknowledgement (7 times, then the queue pair fails).
+    /// `exp` is clamped to 1..=31 (0 would mean never, and a lost packet
+    /// would then stall the queue pair for good).
+    pub fn set_ack_timeout(&mut self, exp: u8) {
+        self.ack_timeout = exp.clamp(1, 31);
+    }
+
     fn modify_to_init(&mut self) -> Result<(), VerbsError> {
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
@@ -554,7 +570,7 @@ impl RcQueuePair {
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToSend)
             .setup_sq_psn(self.psn)
-            .setup_timeout(QP_TIMEOUT)
+            .setup_timeout(self.ack_timeout)
             .setup_retry_cnt(QP_RETRY_CNT)
             .setup_rnr_retry(QP_RNR_RETRY)
             .setup_max_read_atomic(QP_RD_ATOMIC);

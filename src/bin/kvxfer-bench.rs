@@ -91,6 +91,10 @@ struct Args {
     /// RDMA queue pairs per remote agent (default: the library's).
     #[arg(long)]
     rdma_qps: Option<usize>,
+    /// RDMA local ACK timeout exponent, 4.096 µs × 2^n (default: the
+    /// library's; the spawned target gets it too).
+    #[arg(long)]
+    rdma_ack_timeout: Option<u8>,
     /// Internal: in target role, exit when standard input closes.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
@@ -140,6 +144,9 @@ fn config(name: &str, args: &Args) -> AgentConfig {
     }
     if let Some(n) = args.rdma_qps {
         cfg = cfg.with_rdma_qps_per_peer(n);
+    }
+    if let Some(n) = args.rdma_ack_timeout {
+        cfg = cfg.with_rdma_ack_timeout(n);
     }
     if let Some(p) = &args.rdma_progress {
         match p.parse() {
@@ -214,6 +221,9 @@ fn spawn_target(args: &Args, region: u64) -> Result<(Child, String)> {
     let mut cmd = Command::new(exe);
     if let Some(d) = &args.target_rdma_device {
         cmd.env("KVXFER_RDMA_DEVICE", d);
+    }
+    if let Some(n) = args.rdma_ack_timeout {
+        cmd.env("KVXFER_RDMA_ACK_TIMEOUT", n.to_string());
     }
     let mut child = cmd
         .args([

@@ -148,8 +148,10 @@ impl TcpAgent {
         Self::with_mode(config, Mode::Tcp)
     }
 
-    pub(crate) fn with_mode(config: AgentConfig, mode: Mode) -> Result<Self, Error> {
+    pub(crate) fn with_mode(mut config: AgentConfig, mode: Mode) -> Result<Self, Error> {
         config.validate()?;
+        // Resolved once (the environment is read here, not per connection).
+        config.rdma_ack_timeout = Some(config.effective_rdma_ack_timeout()?);
         let open = || Device::open(config.rdma_device.as_deref(), config.rdma_gid_index);
         let device = match mode {
             Mode::Rdma => Some(Arc::new(open().map_err(|e| Error::BackendUnavailable {
@@ -843,10 +845,12 @@ impl Inner {
         let Some(dev) = self.device.as_ref() else {
             return Err(status::NO_RDMA);
         };
+        let ack_timeout = ack_timeout(&self.config);
         let setup =
             || -> Result<(crate::verbs::RcQueuePair, rdma::MsgRing), crate::verbs::VerbsError> {
                 // Receive events: the thread sleeps until a SEND lands.
                 let mut qp = dev.create_rc_with_events(rdma::WINDOW, false, true)?;
+                qp.set_ack_timeout(ack_timeout);
                 qp.connect(remote)?;
                 let ring = rdma::MsgRing::new(dev, rdma::RING)?;
                 for slot in 0..rdma::RING {
@@ -1745,6 +1749,13 @@ impl IdlePolicy for LinkIdle<'_> {
     }
 }
 
+/// The RDMA local ACK timeout exponent, resolved when the agent was made.
+fn ack_timeout(config: &AgentConfig) -> u8 {
+    config
+        .rdma_ack_timeout
+        .unwrap_or(crate::verbs::DEFAULT_ACK_TIMEOUT)
+}
+
 fn connect_any(endpoints: &[String], timeout: Duration) -> Result<TcpStream, Error> {
     let mut last = None;
     for ep in endpoints {
@@ -2552,6 +2563,7 @@ fn rdma_connect(
             remote: peer.name.clone(),
             detail: "short GID".into(),
         })?;
+    qp.set_ack_timeout(ack_timeout(&inner.config));
     qp.connect(&QpInfo { qpn, psn, gid, mtu }).map_err(rerr)?;
     rdma::RdmaConn::new(qp, dev, u64::MAX, (index, inner.config.rdma_qps_per_peer)).map_err(rerr)
 }

@@ -415,6 +415,11 @@ pub struct AgentConfig {
     /// fabrics (or emulators) slow enough that 67 ms fires while packets are
     /// still on their way: each firing resends everything unacknowledged.
     pub rdma_ack_timeout: Option<u8>,
+    /// Whether incoming RDMA connections share one receive queue and one
+    /// receive thread (default `true`). Off, or on a device without
+    /// shared receive queues, each connection posts its own 64 receive
+    /// buffers and runs its own thread.
+    pub rdma_srq: bool,
 }
 
 /// How an RDMA connection's progress thread waits for completions.
@@ -464,6 +469,7 @@ impl AgentConfig {
             rdma_progress: RdmaProgress::default(),
             rdma_qps_per_peer: 1,
             rdma_ack_timeout: None,
+            rdma_srq: true,
         }
     }
 
@@ -515,6 +521,12 @@ impl AgentConfig {
     /// Sets the number of RDMA queue pairs per remote agent.
     pub fn with_rdma_qps_per_peer(mut self, n: usize) -> Self {
         self.rdma_qps_per_peer = n;
+        self
+    }
+
+    /// Sets whether incoming RDMA connections share a receive queue.
+    pub fn with_rdma_srq(mut self, on: bool) -> Self {
+        self.rdma_srq = on;
         self
     }
 

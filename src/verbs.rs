@@ -16,7 +16,7 @@ use std::io;
 use std::sync::Arc;
 
 use sideway::ibverbs::AccessFlags;
-use sideway::ibverbs::address::{AddressHandleAttribute, Gid, GidType};
+use sideway::ibverbs::address::GidType;
 use sideway::ibverbs::completion::{
     CompletionChannel, CompletionQueue, GenericCompletionQueue, PollCompletionQueueError,
 };
@@ -25,8 +25,8 @@ use sideway::ibverbs::device_context::{DeviceContext, Mtu, PortState};
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
-    GenericQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairAttributeMask,
-    QueuePairState, SendOperationFlags, SetInlineData, SetScatterGatherEntry, WorkRequestFlags,
+    GenericQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
+    SendOperationFlags, SetInlineData, SetScatterGatherEntry, WorkRequestFlags,
 };
 
 /// Errors of the verbs layer: one variant per verb, with the OS error.
@@ -137,6 +137,8 @@ pub struct Device {
     mtu: Mtu,
     max_sge: u32,
     max_qp_wr: u32,
+    /// Receives a shared receive queue may hold (0: none supported).
+    max_srq_wr: u32,
     max_msg_size: u64,
     pd: Arc<ProtectionDomain>,
     ctx: Arc<DeviceContext>,
@@ -236,6 +238,11 @@ impl Device {
                 mtu: pattr.active_mtu(),
                 max_sge: a.max_sge.max(1) as u32,
                 max_qp_wr: a.max_qp_wr.max(1) as u32,
+                max_srq_wr: if a.max_srq > 0 {
+                    a.max_srq_wr.max(0) as u32
+                } else {
+                    0
+                },
                 max_msg_size: u64::from(pattr.attr.max_msg_sz).max(1),
                 pd,
                 ctx,
@@ -370,23 +377,438 @@ impl Device {
                     .into()
             }
         };
-        let psn = crate::registry::random_u64() as u32 & 0x00ff_ffff;
-        let mut rc = RcQueuePair {
+        let rc = RcQueuePair {
             qp,
             send_cq,
             recv_cq,
             channel,
             recv_channel,
+            path: self.path(),
+            max_sge: self.max_sge.min(30),
+        };
+        // SAFETY: the queue pair is alive (owned by `rc`).
+        unsafe { rc.path.modify_to_init(rc.qp.qp().as_ptr())? };
+        Ok(rc)
+    }
+
+    /// A fresh queue pair's path on this device's port: random initial
+    /// PSN, the default ACK timeout.
+    fn path(&self) -> QpPath {
+        QpPath {
             port: self.port,
             gid_index: self.gid_index,
             gid: self.gid,
-            mtu: self.mtu,
-            psn,
-            max_sge: self.max_sge.min(30),
+            mtu: self.mtu as u32,
+            psn: crate::registry::random_u64() as u32 & 0x00ff_ffff,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
+        }
+    }
+
+    /// A shared receive queue of `depth` receives (at most the device's
+    /// limit) and the completion queue, with its own channel, on which
+    /// receives of every queue pair attached to it complete.
+    ///
+    /// # Errors
+    /// [`VerbsError::Unsupported`] when the device has no shared receive
+    /// queues; else the failing verb.
+    pub fn create_srq(&self, depth: u32) -> Result<Arc<SharedReceiveQueue>, VerbsError> {
+        if self.max_srq_wr == 0 {
+            return Err(VerbsError::Unsupported {
+                what: "a shared receive queue",
+            });
+        }
+        let depth = depth.clamp(1, self.max_srq_wr);
+        let channel = CompletionChannel::new(&self.ctx)
+            .map_err(|e| verb("ibv_create_comp_channel")(other(e)))?;
+        channel
+            .set_nonblocking(true)
+            .map_err(verb("fcntl(O_NONBLOCK) on the completion channel"))?;
+        let mut cqb = self.ctx.create_cq_builder();
+        cqb.setup_cqe(depth * 2).setup_comp_channel(&channel, 0);
+        let cq =
+            GenericCompletionQueue::from(cqb.build().map_err(|e| verb("ibv_create_cq")(other(e)))?);
+        // SAFETY: an all-zero ibv_srq_init_attr is valid; the fields that
+        // matter are set below.
+        let mut init: rdma_mummy_sys::ibv_srq_init_attr = unsafe { std::mem::zeroed() };
+        init.attr.max_wr = depth;
+        init.attr.max_sge = 1;
+        // SAFETY: the protection domain is alive (we hold it) and `init`
+        // is a valid attribute struct for the call.
+        let srq = unsafe { rdma_mummy_sys::ibv_create_srq(self.pd.pd().as_ptr(), &mut init) };
+        let srq = std::ptr::NonNull::new(srq)
+            .ok_or_else(|| verb("ibv_create_srq")(io::Error::last_os_error()))?;
+        Ok(Arc::new(SharedReceiveQueue {
+            srq,
+            cq,
+            channel,
+            pd: Arc::clone(&self.pd),
+            depth,
+        }))
+    }
+
+    /// A reliable-connected queue pair whose receives come from `srq`
+    /// (and complete on its completion queue). It is meant for the
+    /// receiving end of a connection: its send queue holds one work
+    /// request and nothing is posted there (RDMA READ responses and ACKs
+    /// need no send work requests).
+    ///
+    /// # Errors
+    /// The failing verb.
+    pub fn create_rc_on_srq(
+        &self,
+        srq: &Arc<SharedReceiveQueue>,
+    ) -> Result<SrqQueuePair, VerbsError> {
+        // SAFETY: the completion queue is alive (`srq` holds it).
+        let cq = unsafe { srq.cq.cq().as_ptr() };
+        let mut init = rdma_mummy_sys::ibv_qp_init_attr {
+            qp_context: std::ptr::null_mut(),
+            send_cq: cq,
+            recv_cq: cq,
+            srq: srq.srq.as_ptr(),
+            cap: rdma_mummy_sys::ibv_qp_cap {
+                max_send_wr: 1,
+                max_recv_wr: 0,
+                max_send_sge: 1,
+                max_recv_sge: 0,
+                max_inline_data: 0,
+            },
+            qp_type: rdma_mummy_sys::ibv_qp_type::IBV_QPT_RC,
+            sq_sig_all: 0,
         };
-        rc.modify_to_init()?;
-        Ok(rc)
+        // SAFETY: protection domain, completion queue and shared receive
+        // queue are alive (held by `self` and `srq`); `init` is valid.
+        let qp = unsafe { rdma_mummy_sys::ibv_create_qp(self.pd.pd().as_ptr(), &mut init) };
+        let qp = std::ptr::NonNull::new(qp)
+            .ok_or_else(|| verb("ibv_create_qp(srq)")(io::Error::last_os_error()))?;
+        let q = SrqQueuePair {
+            qp,
+            path: self.path(),
+            srq: Arc::clone(srq),
+        };
+        // SAFETY: the queue pair is alive (owned by `q`).
+        unsafe { q.path.modify_to_init(q.qp.as_ptr())? };
+        Ok(q)
+    }
+}
+
+/// What a queue pair needs to reach its peer, and the connection
+/// parameters it is given: the same for both kinds of queue pair.
+#[derive(Clone, Copy, Debug)]
+struct QpPath {
+    port: u8,
+    gid_index: u32,
+    gid: [u8; 16],
+    /// Active MTU code (`ibv_mtu`).
+    mtu: u32,
+    psn: u32,
+    /// Local ACK timeout exponent.
+    ack_timeout: u8,
+}
+
+impl QpPath {
+    fn info(&self, qpn: u32) -> QpInfo {
+        QpInfo {
+            qpn,
+            psn: self.psn,
+            gid: self.gid,
+            mtu: self.mtu,
+        }
+    }
+
+    /// RESET → INIT, remote write and read allowed.
+    ///
+    /// # Safety
+    /// `qp` is a live queue pair.
+    unsafe fn modify_to_init(&self, qp: *mut rdma_mummy_sys::ibv_qp) -> Result<(), VerbsError> {
+        use rdma_mummy_sys::{ibv_access_flags as acc, ibv_qp_attr_mask as m};
+        // SAFETY: an all-zero ibv_qp_attr is valid; the masked fields are set.
+        let mut attr: rdma_mummy_sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = rdma_mummy_sys::ibv_qp_state::IBV_QPS_INIT;
+        attr.pkey_index = 0;
+        attr.port_num = self.port;
+        attr.qp_access_flags = (acc::IBV_ACCESS_LOCAL_WRITE
+            | acc::IBV_ACCESS_REMOTE_WRITE
+            | acc::IBV_ACCESS_REMOTE_READ)
+            .0;
+        let mask = m::IBV_QP_STATE | m::IBV_QP_PKEY_INDEX | m::IBV_QP_PORT | m::IBV_QP_ACCESS_FLAGS;
+        // SAFETY: forwarded contract on `qp`.
+        unsafe { modify_qp(qp, &mut attr, mask, "ibv_modify_qp(INIT)") }
+    }
+
+    /// INIT → RTR → RTS towards `remote`.
+    ///
+    /// # Safety
+    /// `qp` is a live queue pair in INIT.
+    unsafe fn connect(
+        &self,
+        qp: *mut rdma_mummy_sys::ibv_qp,
+        remote: &QpInfo,
+    ) -> Result<(), VerbsError> {
+        use rdma_mummy_sys::ibv_qp_attr_mask as m;
+        // SAFETY: an all-zero ibv_qp_attr is valid; the masked fields are set.
+        let mut attr: rdma_mummy_sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = rdma_mummy_sys::ibv_qp_state::IBV_QPS_RTR;
+        attr.path_mtu = remote.mtu.min(self.mtu);
+        attr.dest_qp_num = remote.qpn;
+        attr.rq_psn = remote.psn;
+        attr.max_dest_rd_atomic = QP_RD_ATOMIC;
+        attr.min_rnr_timer = QP_MIN_RNR_TIMER;
+        attr.ah_attr.dlid = 0;
+        attr.ah_attr.sl = 0;
+        attr.ah_attr.port_num = self.port;
+        attr.ah_attr.is_global = 1;
+        attr.ah_attr.grh.sgid_index = self.gid_index as u8;
+        attr.ah_attr.grh.hop_limit = 64;
+        attr.ah_attr.grh.dgid.raw = remote.gid;
+        let mask = m::IBV_QP_STATE
+            | m::IBV_QP_AV
+            | m::IBV_QP_PATH_MTU
+            | m::IBV_QP_DEST_QPN
+            | m::IBV_QP_RQ_PSN
+            | m::IBV_QP_MAX_DEST_RD_ATOMIC
+            | m::IBV_QP_MIN_RNR_TIMER;
+        // SAFETY: forwarded contract on `qp`.
+        unsafe { modify_qp(qp, &mut attr, mask, "ibv_modify_qp(RTR)")? };
+        // SAFETY: as above.
+        let mut attr: rdma_mummy_sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = rdma_mummy_sys::ibv_qp_state::IBV_QPS_RTS;
+        attr.sq_psn = self.psn;
+        attr.timeout = self.ack_timeout;
+        attr.retry_cnt = QP_RETRY_CNT;
+        attr.rnr_retry = QP_RNR_RETRY;
+        attr.max_rd_atomic = QP_RD_ATOMIC;
+        let mask = m::IBV_QP_STATE
+            | m::IBV_QP_SQ_PSN
+            | m::IBV_QP_TIMEOUT
+            | m::IBV_QP_RETRY_CNT
+            | m::IBV_QP_RNR_RETRY
+            | m::IBV_QP_MAX_QP_RD_ATOMIC;
+        // SAFETY: forwarded contract on `qp`.
+        unsafe { modify_qp(qp, &mut attr, mask, "ibv_modify_qp(RTS)") }
+    }
+}
+
+/// `ibv_modify_qp` with a typed error.
+///
+/// # Safety
+/// `qp` is a live queue pair.
+unsafe fn modify_qp(
+    qp: *mut rdma_mummy_sys::ibv_qp,
+    attr: &mut rdma_mummy_sys::ibv_qp_attr,
+    mask: rdma_mummy_sys::ibv_qp_attr_mask,
+    what: &'static str,
+) -> Result<(), VerbsError> {
+    // SAFETY: forwarded contract; `attr` is valid for the call.
+    let rc = unsafe { rdma_mummy_sys::ibv_modify_qp(qp, attr, mask.0 as i32) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(verb(what)(io::Error::from_raw_os_error(rc)))
+    }
+}
+
+/// Whether a queue pair is in the error state as the device reports it now
+/// (`ibv_query_qp`); a failing query counts as an error.
+///
+/// # Safety
+/// `qp` is a live queue pair.
+unsafe fn qp_in_error(qp: *mut rdma_mummy_sys::ibv_qp) -> bool {
+    // SAFETY: all-zero attribute structs are valid out-parameters.
+    let (mut attr, mut init): (
+        rdma_mummy_sys::ibv_qp_attr,
+        rdma_mummy_sys::ibv_qp_init_attr,
+    ) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+    let mask = rdma_mummy_sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32;
+    // SAFETY: forwarded contract; the out-parameters are valid.
+    let rc = unsafe { rdma_mummy_sys::ibv_query_qp(qp, &mut attr, mask, &mut init) };
+    rc != 0 || attr.qp_state == rdma_mummy_sys::ibv_qp_state::IBV_QPS_ERR
+}
+
+/// A shared receive queue: receive buffers posted once for every queue pair
+/// attached to it, so a receiving agent keeps one pool (and one thread)
+/// however many peers send to it. Receives complete on its completion
+/// queue; each completion names the queue pair it came through.
+///
+/// Drop order: the queue pairs attached hold an `Arc` to it, so it is
+/// destroyed after them; then its completion queue, then the channel
+/// (fields in declaration order), then the protection domain.
+pub struct SharedReceiveQueue {
+    srq: std::ptr::NonNull<rdma_mummy_sys::ibv_srq>,
+    cq: GenericCompletionQueue,
+    channel: Arc<CompletionChannel>,
+    pd: Arc<ProtectionDomain>,
+    depth: u32,
+}
+
+// SAFETY: verbs objects may be used from any thread; posting to a shared
+// receive queue and polling a completion queue are thread-safe in
+// libibverbs.
+unsafe impl Send for SharedReceiveQueue {}
+// SAFETY: as above; `&self` methods are the thread-safe verbs.
+unsafe impl Sync for SharedReceiveQueue {}
+
+impl Drop for SharedReceiveQueue {
+    fn drop(&mut self) {
+        // SAFETY: no queue pair uses it any more (they hold `Arc`s to us).
+        let rc = unsafe { rdma_mummy_sys::ibv_destroy_srq(self.srq.as_ptr()) };
+        if rc != 0 {
+            tracing::warn!(errno = rc, "ibv_destroy_srq failed");
+        }
+        let _ = &self.pd;
+    }
+}
+
+impl std::fmt::Debug for SharedReceiveQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedReceiveQueue")
+            .field("depth", &self.depth)
+            .finish()
+    }
+}
+
+impl SharedReceiveQueue {
+    /// How many receives it holds.
+    pub fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    /// Posts a receive buffer, for whichever attached queue pair gets the
+    /// next message.
+    ///
+    /// # Safety
+    /// The buffer must stay registered and valid until the receive
+    /// completes or the queue is destroyed.
+    ///
+    /// # Errors
+    /// `ibv_post_srq_recv`'s error.
+    pub unsafe fn post_recv(&self, wr_id: u64, sge: Sge) -> Result<(), VerbsError> {
+        let mut list = rdma_mummy_sys::ibv_sge {
+            addr: sge.addr,
+            length: sge.len,
+            lkey: sge.lkey,
+        };
+        let mut wr = rdma_mummy_sys::ibv_recv_wr {
+            wr_id,
+            next: std::ptr::null_mut(),
+            sg_list: &mut list,
+            num_sge: 1,
+        };
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the queue is alive; `wr` and its list are valid for the
+        // call (the device copies them); the buffer's validity is the
+        // caller's promise.
+        let rc = unsafe { rdma_mummy_sys::ibv_post_srq_recv(self.srq.as_ptr(), &mut wr, &mut bad) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(verb("ibv_post_srq_recv")(io::Error::from_raw_os_error(rc)))
+        }
+    }
+
+    /// Appends up to 32 completions to `out`, each with the number of the
+    /// queue pair it arrived on; returns how many.
+    ///
+    /// # Errors
+    /// `ibv_poll_cq`'s error.
+    pub fn poll(&self, out: &mut Vec<(u32, Completion)>) -> Result<usize, VerbsError> {
+        // SAFETY: all-zero work completions are valid out-parameters.
+        let mut wc: [rdma_mummy_sys::ibv_wc; 32] = unsafe { std::mem::zeroed() };
+        // SAFETY: the completion queue is alive; `wc` holds 32 entries.
+        let n = unsafe { rdma_mummy_sys::ibv_poll_cq(self.cq.cq().as_ptr(), 32, wc.as_mut_ptr()) };
+        if n < 0 {
+            return Err(verb("ibv_poll_cq")(io::Error::from_raw_os_error(-n)));
+        }
+        for w in &wc[..n as usize] {
+            out.push((
+                w.qp_num,
+                Completion {
+                    wr_id: w.wr_id,
+                    status: w.status,
+                    vendor_err: w.vendor_err,
+                    byte_len: w.byte_len,
+                    imm: 0,
+                },
+            ));
+        }
+        Ok(n as usize)
+    }
+
+    /// Sleeping until a receive completes ([`CqEvents`]).
+    pub fn events(&self) -> CqEvents {
+        CqEvents {
+            channel: Arc::clone(&self.channel),
+            cq: self.cq.clone(),
+        }
+    }
+}
+
+/// A reliable-connected queue pair whose receives come from a
+/// [`SharedReceiveQueue`]: the receiving end of a connection.
+///
+/// Drop order: the queue pair is destroyed first (its `Drop`), then its
+/// `Arc` on the shared receive queue is released.
+pub struct SrqQueuePair {
+    qp: std::ptr::NonNull<rdma_mummy_sys::ibv_qp>,
+    path: QpPath,
+    srq: Arc<SharedReceiveQueue>,
+}
+
+// SAFETY: verbs objects may be used from any thread; the methods that
+// change the queue pair take `&mut self`.
+unsafe impl Send for SrqQueuePair {}
+// SAFETY: `&self` methods only read (`ibv_query_qp`) or return copies.
+unsafe impl Sync for SrqQueuePair {}
+
+impl Drop for SrqQueuePair {
+    fn drop(&mut self) {
+        // SAFETY: we own the queue pair; nothing uses it after this.
+        let rc = unsafe { rdma_mummy_sys::ibv_destroy_qp(self.qp.as_ptr()) };
+        if rc != 0 {
+            tracing::warn!(errno = rc, "ibv_destroy_qp failed");
+        }
+        let _ = &self.srq;
+    }
+}
+
+impl std::fmt::Debug for SrqQueuePair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SrqQueuePair")
+            .field("qpn", &self.qp_num())
+            .finish()
+    }
+}
+
+impl SrqQueuePair {
+    /// The queue pair number (what [`SharedReceiveQueue::poll`] reports).
+    pub fn qp_num(&self) -> u32 {
+        // SAFETY: the queue pair is alive; `qp_num` is set at creation.
+        unsafe { (*self.qp.as_ptr()).qp_num }
+    }
+
+    /// Sets the local ACK timeout (as [`RcQueuePair::set_ack_timeout`]).
+    pub fn set_ack_timeout(&mut self, exp: u8) {
+        self.path.ack_timeout = exp.clamp(1, 31);
+    }
+
+    /// This queue pair's address, for the peer.
+    pub fn info(&self) -> QpInfo {
+        self.path.info(self.qp_num())
+    }
+
+    /// Connects to `remote`: INIT → RTR → RTS.
+    ///
+    /// # Errors
+    /// `ibv_modify_qp`'s error for the failing transition.
+    pub fn connect(&mut self, remote: &QpInfo) -> Result<(), VerbsError> {
+        // SAFETY: the queue pair is alive and in INIT (created so).
+        unsafe { self.path.connect(self.qp.as_ptr(), remote) }
+    }
+
+    /// Whether the queue pair is in the error state, as the device
+    /// reports it now.
+    pub fn is_error(&self) -> bool {
+        // SAFETY: the queue pair is alive.
+        unsafe { qp_in_error(self.qp.as_ptr()) }
     }
 }
 
@@ -486,14 +908,8 @@ pub struct RcQueuePair {
     channel: Option<Arc<CompletionChannel>>,
     /// The receive completion queue's channel, likewise.
     recv_channel: Option<Arc<CompletionChannel>>,
-    port: u8,
-    gid_index: u32,
-    gid: [u8; 16],
-    mtu: Mtu,
-    psn: u32,
+    path: QpPath,
     max_sge: u32,
-    /// Local ACK timeout exponent used by [`connect`](Self::connect).
-    ack_timeout: u8,
 }
 
 /// The local ACK timeout exponent a queue pair gets unless
@@ -517,30 +933,12 @@ impl RcQueuePair {
     /// `exp` is clamped to 1..=31 (0 would mean never, and a lost packet
     /// would then stall the queue pair for good).
     pub fn set_ack_timeout(&mut self, exp: u8) {
-        self.ack_timeout = exp.clamp(1, 31);
-    }
-
-    fn modify_to_init(&mut self) -> Result<(), VerbsError> {
-        let mut attr = QueuePairAttribute::new();
-        attr.setup_state(QueuePairState::Init)
-            .setup_pkey_index(0)
-            .setup_port(self.port)
-            .setup_access_flags(
-                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
-            );
-        self.qp
-            .modify(&attr)
-            .map_err(|e| verb("ibv_modify_qp(INIT)")(other(e)))
+        self.path.ack_timeout = exp.clamp(1, 31);
     }
 
     /// This queue pair's address, for the peer.
     pub fn info(&self) -> QpInfo {
-        QpInfo {
-            qpn: self.qp.qp_number(),
-            psn: self.psn,
-            gid: self.gid,
-            mtu: self.mtu as u32,
-        }
+        self.path.info(self.qp.qp_number())
     }
 
     /// Connects to `remote`: INIT → RTR → RTS.
@@ -548,45 +946,16 @@ impl RcQueuePair {
     /// # Errors
     /// `ibv_modify_qp`'s error for the failing transition.
     pub fn connect(&mut self, remote: &QpInfo) -> Result<(), VerbsError> {
-        let mtu = Mtu::from(remote.mtu.min(self.mtu as u32));
-        let mut attr = QueuePairAttribute::new();
-        attr.setup_state(QueuePairState::ReadyToReceive)
-            .setup_path_mtu(mtu)
-            .setup_dest_qp_num(remote.qpn)
-            .setup_rq_psn(remote.psn)
-            .setup_max_dest_read_atomic(QP_RD_ATOMIC)
-            .setup_min_rnr_timer(QP_MIN_RNR_TIMER);
-        let mut ah = AddressHandleAttribute::new();
-        ah.setup_dest_lid(0)
-            .setup_port(self.port)
-            .setup_service_level(0)
-            .setup_grh_src_gid_index(self.gid_index as u8)
-            .setup_grh_dest_gid(&Gid { raw: remote.gid })
-            .setup_grh_hop_limit(64);
-        attr.setup_address_vector(&ah);
-        self.qp
-            .modify(&attr)
-            .map_err(|e| verb("ibv_modify_qp(RTR)")(other(e)))?;
-        let mut attr = QueuePairAttribute::new();
-        attr.setup_state(QueuePairState::ReadyToSend)
-            .setup_sq_psn(self.psn)
-            .setup_timeout(self.ack_timeout)
-            .setup_retry_cnt(QP_RETRY_CNT)
-            .setup_rnr_retry(QP_RNR_RETRY)
-            .setup_max_read_atomic(QP_RD_ATOMIC);
-        self.qp
-            .modify(&attr)
-            .map_err(|e| verb("ibv_modify_qp(RTS)")(other(e)))
+        // SAFETY: the queue pair is alive (we own it) and in INIT.
+        unsafe { self.path.connect(self.qp.qp().as_ptr(), remote) }
     }
 
     /// Whether the queue pair is in the error state, as the device reports
     /// it now (`ibv_query_qp`; the cached state does not see transitions the
     /// hardware makes on a failed completion).
     pub fn is_error(&self) -> bool {
-        match self.qp.query(QueuePairAttributeMask::State) {
-            Ok((attr, _)) => attr.state() == QueuePairState::Error,
-            Err(_) => true,
-        }
+        // SAFETY: the queue pair is alive (we own it).
+        unsafe { qp_in_error(self.qp.qp().as_ptr()) }
     }
 
     /// Most scatter-gather entries per work request on this queue pair.

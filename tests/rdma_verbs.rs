@@ -411,3 +411,138 @@ fn batch_of_work_requests_with_one_doorbell() {
     drop((qa, _qb));
     drop((src_mr, dst_mr, back_mr));
 }
+
+/// Two senders' queue pairs into two queue pairs on one shared receive
+/// queue: each receive names the queue pair it came through, each sender's
+/// messages keep their order, a sender finding no posted buffer waits (RNR)
+/// until one is posted, and the receiving queue pairs serve one-sided
+/// WRITE and READ as any other.
+#[test]
+fn shared_receive_queue_serves_two_queue_pairs() {
+    let Some((a, b)) = two_devices("shared_receive_queue_serves_two_queue_pairs") else {
+        return;
+    };
+    let srq = b.create_srq(16).expect("create srq");
+    let mut senders = [a.create_rc(64).unwrap(), a.create_rc(64).unwrap()];
+    let mut receivers = [
+        b.create_rc_on_srq(&srq).unwrap(),
+        b.create_rc_on_srq(&srq).unwrap(),
+    ];
+    assert_ne!(receivers[0].qp_num(), receivers[1].qp_num());
+    for (s, r) in senders.iter_mut().zip(receivers.iter_mut()) {
+        r.set_ack_timeout(20);
+        let (is, ir) = (s.info(), r.info());
+        s.connect(&ir).unwrap();
+        r.connect(&is).unwrap();
+    }
+    const SLOT: usize = 64;
+    let ring = vec![0u8; 4 * SLOT];
+    let data = vec![0u8; 4096];
+    let back = vec![0u8; 4096];
+    let src: Vec<u8> = (0..4096).map(|i| (i * 13 + 5) as u8).collect();
+    // SAFETY: the buffers outlive their regions (dropped last).
+    let (ring_mr, data_mr, back_mr, src_mr) = unsafe {
+        (
+            b.register(ring.as_ptr() as u64, ring.len() as u64).unwrap(),
+            b.register(data.as_ptr() as u64, 4096).unwrap(),
+            a.register(back.as_ptr() as u64, 4096).unwrap(),
+            a.register(src.as_ptr() as u64, 4096).unwrap(),
+        )
+    };
+    let slot = |i: u64| Sge {
+        lkey: ring_mr.lkey(),
+        addr: ring.as_ptr() as u64 + i * SLOT as u64,
+        len: SLOT as u32,
+    };
+    // Only two buffers for four messages.
+    // SAFETY: the ring stays registered and alive until the queue is gone.
+    unsafe {
+        srq.post_recv(0, slot(0)).unwrap();
+        srq.post_recv(1, slot(1)).unwrap();
+    }
+    for round in 1..=2 {
+        for (k, s) in senders.iter_mut().enumerate() {
+            s.post_send_inline(round, format!("qp{k}-msg{round}").as_bytes(), 0)
+                .unwrap();
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut got: Vec<(u32, String)> = Vec::new();
+    let mut reposted = false;
+    while got.len() < 4 {
+        assert!(Instant::now() < deadline, "only {got:?} arrived");
+        let mut out = Vec::new();
+        srq.poll(&mut out).unwrap();
+        for (qpn, c) in out {
+            c.ok().unwrap();
+            let off = c.wr_id as usize * SLOT;
+            let msg = String::from_utf8(ring[off..off + c.byte_len as usize].to_vec()).unwrap();
+            got.push((qpn, msg));
+        }
+        if got.len() >= 2 && !reposted {
+            // The other two senders have been waiting on RNR retries.
+            // SAFETY: as above; slots 0 and 1 were read.
+            unsafe {
+                srq.post_recv(2, slot(2)).unwrap();
+                srq.post_recv(3, slot(3)).unwrap();
+            }
+            reposted = true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for (k, r) in receivers.iter().enumerate() {
+        let mine: Vec<&str> = got
+            .iter()
+            .filter(|(q, _)| *q == r.qp_num())
+            .map(|(_, m)| m.as_str())
+            .collect();
+        assert_eq!(
+            mine,
+            [format!("qp{k}-msg1"), format!("qp{k}-msg2")],
+            "{got:?}"
+        );
+    }
+    for s in &senders {
+        for c in wait_for(s, false, 2) {
+            c.ok().unwrap();
+        }
+    }
+    // One-sided WRITE then READ through the second pair.
+    let piece = |lkey: u32, buf: &[u8]| Sge {
+        lkey,
+        addr: buf.as_ptr() as u64,
+        len: 4096,
+    };
+    // SAFETY: the pieces lie in registered, live buffers, read only after
+    // the completions.
+    unsafe {
+        senders[1]
+            .post_write(
+                9,
+                &[piece(src_mr.lkey(), &src)],
+                data_mr.rkey(),
+                data.as_ptr() as u64,
+                None,
+                true,
+            )
+            .unwrap();
+        senders[1]
+            .post_read(
+                10,
+                &[piece(back_mr.lkey(), &back)],
+                data_mr.rkey(),
+                data.as_ptr() as u64,
+                true,
+            )
+            .unwrap();
+    }
+    for c in wait_for(&senders[1], false, 2) {
+        c.ok().unwrap();
+    }
+    assert_eq!(std::hint::black_box(&back)[..], src[..]);
+    assert!(!receivers[0].is_error() && !receivers[1].is_error());
+    drop(receivers);
+    drop(senders);
+    drop(srq);
+    drop((ring_mr, data_mr, back_mr, src_mr));
+}

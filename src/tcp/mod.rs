@@ -130,6 +130,21 @@ struct Inner {
     closing: AtomicBool,
     server: Mutex<ServerConns>,
     sessions: Mutex<HashMap<(u64, u64), Arc<Session>>>,
+    /// The shared receive queue and its thread, made at the first RDMA
+    /// connection accepted (when `rdma_srq` is set and the device has
+    /// shared receive queues).
+    srq_rx: Mutex<SrqState>,
+}
+
+/// Whether incoming RDMA connections share a receive queue.
+enum SrqState {
+    /// Not tried yet.
+    Untried,
+    /// In use.
+    Ready(Arc<SrqReceiver>),
+    /// Off by configuration, or the device could not make one: each
+    /// connection posts its own receive buffers and runs its own thread.
+    PerQueuePair,
 }
 
 #[derive(Default)]
@@ -192,6 +207,7 @@ impl TcpAgent {
             closing: AtomicBool::new(false),
             server: Mutex::new(ServerConns::default()),
             sessions: Mutex::new(HashMap::new()),
+            srq_rx: Mutex::new(SrqState::Untried),
             config,
         });
         let acceptor = Arc::clone(&inner);
@@ -845,6 +861,31 @@ impl Inner {
         let Some(dev) = self.device.as_ref() else {
             return Err(status::NO_RDMA);
         };
+        let sink = SyncSink {
+            inbox: Arc::clone(&self.inbox),
+            remote: remote_name.to_owned(),
+            sock: sock.try_clone().map_err(|_| status::QP_FAILED)?,
+            io_timeout: self.config.io_timeout,
+        };
+        let refused = |e: crate::verbs::VerbsError| {
+            tracing::warn!(remote = %remote_name, error = %e, "cannot accept an RDMA connection");
+            status::QP_FAILED
+        };
+        if let Some(rx) = self.srq_receiver(dev) {
+            let mut qp = dev.create_rc_on_srq(&rx.shared.srq).map_err(refused)?;
+            qp.set_ack_timeout(ack_timeout(&self.config));
+            qp.connect(remote).map_err(refused)?;
+            let info = qp.info();
+            lock(&rx.shared.conns).insert(info.qpn, Arc::new(sink));
+            return Ok((
+                info,
+                RdmaReceiver::Shared {
+                    qpn: info.qpn,
+                    qp: Some(qp),
+                    rx,
+                },
+            ));
+        }
         let ack_timeout = ack_timeout(&self.config);
         let setup =
             || -> Result<(crate::verbs::RcQueuePair, rdma::MsgRing), crate::verbs::VerbsError> {
@@ -860,18 +901,12 @@ impl Inner {
                 }
                 Ok((qp, ring))
             };
-        let (qp, ring) = setup().map_err(|e| {
-            tracing::warn!(remote = %remote_name, error = %e, "cannot accept an RDMA connection");
-            status::QP_FAILED
-        })?;
+        let (qp, ring) = setup().map_err(refused)?;
         let info = qp.info();
         let stop = Arc::new(AtomicBool::new(false));
         let ctx = ReceiverCtx {
-            inbox: Arc::clone(&self.inbox),
-            remote: remote_name.to_owned(),
+            sink,
             stop: Arc::clone(&stop),
-            sock: sock.try_clone().map_err(|_| status::QP_FAILED)?,
-            io_timeout: self.config.io_timeout,
         };
         let thread = std::thread::Builder::new()
             .name(format!("kvxfer-rdma-recv-{remote_name}"))
@@ -879,11 +914,39 @@ impl Inner {
             .map_err(|_| status::QP_FAILED)?;
         Ok((
             info,
-            RdmaReceiver {
+            RdmaReceiver::Own {
                 stop,
                 thread: Some(thread),
             },
         ))
+    }
+
+    /// The agent's shared receive queue and thread, made on first use;
+    /// `None` when connections receive on their own queues (configuration,
+    /// or a device that cannot make one: logged once).
+    fn srq_receiver(&self, dev: &Arc<Device>) -> Option<Arc<SrqReceiver>> {
+        let mut st = lock(&self.srq_rx);
+        match &*st {
+            SrqState::Ready(rx) => return Some(Arc::clone(rx)),
+            SrqState::PerQueuePair => return None,
+            SrqState::Untried => {}
+        }
+        if !self.config.rdma_srq {
+            *st = SrqState::PerQueuePair;
+            return None;
+        }
+        match SrqReceiver::start(dev, &self.config.name) {
+            Ok(rx) => {
+                tracing::info!(device = %dev.name(), depth = rx.shared.srq.depth(), "RDMA connections share one receive queue");
+                *st = SrqState::Ready(Arc::clone(&rx));
+                Some(rx)
+            }
+            Err(e) => {
+                tracing::info!(device = %dev.name(), error = %e, "no shared receive queue; each RDMA connection posts its own receive buffers");
+                *st = SrqState::PerQueuePair;
+                None
+            }
+        }
     }
 
     fn local_desc(&self) -> AgentDesc {
@@ -2391,23 +2454,61 @@ impl Backoff {
     }
 }
 
-/// What the target's receive thread needs.
-struct ReceiverCtx {
+/// Where one connection's sync messages go: the inbox, and the
+/// connection's socket, on which each delivery is acknowledged (the serve
+/// thread no longer writes on an RDMA connection).
+struct SyncSink {
     inbox: Arc<Inbox>,
     remote: String,
-    stop: Arc<AtomicBool>,
-    /// The connection's socket: after delivering a request's sync message
-    /// the thread acknowledges it there (the serve thread no longer writes
-    /// on an RDMA connection).
     sock: TcpStream,
     io_timeout: Duration,
 }
 
+impl SyncSink {
+    /// Delivers one received SEND (a sync message, after its request's data
+    /// by RC ordering) and acknowledges it. `false`: the connection must
+    /// receive no more (a malformed message, or the socket failed).
+    fn deliver(&self, bytes: &[u8], clock: &ProgressClock) -> bool {
+        let Some((req, msg)) = rdma::split_sync(bytes) else {
+            tracing::warn!(remote = %self.remote, "malformed RDMA sync message");
+            return false;
+        };
+        self.inbox.deliver(&self.remote, msg.to_vec());
+        let ack = [Frame::Ack {
+            req,
+            status: status::OK,
+        }
+        .encode()];
+        send_frames(&self.sock, &ack, clock, self.io_timeout).is_ok()
+    }
+}
+
+/// Sleeps on a completion channel between polls: arm, poll once more (a
+/// completion that came before arming raises no event), then wait at most
+/// 50 ms (so a stop request is noticed). Returns `false` when the channel
+/// failed.
+fn idle_wait(events: &crate::verbs::CqEvents, armed: &mut bool) -> bool {
+    if *armed {
+        *armed = false;
+        events.wait(Duration::from_millis(50)).is_ok()
+    } else {
+        *armed = true;
+        events.arm().is_ok()
+    }
+}
+
+/// What a connection's own receive thread needs (when receives are not
+/// shared).
+struct ReceiverCtx {
+    sink: SyncSink,
+    stop: Arc<AtomicBool>,
+}
+
 impl ReceiverCtx {
-    /// Delivers each SEND (a sync message, after its request's data by RC
-    /// ordering) and reposts its buffer, until stopped or the queue pair
-    /// fails. Owns the queue pair and the ring; the queue pair is declared
-    /// first in the tuple so it is destroyed before the ring's registration.
+    /// Delivers each SEND and reposts its buffer, until stopped or the
+    /// queue pair fails. Owns the queue pair and the ring; the queue pair
+    /// is declared first in the tuple so it is destroyed before the ring's
+    /// registration.
     fn run(self, mut qp: crate::verbs::RcQueuePair, ring: rdma::MsgRing) {
         let poller = qp.recv_poller();
         let events = qp.recv_events();
@@ -2422,18 +2523,8 @@ impl ReceiverCtx {
             }
             if done.is_empty() {
                 match &events {
-                    // Arm, then poll once more before sleeping: a SEND
-                    // that landed before arming raises no event. The
-                    // bounded sleep notices `stop`.
-                    Some(ev) if !armed => {
-                        if ev.arm().is_err() {
-                            break;
-                        }
-                        armed = true;
-                    }
                     Some(ev) => {
-                        armed = false;
-                        if ev.wait(Duration::from_millis(50)).is_err() {
+                        if !idle_wait(ev, &mut armed) {
                             break;
                         }
                     }
@@ -2445,21 +2536,13 @@ impl ReceiverCtx {
             for c in &done {
                 let slot = c.wr_id as usize;
                 if c.status != 0 || slot >= rdma::RING {
-                    tracing::debug!(remote = %self.remote, status = crate::verbs::wc_status_name(c.status), "RDMA receive ended");
+                    tracing::debug!(remote = %self.sink.remote, status = crate::verbs::wc_status_name(c.status), "RDMA receive ended");
                     return;
                 }
-                let bytes = ring.read(slot, c.byte_len as usize);
-                let Some((req, msg)) = rdma::split_sync(&bytes) else {
-                    tracing::warn!(remote = %self.remote, "malformed RDMA sync message");
-                    return;
-                };
-                self.inbox.deliver(&self.remote, msg.to_vec());
-                let ack = [Frame::Ack {
-                    req,
-                    status: status::OK,
-                }
-                .encode()];
-                if send_frames(&self.sock, &ack, &clock, self.io_timeout).is_err() {
+                if !self
+                    .sink
+                    .deliver(&ring.read(slot, c.byte_len as usize), &clock)
+                {
                     return;
                 }
                 // SAFETY: the slot belongs to `ring`, which outlives `qp`.
@@ -2473,17 +2556,156 @@ impl ReceiverCtx {
     }
 }
 
-/// Stops and joins a receive thread when dropped.
-struct RdmaReceiver {
+/// Receive buffers in the agent's shared receive queue.
+const SRQ_RING: usize = 256;
+
+/// What the shared receive thread and the connections using it share.
+///
+/// Drop order: `srq` (whose queue pairs, holding `Arc`s to it, are gone
+/// by then) is released before `ring`'s registration.
+struct SrqShared {
+    srq: Arc<crate::verbs::SharedReceiveQueue>,
+    ring: rdma::MsgRing,
+    /// Queue pair number → the connection its messages belong to.
+    conns: Mutex<HashMap<u32, Arc<SyncSink>>>,
+}
+
+/// The agent's one thread receiving the sync messages of every incoming
+/// RDMA connection, from one shared receive queue. Dropped (stopped and
+/// joined) with the last connection and the agent.
+struct SrqReceiver {
+    shared: Arc<SrqShared>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
-impl Drop for RdmaReceiver {
+impl SrqReceiver {
+    fn start(dev: &Arc<Device>, agent: &str) -> Result<Arc<Self>, crate::verbs::VerbsError> {
+        let srq = dev.create_srq(SRQ_RING as u32)?;
+        let slots = (srq.depth() as usize).min(SRQ_RING);
+        let ring = rdma::MsgRing::new(dev, slots)?;
+        for slot in 0..slots {
+            // SAFETY: the ring lives in `SrqShared` beside the queue and is
+            // released after it.
+            unsafe { srq.post_recv(slot as u64, ring.sge(slot, rdma::SYNC_MAX))? };
+        }
+        let shared = Arc::new(SrqShared {
+            srq,
+            ring,
+            conns: Mutex::new(HashMap::new()),
+        });
+        let stop = Arc::new(AtomicBool::new(false));
+        let (sh, st) = (Arc::clone(&shared), Arc::clone(&stop));
+        let thread = std::thread::Builder::new()
+            .name(format!("kvxfer-rdma-srq-{agent}"))
+            .spawn(move || srq_receive(&sh, &st, slots))
+            .map_err(|e| crate::verbs::VerbsError::Verb {
+                verb: "spawning the receive thread",
+                source: e,
+            })?;
+        Ok(Arc::new(Self {
+            shared,
+            stop,
+            thread: Some(thread),
+        }))
+    }
+}
+
+impl Drop for SrqReceiver {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+    }
+}
+
+/// The shared receive thread: delivers each SEND to the connection whose
+/// queue pair it came through and reposts the buffer. A connection whose
+/// message fails (malformed, socket gone) or whose queue pair reports an
+/// error receives no more; the others are unaffected.
+fn srq_receive(sh: &SrqShared, stop: &AtomicBool, slots: usize) {
+    let events = sh.srq.events();
+    let clock = ProgressClock::new();
+    let mut done = Vec::new();
+    let mut armed = false;
+    while !stop.load(Ordering::Relaxed) {
+        done.clear();
+        if let Err(e) = sh.srq.poll(&mut done) {
+            tracing::error!(error = %e, "polling the shared receive queue failed; RDMA sync messages stop");
+            return;
+        }
+        if done.is_empty() {
+            if !idle_wait(&events, &mut armed) {
+                tracing::error!(
+                    "the shared receive queue's channel failed; RDMA sync messages stop"
+                );
+                return;
+            }
+            continue;
+        }
+        for &(qpn, c) in &done {
+            let slot = c.wr_id as usize;
+            if slot >= slots {
+                continue;
+            }
+            let sink = lock(&sh.conns).get(&qpn).cloned();
+            match sink {
+                Some(sink) if c.status == 0 => {
+                    let ok = sink.deliver(&sh.ring.read(slot, c.byte_len as usize), &clock);
+                    if !ok {
+                        lock(&sh.conns).remove(&qpn);
+                    }
+                }
+                Some(sink) => {
+                    tracing::debug!(remote = %sink.remote, status = crate::verbs::wc_status_name(c.status), "RDMA receive ended");
+                    lock(&sh.conns).remove(&qpn);
+                }
+                // A connection already closed.
+                None => {}
+            }
+            // SAFETY: the slot belongs to `sh.ring`, which outlives the
+            // queue (declared after it in `SrqShared`).
+            if let Err(e) = unsafe {
+                sh.srq
+                    .post_recv(slot as u64, sh.ring.sge(slot, rdma::SYNC_MAX))
+            } {
+                tracing::error!(error = %e, "reposting to the shared receive queue failed");
+            }
+        }
+    }
+}
+
+/// A connection's receiving end: its own thread, or its place in the
+/// shared receive queue. Dropped when the connection ends.
+enum RdmaReceiver {
+    /// Stops and joins the connection's thread (which owns its queue pair).
+    Own {
+        stop: Arc<AtomicBool>,
+        thread: Option<JoinHandle<()>>,
+    },
+    /// Leaves the shared receive thread's table, then destroys the queue
+    /// pair, then releases the receiver.
+    Shared {
+        qpn: u32,
+        qp: Option<crate::verbs::SrqQueuePair>,
+        rx: Arc<SrqReceiver>,
+    },
+}
+
+impl Drop for RdmaReceiver {
+    fn drop(&mut self) {
+        match self {
+            RdmaReceiver::Own { stop, thread } => {
+                stop.store(true, Ordering::Relaxed);
+                if let Some(t) = thread.take() {
+                    let _ = t.join();
+                }
+            }
+            RdmaReceiver::Shared { qpn, qp, rx } => {
+                lock(&rx.shared.conns).remove(qpn);
+                drop(qp.take());
+            }
         }
     }
 }

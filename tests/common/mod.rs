@@ -79,8 +79,9 @@ pub fn fnv(buf: &[u8]) -> u64 {
 }
 
 /// A new agent in this process, on the suite's backend, with the RDMA
-/// progress mode `KVXFER_TEST_RDMA_PROGRESS` names and the queue pairs per
-/// peer `KVXFER_TEST_RDMA_QPS` asks for (default: the library's).
+/// progress mode `KVXFER_TEST_RDMA_PROGRESS` names, the queue pairs per
+/// peer `KVXFER_TEST_RDMA_QPS` asks for, and shared receive queues off when
+/// `KVXFER_TEST_RDMA_SRQ=0` (default: the library's).
 pub fn local_agent(
     name: &str,
     tweak: impl FnOnce(AgentConfig) -> AgentConfig,
@@ -91,6 +92,9 @@ pub fn local_agent(
     }
     if let Ok(n) = std::env::var("KVXFER_TEST_RDMA_QPS") {
         cfg = cfg.with_rdma_qps_per_peer(n.parse().expect("KVXFER_TEST_RDMA_QPS"));
+    }
+    if let Ok(v) = std::env::var("KVXFER_TEST_RDMA_SRQ") {
+        cfg = cfg.with_rdma_srq(v != "0");
     }
     kvxfer::make_transfer_agent(backend(), tweak(cfg)).expect("agent")
 }

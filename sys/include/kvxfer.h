@@ -97,6 +97,15 @@ typedef struct kvxfer_options {
   uint32_t io_timeout_ms;
   // Connection timeout in milliseconds (default 5000).
   uint32_t connect_timeout_ms;
+  // RDMA queue pairs per remote agent, 1..=16 (default 1).
+  uint32_t rdma_qps_per_peer;
+  // RDMA local ACK timeout exponent, 1..=31: retransmit after
+  // 4.096 µs × 2^n (default `KVXFER_RDMA_ACK_TIMEOUT`, else 14).
+  uint32_t rdma_ack_timeout;
+  // Non-zero: each incoming RDMA connection posts its own receive
+  // buffers and runs its own thread, instead of sharing the agent's
+  // shared receive queue.
+  uint32_t rdma_no_shared_receive_queue;
 } kvxfer_options;
 
 // A memory type: one of the `KVXFER_MEM_*` values.

@@ -140,6 +140,15 @@ pub struct kvxfer_options {
     pub io_timeout_ms: u32,
     /// Connection timeout in milliseconds (default 5000).
     pub connect_timeout_ms: u32,
+    /// RDMA queue pairs per remote agent, 1..=16 (default 1).
+    pub rdma_qps_per_peer: u32,
+    /// RDMA local ACK timeout exponent, 1..=31: retransmit after
+    /// 4.096 µs × 2^n (default `KVXFER_RDMA_ACK_TIMEOUT`, else 14).
+    pub rdma_ack_timeout: u32,
+    /// Non-zero: each incoming RDMA connection posts its own receive
+    /// buffers and runs its own thread, instead of sharing the agent's
+    /// shared receive queue.
+    pub rdma_no_shared_receive_queue: u32,
 }
 
 /// A transfer request. `local` and `remote` pair up element by element
@@ -566,6 +575,17 @@ pub unsafe extern "C" fn kvxfer_agent_new(
             }
             if let Some(ms) = field!(connect_timeout_ms: u32).filter(|&n| n > 0) {
                 cfg = cfg.with_connect_timeout(Duration::from_millis(ms.into()));
+            }
+            if let Some(n) = field!(rdma_qps_per_peer: u32).filter(|&n| n > 0) {
+                cfg = cfg.with_rdma_qps_per_peer(n as usize);
+            }
+            if let Some(n) = field!(rdma_ack_timeout: u32).filter(|&n| n > 0) {
+                // Out of range (including > 255): the agent's validation
+                // names the field.
+                cfg = cfg.with_rdma_ack_timeout(u8::try_from(n).unwrap_or(u8::MAX));
+            }
+            if let Some(n) = field!(rdma_no_shared_receive_queue: u32) {
+                cfg = cfg.with_rdma_srq(n == 0);
             }
         }
         let agent = kvxfer_core::make_transfer_agent(backend, cfg)?;

@@ -61,6 +61,15 @@ int main(void) {
   opts.struct_size = sizeof opts;
   opts.io_timeout_ms = 5000;
   opts.streams_per_peer = 2;
+  /* Out-of-range settings are refused with a typed error. */
+  kvxfer_agent *bad = NULL;
+  opts.rdma_ack_timeout = 40;
+  EXPECT(kvxfer_agent_new("c-bad", "tcp", &opts, &bad) == KVXFER_ERR_INVALID_ARGUMENT && bad == NULL);
+  opts.rdma_ack_timeout = 20;
+  opts.rdma_qps_per_peer = 17;
+  EXPECT(kvxfer_agent_new("c-bad", "tcp", &opts, &bad) == KVXFER_ERR_INVALID_ARGUMENT && bad == NULL);
+  opts.rdma_qps_per_peer = 2;
+  opts.rdma_no_shared_receive_queue = 1;
   CHECK(kvxfer_agent_new("c-init", "tcp", &opts, &init));
 
   uint8_t *dst = calloc(N, 1), *src = malloc(N);

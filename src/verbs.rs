@@ -441,7 +441,7 @@ impl Device {
             srq,
             cq,
             channel,
-            pd: Arc::clone(&self.pd),
+            _pd: Arc::clone(&self.pd),
             depth,
         }))
     }
@@ -483,7 +483,7 @@ impl Device {
         let q = SrqQueuePair {
             qp,
             path: self.path(),
-            srq: Arc::clone(srq),
+            _srq: Arc::clone(srq),
         };
         // SAFETY: the queue pair is alive (owned by `q`).
         unsafe { q.path.modify_to_init(q.qp.as_ptr())? };
@@ -636,7 +636,8 @@ pub struct SharedReceiveQueue {
     srq: std::ptr::NonNull<rdma_mummy_sys::ibv_srq>,
     cq: GenericCompletionQueue,
     channel: Arc<CompletionChannel>,
-    pd: Arc<ProtectionDomain>,
+    /// Held so that the protection domain outlives the queue.
+    _pd: Arc<ProtectionDomain>,
     depth: u32,
 }
 
@@ -654,7 +655,6 @@ impl Drop for SharedReceiveQueue {
         if rc != 0 {
             tracing::warn!(errno = rc, "ibv_destroy_srq failed");
         }
-        let _ = &self.pd;
     }
 }
 
@@ -750,7 +750,8 @@ impl SharedReceiveQueue {
 pub struct SrqQueuePair {
     qp: std::ptr::NonNull<rdma_mummy_sys::ibv_qp>,
     path: QpPath,
-    srq: Arc<SharedReceiveQueue>,
+    /// Held so that the shared receive queue outlives the queue pair.
+    _srq: Arc<SharedReceiveQueue>,
 }
 
 // SAFETY: verbs objects may be used from any thread; the methods that
@@ -766,7 +767,6 @@ impl Drop for SrqQueuePair {
         if rc != 0 {
             tracing::warn!(errno = rc, "ibv_destroy_qp failed");
         }
-        let _ = &self.srq;
     }
 }
 

@@ -195,6 +195,15 @@ impl Completion {
         }
     }
 
+    /// Polls the driver once, if there is one and the outcome is not in.
+    fn poke(&self) {
+        if let Some(driver) = self.driver.as_ref().and_then(Weak::upgrade)
+            && !self.is_done()
+        {
+            driver.progress();
+        }
+    }
+
     /// Records the outcome; returns false when one was already recorded.
     pub(crate) fn complete(&self, outcome: Result<(), Error>) -> bool {
         let mut c = self.cell.lock().unwrap_or_else(|p| p.into_inner());
@@ -233,8 +242,11 @@ impl TransferStatus {
         self.id
     }
 
-    /// Whether the transfer has finished, successfully or not.
+    /// Whether the transfer has finished, successfully or not. On RDMA, a
+    /// small request's completion queue is polled once first (nobody else
+    /// may be polling it: see [`wait`](Self::wait)).
     pub fn is_completed(&self) -> bool {
+        self.completion.poke();
         matches!(
             *self
                 .completion
@@ -245,11 +257,13 @@ impl TransferStatus {
         )
     }
 
-    /// The state now, without blocking.
+    /// The state now, without blocking (polling the completion queue once,
+    /// as [`is_completed`](Self::is_completed)).
     ///
     /// # Errors
     /// The transfer's failure, if it failed.
     pub fn poll(&self) -> Result<TransferState, Error> {
+        self.completion.poke();
         Completion::snapshot(
             &self
                 .completion

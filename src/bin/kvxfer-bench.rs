@@ -548,12 +548,17 @@ impl Side {
         })
     }
 
-    /// Writes `value` (in the first word of the block) to the other side.
-    fn send(&mut self, value: u64, timeout: Duration) -> Result<()> {
+    /// Writes `value` (in the first word of the block) to the other side;
+    /// returns the time spent in `submit_transfer` and then waiting for the
+    /// request's completion.
+    fn send(&mut self, value: u64, timeout: Duration) -> Result<(Duration, Duration)> {
         self.src.mem[0] = value;
         let req = TransferRequest::write(self.src.desc(), self.peer_dst.clone(), &self.peer);
-        self.agent.submit_transfer(req)?.wait_success(timeout)?;
-        Ok(())
+        let t0 = Instant::now();
+        let st = self.agent.submit_transfer(req)?;
+        let t1 = Instant::now();
+        st.wait_success(timeout)?;
+        Ok((t1 - t0, t1.elapsed()))
     }
 }
 
@@ -585,19 +590,31 @@ fn run_pingpong(args: &Args) -> Result<()> {
         Ok(())
     });
     let mut lat = Vec::with_capacity(iters as usize);
+    // Where a round trip goes: in `submit_transfer`, waiting for the own
+    // WRITE's completion, then for the answer to land.
+    let (mut submit, mut own, mut answer) = (Vec::new(), Vec::new(), Vec::new());
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
     let mut result = Ok(());
     let start = Instant::now();
     for i in 0..total {
         let t = Instant::now();
-        if let Err(e) = a
-            .send(2 * i + 1, timeout)
-            .and_then(|()| spin_until(&a.dst, 2 * i + 2, timeout))
-        {
+        let sent = match a.send(2 * i + 1, timeout) {
+            Ok(x) => x,
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        };
+        let t_sent = Instant::now();
+        if let Err(e) = spin_until(&a.dst, 2 * i + 2, timeout) {
             result = Err(e);
             break;
         }
         if i >= args.warmup {
-            lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+            lat.push(us(t.elapsed()) / 2.0);
+            submit.push(us(sent.0));
+            own.push(us(sent.1));
+            answer.push(us(t_sent.elapsed()));
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
@@ -609,14 +626,16 @@ fn run_pingpong(args: &Args) -> Result<()> {
     let (c0, t0) = (cpu_seconds(), Instant::now());
     std::thread::sleep(Duration::from_secs(1));
     let idle_pct = 100.0 * (cpu_seconds() - c0) / t0.elapsed().as_secs_f64();
+    let median = |v: Vec<f64>| summarize(1.0, 0.0, v).p50_us;
+    let (submit, own, answer) = (median(submit), median(own), median(answer));
     if args.json {
         println!(
-            "{{\"backend\":\"{backend_name}\",\"op\":\"pingpong\",\"block_size\":{size},\"iters\":{iters},\"p50_us\":{:.2},\"p99_us\":{:.2},\"mean_us\":{:.2},\"idle_cpu_pct\":{idle_pct:.2}}}",
+            "{{\"backend\":\"{backend_name}\",\"op\":\"pingpong\",\"block_size\":{size},\"iters\":{iters},\"p50_us\":{:.2},\"p99_us\":{:.2},\"mean_us\":{:.2},\"submit_p50_us\":{submit:.2},\"own_completion_p50_us\":{own:.2},\"answer_p50_us\":{answer:.2},\"idle_cpu_pct\":{idle_pct:.2}}}",
             m.p50_us, m.p99_us, m.mean_us
         );
     } else {
         println!(
-            "{backend_name} ping-pong, {} blocks, {iters} round trips: one-way latency p50 {:.2} µs, p99 {:.2} µs, mean {:.2} µs; idle agents use {idle_pct:.2}% of a CPU",
+            "{backend_name} ping-pong, {} blocks, {iters} round trips: one-way latency p50 {:.2} µs, p99 {:.2} µs, mean {:.2} µs; per round trip (medians): submit {submit:.2} µs, own completion {own:.2} µs, answer {answer:.2} µs; idle agents use {idle_pct:.2}% of a CPU",
             human(size),
             m.p50_us,
             m.p99_us,

@@ -30,7 +30,7 @@ use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -1044,6 +1044,9 @@ struct Pending {
     guards: Mutex<Vec<RegionGuard>>,
     /// Cross-memory path: the target's answer to the request's grants.
     granted: (Sender<u16>, Receiver<u16>),
+    /// RDMA requests no waiter polls for (see [`Link::undriven`]): the
+    /// link's count, decremented when this one finishes.
+    undriven: Option<Arc<AtomicUsize>>,
 }
 
 impl Pending {
@@ -1061,7 +1064,11 @@ impl Pending {
             Some(e) => Err(e),
             None => Ok(()),
         };
-        self.completion.complete(outcome);
+        if self.completion.complete(outcome)
+            && let Some(n) = &self.undriven
+        {
+            n.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -1141,6 +1148,14 @@ struct Link {
     rdma: Vec<rdma::RdmaConn>,
     /// Rotates the queue pair a request's first work request goes to.
     next_stripe: AtomicUsize,
+    /// RDMA requests in flight whose waiters do not poll the completion
+    /// queue themselves (large ones). While there are none, the progress
+    /// threads stay off the completion queue (no completion events, no
+    /// wake-ups competing with the waiting thread) and only look in now and
+    /// then; submitting one wakes them.
+    undriven: Arc<AtomicUsize>,
+    /// The progress threads, to wake them.
+    progress_threads: OnceLock<Vec<std::thread::Thread>>,
     remote: String,
     io_timeout: Duration,
     copy_threads: usize,
@@ -1194,6 +1209,8 @@ impl Link {
         let link = Arc::new(Link {
             rdma: rdma_conns,
             next_stripe: AtomicUsize::new(0),
+            undriven: Arc::new(AtomicUsize::new(0)),
+            progress_threads: OnceLock::new(),
             remote: peer.name.clone(),
             io_timeout: cfg.io_timeout,
             copy_threads: cfg.shm_copy_threads,
@@ -1222,14 +1239,16 @@ impl Link {
                     .spawn(move || l.run_reader(i))?,
             );
         }
+        let mut progress = Vec::new();
         for k in 0..n_qps {
             let l = Arc::clone(&link);
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("kvxfer-rdma-{}-{k}", peer.name))
-                    .spawn(move || l.run_rdma_progress(k))?,
-            );
+            let t = std::thread::Builder::new()
+                .name(format!("kvxfer-rdma-{}-{k}", peer.name))
+                .spawn(move || l.run_rdma_progress(k))?;
+            progress.push(t.thread().clone());
+            threads.push(t);
         }
+        let _ = link.progress_threads.set(progress);
         *lock(&link.threads) = threads;
         tracing::debug!(remote = %peer.name, streams = link.streams.len(), "link open");
         Ok(link)
@@ -2161,12 +2180,14 @@ impl TcpAgent {
         // takes the CPU from the stack that moves the data (measured on
         // soft-RoCE: dropped ACKs and stalls), and saves nothing.
         let small = || req.local.descs.iter().map(|d| d.len).sum::<u64>() <= rdma::DRIVE_MAX_BYTES;
-        let completion = if peer.path == Path::Rdma && small() {
+        let driven = peer.path == Path::Rdma && small();
+        let completion = if driven {
             let driver: Arc<dyn Progress> = link.clone();
             Completion::with_driver(Some(Arc::downgrade(&driver)))
         } else {
             Completion::new()
         };
+        let undriven = (peer.path == Path::Rdma && !driven).then(|| Arc::clone(&link.undriven));
         let new_pending = |outstanding: usize| {
             Arc::new(Pending {
                 completion: Arc::clone(&completion),
@@ -2174,6 +2195,7 @@ impl TcpAgent {
                 error: Mutex::new(None),
                 guards: Mutex::new(guards),
                 granted: crossbeam_channel::bounded(1),
+                undriven: undriven.clone(),
             })
         };
         if peer.path == Path::Rdma {
@@ -2203,6 +2225,12 @@ impl TcpAgent {
             let pending = new_pending(events);
             link.insert(id, Arc::clone(&pending))?;
             link.clock.touch();
+            if undriven.is_some() {
+                // Counted before posting: the progress threads must be on
+                // the completion queue by the time it completes.
+                link.undriven.fetch_add(1, Ordering::AcqRel);
+                link.wake_progress();
+            }
             link.post_rdma(id, req.op, wrs, req.sync_message, &pending);
             return Ok(TransferStatus::new(id, completion));
         }
@@ -2803,6 +2831,14 @@ impl Progress for Link {
 }
 
 impl Link {
+    /// Wakes the RDMA progress threads (parked while no large request is
+    /// in flight).
+    fn wake_progress(&self) {
+        for t in self.progress_threads.get().into_iter().flatten() {
+            t.unpark();
+        }
+    }
+
     fn broken_cause(&self) -> Option<Error> {
         lock(&self.pending).broken.clone()
     }
@@ -3088,6 +3124,19 @@ impl Link {
                 if conn.posted.load(Ordering::Acquire) == 0 {
                     break;
                 }
+            }
+            if self.undriven.load(Ordering::Acquire) == 0 && lock(&conn.queue).is_empty() {
+                // Only requests whose waiters poll the completion queue
+                // themselves (or none): keep out of their way — a woken
+                // progress thread took the CPU from them (soft-RoCE
+                // ping-pong 420 µs with it, 200-225 µs without, see
+                // docs/benchmarks.md). Look in every millisecond while work
+                // is posted (a waiter may have given up), else every 20 ms;
+                // submitting a large request wakes the thread at once.
+                let posted = conn.posted.load(Ordering::Acquire) > 0;
+                std::thread::park_timeout(Duration::from_millis(if posted { 1 } else { 20 }));
+                backoff.reset();
+                continue;
             }
             match &conn.events {
                 Some(ev) => {

@@ -20,6 +20,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -127,6 +128,10 @@ enum Cell {
 pub(crate) struct Completion {
     cell: Mutex<Cell>,
     cv: Condvar,
+    /// Threads asleep (or about to be) on `cv`; changed under `cell`'s
+    /// lock. Completing notifies only when there are any: a notification
+    /// is a system call, paid on every request otherwise.
+    sleepers: AtomicUsize,
     /// The backend's completion source (an RDMA completion queue), polled
     /// by a waiting thread itself: the completion then costs no thread
     /// wake-up. `Weak`: a status must not keep a connection alive.
@@ -157,6 +162,7 @@ impl Completion {
         Arc::new(Self {
             cell: Mutex::new(Cell::Pending),
             cv: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
             driver,
         })
     }
@@ -177,20 +183,28 @@ impl Completion {
         let mut last = Instant::now();
         let mut idle = 0u32;
         while !self.is_done() {
-            let now = Instant::now();
-            if deadline.is_some_and(|d| now >= d) || now - last > DRIVE_SPIN {
-                return;
-            }
             if driver.progress() {
-                last = now;
+                last = Instant::now();
                 idle = 0;
-            } else {
-                idle += 1;
-                if idle.is_multiple_of(64) {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
+                if deadline.is_some_and(|d| last >= d) {
+                    return;
                 }
+                continue;
+            }
+            idle += 1;
+            // The clock is read every 16 idle polls, not on each: where
+            // reading it is a system call (a guest on an emulated HPET) it
+            // cost more than the poll.
+            if idle.is_multiple_of(16) {
+                let now = Instant::now();
+                if deadline.is_some_and(|d| now >= d) || now - last > DRIVE_SPIN {
+                    return;
+                }
+            }
+            if idle.is_multiple_of(64) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
             }
         }
     }
@@ -211,7 +225,9 @@ impl Completion {
             return false;
         }
         *c = Cell::Done(outcome);
-        self.cv.notify_all();
+        if self.sleepers.load(Ordering::Relaxed) > 0 {
+            self.cv.notify_all();
+        }
         true
     }
 
@@ -303,12 +319,16 @@ impl TransferStatus {
             if driven {
                 left = left.min(DRIVE_SLICE);
             }
+            // Counted under the lock, so a completion (which sets the
+            // cell under it) sees the sleeper and notifies.
+            self.completion.sleepers.fetch_add(1, Ordering::Relaxed);
             let c = self
                 .completion
                 .cv
                 .wait_timeout(c, left)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+            self.completion.sleepers.fetch_sub(1, Ordering::Relaxed);
             if matches!(*c, Cell::Done(_)) {
                 return Completion::snapshot(&c);
             }

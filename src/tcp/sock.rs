@@ -10,7 +10,6 @@
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
 
 use super::wire::HEADER_LEN;
 
@@ -19,24 +18,41 @@ pub(crate) const IOV_MAX: usize = 1024;
 /// Most bytes handed to one `sendmsg`.
 const MAX_CALL_BYTES: usize = 4 << 20;
 
-/// A monotonic clock in nanoseconds since an agent-local origin, shared by
-/// the threads of one connection to record the time of the last progress.
+/// A monotonic clock in nanoseconds, shared by the threads of one
+/// connection to record the time of the last progress. It reads the coarse
+/// monotonic clock (`CLOCK_MONOTONIC_COARSE`, a few milliseconds' resolution,
+/// always answered without entering the kernel): it times no-progress
+/// timeouts of seconds, and is touched on every request and completion,
+/// where a precise clock read can be a system call (a guest on an emulated
+/// HPET: about ten per ping-pong round trip before).
 #[derive(Debug)]
 pub(crate) struct ProgressClock {
-    origin: Instant,
     last: AtomicU64,
+}
+
+/// `CLOCK_MONOTONIC_COARSE` in nanoseconds.
+fn coarse_now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid out-parameter; the clock id is a constant the
+    // kernel has supported since 2.6.32.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
 }
 
 impl ProgressClock {
     pub(crate) fn new() -> Self {
         Self {
-            origin: Instant::now(),
-            last: AtomicU64::new(0),
+            last: AtomicU64::new(coarse_now_ns()),
         }
     }
 
     fn now_ns(&self) -> u64 {
-        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+        coarse_now_ns()
     }
 
     /// Records progress now.

@@ -327,28 +327,9 @@ impl Device {
         recv_events: bool,
     ) -> Result<RcQueuePair, VerbsError> {
         let depth = depth.clamp(1, self.max_qp_wr);
-        let new_channel = |on: bool| -> Result<Option<Arc<CompletionChannel>>, VerbsError> {
-            if !on {
-                return Ok(None);
-            }
-            let ch = CompletionChannel::new(&self.ctx)
-                .map_err(|e| verb("ibv_create_comp_channel")(other(e)))?;
-            ch.set_nonblocking(true)
-                .map_err(verb("fcntl(O_NONBLOCK) on the completion channel"))?;
-            Ok(Some(ch))
-        };
+        let new_channel = |on: bool| on.then(|| self.new_channel()).transpose();
         let (channel, recv_channel) = (new_channel(send_events)?, new_channel(recv_events)?);
-        let cq =
-            |ch: &Option<Arc<CompletionChannel>>| -> Result<GenericCompletionQueue, VerbsError> {
-                let mut cqb = self.ctx.create_cq_builder();
-                cqb.setup_cqe(depth * 2);
-                if let Some(ch) = ch {
-                    cqb.setup_comp_channel(ch, 0);
-                }
-                Ok(GenericCompletionQueue::from(
-                    cqb.build().map_err(|e| verb("ibv_create_cq")(other(e)))?,
-                ))
-            };
+        let cq = |ch: &Option<Arc<CompletionChannel>>| self.new_cq(depth * 2, ch.as_ref());
         let recv_cq = cq(&recv_channel)?;
         let send_cq = cq(&channel)?;
         let mut qpb = self.pd.create_qp_builder();
@@ -391,6 +372,31 @@ impl Device {
         Ok(rc)
     }
 
+    /// A non-blocking completion channel.
+    fn new_channel(&self) -> Result<Arc<CompletionChannel>, VerbsError> {
+        let ch = CompletionChannel::new(&self.ctx)
+            .map_err(|e| verb("ibv_create_comp_channel")(other(e)))?;
+        ch.set_nonblocking(true)
+            .map_err(verb("fcntl(O_NONBLOCK) on the completion channel"))?;
+        Ok(ch)
+    }
+
+    /// A completion queue of `cqe` entries, signalling `channel` if given.
+    fn new_cq(
+        &self,
+        cqe: u32,
+        channel: Option<&Arc<CompletionChannel>>,
+    ) -> Result<GenericCompletionQueue, VerbsError> {
+        let mut cqb = self.ctx.create_cq_builder();
+        cqb.setup_cqe(cqe);
+        if let Some(ch) = channel {
+            cqb.setup_comp_channel(ch, 0);
+        }
+        Ok(GenericCompletionQueue::from(
+            cqb.build().map_err(|e| verb("ibv_create_cq")(other(e)))?,
+        ))
+    }
+
     /// A fresh queue pair's path on this device's port: random initial
     /// PSN, the default ACK timeout.
     fn path(&self) -> QpPath {
@@ -418,15 +424,8 @@ impl Device {
             });
         }
         let depth = depth.clamp(1, self.max_srq_wr);
-        let channel = CompletionChannel::new(&self.ctx)
-            .map_err(|e| verb("ibv_create_comp_channel")(other(e)))?;
-        channel
-            .set_nonblocking(true)
-            .map_err(verb("fcntl(O_NONBLOCK) on the completion channel"))?;
-        let mut cqb = self.ctx.create_cq_builder();
-        cqb.setup_cqe(depth * 2).setup_comp_channel(&channel, 0);
-        let cq =
-            GenericCompletionQueue::from(cqb.build().map_err(|e| verb("ibv_create_cq")(other(e)))?);
+        let channel = self.new_channel()?;
+        let cq = self.new_cq(depth * 2, Some(&channel))?;
         // SAFETY: an all-zero ibv_srq_init_attr is valid; the fields that
         // matter are set below.
         let mut init: rdma_mummy_sys::ibv_srq_init_attr = unsafe { std::mem::zeroed() };

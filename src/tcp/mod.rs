@@ -881,7 +881,7 @@ impl Inner {
                 info,
                 RdmaReceiver::Shared {
                     qpn: info.qpn,
-                    qp: Some(qp),
+                    _qp: qp,
                     rx,
                 },
             ));
@@ -2712,11 +2712,12 @@ enum RdmaReceiver {
         stop: Arc<AtomicBool>,
         thread: Option<JoinHandle<()>>,
     },
-    /// Leaves the shared receive thread's table, then destroys the queue
-    /// pair, then releases the receiver.
+    /// Leaves the shared receive thread's table (in `drop`), then destroys
+    /// the queue pair, then releases the receiver (fields drop in order).
     Shared {
         qpn: u32,
-        qp: Option<crate::verbs::SrqQueuePair>,
+        /// Held only to be destroyed after leaving the table.
+        _qp: crate::verbs::SrqQueuePair,
         rx: Arc<SrqReceiver>,
     },
 }
@@ -2730,9 +2731,8 @@ impl Drop for RdmaReceiver {
                     let _ = t.join();
                 }
             }
-            RdmaReceiver::Shared { qpn, qp, rx } => {
+            RdmaReceiver::Shared { qpn, rx, .. } => {
                 lock(&rx.shared.conns).remove(qpn);
-                drop(qp.take());
             }
         }
     }

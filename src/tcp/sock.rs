@@ -51,20 +51,15 @@ impl ProgressClock {
         }
     }
 
-    fn now_ns(&self) -> u64 {
-        coarse_now_ns()
-    }
-
     /// Records progress now.
     pub(crate) fn touch(&self) {
-        self.last.store(self.now_ns(), Ordering::Relaxed);
+        self.last.store(coarse_now_ns(), Ordering::Relaxed);
     }
 
     /// Time since the last recorded progress.
     pub(crate) fn idle(&self) -> std::time::Duration {
         std::time::Duration::from_nanos(
-            self.now_ns()
-                .saturating_sub(self.last.load(Ordering::Relaxed)),
+            coarse_now_ns().saturating_sub(self.last.load(Ordering::Relaxed)),
         )
     }
 }

@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -127,6 +127,8 @@ enum Cell {
 #[derive(Debug)]
 pub(crate) struct Completion {
     cell: Mutex<Cell>,
+    /// Set once `cell` holds the outcome: polled without the lock.
+    done: AtomicBool,
     cv: Condvar,
     /// Threads asleep (or about to be) on `cv`; changed under `cell`'s
     /// lock. Completing notifies only when there are any: a notification
@@ -152,6 +154,41 @@ pub(crate) trait Progress: Send + Sync {
 /// wake-up; long ones leave the CPU to the progress thread.
 const DRIVE_SPIN: Duration = Duration::from_micros(200);
 const DRIVE_SLICE: Duration = Duration::from_millis(1);
+/// Idle polls between two clock reads of a driving waiter.
+const DRIVE_CLOCK_EVERY: u32 = 16;
+
+/// A wait's deadline, fixed at the first clock read rather than on entry: a
+/// wait that finds its outcome at once reads no clock. The wait may then
+/// last longer than asked by the time before that first read (a few
+/// polls, microseconds), never shorter.
+struct Deadline {
+    timeout: Duration,
+    /// `Some(None)`: no deadline (the timeout overflows `Instant`).
+    at: Option<Option<Instant>>,
+}
+
+impl Deadline {
+    fn new(timeout: Duration) -> Self {
+        Self { timeout, at: None }
+    }
+
+    fn at(&mut self, now: Instant) -> Option<Instant> {
+        *self.at.get_or_insert_with(|| now.checked_add(self.timeout))
+    }
+
+    fn passed(&mut self, now: Instant) -> bool {
+        self.at(now).is_some_and(|d| now >= d)
+    }
+
+    /// Time left, reading the clock.
+    fn left(&mut self) -> Duration {
+        let now = Instant::now();
+        match self.at(now) {
+            Some(d) => d.saturating_duration_since(now),
+            None => Duration::from_secs(3600),
+        }
+    }
+}
 
 impl Completion {
     pub(crate) fn new() -> Arc<Self> {
@@ -161,6 +198,7 @@ impl Completion {
     pub(crate) fn with_driver(driver: Option<Weak<dyn Progress>>) -> Arc<Self> {
         Arc::new(Self {
             cell: Mutex::new(Cell::Pending),
+            done: AtomicBool::new(false),
             cv: Condvar::new(),
             sleepers: AtomicUsize::new(0),
             driver,
@@ -168,36 +206,32 @@ impl Completion {
     }
 
     fn is_done(&self) -> bool {
-        matches!(
-            *self.cell.lock().unwrap_or_else(|p| p.into_inner()),
-            Cell::Done(_)
-        )
+        self.done.load(Ordering::Acquire)
     }
 
     /// Polls the driver until the outcome is in, the deadline passes, or
-    /// nothing has happened for [`DRIVE_SPIN`].
-    fn drive(&self, deadline: Option<Instant>) {
+    /// nothing has happened for [`DRIVE_SPIN`]. The clock is read only every
+    /// [`DRIVE_CLOCK_EVERY`] idle polls (a completion found sooner costs no
+    /// clock read at all): where reading it is a system call (a guest on an
+    /// emulated HPET: 2.2 µs a read) the reads cost more than the polls.
+    fn drive(&self, deadline: &mut Deadline) {
         let Some(driver) = self.driver.as_ref().and_then(Weak::upgrade) else {
             return;
         };
-        let mut last = Instant::now();
+        // When the last progress was seen, once the clock has been read
+        // after it.
+        let mut last: Option<Instant> = None;
         let mut idle = 0u32;
         while !self.is_done() {
             if driver.progress() {
-                last = Instant::now();
+                last = None;
                 idle = 0;
-                if deadline.is_some_and(|d| last >= d) {
-                    return;
-                }
                 continue;
             }
             idle += 1;
-            // The clock is read every 16 idle polls, not on each: where
-            // reading it is a system call (a guest on an emulated HPET) it
-            // cost more than the poll.
-            if idle.is_multiple_of(16) {
+            if idle.is_multiple_of(DRIVE_CLOCK_EVERY) {
                 let now = Instant::now();
-                if deadline.is_some_and(|d| now >= d) || now - last > DRIVE_SPIN {
+                if deadline.passed(now) || now - *last.get_or_insert(now) > DRIVE_SPIN {
                     return;
                 }
             }
@@ -225,6 +259,7 @@ impl Completion {
             return false;
         }
         *c = Cell::Done(outcome);
+        self.done.store(true, Ordering::Release);
         if self.sleepers.load(Ordering::Relaxed) > 0 {
             self.cv.notify_all();
         }
@@ -263,14 +298,7 @@ impl TransferStatus {
     /// may be polling it: see [`wait`](Self::wait)).
     pub fn is_completed(&self) -> bool {
         self.completion.poke();
-        matches!(
-            *self
-                .completion
-                .cell
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
-            Cell::Done(_)
-        )
+        self.completion.is_done()
     }
 
     /// The state now, without blocking (polling the completion queue once,
@@ -295,11 +323,11 @@ impl TransferStatus {
     /// # Errors
     /// The transfer's failure, if it failed.
     pub fn wait(&self, timeout: Duration) -> Result<TransferState, Error> {
-        let deadline = Instant::now().checked_add(timeout);
+        let mut deadline = Deadline::new(timeout);
         let driven = self.completion.driver.is_some();
         loop {
             if driven {
-                self.completion.drive(deadline);
+                self.completion.drive(&mut deadline);
             }
             let c = self
                 .completion
@@ -309,10 +337,7 @@ impl TransferStatus {
             if matches!(*c, Cell::Done(_)) {
                 return Completion::snapshot(&c);
             }
-            let mut left = match deadline {
-                Some(d) => d.saturating_duration_since(Instant::now()),
-                None => Duration::from_secs(3600),
-            };
+            let mut left = deadline.left();
             if left.is_zero() {
                 return Ok(TransferState::InProgress);
             }

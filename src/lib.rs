@@ -72,6 +72,7 @@ pub mod error;
 pub mod memory;
 mod registry;
 mod shm;
+mod small;
 pub mod tcp;
 pub mod verbs;
 

@@ -11,6 +11,7 @@ use crate::agent::SyncMessages;
 use crate::desc::ExportedRegion;
 use crate::error::{Error, RejectReason};
 use crate::memory::{MemoryDesc, MemoryDescs, MemoryType, RegionMap};
+use crate::small::Few;
 
 /// A random 64-bit value (SipHash keyed from the OS's randomness, mixed with
 /// a counter). For access keys and instance ids: unpredictable enough to
@@ -156,7 +157,7 @@ impl Registry {
     /// Guards for every region the local descriptors fall in (one guard per
     /// distinct region touched consecutively).
     #[cfg(test)]
-    pub(crate) fn acquire_local(&self, descs: &MemoryDescs) -> Result<Vec<RegionGuard>, Error> {
+    pub(crate) fn acquire_local(&self, descs: &MemoryDescs) -> Result<Few<RegionGuard>, Error> {
         self.acquire_local_keyed(descs, None)
     }
 
@@ -165,10 +166,10 @@ impl Registry {
     pub(crate) fn acquire_local_keyed(
         &self,
         descs: &MemoryDescs,
-        mut lkeys: Option<&mut Vec<u32>>,
-    ) -> Result<Vec<RegionGuard>, Error> {
+        mut lkeys: Option<&mut Few<u32>>,
+    ) -> Result<Few<RegionGuard>, Error> {
         let map = self.read();
-        let mut guards: Vec<RegionGuard> = Vec::new();
+        let mut guards: Few<RegionGuard> = Few::new();
         let mut hint = None;
         for d in &descs.descs {
             let found = map.find_hinted(descs.mem_type, d, hint);

@@ -496,16 +496,57 @@ fn cpu_seconds() -> f64 {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
-/// Spins until the first word of `buf` equals `want`.
+/// Timestamps for the ping-pong's per-iteration timing, as perftest takes
+/// them (`get_cycles`): the time-stamp counter on x86-64, converted to time
+/// by a calibration against `Instant` over the run. `Instant` there can be a
+/// system call per read (a guest whose clock source is an emulated HPET:
+/// 2.2 µs a read, and a round trip took ~20 of them), which perftest does
+/// not pay.
+struct Ticks {
+    t0: Instant,
+    k0: u64,
+}
+
+impl Ticks {
+    fn start() -> Self {
+        Self {
+            t0: Instant::now(),
+            k0: Self::now(),
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn now() -> u64 {
+        // SAFETY: RDTSC exists on every x86-64 processor and has no
+        // preconditions.
+        unsafe { std::arch::x86_64::_rdtsc() }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn now() -> u64 {
+        static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+    }
+
+    /// Ticks per microsecond, measured since `start`.
+    fn per_us(&self) -> f64 {
+        let (k, us) = (Self::now(), self.t0.elapsed().as_secs_f64() * 1e6);
+        (k.wrapping_sub(self.k0)) as f64 / us.max(1e-3)
+    }
+}
+
+/// Spins until the first word of `buf` equals `want`. The clock is read
+/// only every 1024 spins (the timeout counts from the first read).
 fn spin_until(buf: &Buffer, want: u64, timeout: Duration) -> Result<()> {
-    let start = Instant::now();
+    let mut start = None;
     let mut n = 0u32;
     // SAFETY: the first word of a live, aligned buffer; read volatile
     // because the transport (another agent's WRITE) changes it.
     while unsafe { std::ptr::read_volatile(buf.mem.as_ptr()) } != want {
         n = n.wrapping_add(1);
         if n.is_multiple_of(1024) {
-            if start.elapsed() > timeout {
+            let now = Instant::now();
+            if now - *start.get_or_insert(now) > timeout {
                 bail!("no ping-pong write with value {want} within {timeout:?}");
             }
             // Let the transport's threads run where cores are scarce.
@@ -549,16 +590,16 @@ impl Side {
     }
 
     /// Writes `value` (in the first word of the block) to the other side;
-    /// returns the time spent in `submit_transfer` and then waiting for the
-    /// request's completion.
-    fn send(&mut self, value: u64, timeout: Duration) -> Result<(Duration, Duration)> {
+    /// returns the [`Ticks`] spent in `submit_transfer` and then waiting
+    /// for the request's completion.
+    fn send(&mut self, value: u64, timeout: Duration) -> Result<(u64, u64)> {
         self.src.mem[0] = value;
         let req = TransferRequest::write(self.src.desc(), self.peer_dst.clone(), &self.peer);
-        let t0 = Instant::now();
+        let t0 = Ticks::now();
         let st = self.agent.submit_transfer(req)?;
-        let t1 = Instant::now();
+        let t1 = Ticks::now();
         st.wait_success(timeout)?;
-        Ok((t1 - t0, t1.elapsed()))
+        Ok((t1 - t0, Ticks::now() - t1))
     }
 }
 
@@ -591,13 +632,14 @@ fn run_pingpong(args: &Args) -> Result<()> {
     });
     let mut lat = Vec::with_capacity(iters as usize);
     // Where a round trip goes: in `submit_transfer`, waiting for the own
-    // WRITE's completion, then for the answer to land.
+    // WRITE's completion, then for the answer to land (in ticks until the
+    // end, then converted).
     let (mut submit, mut own, mut answer) = (Vec::new(), Vec::new(), Vec::new());
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
     let mut result = Ok(());
     let start = Instant::now();
+    let ticks = Ticks::start();
     for i in 0..total {
-        let t = Instant::now();
+        let t = Ticks::now();
         let sent = match a.send(2 * i + 1, timeout) {
             Ok(x) => x,
             Err(e) => {
@@ -605,19 +647,23 @@ fn run_pingpong(args: &Args) -> Result<()> {
                 break;
             }
         };
-        let t_sent = Instant::now();
+        let t_sent = Ticks::now();
         if let Err(e) = spin_until(&a.dst, 2 * i + 2, timeout) {
             result = Err(e);
             break;
         }
         if i >= args.warmup {
-            lat.push(us(t.elapsed()) / 2.0);
-            submit.push(us(sent.0));
-            own.push(us(sent.1));
-            answer.push(us(t_sent.elapsed()));
+            let end = Ticks::now();
+            lat.push((end - t) as f64 / 2.0);
+            submit.push(sent.0 as f64);
+            own.push(sent.1 as f64);
+            answer.push((end - t_sent) as f64);
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let per_us = ticks.per_us();
+    let us = |v: Vec<f64>| -> Vec<f64> { v.into_iter().map(|t| t / per_us).collect() };
+    let (lat, submit, own, answer) = (us(lat), us(submit), us(own), us(answer));
     result?;
     pong.join()
         .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;

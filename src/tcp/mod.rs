@@ -45,6 +45,7 @@ use crate::error::{Error, RejectReason};
 use crate::memory::{MemoryDescs, MemoryType, RegionMap};
 use crate::registry::{Inbox, RegionGuard, Registry, random_u64};
 use crate::shm::{self, Direction, Piece};
+use crate::small::{FastHash, Few};
 use crate::verbs::{Device, QpInfo, Sge};
 
 use session::{Finished, RequestTable};
@@ -125,7 +126,7 @@ struct Inner {
     listen_addr: SocketAddr,
     registry: Registry,
     inbox: Arc<Inbox>,
-    peers: RwLock<HashMap<String, Arc<Peer>>>,
+    peers: RwLock<HashMap<String, Arc<Peer>, FastHash>>,
     next_req: AtomicU64,
     closing: AtomicBool,
     server: Mutex<ServerConns>,
@@ -202,7 +203,7 @@ impl TcpAgent {
             listen_addr,
             registry: Registry::default(),
             inbox: Arc::new(Inbox::default()),
-            peers: RwLock::new(HashMap::new()),
+            peers: RwLock::new(HashMap::default()),
             next_req: AtomicU64::new(1),
             closing: AtomicBool::new(false),
             server: Mutex::new(ServerConns::default()),
@@ -1041,15 +1042,21 @@ struct Pending {
     completion: Arc<Completion>,
     outstanding: AtomicUsize,
     error: Mutex<Option<Error>>,
-    guards: Mutex<Vec<RegionGuard>>,
-    /// Cross-memory path: the target's answer to the request's grants.
-    granted: (Sender<u16>, Receiver<u16>),
+    guards: Mutex<Few<RegionGuard>>,
+    /// Cross-memory path: the target's answer to the request's grants
+    /// (made on first use: a channel is several allocations, which the
+    /// other paths need not pay).
+    granted: OnceLock<(Sender<u16>, Receiver<u16>)>,
     /// RDMA requests no waiter polls for (see [`Link::undriven`]): the
     /// link's count, decremented when this one finishes.
     undriven: Option<Arc<AtomicUsize>>,
 }
 
 impl Pending {
+    fn granted(&self) -> &(Sender<u16>, Receiver<u16>) {
+        self.granted.get_or_init(|| crossbeam_channel::bounded(1))
+    }
+
     /// Records one event; returns true when it was the last.
     fn event(&self, result: Result<(), Error>) -> bool {
         if let Err(e) = result {
@@ -1136,7 +1143,7 @@ struct StreamHandle {
 
 #[derive(Default)]
 struct PendingTable {
-    map: HashMap<u64, Arc<Pending>>,
+    map: HashMap<u64, Arc<Pending>, FastHash>,
     broken: Option<Error>,
 }
 
@@ -1167,6 +1174,9 @@ struct Link {
     delegate_ok: AtomicBool,
     streams: Vec<StreamHandle>,
     pending: Mutex<PendingTable>,
+    /// Set (under `pending`'s lock) when `pending.broken` is: a request's
+    /// path reads it without the lock.
+    broken: AtomicBool,
     clock: ProgressClock,
     alive: AtomicUsize,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -1221,6 +1231,7 @@ impl Link {
             alive: AtomicUsize::new(2 * streams.len() + n_qps),
             streams,
             pending: Mutex::new(PendingTable::default()),
+            broken: AtomicBool::new(false),
             clock: ProgressClock::new(),
             threads: Mutex::new(Vec::new()),
         });
@@ -1255,7 +1266,7 @@ impl Link {
     }
 
     fn is_broken(&self) -> bool {
-        lock(&self.pending).broken.is_some()
+        self.broken.load(Ordering::Acquire)
     }
 
     fn insert(&self, id: u64, p: Arc<Pending>) -> Result<(), Error> {
@@ -1278,6 +1289,7 @@ impl Link {
             }
             tracing::debug!(remote = %self.remote, %cause, "link failed");
             t.broken = Some(cause);
+            self.broken.store(true, Ordering::Release);
         }
         for r in &self.rdma {
             // Flush every posted work request; the progress threads drain
@@ -1546,7 +1558,7 @@ impl Link {
     /// Waits for the target's answer to a request's grants (or delegate).
     fn wait_granted(&self, pending: &Pending) -> Result<u16, Error> {
         loop {
-            match pending.granted.1.recv_timeout(tick(self.io_timeout)) {
+            match pending.granted().1.recv_timeout(tick(self.io_timeout)) {
                 Ok(st) => return Ok(st),
                 Err(_) => {
                     if let Some(e) = &lock(&self.pending).broken {
@@ -1767,7 +1779,7 @@ impl Link {
                     let Some(p) = p else {
                         return Err(self.violation("grant answer for an unknown request"));
                     };
-                    if p.granted.0.try_send(st).is_err() {
+                    if p.granted().0.try_send(st).is_err() {
                         return Err(self.violation("second grant answer for a request"));
                     }
                 }
@@ -2134,12 +2146,14 @@ impl TcpAgent {
             });
         }
         let peer = inner.peer(&req.remote_agent)?;
-        let mut lkeys = Vec::new();
+        let rdma = peer.path == Path::Rdma;
+        let mut lkeys = Few::new();
         let guards = inner
             .registry
-            .acquire_local_keyed(&req.local, (peer.path == Path::Rdma).then_some(&mut lkeys))?;
-        let mut keys = Vec::with_capacity(req.remote.len());
-        let mut rkeys = Vec::new();
+            .acquire_local_keyed(&req.local, rdma.then_some(&mut lkeys))?;
+        // Access keys for the socket paths, remote keys for RDMA.
+        let mut keys = Vec::new();
+        let mut rkeys = Few::new();
         let mut hint = None;
         for d in &req.remote.descs {
             let found = peer.regions.find_hinted(req.remote.mem_type, d, hint);
@@ -2151,8 +2165,9 @@ impl TcpAgent {
                     desc: *d,
                 });
             };
-            keys.push(r.value.0);
-            if peer.path == Path::Rdma {
+            if !rdma {
+                keys.push(r.value.0);
+            } else {
                 rkeys.push(r.value.1.ok_or_else(|| Error::Rdma {
                     remote: req.remote_agent.clone(),
                     detail: format!(
@@ -2194,12 +2209,12 @@ impl TcpAgent {
                 outstanding: AtomicUsize::new(outstanding),
                 error: Mutex::new(None),
                 guards: Mutex::new(guards),
-                granted: crossbeam_channel::bounded(1),
+                granted: OnceLock::new(),
                 undriven: undriven.clone(),
             })
         };
-        if peer.path == Path::Rdma {
-            let pieces: Vec<_> = req
+        if rdma {
+            let pieces: Few<_> = req
                 .local
                 .descs
                 .iter()
@@ -2595,7 +2610,7 @@ struct SrqShared {
     srq: Arc<crate::verbs::SharedReceiveQueue>,
     ring: rdma::MsgRing,
     /// Queue pair number → the connection its messages belong to.
-    conns: Mutex<HashMap<u32, Arc<SyncSink>>>,
+    conns: Mutex<HashMap<u32, Arc<SyncSink>, FastHash>>,
 }
 
 /// The agent's one thread receiving the sync messages of every incoming
@@ -2620,7 +2635,7 @@ impl SrqReceiver {
         let shared = Arc::new(SrqShared {
             srq,
             ring,
-            conns: Mutex::new(HashMap::new()),
+            conns: Mutex::new(HashMap::default()),
         });
         let stop = Arc::new(AtomicBool::new(false));
         let (sh, st) = (Arc::clone(&shared), Arc::clone(&stop));
@@ -2840,6 +2855,9 @@ impl Link {
     }
 
     fn broken_cause(&self) -> Option<Error> {
+        if !self.is_broken() {
+            return None;
+        }
         lock(&self.pending).broken.clone()
     }
 
@@ -2850,25 +2868,39 @@ impl Link {
         &self,
         id: u64,
         op: TransferOp,
-        wrs: Vec<rdma::Wr>,
+        wrs: Few<rdma::Wr>,
         sync: Option<Vec<u8>>,
         pending: &Arc<Pending>,
     ) {
         let n = self.rdma.len();
-        let per_qp: Vec<Vec<rdma::Wr>> = if n == 1 {
-            vec![wrs]
-        } else {
-            // Work requests go round the queue pairs, starting where the
-            // previous request left off, so small requests spread too.
-            let start = self
-                .next_stripe
-                .fetch_add(wrs.len().max(1), Ordering::Relaxed);
-            let mut per_qp: Vec<Vec<rdma::Wr>> = (0..n).map(|_| Vec::new()).collect();
-            for (i, wr) in wrs.into_iter().enumerate() {
-                per_qp[(start + i) % n].push(wr);
+        if n == 1 {
+            // One queue pair: everything in order on it, no gate.
+            let conn = &self.rdma[0];
+            let mut q = lock(&conn.queue);
+            let count = wrs.len() + usize::from(sync.is_some());
+            conn.queued.fetch_add(count as u64, Ordering::AcqRel);
+            for wr in wrs {
+                q.items
+                    .push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
             }
-            per_qp
-        };
+            if let Some(msg) = sync {
+                let gate = Vec::new();
+                q.items
+                    .push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
+            }
+            drop(q);
+            self.pump(conn);
+            return;
+        }
+        // Work requests go round the queue pairs, starting where the
+        // previous request left off, so small requests spread too.
+        let start = self
+            .next_stripe
+            .fetch_add(wrs.len().max(1), Ordering::Relaxed);
+        let mut per_qp: Vec<Vec<rdma::Wr>> = (0..n).map(|_| Vec::new()).collect();
+        for (i, wr) in wrs.into_iter().enumerate() {
+            per_qp[(start + i) % n].push(wr);
+        }
         let mut touched = vec![false; n];
         for ((conn, wrs), t) in self.rdma.iter().zip(per_qp).zip(&mut touched) {
             if wrs.is_empty() {
@@ -2878,7 +2910,8 @@ impl Link {
             let mut q = lock(&conn.queue);
             conn.queued.fetch_add(wrs.len() as u64, Ordering::AcqRel);
             for wr in wrs {
-                q.push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
+                q.items
+                    .push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
             }
         }
         if let Some(msg) = sync {
@@ -2893,7 +2926,8 @@ impl Link {
             let conn = &self.rdma[0];
             let mut q = lock(&conn.queue);
             conn.queued.fetch_add(1, Ordering::AcqRel);
-            q.push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
+            q.items
+                .push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
         }
         for (conn, _) in self.rdma.iter().zip(touched).filter(|(_, t)| *t) {
             self.pump(conn);
@@ -2919,14 +2953,13 @@ impl Link {
         } else {
             1
         };
-        let mut batch: Vec<(rdma::Queued, Arc<Pending>, Option<usize>)> = Vec::new();
-        // Every work request's pieces back to back, and where each one's are.
-        let mut sges: Vec<Sge> = Vec::new();
-        let mut spans: Vec<std::ops::Range<usize>> = Vec::new();
         loop {
             let mut q = lock(&conn.queue);
+            if q.items.is_empty() {
+                return;
+            }
             if let Some(cause) = self.broken_cause() {
-                let drained: Vec<_> = q.drain(..).collect();
+                let drained: Vec<_> = q.items.drain(..).collect();
                 drop(q);
                 for (item, p) in drained {
                     for _ in 0..item.events() {
@@ -2935,9 +2968,20 @@ impl Link {
                 }
                 return;
             }
+            // The batch, and every work request's pieces back to back with
+            // where each one's are: scratch kept in the queue, so posting
+            // allocates nothing.
+            let rdma::SendQueue {
+                items,
+                batch,
+                sges,
+                spans,
+            } = &mut *q;
             batch.clear();
             while batch.len() < batch_max {
-                let Some((front, _)) = q.front() else { break };
+                let Some((front, _)) = items.front() else {
+                    break;
+                };
                 let len = match front {
                     rdma::Queued::Data { wr, .. } => wr.len,
                     rdma::Queued::Sync { gate, .. } if !self.gate_open(gate) => break,
@@ -2956,7 +3000,7 @@ impl Link {
                     },
                     rdma::Queued::Data { .. } => None,
                 };
-                let (item, p) = q.pop_front().expect("front exists");
+                let (item, p) = items.pop_front().expect("front exists");
                 batch.push((item, p, send_slot));
             }
             if batch.is_empty() {
@@ -2965,7 +3009,7 @@ impl Link {
             conn.posted.fetch_add(batch.len(), Ordering::AcqRel);
             sges.clear();
             spans.clear();
-            for (item, _, slot) in &batch {
+            for (item, _, slot) in batch.iter() {
                 let start = sges.len();
                 match (item, slot) {
                     (rdma::Queued::Data { wr, .. }, _) => {
@@ -2983,9 +3027,9 @@ impl Link {
                 }
                 spans.push(start..sges.len());
             }
-            let posts: Vec<crate::verbs::Post<'_>> = batch
+            let posts: Few<crate::verbs::Post<'_>> = batch
                 .iter()
-                .zip(&spans)
+                .zip(spans.iter())
                 .map(|((item, _, slot), span)| {
                     let sg = &sges[span.clone()];
                     match item {
@@ -3019,22 +3063,25 @@ impl Link {
             // message slot is ours until its SEND completes.
             let r = unsafe { lock(&conn.qp).post_batch(&posts) };
             drop(posts);
+            let Err(e) = r else {
+                batch.clear();
+                continue;
+            };
+            // Nothing of the batch was posted (atomic batches, or one).
+            let failed = std::mem::take(batch);
             drop(q);
-            if let Err(e) = r {
-                // Nothing of the batch was posted (atomic batches, or one).
-                conn.posted.fetch_sub(batch.len(), Ordering::AcqRel);
-                let err = rdma::rdma_err(&self.remote, e);
-                for (item, p, slot) in batch.drain(..).rev() {
-                    conn.unwind_slot();
-                    if let Some(slot) = slot {
-                        conn.sends.release(slot);
-                    }
-                    for _ in 0..item.events() {
-                        self.complete_event(item.id(), &p, Err(err.clone()));
-                    }
+            conn.posted.fetch_sub(failed.len(), Ordering::AcqRel);
+            let err = rdma::rdma_err(&self.remote, e);
+            for (item, p, slot) in failed.into_iter().rev() {
+                conn.unwind_slot();
+                if let Some(slot) = slot {
+                    conn.sends.release(slot);
                 }
-                self.fail(err);
+                for _ in 0..item.events() {
+                    self.complete_event(item.id(), &p, Err(err.clone()));
+                }
             }
+            self.fail(err);
         }
     }
 
@@ -3125,7 +3172,7 @@ impl Link {
                     break;
                 }
             }
-            if self.undriven.load(Ordering::Acquire) == 0 && lock(&conn.queue).is_empty() {
+            if self.undriven.load(Ordering::Acquire) == 0 && lock(&conn.queue).items.is_empty() {
                 // Only requests whose waiters poll the completion queue
                 // themselves (or none): keep out of their way — a woken
                 // progress thread took the CPU from them (soft-RoCE

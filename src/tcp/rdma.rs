@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use sideway::ibverbs::memory_region::MemoryRegion;
 
 use crate::error::Error;
+use crate::small::Few;
 use crate::verbs::{CqPoller, Device, RcQueuePair, Sge, VerbsError};
 
 /// Size of one message buffer (a receive buffer on the target).
@@ -178,11 +179,24 @@ impl Queued {
     }
 }
 
+/// A queue pair's work waiting for room in the send window, in posting
+/// order, with the pump's scratch space (kept, so that posting allocates
+/// nothing).
+#[derive(Default)]
+pub(crate) struct SendQueue {
+    pub(crate) items: VecDeque<(Queued, Arc<super::Pending>)>,
+    /// Items being posted, each with its message buffer (sync messages).
+    pub(crate) batch: Vec<(Queued, Arc<super::Pending>, Option<usize>)>,
+    /// The batch's gather lists back to back, and where each one's is.
+    pub(crate) sges: Vec<Sge>,
+    pub(crate) spans: Vec<std::ops::Range<usize>>,
+}
+
 /// One work request to post: a gather/scatter list against one contiguous
 /// remote range.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Wr {
-    pub(crate) sges: Vec<(u32, u64, u32)>,
+    pub(crate) sges: Few<(u32, u64, u32)>,
     pub(crate) rkey: u32,
     pub(crate) remote: u64,
     pub(crate) len: u64,
@@ -196,10 +210,10 @@ pub(crate) fn plan_wrs(
     pieces: &[(u32, u64, u32, u64, u64)],
     max_msg: u64,
     max_sge: usize,
-) -> Vec<Wr> {
+) -> Few<Wr> {
     let max_msg = max_msg.clamp(1, u64::from(u32::MAX));
     let max_sge = max_sge.max(1);
-    let mut out: Vec<Wr> = Vec::new();
+    let mut out: Few<Wr> = Few::new();
     for &(lkey, local, rkey, remote, len) in pieces {
         let mut off = 0;
         while off < len {
@@ -238,7 +252,7 @@ pub(crate) fn plan_wrs(
             } else {
                 let n = (len - off).min(max_msg);
                 out.push(Wr {
-                    sges: vec![(lkey, l, n as u32)],
+                    sges: Few::One((lkey, l, n as u32)),
                     rkey,
                     remote: r,
                     len: n,
@@ -275,7 +289,7 @@ pub(crate) struct RdmaConn {
     pub(crate) sends: MsgRing,
     window: Mutex<Window>,
     /// Work waiting for room in the send queue, in posting order.
-    pub(crate) queue: Mutex<VecDeque<(Queued, Arc<super::Pending>)>>,
+    pub(crate) queue: Mutex<SendQueue>,
     /// Work requests posted and not yet completed.
     pub(crate) posted: AtomicUsize,
     pub(crate) max_sge: usize,
@@ -309,7 +323,7 @@ impl RdmaConn {
                 bytes: 0,
                 lens: VecDeque::with_capacity(WINDOW as usize),
             }),
-            queue: Mutex::new(VecDeque::new()),
+            queue: Mutex::new(SendQueue::default()),
             posted: AtomicUsize::new(0),
             max_msg: max_msg.min(dev.max_msg_size()),
         })
@@ -370,9 +384,9 @@ mod tests {
         ];
         let w = plan_wrs(&p, 1 << 20, 30);
         assert_eq!(
-            w,
-            vec![Wr {
-                sges: vec![(1, 1000, 100), (1, 5000, 150)],
+            w.as_slice(),
+            &[Wr {
+                sges: vec![(1, 1000, 100), (1, 5000, 150)].into(),
                 rkey: 9,
                 remote: 50_000,
                 len: 250,
@@ -384,7 +398,7 @@ mod tests {
     fn splits_at_max_message_and_max_sge() {
         let w = plan_wrs(&[(1, 0, 2, 0, 10)], 4, 30);
         assert_eq!(w.iter().map(|w| w.len).collect::<Vec<_>>(), vec![4, 4, 2]);
-        assert_eq!(w[1].sges, vec![(1, 4, 4)]);
+        assert_eq!(w[1].sges.as_slice(), &[(1, 4, 4)]);
         assert_eq!(w[1].remote, 4);
         // Four scattered local pieces to one remote range, two entries max.
         let p: Vec<_> = (0..4).map(|i| (1, i * 100, 2, 1000 + i * 10, 10)).collect();
@@ -405,7 +419,7 @@ mod tests {
         let total: u64 = w.iter().map(|w| w.len).sum();
         assert_eq!(total, 2000);
         let mut at = 0;
-        for wr in &w {
+        for wr in w.iter() {
             assert_eq!(wr.remote, at);
             assert_eq!(wr.sges.iter().map(|s| u64::from(s.2)).sum::<u64>(), wr.len);
             assert!(wr.len <= 96 && wr.sges.len() <= 3);

@@ -767,7 +767,7 @@ pub trait TransferAgent: Send + Sync {
     /// Validation errors ([`Error::UnknownAgent`], [`Error::NotRegistered`],
     /// [`Error::RemoteRangeNotExported`], [`Error::InvalidRequest`], ...);
     /// failures after submission are reported by the returned status.
-    fn submit_transfer(&self, request: TransferRequest) -> Result<TransferStatus, Error>;
+    fn submit_transfer(&self, request: &TransferRequest) -> Result<TransferStatus, Error>;
 
     /// Sends a sync message not tied to a transfer. It is ordered after the
     /// data of every transfer submitted earlier to the same remote agent.

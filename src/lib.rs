@@ -36,7 +36,7 @@
 //!     .unwrap();
 //! let req = TransferRequest::write(MemoryDescs::dram(&src), MemoryDescs::dram(&dst), name)
 //!     .with_sync_message(b"blocks 0..1 ready".to_vec());
-//! initiator.submit_transfer(req).unwrap().wait_success(Duration::from_secs(5)).unwrap();
+//! initiator.submit_transfer(&req).unwrap().wait_success(Duration::from_secs(5)).unwrap();
 //! let msgs = target.wait_sync_messages(Duration::from_secs(5));
 //! assert_eq!(msgs["ctx-0"], vec![b"blocks 0..1 ready".to_vec()]);
 //! assert!(dst.iter().all(|&b| b == 7));

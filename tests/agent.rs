@@ -35,7 +35,7 @@ fn write_then_read(size: u64) {
     assert_eq!(name, "target");
 
     let st = agent
-        .submit_transfer(TransferRequest::write(
+        .submit_transfer(&TransferRequest::write(
             MemoryDescs::dram(&src),
             peer.range(0, size),
             &name,
@@ -50,7 +50,7 @@ fn write_then_read(size: u64) {
     let dst = vec![0u8; size as usize];
     register(agent.as_ref(), &dst);
     agent
-        .submit_transfer(TransferRequest::read(
+        .submit_transfer(&TransferRequest::read(
             MemoryDescs::dram(&dst),
             peer.range(0, size),
             &name,
@@ -91,7 +91,11 @@ fn ten_thousand_small_descriptors_in_one_request() {
     let local = dram((0..N).map(|i| (src.as_ptr() as u64 + i * STRIDE, LEN)));
     let remote = dram((0..N).map(|i| (peer.addr + (N - 1 - i) * STRIDE + 13, LEN)));
     agent
-        .submit_transfer(TransferRequest::write(local.clone(), remote.clone(), &name))
+        .submit_transfer(&TransferRequest::write(
+            local.clone(),
+            remote.clone(),
+            &name,
+        ))
         .unwrap()
         .wait_success(WAIT)
         .unwrap();
@@ -109,7 +113,7 @@ fn ten_thousand_small_descriptors_in_one_request() {
     register(agent.as_ref(), &back);
     let local_back = dram((0..N).map(|i| (back.as_ptr() as u64 + i * STRIDE, LEN)));
     agent
-        .submit_transfer(TransferRequest::read(local_back, remote, &name))
+        .submit_transfer(&TransferRequest::read(local_back, remote, &name))
         .unwrap()
         .wait_success(WAIT)
         .unwrap();
@@ -144,7 +148,7 @@ fn sync_message_arrives_after_all_data() {
         fill(&mut src, round, 0);
         let st = agent
             .submit_transfer(
-                TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, size), &name)
+                &TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, size), &name)
                     .with_sync_message(format!("seed:{round}")),
             )
             .unwrap();
@@ -172,7 +176,7 @@ fn notify_follows_earlier_transfers() {
     fill(&mut src, 9, 0);
     register(agent.as_ref(), &src);
     let st = agent
-        .submit_transfer(TransferRequest::write(
+        .submit_transfer(&TransferRequest::write(
             MemoryDescs::dram(&src),
             peer.range(0, size),
             &name,
@@ -301,7 +305,7 @@ fn two_writers_into_one_target() {
             fill(&mut src, seed, i * half);
             register(agent.as_ref(), &src);
             agent
-                .submit_transfer(TransferRequest::write(
+                .submit_transfer(&TransferRequest::write(
                     MemoryDescs::dram(&src),
                     dram([(addr, half)]),
                     name,
@@ -330,7 +334,7 @@ fn out_of_range_remote_descriptor_is_refused_and_target_unchanged() {
         (peer.addr + (1 << 40), 8),
     ] {
         let err = agent
-            .submit_transfer(TransferRequest::write(
+            .submit_transfer(&TransferRequest::write(
                 dram([(src.as_ptr() as u64, len)]),
                 dram([(addr, len)]),
                 &name,
@@ -340,7 +344,7 @@ fn out_of_range_remote_descriptor_is_refused_and_target_unchanged() {
     }
     // A mixed request (one good descriptor, one bad) is refused whole.
     let err = agent
-        .submit_transfer(TransferRequest::write(
+        .submit_transfer(&TransferRequest::write(
             dram([(src.as_ptr() as u64, 16), (src.as_ptr() as u64 + 16, 16)]),
             dram([(peer.addr, 16), (peer.addr + 4090, 16)]),
             &name,
@@ -367,7 +371,7 @@ fn unregistered_local_source_is_refused_before_sending() {
         let len = local.descs[0].len;
         let err = agent
             .submit_transfer(
-                TransferRequest::write(local, peer.range(0, len), &name)
+                &TransferRequest::write(local, peer.range(0, len), &name)
                     .with_sync_message(b"x".to_vec()),
             )
             .unwrap_err();
@@ -393,7 +397,7 @@ fn mismatched_request_shapes_are_refused() {
         (dram([(a, 0)]), dram([(peer.addr, 0)])),
     ] {
         let err = agent
-            .submit_transfer(TransferRequest::write(l, r, &name))
+            .submit_transfer(&TransferRequest::write(l, r, &name))
             .unwrap_err();
         assert!(
             matches!(
@@ -411,7 +415,7 @@ fn invalidated_remote_cannot_be_used() {
     let src = vec![1u8; 4096];
     let (agent, name) = connect(&peer, &src);
     agent
-        .submit_transfer(TransferRequest::write(
+        .submit_transfer(&TransferRequest::write(
             MemoryDescs::dram(&src),
             peer.range(0, 4096),
             &name,
@@ -421,7 +425,7 @@ fn invalidated_remote_cannot_be_used() {
         .unwrap();
     agent.invalidate_remote_agent(&name).unwrap();
     let err = agent
-        .submit_transfer(TransferRequest::write(
+        .submit_transfer(&TransferRequest::write(
             MemoryDescs::dram(&src),
             peer.range(0, 4096),
             &name,
@@ -440,7 +444,7 @@ fn invalidated_remote_cannot_be_used() {
     // Loading it again makes it usable again.
     agent.load_remote_agent_by_connection(&peer.conn).unwrap();
     agent
-        .submit_transfer(TransferRequest::write(
+        .submit_transfer(&TransferRequest::write(
             MemoryDescs::dram(&src),
             peer.range(0, 4096),
             &name,
@@ -467,7 +471,7 @@ fn write_after_target_deregistered_is_rejected() {
         TransferRequest::write(small_local, small_remote, &name),
         TransferRequest::read(MemoryDescs::dram(&src), peer.range(0, 4096), &name),
     ] {
-        let err = agent.submit_transfer(req).unwrap().wait(WAIT).unwrap_err();
+        let err = agent.submit_transfer(&req).unwrap().wait(WAIT).unwrap_err();
         // On RDMA the device refuses the stale remote key itself.
         assert!(
             matches!(
@@ -505,7 +509,7 @@ fn refused_request_withholds_its_sync_message() {
     assert_eq!(peer.cmd("dereg"), "OK");
     let st = agent
         .submit_transfer(
-            TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 4096), &name)
+            &TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 4096), &name)
                 .with_sync_message(b"must not arrive".to_vec()),
         )
         .unwrap();
@@ -532,7 +536,7 @@ fn target_killed_mid_transfer_fails_within_timeout() {
     let local = dram((0..16).map(|_| (src.as_ptr() as u64, size)));
     let remote = dram((0..16).map(|_| (peer.addr, size)));
     let st = agent
-        .submit_transfer(TransferRequest::write(local, remote, &name))
+        .submit_transfer(&TransferRequest::write(local, remote, &name))
         .unwrap();
     assert_eq!(
         st.wait(Duration::from_millis(300)).unwrap(),
@@ -545,7 +549,7 @@ fn target_killed_mid_transfer_fails_within_timeout() {
     assert!(matches!(err, Error::ConnectionLost { .. }), "{err}");
     // Requests to other peers are unaffected.
     agent
-        .submit_transfer(TransferRequest::write(
+        .submit_transfer(&TransferRequest::write(
             MemoryDescs::dram(&src),
             bystander.range(0, size),
             &other,
@@ -572,7 +576,7 @@ fn frozen_target_times_out() {
         let (agent, name) = connect(&peer, &src);
         peer.signal("STOP");
         let st = agent
-            .submit_transfer(TransferRequest::write(
+            .submit_transfer(&TransferRequest::write(
                 MemoryDescs::dram(&src),
                 peer.range(0, size),
                 &name,
@@ -596,7 +600,7 @@ fn frozen_target_times_out() {
     let remote = dram((0..4).map(|_| (peer.addr, size)));
     let t0 = Instant::now();
     let st = agent
-        .submit_transfer(TransferRequest::write(local, remote, &name))
+        .submit_transfer(&TransferRequest::write(local, remote, &name))
         .unwrap();
     let err = st.wait(io_timeout * 10).unwrap_err();
     let took = t0.elapsed();
@@ -605,7 +609,7 @@ fn frozen_target_times_out() {
     assert!(took >= io_timeout && took < io_timeout * 3, "took {took:?}");
     // A later request reconnects and works.
     let st = agent
-        .submit_transfer(TransferRequest::write(
+        .submit_transfer(&TransferRequest::write(
             dram([(src.as_ptr() as u64, 4096)]),
             peer.range(0, 4096),
             &name,
@@ -622,7 +626,7 @@ fn deregistering_a_region_in_flight_is_refused() {
     let (agent, name) = connect(&peer, &src);
     peer.signal("STOP");
     let st = agent
-        .submit_transfer(TransferRequest::write(
+        .submit_transfer(&TransferRequest::write(
             MemoryDescs::dram(&src),
             peer.range(0, size),
             &name,
@@ -730,7 +734,7 @@ fn restarted_target_is_detected_as_stale() {
         r => r.unwrap(),
     }
     let err = agent
-        .submit_transfer(TransferRequest::write(
+        .submit_transfer(&TransferRequest::write(
             dram([(src.as_ptr() as u64, 16)]),
             dram([(desc.regions[0].desc.addr, 16)]),
             "target",
@@ -767,7 +771,7 @@ fn agent_drop_fails_requests_in_flight_and_returns() {
     let (agent, name) = connect(&peer, &src);
     peer.signal("STOP");
     let st = agent
-        .submit_transfer(TransferRequest::write(
+        .submit_transfer(&TransferRequest::write(
             MemoryDescs::dram(&src),
             peer.range(0, size),
             &name,

@@ -30,7 +30,7 @@ fn write_and_check(a: &dyn kvxfer::TransferAgent, name: &str, peer: &mut PeerPro
     let mut src = vec![0u8; peer.len as usize];
     fill(&mut src, seed, 0);
     register(a, &src);
-    a.submit_transfer(TransferRequest::write(
+    a.submit_transfer(&TransferRequest::write(
         MemoryDescs::dram(&src),
         peer.range(0, peer.len),
         name,
@@ -152,7 +152,7 @@ fn scattered_write_to_another_process() {
     let local: Vec<_> = (0..K).map(|i| (src.as_ptr() as u64 + i * P, P)).collect();
     let remote: Vec<_> = (0..K).map(|i| (peer.addr + 2 * i * P, P)).collect();
     a.submit_transfer(
-        TransferRequest::write(dram(local), dram(remote), &name).with_sync_message(b"s".to_vec()),
+        &TransferRequest::write(dram(local), dram(remote), &name).with_sync_message(b"s".to_vec()),
     )
     .unwrap()
     .wait_success(WAIT)

@@ -84,6 +84,12 @@ struct Args {
     /// its own memory for the other's write; reports half the round trip.
     #[arg(long, conflicts_with_all = ["listen", "connect", "memcpy"])]
     pingpong: bool,
+    /// The same ping-pong driven through the verbs layer alone (one queue
+    /// pair each way, created as the agent creates them, a post and a
+    /// completion-queue poll per write): what the transport costs without
+    /// the agent, to tell the library's share from soft-RoCE's.
+    #[arg(long, conflicts_with_all = ["listen", "connect", "memcpy", "pingpong"])]
+    pingpong_verbs: bool,
     /// How RDMA progress threads wait for completions: events or poll
     /// (default: the library's).
     #[arg(long)]
@@ -300,7 +306,7 @@ fn measure(
     };
     let timeout = Duration::from_secs(120);
     for _ in 0..args.warmup {
-        agent.submit_transfer(make())?.wait_success(timeout)?;
+        agent.submit_transfer(&make())?.wait_success(timeout)?;
     }
     let mut lat = Vec::with_capacity(pt.iters as usize);
     let cpu0 = cpu_seconds();
@@ -308,7 +314,7 @@ fn measure(
     for _ in 0..pt.iters {
         let req = make();
         let t = Instant::now();
-        agent.submit_transfer(req)?.wait_success(timeout)?;
+        agent.submit_transfer(&req)?.wait_success(timeout)?;
         lat.push(t.elapsed().as_secs_f64() * 1e6);
         bar.inc(1);
     }
@@ -557,14 +563,16 @@ fn spin_until(buf: &Buffer, want: u64, timeout: Duration) -> Result<()> {
     Ok(())
 }
 
-/// One side of the ping-pong: its agent, the block it sends from and the
-/// block the other side writes into.
+/// One side of the ping-pong: its agent, the block it sends from, the
+/// block the other side writes into, and its request (built once and
+/// submitted by reference each time, as perftest posts one prepared work
+/// request).
 struct Side {
     agent: Box<dyn TransferAgent>,
     src: Buffer,
     dst: Buffer,
     peer: String,
-    peer_dst: MemoryDescs,
+    req: TransferRequest,
 }
 
 impl Side {
@@ -585,7 +593,11 @@ impl Side {
             src,
             dst,
             peer: String::new(),
-            peer_dst: MemoryDescs::new(MemoryType::Dram, Vec::new()),
+            req: TransferRequest::write(
+                MemoryDescs::new(MemoryType::Dram, Vec::new()),
+                MemoryDescs::new(MemoryType::Dram, Vec::new()),
+                "",
+            ),
         })
     }
 
@@ -594,13 +606,157 @@ impl Side {
     /// for the request's completion.
     fn send(&mut self, value: u64, timeout: Duration) -> Result<(u64, u64)> {
         self.src.mem[0] = value;
-        let req = TransferRequest::write(self.src.desc(), self.peer_dst.clone(), &self.peer);
         let t0 = Ticks::now();
-        let st = self.agent.submit_transfer(req)?;
+        let st = self.agent.submit_transfer(&self.req)?;
         let t1 = Ticks::now();
         st.wait_success(timeout)?;
         Ok((t1 - t0, Ticks::now() - t1))
     }
+}
+
+/// One side of the verbs-only ping-pong.
+struct VerbsSide {
+    qp: kvxfer::verbs::RcQueuePair,
+    src: Buffer,
+    dst: Buffer,
+    src_mr: std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>,
+    dst_mr: std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>,
+    // Declared last: the device outlives its queue pair and regions.
+    _dev: kvxfer::verbs::Device,
+}
+
+impl VerbsSide {
+    fn new(dev: Option<&str>, size: u64) -> Result<Self> {
+        let dev = kvxfer::verbs::Device::open(dev, None)?;
+        let (src, dst) = (Buffer::new(size), Buffer::new(size));
+        // SAFETY: the buffers live in the side with the regions, which are
+        // dropped first (field order).
+        let (src_mr, dst_mr) = unsafe {
+            (
+                dev.register(src.addr(), src.mem.len() as u64 * 8)?,
+                dev.register(dst.addr(), dst.mem.len() as u64 * 8)?,
+            )
+        };
+        // SAFETY: writes the first word of our own buffer, before any
+        // transfer uses it.
+        unsafe { std::ptr::write_volatile(dst.mem.as_ptr().cast_mut(), 0) };
+        Ok(Self {
+            qp: dev.create_rc_with(256, false)?,
+            src,
+            dst,
+            src_mr,
+            dst_mr,
+            _dev: dev,
+        })
+    }
+
+    /// Posts `value` to the other side's block and polls for its
+    /// completion; returns the ticks of the post and of the poll.
+    fn send(
+        &mut self,
+        value: u64,
+        rkey: u32,
+        remote: u64,
+        timeout: Duration,
+    ) -> Result<(u64, u64)> {
+        self.src.mem[0] = value;
+        let sge = [kvxfer::verbs::Sge {
+            lkey: self.src_mr.lkey(),
+            addr: self.src.addr(),
+            len: self.src.mem.len() as u32 * 8,
+        }];
+        let t0 = Ticks::now();
+        // SAFETY: the piece lies in `src_mr`, alive until the completion
+        // polled below.
+        unsafe { self.qp.post_write(value, &sge, rkey, remote, None, true)? };
+        let t1 = Ticks::now();
+        let mut done = Vec::with_capacity(4);
+        let mut n = 0u32;
+        let mut start = None;
+        while done.is_empty() {
+            self.qp.poll_send(&mut done)?;
+            n = n.wrapping_add(1);
+            if n.is_multiple_of(1024) {
+                let now = Instant::now();
+                if now - *start.get_or_insert(now) > timeout {
+                    bail!("no completion for ping-pong write {value} within {timeout:?}");
+                }
+            }
+        }
+        done[0].ok()?;
+        Ok((t1 - t0, Ticks::now() - t1))
+    }
+}
+
+fn run_pingpong_verbs(args: &Args) -> Result<()> {
+    let size = args.block_size.first().copied().unwrap_or(8).max(8);
+    let iters = args.iters.unwrap_or(1000);
+    let total = args.warmup + iters;
+    let timeout = Duration::from_secs(10);
+    let dev_a = std::env::var("KVXFER_RDMA_DEVICE").ok();
+    let dev_b = args.target_rdma_device.clone().or_else(|| dev_a.clone());
+    let mut a = VerbsSide::new(dev_a.as_deref(), size)?;
+    let mut b = VerbsSide::new(dev_b.as_deref(), size)?;
+    let (ia, ib) = (a.qp.info(), b.qp.info());
+    a.qp.connect(&ib)?;
+    b.qp.connect(&ia)?;
+    let to_b = (b.dst_mr.rkey(), b.dst.addr());
+    let to_a = (a.dst_mr.rkey(), a.dst.addr());
+    let pong = std::thread::spawn(move || -> Result<()> {
+        for i in 0..total {
+            spin_until(&b.dst, 2 * i + 1, timeout)?;
+            b.send(2 * i + 2, to_a.0, to_a.1, timeout)?;
+        }
+        Ok(())
+    });
+    let (mut lat, mut post, mut own, mut answer) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let ticks = Ticks::start();
+    let mut result = Ok(());
+    for i in 0..total {
+        let t = Ticks::now();
+        let sent = match a.send(2 * i + 1, to_b.0, to_b.1, timeout) {
+            Ok(x) => x,
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        };
+        let t_sent = Ticks::now();
+        if let Err(e) = spin_until(&a.dst, 2 * i + 2, timeout) {
+            result = Err(e);
+            break;
+        }
+        if i >= args.warmup {
+            let end = Ticks::now();
+            lat.push((end - t) as f64 / 2.0);
+            post.push(sent.0 as f64);
+            own.push(sent.1 as f64);
+            answer.push((end - t_sent) as f64);
+        }
+    }
+    let per_us = ticks.per_us();
+    result?;
+    pong.join()
+        .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;
+    let median =
+        |v: Vec<f64>| summarize(1.0, 0.0, v.into_iter().map(|t| t / per_us).collect()).p50_us;
+    let m = summarize(1.0, 0.0, lat.into_iter().map(|t| t / per_us).collect());
+    let (post, own, answer) = (median(post), median(own), median(answer));
+    if args.json {
+        println!(
+            "{{\"backend\":\"verbs\",\"op\":\"pingpong\",\"block_size\":{size},\"iters\":{iters},\"p50_us\":{:.2},\"p99_us\":{:.2},\"mean_us\":{:.2},\"submit_p50_us\":{post:.2},\"own_completion_p50_us\":{own:.2},\"answer_p50_us\":{answer:.2}}}",
+            m.p50_us, m.p99_us, m.mean_us
+        );
+    } else {
+        println!(
+            "verbs ping-pong, {} blocks, {iters} round trips: one-way latency p50 {:.2} µs, p99 {:.2} µs, mean {:.2} µs; per round trip (medians): post {post:.2} µs, own completion {own:.2} µs, answer {answer:.2} µs",
+            human(size),
+            m.p50_us,
+            m.p99_us,
+            m.mean_us
+        );
+    }
+    Ok(())
 }
 
 fn run_pingpong(args: &Args) -> Result<()> {
@@ -620,8 +776,8 @@ fn run_pingpong(args: &Args) -> Result<()> {
     b.agent.load_remote_agent(&da)?;
     a.peer = db.name;
     b.peer = da.name;
-    a.peer_dst = b.dst.desc();
-    b.peer_dst = a.dst.desc();
+    a.req = TransferRequest::write(a.src.desc(), b.dst.desc(), &a.peer);
+    b.req = TransferRequest::write(b.src.desc(), a.dst.desc(), &b.peer);
     let backend_name = a.agent.remote_transport(&a.peer)?;
     let pong = std::thread::spawn(move || -> Result<()> {
         for i in 0..total {
@@ -722,6 +878,9 @@ fn main() -> Result<()> {
     }
     if args.pingpong {
         return run_pingpong(&args);
+    }
+    if args.pingpong_verbs {
+        return run_pingpong_verbs(&args);
     }
     if let Some(listen) = args.listen {
         return run_target(&args, listen);

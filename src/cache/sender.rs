@@ -732,7 +732,7 @@ impl Engine {
                     break;
                 };
                 w.start.get_or_insert_with(Instant::now);
-                match s.agent.submit_transfer(req) {
+                match s.agent.submit_transfer(&req) {
                     Ok(st) => w.inflight.push(st),
                     Err(e) => {
                         failed.get_or_insert(CacheError::Transfer(e));

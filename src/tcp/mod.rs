@@ -2133,7 +2133,14 @@ fn grant_ranges(remote: &MemoryDescs, keys: &[u64]) -> Vec<GrantRange> {
 }
 
 impl TcpAgent {
-    fn submit(&self, req: TransferRequest, fence: bool) -> Result<TransferStatus, Error> {
+    /// Submits `req` with `sync` as its sync message (taken apart from the
+    /// request, which the caller keeps).
+    fn submit(
+        &self,
+        req: &TransferRequest,
+        sync: Option<Vec<u8>>,
+        fence: bool,
+    ) -> Result<TransferStatus, Error> {
         let inner = &self.inner;
         if inner.closing.load(Ordering::Relaxed) {
             return Err(Error::Closed);
@@ -2177,12 +2184,7 @@ impl TcpAgent {
                 })?);
             }
         }
-        if peer.path == Path::Rdma
-            && req
-                .sync_message
-                .as_ref()
-                .is_some_and(|m| m.len() > rdma::SYNC_MSG_MAX)
-        {
+        if peer.path == Path::Rdma && sync.as_ref().is_some_and(|m| m.len() > rdma::SYNC_MSG_MAX) {
             return Err(Error::InvalidRequest(format!(
                 "sync messages on the RDMA path are at most {} bytes",
                 rdma::SYNC_MSG_MAX
@@ -2232,7 +2234,7 @@ impl TcpAgent {
             );
             // A sync message is two events: its SEND's completion, and the
             // target's acknowledgement that it delivered it.
-            let events = wrs.len() + 2 * usize::from(req.sync_message.is_some());
+            let events = wrs.len() + 2 * usize::from(sync.is_some());
             if events == 0 {
                 completion.complete(Ok(()));
                 return Ok(TransferStatus::new(id, completion));
@@ -2246,7 +2248,7 @@ impl TcpAgent {
                 link.undriven.fetch_add(1, Ordering::AcqRel);
                 link.wake_progress();
             }
-            link.post_rdma(id, req.op, wrs, req.sync_message, &pending);
+            link.post_rdma(id, req.op, wrs, sync, &pending);
             return Ok(TransferStatus::new(id, completion));
         }
         if let Path::Cma { pid } = peer.path {
@@ -2269,8 +2271,8 @@ impl TcpAgent {
                     })
                     .collect(),
                 grants: grant_ranges(&req.remote, &keys),
-                delegate: should_delegate(&req),
-                sync: req.sync_message,
+                delegate: should_delegate(req),
+                sync,
                 pending,
             };
             if link.streams[0].tx.send(job).is_err() {
@@ -2279,14 +2281,14 @@ impl TcpAgent {
             return Ok(TransferStatus::new(id, completion));
         }
         let n = link.streams.len();
-        let plan = plan_segments(&req, &keys, inner.config.segment_size, n);
+        let plan = plan_segments(req, &keys, inner.config.segment_size, n);
         let total: usize = plan.iter().map(Vec::len).sum();
         let reads = if req.op == TransferOp::Read { total } else { 0 };
         let fences = if fence { n - 1 } else { 0 };
         let pending = new_pending(reads + 1);
         link.insert(id, Arc::clone(&pending))?;
         link.clock.touch();
-        let mut sync = req.sync_message;
+        let mut sync = sync;
         // Stream 0 carries the commit, after its own segments; every other
         // stream carries its segments (and a fence, for data-less requests).
         for (k, segs) in plan.into_iter().enumerate().rev() {
@@ -2421,8 +2423,8 @@ impl TransferAgent for TcpAgent {
         self.inner.endpoint.clone()
     }
 
-    fn submit_transfer(&self, request: TransferRequest) -> Result<TransferStatus, Error> {
-        self.submit(request, false)
+    fn submit_transfer(&self, request: &TransferRequest) -> Result<TransferStatus, Error> {
+        self.submit(request, request.sync_message.clone(), false)
     }
 
     fn notify_sync_message(&self, remote: &str, message: Vec<u8>) -> Result<TransferStatus, Error> {
@@ -2430,9 +2432,8 @@ impl TransferAgent for TcpAgent {
             MemoryDescs::new(MemoryType::Dram, Vec::new()),
             MemoryDescs::new(MemoryType::Dram, Vec::new()),
             remote,
-        )
-        .with_sync_message(message);
-        self.submit(req, true)
+        );
+        self.submit(&req, Some(message), true)
     }
 
     fn take_sync_messages(&self) -> SyncMessages {
@@ -3315,7 +3316,7 @@ mod tests {
             )
             .with_sync_message(b"landed".to_vec());
             assert!(should_delegate(&write));
-            init.submit_transfer(write)
+            init.submit_transfer(&write)
                 .unwrap()
                 .wait_success(Duration::from_secs(30))
                 .unwrap();
@@ -3326,7 +3327,7 @@ mod tests {
                 MemoryDescs::new(MemoryType::Dram, scattered),
                 "target",
             );
-            init.submit_transfer(read)
+            init.submit_transfer(&read)
                 .unwrap()
                 .wait_success(Duration::from_secs(30))
                 .unwrap();

@@ -823,7 +823,7 @@ pub unsafe extern "C" fn kvxfer_agent_submit(
             let m = unsafe { slice(r.sync_message, r.sync_message_len, "request.sync_message")? };
             req = req.with_sync_message(m.to_vec());
         }
-        let status = a.agent.submit_transfer(req)?;
+        let status = a.agent.submit_transfer(&req)?;
         let p = issue(Box::new(kvxfer_status { status }), Kind::Status);
         // SAFETY: `out` is non-null and valid for a write.
         unsafe { *out = p };

@@ -490,7 +490,7 @@ pub fn peer_main() {
                 );
                 out(
                     match agent
-                        .submit_transfer(req)
+                        .submit_transfer(&req)
                         .and_then(|st| st.wait_success(Duration::from_secs(60)))
                     {
                         Ok(()) => "OK".into(),

@@ -357,7 +357,7 @@ fn raw_round(
                 MemoryDescs::new(MemoryType::Dram, r),
                 gen_ranks[g].agent.name(),
             );
-            sts.push(ctx[c].agent.submit_transfer(req)?);
+            sts.push(ctx[c].agent.submit_transfer(&req)?);
         }
     }
     for st in sts {

@@ -2880,6 +2880,7 @@ impl Link {
             let mut q = lock(&conn.queue);
             let count = wrs.len() + usize::from(sync.is_some());
             conn.queued.fetch_add(count as u64, Ordering::AcqRel);
+            conn.waiting.fetch_add(count, Ordering::AcqRel);
             for wr in wrs {
                 q.items
                     .push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
@@ -2889,8 +2890,7 @@ impl Link {
                 q.items
                     .push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
             }
-            drop(q);
-            self.pump(conn);
+            self.pump_locked(conn, q);
             return;
         }
         // Work requests go round the queue pairs, starting where the
@@ -2910,6 +2910,7 @@ impl Link {
             *t = true;
             let mut q = lock(&conn.queue);
             conn.queued.fetch_add(wrs.len() as u64, Ordering::AcqRel);
+            conn.waiting.fetch_add(wrs.len(), Ordering::AcqRel);
             for wr in wrs {
                 q.items
                     .push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
@@ -2927,6 +2928,7 @@ impl Link {
             let conn = &self.rdma[0];
             let mut q = lock(&conn.queue);
             conn.queued.fetch_add(1, Ordering::AcqRel);
+            conn.waiting.fetch_add(1, Ordering::AcqRel);
             q.items
                 .push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
         }
@@ -2948,6 +2950,15 @@ impl Link {
     /// broken link, fails every queued one instead (each counts its events,
     /// so requests still complete exactly once).
     fn pump(&self, conn: &rdma::RdmaConn) {
+        self.pump_locked(conn, lock(&conn.queue));
+    }
+
+    /// [`pump`](Self::pump) with the send queue's lock already held.
+    fn pump_locked<'c>(
+        &self,
+        conn: &'c rdma::RdmaConn,
+        mut q: std::sync::MutexGuard<'c, rdma::SendQueue>,
+    ) {
         // A basic queue pair may post part of a failed batch: one at a time.
         let batch_max = if conn.batch_is_atomic {
             rdma::DOORBELL_BATCH
@@ -2955,12 +2966,12 @@ impl Link {
             1
         };
         loop {
-            let mut q = lock(&conn.queue);
             if q.items.is_empty() {
                 return;
             }
             if let Some(cause) = self.broken_cause() {
                 let drained: Vec<_> = q.items.drain(..).collect();
+                conn.waiting.fetch_sub(drained.len(), Ordering::AcqRel);
                 drop(q);
                 for (item, p) in drained {
                     for _ in 0..item.events() {
@@ -3002,6 +3013,7 @@ impl Link {
                     rdma::Queued::Data { .. } => None,
                 };
                 let (item, p) = items.pop_front().expect("front exists");
+                conn.waiting.fetch_sub(1, Ordering::AcqRel);
                 batch.push((item, p, send_slot));
             }
             if batch.is_empty() {
@@ -3066,6 +3078,7 @@ impl Link {
             drop(posts);
             let Err(e) = r else {
                 batch.clear();
+                // Still holding the lock: go on while work is queued.
                 continue;
             };
             // Nothing of the batch was posted (atomic batches, or one).
@@ -3083,6 +3096,8 @@ impl Link {
                 }
             }
             self.fail(err);
+            // The link is broken now: the next pass fails what is queued.
+            q = lock(&conn.queue);
         }
     }
 
@@ -3137,9 +3152,25 @@ impl Link {
                     Err(err)
                 }
             };
-            let p = lock(&self.pending).map.get(&req).cloned();
-            if let Some(p) = p {
-                self.complete_event(req, &p, result);
+            // A request's last event (nothing else can count one then) is
+            // taken out of the table under the same lock as the lookup.
+            let mut t = lock(&self.pending);
+            let found = match t.map.get(&req) {
+                Some(p) if p.outstanding.load(Ordering::Acquire) == 1 => {
+                    t.map.remove(&req).map(|p| (p, true))
+                }
+                Some(p) => Some((Arc::clone(p), false)),
+                None => None,
+            };
+            drop(t);
+            match found {
+                Some((p, true)) => {
+                    // Its count was 1 under the lock: this is its last event.
+                    p.event(result);
+                    p.finish(None);
+                }
+                Some((p, false)) => self.complete_event(req, &p, result),
+                None => {}
             }
         }
         let n = done.len();
@@ -3173,7 +3204,12 @@ impl Link {
                     break;
                 }
             }
-            if self.undriven.load(Ordering::Acquire) == 0 && lock(&conn.queue).items.is_empty() {
+            // Read without the queue's lock: the submitting thread holds it
+            // across its post, and a progress thread blocking on it there
+            // cost both a futex round trip.
+            if self.undriven.load(Ordering::Acquire) == 0
+                && conn.waiting.load(Ordering::Acquire) == 0
+            {
                 // Only requests whose waiters poll the completion queue
                 // themselves (or none): keep out of their way — a woken
                 // progress thread took the CPU from them (soft-RoCE

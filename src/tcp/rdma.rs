@@ -292,6 +292,8 @@ pub(crate) struct RdmaConn {
     pub(crate) queue: Mutex<SendQueue>,
     /// Work requests posted and not yet completed.
     pub(crate) posted: AtomicUsize,
+    /// Items in `queue` (changed under its lock, read without it).
+    pub(crate) waiting: AtomicUsize,
     pub(crate) max_sge: usize,
     pub(crate) max_msg: u64,
     /// Whether a failed batch post posted nothing (see
@@ -324,6 +326,7 @@ impl RdmaConn {
                 lens: VecDeque::with_capacity(WINDOW as usize),
             }),
             queue: Mutex::new(SendQueue::default()),
+            waiting: AtomicUsize::new(0),
             posted: AtomicUsize::new(0),
             max_msg: max_msg.min(dev.max_msg_size()),
         })

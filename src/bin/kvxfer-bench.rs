@@ -600,6 +600,12 @@ impl Side {
             ),
         })
     }
+}
+
+impl PingSide for Side {
+    fn dst(&self) -> &Buffer {
+        &self.dst
+    }
 
     /// Writes `value` (in the first word of the block) to the other side;
     /// returns the [`Ticks`] spent in `submit_transfer` and then waiting
@@ -614,6 +620,72 @@ impl Side {
     }
 }
 
+/// Per-iteration times of a ping-pong's initiating side, in microseconds:
+/// half the round trip, the send's two phases (in the request, waiting for
+/// its completion) and the wait for the answer.
+struct PingTimes {
+    lat: Vec<f64>,
+    send: Vec<f64>,
+    own: Vec<f64>,
+    answer: Vec<f64>,
+    elapsed_s: f64,
+}
+
+/// A ping-pong participant: through an agent, or through verbs alone.
+trait PingSide {
+    /// Writes `value` into the other side's block; returns the ticks of
+    /// the two phases (issuing it, then waiting for its completion).
+    fn send(&mut self, value: u64, timeout: Duration) -> Result<(u64, u64)>;
+    /// The block the other side writes into.
+    fn dst(&self) -> &Buffer;
+}
+
+/// The answering side: waits for each odd value, answers the next even one.
+fn pong_loop(side: &mut impl PingSide, total: u64, timeout: Duration) -> Result<()> {
+    for i in 0..total {
+        spin_until(side.dst(), 2 * i + 1, timeout)?;
+        side.send(2 * i + 2, timeout)?;
+    }
+    Ok(())
+}
+
+/// Runs `total` round trips: `side` writes an odd value to the other side,
+/// then awaits the answer (the next value) in its own block. The first
+/// `warmup` are not recorded.
+fn ping_loop(
+    side: &mut impl PingSide,
+    total: u64,
+    warmup: u64,
+    timeout: Duration,
+) -> Result<PingTimes> {
+    let mut raw: [Vec<f64>; 4] = Default::default();
+    let start = Instant::now();
+    let ticks = Ticks::start();
+    for i in 0..total {
+        let t = Ticks::now();
+        let sent = side.send(2 * i + 1, timeout)?;
+        let t_sent = Ticks::now();
+        spin_until(side.dst(), 2 * i + 2, timeout)?;
+        if i >= warmup {
+            let end = Ticks::now();
+            raw[0].push((end - t) as f64 / 2.0);
+            raw[1].push(sent.0 as f64);
+            raw[2].push(sent.1 as f64);
+            raw[3].push((end - t_sent) as f64);
+        }
+    }
+    let elapsed_s = start.elapsed().as_secs_f64();
+    let per_us = ticks.per_us();
+    let [lat, send, own, answer] = raw.map(|v| v.into_iter().map(|t| t / per_us).collect());
+    Ok(PingTimes {
+        lat,
+        send,
+        own,
+        answer,
+        elapsed_s,
+    })
+}
+
 /// One side of the verbs-only ping-pong.
 struct VerbsSide {
     qp: kvxfer::verbs::RcQueuePair,
@@ -621,6 +693,8 @@ struct VerbsSide {
     dst: Buffer,
     src_mr: std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>,
     dst_mr: std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>,
+    /// The other side's block: remote key and address.
+    to: (u32, u64),
     // Declared last: the device outlives its queue pair and regions.
     _dev: kvxfer::verbs::Device,
 }
@@ -646,19 +720,21 @@ impl VerbsSide {
             dst,
             src_mr,
             dst_mr,
+            to: (0, 0),
             _dev: dev,
         })
+    }
+}
+
+impl PingSide for VerbsSide {
+    fn dst(&self) -> &Buffer {
+        &self.dst
     }
 
     /// Posts `value` to the other side's block and polls for its
     /// completion; returns the ticks of the post and of the poll.
-    fn send(
-        &mut self,
-        value: u64,
-        rkey: u32,
-        remote: u64,
-        timeout: Duration,
-    ) -> Result<(u64, u64)> {
+    fn send(&mut self, value: u64, timeout: Duration) -> Result<(u64, u64)> {
+        let (rkey, remote) = self.to;
         self.src.mem[0] = value;
         let sge = [kvxfer::verbs::Sge {
             lkey: self.src_mr.lkey(),
@@ -700,48 +776,16 @@ fn run_pingpong_verbs(args: &Args) -> Result<()> {
     let (ia, ib) = (a.qp.info(), b.qp.info());
     a.qp.connect(&ib)?;
     b.qp.connect(&ia)?;
-    let to_b = (b.dst_mr.rkey(), b.dst.addr());
-    let to_a = (a.dst_mr.rkey(), a.dst.addr());
-    let pong = std::thread::spawn(move || -> Result<()> {
-        for i in 0..total {
-            spin_until(&b.dst, 2 * i + 1, timeout)?;
-            b.send(2 * i + 2, to_a.0, to_a.1, timeout)?;
-        }
-        Ok(())
-    });
-    let (mut lat, mut post, mut own, mut answer) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let ticks = Ticks::start();
-    let mut result = Ok(());
-    for i in 0..total {
-        let t = Ticks::now();
-        let sent = match a.send(2 * i + 1, to_b.0, to_b.1, timeout) {
-            Ok(x) => x,
-            Err(e) => {
-                result = Err(e);
-                break;
-            }
-        };
-        let t_sent = Ticks::now();
-        if let Err(e) = spin_until(&a.dst, 2 * i + 2, timeout) {
-            result = Err(e);
-            break;
-        }
-        if i >= args.warmup {
-            let end = Ticks::now();
-            lat.push((end - t) as f64 / 2.0);
-            post.push(sent.0 as f64);
-            own.push(sent.1 as f64);
-            answer.push((end - t_sent) as f64);
-        }
-    }
-    let per_us = ticks.per_us();
-    result?;
+    a.to = (b.dst_mr.rkey(), b.dst.addr());
+    b.to = (a.dst_mr.rkey(), a.dst.addr());
+    let pong = std::thread::spawn(move || pong_loop(&mut b, total, timeout));
+    let times = ping_loop(&mut a, total, args.warmup, timeout);
     pong.join()
         .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;
-    let median =
-        |v: Vec<f64>| summarize(1.0, 0.0, v.into_iter().map(|t| t / per_us).collect()).p50_us;
-    let m = summarize(1.0, 0.0, lat.into_iter().map(|t| t / per_us).collect());
-    let (post, own, answer) = (median(post), median(own), median(answer));
+    let times = times?;
+    let median = |v: Vec<f64>| summarize(1.0, 0.0, v).p50_us;
+    let m = summarize(1.0, 0.0, times.lat);
+    let (post, own, answer) = (median(times.send), median(times.own), median(times.answer));
     if args.json {
         println!(
             "{{\"backend\":\"verbs\",\"op\":\"pingpong\",\"block_size\":{size},\"iters\":{iters},\"p50_us\":{:.2},\"p99_us\":{:.2},\"mean_us\":{:.2},\"submit_p50_us\":{post:.2},\"own_completion_p50_us\":{own:.2},\"answer_p50_us\":{answer:.2}}}",
@@ -779,50 +823,15 @@ fn run_pingpong(args: &Args) -> Result<()> {
     a.req = TransferRequest::write(a.src.desc(), b.dst.desc(), &a.peer);
     b.req = TransferRequest::write(b.src.desc(), a.dst.desc(), &b.peer);
     let backend_name = a.agent.remote_transport(&a.peer)?;
-    let pong = std::thread::spawn(move || -> Result<()> {
-        for i in 0..total {
-            spin_until(&b.dst, 2 * i + 1, timeout)?;
-            b.send(2 * i + 2, timeout)?;
-        }
-        Ok(())
-    });
-    let mut lat = Vec::with_capacity(iters as usize);
+    let pong = std::thread::spawn(move || pong_loop(&mut b, total, timeout));
     // Where a round trip goes: in `submit_transfer`, waiting for the own
-    // WRITE's completion, then for the answer to land (in ticks until the
-    // end, then converted).
-    let (mut submit, mut own, mut answer) = (Vec::new(), Vec::new(), Vec::new());
-    let mut result = Ok(());
-    let start = Instant::now();
-    let ticks = Ticks::start();
-    for i in 0..total {
-        let t = Ticks::now();
-        let sent = match a.send(2 * i + 1, timeout) {
-            Ok(x) => x,
-            Err(e) => {
-                result = Err(e);
-                break;
-            }
-        };
-        let t_sent = Ticks::now();
-        if let Err(e) = spin_until(&a.dst, 2 * i + 2, timeout) {
-            result = Err(e);
-            break;
-        }
-        if i >= args.warmup {
-            let end = Ticks::now();
-            lat.push((end - t) as f64 / 2.0);
-            submit.push(sent.0 as f64);
-            own.push(sent.1 as f64);
-            answer.push((end - t_sent) as f64);
-        }
-    }
-    let elapsed = start.elapsed().as_secs_f64();
-    let per_us = ticks.per_us();
-    let us = |v: Vec<f64>| -> Vec<f64> { v.into_iter().map(|t| t / per_us).collect() };
-    let (lat, submit, own, answer) = (us(lat), us(submit), us(own), us(answer));
-    result?;
+    // WRITE's completion, then for the answer to land.
+    let times = ping_loop(&mut a, total, args.warmup, timeout);
     pong.join()
         .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;
+    let times = times?;
+    let (elapsed, lat) = (times.elapsed_s, times.lat);
+    let (submit, own, answer) = (times.send, times.own, times.answer);
     let m = summarize(elapsed, (size * 2 * total) as f64, lat);
     // What the two connected, idle agents cost: their progress threads.
     let (c0, t0) = (cpu_seconds(), Instant::now());

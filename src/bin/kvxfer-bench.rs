@@ -47,6 +47,11 @@ struct Args {
     /// Unmeasured requests before each point.
     #[arg(long, default_value_t = 5)]
     warmup: u64,
+    /// Requests kept in flight (a new one is submitted as the oldest
+    /// completes), as perftest keeps its work requests outstanding; 1
+    /// waits for each request before the next.
+    #[arg(long, default_value_t = 1)]
+    depth: usize,
     /// TCP streams per peer (default: the library's, 2).
     #[arg(long)]
     streams: Option<usize>,
@@ -309,14 +314,26 @@ fn measure(
         agent.submit_transfer(&make())?.wait_success(timeout)?;
     }
     let mut lat = Vec::with_capacity(pt.iters as usize);
+    let req = make();
+    let depth = args.depth.max(1);
+    let mut inflight = std::collections::VecDeque::with_capacity(depth);
+    let mut finish = |(t, st): (Instant, kvxfer::TransferStatus)| -> Result<()> {
+        st.wait_success(timeout)?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+        bar.inc(1);
+        Ok(())
+    };
     let cpu0 = cpu_seconds();
     let start = Instant::now();
     for _ in 0..pt.iters {
-        let req = make();
+        if inflight.len() == depth {
+            finish(inflight.pop_front().expect("depth >= 1"))?;
+        }
         let t = Instant::now();
-        agent.submit_transfer(&req)?.wait_success(timeout)?;
-        lat.push(t.elapsed().as_secs_f64() * 1e6);
-        bar.inc(1);
+        inflight.push_back((t, agent.submit_transfer(&req)?));
+    }
+    for r in inflight {
+        finish(r)?;
     }
     let elapsed = start.elapsed().as_secs_f64();
     let mut m = summarize(elapsed, (pt.block * pt.batch * pt.iters) as f64, lat);

@@ -803,21 +803,48 @@ fn run_pingpong_verbs(args: &Args) -> Result<()> {
     let median = |v: Vec<f64>| summarize(1.0, 0.0, v).p50_us;
     let m = summarize(1.0, 0.0, times.lat);
     let (post, own, answer) = (median(times.send), median(times.own), median(times.answer));
-    if args.json {
+    print_pingpong(
+        args.json,
+        "verbs",
+        size,
+        iters,
+        &m,
+        ("post", post, own, answer),
+        None,
+    );
+    Ok(())
+}
+
+/// Prints a ping-pong's result: one-way latency, the medians of a round
+/// trip's phases (`(name of the first, first, own completion, answer)`),
+/// and, for agents, the CPU they use idle.
+fn print_pingpong(
+    json: bool,
+    backend: &str,
+    size: u64,
+    iters: u64,
+    m: &Measured,
+    (first, issue, own, answer): (&str, f64, f64, f64),
+    idle_pct: Option<f64>,
+) {
+    if json {
+        let idle = idle_pct.map_or(String::new(), |p| format!(",\"idle_cpu_pct\":{p:.2}"));
         println!(
-            "{{\"backend\":\"verbs\",\"op\":\"pingpong\",\"block_size\":{size},\"iters\":{iters},\"p50_us\":{:.2},\"p99_us\":{:.2},\"mean_us\":{:.2},\"submit_p50_us\":{post:.2},\"own_completion_p50_us\":{own:.2},\"answer_p50_us\":{answer:.2}}}",
+            "{{\"backend\":\"{backend}\",\"op\":\"pingpong\",\"block_size\":{size},\"iters\":{iters},\"p50_us\":{:.2},\"p99_us\":{:.2},\"mean_us\":{:.2},\"submit_p50_us\":{issue:.2},\"own_completion_p50_us\":{own:.2},\"answer_p50_us\":{answer:.2}{idle}}}",
             m.p50_us, m.p99_us, m.mean_us
         );
     } else {
+        let idle = idle_pct.map_or(String::new(), |p| {
+            format!("; idle agents use {p:.2}% of a CPU")
+        });
         println!(
-            "verbs ping-pong, {} blocks, {iters} round trips: one-way latency p50 {:.2} µs, p99 {:.2} µs, mean {:.2} µs; per round trip (medians): post {post:.2} µs, own completion {own:.2} µs, answer {answer:.2} µs",
+            "{backend} ping-pong, {} blocks, {iters} round trips: one-way latency p50 {:.2} µs, p99 {:.2} µs, mean {:.2} µs; per round trip (medians): {first} {issue:.2} µs, own completion {own:.2} µs, answer {answer:.2} µs{idle}",
             human(size),
             m.p50_us,
             m.p99_us,
             m.mean_us
         );
     }
-    Ok(())
 }
 
 fn run_pingpong(args: &Args) -> Result<()> {
@@ -856,20 +883,16 @@ fn run_pingpong(args: &Args) -> Result<()> {
     let idle_pct = 100.0 * (cpu_seconds() - c0) / t0.elapsed().as_secs_f64();
     let median = |v: Vec<f64>| summarize(1.0, 0.0, v).p50_us;
     let (submit, own, answer) = (median(submit), median(own), median(answer));
-    if args.json {
-        println!(
-            "{{\"backend\":\"{backend_name}\",\"op\":\"pingpong\",\"block_size\":{size},\"iters\":{iters},\"p50_us\":{:.2},\"p99_us\":{:.2},\"mean_us\":{:.2},\"submit_p50_us\":{submit:.2},\"own_completion_p50_us\":{own:.2},\"answer_p50_us\":{answer:.2},\"idle_cpu_pct\":{idle_pct:.2}}}",
-            m.p50_us, m.p99_us, m.mean_us
-        );
-    } else {
-        println!(
-            "{backend_name} ping-pong, {} blocks, {iters} round trips: one-way latency p50 {:.2} µs, p99 {:.2} µs, mean {:.2} µs; per round trip (medians): submit {submit:.2} µs, own completion {own:.2} µs, answer {answer:.2} µs; idle agents use {idle_pct:.2}% of a CPU",
-            human(size),
-            m.p50_us,
-            m.p99_us,
-            m.mean_us
-        );
-    }
+    let phases = ("submit", submit, own, answer);
+    print_pingpong(
+        args.json,
+        backend_name,
+        size,
+        iters,
+        &m,
+        phases,
+        Some(idle_pct),
+    );
     Ok(())
 }
 

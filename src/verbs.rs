@@ -1113,14 +1113,6 @@ impl RcQueuePair {
         };
         let mut guard = self.qp.start_post_send();
         for w in wrs {
-            for (r, s) in scratch.iter_mut().zip(w.sges) {
-                *r = rdma_mummy_sys::ibv_sge {
-                    addr: s.addr,
-                    length: s.len,
-                    lkey: s.lkey,
-                };
-            }
-            let raw = &scratch[..w.sges.len()];
             let inline = match (w.op, w.sges) {
                 (PostOp::Read { .. }, _) => None,
                 (_, [one]) if one.len <= MAX_INLINE => Some(one),
@@ -1158,9 +1150,18 @@ impl RcQueuePair {
                     };
                     h.setup_inline_data(bytes);
                 }
-                // SAFETY: forwarded contract: the pieces stay valid until the
-                // work request completes. The list is copied at once.
-                None => unsafe { h.setup_sge_list(raw) },
+                None => {
+                    for (r, s) in scratch.iter_mut().zip(w.sges) {
+                        *r = rdma_mummy_sys::ibv_sge {
+                            addr: s.addr,
+                            length: s.len,
+                            lkey: s.lkey,
+                        };
+                    }
+                    // SAFETY: forwarded contract: the pieces stay valid until
+                    // the work request completes. The list is copied at once.
+                    unsafe { h.setup_sge_list(&scratch[..w.sges.len()]) }
+                }
             }
         }
         guard.post().map_err(|e| verb("ibv_post_send")(other(e)))

@@ -34,16 +34,19 @@ test_bin() {
 verbs_bin=$(test_bin rdma_verbs)
 agent_bin=$(test_bin agent)
 cache_bin=$(test_bin cache)
-# The suite runs with the defaults (completion channel, shared receive
-# queue); the data-path tests once more with the polling progress thread and
-# a receive queue per connection, and with three queue pairs per peer; then
-# the KV-cache protocol suite on RDMA.
+# The suite runs with the defaults (adaptive progress thread, shared receive
+# queue); the data-path tests once more with the progress thread on the
+# completion channel alone, with the polling progress thread and a receive
+# queue per connection, and with three queue pairs per peer; then the
+# KV-cache protocol suite on RDMA.
 # ACK timeout 20 (4.3 s) instead of the library's 14 (67 ms): under TCG the
 # guest stalls for longer than 67 ms at times, each expiry resends everything
 # unacknowledged, and on a 256 MiB READ that snowballed into a stall past the
 # 30 s I/O timeout (docs/benchmarks.md, "Soft-RoCE retransmissions").
 KVXFER_RDMA_ACK_TIMEOUT=20 KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 2400 sh -c \
   "$verbs_bin --test-threads 1 --color never && $agent_bin --test-threads 2 --color never && \
+   KVXFER_TEST_RDMA_PROGRESS=events $agent_bin --test-threads 2 --color never \
+     write_and_read sync_message notify_follows target_killed && \
    KVXFER_TEST_RDMA_PROGRESS=poll KVXFER_TEST_RDMA_SRQ=0 $agent_bin --test-threads 2 --color never \
      write_and_read sync_message notify_follows target_killed write_after_target_deregistered && \
    KVXFER_TEST_RDMA_QPS=3 $agent_bin --test-threads 2 --color never \

@@ -458,7 +458,7 @@ pub struct AgentConfig {
     /// else the port's first RoCE v2 GID, else 0.
     pub rdma_gid_index: Option<u32>,
     /// How the RDMA progress thread waits for completions (default
-    /// [`RdmaProgress::Events`], chosen by measurement: see
+    /// [`RdmaProgress::Adaptive`], chosen by measurement: see
     /// `docs/benchmarks.md`). Threads waiting on a request poll the
     /// completion queue themselves either way.
     pub rdma_progress: RdmaProgress,
@@ -479,15 +479,32 @@ pub struct AgentConfig {
     /// shared receive queues, each connection posts its own 64 receive
     /// buffers and runs its own thread.
     pub rdma_srq: bool,
+    /// Bytes of posted, uncompleted RDMA work requests per remote agent,
+    /// shared equally by its queue pairs (each may always have one work
+    /// request posted). Default [`DEFAULT_RDMA_MAX_INFLIGHT`]; at least
+    /// 64 KiB.
+    pub rdma_max_inflight: u64,
 }
+
+/// Default of [`AgentConfig::rdma_max_inflight`]: 64 MiB, chosen by
+/// measurement on soft-RoCE (see `docs/benchmarks.md`); far above the
+/// bandwidth-delay product of any real link, so a stream never waits on
+/// it.
+pub const DEFAULT_RDMA_MAX_INFLIGHT: u64 = 64 << 20;
 
 /// How an RDMA connection's progress thread waits for completions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum RdmaProgress {
+    /// Poll (as [`Poll`](Self::Poll)) while large requests have work
+    /// requests posted; sleep on a completion channel otherwise. Bulk
+    /// streams keep their send queues full without a wake-up per
+    /// completion; an idle agent, or one whose waiters poll for their own
+    /// small requests, costs no CPU.
+    #[default]
+    Adaptive,
     /// Sleep on a completion channel (no CPU while idle; one wake-up per
     /// burst of completions).
-    #[default]
     Events,
     /// Poll the completion queue, spinning, then yielding, then sleeping
     /// 20-100 µs between polls while idle.
@@ -499,10 +516,11 @@ impl FromStr for RdmaProgress {
 
     fn from_str(s: &str) -> Result<Self, Error> {
         match s.to_ascii_lowercase().as_str() {
+            "adaptive" => Ok(Self::Adaptive),
             "events" => Ok(Self::Events),
             "poll" => Ok(Self::Poll),
             other => Err(Error::InvalidConfig(format!(
-                "unknown RDMA progress mode {other:?} (events, poll)"
+                "unknown RDMA progress mode {other:?} (adaptive, events, poll)"
             ))),
         }
     }
@@ -529,6 +547,7 @@ impl AgentConfig {
             rdma_qps_per_peer: 1,
             rdma_ack_timeout: None,
             rdma_srq: true,
+            rdma_max_inflight: DEFAULT_RDMA_MAX_INFLIGHT,
         }
     }
 
@@ -619,6 +638,12 @@ impl AgentConfig {
         Ok(exp)
     }
 
+    /// Sets the bytes of RDMA work in flight per remote agent.
+    pub fn with_rdma_max_inflight(mut self, bytes: u64) -> Self {
+        self.rdma_max_inflight = bytes;
+        self
+    }
+
     /// Sets how the RDMA progress thread waits for completions.
     pub fn with_rdma_progress(mut self, p: RdmaProgress) -> Self {
         self.rdma_progress = p;
@@ -662,6 +687,12 @@ impl AgentConfig {
             ));
         }
         self.effective_rdma_ack_timeout()?;
+        if self.rdma_max_inflight < 64 << 10 {
+            return bad(format!(
+                "rdma_max_inflight must be at least 64 KiB, got {}",
+                self.rdma_max_inflight
+            ));
+        }
         if !(1..=64).contains(&self.shm_copy_threads) {
             return bad(format!(
                 "shm_copy_threads must be 1..=64, got {}",
@@ -834,6 +865,7 @@ mod tests {
             AgentConfig::new("a").with_rdma_ack_timeout(0),
             AgentConfig::new("a").with_rdma_ack_timeout(32),
             AgentConfig::new("a").with_streams_per_peer(0),
+            AgentConfig::new("a").with_rdma_max_inflight((64 << 10) - 1),
         ] {
             assert!(
                 matches!(bad.validate(), Err(Error::InvalidConfig(_))),
@@ -842,5 +874,27 @@ mod tests {
         }
         let set = AgentConfig::new("a").with_rdma_ack_timeout(20);
         assert_eq!(set.effective_rdma_ack_timeout().unwrap(), 20);
+        assert!(
+            AgentConfig::new("a")
+                .with_rdma_max_inflight(64 << 10)
+                .validate()
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn progress_modes_parse() {
+        assert_eq!(RdmaProgress::default(), RdmaProgress::Adaptive);
+        for (s, m) in [
+            ("adaptive", RdmaProgress::Adaptive),
+            ("Events", RdmaProgress::Events),
+            ("POLL", RdmaProgress::Poll),
+        ] {
+            assert_eq!(s.parse::<RdmaProgress>().unwrap(), m);
+        }
+        assert!(matches!(
+            "spin".parse::<RdmaProgress>(),
+            Err(Error::InvalidConfig(_))
+        ));
     }
 }

@@ -1251,11 +1251,12 @@ impl Link {
             );
         }
         let mut progress = Vec::new();
+        let adaptive = cfg.rdma_progress == crate::agent::RdmaProgress::Adaptive;
         for k in 0..n_qps {
             let l = Arc::clone(&link);
             let t = std::thread::Builder::new()
                 .name(format!("kvxfer-rdma-{}-{k}", peer.name))
-                .spawn(move || l.run_rdma_progress(k))?;
+                .spawn(move || l.run_rdma_progress(k, adaptive))?;
             progress.push(t.thread().clone());
             threads.push(t);
         }
@@ -2770,7 +2771,7 @@ fn rdma_connect(
             reason: "this agent has no RDMA device".into(),
         })?;
     let rerr = |e: crate::verbs::VerbsError| rdma::rdma_err(&peer.name, e);
-    let events = inner.config.rdma_progress == crate::agent::RdmaProgress::Events;
+    let events = inner.config.rdma_progress != crate::agent::RdmaProgress::Poll;
     let mut qp = dev.create_rc_with(rdma::WINDOW, events).map_err(rerr)?;
     let mine = qp.info();
     let hdr = Frame::QpConnect {
@@ -2831,7 +2832,14 @@ fn rdma_connect(
         })?;
     qp.set_ack_timeout(ack_timeout(&inner.config));
     qp.connect(&QpInfo { qpn, psn, gid, mtu }).map_err(rerr)?;
-    rdma::RdmaConn::new(qp, dev, u64::MAX, (index, inner.config.rdma_qps_per_peer)).map_err(rerr)
+    rdma::RdmaConn::new(
+        qp,
+        dev,
+        u64::MAX,
+        (index, inner.config.rdma_qps_per_peer),
+        inner.config.rdma_max_inflight,
+    )
+    .map_err(rerr)
 }
 
 impl Progress for Link {
@@ -3187,7 +3195,9 @@ impl Link {
     /// The progress thread: drains the completion queue whenever nobody
     /// waiting on a request does, so requests complete without waiters
     /// too. Exits when the link is broken and nothing is posted.
-    fn run_rdma_progress(self: Arc<Self>, index: usize) {
+    /// `adaptive`: poll, rather than sleep on the completion channel,
+    /// while work requests are posted ([`RdmaProgress::Adaptive`](crate::RdmaProgress::Adaptive)).
+    fn run_rdma_progress(self: Arc<Self>, index: usize, adaptive: bool) {
         let Some(conn) = self.rdma.get(index) else {
             self.thread_exit();
             return;
@@ -3222,7 +3232,10 @@ impl Link {
                 backoff.reset();
                 continue;
             }
+            let posted = conn.posted.load(Ordering::Acquire) > 0;
             match &conn.events {
+                // Adaptive: poll while a large request's work is posted.
+                Some(_) if adaptive && posted => backoff.wait(true),
                 Some(ev) => {
                     // Arm, then poll once more: a completion that came
                     // before arming raises no event.
@@ -3240,7 +3253,7 @@ impl Link {
                         backoff.wait(false);
                     }
                 }
-                None => backoff.wait(conn.posted.load(Ordering::Acquire) > 0),
+                None => backoff.wait(posted),
             }
         }
         self.thread_exit();

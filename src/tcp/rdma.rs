@@ -33,13 +33,6 @@ pub(crate) const RING: usize = 64;
 pub(crate) const WR_MAX: u64 = 1 << 20;
 /// Outstanding work requests per queue pair.
 pub(crate) const WINDOW: u32 = 256;
-/// Bytes of posted, uncompleted work requests per link, shared equally by
-/// its queue pairs (each may always have one request posted). 16 MiB
-/// covers the bandwidth-delay product of a 400 Gb/s link many times over;
-/// without a cap, 256 MiB in flight on soft-RoCE overflowed its packet
-/// queues (dropped ACKs, go-back-N retransmission storms that stalled a
-/// transfer for over 30 s).
-pub(crate) const MAX_INFLIGHT_BYTES: u64 = 16 << 20;
 /// Most work requests posted with one doorbell (one `ibv_post_send`).
 pub(crate) const DOORBELL_BATCH: usize = 32;
 /// `wr_id` bit marking a SEND (whose bits 40..56 name its buffer slot).
@@ -276,12 +269,14 @@ pub(crate) struct RdmaConn {
     /// send queue completes in posting order).
     pub(crate) queued: AtomicU64,
     pub(crate) completed: AtomicU64,
-    /// This queue pair's share of [`MAX_INFLIGHT_BYTES`].
+    /// This queue pair's share of the link's bytes in flight
+    /// ([`AgentConfig::rdma_max_inflight`](crate::AgentConfig::rdma_max_inflight)).
     max_inflight: u64,
     /// Posting needs exclusive access; polling goes through `cq`.
     pub(crate) qp: Mutex<RcQueuePair>,
     pub(crate) cq: CqPoller,
-    /// The completion channel, in [`RdmaProgress::Events`](crate::RdmaProgress) mode.
+    /// The completion channel, in the [`RdmaProgress`](crate::RdmaProgress)
+    /// modes that sleep on one (all but `Poll`).
     pub(crate) events: Option<crate::verbs::CqEvents>,
     /// Held while draining `cq` (by the progress thread or a waiter); the
     /// buffer the completions are polled into.
@@ -308,10 +303,11 @@ impl RdmaConn {
         dev: &Device,
         max_msg: u64,
         (index, of): (usize, usize),
+        link_inflight: u64,
     ) -> Result<Self, VerbsError> {
         Ok(Self {
             index,
-            max_inflight: MAX_INFLIGHT_BYTES / of.max(1) as u64,
+            max_inflight: link_inflight / of.max(1) as u64,
             queued: AtomicU64::new(0),
             completed: AtomicU64::new(0),
             cq: qp.send_poller(),

@@ -8,8 +8,10 @@
 #                              (both: half the round trip of a write ping-pong,
 #                              each side spinning on its memory), and kvxfer's
 #                              submit-to-completion time (batch 1)
-#   RDMA progress thread: completion channel (events) vs polling, on latency
-#   and on CPU (idle agents; the initiator during the 1 MiB WRITE run)
+#   RDMA progress thread: adaptive (the default: polls while large requests
+#   are posted, else sleeps on the completion channel) vs the completion
+#   channel alone (events) vs polling, on latency, bandwidth and CPU (idle
+#   agents; the initiator during the 1 MiB WRITE run)
 #   and the TCP fallback on the same workload, same guest (loopback);
 #   and the 1 MiB WRITE with 4 queue pairs per peer against 1.
 # kvxfer's bandwidth runs keep 4 requests in flight (--depth 4: a new one is
@@ -68,7 +70,7 @@ perf_lat() { # -> typical (median) latency in us
 }
 kx() { # backend op block batch [iters] [progress] [queue pairs] -> json line
   KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$B" --backend "$1" --op "$2" --block-size "$3" --batch "$4" \
-    --iters "${5:-12}" --warmup 2 --target-rdma-device rxe1 --rdma-progress "${6:-events}" \
+    --iters "${5:-12}" --warmup 2 --target-rdma-device rxe1 --rdma-progress "${6:-adaptive}" \
     --rdma-qps "${7:-1}" --depth "${KDEPTH:-1}" --json
 }
 ppv() { # -> json line: the same ping-pong through the verbs layer alone
@@ -86,13 +88,13 @@ pp() { # progress -> json line
 R=${ROUNDS:-5}
 med() { python3 -c "import statistics,sys; print(statistics.median(float(x) for x in sys.argv[1:]))" "$@"; }
 wbws=(); kws=(); rbws=(); krs=(); lats=(); ppes=(); ppvs=(); ratios_w=(); ratios_r=(); ratios_l=(); ratios_v=()
-kwj=; ppe=
+kwj=; ppa=
 for r in $(seq "$R"); do
   wbw=$(perf_bw ib_write_bw 1048576); kwj=$(KDEPTH=4 kx rdma write 1MiB 16 "$KITERS"); kw=$(echo "$kwj" | json gb_per_s)
   rbw=$(perf_bw ib_read_bw 1048576); kr=$(KDEPTH=4 kx rdma read 1MiB 16 "$KITERS" | json gb_per_s)
-  lat=$(perf_lat); ppe=$(pp events); pl=$(echo "$ppe" | json p50_us)
+  lat=$(perf_lat); ppa=$(pp adaptive); pl=$(echo "$ppa" | json p50_us)
   pv=$(ppv | json p50_us)
-  echo "round $r: ib_write_bw $wbw MB/s, kvxfer write $kw GB/s; ib_read_bw $rbw MB/s, kvxfer read $kr GB/s; ib_write_lat $lat us, kvxfer ping-pong $pl us ($ppe), verbs-only ping-pong $pv us" >&2
+  echo "round $r: ib_write_bw $wbw MB/s, kvxfer write $kw GB/s; ib_read_bw $rbw MB/s, kvxfer read $kr GB/s; ib_write_lat $lat us, kvxfer ping-pong $pl us ($ppa), verbs-only ping-pong $pv us" >&2
   wbws+=("$wbw"); kws+=("$kw"); rbws+=("$rbw"); krs+=("$kr"); lats+=("$lat"); ppes+=("$pl"); ppvs+=("$pv")
   ratios_w+=("$(python3 -c "print($kw*1e3/($wbw*1.048576))")")
   ratios_r+=("$(python3 -c "print($kr*1e3/($rbw*1.048576))")")
@@ -106,21 +108,25 @@ echo "per-round ratios: WRITE ${ratios_w[*]}; READ ${ratios_r[*]}; latency ${rat
 # (each round's two programs ran back to back); the ratio of the medians is
 # printed beside it.
 prw=$(med "${ratios_w[@]}"); prr=$(med "${ratios_r[@]}"); prl=$(med "${ratios_l[@]}"); prv=$(med "${ratios_v[@]}")
+ppe=$(pp events); echo "kvxfer ping-pong (events): $ppe" >&2
 ppp=$(pp poll); echo "kvxfer ping-pong (poll): $ppp" >&2
 kl=$(kx rdma write 8 1 500 | json p50_us)
 echo "kvxfer 8 B write submit-to-completion p50: $kl us" >&2
-kwpj=$(KDEPTH=4 kx rdma write 1MiB 16 4 poll)
+kwej=$(KDEPTH=4 kx rdma write 1MiB 16 "$KITERS" events)
+echo "kvxfer write (events): $kwej" >&2
+kwpj=$(KDEPTH=4 kx rdma write 1MiB 16 "$KITERS" poll)
 echo "kvxfer write (poll): $kwpj" >&2
 kt=$(KDEPTH=4 kx tcp write 1MiB 16 4 | json gb_per_s)
 echo "kvxfer tcp: $kt GB/s" >&2
 kq=$(KDEPTH=4 kx rdma write 1MiB 16 4 events 4 | json gb_per_s)
 echo "kvxfer write, 4 queue pairs: $kq GB/s" >&2
-python3 - "$wbw" "$kw" "$rbw" "$kr" "$lat" "$kl" "$kt" "$ppe" "$ppp" "$kwj" "$kwpj" "$kq" "$plm" "$R" "$pvm" "$prw" "$prr" "$prl" "$prv" <<'PY'
+python3 - "$wbw" "$kw" "$rbw" "$kr" "$lat" "$kl" "$kt" "$ppe" "$ppp" "$kwj" "$kwpj" "$kq" "$plm" "$R" "$pvm" "$prw" "$prr" "$prl" "$prv" "$ppa" "$kwej" <<'PY'
 import json, sys
 wbw, kw, rbw, kr, lat, kl, kt = (float(x) for x in sys.argv[1:8])
 ppe, ppp, kwj, kwpj = (json.loads(x) for x in sys.argv[8:12])
 kq, pl, rounds, pv = float(sys.argv[12]), float(sys.argv[13]), int(sys.argv[14]), float(sys.argv[15])
 prw, prr, prl, prv = (float(x) for x in sys.argv[16:20])
+ppa, kwej = json.loads(sys.argv[20]), json.loads(sys.argv[21])
 kw_mb, kr_mb, kt_mb = kw * 1e3, kr * 1e3, kt * 1e3   # GB/s (10^9) -> MB/s (10^6)
 # perftest reports MB/sec as 2^20 bytes/s.
 wbw_mb, rbw_mb = wbw * 1.048576, rbw * 1.048576
@@ -130,8 +136,9 @@ print(f"READ  1 MiB : ib_read_bw  {rbw_mb:9.1f} MB/s  kvxfer {kr_mb:9.1f} MB/s  
 print(f"WRITE 8 B   : ib_write_lat {lat:8.2f} us    kvxfer ping-pong {pl:8.2f} us (p50 one-way)  ratio {prl:.3f} ({pl/lat:.3f}) (target <= 1.1)")
 print(f"              verbs layer alone (same queue pairs, post + poll) {pv:.2f} us, ratio {prv:.3f} ({pv/lat:.3f}); agent over verbs {pl/pv:.3f}x")
 print(f"              kvxfer submit-to-completion p50 {kl:.2f} us (a full round trip plus the library's work)")
-print(f"progress    : events: ping-pong p50 {ppe['p50_us']:.2f} us, idle {ppe['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwj['cpu_cores']:.3f} cores at {kwj['gb_per_s']*1e3:.1f} MB/s (last round)")
-print(f"              poll:   ping-pong p50 {ppp['p50_us']:.2f} us, idle {ppp['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwpj['cpu_cores']:.3f} cores at {kwpj['gb_per_s']*1e3:.1f} MB/s")
+print(f"progress    : adaptive: ping-pong p50 {ppa['p50_us']:.2f} us, idle {ppa['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwj['cpu_cores']:.3f} cores at {kwj['gb_per_s']*1e3:.1f} MB/s (last round)")
+print(f"              events:   ping-pong p50 {ppe['p50_us']:.2f} us, idle {ppe['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwej['cpu_cores']:.3f} cores at {kwej['gb_per_s']*1e3:.1f} MB/s")
+print(f"              poll:     ping-pong p50 {ppp['p50_us']:.2f} us, idle {ppp['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwpj['cpu_cores']:.3f} cores at {kwpj['gb_per_s']*1e3:.1f} MB/s")
 print(f"TCP fallback, same workload, same guest (loopback): {kt_mb:9.1f} MB/s; RDMA/TCP {kw_mb/kt_mb:.2f}x")
 print(f"queue pairs : 4 per peer {kq*1e3:9.1f} MB/s vs 1: {kw_mb:.1f} MB/s ({kq*1e3/kw_mb:.2f}x)")
 PY

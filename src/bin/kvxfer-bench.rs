@@ -95,6 +95,16 @@ struct Args {
     /// the agent, to tell the library's share from soft-RoCE's.
     #[arg(long, conflicts_with_all = ["listen", "connect", "memcpy", "pingpong"])]
     pingpong_verbs: bool,
+    /// The `--pingpong` and `--pingpong-verbs` round trips in one process,
+    /// alternating blocks of 100: the agent's cost over the verbs layer,
+    /// both measured in the same machine state.
+    #[arg(long, conflicts_with_all = ["listen", "connect", "memcpy", "pingpong", "pingpong_verbs"])]
+    pingpong_ab: bool,
+    /// Ping-pongs: run the two sides' threads on CPUs 0 and 1 (as
+    /// `taskset -c 0` / `-c 1` would two perftest processes), so that the
+    /// scheduler never puts both spinning sides on one CPU.
+    #[arg(long)]
+    pin: bool,
     /// How RDMA progress threads wait for completions: events or poll
     /// (default: the library's).
     #[arg(long)]
@@ -106,6 +116,10 @@ struct Args {
     /// library's; the spawned target gets it too).
     #[arg(long)]
     rdma_ack_timeout: Option<u8>,
+    /// RDMA bytes in flight per remote agent, e.g. 16MiB (default: the
+    /// library's).
+    #[arg(long, value_parser = parse_size)]
+    rdma_inflight: Option<u64>,
     /// Internal: in target role, exit when standard input closes.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
@@ -158,6 +172,9 @@ fn config(name: &str, args: &Args) -> AgentConfig {
     }
     if let Some(n) = args.rdma_ack_timeout {
         cfg = cfg.with_rdma_ack_timeout(n);
+    }
+    if let Some(n) = args.rdma_inflight {
+        cfg = cfg.with_rdma_max_inflight(n);
     }
     if let Some(p) = &args.rdma_progress {
         match p.parse() {
@@ -703,6 +720,49 @@ fn ping_loop(
     })
 }
 
+/// Runs the calling thread on `cpu` alone (`--pin`); a failure (fewer
+/// CPUs, a restricted cpuset) is reported and the thread runs unpinned.
+fn pin_to(cpu: usize) {
+    // SAFETY: `set` is a plain bitmask owned by this frame; the calls only
+    // read it.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        eprintln!(
+            "cannot pin to CPU {cpu}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// Runs the pong side on its own thread and the ping side on this one
+/// (each pinned with `--pin`); returns the ping side's times.
+fn run_pair<S: PingSide + Send + 'static>(
+    args: &Args,
+    a: &mut S,
+    mut b: S,
+    total: u64,
+    timeout: Duration,
+) -> Result<PingTimes> {
+    let pin = args.pin;
+    let pong = std::thread::spawn(move || {
+        if pin {
+            pin_to(1);
+        }
+        pong_loop(&mut b, total, timeout)
+    });
+    if pin {
+        pin_to(0);
+    }
+    let times = ping_loop(a, total, args.warmup, timeout);
+    pong.join()
+        .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;
+    times
+}
+
 /// One side of the verbs-only ping-pong.
 struct VerbsSide {
     qp: kvxfer::verbs::RcQueuePair,
@@ -781,11 +841,28 @@ impl PingSide for VerbsSide {
     }
 }
 
-fn run_pingpong_verbs(args: &Args) -> Result<()> {
-    let size = args.block_size.first().copied().unwrap_or(8).max(8);
-    let iters = args.iters.unwrap_or(1000);
-    let total = args.warmup + iters;
-    let timeout = Duration::from_secs(10);
+/// Two connected agents (`kvxfer-ping`, `kvxfer-pong`), each with its
+/// request to the other's block.
+fn agent_pair(args: &Args, backend: Backend, size: u64) -> Result<(Side, Side)> {
+    let mut cfg_b = config("kvxfer-pong", args);
+    if let Some(d) = &args.target_rdma_device {
+        cfg_b = cfg_b.with_rdma_device(d.clone(), None);
+    }
+    let mut a = Side::new(config("kvxfer-ping", args), backend, size)?;
+    let mut b = Side::new(cfg_b, backend, size)?;
+    let (da, db) = (a.agent.local_agent_desc(), b.agent.local_agent_desc());
+    a.agent.load_remote_agent(&db)?;
+    b.agent.load_remote_agent(&da)?;
+    a.peer = db.name;
+    b.peer = da.name;
+    a.req = TransferRequest::write(a.src.desc(), b.dst.desc(), &a.peer);
+    b.req = TransferRequest::write(b.src.desc(), a.dst.desc(), &b.peer);
+    Ok((a, b))
+}
+
+/// Two connected queue pairs (`KVXFER_RDMA_DEVICE` and
+/// `--target-rdma-device`), each side knowing the other's block.
+fn verbs_pair(args: &Args, size: u64) -> Result<(VerbsSide, VerbsSide)> {
     let dev_a = std::env::var("KVXFER_RDMA_DEVICE").ok();
     let dev_b = args.target_rdma_device.clone().or_else(|| dev_a.clone());
     let mut a = VerbsSide::new(dev_a.as_deref(), size)?;
@@ -795,11 +872,69 @@ fn run_pingpong_verbs(args: &Args) -> Result<()> {
     b.qp.connect(&ia)?;
     a.to = (b.dst_mr.rkey(), b.dst.addr());
     b.to = (a.dst_mr.rkey(), a.dst.addr());
-    let pong = std::thread::spawn(move || pong_loop(&mut b, total, timeout));
-    let times = ping_loop(&mut a, total, args.warmup, timeout);
-    pong.join()
-        .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;
-    let times = times?;
+    Ok((a, b))
+}
+
+/// One block of `total` round trips between `a` (this thread) and `b` (a
+/// scoped thread).
+fn ab_block<S: PingSide + Send>(
+    a: &mut S,
+    b: &mut S,
+    total: u64,
+    warmup: u64,
+    timeout: Duration,
+) -> Result<PingTimes> {
+    std::thread::scope(|s| {
+        let pong = s.spawn(|| pong_loop(b, total, timeout));
+        let t = ping_loop(a, total, warmup, timeout);
+        pong.join()
+            .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;
+        t
+    })
+}
+
+/// `--pingpong-ab`: the agent and the verbs-only ping-pongs in one
+/// process, alternating blocks of round trips, so that both see the same
+/// machine state (a separate run of each swings by 1.5x under TCG).
+fn run_pingpong_ab(args: &Args) -> Result<()> {
+    let size = args.block_size.first().copied().unwrap_or(8).max(8);
+    let iters = args.iters.unwrap_or(1000);
+    let timeout = Duration::from_secs(10);
+    const BLOCK: u64 = 100;
+    let (mut aa, mut ab) = agent_pair(args, Backend::Rdma, size)?;
+    let (mut va, mut vb) = verbs_pair(args, size)?;
+    let (mut agent, mut verbs) = (Vec::new(), Vec::new());
+    let n = BLOCK + args.warmup;
+    for _ in 0..iters.div_ceil(BLOCK) {
+        agent.extend(ab_block(&mut aa, &mut ab, n, args.warmup, timeout)?.lat);
+        verbs.extend(ab_block(&mut va, &mut vb, n, args.warmup, timeout)?.lat);
+    }
+    let (a50, v50) = (
+        summarize(1.0, 0.0, agent).p50_us,
+        summarize(1.0, 0.0, verbs).p50_us,
+    );
+    if args.json {
+        println!(
+            "{{\"op\":\"pingpong-ab\",\"block_size\":{size},\"iters\":{iters},\"agent_p50_us\":{a50:.2},\"verbs_p50_us\":{v50:.2},\"agent_over_verbs\":{:.3}}}",
+            a50 / v50
+        );
+    } else {
+        println!(
+            "ping-pong, {} blocks, {iters} round trips each, alternating blocks of {BLOCK}: agent p50 {a50:.2} µs, verbs alone {v50:.2} µs, agent/verbs {:.3}",
+            human(size),
+            a50 / v50
+        );
+    }
+    Ok(())
+}
+
+fn run_pingpong_verbs(args: &Args) -> Result<()> {
+    let size = args.block_size.first().copied().unwrap_or(8).max(8);
+    let iters = args.iters.unwrap_or(1000);
+    let total = args.warmup + iters;
+    let timeout = Duration::from_secs(10);
+    let (mut a, b) = verbs_pair(args, size)?;
+    let times = run_pair(args, &mut a, b, total, timeout)?;
     let median = |v: Vec<f64>| summarize(1.0, 0.0, v).p50_us;
     let m = summarize(1.0, 0.0, times.lat);
     let (post, own, answer) = (median(times.send), median(times.own), median(times.answer));
@@ -853,27 +988,11 @@ fn run_pingpong(args: &Args) -> Result<()> {
     let iters = args.iters.unwrap_or(1000);
     let total = args.warmup + iters;
     let timeout = Duration::from_secs(10);
-    let mut cfg_b = config("kvxfer-pong", args);
-    if let Some(d) = &args.target_rdma_device {
-        cfg_b = cfg_b.with_rdma_device(d.clone(), None);
-    }
-    let mut a = Side::new(config("kvxfer-ping", args), backend, size)?;
-    let mut b = Side::new(cfg_b, backend, size)?;
-    let (da, db) = (a.agent.local_agent_desc(), b.agent.local_agent_desc());
-    a.agent.load_remote_agent(&db)?;
-    b.agent.load_remote_agent(&da)?;
-    a.peer = db.name;
-    b.peer = da.name;
-    a.req = TransferRequest::write(a.src.desc(), b.dst.desc(), &a.peer);
-    b.req = TransferRequest::write(b.src.desc(), a.dst.desc(), &b.peer);
+    let (mut a, b) = agent_pair(args, backend, size)?;
     let backend_name = a.agent.remote_transport(&a.peer)?;
-    let pong = std::thread::spawn(move || pong_loop(&mut b, total, timeout));
     // Where a round trip goes: in `submit_transfer`, waiting for the own
     // WRITE's completion, then for the answer to land.
-    let times = ping_loop(&mut a, total, args.warmup, timeout);
-    pong.join()
-        .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;
-    let times = times?;
+    let times = run_pair(args, &mut a, b, total, timeout)?;
     let (elapsed, lat) = (times.elapsed_s, times.lat);
     let (submit, own, answer) = (times.send, times.own, times.answer);
     let m = summarize(elapsed, (size * 2 * total) as f64, lat);
@@ -930,6 +1049,9 @@ fn main() -> Result<()> {
     }
     if args.pingpong_verbs {
         return run_pingpong_verbs(&args);
+    }
+    if args.pingpong_ab {
+        return run_pingpong_ab(&args);
     }
     if let Some(listen) = args.listen {
         return run_target(&args, listen);

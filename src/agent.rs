@@ -275,6 +275,59 @@ impl Completion {
     }
 }
 
+/// A transfer request resolved once for repeated submission with
+/// [`TransferAgent::submit_prepared`] (NIXL's prepared transfer handles,
+/// perftest's work request built once): the remote agent, the connection,
+/// the local and remote keys and the work requests are looked up when it is
+/// made, not on every submission.
+///
+/// While it lives, the local regions it covers count as in use:
+/// deregistering them is refused ([`Error::RegionBusy`]). If the remote
+/// agent is loaded again or invalidated, or its connection fails, the next
+/// submission resolves the request afresh (as
+/// [`submit_transfer`](TransferAgent::submit_transfer) does, reconnecting
+/// if need be).
+pub struct PreparedTransfer {
+    request: TransferRequest,
+    /// The agent that made it (submitting it to another is refused).
+    owner: u64,
+    /// The backend's resolution; `None` where it keeps none (each
+    /// submission then validates the request in full).
+    pub(crate) resolved: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl PreparedTransfer {
+    pub(crate) fn new(
+        request: TransferRequest,
+        owner: u64,
+        resolved: Option<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Self {
+        Self {
+            request,
+            owner,
+            resolved,
+        }
+    }
+
+    /// The request it was made from.
+    pub fn request(&self) -> &TransferRequest {
+        &self.request
+    }
+
+    pub(crate) fn owner(&self) -> u64 {
+        self.owner
+    }
+}
+
+impl std::fmt::Debug for PreparedTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedTransfer")
+            .field("request", &self.request)
+            .field("resolved", &self.resolved.is_some())
+            .finish()
+    }
+}
+
 /// Handle on a submitted transfer. Cheap to clone; every clone observes the
 /// same outcome. Dropping it does not cancel the transfer.
 #[derive(Clone, Debug)]
@@ -799,6 +852,23 @@ pub trait TransferAgent: Send + Sync {
     /// [`Error::RemoteRangeNotExported`], [`Error::InvalidRequest`], ...);
     /// failures after submission are reported by the returned status.
     fn submit_transfer(&self, request: &TransferRequest) -> Result<TransferStatus, Error>;
+
+    /// Validates `request` as [`submit_transfer`](Self::submit_transfer)
+    /// does and keeps the resolution, for submitting the same transfer
+    /// again and again with [`submit_prepared`](Self::submit_prepared).
+    /// Nothing is sent.
+    ///
+    /// # Errors
+    /// The validation errors of `submit_transfer`.
+    fn prepare_transfer(&self, request: &TransferRequest) -> Result<PreparedTransfer, Error>;
+
+    /// Submits a prepared transfer: what `submit_transfer(prepared.request())`
+    /// does, without looking anything up again.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for a transfer another agent prepared;
+    /// otherwise those of `submit_transfer`.
+    fn submit_prepared(&self, prepared: &PreparedTransfer) -> Result<TransferStatus, Error>;
 
     /// Sends a sync message not tied to a transfer. It is ordered after the
     /// data of every transfer submitted earlier to the same remote agent.

@@ -77,8 +77,8 @@ pub mod tcp;
 pub mod verbs;
 
 pub use agent::{
-    AgentConfig, Backend, DEFAULT_RDMA_MAX_INFLIGHT, RdmaProgress, SyncMessages, TransferAgent,
-    TransferOp, TransferRequest, TransferState, TransferStatus, make_transfer_agent,
+    AgentConfig, Backend, DEFAULT_RDMA_MAX_INFLIGHT, PreparedTransfer, RdmaProgress, SyncMessages,
+    TransferAgent, TransferOp, TransferRequest, TransferState, TransferStatus, make_transfer_agent,
 };
 pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion, LocalAccess};
 pub use error::{Error, RejectReason};

@@ -55,6 +55,14 @@ impl LocalRegion {
 #[derive(Debug)]
 pub(crate) struct RegionGuard(Arc<LocalRegion>);
 
+impl Clone for RegionGuard {
+    /// Another hold on the same region.
+    fn clone(&self) -> Self {
+        self.0.busy.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(&self.0))
+    }
+}
+
 impl Drop for RegionGuard {
     fn drop(&mut self) {
         self.0.busy.fetch_sub(1, Ordering::AcqRel);

@@ -454,6 +454,72 @@ fn invalidated_remote_cannot_be_used() {
         .unwrap();
 }
 
+/// A prepared transfer goes again and again, holds its local region, is
+/// refused by another agent, and follows its remote agent being
+/// invalidated and loaded again (resolved afresh).
+#[test]
+fn prepared_transfer_is_submitted_again_and_again() {
+    let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let mut src = vec![0u8; 4096];
+    let (agent, name) = connect(&peer, &src);
+    // Bad requests are refused when prepared, as when submitted.
+    let unregistered = vec![0u8; 64];
+    let err = agent
+        .prepare_transfer(&TransferRequest::write(
+            MemoryDescs::dram(&unregistered),
+            peer.range(0, 64),
+            &name,
+        ))
+        .unwrap_err();
+    assert!(matches!(err, Error::NotRegistered { .. }), "{err}");
+    let err = agent
+        .prepare_transfer(&TransferRequest::write(
+            MemoryDescs::dram(&src[..64]),
+            dram([(peer.addr + 4090, 64)]),
+            &name,
+        ))
+        .unwrap_err();
+    assert!(matches!(err, Error::RemoteRangeNotExported { .. }), "{err}");
+
+    let prepared = agent
+        .prepare_transfer(&TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, 4096),
+            &name,
+        ))
+        .unwrap();
+    for seed in 40..45 {
+        fill(&mut src, seed, 0);
+        agent
+            .submit_prepared(&prepared)
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+        assert_eq!(peer.cmd(&format!("check {seed} 0 4096")), "OK");
+    }
+    let err = agent
+        .deregister_memory(&MemoryDescs::dram(&src))
+        .unwrap_err();
+    assert!(matches!(err, Error::RegionBusy { .. }), "{err}");
+    let other = local_agent("other", |c| c);
+    let err = other.submit_prepared(&prepared).unwrap_err();
+    assert!(matches!(err, Error::InvalidRequest(_)), "{err}");
+
+    agent.invalidate_remote_agent(&name).unwrap();
+    let err = agent.submit_prepared(&prepared).unwrap_err();
+    assert!(matches!(err, Error::UnknownAgent(_)), "{err}");
+    agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    fill(&mut src, 46, 0);
+    agent
+        .submit_prepared(&prepared)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(peer.cmd("check 46 0 4096"), "OK");
+    drop(prepared);
+    agent.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
+}
+
 #[test]
 fn write_after_target_deregistered_is_rejected() {
     let mut peer = PeerProc::spawn("target", 4096, 3, &[]);

@@ -17,8 +17,8 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvxfer::{
-    AgentConfig, Backend, MemoryDesc, MemoryDescs, MemoryType, TransferAgent, TransferRequest,
-    make_transfer_agent,
+    AgentConfig, Backend, MemoryDesc, MemoryDescs, MemoryType, PreparedTransfer, TransferAgent,
+    TransferRequest, make_transfer_agent,
 };
 
 #[derive(Parser, Debug, Clone)]
@@ -100,6 +100,11 @@ struct Args {
     /// both measured in the same machine state.
     #[arg(long, conflicts_with_all = ["listen", "connect", "memcpy", "pingpong", "pingpong_verbs"])]
     pingpong_ab: bool,
+    /// Ping-pongs: submit a request prepared once (`prepare_transfer`,
+    /// then `submit_prepared` each round trip) instead of validating it
+    /// on every `submit_transfer`. `--pingpong-ab` runs both.
+    #[arg(long)]
+    prepared: bool,
     /// Ping-pongs: run the two sides' threads on CPUs 0 and 1 (as
     /// `taskset -c 0` / `-c 1` would two perftest processes), so that the
     /// scheduler never puts both spinning sides on one CPU.
@@ -602,6 +607,9 @@ fn spin_until(buf: &Buffer, want: u64, timeout: Duration) -> Result<()> {
 /// submitted by reference each time, as perftest posts one prepared work
 /// request).
 struct Side {
+    /// `req` prepared (`--prepared`): submitted with `submit_prepared`.
+    /// Declared first: dropped before the agent.
+    prepared: Option<PreparedTransfer>,
     agent: Box<dyn TransferAgent>,
     src: Buffer,
     dst: Buffer,
@@ -623,6 +631,7 @@ impl Side {
         // transfer uses it.
         unsafe { std::ptr::write_volatile(dst.mem.as_ptr().cast_mut(), 0) };
         Ok(Self {
+            prepared: None,
             agent,
             src,
             dst,
@@ -633,6 +642,14 @@ impl Side {
                 "",
             ),
         })
+    }
+}
+
+impl Side {
+    /// Prepares the side's request: later sends use `submit_prepared`.
+    fn prepare(&mut self) -> Result<()> {
+        self.prepared = Some(self.agent.prepare_transfer(&self.req)?);
+        Ok(())
     }
 }
 
@@ -647,7 +664,10 @@ impl PingSide for Side {
     fn send(&mut self, value: u64, timeout: Duration) -> Result<(u64, u64)> {
         self.src.mem[0] = value;
         let t0 = Ticks::now();
-        let st = self.agent.submit_transfer(&self.req)?;
+        let st = match &self.prepared {
+            Some(p) => self.agent.submit_prepared(p)?,
+            None => self.agent.submit_transfer(&self.req)?,
+        };
         let t1 = Ticks::now();
         st.wait_success(timeout)?;
         Ok((t1 - t0, Ticks::now() - t1))
@@ -857,6 +877,10 @@ fn agent_pair(args: &Args, backend: Backend, size: u64) -> Result<(Side, Side)> 
     b.peer = da.name;
     a.req = TransferRequest::write(a.src.desc(), b.dst.desc(), &a.peer);
     b.req = TransferRequest::write(b.src.desc(), a.dst.desc(), &b.peer);
+    if args.prepared {
+        a.prepare()?;
+        b.prepare()?;
+    }
     Ok((a, b))
 }
 
@@ -902,27 +926,31 @@ fn run_pingpong_ab(args: &Args) -> Result<()> {
     let timeout = Duration::from_secs(10);
     const BLOCK: u64 = 100;
     let (mut aa, mut ab) = agent_pair(args, Backend::Rdma, size)?;
+    let (mut pa, mut pb) = agent_pair(args, Backend::Rdma, size)?;
+    pa.prepare()?;
+    pb.prepare()?;
     let (mut va, mut vb) = verbs_pair(args, size)?;
-    let (mut agent, mut verbs) = (Vec::new(), Vec::new());
+    let (mut agent, mut prepared, mut verbs) = (Vec::new(), Vec::new(), Vec::new());
     let n = BLOCK + args.warmup;
     for _ in 0..iters.div_ceil(BLOCK) {
         agent.extend(ab_block(&mut aa, &mut ab, n, args.warmup, timeout)?.lat);
+        prepared.extend(ab_block(&mut pa, &mut pb, n, args.warmup, timeout)?.lat);
         verbs.extend(ab_block(&mut va, &mut vb, n, args.warmup, timeout)?.lat);
     }
-    let (a50, v50) = (
-        summarize(1.0, 0.0, agent).p50_us,
-        summarize(1.0, 0.0, verbs).p50_us,
-    );
+    let p50 = |v| summarize(1.0, 0.0, v).p50_us;
+    let (a50, p50, v50) = (p50(agent), p50(prepared), p50(verbs));
     if args.json {
         println!(
-            "{{\"op\":\"pingpong-ab\",\"block_size\":{size},\"iters\":{iters},\"agent_p50_us\":{a50:.2},\"verbs_p50_us\":{v50:.2},\"agent_over_verbs\":{:.3}}}",
-            a50 / v50
+            "{{\"op\":\"pingpong-ab\",\"block_size\":{size},\"iters\":{iters},\"agent_p50_us\":{a50:.2},\"prepared_p50_us\":{p50:.2},\"verbs_p50_us\":{v50:.2},\"agent_over_verbs\":{:.3},\"prepared_over_verbs\":{:.3}}}",
+            a50 / v50,
+            p50 / v50
         );
     } else {
         println!(
-            "ping-pong, {} blocks, {iters} round trips each, alternating blocks of {BLOCK}: agent p50 {a50:.2} µs, verbs alone {v50:.2} µs, agent/verbs {:.3}",
+            "ping-pong, {} blocks, {iters} round trips each, alternating blocks of {BLOCK}: agent p50 {a50:.2} µs (submit_transfer), {p50:.2} µs (submit_prepared), verbs alone {v50:.2} µs; over verbs {:.3} / {:.3}",
             human(size),
-            a50 / v50
+            a50 / v50,
+            p50 / v50
         );
     }
     Ok(())

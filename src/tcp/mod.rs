@@ -37,8 +37,8 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::agent::{
-    AgentConfig, Completion, Progress, SyncMessages, TransferAgent, TransferOp, TransferRequest,
-    TransferStatus,
+    AgentConfig, Completion, PreparedTransfer, Progress, SyncMessages, TransferAgent, TransferOp,
+    TransferRequest, TransferStatus,
 };
 use crate::desc::{AgentDesc, BackendKind, LocalAccess, RdmaInfo};
 use crate::error::{Error, RejectReason};
@@ -1033,6 +1033,10 @@ struct Peer {
     regions: RegionMap<(u64, Option<u32>)>,
     path: Path,
     link: Mutex<Option<Arc<Link>>>,
+    /// Set when a newer load of the agent replaced this entry, or the agent
+    /// was invalidated: prepared transfers resolved against it resolve
+    /// again.
+    retired: AtomicBool,
 }
 
 /// One outstanding request at the initiator. It completes when every
@@ -1042,6 +1046,9 @@ struct Pending {
     completion: Arc<Completion>,
     outstanding: AtomicUsize,
     error: Mutex<Option<Error>>,
+    /// Whether `error` holds one (set after it): finishing a request that
+    /// did not fail takes no lock for it.
+    failed: AtomicBool,
     guards: Mutex<Few<RegionGuard>>,
     /// Cross-memory path: the target's answer to the request's grants
     /// (made on first use: a channel is several allocations, which the
@@ -1061,13 +1068,20 @@ impl Pending {
     fn event(&self, result: Result<(), Error>) -> bool {
         if let Err(e) = result {
             lock(&self.error).get_or_insert(e);
+            self.failed.store(true, Ordering::Release);
         }
         self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1
     }
 
     fn finish(&self, forced: Option<Error>) {
         lock(&self.guards).clear();
-        let outcome = match forced.or_else(|| lock(&self.error).take()) {
+        let recorded = || {
+            self.failed
+                .load(Ordering::Acquire)
+                .then(|| lock(&self.error).take())
+                .flatten()
+        };
+        let outcome = match forced.or_else(recorded) {
             Some(e) => Err(e),
             None => Ok(()),
         };
@@ -2143,115 +2157,33 @@ impl TcpAgent {
         fence: bool,
     ) -> Result<TransferStatus, Error> {
         let inner = &self.inner;
-        if inner.closing.load(Ordering::Relaxed) {
-            return Err(Error::Closed);
-        }
-        req.validate_shape()?;
-        if req.local.mem_type != MemoryType::Dram && !req.local.is_empty() {
-            return Err(Error::UnsupportedMemoryType {
-                mem_type: req.local.mem_type,
-                backend: mode_name(inner.mode),
-            });
-        }
-        let peer = inner.peer(&req.remote_agent)?;
+        let peer = self.check_request(req)?;
         let rdma = peer.path == Path::Rdma;
-        let mut lkeys = Few::new();
-        let guards = inner
-            .registry
-            .acquire_local_keyed(&req.local, rdma.then_some(&mut lkeys))?;
-        // Access keys for the socket paths, remote keys for RDMA.
-        let mut keys = Vec::new();
-        let mut rkeys = Few::new();
-        let mut hint = None;
-        for d in &req.remote.descs {
-            let found = peer.regions.find_hinted(req.remote.mem_type, d, hint);
-            hint = found;
-            let Some(r) = found else {
-                return Err(Error::RemoteRangeNotExported {
-                    remote: req.remote_agent.clone(),
-                    mem_type: req.remote.mem_type,
-                    desc: *d,
-                });
-            };
-            if !rdma {
-                keys.push(r.value.0);
-            } else {
-                rkeys.push(r.value.1.ok_or_else(|| Error::Rdma {
-                    remote: req.remote_agent.clone(),
-                    detail: format!(
-                        "remote region {:?} is not registered with an RDMA device",
-                        r.desc
-                    ),
-                })?);
-            }
-        }
-        if peer.path == Path::Rdma && sync.as_ref().is_some_and(|m| m.len() > rdma::SYNC_MSG_MAX) {
-            return Err(Error::InvalidRequest(format!(
-                "sync messages on the RDMA path are at most {} bytes",
-                rdma::SYNC_MSG_MAX
-            )));
-        }
+        let Resolved {
+            guards,
+            lkeys,
+            keys,
+            rkeys,
+        } = self.resolve(req, sync.as_deref(), &peer)?;
         let link = peer.link(inner)?;
+        if rdma {
+            let wrs = plan_rdma(req, &lkeys, &rkeys, &link, &inner.config)?;
+            let driver = small(req).then(|| link.driver());
+            return self.post_planned(&link, req.op, wrs, sync, guards, driver);
+        }
         let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
-        // Waiting threads poll the completion queue themselves only for
-        // small, latency-bound requests: on large ones a spinning waiter
-        // takes the CPU from the stack that moves the data (measured on
-        // soft-RoCE: dropped ACKs and stalls), and saves nothing.
-        let small = || req.local.descs.iter().map(|d| d.len).sum::<u64>() <= rdma::DRIVE_MAX_BYTES;
-        let driven = peer.path == Path::Rdma && small();
-        let completion = if driven {
-            let driver: Arc<dyn Progress> = link.clone();
-            Completion::with_driver(Some(Arc::downgrade(&driver)))
-        } else {
-            Completion::new()
-        };
-        let undriven = (peer.path == Path::Rdma && !driven).then(|| Arc::clone(&link.undriven));
+        let completion = Completion::new();
         let new_pending = |outstanding: usize| {
             Arc::new(Pending {
                 completion: Arc::clone(&completion),
                 outstanding: AtomicUsize::new(outstanding),
                 error: Mutex::new(None),
+                failed: AtomicBool::new(false),
                 guards: Mutex::new(guards),
                 granted: OnceLock::new(),
-                undriven: undriven.clone(),
+                undriven: None,
             })
         };
-        if rdma {
-            let pieces: Few<_> = req
-                .local
-                .descs
-                .iter()
-                .zip(&lkeys)
-                .zip(req.remote.descs.iter().zip(&rkeys))
-                .map(|((l, &lk), (r, &rk))| (lk, l.addr, rk, r.addr, l.len))
-                .collect();
-            let conn = link.rdma.first().ok_or(Error::Closed)?;
-            let wrs = rdma::plan_wrs(
-                &pieces,
-                conn.max_msg
-                    .min(inner.config.segment_size)
-                    .min(rdma::WR_MAX),
-                conn.max_sge,
-            );
-            // A sync message is two events: its SEND's completion, and the
-            // target's acknowledgement that it delivered it.
-            let events = wrs.len() + 2 * usize::from(sync.is_some());
-            if events == 0 {
-                completion.complete(Ok(()));
-                return Ok(TransferStatus::new(id, completion));
-            }
-            let pending = new_pending(events);
-            link.insert(id, Arc::clone(&pending))?;
-            link.clock.touch();
-            if undriven.is_some() {
-                // Counted before posting: the progress threads must be on
-                // the completion queue by the time it completes.
-                link.undriven.fetch_add(1, Ordering::AcqRel);
-                link.wake_progress();
-            }
-            link.post_rdma(id, req.op, wrs, sync, &pending);
-            return Ok(TransferStatus::new(id, completion));
-        }
         if let Path::Cma { pid } = peer.path {
             let pending = new_pending(1);
             link.insert(id, Arc::clone(&pending))?;
@@ -2321,6 +2253,183 @@ impl TcpAgent {
     }
 }
 
+/// Whether waiting threads poll the completion queue themselves for `req`:
+/// only for small, latency-bound requests — on large ones a spinning
+/// waiter takes the CPU from the stack that moves the data (measured on
+/// soft-RoCE: dropped ACKs and stalls), and saves nothing.
+fn small(req: &TransferRequest) -> bool {
+    req.local.descs.iter().map(|d| d.len).sum::<u64>() <= rdma::DRIVE_MAX_BYTES
+}
+
+/// `req`'s work requests on `link`'s queue pairs, from its resolved local
+/// and remote keys.
+fn plan_rdma(
+    req: &TransferRequest,
+    lkeys: &[u32],
+    rkeys: &[u32],
+    link: &Link,
+    config: &AgentConfig,
+) -> Result<Few<rdma::Wr>, Error> {
+    let pieces: Few<_> = req
+        .local
+        .descs
+        .iter()
+        .zip(lkeys)
+        .zip(req.remote.descs.iter().zip(rkeys))
+        .map(|((l, &lk), (r, &rk))| (lk, l.addr, rk, r.addr, l.len))
+        .collect();
+    let conn = link.rdma.first().ok_or(Error::Closed)?;
+    Ok(rdma::plan_wrs(
+        &pieces,
+        conn.max_msg.min(config.segment_size).min(rdma::WR_MAX),
+        conn.max_sge,
+    ))
+}
+
+/// What a [`PreparedTransfer`] on a socket path keeps: its local regions
+/// held (as on RDMA), nothing else.
+struct PreparedHold {
+    _guards: Few<RegionGuard>,
+}
+
+/// What an RDMA [`PreparedTransfer`] keeps: the request resolved against
+/// one peer entry and one link.
+struct PreparedRdma {
+    peer: Arc<Peer>,
+    link: Arc<Link>,
+    wrs: Few<rdma::Wr>,
+    /// Holds the local regions registered (and their keys valid).
+    guards: Few<RegionGuard>,
+    /// `Some` for requests whose waiters poll the completion queue.
+    driver: Option<std::sync::Weak<dyn Progress>>,
+}
+
+/// A request's local and remote keys, and the holds on its local regions.
+struct Resolved {
+    guards: Few<RegionGuard>,
+    /// RDMA local keys, one per local descriptor (RDMA path only).
+    lkeys: Few<u32>,
+    /// Access keys of the remote regions (socket paths).
+    keys: Vec<u64>,
+    /// RDMA remote keys, one per remote descriptor (RDMA path only).
+    rkeys: Few<u32>,
+}
+
+impl TcpAgent {
+    /// The checks of a request that need no registry: the agent open, the
+    /// shape, the memory type, the remote agent known. Returns the peer.
+    fn check_request(&self, req: &TransferRequest) -> Result<Arc<Peer>, Error> {
+        let inner = &self.inner;
+        if inner.closing.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        req.validate_shape()?;
+        if req.local.mem_type != MemoryType::Dram && !req.local.is_empty() {
+            return Err(Error::UnsupportedMemoryType {
+                mem_type: req.local.mem_type,
+                backend: mode_name(inner.mode),
+            });
+        }
+        inner.peer(&req.remote_agent)
+    }
+
+    /// Looks `req`'s descriptors up: local ones in the registry (held),
+    /// remote ones in what `peer` exported; checks the sync message's size.
+    fn resolve(
+        &self,
+        req: &TransferRequest,
+        sync: Option<&[u8]>,
+        peer: &Peer,
+    ) -> Result<Resolved, Error> {
+        let rdma = peer.path == Path::Rdma;
+        let mut lkeys = Few::new();
+        let guards = self
+            .inner
+            .registry
+            .acquire_local_keyed(&req.local, rdma.then_some(&mut lkeys))?;
+        // Access keys for the socket paths, remote keys for RDMA.
+        let mut keys = Vec::new();
+        let mut rkeys = Few::new();
+        let mut hint = None;
+        for d in &req.remote.descs {
+            let found = peer.regions.find_hinted(req.remote.mem_type, d, hint);
+            hint = found;
+            let Some(r) = found else {
+                return Err(Error::RemoteRangeNotExported {
+                    remote: req.remote_agent.clone(),
+                    mem_type: req.remote.mem_type,
+                    desc: *d,
+                });
+            };
+            if !rdma {
+                keys.push(r.value.0);
+            } else {
+                rkeys.push(r.value.1.ok_or_else(|| Error::Rdma {
+                    remote: req.remote_agent.clone(),
+                    detail: format!(
+                        "remote region {:?} is not registered with an RDMA device",
+                        r.desc
+                    ),
+                })?);
+            }
+        }
+        if rdma && sync.is_some_and(|m| m.len() > rdma::SYNC_MSG_MAX) {
+            return Err(Error::InvalidRequest(format!(
+                "sync messages on the RDMA path are at most {} bytes",
+                rdma::SYNC_MSG_MAX
+            )));
+        }
+        Ok(Resolved {
+            guards,
+            lkeys,
+            keys,
+            rkeys,
+        })
+    }
+
+    /// Posts planned RDMA work requests as request `id`: its status, whose
+    /// waiters drive `driver` (`None`: the progress thread completes it).
+    fn post_planned(
+        &self,
+        link: &Arc<Link>,
+        op: TransferOp,
+        wrs: Few<rdma::Wr>,
+        sync: Option<Vec<u8>>,
+        guards: Few<RegionGuard>,
+        driver: Option<std::sync::Weak<dyn Progress>>,
+    ) -> Result<TransferStatus, Error> {
+        let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
+        let driven = driver.is_some();
+        let completion = Completion::with_driver(driver);
+        // A sync message is two events: its SEND's completion, and the
+        // target's acknowledgement that it delivered it.
+        let events = wrs.len() + 2 * usize::from(sync.is_some());
+        if events == 0 {
+            completion.complete(Ok(()));
+            return Ok(TransferStatus::new(id, completion));
+        }
+        let pending = Arc::new(Pending {
+            completion: Arc::clone(&completion),
+            outstanding: AtomicUsize::new(events),
+            error: Mutex::new(None),
+            failed: AtomicBool::new(false),
+            guards: Mutex::new(guards),
+            granted: OnceLock::new(),
+            undriven: (!driven).then(|| Arc::clone(&link.undriven)),
+        });
+        link.insert(id, Arc::clone(&pending))?;
+        link.clock.touch();
+        if !driven {
+            // Counted before posting: the progress threads must be on
+            // the completion queue by the time it completes.
+            link.undriven.fetch_add(1, Ordering::AcqRel);
+            link.wake_progress();
+        }
+        link.post_rdma(id, op, wrs, sync, &pending);
+        Ok(TransferStatus::new(id, completion))
+    }
+}
+
 impl TransferAgent for TcpAgent {
     fn name(&self) -> &str {
         &self.inner.config.name
@@ -2384,8 +2493,11 @@ impl TransferAgent for TcpAgent {
             regions,
             path,
             link: Mutex::new(link),
+            retired: AtomicBool::new(false),
         });
-        peers.insert(desc.name.clone(), Arc::clone(&peer));
+        if let Some(old) = peers.insert(desc.name.clone(), Arc::clone(&peer)) {
+            old.retired.store(true, Ordering::Release);
+        }
         drop(peers);
         // Connect now, so the first transfer does not pay for connection
         // setup. A failure is not fatal: the first transfer retries.
@@ -2413,6 +2525,7 @@ impl TransferAgent for TcpAgent {
             .unwrap_or_else(|p| p.into_inner())
             .remove(name)
             .ok_or_else(|| Error::UnknownAgent(name.to_owned()))?;
+        peer.retired.store(true, Ordering::Release);
         if let Some(l) = lock(&peer.link).take() {
             l.fail(Error::UnknownAgent(name.to_owned()));
             l.join();
@@ -2426,6 +2539,72 @@ impl TransferAgent for TcpAgent {
 
     fn submit_transfer(&self, request: &TransferRequest) -> Result<TransferStatus, Error> {
         self.submit(request, request.sync_message.clone(), false)
+    }
+
+    fn prepare_transfer(&self, request: &TransferRequest) -> Result<PreparedTransfer, Error> {
+        let inner = &self.inner;
+        let owner = inner.instance;
+        let peer = self.check_request(request)?;
+        let Resolved {
+            guards,
+            lkeys,
+            rkeys,
+            ..
+        } = self.resolve(request, request.sync_message.as_deref(), &peer)?;
+        if peer.path != Path::Rdma {
+            // The socket paths keep only the holds on the local regions:
+            // the request was checked now, and is validated in full on
+            // every submission.
+            let hold = PreparedHold { _guards: guards };
+            return Ok(PreparedTransfer::new(
+                request.clone(),
+                owner,
+                Some(Box::new(hold)),
+            ));
+        }
+        let link = peer.link(inner)?;
+        let wrs = plan_rdma(request, &lkeys, &rkeys, &link, &inner.config)?;
+        let driver = small(request).then(|| link.driver());
+        let resolved = PreparedRdma {
+            peer,
+            link,
+            wrs,
+            guards,
+            driver,
+        };
+        Ok(PreparedTransfer::new(
+            request.clone(),
+            owner,
+            Some(Box::new(resolved)),
+        ))
+    }
+
+    fn submit_prepared(&self, prepared: &PreparedTransfer) -> Result<TransferStatus, Error> {
+        if prepared.owner() != self.inner.instance {
+            return Err(Error::InvalidRequest(
+                "the transfer was prepared by another agent".into(),
+            ));
+        }
+        let req = prepared.request();
+        let fresh = prepared
+            .resolved
+            .as_ref()
+            .and_then(|r| r.downcast_ref::<PreparedRdma>())
+            .filter(|r| !r.peer.retired.load(Ordering::Acquire) && !r.link.is_broken());
+        let Some(r) = fresh else {
+            return self.submit(req, req.sync_message.clone(), false);
+        };
+        if self.inner.closing.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        self.post_planned(
+            &r.link,
+            req.op,
+            r.wrs.clone(),
+            req.sync_message.clone(),
+            r.guards.clone(),
+            r.driver.clone(),
+        )
     }
 
     fn notify_sync_message(&self, remote: &str, message: Vec<u8>) -> Result<TransferStatus, Error> {
@@ -2855,6 +3034,13 @@ impl Progress for Link {
 }
 
 impl Link {
+    /// What a waiting thread polls for this link's completions (weak: a
+    /// status must not keep the link alive).
+    fn driver(self: &Arc<Self>) -> std::sync::Weak<dyn Progress> {
+        let strong: Arc<dyn Progress> = Arc::clone(self) as Arc<dyn Progress>;
+        Arc::downgrade(&strong)
+    }
+
     /// Wakes the RDMA progress threads (parked while no large request is
     /// in flight).
     fn wake_progress(&self) {
@@ -3183,8 +3369,13 @@ impl Link {
         }
         let n = done.len();
         drop(done);
-        // The window has room again: post what is queued.
-        self.pump(conn);
+        // The window has room again: post what is queued. (A submitter
+        // counts its work in `waiting` before it tries the window, and the
+        // window's lock orders that try against the release above: either
+        // it found the room, or this sees its count.)
+        if conn.waiting.load(Ordering::Acquire) > 0 {
+            self.pump(conn);
+        }
         if conn.index != 0 {
             // A sync message on the first queue pair may wait for these.
             self.pump(&self.rdma[0]);

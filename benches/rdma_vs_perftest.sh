@@ -4,7 +4,11 @@
 #   WRITE bandwidth at 1 MiB   kvxfer-bench --op write  vs  ib_write_bw
 #   READ bandwidth at 1 MiB    kvxfer-bench --op read   vs  ib_read_bw
 #   8-byte WRITE latency       kvxfer-bench --pingpong  vs  ib_write_lat
-#                              (and --pingpong-verbs: the verbs layer alone)
+#                              (submit_transfer, and --prepared: a transfer
+#                              prepared once, as perftest builds its work
+#                              request once; and --pingpong-verbs: the
+#                              verbs layer alone; --pingpong-ab: agent and
+#                              verbs in one process, alternating)
 #                              (both: half the round trip of a write ping-pong,
 #                              each side spinning on its memory), and kvxfer's
 #                              submit-to-completion time (batch 1)
@@ -77,9 +81,10 @@ ppv() { # -> json line: the same ping-pong through the verbs layer alone
   KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$B" --pingpong-verbs --iters 1000 --warmup 20 \
     --target-rdma-device rxe1 --json
 }
-pp() { # progress -> json line
+pp() { # progress [flags] -> json line
+  local p=$1; shift
   KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$B" --backend rdma --pingpong --iters 1000 --warmup 20 \
-    --target-rdma-device rxe1 --rdma-progress "$1" --json
+    --target-rdma-device rxe1 --rdma-progress "$p" --json "$@"
 }
 
 # Each comparison alternates the two programs ROUNDS times in this boot and
@@ -87,27 +92,33 @@ pp() { # progress -> json line
 # way (perftest's own latency ranged 51-74 us between runs of one boot).
 R=${ROUNDS:-5}
 med() { python3 -c "import statistics,sys; print(statistics.median(float(x) for x in sys.argv[1:]))" "$@"; }
-wbws=(); kws=(); rbws=(); krs=(); lats=(); ppes=(); ppvs=(); ratios_w=(); ratios_r=(); ratios_l=(); ratios_v=()
+wbws=(); kws=(); rbws=(); krs=(); lats=(); ppes=(); ppps=(); ppvs=(); ratios_w=(); ratios_r=(); ratios_l=(); ratios_p=(); ratios_v=()
 kwj=; ppa=
 for r in $(seq "$R"); do
   wbw=$(perf_bw ib_write_bw 1048576); kwj=$(KDEPTH=4 kx rdma write 1MiB 16 "$KITERS"); kw=$(echo "$kwj" | json gb_per_s)
   rbw=$(perf_bw ib_read_bw 1048576); kr=$(KDEPTH=4 kx rdma read 1MiB 16 "$KITERS" | json gb_per_s)
   lat=$(perf_lat); ppa=$(pp adaptive); pl=$(echo "$ppa" | json p50_us)
+  pp_=$(pp adaptive --prepared | json p50_us)
   pv=$(ppv | json p50_us)
-  echo "round $r: ib_write_bw $wbw MB/s, kvxfer write $kw GB/s; ib_read_bw $rbw MB/s, kvxfer read $kr GB/s; ib_write_lat $lat us, kvxfer ping-pong $pl us ($ppa), verbs-only ping-pong $pv us" >&2
-  wbws+=("$wbw"); kws+=("$kw"); rbws+=("$rbw"); krs+=("$kr"); lats+=("$lat"); ppes+=("$pl"); ppvs+=("$pv")
+  echo "round $r: ib_write_bw $wbw MB/s, kvxfer write $kw GB/s; ib_read_bw $rbw MB/s, kvxfer read $kr GB/s; ib_write_lat $lat us, kvxfer ping-pong $pl us ($ppa), prepared $pp_ us, verbs-only ping-pong $pv us" >&2
+  wbws+=("$wbw"); kws+=("$kw"); rbws+=("$rbw"); krs+=("$kr"); lats+=("$lat"); ppes+=("$pl"); ppps+=("$pp_"); ppvs+=("$pv")
   ratios_w+=("$(python3 -c "print($kw*1e3/($wbw*1.048576))")")
   ratios_r+=("$(python3 -c "print($kr*1e3/($rbw*1.048576))")")
   ratios_l+=("$(python3 -c "print($pl/$lat)")")
+  ratios_p+=("$(python3 -c "print($pp_/$lat)")")
   ratios_v+=("$(python3 -c "print($pv/$lat)")")
 done
 wbw=$(med "${wbws[@]}"); kw=$(med "${kws[@]}"); rbw=$(med "${rbws[@]}"); kr=$(med "${krs[@]}")
-lat=$(med "${lats[@]}"); plm=$(med "${ppes[@]}"); pvm=$(med "${ppvs[@]}")
-echo "per-round ratios: WRITE ${ratios_w[*]}; READ ${ratios_r[*]}; latency ${ratios_l[*]}; verbs-only latency ${ratios_v[*]}" >&2
+lat=$(med "${lats[@]}"); plm=$(med "${ppes[@]}"); ppm=$(med "${ppps[@]}"); pvm=$(med "${ppvs[@]}")
+echo "per-round ratios: WRITE ${ratios_w[*]}; READ ${ratios_r[*]}; latency ${ratios_l[*]}; prepared ${ratios_p[*]}; verbs-only latency ${ratios_v[*]}" >&2
 # The headline ratio of each measure: the median of its per-round ratios
 # (each round's two programs ran back to back); the ratio of the medians is
 # printed beside it.
-prw=$(med "${ratios_w[@]}"); prr=$(med "${ratios_r[@]}"); prl=$(med "${ratios_l[@]}"); prv=$(med "${ratios_v[@]}")
+prw=$(med "${ratios_w[@]}"); prr=$(med "${ratios_r[@]}"); prl=$(med "${ratios_l[@]}"); prv=$(med "${ratios_v[@]}"); prp=$(med "${ratios_p[@]}")
+# The agent against the verbs layer in one process (alternating blocks of
+# round trips: no run-to-run swing between them).
+ab=$(KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$B" --pingpong-ab --iters 3000 --warmup 10 --target-rdma-device rxe1 --json)
+echo "in-process: $ab" >&2
 ppe=$(pp events); echo "kvxfer ping-pong (events): $ppe" >&2
 ppp=$(pp poll); echo "kvxfer ping-pong (poll): $ppp" >&2
 kl=$(kx rdma write 8 1 500 | json p50_us)
@@ -120,13 +131,14 @@ kt=$(KDEPTH=4 kx tcp write 1MiB 16 4 | json gb_per_s)
 echo "kvxfer tcp: $kt GB/s" >&2
 kq=$(KDEPTH=4 kx rdma write 1MiB 16 4 events 4 | json gb_per_s)
 echo "kvxfer write, 4 queue pairs: $kq GB/s" >&2
-python3 - "$wbw" "$kw" "$rbw" "$kr" "$lat" "$kl" "$kt" "$ppe" "$ppp" "$kwj" "$kwpj" "$kq" "$plm" "$R" "$pvm" "$prw" "$prr" "$prl" "$prv" "$ppa" "$kwej" <<'PY'
+python3 - "$wbw" "$kw" "$rbw" "$kr" "$lat" "$kl" "$kt" "$ppe" "$ppp" "$kwj" "$kwpj" "$kq" "$plm" "$R" "$pvm" "$prw" "$prr" "$prl" "$prv" "$ppa" "$kwej" "$ppm" "$prp" "$ab" <<'PY'
 import json, sys
 wbw, kw, rbw, kr, lat, kl, kt = (float(x) for x in sys.argv[1:8])
 ppe, ppp, kwj, kwpj = (json.loads(x) for x in sys.argv[8:12])
 kq, pl, rounds, pv = float(sys.argv[12]), float(sys.argv[13]), int(sys.argv[14]), float(sys.argv[15])
 prw, prr, prl, prv = (float(x) for x in sys.argv[16:20])
 ppa, kwej = json.loads(sys.argv[20]), json.loads(sys.argv[21])
+ppm, prp, ab = float(sys.argv[22]), float(sys.argv[23]), json.loads(sys.argv[24])
 kw_mb, kr_mb, kt_mb = kw * 1e3, kr * 1e3, kt * 1e3   # GB/s (10^9) -> MB/s (10^6)
 # perftest reports MB/sec as 2^20 bytes/s.
 wbw_mb, rbw_mb = wbw * 1.048576, rbw * 1.048576
@@ -134,6 +146,8 @@ print(f"{rounds} alternating rounds: ratio = median of the per-round ratios (rat
 print(f"WRITE 1 MiB : ib_write_bw {wbw_mb:9.1f} MB/s  kvxfer {kw_mb:9.1f} MB/s  ratio {prw:.3f} ({kw_mb/wbw_mb:.3f}) (target >= 0.95)")
 print(f"READ  1 MiB : ib_read_bw  {rbw_mb:9.1f} MB/s  kvxfer {kr_mb:9.1f} MB/s  ratio {prr:.3f} ({kr_mb/rbw_mb:.3f}) (target >= 0.95)")
 print(f"WRITE 8 B   : ib_write_lat {lat:8.2f} us    kvxfer ping-pong {pl:8.2f} us (p50 one-way)  ratio {prl:.3f} ({pl/lat:.3f}) (target <= 1.1)")
+print(f"              prepared (prepare_transfer once, submit_prepared each round trip) {ppm:.2f} us, ratio {prp:.3f} ({ppm/lat:.3f})")
+print(f"              in one process, alternating blocks: submit_transfer {ab['agent_over_verbs']:.3f}x, submit_prepared {ab['prepared_over_verbs']:.3f}x the verbs layer")
 print(f"              verbs layer alone (same queue pairs, post + poll) {pv:.2f} us, ratio {prv:.3f} ({pv/lat:.3f}); agent over verbs {pl/pv:.3f}x")
 print(f"              kvxfer submit-to-completion p50 {kl:.2f} us (a full round trip plus the library's work)")
 print(f"progress    : adaptive: ping-pong p50 {ppa['p50_us']:.2f} us, idle {ppa['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwj['cpu_cores']:.3f} cores at {kwj['gb_per_s']*1e3:.1f} MB/s (last round)")

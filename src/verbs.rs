@@ -823,6 +823,13 @@ pub struct Sge {
     pub len: u32,
 }
 
+impl From<(u32, u64, u32)> for Sge {
+    /// From `(lkey, addr, len)`.
+    fn from((lkey, addr, len): (u32, u64, u32)) -> Self {
+        Self { lkey, addr, len }
+    }
+}
+
 /// What one work request of a [`RcQueuePair::post_batch`] does.
 #[derive(Clone, Copy, Debug)]
 pub enum PostOp {

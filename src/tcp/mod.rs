@@ -3072,6 +3072,31 @@ impl Link {
             // One queue pair: everything in order on it, no gate.
             let conn = &self.rdma[0];
             let mut q = lock(&conn.queue);
+            // One data work request, nothing queued before it, room in the
+            // window: posted at once, without going through the queue.
+            if let ([wr], None) = (wrs.as_slice(), &sync)
+                && q.items.is_empty()
+                && !self.is_broken()
+                && conn.try_take_slot(wr.len)
+            {
+                conn.queued.fetch_add(1, Ordering::AcqRel);
+                conn.posted.fetch_add(1, Ordering::AcqRel);
+                let sges: Few<Sge> = wr.sges.iter().map(|&s| s.into()).collect();
+                let post = rdma::data_post(id, op, wr, &sges);
+                // SAFETY: as in `pump_locked`: the pieces lie in regions
+                // held by the request's guards until its completion.
+                let r = unsafe { lock(&conn.qp).post_batch(std::slice::from_ref(&post)) };
+                let Err(e) = r else {
+                    return;
+                };
+                conn.unwind_slot();
+                drop(q);
+                conn.posted.fetch_sub(1, Ordering::AcqRel);
+                let err = rdma::rdma_err(&self.remote, e);
+                self.complete_event(id, pending, Err(err.clone()));
+                self.fail(err);
+                return;
+            }
             let count = wrs.len() + usize::from(sync.is_some());
             conn.queued.fetch_add(count as u64, Ordering::AcqRel);
             conn.waiting.fetch_add(count, Ordering::AcqRel);
@@ -3220,11 +3245,7 @@ impl Link {
                 let start = sges.len();
                 match (item, slot) {
                     (rdma::Queued::Data { wr, .. }, _) => {
-                        sges.extend(wr.sges.iter().map(|&(lkey, addr, len)| Sge {
-                            lkey,
-                            addr,
-                            len,
-                        }))
+                        sges.extend(wr.sges.iter().map(|&s| Sge::from(s)))
                     }
                     (rdma::Queued::Sync { id, msg, .. }, Some(slot)) => {
                         let len = conn.sends.write_sync(*slot, *id, msg);
@@ -3240,21 +3261,7 @@ impl Link {
                 .map(|((item, _, slot), span)| {
                     let sg = &sges[span.clone()];
                     match item {
-                        rdma::Queued::Data { id, op, wr } => crate::verbs::Post {
-                            wr_id: *id,
-                            op: match op {
-                                TransferOp::Write => crate::verbs::PostOp::Write {
-                                    rkey: wr.rkey,
-                                    remote_addr: wr.remote,
-                                    imm: None,
-                                },
-                                TransferOp::Read => crate::verbs::PostOp::Read {
-                                    rkey: wr.rkey,
-                                    remote_addr: wr.remote,
-                                },
-                            },
-                            sges: sg,
-                        },
+                        rdma::Queued::Data { id, op, wr } => rdma::data_post(*id, *op, wr, sg),
                         rdma::Queued::Sync { id, .. } => crate::verbs::Post {
                             // A sync message always has a buffer (taken above).
                             wr_id: rdma::SEND_FLAG | ((slot.unwrap_or(0) as u64) << 40) | id,
@@ -3277,11 +3284,14 @@ impl Link {
             };
             // Nothing of the batch was posted (atomic batches, or one).
             let failed = std::mem::take(batch);
+            // Slots are unwound under the queue's lock, as they were taken.
+            for _ in 0..failed.len() {
+                conn.unwind_slot();
+            }
             drop(q);
             conn.posted.fetch_sub(failed.len(), Ordering::AcqRel);
             let err = rdma::rdma_err(&self.remote, e);
             for (item, p, slot) in failed.into_iter().rev() {
-                conn.unwind_slot();
                 if let Some(slot) = slot {
                     conn.sends.release(slot);
                 }

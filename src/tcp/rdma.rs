@@ -5,7 +5,7 @@
 //! after its data, so RC ordering delivers it only after every byte landed.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use sideway::ibverbs::memory_region::MemoryRegion;
@@ -258,6 +258,31 @@ pub(crate) fn plan_wrs(
     out
 }
 
+/// The work request that moves one planned piece of request `id`.
+pub(crate) fn data_post<'a>(
+    id: u64,
+    op: crate::agent::TransferOp,
+    wr: &Wr,
+    sges: &'a [Sge],
+) -> crate::verbs::Post<'a> {
+    use crate::verbs::PostOp;
+    crate::verbs::Post {
+        wr_id: id,
+        op: match op {
+            crate::agent::TransferOp::Write => PostOp::Write {
+                rkey: wr.rkey,
+                remote_addr: wr.remote,
+                imm: None,
+            },
+            crate::agent::TransferOp::Read => PostOp::Read {
+                rkey: wr.rkey,
+                remote_addr: wr.remote,
+            },
+        },
+        sges,
+    }
+}
+
 /// Largest request whose waiting thread polls the completion queue itself.
 pub(crate) const DRIVE_MAX_BYTES: u64 = 1 << 20;
 
@@ -282,7 +307,7 @@ pub(crate) struct RdmaConn {
     /// buffer the completions are polled into.
     pub(crate) polled: Mutex<Vec<crate::verbs::Completion>>,
     pub(crate) sends: MsgRing,
-    window: Mutex<Window>,
+    window: Window,
     /// Work waiting for room in the send queue, in posting order.
     pub(crate) queue: Mutex<SendQueue>,
     /// Work requests posted and not yet completed.
@@ -317,10 +342,7 @@ impl RdmaConn {
             batch_is_atomic: qp.batch_is_atomic(),
             qp: Mutex::new(qp),
             sends: MsgRing::new(dev, RING)?,
-            window: Mutex::new(Window {
-                bytes: 0,
-                lens: VecDeque::with_capacity(WINDOW as usize),
-            }),
+            window: Window::new(),
             queue: Mutex::new(SendQueue::default()),
             waiting: AtomicUsize::new(0),
             posted: AtomicUsize::new(0),
@@ -329,43 +351,87 @@ impl RdmaConn {
     }
 
     /// Takes one send-queue slot for a work request of `len` bytes if one
-    /// is free and the bytes in flight allow it.
+    /// is free and the bytes in flight allow it. Called with the send
+    /// queue's lock held (takers are serialized, in posting order).
     pub(crate) fn try_take_slot(&self, len: u64) -> bool {
-        let mut w = lock(&self.window);
-        if w.lens.len() < WINDOW as usize
-            && (w.lens.is_empty() || w.bytes + len <= self.max_inflight)
-        {
-            w.bytes += len;
-            w.lens.push_back(len);
-            true
-        } else {
-            false
-        }
+        self.window.try_take(len, self.max_inflight)
     }
 
     /// Gives back the slot of the oldest posted work request (completions
-    /// of one send queue arrive in posting order).
+    /// of one send queue arrive in posting order). Called by the one
+    /// thread draining the completion queue.
     pub(crate) fn release_slot(&self) {
-        let mut w = lock(&self.window);
-        if let Some(len) = w.lens.pop_front() {
-            w.bytes -= len;
-        }
+        self.window.release();
     }
 
     /// Gives back the slot just taken, for a work request not posted.
+    /// Called with the send queue's lock held.
     pub(crate) fn unwind_slot(&self) {
-        let mut w = lock(&self.window);
-        if let Some(len) = w.lens.pop_back() {
-            w.bytes -= len;
-        }
+        self.window.unwind();
     }
 }
 
-/// The send window: the sizes of the posted work requests in posting order
-/// (at most [`WINDOW`]), and their sum.
+/// The send window without a lock: the sizes of the posted work requests
+/// in a ring indexed by posting order (at most [`WINDOW`]), and their sum.
+/// Slots are taken (and unwound) by one thread at a time — the holder of
+/// the send queue's lock — and released in order by the one thread
+/// draining the completion queue; `taken` and `released` count them.
 struct Window {
-    bytes: u64,
-    lens: VecDeque<u64>,
+    lens: Box<[AtomicU64]>,
+    taken: AtomicU64,
+    released: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl Window {
+    fn new() -> Self {
+        Self {
+            lens: (0..WINDOW).map(|_| AtomicU64::new(0)).collect(),
+            taken: AtomicU64::new(0),
+            released: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+        }
+    }
+
+    fn slot(&self, n: u64) -> &AtomicU64 {
+        &self.lens[(n % u64::from(WINDOW)) as usize]
+    }
+
+    fn try_take(&self, len: u64, max_bytes: u64) -> bool {
+        let taken = self.taken.load(Ordering::Relaxed);
+        let released = self.released.load(Ordering::Acquire);
+        let in_flight = taken - released;
+        if in_flight >= u64::from(WINDOW)
+            || (in_flight > 0 && self.bytes.load(Ordering::Acquire) + len > max_bytes)
+        {
+            return false;
+        }
+        self.slot(taken).store(len, Ordering::Relaxed);
+        self.bytes.fetch_add(len, Ordering::AcqRel);
+        // Publishes the slot's length to the releasing thread.
+        self.taken.store(taken + 1, Ordering::Release);
+        true
+    }
+
+    fn release(&self) {
+        let released = self.released.load(Ordering::Relaxed);
+        if released == self.taken.load(Ordering::Acquire) {
+            return;
+        }
+        let len = self.slot(released).load(Ordering::Relaxed);
+        self.bytes.fetch_sub(len, Ordering::AcqRel);
+        self.released.store(released + 1, Ordering::Release);
+    }
+
+    fn unwind(&self) {
+        let taken = self.taken.load(Ordering::Relaxed);
+        if taken == self.released.load(Ordering::Acquire) {
+            return;
+        }
+        let len = self.slot(taken - 1).load(Ordering::Relaxed);
+        self.bytes.fetch_sub(len, Ordering::AcqRel);
+        self.taken.store(taken - 1, Ordering::Release);
+    }
 }
 
 #[cfg(test)]

@@ -129,6 +129,9 @@ pub(crate) struct Completion {
     cell: Mutex<Cell>,
     /// Set once `cell` holds the outcome: polled without the lock.
     done: AtomicBool,
+    /// Set (before `done`) when the outcome is a failure: a successful
+    /// outcome is read without the lock.
+    failed: AtomicBool,
     cv: Condvar,
     /// Threads asleep (or about to be) on `cv`; changed under `cell`'s
     /// lock. Completing notifies only when there are any: a notification
@@ -199,6 +202,7 @@ impl Completion {
         Arc::new(Self {
             cell: Mutex::new(Cell::Pending),
             done: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
             cv: Condvar::new(),
             sleepers: AtomicUsize::new(0),
             driver,
@@ -207,6 +211,11 @@ impl Completion {
 
     fn is_done(&self) -> bool {
         self.done.load(Ordering::Acquire)
+    }
+
+    /// Whether the transfer completed successfully, read without the lock.
+    fn succeeded(&self) -> bool {
+        self.is_done() && !self.failed.load(Ordering::Relaxed)
     }
 
     /// Polls the driver until the outcome is in, the deadline passes, or
@@ -257,6 +266,9 @@ impl Completion {
         let mut c = self.cell.lock().unwrap_or_else(|p| p.into_inner());
         if matches!(*c, Cell::Done(_)) {
             return false;
+        }
+        if outcome.is_err() {
+            self.failed.store(true, Ordering::Relaxed);
         }
         *c = Cell::Done(outcome);
         self.done.store(true, Ordering::Release);
@@ -381,6 +393,9 @@ impl TransferStatus {
         loop {
             if driven {
                 self.completion.drive(&mut deadline);
+            }
+            if self.completion.succeeded() {
+                return Ok(TransferState::Completed);
             }
             let c = self
                 .completion

@@ -55,6 +55,13 @@ impl LocalRegion {
 #[derive(Debug)]
 pub(crate) struct RegionGuard(Arc<LocalRegion>);
 
+impl RegionGuard {
+    /// The region held.
+    pub(crate) fn region(&self) -> &Arc<LocalRegion> {
+        &self.0
+    }
+}
+
 impl Clone for RegionGuard {
     /// Another hold on the same region.
     fn clone(&self) -> Self {
@@ -73,6 +80,10 @@ impl Drop for RegionGuard {
 #[derive(Debug, Default)]
 pub(crate) struct Registry {
     map: RwLock<RegionMap<Arc<LocalRegion>>>,
+    /// Bumped by every deregistration, before it checks the regions are
+    /// idle: a holder of regions resolved at an older generation must
+    /// resolve them again (see [`Registry::hold_current`]).
+    generation: AtomicU64,
 }
 
 impl Registry {
@@ -141,6 +152,10 @@ impl Registry {
     /// Deregisters all of `descs` or none.
     pub(crate) fn deregister(&self, descs: &MemoryDescs) -> Result<(), Error> {
         let mut map = self.write();
+        // Before the idle checks (sequentially consistent, as in
+        // `hold_current`): a hold taken on a cached region either shows in
+        // `busy` below or sees this bump and is given back.
+        self.generation.fetch_add(1, Ordering::SeqCst);
         for d in &descs.descs {
             let Some(r) = map.get_exact(descs.mem_type, d) else {
                 return Err(Error::NotARegistration {
@@ -148,7 +163,7 @@ impl Registry {
                     desc: *d,
                 });
             };
-            let in_flight = r.value.busy.load(Ordering::Acquire);
+            let in_flight = r.value.busy.load(Ordering::SeqCst);
             if in_flight > 0 {
                 return Err(Error::RegionBusy {
                     desc: *d,
@@ -198,6 +213,32 @@ impl Registry {
             guards.push(RegionGuard(Arc::clone(&r.value)));
         }
         Ok(guards)
+    }
+
+    /// The current generation: read it before resolving regions whose
+    /// holds are to be taken again later with [`hold_current`](Self::hold_current).
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Holds `regions` again, without a lookup, if no deregistration has
+    /// happened since generation `seen` (the regions are then all still
+    /// registered, their keys valid); `None` otherwise.
+    pub(crate) fn hold_current(
+        &self,
+        regions: &[Arc<LocalRegion>],
+        seen: u64,
+    ) -> Option<Few<RegionGuard>> {
+        let guards: Few<RegionGuard> = regions
+            .iter()
+            .map(|r| {
+                r.busy.fetch_add(1, Ordering::SeqCst);
+                RegionGuard(Arc::clone(r))
+            })
+            .collect();
+        // After the holds: a deregistration that bumps the generation later
+        // sees them and refuses; one that bumped it earlier is seen here.
+        (self.generation.load(Ordering::SeqCst) == seen).then_some(guards)
     }
 
     /// Admits a remote access to `[addr, addr + len)` presenting `key`.
@@ -369,6 +410,34 @@ mod tests {
             ),
             Err(Error::UnsupportedMemoryType { .. })
         ));
+    }
+
+    /// Holds taken again on cached regions: granted while no
+    /// deregistration happened since the generation read, refused after
+    /// one (even of another region); a granted hold blocks deregistration.
+    #[test]
+    fn cached_holds_follow_the_generation() {
+        let r = Registry::default();
+        let (a, b) = (dram(&[(0x1000, 100)]), dram(&[(0x9000, 100)]));
+        reg(&r, &a, &[MemoryType::Dram], "t").unwrap();
+        reg(&r, &b, &[MemoryType::Dram], "t").unwrap();
+        let seen = r.generation();
+        let regions: Vec<_> = r
+            .acquire_local(&a)
+            .unwrap()
+            .iter()
+            .map(|g| Arc::clone(g.region()))
+            .collect();
+        let held = r.hold_current(&regions, seen).expect("nothing changed");
+        assert!(matches!(r.deregister(&a), Err(Error::RegionBusy { .. })));
+        drop(held);
+        // That refused deregistration bumped the generation too.
+        assert!(r.hold_current(&regions, seen).is_none());
+        let seen = r.generation();
+        r.deregister(&b).unwrap();
+        assert!(r.hold_current(&regions, seen).is_none());
+        // A refused hold leaves nothing held.
+        r.deregister(&a).unwrap();
     }
 
     #[test]

@@ -520,6 +520,37 @@ fn prepared_transfer_is_submitted_again_and_again() {
     agent.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
 }
 
+/// The same small request again after its source was deregistered is
+/// refused (the agent may remember a request's resolution, never past a
+/// deregistration), and goes again once the source is registered anew.
+#[test]
+fn same_request_after_deregistering_its_source_is_refused() {
+    let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let mut src = vec![0u8; 64];
+    fill(&mut src, 50, 0);
+    let (agent, name) = connect(&peer, &src);
+    let req = TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 64), &name);
+    for _ in 0..3 {
+        agent
+            .submit_transfer(&req)
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+    }
+    assert_eq!(peer.cmd("check 50 0 64"), "OK");
+    agent.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
+    let err = agent.submit_transfer(&req).unwrap_err();
+    assert!(matches!(err, Error::NotRegistered { .. }), "{err}");
+    register(agent.as_ref(), &src);
+    fill(&mut src, 51, 0);
+    agent
+        .submit_transfer(&req)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(peer.cmd("check 51 0 64"), "OK");
+}
+
 #[test]
 fn write_after_target_deregistered_is_rejected() {
     let mut peer = PeerProc::spawn("target", 4096, 3, &[]);

@@ -125,6 +125,9 @@ struct Inner {
     endpoint: String,
     listen_addr: SocketAddr,
     registry: Registry,
+    /// The last small RDMA request submitted, resolved (see
+    /// [`SubmitCache`]).
+    submit_cache: Mutex<Option<Box<SubmitCache>>>,
     inbox: Arc<Inbox>,
     peers: RwLock<HashMap<String, Arc<Peer>, FastHash>>,
     next_req: AtomicU64,
@@ -202,6 +205,7 @@ impl TcpAgent {
             endpoint,
             listen_addr,
             registry: Registry::default(),
+            submit_cache: Mutex::new(None),
             inbox: Arc::new(Inbox::default()),
             peers: RwLock::new(HashMap::default()),
             next_req: AtomicU64::new(1),
@@ -232,6 +236,8 @@ impl Drop for TcpAgent {
     fn drop(&mut self) {
         let inner = &self.inner;
         inner.closing.store(true, Ordering::SeqCst);
+        // The cached resolution holds a link: it goes with the others.
+        *lock(&inner.submit_cache) = None;
         // Wake the accept loop with a connection of our own; it sees
         // `closing` and returns, dropping the listener.
         let mut wake = inner.listen_addr;
@@ -2157,6 +2163,7 @@ impl TcpAgent {
         fence: bool,
     ) -> Result<TransferStatus, Error> {
         let inner = &self.inner;
+        let generation = inner.registry.generation();
         let peer = self.check_request(req)?;
         let rdma = peer.path == Path::Rdma;
         let Resolved {
@@ -2169,6 +2176,9 @@ impl TcpAgent {
         if rdma {
             let wrs = plan_rdma(req, &lkeys, &rkeys, &link, &inner.config)?;
             let driver = small(req).then(|| link.driver());
+            if !fence && req.local.descs.len() <= CACHE_MAX_DESCS && driver.is_some() {
+                self.remember(req, generation, &guards, &peer, &link, &wrs, &driver);
+            }
             return self.post_planned(&link, req.op, wrs, sync, guards, driver);
         }
         let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
@@ -2292,6 +2302,41 @@ struct PreparedHold {
     _guards: Few<RegionGuard>,
 }
 
+/// Largest request (in descriptors) [`SubmitCache`] remembers: the cache
+/// is for latency-bound requests sent again and again; comparing a large
+/// request costs what resolving it does.
+const CACHE_MAX_DESCS: usize = 4;
+
+/// The resolution of the last small RDMA request `submit_transfer` took,
+/// reused when the next one is the same (same operation, agent and
+/// descriptors) and still valid: the peer entry not retired, the link not
+/// broken, no deregistration since (the registry's generation). What a
+/// caller resubmitting one request gets from
+/// [`submit_prepared`](TransferAgent::submit_prepared), without preparing;
+/// unlike a prepared transfer it holds no region.
+struct SubmitCache {
+    op: TransferOp,
+    remote_agent: String,
+    local: MemoryDescs,
+    remote: MemoryDescs,
+    /// Registry generation read before the regions were resolved.
+    generation: u64,
+    regions: Few<Arc<crate::registry::LocalRegion>>,
+    peer: Arc<Peer>,
+    link: Arc<Link>,
+    wrs: Few<rdma::Wr>,
+    driver: Option<std::sync::Weak<dyn Progress>>,
+}
+
+impl SubmitCache {
+    fn matches(&self, req: &TransferRequest) -> bool {
+        self.op == req.op
+            && self.remote_agent == req.remote_agent
+            && self.local == req.local
+            && self.remote == req.remote
+    }
+}
+
 /// What an RDMA [`PreparedTransfer`] keeps: the request resolved against
 /// one peer entry and one link.
 struct PreparedRdma {
@@ -2385,6 +2430,62 @@ impl TcpAgent {
             keys,
             rkeys,
         })
+    }
+
+    /// Keeps `req`'s resolution for the next identical submission.
+    #[allow(clippy::too_many_arguments)]
+    fn remember(
+        &self,
+        req: &TransferRequest,
+        generation: u64,
+        guards: &[RegionGuard],
+        peer: &Arc<Peer>,
+        link: &Arc<Link>,
+        wrs: &Few<rdma::Wr>,
+        driver: &Option<std::sync::Weak<dyn Progress>>,
+    ) {
+        let Ok(mut slot) = self.inner.submit_cache.try_lock() else {
+            return;
+        };
+        *slot = Some(Box::new(SubmitCache {
+            op: req.op,
+            remote_agent: req.remote_agent.clone(),
+            local: req.local.clone(),
+            remote: req.remote.clone(),
+            generation,
+            regions: guards.iter().map(|g| Arc::clone(g.region())).collect(),
+            peer: Arc::clone(peer),
+            link: Arc::clone(link),
+            wrs: wrs.clone(),
+            driver: driver.clone(),
+        }));
+    }
+
+    /// Submits `req` from [`SubmitCache`] when it holds this request, still
+    /// valid; `None`: resolve it in full.
+    fn submit_cached(&self, req: &TransferRequest) -> Option<Result<TransferStatus, Error>> {
+        if req.local.descs.len() > CACHE_MAX_DESCS {
+            return None;
+        }
+        if req
+            .sync_message
+            .as_ref()
+            .is_some_and(|m| m.len() > rdma::SYNC_MSG_MAX)
+        {
+            return None;
+        }
+        let slot = self.inner.submit_cache.try_lock().ok()?;
+        let c = slot.as_deref().filter(|c| c.matches(req))?;
+        if c.peer.retired.load(Ordering::Acquire)
+            || c.link.is_broken()
+            || self.inner.closing.load(Ordering::Relaxed)
+        {
+            return None;
+        }
+        let guards = self.inner.registry.hold_current(&c.regions, c.generation)?;
+        let (link, wrs, driver) = (Arc::clone(&c.link), c.wrs.clone(), c.driver.clone());
+        drop(slot);
+        Some(self.post_planned(&link, req.op, wrs, req.sync_message.clone(), guards, driver))
     }
 
     /// Posts planned RDMA work requests as request `id`: its status, whose
@@ -2497,6 +2598,8 @@ impl TransferAgent for TcpAgent {
         });
         if let Some(old) = peers.insert(desc.name.clone(), Arc::clone(&peer)) {
             old.retired.store(true, Ordering::Release);
+            // Drop a cached resolution's hold on the old entry's link.
+            *lock(&self.inner.submit_cache) = None;
         }
         drop(peers);
         // Connect now, so the first transfer does not pay for connection
@@ -2526,6 +2629,7 @@ impl TransferAgent for TcpAgent {
             .remove(name)
             .ok_or_else(|| Error::UnknownAgent(name.to_owned()))?;
         peer.retired.store(true, Ordering::Release);
+        *lock(&self.inner.submit_cache) = None;
         if let Some(l) = lock(&peer.link).take() {
             l.fail(Error::UnknownAgent(name.to_owned()));
             l.join();
@@ -2538,6 +2642,9 @@ impl TransferAgent for TcpAgent {
     }
 
     fn submit_transfer(&self, request: &TransferRequest) -> Result<TransferStatus, Error> {
+        if let Some(r) = self.submit_cached(request) {
+            return r;
+        }
         self.submit(request, request.sync_message.clone(), false)
     }
 

@@ -227,7 +227,20 @@ impl PeerProc {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut child = cmd.spawn().expect("spawn peer");
+        // A copy of the executable just written can be briefly busy
+        // (ETXTBSY): another test thread that forked while the copy's file
+        // was open for writing holds it until that child execs.
+        let mut tries = 0;
+        let mut child = loop {
+            match cmd.spawn() {
+                Ok(c) => break c,
+                Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 100 => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("spawn peer: {e:?}"),
+            }
+        };
         let stdin = child.stdin.take().expect("stdin");
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = channel();

@@ -35,7 +35,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${KVXFER_RDMA_GUEST:-}" != 1 ]; then
   cargo build --release --locked --bin kvxfer-bench >&2
-  exec ci/rxe-guest --timeout 1800 bash benches/rdma_vs_perftest.sh
+  # The guest passes on only the variables it knows: ROUNDS and ITERS go
+  # on the command line.
+  exec ci/rxe-guest --timeout 1800 env ROUNDS="${ROUNDS:-5}" ITERS="${ITERS:-200}" bash benches/rdma_vs_perftest.sh
 fi
 
 B=target/release/kvxfer-bench

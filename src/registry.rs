@@ -56,6 +56,13 @@ impl LocalRegion {
 pub(crate) struct RegionGuard(Arc<LocalRegion>);
 
 impl RegionGuard {
+    /// A new hold on `region` (sequentially consistent: see
+    /// [`Registry::hold_current`]).
+    fn new(region: &Arc<LocalRegion>) -> Self {
+        region.busy.fetch_add(1, Ordering::SeqCst);
+        Self(Arc::clone(region))
+    }
+
     /// The region held.
     pub(crate) fn region(&self) -> &Arc<LocalRegion> {
         &self.0
@@ -65,8 +72,7 @@ impl RegionGuard {
 impl Clone for RegionGuard {
     /// Another hold on the same region.
     fn clone(&self) -> Self {
-        self.0.busy.fetch_add(1, Ordering::AcqRel);
-        Self(Arc::clone(&self.0))
+        Self::new(&self.0)
     }
 }
 
@@ -209,8 +215,7 @@ impl Registry {
             if guards.last().is_some_and(|g| Arc::ptr_eq(&g.0, &r.value)) {
                 continue;
             }
-            r.value.busy.fetch_add(1, Ordering::AcqRel);
-            guards.push(RegionGuard(Arc::clone(&r.value)));
+            guards.push(RegionGuard::new(&r.value));
         }
         Ok(guards)
     }
@@ -229,13 +234,7 @@ impl Registry {
         regions: &[Arc<LocalRegion>],
         seen: u64,
     ) -> Option<Few<RegionGuard>> {
-        let guards: Few<RegionGuard> = regions
-            .iter()
-            .map(|r| {
-                r.busy.fetch_add(1, Ordering::SeqCst);
-                RegionGuard(Arc::clone(r))
-            })
-            .collect();
+        let guards: Few<RegionGuard> = regions.iter().map(RegionGuard::new).collect();
         // After the holds: a deregistration that bumps the generation later
         // sees them and refuses; one that bumped it earlier is seen here.
         (self.generation.load(Ordering::SeqCst) == seen).then_some(guards)
@@ -256,8 +255,7 @@ impl Registry {
         if r.value.key != key {
             return Err(RejectReason::BadKey);
         }
-        r.value.busy.fetch_add(1, Ordering::AcqRel);
-        Ok(RegionGuard(Arc::clone(&r.value)))
+        Ok(RegionGuard::new(&r.value))
     }
 
     /// The regions to export in the agent descriptor.

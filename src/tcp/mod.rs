@@ -2177,7 +2177,13 @@ impl TcpAgent {
             let wrs = plan_rdma(req, &lkeys, &rkeys, &link, &inner.config)?;
             let driver = small(req).then(|| link.driver());
             if !fence && req.local.descs.len() <= CACHE_MAX_DESCS && driver.is_some() {
-                self.remember(req, generation, &guards, &peer, &link, &wrs, &driver);
+                let planned = Planned {
+                    peer: Arc::clone(&peer),
+                    link: Arc::clone(&link),
+                    wrs: wrs.clone(),
+                    driver: driver.clone(),
+                };
+                self.remember(req, generation, &guards, planned);
             }
             return self.post_planned(&link, req.op, wrs, sync, guards, driver);
         }
@@ -2322,10 +2328,7 @@ struct SubmitCache {
     /// Registry generation read before the regions were resolved.
     generation: u64,
     regions: Few<Arc<crate::registry::LocalRegion>>,
-    peer: Arc<Peer>,
-    link: Arc<Link>,
-    wrs: Few<rdma::Wr>,
-    driver: Option<std::sync::Weak<dyn Progress>>,
+    planned: Planned,
 }
 
 impl SubmitCache {
@@ -2337,16 +2340,29 @@ impl SubmitCache {
     }
 }
 
-/// What an RDMA [`PreparedTransfer`] keeps: the request resolved against
-/// one peer entry and one link.
-struct PreparedRdma {
+/// An RDMA request resolved against one peer entry and one link, ready to
+/// post again (kept by [`SubmitCache`] and by prepared transfers).
+struct Planned {
     peer: Arc<Peer>,
     link: Arc<Link>,
     wrs: Few<rdma::Wr>,
-    /// Holds the local regions registered (and their keys valid).
-    guards: Few<RegionGuard>,
     /// `Some` for requests whose waiters poll the completion queue.
     driver: Option<std::sync::Weak<dyn Progress>>,
+}
+
+impl Planned {
+    /// Whether it still holds: the peer entry not replaced or invalidated,
+    /// the link not broken.
+    fn current(&self) -> bool {
+        !self.peer.retired.load(Ordering::Acquire) && !self.link.is_broken()
+    }
+}
+
+/// What an RDMA [`PreparedTransfer`] keeps: the plan, and holds on the
+/// local regions (registered, their keys valid, while it lives).
+struct PreparedRdma {
+    planned: Planned,
+    guards: Few<RegionGuard>,
 }
 
 /// A request's local and remote keys, and the holds on its local regions.
@@ -2432,33 +2448,43 @@ impl TcpAgent {
         })
     }
 
-    /// Keeps `req`'s resolution for the next identical submission.
-    #[allow(clippy::too_many_arguments)]
+    /// Keeps `req`'s resolution for the next identical submission (in the
+    /// entry's own allocations when there is one).
     fn remember(
         &self,
         req: &TransferRequest,
         generation: u64,
         guards: &[RegionGuard],
-        peer: &Arc<Peer>,
-        link: &Arc<Link>,
-        wrs: &Few<rdma::Wr>,
-        driver: &Option<std::sync::Weak<dyn Progress>>,
+        planned: Planned,
     ) {
         let Ok(mut slot) = self.inner.submit_cache.try_lock() else {
             return;
         };
-        *slot = Some(Box::new(SubmitCache {
-            op: req.op,
-            remote_agent: req.remote_agent.clone(),
-            local: req.local.clone(),
-            remote: req.remote.clone(),
-            generation,
-            regions: guards.iter().map(|g| Arc::clone(g.region())).collect(),
-            peer: Arc::clone(peer),
-            link: Arc::clone(link),
-            wrs: wrs.clone(),
-            driver: driver.clone(),
-        }));
+        let regions = guards.iter().map(|g| Arc::clone(g.region())).collect();
+        match slot.as_deref_mut() {
+            Some(c) => {
+                c.op = req.op;
+                c.remote_agent.clone_from(&req.remote_agent);
+                c.local.mem_type = req.local.mem_type;
+                c.local.descs.clone_from(&req.local.descs);
+                c.remote.mem_type = req.remote.mem_type;
+                c.remote.descs.clone_from(&req.remote.descs);
+                c.generation = generation;
+                c.regions = regions;
+                c.planned = planned;
+            }
+            None => {
+                *slot = Some(Box::new(SubmitCache {
+                    op: req.op,
+                    remote_agent: req.remote_agent.clone(),
+                    local: req.local.clone(),
+                    remote: req.remote.clone(),
+                    generation,
+                    regions,
+                    planned,
+                }))
+            }
+        }
     }
 
     /// Submits `req` from [`SubmitCache`] when it holds this request, still
@@ -2476,14 +2502,12 @@ impl TcpAgent {
         }
         let slot = self.inner.submit_cache.try_lock().ok()?;
         let c = slot.as_deref().filter(|c| c.matches(req))?;
-        if c.peer.retired.load(Ordering::Acquire)
-            || c.link.is_broken()
-            || self.inner.closing.load(Ordering::Relaxed)
-        {
+        if !c.planned.current() || self.inner.closing.load(Ordering::Relaxed) {
             return None;
         }
         let guards = self.inner.registry.hold_current(&c.regions, c.generation)?;
-        let (link, wrs, driver) = (Arc::clone(&c.link), c.wrs.clone(), c.driver.clone());
+        let p = &c.planned;
+        let (link, wrs, driver) = (Arc::clone(&p.link), p.wrs.clone(), p.driver.clone());
         drop(slot);
         Some(self.post_planned(&link, req.op, wrs, req.sync_message.clone(), guards, driver))
     }
@@ -2673,11 +2697,13 @@ impl TransferAgent for TcpAgent {
         let wrs = plan_rdma(request, &lkeys, &rkeys, &link, &inner.config)?;
         let driver = small(request).then(|| link.driver());
         let resolved = PreparedRdma {
-            peer,
-            link,
-            wrs,
+            planned: Planned {
+                peer,
+                link,
+                wrs,
+                driver,
+            },
             guards,
-            driver,
         };
         Ok(PreparedTransfer::new(
             request.clone(),
@@ -2697,20 +2723,21 @@ impl TransferAgent for TcpAgent {
             .resolved
             .as_ref()
             .and_then(|r| r.downcast_ref::<PreparedRdma>())
-            .filter(|r| !r.peer.retired.load(Ordering::Acquire) && !r.link.is_broken());
+            .filter(|r| r.planned.current());
         let Some(r) = fresh else {
             return self.submit(req, req.sync_message.clone(), false);
         };
         if self.inner.closing.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
+        let p = &r.planned;
         self.post_planned(
-            &r.link,
+            &p.link,
             req.op,
-            r.wrs.clone(),
+            p.wrs.clone(),
             req.sync_message.clone(),
             r.guards.clone(),
-            r.driver.clone(),
+            p.driver.clone(),
         )
     }
 
@@ -3206,7 +3233,7 @@ impl Link {
             }
             let count = wrs.len() + usize::from(sync.is_some());
             conn.queued.fetch_add(count as u64, Ordering::AcqRel);
-            conn.waiting.fetch_add(count, Ordering::AcqRel);
+            conn.waiting.fetch_add(count, Ordering::SeqCst);
             for wr in wrs {
                 q.items
                     .push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
@@ -3236,7 +3263,7 @@ impl Link {
             *t = true;
             let mut q = lock(&conn.queue);
             conn.queued.fetch_add(wrs.len() as u64, Ordering::AcqRel);
-            conn.waiting.fetch_add(wrs.len(), Ordering::AcqRel);
+            conn.waiting.fetch_add(wrs.len(), Ordering::SeqCst);
             for wr in wrs {
                 q.items
                     .push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
@@ -3254,7 +3281,7 @@ impl Link {
             let conn = &self.rdma[0];
             let mut q = lock(&conn.queue);
             conn.queued.fetch_add(1, Ordering::AcqRel);
-            conn.waiting.fetch_add(1, Ordering::AcqRel);
+            conn.waiting.fetch_add(1, Ordering::SeqCst);
             q.items
                 .push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
         }
@@ -3487,10 +3514,12 @@ impl Link {
         let n = done.len();
         drop(done);
         // The window has room again: post what is queued. (A submitter
-        // counts its work in `waiting` before it tries the window, and the
-        // window's lock orders that try against the release above: either
-        // it found the room, or this sees its count.)
-        if conn.waiting.load(Ordering::Acquire) > 0 {
+        // counts its work in `waiting` before it tries the window; the
+        // count, the window's release and its try are sequentially
+        // consistent, so either the try found the room, or this sees the
+        // count. A message buffer freed above is ordered by the ring's
+        // lock in the same way.)
+        if conn.waiting.load(Ordering::SeqCst) > 0 {
             self.pump(conn);
         }
         if conn.index != 0 {

@@ -376,6 +376,8 @@ impl RdmaConn {
 /// Slots are taken (and unwound) by one thread at a time — the holder of
 /// the send queue's lock — and released in order by the one thread
 /// draining the completion queue; `taken` and `released` count them.
+/// A try and a release are sequentially consistent (with the send queue's
+/// `waiting` count), so a release never misses work that a try refused.
 struct Window {
     lens: Box<[AtomicU64]>,
     taken: AtomicU64,
@@ -399,10 +401,10 @@ impl Window {
 
     fn try_take(&self, len: u64, max_bytes: u64) -> bool {
         let taken = self.taken.load(Ordering::Relaxed);
-        let released = self.released.load(Ordering::Acquire);
+        let released = self.released.load(Ordering::SeqCst);
         let in_flight = taken - released;
         if in_flight >= u64::from(WINDOW)
-            || (in_flight > 0 && self.bytes.load(Ordering::Acquire) + len > max_bytes)
+            || (in_flight > 0 && self.bytes.load(Ordering::SeqCst) + len > max_bytes)
         {
             return false;
         }
@@ -419,8 +421,8 @@ impl Window {
             return;
         }
         let len = self.slot(released).load(Ordering::Relaxed);
-        self.bytes.fetch_sub(len, Ordering::AcqRel);
-        self.released.store(released + 1, Ordering::Release);
+        self.bytes.fetch_sub(len, Ordering::SeqCst);
+        self.released.store(released + 1, Ordering::SeqCst);
     }
 
     fn unwind(&self) {

@@ -758,29 +758,31 @@ fn pin_to(cpu: usize) {
     }
 }
 
-/// Runs the pong side on its own thread and the ping side on this one
-/// (each pinned with `--pin`); returns the ping side's times.
-fn run_pair<S: PingSide + Send + 'static>(
-    args: &Args,
+/// Runs `total` round trips: the pong side `b` on a scoped thread, the
+/// ping side `a` on this one (each pinned with `pin`); returns the ping
+/// side's times, the first `warmup` not recorded.
+fn run_pair<S: PingSide + Send>(
     a: &mut S,
-    mut b: S,
-    total: u64,
+    b: &mut S,
+    (total, warmup): (u64, u64),
+    pin: bool,
     timeout: Duration,
 ) -> Result<PingTimes> {
-    let pin = args.pin;
-    let pong = std::thread::spawn(move || {
+    std::thread::scope(|s| {
+        let pong = s.spawn(|| {
+            if pin {
+                pin_to(1);
+            }
+            pong_loop(b, total, timeout)
+        });
         if pin {
-            pin_to(1);
+            pin_to(0);
         }
-        pong_loop(&mut b, total, timeout)
-    });
-    if pin {
-        pin_to(0);
-    }
-    let times = ping_loop(a, total, args.warmup, timeout);
-    pong.join()
-        .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;
-    times
+        let t = ping_loop(a, total, warmup, timeout);
+        pong.join()
+            .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;
+        t
+    })
 }
 
 /// One side of the verbs-only ping-pong.
@@ -899,24 +901,6 @@ fn verbs_pair(args: &Args, size: u64) -> Result<(VerbsSide, VerbsSide)> {
     Ok((a, b))
 }
 
-/// One block of `total` round trips between `a` (this thread) and `b` (a
-/// scoped thread).
-fn ab_block<S: PingSide + Send>(
-    a: &mut S,
-    b: &mut S,
-    total: u64,
-    warmup: u64,
-    timeout: Duration,
-) -> Result<PingTimes> {
-    std::thread::scope(|s| {
-        let pong = s.spawn(|| pong_loop(b, total, timeout));
-        let t = ping_loop(a, total, warmup, timeout);
-        pong.join()
-            .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;
-        t
-    })
-}
-
 /// `--pingpong-ab`: the agent and the verbs-only ping-pongs in one
 /// process, alternating blocks of round trips, so that both see the same
 /// machine state (a separate run of each swings by 1.5x under TCG).
@@ -933,9 +917,10 @@ fn run_pingpong_ab(args: &Args) -> Result<()> {
     let (mut agent, mut prepared, mut verbs) = (Vec::new(), Vec::new(), Vec::new());
     let n = BLOCK + args.warmup;
     for _ in 0..iters.div_ceil(BLOCK) {
-        agent.extend(ab_block(&mut aa, &mut ab, n, args.warmup, timeout)?.lat);
-        prepared.extend(ab_block(&mut pa, &mut pb, n, args.warmup, timeout)?.lat);
-        verbs.extend(ab_block(&mut va, &mut vb, n, args.warmup, timeout)?.lat);
+        let rounds = (n, args.warmup);
+        agent.extend(run_pair(&mut aa, &mut ab, rounds, args.pin, timeout)?.lat);
+        prepared.extend(run_pair(&mut pa, &mut pb, rounds, args.pin, timeout)?.lat);
+        verbs.extend(run_pair(&mut va, &mut vb, rounds, args.pin, timeout)?.lat);
     }
     let p50 = |v| summarize(1.0, 0.0, v).p50_us;
     let (a50, p50, v50) = (p50(agent), p50(prepared), p50(verbs));
@@ -961,8 +946,8 @@ fn run_pingpong_verbs(args: &Args) -> Result<()> {
     let iters = args.iters.unwrap_or(1000);
     let total = args.warmup + iters;
     let timeout = Duration::from_secs(10);
-    let (mut a, b) = verbs_pair(args, size)?;
-    let times = run_pair(args, &mut a, b, total, timeout)?;
+    let (mut a, mut b) = verbs_pair(args, size)?;
+    let times = run_pair(&mut a, &mut b, (total, args.warmup), args.pin, timeout)?;
     let median = |v: Vec<f64>| summarize(1.0, 0.0, v).p50_us;
     let m = summarize(1.0, 0.0, times.lat);
     let (post, own, answer) = (median(times.send), median(times.own), median(times.answer));
@@ -1016,11 +1001,11 @@ fn run_pingpong(args: &Args) -> Result<()> {
     let iters = args.iters.unwrap_or(1000);
     let total = args.warmup + iters;
     let timeout = Duration::from_secs(10);
-    let (mut a, b) = agent_pair(args, backend, size)?;
+    let (mut a, mut b) = agent_pair(args, backend, size)?;
     let backend_name = a.agent.remote_transport(&a.peer)?;
     // Where a round trip goes: in `submit_transfer`, waiting for the own
     // WRITE's completion, then for the answer to land.
-    let times = run_pair(args, &mut a, b, total, timeout)?;
+    let times = run_pair(&mut a, &mut b, (total, args.warmup), args.pin, timeout)?;
     let (elapsed, lat) = (times.elapsed_s, times.lat);
     let (submit, own, answer) = (times.send, times.own, times.answer);
     let m = summarize(elapsed, (size * 2 * total) as f64, lat);

@@ -794,6 +794,8 @@ struct VerbsSide {
     dst_mr: std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>,
     /// The other side's block: remote key and address.
     to: (u32, u64),
+    /// Completions polled (kept: a send allocates nothing).
+    done: Vec<kvxfer::verbs::Completion>,
     // Declared last: the device outlives its queue pair and regions.
     _dev: kvxfer::verbs::Device,
 }
@@ -820,6 +822,7 @@ impl VerbsSide {
             src_mr,
             dst_mr,
             to: (0, 0),
+            done: Vec::with_capacity(32),
             _dev: dev,
         })
     }
@@ -845,11 +848,12 @@ impl PingSide for VerbsSide {
         // polled below.
         unsafe { self.qp.post_write(value, &sge, rkey, remote, None, true)? };
         let t1 = Ticks::now();
-        let mut done = Vec::with_capacity(4);
+        let done = &mut self.done;
+        done.clear();
         let mut n = 0u32;
         let mut start = None;
         while done.is_empty() {
-            self.qp.poll_send(&mut done)?;
+            self.qp.poll_send(done)?;
             n = n.wrapping_add(1);
             if n.is_multiple_of(1024) {
                 let now = Instant::now();

@@ -27,17 +27,17 @@
 # WRITEs); with 4 blocks a request, kvxfer READ had 4 in flight and measured
 # 0.65-0.9x where 16 gave 0.96-1.19x in the same boot.
 # TCG emulation makes absolute figures meaningless: compare ratios only.
-# The bandwidth and latency comparisons run ROUNDS (default 5) alternating
-# rounds and compare medians.
+# The bandwidth comparisons run ROUNDS (default 5) alternating rounds, the
+# latency comparison LAT_ROUNDS (default 15), and compare medians.
 #
-#   benches/rdma_vs_perftest.sh            ROUNDS=3 benches/rdma_vs_perftest.sh
+#   benches/rdma_vs_perftest.sh            ROUNDS=3 LAT_ROUNDS=9 benches/rdma_vs_perftest.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${KVXFER_RDMA_GUEST:-}" != 1 ]; then
   cargo build --release --locked --bin kvxfer-bench >&2
-  # The guest passes on only the variables it knows: ROUNDS and ITERS go
-  # on the command line.
-  exec ci/rxe-guest --timeout 1800 env ROUNDS="${ROUNDS:-5}" ITERS="${ITERS:-200}" bash benches/rdma_vs_perftest.sh
+  # The guest passes on only the variables it knows: ROUNDS, LAT_ROUNDS
+  # and ITERS go on the command line.
+  exec ci/rxe-guest --timeout 2400 env ROUNDS="${ROUNDS:-5}" LAT_ROUNDS="${LAT_ROUNDS:-15}" ITERS="${ITERS:-200}" bash benches/rdma_vs_perftest.sh
 fi
 
 B=target/release/kvxfer-bench
@@ -89,23 +89,32 @@ pp() { # progress [flags] -> json line
     --target-rdma-device rxe1 --rdma-progress "$p" --json "$@"
 }
 
-# Each comparison alternates the two programs ROUNDS times in this boot and
+# Each comparison alternates the programs ROUNDS times in this boot and
 # compares medians: the emulated CPUs make single runs swing by 1.5x either
-# way (perftest's own latency ranged 51-74 us between runs of one boot).
+# way. Latency has rounds of its own (LAT_ROUNDS, default 15: a run is a
+# few seconds): a ping-pong run lands in one of two modes, about 32 and
+# about 55 us for ib_write_lat and the verbs layer alike, so a round
+# pairing a fast run with a slow one reads 0.6x or 1.7x, and a median of
+# five such ratios is a coin toss.
 R=${ROUNDS:-5}
+LR=${LAT_ROUNDS:-15}
 med() { python3 -c "import statistics,sys; print(statistics.median(float(x) for x in sys.argv[1:]))" "$@"; }
 wbws=(); kws=(); rbws=(); krs=(); lats=(); ppes=(); ppps=(); ppvs=(); ratios_w=(); ratios_r=(); ratios_l=(); ratios_p=(); ratios_v=()
 kwj=; ppa=
 for r in $(seq "$R"); do
   wbw=$(perf_bw ib_write_bw 1048576); kwj=$(KDEPTH=4 kx rdma write 1MiB 16 "$KITERS"); kw=$(echo "$kwj" | json gb_per_s)
   rbw=$(perf_bw ib_read_bw 1048576); kr=$(KDEPTH=4 kx rdma read 1MiB 16 "$KITERS" | json gb_per_s)
+  echo "round $r: ib_write_bw $wbw MB/s, kvxfer write $kw GB/s; ib_read_bw $rbw MB/s, kvxfer read $kr GB/s" >&2
+  wbws+=("$wbw"); kws+=("$kw"); rbws+=("$rbw"); krs+=("$kr")
+  ratios_w+=("$(python3 -c "print($kw*1e3/($wbw*1.048576))")")
+  ratios_r+=("$(python3 -c "print($kr*1e3/($rbw*1.048576))")")
+done
+for r in $(seq "$LR"); do
   lat=$(perf_lat); ppa=$(pp adaptive); pl=$(echo "$ppa" | json p50_us)
   pp_=$(pp adaptive --prepared | json p50_us)
   pv=$(ppv | json p50_us)
-  echo "round $r: ib_write_bw $wbw MB/s, kvxfer write $kw GB/s; ib_read_bw $rbw MB/s, kvxfer read $kr GB/s; ib_write_lat $lat us, kvxfer ping-pong $pl us ($ppa), prepared $pp_ us, verbs-only ping-pong $pv us" >&2
-  wbws+=("$wbw"); kws+=("$kw"); rbws+=("$rbw"); krs+=("$kr"); lats+=("$lat"); ppes+=("$pl"); ppps+=("$pp_"); ppvs+=("$pv")
-  ratios_w+=("$(python3 -c "print($kw*1e3/($wbw*1.048576))")")
-  ratios_r+=("$(python3 -c "print($kr*1e3/($rbw*1.048576))")")
+  echo "latency round $r: ib_write_lat $lat us, kvxfer ping-pong $pl us ($ppa), prepared $pp_ us, verbs-only ping-pong $pv us" >&2
+  lats+=("$lat"); ppes+=("$pl"); ppps+=("$pp_"); ppvs+=("$pv")
   ratios_l+=("$(python3 -c "print($pl/$lat)")")
   ratios_p+=("$(python3 -c "print($pp_/$lat)")")
   ratios_v+=("$(python3 -c "print($pv/$lat)")")
@@ -133,8 +142,9 @@ kt=$(KDEPTH=4 kx tcp write 1MiB 16 4 | json gb_per_s)
 echo "kvxfer tcp: $kt GB/s" >&2
 kq=$(KDEPTH=4 kx rdma write 1MiB 16 4 events 4 | json gb_per_s)
 echo "kvxfer write, 4 queue pairs: $kq GB/s" >&2
-python3 - "$wbw" "$kw" "$rbw" "$kr" "$lat" "$kl" "$kt" "$ppe" "$ppp" "$kwj" "$kwpj" "$kq" "$plm" "$R" "$pvm" "$prw" "$prr" "$prl" "$prv" "$ppa" "$kwej" "$ppm" "$prp" "$ab" <<'PY'
+python3 - "$wbw" "$kw" "$rbw" "$kr" "$lat" "$kl" "$kt" "$ppe" "$ppp" "$kwj" "$kwpj" "$kq" "$plm" "$R" "$pvm" "$prw" "$prr" "$prl" "$prv" "$ppa" "$kwej" "$ppm" "$prp" "$ab" "$LR" <<'PY'
 import json, sys
+lat_rounds = int(sys.argv[25])
 wbw, kw, rbw, kr, lat, kl, kt = (float(x) for x in sys.argv[1:8])
 ppe, ppp, kwj, kwpj = (json.loads(x) for x in sys.argv[8:12])
 kq, pl, rounds, pv = float(sys.argv[12]), float(sys.argv[13]), int(sys.argv[14]), float(sys.argv[15])
@@ -144,7 +154,7 @@ ppm, prp, ab = float(sys.argv[22]), float(sys.argv[23]), json.loads(sys.argv[24]
 kw_mb, kr_mb, kt_mb = kw * 1e3, kr * 1e3, kt * 1e3   # GB/s (10^9) -> MB/s (10^6)
 # perftest reports MB/sec as 2^20 bytes/s.
 wbw_mb, rbw_mb = wbw * 1.048576, rbw * 1.048576
-print(f"{rounds} alternating rounds: ratio = median of the per-round ratios (ratio of the medians in brackets)")
+print(f"{rounds} alternating bandwidth rounds, {lat_rounds} latency rounds: ratio = median of the per-round ratios (ratio of the medians in brackets)")
 print(f"WRITE 1 MiB : ib_write_bw {wbw_mb:9.1f} MB/s  kvxfer {kw_mb:9.1f} MB/s  ratio {prw:.3f} ({kw_mb/wbw_mb:.3f}) (target >= 0.95)")
 print(f"READ  1 MiB : ib_read_bw  {rbw_mb:9.1f} MB/s  kvxfer {kr_mb:9.1f} MB/s  ratio {prr:.3f} ({kr_mb/rbw_mb:.3f}) (target >= 0.95)")
 print(f"WRITE 8 B   : ib_write_lat {lat:8.2f} us    kvxfer ping-pong {pl:8.2f} us (p50 one-way)  ratio {prl:.3f} ({pl/lat:.3f}) (target <= 1.1)")

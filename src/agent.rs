@@ -213,6 +213,14 @@ impl Completion {
         self.done.load(Ordering::Acquire)
     }
 
+    /// Makes a finished completion pending again, for a new request (the
+    /// caller owns it alone: no status refers to it any more).
+    pub(crate) fn reset(&mut self) {
+        *self.cell.get_mut().unwrap_or_else(|p| p.into_inner()) = Cell::Pending;
+        *self.done.get_mut() = false;
+        *self.failed.get_mut() = false;
+    }
+
     /// Whether the transfer completed successfully, read without the lock.
     fn succeeded(&self) -> bool {
         self.is_done() && !self.failed.load(Ordering::Relaxed)

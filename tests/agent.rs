@@ -598,6 +598,47 @@ fn write_after_target_deregistered_is_rejected() {
     assert_eq!(peer.cmd("msgs"), "init=still here");
 }
 
+/// Small requests one after another (on RDMA: the express lane, whose
+/// status object is reused once its caller drops it): every status keeps
+/// its own outcome — the kept ones stay completed while later requests,
+/// a refused one among them, come and go — and every write lands.
+#[test]
+fn kept_statuses_keep_their_outcomes() {
+    const N: u64 = 16;
+    let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let mut src = vec![0u8; 4096];
+    fill(&mut src, 9, 0);
+    let (agent, name) = connect(&peer, &src);
+    let mut kept = Vec::new();
+    for i in 0..N {
+        let req = TransferRequest::write(
+            dram([(src.as_ptr() as u64 + i * 64, 64)]),
+            peer.range(i * 64, 64),
+            &name,
+        );
+        let st = agent.submit_transfer(&req).unwrap();
+        st.wait_success(WAIT).unwrap();
+        // Every other status kept, the others dropped (free for reuse).
+        if i % 2 == 0 {
+            kept.push(st);
+        }
+    }
+    // The target's buffer starts filled with seed 3.
+    let mut expect = vec![0u8; 4096];
+    fill(&mut expect, 3, 0);
+    expect[..(N * 64) as usize].copy_from_slice(&src[..(N * 64) as usize]);
+    assert_eq!(peer.cmd("hash"), fnv(&expect).to_string());
+    // A refused request after them fails alone.
+    assert_eq!(peer.cmd("dereg"), "OK");
+    let refused =
+        TransferRequest::write(dram([(src.as_ptr() as u64, 64)]), peer.range(0, 64), &name);
+    assert!(agent.submit_transfer(&refused).unwrap().wait(WAIT).is_err());
+    for st in &kept {
+        assert!(st.is_completed());
+        assert_eq!(st.wait(WAIT).unwrap(), TransferState::Completed);
+    }
+}
+
 #[test]
 fn refused_request_withholds_its_sync_message() {
     let mut peer = PeerProc::spawn("target", 4096, 3, &[]);

@@ -1194,12 +1194,42 @@ struct Link {
     delegate_ok: AtomicBool,
     streams: Vec<StreamHandle>,
     pending: Mutex<PendingTable>,
+    /// RDMA path, one queue pair: the express lane of small requests.
+    express: Express,
     /// Set (under `pending`'s lock) when `pending.broken` is: a request's
     /// path reads it without the lock.
     broken: AtomicBool,
     clock: ProgressClock,
     alive: AtomicUsize,
     threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// A link's express lane: one small request at a time — a single data work
+/// request, no sync message, its waiter polling the completion queue —
+/// travels without a [`Pending`] record and a table entry, and reuses the
+/// previous express request's status when its caller has dropped it. What
+/// a latency-bound caller (one request, wait, the next) submits; the
+/// record, the table and the status cost more than the post itself
+/// (callgrind, soft-RoCE ping-pong: about 550 of 2,040 instructions a
+/// request). A request that finds the lane taken, or anything queued on
+/// the queue pair, takes the ordinary path.
+#[derive(Default)]
+struct Express {
+    /// Whether a request holds the lane (from taking it until its
+    /// completion is handled).
+    busy: AtomicBool,
+    slot: Mutex<ExpressSlot>,
+}
+
+#[derive(Default)]
+struct ExpressSlot {
+    /// The request in flight: its status, and the holds on its regions.
+    live: Option<(Arc<Completion>, Few<RegionGuard>)>,
+    /// The last request's status, reused when nothing else refers to it.
+    spare: Option<Arc<Completion>>,
+    /// Set by the link's last thread on exit (after which nothing would
+    /// complete a new express request): the lane is closed.
+    closed: bool,
 }
 
 impl Link {
@@ -1251,6 +1281,7 @@ impl Link {
             alive: AtomicUsize::new(2 * streams.len() + n_qps),
             streams,
             pending: Mutex::new(PendingTable::default()),
+            express: Express::default(),
             broken: AtomicBool::new(false),
             clock: ProgressClock::new(),
             threads: Mutex::new(Vec::new()),
@@ -1337,6 +1368,16 @@ impl Link {
         }
         for (_, p) in pending {
             p.finish(Some(cause.clone()));
+        }
+        let live = {
+            let mut s = lock(&self.express.slot);
+            s.closed = true;
+            s.live.take()
+        };
+        if let Some((c, guards)) = live {
+            drop(guards);
+            self.express.busy.store(false, Ordering::Release);
+            c.complete(Err(cause));
         }
     }
 
@@ -2185,7 +2226,7 @@ impl TcpAgent {
                 };
                 self.remember(req, generation, &guards, planned);
             }
-            return self.post_planned(&link, req.op, wrs, sync, guards, driver);
+            return self.post_planned(&link, req.op, &wrs, sync, guards, &driver);
         }
         let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
         let completion = Completion::new();
@@ -2509,7 +2550,14 @@ impl TcpAgent {
         let p = &c.planned;
         let (link, wrs, driver) = (Arc::clone(&p.link), p.wrs.clone(), p.driver.clone());
         drop(slot);
-        Some(self.post_planned(&link, req.op, wrs, req.sync_message.clone(), guards, driver))
+        Some(self.post_planned(
+            &link,
+            req.op,
+            &wrs,
+            req.sync_message.clone(),
+            guards,
+            &driver,
+        ))
     }
 
     /// Posts planned RDMA work requests as request `id`: its status, whose
@@ -2518,14 +2566,23 @@ impl TcpAgent {
         &self,
         link: &Arc<Link>,
         op: TransferOp,
-        wrs: Few<rdma::Wr>,
+        wrs: &Few<rdma::Wr>,
         sync: Option<Vec<u8>>,
         guards: Few<RegionGuard>,
-        driver: Option<std::sync::Weak<dyn Progress>>,
+        driver: &Option<std::sync::Weak<dyn Progress>>,
     ) -> Result<TransferStatus, Error> {
         let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
+        let mut guards = guards;
+        if let (None, Some(d), [wr]) = (&sync, driver, wrs.as_slice())
+            && let Some(c) = link.post_express(id, op, wr, &mut guards, d)
+        {
+            // No clock touched: the link's idle check watches the table,
+            // which express requests stay out of (their queue pair's own
+            // timeouts fail them).
+            return Ok(TransferStatus::new(id, c));
+        }
         let driven = driver.is_some();
-        let completion = Completion::with_driver(driver);
+        let completion = Completion::with_driver(driver.clone());
         // A sync message is two events: its SEND's completion, and the
         // target's acknowledgement that it delivered it.
         let events = wrs.len() + 2 * usize::from(sync.is_some());
@@ -2550,7 +2607,7 @@ impl TcpAgent {
             link.undriven.fetch_add(1, Ordering::AcqRel);
             link.wake_progress();
         }
-        link.post_rdma(id, op, wrs, sync, &pending);
+        link.post_rdma(id, op, wrs.clone(), sync, &pending);
         Ok(TransferStatus::new(id, completion))
     }
 }
@@ -2734,10 +2791,10 @@ impl TransferAgent for TcpAgent {
         self.post_planned(
             &p.link,
             req.op,
-            p.wrs.clone(),
+            &p.wrs,
             req.sync_message.clone(),
             r.guards.clone(),
-            p.driver.clone(),
+            &p.driver,
         )
     }
 
@@ -3439,6 +3496,82 @@ impl Link {
         }
     }
 
+    /// Posts request `id` (one data work request `wr`) in the express lane
+    /// when the lane is free, nothing waits in the send queue and the
+    /// window has room; returns its status, or `None` (and `guards`
+    /// untouched) for the ordinary path.
+    fn post_express(
+        &self,
+        id: u64,
+        op: TransferOp,
+        wr: &rdma::Wr,
+        guards: &mut Few<RegionGuard>,
+        driver: &std::sync::Weak<dyn Progress>,
+    ) -> Option<Arc<Completion>> {
+        let [conn] = self.rdma.as_slice() else {
+            return None;
+        };
+        if self.express.busy.swap(true, Ordering::Acquire) {
+            return None;
+        }
+        let q = lock(&conn.queue);
+        if !q.items.is_empty() || self.is_broken() || !conn.try_take_slot(wr.len) {
+            drop(q);
+            self.express.busy.store(false, Ordering::Release);
+            return None;
+        }
+        let completion = {
+            let mut s = lock(&self.express.slot);
+            if s.closed {
+                drop(s);
+                conn.unwind_slot();
+                drop(q);
+                self.express.busy.store(false, Ordering::Release);
+                return None;
+            }
+            let reused = s.spare.take().and_then(|mut c| {
+                // Unique: the caller dropped the status it was behind.
+                Arc::get_mut(&mut c)?.reset();
+                Some(c)
+            });
+            let c = reused.unwrap_or_else(|| Completion::with_driver(Some(driver.clone())));
+            s.live = Some((Arc::clone(&c), std::mem::take(guards)));
+            c
+        };
+        conn.queued.fetch_add(1, Ordering::AcqRel);
+        conn.posted.fetch_add(1, Ordering::AcqRel);
+        let sges: Few<Sge> = wr.sges.iter().map(|&s| s.into()).collect();
+        let post = rdma::data_post(id | rdma::EXPRESS_FLAG, op, wr, &sges);
+        // SAFETY: the pieces lie in regions held (in the lane's slot) until
+        // the work request's completion is handled.
+        let r = unsafe { lock(&conn.qp).post_batch(std::slice::from_ref(&post)) };
+        if let Err(e) = r {
+            conn.unwind_slot();
+            drop(q);
+            conn.posted.fetch_sub(1, Ordering::AcqRel);
+            let err = rdma::rdma_err(&self.remote, e);
+            self.finish_express(Err(err.clone()));
+            self.fail(err);
+        }
+        Some(completion)
+    }
+
+    /// Completes the express request in flight with `result`: releases its
+    /// regions, then the lane, then records the outcome.
+    fn finish_express(&self, result: Result<(), Error>) {
+        let (c, guards) = {
+            let mut s = lock(&self.express.slot);
+            let Some((c, guards)) = s.live.take() else {
+                return;
+            };
+            s.spare = Some(Arc::clone(&c));
+            (c, guards)
+        };
+        drop(guards);
+        self.express.busy.store(false, Ordering::Release);
+        c.complete(result);
+    }
+
     /// Drains the send completion queue once: frees window slots and
     /// message buffers, completes request events, fails the link on the
     /// first error completion, then posts what the freed window allows.
@@ -3490,6 +3623,10 @@ impl Link {
                     Err(err)
                 }
             };
+            if c.wr_id & rdma::EXPRESS_FLAG != 0 {
+                self.finish_express(result);
+                continue;
+            }
             // A request's last event (nothing else can count one then) is
             // taken out of the table under the same lock as the lookup.
             let mut t = lock(&self.pending);

@@ -37,6 +37,9 @@ pub(crate) const WINDOW: u32 = 256;
 pub(crate) const DOORBELL_BATCH: usize = 32;
 /// `wr_id` bit marking a SEND (whose bits 40..56 name its buffer slot).
 pub(crate) const SEND_FLAG: u64 = 1 << 63;
+/// `wr_id` bit marking the data work request of a link's express request
+/// (see `Express` in the agent).
+pub(crate) const EXPRESS_FLAG: u64 = 1 << 62;
 const REQ_MASK: u64 = (1 << 40) - 1;
 
 /// Splits a `wr_id` into (request id, send buffer slot).

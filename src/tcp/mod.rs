@@ -25,6 +25,7 @@ mod session;
 mod sock;
 pub(crate) mod wire;
 
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -1195,7 +1196,7 @@ struct Link {
     streams: Vec<StreamHandle>,
     pending: Mutex<PendingTable>,
     /// RDMA path, one queue pair: the express lane of small requests.
-    express: Express,
+    express: Mutex<Express>,
     /// Set (under `pending`'s lock) when `pending.broken` is: a request's
     /// path reads it without the lock.
     broken: AtomicBool,
@@ -1212,18 +1213,12 @@ struct Link {
 /// record, the table and the status cost more than the post itself
 /// (callgrind, soft-RoCE ping-pong: about 550 of 2,040 instructions a
 /// request). A request that finds the lane taken, or anything queued on
-/// the queue pair, takes the ordinary path.
+/// the queue pair, takes the ordinary path. Taken under the send queue's
+/// lock, so it is posted in order with everything else.
 #[derive(Default)]
 struct Express {
-    /// Whether a request holds the lane (from taking it until its
-    /// completion is handled).
-    busy: AtomicBool,
-    slot: Mutex<ExpressSlot>,
-}
-
-#[derive(Default)]
-struct ExpressSlot {
-    /// The request in flight: its status, and the holds on its regions.
+    /// The request in flight (the lane is taken while there is one): its
+    /// status, and the holds on its regions.
     live: Option<(Arc<Completion>, Few<RegionGuard>)>,
     /// The last request's status, reused when nothing else refers to it.
     spare: Option<Arc<Completion>>,
@@ -1281,7 +1276,7 @@ impl Link {
             alive: AtomicUsize::new(2 * streams.len() + n_qps),
             streams,
             pending: Mutex::new(PendingTable::default()),
-            express: Express::default(),
+            express: Mutex::default(),
             broken: AtomicBool::new(false),
             clock: ProgressClock::new(),
             threads: Mutex::new(Vec::new()),
@@ -1369,16 +1364,7 @@ impl Link {
         for (_, p) in pending {
             p.finish(Some(cause.clone()));
         }
-        let live = {
-            let mut s = lock(&self.express.slot);
-            s.closed = true;
-            s.live.take()
-        };
-        if let Some((c, guards)) = live {
-            drop(guards);
-            self.express.busy.store(false, Ordering::Release);
-            c.complete(Err(cause));
-        }
+        self.finish_express(Err(cause), true);
     }
 
     fn join(&self) {
@@ -2226,7 +2212,7 @@ impl TcpAgent {
                 };
                 self.remember(req, generation, &guards, planned);
             }
-            return self.post_planned(&link, req.op, &wrs, sync, guards, &driver);
+            return self.post_planned(&link, req.op, Cow::Owned(wrs), sync, guards, &driver);
         }
         let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
         let completion = Completion::new();
@@ -2553,7 +2539,7 @@ impl TcpAgent {
         Some(self.post_planned(
             &link,
             req.op,
-            &wrs,
+            Cow::Owned(wrs),
             req.sync_message.clone(),
             guards,
             &driver,
@@ -2566,13 +2552,12 @@ impl TcpAgent {
         &self,
         link: &Arc<Link>,
         op: TransferOp,
-        wrs: &Few<rdma::Wr>,
+        wrs: std::borrow::Cow<'_, Few<rdma::Wr>>,
         sync: Option<Vec<u8>>,
-        guards: Few<RegionGuard>,
+        mut guards: Few<RegionGuard>,
         driver: &Option<std::sync::Weak<dyn Progress>>,
     ) -> Result<TransferStatus, Error> {
         let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
-        let mut guards = guards;
         if let (None, Some(d), [wr]) = (&sync, driver, wrs.as_slice())
             && let Some(c) = link.post_express(id, op, wr, &mut guards, d)
         {
@@ -2607,7 +2592,7 @@ impl TcpAgent {
             link.undriven.fetch_add(1, Ordering::AcqRel);
             link.wake_progress();
         }
-        link.post_rdma(id, op, wrs.clone(), sync, &pending);
+        link.post_rdma(id, op, wrs.into_owned(), sync, &pending);
         Ok(TransferStatus::new(id, completion))
     }
 }
@@ -2791,7 +2776,7 @@ impl TransferAgent for TcpAgent {
         self.post_planned(
             &p.link,
             req.op,
-            &p.wrs,
+            Cow::Borrowed(&p.wrs),
             req.sync_message.clone(),
             r.guards.clone(),
             &p.driver,
@@ -3266,26 +3251,14 @@ impl Link {
             // One data work request, nothing queued before it, room in the
             // window: posted at once, without going through the queue.
             if let ([wr], None) = (wrs.as_slice(), &sync)
-                && q.items.is_empty()
-                && !self.is_broken()
-                && conn.try_take_slot(wr.len)
+                && self.room_alone(conn, &q, wr)
             {
-                conn.queued.fetch_add(1, Ordering::AcqRel);
-                conn.posted.fetch_add(1, Ordering::AcqRel);
-                let sges: Few<Sge> = wr.sges.iter().map(|&s| s.into()).collect();
-                let post = rdma::data_post(id, op, wr, &sges);
-                // SAFETY: as in `pump_locked`: the pieces lie in regions
-                // held by the request's guards until its completion.
-                let r = unsafe { lock(&conn.qp).post_batch(std::slice::from_ref(&post)) };
-                let Err(e) = r else {
-                    return;
-                };
-                conn.unwind_slot();
-                drop(q);
-                conn.posted.fetch_sub(1, Ordering::AcqRel);
-                let err = rdma::rdma_err(&self.remote, e);
-                self.complete_event(id, pending, Err(err.clone()));
-                self.fail(err);
+                // SAFETY: the pieces lie in regions held by the request's
+                // guards until its completion.
+                if let Err(err) = unsafe { self.post_alone(conn, q, id, op, wr) } {
+                    self.complete_event(id, pending, Err(err.clone()));
+                    self.fail(err);
+                }
                 return;
             }
             let count = wrs.len() + usize::from(sync.is_some());
@@ -3496,10 +3469,46 @@ impl Link {
         }
     }
 
+    /// Whether `wr` may be posted at once, bypassing the send queue `q`:
+    /// nothing queued before it, the link whole, a window slot taken for it.
+    fn room_alone(&self, conn: &rdma::RdmaConn, q: &rdma::SendQueue, wr: &rdma::Wr) -> bool {
+        q.items.is_empty() && !self.is_broken() && conn.try_take_slot(wr.len)
+    }
+
+    /// Posts `wr` as work request `wr_id` with the send queue's lock `q`
+    /// held and a window slot taken ([`room_alone`](Self::room_alone)); on
+    /// failure gives the slot back and returns the error (the caller fails
+    /// the request and the link).
+    ///
+    /// # Safety
+    /// The pieces of `wr` must lie in regions held until its completion.
+    unsafe fn post_alone(
+        &self,
+        conn: &rdma::RdmaConn,
+        q: std::sync::MutexGuard<'_, rdma::SendQueue>,
+        wr_id: u64,
+        op: TransferOp,
+        wr: &rdma::Wr,
+    ) -> Result<(), Error> {
+        conn.queued.fetch_add(1, Ordering::AcqRel);
+        conn.posted.fetch_add(1, Ordering::AcqRel);
+        let sges: Few<Sge> = wr.sges.iter().map(|&s| s.into()).collect();
+        let post = rdma::data_post(wr_id, op, wr, &sges);
+        // SAFETY: forwarded contract.
+        let r = unsafe { lock(&conn.qp).post_batch(std::slice::from_ref(&post)) };
+        let Err(e) = r else {
+            return Ok(());
+        };
+        conn.unwind_slot();
+        drop(q);
+        conn.posted.fetch_sub(1, Ordering::AcqRel);
+        Err(rdma::rdma_err(&self.remote, e))
+    }
+
     /// Posts request `id` (one data work request `wr`) in the express lane
-    /// when the lane is free, nothing waits in the send queue and the
-    /// window has room; returns its status, or `None` (and `guards`
-    /// untouched) for the ordinary path.
+    /// when the lane is free and `wr` may go at once
+    /// ([`room_alone`](Self::room_alone)); returns its status, or `None`
+    /// (and `guards` untouched) for the ordinary path.
     fn post_express(
         &self,
         id: u64,
@@ -3511,64 +3520,45 @@ impl Link {
         let [conn] = self.rdma.as_slice() else {
             return None;
         };
-        if self.express.busy.swap(true, Ordering::Acquire) {
-            return None;
-        }
         let q = lock(&conn.queue);
-        if !q.items.is_empty() || self.is_broken() || !conn.try_take_slot(wr.len) {
-            drop(q);
-            self.express.busy.store(false, Ordering::Release);
-            return None;
-        }
         let completion = {
-            let mut s = lock(&self.express.slot);
-            if s.closed {
-                drop(s);
-                conn.unwind_slot();
-                drop(q);
-                self.express.busy.store(false, Ordering::Release);
+            let mut lane = lock(&self.express);
+            if lane.live.is_some() || lane.closed || !self.room_alone(conn, &q, wr) {
                 return None;
             }
-            let reused = s.spare.take().and_then(|mut c| {
+            let reused = lane.spare.take().and_then(|mut c| {
                 // Unique: the caller dropped the status it was behind.
                 Arc::get_mut(&mut c)?.reset();
                 Some(c)
             });
             let c = reused.unwrap_or_else(|| Completion::with_driver(Some(driver.clone())));
-            s.live = Some((Arc::clone(&c), std::mem::take(guards)));
+            lane.live = Some((Arc::clone(&c), std::mem::take(guards)));
             c
         };
-        conn.queued.fetch_add(1, Ordering::AcqRel);
-        conn.posted.fetch_add(1, Ordering::AcqRel);
-        let sges: Few<Sge> = wr.sges.iter().map(|&s| s.into()).collect();
-        let post = rdma::data_post(id | rdma::EXPRESS_FLAG, op, wr, &sges);
-        // SAFETY: the pieces lie in regions held (in the lane's slot) until
-        // the work request's completion is handled.
-        let r = unsafe { lock(&conn.qp).post_batch(std::slice::from_ref(&post)) };
-        if let Err(e) = r {
-            conn.unwind_slot();
-            drop(q);
-            conn.posted.fetch_sub(1, Ordering::AcqRel);
-            let err = rdma::rdma_err(&self.remote, e);
-            self.finish_express(Err(err.clone()));
+        // SAFETY: the pieces lie in regions held (in the lane) until the
+        // work request's completion is handled.
+        if let Err(err) = unsafe { self.post_alone(conn, q, id | rdma::EXPRESS_FLAG, op, wr) } {
+            self.finish_express(Err(err.clone()), false);
             self.fail(err);
         }
         Some(completion)
     }
 
-    /// Completes the express request in flight with `result`: releases its
-    /// regions, then the lane, then records the outcome.
-    fn finish_express(&self, result: Result<(), Error>) {
+    /// Completes the express request in flight, if any, with `result`:
+    /// frees the lane, releases its regions, then records the outcome.
+    /// `close`: the link's last thread is leaving, no request may take
+    /// the lane after this one.
+    fn finish_express(&self, result: Result<(), Error>, close: bool) {
         let (c, guards) = {
-            let mut s = lock(&self.express.slot);
-            let Some((c, guards)) = s.live.take() else {
+            let mut lane = lock(&self.express);
+            lane.closed |= close;
+            let Some((c, guards)) = lane.live.take() else {
                 return;
             };
-            s.spare = Some(Arc::clone(&c));
+            lane.spare = Some(Arc::clone(&c));
             (c, guards)
         };
         drop(guards);
-        self.express.busy.store(false, Ordering::Release);
         c.complete(result);
     }
 
@@ -3628,7 +3618,7 @@ impl Link {
                 }
             };
             if c.wr_id & rdma::EXPRESS_FLAG != 0 {
-                self.finish_express(result);
+                self.finish_express(result, false);
                 continue;
             }
             // A request's last event (nothing else can count one then) is

@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -116,26 +116,31 @@ pub enum TransferState {
     Completed,
 }
 
-#[derive(Debug)]
-enum Cell {
-    Pending,
-    Done(Result<(), Error>),
-}
+/// [`Completion::state`]: no outcome yet.
+const PENDING: u8 = 0;
+/// [`Completion::state`]: finished successfully.
+const SUCCEEDED: u8 = 1;
+/// [`Completion::state`]: failed; the error is in [`Completion::error`].
+const FAILED: u8 = 2;
 
 /// Shared completion cell behind a [`TransferStatus`]. Backends complete it
-/// once; later completions are ignored (first outcome wins).
+/// once; later completions are ignored (first outcome wins). A success is
+/// one compare-and-swap, read with one load: no lock on the path every
+/// request takes. A failure's error sits behind the lock, which is also
+/// the condition variable's.
 #[derive(Debug)]
 pub(crate) struct Completion {
-    cell: Mutex<Cell>,
-    /// Set once `cell` holds the outcome: polled without the lock.
-    done: AtomicBool,
-    /// Set (before `done`) when the outcome is a failure: a successful
-    /// outcome is read without the lock.
-    failed: AtomicBool,
+    /// [`PENDING`], then [`SUCCEEDED`] or [`FAILED`], set once.
+    state: AtomicU8,
+    /// The error of a failed transfer (stored before `state` says
+    /// [`FAILED`]); the lock sleepers wait under.
+    error: Mutex<Option<Error>>,
     cv: Condvar,
-    /// Threads asleep (or about to be) on `cv`; changed under `cell`'s
-    /// lock. Completing notifies only when there are any: a notification
-    /// is a system call, paid on every request otherwise.
+    /// Threads asleep (or about to be) on `cv`; counted under `error`'s
+    /// lock before they look at `state`. Completing notifies only when
+    /// there are any (taking the lock first, so that none is between its
+    /// look and its sleep): a notification is a system call, paid on every
+    /// request otherwise.
     sleepers: AtomicUsize,
     /// The backend's completion source (an RDMA completion queue), polled
     /// by a waiting thread itself: the completion then costs no thread
@@ -200,9 +205,8 @@ impl Completion {
 
     pub(crate) fn with_driver(driver: Option<Weak<dyn Progress>>) -> Arc<Self> {
         Arc::new(Self {
-            cell: Mutex::new(Cell::Pending),
-            done: AtomicBool::new(false),
-            failed: AtomicBool::new(false),
+            state: AtomicU8::new(PENDING),
+            error: Mutex::new(None),
             cv: Condvar::new(),
             sleepers: AtomicUsize::new(0),
             driver,
@@ -210,20 +214,14 @@ impl Completion {
     }
 
     fn is_done(&self) -> bool {
-        self.done.load(Ordering::Acquire)
+        self.state.load(Ordering::Acquire) != PENDING
     }
 
     /// Makes a finished completion pending again, for a new request (the
     /// caller owns it alone: no status refers to it any more).
     pub(crate) fn reset(&mut self) {
-        *self.cell.get_mut().unwrap_or_else(|p| p.into_inner()) = Cell::Pending;
-        *self.done.get_mut() = false;
-        *self.failed.get_mut() = false;
-    }
-
-    /// Whether the transfer completed successfully, read without the lock.
-    fn succeeded(&self) -> bool {
-        self.is_done() && !self.failed.load(Ordering::Relaxed)
+        *self.state.get_mut() = PENDING;
+        *self.error.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
     /// Polls the driver until the outcome is in, the deadline passes, or
@@ -271,26 +269,49 @@ impl Completion {
 
     /// Records the outcome; returns false when one was already recorded.
     pub(crate) fn complete(&self, outcome: Result<(), Error>) -> bool {
-        let mut c = self.cell.lock().unwrap_or_else(|p| p.into_inner());
-        if matches!(*c, Cell::Done(_)) {
-            return false;
-        }
-        if outcome.is_err() {
-            self.failed.store(true, Ordering::Relaxed);
-        }
-        *c = Cell::Done(outcome);
-        self.done.store(true, Ordering::Release);
-        if self.sleepers.load(Ordering::Relaxed) > 0 {
+        let won = match outcome {
+            Ok(()) => self
+                .state
+                .compare_exchange(PENDING, SUCCEEDED, Ordering::SeqCst, Ordering::Relaxed)
+                .is_ok(),
+            Err(e) => {
+                let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+                if self.state.load(Ordering::Relaxed) != PENDING {
+                    return false;
+                }
+                *slot = Some(e);
+                // A success may still win the race (it takes no lock).
+                let won = self
+                    .state
+                    .compare_exchange(PENDING, FAILED, Ordering::SeqCst, Ordering::Relaxed)
+                    .is_ok();
+                if !won {
+                    *slot = None;
+                }
+                won
+            }
+        };
+        // Sequentially consistent with a sleeper's count then look: either
+        // it saw the outcome, or this sees it counted. The lock, taken and
+        // let go, waits out a sleeper between its look and its sleep.
+        if won && self.sleepers.load(Ordering::SeqCst) > 0 {
+            drop(self.error.lock().unwrap_or_else(|p| p.into_inner()));
             self.cv.notify_all();
         }
-        true
+        won
     }
 
-    fn snapshot(c: &Cell) -> Result<TransferState, Error> {
-        match c {
-            Cell::Pending => Ok(TransferState::InProgress),
-            Cell::Done(Ok(())) => Ok(TransferState::Completed),
-            Cell::Done(Err(e)) => Err(e.clone()),
+    /// The outcome so far.
+    fn snapshot(&self) -> Result<TransferState, Error> {
+        match self.state.load(Ordering::Acquire) {
+            PENDING => Ok(TransferState::InProgress),
+            SUCCEEDED => Ok(TransferState::Completed),
+            _ => Err(self
+                .error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .unwrap_or(Error::Closed)),
         }
     }
 }
@@ -381,13 +402,7 @@ impl TransferStatus {
     /// The transfer's failure, if it failed.
     pub fn poll(&self) -> Result<TransferState, Error> {
         self.completion.poke();
-        Completion::snapshot(
-            &self
-                .completion
-                .cell
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
-        )
+        self.completion.snapshot()
     }
 
     /// Blocks until the transfer finishes or `timeout` elapses. Returns
@@ -396,42 +411,39 @@ impl TransferStatus {
     /// # Errors
     /// The transfer's failure, if it failed.
     pub fn wait(&self, timeout: Duration) -> Result<TransferState, Error> {
+        let c = &*self.completion;
         let mut deadline = Deadline::new(timeout);
-        let driven = self.completion.driver.is_some();
+        let driven = c.driver.is_some();
         loop {
             if driven {
-                self.completion.drive(&mut deadline);
+                c.drive(&mut deadline);
             }
-            if self.completion.succeeded() {
-                return Ok(TransferState::Completed);
-            }
-            let c = self
-                .completion
-                .cell
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            if matches!(*c, Cell::Done(_)) {
-                return Completion::snapshot(&c);
+            match c.state.load(Ordering::Acquire) {
+                SUCCEEDED => return Ok(TransferState::Completed),
+                FAILED => return c.snapshot(),
+                _ => {}
             }
             let mut left = deadline.left();
             if left.is_zero() {
-                return Ok(TransferState::InProgress);
+                return c.snapshot();
             }
             if driven {
                 left = left.min(DRIVE_SLICE);
             }
-            // Counted under the lock, so a completion (which sets the
-            // cell under it) sees the sleeper and notifies.
-            self.completion.sleepers.fetch_add(1, Ordering::Relaxed);
-            let c = self
-                .completion
-                .cv
-                .wait_timeout(c, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-            self.completion.sleepers.fetch_sub(1, Ordering::Relaxed);
-            if matches!(*c, Cell::Done(_)) {
-                return Completion::snapshot(&c);
+            let guard = c.error.lock().unwrap_or_else(|p| p.into_inner());
+            // Counted before the look (see `complete`).
+            c.sleepers.fetch_add(1, Ordering::SeqCst);
+            if c.state.load(Ordering::SeqCst) == PENDING {
+                drop(
+                    c.cv.wait_timeout(guard, left)
+                        .unwrap_or_else(|p| p.into_inner()),
+                );
+            } else {
+                drop(guard);
+            }
+            c.sleepers.fetch_sub(1, Ordering::Relaxed);
+            if c.is_done() {
+                return c.snapshot();
             }
         }
     }
@@ -947,6 +959,88 @@ pub fn make_transfer_agent(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn first_outcome_wins_and_is_kept() {
+        let c = Completion::new();
+        let st = TransferStatus::new(1, Arc::clone(&c));
+        assert_eq!(st.poll().unwrap(), TransferState::InProgress);
+        assert!(c.complete(Err(Error::Closed)));
+        assert!(!c.complete(Ok(())));
+        assert!(!c.complete(Err(Error::UnknownAgent("x".into()))));
+        assert!(matches!(st.poll(), Err(Error::Closed)));
+        assert!(matches!(st.wait(Duration::ZERO), Err(Error::Closed)));
+        let ok = Completion::new();
+        assert!(ok.complete(Ok(())));
+        assert!(!ok.complete(Err(Error::Closed)));
+        let st = TransferStatus::new(2, ok);
+        assert_eq!(st.wait(Duration::ZERO).unwrap(), TransferState::Completed);
+        assert!(st.is_completed());
+    }
+
+    #[test]
+    fn racing_outcomes_record_exactly_one() {
+        for round in 0..200 {
+            let c = Completion::new();
+            let won = std::thread::scope(|s| {
+                let a = s.spawn(|| c.complete(Ok(())));
+                let b = s.spawn(|| c.complete(Err(Error::Closed)));
+                [a.join().unwrap(), b.join().unwrap()]
+            });
+            assert_eq!(won.iter().filter(|w| **w).count(), 1, "round {round}");
+            let st = TransferStatus::new(round, c);
+            match (won[0], st.poll()) {
+                (true, Ok(TransferState::Completed)) | (false, Err(Error::Closed)) => {}
+                (w, other) => panic!("round {round}: success won {w}, status {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn sleepers_wake_on_an_outcome_recorded_without_the_lock() {
+        for round in 0..50 {
+            let c = Completion::new();
+            let st = TransferStatus::new(round, Arc::clone(&c));
+            std::thread::scope(|s| {
+                let w = s.spawn(|| {
+                    let t = Instant::now();
+                    (st.wait(Duration::from_secs(20)), t.elapsed())
+                });
+                if round % 2 == 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                c.complete(Ok(()));
+                let (state, took) = w.join().unwrap();
+                assert_eq!(state.unwrap(), TransferState::Completed);
+                // A lost wake-up sleeps out the whole timeout.
+                assert!(
+                    took < Duration::from_secs(10),
+                    "round {round}: woke after {took:?}"
+                );
+            });
+        }
+        let c = Completion::new();
+        let st = TransferStatus::new(0, Arc::clone(&c));
+        let t = Instant::now();
+        assert_eq!(
+            st.wait(Duration::from_millis(30)).unwrap(),
+            TransferState::InProgress
+        );
+        assert!(t.elapsed() >= Duration::from_millis(30));
+    }
+
+    #[test]
+    fn a_reset_completion_is_pending_again() {
+        let mut c = Completion::new();
+        assert!(c.complete(Err(Error::Closed)));
+        Arc::get_mut(&mut c).unwrap().reset();
+        assert!(!c.is_done());
+        assert!(c.complete(Ok(())));
+        assert_eq!(
+            TransferStatus::new(0, c).poll().unwrap(),
+            TransferState::Completed
+        );
+    }
 
     #[test]
     fn config_ranges_are_checked() {

@@ -47,7 +47,7 @@ use crate::memory::{MemoryDescs, MemoryType, RegionMap};
 use crate::registry::{Inbox, RegionGuard, Registry, random_u64};
 use crate::shm::{self, Direction, Piece};
 use crate::small::{FastHash, Few};
-use crate::verbs::{Device, QpInfo, Sge};
+use crate::verbs::{Device, QpInfo};
 
 use session::{Finished, RequestTable};
 use sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
@@ -1214,14 +1214,19 @@ struct Link {
 /// (callgrind, soft-RoCE ping-pong: about 550 of 2,040 instructions a
 /// request). A request that finds the lane taken, or anything queued on
 /// the queue pair, takes the ordinary path. Taken under the send queue's
-/// lock, so it is posted in order with everything else.
+/// lock, so it is posted in order with everything else; freed under its
+/// own lock only (the send queue's is held across a post, a system call
+/// on soft-RoCE: a progress thread finishing the request behind it held
+/// the poll lock meanwhile, and the waiter spun on it).
 #[derive(Default)]
 struct Express {
-    /// The request in flight (the lane is taken while there is one): its
-    /// status, and the holds on its regions.
-    live: Option<(Arc<Completion>, Few<RegionGuard>)>,
-    /// The last request's status, reused when nothing else refers to it.
-    spare: Option<Arc<Completion>>,
+    /// Whether a request is in flight (the lane is taken).
+    live: bool,
+    /// The holds on the regions of the request in flight.
+    guards: Few<RegionGuard>,
+    /// The status of the request in flight, or of the last one: reused
+    /// when nothing else refers to it any more.
+    status: Option<Arc<Completion>>,
     /// Set by the link's last thread on exit (after which nothing would
     /// complete a new express request): the lane is closed.
     closed: bool,
@@ -2355,7 +2360,9 @@ struct SubmitCache {
     /// Registry generation read before the regions were resolved.
     generation: u64,
     regions: Few<Arc<crate::registry::LocalRegion>>,
-    planned: Planned,
+    /// Shared with the submissions in flight: a hit takes one reference
+    /// (no copy of the work requests) and lets the cache go.
+    planned: Arc<Planned>,
 }
 
 impl SubmitCache {
@@ -2498,7 +2505,7 @@ impl TcpAgent {
                 c.remote.descs.clone_from(&req.remote.descs);
                 c.generation = generation;
                 c.regions = regions;
-                c.planned = planned;
+                c.planned = Arc::new(planned);
             }
             None => {
                 *slot = Some(Box::new(SubmitCache {
@@ -2508,7 +2515,7 @@ impl TcpAgent {
                     remote: req.remote.clone(),
                     generation,
                     regions,
-                    planned,
+                    planned: Arc::new(planned),
                 }))
             }
         }
@@ -2533,16 +2540,15 @@ impl TcpAgent {
             return None;
         }
         let guards = self.inner.registry.hold_current(&c.regions, c.generation)?;
-        let p = &c.planned;
-        let (link, wrs, driver) = (Arc::clone(&p.link), p.wrs.clone(), p.driver.clone());
+        let p = Arc::clone(&c.planned);
         drop(slot);
         Some(self.post_planned(
-            &link,
+            &p.link,
             req.op,
-            Cow::Owned(wrs),
+            Cow::Borrowed(&p.wrs),
             req.sync_message.clone(),
             guards,
-            &driver,
+            &p.driver,
         ))
     }
 
@@ -3408,9 +3414,7 @@ impl Link {
             for (item, _, slot) in batch.iter() {
                 let start = sges.len();
                 match (item, slot) {
-                    (rdma::Queued::Data { wr, .. }, _) => {
-                        sges.extend(wr.sges.iter().map(|&s| Sge::from(s)))
-                    }
+                    (rdma::Queued::Data { wr, .. }, _) => sges.extend_from_slice(&wr.sges),
                     (rdma::Queued::Sync { id, msg, .. }, Some(slot)) => {
                         let len = conn.sends.write_sync(*slot, *id, msg);
                         sges.push(conn.sends.sge(*slot, len));
@@ -3492,8 +3496,7 @@ impl Link {
     ) -> Result<(), Error> {
         conn.queued.fetch_add(1, Ordering::AcqRel);
         conn.posted.fetch_add(1, Ordering::AcqRel);
-        let sges: Few<Sge> = wr.sges.iter().map(|&s| s.into()).collect();
-        let post = rdma::data_post(wr_id, op, wr, &sges);
+        let post = rdma::data_post(wr_id, op, wr, &wr.sges);
         // SAFETY: forwarded contract.
         let r = unsafe { lock(&conn.qp).post_batch(std::slice::from_ref(&post)) };
         let Err(e) = r else {
@@ -3523,17 +3526,23 @@ impl Link {
         let q = lock(&conn.queue);
         let completion = {
             let mut lane = lock(&self.express);
-            if lane.live.is_some() || lane.closed || !self.room_alone(conn, &q, wr) {
+            if lane.live || lane.closed || !self.room_alone(conn, &q, wr) {
                 return None;
             }
-            let reused = lane.spare.take().and_then(|mut c| {
+            let completion = match lane.status.as_mut().and_then(Arc::get_mut) {
                 // Unique: the caller dropped the status it was behind.
-                Arc::get_mut(&mut c)?.reset();
-                Some(c)
-            });
-            let c = reused.unwrap_or_else(|| Completion::with_driver(Some(driver.clone())));
-            lane.live = Some((Arc::clone(&c), std::mem::take(guards)));
-            c
+                Some(c) => {
+                    c.reset();
+                    Arc::clone(lane.status.as_ref()?)
+                }
+                None => Arc::clone(
+                    lane.status
+                        .insert(Completion::with_driver(Some(driver.clone()))),
+                ),
+            };
+            lane.live = true;
+            std::mem::swap(&mut lane.guards, guards);
+            completion
         };
         // SAFETY: the pieces lie in regions held (in the lane) until the
         // work request's completion is handled.
@@ -3549,17 +3558,15 @@ impl Link {
     /// `close`: the link's last thread is leaving, no request may take
     /// the lane after this one.
     fn finish_express(&self, result: Result<(), Error>, close: bool) {
-        let (c, guards) = {
-            let mut lane = lock(&self.express);
-            lane.closed |= close;
-            let Some((c, guards)) = lane.live.take() else {
-                return;
-            };
-            lane.spare = Some(Arc::clone(&c));
-            (c, guards)
-        };
-        drop(guards);
-        c.complete(result);
+        let mut lane = lock(&self.express);
+        lane.closed |= close;
+        if !std::mem::take(&mut lane.live) {
+            return;
+        }
+        lane.guards.clear();
+        if let Some(c) = &lane.status {
+            c.complete(result);
+        }
     }
 
     /// Drains the send completion queue once: frees window slots and

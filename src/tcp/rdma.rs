@@ -192,7 +192,8 @@ pub(crate) struct SendQueue {
 /// remote range.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Wr {
-    pub(crate) sges: Few<(u32, u64, u32)>,
+    /// The local pieces, in the form the post takes.
+    pub(crate) sges: Few<Sge>,
     pub(crate) rkey: u32,
     pub(crate) remote: u64,
     pub(crate) len: u64,
@@ -228,15 +229,15 @@ pub(crate) fn plan_wrs(
                 let extends = w
                     .sges
                     .last()
-                    .is_some_and(|s| s.0 == lkey && s.1 + u64::from(s.2) == l);
+                    .is_some_and(|s| s.lkey == lkey && s.addr + u64::from(s.len) == l);
                 if extends {
                     if let Some(s) = w.sges.last_mut() {
-                        s.2 += n as u32;
+                        s.len += n as u32;
                     }
                     w.len += n;
                     true
                 } else if w.sges.len() < max_sge {
-                    w.sges.push((lkey, l, n as u32));
+                    w.sges.push(Sge::from((lkey, l, n as u32)));
                     w.len += n;
                     true
                 } else {
@@ -248,7 +249,7 @@ pub(crate) fn plan_wrs(
             } else {
                 let n = (len - off).min(max_msg);
                 out.push(Wr {
-                    sges: Few::One((lkey, l, n as u32)),
+                    sges: Few::One(Sge::from((lkey, l, n as u32))),
                     rkey,
                     remote: r,
                     len: n,
@@ -456,7 +457,7 @@ mod tests {
         assert_eq!(
             w.as_slice(),
             &[Wr {
-                sges: vec![(1, 1000, 100), (1, 5000, 150)].into(),
+                sges: vec![(1, 1000, 100).into(), (1, 5000, 150).into()].into(),
                 rkey: 9,
                 remote: 50_000,
                 len: 250,
@@ -468,7 +469,7 @@ mod tests {
     fn splits_at_max_message_and_max_sge() {
         let w = plan_wrs(&[(1, 0, 2, 0, 10)], 4, 30);
         assert_eq!(w.iter().map(|w| w.len).collect::<Vec<_>>(), vec![4, 4, 2]);
-        assert_eq!(w[1].sges.as_slice(), &[(1, 4, 4)]);
+        assert_eq!(w[1].sges.as_slice(), &[(1, 4, 4).into()]);
         assert_eq!(w[1].remote, 4);
         // Four scattered local pieces to one remote range, two entries max.
         let p: Vec<_> = (0..4).map(|i| (1, i * 100, 2, 1000 + i * 10, 10)).collect();
@@ -491,7 +492,10 @@ mod tests {
         let mut at = 0;
         for wr in w.iter() {
             assert_eq!(wr.remote, at);
-            assert_eq!(wr.sges.iter().map(|s| u64::from(s.2)).sum::<u64>(), wr.len);
+            assert_eq!(
+                wr.sges.iter().map(|s| u64::from(s.len)).sum::<u64>(),
+                wr.len
+            );
             assert!(wr.len <= 96 && wr.sges.len() <= 3);
             at += wr.len;
         }

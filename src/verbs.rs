@@ -1343,6 +1343,23 @@ impl CqPoller {
     pub fn poll(&self, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
         poll(&self.0, out)
     }
+
+    /// Hands each completion to `each` as it is polled (no buffer);
+    /// returns how many there were.
+    ///
+    /// # Errors
+    /// `ibv_poll_cq`'s error.
+    pub fn poll_each(&self, mut each: impl FnMut(&Completion)) -> Result<usize, VerbsError> {
+        let GenericCompletionQueue::Basic(basic) = &self.0 else {
+            let mut out = Vec::new();
+            let n = poll(&self.0, &mut out)?;
+            out.iter().for_each(each);
+            return Ok(n);
+        };
+        // SAFETY: the completion queue is alive (we hold it).
+        let cq = unsafe { basic.cq() };
+        poll_raw(cq, |w| each(&Completion::from_wc(w, true)))
+    }
 }
 
 /// Sleeping until a completion queue has news, instead of polling it:

@@ -3268,7 +3268,7 @@ impl Link {
                 return;
             }
             let count = wrs.len() + usize::from(sync.is_some());
-            conn.queued.fetch_add(count as u64, Ordering::AcqRel);
+            conn.count_queued(count as u64);
             conn.waiting.fetch_add(count, Ordering::SeqCst);
             for wr in wrs {
                 q.items
@@ -3298,7 +3298,7 @@ impl Link {
             }
             *t = true;
             let mut q = lock(&conn.queue);
-            conn.queued.fetch_add(wrs.len() as u64, Ordering::AcqRel);
+            conn.count_queued(wrs.len() as u64);
             conn.waiting.fetch_add(wrs.len(), Ordering::SeqCst);
             for wr in wrs {
                 q.items
@@ -3316,7 +3316,7 @@ impl Link {
                 .collect();
             let conn = &self.rdma[0];
             let mut q = lock(&conn.queue);
-            conn.queued.fetch_add(1, Ordering::AcqRel);
+            conn.count_queued(1);
             conn.waiting.fetch_add(1, Ordering::SeqCst);
             q.items
                 .push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
@@ -3494,7 +3494,7 @@ impl Link {
         op: TransferOp,
         wr: &rdma::Wr,
     ) -> Result<(), Error> {
-        conn.queued.fetch_add(1, Ordering::AcqRel);
+        conn.count_queued(1);
         conn.posted.fetch_add(1, Ordering::AcqRel);
         let post = rdma::data_post(wr_id, op, wr, &wr.sges);
         // SAFETY: forwarded contract.
@@ -3569,6 +3569,71 @@ impl Link {
         }
     }
 
+    /// Handles one completion of `conn`'s send queue, polled by the holder
+    /// of its poll lock: frees its window slot and message buffer, records
+    /// its request's event (failing the link on an error completion).
+    /// `touched`: whether this drain has told the link's idle clock yet (a
+    /// drain of express completions alone reads no clock: the idle check
+    /// watches the table, which they stay out of).
+    fn on_send_completion(
+        &self,
+        conn: &rdma::RdmaConn,
+        c: &crate::verbs::Completion,
+        touched: &mut bool,
+    ) {
+        conn.posted.fetch_sub(1, Ordering::AcqRel);
+        conn.count_completed();
+        conn.release_slot();
+        let express = c.wr_id & rdma::EXPRESS_FLAG != 0;
+        if !express && !std::mem::replace(touched, true) {
+            self.clock.touch();
+        }
+        let (req, slot) = rdma::decode_wr_id(c.wr_id);
+        if let Some(slot) = slot {
+            conn.sends.release(slot);
+        }
+        let result = match c.ok() {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let err = self.broken_cause().unwrap_or_else(|| match e {
+                    crate::verbs::VerbsError::WorkCompletion { status_name, .. } => {
+                        Error::RdmaCompletion {
+                            remote: self.remote.clone(),
+                            status: status_name,
+                        }
+                    }
+                    other => rdma::rdma_err(&self.remote, other),
+                });
+                self.fail(err.clone());
+                Err(err)
+            }
+        };
+        if express {
+            self.finish_express(result, false);
+            return;
+        }
+        // A request's last event (nothing else can count one then) is
+        // taken out of the table under the same lock as the lookup.
+        let mut t = lock(&self.pending);
+        let found = match t.map.get(&req) {
+            Some(p) if p.outstanding.load(Ordering::Acquire) == 1 => {
+                t.map.remove(&req).map(|p| (p, true))
+            }
+            Some(p) => Some((Arc::clone(p), false)),
+            None => None,
+        };
+        drop(t);
+        match found {
+            Some((p, true)) => {
+                // Its count was 1 under the lock: this is its last event.
+                p.event(result);
+                p.finish(None);
+            }
+            Some((p, false)) => self.complete_event(req, &p, result),
+            None => {}
+        }
+    }
+
     /// Drains the send completion queue once: frees window slots and
     /// message buffers, completes request events, fails the link on the
     /// first error completion, then posts what the freed window allows.
@@ -3579,7 +3644,7 @@ impl Link {
     /// (the progress thread after arming its completion channel, which
     /// must not miss a completion the other thread polled too early for).
     fn drain_rdma(&self, conn: &rdma::RdmaConn, wait_turn: bool) -> usize {
-        let mut done = if wait_turn {
+        let polling = if wait_turn {
             lock(&conn.polled)
         } else {
             match conn.polled.try_lock() {
@@ -3588,69 +3653,24 @@ impl Link {
                 Err(std::sync::TryLockError::WouldBlock) => return 0,
             }
         };
-        done.clear();
-        if let Err(e) = conn.cq.poll(&mut done) {
-            self.fail(rdma::rdma_err(&self.remote, e));
-        }
-        if done.is_empty() {
+        let mut touched = false;
+        let n = match conn
+            .cq
+            .poll_each(|c| self.on_send_completion(conn, c, &mut touched))
+        {
+            Ok(n) => n,
+            Err(e) => {
+                self.fail(rdma::rdma_err(&self.remote, e));
+                0
+            }
+        };
+        if n == 0 {
             return 0;
         }
-        // Progress for the link's idle check, which watches the table:
-        // a batch of express completions alone needs no clock read.
-        if done.iter().any(|c| c.wr_id & rdma::EXPRESS_FLAG == 0) {
-            self.clock.touch();
-        }
-        for c in done.iter() {
-            let (req, slot) = rdma::decode_wr_id(c.wr_id);
-            conn.posted.fetch_sub(1, Ordering::AcqRel);
-            conn.completed.fetch_add(1, Ordering::AcqRel);
-            conn.release_slot();
-            if let Some(slot) = slot {
-                conn.sends.release(slot);
-            }
-            let result = match c.ok() {
-                Ok(()) => Ok(()),
-                Err(e) => {
-                    let err = self.broken_cause().unwrap_or_else(|| match e {
-                        crate::verbs::VerbsError::WorkCompletion { status_name, .. } => {
-                            Error::RdmaCompletion {
-                                remote: self.remote.clone(),
-                                status: status_name,
-                            }
-                        }
-                        other => rdma::rdma_err(&self.remote, other),
-                    });
-                    self.fail(err.clone());
-                    Err(err)
-                }
-            };
-            if c.wr_id & rdma::EXPRESS_FLAG != 0 {
-                self.finish_express(result, false);
-                continue;
-            }
-            // A request's last event (nothing else can count one then) is
-            // taken out of the table under the same lock as the lookup.
-            let mut t = lock(&self.pending);
-            let found = match t.map.get(&req) {
-                Some(p) if p.outstanding.load(Ordering::Acquire) == 1 => {
-                    t.map.remove(&req).map(|p| (p, true))
-                }
-                Some(p) => Some((Arc::clone(p), false)),
-                None => None,
-            };
-            drop(t);
-            match found {
-                Some((p, true)) => {
-                    // Its count was 1 under the lock: this is its last event.
-                    p.event(result);
-                    p.finish(None);
-                }
-                Some((p, false)) => self.complete_event(req, &p, result),
-                None => {}
-            }
-        }
-        let n = done.len();
-        drop(done);
+        // Only the holder of `polled` writes it: no read-modify-write.
+        conn.drains
+            .store(conn.drains.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        drop(polling);
         // The window has room again: post what is queued. (A submitter
         // counts its work in `waiting` before it tries the window; the
         // count, the window's release and its try are sequentially
@@ -3678,8 +3698,12 @@ impl Link {
             return;
         };
         let mut backoff = Backoff::new();
+        // The drain count at the last look while parked for waiters.
+        let mut seen = u64::MAX;
         loop {
             if self.drain_rdma(conn, false) > 0 {
+                // Its own drains are not the waiters'.
+                seen = conn.drains.load(Ordering::Relaxed);
                 backoff.reset();
                 continue;
             }
@@ -3700,10 +3724,16 @@ impl Link {
                 // progress thread took the CPU from them (soft-RoCE
                 // ping-pong 420 µs with it, 200-225 µs without, see
                 // docs/benchmarks.md). Look in every millisecond while work
-                // is posted (a waiter may have given up), else every 20 ms;
-                // submitting a large request wakes the thread at once.
+                // is posted and nobody drained since the last look (a
+                // waiter may have given up), every 20 ms while waiters
+                // drain (a latency-bound caller: one request, wait, the
+                // next) or nothing is posted; submitting a large request
+                // wakes the thread at once.
+                let drains = conn.drains.load(Ordering::Relaxed);
+                let waiters_drain = drains != std::mem::replace(&mut seen, drains);
                 let posted = conn.posted.load(Ordering::Acquire) > 0;
-                std::thread::park_timeout(Duration::from_millis(if posted { 1 } else { 20 }));
+                let ms = if posted && !waiters_drain { 1 } else { 20 };
+                std::thread::park_timeout(Duration::from_millis(ms));
                 backoff.reset();
                 continue;
             }

@@ -295,7 +295,9 @@ pub(crate) struct RdmaConn {
     /// Position among the link's queue pairs (sync messages go on 0).
     pub(crate) index: usize,
     /// Work requests ever queued here, and ever completed (in order: one
-    /// send queue completes in posting order).
+    /// send queue completes in posting order). Counted on the queue pairs
+    /// after the first only: a sync message (always on the first) waits
+    /// for the others' (see [`count_queued`](Self::count_queued)).
     pub(crate) queued: AtomicU64,
     pub(crate) completed: AtomicU64,
     /// This queue pair's share of the link's bytes in flight
@@ -307,9 +309,12 @@ pub(crate) struct RdmaConn {
     /// The completion channel, in the [`RdmaProgress`](crate::RdmaProgress)
     /// modes that sleep on one (all but `Poll`).
     pub(crate) events: Option<crate::verbs::CqEvents>,
-    /// Held while draining `cq` (by the progress thread or a waiter); the
-    /// buffer the completions are polled into.
-    pub(crate) polled: Mutex<Vec<crate::verbs::Completion>>,
+    /// Held while draining `cq` (by the progress thread or a waiter).
+    pub(crate) polled: Mutex<()>,
+    /// Drains that found completions, counted by the drainer (under
+    /// `polled`'s lock): the progress thread, parked while waiters poll,
+    /// looks at it to see whether they still do.
+    pub(crate) drains: AtomicU64,
     pub(crate) sends: MsgRing,
     window: Window,
     /// Work waiting for room in the send queue, in posting order.
@@ -341,7 +346,8 @@ impl RdmaConn {
             completed: AtomicU64::new(0),
             cq: qp.send_poller(),
             events: qp.send_events(),
-            polled: Mutex::new(Vec::with_capacity(WINDOW as usize)),
+            polled: Mutex::new(()),
+            drains: AtomicU64::new(0),
             max_sge: qp.max_sge() as usize,
             batch_is_atomic: qp.batch_is_atomic(),
             qp: Mutex::new(qp),
@@ -352,6 +358,24 @@ impl RdmaConn {
             posted: AtomicUsize::new(0),
             max_msg: max_msg.min(dev.max_msg_size()),
         })
+    }
+
+    /// Counts `n` work requests queued. Only the queue pairs after the
+    /// first are counted: the counts are read for a sync message's gate,
+    /// which covers the other queue pairs (RC orders the first's own work
+    /// before it), so the first's — every request's, on a one-queue-pair
+    /// link — would be two atomic updates a request for nothing.
+    pub(crate) fn count_queued(&self, n: u64) {
+        if self.index != 0 {
+            self.queued.fetch_add(n, Ordering::AcqRel);
+        }
+    }
+
+    /// Counts one work request completed (see [`count_queued`](Self::count_queued)).
+    pub(crate) fn count_completed(&self) {
+        if self.index != 0 {
+            self.completed.fetch_add(1, Ordering::AcqRel);
+        }
     }
 
     /// Takes one send-queue slot for a work request of `len` bytes if one

@@ -639,6 +639,48 @@ fn kept_statuses_keep_their_outcomes() {
     }
 }
 
+/// A small request whose caller drops its status unwaited, after others
+/// that were waited for (on RDMA their waiters drained the completion
+/// queue, and the progress thread had stepped back): it still completes
+/// on its own — its source region becomes free to deregister — and its
+/// bytes land.
+#[test]
+fn unwaited_small_request_completes_on_its_own() {
+    let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let mut src = vec![0u8; 4096];
+    fill(&mut src, 5, 0);
+    let (agent, name) = connect(&peer, &src);
+    let req = |i: u64| {
+        TransferRequest::write(
+            dram([(src.as_ptr() as u64 + i * 64, 64)]),
+            peer.range(i * 64, 64),
+            &name,
+        )
+    };
+    for i in 0..8 {
+        agent
+            .submit_transfer(&req(i))
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+    }
+    drop(agent.submit_transfer(&req(8)).unwrap());
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match agent.deregister_memory(&MemoryDescs::dram(&src)) {
+            Ok(()) => break,
+            Err(Error::RegionBusy { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => panic!("the unwaited request never completed: {e}"),
+        }
+    }
+    let mut expect = vec![0u8; 4096];
+    fill(&mut expect, 3, 0);
+    expect[..9 * 64].copy_from_slice(&src[..9 * 64]);
+    assert_eq!(peer.cmd("hash"), fnv(&expect).to_string());
+}
+
 /// Threads sharing one agent and one connection: three submit small
 /// requests one after another (on RDMA they contend for the express lane
 /// and fall back to the ordinary path when it is taken), one submits

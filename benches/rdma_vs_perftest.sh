@@ -109,10 +109,16 @@ for r in $(seq "$R"); do
   ratios_w+=("$(python3 -c "print($kw*1e3/($wbw*1.048576))")")
   ratios_r+=("$(python3 -c "print($kr*1e3/($rbw*1.048576))")")
 done
+# The four runs of a round go in turn order on odd rounds and in reverse on
+# even ones, so no program always follows the same other one (a run right
+# after another's teardown is not penalised in one direction only).
 for r in $(seq "$LR"); do
-  lat=$(perf_lat); ppa=$(pp adaptive); pl=$(echo "$ppa" | json p50_us)
-  pp_=$(pp adaptive --prepared | json p50_us)
-  pv=$(ppv | json p50_us)
+  if [ $((r % 2)) = 1 ]; then
+    lat=$(perf_lat); ppa=$(pp adaptive); pp_=$(pp adaptive --prepared | json p50_us); pv=$(ppv | json p50_us)
+  else
+    pv=$(ppv | json p50_us); pp_=$(pp adaptive --prepared | json p50_us); ppa=$(pp adaptive); lat=$(perf_lat)
+  fi
+  pl=$(echo "$ppa" | json p50_us)
   echo "latency round $r: ib_write_lat $lat us, kvxfer ping-pong $pl us ($ppa), prepared $pp_ us, verbs-only ping-pong $pv us" >&2
   lats+=("$lat"); ppes+=("$pl"); ppps+=("$pp_"); ppvs+=("$pv")
   ratios_l+=("$(python3 -c "print($pl/$lat)")")

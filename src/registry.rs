@@ -234,10 +234,7 @@ impl Registry {
         regions: &[Arc<LocalRegion>],
         seen: u64,
     ) -> Option<Few<RegionGuard>> {
-        let guards = match regions {
-            [one] => Few::One(RegionGuard::new(one)),
-            _ => regions.iter().map(RegionGuard::new).collect(),
-        };
+        let guards: Few<RegionGuard> = regions.iter().map(RegionGuard::new).collect();
         // After the holds: a deregistration that bumps the generation later
         // sees them and refuses; one that bumped it earlier is seen here.
         (self.generation.load(Ordering::SeqCst) == seen).then_some(guards)

@@ -95,11 +95,18 @@ impl<T> From<Vec<T>> for Few<T> {
 
 impl<T> FromIterator<T> for Few<T> {
     fn from_iter<I: IntoIterator<Item = T>>(iter: I) -> Self {
-        let mut f = Few::new();
-        for v in iter {
-            f.push(v);
-        }
-        f
+        let mut it = iter.into_iter();
+        let Some(a) = it.next() else {
+            return Few::Empty;
+        };
+        let Some(b) = it.next() else {
+            return Few::One(a);
+        };
+        let mut all = Vec::with_capacity(2 + it.size_hint().0);
+        all.push(a);
+        all.push(b);
+        all.extend(it);
+        Few::Many(all)
     }
 }
 

@@ -681,11 +681,7 @@ impl SharedReceiveQueue {
     /// # Errors
     /// `ibv_post_srq_recv`'s error.
     pub unsafe fn post_recv(&self, wr_id: u64, sge: Sge) -> Result<(), VerbsError> {
-        let mut list = rdma_mummy_sys::ibv_sge {
-            addr: sge.addr,
-            length: sge.len,
-            lkey: sge.lkey,
-        };
+        let mut list = rdma_mummy_sys::ibv_sge::from(sge);
         let mut wr = rdma_mummy_sys::ibv_recv_wr {
             wr_id,
             next: std::ptr::null_mut(),
@@ -808,6 +804,16 @@ pub struct Sge {
     pub len: u32,
 }
 
+impl From<Sge> for rdma_mummy_sys::ibv_sge {
+    fn from(s: Sge) -> Self {
+        Self {
+            addr: s.addr,
+            length: s.len,
+            lkey: s.lkey,
+        }
+    }
+}
+
 impl From<(u32, u64, u32)> for Sge {
     /// From `(lkey, addr, len)`.
     fn from((lkey, addr, len): (u32, u64, u32)) -> Self {
@@ -851,6 +857,19 @@ pub struct Post<'a> {
     pub op: PostOp,
     /// Local pieces, in order.
     pub sges: &'a [Sge],
+}
+
+impl<'a> Post<'a> {
+    /// The piece this work request carries inline, if it does: a WRITE or
+    /// SEND of one piece of at most [`MAX_INLINE`] bytes (copied into the
+    /// work request when posted, so the device reads no memory region).
+    fn inline_piece(&self) -> Option<&'a Sge> {
+        match (self.op, self.sges) {
+            (PostOp::Read { .. }, _) => None,
+            (_, [one]) if one.len <= MAX_INLINE => Some(one),
+            _ => None,
+        }
+    }
 }
 
 /// A completed work request.
@@ -1122,11 +1141,7 @@ impl RcQueuePair {
         };
         let mut guard = self.qp.start_post_send();
         for w in wrs {
-            let inline = match (w.op, w.sges) {
-                (PostOp::Read { .. }, _) => None,
-                (_, [one]) if one.len <= MAX_INLINE => Some(one),
-                _ => None,
-            };
+            let inline = w.inline_piece();
             // The flag too: soft-RoCE reads the inline bytes only with it
             // (without, the work request fails with a local QP error).
             let wr_flags = match inline {
@@ -1160,12 +1175,8 @@ impl RcQueuePair {
                     h.setup_inline_data(bytes);
                 }
                 None => {
-                    for (r, s) in scratch.iter_mut().zip(w.sges) {
-                        *r = rdma_mummy_sys::ibv_sge {
-                            addr: s.addr,
-                            length: s.len,
-                            lkey: s.lkey,
-                        };
+                    for (r, &s) in scratch.iter_mut().zip(w.sges) {
+                        *r = s.into();
                     }
                     // SAFETY: forwarded contract: the pieces stay valid until
                     // the work request completes. The list is copied at once.
@@ -1194,22 +1205,15 @@ impl RcQueuePair {
             lkey: 0,
         };
         let mut list = [blank; DIRECT_SGES];
-        for (r, s) in list.iter_mut().zip(w.sges) {
-            *r = sys::ibv_sge {
-                addr: s.addr,
-                length: s.len,
-                lkey: s.lkey,
-            };
+        for (r, &s) in list.iter_mut().zip(w.sges) {
+            *r = s.into();
         }
         let mut flags = if signaled {
             sys::ibv_send_flags::IBV_SEND_SIGNALED.0
         } else {
             0
         };
-        // The same rule as the batch path: a WRITE or SEND of one short
-        // piece goes inline (the provider copies it at once).
-        if !matches!(w.op, PostOp::Read { .. }) && matches!(w.sges, [one] if one.len <= MAX_INLINE)
-        {
+        if w.inline_piece().is_some() {
             flags |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
         }
         let (opcode, imm, remote_addr, rkey) = match w.op {
@@ -1349,16 +1353,8 @@ impl CqPoller {
     ///
     /// # Errors
     /// `ibv_poll_cq`'s error.
-    pub fn poll_each(&self, mut each: impl FnMut(&Completion)) -> Result<usize, VerbsError> {
-        let GenericCompletionQueue::Basic(basic) = &self.0 else {
-            let mut out = Vec::new();
-            let n = poll(&self.0, &mut out)?;
-            out.iter().for_each(each);
-            return Ok(n);
-        };
-        // SAFETY: the completion queue is alive (we hold it).
-        let cq = unsafe { basic.cq() };
-        poll_raw(cq, |w| each(&Completion::from_wc(w, true)))
+    pub fn poll_each(&self, each: impl FnMut(&Completion)) -> Result<usize, VerbsError> {
+        poll_each(&self.0, each)
     }
 }
 
@@ -1451,27 +1447,37 @@ const DIRECT_SGES: usize = 4;
 const POLL_BATCH: usize = 32;
 
 fn poll(cq: &GenericCompletionQueue, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
-    let before = out.len();
+    poll_each(cq, |c| out.push(*c))
+}
+
+/// Polls `cq` once, handing each completion to `each` as it comes (no
+/// buffer); returns how many there were.
+fn poll_each(
+    cq: &GenericCompletionQueue,
+    mut each: impl FnMut(&Completion),
+) -> Result<usize, VerbsError> {
     let GenericCompletionQueue::Basic(basic) = cq else {
         let poller = match cq.start_poll() {
             Ok(p) => p,
             Err(PollCompletionQueueError::CompletionQueueEmpty) => return Ok(0),
             Err(e) => return Err(verb("ibv_poll_cq")(other(e))),
         };
+        let mut n = 0;
         for wc in poller {
-            out.push(Completion {
+            each(&Completion {
                 wr_id: wc.wr_id(),
                 status: wc.status(),
                 vendor_err: wc.vendor_err(),
                 byte_len: wc.byte_len(),
                 imm: wc.imm_data(),
             });
+            n += 1;
         }
-        return Ok(out.len() - before);
+        return Ok(n);
     };
     // SAFETY: the completion queue is alive (we hold it).
     let cq = unsafe { basic.cq() };
-    poll_raw(cq, |w| out.push(Completion::from_wc(w, true)))
+    poll_raw(cq, |w| each(&Completion::from_wc(w, true)))
 }
 
 /// Polls `cq` once with `ibv_poll_cq` into a batch on the stack, handing

@@ -3529,17 +3529,14 @@ impl Link {
             if lane.live || lane.closed || !self.room_alone(conn, &q, wr) {
                 return None;
             }
-            let completion = match lane.status.as_mut().and_then(Arc::get_mut) {
+            let new = || Completion::with_driver(Some(driver.clone()));
+            let status = lane.status.get_or_insert_with(new);
+            match Arc::get_mut(status) {
                 // Unique: the caller dropped the status it was behind.
-                Some(c) => {
-                    c.reset();
-                    Arc::clone(lane.status.as_ref()?)
-                }
-                None => Arc::clone(
-                    lane.status
-                        .insert(Completion::with_driver(Some(driver.clone()))),
-                ),
-            };
+                Some(c) => c.reset(),
+                None => *status = new(),
+            }
+            let completion = Arc::clone(status);
             lane.live = true;
             std::mem::swap(&mut lane.guards, guards);
             completion

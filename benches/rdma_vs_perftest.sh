@@ -28,7 +28,7 @@
 # 0.65-0.9x where 16 gave 0.96-1.19x in the same boot.
 # TCG emulation makes absolute figures meaningless: compare ratios only.
 # The bandwidth comparisons run ROUNDS (default 5) alternating rounds, the
-# latency comparison LAT_ROUNDS (default 15), and compare medians.
+# latency comparison LAT_ROUNDS (default 41), and compare medians.
 #
 #   benches/rdma_vs_perftest.sh            ROUNDS=3 LAT_ROUNDS=9 benches/rdma_vs_perftest.sh
 set -euo pipefail
@@ -37,7 +37,7 @@ if [ "${KVXFER_RDMA_GUEST:-}" != 1 ]; then
   cargo build --release --locked --bin kvxfer-bench >&2
   # The guest passes on only the variables it knows: ROUNDS, LAT_ROUNDS
   # and ITERS go on the command line.
-  exec ci/rxe-guest --timeout 2400 env ROUNDS="${ROUNDS:-5}" LAT_ROUNDS="${LAT_ROUNDS:-15}" ITERS="${ITERS:-200}" bash benches/rdma_vs_perftest.sh
+  exec ci/rxe-guest --timeout 2400 env ROUNDS="${ROUNDS:-5}" LAT_ROUNDS="${LAT_ROUNDS:-41}" ITERS="${ITERS:-200}" bash benches/rdma_vs_perftest.sh
 fi
 
 B=target/release/kvxfer-bench
@@ -46,7 +46,19 @@ B=target/release/kvxfer-bench
 N=${ITERS:-200}
 KITERS=$(( (N + 15) / 16 ))
 out=$(mktemp -d)
-json() { python3 -c "import json,sys; d=json.loads(sys.stdin.readline()); print(d['$1'])"; }
+# Shell and awk for the per-run arithmetic: a Python start costs seconds
+# in the emulated guest, and a latency round used to start six.
+json() { sed -n 's/.*"'"$1"'":\([-+0-9.eE]*\).*/\1/p' | head -n 1; } # field (a number) of a JSON line
+div() { awk -v a="$1" -v b="$2" 'BEGIN { print a / b }'; }
+# perftest's server listens on port 18515: connect as soon as it does.
+listening() {
+  local i
+  for i in $(seq 100); do
+    ss -ltn 2>/dev/null | grep -q ':18515 ' && return 0
+    sleep 0.05
+  done
+  return 1
+}
 
 # perftest's client now and then finds its server not yet listening and
 # prints nothing: up to three tries.
@@ -55,7 +67,7 @@ perf_bw() { # tool size -> MB/s (average)
   for t in 1 2 3; do
     timeout 300 "$1" -d rxe1 -x 0 -s "$2" -n "$N" >/dev/null 2>&1 &
     local srv=$!
-    sleep "$t"
+    listening || sleep "$t"
     v=$(timeout 300 "$1" -d rxe0 -x 0 -s "$2" -n "$N" 127.0.0.1 2>/dev/null | awk '$1 == "'"$2"'" {print $4}')
     wait "$srv" || true
     [ -n "$v" ] && break
@@ -67,7 +79,7 @@ perf_lat() { # -> typical (median) latency in us
   for t in 1 2 3; do
     timeout 300 ib_write_lat -d rxe1 -x 0 -s 8 -n 1000 >/dev/null 2>&1 &
     local srv=$!
-    sleep "$t"
+    listening || sleep "$t"
     v=$(timeout 300 ib_write_lat -d rxe0 -x 0 -s 8 -n 1000 127.0.0.1 2>/dev/null | awk '$1 == "8" {print $5}')
     wait "$srv" || true
     [ -n "$v" ] && break
@@ -91,39 +103,42 @@ pp() { # progress [flags] -> json line
 
 # Each comparison alternates the programs ROUNDS times in this boot and
 # compares medians: the emulated CPUs make single runs swing by 1.5x either
-# way. Latency has rounds of its own (LAT_ROUNDS, default 15: a run is a
+# way. Latency has rounds of its own (LAT_ROUNDS, default 41: a run is a
 # few seconds): a ping-pong run lands in one of two modes, about 32 and
 # about 55 us for ib_write_lat and the verbs layer alike, so a round
 # pairing a fast run with a slow one reads 0.6x or 1.7x, and a median of
-# five such ratios is a coin toss.
+# five such ratios is a coin toss. With per-round ratios spread 0.7-2.4x
+# (25 rounds, seventh session), the median of n of them moves by about
+# +-(1.25 x 0.3 / sqrt(n)): +-7 % at 25 rounds, +-6 % at 41. A round
+# takes about 7 s (no idle measurement in its runs, no Python started).
 R=${ROUNDS:-5}
-LR=${LAT_ROUNDS:-15}
-med() { python3 -c "import statistics,sys; print(statistics.median(float(x) for x in sys.argv[1:]))" "$@"; }
+LR=${LAT_ROUNDS:-41}
+med() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 wbws=(); kws=(); rbws=(); krs=(); lats=(); ppes=(); ppps=(); ppvs=(); ratios_w=(); ratios_r=(); ratios_l=(); ratios_p=(); ratios_v=()
-kwj=; ppa=
+kwj=
 for r in $(seq "$R"); do
   wbw=$(perf_bw ib_write_bw 1048576); kwj=$(KDEPTH=4 kx rdma write 1MiB 16 "$KITERS"); kw=$(echo "$kwj" | json gb_per_s)
   rbw=$(perf_bw ib_read_bw 1048576); kr=$(KDEPTH=4 kx rdma read 1MiB 16 "$KITERS" | json gb_per_s)
   echo "round $r: ib_write_bw $wbw MB/s, kvxfer write $kw GB/s; ib_read_bw $rbw MB/s, kvxfer read $kr GB/s" >&2
   wbws+=("$wbw"); kws+=("$kw"); rbws+=("$rbw"); krs+=("$kr")
-  ratios_w+=("$(python3 -c "print($kw*1e3/($wbw*1.048576))")")
-  ratios_r+=("$(python3 -c "print($kr*1e3/($rbw*1.048576))")")
+  ratios_w+=("$(div "$(div "$kw" 1.048576e-3)" "$wbw")")
+  ratios_r+=("$(div "$(div "$kr" 1.048576e-3)" "$rbw")")
 done
 # The four runs of a round go in turn order on odd rounds and in reverse on
 # even ones, so no program always follows the same other one (a run right
 # after another's teardown is not penalised in one direction only).
 for r in $(seq "$LR"); do
   if [ $((r % 2)) = 1 ]; then
-    lat=$(perf_lat); ppa=$(pp adaptive); pp_=$(pp adaptive --prepared | json p50_us); pv=$(ppv | json p50_us)
+    lat=$(perf_lat); ppr=$(pp adaptive --idle-secs 0); pp_=$(pp adaptive --prepared --idle-secs 0 | json p50_us); pv=$(ppv | json p50_us)
   else
-    pv=$(ppv | json p50_us); pp_=$(pp adaptive --prepared | json p50_us); ppa=$(pp adaptive); lat=$(perf_lat)
+    pv=$(ppv | json p50_us); pp_=$(pp adaptive --prepared --idle-secs 0 | json p50_us); ppr=$(pp adaptive --idle-secs 0); lat=$(perf_lat)
   fi
-  pl=$(echo "$ppa" | json p50_us)
-  echo "latency round $r: ib_write_lat $lat us, kvxfer ping-pong $pl us ($ppa), prepared $pp_ us, verbs-only ping-pong $pv us" >&2
+  pl=$(echo "$ppr" | json p50_us)
+  echo "latency round $r: ib_write_lat $lat us, kvxfer ping-pong $pl us ($ppr), prepared $pp_ us, verbs-only ping-pong $pv us" >&2
   lats+=("$lat"); ppes+=("$pl"); ppps+=("$pp_"); ppvs+=("$pv")
-  ratios_l+=("$(python3 -c "print($pl/$lat)")")
-  ratios_p+=("$(python3 -c "print($pp_/$lat)")")
-  ratios_v+=("$(python3 -c "print($pv/$lat)")")
+  ratios_l+=("$(div "$pl" "$lat")")
+  ratios_p+=("$(div "$pp_" "$lat")")
+  ratios_v+=("$(div "$pv" "$lat")")
 done
 wbw=$(med "${wbws[@]}"); kw=$(med "${kws[@]}"); rbw=$(med "${rbws[@]}"); kr=$(med "${krs[@]}")
 lat=$(med "${lats[@]}"); plm=$(med "${ppes[@]}"); ppm=$(med "${ppps[@]}"); pvm=$(med "${ppvs[@]}")
@@ -136,6 +151,8 @@ prw=$(med "${ratios_w[@]}"); prr=$(med "${ratios_r[@]}"); prl=$(med "${ratios_l[
 # round trips: no run-to-run swing between them).
 ab=$(KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$B" --pingpong-ab --iters 3000 --warmup 10 --target-rdma-device rxe1 --json)
 echo "in-process: $ab" >&2
+# The progress modes, each with its idle agents' CPU (one run each).
+ppa=$(pp adaptive); echo "kvxfer ping-pong (adaptive): $ppa" >&2
 ppe=$(pp events); echo "kvxfer ping-pong (events): $ppe" >&2
 ppp=$(pp poll); echo "kvxfer ping-pong (poll): $ppp" >&2
 kl=$(kx rdma write 8 1 500 | json p50_us)
@@ -168,7 +185,7 @@ print(f"              prepared (prepare_transfer once, submit_prepared each roun
 print(f"              in one process, alternating blocks: submit_transfer {ab['agent_over_verbs']:.3f}x, submit_prepared {ab['prepared_over_verbs']:.3f}x the verbs layer")
 print(f"              verbs layer alone (same queue pairs, post + poll) {pv:.2f} us, ratio {prv:.3f} ({pv/lat:.3f}); agent over verbs {pl/pv:.3f}x")
 print(f"              kvxfer submit-to-completion p50 {kl:.2f} us (a full round trip plus the library's work)")
-print(f"progress    : adaptive: ping-pong p50 {ppa['p50_us']:.2f} us, idle {ppa['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwj['cpu_cores']:.3f} cores at {kwj['gb_per_s']*1e3:.1f} MB/s (last round)")
+print(f"progress    : adaptive: ping-pong p50 {ppa['p50_us']:.2f} us, idle {ppa['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwj['cpu_cores']:.3f} cores at {kwj['gb_per_s']*1e3:.1f} MB/s (last bandwidth round)")
 print(f"              events:   ping-pong p50 {ppe['p50_us']:.2f} us, idle {ppe['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwej['cpu_cores']:.3f} cores at {kwej['gb_per_s']*1e3:.1f} MB/s")
 print(f"              poll:     ping-pong p50 {ppp['p50_us']:.2f} us, idle {ppp['idle_cpu_pct']:.2f}% CPU, 1 MiB WRITE initiator {kwpj['cpu_cores']:.3f} cores at {kwpj['gb_per_s']*1e3:.1f} MB/s")
 print(f"TCP fallback, same workload, same guest (loopback): {kt_mb:9.1f} MB/s; RDMA/TCP {kw_mb/kt_mb:.2f}x")

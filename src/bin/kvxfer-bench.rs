@@ -110,6 +110,10 @@ struct Args {
     /// scheduler never puts both spinning sides on one CPU.
     #[arg(long)]
     pin: bool,
+    /// `--pingpong`: seconds to measure the two idle agents' CPU use for
+    /// after the round trips (`idle_cpu_pct`); 0 skips it.
+    #[arg(long, default_value_t = 1.0)]
+    idle_secs: f64,
     /// How RDMA progress threads wait for completions: events or poll
     /// (default: the library's).
     #[arg(long)]
@@ -1014,21 +1018,17 @@ fn run_pingpong(args: &Args) -> Result<()> {
     let (submit, own, answer) = (times.send, times.own, times.answer);
     let m = summarize(elapsed, (size * 2 * total) as f64, lat);
     // What the two connected, idle agents cost: their progress threads.
-    let (c0, t0) = (cpu_seconds(), Instant::now());
-    std::thread::sleep(Duration::from_secs(1));
-    let idle_pct = 100.0 * (cpu_seconds() - c0) / t0.elapsed().as_secs_f64();
+    let idle = Duration::try_from_secs_f64(args.idle_secs)
+        .map_err(|e| anyhow::anyhow!("--idle-secs {}: {e}", args.idle_secs))?;
+    let idle_pct = (!idle.is_zero()).then(|| {
+        let (c0, t0) = (cpu_seconds(), Instant::now());
+        std::thread::sleep(idle);
+        100.0 * (cpu_seconds() - c0) / t0.elapsed().as_secs_f64()
+    });
     let median = |v: Vec<f64>| summarize(1.0, 0.0, v).p50_us;
     let (submit, own, answer) = (median(submit), median(own), median(answer));
     let phases = ("submit", submit, own, answer);
-    print_pingpong(
-        args.json,
-        backend_name,
-        size,
-        iters,
-        &m,
-        phases,
-        Some(idle_pct),
-    );
+    print_pingpong(args.json, backend_name, size, iters, &m, phases, idle_pct);
     Ok(())
 }
 

@@ -27,7 +27,7 @@
 # WRITEs); with 4 blocks a request, kvxfer READ had 4 in flight and measured
 # 0.65-0.9x where 16 gave 0.96-1.19x in the same boot.
 # TCG emulation makes absolute figures meaningless: compare ratios only.
-# The bandwidth comparisons run ROUNDS (default 5) alternating rounds, the
+# The bandwidth comparisons run ROUNDS (default 9) alternating rounds, the
 # latency comparison LAT_ROUNDS (default 41), and compare medians.
 #
 #   benches/rdma_vs_perftest.sh            ROUNDS=3 LAT_ROUNDS=9 benches/rdma_vs_perftest.sh
@@ -37,7 +37,7 @@ if [ "${KVXFER_RDMA_GUEST:-}" != 1 ]; then
   cargo build --release --locked --bin kvxfer-bench >&2
   # The guest passes on only the variables it knows: ROUNDS, LAT_ROUNDS
   # and ITERS go on the command line.
-  exec ci/rxe-guest --timeout 2400 env ROUNDS="${ROUNDS:-5}" LAT_ROUNDS="${LAT_ROUNDS:-41}" ITERS="${ITERS:-200}" bash benches/rdma_vs_perftest.sh
+  exec ci/rxe-guest --timeout 2400 env ROUNDS="${ROUNDS:-9}" LAT_ROUNDS="${LAT_ROUNDS:-41}" ITERS="${ITERS:-200}" bash benches/rdma_vs_perftest.sh
 fi
 
 B=target/release/kvxfer-bench
@@ -111,7 +111,7 @@ pp() { # progress [flags] -> json line
 # (25 rounds, seventh session), the median of n of them moves by about
 # +-(1.25 x 0.3 / sqrt(n)): +-7 % at 25 rounds, +-6 % at 41. A round
 # takes about 7 s (no idle measurement in its runs, no Python started).
-R=${ROUNDS:-5}
+R=${ROUNDS:-9}
 LR=${LAT_ROUNDS:-41}
 med() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 wbws=(); kws=(); rbws=(); krs=(); lats=(); ppes=(); ppps=(); ppvs=(); ratios_w=(); ratios_r=(); ratios_l=(); ratios_p=(); ratios_v=()
@@ -119,7 +119,7 @@ kwj=
 for r in $(seq "$R"); do
   wbw=$(perf_bw ib_write_bw 1048576); kwj=$(KDEPTH=4 kx rdma write 1MiB 16 "$KITERS"); kw=$(echo "$kwj" | json gb_per_s)
   rbw=$(perf_bw ib_read_bw 1048576); kr=$(KDEPTH=4 kx rdma read 1MiB 16 "$KITERS" | json gb_per_s)
-  echo "round $r: ib_write_bw $wbw MB/s, kvxfer write $kw GB/s; ib_read_bw $rbw MB/s, kvxfer read $kr GB/s" >&2
+  echo "round $r (${SECONDS} s): ib_write_bw $wbw MB/s, kvxfer write $kw GB/s; ib_read_bw $rbw MB/s, kvxfer read $kr GB/s" >&2
   wbws+=("$wbw"); kws+=("$kw"); rbws+=("$rbw"); krs+=("$kr")
   ratios_w+=("$(div "$(div "$kw" 1.048576e-3)" "$wbw")")
   ratios_r+=("$(div "$(div "$kr" 1.048576e-3)" "$rbw")")
@@ -134,7 +134,7 @@ for r in $(seq "$LR"); do
     pv=$(ppv | json p50_us); pp_=$(pp adaptive --prepared --idle-secs 0 | json p50_us); ppr=$(pp adaptive --idle-secs 0); lat=$(perf_lat)
   fi
   pl=$(echo "$ppr" | json p50_us)
-  echo "latency round $r: ib_write_lat $lat us, kvxfer ping-pong $pl us ($ppr), prepared $pp_ us, verbs-only ping-pong $pv us" >&2
+  echo "latency round $r (${SECONDS} s): ib_write_lat $lat us, kvxfer ping-pong $pl us ($ppr), prepared $pp_ us, verbs-only ping-pong $pv us" >&2
   lats+=("$lat"); ppes+=("$pl"); ppps+=("$pp_"); ppvs+=("$pv")
   ratios_l+=("$(div "$pl" "$lat")")
   ratios_p+=("$(div "$pp_" "$lat")")

@@ -50,6 +50,8 @@ out=$(mktemp -d)
 # in the emulated guest, and a latency round used to start six.
 json() { sed -n 's/.*"'"$1"'":\([-+0-9.eE]*\).*/\1/p' | head -n 1; } # field (a number) of a JSON line
 div() { awk -v a="$1" -v b="$2" 'BEGIN { print a / b }'; }
+# kvxfer's GB/s (10^9 bytes) over perftest's MB/s (2^20 bytes).
+bw_ratio() { awk -v k="$1" -v p="$2" 'BEGIN { print k * 1e3 / (p * 1.048576) }'; }
 # perftest's server listens on port 18515: connect as soon as it does.
 listening() {
   local i
@@ -110,7 +112,7 @@ pp() { # progress [flags] -> json line
 # five such ratios is a coin toss. With per-round ratios spread 0.7-2.4x
 # (25 rounds, seventh session), the median of n of them moves by about
 # +-(1.25 x 0.3 / sqrt(n)): +-7 % at 25 rounds, +-6 % at 41. A round
-# takes about 7 s (no idle measurement in its runs, no Python started).
+# takes about 8 s (no idle measurement in its runs, no Python started).
 R=${ROUNDS:-9}
 LR=${LAT_ROUNDS:-41}
 med() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
@@ -121,8 +123,8 @@ for r in $(seq "$R"); do
   rbw=$(perf_bw ib_read_bw 1048576); kr=$(KDEPTH=4 kx rdma read 1MiB 16 "$KITERS" | json gb_per_s)
   echo "round $r (${SECONDS} s): ib_write_bw $wbw MB/s, kvxfer write $kw GB/s; ib_read_bw $rbw MB/s, kvxfer read $kr GB/s" >&2
   wbws+=("$wbw"); kws+=("$kw"); rbws+=("$rbw"); krs+=("$kr")
-  ratios_w+=("$(div "$(div "$kw" 1.048576e-3)" "$wbw")")
-  ratios_r+=("$(div "$(div "$kr" 1.048576e-3)" "$rbw")")
+  ratios_w+=("$(bw_ratio "$kw" "$wbw")")
+  ratios_r+=("$(bw_ratio "$kr" "$rbw")")
 done
 # The four runs of a round go in turn order on odd rounds and in reverse on
 # even ones, so no program always follows the same other one (a run right

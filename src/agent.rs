@@ -213,7 +213,7 @@ impl Completion {
         })
     }
 
-    fn is_done(&self) -> bool {
+    pub(crate) fn is_done(&self) -> bool {
         self.state.load(Ordering::Acquire) != PENDING
     }
 
@@ -230,6 +230,10 @@ impl Completion {
     /// clock read at all): where reading it is a system call (a guest on an
     /// emulated HPET: 2.2 µs a read) the reads cost more than the polls.
     fn drive(&self, deadline: &mut Deadline) {
+        // Already in (e.g. reaped by the submitting call): no upgrade.
+        if self.is_done() {
+            return;
+        }
         let Some(driver) = self.driver.as_ref().and_then(Weak::upgrade) else {
             return;
         };
@@ -260,9 +264,10 @@ impl Completion {
 
     /// Polls the driver once, if there is one and the outcome is not in.
     fn poke(&self) {
-        if let Some(driver) = self.driver.as_ref().and_then(Weak::upgrade)
-            && !self.is_done()
-        {
+        if self.is_done() {
+            return;
+        }
+        if let Some(driver) = self.driver.as_ref().and_then(Weak::upgrade) {
             driver.progress();
         }
     }

@@ -105,6 +105,16 @@ struct Args {
     /// on every `submit_transfer`. `--pingpong-ab` runs both.
     #[arg(long)]
     prepared: bool,
+    /// Ping-pongs (`--pingpong`, `--pingpong-verbs`): the answering side
+    /// runs in a child process, as `ib_write_lat` runs its two sides (and
+    /// as two serving executors do), instead of a second thread of this
+    /// one.
+    #[arg(long, conflicts_with = "pingpong_ab")]
+    two_process: bool,
+    /// Internal: run the answering side of a `--two-process` ping-pong
+    /// (`agent` or `verbs`), set up over stdin/stdout.
+    #[arg(long, hide = true, value_parser = ["agent", "verbs"])]
+    pong_child: Option<String>,
     /// Ping-pongs: run the two sides' threads on CPUs 0 and 1 (as
     /// `taskset -c 0` / `-c 1` would two perftest processes), so that the
     /// scheduler never puts both spinning sides on one CPU.
@@ -954,8 +964,29 @@ fn run_pingpong_verbs(args: &Args) -> Result<()> {
     let iters = args.iters.unwrap_or(1000);
     let total = args.warmup + iters;
     let timeout = Duration::from_secs(10);
-    let (mut a, mut b) = verbs_pair(args, size)?;
-    let times = run_pair(&mut a, &mut b, (total, args.warmup), args.pin, timeout)?;
+    let times = if args.two_process {
+        let dev_a = std::env::var("KVXFER_RDMA_DEVICE").ok();
+        let mut a = VerbsSide::new(dev_a.as_deref(), size)?;
+        let mut child = PongChild::spawn("verbs")?;
+        let f = child.expect("PONG", 6)?;
+        a.qp.connect(&parse_qp_info(&f[..4])?)?;
+        a.to = (f[4].parse()?, f[5].parse()?);
+        child.say(&format!(
+            "PING {} {} {}",
+            fmt_qp_info(&a.qp.info()),
+            a.dst_mr.rkey(),
+            a.dst.addr()
+        ))?;
+        child.expect("READY", 0)?;
+        if args.pin {
+            pin_to(0);
+        }
+        let t = ping_loop(&mut a, total, args.warmup, timeout);
+        child.finish(t)?
+    } else {
+        let (mut a, mut b) = verbs_pair(args, size)?;
+        run_pair(&mut a, &mut b, (total, args.warmup), args.pin, timeout)?
+    };
     let median = |v: Vec<f64>| summarize(1.0, 0.0, v).p50_us;
     let m = summarize(1.0, 0.0, times.lat);
     let (post, own, answer) = (median(times.send), median(times.own), median(times.answer));
@@ -969,6 +1000,186 @@ fn run_pingpong_verbs(args: &Args) -> Result<()> {
         None,
     );
     Ok(())
+}
+
+/// The answering side of a `--two-process` ping-pong: a child process
+/// running this program with `--pong-child`, set up by lines on its stdin
+/// and stdout (`PONG` with its side's details, `PING` with ours, `READY`).
+struct PongChild {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl PongChild {
+    /// Starts the child with this process's own arguments (so it answers
+    /// with the same sizes, counts and agent settings).
+    fn spawn(kind: &str) -> Result<Self> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(std::env::args_os().skip(1))
+            .args(["--pong-child", kind])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting the ping-pong's answering process")?;
+        let out = BufReader::new(child.stdout.take().context("child stdout")?);
+        Ok(Self { child, out })
+    }
+
+    /// Reads the child's next line: `word` and then `n` fields.
+    fn expect(&mut self, word: &str, n: usize) -> Result<Vec<String>> {
+        let mut line = String::new();
+        self.out.read_line(&mut line)?;
+        let mut f = line.split_whitespace();
+        if f.next() != Some(word) {
+            bail!("ping-pong child: expected {word}, got {line:?}");
+        }
+        let rest: Vec<String> = f.map(str::to_string).collect();
+        if rest.len() != n {
+            bail!(
+                "ping-pong child: {word} with {} fields, not {n}",
+                rest.len()
+            );
+        }
+        Ok(rest)
+    }
+
+    /// Writes a line to the child.
+    fn say(&mut self, line: &str) -> Result<()> {
+        let stdin = self.child.stdin.as_mut().context("child stdin")?;
+        writeln!(stdin, "{line}")?;
+        stdin.flush()?;
+        Ok(())
+    }
+
+    /// Waits (at most 20 s) for the child to exit after the ping side's
+    /// loop ended with `t`; a child that failed fails the run.
+    fn finish<T>(mut self, t: Result<T>) -> Result<T> {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(st) = self.child.try_wait()? {
+                let t = t?;
+                if !st.success() {
+                    bail!("ping-pong child exited with {st}");
+                }
+                return Ok(t);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                t?;
+                bail!("ping-pong child did not exit");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// A queue pair's details as one line's fields: QPN, PSN, GID (hex), MTU.
+fn fmt_qp_info(i: &kvxfer::verbs::QpInfo) -> String {
+    let gid: String = i.gid.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{} {} {gid} {}", i.qpn, i.psn, i.mtu)
+}
+
+fn parse_qp_info(f: &[String]) -> Result<kvxfer::verbs::QpInfo> {
+    let [qpn, psn, gid, mtu] = f else {
+        bail!("queue pair details: {f:?}");
+    };
+    if gid.len() != 32 || !gid.is_ascii() {
+        bail!("GID {gid:?}: not 16 bytes in hex");
+    }
+    let mut g = [0u8; 16];
+    for (k, b) in g.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&gid[2 * k..2 * k + 2], 16)?;
+    }
+    Ok(kvxfer::verbs::QpInfo {
+        qpn: qpn.parse()?,
+        psn: psn.parse()?,
+        gid: g,
+        mtu: mtu.parse()?,
+    })
+}
+
+/// The other side's block from two fields: address and length.
+fn remote_block(f: &[String]) -> Result<MemoryDescs> {
+    let [addr, len] = f else {
+        bail!("block: {f:?}");
+    };
+    Ok(MemoryDescs::new(
+        MemoryType::Dram,
+        vec![MemoryDesc::new(addr.parse()?, len.parse()?, 0)],
+    ))
+}
+
+/// `--pong-child`: the answering side of a `--two-process` ping-pong.
+fn run_pong_child(args: &Args, kind: &str) -> Result<()> {
+    let size = args.block_size.first().copied().unwrap_or(8).max(8);
+    let total = args.warmup + args.iters.unwrap_or(1000);
+    let timeout = Duration::from_secs(10);
+    let dev = args
+        .target_rdma_device
+        .clone()
+        .or_else(|| std::env::var("KVXFER_RDMA_DEVICE").ok());
+    let mut input = std::io::stdin().lock();
+    let mut read = |word: &str| -> Result<Vec<String>> {
+        let mut line = String::new();
+        input.read_line(&mut line)?;
+        let mut f = line.split_whitespace();
+        if f.next() != Some(word) {
+            bail!("ping-pong parent: expected {word}, got {line:?}");
+        }
+        Ok(f.map(str::to_string).collect())
+    };
+    let say = |line: String| -> Result<()> {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}")?;
+        out.flush()?;
+        Ok(())
+    };
+    if args.pin {
+        pin_to(1);
+    }
+    if kind == "verbs" {
+        let mut b = VerbsSide::new(dev.as_deref(), size)?;
+        say(format!(
+            "PONG {} {} {}",
+            fmt_qp_info(&b.qp.info()),
+            b.dst_mr.rkey(),
+            b.dst.addr()
+        ))?;
+        let f = read("PING")?;
+        if f.len() != 6 {
+            bail!("PING: {f:?}");
+        }
+        b.qp.connect(&parse_qp_info(&f[..4])?)?;
+        b.to = (f[4].parse()?, f[5].parse()?);
+        say("READY".into())?;
+        return pong_loop(&mut b, total, timeout);
+    }
+    let backend: Backend = args.backend.parse()?;
+    let mut cfg = config("kvxfer-pong", args);
+    if let Some(d) = dev {
+        cfg = cfg.with_rdma_device(d, None);
+    }
+    let mut b = Side::new(cfg, backend, size)?;
+    say(format!(
+        "PONG {} {} {}",
+        b.dst.addr(),
+        b.dst.mem.len() * 8,
+        b.agent.local_connection_info()
+    ))?;
+    let f = read("PING")?;
+    if f.len() != 3 {
+        bail!("PING: {f:?}");
+    }
+    b.peer = b.agent.load_remote_agent_by_connection(&f[2])?;
+    b.req = TransferRequest::write(b.src.desc(), remote_block(&f[..2])?, &b.peer);
+    if args.prepared {
+        b.prepare()?;
+    }
+    say("READY".into())?;
+    pong_loop(&mut b, total, timeout)
 }
 
 /// Prints a ping-pong's result: one-way latency, the medians of a round
@@ -1009,11 +1220,35 @@ fn run_pingpong(args: &Args) -> Result<()> {
     let iters = args.iters.unwrap_or(1000);
     let total = args.warmup + iters;
     let timeout = Duration::from_secs(10);
-    let (mut a, mut b) = agent_pair(args, backend, size)?;
-    let backend_name = a.agent.remote_transport(&a.peer)?;
     // Where a round trip goes: in `submit_transfer`, waiting for the own
     // WRITE's completion, then for the answer to land.
-    let times = run_pair(&mut a, &mut b, (total, args.warmup), args.pin, timeout)?;
+    let (a, times) = if args.two_process {
+        let mut a = Side::new(config("kvxfer-ping", args), backend, size)?;
+        let mut child = PongChild::spawn("agent")?;
+        let f = child.expect("PONG", 3)?;
+        a.peer = a.agent.load_remote_agent_by_connection(&f[2])?;
+        a.req = TransferRequest::write(a.src.desc(), remote_block(&f[..2])?, &a.peer);
+        if args.prepared {
+            a.prepare()?;
+        }
+        child.say(&format!(
+            "PING {} {} {}",
+            a.dst.addr(),
+            a.dst.mem.len() * 8,
+            a.agent.local_connection_info()
+        ))?;
+        child.expect("READY", 0)?;
+        if args.pin {
+            pin_to(0);
+        }
+        let t = ping_loop(&mut a, total, args.warmup, timeout);
+        (a, child.finish(t)?)
+    } else {
+        let (mut a, mut b) = agent_pair(args, backend, size)?;
+        let t = run_pair(&mut a, &mut b, (total, args.warmup), args.pin, timeout)?;
+        (a, t)
+    };
+    let backend_name = a.agent.remote_transport(&a.peer)?;
     let (elapsed, lat) = (times.elapsed_s, times.lat);
     let (submit, own, answer) = (times.send, times.own, times.answer);
     let m = summarize(elapsed, (size * 2 * total) as f64, lat);
@@ -1060,6 +1295,9 @@ fn main() -> Result<()> {
             );
         }
         return Ok(());
+    }
+    if let Some(kind) = &args.pong_child {
+        return run_pong_child(&args, kind);
     }
     if args.pingpong {
         return run_pingpong(&args);

@@ -5,7 +5,7 @@
 //! after its data, so RC ordering delivers it only after every byte landed.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use sideway::ibverbs::memory_region::MemoryRegion;
@@ -290,6 +290,12 @@ pub(crate) fn data_post<'a>(
 /// Largest request whose waiting thread polls the completion queue itself.
 pub(crate) const DRIVE_MAX_BYTES: u64 = 1 << 20;
 
+/// Misses in a row after which express posts stop looking for their own
+/// completion at once ([`RdmaConn::reap_after_post`]).
+const REAP_MISSES: u32 = 8;
+/// One express post in this many looks again after the misses.
+const REAP_RETRY: u64 = 256;
+
 /// The initiator's side of one RDMA connection.
 pub(crate) struct RdmaConn {
     /// Position among the link's queue pairs (sync messages go on 0).
@@ -328,6 +334,34 @@ pub(crate) struct RdmaConn {
     /// Whether a failed batch post posted nothing (see
     /// [`RcQueuePair::batch_is_atomic`]).
     pub(crate) batch_is_atomic: bool,
+    /// Whether express posts look for their own completion at once (see
+    /// [`reap_after_post`](Self::reap_after_post)).
+    reap: ReapHint,
+}
+
+/// Whether looking at the completion queue right after an express post
+/// pays: the misses in a row of the last looks. A hint, read and written
+/// without a read-modify-write (a lost update costs one look).
+#[derive(Default)]
+struct ReapHint {
+    misses: AtomicU32,
+}
+
+impl ReapHint {
+    /// Look after the post of request `id`? Yes while the last
+    /// [`REAP_MISSES`] looks did not all miss; after that, one request in
+    /// [`REAP_RETRY`].
+    fn look(&self, id: u64) -> bool {
+        self.misses.load(Ordering::Relaxed) < REAP_MISSES || id % REAP_RETRY == 0
+    }
+
+    fn record(&self, found: bool) {
+        let m = self.misses.load(Ordering::Relaxed);
+        let next = if found { 0 } else { m.saturating_add(1) };
+        if next != m {
+            self.misses.store(next, Ordering::Relaxed);
+        }
+    }
 }
 
 impl RdmaConn {
@@ -357,7 +391,26 @@ impl RdmaConn {
             waiting: AtomicUsize::new(0),
             posted: AtomicUsize::new(0),
             max_msg: max_msg.min(dev.max_msg_size()),
+            reap: ReapHint::default(),
         })
+    }
+
+    /// Whether to look at the completion queue right after posting express
+    /// request `id`. Software providers (soft-RoCE, siw) run the transport
+    /// inside the post's system call, so the completion is usually there
+    /// when it returns: reaping it then, in the submitting call, saves the
+    /// waiter its own pass through the completion machinery. Where
+    /// completions come later (a hardware NIC) the looks miss: after
+    /// [`REAP_MISSES`] misses in a row only one express post in
+    /// [`REAP_RETRY`] looks (so a change is noticed), a poll of an empty
+    /// queue (a few loads) per 256 requests.
+    pub(crate) fn reap_after_post(&self, id: u64) -> bool {
+        self.reap.look(id)
+    }
+
+    /// Records what a look after an express post found.
+    pub(crate) fn reaped(&self, found: bool) {
+        self.reap.record(found);
     }
 
     /// Counts `n` work requests queued. Only the queue pairs after the
@@ -467,6 +520,27 @@ impl Window {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reaping_after_post_backs_off_when_it_misses() {
+        let h = ReapHint::default();
+        // Looks while it finds completions (a software provider).
+        for id in 1..100 {
+            assert!(h.look(id));
+            h.record(true);
+        }
+        // A provider completing later: after REAP_MISSES misses, only one
+        // request in REAP_RETRY looks.
+        for id in 1..=u64::from(REAP_MISSES) {
+            assert!(h.look(id));
+            h.record(false);
+        }
+        let looks = (1..=10 * REAP_RETRY).filter(|&id| h.look(id)).count();
+        assert_eq!(looks, 10);
+        // One hit and it looks every time again.
+        h.record(true);
+        assert!((1..REAP_RETRY).all(|id| h.look(id)));
+    }
 
     #[test]
     fn coalesces_adjacent_and_gathers_scattered() {

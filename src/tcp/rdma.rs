@@ -352,7 +352,7 @@ impl ReapHint {
     /// [`REAP_MISSES`] looks did not all miss; after that, one request in
     /// [`REAP_RETRY`].
     fn look(&self, id: u64) -> bool {
-        self.misses.load(Ordering::Relaxed) < REAP_MISSES || id % REAP_RETRY == 0
+        self.misses.load(Ordering::Relaxed) < REAP_MISSES || id.is_multiple_of(REAP_RETRY)
     }
 
     fn record(&self, found: bool) {

@@ -971,18 +971,13 @@ fn run_pingpong_verbs(args: &Args) -> Result<()> {
         let f = child.expect("PONG", 6)?;
         a.qp.connect(&parse_qp_info(&f[..4])?)?;
         a.to = (f[4].parse()?, f[5].parse()?);
-        child.say(&format!(
+        let ping = format!(
             "PING {} {} {}",
             fmt_qp_info(&a.qp.info()),
             a.dst_mr.rkey(),
             a.dst.addr()
-        ))?;
-        child.expect("READY", 0)?;
-        if args.pin {
-            pin_to(0);
-        }
-        let t = ping_loop(&mut a, total, args.warmup, timeout);
-        child.finish(t)?
+        );
+        child.run(&ping, &mut a, args, (total, timeout))?
     } else {
         let (mut a, mut b) = verbs_pair(args, size)?;
         run_pair(&mut a, &mut b, (total, args.warmup), args.pin, timeout)?
@@ -1050,6 +1045,24 @@ impl PongChild {
         writeln!(stdin, "{line}")?;
         stdin.flush()?;
         Ok(())
+    }
+
+    /// Sends the child our side's details (`ping`), waits for it to be
+    /// ready, then runs the ping side's `total` round trips on `side`.
+    fn run(
+        mut self,
+        ping: &str,
+        side: &mut impl PingSide,
+        args: &Args,
+        (total, timeout): (u64, Duration),
+    ) -> Result<PingTimes> {
+        self.say(ping)?;
+        self.expect("READY", 0)?;
+        if args.pin {
+            pin_to(0);
+        }
+        let t = ping_loop(side, total, args.warmup, timeout);
+        self.finish(t)
     }
 
     /// Waits (at most 20 s) for the child to exit after the ping side's
@@ -1231,18 +1244,14 @@ fn run_pingpong(args: &Args) -> Result<()> {
         if args.prepared {
             a.prepare()?;
         }
-        child.say(&format!(
+        let ping = format!(
             "PING {} {} {}",
             a.dst.addr(),
             a.dst.mem.len() * 8,
             a.agent.local_connection_info()
-        ))?;
-        child.expect("READY", 0)?;
-        if args.pin {
-            pin_to(0);
-        }
-        let t = ping_loop(&mut a, total, args.warmup, timeout);
-        (a, child.finish(t)?)
+        );
+        let t = child.run(&ping, &mut a, args, (total, timeout))?;
+        (a, t)
     } else {
         let (mut a, mut b) = agent_pair(args, backend, size)?;
         let t = run_pair(&mut a, &mut b, (total, args.warmup), args.pin, timeout)?;

@@ -3546,11 +3546,11 @@ impl Link {
         if let Err(err) = unsafe { self.post_alone(conn, q, id | rdma::EXPRESS_FLAG, op, wr) } {
             self.finish_express(Err(err.clone()), false);
             self.fail(err);
-        } else if conn.reap_after_post(id) {
+        } else if conn.reap.look(id) {
             // A software provider completes it inside the post: reaped
             // here, the caller's wait is one load.
             self.drain_rdma(conn, false);
-            conn.reaped(completion.is_done());
+            conn.reap.record(completion.is_done());
         }
         Some(completion)
     }

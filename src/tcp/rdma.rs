@@ -291,7 +291,7 @@ pub(crate) fn data_post<'a>(
 pub(crate) const DRIVE_MAX_BYTES: u64 = 1 << 20;
 
 /// Misses in a row after which express posts stop looking for their own
-/// completion at once ([`RdmaConn::reap_after_post`]).
+/// completion at once ([`ReapHint`]).
 const REAP_MISSES: u32 = 8;
 /// One express post in this many looks again after the misses.
 const REAP_RETRY: u64 = 256;
@@ -334,28 +334,33 @@ pub(crate) struct RdmaConn {
     /// Whether a failed batch post posted nothing (see
     /// [`RcQueuePair::batch_is_atomic`]).
     pub(crate) batch_is_atomic: bool,
-    /// Whether express posts look for their own completion at once (see
-    /// [`reap_after_post`](Self::reap_after_post)).
-    reap: ReapHint,
+    /// Whether express posts look for their own completion at once.
+    pub(crate) reap: ReapHint,
 }
 
-/// Whether looking at the completion queue right after an express post
-/// pays: the misses in a row of the last looks. A hint, read and written
-/// without a read-modify-write (a lost update costs one look).
+/// Whether to look at the completion queue right after an express post.
+/// Software providers (soft-RoCE, siw) run the transport inside the post's
+/// system call, so the completion is usually there when it returns:
+/// reaping it then, in the submitting call, saves the waiter its own pass
+/// through the completion machinery. Where completions come later (a
+/// hardware NIC) the looks miss: after [`REAP_MISSES`] misses in a row
+/// only one express post in [`REAP_RETRY`] looks (so a change is noticed),
+/// a poll of an empty queue (a few loads) per 256 requests. Kept as the
+/// misses in a row: a hint, read and written without a read-modify-write
+/// (a lost update costs one look).
 #[derive(Default)]
-struct ReapHint {
+pub(crate) struct ReapHint {
     misses: AtomicU32,
 }
 
 impl ReapHint {
-    /// Look after the post of request `id`? Yes while the last
-    /// [`REAP_MISSES`] looks did not all miss; after that, one request in
-    /// [`REAP_RETRY`].
-    fn look(&self, id: u64) -> bool {
+    /// Look after the post of request `id`?
+    pub(crate) fn look(&self, id: u64) -> bool {
         self.misses.load(Ordering::Relaxed) < REAP_MISSES || id.is_multiple_of(REAP_RETRY)
     }
 
-    fn record(&self, found: bool) {
+    /// Records what a look found.
+    pub(crate) fn record(&self, found: bool) {
         let m = self.misses.load(Ordering::Relaxed);
         let next = if found { 0 } else { m.saturating_add(1) };
         if next != m {
@@ -393,24 +398,6 @@ impl RdmaConn {
             max_msg: max_msg.min(dev.max_msg_size()),
             reap: ReapHint::default(),
         })
-    }
-
-    /// Whether to look at the completion queue right after posting express
-    /// request `id`. Software providers (soft-RoCE, siw) run the transport
-    /// inside the post's system call, so the completion is usually there
-    /// when it returns: reaping it then, in the submitting call, saves the
-    /// waiter its own pass through the completion machinery. Where
-    /// completions come later (a hardware NIC) the looks miss: after
-    /// [`REAP_MISSES`] misses in a row only one express post in
-    /// [`REAP_RETRY`] looks (so a change is noticed), a poll of an empty
-    /// queue (a few loads) per 256 requests.
-    pub(crate) fn reap_after_post(&self, id: u64) -> bool {
-        self.reap.look(id)
-    }
-
-    /// Records what a look after an express post found.
-    pub(crate) fn reaped(&self, found: bool) {
-        self.reap.record(found);
     }
 
     /// Counts `n` work requests queued. Only the queue pairs after the

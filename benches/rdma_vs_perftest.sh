@@ -66,30 +66,20 @@ listening() {
 
 # perftest's client now and then finds its server not yet listening and
 # prints nothing: up to three tries.
-perf_bw() { # tool size -> MB/s (average)
+perf_run() { # tool size iterations column -> that column of the size's result line
   local v= t
   for t in 1 2 3; do
-    timeout 300 "$1" -d rxe1 -x 0 -s "$2" -n "$N" >/dev/null 2>&1 &
+    timeout 300 "$1" -d rxe1 -x 0 -s "$2" -n "$3" >/dev/null 2>&1 &
     local srv=$!
     listening || sleep "$t"
-    v=$(timeout 300 "$1" -d rxe0 -x 0 -s "$2" -n "$N" 127.0.0.1 2>/dev/null | awk '$1 == "'"$2"'" {print $4}')
+    v=$(timeout 300 "$1" -d rxe0 -x 0 -s "$2" -n "$3" 127.0.0.1 2>/dev/null | awk -v s="$2" -v c="$4" '$1 == s {print $c}')
     wait "$srv" || true
     [ -n "$v" ] && break
   done
   echo "${v:?$1 printed no result in three tries}"
 }
-perf_lat() { # -> typical (median) latency in us
-  local v= t
-  for t in 1 2 3; do
-    timeout 300 ib_write_lat -d rxe1 -x 0 -s 8 -n 1000 >/dev/null 2>&1 &
-    local srv=$!
-    listening || sleep "$t"
-    v=$(timeout 300 ib_write_lat -d rxe0 -x 0 -s 8 -n 1000 127.0.0.1 2>/dev/null | awk '$1 == "8" {print $5}')
-    wait "$srv" || true
-    [ -n "$v" ] && break
-  done
-  echo "${v:?ib_write_lat printed no result in three tries}"
-}
+perf_bw() { perf_run "$1" "$2" "$N" 4; }        # tool size -> MB/s (average)
+perf_lat() { perf_run ib_write_lat 8 1000 5; }  # -> typical (median) latency in us
 kx() { # backend op block batch [iters] [progress] [queue pairs] -> json line
   KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$B" --backend "$1" --op "$2" --block-size "$3" --batch "$4" \
     --iters "${5:-12}" --warmup 2 --target-rdma-device rxe1 --rdma-progress "${6:-adaptive}" \
@@ -134,7 +124,7 @@ for r in $(seq "$R"); do
   ratios_w+=("$(bw_ratio "$kw" "$wbw")")
   ratios_r+=("$(bw_ratio "$kr" "$rbw")")
 done
-# The four runs of a round go in turn order on odd rounds and in reverse on
+# The five runs of a round go in turn order on odd rounds and in reverse on
 # even ones, so no program always follows the same other one (a run right
 # after another's teardown is not penalised in one direction only).
 for r in $(seq "$LR"); do

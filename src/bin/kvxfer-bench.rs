@@ -665,6 +665,29 @@ impl Side {
         self.prepared = Some(self.agent.prepare_transfer(&self.req)?);
         Ok(())
     }
+
+    /// What the other process needs to write to this side (`--two-process`):
+    /// its block's address and length, and the agent's connection info.
+    fn details(&self) -> String {
+        let conn = self.agent.local_connection_info();
+        format!("{} {} {conn}", self.dst.addr(), self.dst.mem.len() * 8)
+    }
+
+    /// Loads the other process's agent from its [`details`](Self::details)
+    /// and aims the request at its block (prepared, with `prepared`).
+    fn aim_at(&mut self, f: &[String], prepared: bool) -> Result<()> {
+        let [addr, len, conn] = f else {
+            bail!("agent details: {f:?}");
+        };
+        self.peer = self.agent.load_remote_agent_by_connection(conn)?;
+        let block = MemoryDesc::new(addr.parse()?, len.parse()?, 0);
+        let remote = MemoryDescs::new(MemoryType::Dram, vec![block]);
+        self.req = TransferRequest::write(self.src.desc(), remote, &self.peer);
+        if prepared {
+            self.prepare()?;
+        }
+        Ok(())
+    }
 }
 
 impl PingSide for Side {
@@ -840,6 +863,39 @@ impl VerbsSide {
             _dev: dev,
         })
     }
+
+    /// What the other process needs to write to this side (`--two-process`):
+    /// the queue pair's QPN, PSN, GID (hex) and MTU, the block's remote key
+    /// and address.
+    fn details(&self) -> String {
+        let i = self.qp.info();
+        let gid: String = i.gid.iter().map(|b| format!("{b:02x}")).collect();
+        let (rkey, addr) = (self.dst_mr.rkey(), self.dst.addr());
+        format!("{} {} {gid} {} {rkey} {addr}", i.qpn, i.psn, i.mtu)
+    }
+
+    /// Connects to the other process's queue pair from its
+    /// [`details`](Self::details) and aims the sends at its block.
+    fn aim_at(&mut self, f: &[String]) -> Result<()> {
+        let [qpn, psn, gid, mtu, rkey, addr] = f else {
+            bail!("queue pair details: {f:?}");
+        };
+        if gid.len() != 32 || !gid.is_ascii() {
+            bail!("GID {gid:?}: not 16 bytes in hex");
+        }
+        let mut g = [0u8; 16];
+        for (k, b) in g.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&gid[2 * k..2 * k + 2], 16)?;
+        }
+        self.qp.connect(&kvxfer::verbs::QpInfo {
+            qpn: qpn.parse()?,
+            psn: psn.parse()?,
+            gid: g,
+            mtu: mtu.parse()?,
+        })?;
+        self.to = (rkey.parse()?, addr.parse()?);
+        Ok(())
+    }
 }
 
 impl PingSide for VerbsSide {
@@ -968,15 +1024,8 @@ fn run_pingpong_verbs(args: &Args) -> Result<()> {
         let dev_a = std::env::var("KVXFER_RDMA_DEVICE").ok();
         let mut a = VerbsSide::new(dev_a.as_deref(), size)?;
         let mut child = PongChild::spawn("verbs")?;
-        let f = child.expect("PONG", 6)?;
-        a.qp.connect(&parse_qp_info(&f[..4])?)?;
-        a.to = (f[4].parse()?, f[5].parse()?);
-        let ping = format!(
-            "PING {} {} {}",
-            fmt_qp_info(&a.qp.info()),
-            a.dst_mr.rkey(),
-            a.dst.addr()
-        );
+        a.aim_at(&child.expect("PONG", 6)?)?;
+        let ping = format!("PING {}", a.details());
         child.run(&ping, &mut a, args, (total, timeout))?
     } else {
         let (mut a, mut b) = verbs_pair(args, size)?;
@@ -1023,28 +1072,12 @@ impl PongChild {
 
     /// Reads the child's next line: `word` and then `n` fields.
     fn expect(&mut self, word: &str, n: usize) -> Result<Vec<String>> {
-        let mut line = String::new();
-        self.out.read_line(&mut line)?;
-        let mut f = line.split_whitespace();
-        if f.next() != Some(word) {
-            bail!("ping-pong child: expected {word}, got {line:?}");
-        }
-        let rest: Vec<String> = f.map(str::to_string).collect();
-        if rest.len() != n {
-            bail!(
-                "ping-pong child: {word} with {} fields, not {n}",
-                rest.len()
-            );
-        }
-        Ok(rest)
+        read_fields(&mut self.out, "child", word, n)
     }
 
     /// Writes a line to the child.
     fn say(&mut self, line: &str) -> Result<()> {
-        let stdin = self.child.stdin.as_mut().context("child stdin")?;
-        writeln!(stdin, "{line}")?;
-        stdin.flush()?;
-        Ok(())
+        write_line(self.child.stdin.as_mut().context("child stdin")?, line)
     }
 
     /// Sends the child our side's details (`ping`), waits for it to be
@@ -1089,40 +1122,30 @@ impl PongChild {
     }
 }
 
-/// A queue pair's details as one line's fields: QPN, PSN, GID (hex), MTU.
-fn fmt_qp_info(i: &kvxfer::verbs::QpInfo) -> String {
-    let gid: String = i.gid.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{} {} {gid} {}", i.qpn, i.psn, i.mtu)
+/// Reads a line of the ping-pong's set-up from `who`: `word` and then `n`
+/// fields.
+fn read_fields(r: &mut impl BufRead, who: &str, word: &str, n: usize) -> Result<Vec<String>> {
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let mut f = line.split_whitespace();
+    if f.next() != Some(word) {
+        bail!("ping-pong {who}: expected {word}, got {line:?}");
+    }
+    let rest: Vec<String> = f.map(str::to_string).collect();
+    if rest.len() != n {
+        bail!(
+            "ping-pong {who}: {word} with {} fields, not {n}",
+            rest.len()
+        );
+    }
+    Ok(rest)
 }
 
-fn parse_qp_info(f: &[String]) -> Result<kvxfer::verbs::QpInfo> {
-    let [qpn, psn, gid, mtu] = f else {
-        bail!("queue pair details: {f:?}");
-    };
-    if gid.len() != 32 || !gid.is_ascii() {
-        bail!("GID {gid:?}: not 16 bytes in hex");
-    }
-    let mut g = [0u8; 16];
-    for (k, b) in g.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&gid[2 * k..2 * k + 2], 16)?;
-    }
-    Ok(kvxfer::verbs::QpInfo {
-        qpn: qpn.parse()?,
-        psn: psn.parse()?,
-        gid: g,
-        mtu: mtu.parse()?,
-    })
-}
-
-/// The other side's block from two fields: address and length.
-fn remote_block(f: &[String]) -> Result<MemoryDescs> {
-    let [addr, len] = f else {
-        bail!("block: {f:?}");
-    };
-    Ok(MemoryDescs::new(
-        MemoryType::Dram,
-        vec![MemoryDesc::new(addr.parse()?, len.parse()?, 0)],
-    ))
+/// Writes a line of the ping-pong's set-up, at once.
+fn write_line(w: &mut impl Write, line: &str) -> Result<()> {
+    writeln!(w, "{line}")?;
+    w.flush()?;
+    Ok(())
 }
 
 /// `--pong-child`: the answering side of a `--two-process` ping-pong.
@@ -1134,40 +1157,15 @@ fn run_pong_child(args: &Args, kind: &str) -> Result<()> {
         .target_rdma_device
         .clone()
         .or_else(|| std::env::var("KVXFER_RDMA_DEVICE").ok());
-    let mut input = std::io::stdin().lock();
-    let mut read = |word: &str| -> Result<Vec<String>> {
-        let mut line = String::new();
-        input.read_line(&mut line)?;
-        let mut f = line.split_whitespace();
-        if f.next() != Some(word) {
-            bail!("ping-pong parent: expected {word}, got {line:?}");
-        }
-        Ok(f.map(str::to_string).collect())
-    };
-    let say = |line: String| -> Result<()> {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "{line}")?;
-        out.flush()?;
-        Ok(())
-    };
+    let (mut input, mut out) = (std::io::stdin().lock(), std::io::stdout().lock());
     if args.pin {
         pin_to(1);
     }
     if kind == "verbs" {
         let mut b = VerbsSide::new(dev.as_deref(), size)?;
-        say(format!(
-            "PONG {} {} {}",
-            fmt_qp_info(&b.qp.info()),
-            b.dst_mr.rkey(),
-            b.dst.addr()
-        ))?;
-        let f = read("PING")?;
-        if f.len() != 6 {
-            bail!("PING: {f:?}");
-        }
-        b.qp.connect(&parse_qp_info(&f[..4])?)?;
-        b.to = (f[4].parse()?, f[5].parse()?);
-        say("READY".into())?;
+        write_line(&mut out, &format!("PONG {}", b.details()))?;
+        b.aim_at(&read_fields(&mut input, "parent", "PING", 6)?)?;
+        write_line(&mut out, "READY")?;
         return pong_loop(&mut b, total, timeout);
     }
     let backend: Backend = args.backend.parse()?;
@@ -1176,22 +1174,12 @@ fn run_pong_child(args: &Args, kind: &str) -> Result<()> {
         cfg = cfg.with_rdma_device(d, None);
     }
     let mut b = Side::new(cfg, backend, size)?;
-    say(format!(
-        "PONG {} {} {}",
-        b.dst.addr(),
-        b.dst.mem.len() * 8,
-        b.agent.local_connection_info()
-    ))?;
-    let f = read("PING")?;
-    if f.len() != 3 {
-        bail!("PING: {f:?}");
-    }
-    b.peer = b.agent.load_remote_agent_by_connection(&f[2])?;
-    b.req = TransferRequest::write(b.src.desc(), remote_block(&f[..2])?, &b.peer);
-    if args.prepared {
-        b.prepare()?;
-    }
-    say("READY".into())?;
+    write_line(&mut out, &format!("PONG {}", b.details()))?;
+    b.aim_at(
+        &read_fields(&mut input, "parent", "PING", 3)?,
+        args.prepared,
+    )?;
+    write_line(&mut out, "READY")?;
     pong_loop(&mut b, total, timeout)
 }
 
@@ -1238,18 +1226,8 @@ fn run_pingpong(args: &Args) -> Result<()> {
     let (a, times) = if args.two_process {
         let mut a = Side::new(config("kvxfer-ping", args), backend, size)?;
         let mut child = PongChild::spawn("agent")?;
-        let f = child.expect("PONG", 3)?;
-        a.peer = a.agent.load_remote_agent_by_connection(&f[2])?;
-        a.req = TransferRequest::write(a.src.desc(), remote_block(&f[..2])?, &a.peer);
-        if args.prepared {
-            a.prepare()?;
-        }
-        let ping = format!(
-            "PING {} {} {}",
-            a.dst.addr(),
-            a.dst.mem.len() * 8,
-            a.agent.local_connection_info()
-        );
+        a.aim_at(&child.expect("PONG", 3)?, args.prepared)?;
+        let ping = format!("PING {}", a.details());
         let t = child.run(&ping, &mut a, args, (total, timeout))?;
         (a, t)
     } else {

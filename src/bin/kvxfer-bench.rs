@@ -120,6 +120,14 @@ struct Args {
     /// scheduler never puts both spinning sides on one CPU.
     #[arg(long)]
     pin: bool,
+    /// Ping-pongs (`--pingpong`, `--pingpong-verbs`): also time where each
+    /// round trip goes — in the submission (or post), waiting for the own
+    /// completion, waiting for the answer — at four more clock reads a
+    /// round trip on the initiating side and three on the answering one.
+    /// Off by default: like `ib_write_lat`, a round trip then reads the
+    /// clock once, on the initiating side.
+    #[arg(long)]
+    phases: bool,
     /// `--pingpong`: seconds to measure the two idle agents' CPU use for
     /// after the round trips (`idle_cpu_pct`); 0 skips it.
     #[arg(long, default_value_t = 1.0)]
@@ -594,8 +602,13 @@ impl Ticks {
     }
 }
 
-/// Spins until the first word of `buf` equals `want`. The clock is read
-/// only every 1024 spins (the timeout counts from the first read).
+/// Spins until the first word of `buf` equals `want`, as `ib_write_lat`
+/// spins on its buffer: a load and a compare, no `pause` (under TCG each
+/// `pause` leaves the translated code for the emulator's loop: 0.2-0.3 µs
+/// a spin in the soft-RoCE guest, against a few nanoseconds for the load).
+/// Every 2^16 spins (about 0.3 ms there, 50 µs on a host) it reads the
+/// clock for the timeout (counted from the first read) and yields, so the
+/// transport's threads run where cores are scarce.
 fn spin_until(buf: &Buffer, want: u64, timeout: Duration) -> Result<()> {
     let mut start = None;
     let mut n = 0u32;
@@ -603,15 +616,13 @@ fn spin_until(buf: &Buffer, want: u64, timeout: Duration) -> Result<()> {
     // because the transport (another agent's WRITE) changes it.
     while unsafe { std::ptr::read_volatile(buf.mem.as_ptr()) } != want {
         n = n.wrapping_add(1);
-        if n.is_multiple_of(1024) {
+        if n.is_multiple_of(1 << 16) {
             let now = Instant::now();
             if now - *start.get_or_insert(now) > timeout {
                 bail!("no ping-pong write with value {want} within {timeout:?}");
             }
-            // Let the transport's threads run where cores are scarce.
             std::thread::yield_now();
         }
-        std::hint::spin_loop();
     }
     Ok(())
 }
@@ -697,23 +708,29 @@ impl PingSide for Side {
 
     /// Writes `value` (in the first word of the block) to the other side;
     /// returns the [`Ticks`] spent in `submit_transfer` and then waiting
-    /// for the request's completion.
-    fn send(&mut self, value: u64, timeout: Duration) -> Result<(u64, u64)> {
+    /// for the request's completion (with `phases`; else zeros, and no
+    /// clock read).
+    fn send(&mut self, value: u64, timeout: Duration, phases: bool) -> Result<(u64, u64)> {
         self.src.mem[0] = value;
-        let t0 = Ticks::now();
+        let t0 = if phases { Ticks::now() } else { 0 };
         let st = match &self.prepared {
             Some(p) => self.agent.submit_prepared(p)?,
             None => self.agent.submit_transfer(&self.req)?,
         };
-        let t1 = Ticks::now();
+        let t1 = if phases { Ticks::now() } else { 0 };
         st.wait_success(timeout)?;
-        Ok((t1 - t0, Ticks::now() - t1))
+        Ok(if phases {
+            (t1 - t0, Ticks::now() - t1)
+        } else {
+            (0, 0)
+        })
     }
 }
 
 /// Per-iteration times of a ping-pong's initiating side, in microseconds:
-/// half the round trip, the send's two phases (in the request, waiting for
-/// its completion) and the wait for the answer.
+/// half the round trip, and with `--phases` the send's two phases (in the
+/// request, waiting for its completion) and the wait for the answer (empty
+/// without).
 struct PingTimes {
     lat: Vec<f64>,
     send: Vec<f64>,
@@ -725,8 +742,9 @@ struct PingTimes {
 /// A ping-pong participant: through an agent, or through verbs alone.
 trait PingSide {
     /// Writes `value` into the other side's block; returns the ticks of
-    /// the two phases (issuing it, then waiting for its completion).
-    fn send(&mut self, value: u64, timeout: Duration) -> Result<(u64, u64)>;
+    /// the two phases (issuing it, then waiting for its completion) when
+    /// asked for `phases` (zeros, and no clock read, otherwise).
+    fn send(&mut self, value: u64, timeout: Duration, phases: bool) -> Result<(u64, u64)>;
     /// The block the other side writes into.
     fn dst(&self) -> &Buffer;
 }
@@ -735,35 +753,47 @@ trait PingSide {
 fn pong_loop(side: &mut impl PingSide, total: u64, timeout: Duration) -> Result<()> {
     for i in 0..total {
         spin_until(side.dst(), 2 * i + 1, timeout)?;
-        side.send(2 * i + 2, timeout)?;
+        side.send(2 * i + 2, timeout, false)?;
     }
     Ok(())
 }
 
 /// Runs `total` round trips: `side` writes an odd value to the other side,
 /// then awaits the answer (the next value) in its own block. The first
-/// `warmup` are not recorded.
+/// `warmup` are not recorded. Without `phases` the clock is read once a
+/// round trip, when the answer has landed (a round trip is the time from
+/// one such read to the next, as `ib_write_lat` times the gaps between its
+/// posts); with them, also around the send's two phases.
 fn ping_loop(
     side: &mut impl PingSide,
-    total: u64,
-    warmup: u64,
+    (total, warmup): (u64, u64),
     timeout: Duration,
+    phases: bool,
 ) -> Result<PingTimes> {
     let mut raw: [Vec<f64>; 4] = Default::default();
+    raw[0].reserve(total as usize);
+    if phases {
+        for v in &mut raw[1..] {
+            v.reserve(total as usize);
+        }
+    }
     let start = Instant::now();
     let ticks = Ticks::start();
+    let mut t = Ticks::now();
     for i in 0..total {
-        let t = Ticks::now();
-        let sent = side.send(2 * i + 1, timeout)?;
-        let t_sent = Ticks::now();
+        let sent = side.send(2 * i + 1, timeout, phases)?;
+        let t_sent = if phases { Ticks::now() } else { 0 };
         spin_until(side.dst(), 2 * i + 2, timeout)?;
+        let end = Ticks::now();
         if i >= warmup {
-            let end = Ticks::now();
             raw[0].push((end - t) as f64 / 2.0);
-            raw[1].push(sent.0 as f64);
-            raw[2].push(sent.1 as f64);
-            raw[3].push((end - t_sent) as f64);
+            if phases {
+                raw[1].push(sent.0 as f64);
+                raw[2].push(sent.1 as f64);
+                raw[3].push((end - t_sent) as f64);
+            }
         }
+        t = end;
     }
     let elapsed_s = start.elapsed().as_secs_f64();
     let per_us = ticks.per_us();
@@ -801,10 +831,11 @@ fn pin_to(cpu: usize) {
 fn run_pair<S: PingSide + Send>(
     a: &mut S,
     b: &mut S,
-    (total, warmup): (u64, u64),
-    pin: bool,
+    rounds: (u64, u64),
+    (pin, phases): (bool, bool),
     timeout: Duration,
 ) -> Result<PingTimes> {
+    let total = rounds.0;
     std::thread::scope(|s| {
         let pong = s.spawn(|| {
             if pin {
@@ -815,7 +846,7 @@ fn run_pair<S: PingSide + Send>(
         if pin {
             pin_to(0);
         }
-        let t = ping_loop(a, total, warmup, timeout);
+        let t = ping_loop(a, rounds, timeout, phases);
         pong.join()
             .map_err(|_| anyhow::anyhow!("pong thread panicked"))??;
         t
@@ -904,8 +935,9 @@ impl PingSide for VerbsSide {
     }
 
     /// Posts `value` to the other side's block and polls for its
-    /// completion; returns the ticks of the post and of the poll.
-    fn send(&mut self, value: u64, timeout: Duration) -> Result<(u64, u64)> {
+    /// completion; returns the ticks of the post and of the poll (with
+    /// `phases`; else zeros, and no clock read).
+    fn send(&mut self, value: u64, timeout: Duration, phases: bool) -> Result<(u64, u64)> {
         let (rkey, remote) = self.to;
         self.src.mem[0] = value;
         let sge = [kvxfer::verbs::Sge {
@@ -913,11 +945,11 @@ impl PingSide for VerbsSide {
             addr: self.src.addr(),
             len: self.src.mem.len() as u32 * 8,
         }];
-        let t0 = Ticks::now();
+        let t0 = if phases { Ticks::now() } else { 0 };
         // SAFETY: the piece lies in `src_mr`, alive until the completion
         // polled below.
         unsafe { self.qp.post_write(value, &sge, rkey, remote, None, true)? };
-        let t1 = Ticks::now();
+        let t1 = if phases { Ticks::now() } else { 0 };
         let done = &mut self.done;
         done.clear();
         let mut n = 0u32;
@@ -933,7 +965,11 @@ impl PingSide for VerbsSide {
             }
         }
         done[0].ok()?;
-        Ok((t1 - t0, Ticks::now() - t1))
+        Ok(if phases {
+            (t1 - t0, Ticks::now() - t1)
+        } else {
+            (0, 0)
+        })
     }
 }
 
@@ -992,9 +1028,10 @@ fn run_pingpong_ab(args: &Args) -> Result<()> {
     let n = BLOCK + args.warmup;
     for _ in 0..iters.div_ceil(BLOCK) {
         let rounds = (n, args.warmup);
-        agent.extend(run_pair(&mut aa, &mut ab, rounds, args.pin, timeout)?.lat);
-        prepared.extend(run_pair(&mut pa, &mut pb, rounds, args.pin, timeout)?.lat);
-        verbs.extend(run_pair(&mut va, &mut vb, rounds, args.pin, timeout)?.lat);
+        let how = (args.pin, false);
+        agent.extend(run_pair(&mut aa, &mut ab, rounds, how, timeout)?.lat);
+        prepared.extend(run_pair(&mut pa, &mut pb, rounds, how, timeout)?.lat);
+        verbs.extend(run_pair(&mut va, &mut vb, rounds, how, timeout)?.lat);
     }
     let p50 = |v| summarize(1.0, 0.0, v).p50_us;
     let (a50, p50, v50) = (p50(agent), p50(prepared), p50(verbs));
@@ -1029,20 +1066,12 @@ fn run_pingpong_verbs(args: &Args) -> Result<()> {
         child.run(&ping, &mut a, args, (total, timeout))?
     } else {
         let (mut a, mut b) = verbs_pair(args, size)?;
-        run_pair(&mut a, &mut b, (total, args.warmup), args.pin, timeout)?
+        let how = (args.pin, args.phases);
+        run_pair(&mut a, &mut b, (total, args.warmup), how, timeout)?
     };
-    let median = |v: Vec<f64>| summarize(1.0, 0.0, v).p50_us;
+    let phases = phase_medians("post", &times);
     let m = summarize(1.0, 0.0, times.lat);
-    let (post, own, answer) = (median(times.send), median(times.own), median(times.answer));
-    print_pingpong(
-        args.json,
-        "verbs",
-        size,
-        iters,
-        &m,
-        ("post", post, own, answer),
-        None,
-    );
+    print_pingpong(args.json, "verbs", size, iters, &m, phases, None);
     Ok(())
 }
 
@@ -1094,7 +1123,7 @@ impl PongChild {
         if args.pin {
             pin_to(0);
         }
-        let t = ping_loop(side, total, args.warmup, timeout);
+        let t = ping_loop(side, (total, args.warmup), timeout, args.phases);
         self.finish(t)
     }
 
@@ -1183,30 +1212,36 @@ fn run_pong_child(args: &Args, kind: &str) -> Result<()> {
     pong_loop(&mut b, total, timeout)
 }
 
-/// Prints a ping-pong's result: one-way latency, the medians of a round
-/// trip's phases (`(name of the first, first, own completion, answer)`),
-/// and, for agents, the CPU they use idle.
+/// Prints a ping-pong's result: one-way latency, with `--phases` the
+/// medians of a round trip's phases (`(name of the first, first, own
+/// completion, answer)`), and, for agents, the CPU they use idle.
 fn print_pingpong(
     json: bool,
     backend: &str,
     size: u64,
     iters: u64,
     m: &Measured,
-    (first, issue, own, answer): (&str, f64, f64, f64),
+    phases: Option<(&str, f64, f64, f64)>,
     idle_pct: Option<f64>,
 ) {
     if json {
         let idle = idle_pct.map_or(String::new(), |p| format!(",\"idle_cpu_pct\":{p:.2}"));
+        let phases = phases.map_or(String::new(), |(_, issue, own, answer)| {
+            format!(",\"submit_p50_us\":{issue:.2},\"own_completion_p50_us\":{own:.2},\"answer_p50_us\":{answer:.2}")
+        });
         println!(
-            "{{\"backend\":\"{backend}\",\"op\":\"pingpong\",\"block_size\":{size},\"iters\":{iters},\"p50_us\":{:.2},\"p99_us\":{:.2},\"mean_us\":{:.2},\"submit_p50_us\":{issue:.2},\"own_completion_p50_us\":{own:.2},\"answer_p50_us\":{answer:.2}{idle}}}",
+            "{{\"backend\":\"{backend}\",\"op\":\"pingpong\",\"block_size\":{size},\"iters\":{iters},\"p50_us\":{:.2},\"p99_us\":{:.2},\"mean_us\":{:.2}{phases}{idle}}}",
             m.p50_us, m.p99_us, m.mean_us
         );
     } else {
         let idle = idle_pct.map_or(String::new(), |p| {
             format!("; idle agents use {p:.2}% of a CPU")
         });
+        let phases = phases.map_or(String::new(), |(first, issue, own, answer)| {
+            format!("; per round trip (medians): {first} {issue:.2} µs, own completion {own:.2} µs, answer {answer:.2} µs")
+        });
         println!(
-            "{backend} ping-pong, {} blocks, {iters} round trips: one-way latency p50 {:.2} µs, p99 {:.2} µs, mean {:.2} µs; per round trip (medians): {first} {issue:.2} µs, own completion {own:.2} µs, answer {answer:.2} µs{idle}",
+            "{backend} ping-pong, {} blocks, {iters} round trips: one-way latency p50 {:.2} µs, p99 {:.2} µs, mean {:.2} µs{phases}{idle}",
             human(size),
             m.p50_us,
             m.p99_us,
@@ -1215,14 +1250,24 @@ fn print_pingpong(
     }
 }
 
+/// The medians of a ping-pong's phases (`None` without `--phases`), the
+/// first named `first`.
+fn phase_medians(first: &'static str, t: &PingTimes) -> Option<(&'static str, f64, f64, f64)> {
+    if t.send.is_empty() {
+        return None;
+    }
+    let median = |v: &[f64]| summarize(1.0, 0.0, v.to_vec()).p50_us;
+    Some((first, median(&t.send), median(&t.own), median(&t.answer)))
+}
+
 fn run_pingpong(args: &Args) -> Result<()> {
     let backend: Backend = args.backend.parse()?;
     let size = args.block_size.first().copied().unwrap_or(8).max(8);
     let iters = args.iters.unwrap_or(1000);
     let total = args.warmup + iters;
     let timeout = Duration::from_secs(10);
-    // Where a round trip goes: in `submit_transfer`, waiting for the own
-    // WRITE's completion, then for the answer to land.
+    // With `--phases`, where a round trip goes: in `submit_transfer`,
+    // waiting for the own WRITE's completion, then for the answer to land.
     let (a, times) = if args.two_process {
         let mut a = Side::new(config("kvxfer-ping", args), backend, size)?;
         let mut child = PongChild::spawn("agent")?;
@@ -1232,13 +1277,13 @@ fn run_pingpong(args: &Args) -> Result<()> {
         (a, t)
     } else {
         let (mut a, mut b) = agent_pair(args, backend, size)?;
-        let t = run_pair(&mut a, &mut b, (total, args.warmup), args.pin, timeout)?;
+        let how = (args.pin, args.phases);
+        let t = run_pair(&mut a, &mut b, (total, args.warmup), how, timeout)?;
         (a, t)
     };
     let backend_name = a.agent.remote_transport(&a.peer)?;
-    let (elapsed, lat) = (times.elapsed_s, times.lat);
-    let (submit, own, answer) = (times.send, times.own, times.answer);
-    let m = summarize(elapsed, (size * 2 * total) as f64, lat);
+    let phases = phase_medians("submit", &times);
+    let m = summarize(times.elapsed_s, (size * 2 * total) as f64, times.lat);
     // What the two connected, idle agents cost: their progress threads.
     let idle = Duration::try_from_secs_f64(args.idle_secs)
         .map_err(|e| anyhow::anyhow!("--idle-secs {}: {e}", args.idle_secs))?;
@@ -1247,9 +1292,6 @@ fn run_pingpong(args: &Args) -> Result<()> {
         std::thread::sleep(idle);
         100.0 * (cpu_seconds() - c0) / t0.elapsed().as_secs_f64()
     });
-    let median = |v: Vec<f64>| summarize(1.0, 0.0, v).p50_us;
-    let (submit, own, answer) = (median(submit), median(own), median(answer));
-    let phases = ("submit", submit, own, answer);
     print_pingpong(args.json, backend_name, size, iters, &m, phases, idle_pct);
     Ok(())
 }

@@ -1196,7 +1196,7 @@ struct Link {
     streams: Vec<StreamHandle>,
     pending: Mutex<PendingTable>,
     /// RDMA path, one queue pair: the express lane of small requests.
-    express: Mutex<Express>,
+    express: ExpressLane,
     /// Set (under `pending`'s lock) when `pending.broken` is: a request's
     /// path reads it without the lock.
     broken: AtomicBool,
@@ -1206,30 +1206,70 @@ struct Link {
 }
 
 /// A link's express lane: one small request at a time — a single data work
-/// request, no sync message, its waiter polling the completion queue —
-/// travels without a [`Pending`] record and a table entry, and reuses the
-/// previous express request's status when its caller has dropped it. What
-/// a latency-bound caller (one request, wait, the next) submits; the
-/// record, the table and the status cost more than the post itself
-/// (callgrind, soft-RoCE ping-pong: about 550 of 2,040 instructions a
-/// request). A request that finds the lane taken, or anything queued on
-/// the queue pair, takes the ordinary path. Taken under the send queue's
-/// lock, so it is posted in order with everything else; freed under its
-/// own lock only (the send queue's is held across a post, a system call
-/// on soft-RoCE: a progress thread finishing the request behind it held
-/// the poll lock meanwhile, and the waiter spun on it).
+/// request of at most four pieces, no sync message, its waiter polling the
+/// completion queue — travels without a [`Pending`] record and a table
+/// entry, and reuses the previous express request's status when its caller
+/// has dropped it. What a latency-bound caller (one request, wait, the next)
+/// submits; the record, the table and the status cost more than the post
+/// itself (callgrind, soft-RoCE ping-pong: about 550 of 2,040 instructions a
+/// request).
+///
+/// The lane takes no lock: its [`state`](Self::state) says who owns its
+/// slot. A submitter claims a free lane (one compare-and-swap), fills the
+/// slot, marks it posted and posts its work request through the queue
+/// pair's [`SharedPoster`](crate::verbs::SharedPoster) — outside the send
+/// queue's lock and the window: the queue pair has one send-queue entry
+/// beyond the window for it. From then on the slot belongs to whoever
+/// finishes the request (a compare-and-swap from posted to finishing): the
+/// thread draining its completion, the submitter when the post fails, or
+/// the link's last thread on exit, which also closes the lane. A request
+/// finds the lane taken, or work counted in the send queue's `waiting`
+/// (queued, or popped and not yet posted), or the link broken: it takes
+/// the ordinary path, so it never overtakes earlier work of its caller.
+struct ExpressLane {
+    /// [`LANE_FREE`], [`LANE_CLAIMED`], [`LANE_POSTED`], [`LANE_FINISHING`]
+    /// or [`LANE_CLOSED`].
+    state: std::sync::atomic::AtomicU8,
+    /// Written only by the thread that moved `state` to `CLAIMED` (until it
+    /// stores `POSTED`) or to `FINISHING` (until it stores `FREE` or
+    /// `CLOSED`).
+    slot: std::cell::UnsafeCell<Express>,
+}
+
+/// The lane is free: a submitter may claim it.
+const LANE_FREE: u8 = 0;
+/// A submitter is filling the slot (a few instructions, no system call).
+const LANE_CLAIMED: u8 = 1;
+/// A request is in flight (or being posted); its finisher takes the slot.
+const LANE_POSTED: u8 = 2;
+/// A finisher is releasing the request's holds and recording its outcome.
+const LANE_FINISHING: u8 = 3;
+/// The link's last thread has left: no request may take the lane.
+const LANE_CLOSED: u8 = 4;
+
+// SAFETY: the slot is touched only by the one thread whose
+// compare-and-swap moved `state` to CLAIMED or FINISHING, and handed on by
+// release stores that the next owner's acquiring compare-and-swap reads;
+// its contents (region holds, an `Arc`) are `Send`.
+unsafe impl Sync for ExpressLane {}
+
+impl Default for ExpressLane {
+    fn default() -> Self {
+        Self {
+            state: std::sync::atomic::AtomicU8::new(LANE_FREE),
+            slot: std::cell::UnsafeCell::new(Express::default()),
+        }
+    }
+}
+
+/// What the express lane's slot holds.
 #[derive(Default)]
 struct Express {
-    /// Whether a request is in flight (the lane is taken).
-    live: bool,
     /// The holds on the regions of the request in flight.
     guards: Few<RegionGuard>,
     /// The status of the request in flight, or of the last one: reused
     /// when nothing else refers to it any more.
     status: Option<Arc<Completion>>,
-    /// Set by the link's last thread on exit (after which nothing would
-    /// complete a new express request): the lane is closed.
-    closed: bool,
 }
 
 impl Link {
@@ -1281,7 +1321,7 @@ impl Link {
             alive: AtomicUsize::new(2 * streams.len() + n_qps),
             streams,
             pending: Mutex::new(PendingTable::default()),
-            express: Mutex::default(),
+            express: ExpressLane::default(),
             broken: AtomicBool::new(false),
             clock: ProgressClock::new(),
             threads: Mutex::new(Vec::new()),
@@ -2540,16 +2580,20 @@ impl TcpAgent {
             return None;
         }
         let guards = self.inner.registry.hold_current(&c.regions, c.generation)?;
-        let p = Arc::clone(&c.planned);
-        drop(slot);
-        Some(self.post_planned(
+        // Posted with the entry still locked (no reference on the plan
+        // taken and dropped): nothing on the posting path takes this lock,
+        // and a thread that finds it taken meanwhile resolves in full.
+        let p = &c.planned;
+        let r = self.post_planned(
             &p.link,
             req.op,
             Cow::Borrowed(&p.wrs),
             req.sync_message.clone(),
             guards,
             &p.driver,
-        ))
+        );
+        drop(slot);
+        Some(r)
     }
 
     /// Posts planned RDMA work requests as request `id`: its status, whose
@@ -3133,7 +3177,9 @@ fn rdma_connect(
         })?;
     let rerr = |e: crate::verbs::VerbsError| rdma::rdma_err(&peer.name, e);
     let events = inner.config.rdma_progress != crate::agent::RdmaProgress::Poll;
-    let mut qp = dev.create_rc_with(rdma::WINDOW, events).map_err(rerr)?;
+    // One send-queue entry beyond the window: the express lane's, whose
+    // lone work request bypasses the window (see `Link::post_express`).
+    let mut qp = dev.create_rc_with(rdma::WINDOW + 1, events).map_err(rerr)?;
     let mine = qp.info();
     let hdr = Frame::QpConnect {
         qpn: mine.qpn,
@@ -3402,7 +3448,8 @@ impl Link {
                     rdma::Queued::Data { .. } => None,
                 };
                 let (item, p) = items.pop_front().expect("front exists");
-                conn.waiting.fetch_sub(1, Ordering::AcqRel);
+                // Still counted in `waiting` until posted (below), so an
+                // express request cannot overtake it in between.
                 batch.push((item, p, send_slot));
             }
             if batch.is_empty() {
@@ -3445,6 +3492,7 @@ impl Link {
             // message slot is ours until its SEND completes.
             let r = unsafe { lock(&conn.qp).post_batch(&posts) };
             drop(posts);
+            conn.waiting.fetch_sub(batch.len(), Ordering::SeqCst);
             let Err(e) = r else {
                 batch.clear();
                 // Still holding the lock: go on while work is queued.
@@ -3509,9 +3557,9 @@ impl Link {
     }
 
     /// Posts request `id` (one data work request `wr`) in the express lane
-    /// when the lane is free and `wr` may go at once
-    /// ([`room_alone`](Self::room_alone)); returns its status, or `None`
-    /// (and `guards` untouched) for the ordinary path.
+    /// when the lane is free, nothing is queued before it and the link is
+    /// whole ([`ExpressLane`]); returns its status, or `None` (and `guards`
+    /// untouched) for the ordinary path.
     fn post_express(
         &self,
         id: u64,
@@ -3523,27 +3571,50 @@ impl Link {
         let [conn] = self.rdma.as_slice() else {
             return None;
         };
-        let q = lock(&conn.queue);
+        let post = rdma::data_post(id | rdma::EXPRESS_FLAG, op, wr, &wr.sges);
+        let lane = &self.express;
+        if !crate::verbs::SharedPoster::fits(&post)
+            || lane
+                .state
+                .compare_exchange(
+                    LANE_FREE,
+                    LANE_CLAIMED,
+                    Ordering::Acquire,
+                    Ordering::Relaxed,
+                )
+                .is_err()
+        {
+            return None;
+        }
+        // Sequentially consistent with the count a submitter raises before
+        // it queues (and the pump lowers only after posting): either this
+        // sees that work, or that work comes after this request.
+        if conn.waiting.load(Ordering::SeqCst) != 0 || self.is_broken() {
+            lane.state.store(LANE_FREE, Ordering::Release);
+            return None;
+        }
         let completion = {
-            let mut lane = lock(&self.express);
-            if lane.live || lane.closed || !self.room_alone(conn, &q, wr) {
-                return None;
-            }
+            // SAFETY: our compare-and-swap moved the lane to CLAIMED: the
+            // slot is ours until we store POSTED.
+            let slot = unsafe { &mut *lane.slot.get() };
             let new = || Completion::with_driver(Some(driver.clone()));
-            let status = lane.status.get_or_insert_with(new);
+            let status = slot.status.get_or_insert_with(new);
             match Arc::get_mut(status) {
                 // Unique: the caller dropped the status it was behind.
                 Some(c) => c.reset(),
                 None => *status = new(),
             }
-            let completion = Arc::clone(status);
-            lane.live = true;
-            std::mem::swap(&mut lane.guards, guards);
-            completion
+            std::mem::swap(&mut slot.guards, guards);
+            Arc::clone(status)
         };
+        conn.posted.fetch_add(1, Ordering::AcqRel);
+        lane.state.store(LANE_POSTED, Ordering::Release);
         // SAFETY: the pieces lie in regions held (in the lane) until the
-        // work request's completion is handled.
-        if let Err(err) = unsafe { self.post_alone(conn, q, id | rdma::EXPRESS_FLAG, op, wr) } {
+        // work request's completion is handled; the connection's queue pair
+        // is alive (we hold the link); `post` fits (checked above).
+        if let Err(e) = unsafe { conn.poster.post(&post) } {
+            conn.posted.fetch_sub(1, Ordering::AcqRel);
+            let err = rdma::rdma_err(&self.remote, e);
             self.finish_express(Err(err.clone()), false);
             self.fail(err);
         } else if conn.reap.look(id) {
@@ -3556,18 +3627,57 @@ impl Link {
     }
 
     /// Completes the express request in flight, if any, with `result`:
-    /// frees the lane, releases its regions, then records the outcome.
+    /// releases its regions, records the outcome, frees the lane.
     /// `close`: the link's last thread is leaving, no request may take
     /// the lane after this one.
     fn finish_express(&self, result: Result<(), Error>, close: bool) {
-        let mut lane = lock(&self.express);
-        lane.closed |= close;
-        if !std::mem::take(&mut lane.live) {
-            return;
-        }
-        lane.guards.clear();
-        if let Some(c) = &lane.status {
-            c.complete(result);
+        let lane = &self.express;
+        loop {
+            match lane.state.load(Ordering::Acquire) {
+                LANE_POSTED => {
+                    if lane
+                        .state
+                        .compare_exchange(
+                            LANE_POSTED,
+                            LANE_FINISHING,
+                            Ordering::Acquire,
+                            Ordering::Relaxed,
+                        )
+                        .is_err()
+                    {
+                        continue;
+                    }
+                    // SAFETY: our compare-and-swap moved the lane to
+                    // FINISHING: the slot is ours until we store below.
+                    let slot = unsafe { &mut *lane.slot.get() };
+                    slot.guards.clear();
+                    if let Some(c) = &slot.status {
+                        c.complete(result);
+                    }
+                    let next = if close { LANE_CLOSED } else { LANE_FREE };
+                    lane.state.store(next, Ordering::Release);
+                    return;
+                }
+                LANE_FREE if close => {
+                    if lane
+                        .state
+                        .compare_exchange(
+                            LANE_FREE,
+                            LANE_CLOSED,
+                            Ordering::AcqRel,
+                            Ordering::Relaxed,
+                        )
+                        .is_ok()
+                    {
+                        return;
+                    }
+                }
+                // A submitter filling the slot, or another finisher: both
+                // are a few instructions from handing the lane on.
+                LANE_CLAIMED | LANE_FINISHING if close => std::thread::yield_now(),
+                // Nothing in flight (or someone else finishing it).
+                _ => return,
+            }
         }
     }
 
@@ -3584,11 +3694,14 @@ impl Link {
         touched: &mut bool,
     ) {
         conn.posted.fetch_sub(1, Ordering::AcqRel);
-        conn.count_completed();
-        conn.release_slot();
         let express = c.wr_id & rdma::EXPRESS_FLAG != 0;
-        if !express && !std::mem::replace(touched, true) {
-            self.clock.touch();
+        if !express {
+            // The express lane's work request takes no window slot.
+            conn.count_completed();
+            conn.release_slot();
+            if !std::mem::replace(touched, true) {
+                self.clock.touch();
+            }
         }
         let (req, slot) = rdma::decode_wr_id(c.wr_id);
         if let Some(slot) = slot {

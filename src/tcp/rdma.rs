@@ -311,6 +311,10 @@ pub(crate) struct RdmaConn {
     max_inflight: u64,
     /// Posting needs exclusive access; polling goes through `cq`.
     pub(crate) qp: Mutex<RcQueuePair>,
+    /// Posts the express lane's lone work requests without `qp`'s lock
+    /// (`ibv_post_send` is thread-safe). Made from `qp`, which lives as
+    /// long as this connection.
+    pub(crate) poster: crate::verbs::SharedPoster,
     pub(crate) cq: CqPoller,
     /// The completion channel, in the [`RdmaProgress`](crate::RdmaProgress)
     /// modes that sleep on one (all but `Poll`).
@@ -389,6 +393,9 @@ impl RdmaConn {
             drains: AtomicU64::new(0),
             max_sge: qp.max_sge() as usize,
             batch_is_atomic: qp.batch_is_atomic(),
+            // SAFETY: the poster is kept beside the queue pair, in this
+            // connection, and dropped with it.
+            poster: unsafe { qp.shared_poster() },
             qp: Mutex::new(qp),
             sends: MsgRing::new(dev, RING)?,
             window: Window::new(),

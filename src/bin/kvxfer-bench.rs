@@ -223,10 +223,11 @@ struct Buffer {
 
 /// Words in whole pages of their own, page-aligned, as perftest allocates
 /// its buffers: two buffers never share a cache line, so a side spinning on
-/// its block does not share one with the block the other side writes from.
-/// (Side by side in the heap, a ping-pong's four 8-byte blocks sat in one
-/// line; in the soft-RoCE guest the verbs layer's ping-pong read 1.075x
-/// `ib_write_lat` that way and 1.058x on pages of their own, 20 rounds.)
+/// its block does not share one with the block the other side writes from
+/// (side by side in the heap, a ping-pong's four 8-byte blocks sat in one
+/// line). Measured in the soft-RoCE guest it made no difference beyond the
+/// noise (`docs/benchmarks.md`, tenth session): one confound less against
+/// perftest, not a speed-up.
 struct Pages {
     ptr: std::ptr::NonNull<u64>,
     len: usize,

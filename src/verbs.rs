@@ -1118,7 +1118,7 @@ impl RcQueuePair {
         match wrs {
             [] => return Ok(()),
             // SAFETY: forwarded contract.
-            [w] if w.sges.len() <= DIRECT_SGES => return unsafe { self.post_direct(w, signaled) },
+            [w] if SharedPoster::fits(w) => return unsafe { self.post_direct(w, signaled) },
             _ => {}
         }
         let flags = send_flags(signaled);

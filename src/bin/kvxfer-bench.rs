@@ -657,6 +657,23 @@ impl Ticks {
         START.get_or_init(Instant::now).elapsed().as_nanos() as u64
     }
 
+    /// The ticks now when timing a send's phases (`--phases`), else 0 and
+    /// no clock read.
+    fn phase(on: bool) -> u64 {
+        if on { Self::now() } else { 0 }
+    }
+
+    /// A send's two phases from the [`phase`](Self::phase) reads before
+    /// (`t0`) and after (`t1`) its issue: `(t1 - t0, now - t1)`, or zeros
+    /// when not timed.
+    fn phases(on: bool, t0: u64, t1: u64) -> (u64, u64) {
+        if on {
+            (t1 - t0, Self::now() - t1)
+        } else {
+            (0, 0)
+        }
+    }
+
     /// Ticks per microsecond, measured since `start`.
     fn per_us(&self) -> f64 {
         let (k, us) = (Self::now(), self.t0.elapsed().as_secs_f64() * 1e6);
@@ -774,18 +791,14 @@ impl PingSide for Side {
     /// clock read).
     fn send(&mut self, value: u64, timeout: Duration, phases: bool) -> Result<(u64, u64)> {
         self.src.mem[0] = value;
-        let t0 = if phases { Ticks::now() } else { 0 };
+        let t0 = Ticks::phase(phases);
         let st = match &self.prepared {
             Some(p) => self.agent.submit_prepared(p)?,
             None => self.agent.submit_transfer(&self.req)?,
         };
-        let t1 = if phases { Ticks::now() } else { 0 };
+        let t1 = Ticks::phase(phases);
         st.wait_success(timeout)?;
-        Ok(if phases {
-            (t1 - t0, Ticks::now() - t1)
-        } else {
-            (0, 0)
-        })
+        Ok(Ticks::phases(phases, t0, t1))
     }
 }
 
@@ -844,7 +857,7 @@ fn ping_loop(
     let mut t = Ticks::now();
     for i in 0..total {
         let sent = side.send(2 * i + 1, timeout, phases)?;
-        let t_sent = if phases { Ticks::now() } else { 0 };
+        let t_sent = Ticks::phase(phases);
         spin_until(side.dst(), 2 * i + 2, timeout)?;
         let end = Ticks::now();
         if i >= warmup {
@@ -1007,11 +1020,11 @@ impl PingSide for VerbsSide {
             addr: self.src.addr(),
             len: self.src.mem.len() as u32 * 8,
         }];
-        let t0 = if phases { Ticks::now() } else { 0 };
+        let t0 = Ticks::phase(phases);
         // SAFETY: the piece lies in `src_mr`, alive until the completion
         // polled below.
         unsafe { self.qp.post_write(value, &sge, rkey, remote, None, true)? };
-        let t1 = if phases { Ticks::now() } else { 0 };
+        let t1 = Ticks::phase(phases);
         let done = &mut self.done;
         done.clear();
         let mut n = 0u32;
@@ -1027,11 +1040,7 @@ impl PingSide for VerbsSide {
             }
         }
         done[0].ok()?;
-        Ok(if phases {
-            (t1 - t0, Ticks::now() - t1)
-        } else {
-            (0, 0)
-        })
+        Ok(Ticks::phases(phases, t0, t1))
     }
 }
 

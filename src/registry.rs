@@ -234,10 +234,29 @@ impl Registry {
         regions: &[Arc<LocalRegion>],
         seen: u64,
     ) -> Option<Few<RegionGuard>> {
-        let guards: Few<RegionGuard> = regions.iter().map(RegionGuard::new).collect();
+        let mut guards = Few::new();
+        self.hold_into(regions, seen, &mut guards).then_some(guards)
+    }
+
+    /// [`hold_current`](Self::hold_current) into `guards` (empty on entry),
+    /// where the holds are kept: true when the regions are current; false,
+    /// and `guards` empty again, when a deregistration came in between.
+    pub(crate) fn hold_into(
+        &self,
+        regions: &[Arc<LocalRegion>],
+        seen: u64,
+        guards: &mut Few<RegionGuard>,
+    ) -> bool {
+        for r in regions {
+            guards.push(RegionGuard::new(r));
+        }
         // After the holds: a deregistration that bumps the generation later
         // sees them and refuses; one that bumped it earlier is seen here.
-        (self.generation.load(Ordering::SeqCst) == seen).then_some(guards)
+        let current = self.generation.load(Ordering::SeqCst) == seen;
+        if !current {
+            guards.clear();
+        }
+        current
     }
 
     /// Admits a remote access to `[addr, addr + len)` presenting `key`.
@@ -434,6 +453,14 @@ mod tests {
         let seen = r.generation();
         r.deregister(&b).unwrap();
         assert!(r.hold_current(&regions, seen).is_none());
+        // Into a list (the express lane's): kept when current, the list
+        // emptied when not.
+        let mut into = Few::new();
+        assert!(r.hold_into(&regions, r.generation(), &mut into));
+        assert_eq!(into.len(), 1);
+        into.clear();
+        assert!(!r.hold_into(&regions, seen, &mut into));
+        assert!(into.is_empty());
         // A refused hold leaves nothing held.
         r.deregister(&a).unwrap();
     }

@@ -26,14 +26,17 @@ impl<T> Few<T> {
     }
 
     pub(crate) fn push(&mut self, v: T) {
-        *self = match std::mem::take(self) {
-            Few::Empty => Few::One(v),
-            Few::One(a) => Few::Many(vec![a, v]),
-            Few::Many(mut all) => {
-                all.push(v);
-                Few::Many(all)
+        // The first element is written in place (no round trip of the whole
+        // list through `take`): what a request's one region hold costs.
+        match self {
+            Few::Empty => *self = Few::One(v),
+            Few::Many(all) => all.push(v),
+            Few::One(_) => {
+                if let Few::One(a) = std::mem::take(self) {
+                    *self = Few::Many(vec![a, v]);
+                }
             }
-        };
+        }
     }
 
     pub(crate) fn as_slice(&self) -> &[T] {

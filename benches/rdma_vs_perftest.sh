@@ -3,14 +3,16 @@
 # boot of the guest (ci/rxe-guest): rxe0 (initiator) -> rxe1 (target).
 #   WRITE bandwidth at 1 MiB   kvxfer-bench --op write  vs  ib_write_bw
 #   READ bandwidth at 1 MiB    kvxfer-bench --op read   vs  ib_read_bw
-#   8-byte WRITE latency       kvxfer-bench --pingpong  vs  ib_write_lat
-#                              (submit_transfer, and --prepared: a transfer
+#   8-byte WRITE latency       kvxfer-bench --pingpong --two-process  vs
+#                              ib_write_lat (the headline: two processes,
+#                              as ib_write_lat runs its client and server
+#                              and as two serving executors run; also
+#                              both agents in one process through
+#                              submit_transfer, and --prepared: a transfer
 #                              prepared once, as perftest builds its work
 #                              request once; and --pingpong-verbs: the
 #                              verbs layer alone; --pingpong-ab: agent and
-#                              verbs in one process, alternating; and
-#                              --two-process: the answering agent in a
-#                              child process, as ib_write_lat runs)
+#                              verbs in one process, alternating)
 #                              (both: half the round trip of a write ping-pong,
 #                              each side spinning on its memory), and kvxfer's
 #                              submit-to-completion time (batch 1)
@@ -186,8 +188,8 @@ wbw_mb, rbw_mb = wbw * 1.048576, rbw * 1.048576
 print(f"{rounds} alternating bandwidth rounds, {lat_rounds} latency rounds: ratio = median of the per-round ratios (ratio of the medians in brackets)")
 print(f"WRITE 1 MiB : ib_write_bw {wbw_mb:9.1f} MB/s  kvxfer {kw_mb:9.1f} MB/s  ratio {prw:.3f} ({kw_mb/wbw_mb:.3f}) (target >= 0.95)")
 print(f"READ  1 MiB : ib_read_bw  {rbw_mb:9.1f} MB/s  kvxfer {kr_mb:9.1f} MB/s  ratio {prr:.3f} ({kr_mb/rbw_mb:.3f}) (target >= 0.95)")
-print(f"WRITE 8 B   : ib_write_lat {lat:8.2f} us    kvxfer ping-pong {pl:8.2f} us (p50 one-way)  ratio {prl:.3f} ({pl/lat:.3f}) (target <= 1.1)")
-print(f"              two processes (the answering agent in a child process, as ib_write_lat runs) {p2m:.2f} us, ratio {pr2:.3f} ({p2m/lat:.3f})")
+print(f"WRITE 8 B   : ib_write_lat {lat:8.2f} us    kvxfer ping-pong {p2m:8.2f} us (p50 one-way; two processes, as ib_write_lat runs)  ratio {pr2:.3f} ({p2m/lat:.3f}) (target <= 1.1)")
+print(f"              both agents in one process (submit_transfer) {pl:.2f} us, ratio {prl:.3f} ({pl/lat:.3f})")
 print(f"              prepared (prepare_transfer once, submit_prepared each round trip) {ppm:.2f} us, ratio {prp:.3f} ({ppm/lat:.3f})")
 print(f"              lower quartiles of the runs (the fast mode): ib_write_lat {qlat:.2f} us, submit_transfer {qpl:.2f} ({qpl/qlat:.3f}), two processes {qp2:.2f} ({qp2/qlat:.3f}), prepared {qpp:.2f} ({qpp/qlat:.3f}), verbs layer {qpv:.2f} ({qpv/qlat:.3f})")
 print(f"              in one process, alternating blocks: submit_transfer {ab['agent_over_verbs']:.3f}x, submit_prepared {ab['prepared_over_verbs']:.3f}x the verbs layer")

@@ -2597,20 +2597,19 @@ impl TcpAgent {
     /// the general path, which on soft-RoCE's 8-byte ping-pong was a fifth
     /// of the library's instructions before the post (`docs/benchmarks.md`).
     /// `None`, with nothing held or claimed: [`submit_cached`](Self::submit_cached)
-    /// and the general path decide.
+    /// and the general path decide (a hit the lane turns away, taken by
+    /// another request, is looked up once more there: rare, and the lookup
+    /// is a few compares).
     fn express_cached(&self, req: &TransferRequest) -> Option<TransferStatus> {
-        if req.sync_message.is_some() || req.local.descs.len() > CACHE_MAX_DESCS {
+        if req.sync_message.is_some() {
             return None;
         }
         let slot = self.inner.submit_cache.try_lock().ok()?;
-        let c = slot.as_deref().filter(|c| c.matches(req))?;
+        let c = self.cache_hit(&slot, req)?;
         let p = &c.planned;
         let (Some(driver), [wr]) = (&p.driver, p.wrs.as_slice()) else {
             return None;
         };
-        if !p.current() || self.inner.closing.load(Ordering::Relaxed) {
-            return None;
-        }
         let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
         let registry = &self.inner.registry;
         let hold = |g: &mut Few<RegionGuard>| registry.hold_into(&c.regions, c.generation, g);
@@ -2619,12 +2618,24 @@ impl TcpAgent {
         Some(TransferStatus::new(id, completion))
     }
 
-    /// Submits `req` from [`SubmitCache`] when it holds this request, still
-    /// valid; `None`: resolve it in full.
-    fn submit_cached(&self, req: &TransferRequest) -> Option<Result<TransferStatus, Error>> {
+    /// The entry of the submit cache (`slot`, its lock held) when it holds
+    /// `req` and is still valid: the peer entry and the link current, the
+    /// agent not closing.
+    fn cache_hit<'a>(
+        &self,
+        slot: &'a Option<Box<SubmitCache>>,
+        req: &TransferRequest,
+    ) -> Option<&'a SubmitCache> {
         if req.local.descs.len() > CACHE_MAX_DESCS {
             return None;
         }
+        let c = slot.as_deref().filter(|c| c.matches(req))?;
+        (c.planned.current() && !self.inner.closing.load(Ordering::Relaxed)).then_some(c)
+    }
+
+    /// Submits `req` from [`SubmitCache`] when it holds this request, still
+    /// valid; `None`: resolve it in full.
+    fn submit_cached(&self, req: &TransferRequest) -> Option<Result<TransferStatus, Error>> {
         if req
             .sync_message
             .as_ref()
@@ -2633,10 +2644,7 @@ impl TcpAgent {
             return None;
         }
         let slot = self.inner.submit_cache.try_lock().ok()?;
-        let c = slot.as_deref().filter(|c| c.matches(req))?;
-        if !c.planned.current() || self.inner.closing.load(Ordering::Relaxed) {
-            return None;
-        }
+        let c = self.cache_hit(&slot, req)?;
         let guards = self.inner.registry.hold_current(&c.regions, c.generation)?;
         // Posted with the entry still locked (no reference on the plan
         // taken and dropped): nothing on the posting path takes this lock,
@@ -2884,19 +2892,6 @@ impl TransferAgent for TcpAgent {
             return Err(Error::Closed);
         }
         let p = &r.planned;
-        if let (None, Some(d), [wr]) = (&req.sync_message, &p.driver, p.wrs.as_slice()) {
-            // The express lane takes copies of the prepared holds at once.
-            let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
-            let hold = |g: &mut Few<RegionGuard>| {
-                for h in r.guards.as_slice() {
-                    g.push(h.clone());
-                }
-                true
-            };
-            if let Some(c) = p.link.post_express(id, req.op, wr, hold, d) {
-                return Ok(TransferStatus::new(id, c));
-            }
-        }
         self.post_planned(
             &p.link,
             req.op,

@@ -577,6 +577,17 @@ pub struct AgentConfig {
     /// request posted). Default [`DEFAULT_RDMA_MAX_INFLIGHT`]; at least
     /// 64 KiB.
     pub rdma_max_inflight: u64,
+    /// The cluster credential: every connection to or from this agent
+    /// opens with a mutual HMAC-SHA256 challenge–response over it, and a
+    /// peer that does not prove it holds the same secret is answered
+    /// nothing (see `docs/security.md`). `None`: `KVXFER_SECRET_FILE` (a
+    /// file holding the secret), else `KVXFER_SECRET`, else no credential.
+    pub credential: Option<crate::auth::Credential>,
+    /// Without a credential an agent may listen only on a loopback address;
+    /// `true` (or `KVXFER_INSECURE=1`) lets it listen on any address, so
+    /// that every process reaching the port can read and write its
+    /// exported memory. A warning is logged.
+    pub insecure: bool,
 }
 
 /// Default of [`AgentConfig::rdma_max_inflight`]: 64 MiB, chosen by
@@ -641,7 +652,53 @@ impl AgentConfig {
             rdma_ack_timeout: None,
             rdma_srq: true,
             rdma_max_inflight: DEFAULT_RDMA_MAX_INFLIGHT,
+            credential: None,
+            insecure: false,
         }
+    }
+
+    /// Sets the cluster credential (see [`credential`](Self::credential)).
+    pub fn with_credential(mut self, credential: crate::auth::Credential) -> Self {
+        self.credential = Some(credential);
+        self
+    }
+
+    /// Allows listening on a non-loopback address without a credential
+    /// (see [`insecure`](Self::insecure)).
+    pub fn with_insecure(mut self, on: bool) -> Self {
+        self.insecure = on;
+        self
+    }
+
+    /// Fills in the credential and the `insecure` opt-in from the
+    /// environment where the fields leave them unset, and checks that an
+    /// agent without a credential listens on loopback only or was let
+    /// out explicitly.
+    ///
+    /// # Errors
+    /// [`Error::Credential`] for an unreadable or short secret;
+    /// [`Error::InvalidConfig`] for a non-loopback listener with neither a
+    /// credential nor `insecure`.
+    pub fn resolve_security(&mut self) -> Result<(), Error> {
+        if self.credential.is_none() {
+            self.credential = crate::auth::Credential::from_env()?;
+        }
+        if !self.insecure {
+            self.insecure = std::env::var("KVXFER_INSECURE").is_ok_and(|v| v.trim() == "1");
+        }
+        if self.credential.is_none() && !self.listen.ip().is_loopback() {
+            if !self.insecure {
+                return Err(Error::InvalidConfig(format!(
+                    "listening on {} without a cluster credential would let any process that \
+                     reaches the port read and write this agent's exported memory: set one \
+                     (AgentConfig::with_credential, KVXFER_SECRET_FILE, KVXFER_SECRET) or opt in \
+                     with AgentConfig::with_insecure / KVXFER_INSECURE=1",
+                    self.listen
+                )));
+            }
+            tracing::warn!(agent = %self.name, listen = %self.listen, "INSECURE: listening without a cluster credential; any process that reaches this port can read and write the exported memory");
+        }
+        Ok(())
     }
 
     /// Sets the listen address.

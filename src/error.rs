@@ -159,7 +159,21 @@ pub enum Error {
         reason: String,
     },
 
+    /// The cluster credential could not be read or is too short.
+    #[error("invalid cluster credential: {0}")]
+    Credential(#[from] crate::auth::CredentialError),
+
     // ---- peer's fault ---------------------------------------------------
+    /// The connection handshake failed: the peer holds another cluster
+    /// secret, holds none where one is required, or claimed another name
+    /// than the one expected. Nothing was sent to or accepted from it.
+    #[error("authentication with {remote:?} failed: {reason}")]
+    AuthFailed {
+        /// The remote agent (or endpoint).
+        remote: String,
+        /// What did not check out.
+        reason: String,
+    },
     /// The remote agent refused (part of) the request; nothing of the
     /// refused range was touched.
     #[error("remote agent {remote:?} rejected the request: {reason}")]

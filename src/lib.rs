@@ -66,6 +66,7 @@
 //! when no thread of the agent can touch the request's memory any more.
 
 pub mod agent;
+pub mod auth;
 pub mod cache;
 pub mod desc;
 pub mod error;
@@ -80,6 +81,7 @@ pub use agent::{
     AgentConfig, Backend, DEFAULT_RDMA_MAX_INFLIGHT, PreparedTransfer, RdmaProgress, SyncMessages,
     TransferAgent, TransferOp, TransferRequest, TransferState, TransferStatus, make_transfer_agent,
 };
+pub use auth::{Credential, CredentialError};
 pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion, LocalAccess};
 pub use error::{Error, RejectReason};
 pub use memory::{MemoryDesc, MemoryDescs, MemoryType};

@@ -1,8 +1,6 @@
 //! Backend-independent agent state: local registrations (with access keys
 //! and in-flight counters), and the sync-message inbox.
 
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -13,21 +11,9 @@ use crate::error::{Error, RejectReason};
 use crate::memory::{MemoryDesc, MemoryDescs, MemoryType, RegionMap};
 use crate::small::Few;
 
-/// A random 64-bit value (SipHash keyed from the OS's randomness, mixed with
-/// a counter). For access keys and instance ids: unpredictable enough to
-/// catch stale descriptors, not a security boundary.
-pub(crate) fn random_u64() -> u64 {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u128(
-        std::time::SystemTime::UNIX_EPOCH
-            .elapsed()
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.finish()
-}
+/// A random 64-bit value from the OS's random source (access keys, instance
+/// ids): a peer cannot guess a key it was not given.
+pub(crate) use crate::auth::random_u64;
 
 /// One local registration.
 #[derive(Debug)]

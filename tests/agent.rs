@@ -942,7 +942,15 @@ fn malformed_agent_desc_is_an_error() {
     std::thread::spawn(move || {
         use std::io::{Read, Write};
         if let Ok((mut s, _)) = junk.accept() {
+            // It authenticates (without a credential) ...
             let mut b = [0u8; 40];
+            let _ = s.read_exact(&mut b);
+            let mut body = vec![0u8; u32::from_le_bytes(b[4..8].try_into().unwrap()) as usize];
+            let _ = s.read_exact(&mut body);
+            let mut c = raw::Hdr::new(raw::AUTH_CHALLENGE);
+            c.aux = 36;
+            let _ = s.write_all(&c.bytes());
+            let _ = s.write_all(&[[7u8; 32].as_slice(), b"junk"].concat());
             let _ = s.read_exact(&mut b);
             let mut reply = [0u8; 40];
             reply[0] = 4; // a descriptor reply ...
@@ -952,10 +960,15 @@ fn malformed_agent_desc_is_an_error() {
         }
     });
     let err = agent.load_remote_agent_by_connection(&addr).unwrap_err();
-    assert!(
-        matches!(err, Error::InvalidAgentDesc(DescError::BadMagic(_))),
-        "{err}"
-    );
+    if kvxfer::Credential::from_env().unwrap().is_some() {
+        // A keyed initiator does not even ask an unkeyed listener.
+        assert!(matches!(err, Error::AuthFailed { .. }), "{err}");
+    } else {
+        assert!(
+            matches!(err, Error::InvalidAgentDesc(DescError::BadMagic(_))),
+            "{err}"
+        );
+    }
     assert!(matches!(
         agent.load_remote_agent_by_connection("not an address"),
         Err(Error::InvalidConnectionInfo { .. })
@@ -999,17 +1012,10 @@ fn agent_desc_of(peer: &PeerProc) -> AgentDesc {
 }
 
 fn fetch(conn: &str) -> AgentDesc {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(conn).unwrap();
-    let mut req = [0u8; 40];
-    req[0] = 3;
-    s.write_all(&req).unwrap();
-    let mut hdr = [0u8; 40];
-    s.read_exact(&mut hdr).unwrap();
-    let n = u32::from_le_bytes(hdr[4..8].try_into().unwrap()) as usize;
-    let mut body = vec![0u8; n];
-    s.read_exact(&mut body).unwrap();
-    AgentDesc::decode(&body).unwrap()
+    let mut c = raw::RawConn::connect(conn);
+    c.auth("by-hand", kvxfer::Credential::from_env().unwrap().as_ref())
+        .unwrap();
+    AgentDesc::decode(&c.desc().unwrap()).unwrap()
 }
 
 #[test]

@@ -20,6 +20,8 @@
 //! See `docs/architecture.md` for threads and ownership, and
 //! `docs/wire-format.md` for the frames.
 
+mod handshake;
+mod local_proof;
 mod rdma;
 mod session;
 mod sock;
@@ -112,6 +114,7 @@ fn tick(io_timeout: Duration) -> Duration {
 pub struct TcpAgent {
     inner: Arc<Inner>,
     listener_thread: Option<JoinHandle<()>>,
+    local_proof_thread: Option<JoinHandle<()>>,
 }
 
 struct Inner {
@@ -139,6 +142,12 @@ struct Inner {
     /// connection accepted (when `rdma_srq` is set and the device has
     /// shared receive queues).
     srq_rx: Mutex<SrqState>,
+    /// The local socket on which same-host initiators prove which process
+    /// they are (delegated copies); `None` when this agent never copies
+    /// for initiators.
+    local_proof: Option<Arc<local_proof::Listener>>,
+    /// Delegated cross-memory copies this agent has done for initiators.
+    delegated_copies: AtomicU64,
 }
 
 /// Whether incoming RDMA connections share a receive queue.
@@ -170,6 +179,7 @@ impl TcpAgent {
 
     pub(crate) fn with_mode(mut config: AgentConfig, mode: Mode) -> Result<Self, Error> {
         config.validate()?;
+        config.resolve_security()?;
         // Resolved once (the environment is read here, not per connection).
         config.rdma_ack_timeout = Some(config.effective_rdma_ack_timeout()?);
         let open = || Device::open(config.rdma_device.as_deref(), config.rdma_gid_index);
@@ -197,6 +207,20 @@ impl TcpAgent {
             None => listen_addr.to_string(),
         };
         let instance = random_u64() | 1;
+        // Bound before any descriptor naming `instance` is published, so no
+        // other process can hold the name first.
+        let local_proof = match mode {
+            Mode::Shm | Mode::Auto if config.shm_delegate => {
+                match local_proof::Listener::bind(instance) {
+                    Ok(l) => Some(Arc::new(l)),
+                    Err(e) => {
+                        tracing::info!(agent = %config.name, error = %e, "no local proof socket; this agent does not copy for initiators");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         let inner = Arc::new(Inner {
             mode,
             instance,
@@ -214,16 +238,30 @@ impl TcpAgent {
             server: Mutex::new(ServerConns::default()),
             sessions: Mutex::new(HashMap::new()),
             srq_rx: Mutex::new(SrqState::Untried),
+            local_proof,
+            delegated_copies: AtomicU64::new(0),
             config,
         });
         let acceptor = Arc::clone(&inner);
         let listener_thread = std::thread::Builder::new()
             .name(format!("kvxfer-accept-{}", inner.config.name))
             .spawn(move || acceptor.accept_loop(listener))?;
+        let local_proof_thread = match &inner.local_proof {
+            Some(l) => {
+                let (l, me) = (Arc::clone(l), Arc::clone(&inner));
+                Some(
+                    std::thread::Builder::new()
+                        .name(format!("kvxfer-local-{}", inner.config.name))
+                        .spawn(move || me.serve_local_proofs(&l))?,
+                )
+            }
+            None => None,
+        };
         tracing::debug!(agent = %inner.config.name, endpoint = %inner.endpoint, "tcp agent listening");
         Ok(Self {
             inner,
             listener_thread: Some(listener_thread),
+            local_proof_thread,
         })
     }
 
@@ -247,6 +285,10 @@ impl Drop for TcpAgent {
         }
         let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
         if let Some(t) = self.listener_thread.take() {
+            let _ = t.join();
+        }
+        if let (Some(l), Some(t)) = (&inner.local_proof, self.local_proof_thread.take()) {
+            l.wake();
             let _ = t.join();
         }
         // Incoming connections: shut down, then join their threads.
@@ -287,6 +329,12 @@ struct Session {
     /// Cross-memory grants held until each request's commit.
     grants: Mutex<HashMap<u64, Grants>>,
     streams: AtomicUsize,
+    /// Names this session on the local proof socket (see [`local_proof`]).
+    ticket: u128,
+    /// The process proven to be this session's initiator, once it has
+    /// presented the ticket on the local socket: the only process a
+    /// delegated copy may touch.
+    proven: Mutex<Option<local_proof::ProvenPeer>>,
     /// Whether this agent copies for the initiator (`Delegate`): the
     /// initiator's (pid, probe address, instance) and the probe's verdict,
     /// decided on its first delegated request.
@@ -410,6 +458,29 @@ impl Inner {
             clock: &clock,
         };
         let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
+        // Nothing is answered before the initiator has authenticated, and
+        // it must do so within the connect timeout.
+        let stop = || self.closing.load(Ordering::Relaxed);
+        let mut deadline = handshake::HandshakeDeadline {
+            until: std::time::Instant::now() + self.config.connect_timeout,
+            stop: &stop,
+            what: "the initiator did not authenticate in time",
+        };
+        let authenticated = match handshake::respond(
+            sock,
+            &mut reader,
+            &mut deadline,
+            self.config.credential.as_ref(),
+            &self.config.name,
+            &clock,
+            self.config.io_timeout,
+        )? {
+            handshake::Verdict::Accepted(name) => name,
+            handshake::Verdict::Refused(why) => {
+                tracing::warn!(agent = %self.config.name, peer = ?sock.peer_addr().ok(), %why, "refused an unauthenticated connection");
+                return Ok(());
+            }
+        };
         loop {
             let Some(raw) = reader.next_header(&mut idle)? else {
                 return Ok(());
@@ -439,8 +510,12 @@ impl Inner {
                     name_len,
                 } => {
                     let name = reader.read_vec(name_len as usize, &mut idle)?;
-                    let name = String::from_utf8(name)
-                        .map_err(|_| violation("agent name is not UTF-8"))?;
+                    if name != authenticated.as_bytes() {
+                        return Err(violation(format!(
+                            "hello names agent {:?}, but the connection authenticated as {authenticated:?}",
+                            String::from_utf8_lossy(&name)
+                        )));
+                    }
                     let st = if version != PROTOCOL_VERSION {
                         status::BAD_VERSION
                     } else if expect != 0 && expect != self.instance {
@@ -448,34 +523,65 @@ impl Inner {
                     } else {
                         status::OK
                     };
-                    send_frames(
-                        sock,
-                        &[Frame::HelloAck {
-                            instance: self.instance,
-                            status: st,
-                        }
-                        .encode()],
-                        &clock,
-                        self.config.io_timeout,
-                    )?;
+                    let refuse = |st| {
+                        send_frames(
+                            sock,
+                            &[Frame::HelloAck {
+                                instance: self.instance,
+                                status: st,
+                                ticket: 0,
+                            }
+                            .encode()],
+                            &clock,
+                            self.config.io_timeout,
+                        )
+                    };
                     if st != status::OK {
-                        return Ok(());
+                        return refuse(st);
                     }
                     let key = (instance, link);
                     let session = {
                         let mut sessions = lock(&self.sessions);
                         let s = sessions.entry(key).or_insert_with(|| {
                             Arc::new(Session {
-                                remote: name,
+                                remote: authenticated.clone(),
                                 table: Mutex::new(RequestTable::default()),
                                 grants: Mutex::new(HashMap::new()),
                                 streams: AtomicUsize::new(0),
+                                ticket: u128::from_le_bytes(crate::auth::random_bytes()),
+                                proven: Mutex::new(None),
                                 delegate: Mutex::new(None),
                             })
                         });
+                        // Another agent's session: a connection joins only
+                        // the sessions of the agent it authenticated as.
+                        if s.remote != authenticated {
+                            let owner = s.remote.clone();
+                            drop(sessions);
+                            return Err(violation(format!(
+                                "{authenticated:?} tried to join a session of {owner:?}"
+                            )));
+                        }
                         s.streams.fetch_add(1, Ordering::SeqCst);
                         Arc::clone(s)
                     };
+                    let ack = send_frames(
+                        sock,
+                        &[Frame::HelloAck {
+                            instance: self.instance,
+                            status: status::OK,
+                            ticket: session.ticket,
+                        }
+                        .encode()],
+                        &clock,
+                        self.config.io_timeout,
+                    );
+                    if let Err(e) = ack {
+                        if session.streams.fetch_sub(1, Ordering::SeqCst) == 1 {
+                            lock(&self.sessions).remove(&key);
+                        }
+                        return Err(e);
+                    }
                     let r = self.serve_data(sock, &mut reader, &mut idle, &session);
                     if session.streams.fetch_sub(1, Ordering::SeqCst) == 1 {
                         lock(&self.sessions).remove(&key);
@@ -765,6 +871,7 @@ impl Inner {
                         };
                         match copied {
                             Ok(()) => {
+                                self.delegated_copies.fetch_add(1, Ordering::Relaxed);
                                 answer(status::OK)?;
                                 lock(&session.table)
                                     .commit(req, 0, sync)
@@ -801,10 +908,18 @@ impl Inner {
 
     /// Whether this agent copies for the initiator of `session`, which says
     /// it is process `pid` with `instance` readable at `probe_addr`: only
-    /// when delegation is on and the probe proves this process can reach
-    /// that very agent (decided once per session).
+    /// when delegation is on, the kernel proved on the local socket that
+    /// `pid` is the session's initiator and it still lives, it is another
+    /// process than this one, and the probe shows this process can reach it
+    /// (decided once per session). A pid taken from the frame alone is
+    /// never trusted: the copy runs with this process's privileges.
     fn may_copy_for(&self, session: &Session, pid: u32, probe_addr: u64, instance: u64) -> bool {
         if !self.config.shm_delegate {
+            return false;
+        }
+        let proven = lock(&session.proven).as_ref().and_then(|p| p.live_pid());
+        if proven != Some(pid) || pid == std::process::id() {
+            tracing::warn!(agent = %self.config.name, remote = %session.remote, claimed = pid, ?proven, "refused a delegated copy: the initiator did not prove it is that process");
             return false;
         }
         let mut d = lock(&session.delegate);
@@ -827,6 +942,28 @@ impl Inner {
         };
         *d = Some((pid, probe_addr, instance, ok));
         ok
+    }
+
+    /// Serves the local proof socket until the agent closes: a ticket binds
+    /// the connecting process to its session, once.
+    fn serve_local_proofs(&self, listener: &local_proof::Listener) {
+        let stop = || self.closing.load(Ordering::SeqCst);
+        listener.serve(self.config.connect_timeout, &stop, &|ticket, peer| {
+            let session = lock(&self.sessions)
+                .values()
+                .find(|s| s.ticket == ticket)
+                .cloned();
+            let Some(session) = session else {
+                return false;
+            };
+            let mut proven = lock(&session.proven);
+            if proven.is_some() {
+                return false;
+            }
+            tracing::debug!(agent = %self.config.name, remote = %session.remote, pid = ?peer.live_pid(), "initiator process proven");
+            *proven = Some(peer);
+            true
+        });
     }
 
     fn finish(
@@ -1279,17 +1416,29 @@ impl Link {
         inner: &Inner,
         peer: &AgentDesc,
         n_streams: usize,
-        use_rdma: bool,
+        path: Path,
     ) -> Result<Arc<Link>, Error> {
         let cfg = &inner.config;
+        let use_rdma = path == Path::Rdma;
         let link_id = random_u64();
+        let mut may_delegate = false;
         let mut streams = Vec::with_capacity(n_streams);
         let mut receivers = Vec::with_capacity(n_streams);
         let mut rdma_conns = Vec::new();
         for i in 0..n_streams {
             let sock = connect_any(&peer.endpoints, cfg.connect_timeout)?;
             let clock = ProgressClock::new();
-            handshake(inner, peer, &sock, link_id, i as u32, &clock)?;
+            let ticket = handshake(inner, peer, &sock, link_id, i as u32, &clock)?;
+            if i == 0 && matches!(path, Path::Cma { .. }) && cfg.shm_delegate {
+                // The target copies for this process only once the kernel
+                // has told it on its local socket that this is the process.
+                match local_proof::prove(peer.instance, ticket, cfg.connect_timeout) {
+                    Ok(()) => may_delegate = true,
+                    Err(e) => {
+                        tracing::debug!(remote = %peer.name, error = %e, "no local proof; the target will not copy for this agent")
+                    }
+                }
+            }
             if i == 0 && use_rdma {
                 for k in 0..cfg.rdma_qps_per_peer {
                     rdma_conns.push(rdma_connect(inner, peer, &sock, &clock, k)?);
@@ -1317,7 +1466,7 @@ impl Link {
             delegate_probe: cfg
                 .shm_delegate
                 .then_some((&*inner.probe_word as *const u64 as u64, inner.instance)),
-            delegate_ok: AtomicBool::new(true),
+            delegate_ok: AtomicBool::new(may_delegate),
             alive: AtomicUsize::new(2 * streams.len() + n_qps),
             streams,
             pending: Mutex::new(PendingTable::default()),
@@ -1982,7 +2131,8 @@ fn connect_any(endpoints: &[String], timeout: Duration) -> Result<TcpStream, Err
     }))
 }
 
-/// Sends `Hello` and checks the `HelloAck`.
+/// Authenticates, sends `Hello` and checks the `HelloAck`; returns the
+/// session's ticket.
 fn handshake(
     inner: &Inner,
     peer: &AgentDesc,
@@ -1990,8 +2140,16 @@ fn handshake(
     link: u64,
     stream: u32,
     clock: &ProgressClock,
-) -> Result<(), Error> {
+) -> Result<u128, Error> {
     let t = inner.config.connect_timeout;
+    handshake::initiate(
+        sock,
+        inner.config.credential.as_ref(),
+        &inner.config.name,
+        Some(&peer.name),
+        &peer.name,
+        t,
+    )?;
     sock.set_read_timeout(Some(t))?;
     sock.set_write_timeout(Some(t))?;
     let name = inner.config.name.as_bytes();
@@ -2021,8 +2179,10 @@ fn handshake(
         .ok_or_else(|| conn_err(io::ErrorKind::UnexpectedEof.into()))?;
     match Frame::decode(&raw) {
         Ok(Frame::HelloAck {
-            status: status::OK, ..
-        }) => Ok(()),
+            status: status::OK,
+            ticket,
+            ..
+        }) => Ok(ticket),
         Ok(Frame::HelloAck {
             status: status::STALE_INSTANCE,
             ..
@@ -2060,8 +2220,11 @@ fn timeout_or(
     }
 }
 
-/// Fetches an agent descriptor over the side channel.
-fn fetch_desc(info: &str, timeout: Duration) -> Result<AgentDesc, Error> {
+/// Fetches an agent descriptor over the side channel, after the
+/// authentication exchange; the descriptor must name the agent that
+/// authenticated.
+fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDesc, Error> {
+    let timeout = inner.config.connect_timeout;
     let addrs: Vec<SocketAddr> = info
         .to_socket_addrs()
         .map_err(|e| Error::InvalidConnectionInfo {
@@ -2078,6 +2241,14 @@ fn fetch_desc(info: &str, timeout: Duration) -> Result<AgentDesc, Error> {
     let sock = connect_any(&[info.to_owned()], timeout)?;
     sock.set_read_timeout(Some(timeout))?;
     sock.set_write_timeout(Some(timeout))?;
+    let target = handshake::initiate(
+        &sock,
+        inner.config.credential.as_ref(),
+        &inner.config.name,
+        None,
+        info,
+        timeout,
+    )?;
     let clock = ProgressClock::new();
     let conn_err = |e: io::Error| Error::Connect {
         addr: info.to_owned(),
@@ -2099,7 +2270,17 @@ fn fetch_desc(info: &str, timeout: Duration) -> Result<AgentDesc, Error> {
     let body = reader
         .read_vec(body_len as usize, &mut idle)
         .map_err(|e| timeout_or(e, "descriptor fetch", timeout, conn_err))?;
-    Ok(AgentDesc::decode(&body)?)
+    let desc = AgentDesc::decode(&body)?;
+    if desc.name != target {
+        return Err(Error::AuthFailed {
+            remote: info.to_owned(),
+            reason: format!(
+                "the descriptor names agent {:?}, but {target:?} authenticated",
+                desc.name
+            ),
+        });
+    }
+    Ok(desc)
 }
 
 impl Peer {
@@ -2118,7 +2299,7 @@ impl Peer {
             // Data bypasses the socket; one stream carries the control.
             Path::Cma { .. } | Path::Rdma => 1,
         };
-        let l = Link::open(inner, &self.desc, n, self.path == Path::Rdma)?;
+        let l = Link::open(inner, &self.desc, n, self.path)?;
         *slot = Some(Arc::clone(&l));
         Ok(l)
     }
@@ -2793,7 +2974,7 @@ impl TransferAgent for TcpAgent {
     }
 
     fn load_remote_agent_by_connection(&self, connection_info: &str) -> Result<String, Error> {
-        let desc = fetch_desc(connection_info, self.inner.config.connect_timeout)?;
+        let desc = fetch_desc(&self.inner, connection_info)?;
         self.load_remote_agent(&desc)?;
         Ok(desc.name)
     }
@@ -4046,86 +4227,169 @@ mod tests {
         assert!(delegated_pieces(&ok, &[]).is_err());
     }
 
-    /// Two shm agents in this process: a WRITE to scattered remote pieces
-    /// from one contiguous local range is copied by the target (which
-    /// probed the initiator and accepted), and a READ of them back too;
+    const P: usize = 4096;
+    const K: usize = 40;
+
+    /// `K` pages of `base`, back to back.
+    fn pages(base: u64) -> MemoryDescs {
+        MemoryDescs::new(
+            MemoryType::Dram,
+            (0..K)
+                .map(|i| MemoryDesc::new(base + (i * P) as u64, P as u64, 0))
+                .collect(),
+        )
+    }
+
+    /// Every other page of `base`, `K` of them.
+    fn scattered(base: u64) -> MemoryDescs {
+        MemoryDescs::new(
+            MemoryType::Dram,
+            (0..K)
+                .map(|i| MemoryDesc::new(base + (2 * i * P) as u64, P as u64, 0))
+                .collect(),
+        )
+    }
+
+    fn source() -> Vec<u8> {
+        (0..K * P).map(|i| (i % 251) as u8 + 1).collect()
+    }
+
+    /// An initiator's run: a WRITE of one contiguous range to scattered
+    /// pages of the target (`dst`), with a sync message, and a READ of them
+    /// back, checked.
+    fn write_and_read_scattered(init: &TcpAgent, target: &AgentDesc, dst: u64) {
+        let src = source();
+        let back = vec![0u8; K * P];
+        // SAFETY: the buffers outlive the registrations (deregistered
+        // below, after every transfer has completed).
+        unsafe {
+            init.register_memory(&MemoryDescs::dram(&src)).unwrap();
+            init.register_memory(&MemoryDescs::dram(&back)).unwrap();
+        }
+        init.load_remote_agent(target).unwrap();
+        let write = TransferRequest::write(
+            pages(src.as_ptr() as u64),
+            scattered(dst),
+            target.name.clone(),
+        )
+        .with_sync_message(b"landed".to_vec());
+        assert!(should_delegate(&write));
+        init.submit_transfer(&write)
+            .unwrap()
+            .wait_success(Duration::from_secs(30))
+            .unwrap();
+        let read = TransferRequest::read(
+            pages(back.as_ptr() as u64),
+            scattered(dst),
+            target.name.clone(),
+        );
+        init.submit_transfer(&read)
+            .unwrap()
+            .wait_success(Duration::from_secs(30))
+            .unwrap();
+        assert_eq!(std::hint::black_box(&back), &src);
+        init.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
+        init.deregister_memory(&MemoryDescs::dram(&back)).unwrap();
+    }
+
+    /// The target's side of the check: the sync message, and the bytes.
+    fn check_target(target: &TcpAgent, dst: &[u8]) {
+        let msgs = target.wait_sync_messages(Duration::from_secs(30));
+        assert_eq!(msgs.get("init"), Some(&vec![b"landed".to_vec()]));
+        let (src, dst) = (source(), std::hint::black_box(dst));
+        for i in 0..K {
+            assert_eq!(&dst[2 * i * P..(2 * i + 1) * P], &src[i * P..(i + 1) * P]);
+            assert!(
+                dst[(2 * i + 1) * P..(2 * i + 2) * P]
+                    .iter()
+                    .all(|&b| b == 0)
+            );
+        }
+    }
+
+    /// The initiator of [`scattered_remote_side_is_copied_by_the_target`]
+    /// in a process of its own (this test binary run again); returns at
+    /// once in an ordinary run.
+    #[test]
+    fn delegation_initiator_child() {
+        let Ok(arg) = std::env::var("KVXFER_TEST_DELEGATION") else {
+            return;
+        };
+        let (hex, dst) = arg.split_once(' ').unwrap();
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        let target = AgentDesc::decode(&bytes).unwrap();
+        let init = TcpAgent::with_mode(AgentConfig::new("init"), Mode::Shm).unwrap();
+        write_and_read_scattered(&init, &target, dst.parse().unwrap());
+    }
+
+    /// A WRITE to scattered remote pieces from one contiguous local range,
+    /// from another process, is copied by the target (once that process
+    /// proved on the local socket who it is), and a READ of them back too;
     /// with delegation off at the target, the initiator copies. Bytes and
     /// sync messages are right either way.
     #[test]
     fn scattered_remote_side_is_copied_by_the_target() {
         for target_delegates in [true, false] {
-            let init = TcpAgent::with_mode(AgentConfig::new("init"), Mode::Shm).unwrap();
             let target = TcpAgent::with_mode(
                 AgentConfig::new("target").with_shm_delegate(target_delegates),
                 Mode::Shm,
             )
             .unwrap();
-            const P: usize = 4096;
-            const K: usize = 40;
-            let src: Vec<u8> = (0..K * P).map(|i| (i % 251) as u8 + 1).collect();
-            let back = vec![0u8; K * P];
             let dst = vec![0u8; 2 * K * P];
-            // SAFETY: the buffers outlive the agents (dropped first below).
-            unsafe {
-                init.register_memory(&MemoryDescs::dram(&src)).unwrap();
-                init.register_memory(&MemoryDescs::dram(&back)).unwrap();
-                target.register_memory(&MemoryDescs::dram(&dst)).unwrap();
-            }
-            init.load_remote_agent(&target.local_agent_desc()).unwrap();
-            let scattered: Vec<MemoryDesc> = (0..K)
-                .map(|i| MemoryDesc::new(dst.as_ptr() as u64 + (2 * i * P) as u64, P as u64, 0))
+            // SAFETY: `dst` outlives the agent (dropped first below).
+            unsafe { target.register_memory(&MemoryDescs::dram(&dst)).unwrap() };
+            let hex: String = target
+                .local_agent_desc()
+                .encode()
+                .iter()
+                .map(|b| format!("{b:02x}"))
                 .collect();
-            let pieces = |base: &[u8]| -> Vec<MemoryDesc> {
-                (0..K)
-                    .map(|i| MemoryDesc::new(base.as_ptr() as u64 + (i * P) as u64, P as u64, 0))
-                    .collect()
-            };
-            let write = TransferRequest::write(
-                MemoryDescs::new(MemoryType::Dram, pieces(&src)),
-                MemoryDescs::new(MemoryType::Dram, scattered.clone()),
-                "target",
-            )
-            .with_sync_message(b"landed".to_vec());
-            assert!(should_delegate(&write));
-            init.submit_transfer(&write)
-                .unwrap()
-                .wait_success(Duration::from_secs(30))
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "tcp::tests::delegation_initiator_child",
+                    "--nocapture",
+                    "--test-threads",
+                    "1",
+                ])
+                .env(
+                    "KVXFER_TEST_DELEGATION",
+                    format!("{hex} {}", dst.as_ptr() as u64),
+                )
+                .output()
                 .unwrap();
-            let msgs = target.wait_sync_messages(Duration::from_secs(30));
-            assert_eq!(msgs.get("init"), Some(&vec![b"landed".to_vec()]));
-            let read = TransferRequest::read(
-                MemoryDescs::new(MemoryType::Dram, pieces(&back)),
-                MemoryDescs::new(MemoryType::Dram, scattered),
-                "target",
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "{text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
             );
-            init.submit_transfer(&read)
-                .unwrap()
-                .wait_success(Duration::from_secs(30))
-                .unwrap();
-            let (dst, back) = (std::hint::black_box(dst), std::hint::black_box(back));
-            for i in 0..K {
-                assert_eq!(&dst[2 * i * P..(2 * i + 1) * P], &src[i * P..(i + 1) * P]);
-                assert!(
-                    dst[(2 * i + 1) * P..(2 * i + 2) * P]
-                        .iter()
-                        .all(|&b| b == 0)
-                );
-            }
-            assert_eq!(back, src);
-            // Who copied: the target probed the initiator and accepted only
-            // when delegation is on; otherwise it was never asked to probe
-            // (it refused before probing) and the initiator stopped asking.
-            let verdicts: Vec<Option<bool>> = lock(&target.inner.sessions)
-                .values()
-                .map(|s| lock(&s.delegate).map(|d| d.3))
-                .collect();
-            if target_delegates {
-                assert!(verdicts.contains(&Some(true)), "{verdicts:?}");
-            } else {
-                assert!(verdicts.iter().all(Option::is_none), "{verdicts:?}");
-            }
-            drop((init, target));
-            drop((src, back, dst));
+            check_target(&target, &dst);
+            // Who copied: the target, both ways, only when it delegates.
+            let copies = target.inner.delegated_copies.load(Ordering::Relaxed);
+            assert_eq!(copies, if target_delegates { 2 } else { 0 });
+            drop(target);
+            drop(dst);
         }
+    }
+
+    /// Two agents in one process: the target never copies for its own
+    /// process (the initiator can, and a pid it copies for must be another
+    /// process that proved itself); the initiator copies, bytes right.
+    #[test]
+    fn a_target_never_copies_for_its_own_process() {
+        let init = TcpAgent::with_mode(AgentConfig::new("init"), Mode::Shm).unwrap();
+        let target = TcpAgent::with_mode(AgentConfig::new("target"), Mode::Shm).unwrap();
+        let dst = vec![0u8; 2 * K * P];
+        // SAFETY: `dst` outlives the agents (dropped first below).
+        unsafe { target.register_memory(&MemoryDescs::dram(&dst)).unwrap() };
+        write_and_read_scattered(&init, &target.local_agent_desc(), dst.as_ptr() as u64);
+        check_target(&target, &dst);
+        assert_eq!(target.inner.delegated_copies.load(Ordering::Relaxed), 0);
+        drop((init, target));
+        drop(dst);
     }
 }

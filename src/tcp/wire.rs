@@ -10,7 +10,7 @@ use crate::memory::MemoryType;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 40;
 /// Protocol version carried in `Hello`.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Largest control body (agent name, sync message, descriptor) accepted.
 pub const MAX_CONTROL_BODY: u32 = 16 << 20;
 
@@ -51,6 +51,11 @@ pub mod status {
     pub const DELEGATE_REFUSED: u16 = 14;
     /// Delegate: the target's copy failed part-way.
     pub const DELEGATE_FAILED: u16 = 15;
+    /// AuthChallenge: the target requires a cluster credential and the
+    /// initiator has none.
+    pub const AUTH_REQUIRED: u16 = 16;
+    /// AuthResult: the initiator's proof did not check out.
+    pub const AUTH_FAILED: u16 = 17;
 }
 
 const K_HELLO: u8 = 1;
@@ -69,6 +74,14 @@ const K_QP_CONNECT: u8 = 13;
 const K_QP_ACCEPT: u8 = 14;
 const K_WRITE_LIST: u8 = 15;
 const K_DELEGATE: u8 = 16;
+const K_AUTH_HELLO: u8 = 17;
+const K_AUTH_CHALLENGE: u8 = 18;
+const K_AUTH_PROOF: u8 = 19;
+const K_AUTH_RESULT: u8 = 20;
+
+/// Largest `AuthHello` / `AuthChallenge` body: nonce, MAC, longest name.
+pub const MAX_AUTH_BODY: u32 =
+    (crate::auth::NONCE_LEN + crate::auth::MAC_LEN + crate::desc::MAX_AGENT_NAME) as u32;
 
 /// Most pieces in one [`Frame::Delegate`].
 pub const DELEGATE_MAX: u32 = 1 << 16;
@@ -115,6 +128,37 @@ pub enum Frame {
         /// Target's instance id.
         instance: u64,
         /// `status::OK` or why the hello was refused.
+        status: u16,
+        /// A random ticket naming this connection's session at the target:
+        /// an initiator on the same host presents it on the target's local
+        /// socket to prove which process it is (delegated copies).
+        ticket: u128,
+    },
+    /// First frame of every connection: the initiator's nonce and agent
+    /// name follow (`body_len` bytes: [`crate::auth::NONCE_LEN`] of nonce,
+    /// then the name).
+    AuthHello {
+        /// Whether the initiator holds a cluster credential.
+        keyed: bool,
+        /// Body length.
+        body_len: u32,
+    },
+    /// The target's answer to `AuthHello`: when `status` is OK, its nonce,
+    /// its MAC (keyed only) and its agent name follow (`body_len` bytes).
+    AuthChallenge {
+        /// `status::OK` or `status::AUTH_REQUIRED` (no body).
+        status: u16,
+        /// Whether the target holds a cluster credential (and a MAC
+        /// follows its nonce).
+        keyed: bool,
+        /// Body length.
+        body_len: u32,
+    },
+    /// The initiator's MAC ([`crate::auth::MAC_LEN`] bytes follow).
+    AuthProof,
+    /// The target's verdict on `AuthProof`.
+    AuthResult {
+        /// `status::OK` or `status::AUTH_FAILED`.
         status: u16,
     },
     /// Asks for the target's encoded `AgentDesc`.
@@ -359,9 +403,38 @@ impl Frame {
                 h.key = u64::from(stream).into();
                 h.aux = name_len.into();
             }
-            Frame::HelloAck { instance, status } => {
+            Frame::HelloAck {
+                instance,
+                status,
+                ticket,
+            } => {
                 h.kind = K_HELLO_ACK;
                 h.id = instance.into();
+                h.status = status.into();
+                h.addr = (ticket as u64).into();
+                h.len = ((ticket >> 64) as u64).into();
+            }
+            Frame::AuthHello { keyed, body_len } => {
+                h.kind = K_AUTH_HELLO;
+                h.flags = u8::from(keyed);
+                h.aux = body_len.into();
+            }
+            Frame::AuthChallenge {
+                status,
+                keyed,
+                body_len,
+            } => {
+                h.kind = K_AUTH_CHALLENGE;
+                h.flags = u8::from(keyed);
+                h.status = status.into();
+                h.aux = body_len.into();
+            }
+            Frame::AuthProof => {
+                h.kind = K_AUTH_PROOF;
+                h.aux = (crate::auth::MAC_LEN as u32).into();
+            }
+            Frame::AuthResult { status } => {
+                h.kind = K_AUTH_RESULT;
                 h.status = status.into();
             }
             Frame::DescRequest => h.kind = K_DESC_REQUEST,
@@ -528,6 +601,45 @@ impl Frame {
             K_HELLO_ACK => Frame::HelloAck {
                 instance: h.id.get(),
                 status: h.status.get(),
+                ticket: u128::from(h.addr.get()) | u128::from(h.len.get()) << 64,
+            },
+            K_AUTH_HELLO | K_AUTH_CHALLENGE => {
+                if h.flags > 1 {
+                    return Err(WireError::BadField("auth flags"));
+                }
+                if aux > MAX_AUTH_BODY {
+                    return Err(WireError::BodyTooLarge(aux));
+                }
+                let keyed = h.flags == 1;
+                if h.kind == K_AUTH_HELLO {
+                    if (aux as usize) < crate::auth::NONCE_LEN {
+                        return Err(WireError::BadField("auth hello body length"));
+                    }
+                    Frame::AuthHello {
+                        keyed,
+                        body_len: aux,
+                    }
+                } else {
+                    let st = h.status.get();
+                    let min = crate::auth::NONCE_LEN + if keyed { crate::auth::MAC_LEN } else { 0 };
+                    if st == status::OK && (aux as usize) < min || st != status::OK && aux != 0 {
+                        return Err(WireError::BadField("auth challenge body length"));
+                    }
+                    Frame::AuthChallenge {
+                        status: st,
+                        keyed,
+                        body_len: aux,
+                    }
+                }
+            }
+            K_AUTH_PROOF => {
+                if aux as usize != crate::auth::MAC_LEN {
+                    return Err(WireError::BadField("auth proof length"));
+                }
+                Frame::AuthProof
+            }
+            K_AUTH_RESULT => Frame::AuthResult {
+                status: h.status.get(),
             },
             K_DESC_REQUEST => Frame::DescRequest,
             K_DESC_REPLY => Frame::DescReply {
@@ -681,6 +793,25 @@ mod tests {
             Frame::HelloAck {
                 instance: 9,
                 status: status::STALE_INSTANCE,
+                ticket: u128::MAX - 5,
+            },
+            Frame::AuthHello {
+                keyed: true,
+                body_len: 40,
+            },
+            Frame::AuthChallenge {
+                status: status::OK,
+                keyed: false,
+                body_len: 37,
+            },
+            Frame::AuthChallenge {
+                status: status::AUTH_REQUIRED,
+                keyed: false,
+                body_len: 0,
+            },
+            Frame::AuthProof,
+            Frame::AuthResult {
+                status: status::AUTH_FAILED,
             },
             Frame::DescRequest,
             Frame::DescReply { body_len: 77 },

@@ -5,6 +5,8 @@
 //! `--exact peer_process_entry`; that entry point runs [`peer_main`].
 #![allow(dead_code)]
 
+pub mod raw;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};

@@ -1,0 +1,311 @@
+//! The authentication exchange that opens every connection to an agent's
+//! listener (the cryptography is in [`crate::auth`]): the initiator's side,
+//! run before its first request on a new connection, and the target's side,
+//! run before the target answers anything.
+
+use std::io;
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::auth::{Credential, MAC_LEN, NONCE_LEN, Nonce, Transcript, nonce};
+use crate::error::Error;
+
+use super::sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
+use super::wire::{Frame, HEADER_LEN, status};
+
+/// Idle policy for a handshake: abandoned once `until` has passed, or when
+/// `stop` says the agent is closing.
+pub(super) struct HandshakeDeadline<'a> {
+    pub(super) until: Instant,
+    pub(super) stop: &'a dyn Fn() -> bool,
+    pub(super) what: &'static str,
+}
+
+impl IdlePolicy for HandshakeDeadline<'_> {
+    fn on_idle(&mut self, _mid_frame: bool) -> io::Result<()> {
+        if (self.stop)() {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "agent closing",
+            ));
+        }
+        if Instant::now() >= self.until {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, self.what));
+        }
+        Ok(())
+    }
+}
+
+/// Writes a header and an optional body.
+fn send(
+    sock: &TcpStream,
+    hdr: &[u8; HEADER_LEN],
+    body: &[u8],
+    clock: &ProgressClock,
+    timeout: Duration,
+) -> io::Result<()> {
+    let mut iovs = [
+        iov(hdr.as_ptr(), HEADER_LEN),
+        iov(body.as_ptr(), body.len()),
+    ];
+    let n = if body.is_empty() { 1 } else { 2 };
+    // SAFETY: both iovecs point into live borrows for the call.
+    unsafe { writev_all(sock.as_raw_fd(), &mut iovs[..n], clock, timeout) }
+}
+
+fn nonce_of(body: &[u8]) -> Nonce {
+    body[..NONCE_LEN].try_into().expect("length checked")
+}
+
+/// The initiator's side: proves this agent holds `cred` (when it has one)
+/// and checks that the target holds it too and is called `expect` (when
+/// known). Returns the target's name.
+///
+/// # Errors
+/// [`Error::AuthFailed`] when either side's proof fails or the credentials
+/// differ in presence; [`Error::Timeout`] after `timeout`; connection
+/// errors as [`Error::Connect`].
+pub(super) fn initiate(
+    sock: &TcpStream,
+    cred: Option<&Credential>,
+    me: &str,
+    expect: Option<&str>,
+    remote: &str,
+    timeout: Duration,
+) -> Result<String, Error> {
+    let clock = ProgressClock::new();
+    let io_err = |e: io::Error| {
+        if e.kind() == io::ErrorKind::TimedOut {
+            Error::Timeout {
+                what: "authentication handshake",
+                after: timeout,
+            }
+        } else {
+            Error::Connect {
+                addr: remote.to_owned(),
+                cause: Arc::new(e),
+            }
+        }
+    };
+    let failed = |reason: String| Error::AuthFailed {
+        remote: remote.to_owned(),
+        reason,
+    };
+    let mine = nonce();
+    let mut body = mine.to_vec();
+    body.extend_from_slice(me.as_bytes());
+    let hello = Frame::AuthHello {
+        keyed: cred.is_some(),
+        body_len: body.len() as u32,
+    };
+    send(sock, &hello.encode(), &body, &clock, timeout).map_err(io_err)?;
+    let never = || false;
+    let mut idle = HandshakeDeadline {
+        until: Instant::now() + timeout,
+        stop: &never,
+        what: "authentication handshake",
+    };
+    let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
+    let raw = reader
+        .next_header(&mut idle)
+        .map_err(io_err)?
+        .ok_or_else(|| io_err(io::ErrorKind::UnexpectedEof.into()))?;
+    let (keyed, body_len) = match Frame::decode(&raw) {
+        Ok(Frame::AuthChallenge {
+            status: status::OK,
+            keyed,
+            body_len,
+        }) => (keyed, body_len),
+        Ok(Frame::AuthChallenge {
+            status: status::AUTH_REQUIRED,
+            ..
+        }) => {
+            return Err(failed(
+                "the target requires a cluster credential and this agent has none \
+                 (KVXFER_SECRET_FILE, AgentConfig::with_credential)"
+                    .into(),
+            ));
+        }
+        other => {
+            return Err(Error::ProtocolViolation {
+                remote: remote.to_owned(),
+                detail: format!("expected an authentication challenge, got {other:?}"),
+            });
+        }
+    };
+    let body = reader
+        .read_vec(body_len as usize, &mut idle)
+        .map_err(io_err)?;
+    let theirs = nonce_of(&body);
+    let (tag, name) = if keyed {
+        body[NONCE_LEN..].split_at(MAC_LEN)
+    } else {
+        (&[][..], &body[NONCE_LEN..])
+    };
+    let name = String::from_utf8(name.to_vec())
+        .map_err(|_| failed("the target's name is not UTF-8".into()))?;
+    if let Some(want) = expect
+        && want != name
+    {
+        return Err(failed(format!(
+            "the target calls itself {name:?}, not {want:?}"
+        )));
+    }
+    let Some(cred) = cred else {
+        // Neither side has a credential (the target would have said
+        // AUTH_REQUIRED otherwise): nothing to prove.
+        return Ok(name);
+    };
+    if !keyed {
+        return Err(failed(
+            "the target has no cluster credential; this agent does not send data to or \
+             accept data from an unauthenticated target"
+                .into(),
+        ));
+    }
+    let t = Transcript {
+        initiator_nonce: mine,
+        target_nonce: theirs,
+        initiator: me.as_bytes(),
+        target: name.as_bytes(),
+    };
+    if !cred.verify_target(&t, tag) {
+        return Err(failed(
+            "the target's proof does not check out (another cluster secret?)".into(),
+        ));
+    }
+    let proof = cred.initiator_tag(&t);
+    send(sock, &Frame::AuthProof.encode(), &proof, &clock, timeout).map_err(io_err)?;
+    let raw = reader
+        .next_header(&mut idle)
+        .map_err(io_err)?
+        .ok_or_else(|| io_err(io::ErrorKind::UnexpectedEof.into()))?;
+    match Frame::decode(&raw) {
+        Ok(Frame::AuthResult { status: status::OK }) => Ok(name),
+        Ok(Frame::AuthResult { .. }) => Err(failed(
+            "the target refused this agent's proof (another cluster secret?)".into(),
+        )),
+        other => Err(Error::ProtocolViolation {
+            remote: remote.to_owned(),
+            detail: format!("expected an authentication result, got {other:?}"),
+        }),
+    }
+}
+
+/// What the target's side of the exchange concluded.
+pub(super) enum Verdict {
+    /// The initiator proved it holds the credential (or neither side has
+    /// one); it is served under this name only.
+    Accepted(String),
+    /// Refused (answered, when the protocol has an answer); close the
+    /// connection.
+    Refused(String),
+}
+
+/// The target's side: reads the `AuthHello`, answers, checks the proof.
+/// Nothing but this exchange is answered before it returns `Accepted`.
+///
+/// # Errors
+/// Socket errors, a stall past the deadline `idle` enforces, and frames
+/// out of place (as `InvalidData`).
+pub(super) fn respond(
+    sock: &TcpStream,
+    reader: &mut FrameReader<'_>,
+    idle: &mut HandshakeDeadline<'_>,
+    cred: Option<&Credential>,
+    me: &str,
+    clock: &ProgressClock,
+    timeout: Duration,
+) -> io::Result<Verdict> {
+    let bad = |d: String| io::Error::new(io::ErrorKind::InvalidData, d);
+    let Some(raw) = reader.next_header(idle)? else {
+        return Ok(Verdict::Refused("closed before authenticating".into()));
+    };
+    let (keyed, body_len) = match Frame::decode(&raw) {
+        Ok(Frame::AuthHello { keyed, body_len }) => (keyed, body_len),
+        other => {
+            return Err(bad(format!(
+                "expected an authentication hello first, got {other:?}"
+            )));
+        }
+    };
+    let body = reader.read_vec(body_len as usize, idle)?;
+    let theirs = nonce_of(&body);
+    let name = String::from_utf8(body[NONCE_LEN..].to_vec())
+        .map_err(|_| bad("initiator name is not UTF-8".into()))?;
+    if name.is_empty() {
+        return Err(bad("empty initiator name".into()));
+    }
+    let Some(cred) = cred else {
+        // No credential here: unauthenticated service (loopback, or
+        // `insecure`). A keyed initiator decides for itself to go away.
+        let mut out = nonce().to_vec();
+        out.extend_from_slice(me.as_bytes());
+        let hdr = Frame::AuthChallenge {
+            status: status::OK,
+            keyed: false,
+            body_len: out.len() as u32,
+        };
+        send(sock, &hdr.encode(), &out, clock, timeout)?;
+        return Ok(Verdict::Accepted(name));
+    };
+    if !keyed {
+        let hdr = Frame::AuthChallenge {
+            status: status::AUTH_REQUIRED,
+            keyed: false,
+            body_len: 0,
+        };
+        send(sock, &hdr.encode(), &[], clock, timeout)?;
+        return Ok(Verdict::Refused(format!(
+            "{name:?} has no cluster credential"
+        )));
+    }
+    let mine = nonce();
+    let t = Transcript {
+        initiator_nonce: theirs,
+        target_nonce: mine,
+        initiator: name.as_bytes(),
+        target: me.as_bytes(),
+    };
+    let mut out = mine.to_vec();
+    out.extend_from_slice(&cred.target_tag(&t));
+    out.extend_from_slice(me.as_bytes());
+    let hdr = Frame::AuthChallenge {
+        status: status::OK,
+        keyed: true,
+        body_len: out.len() as u32,
+    };
+    send(sock, &hdr.encode(), &out, clock, timeout)?;
+    let Some(raw) = reader.next_header(idle)? else {
+        return Ok(Verdict::Refused(format!(
+            "{name:?} closed instead of proving its credential (another cluster secret?)"
+        )));
+    };
+    match Frame::decode(&raw) {
+        Ok(Frame::AuthProof) => {}
+        other => {
+            return Err(bad(format!(
+                "expected an authentication proof, got {other:?}"
+            )));
+        }
+    }
+    let proof = reader.read_vec(MAC_LEN, idle)?;
+    let ok = cred.verify_initiator(&t, &proof);
+    let st = if ok { status::OK } else { status::AUTH_FAILED };
+    send(
+        sock,
+        &Frame::AuthResult { status: st }.encode(),
+        &[],
+        clock,
+        timeout,
+    )?;
+    Ok(if ok {
+        Verdict::Accepted(name)
+    } else {
+        Verdict::Refused(format!(
+            "{name:?}'s proof does not check out (another cluster secret?)"
+        ))
+    })
+}

@@ -21,6 +21,10 @@ for b in shm auto; do
   echo "== agent suite and KV-cache protocol on $b"
   KVXFER_TEST_BACKEND=$b cargo test --locked --test agent --test cache
 done
+echo "== agent suite and KV-cache protocol on tcp and shm, every agent holding a cluster secret"
+for b in tcp shm; do
+  KVXFER_SECRET="ci-cluster-secret-$$-$RANDOM" KVXFER_TEST_BACKEND=$b cargo test --locked --test agent --test cache
+done
 echo "== RDMA verbs tests on the host (they say SKIPPED where no RDMA device exists)"
 cargo test --locked --test rdma_verbs -- --nocapture
 echo "== RDMA tests inside the soft-RoCE guest (ci/rxe-guest: rxe0/rxe1 on a veth pair):"

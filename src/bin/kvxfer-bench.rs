@@ -67,6 +67,15 @@ struct Args {
     /// Address to advertise to peers in target role (default: the bound one).
     #[arg(long, requires = "listen")]
     advertise: Option<String>,
+    /// File holding the cluster secret both sides authenticate with
+    /// (default: `KVXFER_SECRET_FILE`, `KVXFER_SECRET`). Needed to listen on
+    /// a non-loopback address unless `--insecure`.
+    #[arg(long)]
+    secret_file: Option<std::path::PathBuf>,
+    /// Listen on a non-loopback address without a cluster secret: any
+    /// process that reaches the port can read and write the region.
+    #[arg(long)]
+    insecure: bool,
     /// Run only the initiator role against the target at ADDR (host:port).
     #[arg(long)]
     connect: Option<String>,
@@ -187,7 +196,16 @@ fn human(n: u64) -> String {
 }
 
 fn config(name: &str, args: &Args) -> AgentConfig {
-    let mut cfg = AgentConfig::new(name);
+    let mut cfg = AgentConfig::new(name).with_insecure(args.insecure);
+    if let Some(path) = &args.secret_file {
+        match kvxfer::Credential::from_file(path) {
+            Ok(c) => cfg = cfg.with_credential(c),
+            Err(e) => {
+                eprintln!("{e}");
+                std::process::exit(2);
+            }
+        }
+    }
     if let Some(n) = args.streams {
         cfg = cfg.with_streams_per_peer(n);
     }
@@ -341,6 +359,9 @@ fn spawn_target(args: &Args, region: u64) -> Result<(Child, String)> {
     }
     if let Some(n) = args.rdma_ack_timeout {
         cmd.env("KVXFER_RDMA_ACK_TIMEOUT", n.to_string());
+    }
+    if let Some(p) = &args.secret_file {
+        cmd.arg("--secret-file").arg(p);
     }
     let mut child = cmd
         .args([

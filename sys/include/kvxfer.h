@@ -64,6 +64,9 @@ typedef enum kvxfer_result {
   // An RDMA verb failed, or a work request completed with an error status
   // (named in the message, e.g. `IBV_WC_REM_ACCESS_ERR`).
   KVXFER_ERR_RDMA = 309,
+  // The peer did not authenticate (another cluster secret, or none where
+  // one is required), or claimed another name than expected.
+  KVXFER_ERR_AUTH = 310,
   // A bug: a panic was caught at the boundary.
   KVXFER_ERR_PANIC = 900,
 } kvxfer_result;
@@ -106,6 +109,14 @@ typedef struct kvxfer_options {
   // buffers and runs its own thread, instead of sharing the agent's
   // shared receive queue.
   uint32_t rdma_no_shared_receive_queue;
+  // Path of a file holding the cluster secret (at least 16 bytes; a
+  // trailing newline is dropped). Every connection authenticates with
+  // it; NULL: `KVXFER_SECRET_FILE`, else `KVXFER_SECRET`, else none.
+  const char *secret_file;
+  // Non-zero: allow a non-loopback `listen` without a cluster secret
+  // (any process that reaches the port can then read and write the
+  // exported memory).
+  uint32_t insecure;
 } kvxfer_options;
 
 // A memory type: one of the `KVXFER_MEM_*` values.

@@ -85,6 +85,9 @@ pub enum kvxfer_result {
     /// An RDMA verb failed, or a work request completed with an error status
     /// (named in the message, e.g. `IBV_WC_REM_ACCESS_ERR`).
     KVXFER_ERR_RDMA = 309,
+    /// The peer did not authenticate (another cluster secret, or none where
+    /// one is required), or claimed another name than expected.
+    KVXFER_ERR_AUTH = 310,
     /// A bug: a panic was caught at the boundary.
     KVXFER_ERR_PANIC = 900,
 }
@@ -149,6 +152,14 @@ pub struct kvxfer_options {
     /// buffers and runs its own thread, instead of sharing the agent's
     /// shared receive queue.
     pub rdma_no_shared_receive_queue: u32,
+    /// Path of a file holding the cluster secret (at least 16 bytes; a
+    /// trailing newline is dropped). Every connection authenticates with
+    /// it; NULL: `KVXFER_SECRET_FILE`, else `KVXFER_SECRET`, else none.
+    pub secret_file: *const c_char,
+    /// Non-zero: allow a non-loopback `listen` without a cluster secret
+    /// (any process that reaches the port can then read and write the
+    /// exported memory).
+    pub insecure: u32,
 }
 
 /// A transfer request. `local` and `remote` pair up element by element
@@ -260,6 +271,8 @@ impl From<Error> for Fail {
             Error::Timeout { .. } => KVXFER_ERR_TIMEOUT,
             Error::Closed => KVXFER_ERR_CLOSED,
             Error::Rdma { .. } | Error::RdmaCompletion { .. } => KVXFER_ERR_RDMA,
+            Error::AuthFailed { .. } => KVXFER_ERR_AUTH,
+            Error::Credential(_) => KVXFER_ERR_INVALID_ARGUMENT,
             _ => KVXFER_ERR_IO,
         };
         Fail::new(code, e.to_string())
@@ -481,6 +494,7 @@ pub extern "C" fn kvxfer_result_name(code: kvxfer_result) -> *const c_char {
         KVXFER_ERR_CLOSED,
         KVXFER_ERR_IO,
         KVXFER_ERR_RDMA,
+        KVXFER_ERR_AUTH,
         KVXFER_ERR_PANIC
     );
     s.as_ptr().cast()
@@ -586,6 +600,16 @@ pub unsafe extern "C" fn kvxfer_agent_new(
             }
             if let Some(n) = field!(rdma_no_shared_receive_queue: u32) {
                 cfg = cfg.with_rdma_srq(n == 0);
+            }
+            if let Some(p) = field!(secret_file: *const c_char).filter(|p| !p.is_null()) {
+                // SAFETY: NUL-terminated per the contract.
+                let path = unsafe { text(p, "options.secret_file")? };
+                cfg = cfg.with_credential(
+                    kvxfer_core::Credential::from_file(path).map_err(Error::from)?,
+                );
+            }
+            if let Some(n) = field!(insecure: u32) {
+                cfg = cfg.with_insecure(n != 0);
             }
         }
         let agent = kvxfer_core::make_transfer_agent(backend, cfg)?;

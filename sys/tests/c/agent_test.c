@@ -1,12 +1,14 @@
 /* Two agents over TCP through the C ABI: WRITE, READ, sync messages after
  * the data, descriptor exchange, and bad calls with their error codes.
  * Built and run by sys/tests/c_programs.rs. */
+#define _POSIX_C_SOURCE 200809L
 #include <kvxfer.h>
 
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static int checks = 0;
 
@@ -70,6 +72,47 @@ int main(void) {
   EXPECT(kvxfer_agent_new("c-bad", "tcp", &opts, &bad) == KVXFER_ERR_INVALID_ARGUMENT && bad == NULL);
   opts.rdma_qps_per_peer = 2;
   opts.rdma_no_shared_receive_queue = 1;
+  /* Security: a public listener needs a cluster secret or `insecure`; an
+   * unreadable secret file is refused; agents with different secrets (or
+   * only one with a secret) cannot talk. */
+  if (getenv("KVXFER_SECRET") == NULL && getenv("KVXFER_SECRET_FILE") == NULL) {
+    kvxfer_options pub;
+    memset(&pub, 0, sizeof pub);
+    pub.struct_size = sizeof pub;
+    pub.listen = "0.0.0.0:0";
+    EXPECT_ERR(kvxfer_agent_new("c-pub", "tcp", &pub, &bad), KVXFER_ERR_INVALID_ARGUMENT, "credential");
+    pub.insecure = 1;
+    CHECK(kvxfer_agent_new("c-pub", "tcp", &pub, &bad));
+    CHECK(kvxfer_agent_free(bad));
+    bad = NULL;
+    char path[] = "/tmp/kvxfer-c-secret-XXXXXX";
+    int fd = mkstemp(path);
+    EXPECT(fd >= 0);
+    EXPECT(write(fd, "c-test-secret-0123456789\n", 25) == 25);
+    close(fd);
+    kvxfer_options keyed;
+    memset(&keyed, 0, sizeof keyed);
+    keyed.struct_size = sizeof keyed;
+    keyed.secret_file = path;
+    kvxfer_agent *locked = NULL;
+    CHECK(kvxfer_agent_new("c-locked", "tcp", &keyed, &locked));
+    char lconn[128], lname[64];
+    CHECK(kvxfer_agent_connection_info(locked, lconn, sizeof lconn, NULL));
+    kvxfer_agent *open_agent = NULL;
+    CHECK(kvxfer_agent_new("c-open", "tcp", NULL, &open_agent));
+    EXPECT_ERR(kvxfer_agent_load_remote_by_connection(open_agent, lconn, lname, sizeof lname, NULL),
+               KVXFER_ERR_AUTH, "credential");
+    kvxfer_agent *friend_agent = NULL;
+    CHECK(kvxfer_agent_new("c-friend", "tcp", &keyed, &friend_agent));
+    CHECK(kvxfer_agent_load_remote_by_connection(friend_agent, lconn, lname, sizeof lname, NULL));
+    EXPECT(strcmp(lname, "c-locked") == 0);
+    keyed.secret_file = "/nonexistent/kvxfer-secret";
+    EXPECT_ERR(kvxfer_agent_new("c-bad", "tcp", &keyed, &bad), KVXFER_ERR_INVALID_ARGUMENT, "secret");
+    CHECK(kvxfer_agent_free(friend_agent));
+    CHECK(kvxfer_agent_free(open_agent));
+    CHECK(kvxfer_agent_free(locked));
+    unlink(path);
+  }
   CHECK(kvxfer_agent_new("c-init", "tcp", &opts, &init));
 
   uint8_t *dst = calloc(N, 1), *src = malloc(N);

@@ -1,0 +1,353 @@
+//! Rogue peers: a hand-written wire client attacks a target agent in this
+//! process (an exported region with canaries around it, a secret it never
+//! exported). After each attack the canaries and the secret are unchanged
+//! and the target still serves a good peer.
+
+mod common;
+
+use std::os::linux::net::SocketAddrExt;
+use std::time::Duration;
+
+use common::raw::{self, Hdr, RawConn};
+use kvxfer::{
+    AgentConfig, AgentDesc, Backend, Credential, Error, MemoryDescs, TransferAgent,
+    TransferRequest, make_transfer_agent,
+};
+
+const SECRET: &[u8] = b"TOP SECRET: never exported, never to leave this process";
+const REGION: usize = 1 << 20;
+const CANARY: usize = 4096;
+
+/// A target with one exported 1 MiB region inside a larger buffer whose
+/// edges are canaries, and a secret elsewhere in the process.
+struct Victim {
+    agent: Box<dyn TransferAgent>,
+    buf: Vec<u8>,
+    secret: Vec<u8>,
+    desc: AgentDesc,
+}
+
+impl Victim {
+    fn new(backend: Backend, config: AgentConfig) -> Self {
+        let agent = make_transfer_agent(backend, config).unwrap();
+        let buf = vec![0xA5u8; REGION + 2 * CANARY];
+        let region = MemoryDescs::dram(&buf[CANARY..CANARY + REGION]);
+        // SAFETY: `buf` outlives the agent (fields drop in declaration
+        // order), and the test only reads it, through black boxes.
+        unsafe { agent.register_memory(&region).unwrap() };
+        let desc = agent.local_agent_desc();
+        Self {
+            agent,
+            buf,
+            secret: SECRET.to_vec(),
+            desc,
+        }
+    }
+
+    fn conn(&self) -> String {
+        self.agent.local_connection_info()
+    }
+
+    fn region_addr(&self) -> u64 {
+        self.buf.as_ptr() as u64 + CANARY as u64
+    }
+
+    fn key(&self) -> u64 {
+        self.desc.regions[0].key
+    }
+
+    /// Canaries, region and secret as they were.
+    fn assert_untouched(&self) {
+        let buf = std::hint::black_box(&self.buf);
+        assert!(
+            buf.iter().all(|&b| b == 0xA5),
+            "the target's memory changed"
+        );
+        assert_eq!(std::hint::black_box(&self.secret), SECRET);
+    }
+
+    /// A good peer still gets a WRITE through, which lands.
+    fn still_serves(&self, cfg: AgentConfig) {
+        let good = make_transfer_agent(Backend::Tcp, cfg).unwrap();
+        let src = vec![0x3cu8; 4096];
+        // SAFETY: `src` outlives `good`.
+        unsafe { good.register_memory(&MemoryDescs::dram(&src)).unwrap() };
+        let name = good.load_remote_agent_by_connection(&self.conn()).unwrap();
+        let dst = common::dram([(self.region_addr() + 8192, 4096)]);
+        good.submit_transfer(&TransferRequest::write(MemoryDescs::dram(&src), dst, &name))
+            .unwrap()
+            .wait_success(Duration::from_secs(60))
+            .unwrap();
+        let buf = std::hint::black_box(&self.buf);
+        assert!(
+            buf[CANARY + 8192..CANARY + 12288]
+                .iter()
+                .all(|&b| b == 0x3c)
+        );
+        drop(good);
+    }
+}
+
+fn grant(c: &mut RawConn, req: u64, addr: u64, len: u64, key: u64) -> u16 {
+    let mut g = Hdr::new(raw::GRANT);
+    g.id = req;
+    g.addr = addr;
+    g.len = len;
+    g.key = key;
+    g.aux = 1;
+    c.send(g, &[]).unwrap();
+    let a = c.recv().expect("an answer to the grant");
+    assert_eq!((a.kind, a.id), (raw::GRANTED, req));
+    a.status
+}
+
+/// Asks the target to copy `len` bytes between `target_addr` (its side)
+/// and `initiator_addr` in process `pid`, as a WRITE (the target reads the
+/// initiator) or a READ (the target writes it). The target's answer.
+fn delegate(
+    c: &mut RawConn,
+    req: u64,
+    write: bool,
+    pid: u32,
+    target_addr: u64,
+    initiator_addr: u64,
+    len: u64,
+) -> u16 {
+    // A probe word the frame points at, holding the "instance" it claims:
+    // the old check (read it back through the pid) passes for any pid that
+    // maps this address with this value, e.g. the target itself.
+    let probe: Box<u64> = Box::new(0x6d61_6c6c_6f72_7921);
+    let mut d = Hdr::new(raw::DELEGATE);
+    d.flags = if write { 1 } else { 2 };
+    d.id = req;
+    d.aux = 1;
+    d.addr = &*probe as *const u64 as u64;
+    d.key = *probe;
+    d.len = u64::from(pid);
+    let mut table = target_addr.to_le_bytes().to_vec();
+    table.extend_from_slice(&initiator_addr.to_le_bytes());
+    table.extend_from_slice(&len.to_le_bytes());
+    c.send(d, &table).unwrap();
+    let a = c.recv().expect("an answer to the delegate");
+    assert_eq!((a.kind, a.id), (raw::GRANTED, req));
+    std::hint::black_box(&probe);
+    a.status
+}
+
+/// Presents a session's ticket on the target's local socket, as an
+/// initiator on this host does to prove which process it is.
+fn prove_local(instance: u64, ticket: u128) -> u8 {
+    use std::io::{Read, Write};
+    let addr =
+        std::os::unix::net::SocketAddr::from_abstract_name(format!("kvxfer-{instance:016x}"))
+            .unwrap();
+    let mut s = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+    s.write_all(&ticket.to_le_bytes()).unwrap();
+    let mut a = [9u8];
+    s.read_exact(&mut a).unwrap();
+    a[0]
+}
+
+/// A peer that names the target's own pid (or a third process's) in a
+/// `Delegate` cannot make the target read its secret into the exported
+/// region, nor write the region over the secret: the target copies only
+/// for the process the kernel proved to be the initiator, and never for
+/// itself.
+#[test]
+fn a_forged_delegate_reads_and_writes_nothing() {
+    let v = Victim::new(Backend::Shm, AgentConfig::new("target"));
+    let mut c = RawConn::connect(&v.conn());
+    c.auth("mallory", None).unwrap();
+    let ack = c.hello("mallory", 77).unwrap();
+    assert_eq!((ack.kind, ack.status), (raw::HELLO_ACK, raw::ST_OK));
+    let me = std::process::id();
+    let secret = v.secret.as_ptr() as u64;
+    let n = SECRET.len() as u64;
+    let mut third = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let mut req = 0;
+    let mut attack = |c: &mut RawConn, pid: u32| {
+        for write in [true, false] {
+            req += 1;
+            assert_eq!(grant(c, req, v.region_addr(), 4096, v.key()), raw::ST_OK);
+            let st = delegate(c, req, write, pid, v.region_addr(), secret, n);
+            assert_eq!(st, raw::ST_DELEGATE_REFUSED, "pid {pid}, write {write}");
+            v.assert_untouched();
+        }
+    };
+    // Unproven: the target's own pid, and a third process.
+    attack(&mut c, me);
+    attack(&mut c, third.id());
+    // Proven — the kernel says this connection's process is the test
+    // process, which is the target's own: still refused, and a third
+    // process's pid does not match the proof.
+    let ticket = u128::from(ack.addr) | u128::from(ack.len) << 64;
+    assert_eq!(prove_local(v.desc.instance, ticket), 0);
+    // A ticket binds once.
+    assert_eq!(prove_local(v.desc.instance, ticket), 1);
+    assert_eq!(prove_local(v.desc.instance, ticket ^ 1), 1);
+    attack(&mut c, me);
+    attack(&mut c, third.id());
+    let _ = third.kill();
+    let _ = third.wait();
+    drop(c);
+    v.still_serves(AgentConfig::new("good"));
+}
+
+fn credential(fill: u8) -> Credential {
+    Credential::new(vec![fill; 32]).unwrap()
+}
+
+/// With a credential configured, a peer that does not prove it holds the
+/// secret is answered nothing: no descriptor, no keys, no data.
+#[test]
+fn unauthenticated_peers_get_nothing() {
+    let k = credential(1);
+    let v = Victim::new(
+        Backend::Tcp,
+        AgentConfig::new("target").with_credential(k.clone()),
+    );
+    // Old-style first frames and garbage: the connection closes unanswered.
+    for first in [raw::DESC_REQUEST, raw::HELLO, raw::WRITE, 0xff] {
+        let mut c = RawConn::connect(&v.conn());
+        let mut h = Hdr::new(first);
+        h.len = 16;
+        h.aux = 5;
+        c.send(h, b"hello").unwrap();
+        assert!(c.closed(), "frame kind {first} was answered");
+    }
+    // No credential.
+    let mut c = RawConn::connect(&v.conn());
+    assert_eq!(c.auth("mallory", None), Err(raw::ST_AUTH_REQUIRED));
+    assert!(c.closed());
+    // Another secret.
+    let mut c = RawConn::connect(&v.conn());
+    assert_eq!(
+        c.auth("mallory", Some(&credential(2))),
+        Err(raw::ST_AUTH_FAILED)
+    );
+    assert!(c.closed());
+    // The right one: the descriptor comes.
+    let mut c = RawConn::connect(&v.conn());
+    c.auth("friend", Some(&k)).unwrap();
+    let d = AgentDesc::decode(&c.desc().unwrap()).unwrap();
+    assert_eq!(d.regions[0].key, v.key());
+    v.assert_untouched();
+    v.still_serves(AgentConfig::new("good").with_credential(k));
+}
+
+/// Agents with different secrets, or only one with a secret, never
+/// exchange anything; with the same secret they transfer.
+#[test]
+fn agents_authenticate_each_other() {
+    let k = credential(3);
+    let keyed = Victim::new(
+        Backend::Tcp,
+        AgentConfig::new("keyed").with_credential(k.clone()),
+    );
+    let open = Victim::new(Backend::Tcp, AgentConfig::new("open"));
+    let cases = [
+        (Some(credential(4)), &keyed),
+        (None, &keyed),
+        (Some(k.clone()), &open),
+    ];
+    for (cred, target) in cases {
+        let mut cfg = AgentConfig::new("init");
+        if let Some(c) = cred {
+            cfg = cfg.with_credential(c);
+        }
+        let init = make_transfer_agent(Backend::Tcp, cfg).unwrap();
+        let err = init
+            .load_remote_agent_by_connection(&target.conn())
+            .unwrap_err();
+        assert!(matches!(err, Error::AuthFailed { .. }), "{err}");
+        // Nor does a descriptor obtained elsewhere open a link.
+        init.load_remote_agent(&target.desc).unwrap();
+        let src = vec![1u8; 64];
+        // SAFETY: `src` outlives `init`.
+        unsafe { init.register_memory(&MemoryDescs::dram(&src)).unwrap() };
+        let err = init
+            .submit_transfer(&TransferRequest::write(
+                MemoryDescs::dram(&src),
+                common::dram([(target.region_addr(), 64)]),
+                &target.desc.name,
+            ))
+            .and_then(|st| st.wait_success(Duration::from_secs(60)))
+            .unwrap_err();
+        assert!(matches!(err, Error::AuthFailed { .. }), "{err}");
+        target.assert_untouched();
+        drop(init);
+    }
+    keyed.still_serves(AgentConfig::new("good").with_credential(k));
+}
+
+/// A connection is served under the name it authenticated as: a `Hello`
+/// claiming another agent's name ends the connection, and sync messages
+/// arrive under the authenticated name only.
+#[test]
+fn a_name_is_bound_to_its_connection() {
+    let k = credential(5);
+    let v = Victim::new(
+        Backend::Tcp,
+        AgentConfig::new("target").with_credential(k.clone()),
+    );
+    let mut c = RawConn::connect(&v.conn());
+    c.auth("mallory", Some(&k)).unwrap();
+    assert_eq!(c.hello("ctx-0", 1), None, "a spoofed hello was answered");
+    let mut c = RawConn::connect(&v.conn());
+    c.auth("mallory", Some(&k)).unwrap();
+    let ack = c.hello("mallory", 2).unwrap();
+    assert_eq!((ack.kind, ack.status), (raw::HELLO_ACK, raw::ST_OK));
+    let mut commit = Hdr::new(raw::COMMIT);
+    commit.flags = 1 | 0x80;
+    commit.id = 1;
+    commit.aux = 2;
+    c.send(commit, b"hi").unwrap();
+    let a = c.recv().unwrap();
+    assert_eq!((a.kind, a.status), (raw::ACK, raw::ST_OK));
+    let msgs = v.agent.wait_sync_messages(Duration::from_secs(30));
+    assert_eq!(msgs.len(), 1, "{msgs:?}");
+    assert_eq!(msgs["mallory"], vec![b"hi".to_vec()]);
+}
+
+/// A peer that connects and says nothing, or half a header, is dropped
+/// after the connect timeout, and others are served meanwhile.
+#[test]
+fn a_stalled_handshake_is_dropped() {
+    let v = Victim::new(
+        Backend::Tcp,
+        AgentConfig::new("target").with_connect_timeout(Duration::from_secs(1)),
+    );
+    let mut silent = RawConn::connect(&v.conn());
+    let mut half = RawConn::connect(&v.conn());
+    std::io::Write::write_all(&mut half.s, &[raw::AUTH_HELLO, 0, 0]).unwrap();
+    v.still_serves(AgentConfig::new("good"));
+    // Closed by the target (the read timeout is 30 s, far beyond 1 s).
+    assert!(silent.closed());
+    assert!(half.closed());
+}
+
+/// Without a credential an agent listens on loopback only, unless told
+/// `insecure`.
+#[test]
+fn a_public_listener_needs_a_credential_or_insecure() {
+    let public = "0.0.0.0:0".parse().unwrap();
+    if Credential::from_env().unwrap().is_none() {
+        let err = make_transfer_agent(Backend::Tcp, AgentConfig::new("a").with_listen(public))
+            .err()
+            .expect("a public listener without a credential");
+        assert!(matches!(err, Error::InvalidConfig(_)), "{err}");
+    }
+    for cfg in [
+        AgentConfig::new("b")
+            .with_listen(public)
+            .with_insecure(true),
+        AgentConfig::new("c")
+            .with_listen(public)
+            .with_credential(credential(6)),
+    ] {
+        make_transfer_agent(Backend::Tcp, cfg).unwrap();
+    }
+}

@@ -96,6 +96,17 @@ pub struct CacheState {
     pub layers_per_pp: Vec<u32>,
 }
 
+/// Most TP (and PP) ranks a cache state may name.
+pub const MAX_PARALLEL: u32 = 1 << 12;
+/// Most layers a cache state may name.
+pub const MAX_LAYERS: u32 = 1 << 14;
+/// Most KV heads per rank per layer.
+pub const MAX_HEADS: u32 = 1 << 12;
+/// Largest head size, in elements.
+pub const MAX_HEAD_SIZE: u32 = 1 << 16;
+/// Most tokens per block.
+pub const MAX_TOKENS_PER_BLOCK: u32 = 1 << 20;
+
 impl CacheState {
     /// A state with `layers` split as evenly as possible over `pp` ranks
     /// (earlier ranks take the remainder), the same `kv_heads_per_rank` on
@@ -142,12 +153,16 @@ impl CacheState {
 
     /// Ranks in this executor (TP × PP).
     pub fn world_size(&self) -> u32 {
-        self.tp * self.pp
+        self.tp.saturating_mul(self.pp)
     }
 
     /// Layers in the model.
     pub fn num_layers(&self) -> u32 {
-        self.layers_per_pp.iter().sum()
+        // Saturating: a peer's state is summed before it is validated, and
+        // `validate` refuses anything past `MAX_LAYERS`.
+        self.layers_per_pp
+            .iter()
+            .fold(0u32, |a, &b| a.saturating_add(b))
     }
 
     /// TP ranks per attention-DP group (TP without attention DP).
@@ -193,6 +208,24 @@ impl CacheState {
     /// [`CacheError::InvalidState`] saying what is wrong.
     pub fn validate(&self) -> Result<(), CacheError> {
         let bad = |what: String| Err(CacheError::InvalidState(what));
+        // Bounds first: a peer's state sizes allocations and products of
+        // its fields (a block's bytes stay far below 2^64 within them).
+        for (what, v, max) in [
+            ("TP", self.tp, MAX_PARALLEL),
+            ("PP", self.pp, MAX_PARALLEL),
+            ("layers", self.num_layers(), MAX_LAYERS),
+            ("heads per rank", self.heads_per_rank(), MAX_HEADS),
+            ("head size", self.head_size, MAX_HEAD_SIZE),
+            (
+                "tokens per block",
+                self.tokens_per_block,
+                MAX_TOKENS_PER_BLOCK,
+            ),
+        ] {
+            if v > max {
+                return bad(format!("{what} is {v}, more than {max}"));
+            }
+        }
         if self.tp == 0 || !self.tp.is_power_of_two() {
             return bad(format!("TP must be a power of two, is {}", self.tp));
         }
@@ -323,5 +356,73 @@ impl CacheState {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn any_state() -> impl Strategy<Value = CacheState> {
+        (
+            prop::collection::vec(any::<u32>(), 0..4),
+            prop::collection::vec(prop_oneof![Just(8u32), any::<u32>()], 0..6),
+            any::<u32>(),
+            any::<u32>(),
+            prop_oneof![
+                Just(Attention::Default),
+                any::<u32>().prop_map(|k| Attention::Mla { kv_factor: k })
+            ],
+            prop_oneof![Just(1u32), Just(2), Just(1 << 31), any::<u32>()],
+            prop_oneof![Just(1u32), any::<u32>()],
+            prop::option::of((any::<u32>(), any::<u32>())),
+        )
+            .prop_map(
+                |(layers, heads, head_size, tokens, attention, tp, pp, dp)| CacheState {
+                    kv_heads_per_layer: heads,
+                    head_size,
+                    tokens_per_block: tokens,
+                    dtype: DataType::F32,
+                    attention,
+                    tp,
+                    pp,
+                    attention_dp: dp.map(|(rank, size)| AttentionDp { rank, size }),
+                    layers_per_pp: layers,
+                },
+            )
+    }
+
+    proptest! {
+        /// A peer's state, however hostile, gets an answer and never a
+        /// panic; a state that validates has sizes that fit their types.
+        #[test]
+        fn hostile_states_are_refused_not_panicked_on(a in any_state(), b in any_state()) {
+            let _ = a.check_compatible(&b);
+            let _ = a.num_layers();
+            let _ = a.world_size();
+            if a.validate().is_ok() {
+                prop_assert!(a.tp <= MAX_PARALLEL && a.num_layers() <= MAX_LAYERS);
+                let bytes = u64::from(a.attention.kv_factor())
+                    .checked_mul(u64::from(a.heads_per_rank()))
+                    .and_then(|x| x.checked_mul(u64::from(a.tokens_per_block)))
+                    .and_then(|x| x.checked_mul(u64::from(a.head_size)))
+                    .and_then(|x| x.checked_mul(u64::from(a.dtype.size())));
+                prop_assert_eq!(bytes, Some(a.layer_block_bytes()));
+            }
+        }
+    }
+
+    #[test]
+    fn huge_tp_and_layer_sums_are_refused() {
+        let s = CacheState::new(32, 8, 128, 16, DataType::Bf16, Attention::Default, 1, 1);
+        let mut t = s.clone();
+        t.tp = 1 << 31;
+        assert!(matches!(t.validate(), Err(CacheError::InvalidState(_))));
+        let mut t = s.clone();
+        t.pp = 2;
+        t.layers_per_pp = vec![u32::MAX, 2];
+        assert!(matches!(t.validate(), Err(CacheError::InvalidState(_))));
+        assert!(s.validate().is_ok());
     }
 }

@@ -351,3 +351,52 @@ fn a_public_listener_needs_a_credential_or_insecure() {
         make_transfer_agent(Backend::Tcp, cfg).unwrap();
     }
 }
+
+/// A stale WRITE into a region the target has deregistered is refused
+/// (`RemoteRejected`), and the connection it shares with other requests
+/// stays up: a WRITE to another region, submitted with it, lands.
+#[test]
+fn a_refused_write_does_not_take_down_the_connection() {
+    let v = Victim::new(Backend::Tcp, AgentConfig::new("target"));
+    let other = vec![0u8; REGION];
+    // SAFETY: `other` outlives its registration (deregistered below).
+    unsafe { v.agent.register_memory(&MemoryDescs::dram(&other)).unwrap() };
+    let init = make_transfer_agent(Backend::Tcp, AgentConfig::new("init")).unwrap();
+    let src = vec![0x77u8; REGION];
+    // SAFETY: `src` outlives `init`.
+    unsafe { init.register_memory(&MemoryDescs::dram(&src)).unwrap() };
+    let name = init.load_remote_agent_by_connection(&v.conn()).unwrap();
+    // The exported region goes away after the initiator took its key.
+    v.agent
+        .deregister_memory(&MemoryDescs::dram(&v.buf[CANARY..CANARY + REGION]))
+        .unwrap();
+    for size in [4096u64, 64 << 10, 256 << 10, REGION as u64] {
+        let stale = init
+            .submit_transfer(&TransferRequest::write(
+                common::dram([(src.as_ptr() as u64, size)]),
+                common::dram([(v.region_addr(), size)]),
+                &name,
+            ))
+            .unwrap();
+        let good = init
+            .submit_transfer(&TransferRequest::write(
+                common::dram([(src.as_ptr() as u64, size)]),
+                common::dram([(other.as_ptr() as u64, size)]),
+                &name,
+            ))
+            .unwrap();
+        let err = stale.wait_success(Duration::from_secs(60)).unwrap_err();
+        assert!(
+            matches!(err, Error::RemoteRejected { .. }),
+            "{size} bytes: {err}"
+        );
+        good.wait_success(Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{size} bytes: {e}"));
+    }
+    assert!(std::hint::black_box(&other).iter().all(|&b| b == 0x77));
+    v.assert_untouched();
+    drop(init);
+    v.agent
+        .deregister_memory(&MemoryDescs::dram(&other))
+        .unwrap();
+}

@@ -383,14 +383,55 @@ impl<'c> FrameReader<'c> {
     }
 
     /// Reads and drops `len` bytes (the payload of a refused segment).
+    /// Only the last piece may read ahead into the next header: bytes past
+    /// an earlier piece are still this payload's.
     pub(crate) fn discard(&mut self, mut len: u64, idle: &mut dyn IdlePolicy) -> io::Result<()> {
-        let mut scratch = vec![0u8; 64 << 10];
+        let mut scratch = vec![0u8; (64 << 10).min(len) as usize];
         while len > 0 {
             let n = len.min(scratch.len() as u64) as usize;
+            self.no_read_ahead = (n as u64) < len;
             // SAFETY: `scratch` owns at least `n` bytes, valid for writes.
-            unsafe { self.read_into(scratch.as_mut_ptr(), n, idle)? };
+            let r = unsafe { self.read_into(scratch.as_mut_ptr(), n, idle) };
+            self.no_read_ahead = false;
+            r?;
             len -= n as u64;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
+    struct Never;
+    impl IdlePolicy for Never {
+        fn on_idle(&mut self, _mid_frame: bool) -> io::Result<()> {
+            Err(io::Error::new(io::ErrorKind::TimedOut, "test stalled"))
+        }
+    }
+
+    /// A refused payload of any length is skipped exactly: the header
+    /// after it is read whole, however the pieces of the skip fall.
+    #[test]
+    fn discard_stops_at_the_next_header() {
+        for len in [1usize, 4095, 64 << 10, (64 << 10) + 1, 200_000, 1 << 20] {
+            let (mut w, r) = UnixStream::pair().unwrap();
+            r.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+                .unwrap();
+            let writer = std::thread::spawn(move || {
+                w.write_all(&vec![0xEE; len]).unwrap();
+                w.write_all(&[0x42; HEADER_LEN]).unwrap();
+            });
+            let clock = ProgressClock::new();
+            let mut reader = FrameReader::new(r.as_raw_fd(), &clock);
+            reader.discard(len as u64, &mut Never).unwrap();
+            let h = reader.next_header(&mut Never).unwrap().unwrap();
+            assert_eq!(h, [0x42; HEADER_LEN], "after {len} bytes");
+            writer.join().unwrap();
+        }
     }
 }

@@ -588,6 +588,16 @@ pub struct AgentConfig {
     /// that every process reaching the port can read and write its
     /// exported memory. A warning is logged.
     pub insecure: bool,
+    /// Most bytes of received sync messages the agent holds until its
+    /// application takes them (`take_sync_messages`, `wait_sync_messages`),
+    /// counting messages of requests still arriving; a message beyond it
+    /// fails its request at the sender with
+    /// [`RejectReason::InboxFull`](crate::RejectReason::InboxFull). Default
+    /// 1 GiB.
+    pub inbox_max_bytes: u64,
+    /// The same bound for the messages of one remote agent (default
+    /// 256 MiB), so that one peer cannot fill the inbox for all.
+    pub inbox_max_bytes_per_peer: u64,
 }
 
 /// Default of [`AgentConfig::rdma_max_inflight`]: 64 MiB, chosen by
@@ -654,7 +664,17 @@ impl AgentConfig {
             rdma_max_inflight: DEFAULT_RDMA_MAX_INFLIGHT,
             credential: None,
             insecure: false,
+            inbox_max_bytes: 1 << 30,
+            inbox_max_bytes_per_peer: 256 << 20,
         }
+    }
+
+    /// Sets the sync-message inbox bounds: in all and per remote agent
+    /// (see [`inbox_max_bytes`](Self::inbox_max_bytes)).
+    pub fn with_inbox_limits(mut self, total: u64, per_peer: u64) -> Self {
+        self.inbox_max_bytes = total;
+        self.inbox_max_bytes_per_peer = per_peer;
+        self
     }
 
     /// Sets the cluster credential (see [`credential`](Self::credential)).

@@ -27,6 +27,10 @@ pub enum RejectReason {
     Malformed,
     /// The target agent is shutting down.
     ShuttingDown,
+    /// The target holds as many bytes of sync messages (from this peer, or
+    /// in all) as it accepts until its application takes them; the data of
+    /// the request landed, its message was not kept.
+    InboxFull,
 }
 
 impl RejectReason {
@@ -38,6 +42,7 @@ impl RejectReason {
             RejectReason::UnsupportedMemoryType => 3,
             RejectReason::Malformed => 4,
             RejectReason::ShuttingDown => 5,
+            RejectReason::InboxFull => 6,
         }
     }
 
@@ -48,6 +53,7 @@ impl RejectReason {
             2 => RejectReason::BadKey,
             3 => RejectReason::UnsupportedMemoryType,
             5 => RejectReason::ShuttingDown,
+            6 => RejectReason::InboxFull,
             _ => RejectReason::Malformed,
         }
     }
@@ -61,6 +67,9 @@ impl std::fmt::Display for RejectReason {
             RejectReason::UnsupportedMemoryType => "memory type not supported by the target",
             RejectReason::Malformed => "malformed request",
             RejectReason::ShuttingDown => "target agent is shutting down",
+            RejectReason::InboxFull => {
+                "the target's sync-message inbox is full (its application is not taking messages)"
+            }
         })
     }
 }

@@ -1,6 +1,7 @@
 //! Backend-independent agent state: local registrations (with access keys
 //! and in-flight counters), and the sync-message inbox.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -277,11 +278,62 @@ impl Registry {
     }
 }
 
-/// Received sync messages, grouped by sender.
-#[derive(Debug, Default)]
+/// Received sync messages, grouped by sender, held until taken within a
+/// byte budget (so a peer that sends and a caller that does not take cannot
+/// exhaust memory).
+#[derive(Debug)]
 pub(crate) struct Inbox {
     mailbox: Mutex<Mailbox>,
     cv: Condvar,
+    /// Most bytes of messages queued or announced, in all.
+    max_total: u64,
+    /// Most bytes of messages queued or announced from one sender.
+    max_per_peer: u64,
+}
+
+impl Default for Inbox {
+    fn default() -> Self {
+        Self::new(u64::MAX, u64::MAX)
+    }
+}
+
+/// Room in the inbox for one announced sync message, taken before its body
+/// is read; given back on drop unless the message is delivered.
+pub(crate) struct Reservation {
+    inbox: Arc<Inbox>,
+    from: String,
+    len: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            let mut m = self.inbox.lock();
+            Mailbox::release(&mut m, &self.from, self.len);
+        }
+    }
+}
+
+impl Mailbox {
+    fn release(&mut self, from: &str, len: u64) {
+        self.total = self.total.saturating_sub(len);
+        if let Some(b) = self.per_peer.get_mut(from) {
+            *b = b.saturating_sub(len);
+            if *b == 0 {
+                self.per_peer.remove(from);
+            }
+        }
+    }
+
+    /// Takes every queued message, giving back their bytes.
+    fn take(&mut self) -> SyncMessages {
+        let msgs = std::mem::take(&mut self.messages);
+        for (from, list) in &msgs {
+            let n = list.iter().map(|m| m.len() as u64).sum();
+            self.release(from, n);
+        }
+        msgs
+    }
 }
 
 /// The inbox's state: the messages, and how many times waiters were woken
@@ -290,6 +342,10 @@ pub(crate) struct Inbox {
 struct Mailbox {
     messages: SyncMessages,
     wakes: u64,
+    /// Bytes of messages queued or reserved, in all.
+    total: u64,
+    /// The same per sending agent.
+    per_peer: HashMap<String, u64>,
 }
 
 impl Inbox {
@@ -297,14 +353,60 @@ impl Inbox {
         self.mailbox.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(crate) fn deliver(&self, from: &str, msg: Vec<u8>) {
+    /// An inbox that holds at most `max_total` bytes of messages, and at
+    /// most `max_per_peer` from one sender, until they are taken.
+    pub(crate) fn new(max_total: u64, max_per_peer: u64) -> Self {
+        Self {
+            mailbox: Mutex::new(Mailbox::default()),
+            cv: Condvar::new(),
+            max_total,
+            max_per_peer,
+        }
+    }
+
+    /// Room for a message of `len` bytes from `from`, or why not
+    /// ([`RejectReason::InboxFull`]): counted from now until it is taken.
+    pub(crate) fn reserve(
+        self: &Arc<Self>,
+        from: &str,
+        len: u64,
+    ) -> Result<Reservation, RejectReason> {
         let mut m = self.lock();
-        m.messages.entry(from.to_owned()).or_default().push(msg);
+        let peer = m.per_peer.get(from).copied().unwrap_or(0);
+        if m.total.saturating_add(len) > self.max_total
+            || peer.saturating_add(len) > self.max_per_peer
+        {
+            return Err(RejectReason::InboxFull);
+        }
+        m.total += len;
+        *m.per_peer.entry(from.to_owned()).or_default() += len;
+        Ok(Reservation {
+            inbox: Arc::clone(self),
+            from: from.to_owned(),
+            len,
+        })
+    }
+
+    /// Queues `msg` in the room `room` reserved for it.
+    pub(crate) fn deliver(&self, mut room: Reservation, msg: Vec<u8>) {
+        let mut m = self.lock();
+        let len = msg.len() as u64;
+        if len != room.len {
+            // Account for what is queued (equal in every caller).
+            Mailbox::release(&mut m, &room.from, room.len);
+            m.total += len;
+            *m.per_peer.entry(room.from.clone()).or_default() += len;
+        }
+        room.len = 0;
+        m.messages
+            .entry(std::mem::take(&mut room.from))
+            .or_default()
+            .push(msg);
         self.cv.notify_all();
     }
 
     pub(crate) fn take(&self) -> SyncMessages {
-        std::mem::take(&mut self.lock().messages)
+        self.lock().take()
     }
 
     /// Makes every thread now in [`wait`](Self::wait) return at once, with
@@ -330,7 +432,7 @@ impl Inbox {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        std::mem::take(&mut m.messages)
+        m.take()
     }
 }
 
@@ -344,7 +446,7 @@ mod tests {
         // A message: delivered to the waiter, grouped by sender.
         let i = std::sync::Arc::clone(&inbox);
         let t = std::thread::spawn(move || i.wait(Duration::from_secs(600)));
-        inbox.deliver("a", vec![1]);
+        inbox.deliver(inbox.reserve("a", 1).unwrap(), vec![1]);
         let got = t.join().unwrap();
         assert_eq!(got.get("a"), Some(&vec![vec![1u8]]));
         // A wake without a message: the waiter returns (empty) long before
@@ -362,6 +464,28 @@ mod tests {
         let t0 = Instant::now();
         assert!(inbox.wait(Duration::from_millis(50)).is_empty());
         assert!(t0.elapsed() >= Duration::from_millis(50));
+    }
+
+    #[test]
+    fn inbox_bytes_are_bounded_per_sender_and_in_all() {
+        let inbox = Arc::new(Inbox::new(100, 60));
+        let a1 = inbox.reserve("a", 40).unwrap();
+        // Over a's share, though the inbox has room.
+        assert_eq!(inbox.reserve("a", 21).err(), Some(RejectReason::InboxFull));
+        let b1 = inbox.reserve("b", 60).unwrap();
+        // Over the total, though c has sent nothing.
+        assert_eq!(inbox.reserve("c", 1).err(), Some(RejectReason::InboxFull));
+        // A reservation dropped unused gives its room back.
+        drop(b1);
+        let c1 = inbox.reserve("c", 50).unwrap();
+        // Delivered messages count until taken.
+        inbox.deliver(a1, vec![0; 40]);
+        inbox.deliver(c1, vec![0; 50]);
+        assert_eq!(inbox.reserve("b", 11).err(), Some(RejectReason::InboxFull));
+        let got = inbox.take();
+        assert_eq!(got["a"].len() + got["c"].len(), 2);
+        let _ = inbox.reserve("a", 60).unwrap();
+        assert_eq!(inbox.lock().per_peer.get("c"), None);
     }
 
     fn reg(r: &Registry, d: &MemoryDescs, t: &[MemoryType], b: &'static str) -> Result<(), Error> {

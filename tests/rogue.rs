@@ -400,3 +400,77 @@ fn a_refused_write_does_not_take_down_the_connection() {
         .deregister_memory(&MemoryDescs::dram(&other))
         .unwrap();
 }
+
+/// Sync messages a target's application does not take are held within a
+/// byte budget per sender and in all: beyond it a request fails with
+/// `InboxFull` at its sender, others' messages still arrive, and taking
+/// the messages makes room again.
+#[test]
+fn sync_messages_are_held_within_a_budget() {
+    const MIB: usize = 1 << 20;
+    let v = Victim::new(
+        Backend::Tcp,
+        AgentConfig::new("target").with_inbox_limits(4 * MIB as u64, 2 * MIB as u64 + 4096),
+    );
+    // A raw peer announces 1 MiB messages for requests whose data never
+    // comes: two are held, the rest are refused before their bodies are
+    // kept.
+    let mut c = RawConn::connect(&v.conn());
+    c.auth("mallory", None).unwrap();
+    c.hello("mallory", 3).unwrap();
+    let body = vec![0x11u8; MIB];
+    for req in 1..=6u64 {
+        let mut commit = Hdr::new(raw::COMMIT);
+        commit.flags = 1 | 0x80;
+        commit.id = req;
+        commit.len = 1; // one segment that never arrives
+        commit.aux = MIB as u32;
+        c.send(commit, &body).unwrap();
+    }
+    // Request 6's segment arrives (a fence): it finishes, refused.
+    let mut fence = Hdr::new(10);
+    fence.id = 6;
+    c.send(fence, &[]).unwrap();
+    let a = c.recv().unwrap();
+    assert_eq!((a.kind, a.id, a.status), (raw::ACK, 6, 6), "InboxFull");
+    // Another peer is not starved by mallory's share.
+    let good = make_transfer_agent(Backend::Tcp, AgentConfig::new("good")).unwrap();
+    let name = good.load_remote_agent_by_connection(&v.conn()).unwrap();
+    let notify = |n: usize| {
+        good.notify_sync_message(&name, vec![0x22; n])
+            .and_then(|st| st.wait_success(Duration::from_secs(60)))
+    };
+    notify(MIB).unwrap();
+    // 2 MiB held for mallory and 2 MiB queued for good: the inbox is full.
+    notify(MIB).unwrap();
+    let err = notify(MIB).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::RemoteRejected {
+                reason: kvxfer::RejectReason::InboxFull,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // Taken, the messages make room.
+    let got = v.agent.take_sync_messages();
+    assert_eq!(got["good"].len(), 2);
+    notify(MIB).unwrap();
+    // Mallory's connection goes: its held messages' room comes back.
+    drop(c);
+    let t0 = std::time::Instant::now();
+    loop {
+        match notify(2 * MIB) {
+            Ok(()) => break,
+            Err(e) if t0.elapsed() < Duration::from_secs(30) => {
+                assert!(matches!(e, Error::RemoteRejected { .. }), "{e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("room never came back: {e}"),
+        }
+        let _ = v.agent.take_sync_messages();
+    }
+    v.assert_untouched();
+}

@@ -46,7 +46,7 @@ use crate::agent::{
 use crate::desc::{AgentDesc, BackendKind, LocalAccess, RdmaInfo};
 use crate::error::{Error, RejectReason};
 use crate::memory::{MemoryDescs, MemoryType, RegionMap};
-use crate::registry::{Inbox, RegionGuard, Registry, random_u64};
+use crate::registry::{Inbox, RegionGuard, Registry, Reservation, random_u64};
 use crate::shm::{self, Direction, Piece};
 use crate::small::{FastHash, Few};
 use crate::verbs::{Device, QpInfo};
@@ -231,7 +231,10 @@ impl TcpAgent {
             listen_addr,
             registry: Registry::default(),
             submit_cache: Mutex::new(None),
-            inbox: Arc::new(Inbox::default()),
+            inbox: Arc::new(Inbox::new(
+                config.inbox_max_bytes,
+                config.inbox_max_bytes_per_peer,
+            )),
             peers: RwLock::new(HashMap::default()),
             next_req: AtomicU64::new(1),
             closing: AtomicBool::new(false),
@@ -325,7 +328,7 @@ impl Drop for TcpAgent {
 /// One initiator's link as seen by the target.
 struct Session {
     remote: String,
-    table: Mutex<RequestTable>,
+    table: Mutex<RequestTable<HeldSync>>,
     /// Cross-memory grants held until each request's commit.
     grants: Mutex<HashMap<u64, Grants>>,
     streams: AtomicUsize,
@@ -374,21 +377,68 @@ impl IdlePolicy for ServerIdle<'_> {
     }
 }
 
+/// A sync message as the target holds it until its request finishes: the
+/// bytes, and their room in the inbox.
+type HeldSync = (Vec<u8>, Reservation);
+
+/// The sync message a `Commit` or `Delegate` announced.
+enum SyncBody {
+    /// None announced.
+    None,
+    /// Read, with room in the inbox.
+    Held(HeldSync),
+    /// Skipped: no room for it (the request fails with this reason).
+    Refused(RejectReason),
+}
+
 /// Reads the sync message a `Commit` or `Delegate` announces (none: no
-/// body allowed).
+/// body allowed) into room reserved for it in `inbox`; without room, skips
+/// it.
 fn read_sync(
     reader: &mut FrameReader<'_>,
+    inbox: &Arc<Inbox>,
+    from: &str,
     has_sync: bool,
     sync_len: u32,
     idle: &mut dyn IdlePolicy,
-) -> io::Result<Option<Vec<u8>>> {
-    if has_sync {
-        Ok(Some(reader.read_vec(sync_len as usize, idle)?))
-    } else if sync_len != 0 {
-        Err(violation("a body without a sync message"))
-    } else {
-        Ok(None)
+) -> io::Result<SyncBody> {
+    if !has_sync {
+        return if sync_len != 0 {
+            Err(violation("a body without a sync message"))
+        } else {
+            Ok(SyncBody::None)
+        };
     }
+    match inbox.reserve(from, u64::from(sync_len)) {
+        Ok(room) => Ok(SyncBody::Held((
+            reader.read_vec(sync_len as usize, idle)?,
+            room,
+        ))),
+        Err(reason) => {
+            tracing::debug!(remote = %from, sync_len, %reason, "refused a sync message");
+            reader.discard(u64::from(sync_len), idle)?;
+            Ok(SyncBody::Refused(reason))
+        }
+    }
+}
+
+/// Records the commit of `req` with its sync message.
+fn commit(
+    session: &Session,
+    req: u64,
+    segments: u64,
+    sync: SyncBody,
+) -> io::Result<Option<Finished<HeldSync>>> {
+    let mut table = lock(&session.table);
+    let sync = match sync {
+        SyncBody::None => None,
+        SyncBody::Held(h) => Some(h),
+        SyncBody::Refused(reason) => {
+            table.segments(req, 0, Err(reason)).map_err(violation)?;
+            None
+        }
+    };
+    table.commit(req, segments, sync).map_err(violation)
 }
 
 fn violation(detail: impl Into<String>) -> io::Error {
@@ -633,7 +683,9 @@ impl Inner {
                             Err(reason)
                         }
                     };
-                    lock(&session.table).segment(req, result)
+                    lock(&session.table)
+                        .segment(req, result)
+                        .map_err(violation)?
                 }
                 Frame::ReadReq {
                     req,
@@ -683,9 +735,13 @@ impl Inner {
                             Err(reason)
                         }
                     };
-                    lock(&session.table).segment(req, result)
+                    lock(&session.table)
+                        .segment(req, result)
+                        .map_err(violation)?
                 }
-                Frame::Fence { req } => lock(&session.table).segment(req, Ok(())),
+                Frame::Fence { req } => lock(&session.table)
+                    .segment(req, Ok(()))
+                    .map_err(violation)?,
                 Frame::WriteList {
                     req,
                     mem_type,
@@ -734,7 +790,9 @@ impl Inner {
                             Err(reason)
                         }
                     };
-                    lock(&session.table).segments(req, u64::from(count), result)
+                    lock(&session.table)
+                        .segments(req, u64::from(count), result)
+                        .map_err(violation)?
                 }
                 Frame::QpConnect { qpn, psn, mtu } => {
                     let gid: [u8; 16] = reader
@@ -833,7 +891,14 @@ impl Inner {
                     // The sync message may follow: no header read-ahead.
                     let table =
                         reader.read_vec_mid_frame(count as usize * wire::DELEGATE_ENTRY, idle)?;
-                    let sync = read_sync(reader, has_sync, sync_len, idle)?;
+                    let sync = read_sync(
+                        reader,
+                        &self.inbox,
+                        &session.remote,
+                        has_sync,
+                        sync_len,
+                        idle,
+                    )?;
                     let answer = |st| {
                         send_frames(
                             sock,
@@ -873,9 +938,7 @@ impl Inner {
                             Ok(()) => {
                                 self.delegated_copies.fetch_add(1, Ordering::Relaxed);
                                 answer(status::OK)?;
-                                lock(&session.table)
-                                    .commit(req, 0, sync)
-                                    .map_err(violation)?
+                                commit(session, req, 0, sync)?
                             }
                             Err(e) => {
                                 tracing::warn!(agent = %self.config.name, remote = %session.remote, req, error = %e, "delegated cross-memory copy failed");
@@ -893,10 +956,15 @@ impl Inner {
                     sync_len,
                     has_sync,
                 } => {
-                    let sync = read_sync(reader, has_sync, sync_len, idle)?;
-                    lock(&session.table)
-                        .commit(req, segments, sync)
-                        .map_err(violation)?
+                    let sync = read_sync(
+                        reader,
+                        &self.inbox,
+                        &session.remote,
+                        has_sync,
+                        sync_len,
+                        idle,
+                    )?;
+                    commit(session, req, segments, sync)?
                 }
                 other => return Err(violation(format!("unexpected frame {other:?}"))),
             };
@@ -970,13 +1038,13 @@ impl Inner {
         &self,
         sock: &TcpStream,
         session: &Session,
-        f: Finished,
+        f: Finished<HeldSync>,
         clock: &ProgressClock,
     ) -> io::Result<()> {
         // The initiator's direct copies are over: unpin before telling anyone.
         lock(&session.grants).remove(&f.req);
-        if let (Ok(()), Some(msg)) = (&f.outcome, f.sync) {
-            self.inbox.deliver(&session.remote, msg);
+        if let (Ok(()), Some((msg, room))) = (&f.outcome, f.sync) {
+            self.inbox.deliver(room, msg);
         }
         let st = match f.outcome {
             Ok(()) => status::OK,
@@ -3173,12 +3241,17 @@ impl SyncSink {
             tracing::warn!(remote = %self.remote, "malformed RDMA sync message");
             return false;
         };
-        self.inbox.deliver(&self.remote, msg.to_vec());
-        let ack = [Frame::Ack {
-            req,
-            status: status::OK,
-        }
-        .encode()];
+        let st = match self.inbox.reserve(&self.remote, msg.len() as u64) {
+            Ok(room) => {
+                self.inbox.deliver(room, msg.to_vec());
+                status::OK
+            }
+            Err(reason) => {
+                tracing::debug!(remote = %self.remote, len = msg.len(), %reason, "refused an RDMA sync message");
+                reason.code()
+            }
+        };
+        let ack = [Frame::Ack { req, status: st }.encode()];
         send_frames(&self.sock, &ack, clock, self.io_timeout).is_ok()
     }
 }

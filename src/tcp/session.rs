@@ -11,65 +11,104 @@ use std::collections::HashMap;
 
 use crate::error::RejectReason;
 
-#[derive(Debug, Default)]
-struct Progress {
+#[derive(Debug)]
+struct Progress<M> {
     done: u64,
     expected: Option<u64>,
     error: Option<RejectReason>,
-    sync: Option<Vec<u8>>,
+    sync: Option<M>,
+}
+
+impl<M> Default for Progress<M> {
+    fn default() -> Self {
+        Self {
+            done: 0,
+            expected: None,
+            error: None,
+            sync: None,
+        }
+    }
 }
 
 /// A finished request: deliver `sync` if `outcome` is `Ok`, then acknowledge.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) struct Finished {
+pub(crate) struct Finished<M = Vec<u8>> {
     /// Request id.
     pub(crate) req: u64,
     /// First refusal among the request's segments, if any.
     pub(crate) outcome: Result<(), RejectReason>,
     /// The sync message to deliver (only present on success).
-    pub(crate) sync: Option<Vec<u8>>,
+    pub(crate) sync: Option<M>,
 }
 
-/// Requests of one initiator that are not finished yet.
-#[derive(Debug, Default)]
-pub(crate) struct RequestTable {
-    open: HashMap<u64, Progress>,
+/// Most requests of one initiator open at once (begun, not finished); one
+/// more is a protocol violation. Bounds what a peer can make the target
+/// keep.
+pub(crate) const MAX_OPEN_REQUESTS: usize = 1 << 16;
+
+/// Requests of one initiator that are not finished yet; `M` is the sync
+/// message as the target holds it.
+#[derive(Debug)]
+pub(crate) struct RequestTable<M = Vec<u8>> {
+    open: HashMap<u64, Progress<M>>,
 }
 
-impl RequestTable {
+impl<M> Default for RequestTable<M> {
+    fn default() -> Self {
+        Self {
+            open: HashMap::new(),
+        }
+    }
+}
+
+impl<M> RequestTable<M> {
+    fn entry(&mut self, req: u64) -> Result<&mut Progress<M>, &'static str> {
+        if self.open.len() >= MAX_OPEN_REQUESTS && !self.open.contains_key(&req) {
+            return Err("too many requests open at once");
+        }
+        Ok(self.open.entry(req).or_default())
+    }
+
     /// Records one processed segment (or fence) of `req`.
+    ///
+    /// # Errors
+    /// When the initiator has [`MAX_OPEN_REQUESTS`] other requests open.
     pub(crate) fn segment(
         &mut self,
         req: u64,
         result: Result<(), RejectReason>,
-    ) -> Option<Finished> {
+    ) -> Result<Option<Finished<M>>, &'static str> {
         self.segments(req, 1, result)
     }
 
     /// Records `n` segments of `req` with one outcome (a write list).
+    ///
+    /// # Errors
+    /// As [`segment`](Self::segment).
     pub(crate) fn segments(
         &mut self,
         req: u64,
         n: u64,
         result: Result<(), RejectReason>,
-    ) -> Option<Finished> {
-        let p = self.open.entry(req).or_default();
-        p.done += n;
+    ) -> Result<Option<Finished<M>>, &'static str> {
+        let p = self.entry(req)?;
+        p.done = p.done.saturating_add(n);
         if let Err(r) = result {
             p.error.get_or_insert(r);
         }
-        self.try_finish(req)
+        Ok(self.try_finish(req))
     }
 
     /// Records the commit of `req`: `segments` in total, and its sync message.
-    /// Returns `Err` when more segments than announced were already seen.
+    /// Returns `Err` when more segments than announced were already seen, or
+    /// as [`segment`](Self::segment).
     pub(crate) fn commit(
         &mut self,
         req: u64,
         segments: u64,
-        sync: Option<Vec<u8>>,
-    ) -> Result<Option<Finished>, &'static str> {
-        let p = self.open.entry(req).or_default();
+        sync: Option<M>,
+    ) -> Result<Option<Finished<M>>, &'static str> {
+        let p = self.entry(req)?;
         if p.expected.is_some() {
             return Err("request committed twice");
         }
@@ -81,7 +120,7 @@ impl RequestTable {
         Ok(self.try_finish(req))
     }
 
-    fn try_finish(&mut self, req: u64) -> Option<Finished> {
+    fn try_finish(&mut self, req: u64) -> Option<Finished<M>> {
         let p = self.open.get(&req)?;
         if p.expected != Some(p.done) {
             return None;
@@ -108,9 +147,9 @@ mod tests {
 
     #[test]
     fn commit_after_segments() {
-        let mut t = RequestTable::default();
-        assert_eq!(t.segment(1, Ok(())), None);
-        assert_eq!(t.segment(1, Ok(())), None);
+        let mut t: RequestTable = RequestTable::default();
+        assert_eq!(t.segment(1, Ok(())).unwrap(), None);
+        assert_eq!(t.segment(1, Ok(())).unwrap(), None);
         let f = t.commit(1, 2, Some(b"hi".to_vec())).unwrap().unwrap();
         assert_eq!(f.outcome, Ok(()));
         assert_eq!(f.sync.as_deref(), Some(&b"hi"[..]));
@@ -119,19 +158,19 @@ mod tests {
 
     #[test]
     fn commit_before_segments_waits_for_all() {
-        let mut t = RequestTable::default();
+        let mut t: RequestTable = RequestTable::default();
         assert_eq!(t.commit(7, 3, Some(vec![1])).unwrap(), None);
-        assert_eq!(t.segment(7, Ok(())), None);
-        assert_eq!(t.segment(7, Ok(())), None);
-        let f = t.segment(7, Ok(())).unwrap();
+        assert_eq!(t.segment(7, Ok(())).unwrap(), None);
+        assert_eq!(t.segment(7, Ok(())).unwrap(), None);
+        let f = t.segment(7, Ok(())).unwrap().unwrap();
         assert_eq!(f.sync, Some(vec![1]));
     }
 
     #[test]
     fn refused_segment_withholds_sync() {
-        let mut t = RequestTable::default();
-        t.segment(3, Err(RejectReason::BadKey));
-        t.segment(3, Err(RejectReason::NotRegistered));
+        let mut t: RequestTable = RequestTable::default();
+        t.segment(3, Err(RejectReason::BadKey)).unwrap();
+        t.segment(3, Err(RejectReason::NotRegistered)).unwrap();
         let f = t.commit(3, 2, Some(vec![9])).unwrap().unwrap();
         assert_eq!(f.outcome, Err(RejectReason::BadKey));
         assert_eq!(f.sync, None);
@@ -139,19 +178,35 @@ mod tests {
 
     #[test]
     fn data_less_request_finishes_at_commit() {
-        let mut t = RequestTable::default();
+        let mut t: RequestTable = RequestTable::default();
         let f = t.commit(4, 0, Some(vec![])).unwrap().unwrap();
         assert_eq!(f.sync, Some(vec![]));
     }
 
     #[test]
     fn protocol_errors() {
-        let mut t = RequestTable::default();
-        t.segment(5, Ok(()));
-        t.segment(5, Ok(()));
+        let mut t: RequestTable = RequestTable::default();
+        t.segment(5, Ok(())).unwrap();
+        t.segment(5, Ok(())).unwrap();
         assert!(t.commit(5, 1, None).is_err());
-        let mut t = RequestTable::default();
+        let mut t: RequestTable = RequestTable::default();
         t.commit(6, 2, None).unwrap();
         assert!(t.commit(6, 2, None).is_err());
+    }
+
+    #[test]
+    fn open_requests_are_bounded() {
+        let mut t: RequestTable = RequestTable::default();
+        for req in 0..MAX_OPEN_REQUESTS as u64 {
+            assert_eq!(t.commit(req, 1, None), Ok(None));
+        }
+        assert!(t.commit(u64::MAX, 1, None).is_err());
+        assert!(t.segment(u64::MAX, Ok(())).is_err());
+        // Requests already open still progress, and make room.
+        assert!(t.segment(0, Ok(())).unwrap().is_some());
+        assert_eq!(
+            t.commit(u64::MAX, 0, None).unwrap().map(|f| f.req),
+            Some(u64::MAX)
+        );
     }
 }

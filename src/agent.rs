@@ -598,6 +598,13 @@ pub struct AgentConfig {
     /// The same bound for the messages of one remote agent (default
     /// 256 MiB), so that one peer cannot fill the inbox for all.
     pub inbox_max_bytes_per_peer: u64,
+    /// Most incoming connections served at once (default 1024); one more
+    /// is closed at once. Each is a thread until the engine redesign.
+    pub max_incoming_connections: usize,
+    /// Most incoming connections that have not yet authenticated (default
+    /// 64): a flood of idle connections is closed at once, and each is
+    /// dropped after `connect_timeout` anyway.
+    pub max_unauthenticated: usize,
 }
 
 /// Default of [`AgentConfig::rdma_max_inflight`]: 64 MiB, chosen by
@@ -666,7 +673,17 @@ impl AgentConfig {
             insecure: false,
             inbox_max_bytes: 1 << 30,
             inbox_max_bytes_per_peer: 256 << 20,
+            max_incoming_connections: 1024,
+            max_unauthenticated: 64,
         }
+    }
+
+    /// Sets the bounds on incoming connections: in all, and not yet
+    /// authenticated.
+    pub fn with_connection_limits(mut self, total: usize, unauthenticated: usize) -> Self {
+        self.max_incoming_connections = total;
+        self.max_unauthenticated = unauthenticated;
+        self
     }
 
     /// Sets the sync-message inbox bounds: in all and per remote agent
@@ -874,6 +891,9 @@ impl AgentConfig {
                 "segment_size must be at least 4096, got {}",
                 self.segment_size
             ));
+        }
+        if self.max_incoming_connections == 0 || self.max_unauthenticated == 0 {
+            return bad("connection limits must be at least 1".into());
         }
         if self.connect_timeout.is_zero() || self.io_timeout.is_zero() {
             return bad("timeouts must be non-zero".into());

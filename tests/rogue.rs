@@ -474,3 +474,119 @@ fn sync_messages_are_held_within_a_budget() {
     }
     v.assert_untouched();
 }
+
+/// A listener that answers like a very slow agent: every byte of its
+/// answers 50 ms apart, for as long as it is let.
+fn trickling_listener(
+    script: impl Fn(&mut std::net::TcpStream) -> std::io::Result<()> + Send + 'static,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s2 = std::sync::Arc::clone(&stop);
+    std::thread::spawn(move || {
+        l.set_nonblocking(true).unwrap();
+        while !s2.load(std::sync::atomic::Ordering::SeqCst) {
+            match l.accept() {
+                Ok((mut c, _)) => {
+                    c.set_nonblocking(false).unwrap();
+                    let _ = script(&mut c);
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    });
+    (addr, stop)
+}
+
+/// Writes `bytes` one at a time, 50 ms apart, for at most two minutes.
+fn trickle(c: &mut std::net::TcpStream, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let t0 = std::time::Instant::now();
+    for b in bytes {
+        if t0.elapsed() > Duration::from_secs(120) {
+            break;
+        }
+        c.write_all(&[*b])?;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// Loading a peer that answers, but ever so slowly, fails with a timeout
+/// after about the connect timeout: the exchange has one deadline, not a
+/// timeout per byte.
+#[test]
+fn a_trickling_peer_cannot_hold_a_load_past_its_deadline() {
+    use std::io::Read;
+    let challenge = |c: &mut std::net::TcpStream| -> std::io::Result<Vec<u8>> {
+        let mut b = [0u8; 40];
+        c.read_exact(&mut b)?;
+        let mut body = vec![0u8; u32::from_le_bytes(b[4..8].try_into().unwrap()) as usize];
+        c.read_exact(&mut body)?;
+        let mut h = Hdr::new(raw::AUTH_CHALLENGE);
+        h.aux = 36;
+        Ok([h.bytes().as_slice(), &[7u8; 32], b"slow"].concat())
+    };
+    // Slow in the handshake: the challenge trickles in.
+    let (in_auth, stop1) = trickling_listener(move |c| {
+        let answer = challenge(c)?;
+        trickle(c, &answer)
+    });
+    // Slow in the descriptor: a quick handshake, then a 1 MiB body that
+    // trickles.
+    let (in_desc, stop2) = trickling_listener(move |c| {
+        use std::io::Write;
+        let answer = challenge(c)?;
+        c.write_all(&answer)?;
+        let mut b = [0u8; 40];
+        c.read_exact(&mut b)?;
+        let mut h = Hdr::new(raw::DESC_REPLY);
+        h.aux = 1 << 20;
+        c.write_all(&h.bytes())?;
+        trickle(c, &vec![0u8; 1 << 20])
+    });
+    let init = make_transfer_agent(
+        Backend::Tcp,
+        AgentConfig::new("init").with_connect_timeout(Duration::from_secs(1)),
+    )
+    .unwrap();
+    for addr in [in_auth, in_desc] {
+        let t0 = std::time::Instant::now();
+        let err = init.load_remote_agent_by_connection(&addr).unwrap_err();
+        assert!(matches!(err, Error::Timeout { .. }), "{addr}: {err}");
+        // Bounded by the deadline, not by the peer (which would go on for
+        // two minutes); the margin is for a loaded machine.
+        assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
+    }
+    stop1.store(true, std::sync::atomic::Ordering::SeqCst);
+    stop2.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Connections that never authenticate hold at most `max_unauthenticated`
+/// slots: one more is closed at once, and once they go a good peer is
+/// served.
+#[test]
+fn idle_connections_cannot_crowd_out_peers() {
+    let v = Victim::new(
+        Backend::Tcp,
+        AgentConfig::new("target")
+            .with_connect_timeout(Duration::from_secs(600))
+            .with_connection_limits(1024, 4),
+    );
+    let silent: Vec<RawConn> = (0..4).map(|_| RawConn::connect(&v.conn())).collect();
+    // The fifth is closed long before its 600 s handshake deadline (the
+    // raw client reads for 30 s at most).
+    let mut fifth = RawConn::connect(&v.conn());
+    assert!(fifth.closed());
+    drop(silent);
+    let good = make_transfer_agent(Backend::Tcp, AgentConfig::new("good")).unwrap();
+    let t0 = std::time::Instant::now();
+    // The slots come free as the target's threads see the closes.
+    while let Err(e) = good.load_remote_agent_by_connection(&v.conn()) {
+        assert!(t0.elapsed() < Duration::from_secs(60), "never served: {e}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(good);
+    v.still_serves(AgentConfig::new("good2"));
+}

@@ -73,6 +73,7 @@ pub(super) fn initiate(
     me: &str,
     expect: Option<&str>,
     remote: &str,
+    deadline: Instant,
     timeout: Duration,
 ) -> Result<String, Error> {
     let clock = ProgressClock::new();
@@ -103,11 +104,12 @@ pub(super) fn initiate(
     send(sock, &hello.encode(), &body, &clock, timeout).map_err(io_err)?;
     let never = || false;
     let mut idle = HandshakeDeadline {
-        until: Instant::now() + timeout,
+        until: deadline,
         stop: &never,
         what: "authentication handshake",
     };
     let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
+    reader.set_deadline(Some(deadline));
     let raw = reader
         .next_header(&mut idle)
         .map_err(io_err)?
@@ -211,6 +213,21 @@ pub(super) enum Verdict {
 /// Socket errors, a stall past the deadline `idle` enforces, and frames
 /// out of place (as `InvalidData`).
 pub(super) fn respond(
+    sock: &TcpStream,
+    reader: &mut FrameReader<'_>,
+    idle: &mut HandshakeDeadline<'_>,
+    cred: Option<&Credential>,
+    me: &str,
+    clock: &ProgressClock,
+    timeout: Duration,
+) -> io::Result<Verdict> {
+    reader.set_deadline(Some(idle.until));
+    let verdict = respond_within(sock, reader, idle, cred, me, clock, timeout);
+    reader.set_deadline(None);
+    verdict
+}
+
+fn respond_within(
     sock: &TcpStream,
     reader: &mut FrameReader<'_>,
     idle: &mut HandshakeDeadline<'_>,

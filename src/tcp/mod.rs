@@ -148,6 +148,17 @@ struct Inner {
     local_proof: Option<Arc<local_proof::Listener>>,
     /// Delegated cross-memory copies this agent has done for initiators.
     delegated_copies: AtomicU64,
+    /// Incoming connections that have not authenticated yet.
+    unauthenticated: Arc<AtomicUsize>,
+}
+
+/// One count in [`Inner::unauthenticated`], given back on drop.
+struct Unauthenticated(Arc<AtomicUsize>);
+
+impl Drop for Unauthenticated {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Whether incoming RDMA connections share a receive queue.
@@ -243,6 +254,7 @@ impl TcpAgent {
             srq_rx: Mutex::new(SrqState::Untried),
             local_proof,
             delegated_copies: AtomicU64::new(0),
+            unauthenticated: Arc::new(AtomicUsize::new(0)),
             config,
         });
         let acceptor = Arc::clone(&inner);
@@ -459,6 +471,10 @@ fn send_frames(
 
 impl Inner {
     fn accept_loop(self: Arc<Self>, listener: TcpListener) {
+        // A descriptor kept in reserve: when the process runs out, it is
+        // given up to accept and close the waiting connection (its peer
+        // learns at once instead of timing out), then taken again.
+        let mut reserve = std::fs::File::open("/dev/null").ok();
         for conn in listener.incoming() {
             if self.closing.load(Ordering::SeqCst) {
                 break;
@@ -466,13 +482,31 @@ impl Inner {
             let sock = match conn {
                 Ok(s) => s,
                 Err(e) => {
+                    let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
                     tracing::warn!(agent = %self.config.name, error = %e, "accept failed");
-                    std::thread::sleep(Duration::from_millis(10));
+                    if out_of_fds && reserve.take().is_some() {
+                        drop(listener.accept());
+                        reserve = std::fs::File::open("/dev/null").ok();
+                    } else {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
                     continue;
                 }
             };
             let mut server = lock(&self.server);
             server.threads.retain(|t| !t.is_finished());
+            if server.socks.len() >= self.config.max_incoming_connections {
+                tracing::warn!(agent = %self.config.name, limit = self.config.max_incoming_connections, peer = ?sock.peer_addr().ok(), "too many incoming connections; closing a new one");
+                continue;
+            }
+            if self.unauthenticated.fetch_add(1, Ordering::SeqCst)
+                >= self.config.max_unauthenticated
+            {
+                self.unauthenticated.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!(agent = %self.config.name, limit = self.config.max_unauthenticated, peer = ?sock.peer_addr().ok(), "too many connections still authenticating; closing a new one");
+                continue;
+            }
+            let pending_auth = Unauthenticated(Arc::clone(&self.unauthenticated));
             let id = server.next_id;
             server.next_id += 1;
             let Ok(clone) = sock.try_clone() else {
@@ -483,7 +517,7 @@ impl Inner {
             let spawned = std::thread::Builder::new()
                 .name(format!("kvxfer-serve-{}", self.config.name))
                 .spawn(move || {
-                    if let Err(e) = me.serve(&sock) {
+                    if let Err(e) = me.serve(&sock, pending_auth) {
                         tracing::debug!(agent = %me.config.name, error = %e, "incoming connection ended");
                     }
                     lock(&me.server).socks.remove(&id);
@@ -498,7 +532,7 @@ impl Inner {
         }
     }
 
-    fn serve(&self, sock: &TcpStream) -> io::Result<()> {
+    fn serve(&self, sock: &TcpStream, pending_auth: Unauthenticated) -> io::Result<()> {
         sock.set_nodelay(true)?;
         sock.set_read_timeout(Some(tick(self.config.io_timeout)))?;
         sock.set_write_timeout(Some(tick(self.config.io_timeout)))?;
@@ -516,7 +550,7 @@ impl Inner {
             stop: &stop,
             what: "the initiator did not authenticate in time",
         };
-        let authenticated = match handshake::respond(
+        let verdict = handshake::respond(
             sock,
             &mut reader,
             &mut deadline,
@@ -524,7 +558,9 @@ impl Inner {
             &self.config.name,
             &clock,
             self.config.io_timeout,
-        )? {
+        );
+        drop(pending_auth);
+        let authenticated = match verdict? {
             handshake::Verdict::Accepted(name) => name,
             handshake::Verdict::Refused(why) => {
                 tracing::warn!(agent = %self.config.name, peer = ?sock.peer_addr().ok(), %why, "refused an unauthenticated connection");
@@ -1494,9 +1530,12 @@ impl Link {
         let mut receivers = Vec::with_capacity(n_streams);
         let mut rdma_conns = Vec::new();
         for i in 0..n_streams {
-            let sock = connect_any(&peer.endpoints, cfg.connect_timeout)?;
+            // Each stream: connected, authenticated and greeted within the
+            // connect timeout, however slowly the peer answers.
+            let deadline = std::time::Instant::now() + cfg.connect_timeout;
+            let sock = connect_any(&peer.endpoints, deadline)?;
             let clock = ProgressClock::new();
-            let ticket = handshake(inner, peer, &sock, link_id, i as u32, &clock)?;
+            let ticket = handshake(inner, peer, &sock, link_id, i as u32, &clock, deadline)?;
             if i == 0 && matches!(path, Path::Cma { .. }) && cfg.shm_delegate {
                 // The target copies for this process only once the kernel
                 // has told it on its local socket that this is the process.
@@ -2160,7 +2199,8 @@ fn ack_timeout(config: &AgentConfig) -> u8 {
         .unwrap_or(crate::verbs::DEFAULT_ACK_TIMEOUT)
 }
 
-fn connect_any(endpoints: &[String], timeout: Duration) -> Result<TcpStream, Error> {
+/// Connects to the first endpoint that answers before `deadline`.
+fn connect_any(endpoints: &[String], deadline: std::time::Instant) -> Result<TcpStream, Error> {
     let mut last = None;
     for ep in endpoints {
         let addrs = match ep.to_socket_addrs() {
@@ -2174,7 +2214,14 @@ fn connect_any(endpoints: &[String], timeout: Duration) -> Result<TcpStream, Err
             }
         };
         for a in addrs {
-            match TcpStream::connect_timeout(&a, timeout) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(last.unwrap_or(Error::Timeout {
+                    what: "connecting",
+                    after: Duration::ZERO,
+                }));
+            }
+            match TcpStream::connect_timeout(&a, left) {
                 Ok(s) => {
                     s.set_nodelay(true)?;
                     let _ = socket2::SockRef::from(&s).set_tcp_keepalive(
@@ -2208,18 +2255,20 @@ fn handshake(
     link: u64,
     stream: u32,
     clock: &ProgressClock,
+    deadline: std::time::Instant,
 ) -> Result<u128, Error> {
     let t = inner.config.connect_timeout;
+    sock.set_read_timeout(Some(tick(t)))?;
+    sock.set_write_timeout(Some(tick(t)))?;
     handshake::initiate(
         sock,
         inner.config.credential.as_ref(),
         &inner.config.name,
         Some(&peer.name),
         &peer.name,
+        deadline,
         t,
     )?;
-    sock.set_read_timeout(Some(t))?;
-    sock.set_write_timeout(Some(t))?;
     let name = inner.config.name.as_bytes();
     let hello = Frame::Hello {
         instance: inner.instance,
@@ -2241,8 +2290,9 @@ fn handshake(
     // SAFETY: both iovecs point into live locals.
     unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, t) }.map_err(conn_err)?;
     let mut reader = FrameReader::new(sock.as_raw_fd(), clock);
+    reader.set_deadline(Some(deadline));
     let raw = reader
-        .next_header(&mut FailOnIdle("hello"))
+        .next_header(&mut FailOnIdle::new(deadline, "hello"))
         .map_err(|e| timeout_or(e, "connection handshake", t, conn_err))?
         .ok_or_else(|| conn_err(io::ErrorKind::UnexpectedEof.into()))?;
     match Frame::decode(&raw) {
@@ -2265,13 +2315,27 @@ fn handshake(
     }
 }
 
-/// An idle policy for blocking control exchanges: the first timeout tick
-/// (the socket's read timeout) is fatal.
-struct FailOnIdle(&'static str);
+/// An idle policy for blocking control exchanges: fatal once `until`
+/// has passed (the socket's read timeout is a short tick, so it is looked
+/// at often).
+struct FailOnIdle {
+    until: std::time::Instant,
+    what: &'static str,
+}
+
+impl FailOnIdle {
+    fn new(until: std::time::Instant, what: &'static str) -> Self {
+        Self { until, what }
+    }
+}
 
 impl IdlePolicy for FailOnIdle {
     fn on_idle(&mut self, _mid_frame: bool) -> io::Result<()> {
-        Err(io::Error::new(io::ErrorKind::TimedOut, self.0))
+        if std::time::Instant::now() >= self.until {
+            Err(io::Error::new(io::ErrorKind::TimedOut, self.what))
+        } else {
+            Ok(())
+        }
     }
 }
 
@@ -2292,7 +2356,9 @@ fn timeout_or(
 /// authentication exchange; the descriptor must name the agent that
 /// authenticated.
 fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDesc, Error> {
+    // One deadline for the whole exchange: connect, authenticate, fetch.
     let timeout = inner.config.connect_timeout;
+    let deadline = std::time::Instant::now() + timeout;
     let addrs: Vec<SocketAddr> = info
         .to_socket_addrs()
         .map_err(|e| Error::InvalidConnectionInfo {
@@ -2306,15 +2372,16 @@ fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDesc, Error> {
             reason: "resolves to no address".into(),
         });
     }
-    let sock = connect_any(&[info.to_owned()], timeout)?;
-    sock.set_read_timeout(Some(timeout))?;
-    sock.set_write_timeout(Some(timeout))?;
+    let sock = connect_any(&[info.to_owned()], deadline)?;
+    sock.set_read_timeout(Some(tick(timeout)))?;
+    sock.set_write_timeout(Some(tick(timeout)))?;
     let target = handshake::initiate(
         &sock,
         inner.config.credential.as_ref(),
         &inner.config.name,
         None,
         info,
+        deadline,
         timeout,
     )?;
     let clock = ProgressClock::new();
@@ -2324,7 +2391,8 @@ fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDesc, Error> {
     };
     send_frames(&sock, &[Frame::DescRequest.encode()], &clock, timeout).map_err(conn_err)?;
     let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
-    let mut idle = FailOnIdle("descriptor fetch");
+    reader.set_deadline(Some(deadline));
+    let mut idle = FailOnIdle::new(deadline, "descriptor fetch");
     let raw = reader
         .next_header(&mut idle)
         .map_err(|e| timeout_or(e, "descriptor fetch", timeout, conn_err))?
@@ -3519,7 +3587,7 @@ fn rdma_connect(
     // SAFETY: both iovecs point into live locals.
     unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, t) }.map_err(conn_err)?;
     let mut reader = FrameReader::new(sock.as_raw_fd(), clock);
-    let mut idle = FailOnIdle("queue pair exchange");
+    let mut idle = FailOnIdle::new(std::time::Instant::now() + t, "queue pair exchange");
     let raw = reader
         .next_header(&mut idle)
         .map_err(|e| timeout_or(e, "queue pair exchange", t, conn_err))?

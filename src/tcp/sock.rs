@@ -181,6 +181,9 @@ pub(crate) struct FrameReader<'c> {
     /// Set while reading a part of a frame that more payload follows (a
     /// write list's table): no header read-ahead then.
     no_read_ahead: bool,
+    /// Control exchanges (handshakes, descriptor fetches) end by this time
+    /// however the peer trickles its bytes; `None` on the data path.
+    deadline: Option<std::time::Instant>,
 }
 
 impl<'c> FrameReader<'c> {
@@ -191,7 +194,14 @@ impl<'c> FrameReader<'c> {
             filled: 0,
             clock,
             no_read_ahead: false,
+            deadline: None,
         }
+    }
+
+    /// Makes every read fail with `TimedOut` from `deadline` on (`None`:
+    /// no overall deadline).
+    pub(crate) fn set_deadline(&mut self, deadline: Option<std::time::Instant>) {
+        self.deadline = deadline;
     }
 
     /// One `readv` into `payload` then the next header's free space.
@@ -238,6 +248,14 @@ impl<'c> FrameReader<'c> {
         mid_frame: bool,
     ) -> io::Result<usize> {
         loop {
+            if let Some(d) = self.deadline
+                && std::time::Instant::now() >= d
+            {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the exchange's deadline passed",
+                ));
+            }
             // SAFETY: forwarded contract.
             let r = unsafe { libc::readv(self.fd, iovs.as_ptr(), iovs.len() as libc::c_int) };
             if r > 0 {

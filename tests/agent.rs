@@ -598,6 +598,52 @@ fn write_after_target_deregistered_is_rejected() {
     assert_eq!(peer.cmd("msgs"), "init=still here");
 }
 
+/// The target deregisters its region while a large WRITE into it is
+/// arriving: either the deregistration is refused (the region is busy) and
+/// the write completes, or the rest of the write is refused and the request
+/// fails with a rejection — never a broken connection: a notification on
+/// the same link goes through afterwards.
+#[test]
+fn deregistration_during_an_inbound_write_is_clean() {
+    let size: u64 = 64 << 20;
+    let src = vec![0x5au8; size as usize];
+    for round in 0..3 {
+        let mut peer = PeerProc::spawn("target", size, 3, &[]);
+        let (agent, name) = connect(&peer, &src);
+        let st = agent
+            .submit_transfer(&TransferRequest::write(
+                MemoryDescs::dram(&src),
+                peer.range(0, size),
+                &name,
+            ))
+            .unwrap();
+        let dereg = peer.cmd("dereg");
+        match (st.wait(WAIT), dereg.as_str()) {
+            (Ok(TransferState::Completed), _) => {}
+            (
+                Err(
+                    Error::RemoteRejected {
+                        reason: RejectReason::NotRegistered,
+                        ..
+                    }
+                    | Error::RdmaCompletion {
+                        status: "IBV_WC_REM_ACCESS_ERR",
+                        ..
+                    },
+                ),
+                "OK",
+            ) => {}
+            (other, d) => panic!("round {round}: write {other:?}, deregistration {d}"),
+        }
+        agent
+            .notify_sync_message(&name, b"still here".to_vec())
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+        assert_eq!(peer.cmd("msgs"), "init=still here");
+    }
+}
+
 /// Small requests one after another (on RDMA: the express lane, whose
 /// status object is reused once its caller drops it): every status keeps
 /// its own outcome — the kept ones stay completed while later requests,

@@ -146,6 +146,20 @@ pub(crate) struct Completion {
     /// by a waiting thread itself: the completion then costs no thread
     /// wake-up. `Weak`: a status must not keep a connection alive.
     driver: Option<Weak<dyn Progress>>,
+    /// The agent's count of requests in flight, which this completion
+    /// counts in while it is pending (see
+    /// [`AgentConfig::max_requests_in_flight`]).
+    in_flight: Option<Arc<AtomicUsize>>,
+}
+
+impl Drop for Completion {
+    fn drop(&mut self) {
+        if *self.state.get_mut() == PENDING
+            && let Some(n) = &self.in_flight
+        {
+            n.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 /// Something a waiting thread can drive: a completion queue it may poll in
@@ -199,17 +213,27 @@ impl Deadline {
 }
 
 impl Completion {
+    #[cfg(test)]
     pub(crate) fn new() -> Arc<Self> {
-        Self::with_driver(None)
+        Self::counted(None, None)
     }
 
-    pub(crate) fn with_driver(driver: Option<Weak<dyn Progress>>) -> Arc<Self> {
+    /// A pending completion counted in `in_flight` until its outcome is in
+    /// (or it is dropped).
+    pub(crate) fn counted(
+        driver: Option<Weak<dyn Progress>>,
+        in_flight: Option<&Arc<AtomicUsize>>,
+    ) -> Arc<Self> {
+        if let Some(n) = in_flight {
+            n.fetch_add(1, Ordering::AcqRel);
+        }
         Arc::new(Self {
             state: AtomicU8::new(PENDING),
             error: Mutex::new(None),
             cv: Condvar::new(),
             sleepers: AtomicUsize::new(0),
             driver,
+            in_flight: in_flight.cloned(),
         })
     }
 
@@ -220,6 +244,11 @@ impl Completion {
     /// Makes a finished completion pending again, for a new request (the
     /// caller owns it alone: no status refers to it any more).
     pub(crate) fn reset(&mut self) {
+        if *self.state.get_mut() != PENDING
+            && let Some(n) = &self.in_flight
+        {
+            n.fetch_add(1, Ordering::AcqRel);
+        }
         *self.state.get_mut() = PENDING;
         *self.error.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
     }
@@ -296,6 +325,9 @@ impl Completion {
                 won
             }
         };
+        if won && let Some(n) = &self.in_flight {
+            n.fetch_sub(1, Ordering::AcqRel);
+        }
         // Sequentially consistent with a sleeper's count then look: either
         // it saw the outcome, or this sees it counted. The lock, taken and
         // let go, waits out a sleeper between its look and its sleep.
@@ -598,6 +630,11 @@ pub struct AgentConfig {
     /// The same bound for the messages of one remote agent (default
     /// 256 MiB), so that one peer cannot fill the inbox for all.
     pub inbox_max_bytes_per_peer: u64,
+    /// Most requests in flight (submitted, outcome not in) at once, over
+    /// all peers (default 65,536): a submission beyond it fails at once with
+    /// [`Error::WouldBlock`] — back-pressure for a caller that submits
+    /// faster than the peers complete, instead of unbounded memory.
+    pub max_requests_in_flight: usize,
     /// Most incoming connections served at once (default 1024); one more
     /// is closed at once. Each is a thread until the engine redesign.
     pub max_incoming_connections: usize,
@@ -673,9 +710,17 @@ impl AgentConfig {
             insecure: false,
             inbox_max_bytes: 1 << 30,
             inbox_max_bytes_per_peer: 256 << 20,
+            max_requests_in_flight: 1 << 16,
             max_incoming_connections: 1024,
             max_unauthenticated: 64,
         }
+    }
+
+    /// Sets the most requests in flight at once (see
+    /// [`max_requests_in_flight`](Self::max_requests_in_flight)).
+    pub fn with_max_requests_in_flight(mut self, n: usize) -> Self {
+        self.max_requests_in_flight = n;
+        self
     }
 
     /// Sets the bounds on incoming connections: in all, and not yet
@@ -891,6 +936,9 @@ impl AgentConfig {
                 "segment_size must be at least 4096, got {}",
                 self.segment_size
             ));
+        }
+        if self.max_requests_in_flight == 0 {
+            return bad("max_requests_in_flight must be at least 1".into());
         }
         if self.max_incoming_connections == 0 || self.max_unauthenticated == 0 {
             return bad("connection limits must be at least 1".into());

@@ -264,6 +264,16 @@ pub enum Error {
         /// The timeout that elapsed.
         after: Duration,
     },
+    /// The agent has as many requests in flight as it allows
+    /// (`AgentConfig::max_requests_in_flight`); wait for some to complete
+    /// and submit again. Nothing was submitted.
+    #[error(
+        "{in_flight} requests in flight, the most this agent allows; wait for some and submit again"
+    )]
+    WouldBlock {
+        /// Requests in flight when the submission was refused.
+        in_flight: usize,
+    },
     /// The agent is shutting down.
     #[error("the agent is shutting down")]
     Closed,

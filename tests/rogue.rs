@@ -590,3 +590,81 @@ fn idle_connections_cannot_crowd_out_peers() {
     drop(good);
     v.still_serves(AgentConfig::new("good2"));
 }
+
+/// Entry point of the peer process (`common::PeerProc`); a no-op in an
+/// ordinary run.
+#[test]
+fn peer_process_entry() {
+    if std::env::var_os("KVXFER_PEER").is_some() {
+        common::peer_main();
+    }
+}
+
+/// A caller that submits faster than a peer completes meets back-pressure:
+/// past `max_requests_in_flight` a submission fails at once with
+/// `WouldBlock` (nothing submitted), and goes through again once requests
+/// complete — memory stays bounded instead of growing per submission.
+#[test]
+fn submissions_past_the_in_flight_budget_would_block() {
+    const LIMIT: usize = 8;
+    let peer = common::PeerProc::spawn("target", 1 << 20, 1, &[]);
+    let init = make_transfer_agent(
+        Backend::Tcp,
+        AgentConfig::new("init").with_max_requests_in_flight(LIMIT),
+    )
+    .unwrap();
+    let src = vec![9u8; 4096];
+    // SAFETY: `src` outlives `init`.
+    unsafe { init.register_memory(&MemoryDescs::dram(&src)).unwrap() };
+    let name = init.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let write = |i: u64| {
+        TransferRequest::write(
+            MemoryDescs::dram(&src),
+            common::dram([(peer.addr + i * 4096, 4096)]),
+            &name,
+        )
+        .with_sync_message(format!("{i}").into_bytes())
+    };
+    // A frozen target acknowledges nothing: every request stays in flight.
+    peer.signal("STOP");
+    let mut statuses: Vec<_> = (0..LIMIT as u64)
+        .map(|i| init.submit_transfer(&write(i)).unwrap())
+        .collect();
+    for _ in 0..3 {
+        let err = init.submit_transfer(&write(9)).unwrap_err();
+        assert!(
+            matches!(err, Error::WouldBlock { in_flight: LIMIT }),
+            "{err}"
+        );
+        let err = init.notify_sync_message(&name, b"x".to_vec()).unwrap_err();
+        assert!(matches!(err, Error::WouldBlock { .. }), "{err}");
+    }
+    // Dropping a status does not free its slot: the request is still in
+    // flight.
+    statuses.pop();
+    assert!(matches!(
+        init.submit_transfer(&write(9)),
+        Err(Error::WouldBlock { .. })
+    ));
+    peer.signal("CONT");
+    for st in statuses {
+        st.wait_success(Duration::from_secs(60)).unwrap();
+    }
+    // The dropped one completes too; then the budget is whole again.
+    let t0 = std::time::Instant::now();
+    let more: Vec<_> = loop {
+        match (0..LIMIT as u64)
+            .map(|i| init.submit_transfer(&write(i)))
+            .collect::<Result<Vec<_>, _>>()
+        {
+            Ok(v) => break v,
+            Err(e) => {
+                assert!(t0.elapsed() < Duration::from_secs(60), "{e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    for st in more {
+        st.wait_success(Duration::from_secs(60)).unwrap();
+    }
+}

@@ -150,6 +150,9 @@ struct Inner {
     delegated_copies: AtomicU64,
     /// Incoming connections that have not authenticated yet.
     unauthenticated: Arc<AtomicUsize>,
+    /// Requests submitted whose outcome is not in (see
+    /// [`AgentConfig::max_requests_in_flight`]).
+    in_flight: Arc<AtomicUsize>,
 }
 
 /// One count in [`Inner::unauthenticated`], given back on drop.
@@ -255,6 +258,7 @@ impl TcpAgent {
             local_proof,
             delegated_copies: AtomicU64::new(0),
             unauthenticated: Arc::new(AtomicUsize::new(0)),
+            in_flight: Arc::new(AtomicUsize::new(0)),
             config,
         });
         let acceptor = Arc::clone(&inner);
@@ -1434,6 +1438,8 @@ struct Link {
     /// Cleared when the target refuses a delegated copy: later requests do
     /// not ask again.
     delegate_ok: AtomicBool,
+    /// The agent's count of requests in flight.
+    in_flight: Arc<AtomicUsize>,
     streams: Vec<StreamHandle>,
     pending: Mutex<PendingTable>,
     /// RDMA path, one queue pair: the express lane of small requests.
@@ -1574,6 +1580,7 @@ impl Link {
                 .shm_delegate
                 .then_some((&*inner.probe_word as *const u64 as u64, inner.instance)),
             delegate_ok: AtomicBool::new(may_delegate),
+            in_flight: Arc::clone(&inner.in_flight),
             alive: AtomicUsize::new(2 * streams.len() + n_qps),
             streams,
             pending: Mutex::new(PendingTable::default()),
@@ -2543,6 +2550,16 @@ fn grant_ranges(remote: &MemoryDescs, keys: &[u64]) -> Vec<GrantRange> {
 }
 
 impl TcpAgent {
+    /// Whether one more request may be submitted (see
+    /// [`AgentConfig::max_requests_in_flight`]).
+    fn room_for_one(&self) -> Result<(), Error> {
+        let n = self.inner.in_flight.load(Ordering::Relaxed);
+        if n >= self.inner.config.max_requests_in_flight {
+            return Err(Error::WouldBlock { in_flight: n });
+        }
+        Ok(())
+    }
+
     /// Submits `req` with `sync` as its sync message (taken apart from the
     /// request, which the caller keeps).
     fn submit(
@@ -2577,7 +2594,7 @@ impl TcpAgent {
             return self.post_planned(&link, req.op, Cow::Owned(wrs), sync, guards, &driver);
         }
         let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
-        let completion = Completion::new();
+        let completion = Completion::counted(None, Some(&inner.in_flight));
         let new_pending = |outstanding: usize| {
             Arc::new(Pending {
                 completion: Arc::clone(&completion),
@@ -3000,7 +3017,7 @@ impl TcpAgent {
             return Ok(TransferStatus::new(id, c));
         }
         let driven = driver.is_some();
-        let completion = Completion::with_driver(driver.clone());
+        let completion = Completion::counted(driver.clone(), Some(&self.inner.in_flight));
         // A sync message is two events: its SEND's completion, and the
         // target's acknowledgement that it delivered it.
         let events = wrs.len() + 2 * usize::from(sync.is_some());
@@ -3141,6 +3158,7 @@ impl TransferAgent for TcpAgent {
     }
 
     fn submit_transfer(&self, request: &TransferRequest) -> Result<TransferStatus, Error> {
+        self.room_for_one()?;
         if let Some(st) = self.express_cached(request) {
             return Ok(st);
         }
@@ -3196,6 +3214,7 @@ impl TransferAgent for TcpAgent {
                 "the transfer was prepared by another agent".into(),
             ));
         }
+        self.room_for_one()?;
         let req = prepared.request();
         let fresh = prepared
             .resolved
@@ -3225,6 +3244,7 @@ impl TransferAgent for TcpAgent {
             MemoryDescs::new(MemoryType::Dram, Vec::new()),
             remote,
         );
+        self.room_for_one()?;
         self.submit(&req, Some(message), true)
     }
 
@@ -3995,7 +4015,7 @@ impl Link {
                 lane.state.store(LANE_FREE, Ordering::Release);
                 return None;
             }
-            let new = || Completion::with_driver(Some(driver.clone()));
+            let new = || Completion::counted(Some(driver.clone()), Some(&self.in_flight));
             let status = slot.status.get_or_insert_with(new);
             match Arc::get_mut(status) {
                 // Unique: the caller dropped the status it was behind.

@@ -67,6 +67,9 @@ typedef enum kvxfer_result {
   // The peer did not authenticate (another cluster secret, or none where
   // one is required), or claimed another name than expected.
   KVXFER_ERR_AUTH = 310,
+  // The agent has as many requests in flight as it allows; wait for
+  // some and submit again (nothing was submitted).
+  KVXFER_ERR_WOULD_BLOCK = 311,
   // A bug: a panic was caught at the boundary.
   KVXFER_ERR_PANIC = 900,
 } kvxfer_result;

@@ -88,6 +88,9 @@ pub enum kvxfer_result {
     /// The peer did not authenticate (another cluster secret, or none where
     /// one is required), or claimed another name than expected.
     KVXFER_ERR_AUTH = 310,
+    /// The agent has as many requests in flight as it allows; wait for
+    /// some and submit again (nothing was submitted).
+    KVXFER_ERR_WOULD_BLOCK = 311,
     /// A bug: a panic was caught at the boundary.
     KVXFER_ERR_PANIC = 900,
 }
@@ -270,6 +273,7 @@ impl From<Error> for Fail {
             Error::PeerTimedOut { .. } => KVXFER_ERR_PEER_TIMEOUT,
             Error::Timeout { .. } => KVXFER_ERR_TIMEOUT,
             Error::Closed => KVXFER_ERR_CLOSED,
+            Error::WouldBlock { .. } => KVXFER_ERR_WOULD_BLOCK,
             Error::Rdma { .. } | Error::RdmaCompletion { .. } => KVXFER_ERR_RDMA,
             Error::AuthFailed { .. } => KVXFER_ERR_AUTH,
             Error::Credential(_) => KVXFER_ERR_INVALID_ARGUMENT,
@@ -495,6 +499,7 @@ pub extern "C" fn kvxfer_result_name(code: kvxfer_result) -> *const c_char {
         KVXFER_ERR_IO,
         KVXFER_ERR_RDMA,
         KVXFER_ERR_AUTH,
+        KVXFER_ERR_WOULD_BLOCK,
         KVXFER_ERR_PANIC
     );
     s.as_ptr().cast()

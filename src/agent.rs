@@ -1002,7 +1002,19 @@ pub trait TransferAgent: Send + Sync {
     /// # Errors
     /// [`Error::InvalidConnectionInfo`], [`Error::Connect`],
     /// [`Error::Timeout`], [`Error::InvalidAgentDesc`].
-    fn load_remote_agent_by_connection(&self, connection_info: &str) -> Result<String, Error>;
+    fn load_remote_agent_by_connection(&self, connection_info: &str) -> Result<String, Error> {
+        let desc = self.fetch_remote_agent_desc(connection_info)?;
+        self.load_remote_agent(&desc)?;
+        Ok(desc.name)
+    }
+
+    /// Fetches a remote agent's descriptor from its connection info, as
+    /// [`load_remote_agent_by_connection`](Self::load_remote_agent_by_connection)
+    /// does, without loading it (to check its name first, for example).
+    ///
+    /// # Errors
+    /// As [`load_remote_agent_by_connection`](Self::load_remote_agent_by_connection).
+    fn fetch_remote_agent_desc(&self, connection_info: &str) -> Result<AgentDesc, Error>;
 
     /// The data path used to reach a loaded remote agent: `"tcp"`, `"shm"`,
     /// `"rdma"`.

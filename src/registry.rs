@@ -418,11 +418,14 @@ impl Inbox {
     }
 
     pub(crate) fn wait(&self, timeout: Duration) -> SyncMessages {
-        let deadline = Instant::now() + timeout;
+        // `None`: no deadline (a timeout past what `Instant` can hold).
+        let deadline = Instant::now().checked_add(timeout);
         let mut m = self.lock();
         let wakes = m.wakes;
         while m.messages.is_empty() && m.wakes == wakes {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.map_or(Duration::from_secs(3600), |d| {
+                d.saturating_duration_since(Instant::now())
+            });
             if left.is_zero() {
                 break;
             }
@@ -443,9 +446,10 @@ mod tests {
     #[test]
     fn inbox_wait_returns_on_message_or_wake() {
         let inbox = std::sync::Arc::new(Inbox::default());
-        // A message: delivered to the waiter, grouped by sender.
+        // A message: delivered to the waiter, grouped by sender (a wait
+        // without a deadline, too).
         let i = std::sync::Arc::clone(&inbox);
-        let t = std::thread::spawn(move || i.wait(Duration::from_secs(600)));
+        let t = std::thread::spawn(move || i.wait(Duration::MAX));
         inbox.deliver(inbox.reserve("a", 1).unwrap(), vec![1]);
         let got = t.join().unwrap();
         assert_eq!(got.get("a"), Some(&vec![vec![1u8]]));

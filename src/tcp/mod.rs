@@ -3126,10 +3126,8 @@ impl TransferAgent for TcpAgent {
         Ok(())
     }
 
-    fn load_remote_agent_by_connection(&self, connection_info: &str) -> Result<String, Error> {
-        let desc = fetch_desc(&self.inner, connection_info)?;
-        self.load_remote_agent(&desc)?;
-        Ok(desc.name)
+    fn fetch_remote_agent_desc(&self, connection_info: &str) -> Result<AgentDesc, Error> {
+        fetch_desc(&self.inner, connection_info)
     }
 
     fn remote_agent_desc(&self, name: &str) -> Result<AgentDesc, Error> {

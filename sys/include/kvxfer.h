@@ -254,7 +254,9 @@ enum kvxfer_result kvxfer_agent_local_desc(const struct kvxfer_agent *agent,
                                            size_t *out_len);
 
 // Loads a remote agent from an encoded descriptor; writes its name
-// (NUL-terminated) to `name_buf` when that is non-NULL.
+// (NUL-terminated) to `name_buf` when that is non-NULL. When `name_buf`
+// is too small nothing is loaded: the call returns
+// `KVXFER_ERR_BUFFER_TOO_SMALL` with the name's length in `name_len`.
 //
 // # Safety
 // `desc` is valid for `len` reads; `name_buf` is NULL or valid for
@@ -266,8 +268,35 @@ enum kvxfer_result kvxfer_agent_load_remote(const struct kvxfer_agent *agent,
                                             size_t name_cap,
                                             size_t *name_len);
 
+// Writes the agent name an encoded descriptor carries (NUL-terminated),
+// without loading it.
+//
+// # Safety
+// `desc` is valid for `len` reads; `name_buf` is NULL or valid for
+// `name_cap` writes; `name_len` is NULL or valid.
+enum kvxfer_result kvxfer_desc_name(const uint8_t *desc,
+                                    size_t len,
+                                    char *name_buf,
+                                    size_t name_cap,
+                                    size_t *name_len);
+
+// Fetches a remote agent's encoded descriptor from its connection info
+// (`host:port`) without loading it; `kvxfer_agent_load_remote` loads it.
+// Writes the needed length to `out_len` (with `KVXFER_ERR_BUFFER_TOO_SMALL`
+// when `buf` is NULL or smaller).
+//
+// # Safety
+// `connection_info` is NUL-terminated; `buf` is NULL or valid for `cap`
+// writes; `out_len` is NULL or valid.
+enum kvxfer_result kvxfer_agent_fetch_remote_desc(const struct kvxfer_agent *agent,
+                                                  const char *connection_info,
+                                                  uint8_t *buf,
+                                                  size_t cap,
+                                                  size_t *out_len);
+
 // Fetches a remote agent's descriptor from its connection info
-// (`host:port`) and loads it; writes its name as `kvxfer_agent_load_remote`.
+// (`host:port`) and loads it; writes its name as `kvxfer_agent_load_remote`
+// (a too-small `name_buf` loads nothing).
 //
 // # Safety
 // As `kvxfer_agent_load_remote`; `connection_info` is NUL-terminated.
@@ -326,17 +355,22 @@ enum kvxfer_result kvxfer_agent_take_messages(const struct kvxfer_agent *agent,
                                               struct kvxfer_messages **out);
 
 // As `kvxfer_agent_take_messages`, first waiting up to `timeout_ms` for at
-// least one message.
+// least one message (a negative value: until one arrives, or
+// `kvxfer_agent_wake_waiters` is called). Timeouts are `int64_t`
+// milliseconds throughout the API.
 //
 // # Safety
 // `out` is valid for a write.
 enum kvxfer_result kvxfer_agent_wait_messages(const struct kvxfer_agent *agent,
-                                              uint32_t timeout_ms,
+                                              int64_t timeout_ms,
                                               struct kvxfer_messages **out);
 
 // Makes every thread now blocked in `kvxfer_agent_wait_messages` on this
-// agent return at once (with what has arrived, possibly nothing): for an
-// event loop that also takes work from other threads.
+// agent return at once, with what has arrived (possibly nothing); a wait
+// that starts later is not affected. For an event loop that sleeps in
+// `kvxfer_agent_wait_messages` and also takes work from other threads:
+// they call this after queueing work. Thread-safe; `KVXFER_OK` or
+// `KVXFER_ERR_NULL_ARGUMENT` / `KVXFER_ERR_INVALID_HANDLE`.
 //
 // # Safety
 // `agent` is a handle from `kvxfer_agent_new` (checked).

@@ -704,7 +704,9 @@ pub unsafe extern "C" fn kvxfer_agent_local_desc(
 }
 
 /// Loads a remote agent from an encoded descriptor; writes its name
-/// (NUL-terminated) to `name_buf` when that is non-NULL.
+/// (NUL-terminated) to `name_buf` when that is non-NULL. When `name_buf`
+/// is too small nothing is loaded: the call returns
+/// `KVXFER_ERR_BUFFER_TOO_SMALL` with the name's length in `name_len`.
 ///
 /// # Safety
 /// `desc` is valid for `len` reads; `name_buf` is NULL or valid for
@@ -724,9 +726,80 @@ pub unsafe extern "C" fn kvxfer_agent_load_remote(
         // SAFETY: `desc` is valid for `len` reads.
         let bytes = unsafe { slice(desc, len, "desc")? };
         let d = kvxfer_core::AgentDesc::decode(bytes).map_err(Error::from)?;
+        name_fits(&d.name, name_buf, name_cap, name_len)?;
         a.agent.load_remote_agent(&d)?;
         // SAFETY: forwarded contract.
         unsafe { name_out(&d.name, name_buf, name_cap, name_len) }
+    })
+}
+
+/// Fails with `KVXFER_ERR_BUFFER_TOO_SMALL` (the length in `len`) when
+/// `name` and its NUL do not fit a non-NULL `buf` of `cap` bytes: checked
+/// before anything is done, so a too-small buffer changes nothing.
+fn name_fits(name: &str, buf: *mut c_char, cap: usize, len: *mut usize) -> Result<(), Fail> {
+    if buf.is_null() || cap > name.len() {
+        return Ok(());
+    }
+    if !len.is_null() {
+        // SAFETY: non-null and valid per the callers' contract.
+        unsafe { *len = name.len() };
+    }
+    Err(Fail::new(
+        KVXFER_ERR_BUFFER_TOO_SMALL,
+        format!(
+            "the name needs {} bytes, buffer has {cap}; nothing was loaded",
+            name.len() + 1
+        ),
+    ))
+}
+
+/// Writes the agent name an encoded descriptor carries (NUL-terminated),
+/// without loading it.
+///
+/// # Safety
+/// `desc` is valid for `len` reads; `name_buf` is NULL or valid for
+/// `name_cap` writes; `name_len` is NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_desc_name(
+    desc: *const u8,
+    len: usize,
+    name_buf: *mut c_char,
+    name_cap: usize,
+    name_len: *mut usize,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: `desc` is valid for `len` reads.
+        let bytes = unsafe { slice(desc, len, "desc")? };
+        let d = kvxfer_core::AgentDesc::decode(bytes).map_err(Error::from)?;
+        // SAFETY: forwarded contract.
+        unsafe { name_out(&d.name, name_buf, name_cap, name_len) }
+    })
+}
+
+/// Fetches a remote agent's encoded descriptor from its connection info
+/// (`host:port`) without loading it; `kvxfer_agent_load_remote` loads it.
+/// Writes the needed length to `out_len` (with `KVXFER_ERR_BUFFER_TOO_SMALL`
+/// when `buf` is NULL or smaller).
+///
+/// # Safety
+/// `connection_info` is NUL-terminated; `buf` is NULL or valid for `cap`
+/// writes; `out_len` is NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_fetch_remote_desc(
+    agent: *const kvxfer_agent,
+    connection_info: *const c_char,
+    buf: *mut u8,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        // SAFETY: NUL-terminated per the contract.
+        let info = unsafe { text(connection_info, "connection_info")? };
+        let d = a.agent.fetch_remote_agent_desc(info)?;
+        // SAFETY: forwarded contract.
+        unsafe { write_out(&d.encode(), false, buf, cap, out_len) }
     })
 }
 
@@ -750,7 +823,8 @@ unsafe fn name_out(
 }
 
 /// Fetches a remote agent's descriptor from its connection info
-/// (`host:port`) and loads it; writes its name as `kvxfer_agent_load_remote`.
+/// (`host:port`) and loads it; writes its name as `kvxfer_agent_load_remote`
+/// (a too-small `name_buf` loads nothing).
 ///
 /// # Safety
 /// As `kvxfer_agent_load_remote`; `connection_info` is NUL-terminated.
@@ -767,9 +841,11 @@ pub unsafe extern "C" fn kvxfer_agent_load_remote_by_connection(
         let a = unsafe { live(agent, Kind::Agent, "agent")? };
         // SAFETY: NUL-terminated per the contract.
         let info = unsafe { text(connection_info, "connection_info")? };
-        let name = a.agent.load_remote_agent_by_connection(info)?;
+        let d = a.agent.fetch_remote_agent_desc(info)?;
+        name_fits(&d.name, name_buf, name_cap, name_len)?;
+        a.agent.load_remote_agent(&d)?;
         // SAFETY: forwarded contract.
-        unsafe { name_out(&name, name_buf, name_cap, name_len) }
+        unsafe { name_out(&d.name, name_buf, name_cap, name_len) }
     })
 }
 
@@ -928,23 +1004,24 @@ pub unsafe extern "C" fn kvxfer_agent_take_messages(
 }
 
 /// As `kvxfer_agent_take_messages`, first waiting up to `timeout_ms` for at
-/// least one message.
+/// least one message (a negative value: until one arrives, or
+/// `kvxfer_agent_wake_waiters` is called). Timeouts are `int64_t`
+/// milliseconds throughout the API.
 ///
 /// # Safety
 /// `out` is valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn kvxfer_agent_wait_messages(
     agent: *const kvxfer_agent,
-    timeout_ms: u32,
+    timeout_ms: i64,
     out: *mut *mut kvxfer_messages,
 ) -> kvxfer_result {
     boundary(|| {
         // SAFETY: checked against the handle table.
         let a = unsafe { live(agent, Kind::Agent, "agent")? };
         non_null(out, "out")?;
-        let m = a
-            .agent
-            .wait_sync_messages(Duration::from_millis(timeout_ms.into()));
+        let timeout = u64::try_from(timeout_ms).map_or(Duration::MAX, Duration::from_millis);
+        let m = a.agent.wait_sync_messages(timeout);
         let h = messages_handle(m);
         // SAFETY: non-null and valid for a write.
         unsafe { *out = h };
@@ -953,8 +1030,11 @@ pub unsafe extern "C" fn kvxfer_agent_wait_messages(
 }
 
 /// Makes every thread now blocked in `kvxfer_agent_wait_messages` on this
-/// agent return at once (with what has arrived, possibly nothing): for an
-/// event loop that also takes work from other threads.
+/// agent return at once, with what has arrived (possibly nothing); a wait
+/// that starts later is not affected. For an event loop that sleeps in
+/// `kvxfer_agent_wait_messages` and also takes work from other threads:
+/// they call this after queueing work. Thread-safe; `KVXFER_OK` or
+/// `KVXFER_ERR_NULL_ARGUMENT` / `KVXFER_ERR_INVALID_HANDLE`.
 ///
 /// # Safety
 /// `agent` is a handle from `kvxfer_agent_new` (checked).

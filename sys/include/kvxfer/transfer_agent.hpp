@@ -240,30 +240,39 @@ class KvxferTransferAgent final : public BaseTransferAgent {
                   "kvxfer_agent_deregister_memory");
   }
 
+  // The descriptor's name is checked before anything is loaded: a
+  // descriptor for another agent throws and leaves every loaded peer as it
+  // was.
   void loadRemoteAgent(std::string const& name, AgentDesc const& agentDesc) override {
     auto const& bytes = agentDesc.getBackendAgentDesc();
-    std::string loaded(256 + 1, '\0');
+    auto const* data = reinterpret_cast<uint8_t const*>(bytes.data());
+    std::string carried(256 + 1, '\0');
     size_t len = 0;
-    detail::check(kvxfer_agent_load_remote(mAgent, reinterpret_cast<uint8_t const*>(bytes.data()), bytes.size(),
-                                           loaded.data(), loaded.size(), &len),
-                  "kvxfer_agent_load_remote");
-    loaded.resize(len);
-    if (loaded != name) {
-      kvxfer_agent_invalidate_remote(mAgent, loaded.c_str());
-      throw Error(KVXFER_ERR_INVALID_AGENT_DESC, "descriptor is for agent \"" + loaded + "\", not \"" + name + "\"");
+    detail::check(kvxfer_desc_name(data, bytes.size(), carried.data(), carried.size(), &len), "kvxfer_desc_name");
+    carried.resize(len);
+    if (carried != name) {
+      throw Error(KVXFER_ERR_INVALID_AGENT_DESC, "descriptor is for agent \"" + carried + "\", not \"" + name + "\"");
     }
+    detail::check(kvxfer_agent_load_remote(mAgent, data, bytes.size(), nullptr, 0, nullptr),
+                  "kvxfer_agent_load_remote");
   }
 
   void loadRemoteAgent(std::string const& name, ConnectionInfoType const& connectionInfo) override {
-    std::string loaded(256 + 1, '\0');
     size_t len = 0;
-    detail::check(kvxfer_agent_load_remote_by_connection(mAgent, connectionInfo.c_str(), loaded.data(),
-                                                         loaded.size(), &len),
-                  "kvxfer_agent_load_remote_by_connection");
-    loaded.resize(len);
-    if (loaded != name) {
-      kvxfer_agent_invalidate_remote(mAgent, loaded.c_str());
-      throw Error(KVXFER_ERR_INVALID_AGENT_DESC, "agent at " + connectionInfo + " is \"" + loaded + "\", not \"" + name + "\"");
+    kvxfer_result r = kvxfer_agent_fetch_remote_desc(mAgent, connectionInfo.c_str(), nullptr, 0, &len);
+    if (r != KVXFER_ERR_BUFFER_TOO_SMALL) {
+      detail::check(r, "kvxfer_agent_fetch_remote_desc");
+    }
+    std::string bytes(len, '\0');
+    detail::check(kvxfer_agent_fetch_remote_desc(mAgent, connectionInfo.c_str(), reinterpret_cast<uint8_t*>(bytes.data()),
+                                                 bytes.size(), &len),
+                  "kvxfer_agent_fetch_remote_desc");
+    bytes.resize(len);
+    try {
+      loadRemoteAgent(name, AgentDesc(std::move(bytes)));
+    } catch (Error const& e) {
+      if (e.code() != KVXFER_ERR_INVALID_AGENT_DESC) throw;
+      throw Error(e.code(), "agent at " + connectionInfo + ": " + e.what());
     }
   }
 

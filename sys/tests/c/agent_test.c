@@ -126,6 +126,12 @@ int main(void) {
   char conn[128], name[64];
   CHECK(kvxfer_agent_connection_info(target, conn, sizeof conn, NULL));
   size_t name_len = 0;
+  /* A name buffer too small: told the length, and nothing is loaded. */
+  char tiny[2];
+  EXPECT_ERR(kvxfer_agent_load_remote_by_connection(init, conn, tiny, sizeof tiny, &name_len),
+             KVXFER_ERR_BUFFER_TOO_SMALL, "nothing was loaded");
+  EXPECT(name_len == 8);
+  EXPECT_ERR(kvxfer_agent_invalidate_remote(init, "c-target"), KVXFER_ERR_UNKNOWN_AGENT, "c-target");
   CHECK(kvxfer_agent_load_remote_by_connection(init, conn, name, sizeof name, &name_len));
   EXPECT(strcmp(name, "c-target") == 0 && name_len == 8);
 

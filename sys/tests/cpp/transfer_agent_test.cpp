@@ -163,12 +163,27 @@ static void errorsAreTyped() {
     EXPECT(std::string(e.what()).find("nobody") != std::string::npos);
   }
   auto a1 = agent("agent1");
+  std::vector<char> mem1(64, 'b');
+  a1->registerMemory(dram(mem1));
+  // agent1 is loaded and live; loading its descriptor (or its address)
+  // under another name throws and leaves it loaded.
+  a0->loadRemoteAgent("agent1", a1->getLocalAgentDesc());
   try {
     a0->loadRemoteAgent("someone-else", a1->getLocalAgentDesc());
     EXPECT(false);
   } catch (Error const& e) {
     EXPECT(e.code() == KVXFER_ERR_INVALID_AGENT_DESC);
   }
+  try {
+    a0->loadRemoteAgent("someone-else", a1->getLocalConnectionInfo());
+    EXPECT(false);
+  } catch (Error const& e) {
+    EXPECT(e.code() == KVXFER_ERR_INVALID_AGENT_DESC);
+    EXPECT(std::string(e.what()).find("agent1") != std::string::npos);
+  }
+  auto st = a0->submitTransferRequests(TransferRequest(TransferOp::kWRITE, dram(mem0), dram(mem1), "agent1"));
+  EXPECT(st->wait(10000) == TransferState::kSUCCESS);
+  EXPECT(mem1[0] == 'a');
 }
 
 int main() {

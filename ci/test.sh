@@ -12,6 +12,7 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --locked --workspace --all-targets -- -D warnings
+cargo clippy --locked -p kvxfer --lib --features fuzzing -- -D warnings
 echo "== cargo doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --locked --workspace --no-deps -q
 echo "== cargo test (agent suite on tcp, unit tests, C/C++ ABI tests, benches in test mode)"
@@ -56,6 +57,21 @@ KVXFER_RDMA_ACK_TIMEOUT=20 KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 2400 
    KVXFER_TEST_RDMA_QPS=3 $agent_bin --test-threads 2 --color never \
      write_and_read ten_thousand sync_message notify_follows target_killed && \
    $cache_bin --test-threads 2 --color never"
+echo "== fuzz targets (cargo fuzz, no sanitizer: stable toolchain), 60 s each from the committed corpus"
+command -v cargo-fuzz >/dev/null 2>&1 || cargo install --locked cargo-fuzz --version 0.13.2
+fuzz_tmp=$(mktemp -d)
+trap 'rm -rf "$fuzz_tmp"' EXIT
+for t in agent_desc tcp_frames kv_wire handshake; do
+  cp -r "fuzz/corpus/$t" "$fuzz_tmp/$t"
+  # A crash fails the run (non-zero exit) and names its input.
+  if ! cargo fuzz run -s none "$t" "$fuzz_tmp/$t" -- -max_total_time="${KVXFER_FUZZ_SECS:-60}" \
+      -rss_limit_mb=2048 -print_final_stats=1 >"$fuzz_tmp/$t.log" 2>&1; then
+    tail -n 60 "$fuzz_tmp/$t.log"
+    echo "fuzz target $t failed" >&2
+    exit 1
+  fi
+  echo "$t: $(grep -E '^Done' "$fuzz_tmp/$t.log")"
+done
 echo "== bench CLI smoke run"
 cargo build --release --locked --bin kvxfer-bench
 target/release/kvxfer-bench --block-size 64KiB --batch 16 --iters 20 --warmup 2 --json

@@ -70,6 +70,9 @@ pub mod auth;
 pub mod cache;
 pub mod desc;
 pub mod error;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod memory;
 mod registry;
 mod shm;

@@ -22,6 +22,8 @@ pub use fragments::{Fragment, FragmentStats, RankSlice, distinct_heads, map_bloc
 pub use lookup::{BlockLookup, MemBlockLookup};
 pub use mapping::{TargetRanks, needs_send, recv_ranks, target_ranks};
 pub use receiver::{CacheReceiver, ReceiverConfig, RecvHandle, RecvRequest};
+#[cfg(feature = "fuzzing")]
+pub use sender::context_plan;
 pub use sender::{CacheSender, SendHandle, SenderConfig};
 pub use session::{Metrics, PeerMeasure, SessionStats};
 pub use state::{Attention, AttentionDp, CacheState, DataType};

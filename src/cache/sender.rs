@@ -504,19 +504,7 @@ impl Engine {
             return;
         }
         if r.expected.is_none() {
-            let me = &self.s.state;
-            let gen_s = &info.gen_state;
-            let ctx_dp = me.attention_dp.map_or(0, |d| d.rank);
-            let expected = target_ranks(me, self.s.rank, gen_s, info.gen_dp_rank).map(|t| {
-                t.ranks
-                    .into_iter()
-                    .filter(|&g| {
-                        target_ranks(gen_s, g, me, ctx_dp)
-                            .is_ok_and(|b| b.ranks.contains(&self.s.rank))
-                    })
-                    .collect::<BTreeSet<u32>>()
-            });
-            match expected {
+            match expected_ranks(&self.s.state, self.s.rank, &info) {
                 Ok(e) => r.expected = Some(e),
                 Err(e) => {
                     self.notify(
@@ -561,12 +549,7 @@ impl Engine {
             if !expected.contains(&g) {
                 continue;
             }
-            let ctx_dp = s.state.attention_dp.map_or(0, |d| d.rank);
-            let sends = super::needs_send(&s.state, s.rank, &info.gen_state, info.gen_dp_rank)
-                .unwrap_or(false)
-                && super::recv_ranks(&info.gen_state, g, &s.state, ctx_dp)
-                    .is_ok_and(|v| v.contains(&s.rank));
-            if !sends {
+            if !sends_to(&s.state, s.rank, g, info) {
                 continue;
             }
             let want = info.index_from_end as usize + 1;
@@ -587,24 +570,15 @@ impl Engine {
                     break;
                 }
             };
-            if info.blocks.len() != want {
-                failure = Some(CacheError::Protocol {
-                    peer: agent.clone(),
-                    detail: format!("{} destination blocks for {want}", info.blocks.len()),
-                });
-                break;
-            }
-            let d = distinct_heads(&s.state, &info.gen_state);
-            let src = rank_slice(&s.state, s.rank, d);
-            let dst = rank_slice(&info.gen_state, g, d);
             let mut frags = Vec::new();
-            let st = match map_blocks(&src, &dst, &src_blocks, &info.blocks, &mut frags) {
-                Ok(st) => st,
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            };
+            let st =
+                match share_fragments(&s.state, s.rank, g, info, agent, &src_blocks, &mut frags) {
+                    Ok(st) => st,
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                };
             r.stats.fragments += st.fragments;
             r.stats.fragments_coalesced += st.coalesced;
             // Batches of at most `batch_bytes`; the last carries `Done` as
@@ -842,6 +816,101 @@ impl Engine {
         self.finished.push_back(id);
         if self.finished.len() > 4096 {
             self.finished.pop_front();
+        }
+    }
+}
+
+/// The generation ranks that must ask context rank `rank` (of `me`) before
+/// a request of `info`'s DP group can start: those both sides map onto
+/// each other.
+///
+/// # Errors
+/// As [`target_ranks`], for a peer state or rank outside what it can map.
+pub(crate) fn expected_ranks(
+    me: &CacheState,
+    rank: u32,
+    info: &RequestInfo,
+) -> Result<BTreeSet<u32>, CacheError> {
+    let gen_s = &info.gen_state;
+    let ctx_dp = me.attention_dp.map_or(0, |d| d.rank);
+    target_ranks(me, rank, gen_s, info.gen_dp_rank).map(|t| {
+        t.ranks
+            .into_iter()
+            .filter(|&g| target_ranks(gen_s, g, me, ctx_dp).is_ok_and(|b| b.ranks.contains(&rank)))
+            .collect()
+    })
+}
+
+/// Whether context rank `rank` of `me` writes generation rank `g`'s share
+/// (one sender among replicas of the same heads).
+pub(crate) fn sends_to(me: &CacheState, rank: u32, g: u32, info: &RequestInfo) -> bool {
+    let ctx_dp = me.attention_dp.map_or(0, |d| d.rank);
+    super::needs_send(me, rank, &info.gen_state, info.gen_dp_rank).unwrap_or(false)
+        && super::recv_ranks(&info.gen_state, g, me, ctx_dp).is_ok_and(|v| v.contains(&rank))
+}
+
+/// The fragments that move context rank `rank`'s share of blocks
+/// `src_blocks` into generation rank `g`'s blocks `info.blocks` (appended
+/// to `out`).
+///
+/// # Errors
+/// [`CacheError::Protocol`] naming `peer` when the block counts differ, or
+/// a destination block's fragments would run past the end of the address
+/// space.
+pub(crate) fn share_fragments(
+    me: &CacheState,
+    rank: u32,
+    g: u32,
+    info: &RequestInfo,
+    peer: &str,
+    src_blocks: &[u64],
+    out: &mut Vec<super::Fragment>,
+) -> Result<super::FragmentStats, CacheError> {
+    let bad = |detail: String| CacheError::Protocol {
+        peer: peer.to_owned(),
+        detail,
+    };
+    if info.blocks.len() != src_blocks.len() {
+        return Err(bad(format!(
+            "{} destination blocks for {}",
+            info.blocks.len(),
+            src_blocks.len()
+        )));
+    }
+    let d = distinct_heads(me, &info.gen_state);
+    let src = rank_slice(me, rank, d);
+    let dst = rank_slice(&info.gen_state, g, d);
+    if info
+        .blocks
+        .iter()
+        .any(|b| b.checked_add(dst.block_bytes()).is_none())
+    {
+        return Err(bad(
+            "a destination block runs past the end of the address space".into(),
+        ));
+    }
+    map_blocks(&src, &dst, src_blocks, &info.blocks, out)
+}
+
+/// What a context rank computes from a peer's request, without agents or
+/// threads (for the fuzz targets): the compatibility check, the expected
+/// ranks, and each share's fragments, from source blocks at fixed
+/// addresses.
+#[cfg(feature = "fuzzing")]
+pub fn context_plan(me: &CacheState, rank: u32, info: &RequestInfo) {
+    if me.check_compatible(&info.gen_state).is_err() {
+        return;
+    }
+    let Ok(expected) = expected_ranks(me, rank, info) else {
+        return;
+    };
+    let src: Vec<u64> = (0..info.blocks.len() as u64)
+        .map(|i| 0x1000_0000 + i * (1 << 20))
+        .collect();
+    for g in expected {
+        if sends_to(me, rank, g, info) {
+            let mut out = Vec::new();
+            let _ = share_fragments(me, rank, g, info, "fuzz", &src, &mut out);
         }
     }
 }

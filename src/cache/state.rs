@@ -103,9 +103,10 @@ pub const MAX_LAYERS: u32 = 1 << 14;
 /// Most KV heads per rank per layer.
 pub const MAX_HEADS: u32 = 1 << 12;
 /// Largest head size, in elements.
-pub const MAX_HEAD_SIZE: u32 = 1 << 16;
-/// Most tokens per block.
-pub const MAX_TOKENS_PER_BLOCK: u32 = 1 << 20;
+pub const MAX_HEAD_SIZE: u32 = 1 << 14;
+/// Most tokens per block. With the other bounds a block of one rank stays
+/// under 2^59 bytes, so block arithmetic cannot overflow.
+pub const MAX_TOKENS_PER_BLOCK: u32 = 1 << 16;
 
 impl CacheState {
     /// A state with `layers` split as evenly as possible over `pp` ranks

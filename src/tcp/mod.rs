@@ -23,7 +23,7 @@
 mod handshake;
 mod local_proof;
 mod rdma;
-mod session;
+pub(crate) mod session;
 mod sock;
 pub(crate) mod wire;
 
@@ -791,27 +791,15 @@ impl Inner {
                 } => {
                     let table =
                         reader.read_vec_mid_frame(count as usize * WRITE_LIST_ENTRY, idle)?;
-                    let mut pieces = Vec::with_capacity(count as usize);
-                    let (mut lo, mut hi, mut sum) = (u64::MAX, 0u64, 0u64);
-                    for e in table.chunks_exact(WRITE_LIST_ENTRY) {
-                        let addr = u64::from_le_bytes(e[..8].try_into().expect("8 bytes"));
-                        let len = u64::from_le_bytes(e[8..].try_into().expect("8 bytes"));
-                        let end = addr
-                            .checked_add(len)
-                            .filter(|_| len > 0)
-                            .ok_or_else(|| violation("bad write list entry"))?;
-                        lo = lo.min(addr);
-                        hi = hi.max(end);
-                        sum = sum
-                            .checked_add(len)
-                            .ok_or_else(|| violation("write list overflows"))?;
-                        pieces.push((addr as *mut u8, len as usize));
-                    }
-                    if sum != total {
-                        return Err(violation(format!(
-                            "write list announces {total} bytes, its table {sum}"
-                        )));
-                    }
+                    let WriteListTable {
+                        pieces: list,
+                        lo,
+                        hi,
+                    } = write_list_pieces(&table, total).map_err(violation)?;
+                    let pieces: Vec<(*mut u8, usize)> = list
+                        .iter()
+                        .map(|&(addr, len)| (addr as *mut u8, len as usize))
+                        .collect();
                     // One admission for the span: a key names one region,
                     // so the span inside it puts every piece inside it.
                     let result = match self.registry.admit_remote(mem_type, lo, hi - lo, key) {
@@ -2476,10 +2464,86 @@ fn plan_segments(req: &TransferRequest, keys: &[u64], max: u64, streams: usize) 
     out
 }
 
+/// A write list's pieces and the span they cover.
+pub(crate) struct WriteListTable {
+    /// `(address, length)` of each piece.
+    pub(crate) pieces: Vec<(u64, u64)>,
+    /// Start of the span.
+    pub(crate) lo: u64,
+    /// End of the span.
+    pub(crate) hi: u64,
+}
+
+/// The pieces of a write list's table, `(address, length)` each, with the
+/// span they cover (`lo..hi`): each non-empty and not wrapping, adding up
+/// to the `total` the frame announced.
+///
+/// # Errors
+/// What is wrong with the table.
+pub(crate) fn write_list_pieces(table: &[u8], total: u64) -> Result<WriteListTable, String> {
+    let mut pieces = Vec::with_capacity(table.len() / WRITE_LIST_ENTRY);
+    let (mut lo, mut hi, mut sum) = (u64::MAX, 0u64, 0u64);
+    for e in table.chunks_exact(WRITE_LIST_ENTRY) {
+        let addr = u64::from_le_bytes(e[..8].try_into().expect("8 bytes"));
+        let len = u64::from_le_bytes(e[8..].try_into().expect("8 bytes"));
+        let end = addr
+            .checked_add(len)
+            .filter(|_| len > 0)
+            .ok_or("bad write list entry")?;
+        lo = lo.min(addr);
+        hi = hi.max(end);
+        sum = sum.checked_add(len).ok_or("write list overflows")?;
+        pieces.push((addr, len));
+    }
+    if pieces.is_empty() {
+        return Err("empty write list".into());
+    }
+    if sum != total {
+        return Err(format!(
+            "write list announces {total} bytes, its table {sum}"
+        ));
+    }
+    Ok(WriteListTable { pieces, lo, hi })
+}
+
+/// The target's side of the connection handshake on `fd` (for the fuzz
+/// targets): whether it accepted.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_respond(
+    fd: std::os::fd::RawFd,
+    cred: Option<&crate::auth::Credential>,
+) -> io::Result<bool> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: `fd` is the caller's open socket; `ManuallyDrop` keeps this
+    // view from closing it.
+    let sock = std::mem::ManuallyDrop::new(unsafe { TcpStream::from_raw_fd(fd) });
+    let clock = ProgressClock::new();
+    let mut reader = FrameReader::new(fd, &clock);
+    let never = || false;
+    let mut idle = handshake::HandshakeDeadline {
+        until: std::time::Instant::now() + Duration::from_secs(1),
+        stop: &never,
+        what: "fuzz",
+    };
+    let v = handshake::respond(
+        &sock,
+        &mut reader,
+        &mut idle,
+        cred,
+        "target",
+        &clock,
+        Duration::from_secs(1),
+    )?;
+    Ok(matches!(v, handshake::Verdict::Accepted(_)))
+}
+
 /// The pieces of a `Delegate` table, as (local = the target's address,
 /// remote = the initiator's): each non-empty, and inside one of `spans`
 /// (the request's admitted grants).
-fn delegated_pieces(table: &[u8], spans: &[(u64, u64)]) -> Result<Vec<Piece>, &'static str> {
+pub(crate) fn delegated_pieces(
+    table: &[u8],
+    spans: &[(u64, u64)],
+) -> Result<Vec<Piece>, &'static str> {
     let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
     table
         .chunks_exact(wire::DELEGATE_ENTRY)

@@ -1,0 +1,146 @@
+//! Entry points for the `cargo fuzz` targets in `fuzz/` (feature
+//! `fuzzing`; not part of the API). Each takes arbitrary bytes, runs them
+//! through what a peer's bytes reach in the library, and panics only on a
+//! bug: a decoder or state machine that panics, or a round trip that does
+//! not hold.
+
+use std::os::fd::AsRawFd;
+
+use crate::desc::AgentDesc;
+use crate::tcp::session::RequestTable;
+use crate::tcp::wire::{CommitOp, Frame, HEADER_LEN};
+
+/// `AgentDesc::decode`: never panics; whatever decodes encodes back to
+/// the same descriptor.
+pub fn agent_desc(data: &[u8]) {
+    if let Ok(d) = AgentDesc::decode(data) {
+        let again = AgentDesc::decode(&d.encode()).expect("an encoded descriptor decodes");
+        assert_eq!(again, d);
+    }
+}
+
+/// TCP frames and the target's request table: the input is a sequence of
+/// 40-byte headers, each followed by the bodies a target would read for it
+/// (write-list and delegate tables); decoded frames drive the request
+/// table as the target's connection loop does.
+pub fn tcp_frames(data: &[u8]) {
+    let mut table: RequestTable = RequestTable::default();
+    let mut rest = data;
+    while rest.len() >= HEADER_LEN {
+        let (hdr, tail) = rest.split_at(HEADER_LEN);
+        rest = tail;
+        let hdr: &[u8; HEADER_LEN] = hdr.try_into().expect("split at HEADER_LEN");
+        let Ok(frame) = Frame::decode(hdr) else {
+            continue;
+        };
+        // Whatever decodes encodes to a header that decodes the same.
+        assert_eq!(Frame::decode(&frame.encode()), Ok(frame.clone()));
+        let reject = |bit: bool| {
+            if bit {
+                Err(crate::RejectReason::BadKey)
+            } else {
+                Ok(())
+            }
+        };
+        match frame {
+            Frame::Write { req, len, .. } | Frame::ReadReq { req, len, .. } => {
+                let _ = table.segment(req, reject(len % 3 == 0));
+            }
+            Frame::Fence { req } => {
+                let _ = table.segment(req, Ok(()));
+            }
+            Frame::WriteList {
+                req, count, total, ..
+            } => {
+                let n = count as usize * crate::tcp::wire::WRITE_LIST_ENTRY;
+                let body = &rest[..n.min(rest.len())];
+                rest = &rest[body.len()..];
+                let ok = crate::tcp::write_list_pieces(body, total).is_ok();
+                let _ = table.segments(req, u64::from(count), reject(!ok));
+            }
+            Frame::Delegate { req, count, op, .. } => {
+                let n = count as usize * crate::tcp::wire::DELEGATE_ENTRY;
+                let body = &rest[..n.min(rest.len())];
+                rest = &rest[body.len()..];
+                // Grants: one span a request, from its id.
+                let spans = [(req & 0xffff_f000, req >> 48)];
+                if crate::tcp::delegated_pieces(body, &spans).is_ok() && op == CommitOp::Write {
+                    let _ = table.commit(req, 0, None);
+                }
+            }
+            Frame::Commit {
+                req,
+                segments,
+                has_sync,
+                ..
+            } => {
+                let _ = table.commit(req, segments, has_sync.then(Vec::new));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// KV-cache messages and what a context rank computes from a peer's
+/// request: chunks (2-byte length prefixes) reassembled per sender, each
+/// request's state checked against a fixed context state, its rank mapping
+/// and its block fragments computed.
+pub fn kv_wire(data: &[u8]) {
+    use crate::cache::wire::{Msg, Reassembler};
+    use crate::cache::{Attention, CacheState, DataType};
+    let mut r = Reassembler::default();
+    let mut rest = data;
+    while rest.len() >= 2 {
+        let n = usize::from(u16::from_le_bytes([rest[0], rest[1]])).min(rest.len() - 2);
+        let (chunk, tail) = rest[2..].split_at(n);
+        rest = tail;
+        let from = if n % 2 == 0 { "a" } else { "b" };
+        let Ok(Some(msg)) = r.feed(from, chunk) else {
+            continue;
+        };
+        // Whatever decodes encodes back to the same message.
+        let mut again = Reassembler::default();
+        let mut out = None;
+        for c in msg.encode() {
+            out = again.feed("x", &c).expect("an encoded message decodes");
+        }
+        assert_eq!(out.as_ref(), Some(&msg));
+        if let Msg::Request(info) = msg {
+            for ctx in [
+                CacheState::new(32, 8, 128, 16, DataType::Bf16, Attention::Default, 2, 1),
+                CacheState::new(
+                    61,
+                    1,
+                    576,
+                    64,
+                    DataType::Fp8,
+                    Attention::Mla { kv_factor: 1 },
+                    4,
+                    2,
+                ),
+            ] {
+                crate::cache::context_plan(&ctx, 0, &info);
+            }
+        }
+    }
+}
+
+/// The target's side of the connection handshake, over a socket pair
+/// holding the input as what the initiator sent: never panics, and without
+/// the right proof never accepts a keyed initiator.
+pub fn handshake(data: &[u8]) {
+    use std::io::Write;
+    // Inputs up to the socket buffer: nothing to wait for.
+    let data = &data[..data.len().min(64 << 10)];
+    let cred = crate::auth::Credential::new([0x42u8; 32]).expect("32 bytes");
+    for keyed in [false, true] {
+        let (mut peer, mine) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+        peer.write_all(data).expect("socket buffer");
+        peer.shutdown(std::net::Shutdown::Write).expect("shutdown");
+        let verdict = crate::tcp::fuzz_respond(mine.as_raw_fd(), keyed.then_some(&cred));
+        assert!(
+            !(keyed && matches!(verdict, Ok(true))),
+            "a keyed target accepted an initiator that cannot know the MAC over its fresh nonce"
+        );
+    }
+}

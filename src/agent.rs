@@ -505,6 +505,11 @@ impl TransferStatus {
 /// order.
 pub type SyncMessages = HashMap<String, Vec<Vec<u8>>>;
 
+/// Sync messages as [`SyncMessages`], each with the moment the agent
+/// received it (for timings that must not depend on when the caller got
+/// around to taking them).
+pub type TimedSyncMessages = HashMap<String, Vec<(Vec<u8>, Instant)>>;
+
 /// Which backend [`make_transfer_agent`] builds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
@@ -1081,6 +1086,16 @@ pub trait TransferAgent: Send + Sync {
     /// Waits up to `timeout` for at least one sync message, then takes all
     /// received so far (empty on timeout).
     fn wait_sync_messages(&self, timeout: Duration) -> SyncMessages;
+
+    /// As [`wait_sync_messages`](Self::wait_sync_messages), with the moment
+    /// each message was received. The default stamps them when taken.
+    fn wait_sync_messages_timed(&self, timeout: Duration) -> TimedSyncMessages {
+        let now = Instant::now();
+        self.wait_sync_messages(timeout)
+            .into_iter()
+            .map(|(from, msgs)| (from, msgs.into_iter().map(|m| (m, now)).collect()))
+            .collect()
+    }
 
     /// Makes every thread now blocked in
     /// [`wait_sync_messages`](Self::wait_sync_messages) return at once (with

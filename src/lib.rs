@@ -82,7 +82,8 @@ pub mod verbs;
 
 pub use agent::{
     AgentConfig, Backend, DEFAULT_RDMA_MAX_INFLIGHT, PreparedTransfer, RdmaProgress, SyncMessages,
-    TransferAgent, TransferOp, TransferRequest, TransferState, TransferStatus, make_transfer_agent,
+    TimedSyncMessages, TransferAgent, TransferOp, TransferRequest, TransferState, TransferStatus,
+    make_transfer_agent,
 };
 pub use auth::{Credential, CredentialError};
 pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion, LocalAccess};

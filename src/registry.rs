@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::agent::SyncMessages;
+use crate::agent::{SyncMessages, TimedSyncMessages};
 use crate::desc::ExportedRegion;
 use crate::error::{Error, RejectReason};
 use crate::memory::{MemoryDesc, MemoryDescs, MemoryType, RegionMap};
@@ -326,10 +326,10 @@ impl Mailbox {
     }
 
     /// Takes every queued message, giving back their bytes.
-    fn take(&mut self) -> SyncMessages {
+    fn take(&mut self) -> TimedSyncMessages {
         let msgs = std::mem::take(&mut self.messages);
         for (from, list) in &msgs {
-            let n = list.iter().map(|m| m.len() as u64).sum();
+            let n = list.iter().map(|(m, _)| m.len() as u64).sum();
             self.release(from, n);
         }
         msgs
@@ -340,7 +340,8 @@ impl Mailbox {
 /// without one (see [`Inbox::wake`]).
 #[derive(Debug, Default)]
 struct Mailbox {
-    messages: SyncMessages,
+    /// Messages by sender, each with when it was delivered.
+    messages: TimedSyncMessages,
     wakes: u64,
     /// Bytes of messages queued or reserved, in all.
     total: u64,
@@ -401,12 +402,12 @@ impl Inbox {
         m.messages
             .entry(std::mem::take(&mut room.from))
             .or_default()
-            .push(msg);
+            .push((msg, Instant::now()));
         self.cv.notify_all();
     }
 
     pub(crate) fn take(&self) -> SyncMessages {
-        self.lock().take()
+        untimed(self.lock().take())
     }
 
     /// Makes every thread now in [`wait`](Self::wait) return at once, with
@@ -418,6 +419,11 @@ impl Inbox {
     }
 
     pub(crate) fn wait(&self, timeout: Duration) -> SyncMessages {
+        untimed(self.wait_timed(timeout))
+    }
+
+    /// As [`wait`](Self::wait), with each message's delivery time.
+    pub(crate) fn wait_timed(&self, timeout: Duration) -> TimedSyncMessages {
         // `None`: no deadline (a timeout past what `Instant` can hold).
         let deadline = Instant::now().checked_add(timeout);
         let mut m = self.lock();
@@ -437,6 +443,12 @@ impl Inbox {
         }
         m.take()
     }
+}
+
+fn untimed(msgs: TimedSyncMessages) -> SyncMessages {
+    msgs.into_iter()
+        .map(|(from, list)| (from, list.into_iter().map(|(m, _)| m).collect()))
+        .collect()
 }
 
 #[cfg(test)]

@@ -217,8 +217,36 @@ impl Cluster {
         for h in send {
             stats.push(h.wait(WAIT).unwrap());
         }
+        let mut rstats = Vec::new();
         for h in recv {
-            h.wait(WAIT).unwrap();
+            rstats.push(h.wait(WAIT).unwrap());
+        }
+        // The receivers account for what the senders sent: bytes and
+        // fragments, each share timed from its `Ready` to its `Done` as
+        // they reached the agent, within the request's transmission.
+        let total = |v: &[kvxfer::cache::SessionStats],
+                     f: fn(&kvxfer::cache::SessionStats) -> u64| {
+            v.iter().map(f).sum::<u64>()
+        };
+        if self.send_only.is_none() {
+            assert_eq!(total(&rstats, |s| s.bytes), total(&stats, |s| s.bytes));
+            assert_eq!(
+                total(&rstats, |s| s.fragments),
+                total(&stats, |s| s.fragments)
+            );
+            assert_eq!(
+                total(&rstats, |s| s.fragments_coalesced),
+                total(&stats, |s| s.fragments_coalesced)
+            );
+        }
+        for r in &rstats {
+            assert!(r.fragments > 0 && r.fragments_coalesced > 0, "{r:?}");
+            for p in &r.peers {
+                assert!(
+                    p.duration > Duration::ZERO && p.duration <= r.transmission,
+                    "{r:?}"
+                );
+            }
         }
         for (g, k) in self.gen_ranks.iter().enumerate() {
             if !gen_filter(g as u32) {
@@ -432,6 +460,43 @@ fn mla_and_attention_dp() {
     }
 }
 
+/// A context rank that cannot find the request's blocks (a lookup miss)
+/// fails the request, and both sides count it as failed, not cancelled;
+/// the generation side's error names a rank that sends.
+#[test]
+fn a_block_lookup_miss_fails_on_both_sides() {
+    let s = state(2, 2, 1, 1, DataType::F32);
+    let mut c = cluster(
+        "miss",
+        &s,
+        &s,
+        4,
+        SenderConfig::default(),
+        ReceiverConfig::default(),
+    );
+    c.prefill(1, &[0, 1]);
+    let h = c.receivers[0]
+        .request(RecvRequest {
+            request_id: 9,
+            ctx_dp_rank: 0,
+            blocks: vec![c.gen_ranks[0].block_addr(0)],
+            // A sequence never prefilled: no block has this key.
+            last_block_key: Some(key(77, 0)),
+        })
+        .unwrap();
+    let sent = c.senders[0].send(9, vec![c.ctx[0].block_addr(0)]).unwrap();
+    let err = sent.wait(WAIT).unwrap_err();
+    assert!(matches!(err, CacheError::UnknownBlockKey(_)), "{err}");
+    let err = h.wait(WAIT).unwrap_err();
+    assert!(
+        matches!(&err, CacheError::Cancelled { request_id: 9, reason } if reason.contains("block")),
+        "{err}"
+    );
+    let (sm, rm) = (c.senders[0].metrics(), c.receivers[0].metrics());
+    assert_eq!((sm.failed, sm.cancelled), (1, 0), "{sm:?}");
+    assert_eq!((rm.failed, rm.cancelled), (1, 0), "{rm:?}");
+}
+
 #[test]
 fn cancel_before_ready_reaches_the_receiver() {
     let s = state(2, 2, 1, 1, DataType::F32);
@@ -530,8 +595,20 @@ fn cancel_in_flight_from_either_side() {
             !complete,
             "{side}: the transfer finished before the cancel (make it larger)"
         );
-        assert!(matches!(h.wait(WAIT), Err(CacheError::Cancelled { .. })));
+        let err = h.wait(WAIT).unwrap_err();
+        assert!(matches!(err, CacheError::Cancelled { .. }), "{err}");
+        if side == "generation" {
+            // Its own cancel, not a context rank's answer to it.
+            assert!(
+                err.to_string().contains("cancelled by the generation side"),
+                "{err}"
+            );
+        }
         assert!(matches!(sh.wait(WAIT), Err(CacheError::Cancelled { .. })));
+        // A cancel is counted as one on both sides, whoever asked.
+        let (sm, rm) = (c.senders[0].metrics(), c.receivers[0].metrics());
+        assert_eq!((sm.cancelled, sm.failed), (1, 0), "{side}: {sm:?}");
+        assert_eq!((rm.cancelled, rm.failed), (1, 0), "{side}: {rm:?}");
     }
 }
 

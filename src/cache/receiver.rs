@@ -48,7 +48,9 @@ pub struct RecvRequest {
     pub ctx_dp_rank: u32,
     /// Destination blocks in this rank's registered pool, oldest first:
     /// the request's last `blocks.len()` blocks land there (earlier ones
-    /// are reused locally).
+    /// are reused locally). Each block is written whole, in the layout of
+    /// the [module docs](super#block-layout), padding slots of the last
+    /// block included.
     pub blocks: Vec<u64>,
     /// Key of the sequence's last block, for the context side's block
     /// lookup (partial reuse); `None`: the context side uses the blocks it
@@ -88,16 +90,30 @@ struct Req {
     cell: Arc<Cell<SessionStats>>,
     /// Context agents asked (every target rank).
     asked: Vec<String>,
-    /// Context agent → (rank, ready time, done time, bytes) of the ranks
-    /// that send.
-    senders: BTreeMap<String, (u32, Option<Instant>, Option<Instant>, u64)>,
+    /// Context agent → its share, for the ranks that send.
+    senders: BTreeMap<String, Share>,
     /// Agents that answered `Cancelled` (or `Done`) after a cancel.
     settled: Vec<String>,
+    /// Set when this side cancelled: the outcome is `cancel`'s to record.
+    cancelling: bool,
     failed: Option<CacheError>,
     start: Instant,
     request_info: Duration,
     mapping: Duration,
     deadline: Instant,
+}
+
+/// One context rank's share of a request, as the receiver saw it.
+#[derive(Default)]
+struct Share {
+    rank: u32,
+    /// When its `Ready` reached this agent.
+    ready: Option<Instant>,
+    /// When its `Done` reached this agent (after the share's data).
+    done: Option<Instant>,
+    bytes: u64,
+    fragments: u64,
+    fragments_coalesced: u64,
 }
 
 struct Shared {
@@ -226,9 +242,16 @@ impl CacheReceiver {
                     asked: asked.clone(),
                     senders: senders
                         .iter()
-                        .map(|&c| (s.ctx_agents[c as usize].clone(), (c, None, None, 0)))
+                        .map(|&c| {
+                            let share = Share {
+                                rank: c,
+                                ..Share::default()
+                            };
+                            (s.ctx_agents[c as usize].clone(), share)
+                        })
                         .collect(),
                     settled: Vec::new(),
+                    cancelling: false,
                     failed: None,
                     start,
                     request_info: Duration::ZERO,
@@ -293,8 +316,11 @@ impl CacheReceiver {
     /// land: the blocks must not be reused).
     pub fn cancel(&self, request_id: u64) -> Result<(), CacheError> {
         let s = &self.shared;
-        let asked = match lock(&s.reqs).get(&request_id) {
-            Some(r) => r.asked.clone(),
+        let asked = match lock(&s.reqs).get_mut(&request_id) {
+            Some(r) => {
+                r.cancelling = true;
+                r.asked.clone()
+            }
             None => return Err(CacheError::UnknownRequest(request_id)),
         };
         for a in &asked {
@@ -310,7 +336,7 @@ impl CacheReceiver {
                 let open = r
                     .senders
                     .iter()
-                    .any(|(a, v)| v.2.is_none() && !r.settled.contains(a));
+                    .any(|(a, v)| v.done.is_none() && !r.settled.contains(a));
                 if !open {
                     let r = reqs.remove(&request_id).expect("present");
                     if r.cell.get().is_none() {
@@ -364,13 +390,15 @@ fn notify(s: &Shared, agent: &str, m: &Msg) {
 fn run(s: &Shared) {
     let mut reasm = Reassembler::default();
     while !s.stop.load(Ordering::Relaxed) {
-        for (from, msgs) in s.agent.wait_sync_messages(Duration::from_millis(5)) {
-            for chunk in msgs {
+        // Stamped on arrival: a share's timings do not depend on when
+        // this thread got to its messages.
+        for (from, msgs) in s.agent.wait_sync_messages_timed(Duration::from_millis(5)) {
+            for (chunk, at) in msgs {
                 if !is_ours(&chunk) {
                     continue;
                 }
                 match reasm.feed(&from, &chunk) {
-                    Ok(Some(m)) => message(s, &from, m),
+                    Ok(Some(m)) => message(s, &from, m, at),
                     Ok(None) => {}
                     Err(e) => tracing::warn!(%e, "dropping a KV-cache message"),
                 }
@@ -384,7 +412,7 @@ fn run(s: &Shared) {
             r.failed.is_none()
                 || r.senders
                     .iter()
-                    .any(|(a, v)| v.2.is_none() && !r.settled.contains(a))
+                    .any(|(a, v)| v.done.is_none() && !r.settled.contains(a))
         });
         let late: Vec<u64> = reqs
             .iter()
@@ -396,8 +424,8 @@ fn run(s: &Shared) {
                 let missing: Vec<u32> = r
                     .senders
                     .values()
-                    .filter(|v| v.2.is_none())
-                    .map(|v| v.0)
+                    .filter(|v| v.done.is_none())
+                    .map(|v| v.rank)
                     .collect();
                 s.metrics.ended(false);
                 r.cell.set(Err(CacheError::Timeout {
@@ -409,7 +437,7 @@ fn run(s: &Shared) {
     }
 }
 
-fn message(s: &Shared, from: &str, m: Msg) {
+fn message(s: &Shared, from: &str, m: Msg, at: Instant) {
     let id = m.request_id();
     let mut reqs = lock(&s.reqs);
     let Some(r) = reqs.get_mut(&id) else {
@@ -423,10 +451,15 @@ fn message(s: &Shared, from: &str, m: Msg) {
     match m {
         Msg::Ready { .. } => {
             if let Some(v) = r.senders.get_mut(from) {
-                v.1.get_or_insert_with(Instant::now);
+                v.ready.get_or_insert(at);
             }
         }
-        Msg::Done { bytes, .. } => {
+        Msg::Done {
+            bytes,
+            fragments,
+            fragments_coalesced,
+            ..
+        } => {
             let Some(v) = r.senders.get_mut(from) else {
                 r.failed.get_or_insert(CacheError::Protocol {
                     peer: from.to_owned(),
@@ -434,22 +467,33 @@ fn message(s: &Shared, from: &str, m: Msg) {
                 });
                 return;
             };
-            v.2 = Some(Instant::now());
-            v.3 = bytes;
-            if r.senders.values().all(|v| v.2.is_some()) && r.failed.is_none() {
+            v.done = Some(at);
+            v.bytes = bytes;
+            v.fragments = fragments;
+            v.fragments_coalesced = fragments_coalesced;
+            if r.senders.values().all(|v| v.done.is_some()) && r.failed.is_none() {
                 let r = reqs.remove(&id).expect("present");
                 complete(s, id, r);
             }
         }
-        Msg::Cancelled { reason, .. } => {
+        Msg::Cancelled {
+            reason, failure, ..
+        } => {
             r.settled.push(from.to_owned());
+            // This side's cancel records its own outcome; a replica that
+            // never sends has nothing of its own to report while ranks
+            // that send exist.
+            if r.cancelling || (!r.senders.contains_key(from) && !r.senders.is_empty()) {
+                return;
+            }
             let e = CacheError::Cancelled {
                 request_id: id,
                 reason: format!("context agent {from}: {reason}"),
             };
             r.failed.get_or_insert(e.clone());
             if r.cell.get().is_none() {
-                s.metrics.ended(true);
+                // Counted as the context side counts it.
+                s.metrics.ended(!failure);
             }
             r.cell.set(Err(e));
         }
@@ -458,18 +502,24 @@ fn message(s: &Shared, from: &str, m: Msg) {
 }
 
 fn complete(s: &Shared, id: u64, r: Req) {
-    let end = Instant::now();
-    let first_ready = r.senders.values().filter_map(|v| v.1).min();
+    // The last share's arrival (the `Done` that completes the request).
+    let end = r
+        .senders
+        .values()
+        .filter_map(|v| v.done)
+        .max()
+        .unwrap_or_else(Instant::now);
+    let first_ready = r.senders.values().filter_map(|v| v.ready).min();
     let peers: Vec<PeerMeasure> = r
         .senders
         .values()
-        .map(|&(rank, ready, done, bytes)| {
-            let a = ready.unwrap_or(r.start);
+        .map(|v| {
+            let a = v.ready.unwrap_or(r.start);
             PeerMeasure {
-                peer_rank: rank,
+                peer_rank: v.rank,
                 delay: a.saturating_duration_since(r.start),
-                duration: done.unwrap_or(end).saturating_duration_since(a),
-                bytes,
+                duration: v.done.unwrap_or(end).saturating_duration_since(a),
+                bytes: v.bytes,
             }
         })
         .collect();
@@ -482,8 +532,8 @@ fn complete(s: &Shared, id: u64, r: Req) {
         postprocess: Duration::ZERO,
         bytes: peers.iter().map(|p| p.bytes).sum(),
         peers,
-        fragments: 0,
-        fragments_coalesced: 0,
+        fragments: r.senders.values().map(|v| v.fragments).sum(),
+        fragments_coalesced: r.senders.values().map(|v| v.fragments_coalesced).sum(),
         staging_copies: 0,
     };
     if let Some(dir) = &s.config.timings_dir

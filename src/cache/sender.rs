@@ -381,6 +381,7 @@ impl Engine {
         let m = Msg::Cancelled {
             request_id: id,
             reason: why.to_string(),
+            failure: !matches!(why, CacheError::Cancelled { .. }),
         };
         for a in agents {
             self.notify(a, &m);
@@ -442,6 +443,7 @@ impl Engine {
                         &Msg::Cancelled {
                             request_id,
                             reason: "not in progress on the context side".into(),
+                            failure: false,
                         },
                     );
                 }
@@ -476,6 +478,7 @@ impl Engine {
                 &Msg::Cancelled {
                     request_id: id,
                     reason: "request already finished on the context side".into(),
+                    failure: true,
                 },
             );
             return;
@@ -486,6 +489,7 @@ impl Engine {
                 &Msg::Cancelled {
                     request_id: id,
                     reason: e.to_string(),
+                    failure: true,
                 },
             );
             return;
@@ -494,11 +498,13 @@ impl Engine {
         r.stats.request_id = id;
         if let Some(c) = &r.cancelled {
             let reason = c.to_string();
+            let failure = !matches!(c, CacheError::Cancelled { .. });
             self.notify(
                 &agent,
                 &Msg::Cancelled {
                     request_id: id,
                     reason,
+                    failure,
                 },
             );
             return;
@@ -512,6 +518,7 @@ impl Engine {
                         &Msg::Cancelled {
                             request_id: id,
                             reason: e.to_string(),
+                            failure: true,
                         },
                     );
                     return;
@@ -606,6 +613,8 @@ impl Engine {
             let done = Msg::Done {
                 request_id: id,
                 bytes: st.bytes,
+                fragments: st.fragments,
+                fragments_coalesced: st.coalesced,
             }
             .encode();
             let n = batches.len();

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::{CacheError, CacheState};
 
 const MAGIC: [u8; 4] = *b"KVXC";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 /// Header: magic, version, chunk index (u16), chunk count (u16).
 const HEADER: usize = 4 + 1 + 2 + 2;
 /// Largest chunk on the wire, header included.
@@ -61,6 +61,10 @@ pub enum Msg {
         request_id: u64,
         /// Bytes of the share.
         bytes: u64,
+        /// Fragments of the share before coalescing.
+        fragments: u64,
+        /// Fragments written (after coalescing).
+        fragments_coalesced: u64,
     },
     /// Context → generation: the request is cancelled; nothing more will
     /// be written and nothing written is still in flight.
@@ -69,6 +73,11 @@ pub enum Msg {
         request_id: u64,
         /// Why.
         reason: String,
+        /// True when the context side failed (an unknown block, an
+        /// incompatible state, a transfer error); false when the request
+        /// was cancelled on purpose (by either side). Both sides count it
+        /// alike in their metrics.
+        failure: bool,
     },
     /// Generation → context: cancel this request.
     Cancel {

@@ -3318,6 +3318,10 @@ impl TransferAgent for TcpAgent {
         self.inner.inbox.wait(timeout)
     }
 
+    fn wait_sync_messages_timed(&self, timeout: Duration) -> crate::agent::TimedSyncMessages {
+        self.inner.inbox.wait_timed(timeout)
+    }
+
     fn wake_sync_waiters(&self) {
         self.inner.inbox.wake();
     }

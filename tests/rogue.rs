@@ -668,3 +668,55 @@ fn submissions_past_the_in_flight_budget_would_block() {
         st.wait_success(Duration::from_secs(60)).unwrap();
     }
 }
+
+/// When the target process runs out of file descriptors, the links it
+/// already serves keep working, a new peer is turned away at once (not left
+/// to time out in the listen queue), and once descriptors free up new
+/// peers are served again.
+#[test]
+fn running_out_of_descriptors_keeps_serving_existing_links() {
+    let peer = common::PeerProc::spawn("target", 1 << 20, 1, &[("KVXFER_PEER_NOFILE", "64")]);
+    let cfg = |name: &str| AgentConfig::new(name).with_connect_timeout(Duration::from_secs(10));
+    let a = make_transfer_agent(Backend::Tcp, cfg("a")).unwrap();
+    let src = vec![5u8; 4096];
+    // SAFETY: `src` outlives `a`.
+    unsafe { a.register_memory(&MemoryDescs::dram(&src)).unwrap() };
+    let name = a.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let write = || {
+        a.submit_transfer(&TransferRequest::write(
+            MemoryDescs::dram(&src),
+            common::dram([(peer.addr, 4096)]),
+            &name,
+        ))
+        .and_then(|st| st.wait_success(Duration::from_secs(60)))
+    };
+    write().unwrap();
+    // Authenticated, idle connections until the target has no descriptor
+    // left for one more (it closes it at once).
+    let mut flood = Vec::new();
+    let exhausted = (0..200).any(|i| {
+        let mut c = RawConn::connect(&peer.conn);
+        let served = c.auth(&format!("idle-{i}"), None).is_ok()
+            && c.hello(&format!("idle-{i}"), i).is_some();
+        flood.push(c);
+        !served
+    });
+    assert!(exhausted, "200 connections did not exhaust 64 descriptors");
+    // The link already open still works.
+    write().unwrap();
+    // A new peer is turned away, not left waiting for its timeout.
+    let b = make_transfer_agent(Backend::Tcp, cfg("b")).unwrap();
+    let err = b.load_remote_agent_by_connection(&peer.conn).unwrap_err();
+    assert!(!matches!(err, Error::Timeout { .. }), "{err}");
+    // Descriptors come back: served again.
+    drop(flood);
+    let t0 = std::time::Instant::now();
+    while let Err(e) = b.load_remote_agent_by_connection(&peer.conn) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "never served again: {e}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    write().unwrap();
+}

@@ -377,6 +377,16 @@ pub fn peer_main() {
     let name = var("KVXFER_PEER_NAME");
     let len: usize = var("KVXFER_PEER_LEN").parse().unwrap();
     let seed: u64 = var("KVXFER_PEER_SEED").parse().unwrap();
+    if let Ok(n) = std::env::var("KVXFER_PEER_NOFILE") {
+        // A small descriptor limit, for the tests that exhaust it.
+        let n: u64 = n.parse().unwrap();
+        let lim = libc::rlimit {
+            rlim_cur: n,
+            rlim_max: n,
+        };
+        // SAFETY: a plain system call with a valid pointer to a local.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+    }
     let agent: &'static dyn TransferAgent = Box::leak(local_agent(&name, |c| c));
     let buf: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
     fill(buf, seed, 0);

@@ -83,6 +83,12 @@ typedef struct kvxfer_agent kvxfer_agent;
 // threads; free once.
 typedef struct kvxfer_messages kvxfer_messages;
 
+// A transfer resolved once (`kvxfer_agent_prepare`) and submitted again and
+// again (`kvxfer_agent_submit_prepared`) without peer, registry or key
+// lookups. Its local regions stay held (deregistration refused) until it
+// is freed. Thread-safe; free once, after the last submission.
+typedef struct kvxfer_prepared kvxfer_prepared;
+
 // A submitted transfer. Thread-safe for `kvxfer_status_*` queries and
 // waits; free it once, after the last of them. Freeing does not cancel.
 typedef struct kvxfer_status kvxfer_status;
@@ -331,6 +337,33 @@ enum kvxfer_result kvxfer_agent_connection_info(const struct kvxfer_agent *agent
 enum kvxfer_result kvxfer_agent_submit(const struct kvxfer_agent *agent,
                                        const struct kvxfer_request *request,
                                        struct kvxfer_status **out);
+
+// Resolves a request once for repeated submission: checked now (local
+// registration, remote agent and exported range), its local regions held
+// until `kvxfer_prepared_free`.
+//
+// # Safety
+// As `kvxfer_agent_submit`.
+enum kvxfer_result kvxfer_agent_prepare(const struct kvxfer_agent *agent,
+                                        const struct kvxfer_request *request,
+                                        struct kvxfer_prepared **out);
+
+// Submits a prepared transfer (of this agent) once more; `out` receives
+// its status as `kvxfer_agent_submit`'s.
+//
+// # Safety
+// `prepared` is a handle from `kvxfer_agent_prepare` (checked); `out` is
+// valid for a write.
+enum kvxfer_result kvxfer_agent_submit_prepared(const struct kvxfer_agent *agent,
+                                                const struct kvxfer_prepared *prepared,
+                                                struct kvxfer_status **out);
+
+// Frees a prepared transfer, releasing its hold on the local regions
+// (statuses of its submissions stay valid). NULL is a no-op.
+//
+// # Safety
+// `prepared` is NULL or a handle from `kvxfer_agent_prepare` (checked).
+enum kvxfer_result kvxfer_prepared_free(struct kvxfer_prepared *prepared);
 
 // Sends a sync message not tied to a transfer, ordered after the data of
 // every transfer submitted earlier to `remote`. `out` may be NULL (fire and

@@ -204,6 +204,14 @@ pub struct kvxfer_status {
     status: TransferStatus,
 }
 
+/// A transfer resolved once (`kvxfer_agent_prepare`) and submitted again and
+/// again (`kvxfer_agent_submit_prepared`) without peer, registry or key
+/// lookups. Its local regions stay held (deregistration refused) until it
+/// is freed. Thread-safe; free once, after the last submission.
+pub struct kvxfer_prepared {
+    prepared: kvxfer_core::PreparedTransfer,
+}
+
 /// A batch of received sync messages, read-only: safe to read from several
 /// threads; free once.
 pub struct kvxfer_messages {
@@ -219,6 +227,7 @@ enum Kind {
     Agent,
     Status,
     Messages,
+    Prepared,
 }
 
 fn handles() -> std::sync::MutexGuard<'static, HashMap<usize, Kind>> {
@@ -906,34 +915,106 @@ pub unsafe extern "C" fn kvxfer_agent_submit(
         non_null(request, "request")?;
         non_null(out, "out")?;
         // SAFETY: non-null and valid per the contract.
-        let r = unsafe { &*request };
-        // SAFETY: the arrays are valid for their counts.
-        let local = unsafe { descs(r.local_type, r.local, r.local_count, "request.local")? };
-        // SAFETY: as above.
-        let remote = unsafe { descs(r.remote_type, r.remote, r.remote_count, "request.remote")? };
-        // SAFETY: NUL-terminated per the contract.
-        let name = unsafe { text(r.remote_agent, "request.remote_agent")? };
-        let mut req = match r.op {
-            KVXFER_OP_WRITE => TransferRequest::write(local, remote, name),
-            KVXFER_OP_READ => TransferRequest::read(local, remote, name),
-            other => {
-                return Err(Fail::new(
-                    KVXFER_ERR_INVALID_ARGUMENT,
-                    format!("unknown operation {other}"),
-                ));
-            }
-        };
-        if !r.sync_message.is_null() {
-            // SAFETY: valid for `sync_message_len` reads.
-            let m = unsafe { slice(r.sync_message, r.sync_message_len, "request.sync_message")? };
-            req = req.with_sync_message(m.to_vec());
-        }
+        let req = unsafe { request_from(&*request)? };
         let status = a.agent.submit_transfer(&req)?;
         let p = issue(Box::new(kvxfer_status { status }), Kind::Status);
         // SAFETY: `out` is non-null and valid for a write.
         unsafe { *out = p };
         Ok(KVXFER_OK)
     })
+}
+
+/// The Rust request a C request describes.
+///
+/// # Safety
+/// As `kvxfer_agent_submit`'s `request`.
+unsafe fn request_from(r: &kvxfer_request) -> Result<TransferRequest, Fail> {
+    // SAFETY: the arrays are valid for their counts.
+    let local = unsafe { descs(r.local_type, r.local, r.local_count, "request.local")? };
+    // SAFETY: as above.
+    let remote = unsafe { descs(r.remote_type, r.remote, r.remote_count, "request.remote")? };
+    // SAFETY: NUL-terminated per the contract.
+    let name = unsafe { text(r.remote_agent, "request.remote_agent")? };
+    let mut req = match r.op {
+        KVXFER_OP_WRITE => TransferRequest::write(local, remote, name),
+        KVXFER_OP_READ => TransferRequest::read(local, remote, name),
+        other => {
+            return Err(Fail::new(
+                KVXFER_ERR_INVALID_ARGUMENT,
+                format!("unknown operation {other}"),
+            ));
+        }
+    };
+    if !r.sync_message.is_null() {
+        // SAFETY: valid for `sync_message_len` reads.
+        let m = unsafe { slice(r.sync_message, r.sync_message_len, "request.sync_message")? };
+        req = req.with_sync_message(m.to_vec());
+    }
+    Ok(req)
+}
+
+/// Resolves a request once for repeated submission: checked now (local
+/// registration, remote agent and exported range), its local regions held
+/// until `kvxfer_prepared_free`.
+///
+/// # Safety
+/// As `kvxfer_agent_submit`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_prepare(
+    agent: *const kvxfer_agent,
+    request: *const kvxfer_request,
+    out: *mut *mut kvxfer_prepared,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        non_null(request, "request")?;
+        non_null(out, "out")?;
+        // SAFETY: non-null and valid per the contract.
+        let req = unsafe { request_from(&*request)? };
+        let prepared = a.agent.prepare_transfer(&req)?;
+        let p = issue(Box::new(kvxfer_prepared { prepared }), Kind::Prepared);
+        // SAFETY: `out` is non-null and valid for a write.
+        unsafe { *out = p };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Submits a prepared transfer (of this agent) once more; `out` receives
+/// its status as `kvxfer_agent_submit`'s.
+///
+/// # Safety
+/// `prepared` is a handle from `kvxfer_agent_prepare` (checked); `out` is
+/// valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_submit_prepared(
+    agent: *const kvxfer_agent,
+    prepared: *const kvxfer_prepared,
+    out: *mut *mut kvxfer_status,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        // SAFETY: checked against the handle table.
+        let p = unsafe { live(prepared, Kind::Prepared, "prepared")? };
+        non_null(out, "out")?;
+        let status = a.agent.submit_prepared(&p.prepared)?;
+        let h = issue(Box::new(kvxfer_status { status }), Kind::Status);
+        // SAFETY: `out` is non-null and valid for a write.
+        unsafe { *out = h };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Frees a prepared transfer, releasing its hold on the local regions
+/// (statuses of its submissions stay valid). NULL is a no-op.
+///
+/// # Safety
+/// `prepared` is NULL or a handle from `kvxfer_agent_prepare` (checked).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_prepared_free(prepared: *mut kvxfer_prepared) -> kvxfer_result {
+    // SAFETY: see `free_handle`.
+    boundary(|| unsafe { free_handle(prepared, Kind::Prepared, "prepared") })
 }
 
 /// Sends a sync message not tied to a transfer, ordered after the data of

@@ -184,6 +184,26 @@ int main(void) {
   EXPECT(memcmp(dst, src, N) == 0);
   CHECK(kvxfer_status_free(st));
 
+  /* A prepared WRITE, resolved once and submitted three times, each time
+   * with new source bytes; its local region stays held until freed. */
+  req.op = KVXFER_OP_WRITE;
+  kvxfer_prepared *prep = NULL;
+  CHECK(kvxfer_agent_prepare(init, &req, &prep));
+  for (uint8_t round = 1; round <= 3; round++) {
+    fill(src, N, (uint8_t)(40 + round));
+    CHECK(kvxfer_agent_submit_prepared(init, prep, &st));
+    CHECK(kvxfer_status_wait(st, 10000));
+    CHECK(kvxfer_status_free(st));
+    EXPECT(memcmp(dst, src, N) == 0);
+  }
+  EXPECT_ERR(kvxfer_agent_deregister_memory(init, KVXFER_MEM_DRAM, &sreg, 1), KVXFER_ERR_REGION_BUSY, "in flight");
+  /* Prepared by one agent, submitted by another: refused. */
+  EXPECT_ERR(kvxfer_agent_submit_prepared(target, prep, &st), KVXFER_ERR_INVALID_ARGUMENT, "another agent");
+  CHECK(kvxfer_prepared_free(prep));
+  EXPECT_ERR(kvxfer_agent_submit_prepared(init, prep, &st), KVXFER_ERR_INVALID_HANDLE, "prepared");
+  EXPECT_ERR(kvxfer_prepared_free(prep), KVXFER_ERR_INVALID_HANDLE, "prepared");
+  CHECK(kvxfer_prepared_free(NULL));
+
   /* A standalone notification, and its status. */
   CHECK(kvxfer_agent_notify(init, name, (const uint8_t *)"ping", 4, &st));
   CHECK(kvxfer_status_wait(st, 10000));

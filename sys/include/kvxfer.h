@@ -70,14 +70,40 @@ typedef enum kvxfer_result {
   // The agent has as many requests in flight as it allows; wait for
   // some and submit again (nothing was submitted).
   KVXFER_ERR_WOULD_BLOCK = 311,
+  // A KV-cache request was cancelled (by either side) or failed on the
+  // context side; the message says which and why.
+  KVXFER_ERR_CANCELLED = 312,
   // A bug: a panic was caught at the boundary.
   KVXFER_ERR_PANIC = 900,
 } kvxfer_result;
+
+// Element type of a KV-cache pool (`kvxfer_cache_state.dtype`).
+typedef enum kvxfer_dtype {
+  // 32-bit float.
+  KVXFER_DTYPE_F32 = 0,
+  // 16-bit float.
+  KVXFER_DTYPE_F16 = 1,
+  // bfloat16.
+  KVXFER_DTYPE_BF16 = 2,
+  // 8-bit float (E4M3 or E5M2).
+  KVXFER_DTYPE_FP8 = 3,
+  // 8-bit integer.
+  KVXFER_DTYPE_I8 = 4,
+} kvxfer_dtype;
 
 // A transfer agent. Thread-safe: every function taking a
 // `kvxfer_agent*` may be called from several threads at once, except
 // `kvxfer_agent_free`, which must be the last call on it.
 typedef struct kvxfer_agent kvxfer_agent;
+
+// One request being sent or received: wait on it, then free it.
+typedef struct kvxfer_cache_handle kvxfer_cache_handle;
+
+// A generation rank's KV-cache receiver. Thread-safe; free once.
+typedef struct kvxfer_cache_receiver kvxfer_cache_receiver;
+
+// A context rank's KV-cache sender. Thread-safe; free once.
+typedef struct kvxfer_cache_sender kvxfer_cache_sender;
 
 // A batch of received sync messages, read-only: safe to read from several
 // threads; free once.
@@ -168,6 +194,47 @@ typedef struct kvxfer_request {
   // Length of the sync message (it may be 0 with a non-NULL pointer).
   size_t sync_message_len;
 } kvxfer_request;
+
+// One executor's KV-cache layout (TensorRT-LLM's `CacheState`). Blocks
+// are `[layer][k|v][head][token][dim]` per rank (see `docs/c-api.md`).
+typedef struct kvxfer_cache_state {
+  // Layers of the model.
+  uint32_t layers;
+  // KV heads per rank per layer.
+  uint32_t kv_heads_per_rank;
+  // Elements per head.
+  uint32_t head_size;
+  // Token slots per block.
+  uint32_t tokens_per_block;
+  // Element type.
+  enum kvxfer_dtype dtype;
+  // 0: multi-head / grouped-query attention (K and V); 1 or 2:
+  // multi-head latent attention with that many tensors per layer.
+  uint32_t mla_kv_factor;
+  // Tensor-parallel ranks.
+  uint32_t tp;
+  // Pipeline-parallel ranks.
+  uint32_t pp;
+  // Attention data-parallel groups (0: none) and this rank's group.
+  uint32_t dp_size;
+  // This rank's attention-DP group (with `dp_size` > 0).
+  uint32_t dp_rank;
+  // `pp` layer counts, one per PP rank; NULL: as even as possible.
+  const uint32_t *layers_per_pp;
+} kvxfer_cache_state;
+
+// What one side measured for one request.
+typedef struct kvxfer_cache_stats {
+  // Bytes moved.
+  uint64_t bytes;
+  // Fragments before coalescing.
+  uint64_t fragments;
+  // Fragments written (after coalescing).
+  uint64_t fragments_coalesced;
+  // From the first byte posted (or the first `Ready`) to the last share
+  // landing, in microseconds.
+  uint64_t transmission_us;
+} kvxfer_cache_stats;
 
 // Host memory.
 #define KVXFER_MEM_DRAM 0
@@ -472,6 +539,114 @@ enum kvxfer_result kvxfer_messages_get(const struct kvxfer_messages *messages,
 // No other call on `messages` may run concurrently or follow, and pointers
 // obtained from it are no longer used.
 enum kvxfer_result kvxfer_messages_free(struct kvxfer_messages *messages);
+
+// A sender for context `rank` of an executor with `state`, writing from
+// pools registered with `agent` (it takes over the agent's sync
+// messages). `timeout_ms`: how long every counterpart has to ask and the
+// writes have to finish (negative: 60 s).
+//
+// # Safety
+// `state` is valid (its `layers_per_pp` NULL or valid for `pp` reads);
+// `out` is valid for a write.
+enum kvxfer_result kvxfer_cache_sender_new(const struct kvxfer_agent *agent,
+                                           const struct kvxfer_cache_state *state,
+                                           uint32_t rank,
+                                           int64_t timeout_ms,
+                                           struct kvxfer_cache_sender **out);
+
+// Sends request `request_id` from `n` blocks (start addresses, oldest
+// first) once every generation rank that targets this rank has asked;
+// `out` receives a handle to wait on.
+//
+// # Safety
+// `blocks` is valid for `n` reads; `out` is valid for a write.
+enum kvxfer_result kvxfer_cache_sender_send(const struct kvxfer_cache_sender *sender,
+                                            uint64_t request_id,
+                                            const uint64_t *blocks,
+                                            size_t n,
+                                            struct kvxfer_cache_handle **out);
+
+// Cancels a request being sent: returns once nothing of it is in flight
+// (the context blocks may be reused at once).
+//
+// # Safety
+// `sender` is a handle from `kvxfer_cache_sender_new` (checked).
+enum kvxfer_result kvxfer_cache_sender_cancel(const struct kvxfer_cache_sender *sender,
+                                              uint64_t request_id);
+
+// Stops and frees a sender; its open requests fail. NULL is a no-op.
+//
+// # Safety
+// `sender` is NULL or a handle from `kvxfer_cache_sender_new` (checked).
+enum kvxfer_result kvxfer_cache_sender_free(struct kvxfer_cache_sender *sender);
+
+// A receiver for generation `rank` of an executor with `state`, whose
+// pools are registered with `agent` (it takes over the agent's sync
+// messages). The context executor has `ctx_state`; its ranks are reachable
+// at `ctx_connections` (`n` connection infos, by context rank), which are
+// loaded now. `timeout_ms` bounds each request and each cancel (negative:
+// 60 s).
+//
+// # Safety
+// The states are valid; `ctx_connections` holds `n` NUL-terminated
+// strings; `out` is valid for a write.
+enum kvxfer_result kvxfer_cache_receiver_new(const struct kvxfer_agent *agent,
+                                             const struct kvxfer_cache_state *state,
+                                             uint32_t rank,
+                                             const struct kvxfer_cache_state *ctx_state,
+                                             const char *const *ctx_connections,
+                                             size_t n,
+                                             int64_t timeout_ms,
+                                             struct kvxfer_cache_receiver **out);
+
+// Asks the context ranks for request `request_id` into `n` destination
+// blocks (start addresses in this rank's registered pool, oldest first;
+// written whole, padding slots of the last one included), served by the
+// context side's attention-DP group `ctx_dp_rank`; `out` receives a
+// handle to wait on.
+//
+// # Safety
+// `blocks` is valid for `n` reads; `out` is valid for a write.
+enum kvxfer_result kvxfer_cache_receiver_request(const struct kvxfer_cache_receiver *receiver,
+                                                 uint64_t request_id,
+                                                 uint32_t ctx_dp_rank,
+                                                 const uint64_t *blocks,
+                                                 size_t n,
+                                                 struct kvxfer_cache_handle **out);
+
+// Cancels a request being received: returns once every context rank that
+// sends has stopped (the destination blocks may be reused at once).
+//
+// # Safety
+// `receiver` is a handle from `kvxfer_cache_receiver_new` (checked).
+enum kvxfer_result kvxfer_cache_receiver_cancel(const struct kvxfer_cache_receiver *receiver,
+                                                uint64_t request_id);
+
+// Stops and frees a receiver; its open requests fail. NULL is a no-op.
+//
+// # Safety
+// `receiver` is NULL or a handle from `kvxfer_cache_receiver_new`
+// (checked).
+enum kvxfer_result kvxfer_cache_receiver_free(struct kvxfer_cache_receiver *receiver);
+
+// Waits up to `timeout_ms` (negative: 60 s at a time, until it ends) for a
+// request; on success writes its statistics to `stats` (may be NULL).
+// `KVXFER_ERR_TIMEOUT` while it is still going; `KVXFER_ERR_CANCELLED`
+// when it was cancelled or failed on the context side.
+//
+// # Safety
+// `handle` is a handle from `kvxfer_cache_sender_send` or
+// `kvxfer_cache_receiver_request` (checked); `stats` is NULL or valid for
+// a write.
+enum kvxfer_result kvxfer_cache_wait(const struct kvxfer_cache_handle *handle,
+                                     int64_t timeout_ms,
+                                     struct kvxfer_cache_stats *stats);
+
+// Frees a request handle (the request goes on). NULL is a no-op.
+//
+// # Safety
+// `handle` is NULL or a request handle (checked).
+enum kvxfer_result kvxfer_cache_handle_free(struct kvxfer_cache_handle *handle);
 
 #ifdef __cplusplus
 }  // extern "C"

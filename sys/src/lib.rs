@@ -22,6 +22,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
+mod cache;
+pub use cache::*;
+
 use kvxfer_core::{
     AgentConfig, Backend, Error, MemoryDesc, MemoryDescs, MemoryType, TransferAgent,
     TransferRequest, TransferState, TransferStatus,
@@ -91,6 +94,9 @@ pub enum kvxfer_result {
     /// The agent has as many requests in flight as it allows; wait for
     /// some and submit again (nothing was submitted).
     KVXFER_ERR_WOULD_BLOCK = 311,
+    /// A KV-cache request was cancelled (by either side) or failed on the
+    /// context side; the message says which and why.
+    KVXFER_ERR_CANCELLED = 312,
     /// A bug: a panic was caught at the boundary.
     KVXFER_ERR_PANIC = 900,
 }
@@ -195,7 +201,9 @@ pub struct kvxfer_request {
 /// `kvxfer_agent*` may be called from several threads at once, except
 /// `kvxfer_agent_free`, which must be the last call on it.
 pub struct kvxfer_agent {
-    agent: Box<dyn TransferAgent>,
+    /// Shared with the KV-cache senders and receivers made on it: the agent
+    /// lives until the last of them is freed too.
+    agent: std::sync::Arc<dyn TransferAgent>,
 }
 
 /// A submitted transfer. Thread-safe for `kvxfer_status_*` queries and
@@ -228,6 +236,9 @@ enum Kind {
     Status,
     Messages,
     Prepared,
+    CacheSender,
+    CacheReceiver,
+    CacheHandle,
 }
 
 fn handles() -> std::sync::MutexGuard<'static, HashMap<usize, Kind>> {
@@ -509,6 +520,7 @@ pub extern "C" fn kvxfer_result_name(code: kvxfer_result) -> *const c_char {
         KVXFER_ERR_RDMA,
         KVXFER_ERR_AUTH,
         KVXFER_ERR_WOULD_BLOCK,
+        KVXFER_ERR_CANCELLED,
         KVXFER_ERR_PANIC
     );
     s.as_ptr().cast()
@@ -627,7 +639,12 @@ pub unsafe extern "C" fn kvxfer_agent_new(
             }
         }
         let agent = kvxfer_core::make_transfer_agent(backend, cfg)?;
-        let p = issue(Box::new(kvxfer_agent { agent }), Kind::Agent);
+        let p = issue(
+            Box::new(kvxfer_agent {
+                agent: agent.into(),
+            }),
+            Kind::Agent,
+        );
         // SAFETY: `out` is non-null and valid for a write.
         unsafe { *out = p };
         Ok(KVXFER_OK)

@@ -135,6 +135,31 @@ fn c_agent_test_under_valgrind() {
 }
 
 #[test]
+fn c_cache_test() {
+    let exe = out_dir().join("cache_test");
+    compile(
+        "gcc",
+        "-std=c11",
+        &manifest().join("tests/c/cache_test.c"),
+        &exe,
+    );
+    let out = run(&exe, &[]);
+    assert!(out.contains("checks passed"), "{out}");
+    let vg = run(
+        &exe,
+        &[
+            "valgrind",
+            "--error-exitcode=99",
+            "--leak-check=full",
+            "--errors-for-leak-kinds=definite,indirect",
+            "--show-leak-kinds=definite,indirect",
+            "--quiet",
+        ],
+    );
+    assert!(vg.contains("checks passed"), "{vg}");
+}
+
+#[test]
 fn cpp_adapter_transfer_agent_test() {
     let exe = out_dir().join("transfer_agent_test");
     compile(

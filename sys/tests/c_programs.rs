@@ -95,68 +95,53 @@ fn run(program: &Path, wrapper: &[&str]) -> String {
     stdout + &stderr
 }
 
-#[test]
-fn c_agent_test() {
-    let exe = out_dir().join("agent_test");
+/// Valgrind as the C tests run under it: any error or leak fails.
+const VALGRIND: &[&str] = &[
+    "valgrind",
+    "--error-exitcode=99",
+    "--leak-check=full",
+    "--errors-for-leak-kinds=definite,indirect",
+    "--show-leak-kinds=definite,indirect",
+    "--quiet",
+];
+
+/// Compiles `tests/c/<name>.c` as `<exe>` and runs it (under `wrapper`),
+/// which must report its checks passed.
+fn c_program(name: &str, exe: &str, wrapper: &[&str]) {
+    if wrapper.first() == Some(&"valgrind")
+        && Command::new("valgrind").arg("--version").output().is_err()
+    {
+        panic!("valgrind is required (ci/install-deps.sh test installs it)");
+    }
+    let exe = out_dir().join(exe);
     compile(
         "gcc",
         "-std=c11",
-        &manifest().join("tests/c/agent_test.c"),
+        &manifest().join(format!("tests/c/{name}.c")),
         &exe,
     );
-    let out = run(&exe, &[]);
+    let out = run(&exe, wrapper);
     assert!(out.contains("checks passed"), "{out}");
+}
+
+#[test]
+fn c_agent_test() {
+    c_program("agent_test", "agent_test", &[]);
 }
 
 #[test]
 fn c_agent_test_under_valgrind() {
-    if Command::new("valgrind").arg("--version").output().is_err() {
-        panic!("valgrind is required (ci/install-deps.sh test installs it)");
-    }
-    let exe = out_dir().join("agent_test_vg");
-    compile(
-        "gcc",
-        "-std=c11",
-        &manifest().join("tests/c/agent_test.c"),
-        &exe,
-    );
-    let out = run(
-        &exe,
-        &[
-            "valgrind",
-            "--error-exitcode=99",
-            "--leak-check=full",
-            "--errors-for-leak-kinds=definite,indirect",
-            "--show-leak-kinds=definite,indirect",
-            "--quiet",
-        ],
-    );
-    assert!(out.contains("checks passed"), "{out}");
+    c_program("agent_test", "agent_test_vg", VALGRIND);
 }
 
 #[test]
 fn c_cache_test() {
-    let exe = out_dir().join("cache_test");
-    compile(
-        "gcc",
-        "-std=c11",
-        &manifest().join("tests/c/cache_test.c"),
-        &exe,
-    );
-    let out = run(&exe, &[]);
-    assert!(out.contains("checks passed"), "{out}");
-    let vg = run(
-        &exe,
-        &[
-            "valgrind",
-            "--error-exitcode=99",
-            "--leak-check=full",
-            "--errors-for-leak-kinds=definite,indirect",
-            "--show-leak-kinds=definite,indirect",
-            "--quiet",
-        ],
-    );
-    assert!(vg.contains("checks passed"), "{vg}");
+    c_program("cache_test", "cache_test", &[]);
+}
+
+#[test]
+fn c_cache_test_under_valgrind() {
+    c_program("cache_test", "cache_test_vg", VALGRIND);
 }
 
 #[test]

@@ -2,52 +2,13 @@
  * the data, descriptor exchange, and bad calls with their error codes.
  * Built and run by sys/tests/c_programs.rs. */
 #define _POSIX_C_SOURCE 200809L
-#include <kvxfer.h>
+#include "check.h"
 
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
-static int checks = 0;
-
-#define CHECK(call)                                                          \
-  do {                                                                       \
-    kvxfer_result r_ = (call);                                               \
-    if (r_ != KVXFER_OK) {                                                   \
-      char m_[512];                                                          \
-      kvxfer_last_error(m_, sizeof m_);                                      \
-      fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call,    \
-              kvxfer_result_name(r_), m_);                                   \
-      exit(1);                                                               \
-    }                                                                        \
-    checks++;                                                                \
-  } while (0)
-
-#define EXPECT(cond)                                                         \
-  do {                                                                       \
-    if (!(cond)) {                                                           \
-      fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond);    \
-      exit(1);                                                               \
-    }                                                                        \
-    checks++;                                                                \
-  } while (0)
-
-/* A call must fail with `code`, with a message that contains `needle`. */
-#define EXPECT_ERR(call, code, needle)                                       \
-  do {                                                                       \
-    kvxfer_result r_ = (call);                                               \
-    char m_[512];                                                            \
-    kvxfer_last_error(m_, sizeof m_);                                        \
-    if (r_ != (code) || strstr(m_, (needle)) == NULL) {                      \
-      fprintf(stderr, "%s:%d: %s -> %s (%s), expected %s with \"%s\"\n",     \
-              __FILE__, __LINE__, #call, kvxfer_result_name(r_), m_,         \
-              kvxfer_result_name(code), (needle));                           \
-      exit(1);                                                               \
-    }                                                                        \
-    checks++;                                                                \
-  } while (0)
 
 enum { N = 1 << 20 };
 

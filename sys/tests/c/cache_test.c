@@ -2,35 +2,11 @@
  * a request's blocks to one generation rank (TP 1) in one process; every
  * element lands where the layout says, and bad calls get typed errors.
  * Built and run by sys/tests/c_programs.rs. */
-#include <kvxfer.h>
+#include "check.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int checks = 0;
-
-#define CHECK(call)                                                          \
-  do {                                                                       \
-    kvxfer_result r_ = (call);                                               \
-    if (r_ != KVXFER_OK) {                                                   \
-      char m_[512];                                                          \
-      kvxfer_last_error(m_, sizeof m_);                                      \
-      fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call,    \
-              kvxfer_result_name(r_), m_);                                   \
-      exit(1);                                                               \
-    }                                                                        \
-    checks++;                                                                \
-  } while (0)
-
-#define EXPECT(cond)                                                         \
-  do {                                                                       \
-    if (!(cond)) {                                                           \
-      fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond);    \
-      exit(1);                                                               \
-    }                                                                        \
-    checks++;                                                                \
-  } while (0)
 
 enum { LAYERS = 2, KV = 2, HEADS = 4, TOKENS = 4, DIM = 8, BLOCKS = 4 };
 

@@ -720,3 +720,68 @@ fn running_out_of_descriptors_keeps_serving_existing_links() {
     }
     write().unwrap();
 }
+
+/// A field of `/proc/<pid>/status` (kB for memory, a count for threads).
+fn proc_status(pid: u32, field: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
+/// The memory-exhaustion attack of the hardening issue against a target
+/// process with the default limits: 58 commits of 16 MiB sync messages
+/// whose data never comes, on one connection. The target stays within its
+/// per-peer budget (256 MiB), its threads stay few, and it still serves.
+#[test]
+fn a_sync_message_flood_leaves_the_target_bounded() {
+    let mut peer = common::PeerProc::spawn("target", 1 << 20, 1, &[]);
+    let pid = peer.pid();
+    let (rss0, threads0) = (proc_status(pid, "VmRSS:"), proc_status(pid, "Threads:"));
+    let mut c = RawConn::connect(&peer.conn);
+    c.auth("mallory", None).unwrap();
+    c.hello("mallory", 5).unwrap();
+    let body = vec![0x33u8; 16 << 20];
+    for req in 1..=58u64 {
+        let mut commit = Hdr::new(raw::COMMIT);
+        commit.flags = 1 | 0x80;
+        commit.id = req;
+        commit.len = 1;
+        commit.aux = body.len() as u32;
+        c.send(commit, &body).unwrap();
+    }
+    // A data-less request after them (commit, then its one fence): once
+    // it is acknowledged, every commit before it on this connection has
+    // been read.
+    let mut commit = Hdr::new(raw::COMMIT);
+    commit.flags = 1;
+    commit.id = 1 << 40;
+    commit.len = 1;
+    c.send(commit, &[]).unwrap();
+    let mut fence = Hdr::new(10);
+    fence.id = 1 << 40;
+    c.send(fence, &[]).unwrap();
+    let a = c.recv().unwrap();
+    assert_eq!((a.kind, a.id), (raw::ACK, 1 << 40));
+    let (rss, threads) = (proc_status(pid, "VmRSS:"), proc_status(pid, "Threads:"));
+    let grown_mib = rss.saturating_sub(rss0) / 1024;
+    assert!(grown_mib < 320, "the target grew by {grown_mib} MiB");
+    assert!(threads <= threads0 + 4, "threads {threads0} -> {threads}");
+    // Still serving: a good peer's write lands.
+    let good = make_transfer_agent(Backend::Tcp, AgentConfig::new("good")).unwrap();
+    let src = vec![0x44u8; 4096];
+    // SAFETY: `src` outlives `good`.
+    unsafe { good.register_memory(&MemoryDescs::dram(&src)).unwrap() };
+    let name = good.load_remote_agent_by_connection(&peer.conn).unwrap();
+    good.submit_transfer(&TransferRequest::write(
+        MemoryDescs::dram(&src),
+        common::dram([(peer.addr, 4096)]),
+        &name,
+    ))
+    .unwrap()
+    .wait_success(Duration::from_secs(60))
+    .unwrap();
+    drop(c);
+    peer.kill();
+}

@@ -726,7 +726,7 @@ fn proc_status(pid: u32, field: &str) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     s.lines()
         .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().split_whitespace().next()?.parse().ok())
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
 }
 

@@ -613,13 +613,13 @@ impl Inner {
                     } else {
                         status::OK
                     };
-                    let refuse = |st| {
+                    let hello_ack = |status, ticket| {
                         send_frames(
                             sock,
                             &[Frame::HelloAck {
                                 instance: self.instance,
-                                status: st,
-                                ticket: 0,
+                                status,
+                                ticket,
                             }
                             .encode()],
                             &clock,
@@ -627,7 +627,7 @@ impl Inner {
                         )
                     };
                     if st != status::OK {
-                        return refuse(st);
+                        return hello_ack(st, 0);
                     }
                     let key = (instance, link);
                     let session = {
@@ -655,18 +655,7 @@ impl Inner {
                         s.streams.fetch_add(1, Ordering::SeqCst);
                         Arc::clone(s)
                     };
-                    let ack = send_frames(
-                        sock,
-                        &[Frame::HelloAck {
-                            instance: self.instance,
-                            status: status::OK,
-                            ticket: session.ticket,
-                        }
-                        .encode()],
-                        &clock,
-                        self.config.io_timeout,
-                    );
-                    if let Err(e) = ack {
+                    if let Err(e) = hello_ack(status::OK, session.ticket) {
                         if session.streams.fetch_sub(1, Ordering::SeqCst) == 1 {
                             lock(&self.sessions).remove(&key);
                         }
@@ -791,15 +780,8 @@ impl Inner {
                 } => {
                     let table =
                         reader.read_vec_mid_frame(count as usize * WRITE_LIST_ENTRY, idle)?;
-                    let WriteListTable {
-                        pieces: list,
-                        lo,
-                        hi,
-                    } = write_list_pieces(&table, total).map_err(violation)?;
-                    let pieces: Vec<(*mut u8, usize)> = list
-                        .iter()
-                        .map(|&(addr, len)| (addr as *mut u8, len as usize))
-                        .collect();
+                    let WriteListTable { pieces, lo, hi } =
+                        write_list_pieces(&table, total).map_err(violation)?;
                     // One admission for the span: a key names one region,
                     // so the span inside it puts every piece inside it.
                     let result = match self.registry.admit_remote(mem_type, lo, hi - lo, key) {
@@ -2466,8 +2448,8 @@ fn plan_segments(req: &TransferRequest, keys: &[u64], max: u64, streams: usize) 
 
 /// A write list's pieces and the span they cover.
 pub(crate) struct WriteListTable {
-    /// `(address, length)` of each piece.
-    pub(crate) pieces: Vec<(u64, u64)>,
+    /// `(address, length)` of each piece, as the scatter read takes them.
+    pub(crate) pieces: Vec<(*mut u8, usize)>,
     /// Start of the span.
     pub(crate) lo: u64,
     /// End of the span.
@@ -2493,7 +2475,7 @@ pub(crate) fn write_list_pieces(table: &[u8], total: u64) -> Result<WriteListTab
         lo = lo.min(addr);
         hi = hi.max(end);
         sum = sum.checked_add(len).ok_or("write list overflows")?;
-        pieces.push((addr, len));
+        pieces.push((addr as *mut u8, len as usize));
     }
     if pieces.is_empty() {
         return Err("empty write list".into());

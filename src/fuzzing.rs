@@ -4,7 +4,7 @@
 //! bug: a decoder or state machine that panics, or a round trip that does
 //! not hold.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 
 use crate::desc::AgentDesc;
 use crate::tcp::session::RequestTable;
@@ -137,7 +137,7 @@ pub fn handshake(data: &[u8]) {
         let (mut peer, mine) = std::os::unix::net::UnixStream::pair().expect("socketpair");
         peer.write_all(data).expect("socket buffer");
         peer.shutdown(std::net::Shutdown::Write).expect("shutdown");
-        let verdict = crate::tcp::fuzz_respond(mine.as_raw_fd(), keyed.then_some(&cred));
+        let verdict = crate::tcp::fuzz_respond(mine.as_fd(), keyed.then_some(&cred));
         assert!(
             !(keyed && matches!(verdict, Ok(true))),
             "a keyed target accepted an initiator that cannot know the MAC over its fresh nonce"

@@ -5,34 +5,27 @@
 
 use std::io;
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::auth::{Credential, MAC_LEN, NONCE_LEN, Nonce, Transcript, nonce};
 use crate::error::Error;
 
-use super::sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
+use super::sock::{FrameReader, IdlePolicy, ProgressClock, UntilDeadline, iov, writev_all};
 use super::wire::{Frame, HEADER_LEN, status};
 
-/// Idle policy for a handshake: abandoned once `until` has passed, or when
-/// `stop` says the agent is closing.
-pub(super) struct HandshakeDeadline<'a> {
-    pub(super) until: Instant,
-    pub(super) stop: &'a dyn Fn() -> bool,
-    pub(super) what: &'static str,
-}
+/// Idle policy of the target's side: abandoned when `stop` says the agent
+/// is closing (the reader's deadline ends a stalled exchange).
+struct AbandonWhen<'a>(&'a dyn Fn() -> bool);
 
-impl IdlePolicy for HandshakeDeadline<'_> {
+impl IdlePolicy for AbandonWhen<'_> {
     fn on_idle(&mut self, _mid_frame: bool) -> io::Result<()> {
-        if (self.stop)() {
+        if (self.0)() {
             return Err(io::Error::new(
                 io::ErrorKind::ConnectionAborted,
                 "agent closing",
             ));
-        }
-        if Instant::now() >= self.until {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, self.what));
         }
         Ok(())
     }
@@ -40,7 +33,7 @@ impl IdlePolicy for HandshakeDeadline<'_> {
 
 /// Writes a header and an optional body.
 fn send(
-    sock: &TcpStream,
+    sock: BorrowedFd<'_>,
     hdr: &[u8; HEADER_LEN],
     body: &[u8],
     clock: &ProgressClock,
@@ -101,13 +94,8 @@ pub(super) fn initiate(
         keyed: cred.is_some(),
         body_len: body.len() as u32,
     };
-    send(sock, &hello.encode(), &body, &clock, timeout).map_err(io_err)?;
-    let never = || false;
-    let mut idle = HandshakeDeadline {
-        until: deadline,
-        stop: &never,
-        what: "authentication handshake",
-    };
+    send(sock.as_fd(), &hello.encode(), &body, &clock, timeout).map_err(io_err)?;
+    let mut idle = UntilDeadline;
     let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
     reader.set_deadline(Some(deadline));
     let raw = reader
@@ -179,7 +167,14 @@ pub(super) fn initiate(
         ));
     }
     let proof = cred.initiator_tag(&t);
-    send(sock, &Frame::AuthProof.encode(), &proof, &clock, timeout).map_err(io_err)?;
+    send(
+        sock.as_fd(),
+        &Frame::AuthProof.encode(),
+        &proof,
+        &clock,
+        timeout,
+    )
+    .map_err(io_err)?;
     let raw = reader
         .next_header(&mut idle)
         .map_err(io_err)?
@@ -206,36 +201,25 @@ pub(super) enum Verdict {
     Refused(String),
 }
 
-/// The target's side: reads the `AuthHello`, answers, checks the proof.
-/// Nothing but this exchange is answered before it returns `Accepted`.
+/// The target's side on `sock`: reads the `AuthHello`, answers, checks
+/// the proof. Nothing but this exchange is answered before it returns
+/// `Accepted`. The caller bounds it with the reader's deadline
+/// ([`FrameReader::set_deadline`]); `stop` abandons it when the agent
+/// closes.
 ///
 /// # Errors
-/// Socket errors, a stall past the deadline `idle` enforces, and frames
-/// out of place (as `InvalidData`).
+/// Socket errors, the reader's deadline passing, and frames out of place
+/// (as `InvalidData`).
 pub(super) fn respond(
-    sock: &TcpStream,
+    sock: BorrowedFd<'_>,
     reader: &mut FrameReader<'_>,
-    idle: &mut HandshakeDeadline<'_>,
+    stop: &dyn Fn() -> bool,
     cred: Option<&Credential>,
     me: &str,
     clock: &ProgressClock,
     timeout: Duration,
 ) -> io::Result<Verdict> {
-    reader.set_deadline(Some(idle.until));
-    let verdict = respond_within(sock, reader, idle, cred, me, clock, timeout);
-    reader.set_deadline(None);
-    verdict
-}
-
-fn respond_within(
-    sock: &TcpStream,
-    reader: &mut FrameReader<'_>,
-    idle: &mut HandshakeDeadline<'_>,
-    cred: Option<&Credential>,
-    me: &str,
-    clock: &ProgressClock,
-    timeout: Duration,
-) -> io::Result<Verdict> {
+    let idle = &mut AbandonWhen(stop);
     let bad = |d: String| io::Error::new(io::ErrorKind::InvalidData, d);
     let Some(raw) = reader.next_header(idle)? else {
         return Ok(Verdict::Refused("closed before authenticating".into()));

@@ -31,7 +31,7 @@ use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
@@ -52,7 +52,7 @@ use crate::small::{FastHash, Few};
 use crate::verbs::{Device, QpInfo};
 
 use session::{Finished, RequestTable};
-use sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
+use sock::{FrameReader, IdlePolicy, ProgressClock, UntilDeadline, iov, writev_all};
 use wire::{
     CommitOp, Frame, HEADER_LEN, PROTOCOL_VERSION, WRITE_LIST_ENTRY, WRITE_LIST_MAX, status,
 };
@@ -549,20 +549,19 @@ impl Inner {
         // Nothing is answered before the initiator has authenticated, and
         // it must do so within the connect timeout.
         let stop = || self.closing.load(Ordering::Relaxed);
-        let mut deadline = handshake::HandshakeDeadline {
-            until: std::time::Instant::now() + self.config.connect_timeout,
-            stop: &stop,
-            what: "the initiator did not authenticate in time",
-        };
+        reader.set_deadline(Some(
+            std::time::Instant::now() + self.config.connect_timeout,
+        ));
         let verdict = handshake::respond(
-            sock,
+            sock.as_fd(),
             &mut reader,
-            &mut deadline,
+            &stop,
             self.config.credential.as_ref(),
             &self.config.name,
             &clock,
             self.config.io_timeout,
         );
+        reader.set_deadline(None);
         drop(pending_auth);
         let authenticated = match verdict? {
             handshake::Verdict::Accepted(name) => name,
@@ -2269,7 +2268,7 @@ fn handshake(
     let mut reader = FrameReader::new(sock.as_raw_fd(), clock);
     reader.set_deadline(Some(deadline));
     let raw = reader
-        .next_header(&mut FailOnIdle::new(deadline, "hello"))
+        .next_header(&mut UntilDeadline)
         .map_err(|e| timeout_or(e, "connection handshake", t, conn_err))?
         .ok_or_else(|| conn_err(io::ErrorKind::UnexpectedEof.into()))?;
     match Frame::decode(&raw) {
@@ -2289,30 +2288,6 @@ fn handshake(
             remote: peer.name.clone(),
             detail: format!("bad hello answer {other:?}"),
         }),
-    }
-}
-
-/// An idle policy for blocking control exchanges: fatal once `until`
-/// has passed (the socket's read timeout is a short tick, so it is looked
-/// at often).
-struct FailOnIdle {
-    until: std::time::Instant,
-    what: &'static str,
-}
-
-impl FailOnIdle {
-    fn new(until: std::time::Instant, what: &'static str) -> Self {
-        Self { until, what }
-    }
-}
-
-impl IdlePolicy for FailOnIdle {
-    fn on_idle(&mut self, _mid_frame: bool) -> io::Result<()> {
-        if std::time::Instant::now() >= self.until {
-            Err(io::Error::new(io::ErrorKind::TimedOut, self.what))
-        } else {
-            Ok(())
-        }
     }
 }
 
@@ -2369,7 +2344,7 @@ fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDesc, Error> {
     send_frames(&sock, &[Frame::DescRequest.encode()], &clock, timeout).map_err(conn_err)?;
     let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
     reader.set_deadline(Some(deadline));
-    let mut idle = FailOnIdle::new(deadline, "descriptor fetch");
+    let mut idle = UntilDeadline;
     let raw = reader
         .next_header(&mut idle)
         .map_err(|e| timeout_or(e, "descriptor fetch", timeout, conn_err))?
@@ -2492,25 +2467,16 @@ pub(crate) fn write_list_pieces(table: &[u8], total: u64) -> Result<WriteListTab
 /// targets): whether it accepted.
 #[cfg(feature = "fuzzing")]
 pub(crate) fn fuzz_respond(
-    fd: std::os::fd::RawFd,
+    fd: std::os::fd::BorrowedFd<'_>,
     cred: Option<&crate::auth::Credential>,
 ) -> io::Result<bool> {
-    use std::os::fd::FromRawFd;
-    // SAFETY: `fd` is the caller's open socket; `ManuallyDrop` keeps this
-    // view from closing it.
-    let sock = std::mem::ManuallyDrop::new(unsafe { TcpStream::from_raw_fd(fd) });
     let clock = ProgressClock::new();
-    let mut reader = FrameReader::new(fd, &clock);
-    let never = || false;
-    let mut idle = handshake::HandshakeDeadline {
-        until: std::time::Instant::now() + Duration::from_secs(1),
-        stop: &never,
-        what: "fuzz",
-    };
+    let mut reader = FrameReader::new(fd.as_raw_fd(), &clock);
+    reader.set_deadline(Some(std::time::Instant::now() + Duration::from_secs(1)));
     let v = handshake::respond(
-        &sock,
+        fd,
         &mut reader,
-        &mut idle,
+        &|| false,
         cred,
         "target",
         &clock,
@@ -3655,7 +3621,8 @@ fn rdma_connect(
     // SAFETY: both iovecs point into live locals.
     unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, t) }.map_err(conn_err)?;
     let mut reader = FrameReader::new(sock.as_raw_fd(), clock);
-    let mut idle = FailOnIdle::new(std::time::Instant::now() + t, "queue pair exchange");
+    reader.set_deadline(Some(std::time::Instant::now() + t));
+    let mut idle = UntilDeadline;
     let raw = reader
         .next_header(&mut idle)
         .map_err(|e| timeout_or(e, "queue pair exchange", t, conn_err))?

@@ -166,6 +166,16 @@ pub(crate) unsafe fn writev_all(
 }
 
 /// What a reader does when a receive timeout (`SO_RCVTIMEO`) expires.
+/// Idle policy of an exchange that the reader's deadline bounds
+/// ([`FrameReader::set_deadline`]): a tick without data just waits on.
+pub(crate) struct UntilDeadline;
+
+impl IdlePolicy for UntilDeadline {
+    fn on_idle(&mut self, _mid_frame: bool) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 pub(crate) trait IdlePolicy {
     /// Called on each timeout tick; `mid_frame` tells whether a frame is
     /// partly read. Return an error to abandon the connection.

@@ -380,7 +380,12 @@ impl Inbox {
             return Err(RejectReason::InboxFull);
         }
         m.total += len;
-        *m.per_peer.entry(from.to_owned()).or_default() += len;
+        match m.per_peer.get_mut(from) {
+            Some(b) => *b += len,
+            None => {
+                m.per_peer.insert(from.to_owned(), len);
+            }
+        }
         Ok(Reservation {
             inbox: Arc::clone(self),
             from: from.to_owned(),
@@ -388,16 +393,15 @@ impl Inbox {
         })
     }
 
-    /// Queues `msg` in the room `room` reserved for it.
+    /// Queues `msg` in the room `room` reserved for it (its exact length):
+    /// the room now counts the queued message until it is taken.
     pub(crate) fn deliver(&self, mut room: Reservation, msg: Vec<u8>) {
+        debug_assert_eq!(
+            msg.len() as u64,
+            room.len,
+            "room reserved for another length"
+        );
         let mut m = self.lock();
-        let len = msg.len() as u64;
-        if len != room.len {
-            // Account for what is queued (equal in every caller).
-            Mailbox::release(&mut m, &room.from, room.len);
-            m.total += len;
-            *m.per_peer.entry(room.from.clone()).or_default() += len;
-        }
         room.len = 0;
         m.messages
             .entry(std::mem::take(&mut room.from))

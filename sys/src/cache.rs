@@ -13,8 +13,8 @@ use kvxfer_core::cache::{
 
 use super::kvxfer_result::*;
 use super::{
-    Fail, Kind, boundary, free_handle, issue, kvxfer_agent, kvxfer_result, live, non_null, slice,
-    text,
+    Fail, Kind, boundary, free_handle, hand_out, kvxfer_agent, kvxfer_result, live, non_null,
+    slice, text,
 };
 
 /// Element type of a KV-cache pool (`kvxfer_cache_state.dtype`).
@@ -184,10 +184,14 @@ pub unsafe extern "C" fn kvxfer_cache_sender_new(
         };
         let sender =
             CacheSender::new(Arc::clone(&a.agent), st, rank, None, config).map_err(cache_fail)?;
-        let p = issue(Box::new(kvxfer_cache_sender { sender }), Kind::CacheSender);
-        // SAFETY: `out` is non-null and valid for a write.
-        unsafe { *out = p };
-        Ok(KVXFER_OK)
+        // SAFETY: `out` was checked non-null and is valid for a write.
+        unsafe {
+            hand_out(
+                out,
+                Box::new(kvxfer_cache_sender { sender }),
+                Kind::CacheSender,
+            )
+        }
     })
 }
 
@@ -212,15 +216,16 @@ pub unsafe extern "C" fn kvxfer_cache_sender_send(
         // SAFETY: valid for `n` reads.
         let blocks = unsafe { slice(blocks, n, "blocks")? }.to_vec();
         let h = s.sender.send(request_id, blocks).map_err(cache_fail)?;
-        let p = issue(
-            Box::new(kvxfer_cache_handle {
-                inner: HandleKind::Send(h),
-            }),
-            Kind::CacheHandle,
-        );
-        // SAFETY: `out` is non-null and valid for a write.
-        unsafe { *out = p };
-        Ok(KVXFER_OK)
+        // SAFETY: `out` was checked non-null and is valid for a write.
+        unsafe {
+            hand_out(
+                out,
+                Box::new(kvxfer_cache_handle {
+                    inner: HandleKind::Send(h),
+                }),
+                Kind::CacheHandle,
+            )
+        }
     })
 }
 
@@ -298,13 +303,14 @@ pub unsafe extern "C" fn kvxfer_cache_receiver_new(
         };
         let receiver = CacheReceiver::new(Arc::clone(&a.agent), st, rank, ctx, &conns, config)
             .map_err(cache_fail)?;
-        let p = issue(
-            Box::new(kvxfer_cache_receiver { receiver }),
-            Kind::CacheReceiver,
-        );
-        // SAFETY: `out` is non-null and valid for a write.
-        unsafe { *out = p };
-        Ok(KVXFER_OK)
+        // SAFETY: `out` was checked non-null and is valid for a write.
+        unsafe {
+            hand_out(
+                out,
+                Box::new(kvxfer_cache_receiver { receiver }),
+                Kind::CacheReceiver,
+            )
+        }
     })
 }
 
@@ -340,15 +346,16 @@ pub unsafe extern "C" fn kvxfer_cache_receiver_request(
                 last_block_key: None,
             })
             .map_err(cache_fail)?;
-        let p = issue(
-            Box::new(kvxfer_cache_handle {
-                inner: HandleKind::Recv(h),
-            }),
-            Kind::CacheHandle,
-        );
-        // SAFETY: `out` is non-null and valid for a write.
-        unsafe { *out = p };
-        Ok(KVXFER_OK)
+        // SAFETY: `out` was checked non-null and is valid for a write.
+        unsafe {
+            hand_out(
+                out,
+                Box::new(kvxfer_cache_handle {
+                    inner: HandleKind::Recv(h),
+                }),
+                Kind::CacheHandle,
+            )
+        }
     })
 }
 

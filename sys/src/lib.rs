@@ -254,6 +254,17 @@ fn issue<T>(b: Box<T>, kind: Kind) -> *mut T {
     p
 }
 
+/// Issues `b` as a handle of `kind` and writes it to `*out`.
+///
+/// # Safety
+/// `out` is non-null and valid for a write.
+unsafe fn hand_out<T>(out: *mut *mut T, b: Box<T>, kind: Kind) -> Result<kvxfer_result, Fail> {
+    let p = issue(b, kind);
+    // SAFETY: forwarded contract.
+    unsafe { *out = p };
+    Ok(KVXFER_OK)
+}
+
 struct Fail {
     code: kvxfer_result,
     msg: String,
@@ -639,15 +650,16 @@ pub unsafe extern "C" fn kvxfer_agent_new(
             }
         }
         let agent = kvxfer_core::make_transfer_agent(backend, cfg)?;
-        let p = issue(
-            Box::new(kvxfer_agent {
-                agent: agent.into(),
-            }),
-            Kind::Agent,
-        );
-        // SAFETY: `out` is non-null and valid for a write.
-        unsafe { *out = p };
-        Ok(KVXFER_OK)
+        // SAFETY: `out` was checked non-null and is valid for a write.
+        unsafe {
+            hand_out(
+                out,
+                Box::new(kvxfer_agent {
+                    agent: agent.into(),
+                }),
+                Kind::Agent,
+            )
+        }
     })
 }
 
@@ -934,10 +946,8 @@ pub unsafe extern "C" fn kvxfer_agent_submit(
         // SAFETY: non-null and valid per the contract.
         let req = unsafe { request_from(&*request)? };
         let status = a.agent.submit_transfer(&req)?;
-        let p = issue(Box::new(kvxfer_status { status }), Kind::Status);
-        // SAFETY: `out` is non-null and valid for a write.
-        unsafe { *out = p };
-        Ok(KVXFER_OK)
+        // SAFETY: `out` was checked non-null and is valid for a write.
+        unsafe { hand_out(out, Box::new(kvxfer_status { status }), Kind::Status) }
     })
 }
 
@@ -990,10 +1000,8 @@ pub unsafe extern "C" fn kvxfer_agent_prepare(
         // SAFETY: non-null and valid per the contract.
         let req = unsafe { request_from(&*request)? };
         let prepared = a.agent.prepare_transfer(&req)?;
-        let p = issue(Box::new(kvxfer_prepared { prepared }), Kind::Prepared);
-        // SAFETY: `out` is non-null and valid for a write.
-        unsafe { *out = p };
-        Ok(KVXFER_OK)
+        // SAFETY: `out` was checked non-null and is valid for a write.
+        unsafe { hand_out(out, Box::new(kvxfer_prepared { prepared }), Kind::Prepared) }
     })
 }
 
@@ -1016,10 +1024,8 @@ pub unsafe extern "C" fn kvxfer_agent_submit_prepared(
         let p = unsafe { live(prepared, Kind::Prepared, "prepared")? };
         non_null(out, "out")?;
         let status = a.agent.submit_prepared(&p.prepared)?;
-        let h = issue(Box::new(kvxfer_status { status }), Kind::Status);
-        // SAFETY: `out` is non-null and valid for a write.
-        unsafe { *out = h };
-        Ok(KVXFER_OK)
+        // SAFETY: `out` was checked non-null and is valid for a write.
+        unsafe { hand_out(out, Box::new(kvxfer_status { status }), Kind::Status) }
     })
 }
 

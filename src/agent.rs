@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -150,6 +150,10 @@ pub(crate) struct Completion {
     /// counts in while it is pending (see
     /// [`AgentConfig::max_requests_in_flight`]).
     in_flight: Option<Arc<AtomicUsize>>,
+    /// Set by [`TransferStatus::abort`]: the backend sends nothing more of
+    /// the request and fails it with [`Error::Aborted`] once what it did
+    /// send is done.
+    abort: AtomicBool,
 }
 
 impl Drop for Completion {
@@ -234,7 +238,13 @@ impl Completion {
             sleepers: AtomicUsize::new(0),
             driver,
             in_flight: in_flight.cloned(),
+            abort: AtomicBool::new(false),
         })
+    }
+
+    /// Whether the request's caller asked for it to be aborted.
+    pub(crate) fn abort_requested(&self) -> bool {
+        self.abort.load(Ordering::Relaxed)
     }
 
     pub(crate) fn is_done(&self) -> bool {
@@ -251,6 +261,7 @@ impl Completion {
         }
         *self.state.get_mut() = PENDING;
         *self.error.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.abort.get_mut() = false;
     }
 
     /// Polls the driver until the outcome is in, the deadline passes, or
@@ -483,6 +494,35 @@ impl TransferStatus {
                 return c.snapshot();
             }
         }
+    }
+
+    /// Asks for the transfer to be aborted; returns false when it had
+    /// already finished (its outcome stands).
+    ///
+    /// Nothing of the request that has not yet been handed to the network
+    /// (or, on the cross-memory path, copied) is sent, its sync message is
+    /// not delivered, and the data of a READ still arriving is dropped
+    /// rather than written to local memory. The transfer then finishes
+    /// with [`Error::Aborted`] — only once what was already sent has been
+    /// written and acknowledged, so that when [`wait`](Self::wait) reports
+    /// it, no byte of the transfer will change in either agent's memory
+    /// any more (the regions may be reused or deregistered). A transfer
+    /// whose data had all been sent by then completes as usual
+    /// ([`TransferState::Completed`], sync message delivered). Parts the
+    /// abort skipped leave the destination's bytes as they were; parts
+    /// already sent land.
+    ///
+    /// Never blocks; wait for the outcome with [`wait`](Self::wait) (it
+    /// comes at the pace of the work in flight, bounded by the I/O
+    /// timeout). A small RDMA request posted at submission (one work
+    /// request, no sync message) is on the wire at once: it completes.
+    pub fn abort(&self) -> bool {
+        let c = &*self.completion;
+        if c.is_done() {
+            return false;
+        }
+        c.abort.store(true, Ordering::Relaxed);
+        true
     }
 
     /// Like [`wait`](Self::wait), but a transfer still running at the

@@ -31,6 +31,9 @@ pub enum RejectReason {
     /// in all) as it accepts until its application takes them; the data of
     /// the request landed, its message was not kept.
     InboxFull,
+    /// The initiator aborted the request: the segments it had sent landed,
+    /// the rest never came, and the sync message was not delivered.
+    Aborted,
 }
 
 impl RejectReason {
@@ -43,6 +46,7 @@ impl RejectReason {
             RejectReason::Malformed => 4,
             RejectReason::ShuttingDown => 5,
             RejectReason::InboxFull => 6,
+            RejectReason::Aborted => 7,
         }
     }
 
@@ -54,6 +58,7 @@ impl RejectReason {
             3 => RejectReason::UnsupportedMemoryType,
             5 => RejectReason::ShuttingDown,
             6 => RejectReason::InboxFull,
+            7 => RejectReason::Aborted,
             _ => RejectReason::Malformed,
         }
     }
@@ -70,6 +75,7 @@ impl std::fmt::Display for RejectReason {
             RejectReason::InboxFull => {
                 "the target's sync-message inbox is full (its application is not taking messages)"
             }
+            RejectReason::Aborted => "the initiator aborted the request",
         })
     }
 }
@@ -274,6 +280,11 @@ pub enum Error {
         /// Requests in flight when the submission was refused.
         in_flight: usize,
     },
+    /// The transfer was aborted by its caller
+    /// ([`TransferStatus::abort`](crate::TransferStatus::abort)); what it
+    /// had sent before the abort landed, nothing more of it will.
+    #[error("the transfer was aborted")]
+    Aborted,
     /// The agent is shutting down.
     #[error("the agent is shutting down")]
     Closed,

@@ -87,6 +87,10 @@ pub(crate) struct Piece {
     pub(crate) len: u64,
 }
 
+/// Most bytes one cross-memory call moves: an abort (see [`copy`]) takes
+/// effect within this much (a few milliseconds).
+pub(crate) const CALL_MAX_BYTES: u64 = 16 << 20;
+
 /// Whether `addr` can go into an iovec list: it extends the last entry, or
 /// the list has room for another.
 fn fits(v: &[libc::iovec], addr: u64) -> bool {
@@ -116,22 +120,37 @@ fn push_iov(v: &mut Vec<libc::iovec>, addr: u64, len: u64) {
 /// one iovec at a time, so a contiguous remote side costs one pin call per
 /// 16 pages rather than one per piece.
 ///
+///
+/// Each call moves at most [`CALL_MAX_BYTES`]; `stop` is asked before each
+/// one, and when it says so the copy ends there: `Ok(false)` (the bytes
+/// copied so far are in place, the rest untouched). `Ok(true)`: all copied.
+///
 /// # Safety
 /// Every `local` range must be valid for reads (`Write`) or writes (`Read`)
 /// for the whole call, and not accessed by Rust code meanwhile.
-pub(crate) unsafe fn copy(pid: u32, dir: Direction, pieces: &[Piece]) -> io::Result<()> {
+pub(crate) unsafe fn copy(
+    pid: u32,
+    dir: Direction,
+    pieces: &[Piece],
+    stop: &(dyn Fn() -> bool + Sync),
+) -> io::Result<bool> {
     let pid =
         libc::pid_t::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let mut local = Vec::with_capacity(IOV_MAX.min(pieces.len()));
     let mut remote = Vec::with_capacity(IOV_MAX.min(pieces.len()));
     let (mut i, mut off) = (0usize, 0u64);
     while i < pieces.len() {
+        if stop() {
+            return Ok(false);
+        }
         local.clear();
         remote.clear();
         let (mut j, mut o) = (i, off);
-        while j < pieces.len() {
+        let mut room = CALL_MAX_BYTES;
+        while j < pieces.len() && room > 0 {
             let p = pieces[j];
-            let (l, r, n) = (p.local + o, p.remote + o, p.len - o);
+            let (l, r) = (p.local + o, p.remote + o);
+            let n = (p.len - o).min(room);
             // Both lists take the piece, or neither does: a full list ends
             // the call (the first piece always fits in empty lists).
             if !fits(&local, l) || !fits(&remote, r) {
@@ -139,6 +158,7 @@ pub(crate) unsafe fn copy(pid: u32, dir: Direction, pieces: &[Piece]) -> io::Res
             }
             push_iov(&mut local, l, n);
             push_iov(&mut remote, r, n);
+            room -= n;
             j += 1;
             o = 0;
         }
@@ -181,7 +201,7 @@ pub(crate) unsafe fn copy(pid: u32, dir: Direction, pieces: &[Piece]) -> io::Res
             }
         }
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Splits `pieces` into `parts` runs of about equal bytes (splitting pieces
@@ -225,28 +245,29 @@ pub(crate) unsafe fn copy_parallel(
     pieces: &[Piece],
     threads: usize,
     min_bytes: u64,
-) -> io::Result<()> {
+    stop: &(dyn Fn() -> bool + Sync),
+) -> io::Result<bool> {
     let total: u64 = pieces.iter().map(|p| p.len).sum();
     if threads <= 1 || total < min_bytes {
         // SAFETY: forwarded contract.
-        return unsafe { copy(pid, dir, pieces) };
+        return unsafe { copy(pid, dir, pieces, stop) };
     }
     let parts = split(pieces, threads);
     std::thread::scope(|s| {
         let handles: Vec<_> = parts[1..]
             .iter()
             // SAFETY: forwarded contract; each part is a subset of `pieces`.
-            .map(|part| s.spawn(move || unsafe { copy(pid, dir, part) }))
+            .map(|part| s.spawn(move || unsafe { copy(pid, dir, part, stop) }))
             .collect();
         // SAFETY: forwarded contract.
-        let first = unsafe { copy(pid, dir, &parts[0]) };
+        let first = unsafe { copy(pid, dir, &parts[0], stop) };
         handles
             .into_iter()
             .map(|h| {
                 h.join()
                     .unwrap_or_else(|_| Err(io::Error::other("copy thread panicked")))
             })
-            .fold(first, |acc, r| acc.and(r))
+            .fold(first, |acc, r| Ok(acc? & r?))
     })
 }
 
@@ -307,12 +328,53 @@ mod tests {
             .collect();
         // SAFETY: `src` is valid for reads; `dst` is written by the kernel
         // only and read after the call.
-        unsafe { copy_parallel(std::process::id(), Direction::Write, &pieces, 3, 1).unwrap() };
+        unsafe {
+            assert!(
+                copy_parallel(std::process::id(), Direction::Write, &pieces, 3, 1, &|| {
+                    false
+                })
+                .unwrap()
+            )
+        };
         let dst = std::hint::black_box(dst);
         for i in 0..3000 {
             assert_eq!(dst[i * 9..i * 9 + 7], src[i * 7..i * 7 + 7]);
             assert_eq!(dst[i * 9 + 7..i * 9 + 9], [0, 0]);
         }
+    }
+
+    /// A copy asked to stop ends at a call boundary: what it copied is one
+    /// call's worth (the first [`CALL_MAX_BYTES`], a piece split at it),
+    /// and nothing after it is written.
+    #[test]
+    fn a_stopped_copy_ends_at_a_call_boundary() {
+        let len = 3 * CALL_MAX_BYTES as usize + 5;
+        let src = vec![0xa5u8; len];
+        let dst = vec![0u8; len];
+        // Two pieces; the first larger than one call.
+        let cut = CALL_MAX_BYTES as usize + 3;
+        let pieces = [
+            Piece {
+                local: src.as_ptr() as u64,
+                remote: dst.as_ptr() as u64,
+                len: cut as u64,
+            },
+            Piece {
+                local: src.as_ptr() as u64 + cut as u64,
+                remote: dst.as_ptr() as u64 + cut as u64,
+                len: (len - cut) as u64,
+            },
+        ];
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let stop = || calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 1;
+        // SAFETY: `src` is valid for reads; `dst` is written by the kernel
+        // only and read after the call.
+        let done = unsafe { copy(std::process::id(), Direction::Write, &pieces, &stop) };
+        assert!(!done.unwrap());
+        let dst = std::hint::black_box(dst);
+        let copied = dst.iter().take_while(|&&b| b == 0xa5).count();
+        assert_eq!(copied, CALL_MAX_BYTES as usize);
+        assert!(dst[copied..].iter().all(|&b| b == 0));
     }
 
     /// Runs of adjacent ranges on either side, broken at different places
@@ -353,7 +415,9 @@ mod tests {
                     .collect();
                 // SAFETY: `src` is readable; `other` is written by the kernel
                 // only and read after the call.
-                unsafe { copy(std::process::id(), Direction::Write, &w).unwrap() };
+                assert!(unsafe {
+                    copy(std::process::id(), Direction::Write, &w, &|| false).unwrap()
+                });
             }
             let pieces: Vec<Piece> = (0..n)
                 .map(|i| Piece {
@@ -364,7 +428,7 @@ mod tests {
                 .collect();
             // SAFETY: local ranges lie in `src` (readable) or `here`
             // (written by the kernel only, read after the call).
-            unsafe { copy(std::process::id(), dir, &pieces).unwrap() };
+            assert!(unsafe { copy(std::process::id(), dir, &pieces, &|| false).unwrap() });
             let (other, here) = (std::hint::black_box(other), std::hint::black_box(here));
             let mut touched = vec![false; r as usize];
             for i in 0..n as usize {

@@ -1090,3 +1090,90 @@ fn agent_drop_fails_requests_in_flight_and_returns() {
     assert!(matches!(st.poll(), Err(Error::Closed)), "{:?}", st.poll());
     peer.signal("CONT");
 }
+
+/// Aborting stops a transfer and quiesces it. With the target frozen, a
+/// large WRITE `a` is under way, and a WRITE `b` (with a sync message) and
+/// a READ `r` queued behind it are aborted: once the target runs again `a`
+/// completes, `b` and `r` fail with `Aborted` having touched nothing (the
+/// target's range for `b` and the local destination of `r` keep their
+/// bytes) and `b`'s message never arrives. A WRITE `d` aborted while under
+/// way fails with `Aborted`, its message withheld, and once it has failed
+/// the target's memory no longer changes. The connection serves the next
+/// request, and every region can be deregistered (no hold is left).
+#[test]
+fn aborted_transfers_stop_and_quiesce() {
+    let size: u64 = 64 << 20;
+    let mut peer = PeerProc::spawn("target", 2 * size, 1, &[]);
+    // A small RDMA window keeps most of a request queued at the initiator,
+    // where an abort can still stop it.
+    let agent = local_agent("init", |c| c.with_rdma_max_inflight(1 << 20));
+    let mut src = vec![0u8; 2 * size as usize];
+    fill(&mut src, 9, 0);
+    register(agent.as_ref(), &src);
+    let dst = vec![0u8; size as usize];
+    register(agent.as_ref(), &dst);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let at = src.as_ptr() as u64;
+    let peer_at = peer.addr;
+    let remote = move |off: u64| dram([(peer_at + off, size)]);
+    let write = |off: u64, msg: &str| {
+        agent
+            .submit_transfer(
+                &TransferRequest::write(dram([(at + off, size)]), remote(off), &name)
+                    .with_sync_message(msg.as_bytes().to_vec()),
+            )
+            .unwrap()
+    };
+
+    peer.signal("STOP");
+    let a = write(0, "a");
+    let b = write(size, "b");
+    assert!(b.abort(), "b cannot have finished with the target frozen");
+    let r = agent
+        .submit_transfer(&TransferRequest::read(
+            MemoryDescs::dram(&dst),
+            remote(size),
+            &name,
+        ))
+        .unwrap();
+    assert!(r.abort());
+    peer.signal("CONT");
+    a.wait_success(WAIT).unwrap();
+    assert!(
+        matches!(b.wait(WAIT), Err(Error::Aborted)),
+        "{:?}",
+        b.poll()
+    );
+    assert!(
+        matches!(r.wait(WAIT), Err(Error::Aborted)),
+        "{:?}",
+        r.poll()
+    );
+    assert!(!a.abort(), "a finished: its outcome stands");
+    assert!(a.wait(WAIT).is_ok());
+    assert_eq!(peer.cmd(&format!("check 9 0 {size}")), "OK");
+    assert_eq!(peer.cmd(&format!("check 1 {size} {size}")), "OK");
+    assert_eq!(dst.iter().position(|&x| x != 0), None, "r wrote locally");
+    assert_eq!(peer.cmd("msgs"), "init=a");
+
+    // Aborted under way.
+    peer.signal("STOP");
+    let d = write(size, "d");
+    assert!(d.abort());
+    peer.signal("CONT");
+    assert!(
+        matches!(d.wait(WAIT), Err(Error::Aborted)),
+        "{:?}",
+        d.poll()
+    );
+    let settled = peer.cmd("hash");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(peer.cmd("hash"), settled, "d wrote after it reported");
+    assert_eq!(peer.cmd("msgs"), "");
+
+    write(size, "e").wait_success(WAIT).unwrap();
+    assert_eq!(peer.cmd(&format!("check 9 {size} {size}")), "OK");
+    assert_eq!(peer.cmd("msgs"), "init=e");
+    agent.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
+    agent.deregister_memory(&MemoryDescs::dram(&dst)).unwrap();
+}

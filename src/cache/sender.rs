@@ -708,7 +708,12 @@ impl Engine {
                 }
             }
             if r.cancelled.is_some() || failed.is_some() {
+                // Nothing more goes out: what is queued is dropped, what is
+                // posted is aborted (it ends once nothing of it moves).
                 w.queued.clear();
+                for st in &w.inflight {
+                    st.abort();
+                }
             }
             while w.inflight.len() < s.config.batches_in_flight {
                 let Some(req) = w.queued.pop_front() else {

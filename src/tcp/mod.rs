@@ -72,6 +72,9 @@ fn mode_name(mode: Mode) -> &'static str {
 }
 /// Cross-memory requests smaller than this are copied by one thread.
 const PARALLEL_COPY_MIN: u64 = 2 << 20;
+/// Payload a stream writes between two looks at whether its request was
+/// aborted (a job with more is written in batches of about this much).
+const ABORT_CHECK_BYTES: u64 = 4 << 20;
 
 /// Which data paths an agent offers and uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -770,6 +773,9 @@ impl Inner {
                 Frame::Fence { req } => lock(&session.table)
                     .segment(req, Ok(()))
                     .map_err(violation)?,
+                Frame::Abort { req, segments } => lock(&session.table)
+                    .segments(req, segments, Err(RejectReason::Aborted))
+                    .map_err(violation)?,
                 Frame::WriteList {
                     req,
                     mem_type,
@@ -941,10 +947,11 @@ impl Inner {
                                 &pieces,
                                 self.config.shm_copy_threads,
                                 PARALLEL_COPY_MIN,
+                                &|| false,
                             )
                         };
                         match copied {
-                            Ok(()) => {
+                            Ok(_) => {
                                 self.delegated_copies.fetch_add(1, Ordering::Relaxed);
                                 answer(status::OK)?;
                                 commit(session, req, 0, sync)?
@@ -1347,6 +1354,17 @@ struct GrantRange {
     key: u64,
 }
 
+/// How a cross-memory request goes on after its grants and copy.
+enum CmaOutcome {
+    /// Commit it (after an `Abort` frame when `aborted`: its copy stopped
+    /// or never began, and the target releases its grants and drops its
+    /// sync message).
+    Commit { aborted: bool },
+    /// Nothing more to send: it has finished (refused, aborted before
+    /// anything was sent), or the target copies and commits it.
+    Done,
+}
+
 enum Job {
     /// Cross-memory request: grants, direct copy, commit.
     Cma {
@@ -1685,8 +1703,11 @@ impl Link {
         let mut headers: Vec<[u8; HEADER_LEN]> = Vec::new();
         let mut iovs: Vec<libc::iovec> = Vec::new();
         let mut tables: Vec<Vec<u8>> = Vec::new();
+        // After each data frame: (iovecs so far, segments so far, bytes so
+        // far), where an aborted request may stop.
+        let mut marks: Vec<(usize, usize, u64)> = Vec::new();
         while let Ok(job) = rx.recv() {
-            let (req, op, segs, tail, pending) = match job {
+            let (req, op, mut segs, tail, pending, mut aborted) = match job {
                 Job::Stop => break,
                 Job::Cma {
                     req,
@@ -1707,14 +1728,15 @@ impl Link {
                     delegate.then_some(sync.as_deref()),
                     &pending,
                 ) {
-                    Ok(true) => (
+                    Ok(CmaOutcome::Commit { aborted }) => (
                         req,
                         op,
                         Vec::new(),
                         Tail::Commit { segments: 0, sync },
                         pending,
+                        aborted,
                     ),
-                    Ok(false) => continue,
+                    Ok(CmaOutcome::Done) => continue,
                     Err(e) => {
                         self.fail(e);
                         break;
@@ -1726,16 +1748,32 @@ impl Link {
                     segs,
                     tail,
                     pending,
-                } => (req, op, segs, tail, pending),
+                } => (req, op, segs, tail, pending, false),
             };
+            // Aborted before any of it went out: its segments are skipped
+            // (a READ's events for them are counted here, as no data will
+            // come for them).
+            let mut skipped = 0;
+            if !segs.is_empty() && pending.completion.abort_requested() {
+                skipped = segs.len();
+                if op == TransferOp::Read {
+                    for _ in 0..skipped {
+                        self.complete_event(req, &pending, Err(Error::Aborted));
+                    }
+                }
+                segs.clear();
+                aborted = true;
+            }
             headers.clear();
             iovs.clear();
             tables.clear();
+            marks.clear();
             if op == TransferOp::Write {
                 // Runs of small segments to one region go as write lists
                 // (one frame and one scatter read at the target for up to
                 // WRITE_LIST_MAX of them); the rest as single segments.
-                headers.reserve(segs.len() + 2);
+                headers.reserve(segs.len() + 3);
+                let mut bytes = 0;
                 let mut i = 0;
                 while i < segs.len() {
                     let s0 = &segs[i];
@@ -1757,12 +1795,13 @@ impl Link {
                             table.extend_from_slice(&s.remote.to_le_bytes());
                             table.extend_from_slice(&s.len.to_le_bytes());
                         }
+                        let total = run.iter().map(|s| s.len).sum();
                         headers.push(
                             Frame::WriteList {
                                 req,
                                 mem_type: s0.mem_type,
                                 count: run.len() as u32,
-                                total: run.iter().map(|s| s.len).sum(),
+                                total,
                                 key: s0.key,
                             }
                             .encode(),
@@ -1776,7 +1815,7 @@ impl Link {
                         for s in run {
                             iovs.push(iov(s.local as *const u8, s.len as usize));
                         }
-                        i = j;
+                        bytes += total;
                     } else {
                         headers.push(
                             Frame::Write {
@@ -1793,28 +1832,33 @@ impl Link {
                             HEADER_LEN,
                         ));
                         iovs.push(iov(s0.local as *const u8, s0.len as usize));
-                        i += 1;
+                        bytes += s0.len;
                     }
+                    i = j;
+                    marks.push((iovs.len(), i, bytes));
                 }
             }
+            let data_frames = headers.len();
             for s in segs.iter().filter(|_| op == TransferOp::Read) {
-                let f = match op {
-                    TransferOp::Write => Frame::Write {
+                headers.push(
+                    Frame::ReadReq {
                         req,
                         mem_type: s.mem_type,
                         addr: s.remote,
                         len: s.len,
                         key: s.key,
-                    },
-                    TransferOp::Read => Frame::ReadReq {
+                    }
+                    .encode(),
+                );
+            }
+            if aborted {
+                headers.push(
+                    Frame::Abort {
                         req,
-                        mem_type: s.mem_type,
-                        addr: s.remote,
-                        len: s.len,
-                        key: s.key,
-                    },
-                };
-                headers.push(f.encode());
+                        segments: skipped as u64,
+                    }
+                    .encode(),
+                );
             }
             let sync = match &tail {
                 Tail::None => None,
@@ -1839,14 +1883,10 @@ impl Link {
                     sync.as_deref()
                 }
             };
-            // Write frames are in `iovs` already; then the read requests
-            // and the tail.
-            let first_tail = if op == TransferOp::Write {
-                headers.len() - usize::from(!matches!(tail, Tail::None))
-            } else {
-                0
-            };
-            for h in &headers[first_tail..] {
+            // Write frames are in `iovs` already; then the read requests,
+            // an abort and the tail.
+            let data_end = iovs.len();
+            for h in &headers[data_frames..] {
                 iovs.push(iov(h.as_ptr(), HEADER_LEN));
             }
             if let Some(m) = sync {
@@ -1863,13 +1903,21 @@ impl Link {
                     });
                 }
             }
+            let abortable = marks.last().is_some_and(|m| m.2 > ABORT_CHECK_BYTES);
             // SAFETY: header iovecs point into `headers`, the sync iovec into
             // the job (both alive until the call returns); payload iovecs
             // point into local regions validated at submit time and held by
             // the request's guards, which live until the request completes,
             // which cannot happen before this write returns (its
             // acknowledgement follows these bytes).
-            if let Err(e) = unsafe { writev_all(fd, &mut iovs, &self.clock, self.io_timeout) } {
+            let written = unsafe {
+                if abortable {
+                    self.write_abortable(fd, &mut iovs, &marks, data_end, req, &pending)
+                } else {
+                    writev_all(fd, &mut iovs, &self.clock, self.io_timeout)
+                }
+            };
+            if let Err(e) = written {
                 self.fail(self.io_error(e));
                 break;
             }
@@ -1877,9 +1925,57 @@ impl Link {
         self.thread_exit();
     }
 
-    /// Grants and direct copy of a cross-memory request. `Ok(true)`: go on
-    /// and commit; `Ok(false)`: the target refused the grants and the
-    /// request has failed; `Err`: the link is broken.
+    /// Writes a job's frames as [`writev_all`] does, about
+    /// [`ABORT_CHECK_BYTES`] of payload at a time, looking before each batch
+    /// whether the request was aborted: if so, the rest of its data frames
+    /// is replaced by an `Abort` frame counting their segments, and its
+    /// tail (`iovs[data_end..]`) follows.
+    ///
+    /// # Safety
+    /// As [`writev_all`].
+    unsafe fn write_abortable(
+        &self,
+        fd: std::os::fd::RawFd,
+        iovs: &mut [libc::iovec],
+        marks: &[(usize, usize, u64)],
+        data_end: usize,
+        req: u64,
+        pending: &Pending,
+    ) -> io::Result<()> {
+        let segments = marks.last().map_or(0, |m| m.1);
+        let (mut at, mut done) = (0, (0usize, 0usize, 0u64));
+        let mut m = 0;
+        while m < marks.len() {
+            if pending.completion.abort_requested() {
+                let abort = Frame::Abort {
+                    req,
+                    segments: (segments - done.1) as u64,
+                }
+                .encode();
+                let mut rest = Vec::with_capacity(1 + iovs.len() - data_end);
+                rest.push(iov(abort.as_ptr(), HEADER_LEN));
+                rest.extend_from_slice(&iovs[data_end..]);
+                // SAFETY: `abort` lives for the call; the rest as the caller
+                // promised.
+                return unsafe { writev_all(fd, &mut rest, &self.clock, self.io_timeout) };
+            }
+            while m + 1 < marks.len() && marks[m].2 - done.2 < ABORT_CHECK_BYTES {
+                m += 1;
+            }
+            let end = if m + 1 == marks.len() {
+                iovs.len()
+            } else {
+                marks[m].0
+            };
+            // SAFETY: forwarded contract.
+            unsafe { writev_all(fd, &mut iovs[at..end], &self.clock, self.io_timeout)? };
+            at = end;
+            done = marks[m];
+            m += 1;
+        }
+        Ok(())
+    }
+
     /// Waits for the target's answer to a request's grants (or delegate).
     fn wait_granted(&self, pending: &Pending) -> Result<u16, Error> {
         loop {
@@ -1958,6 +2054,8 @@ impl Link {
         }
     }
 
+    /// Grants and direct copy of a cross-memory request; `Err`: the link is
+    /// broken.
     #[allow(clippy::too_many_arguments)]
     fn run_cma(
         &self,
@@ -1969,9 +2067,14 @@ impl Link {
         grants: &[GrantRange],
         delegate: Option<Option<&[u8]>>,
         pending: &Pending,
-    ) -> Result<bool, Error> {
+    ) -> Result<CmaOutcome, Error> {
+        if pending.completion.abort_requested() {
+            // Nothing sent yet: the target never hears of it.
+            self.complete_event(req, pending, Err(Error::Aborted));
+            return Ok(CmaOutcome::Done);
+        }
         if grants.is_empty() {
-            return Ok(true);
+            return Ok(CmaOutcome::Commit { aborted: false });
         }
         let frames: Vec<[u8; HEADER_LEN]> = grants
             .iter()
@@ -2001,32 +2104,45 @@ impl Link {
                     reason: RejectReason::from_code(st),
                 }),
             );
-            return Ok(false);
+            return Ok(CmaOutcome::Done);
+        }
+        if pending.completion.abort_requested() {
+            return Ok(CmaOutcome::Commit { aborted: true });
         }
         if let (Some(sync), Some((probe_addr, instance))) = (delegate, self.delegate_probe)
             && self.delegate_ok.load(Ordering::Relaxed)
             && self.run_delegate(fd, req, op, pieces, sync, (probe_addr, instance), pending)?
         {
-            return Ok(false);
+            return Ok(CmaOutcome::Done);
         }
         let dir = match op {
             TransferOp::Write => Direction::Write,
             TransferOp::Read => Direction::Read,
         };
+        let stop = || pending.completion.abort_requested();
         // SAFETY: local pieces lie in regions validated at submit time and
         // held by the request's guards until it completes, which cannot
         // happen before this copy returns (the commit follows it).
-        unsafe { shm::copy_parallel(pid, dir, pieces, self.copy_threads, PARALLEL_COPY_MIN) }
-            .map_err(|e| Error::ConnectionLost {
-                remote: self.remote.clone(),
-                cause: Arc::new(if e.raw_os_error() == Some(libc::ESRCH) {
-                    io::Error::new(io::ErrorKind::ConnectionReset, "target process exited")
-                } else {
-                    e
-                }),
-            })?;
+        let copied = unsafe {
+            shm::copy_parallel(
+                pid,
+                dir,
+                pieces,
+                self.copy_threads,
+                PARALLEL_COPY_MIN,
+                &stop,
+            )
+        }
+        .map_err(|e| Error::ConnectionLost {
+            remote: self.remote.clone(),
+            cause: Arc::new(if e.raw_os_error() == Some(libc::ESRCH) {
+                io::Error::new(io::ErrorKind::ConnectionReset, "target process exited")
+            } else {
+                e
+            }),
+        })?;
         self.clock.touch();
-        Ok(true)
+        Ok(CmaOutcome::Commit { aborted: !copied })
     }
 
     fn run_reader(self: Arc<Self>, idx: usize) {
@@ -2083,6 +2199,13 @@ impl Link {
                         if len != slot.len {
                             return Err(self.violation("READ data length differs from the request"));
                         }
+                        if slot.pending.completion.abort_requested() {
+                            // Aborted: the bytes are drained, the
+                            // destination left as it is.
+                            reader.discard(len, idle).map_err(|e| self.link_error(e))?;
+                            self.complete_event(req, &slot.pending, Err(Error::Aborted));
+                            continue;
+                        }
                         // SAFETY: `slot.dst` lies inside a local region that
                         // was registered and validated at submit time, and the
                         // request's guards (in `slot.pending`) keep it
@@ -2113,13 +2236,15 @@ impl Link {
                     let Some(p) = p else {
                         return Err(self.violation("acknowledgement for an unknown request"));
                     };
-                    let result = if st == status::OK {
-                        Ok(())
-                    } else {
-                        Err(Error::RemoteRejected {
-                            remote: self.remote.clone(),
-                            reason: RejectReason::from_code(st),
-                        })
+                    let result = match st {
+                        status::OK => Ok(()),
+                        st => match RejectReason::from_code(st) {
+                            RejectReason::Aborted => Err(Error::Aborted),
+                            reason => Err(Error::RemoteRejected {
+                                remote: self.remote.clone(),
+                                reason,
+                            }),
+                        },
                     };
                     self.complete_event(req, &p, result);
                 }
@@ -3814,11 +3939,29 @@ impl Link {
         self.pump_locked(conn, lock(&conn.queue));
     }
 
-    /// [`pump`](Self::pump) with the send queue's lock already held.
+    /// [`pump`](Self::pump) with the send queue's lock already held. Work
+    /// of aborted requests met at the head of the queue is not posted: it
+    /// counts as done (for the gates of later sync messages) and its events
+    /// fail with [`Error::Aborted`], once the lock is let go.
     fn pump_locked<'c>(
         &self,
         conn: &'c rdma::RdmaConn,
+        q: std::sync::MutexGuard<'c, rdma::SendQueue>,
+    ) {
+        let mut skipped = Vec::new();
+        self.pump_queue(conn, q, &mut skipped);
+        for (item, p) in skipped {
+            for _ in 0..item.events() {
+                self.complete_event(item.id(), &p, Err(Error::Aborted));
+            }
+        }
+    }
+
+    fn pump_queue<'c>(
+        &self,
+        conn: &'c rdma::RdmaConn,
         mut q: std::sync::MutexGuard<'c, rdma::SendQueue>,
+        skipped: &mut Vec<(rdma::Queued, Arc<Pending>)>,
     ) {
         // A basic queue pair may post part of a failed batch: one at a time.
         let batch_max = if conn.batch_is_atomic {
@@ -3852,9 +3995,16 @@ impl Link {
             } = &mut *q;
             batch.clear();
             while batch.len() < batch_max {
-                let Some((front, _)) = items.front() else {
+                let Some((front, p)) = items.front() else {
                     break;
                 };
+                if p.completion.abort_requested() {
+                    let (item, p) = items.pop_front().expect("front exists");
+                    conn.waiting.fetch_sub(1, Ordering::SeqCst);
+                    conn.count_completed();
+                    skipped.push((item, p));
+                    continue;
+                }
                 let len = match front {
                     rdma::Queued::Data { wr, .. } => wr.len,
                     rdma::Queued::Sync { gate, .. } if !self.gate_open(gate) => break,

@@ -177,6 +177,22 @@ mod tests {
     }
 
     #[test]
+    fn aborted_request_finishes_when_the_sent_segments_are_in() {
+        let mut t: RequestTable = RequestTable::default();
+        assert_eq!(t.commit(8, 5, Some(vec![1])).unwrap(), None);
+        assert_eq!(t.segment(8, Ok(())).unwrap(), None);
+        // One stream skipped three segments; one sent is still to come.
+        assert_eq!(t.segments(8, 3, Err(RejectReason::Aborted)).unwrap(), None);
+        let f = t.segment(8, Ok(())).unwrap().unwrap();
+        assert_eq!(f.outcome, Err(RejectReason::Aborted));
+        assert_eq!(f.sync, None);
+        // Nothing skipped (a copy that never began): it still fails.
+        t.segments(9, 0, Err(RejectReason::Aborted)).unwrap();
+        let f = t.commit(9, 0, Some(vec![2])).unwrap().unwrap();
+        assert_eq!((f.outcome, f.sync), (Err(RejectReason::Aborted), None));
+    }
+
+    #[test]
     fn data_less_request_finishes_at_commit() {
         let mut t: RequestTable = RequestTable::default();
         let f = t.commit(4, 0, Some(vec![])).unwrap().unwrap();

@@ -36,7 +36,7 @@ const _: () = assert!(std::mem::size_of::<RawHeader>() == HEADER_LEN);
 pub mod status {
     /// Success.
     pub const OK: u16 = 0;
-    // 1..=5 are `RejectReason` codes (see `crate::error::RejectReason`).
+    // 1..=7 are `RejectReason` codes (see `crate::error::RejectReason`).
     /// Hello: the target is not the instance the initiator expected.
     pub const STALE_INSTANCE: u16 = 10;
     /// Hello: protocol version not supported.
@@ -78,6 +78,7 @@ const K_AUTH_HELLO: u8 = 17;
 const K_AUTH_CHALLENGE: u8 = 18;
 const K_AUTH_PROOF: u8 = 19;
 const K_AUTH_RESULT: u8 = 20;
+const K_ABORT: u8 = 21;
 
 /// Largest `AuthHello` / `AuthChallenge` body: nonce, MAC, longest name.
 pub const MAX_AUTH_BODY: u32 =
@@ -242,6 +243,17 @@ pub enum Frame {
     Fence {
         /// Request id.
         req: u64,
+    },
+    /// The initiator aborted request `req`: `segments` of its segments will
+    /// not come (they count as arrived, refused); the request fails with
+    /// `RejectReason::Aborted` once the rest and its commit are in, and
+    /// its sync message is dropped.
+    Abort {
+        /// Request id.
+        req: u64,
+        /// Segments that will not be sent (0: none, the request still
+        /// fails).
+        segments: u64,
     },
     /// Cross-memory path: asks the target to admit direct access to
     /// `[addr, addr + len)` of the region keyed `key` until the request's
@@ -490,6 +502,11 @@ impl Frame {
                 h.kind = K_FENCE;
                 h.id = req.into();
             }
+            Frame::Abort { req, segments } => {
+                h.kind = K_ABORT;
+                h.id = req.into();
+                h.len = segments.into();
+            }
             Frame::WriteList {
                 req,
                 mem_type,
@@ -685,6 +702,10 @@ impl Frame {
                 has_sync: h.flags & 0x80 != 0,
             },
             K_FENCE => Frame::Fence { req: h.id.get() },
+            K_ABORT => Frame::Abort {
+                req: h.id.get(),
+                segments: h.len.get(),
+            },
             K_WRITE_LIST => {
                 let count = h.aux.get();
                 if !(2..=WRITE_LIST_MAX).contains(&count) {
@@ -842,6 +863,10 @@ mod tests {
                 has_sync: true,
             },
             Frame::Fence { req: 13 },
+            Frame::Abort {
+                req: 13,
+                segments: 7,
+            },
             Frame::WriteList {
                 req: 16,
                 mem_type: MemoryType::Dram,

@@ -73,6 +73,9 @@ typedef enum kvxfer_result {
   // A KV-cache request was cancelled (by either side) or failed on the
   // context side; the message says which and why.
   KVXFER_ERR_CANCELLED = 312,
+  // The transfer was aborted (`kvxfer_status_abort`): what it had sent
+  // landed, nothing more of it will.
+  KVXFER_ERR_ABORTED = 313,
   // A bug: a panic was caught at the boundary.
   KVXFER_ERR_PANIC = 900,
 } kvxfer_result;
@@ -503,6 +506,19 @@ enum kvxfer_result kvxfer_status_is_completed(const struct kvxfer_status *status
 // # Safety
 // None beyond a valid or NULL handle.
 enum kvxfer_result kvxfer_status_wait(const struct kvxfer_status *status, int64_t timeout_ms);
+
+// Asks for the transfer to be aborted and writes whether it was still
+// running (`*out`: true; false when it had already finished, its outcome
+// standing). Does not block: nothing more of the request is sent, its
+// sync message is not delivered, READ data still arriving is dropped;
+// `kvxfer_status_wait` then returns `KVXFER_ERR_ABORTED` once what was
+// already sent is done, after which no byte of the transfer changes in
+// either agent's memory (or `KVXFER_OK`, when everything had been sent
+// before the abort).
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum kvxfer_result kvxfer_status_abort(const struct kvxfer_status *status, bool *out);
 
 // Writes the request id (unique per agent).
 //

@@ -97,6 +97,9 @@ pub enum kvxfer_result {
     /// A KV-cache request was cancelled (by either side) or failed on the
     /// context side; the message says which and why.
     KVXFER_ERR_CANCELLED = 312,
+    /// The transfer was aborted (`kvxfer_status_abort`): what it had sent
+    /// landed, nothing more of it will.
+    KVXFER_ERR_ABORTED = 313,
     /// A bug: a panic was caught at the boundary.
     KVXFER_ERR_PANIC = 900,
 }
@@ -305,6 +308,7 @@ impl From<Error> for Fail {
             Error::Timeout { .. } => KVXFER_ERR_TIMEOUT,
             Error::Closed => KVXFER_ERR_CLOSED,
             Error::WouldBlock { .. } => KVXFER_ERR_WOULD_BLOCK,
+            Error::Aborted => KVXFER_ERR_ABORTED,
             Error::Rdma { .. } | Error::RdmaCompletion { .. } => KVXFER_ERR_RDMA,
             Error::AuthFailed { .. } => KVXFER_ERR_AUTH,
             Error::Credential(_) => KVXFER_ERR_INVALID_ARGUMENT,
@@ -532,6 +536,7 @@ pub extern "C" fn kvxfer_result_name(code: kvxfer_result) -> *const c_char {
         KVXFER_ERR_AUTH,
         KVXFER_ERR_WOULD_BLOCK,
         KVXFER_ERR_CANCELLED,
+        KVXFER_ERR_ABORTED,
         KVXFER_ERR_PANIC
     );
     s.as_ptr().cast()
@@ -1233,6 +1238,34 @@ pub unsafe extern "C" fn kvxfer_status_wait(
             TransferState::Completed => KVXFER_OK,
             TransferState::InProgress => KVXFER_IN_PROGRESS,
         })
+    })
+}
+
+/// Asks for the transfer to be aborted and writes whether it was still
+/// running (`*out`: true; false when it had already finished, its outcome
+/// standing). Does not block: nothing more of the request is sent, its
+/// sync message is not delivered, READ data still arriving is dropped;
+/// `kvxfer_status_wait` then returns `KVXFER_ERR_ABORTED` once what was
+/// already sent is done, after which no byte of the transfer changes in
+/// either agent's memory (or `KVXFER_OK`, when everything had been sent
+/// before the abort).
+///
+/// # Safety
+/// `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_status_abort(
+    status: *const kvxfer_status,
+    out: *mut bool,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let s = unsafe { live(status, Kind::Status, "status")? };
+        let running = s.status.abort();
+        if !out.is_null() {
+            // SAFETY: non-null and valid for a write (contract).
+            unsafe { *out = running };
+        }
+        Ok(KVXFER_OK)
     })
 }
 

@@ -201,16 +201,31 @@ class KvxferTransferStatus final : public TransferStatus {
     kvxfer_result r = kvxfer_status_wait(mStatus, timeout_ms);
     if (r == KVXFER_OK) return TransferState::kSUCCESS;
     if (r == KVXFER_IN_PROGRESS) return TransferState::kIN_PROGRESS;
+    mCode = r;
     mError = std::string(kvxfer_result_name(r)) + ": " + detail::lastError();
     return TransferState::kFAILURE;
   }
 
+  // kvxfer extension: asks for the transfer to be aborted (see
+  // kvxfer_status_abort); true when it was still running. wait() then
+  // reports kFAILURE with errorCode() KVXFER_ERR_ABORTED once nothing of
+  // the transfer moves any more (or kSUCCESS, when all of it had been
+  // sent before the abort).
+  bool abort() const {
+    bool running = false;
+    detail::check(kvxfer_status_abort(mStatus, &running), "kvxfer_status_abort");
+    return running;
+  }
+
   // Why the last wait() reported kFAILURE.
   std::string const& error() const noexcept { return mError; }
+  // Its code (KVXFER_OK before any failure).
+  kvxfer_result errorCode() const noexcept { return mCode; }
 
  private:
   kvxfer_status* mStatus;
   mutable std::string mError;
+  mutable kvxfer_result mCode = KVXFER_OK;
 };
 
 class KvxferTransferAgent final : public BaseTransferAgent {

@@ -55,6 +55,10 @@ static void basicWrite() {
   EXPECT(a0->checkRemoteDescs("agent1", dram(mem1)));
   auto st = a0->submitTransferRequests(TransferRequest(TransferOp::kWRITE, dram(mem0), dram(mem1), "agent1"));
   EXPECT(st->wait() == TransferState::kSUCCESS);
+  // The kvxfer extension: aborting a finished transfer changes nothing.
+  auto* ks = dynamic_cast<kvxfer::KvxferTransferStatus*>(st.get());
+  EXPECT(ks != nullptr && !ks->abort() && ks->errorCode() == KVXFER_OK);
+  EXPECT(st->wait() == TransferState::kSUCCESS);
   EXPECT(st->isCompleted());
   EXPECT(mem0 == mem1);
   a0->invalidateRemoteAgent("agent1");

@@ -48,6 +48,8 @@
 //!   validates them.
 //! - [`desc`]: the agent descriptor exchanged between agents.
 //! - [`agent`]: the [`TransferAgent`] contract, requests, statuses, config.
+//! - [`registration`]: [`Registration`], a buffer registered without
+//!   `unsafe` for as long as a guard lives.
 //! - [`tcp`]: the agent: TCP side channel and data streams, plus the
 //!   intra-node (cross-memory attach, `shm`) and RDMA data paths, chosen
 //!   per peer ([`Backend`]).
@@ -74,6 +76,7 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod memory;
+pub mod registration;
 mod registry;
 mod shm;
 mod small;
@@ -89,3 +92,4 @@ pub use auth::{Credential, CredentialError};
 pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion, LocalAccess};
 pub use error::{Error, RejectReason};
 pub use memory::{MemoryDesc, MemoryDescs, MemoryType};
+pub use registration::Registration;

@@ -1177,3 +1177,72 @@ fn aborted_transfers_stop_and_quiesce() {
     agent.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
     agent.deregister_memory(&MemoryDescs::dram(&dst)).unwrap();
 }
+
+/// A `Registration` registers a buffer for as long as it lives: a peer
+/// writes into it, and once it is dropped the range is neither a local
+/// source nor a remote target any more. Dropping it while a transfer uses
+/// the buffer waits for that transfer instead of freeing memory a peer can
+/// still reach.
+#[test]
+fn registration_guard_deregisters_on_drop_after_its_transfers() {
+    let size: u64 = 16 << 20;
+    let mut peer = PeerProc::spawn("target", size, 3, &[]);
+    let agent = local_agent("init", |c| c);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let mut buf = vec![0u8; size as usize];
+    let reg = kvxfer::Registration::new(agent.as_ref(), &mut buf).unwrap();
+    assert!(reg.range(size, 1).is_err());
+    assert!(reg.range(0, 0).is_err());
+    let descs = reg.descs();
+    agent
+        .submit_transfer(&TransferRequest::read(
+            descs.clone(),
+            peer.range(0, size),
+            &name,
+        ))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    // The same range cannot be registered twice.
+    // SAFETY: refused (it overlaps), so nothing is registered.
+    let again = unsafe { agent.register_memory(&descs) };
+    assert!(matches!(again, Err(Error::Overlap { .. })), "{again:?}");
+    // Dropped with a WRITE from it in flight to a frozen target: the drop
+    // waits for it (the transfer completes, then the range is free).
+    peer.signal("STOP");
+    let st = agent
+        .submit_transfer(&TransferRequest::write(
+            reg.range(0, size).unwrap(),
+            peer.range(0, size),
+            &name,
+        ))
+        .unwrap();
+    let thaw = std::thread::spawn({
+        let pid = peer.pid();
+        move || {
+            std::thread::sleep(Duration::from_millis(300));
+            // SAFETY: signalling our own child process.
+            unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+        }
+    });
+    drop(reg);
+    assert!(
+        st.is_completed(),
+        "the drop returned before its transfer ended"
+    );
+    st.wait_success(WAIT).unwrap();
+    thaw.join().unwrap();
+    assert_eq!(first_mismatch(&buf, 3, 0), None);
+    assert_eq!(peer.cmd(&format!("check 3 0 {size}")), "OK");
+    let err = agent
+        .submit_transfer(&TransferRequest::write(
+            descs.clone(),
+            peer.range(0, size),
+            &name,
+        ))
+        .unwrap_err();
+    assert!(matches!(err, Error::NotRegistered { .. }), "{err}");
+    // Registered again, and deregistered explicitly.
+    let reg = kvxfer::Registration::new(agent.as_ref(), &mut buf).unwrap();
+    reg.deregister().unwrap();
+}

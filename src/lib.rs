@@ -19,28 +19,25 @@
 //! ## Quick start
 //! ```
 //! use std::time::Duration;
-//! use kvxfer::{AgentConfig, Backend, MemoryDescs, TransferRequest, make_transfer_agent};
+//! use kvxfer::{AgentConfig, Backend, Registration, TransferRequest, make_transfer_agent};
 //!
 //! let target = make_transfer_agent(Backend::Tcp, AgentConfig::new("gen-0")).unwrap();
 //! let initiator = make_transfer_agent(Backend::Tcp, AgentConfig::new("ctx-0")).unwrap();
-//! let src = vec![7u8; 4096];
-//! let dst = vec![0u8; 4096];
-//! // SAFETY: both buffers outlive their registration and are not touched
-//! // while the transfer runs.
-//! unsafe {
-//!     initiator.register_memory(&MemoryDescs::dram(&src)).unwrap();
-//!     target.register_memory(&MemoryDescs::dram(&dst)).unwrap();
-//! }
+//! let mut src = vec![7u8; 4096];
+//! let mut dst = vec![0u8; 4096];
+//! // Registered while the guards live; peers may write them meanwhile.
+//! let s = Registration::new(initiator.as_ref(), &mut src).unwrap();
+//! let d = Registration::new(target.as_ref(), &mut dst).unwrap();
 //! let name = initiator
 //!     .load_remote_agent_by_connection(&target.local_connection_info())
 //!     .unwrap();
-//! let req = TransferRequest::write(MemoryDescs::dram(&src), MemoryDescs::dram(&dst), name)
+//! let req = TransferRequest::write(s.descs(), d.descs(), name)
 //!     .with_sync_message(b"blocks 0..1 ready".to_vec());
 //! initiator.submit_transfer(&req).unwrap().wait_success(Duration::from_secs(5)).unwrap();
 //! let msgs = target.wait_sync_messages(Duration::from_secs(5));
 //! assert_eq!(msgs["ctx-0"], vec![b"blocks 0..1 ready".to_vec()]);
+//! drop(d);
 //! assert!(dst.iter().all(|&b| b == 7));
-//! # target.deregister_memory(&MemoryDescs::dram(&dst)).unwrap();
 //! ```
 //!
 //! ## Layers

@@ -550,7 +550,7 @@ pub type SyncMessages = HashMap<String, Vec<Vec<u8>>>;
 /// around to taking them).
 pub type TimedSyncMessages = HashMap<String, Vec<(Vec<u8>, Instant)>>;
 
-/// Which backend [`make_transfer_agent`] builds.
+/// Which backend [`make_transfer_agent`](crate::make_transfer_agent) builds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Backend {
@@ -1147,30 +1147,6 @@ pub trait TransferAgent: Send + Sync {
     /// Whether every descriptor lies inside a region `remote` exported, as
     /// known from its loaded descriptor. False for an unknown agent.
     fn check_remote_descs(&self, remote: &str, descs: &MemoryDescs) -> bool;
-}
-
-/// Builds a transfer agent on `backend`.
-///
-/// # Errors
-/// [`Error::InvalidConfig`], [`Error::BackendUnavailable`], or the
-/// listener's bind error.
-pub fn make_transfer_agent(
-    backend: Backend,
-    config: AgentConfig,
-) -> Result<Box<dyn TransferAgent>, Error> {
-    use crate::tcp::{Mode, TcpAgent};
-    match backend {
-        Backend::Auto => {
-            tracing::info!(
-                agent = %config.name,
-                "backend auto: shm (cross-memory attach) to same-host peers that allow it, rdma to peers with a device when this host has one, tcp otherwise"
-            );
-            Ok(Box::new(TcpAgent::with_mode(config, Mode::Auto)?))
-        }
-        Backend::Tcp => Ok(Box::new(TcpAgent::new(config)?)),
-        Backend::Shm => Ok(Box::new(TcpAgent::with_mode(config, Mode::Shm)?)),
-        Backend::Rdma => Ok(Box::new(TcpAgent::with_mode(config, Mode::Rdma)?)),
-    }
 }
 
 #[cfg(test)]

@@ -7,8 +7,8 @@
 use std::os::fd::AsFd;
 
 use crate::desc::AgentDesc;
-use crate::tcp::session::RequestTable;
-use crate::tcp::wire::{CommitOp, Frame, HEADER_LEN};
+use crate::engine::session::RequestTable;
+use crate::engine::wire::{CommitOp, Frame, HEADER_LEN};
 
 /// `AgentDesc::decode`: never panics; whatever decodes encodes back to
 /// the same descriptor.
@@ -52,19 +52,19 @@ pub fn tcp_frames(data: &[u8]) {
             Frame::WriteList {
                 req, count, total, ..
             } => {
-                let n = count as usize * crate::tcp::wire::WRITE_LIST_ENTRY;
+                let n = count as usize * crate::engine::wire::WRITE_LIST_ENTRY;
                 let body = &rest[..n.min(rest.len())];
                 rest = &rest[body.len()..];
-                let ok = crate::tcp::write_list_pieces(body, total).is_ok();
+                let ok = crate::engine::write_list_pieces(body, total).is_ok();
                 let _ = table.segments(req, u64::from(count), reject(!ok));
             }
             Frame::Delegate { req, count, op, .. } => {
-                let n = count as usize * crate::tcp::wire::DELEGATE_ENTRY;
+                let n = count as usize * crate::engine::wire::DELEGATE_ENTRY;
                 let body = &rest[..n.min(rest.len())];
                 rest = &rest[body.len()..];
                 // Grants: one span a request, from its id.
                 let spans = [(req & 0xffff_f000, req >> 48)];
-                if crate::tcp::delegated_pieces(body, &spans).is_ok() && op == CommitOp::Write {
+                if crate::engine::delegated_pieces(body, &spans).is_ok() && op == CommitOp::Write {
                     let _ = table.commit(req, 0, None);
                 }
             }
@@ -137,7 +137,7 @@ pub fn handshake(data: &[u8]) {
         let (mut peer, mine) = std::os::unix::net::UnixStream::pair().expect("socketpair");
         peer.write_all(data).expect("socket buffer");
         peer.shutdown(std::net::Shutdown::Write).expect("shutdown");
-        let verdict = crate::tcp::fuzz_respond(mine.as_fd(), keyed.then_some(&cred));
+        let verdict = crate::engine::fuzz_respond(mine.as_fd(), keyed.then_some(&cred));
         assert!(
             !(keyed && matches!(verdict, Ok(true))),
             "a keyed target accepted an initiator that cannot know the MAC over its fresh nonce"

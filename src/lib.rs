@@ -47,9 +47,9 @@
 //! - [`agent`]: the [`TransferAgent`] contract, requests, statuses, config.
 //! - [`registration`]: [`Registration`], a buffer registered without
 //!   `unsafe` for as long as a guard lives.
-//! - [`tcp`]: the agent: TCP side channel and data streams, plus the
-//!   intra-node (cross-memory attach, `shm`) and RDMA data paths, chosen
-//!   per peer ([`Backend`]).
+//! - the engine (private; built by [`make_transfer_agent`]): the agent
+//!   over TCP streams, plus the intra-node (cross-memory attach, `shm`) and
+//!   RDMA data paths, chosen per peer ([`Backend`]).
 //! - [`verbs`]: the RDMA verbs layer (sideway), the only module that talks
 //!   to the RDMA stack.
 //!
@@ -68,6 +68,7 @@ pub mod agent;
 pub mod auth;
 pub mod cache;
 pub mod desc;
+mod engine;
 pub mod error;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
@@ -77,16 +78,15 @@ pub mod registration;
 mod registry;
 mod shm;
 mod small;
-pub mod tcp;
 pub mod verbs;
 
 pub use agent::{
     AgentConfig, Backend, DEFAULT_RDMA_MAX_INFLIGHT, PreparedTransfer, RdmaProgress, SyncMessages,
     TimedSyncMessages, TransferAgent, TransferOp, TransferRequest, TransferState, TransferStatus,
-    make_transfer_agent,
 };
 pub use auth::{Credential, CredentialError};
 pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion, LocalAccess};
+pub use engine::make_transfer_agent;
 pub use error::{Error, RejectReason};
 pub use memory::{MemoryDesc, MemoryDescs, MemoryType};
 pub use registration::Registration;

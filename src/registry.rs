@@ -12,10 +12,6 @@ use crate::error::{Error, RejectReason};
 use crate::memory::{MemoryDesc, MemoryDescs, MemoryType, RegionMap};
 use crate::small::Few;
 
-/// A random 64-bit value from the OS's random source (access keys, instance
-/// ids): a peer cannot guess a key it was not given.
-pub(crate) use crate::auth::random_u64;
-
 /// One local registration.
 #[derive(Debug)]
 pub(crate) struct LocalRegion {
@@ -132,7 +128,7 @@ impl Registry {
         }
         for (d, mr) in descs.descs.iter().zip(mrs) {
             let region = Arc::new(LocalRegion {
-                key: random_u64(),
+                key: crate::auth::random_u64(),
                 busy: AtomicUsize::new(0),
                 mr,
             });

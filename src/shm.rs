@@ -22,7 +22,7 @@ pub(crate) fn host_id() -> String {
         Ok(s) => s.trim().to_owned(),
         // Unknown: an identity no other agent can share, so the direct path
         // is never chosen.
-        Err(_) => format!("unknown-{:016x}", crate::registry::random_u64()),
+        Err(_) => format!("unknown-{:016x}", crate::auth::random_u64()),
     }
 }
 

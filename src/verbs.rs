@@ -405,7 +405,7 @@ impl Device {
             gid_index: self.gid_index,
             gid: self.gid,
             mtu: self.mtu as u32,
-            psn: crate::registry::random_u64() as u32 & 0x00ff_ffff,
+            psn: crate::auth::random_u64() as u32 & 0x00ff_ffff,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
         }
     }

@@ -4,6 +4,9 @@
 //! regions; a request's sync message sent as a SEND on the same queue pair
 //! after its data, so RC ordering delivers it only after every byte landed.
 
+pub(in crate::engine) mod link;
+pub(in crate::engine) mod recv;
+
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

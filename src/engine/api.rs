@@ -1,0 +1,230 @@
+//! [`TransferAgent`] for [`Engine`]: the contract's methods, each a few
+//! lines over the engine's registry, peers and submit path.
+
+use super::*;
+
+impl TransferAgent for Engine {
+    fn name(&self) -> &str {
+        &self.inner.config.name
+    }
+
+    fn backend_name(&self) -> &'static str {
+        mode_name(self.inner.mode)
+    }
+
+    fn remote_transport(&self, name: &str) -> Result<&'static str, Error> {
+        Ok(match self.inner.peer(name)?.path {
+            Path::Tcp => "tcp",
+            Path::Cma { .. } => "shm",
+            Path::Rdma => "rdma",
+        })
+    }
+
+    unsafe fn register_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
+        // SAFETY: forwarded contract of `register_memory`.
+        unsafe {
+            self.inner.registry.register(
+                descs,
+                SUPPORTED,
+                mode_name(self.inner.mode),
+                self.inner.device.as_deref(),
+            )
+        }
+    }
+
+    fn deregister_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
+        self.inner.registry.deregister(descs)
+    }
+
+    fn local_agent_desc(&self) -> AgentDesc {
+        self.inner.local_desc()
+    }
+
+    fn load_remote_agent(&self, desc: &AgentDesc) -> Result<(), Error> {
+        desc.validate()?;
+        let regions = desc.region_map()?;
+        let path = self.inner.choose_path(desc)?;
+        let mut peers = self.inner.peers.write().unwrap_or_else(|p| p.into_inner());
+        // Same process: keep the live link, refresh the regions.
+        let link = match peers.get(&desc.name) {
+            Some(old) if old.desc.instance == desc.instance && old.path == path => {
+                lock(&old.link).take()
+            }
+            Some(old) => {
+                if let Some(l) = lock(&old.link).take() {
+                    l.fail(Error::StaleAgent {
+                        remote: desc.name.clone(),
+                        addr: desc.endpoints.join(","),
+                    });
+                }
+                None
+            }
+            None => None,
+        };
+        let peer = Arc::new(Peer {
+            desc: desc.clone(),
+            regions,
+            path,
+            link: Mutex::new(link),
+            retired: AtomicBool::new(false),
+        });
+        if let Some(old) = peers.insert(desc.name.clone(), Arc::clone(&peer)) {
+            old.retired.store(true, Ordering::Release);
+            // Drop a cached resolution's hold on the old entry's link.
+            *lock(&self.inner.submit_cache) = None;
+        }
+        drop(peers);
+        // Connect now, so the first transfer does not pay for connection
+        // setup. A failure is not fatal: the first transfer retries.
+        if let Err(e) = peer.link(&self.inner) {
+            tracing::info!(remote = %desc.name, error = %e, "eager connect failed; will retry on first transfer");
+        }
+        Ok(())
+    }
+
+    fn fetch_remote_agent_desc(&self, connection_info: &str) -> Result<AgentDesc, Error> {
+        fetch_desc(&self.inner, connection_info)
+    }
+
+    fn remote_agent_desc(&self, name: &str) -> Result<AgentDesc, Error> {
+        Ok(self.inner.peer(name)?.desc.clone())
+    }
+
+    fn invalidate_remote_agent(&self, name: &str) -> Result<(), Error> {
+        let peer = self
+            .inner
+            .peers
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name)
+            .ok_or_else(|| Error::UnknownAgent(name.to_owned()))?;
+        peer.retired.store(true, Ordering::Release);
+        *lock(&self.inner.submit_cache) = None;
+        if let Some(l) = lock(&peer.link).take() {
+            l.fail(Error::UnknownAgent(name.to_owned()));
+            l.join();
+        }
+        Ok(())
+    }
+
+    fn local_connection_info(&self) -> String {
+        self.inner.endpoint.clone()
+    }
+
+    fn submit_transfer(&self, request: &TransferRequest) -> Result<TransferStatus, Error> {
+        self.room_for_one()?;
+        if let Some(st) = self.express_cached(request) {
+            return Ok(st);
+        }
+        if let Some(r) = self.submit_cached(request) {
+            return r;
+        }
+        self.submit(request, request.sync_message.clone(), false)
+    }
+
+    fn prepare_transfer(&self, request: &TransferRequest) -> Result<PreparedTransfer, Error> {
+        let inner = &self.inner;
+        let owner = inner.instance;
+        let peer = self.check_request(request)?;
+        let Resolved {
+            guards,
+            lkeys,
+            rkeys,
+            ..
+        } = self.resolve(request, request.sync_message.as_deref(), &peer)?;
+        if peer.path != Path::Rdma {
+            // The socket paths keep only the holds on the local regions:
+            // the request was checked now, and is validated in full on
+            // every submission.
+            let hold = PreparedHold { _guards: guards };
+            return Ok(PreparedTransfer::new(
+                request.clone(),
+                owner,
+                Some(Box::new(hold)),
+            ));
+        }
+        let link = peer.link(inner)?;
+        let wrs = plan_rdma(request, &lkeys, &rkeys, &link, &inner.config)?;
+        let driver = small(request).then(|| link.driver());
+        let resolved = PreparedRdma {
+            planned: Planned {
+                peer,
+                link,
+                wrs,
+                driver,
+            },
+            guards,
+        };
+        Ok(PreparedTransfer::new(
+            request.clone(),
+            owner,
+            Some(Box::new(resolved)),
+        ))
+    }
+
+    fn submit_prepared(&self, prepared: &PreparedTransfer) -> Result<TransferStatus, Error> {
+        if prepared.owner() != self.inner.instance {
+            return Err(Error::InvalidRequest(
+                "the transfer was prepared by another agent".into(),
+            ));
+        }
+        self.room_for_one()?;
+        let req = prepared.request();
+        let fresh = prepared
+            .resolved
+            .as_ref()
+            .and_then(|r| r.downcast_ref::<PreparedRdma>())
+            .filter(|r| r.planned.current());
+        let Some(r) = fresh else {
+            return self.submit(req, req.sync_message.clone(), false);
+        };
+        if self.inner.closing.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        let p = &r.planned;
+        self.post_planned(
+            &p.link,
+            req.op,
+            Cow::Borrowed(&p.wrs),
+            req.sync_message.clone(),
+            r.guards.clone(),
+            &p.driver,
+        )
+    }
+
+    fn notify_sync_message(&self, remote: &str, message: Vec<u8>) -> Result<TransferStatus, Error> {
+        let req = TransferRequest::write(
+            MemoryDescs::new(MemoryType::Dram, Vec::new()),
+            MemoryDescs::new(MemoryType::Dram, Vec::new()),
+            remote,
+        );
+        self.room_for_one()?;
+        self.submit(&req, Some(message), true)
+    }
+
+    fn take_sync_messages(&self) -> SyncMessages {
+        self.inner.inbox.take()
+    }
+
+    fn wait_sync_messages(&self, timeout: Duration) -> SyncMessages {
+        self.inner.inbox.wait(timeout)
+    }
+
+    fn wait_sync_messages_timed(&self, timeout: Duration) -> crate::agent::TimedSyncMessages {
+        self.inner.inbox.wait_timed(timeout)
+    }
+
+    fn wake_sync_waiters(&self) {
+        self.inner.inbox.wake();
+    }
+
+    fn check_remote_descs(&self, remote: &str, descs: &MemoryDescs) -> bool {
+        let Ok(peer) = self.inner.peer(remote) else {
+            return false;
+        };
+        descs
+            .descs
+            .iter()
+            .all(|d| peer.regions.find(descs.mem_type, d).is_some())
+    }
+}

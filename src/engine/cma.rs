@@ -1,0 +1,176 @@
+//! Cross-memory (shm) requests at the initiator: grants, the direct copy
+//! (`process_vm_writev`/`readv`, stopped between calls by an abort), and
+//! delegating the copy to the target when its side is the contiguous one.
+
+use super::*;
+
+impl Link {
+    /// Waits for the target's answer to a request's grants (or delegate).
+    pub(in crate::engine) fn wait_granted(&self, pending: &Pending) -> Result<u16, Error> {
+        loop {
+            match pending.granted().1.recv_timeout(tick(self.io_timeout)) {
+                Ok(st) => return Ok(st),
+                Err(_) => {
+                    if let Some(e) = &lock(&self.pending).broken {
+                        return Err(e.clone());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Asks the target to do a granted request's copy and commit it with
+    /// `sync`. `Ok(true)`: done (its `Ack` completes the request);
+    /// `Ok(false)`: refused, the caller copies and commits (and this link
+    /// asks no more); `Err`: the target's copy failed, the link is broken.
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::engine) fn run_delegate(
+        &self,
+        fd: std::os::fd::RawFd,
+        req: u64,
+        op: TransferOp,
+        pieces: &[Piece],
+        sync: Option<&[u8]>,
+        (probe_addr, instance): (u64, u64),
+        pending: &Pending,
+    ) -> Result<bool, Error> {
+        let mut table = Vec::with_capacity(pieces.len() * wire::DELEGATE_ENTRY);
+        for p in pieces {
+            table.extend_from_slice(&p.remote.to_le_bytes());
+            table.extend_from_slice(&p.local.to_le_bytes());
+            table.extend_from_slice(&p.len.to_le_bytes());
+        }
+        let hdr = Frame::Delegate {
+            req,
+            op: match op {
+                TransferOp::Write => CommitOp::Write,
+                TransferOp::Read => CommitOp::Read,
+            },
+            count: pieces.len() as u32,
+            pid: std::process::id(),
+            probe_addr,
+            instance,
+            sync_len: sync.map_or(0, |m| m.len() as u32),
+            has_sync: sync.is_some(),
+        }
+        .encode();
+        let body = sync.unwrap_or_default();
+        let mut iovs = [
+            iov(hdr.as_ptr(), HEADER_LEN),
+            iov(table.as_ptr(), table.len()),
+            iov(body.as_ptr(), body.len()),
+        ];
+        // SAFETY: the iovecs point into `hdr`, `table` and `body`, alive for
+        // the call.
+        unsafe { writev_all(fd, &mut iovs, &self.clock, self.io_timeout) }
+            .map_err(|e| self.io_error(e))?;
+        match self.wait_granted(pending)? {
+            status::OK => {
+                self.clock.touch();
+                Ok(true)
+            }
+            status::DELEGATE_REFUSED => {
+                tracing::debug!(remote = %self.remote, "target declined delegated copies; copying here");
+                self.delegate_ok.store(false, Ordering::Relaxed);
+                Ok(false)
+            }
+            st => Err(Error::ConnectionLost {
+                remote: self.remote.clone(),
+                cause: Arc::new(io::Error::other(format!(
+                    "the target's delegated cross-memory copy failed (status {st})"
+                ))),
+            }),
+        }
+    }
+
+    /// Grants and direct copy of a cross-memory request; `Err`: the link is
+    /// broken.
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::engine) fn run_cma(
+        &self,
+        fd: std::os::fd::RawFd,
+        req: u64,
+        op: TransferOp,
+        pid: u32,
+        pieces: &[Piece],
+        grants: &[GrantRange],
+        delegate: Option<Option<&[u8]>>,
+        pending: &Pending,
+    ) -> Result<CmaOutcome, Error> {
+        if pending.completion.abort_requested() {
+            // Nothing sent yet: the target never hears of it.
+            self.complete_event(req, pending, Err(Error::Aborted));
+            return Ok(CmaOutcome::Done);
+        }
+        if grants.is_empty() {
+            return Ok(CmaOutcome::Commit { aborted: false });
+        }
+        let frames: Vec<[u8; HEADER_LEN]> = grants
+            .iter()
+            .map(|g| {
+                Frame::Grant {
+                    req,
+                    mem_type: g.mem_type,
+                    addr: g.addr,
+                    len: g.len,
+                    key: g.key,
+                    total: grants.len() as u32,
+                }
+                .encode()
+            })
+            .collect();
+        let mut iovs: Vec<_> = frames.iter().map(|f| iov(f.as_ptr(), HEADER_LEN)).collect();
+        // SAFETY: the iovecs point into `frames`, alive for the call.
+        unsafe { writev_all(fd, &mut iovs, &self.clock, self.io_timeout) }
+            .map_err(|e| self.io_error(e))?;
+        let st = self.wait_granted(pending)?;
+        if st != status::OK {
+            self.complete_event(
+                req,
+                pending,
+                Err(Error::RemoteRejected {
+                    remote: self.remote.clone(),
+                    reason: RejectReason::from_code(st),
+                }),
+            );
+            return Ok(CmaOutcome::Done);
+        }
+        if pending.completion.abort_requested() {
+            return Ok(CmaOutcome::Commit { aborted: true });
+        }
+        if let (Some(sync), Some((probe_addr, instance))) = (delegate, self.delegate_probe)
+            && self.delegate_ok.load(Ordering::Relaxed)
+            && self.run_delegate(fd, req, op, pieces, sync, (probe_addr, instance), pending)?
+        {
+            return Ok(CmaOutcome::Done);
+        }
+        let dir = match op {
+            TransferOp::Write => Direction::Write,
+            TransferOp::Read => Direction::Read,
+        };
+        let stop = || pending.completion.abort_requested();
+        // SAFETY: local pieces lie in regions validated at submit time and
+        // held by the request's guards until it completes, which cannot
+        // happen before this copy returns (the commit follows it).
+        let copied = unsafe {
+            shm::copy_parallel(
+                pid,
+                dir,
+                pieces,
+                self.copy_threads,
+                PARALLEL_COPY_MIN,
+                &stop,
+            )
+        }
+        .map_err(|e| Error::ConnectionLost {
+            remote: self.remote.clone(),
+            cause: Arc::new(if e.raw_os_error() == Some(libc::ESRCH) {
+                io::Error::new(io::ErrorKind::ConnectionReset, "target process exited")
+            } else {
+                e
+            }),
+        })?;
+        self.clock.touch();
+        Ok(CmaOutcome::Commit { aborted: !copied })
+    }
+}

@@ -1,0 +1,306 @@
+//! Peers: the local descriptor, choosing a data path for a loaded peer,
+//! connecting (endpoints, authentication, `Hello`), fetching a descriptor
+//! over the side channel, and a peer's link, opened on first use.
+
+use super::*;
+
+impl Inner {
+    pub(in crate::engine) fn local_desc(&self) -> AgentDesc {
+        AgentDesc {
+            name: self.config.name.clone(),
+            instance: self.instance,
+            backend: match self.mode {
+                Mode::Shm => BackendKind::Shm,
+                Mode::Rdma => BackendKind::Rdma,
+                Mode::Tcp | Mode::Auto => BackendKind::Tcp,
+            },
+            endpoints: vec![self.endpoint.clone()],
+            regions: self.registry.exported(),
+            rdma: self.device.as_ref().map(|d| RdmaInfo {
+                device: d.name().to_owned(),
+            }),
+            local_access: matches!(self.mode, Mode::Shm | Mode::Auto).then(|| LocalAccess {
+                host: self.host.clone(),
+                pid: std::process::id(),
+                probe_addr: &*self.probe_word as *const u64 as u64,
+            }),
+        }
+    }
+
+    /// Chooses the data path to a remote agent (see [`Mode`]).
+    pub(in crate::engine) fn choose_path(&self, desc: &AgentDesc) -> Result<Path, Error> {
+        if self.mode == Mode::Tcp {
+            return Ok(Path::Tcp);
+        }
+        let rdma_ok = self.device.is_some() && desc.rdma.is_some();
+        if self.mode == Mode::Rdma {
+            if !rdma_ok {
+                return Err(Error::BackendUnavailable {
+                    backend: "rdma",
+                    reason: format!("remote agent {:?} has no RDMA device", desc.name),
+                });
+            }
+            tracing::info!(agent = %self.config.name, remote = %desc.name, "data path: rdma");
+            return Ok(Path::Rdma);
+        }
+        let verdict = match &desc.local_access {
+            None => Err("the remote agent does not offer cross-memory access".to_string()),
+            Some(a) => shm::probe(a, desc.instance, &self.host).map(|()| a.pid),
+        };
+        match (verdict, self.mode) {
+            (Ok(pid), _) => {
+                tracing::info!(agent = %self.config.name, remote = %desc.name, pid, "data path: shm (cross-memory attach)");
+                Ok(Path::Cma { pid })
+            }
+            (Err(reason), Mode::Shm) => Err(Error::BackendUnavailable {
+                backend: "shm",
+                reason: format!("remote agent {:?}: {reason}", desc.name),
+            }),
+            (Err(reason), _) if rdma_ok => {
+                tracing::info!(agent = %self.config.name, remote = %desc.name, %reason, "data path: rdma (shm not possible)");
+                Ok(Path::Rdma)
+            }
+            (Err(reason), _) => {
+                tracing::info!(agent = %self.config.name, remote = %desc.name, %reason, "data path: tcp (neither shm nor rdma possible)");
+                Ok(Path::Tcp)
+            }
+        }
+    }
+
+    pub(in crate::engine) fn peer(&self, name: &str) -> Result<Arc<Peer>, Error> {
+        self.peers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::UnknownAgent(name.to_owned()))
+    }
+}
+
+/// The RDMA local ACK timeout exponent, resolved when the agent was made.
+pub(in crate::engine) fn ack_timeout(config: &AgentConfig) -> u8 {
+    config
+        .rdma_ack_timeout
+        .unwrap_or(crate::verbs::DEFAULT_ACK_TIMEOUT)
+}
+
+/// Connects to the first endpoint that answers before `deadline`.
+pub(in crate::engine) fn connect_any(
+    endpoints: &[String],
+    deadline: std::time::Instant,
+) -> Result<TcpStream, Error> {
+    let mut last = None;
+    for ep in endpoints {
+        let addrs = match ep.to_socket_addrs() {
+            Ok(a) => a,
+            Err(e) => {
+                last = Some(Error::Connect {
+                    addr: ep.clone(),
+                    cause: Arc::new(e),
+                });
+                continue;
+            }
+        };
+        for a in addrs {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(last.unwrap_or(Error::Timeout {
+                    what: "connecting",
+                    after: Duration::ZERO,
+                }));
+            }
+            match TcpStream::connect_timeout(&a, left) {
+                Ok(s) => {
+                    s.set_nodelay(true)?;
+                    let _ = socket2::SockRef::from(&s).set_tcp_keepalive(
+                        &socket2::TcpKeepalive::new()
+                            .with_time(Duration::from_secs(10))
+                            .with_interval(Duration::from_secs(5)),
+                    );
+                    return Ok(s);
+                }
+                Err(e) => {
+                    last = Some(Error::Connect {
+                        addr: a.to_string(),
+                        cause: Arc::new(e),
+                    })
+                }
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| Error::InvalidConnectionInfo {
+        info: String::new(),
+        reason: "no endpoint".into(),
+    }))
+}
+
+/// Authenticates, sends `Hello` and checks the `HelloAck`; returns the
+/// session's ticket.
+pub(in crate::engine) fn handshake(
+    inner: &Inner,
+    peer: &AgentDesc,
+    sock: &TcpStream,
+    link: u64,
+    stream: u32,
+    clock: &ProgressClock,
+    deadline: std::time::Instant,
+) -> Result<u128, Error> {
+    let t = inner.config.connect_timeout;
+    sock.set_read_timeout(Some(tick(t)))?;
+    sock.set_write_timeout(Some(tick(t)))?;
+    handshake::initiate(
+        sock,
+        inner.config.credential.as_ref(),
+        &inner.config.name,
+        Some(&peer.name),
+        &peer.name,
+        deadline,
+        t,
+    )?;
+    let name = inner.config.name.as_bytes();
+    let hello = Frame::Hello {
+        instance: inner.instance,
+        expect: peer.instance,
+        version: PROTOCOL_VERSION,
+        link,
+        stream,
+        name_len: name.len() as u32,
+    }
+    .encode();
+    let mut iovs = [
+        iov(hello.as_ptr(), HEADER_LEN),
+        iov(name.as_ptr(), name.len()),
+    ];
+    let conn_err = |e: io::Error| Error::ConnectionLost {
+        remote: peer.name.clone(),
+        cause: Arc::new(e),
+    };
+    // SAFETY: both iovecs point into live locals.
+    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, t) }.map_err(conn_err)?;
+    let mut reader = FrameReader::new(sock.as_raw_fd(), clock);
+    reader.set_deadline(Some(deadline));
+    let raw = reader
+        .next_header(&mut UntilDeadline)
+        .map_err(|e| timeout_or(e, "connection handshake", t, conn_err))?
+        .ok_or_else(|| conn_err(io::ErrorKind::UnexpectedEof.into()))?;
+    match Frame::decode(&raw) {
+        Ok(Frame::HelloAck {
+            status: status::OK,
+            ticket,
+            ..
+        }) => Ok(ticket),
+        Ok(Frame::HelloAck {
+            status: status::STALE_INSTANCE,
+            ..
+        }) => Err(Error::StaleAgent {
+            remote: peer.name.clone(),
+            addr: sock.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
+        }),
+        other => Err(Error::ProtocolViolation {
+            remote: peer.name.clone(),
+            detail: format!("bad hello answer {other:?}"),
+        }),
+    }
+}
+
+pub(in crate::engine) fn timeout_or(
+    e: io::Error,
+    what: &'static str,
+    after: Duration,
+    other: impl FnOnce(io::Error) -> Error,
+) -> Error {
+    if e.kind() == io::ErrorKind::TimedOut {
+        Error::Timeout { what, after }
+    } else {
+        other(e)
+    }
+}
+
+/// Fetches an agent descriptor over the side channel, after the
+/// authentication exchange; the descriptor must name the agent that
+/// authenticated.
+pub(in crate::engine) fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDesc, Error> {
+    // One deadline for the whole exchange: connect, authenticate, fetch.
+    let timeout = inner.config.connect_timeout;
+    let deadline = std::time::Instant::now() + timeout;
+    let addrs: Vec<SocketAddr> = info
+        .to_socket_addrs()
+        .map_err(|e| Error::InvalidConnectionInfo {
+            info: info.to_owned(),
+            reason: e.to_string(),
+        })?
+        .collect();
+    if addrs.is_empty() {
+        return Err(Error::InvalidConnectionInfo {
+            info: info.to_owned(),
+            reason: "resolves to no address".into(),
+        });
+    }
+    let sock = connect_any(&[info.to_owned()], deadline)?;
+    sock.set_read_timeout(Some(tick(timeout)))?;
+    sock.set_write_timeout(Some(tick(timeout)))?;
+    let target = handshake::initiate(
+        &sock,
+        inner.config.credential.as_ref(),
+        &inner.config.name,
+        None,
+        info,
+        deadline,
+        timeout,
+    )?;
+    let clock = ProgressClock::new();
+    let conn_err = |e: io::Error| Error::Connect {
+        addr: info.to_owned(),
+        cause: Arc::new(e),
+    };
+    send_frames(&sock, &[Frame::DescRequest.encode()], &clock, timeout).map_err(conn_err)?;
+    let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
+    reader.set_deadline(Some(deadline));
+    let mut idle = UntilDeadline;
+    let raw = reader
+        .next_header(&mut idle)
+        .map_err(|e| timeout_or(e, "descriptor fetch", timeout, conn_err))?
+        .ok_or_else(|| conn_err(io::ErrorKind::UnexpectedEof.into()))?;
+    let Ok(Frame::DescReply { body_len }) = Frame::decode(&raw) else {
+        return Err(Error::ProtocolViolation {
+            remote: info.to_owned(),
+            detail: "expected a descriptor reply".into(),
+        });
+    };
+    let body = reader
+        .read_vec(body_len as usize, &mut idle)
+        .map_err(|e| timeout_or(e, "descriptor fetch", timeout, conn_err))?;
+    let desc = AgentDesc::decode(&body)?;
+    if desc.name != target {
+        return Err(Error::AuthFailed {
+            remote: info.to_owned(),
+            reason: format!(
+                "the descriptor names agent {:?}, but {target:?} authenticated",
+                desc.name
+            ),
+        });
+    }
+    Ok(desc)
+}
+
+impl Peer {
+    /// The live link, opening a new one when there is none or it broke.
+    pub(in crate::engine) fn link(&self, inner: &Inner) -> Result<Arc<Link>, Error> {
+        let mut slot = lock(&self.link);
+        if let Some(l) = slot.as_ref() {
+            if !l.is_broken() {
+                return Ok(Arc::clone(l));
+            }
+            let old = slot.take().expect("checked above");
+            old.join();
+        }
+        let n = match self.path {
+            Path::Tcp => inner.config.streams_per_peer,
+            // Data bypasses the socket; one stream carries the control.
+            Path::Cma { .. } | Path::Rdma => 1,
+        };
+        let l = Link::open(inner, &self.desc, n, self.path)?;
+        *slot = Some(Arc::clone(&l));
+        Ok(l)
+    }
+}

@@ -1,0 +1,673 @@
+//! The RDMA link's behaviour at the initiator: posting (the express lane,
+//! a lone work request, the send queue pumped within the window and the
+//! multi-queue-pair gate; aborted work skipped), completions, and the
+//! progress threads.
+
+use crate::engine::*;
+
+impl Progress for Link {
+    fn progress(&self) -> bool {
+        // Every queue pair is drained (no short cut at the first with
+        // completions).
+        self.rdma
+            .iter()
+            .map(|c| self.drain_rdma(c, false))
+            .sum::<usize>()
+            > 0
+    }
+}
+
+impl Link {
+    /// What a waiting thread polls for this link's completions (weak: a
+    /// status must not keep the link alive).
+    pub(in crate::engine) fn driver(self: &Arc<Self>) -> std::sync::Weak<dyn Progress> {
+        let strong: Arc<dyn Progress> = Arc::clone(self) as Arc<dyn Progress>;
+        Arc::downgrade(&strong)
+    }
+
+    /// Wakes the RDMA progress threads (parked while no large request is
+    /// in flight).
+    pub(in crate::engine) fn wake_progress(&self) {
+        for t in self.progress_threads.get().into_iter().flatten() {
+            t.unpark();
+        }
+    }
+
+    pub(in crate::engine) fn broken_cause(&self) -> Option<Error> {
+        if !self.is_broken() {
+            return None;
+        }
+        lock(&self.pending).broken.clone()
+    }
+
+    /// Queues a request's work requests (then its sync message as a SEND)
+    /// and posts as many as the send window allows; the progress thread
+    /// posts the rest as completions free the window. Never blocks.
+    pub(in crate::engine) fn post_rdma(
+        &self,
+        id: u64,
+        op: TransferOp,
+        wrs: Few<rdma::Wr>,
+        sync: Option<Vec<u8>>,
+        pending: &Arc<Pending>,
+    ) {
+        let n = self.rdma.len();
+        if n == 1 {
+            // One queue pair: everything in order on it, no gate.
+            let conn = &self.rdma[0];
+            let mut q = lock(&conn.queue);
+            // One data work request, nothing queued before it, room in the
+            // window: posted at once, without going through the queue.
+            if let ([wr], None) = (wrs.as_slice(), &sync)
+                && self.room_alone(conn, &q, wr)
+            {
+                // SAFETY: the pieces lie in regions held by the request's
+                // guards until its completion.
+                if let Err(err) = unsafe { self.post_alone(conn, q, id, op, wr) } {
+                    self.complete_event(id, pending, Err(err.clone()));
+                    self.fail(err);
+                }
+                return;
+            }
+            let count = wrs.len() + usize::from(sync.is_some());
+            conn.count_queued(count as u64);
+            conn.waiting.fetch_add(count, Ordering::SeqCst);
+            for wr in wrs {
+                q.items
+                    .push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
+            }
+            if let Some(msg) = sync {
+                let gate = Vec::new();
+                q.items
+                    .push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
+            }
+            self.pump_locked(conn, q);
+            return;
+        }
+        // Work requests go round the queue pairs, starting where the
+        // previous request left off, so small requests spread too.
+        let start = self
+            .next_stripe
+            .fetch_add(wrs.len().max(1), Ordering::Relaxed);
+        let mut per_qp: Vec<Vec<rdma::Wr>> = (0..n).map(|_| Vec::new()).collect();
+        for (i, wr) in wrs.into_iter().enumerate() {
+            per_qp[(start + i) % n].push(wr);
+        }
+        let mut touched = vec![false; n];
+        for ((conn, wrs), t) in self.rdma.iter().zip(per_qp).zip(&mut touched) {
+            if wrs.is_empty() {
+                continue;
+            }
+            *t = true;
+            let mut q = lock(&conn.queue);
+            conn.count_queued(wrs.len() as u64);
+            conn.waiting.fetch_add(wrs.len(), Ordering::SeqCst);
+            for wr in wrs {
+                q.items
+                    .push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
+            }
+        }
+        if let Some(msg) = sync {
+            touched[0] = true;
+            // After everything queued so far on the other queue pairs
+            // (this request's data included): RC orders the SEND only
+            // behind its own queue pair's work.
+            let gate = self.rdma[1..]
+                .iter()
+                .map(|c| c.queued.load(Ordering::Acquire))
+                .collect();
+            let conn = &self.rdma[0];
+            let mut q = lock(&conn.queue);
+            conn.count_queued(1);
+            conn.waiting.fetch_add(1, Ordering::SeqCst);
+            q.items
+                .push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
+        }
+        for (conn, _) in self.rdma.iter().zip(touched).filter(|(_, t)| *t) {
+            self.pump(conn);
+        }
+    }
+
+    /// Whether a sync message's gate is open: every work request it waits
+    /// for on the other queue pairs has completed.
+    pub(in crate::engine) fn gate_open(&self, gate: &[u64]) -> bool {
+        gate.iter()
+            .zip(&self.rdma[1..])
+            .all(|(&g, c)| c.completed.load(Ordering::Acquire) >= g)
+    }
+
+    /// Posts queued work requests while the window and the message buffers
+    /// allow, in order, up to [`rdma::DOORBELL_BATCH`] per doorbell. On a
+    /// broken link, fails every queued one instead (each counts its events,
+    /// so requests still complete exactly once).
+    pub(in crate::engine) fn pump(&self, conn: &rdma::RdmaConn) {
+        self.pump_locked(conn, lock(&conn.queue));
+    }
+
+    /// [`pump`](Self::pump) with the send queue's lock already held. Work
+    /// of aborted requests met at the head of the queue is not posted: it
+    /// counts as done (for the gates of later sync messages) and its events
+    /// fail with [`Error::Aborted`], once the lock is let go.
+    pub(in crate::engine) fn pump_locked<'c>(
+        &self,
+        conn: &'c rdma::RdmaConn,
+        q: std::sync::MutexGuard<'c, rdma::SendQueue>,
+    ) {
+        let mut skipped = Vec::new();
+        self.pump_queue(conn, q, &mut skipped);
+        for (item, p) in skipped {
+            for _ in 0..item.events() {
+                self.complete_event(item.id(), &p, Err(Error::Aborted));
+            }
+        }
+    }
+
+    pub(in crate::engine) fn pump_queue<'c>(
+        &self,
+        conn: &'c rdma::RdmaConn,
+        mut q: std::sync::MutexGuard<'c, rdma::SendQueue>,
+        skipped: &mut Vec<(rdma::Queued, Arc<Pending>)>,
+    ) {
+        // A basic queue pair may post part of a failed batch: one at a time.
+        let batch_max = if conn.batch_is_atomic {
+            rdma::DOORBELL_BATCH
+        } else {
+            1
+        };
+        loop {
+            if q.items.is_empty() {
+                return;
+            }
+            if let Some(cause) = self.broken_cause() {
+                let drained: Vec<_> = q.items.drain(..).collect();
+                conn.waiting.fetch_sub(drained.len(), Ordering::AcqRel);
+                drop(q);
+                for (item, p) in drained {
+                    for _ in 0..item.events() {
+                        self.complete_event(item.id(), &p, Err(cause.clone()));
+                    }
+                }
+                return;
+            }
+            // The batch, and every work request's pieces back to back with
+            // where each one's are: scratch kept in the queue, so posting
+            // allocates nothing.
+            let rdma::SendQueue {
+                items,
+                batch,
+                sges,
+                spans,
+            } = &mut *q;
+            batch.clear();
+            while batch.len() < batch_max {
+                let Some((front, p)) = items.front() else {
+                    break;
+                };
+                if p.completion.abort_requested() {
+                    let (item, p) = items.pop_front().expect("front exists");
+                    conn.waiting.fetch_sub(1, Ordering::SeqCst);
+                    conn.count_completed();
+                    skipped.push((item, p));
+                    continue;
+                }
+                let len = match front {
+                    rdma::Queued::Data { wr, .. } => wr.len,
+                    rdma::Queued::Sync { gate, .. } if !self.gate_open(gate) => break,
+                    rdma::Queued::Sync { msg, .. } => msg.len() as u64,
+                };
+                if !conn.try_take_slot(len) {
+                    break;
+                }
+                let send_slot = match front {
+                    rdma::Queued::Sync { .. } => match conn.sends.try_acquire() {
+                        Some(s) => Some(s),
+                        None => {
+                            conn.unwind_slot();
+                            break;
+                        }
+                    },
+                    rdma::Queued::Data { .. } => None,
+                };
+                let (item, p) = items.pop_front().expect("front exists");
+                // Still counted in `waiting` until posted (below), so an
+                // express request cannot overtake it in between.
+                batch.push((item, p, send_slot));
+            }
+            if batch.is_empty() {
+                return;
+            }
+            conn.posted.fetch_add(batch.len(), Ordering::AcqRel);
+            sges.clear();
+            spans.clear();
+            for (item, _, slot) in batch.iter() {
+                let start = sges.len();
+                match (item, slot) {
+                    (rdma::Queued::Data { wr, .. }, _) => sges.extend_from_slice(&wr.sges),
+                    (rdma::Queued::Sync { id, msg, .. }, Some(slot)) => {
+                        let len = conn.sends.write_sync(*slot, *id, msg);
+                        sges.push(conn.sends.sge(*slot, len));
+                    }
+                    (rdma::Queued::Sync { .. }, None) => {}
+                }
+                spans.push(start..sges.len());
+            }
+            let posts: Few<crate::verbs::Post<'_>> = batch
+                .iter()
+                .zip(spans.iter())
+                .map(|((item, _, slot), span)| {
+                    let sg = &sges[span.clone()];
+                    match item {
+                        rdma::Queued::Data { id, op, wr } => rdma::data_post(*id, *op, wr, sg),
+                        rdma::Queued::Sync { id, .. } => crate::verbs::Post {
+                            // A sync message always has a buffer (taken above).
+                            wr_id: rdma::SEND_FLAG | ((slot.unwrap_or(0) as u64) << 40) | id,
+                            op: crate::verbs::PostOp::Send { imm: 0 },
+                            sges: sg,
+                        },
+                    }
+                })
+                .collect();
+            // SAFETY: data pieces lie in registered regions held by the
+            // requests' guards, which live until every event of a request
+            // (these work requests' completions among them) has happened; a
+            // message slot is ours until its SEND completes.
+            let r = unsafe { lock(&conn.qp).post_batch(&posts) };
+            drop(posts);
+            conn.waiting.fetch_sub(batch.len(), Ordering::SeqCst);
+            let Err(e) = r else {
+                batch.clear();
+                // Still holding the lock: go on while work is queued.
+                continue;
+            };
+            // Nothing of the batch was posted (atomic batches, or one).
+            let failed = std::mem::take(batch);
+            // Slots are unwound under the queue's lock, as they were taken.
+            for _ in 0..failed.len() {
+                conn.unwind_slot();
+            }
+            drop(q);
+            conn.posted.fetch_sub(failed.len(), Ordering::AcqRel);
+            let err = rdma::rdma_err(&self.remote, e);
+            for (item, p, slot) in failed.into_iter().rev() {
+                if let Some(slot) = slot {
+                    conn.sends.release(slot);
+                }
+                for _ in 0..item.events() {
+                    self.complete_event(item.id(), &p, Err(err.clone()));
+                }
+            }
+            self.fail(err);
+            // The link is broken now: the next pass fails what is queued.
+            q = lock(&conn.queue);
+        }
+    }
+
+    /// Whether `wr` may be posted at once, bypassing the send queue `q`:
+    /// nothing queued before it, the link whole, a window slot taken for it.
+    pub(in crate::engine) fn room_alone(
+        &self,
+        conn: &rdma::RdmaConn,
+        q: &rdma::SendQueue,
+        wr: &rdma::Wr,
+    ) -> bool {
+        q.items.is_empty() && !self.is_broken() && conn.try_take_slot(wr.len)
+    }
+
+    /// Posts `wr` as work request `wr_id` with the send queue's lock `q`
+    /// held and a window slot taken ([`room_alone`](Self::room_alone)); on
+    /// failure gives the slot back and returns the error (the caller fails
+    /// the request and the link).
+    ///
+    /// # Safety
+    /// The pieces of `wr` must lie in regions held until its completion.
+    pub(in crate::engine) unsafe fn post_alone(
+        &self,
+        conn: &rdma::RdmaConn,
+        q: std::sync::MutexGuard<'_, rdma::SendQueue>,
+        wr_id: u64,
+        op: TransferOp,
+        wr: &rdma::Wr,
+    ) -> Result<(), Error> {
+        conn.count_queued(1);
+        conn.posted.fetch_add(1, Ordering::AcqRel);
+        let post = rdma::data_post(wr_id, op, wr, &wr.sges);
+        // SAFETY: forwarded contract.
+        let r = unsafe { lock(&conn.qp).post_batch(std::slice::from_ref(&post)) };
+        let Err(e) = r else {
+            return Ok(());
+        };
+        conn.unwind_slot();
+        drop(q);
+        conn.posted.fetch_sub(1, Ordering::AcqRel);
+        Err(rdma::rdma_err(&self.remote, e))
+    }
+
+    /// Posts request `id` (one data work request `wr`) in the express lane
+    /// when the lane is free, nothing is queued before it and the link is
+    /// whole ([`ExpressLane`]); returns its status, or `None` for the
+    /// ordinary path. `hold` puts the request's region holds into the
+    /// lane's (empty) list once the lane is claimed; false (holds no longer
+    /// current, the list left empty) frees the lane again: `None`. Not
+    /// called when the lane is not taken.
+    pub(in crate::engine) fn post_express(
+        &self,
+        id: u64,
+        op: TransferOp,
+        wr: &rdma::Wr,
+        hold: impl FnOnce(&mut Few<RegionGuard>) -> bool,
+        driver: &std::sync::Weak<dyn Progress>,
+    ) -> Option<Arc<Completion>> {
+        let [conn] = self.rdma.as_slice() else {
+            return None;
+        };
+        let post = rdma::data_post(id | rdma::EXPRESS_FLAG, op, wr, &wr.sges);
+        let lane = &self.express;
+        if !crate::verbs::SharedPoster::fits(&post)
+            || lane
+                .state
+                .compare_exchange(
+                    LANE_FREE,
+                    LANE_CLAIMED,
+                    Ordering::Acquire,
+                    Ordering::Relaxed,
+                )
+                .is_err()
+        {
+            return None;
+        }
+        // Sequentially consistent with the count a submitter raises before
+        // it queues (and the pump lowers only after posting): either this
+        // sees that work, or that work comes after this request.
+        if conn.waiting.load(Ordering::SeqCst) != 0 || self.is_broken() {
+            lane.state.store(LANE_FREE, Ordering::Release);
+            return None;
+        }
+        let completion = {
+            // SAFETY: our compare-and-swap moved the lane to CLAIMED: the
+            // slot is ours until we store POSTED.
+            let slot = unsafe { &mut *lane.slot.get() };
+            if !hold(&mut slot.guards) {
+                lane.state.store(LANE_FREE, Ordering::Release);
+                return None;
+            }
+            let new = || Completion::counted(Some(driver.clone()), Some(&self.in_flight));
+            let status = slot.status.get_or_insert_with(new);
+            match Arc::get_mut(status) {
+                // Unique: the caller dropped the status it was behind.
+                Some(c) => c.reset(),
+                None => *status = new(),
+            }
+            Arc::clone(status)
+        };
+        conn.posted.fetch_add(1, Ordering::AcqRel);
+        lane.state.store(LANE_POSTED, Ordering::Release);
+        // SAFETY: the pieces lie in regions held (in the lane) until the
+        // work request's completion is handled; the connection's queue pair
+        // is alive (we hold the link); `post` fits (checked above).
+        if let Err(e) = unsafe { conn.poster.post(&post) } {
+            conn.posted.fetch_sub(1, Ordering::AcqRel);
+            let err = rdma::rdma_err(&self.remote, e);
+            self.finish_express(Err(err.clone()), false);
+            self.fail(err);
+        } else if conn.reap.look(id) {
+            // A software provider completes it inside the post: reaped
+            // here, the caller's wait is one load.
+            self.drain_rdma(conn, false);
+            conn.reap.record(completion.is_done());
+        }
+        Some(completion)
+    }
+
+    /// Completes the express request in flight, if any, with `result`:
+    /// releases its regions, records the outcome, frees the lane.
+    /// `close`: the link's last thread is leaving, no request may take
+    /// the lane after this one.
+    pub(in crate::engine) fn finish_express(&self, result: Result<(), Error>, close: bool) {
+        let lane = &self.express;
+        loop {
+            match lane.state.load(Ordering::Acquire) {
+                LANE_POSTED => {
+                    if lane
+                        .state
+                        .compare_exchange(
+                            LANE_POSTED,
+                            LANE_FINISHING,
+                            Ordering::Acquire,
+                            Ordering::Relaxed,
+                        )
+                        .is_err()
+                    {
+                        continue;
+                    }
+                    // SAFETY: our compare-and-swap moved the lane to
+                    // FINISHING: the slot is ours until we store below.
+                    let slot = unsafe { &mut *lane.slot.get() };
+                    slot.guards.clear();
+                    if let Some(c) = &slot.status {
+                        c.complete(result);
+                    }
+                    let next = if close { LANE_CLOSED } else { LANE_FREE };
+                    lane.state.store(next, Ordering::Release);
+                    return;
+                }
+                LANE_FREE if close => {
+                    if lane
+                        .state
+                        .compare_exchange(
+                            LANE_FREE,
+                            LANE_CLOSED,
+                            Ordering::AcqRel,
+                            Ordering::Relaxed,
+                        )
+                        .is_ok()
+                    {
+                        return;
+                    }
+                }
+                // A submitter filling the slot, or another finisher: both
+                // are a few instructions from handing the lane on.
+                LANE_CLAIMED | LANE_FINISHING if close => std::thread::yield_now(),
+                // Nothing in flight (or someone else finishing it).
+                _ => return,
+            }
+        }
+    }
+
+    /// Handles one completion of `conn`'s send queue, polled by the holder
+    /// of its poll lock: frees its window slot and message buffer, records
+    /// its request's event (failing the link on an error completion).
+    /// `touched`: whether this drain has told the link's idle clock yet (a
+    /// drain of express completions alone reads no clock: the idle check
+    /// watches the table, which they stay out of).
+    pub(in crate::engine) fn on_send_completion(
+        &self,
+        conn: &rdma::RdmaConn,
+        c: &crate::verbs::Completion,
+        touched: &mut bool,
+    ) {
+        conn.posted.fetch_sub(1, Ordering::AcqRel);
+        let express = c.wr_id & rdma::EXPRESS_FLAG != 0;
+        if !express {
+            // The express lane's work request takes no window slot.
+            conn.count_completed();
+            conn.release_slot();
+            if !std::mem::replace(touched, true) {
+                self.clock.touch();
+            }
+        }
+        let (req, slot) = rdma::decode_wr_id(c.wr_id);
+        if let Some(slot) = slot {
+            conn.sends.release(slot);
+        }
+        let result = match c.ok() {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let err = self.broken_cause().unwrap_or_else(|| match e {
+                    crate::verbs::VerbsError::WorkCompletion { status_name, .. } => {
+                        Error::RdmaCompletion {
+                            remote: self.remote.clone(),
+                            status: status_name,
+                        }
+                    }
+                    other => rdma::rdma_err(&self.remote, other),
+                });
+                self.fail(err.clone());
+                Err(err)
+            }
+        };
+        if express {
+            self.finish_express(result, false);
+            return;
+        }
+        // A request's last event (nothing else can count one then) is
+        // taken out of the table under the same lock as the lookup.
+        let mut t = lock(&self.pending);
+        let found = match t.map.get(&req) {
+            Some(p) if p.outstanding.load(Ordering::Acquire) == 1 => {
+                t.map.remove(&req).map(|p| (p, true))
+            }
+            Some(p) => Some((Arc::clone(p), false)),
+            None => None,
+        };
+        drop(t);
+        match found {
+            Some((p, true)) => {
+                // Its count was 1 under the lock: this is its last event.
+                p.event(result);
+                p.finish(None);
+            }
+            Some((p, false)) => self.complete_event(req, &p, result),
+            None => {}
+        }
+    }
+
+    /// Drains the send completion queue once: frees window slots and
+    /// message buffers, completes request events, fails the link on the
+    /// first error completion, then posts what the freed window allows.
+    /// Called by the progress thread and by threads waiting on a request
+    /// (whoever gets the poll lock; the other returns at once). Returns how
+    /// many completions it processed.
+    /// `wait_turn`: take the poll lock even when another thread holds it
+    /// (the progress thread after arming its completion channel, which
+    /// must not miss a completion the other thread polled too early for).
+    pub(in crate::engine) fn drain_rdma(&self, conn: &rdma::RdmaConn, wait_turn: bool) -> usize {
+        let polling = if wait_turn {
+            lock(&conn.polled)
+        } else {
+            match conn.polled.try_lock() {
+                Ok(d) => d,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return 0,
+            }
+        };
+        let mut touched = false;
+        let n = match conn
+            .cq
+            .poll_each(|c| self.on_send_completion(conn, c, &mut touched))
+        {
+            Ok(n) => n,
+            Err(e) => {
+                self.fail(rdma::rdma_err(&self.remote, e));
+                0
+            }
+        };
+        if n == 0 {
+            return 0;
+        }
+        // Only the holder of `polled` writes it: no read-modify-write.
+        conn.drains
+            .store(conn.drains.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        drop(polling);
+        // The window has room again: post what is queued. (A submitter
+        // counts its work in `waiting` before it tries the window; the
+        // count, the window's release and its try are sequentially
+        // consistent, so either the try found the room, or this sees the
+        // count. A message buffer freed above is ordered by the ring's
+        // lock in the same way.)
+        if conn.waiting.load(Ordering::SeqCst) > 0 {
+            self.pump(conn);
+        }
+        if conn.index != 0 {
+            // A sync message on the first queue pair may wait for these.
+            self.pump(&self.rdma[0]);
+        }
+        n
+    }
+
+    /// The progress thread: drains the completion queue whenever nobody
+    /// waiting on a request does, so requests complete without waiters
+    /// too. Exits when the link is broken and nothing is posted.
+    /// `adaptive`: poll, rather than sleep on the completion channel,
+    /// while work requests are posted ([`RdmaProgress::Adaptive`](crate::RdmaProgress::Adaptive)).
+    pub(in crate::engine) fn run_rdma_progress(self: Arc<Self>, index: usize, adaptive: bool) {
+        let Some(conn) = self.rdma.get(index) else {
+            self.thread_exit();
+            return;
+        };
+        let mut backoff = Backoff::new();
+        // The drain count at the last look while parked for waiters.
+        let mut seen = u64::MAX;
+        loop {
+            if self.drain_rdma(conn, false) > 0 {
+                // Its own drains are not the waiters'.
+                seen = conn.drains.load(Ordering::Relaxed);
+                backoff.reset();
+                continue;
+            }
+            if self.is_broken() {
+                self.pump(conn);
+                if conn.posted.load(Ordering::Acquire) == 0 {
+                    break;
+                }
+            }
+            // Read without the queue's lock: the submitting thread holds it
+            // across its post, and a progress thread blocking on it there
+            // cost both a futex round trip.
+            if self.undriven.load(Ordering::Acquire) == 0
+                && conn.waiting.load(Ordering::Acquire) == 0
+            {
+                // Only requests whose waiters poll the completion queue
+                // themselves (or none): keep out of their way — a woken
+                // progress thread took the CPU from them (soft-RoCE
+                // ping-pong 420 µs with it, 200-225 µs without, see
+                // docs/benchmarks.md). Look in every millisecond while work
+                // is posted and nobody drained since the last look (a
+                // waiter may have given up), every 20 ms while waiters
+                // drain (a latency-bound caller: one request, wait, the
+                // next) or nothing is posted; submitting a large request
+                // wakes the thread at once.
+                let drains = conn.drains.load(Ordering::Relaxed);
+                let waiters_drain = drains != std::mem::replace(&mut seen, drains);
+                let posted = conn.posted.load(Ordering::Acquire) > 0;
+                let ms = if posted && !waiters_drain { 1 } else { 20 };
+                std::thread::park_timeout(Duration::from_millis(ms));
+                backoff.reset();
+                continue;
+            }
+            let posted = conn.posted.load(Ordering::Acquire) > 0;
+            match &conn.events {
+                // Adaptive: poll while a large request's work is posted.
+                Some(_) if adaptive && posted => backoff.wait(true),
+                Some(ev) => {
+                    // Arm, then poll once more: a completion that came
+                    // before arming raises no event.
+                    if let Err(e) = ev.arm() {
+                        self.fail(rdma::rdma_err(&self.remote, e));
+                        backoff.wait(false);
+                        continue;
+                    }
+                    if self.drain_rdma(conn, true) > 0 {
+                        continue;
+                    }
+                    // Bounded, so a broken link is noticed.
+                    if let Err(e) = ev.wait(Duration::from_millis(20)) {
+                        self.fail(rdma::rdma_err(&self.remote, e));
+                        backoff.wait(false);
+                    }
+                }
+                None => backoff.wait(posted),
+            }
+        }
+        self.thread_exit();
+    }
+}

@@ -1,0 +1,482 @@
+//! The submit path: check, resolve (local holds, remote keys), plan and hand
+//! to the link; the prepared-transfer and repeated-request caches of the
+//! RDMA small-request path.
+
+use super::*;
+
+impl Engine {
+    /// Whether one more request may be submitted (see
+    /// [`AgentConfig::max_requests_in_flight`]).
+    pub(in crate::engine) fn room_for_one(&self) -> Result<(), Error> {
+        let n = self.inner.in_flight.load(Ordering::Relaxed);
+        if n >= self.inner.config.max_requests_in_flight {
+            return Err(Error::WouldBlock { in_flight: n });
+        }
+        Ok(())
+    }
+
+    /// Submits `req` with `sync` as its sync message (taken apart from the
+    /// request, which the caller keeps).
+    pub(in crate::engine) fn submit(
+        &self,
+        req: &TransferRequest,
+        sync: Option<Vec<u8>>,
+        fence: bool,
+    ) -> Result<TransferStatus, Error> {
+        let inner = &self.inner;
+        let generation = inner.registry.generation();
+        let peer = self.check_request(req)?;
+        let rdma = peer.path == Path::Rdma;
+        let Resolved {
+            guards,
+            lkeys,
+            keys,
+            rkeys,
+        } = self.resolve(req, sync.as_deref(), &peer)?;
+        let link = peer.link(inner)?;
+        if rdma {
+            let wrs = plan_rdma(req, &lkeys, &rkeys, &link, &inner.config)?;
+            let driver = small(req).then(|| link.driver());
+            if !fence && req.local.descs.len() <= CACHE_MAX_DESCS && driver.is_some() {
+                let planned = Planned {
+                    peer: Arc::clone(&peer),
+                    link: Arc::clone(&link),
+                    wrs: wrs.clone(),
+                    driver: driver.clone(),
+                };
+                self.remember(req, generation, &guards, planned);
+            }
+            return self.post_planned(&link, req.op, Cow::Owned(wrs), sync, guards, &driver);
+        }
+        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
+        let completion = Completion::counted(None, Some(&inner.in_flight));
+        let new_pending = |outstanding: usize| {
+            Arc::new(Pending {
+                completion: Arc::clone(&completion),
+                outstanding: AtomicUsize::new(outstanding),
+                error: Mutex::new(None),
+                failed: AtomicBool::new(false),
+                guards: Mutex::new(guards),
+                granted: OnceLock::new(),
+                undriven: None,
+            })
+        };
+        if let Path::Cma { pid } = peer.path {
+            let pending = new_pending(1);
+            link.insert(id, Arc::clone(&pending))?;
+            link.clock.touch();
+            let job = Job::Cma {
+                req: id,
+                op: req.op,
+                pid,
+                pieces: req
+                    .local
+                    .descs
+                    .iter()
+                    .zip(&req.remote.descs)
+                    .map(|(l, r)| Piece {
+                        local: l.addr,
+                        remote: r.addr,
+                        len: l.len,
+                    })
+                    .collect(),
+                grants: grant_ranges(&req.remote, &keys),
+                delegate: should_delegate(req),
+                sync,
+                pending,
+            };
+            if link.streams[0].tx.send(job).is_err() {
+                link.fail(Error::Closed);
+            }
+            return Ok(TransferStatus::new(id, completion));
+        }
+        let n = link.streams.len();
+        let plan = plan_segments(req, &keys, inner.config.segment_size, n);
+        let total: usize = plan.iter().map(Vec::len).sum();
+        let reads = if req.op == TransferOp::Read { total } else { 0 };
+        let fences = if fence { n - 1 } else { 0 };
+        let pending = new_pending(reads + 1);
+        link.insert(id, Arc::clone(&pending))?;
+        link.clock.touch();
+        let mut sync = sync;
+        // Stream 0 carries the commit, after its own segments; every other
+        // stream carries its segments (and a fence, for data-less requests).
+        for (k, segs) in plan.into_iter().enumerate().rev() {
+            let tail = if k == 0 {
+                Tail::Commit {
+                    segments: (total + fences) as u64,
+                    sync: sync.take(),
+                }
+            } else if fence {
+                Tail::Fence
+            } else if segs.is_empty() {
+                continue;
+            } else {
+                Tail::None
+            };
+            let job = Job::Frames {
+                req: id,
+                op: req.op,
+                segs,
+                tail,
+                pending: Arc::clone(&pending),
+            };
+            if link.streams[k].tx.send(job).is_err() {
+                link.fail(Error::Closed);
+                break;
+            }
+        }
+        Ok(TransferStatus::new(id, completion))
+    }
+}
+
+/// What a [`PreparedTransfer`] on a socket path keeps: its local regions
+/// held (as on RDMA), nothing else.
+pub(in crate::engine) struct PreparedHold {
+    pub(in crate::engine) _guards: Few<RegionGuard>,
+}
+
+/// Largest request (in descriptors) [`SubmitCache`] remembers: the cache
+/// is for latency-bound requests sent again and again; comparing a large
+/// request costs what resolving it does.
+pub(in crate::engine) const CACHE_MAX_DESCS: usize = 4;
+
+/// The resolution of the last small RDMA request `submit_transfer` took,
+/// reused when the next one is the same (same operation, agent and
+/// descriptors) and still valid: the peer entry not retired, the link not
+/// broken, no deregistration since (the registry's generation). What a
+/// caller resubmitting one request gets from
+/// [`submit_prepared`](TransferAgent::submit_prepared), without preparing;
+/// unlike a prepared transfer it holds no region.
+pub(in crate::engine) struct SubmitCache {
+    pub(in crate::engine) op: TransferOp,
+    pub(in crate::engine) remote_agent: String,
+    pub(in crate::engine) local: MemoryDescs,
+    pub(in crate::engine) remote: MemoryDescs,
+    /// Registry generation read before the regions were resolved.
+    pub(in crate::engine) generation: u64,
+    pub(in crate::engine) regions: Few<Arc<crate::registry::LocalRegion>>,
+    /// Shared with the submissions in flight: a hit takes one reference
+    /// (no copy of the work requests) and lets the cache go.
+    pub(in crate::engine) planned: Arc<Planned>,
+}
+
+impl SubmitCache {
+    pub(in crate::engine) fn matches(&self, req: &TransferRequest) -> bool {
+        self.op == req.op
+            && same_name(&self.remote_agent, &req.remote_agent)
+            && self.local == req.local
+            && self.remote == req.remote
+    }
+}
+
+/// `a == b` for strings as short as agent names, without a call to
+/// `memcmp`: from 8 to 16 bytes, two overlapping words each (a handful of
+/// instructions, against about 35 for the call on an 11-byte name, on the
+/// path of every cached submission).
+pub(in crate::engine) fn same_name(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    if (8..=16).contains(&n) {
+        let word = |s: &[u8], at: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&s[at..at + 8]);
+            u64::from_ne_bytes(w)
+        };
+        return word(a, 0) == word(b, 0) && word(a, n - 8) == word(b, n - 8);
+    }
+    a == b
+}
+
+/// A [`Link::post_express`] hold for holds already taken: moves `taken`
+/// into the lane's list.
+pub(in crate::engine) fn hold_all(
+    into: &mut Few<RegionGuard>,
+    taken: &mut Few<RegionGuard>,
+) -> bool {
+    std::mem::swap(into, taken);
+    true
+}
+
+/// An RDMA request resolved against one peer entry and one link, ready to
+/// post again (kept by [`SubmitCache`] and by prepared transfers).
+pub(in crate::engine) struct Planned {
+    pub(in crate::engine) peer: Arc<Peer>,
+    pub(in crate::engine) link: Arc<Link>,
+    pub(in crate::engine) wrs: Few<rdma::Wr>,
+    /// `Some` for requests whose waiters poll the completion queue.
+    pub(in crate::engine) driver: Option<std::sync::Weak<dyn Progress>>,
+}
+
+impl Planned {
+    /// Whether it still holds: the peer entry not replaced or invalidated,
+    /// the link not broken.
+    pub(in crate::engine) fn current(&self) -> bool {
+        !self.peer.retired.load(Ordering::Acquire) && !self.link.is_broken()
+    }
+}
+
+/// What an RDMA [`PreparedTransfer`] keeps: the plan, and holds on the
+/// local regions (registered, their keys valid, while it lives).
+pub(in crate::engine) struct PreparedRdma {
+    pub(in crate::engine) planned: Planned,
+    pub(in crate::engine) guards: Few<RegionGuard>,
+}
+
+/// A request's local and remote keys, and the holds on its local regions.
+pub(in crate::engine) struct Resolved {
+    pub(in crate::engine) guards: Few<RegionGuard>,
+    /// RDMA local keys, one per local descriptor (RDMA path only).
+    pub(in crate::engine) lkeys: Few<u32>,
+    /// Access keys of the remote regions (socket paths).
+    pub(in crate::engine) keys: Vec<u64>,
+    /// RDMA remote keys, one per remote descriptor (RDMA path only).
+    pub(in crate::engine) rkeys: Few<u32>,
+}
+
+impl Engine {
+    /// The checks of a request that need no registry: the agent open, the
+    /// shape, the memory type, the remote agent known. Returns the peer.
+    pub(in crate::engine) fn check_request(
+        &self,
+        req: &TransferRequest,
+    ) -> Result<Arc<Peer>, Error> {
+        let inner = &self.inner;
+        if inner.closing.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
+        req.validate_shape()?;
+        if req.local.mem_type != MemoryType::Dram && !req.local.is_empty() {
+            return Err(Error::UnsupportedMemoryType {
+                mem_type: req.local.mem_type,
+                backend: mode_name(inner.mode),
+            });
+        }
+        inner.peer(&req.remote_agent)
+    }
+
+    /// Looks `req`'s descriptors up: local ones in the registry (held),
+    /// remote ones in what `peer` exported; checks the sync message's size.
+    pub(in crate::engine) fn resolve(
+        &self,
+        req: &TransferRequest,
+        sync: Option<&[u8]>,
+        peer: &Peer,
+    ) -> Result<Resolved, Error> {
+        let rdma = peer.path == Path::Rdma;
+        let mut lkeys = Few::new();
+        let guards = self
+            .inner
+            .registry
+            .acquire_local_keyed(&req.local, rdma.then_some(&mut lkeys))?;
+        // Access keys for the socket paths, remote keys for RDMA.
+        let mut keys = Vec::new();
+        let mut rkeys = Few::new();
+        let mut hint = None;
+        for d in &req.remote.descs {
+            let found = peer.regions.find_hinted(req.remote.mem_type, d, hint);
+            hint = found;
+            let Some(r) = found else {
+                return Err(Error::RemoteRangeNotExported {
+                    remote: req.remote_agent.clone(),
+                    mem_type: req.remote.mem_type,
+                    desc: *d,
+                });
+            };
+            if !rdma {
+                keys.push(r.value.0);
+            } else {
+                rkeys.push(r.value.1.ok_or_else(|| Error::Rdma {
+                    remote: req.remote_agent.clone(),
+                    detail: format!(
+                        "remote region {:?} is not registered with an RDMA device",
+                        r.desc
+                    ),
+                })?);
+            }
+        }
+        if rdma && sync.is_some_and(|m| m.len() > rdma::SYNC_MSG_MAX) {
+            return Err(Error::InvalidRequest(format!(
+                "sync messages on the RDMA path are at most {} bytes",
+                rdma::SYNC_MSG_MAX
+            )));
+        }
+        Ok(Resolved {
+            guards,
+            lkeys,
+            keys,
+            rkeys,
+        })
+    }
+
+    /// Keeps `req`'s resolution for the next identical submission (in the
+    /// entry's own allocations when there is one).
+    pub(in crate::engine) fn remember(
+        &self,
+        req: &TransferRequest,
+        generation: u64,
+        guards: &[RegionGuard],
+        planned: Planned,
+    ) {
+        let Ok(mut slot) = self.inner.submit_cache.try_lock() else {
+            return;
+        };
+        let regions = guards.iter().map(|g| Arc::clone(g.region())).collect();
+        match slot.as_deref_mut() {
+            Some(c) => {
+                c.op = req.op;
+                c.remote_agent.clone_from(&req.remote_agent);
+                c.local.mem_type = req.local.mem_type;
+                c.local.descs.clone_from(&req.local.descs);
+                c.remote.mem_type = req.remote.mem_type;
+                c.remote.descs.clone_from(&req.remote.descs);
+                c.generation = generation;
+                c.regions = regions;
+                c.planned = Arc::new(planned);
+            }
+            None => {
+                *slot = Some(Box::new(SubmitCache {
+                    op: req.op,
+                    remote_agent: req.remote_agent.clone(),
+                    local: req.local.clone(),
+                    remote: req.remote.clone(),
+                    generation,
+                    regions,
+                    planned: Arc::new(planned),
+                }))
+            }
+        }
+    }
+
+    /// The latency-bound case in one pass: `req` is the request that
+    /// [`SubmitCache`] holds, still valid, one data work request without a
+    /// sync message, and the link's express lane takes it. The region holds
+    /// go straight into the lane, and the status comes back alone (two
+    /// words): no `Result` of this layer's error moved through the calls of
+    /// the general path, which on soft-RoCE's 8-byte ping-pong was a fifth
+    /// of the library's instructions before the post (`docs/benchmarks.md`).
+    /// `None`, with nothing held or claimed: [`submit_cached`](Self::submit_cached)
+    /// and the general path decide (a hit the lane turns away, taken by
+    /// another request, is looked up once more there: rare, and the lookup
+    /// is a few compares).
+    pub(in crate::engine) fn express_cached(
+        &self,
+        req: &TransferRequest,
+    ) -> Option<TransferStatus> {
+        if req.sync_message.is_some() {
+            return None;
+        }
+        let slot = self.inner.submit_cache.try_lock().ok()?;
+        let c = self.cache_hit(&slot, req)?;
+        let p = &c.planned;
+        let (Some(driver), [wr]) = (&p.driver, p.wrs.as_slice()) else {
+            return None;
+        };
+        let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
+        let registry = &self.inner.registry;
+        let hold = |g: &mut Few<RegionGuard>| registry.hold_into(&c.regions, c.generation, g);
+        let completion = p.link.post_express(id, req.op, wr, hold, driver)?;
+        drop(slot);
+        Some(TransferStatus::new(id, completion))
+    }
+
+    /// The entry of the submit cache (`slot`, its lock held) when it holds
+    /// `req` and is still valid: the peer entry and the link current, the
+    /// agent not closing.
+    pub(in crate::engine) fn cache_hit<'a>(
+        &self,
+        slot: &'a Option<Box<SubmitCache>>,
+        req: &TransferRequest,
+    ) -> Option<&'a SubmitCache> {
+        if req.local.descs.len() > CACHE_MAX_DESCS {
+            return None;
+        }
+        let c = slot.as_deref().filter(|c| c.matches(req))?;
+        (c.planned.current() && !self.inner.closing.load(Ordering::Relaxed)).then_some(c)
+    }
+
+    /// Submits `req` from [`SubmitCache`] when it holds this request, still
+    /// valid; `None`: resolve it in full.
+    pub(in crate::engine) fn submit_cached(
+        &self,
+        req: &TransferRequest,
+    ) -> Option<Result<TransferStatus, Error>> {
+        if req
+            .sync_message
+            .as_ref()
+            .is_some_and(|m| m.len() > rdma::SYNC_MSG_MAX)
+        {
+            return None;
+        }
+        let slot = self.inner.submit_cache.try_lock().ok()?;
+        let c = self.cache_hit(&slot, req)?;
+        let guards = self.inner.registry.hold_current(&c.regions, c.generation)?;
+        // Posted with the entry still locked (no reference on the plan
+        // taken and dropped): nothing on the posting path takes this lock,
+        // and a thread that finds it taken meanwhile resolves in full.
+        let p = &c.planned;
+        let r = self.post_planned(
+            &p.link,
+            req.op,
+            Cow::Borrowed(&p.wrs),
+            req.sync_message.clone(),
+            guards,
+            &p.driver,
+        );
+        drop(slot);
+        Some(r)
+    }
+
+    /// Posts planned RDMA work requests as request `id`: its status, whose
+    /// waiters drive `driver` (`None`: the progress thread completes it).
+    pub(in crate::engine) fn post_planned(
+        &self,
+        link: &Arc<Link>,
+        op: TransferOp,
+        wrs: std::borrow::Cow<'_, Few<rdma::Wr>>,
+        sync: Option<Vec<u8>>,
+        mut guards: Few<RegionGuard>,
+        driver: &Option<std::sync::Weak<dyn Progress>>,
+    ) -> Result<TransferStatus, Error> {
+        let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
+        if let (None, Some(d), [wr]) = (&sync, driver, wrs.as_slice())
+            && let Some(c) = link.post_express(id, op, wr, |g| hold_all(g, &mut guards), d)
+        {
+            // No clock touched: the link's idle check watches the table,
+            // which express requests stay out of (their queue pair's own
+            // timeouts fail them).
+            return Ok(TransferStatus::new(id, c));
+        }
+        let driven = driver.is_some();
+        let completion = Completion::counted(driver.clone(), Some(&self.inner.in_flight));
+        // A sync message is two events: its SEND's completion, and the
+        // target's acknowledgement that it delivered it.
+        let events = wrs.len() + 2 * usize::from(sync.is_some());
+        if events == 0 {
+            completion.complete(Ok(()));
+            return Ok(TransferStatus::new(id, completion));
+        }
+        let pending = Arc::new(Pending {
+            completion: Arc::clone(&completion),
+            outstanding: AtomicUsize::new(events),
+            error: Mutex::new(None),
+            failed: AtomicBool::new(false),
+            guards: Mutex::new(guards),
+            granted: OnceLock::new(),
+            undriven: (!driven).then(|| Arc::clone(&link.undriven)),
+        });
+        link.insert(id, Arc::clone(&pending))?;
+        link.clock.touch();
+        if !driven {
+            // Counted before posting: the progress threads must be on
+            // the completion queue by the time it completes.
+            link.undriven.fetch_add(1, Ordering::AcqRel);
+            link.wake_progress();
+        }
+        link.post_rdma(id, op, wrs.into_owned(), sync, &pending);
+        Ok(TransferStatus::new(id, completion))
+    }
+}

@@ -1,0 +1,436 @@
+//! A TCP link's stream threads: the sender writes each job's frames and
+//! payloads straight from registered memory (in batches, looking for an
+//! abort between them); the reader lands READ data straight in registered
+//! memory (or drains it, for an aborted request) and routes
+//! acknowledgements and grant answers.
+
+use super::*;
+
+impl Link {
+    pub(in crate::engine) fn run_sender(self: Arc<Self>, idx: usize, rx: Receiver<Job>) {
+        let fd = self.streams[idx].sock.as_raw_fd();
+        let mut headers: Vec<[u8; HEADER_LEN]> = Vec::new();
+        let mut iovs: Vec<libc::iovec> = Vec::new();
+        let mut tables: Vec<Vec<u8>> = Vec::new();
+        // After each data frame: (iovecs so far, segments so far, bytes so
+        // far), where an aborted request may stop.
+        let mut marks: Vec<(usize, usize, u64)> = Vec::new();
+        while let Ok(job) = rx.recv() {
+            let (req, op, mut segs, tail, pending, mut aborted) = match job {
+                Job::Stop => break,
+                Job::Cma {
+                    req,
+                    op,
+                    pid,
+                    pieces,
+                    grants,
+                    sync,
+                    delegate,
+                    pending,
+                } => match self.run_cma(
+                    fd,
+                    req,
+                    op,
+                    pid,
+                    &pieces,
+                    &grants,
+                    delegate.then_some(sync.as_deref()),
+                    &pending,
+                ) {
+                    Ok(CmaOutcome::Commit { aborted }) => (
+                        req,
+                        op,
+                        Vec::new(),
+                        Tail::Commit { segments: 0, sync },
+                        pending,
+                        aborted,
+                    ),
+                    Ok(CmaOutcome::Done) => continue,
+                    Err(e) => {
+                        self.fail(e);
+                        break;
+                    }
+                },
+                Job::Frames {
+                    req,
+                    op,
+                    segs,
+                    tail,
+                    pending,
+                } => (req, op, segs, tail, pending, false),
+            };
+            // Aborted before any of it went out: its segments are skipped
+            // (a READ's events for them are counted here, as no data will
+            // come for them).
+            let mut skipped = 0;
+            if !segs.is_empty() && pending.completion.abort_requested() {
+                skipped = segs.len();
+                if op == TransferOp::Read {
+                    for _ in 0..skipped {
+                        self.complete_event(req, &pending, Err(Error::Aborted));
+                    }
+                }
+                segs.clear();
+                aborted = true;
+            }
+            headers.clear();
+            iovs.clear();
+            tables.clear();
+            marks.clear();
+            if op == TransferOp::Write {
+                // Runs of small segments to one region go as write lists
+                // (one frame and one scatter read at the target for up to
+                // WRITE_LIST_MAX of them); the rest as single segments.
+                headers.reserve(segs.len() + 3);
+                let mut bytes = 0;
+                let mut i = 0;
+                while i < segs.len() {
+                    let s0 = &segs[i];
+                    let mut j = i + 1;
+                    if s0.len <= WRITE_LIST_PIECE_MAX {
+                        while j < segs.len()
+                            && j - i < WRITE_LIST_MAX as usize
+                            && segs[j].len <= WRITE_LIST_PIECE_MAX
+                            && segs[j].key == s0.key
+                            && segs[j].mem_type == s0.mem_type
+                        {
+                            j += 1;
+                        }
+                    }
+                    if j - i >= 2 {
+                        let run = &segs[i..j];
+                        let mut table = Vec::with_capacity(run.len() * WRITE_LIST_ENTRY);
+                        for s in run {
+                            table.extend_from_slice(&s.remote.to_le_bytes());
+                            table.extend_from_slice(&s.len.to_le_bytes());
+                        }
+                        let total = run.iter().map(|s| s.len).sum();
+                        headers.push(
+                            Frame::WriteList {
+                                req,
+                                mem_type: s0.mem_type,
+                                count: run.len() as u32,
+                                total,
+                                key: s0.key,
+                            }
+                            .encode(),
+                        );
+                        iovs.push(iov(
+                            headers.last().expect("just pushed").as_ptr(),
+                            HEADER_LEN,
+                        ));
+                        iovs.push(iov(table.as_ptr(), table.len()));
+                        tables.push(table);
+                        for s in run {
+                            iovs.push(iov(s.local as *const u8, s.len as usize));
+                        }
+                        bytes += total;
+                    } else {
+                        headers.push(
+                            Frame::Write {
+                                req,
+                                mem_type: s0.mem_type,
+                                addr: s0.remote,
+                                len: s0.len,
+                                key: s0.key,
+                            }
+                            .encode(),
+                        );
+                        iovs.push(iov(
+                            headers.last().expect("just pushed").as_ptr(),
+                            HEADER_LEN,
+                        ));
+                        iovs.push(iov(s0.local as *const u8, s0.len as usize));
+                        bytes += s0.len;
+                    }
+                    i = j;
+                    marks.push((iovs.len(), i, bytes));
+                }
+            }
+            let data_frames = headers.len();
+            for s in segs.iter().filter(|_| op == TransferOp::Read) {
+                headers.push(
+                    Frame::ReadReq {
+                        req,
+                        mem_type: s.mem_type,
+                        addr: s.remote,
+                        len: s.len,
+                        key: s.key,
+                    }
+                    .encode(),
+                );
+            }
+            if aborted {
+                headers.push(
+                    Frame::Abort {
+                        req,
+                        segments: skipped as u64,
+                    }
+                    .encode(),
+                );
+            }
+            let sync = match &tail {
+                Tail::None => None,
+                Tail::Fence => {
+                    headers.push(Frame::Fence { req }.encode());
+                    None
+                }
+                Tail::Commit { segments, sync } => {
+                    headers.push(
+                        Frame::Commit {
+                            req,
+                            op: match op {
+                                TransferOp::Write => CommitOp::Write,
+                                TransferOp::Read => CommitOp::Read,
+                            },
+                            segments: *segments,
+                            sync_len: sync.as_ref().map_or(0, |m| m.len() as u32),
+                            has_sync: sync.is_some(),
+                        }
+                        .encode(),
+                    );
+                    sync.as_deref()
+                }
+            };
+            // Write frames are in `iovs` already; then the read requests,
+            // an abort and the tail.
+            let data_end = iovs.len();
+            for h in &headers[data_frames..] {
+                iovs.push(iov(h.as_ptr(), HEADER_LEN));
+            }
+            if let Some(m) = sync {
+                iovs.push(iov(m.as_ptr(), m.len()));
+            }
+            if op == TransferOp::Read {
+                let mut reads = lock(&self.streams[idx].reads);
+                for s in &segs {
+                    reads.push_back(ReadSlot {
+                        req,
+                        dst: s.local,
+                        len: s.len,
+                        pending: Arc::clone(&pending),
+                    });
+                }
+            }
+            let abortable = marks.last().is_some_and(|m| m.2 > ABORT_CHECK_BYTES);
+            // SAFETY: header iovecs point into `headers`, the sync iovec into
+            // the job (both alive until the call returns); payload iovecs
+            // point into local regions validated at submit time and held by
+            // the request's guards, which live until the request completes,
+            // which cannot happen before this write returns (its
+            // acknowledgement follows these bytes).
+            let written = unsafe {
+                if abortable {
+                    self.write_abortable(fd, &mut iovs, &marks, data_end, req, &pending)
+                } else {
+                    writev_all(fd, &mut iovs, &self.clock, self.io_timeout)
+                }
+            };
+            if let Err(e) = written {
+                self.fail(self.io_error(e));
+                break;
+            }
+        }
+        self.thread_exit();
+    }
+
+    /// Writes a job's frames as [`writev_all`] does, about
+    /// [`ABORT_CHECK_BYTES`] of payload at a time, looking before each batch
+    /// whether the request was aborted: if so, the rest of its data frames
+    /// is replaced by an `Abort` frame counting their segments, and its
+    /// tail (`iovs[data_end..]`) follows.
+    ///
+    /// # Safety
+    /// As [`writev_all`].
+    pub(in crate::engine) unsafe fn write_abortable(
+        &self,
+        fd: std::os::fd::RawFd,
+        iovs: &mut [libc::iovec],
+        marks: &[(usize, usize, u64)],
+        data_end: usize,
+        req: u64,
+        pending: &Pending,
+    ) -> io::Result<()> {
+        let segments = marks.last().map_or(0, |m| m.1);
+        let (mut at, mut done) = (0, (0usize, 0usize, 0u64));
+        let mut m = 0;
+        while m < marks.len() {
+            if pending.completion.abort_requested() {
+                let abort = Frame::Abort {
+                    req,
+                    segments: (segments - done.1) as u64,
+                }
+                .encode();
+                let mut rest = Vec::with_capacity(1 + iovs.len() - data_end);
+                rest.push(iov(abort.as_ptr(), HEADER_LEN));
+                rest.extend_from_slice(&iovs[data_end..]);
+                // SAFETY: `abort` lives for the call; the rest as the caller
+                // promised.
+                return unsafe { writev_all(fd, &mut rest, &self.clock, self.io_timeout) };
+            }
+            while m + 1 < marks.len() && marks[m].2 - done.2 < ABORT_CHECK_BYTES {
+                m += 1;
+            }
+            let end = if m + 1 == marks.len() {
+                iovs.len()
+            } else {
+                marks[m].0
+            };
+            // SAFETY: forwarded contract.
+            unsafe { writev_all(fd, &mut iovs[at..end], &self.clock, self.io_timeout)? };
+            at = end;
+            done = marks[m];
+            m += 1;
+        }
+        Ok(())
+    }
+}
+
+impl Link {
+    pub(in crate::engine) fn run_reader(self: Arc<Self>, idx: usize) {
+        let sock = &self.streams[idx].sock;
+        let clock = ProgressClock::new();
+        let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
+        let mut idle = LinkIdle { link: &self };
+        let r = self.read_loop(idx, &mut reader, &mut idle);
+        if let Err(e) = r {
+            self.fail(e);
+        } else {
+            self.fail(Error::ConnectionLost {
+                remote: self.remote.clone(),
+                cause: Arc::new(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "remote agent closed the connection",
+                )),
+            });
+        }
+        self.thread_exit();
+    }
+
+    pub(in crate::engine) fn read_loop(
+        &self,
+        idx: usize,
+        reader: &mut FrameReader<'_>,
+        idle: &mut LinkIdle<'_>,
+    ) -> Result<(), Error> {
+        loop {
+            let raw = match reader.next_header(idle) {
+                Ok(Some(raw)) => raw,
+                Ok(None) => return Ok(()),
+                Err(e) => return Err(self.link_error(e)),
+            };
+            self.clock.touch();
+            let frame = Frame::decode(&raw).map_err(|e| Error::ProtocolViolation {
+                remote: self.remote.clone(),
+                detail: e.to_string(),
+            })?;
+            match frame {
+                Frame::ReadData {
+                    req,
+                    len,
+                    status: st,
+                } => {
+                    let slot = lock(&self.streams[idx].reads).pop_front();
+                    let Some(slot) = slot else {
+                        return Err(self.violation("READ data with no READ outstanding"));
+                    };
+                    if slot.req != req {
+                        return Err(self.violation("READ data out of order"));
+                    }
+                    let result = if st == status::OK {
+                        if len != slot.len {
+                            return Err(self.violation("READ data length differs from the request"));
+                        }
+                        if slot.pending.completion.abort_requested() {
+                            // Aborted: the bytes are drained, the
+                            // destination left as it is.
+                            reader.discard(len, idle).map_err(|e| self.link_error(e))?;
+                            self.complete_event(req, &slot.pending, Err(Error::Aborted));
+                            continue;
+                        }
+                        // SAFETY: `slot.dst` lies inside a local region that
+                        // was registered and validated at submit time, and the
+                        // request's guards (in `slot.pending`) keep it
+                        // registered until every event, this one included,
+                        // has been processed.
+                        unsafe { reader.read_into(slot.dst as *mut u8, len as usize, idle) }
+                            .map_err(|e| self.link_error(e))?;
+                        Ok(())
+                    } else {
+                        Err(Error::RemoteRejected {
+                            remote: self.remote.clone(),
+                            reason: RejectReason::from_code(st),
+                        })
+                    };
+                    self.complete_event(req, &slot.pending, result);
+                }
+                Frame::Granted { req, status: st } => {
+                    let p = lock(&self.pending).map.get(&req).cloned();
+                    let Some(p) = p else {
+                        return Err(self.violation("grant answer for an unknown request"));
+                    };
+                    if p.granted().0.try_send(st).is_err() {
+                        return Err(self.violation("second grant answer for a request"));
+                    }
+                }
+                Frame::Ack { req, status: st } => {
+                    let p = lock(&self.pending).map.get(&req).cloned();
+                    let Some(p) = p else {
+                        return Err(self.violation("acknowledgement for an unknown request"));
+                    };
+                    let result = match st {
+                        status::OK => Ok(()),
+                        st => match RejectReason::from_code(st) {
+                            RejectReason::Aborted => Err(Error::Aborted),
+                            reason => Err(Error::RemoteRejected {
+                                remote: self.remote.clone(),
+                                reason,
+                            }),
+                        },
+                    };
+                    self.complete_event(req, &p, result);
+                }
+                other => return Err(self.violation(&format!("unexpected frame {other:?}"))),
+            }
+        }
+    }
+
+    pub(in crate::engine) fn violation(&self, detail: &str) -> Error {
+        Error::ProtocolViolation {
+            remote: self.remote.clone(),
+            detail: detail.to_owned(),
+        }
+    }
+
+    /// Maps a reader error, preferring the cause already recorded (the
+    /// reader's error is often the echo of a shutdown by another thread).
+    pub(in crate::engine) fn link_error(&self, e: io::Error) -> Error {
+        if let Some(c) = &lock(&self.pending).broken {
+            return c.clone();
+        }
+        self.io_error(e)
+    }
+}
+
+pub(in crate::engine) struct LinkIdle<'a> {
+    pub(in crate::engine) link: &'a Link,
+}
+
+impl IdlePolicy for LinkIdle<'_> {
+    fn on_idle(&mut self, _mid_frame: bool) -> io::Result<()> {
+        let t = lock(&self.link.pending);
+        if t.broken.is_some() {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "link closed",
+            ));
+        }
+        if !t.map.is_empty() && self.link.clock.idle() > self.link.io_timeout {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no progress within the I/O timeout",
+            ));
+        }
+        Ok(())
+    }
+}

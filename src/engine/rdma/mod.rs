@@ -252,7 +252,7 @@ pub(crate) fn plan_wrs(
             } else {
                 let n = (len - off).min(max_msg);
                 out.push(Wr {
-                    sges: Few::One(Sge::from((lkey, l, n as u32))),
+                    sges: smallvec::smallvec![Sge::from((lkey, l, n as u32))],
                     rkey,
                     remote: r,
                     len: n,

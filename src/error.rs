@@ -233,14 +233,15 @@ pub enum Error {
         /// The I/O error.
         cause: Arc<io::Error>,
     },
-    /// An RDMA operation failed: a verb, or a work completion with an error
-    /// status (named in `detail`, e.g. `IBV_WC_REM_ACCESS_ERR`).
-    #[error("RDMA failure with remote agent {remote:?}: {detail}")]
+    /// An RDMA verb failed (registration, queue-pair set-up, posting); the
+    /// verbs layer's error is the source.
+    #[error("RDMA failure with remote agent {remote:?}: {source}")]
     Rdma {
         /// The remote agent (empty for local operations such as registration).
         remote: String,
-        /// What failed.
-        detail: String,
+        /// What the verbs layer reported.
+        #[source]
+        source: Arc<crate::verbs::VerbsError>,
     },
     /// An RDMA work request completed with an error status, e.g.
     /// `IBV_WC_REM_ACCESS_ERR` (the remote region was deregistered, or the

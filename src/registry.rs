@@ -122,7 +122,7 @@ impl Registry {
             // registered; the MR is dropped with the region.
             let mr = unsafe { dev.register(d.addr, d.len) }.map_err(|e| Error::Rdma {
                 remote: String::new(),
-                detail: e.to_string(),
+                source: std::sync::Arc::new(e),
             })?;
             mrs.push(Some(mr));
         }

@@ -289,11 +289,11 @@ impl Engine {
             if !rdma {
                 keys.push(r.value.0);
             } else {
-                rkeys.push(r.value.1.ok_or_else(|| Error::Rdma {
-                    remote: req.remote_agent.clone(),
-                    detail: format!(
-                        "remote region {:?} is not registered with an RDMA device",
-                        r.desc
+                rkeys.push(r.value.1.ok_or_else(|| Error::BackendUnavailable {
+                    backend: "rdma",
+                    reason: format!(
+                        "remote agent {:?} exported region {:?} without an RDMA registration",
+                        req.remote_agent, r.desc
                     ),
                 })?);
             }

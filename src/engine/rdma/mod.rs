@@ -59,10 +59,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-pub(crate) fn rdma_err(remote: &str, e: impl std::fmt::Display) -> Error {
+pub(crate) fn rdma_err(remote: &str, e: VerbsError) -> Error {
     Error::Rdma {
         remote: remote.to_owned(),
-        detail: e.to_string(),
+        source: Arc::new(e),
     }
 }
 

@@ -272,7 +272,7 @@ pub enum Error {
         after: Duration,
     },
     /// The agent has as many requests in flight as it allows
-    /// (`AgentConfig::max_requests_in_flight`); wait for some to complete
+    /// (`Limits::max_requests_in_flight`); wait for some to complete
     /// and submit again. Nothing was submitted.
     #[error(
         "{in_flight} requests in flight, the most this agent allows; wait for some and submit again"

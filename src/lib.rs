@@ -67,6 +67,7 @@
 pub mod agent;
 pub mod auth;
 pub mod cache;
+pub mod config;
 pub mod desc;
 mod engine;
 pub mod error;
@@ -81,10 +82,14 @@ mod small;
 pub mod verbs;
 
 pub use agent::{
-    AgentConfig, Backend, DEFAULT_RDMA_MAX_INFLIGHT, PreparedTransfer, RdmaProgress, SyncMessages,
-    TimedSyncMessages, TransferAgent, TransferOp, TransferRequest, TransferState, TransferStatus,
+    Backend, PreparedTransfer, SyncMessages, TimedSyncMessages, TransferAgent, TransferOp,
+    TransferRequest, TransferState, TransferStatus,
 };
 pub use auth::{Credential, CredentialError};
+pub use config::{
+    AgentConfig, DEFAULT_RDMA_MAX_INFLIGHT, Limits, RdmaConfig, RdmaProgress, SecurityConfig,
+    ShmConfig, TcpConfig,
+};
 pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion, LocalAccess};
 pub use engine::make_transfer_agent;
 pub use error::{Error, RejectReason};

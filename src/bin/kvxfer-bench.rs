@@ -578,7 +578,7 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
     let backend_name = agent.remote_transport(&remote)?;
     let streams = args
         .streams
-        .unwrap_or(AgentConfig::new("defaults").streams_per_peer);
+        .unwrap_or(AgentConfig::new("defaults").tcp.streams_per_peer);
     let mut rows = Vec::new();
     for pt in &points {
         bar.set_message(format!("{} × {}", human(pt.block), pt.batch));

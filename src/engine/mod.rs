@@ -174,7 +174,7 @@ struct Inner {
     /// Incoming connections that have not authenticated yet.
     unauthenticated: Arc<AtomicUsize>,
     /// Requests submitted whose outcome is not in (see
-    /// [`AgentConfig::max_requests_in_flight`]).
+    /// [`Limits::max_requests_in_flight`](crate::Limits::max_requests_in_flight)).
     in_flight: Arc<AtomicUsize>,
 }
 
@@ -218,8 +218,8 @@ impl Engine {
         config.validate()?;
         config.resolve_security()?;
         // Resolved once (the environment is read here, not per connection).
-        config.rdma_ack_timeout = Some(config.effective_rdma_ack_timeout()?);
-        let open = || Device::open(config.rdma_device.as_deref(), config.rdma_gid_index);
+        config.rdma.ack_timeout = Some(config.rdma.effective_ack_timeout()?);
+        let open = || Device::open(config.rdma.device.as_deref(), config.rdma.gid_index);
         let device = match mode {
             Mode::Rdma => Some(Arc::new(open().map_err(|e| Error::BackendUnavailable {
                 backend: "rdma",
@@ -247,7 +247,7 @@ impl Engine {
         // Bound before any descriptor naming `instance` is published, so no
         // other process can hold the name first.
         let local_proof = match mode {
-            Mode::Shm | Mode::Auto if config.shm_delegate => {
+            Mode::Shm | Mode::Auto if config.shm.delegate => {
                 match local_proof::Listener::bind(instance) {
                     Ok(l) => Some(Arc::new(l)),
                     Err(e) => {
@@ -269,8 +269,8 @@ impl Engine {
             registry: Registry::default(),
             submit_cache: Mutex::new(None),
             inbox: Arc::new(Inbox::new(
-                config.inbox_max_bytes,
-                config.inbox_max_bytes_per_peer,
+                config.limits.inbox_max_bytes,
+                config.limits.inbox_max_bytes_per_peer,
             )),
             peers: RwLock::new(HashMap::default()),
             next_req: AtomicU64::new(1),
@@ -656,7 +656,7 @@ impl Link {
             let sock = connect_any(&peer.endpoints, deadline)?;
             let clock = ProgressClock::new();
             let ticket = handshake(inner, peer, &sock, link_id, i as u32, &clock, deadline)?;
-            if i == 0 && matches!(path, Path::Cma { .. }) && cfg.shm_delegate {
+            if i == 0 && matches!(path, Path::Cma { .. }) && cfg.shm.delegate {
                 // The target copies for this process only once the kernel
                 // has told it on its local socket that this is the process.
                 match local_proof::prove(peer.instance, ticket, cfg.connect_timeout) {
@@ -667,7 +667,7 @@ impl Link {
                 }
             }
             if i == 0 && use_rdma {
-                for k in 0..cfg.rdma_qps_per_peer {
+                for k in 0..cfg.rdma.qps_per_peer {
                     rdma_conns.push(rdma_connect(inner, peer, &sock, &clock, k)?);
                 }
             }
@@ -689,9 +689,10 @@ impl Link {
             progress_threads: OnceLock::new(),
             remote: peer.name.clone(),
             io_timeout: cfg.io_timeout,
-            copy_threads: cfg.shm_copy_threads,
+            copy_threads: cfg.shm.copy_threads,
             delegate_probe: cfg
-                .shm_delegate
+                .shm
+                .delegate
                 .then_some((&*inner.probe_word as *const u64 as u64, inner.instance)),
             delegate_ok: AtomicBool::new(may_delegate),
             in_flight: Arc::clone(&inner.in_flight),
@@ -719,7 +720,7 @@ impl Link {
             );
         }
         let mut progress = Vec::new();
-        let adaptive = cfg.rdma_progress == crate::agent::RdmaProgress::Adaptive;
+        let adaptive = cfg.rdma.progress == crate::agent::RdmaProgress::Adaptive;
         for k in 0..n_qps {
             let l = Arc::clone(&link);
             let t = std::thread::Builder::new()

@@ -80,7 +80,8 @@ impl Inner {
 /// The RDMA local ACK timeout exponent, resolved when the agent was made.
 pub(in crate::engine) fn ack_timeout(config: &AgentConfig) -> u8 {
     config
-        .rdma_ack_timeout
+        .rdma
+        .ack_timeout
         .unwrap_or(crate::verbs::DEFAULT_ACK_TIMEOUT)
 }
 
@@ -150,7 +151,7 @@ pub(in crate::engine) fn handshake(
     sock.set_write_timeout(Some(tick(t)))?;
     handshake::initiate(
         sock,
-        inner.config.credential.as_ref(),
+        inner.config.security.credential.as_ref(),
         &inner.config.name,
         Some(&peer.name),
         &peer.name,
@@ -241,7 +242,7 @@ pub(in crate::engine) fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDe
     sock.set_write_timeout(Some(tick(timeout)))?;
     let target = handshake::initiate(
         &sock,
-        inner.config.credential.as_ref(),
+        inner.config.security.credential.as_ref(),
         &inner.config.name,
         None,
         info,
@@ -295,7 +296,7 @@ impl Peer {
             old.join();
         }
         let n = match self.path {
-            Path::Tcp => inner.config.streams_per_peer,
+            Path::Tcp => inner.config.tcp.streams_per_peer,
             // Data bypasses the socket; one stream carries the control.
             Path::Cma { .. } | Path::Rdma => 1,
         };

@@ -205,7 +205,7 @@ pub(in crate::engine) fn plan_rdma(
     let conn = link.rdma.first().ok_or(Error::Closed)?;
     Ok(rdma::plan_wrs(
         &pieces,
-        conn.max_msg.min(config.segment_size).min(rdma::WR_MAX),
+        conn.max_msg.min(config.tcp.segment_size).min(rdma::WR_MAX),
         conn.max_sge,
     ))
 }

@@ -6,10 +6,10 @@ use super::*;
 
 impl Engine {
     /// Whether one more request may be submitted (see
-    /// [`AgentConfig::max_requests_in_flight`]).
+    /// [`Limits::max_requests_in_flight`](crate::Limits::max_requests_in_flight)).
     pub(in crate::engine) fn room_for_one(&self) -> Result<(), Error> {
         let n = self.inner.in_flight.load(Ordering::Relaxed);
-        if n >= self.inner.config.max_requests_in_flight {
+        if n >= self.inner.config.limits.max_requests_in_flight {
             return Err(Error::WouldBlock { in_flight: n });
         }
         Ok(())
@@ -91,7 +91,7 @@ impl Engine {
             return Ok(TransferStatus::new(id, completion));
         }
         let n = link.streams.len();
-        let plan = plan_segments(req, &keys, inner.config.segment_size, n);
+        let plan = plan_segments(req, &keys, inner.config.tcp.segment_size, n);
         let total: usize = plan.iter().map(Vec::len).sum();
         let reads = if req.op == TransferOp::Read { total } else { 0 };
         let fences = if fence { n - 1 } else { 0 };

@@ -164,15 +164,15 @@ impl Inner {
             };
             let mut server = lock(&self.server);
             server.threads.retain(|t| !t.is_finished());
-            if server.socks.len() >= self.config.max_incoming_connections {
-                tracing::warn!(agent = %self.config.name, limit = self.config.max_incoming_connections, peer = ?sock.peer_addr().ok(), "too many incoming connections; closing a new one");
+            if server.socks.len() >= self.config.limits.max_incoming_connections {
+                tracing::warn!(agent = %self.config.name, limit = self.config.limits.max_incoming_connections, peer = ?sock.peer_addr().ok(), "too many incoming connections; closing a new one");
                 continue;
             }
             if self.unauthenticated.fetch_add(1, Ordering::SeqCst)
-                >= self.config.max_unauthenticated
+                >= self.config.limits.max_unauthenticated
             {
                 self.unauthenticated.fetch_sub(1, Ordering::SeqCst);
-                tracing::warn!(agent = %self.config.name, limit = self.config.max_unauthenticated, peer = ?sock.peer_addr().ok(), "too many connections still authenticating; closing a new one");
+                tracing::warn!(agent = %self.config.name, limit = self.config.limits.max_unauthenticated, peer = ?sock.peer_addr().ok(), "too many connections still authenticating; closing a new one");
                 continue;
             }
             let pending_auth = Unauthenticated(Arc::clone(&self.unauthenticated));
@@ -225,7 +225,7 @@ impl Inner {
             sock.as_fd(),
             &mut reader,
             &stop,
-            self.config.credential.as_ref(),
+            self.config.security.credential.as_ref(),
             &self.config.name,
             &clock,
             self.config.io_timeout,
@@ -611,7 +611,7 @@ impl Inner {
                                 pid,
                                 dir,
                                 &pieces,
-                                self.config.shm_copy_threads,
+                                self.config.shm.copy_threads,
                                 PARALLEL_COPY_MIN,
                                 &|| false,
                             )
@@ -670,7 +670,7 @@ impl Inner {
         probe_addr: u64,
         instance: u64,
     ) -> bool {
-        if !self.config.shm_delegate {
+        if !self.config.shm.delegate {
             return false;
         }
         let proven = lock(&session.proven).as_ref().and_then(|p| p.live_pid());
@@ -832,7 +832,7 @@ impl Inner {
             SrqState::PerQueuePair => return None,
             SrqState::Untried => {}
         }
-        if !self.config.rdma_srq {
+        if !self.config.rdma.srq {
             *st = SrqState::PerQueuePair;
             return None;
         }

@@ -310,7 +310,7 @@ pub(crate) struct RdmaConn {
     pub(crate) queued: AtomicU64,
     pub(crate) completed: AtomicU64,
     /// This queue pair's share of the link's bytes in flight
-    /// ([`AgentConfig::rdma_max_inflight`](crate::AgentConfig::rdma_max_inflight)).
+    /// ([`RdmaConfig::max_inflight`](crate::RdmaConfig::max_inflight)).
     max_inflight: u64,
     /// Posting needs exclusive access; polling goes through `cq`.
     pub(crate) qp: Mutex<RcQueuePair>,

@@ -319,7 +319,7 @@ pub(in crate::engine) fn rdma_connect(
             reason: "this agent has no RDMA device".into(),
         })?;
     let rerr = |e: crate::verbs::VerbsError| rdma::rdma_err(&peer.name, e);
-    let events = inner.config.rdma_progress != crate::agent::RdmaProgress::Poll;
+    let events = inner.config.rdma.progress != crate::agent::RdmaProgress::Poll;
     // One send-queue entry beyond the window: the express lane's, whose
     // lone work request bypasses the window (see `Link::post_express`).
     let mut qp = dev.create_rc_with(rdma::WINDOW + 1, events).map_err(rerr)?;
@@ -387,8 +387,8 @@ pub(in crate::engine) fn rdma_connect(
         qp,
         dev,
         u64::MAX,
-        (index, inner.config.rdma_qps_per_peer),
-        inner.config.rdma_max_inflight,
+        (index, inner.config.rdma.qps_per_peer),
+        inner.config.rdma.max_inflight,
     )
     .map_err(rerr)
 }

@@ -1,0 +1,533 @@
+//! Agent configuration: what every agent has (name, addresses, timeouts),
+//! then one group per data path and one each for security and limits.
+//!
+//! ```
+//! use std::time::Duration;
+//! use kvxfer::AgentConfig;
+//!
+//! let mut cfg = AgentConfig::new("ctx-0")
+//!     .with_io_timeout(Duration::from_secs(10))
+//!     .with_streams_per_peer(4);
+//! cfg.rdma.qps_per_peer = 2;
+//! cfg.validate().unwrap();
+//! ```
+
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::auth::Credential;
+use crate::error::Error;
+
+/// Agent configuration. Construct with [`AgentConfig::new`] and adjust with
+/// the `with_*` methods, or set the fields of its groups.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct AgentConfig {
+    /// The agent's name, unique among communicating agents.
+    pub name: String,
+    /// Address the side-channel/data listener binds (default
+    /// `127.0.0.1:0`, an ephemeral loopback port).
+    pub listen: SocketAddr,
+    /// Address advertised to peers, when it differs from the bound one
+    /// (e.g. listening on `0.0.0.0`).
+    pub advertise: Option<String>,
+    /// Bound on connection establishment, including the hello exchange
+    /// (default 5 s).
+    pub connect_timeout: Duration,
+    /// A connection with requests outstanding that moves no byte for this
+    /// long is declared dead and its requests fail (default 30 s).
+    pub io_timeout: Duration,
+    /// The TCP data path.
+    pub tcp: TcpConfig,
+    /// The cross-memory (shm) data path.
+    pub shm: ShmConfig,
+    /// The RDMA data path.
+    pub rdma: RdmaConfig,
+    /// Who may talk to the agent.
+    pub security: SecurityConfig,
+    /// Bounds on what peers and the application can make the agent hold.
+    pub limits: Limits,
+}
+
+/// The TCP data path.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct TcpConfig {
+    /// TCP streams per remote agent (default 2, chosen by measurement: see
+    /// `docs/benchmarks.md`). Small requests use only the first stream.
+    pub streams_per_peer: usize,
+    /// Largest data segment; larger descriptors are split (default 4 MiB).
+    pub segment_size: u64,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        Self {
+            streams_per_peer: 2,
+            segment_size: 4 << 20,
+        }
+    }
+}
+
+/// The cross-memory (shm) data path.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ShmConfig {
+    /// Threads that copy one large cross-memory request in parallel, the
+    /// submitting link's thread included (default: the number of CPUs, at
+    /// most 4). Requests under 2 MiB always use one.
+    pub copy_threads: usize,
+    /// Cross-memory copies are done by whichever side's memory is the
+    /// contiguous one (default true): a request whose remote pieces are
+    /// much more scattered than its local ones is copied by the target
+    /// (which asks nothing of the initiator's layout), because the kernel
+    /// pins the *other* process's pages one iovec at a time. An agent with
+    /// `false` neither asks its targets to copy nor copies for initiators
+    /// (its threads never spend time on other agents' requests).
+    pub delegate: bool,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        Self {
+            copy_threads: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(4),
+            delegate: true,
+        }
+    }
+}
+
+/// The RDMA data path.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RdmaConfig {
+    /// RDMA device by name (e.g. `mlx5_0`); `None`: `KVXFER_RDMA_DEVICE`,
+    /// else the first device with an active port.
+    pub device: Option<String>,
+    /// GID index on that device's port; `None`: `KVXFER_RDMA_GID_INDEX`,
+    /// else the port's first RoCE v2 GID, else 0.
+    pub gid_index: Option<u32>,
+    /// How the RDMA progress thread waits for completions (default
+    /// [`RdmaProgress::Adaptive`], chosen by measurement: see
+    /// `docs/benchmarks.md`). Threads waiting on a request poll the
+    /// completion queue themselves either way.
+    pub progress: RdmaProgress,
+    /// Reliable-connected queue pairs per remote agent (default 1, at most
+    /// 16). With several, a request's work requests are spread over them
+    /// (for paths and ports a single flow does not use); a sync message
+    /// still follows all of the data before it.
+    pub qps_per_peer: usize,
+    /// Local ACK timeout of RDMA queue pairs, as the verbs exponent: a
+    /// requester retransmits after 4.096 µs × 2^n without an
+    /// acknowledgement, 7 times, then the queue pair fails. `None`:
+    /// `KVXFER_RDMA_ACK_TIMEOUT`, else 14 (≈ 67 ms, as perftest). Raise it on
+    /// fabrics (or emulators) slow enough that 67 ms fires while packets are
+    /// still on their way: each firing resends everything unacknowledged.
+    pub ack_timeout: Option<u8>,
+    /// Whether incoming RDMA connections share one receive queue and one
+    /// receive thread (default `true`). Off, or on a device without
+    /// shared receive queues, each connection posts its own 64 receive
+    /// buffers and runs its own thread.
+    pub srq: bool,
+    /// Bytes of posted, uncompleted RDMA work requests per remote agent,
+    /// shared equally by its queue pairs (each may always have one work
+    /// request posted). Default [`DEFAULT_RDMA_MAX_INFLIGHT`]; at least
+    /// 64 KiB.
+    pub max_inflight: u64,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        Self {
+            device: None,
+            gid_index: None,
+            progress: RdmaProgress::default(),
+            qps_per_peer: 1,
+            ack_timeout: None,
+            srq: true,
+            max_inflight: DEFAULT_RDMA_MAX_INFLIGHT,
+        }
+    }
+}
+
+impl RdmaConfig {
+    /// The local ACK timeout exponent in effect: the field, else
+    /// `KVXFER_RDMA_ACK_TIMEOUT`, else [`crate::verbs::DEFAULT_ACK_TIMEOUT`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when either is outside 1..=31 or the
+    /// variable is not a number.
+    pub fn effective_ack_timeout(&self) -> Result<u8, Error> {
+        let exp = match self.ack_timeout {
+            Some(e) => e,
+            None => match std::env::var("KVXFER_RDMA_ACK_TIMEOUT") {
+                Ok(v) => v.trim().parse().map_err(|_| {
+                    Error::InvalidConfig(format!("KVXFER_RDMA_ACK_TIMEOUT {v:?} is not 1..=31"))
+                })?,
+                Err(_) => crate::verbs::DEFAULT_ACK_TIMEOUT,
+            },
+        };
+        if !(1..=31).contains(&exp) {
+            return Err(Error::InvalidConfig(format!(
+                "rdma.ack_timeout must be 1..=31, got {exp}"
+            )));
+        }
+        Ok(exp)
+    }
+}
+
+/// Default of [`RdmaConfig::max_inflight`]: 64 MiB, chosen by measurement
+/// on soft-RoCE (see `docs/benchmarks.md`); far above the bandwidth-delay
+/// product of any real link, so a stream never waits on it.
+pub const DEFAULT_RDMA_MAX_INFLIGHT: u64 = 64 << 20;
+
+/// How an RDMA connection's progress thread waits for completions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum RdmaProgress {
+    /// Poll (as [`Poll`](Self::Poll)) while large requests have work
+    /// requests posted; sleep on a completion channel otherwise. Bulk
+    /// streams keep their send queues full without a wake-up per
+    /// completion; an idle agent, or one whose waiters poll for their own
+    /// small requests, costs no CPU.
+    #[default]
+    Adaptive,
+    /// Sleep on a completion channel (no CPU while idle; one wake-up per
+    /// burst of completions).
+    Events,
+    /// Poll the completion queue, spinning, then yielding, then sleeping
+    /// 20-100 µs between polls while idle.
+    Poll,
+}
+
+impl FromStr for RdmaProgress {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.to_ascii_lowercase().as_str() {
+            "adaptive" => Ok(Self::Adaptive),
+            "events" => Ok(Self::Events),
+            "poll" => Ok(Self::Poll),
+            other => Err(Error::InvalidConfig(format!(
+                "unknown RDMA progress mode {other:?} (adaptive, events, poll)"
+            ))),
+        }
+    }
+}
+
+/// Who may talk to the agent (see `docs/security.md`).
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct SecurityConfig {
+    /// The cluster credential: every connection to or from this agent
+    /// opens with a mutual HMAC-SHA256 challenge–response over it, and a
+    /// peer that does not prove it holds the same secret is answered
+    /// nothing. `None`: `KVXFER_SECRET_FILE` (a file holding the secret),
+    /// else `KVXFER_SECRET`, else no credential.
+    pub credential: Option<Credential>,
+    /// Without a credential an agent may listen only on a loopback address;
+    /// `true` (or `KVXFER_INSECURE=1`) lets it listen on any address, so
+    /// that every process reaching the port can read and write its
+    /// exported memory. A warning is logged.
+    pub insecure: bool,
+}
+
+/// Bounds on what peers and the application can make an agent hold.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Limits {
+    /// Most bytes of received sync messages the agent holds until its
+    /// application takes them (`take_sync_messages`, `wait_sync_messages`),
+    /// counting messages of requests still arriving; a message beyond it
+    /// fails its request at the sender with
+    /// [`RejectReason::InboxFull`](crate::RejectReason::InboxFull). Default
+    /// 1 GiB.
+    pub inbox_max_bytes: u64,
+    /// The same bound for the messages of one remote agent (default
+    /// 256 MiB), so that one peer cannot fill the inbox for all.
+    pub inbox_max_bytes_per_peer: u64,
+    /// Most requests in flight (submitted, outcome not in) at once, over
+    /// all peers (default 65,536): a submission beyond it fails at once with
+    /// [`Error::WouldBlock`] — back-pressure for a caller that submits
+    /// faster than the peers complete, instead of unbounded memory.
+    pub max_requests_in_flight: usize,
+    /// Most incoming connections served at once (default 1024); one more
+    /// is closed at once. Each is a thread.
+    pub max_incoming_connections: usize,
+    /// Most incoming connections that have not yet authenticated (default
+    /// 64): a flood of idle connections is closed at once, and each is
+    /// dropped after `connect_timeout` anyway.
+    pub max_unauthenticated: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            inbox_max_bytes: 1 << 30,
+            inbox_max_bytes_per_peer: 256 << 20,
+            max_requests_in_flight: 1 << 16,
+            max_incoming_connections: 1024,
+            max_unauthenticated: 64,
+        }
+    }
+}
+
+impl AgentConfig {
+    /// Defaults for an agent called `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(30),
+            tcp: TcpConfig::default(),
+            shm: ShmConfig::default(),
+            rdma: RdmaConfig::default(),
+            security: SecurityConfig::default(),
+            limits: Limits::default(),
+        }
+    }
+
+    /// Sets the listen address.
+    pub fn with_listen(mut self, addr: SocketAddr) -> Self {
+        self.listen = addr;
+        self
+    }
+
+    /// Sets the advertised address.
+    pub fn with_advertise(mut self, addr: impl Into<String>) -> Self {
+        self.advertise = Some(addr.into());
+        self
+    }
+
+    /// Sets the connect timeout.
+    pub fn with_connect_timeout(mut self, t: Duration) -> Self {
+        self.connect_timeout = t;
+        self
+    }
+
+    /// Sets the I/O (no progress) timeout.
+    pub fn with_io_timeout(mut self, t: Duration) -> Self {
+        self.io_timeout = t;
+        self
+    }
+
+    /// Replaces the TCP group.
+    pub fn with_tcp(mut self, tcp: TcpConfig) -> Self {
+        self.tcp = tcp;
+        self
+    }
+
+    /// Replaces the shm group.
+    pub fn with_shm(mut self, shm: ShmConfig) -> Self {
+        self.shm = shm;
+        self
+    }
+
+    /// Replaces the RDMA group.
+    pub fn with_rdma(mut self, rdma: RdmaConfig) -> Self {
+        self.rdma = rdma;
+        self
+    }
+
+    /// Replaces the limits.
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Sets the number of TCP streams per peer ([`TcpConfig::streams_per_peer`]).
+    pub fn with_streams_per_peer(mut self, n: usize) -> Self {
+        self.tcp.streams_per_peer = n;
+        self
+    }
+
+    /// Sets the largest TCP segment ([`TcpConfig::segment_size`]).
+    pub fn with_segment_size(mut self, n: u64) -> Self {
+        self.tcp.segment_size = n;
+        self
+    }
+
+    /// Sets the threads copying one large shm request
+    /// ([`ShmConfig::copy_threads`]).
+    pub fn with_shm_copy_threads(mut self, n: usize) -> Self {
+        self.shm.copy_threads = n;
+        self
+    }
+
+    /// Sets whether shm copies may be done by the side whose memory is
+    /// contiguous ([`ShmConfig::delegate`]).
+    pub fn with_shm_delegate(mut self, on: bool) -> Self {
+        self.shm.delegate = on;
+        self
+    }
+
+    /// Chooses the RDMA device (and optionally the GID index) instead of
+    /// the environment or the first active device.
+    pub fn with_rdma_device(mut self, name: impl Into<String>, gid_index: Option<u32>) -> Self {
+        self.rdma.device = Some(name.into());
+        self.rdma.gid_index = gid_index;
+        self
+    }
+
+    /// Sets the RDMA queue pairs per remote agent ([`RdmaConfig::qps_per_peer`]).
+    pub fn with_rdma_qps_per_peer(mut self, n: usize) -> Self {
+        self.rdma.qps_per_peer = n;
+        self
+    }
+
+    /// Sets whether incoming RDMA connections share a receive queue
+    /// ([`RdmaConfig::srq`]).
+    pub fn with_rdma_srq(mut self, on: bool) -> Self {
+        self.rdma.srq = on;
+        self
+    }
+
+    /// Sets the RDMA local ACK timeout exponent, 1..=31
+    /// ([`RdmaConfig::ack_timeout`]).
+    pub fn with_rdma_ack_timeout(mut self, exp: u8) -> Self {
+        self.rdma.ack_timeout = Some(exp);
+        self
+    }
+
+    /// Sets the bytes of RDMA work in flight per remote agent
+    /// ([`RdmaConfig::max_inflight`]).
+    pub fn with_rdma_max_inflight(mut self, bytes: u64) -> Self {
+        self.rdma.max_inflight = bytes;
+        self
+    }
+
+    /// Sets how the RDMA progress thread waits for completions
+    /// ([`RdmaConfig::progress`]).
+    pub fn with_rdma_progress(mut self, p: RdmaProgress) -> Self {
+        self.rdma.progress = p;
+        self
+    }
+
+    /// Sets the cluster credential ([`SecurityConfig::credential`]).
+    pub fn with_credential(mut self, credential: Credential) -> Self {
+        self.security.credential = Some(credential);
+        self
+    }
+
+    /// Allows listening on a non-loopback address without a credential
+    /// ([`SecurityConfig::insecure`]).
+    pub fn with_insecure(mut self, on: bool) -> Self {
+        self.security.insecure = on;
+        self
+    }
+
+    /// Sets the most requests in flight at once
+    /// ([`Limits::max_requests_in_flight`]).
+    pub fn with_max_requests_in_flight(mut self, n: usize) -> Self {
+        self.limits.max_requests_in_flight = n;
+        self
+    }
+
+    /// Sets the bounds on incoming connections: in all, and not yet
+    /// authenticated.
+    pub fn with_connection_limits(mut self, total: usize, unauthenticated: usize) -> Self {
+        self.limits.max_incoming_connections = total;
+        self.limits.max_unauthenticated = unauthenticated;
+        self
+    }
+
+    /// Sets the sync-message inbox bounds: in all and per remote agent
+    /// ([`Limits::inbox_max_bytes`]).
+    pub fn with_inbox_limits(mut self, total: u64, per_peer: u64) -> Self {
+        self.limits.inbox_max_bytes = total;
+        self.limits.inbox_max_bytes_per_peer = per_peer;
+        self
+    }
+
+    /// Fills in the credential and the `insecure` opt-in from the
+    /// environment where the fields leave them unset, and checks that an
+    /// agent without a credential listens on loopback only or was let
+    /// out explicitly.
+    ///
+    /// # Errors
+    /// [`Error::Credential`] for an unreadable or short secret;
+    /// [`Error::InvalidConfig`] for a non-loopback listener with neither a
+    /// credential nor `insecure`.
+    pub fn resolve_security(&mut self) -> Result<(), Error> {
+        let sec = &mut self.security;
+        if sec.credential.is_none() {
+            sec.credential = Credential::from_env()?;
+        }
+        if !sec.insecure {
+            sec.insecure = std::env::var("KVXFER_INSECURE").is_ok_and(|v| v.trim() == "1");
+        }
+        if sec.credential.is_none() && !self.listen.ip().is_loopback() {
+            if !sec.insecure {
+                return Err(Error::InvalidConfig(format!(
+                    "listening on {} without a cluster credential would let any process that \
+                     reaches the port read and write this agent's exported memory: set one \
+                     (AgentConfig::with_credential, KVXFER_SECRET_FILE, KVXFER_SECRET) or opt in \
+                     with AgentConfig::with_insecure / KVXFER_INSECURE=1",
+                    self.listen
+                )));
+            }
+            tracing::warn!(agent = %self.name, listen = %self.listen, "INSECURE: listening without a cluster credential; any process that reaches this port can read and write the exported memory");
+        }
+        Ok(())
+    }
+
+    /// Checks every field's range.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the field.
+    pub fn validate(&self) -> Result<(), Error> {
+        let bad = |m: String| Err(Error::InvalidConfig(m));
+        if self.name.is_empty() || self.name.len() > crate::desc::MAX_AGENT_NAME {
+            return bad(format!(
+                "name must be 1..={} bytes",
+                crate::desc::MAX_AGENT_NAME
+            ));
+        }
+        if !(1..=64).contains(&self.tcp.streams_per_peer) {
+            return bad(format!(
+                "tcp.streams_per_peer must be 1..=64, got {}",
+                self.tcp.streams_per_peer
+            ));
+        }
+        if self.tcp.segment_size < 4096 {
+            return bad(format!(
+                "tcp.segment_size must be at least 4096, got {}",
+                self.tcp.segment_size
+            ));
+        }
+        if !(1..=64).contains(&self.shm.copy_threads) {
+            return bad(format!(
+                "shm.copy_threads must be 1..=64, got {}",
+                self.shm.copy_threads
+            ));
+        }
+        if !(1..=16).contains(&self.rdma.qps_per_peer) {
+            return bad(format!(
+                "rdma.qps_per_peer must be 1..=16, got {}",
+                self.rdma.qps_per_peer
+            ));
+        }
+        self.rdma.effective_ack_timeout()?;
+        if self.rdma.max_inflight < 64 << 10 {
+            return bad(format!(
+                "rdma.max_inflight must be at least 64 KiB, got {}",
+                self.rdma.max_inflight
+            ));
+        }
+        let l = &self.limits;
+        if l.max_requests_in_flight == 0 {
+            return bad("limits.max_requests_in_flight must be at least 1".into());
+        }
+        if l.max_incoming_connections == 0 || l.max_unauthenticated == 0 {
+            return bad("connection limits must be at least 1".into());
+        }
+        if self.connect_timeout.is_zero() || self.io_timeout.is_zero() {
+            return bad("timeouts must be non-zero".into());
+        }
+        Ok(())
+    }
+}

@@ -417,17 +417,89 @@ impl std::fmt::Debug for PreparedTransfer {
     }
 }
 
+/// A data path: how bytes move between this agent and a peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TransportKind {
+    /// TCP streams: the kernel copies between the socket and registered
+    /// memory (`sendmsg` / `readv`).
+    Tcp,
+    /// Cross-memory attach between processes of one host
+    /// (`process_vm_writev` / `process_vm_readv`), by the initiator or, for
+    /// scattered remote pieces, by the target.
+    Shm,
+    /// One-sided RDMA WRITE / READ on reliable-connected queue pairs, zero
+    /// copy.
+    Rdma,
+}
+
+impl TransportKind {
+    /// Its name: `"tcp"`, `"shm"` or `"rdma"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Shm => "shm",
+            Self::Rdma => "rdma",
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for TransportKind {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.to_ascii_lowercase().as_str() {
+            "tcp" => Ok(Self::Tcp),
+            "shm" => Ok(Self::Shm),
+            "rdma" => Ok(Self::Rdma),
+            other => Err(Error::InvalidConfig(format!(
+                "unknown transport {other:?} (tcp, shm, rdma)"
+            ))),
+        }
+    }
+}
+
+/// What carried a transfer: the transport, the device, and how the bytes
+/// moved — so that a transfer that took a slower path than expected says
+/// so (see also [`AgentConfig::with_required_transport`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataPath {
+    /// The transport.
+    pub transport: TransportKind,
+    /// The RDMA device (`rxe0`, `mlx5_0`, ...) on RDMA; the peer's endpoint
+    /// (`host:port`) on TCP; `None` on shm.
+    pub device: Option<String>,
+    /// How the bytes moved, in words.
+    pub mechanism: &'static str,
+}
+
 /// Handle on a submitted transfer. Cheap to clone; every clone observes the
 /// same outcome. Dropping it does not cancel the transfer.
 #[derive(Clone, Debug)]
 pub struct TransferStatus {
     id: u64,
     completion: Arc<Completion>,
+    path: Arc<DataPath>,
 }
 
 impl TransferStatus {
-    pub(crate) fn new(id: u64, completion: Arc<Completion>) -> Self {
-        Self { id, completion }
+    pub(crate) fn new(id: u64, completion: Arc<Completion>, path: Arc<DataPath>) -> Self {
+        Self {
+            id,
+            completion,
+            path,
+        }
+    }
+
+    /// The data path that carries (or carried) the transfer.
+    pub fn data_path(&self) -> &DataPath {
+        &self.path
     }
 
     /// The request id (unique per agent, 64-bit).
@@ -743,10 +815,18 @@ pub trait TransferAgent: Send + Sync {
 mod tests {
     use super::*;
 
+    fn test_path() -> Arc<DataPath> {
+        Arc::new(DataPath {
+            transport: TransportKind::Tcp,
+            device: None,
+            mechanism: "test",
+        })
+    }
+
     #[test]
     fn first_outcome_wins_and_is_kept() {
         let c = Completion::new();
-        let st = TransferStatus::new(1, Arc::clone(&c));
+        let st = TransferStatus::new(1, Arc::clone(&c), test_path());
         assert_eq!(st.poll().unwrap(), TransferState::InProgress);
         assert!(c.complete(Err(Error::Closed)));
         assert!(!c.complete(Ok(())));
@@ -756,7 +836,7 @@ mod tests {
         let ok = Completion::new();
         assert!(ok.complete(Ok(())));
         assert!(!ok.complete(Err(Error::Closed)));
-        let st = TransferStatus::new(2, ok);
+        let st = TransferStatus::new(2, ok, test_path());
         assert_eq!(st.wait(Duration::ZERO).unwrap(), TransferState::Completed);
         assert!(st.is_completed());
     }
@@ -771,7 +851,7 @@ mod tests {
                 [a.join().unwrap(), b.join().unwrap()]
             });
             assert_eq!(won.iter().filter(|w| **w).count(), 1, "round {round}");
-            let st = TransferStatus::new(round, c);
+            let st = TransferStatus::new(round, c, test_path());
             match (won[0], st.poll()) {
                 (true, Ok(TransferState::Completed)) | (false, Err(Error::Closed)) => {}
                 (w, other) => panic!("round {round}: success won {w}, status {other:?}"),
@@ -783,7 +863,7 @@ mod tests {
     fn sleepers_wake_on_an_outcome_recorded_without_the_lock() {
         for round in 0..50 {
             let c = Completion::new();
-            let st = TransferStatus::new(round, Arc::clone(&c));
+            let st = TransferStatus::new(round, Arc::clone(&c), test_path());
             std::thread::scope(|s| {
                 let w = s.spawn(|| {
                     let t = Instant::now();
@@ -803,7 +883,7 @@ mod tests {
             });
         }
         let c = Completion::new();
-        let st = TransferStatus::new(0, Arc::clone(&c));
+        let st = TransferStatus::new(0, Arc::clone(&c), test_path());
         let t = Instant::now();
         assert_eq!(
             st.wait(Duration::from_millis(30)).unwrap(),
@@ -820,7 +900,7 @@ mod tests {
         assert!(!c.is_done());
         assert!(c.complete(Ok(())));
         assert_eq!(
-            TransferStatus::new(0, c).poll().unwrap(),
+            TransferStatus::new(0, c, test_path()).poll().unwrap(),
             TransferState::Completed
         );
     }

@@ -16,8 +16,10 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::Duration;
 
+use crate::agent::TransportKind;
 use crate::auth::Credential;
 use crate::error::Error;
+use crate::memory::MemoryType;
 
 /// Agent configuration. Construct with [`AgentConfig::new`] and adjust with
 /// the `with_*` methods, or set the fields of its groups.
@@ -48,6 +50,12 @@ pub struct AgentConfig {
     pub security: SecurityConfig,
     /// Bounds on what peers and the application can make the agent hold.
     pub limits: Limits,
+    /// Transports required per memory type: a request whose memory is of
+    /// such a type, to a peer this agent reaches another way, fails with
+    /// [`Error::TransportRequired`] instead of moving over the other path
+    /// (an `auto` agent otherwise falls back to TCP, logging why). Empty
+    /// by default.
+    pub required_transports: Vec<(MemoryType, TransportKind)>,
 }
 
 /// The TCP data path.
@@ -288,7 +296,29 @@ impl AgentConfig {
             rdma: RdmaConfig::default(),
             security: SecurityConfig::default(),
             limits: Limits::default(),
+            required_transports: Vec::new(),
         }
+    }
+
+    /// Requires `transport` for requests on `mem_type` memory (see
+    /// [`required_transports`](Self::required_transports)); replaces an
+    /// earlier requirement for the same type.
+    pub fn with_required_transport(
+        mut self,
+        mem_type: MemoryType,
+        transport: TransportKind,
+    ) -> Self {
+        self.required_transports.retain(|(m, _)| *m != mem_type);
+        self.required_transports.push((mem_type, transport));
+        self
+    }
+
+    /// The transport required for `mem_type`, if any.
+    pub fn required_transport(&self, mem_type: MemoryType) -> Option<TransportKind> {
+        self.required_transports
+            .iter()
+            .find(|(m, _)| *m == mem_type)
+            .map(|&(_, t)| t)
     }
 
     /// Sets the listen address.

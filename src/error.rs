@@ -174,6 +174,23 @@ pub enum Error {
         reason: String,
     },
 
+    /// The configuration requires a transport for this memory type
+    /// (`AgentConfig::with_required_transport`) and the peer is reached
+    /// another way. Nothing was sent.
+    #[error(
+        "{mem_type} transfers to {remote:?} must use {required}, but this agent reaches it over {actual}"
+    )]
+    TransportRequired {
+        /// The remote agent.
+        remote: String,
+        /// The memory type of the request.
+        mem_type: MemoryType,
+        /// The transport the configuration requires.
+        required: crate::agent::TransportKind,
+        /// The transport the peer is reached over.
+        actual: crate::agent::TransportKind,
+    },
+
     /// The cluster credential could not be read or is too short.
     #[error("invalid cluster credential: {0}")]
     Credential(#[from] crate::auth::CredentialError),

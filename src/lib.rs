@@ -82,8 +82,8 @@ mod small;
 pub mod verbs;
 
 pub use agent::{
-    Backend, PreparedTransfer, SyncMessages, TimedSyncMessages, TransferAgent, TransferOp,
-    TransferRequest, TransferState, TransferStatus,
+    Backend, DataPath, PreparedTransfer, SyncMessages, TimedSyncMessages, TransferAgent,
+    TransferOp, TransferRequest, TransferState, TransferStatus, TransportKind,
 };
 pub use auth::{Credential, CredentialError};
 pub use config::{

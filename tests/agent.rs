@@ -1246,3 +1246,66 @@ fn registration_guard_deregisters_on_drop_after_its_transfers() {
     let reg = kvxfer::Registration::new(agent.as_ref(), &mut buf).unwrap();
     reg.deregister().unwrap();
 }
+
+/// Every status says what carried it (transport, device, mechanism), and a
+/// transport required for a memory type is never silently replaced: a
+/// request to a peer reached another way fails before anything is sent.
+#[test]
+fn statuses_report_their_path_and_required_transports_hold() {
+    let mut peer = PeerProc::spawn("target", 4096, 5, &[]);
+    let src = vec![0x42u8; 4096];
+    let (agent, name) = connect(&peer, &src);
+    let st = agent
+        .submit_transfer(&TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, 4096),
+            &name,
+        ))
+        .unwrap();
+    st.wait_success(WAIT).unwrap();
+    let path = st.data_path();
+    assert_eq!(path.transport.as_str(), expected_transport());
+    assert!(!path.mechanism.is_empty());
+    match path.transport {
+        kvxfer::TransportKind::Shm => assert_eq!(path.device, None),
+        _ => assert!(path.device.is_some(), "{path:?}"),
+    }
+
+    let actual: kvxfer::TransportKind = expected_transport().parse().unwrap();
+    let other = if actual == kvxfer::TransportKind::Tcp {
+        kvxfer::TransportKind::Rdma
+    } else {
+        kvxfer::TransportKind::Tcp
+    };
+    for (required, ok) in [(actual, true), (other, false)] {
+        let strict = local_agent("strict", |c| {
+            c.with_required_transport(kvxfer::MemoryType::Dram, required)
+        });
+        register(strict.as_ref(), &src);
+        let target = strict.load_remote_agent_by_connection(&peer.conn).unwrap();
+        assert_eq!(peer.cmd("fill 6"), "OK");
+        let r = strict.submit_transfer(&TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, 4096),
+            &target,
+        ));
+        if ok {
+            r.unwrap().wait_success(WAIT).unwrap();
+            assert_eq!(peer.cmd("hash"), fnv(&src).to_string());
+        } else {
+            let err = r.unwrap_err();
+            assert!(
+                matches!(err, Error::TransportRequired { required: r, actual: a, .. } if r == other && a == actual),
+                "{err}"
+            );
+            assert_eq!(peer.cmd("check 6 0 4096"), "OK", "nothing was sent");
+            // A notification moves no memory: it goes.
+            strict
+                .notify_sync_message(&target, b"hello".to_vec())
+                .unwrap()
+                .wait_success(WAIT)
+                .unwrap();
+        }
+        strict.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
+    }
+}

@@ -13,11 +13,7 @@ impl TransferAgent for Engine {
     }
 
     fn remote_transport(&self, name: &str) -> Result<&'static str, Error> {
-        Ok(match self.inner.peer(name)?.path {
-            Path::Tcp => "tcp",
-            Path::Cma { .. } => "shm",
-            Path::Rdma => "rdma",
-        })
+        Ok(self.inner.peer(name)?.path.kind().as_str())
     }
 
     unsafe fn register_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {

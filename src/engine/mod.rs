@@ -59,8 +59,8 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::agent::{
-    AgentConfig, Backend, Completion, PreparedTransfer, Progress, SyncMessages, TransferAgent,
-    TransferOp, TransferRequest, TransferStatus,
+    AgentConfig, Backend, Completion, DataPath, PreparedTransfer, Progress, SyncMessages,
+    TransferAgent, TransferOp, TransferRequest, TransferStatus, TransportKind,
 };
 use crate::auth::random_u64;
 use crate::desc::{AgentDesc, BackendKind, LocalAccess, RdmaInfo};
@@ -116,6 +116,16 @@ enum Path {
     Tcp,
     Cma { pid: u32 },
     Rdma,
+}
+
+impl Path {
+    fn kind(self) -> TransportKind {
+        match self {
+            Path::Tcp => TransportKind::Tcp,
+            Path::Cma { .. } => TransportKind::Shm,
+            Path::Rdma => TransportKind::Rdma,
+        }
+    }
 }
 const SUPPORTED: &[MemoryType] = &[MemoryType::Dram];
 
@@ -554,6 +564,8 @@ struct Link {
     delegate_ok: AtomicBool,
     /// The agent's count of requests in flight.
     in_flight: Arc<AtomicUsize>,
+    /// What carries this link's requests (every status reports it).
+    path: Arc<crate::agent::DataPath>,
     streams: Vec<StreamHandle>,
     pending: Mutex<PendingTable>,
     /// RDMA path, one queue pair: the express lane of small requests.
@@ -682,6 +694,23 @@ impl Link {
             receivers.push(rx);
         }
         let n_qps = rdma_conns.len();
+        let data_path = Arc::new(match path {
+            Path::Tcp => DataPath {
+                transport: TransportKind::Tcp,
+                device: streams[0].sock.peer_addr().ok().map(|a| a.to_string()),
+                mechanism: "TCP streams; the kernel copies between socket and registered memory",
+            },
+            Path::Cma { .. } => DataPath {
+                transport: TransportKind::Shm,
+                device: None,
+                mechanism: "cross-memory attach (process_vm_writev/readv), one copy",
+            },
+            Path::Rdma => DataPath {
+                transport: TransportKind::Rdma,
+                device: inner.device.as_ref().map(|d| d.name().to_owned()),
+                mechanism: "one-sided RDMA WRITE/READ on RC queue pairs, zero copy",
+            },
+        });
         let link = Arc::new(Link {
             rdma: rdma_conns,
             next_stripe: AtomicUsize::new(0),
@@ -696,6 +725,7 @@ impl Link {
                 .then_some((&*inner.probe_word as *const u64 as u64, inner.instance)),
             delegate_ok: AtomicBool::new(may_delegate),
             in_flight: Arc::clone(&inner.in_flight),
+            path: data_path,
             alive: AtomicUsize::new(2 * streams.len() + n_qps),
             streams,
             pending: Mutex::new(PendingTable::default()),

@@ -88,7 +88,7 @@ impl Engine {
             if link.streams[0].tx.send(job).is_err() {
                 link.fail(Error::Closed);
             }
-            return Ok(TransferStatus::new(id, completion));
+            return Ok(TransferStatus::new(id, completion, Arc::clone(&link.path)));
         }
         let n = link.streams.len();
         let plan = plan_segments(req, &keys, inner.config.tcp.segment_size, n);
@@ -126,7 +126,7 @@ impl Engine {
                 break;
             }
         }
-        Ok(TransferStatus::new(id, completion))
+        Ok(TransferStatus::new(id, completion, Arc::clone(&link.path)))
     }
 }
 
@@ -255,7 +255,24 @@ impl Engine {
                 backend: mode_name(inner.mode),
             });
         }
-        inner.peer(&req.remote_agent)
+        let peer = inner.peer(&req.remote_agent)?;
+        // A notification moves no memory: no transport is required for it.
+        if !inner.config.required_transports.is_empty() && !req.local.is_empty() {
+            let actual = peer.path.kind();
+            for mem_type in [req.local.mem_type, req.remote.mem_type] {
+                if let Some(required) = inner.config.required_transport(mem_type)
+                    && required != actual
+                {
+                    return Err(Error::TransportRequired {
+                        remote: req.remote_agent.clone(),
+                        mem_type,
+                        required,
+                        actual,
+                    });
+                }
+            }
+        }
+        Ok(peer)
     }
 
     /// Looks `req`'s descriptors up: local ones in the registry (held),
@@ -379,8 +396,9 @@ impl Engine {
         let registry = &self.inner.registry;
         let hold = |g: &mut Few<RegionGuard>| registry.hold_into(&c.regions, c.generation, g);
         let completion = p.link.post_express(id, req.op, wr, hold, driver)?;
+        let path = Arc::clone(&p.link.path);
         drop(slot);
-        Some(TransferStatus::new(id, completion))
+        Some(TransferStatus::new(id, completion, path))
     }
 
     /// The entry of the submit cache (`slot`, its lock held) when it holds
@@ -448,7 +466,7 @@ impl Engine {
             // No clock touched: the link's idle check watches the table,
             // which express requests stay out of (their queue pair's own
             // timeouts fail them).
-            return Ok(TransferStatus::new(id, c));
+            return Ok(TransferStatus::new(id, c, Arc::clone(&link.path)));
         }
         let driven = driver.is_some();
         let completion = Completion::counted(driver.clone(), Some(&self.inner.in_flight));
@@ -457,7 +475,7 @@ impl Engine {
         let events = wrs.len() + 2 * usize::from(sync.is_some());
         if events == 0 {
             completion.complete(Ok(()));
-            return Ok(TransferStatus::new(id, completion));
+            return Ok(TransferStatus::new(id, completion, Arc::clone(&link.path)));
         }
         let pending = Arc::new(Pending {
             completion: Arc::clone(&completion),
@@ -477,6 +495,6 @@ impl Engine {
             link.wake_progress();
         }
         link.post_rdma(id, op, wrs.into_owned(), sync, &pending);
-        Ok(TransferStatus::new(id, completion))
+        Ok(TransferStatus::new(id, completion, Arc::clone(&link.path)))
     }
 }

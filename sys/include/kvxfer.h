@@ -76,6 +76,9 @@ typedef enum kvxfer_result {
   // The transfer was aborted (`kvxfer_status_abort`): what it had sent
   // landed, nothing more of it will.
   KVXFER_ERR_ABORTED = 313,
+  // The configuration requires a transport for this memory type and the
+  // peer is reached another way; nothing was sent.
+  KVXFER_ERR_TRANSPORT_REQUIRED = 314,
   // A bug: a panic was caught at the boundary.
   KVXFER_ERR_PANIC = 900,
 } kvxfer_result;
@@ -155,6 +158,11 @@ typedef struct kvxfer_options {
   // (any process that reaches the port can then read and write the
   // exported memory).
   uint32_t insecure;
+  // `"tcp"`, `"shm"` or `"rdma"`: host-memory transfers must use this
+  // transport; one to a peer reached another way fails with
+  // `KVXFER_ERR_TRANSPORT_REQUIRED` before anything is sent (an `auto`
+  // agent otherwise falls back to TCP). NULL: no requirement.
+  const char *require_dram_transport;
 } kvxfer_options;
 
 // A memory type: one of the `KVXFER_MEM_*` values.
@@ -519,6 +527,13 @@ enum kvxfer_result kvxfer_status_wait(const struct kvxfer_status *status, int64_
 // # Safety
 // `out` is NULL or valid for a write.
 enum kvxfer_result kvxfer_status_abort(const struct kvxfer_status *status, bool *out);
+
+// Writes the transport that carries (or carried) the transfer: a static
+// NUL-terminated `"tcp"`, `"shm"` or `"rdma"`.
+//
+// # Safety
+// `out` is valid for a write.
+enum kvxfer_result kvxfer_status_transport(const struct kvxfer_status *status, const char **out);
 
 // Writes the request id (unique per agent).
 //

@@ -100,6 +100,9 @@ pub enum kvxfer_result {
     /// The transfer was aborted (`kvxfer_status_abort`): what it had sent
     /// landed, nothing more of it will.
     KVXFER_ERR_ABORTED = 313,
+    /// The configuration requires a transport for this memory type and the
+    /// peer is reached another way; nothing was sent.
+    KVXFER_ERR_TRANSPORT_REQUIRED = 314,
     /// A bug: a panic was caught at the boundary.
     KVXFER_ERR_PANIC = 900,
 }
@@ -172,6 +175,11 @@ pub struct kvxfer_options {
     /// (any process that reaches the port can then read and write the
     /// exported memory).
     pub insecure: u32,
+    /// `"tcp"`, `"shm"` or `"rdma"`: host-memory transfers must use this
+    /// transport; one to a peer reached another way fails with
+    /// `KVXFER_ERR_TRANSPORT_REQUIRED` before anything is sent (an `auto`
+    /// agent otherwise falls back to TCP). NULL: no requirement.
+    pub require_dram_transport: *const c_char,
 }
 
 /// A transfer request. `local` and `remote` pair up element by element
@@ -309,6 +317,7 @@ impl From<Error> for Fail {
             Error::Closed => KVXFER_ERR_CLOSED,
             Error::WouldBlock { .. } => KVXFER_ERR_WOULD_BLOCK,
             Error::Aborted => KVXFER_ERR_ABORTED,
+            Error::TransportRequired { .. } => KVXFER_ERR_TRANSPORT_REQUIRED,
             Error::Rdma { .. } | Error::RdmaCompletion { .. } => KVXFER_ERR_RDMA,
             Error::AuthFailed { .. } => KVXFER_ERR_AUTH,
             Error::Credential(_) => KVXFER_ERR_INVALID_ARGUMENT,
@@ -537,6 +546,7 @@ pub extern "C" fn kvxfer_result_name(code: kvxfer_result) -> *const c_char {
         KVXFER_ERR_WOULD_BLOCK,
         KVXFER_ERR_CANCELLED,
         KVXFER_ERR_ABORTED,
+        KVXFER_ERR_TRANSPORT_REQUIRED,
         KVXFER_ERR_PANIC
     );
     s.as_ptr().cast()
@@ -652,6 +662,12 @@ pub unsafe extern "C" fn kvxfer_agent_new(
             }
             if let Some(n) = field!(insecure: u32) {
                 cfg = cfg.with_insecure(n != 0);
+            }
+            if let Some(p) = field!(require_dram_transport: *const c_char).filter(|p| !p.is_null())
+            {
+                // SAFETY: NUL-terminated per the contract.
+                let t = unsafe { text(p, "options.require_dram_transport")? };
+                cfg = cfg.with_required_transport(MemoryType::Dram, t.parse()?);
             }
         }
         let agent = kvxfer_core::make_transfer_agent(backend, cfg)?;
@@ -1265,6 +1281,31 @@ pub unsafe extern "C" fn kvxfer_status_abort(
             // SAFETY: non-null and valid for a write (contract).
             unsafe { *out = running };
         }
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Writes the transport that carries (or carried) the transfer: a static
+/// NUL-terminated `"tcp"`, `"shm"` or `"rdma"`.
+///
+/// # Safety
+/// `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_status_transport(
+    status: *const kvxfer_status,
+    out: *mut *const c_char,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let s = unsafe { live(status, Kind::Status, "status")? };
+        non_null(out, "out")?;
+        let name: &'static CStr = match s.status.data_path().transport {
+            kvxfer_core::TransportKind::Tcp => c"tcp",
+            kvxfer_core::TransportKind::Shm => c"shm",
+            _ => c"rdma",
+        };
+        // SAFETY: non-null and valid for a write.
+        unsafe { *out = name.as_ptr() };
         Ok(KVXFER_OK)
     })
 }

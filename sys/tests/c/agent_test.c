@@ -132,6 +132,28 @@ int main(void) {
   uint64_t id = 0;
   CHECK(kvxfer_status_id(st, &id));
   EXPECT(id > 0);
+  /* The status says what carried it. */
+  const char *transport = NULL;
+  CHECK(kvxfer_status_transport(st, &transport));
+  EXPECT(transport != NULL && strcmp(transport, "tcp") == 0);
+  /* A required transport is never silently replaced. */
+  {
+    kvxfer_options strict_opts;
+    memset(&strict_opts, 0, sizeof strict_opts);
+    strict_opts.struct_size = sizeof strict_opts;
+    strict_opts.require_dram_transport = "rdma";
+    kvxfer_agent *strict = NULL;
+    CHECK(kvxfer_agent_new("c-strict", "tcp", &strict_opts, &strict));
+    CHECK(kvxfer_agent_register_memory(strict, KVXFER_MEM_DRAM, &sreg, 1));
+    char sname[64];
+    CHECK(kvxfer_agent_load_remote_by_connection(strict, conn, sname, sizeof sname, NULL));
+    kvxfer_status *never = NULL;
+    EXPECT_ERR(kvxfer_agent_submit(strict, &req, &never), KVXFER_ERR_TRANSPORT_REQUIRED, "must use rdma");
+    EXPECT(never == NULL);
+    CHECK(kvxfer_agent_free(strict));
+    strict_opts.require_dram_transport = "pigeon";
+    EXPECT_ERR(kvxfer_agent_new("c-strict", "tcp", &strict_opts, &strict), KVXFER_ERR_INVALID_ARGUMENT, "pigeon");
+  }
   /* Aborting a finished transfer: told it was no longer running. */
   bool running = true;
   CHECK(kvxfer_status_abort(st, &running));

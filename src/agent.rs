@@ -641,6 +641,18 @@ pub enum Backend {
     Rdma,
 }
 
+impl Backend {
+    /// Its name: `"auto"`, `"tcp"`, `"shm"` or `"rdma"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Tcp => "tcp",
+            Backend::Shm => "shm",
+            Backend::Rdma => "rdma",
+        }
+    }
+}
+
 impl FromStr for Backend {
     type Err = Error;
 

@@ -7,7 +7,7 @@
 use std::os::fd::AsFd;
 
 use crate::desc::AgentDesc;
-use crate::engine::session::RequestTable;
+use crate::engine::requests::RequestTable;
 use crate::engine::wire::{CommitOp, Frame, HEADER_LEN};
 
 /// `AgentDesc::decode`: never panics; whatever decodes encodes back to

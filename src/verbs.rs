@@ -705,11 +705,11 @@ impl SharedReceiveQueue {
     ///
     /// # Errors
     /// `ibv_poll_cq`'s error.
-    pub fn poll(&self, out: &mut Vec<(u32, Completion)>) -> Result<usize, VerbsError> {
+    pub fn poll(&self, out: &mut Vec<(u32, WorkCompletion)>) -> Result<usize, VerbsError> {
         // SAFETY: the completion queue is alive (we hold it).
         let cq = unsafe { self.cq.cq() };
         poll_raw(cq, |w| {
-            out.push((w.qp_num, Completion::from_wc(w, false)));
+            out.push((w.qp_num, WorkCompletion::from_wc(w, false)));
         })
     }
 
@@ -874,7 +874,7 @@ impl<'a> Post<'a> {
 
 /// A completed work request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Completion {
+pub struct WorkCompletion {
     /// The id given when posting.
     pub wr_id: u64,
     /// `ibv_wc_status` (0 = success).
@@ -887,7 +887,7 @@ pub struct Completion {
     pub imm: u32,
 }
 
-impl Completion {
+impl WorkCompletion {
     /// From a work completion; `imm`: keep its immediate data (a shared
     /// receive queue's completions carry none the caller reads).
     fn from_wc(w: &rdma_mummy_sys::ibv_wc, imm: bool) -> Self {
@@ -1271,7 +1271,7 @@ impl RcQueuePair {
     ///
     /// # Errors
     /// `ibv_poll_cq`'s error.
-    pub fn poll_send(&self, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
+    pub fn poll_send(&self, out: &mut Vec<WorkCompletion>) -> Result<usize, VerbsError> {
         poll(&self.send_cq, out)
     }
 
@@ -1279,7 +1279,7 @@ impl RcQueuePair {
     ///
     /// # Errors
     /// `ibv_poll_cq`'s error.
-    pub fn poll_recv(&self, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
+    pub fn poll_recv(&self, out: &mut Vec<WorkCompletion>) -> Result<usize, VerbsError> {
         poll(&self.recv_cq, out)
     }
 }
@@ -1294,7 +1294,7 @@ impl CqPoller {
     ///
     /// # Errors
     /// `ibv_poll_cq`'s error.
-    pub fn poll(&self, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
+    pub fn poll(&self, out: &mut Vec<WorkCompletion>) -> Result<usize, VerbsError> {
         poll(&self.0, out)
     }
 
@@ -1303,7 +1303,7 @@ impl CqPoller {
     ///
     /// # Errors
     /// `ibv_poll_cq`'s error.
-    pub fn poll_each(&self, each: impl FnMut(&Completion)) -> Result<usize, VerbsError> {
+    pub fn poll_each(&self, each: impl FnMut(&WorkCompletion)) -> Result<usize, VerbsError> {
         poll_each(&self.0, each)
     }
 }
@@ -1512,7 +1512,7 @@ impl SharedPoster {
 /// Work completions one poll takes at most.
 const POLL_BATCH: usize = 32;
 
-fn poll(cq: &GenericCompletionQueue, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
+fn poll(cq: &GenericCompletionQueue, out: &mut Vec<WorkCompletion>) -> Result<usize, VerbsError> {
     poll_each(cq, |c| out.push(*c))
 }
 
@@ -1520,7 +1520,7 @@ fn poll(cq: &GenericCompletionQueue, out: &mut Vec<Completion>) -> Result<usize,
 /// buffer); returns how many there were.
 fn poll_each(
     cq: &GenericCompletionQueue,
-    mut each: impl FnMut(&Completion),
+    mut each: impl FnMut(&WorkCompletion),
 ) -> Result<usize, VerbsError> {
     let GenericCompletionQueue::Basic(basic) = cq else {
         let poller = match cq.start_poll() {
@@ -1530,7 +1530,7 @@ fn poll_each(
         };
         let mut n = 0;
         for wc in poller {
-            each(&Completion {
+            each(&WorkCompletion {
                 wr_id: wc.wr_id(),
                 status: wc.status(),
                 vendor_err: wc.vendor_err(),
@@ -1543,7 +1543,7 @@ fn poll_each(
     };
     // SAFETY: the completion queue is alive (we hold it).
     let cq = unsafe { basic.cq() };
-    poll_raw(cq, |w| each(&Completion::from_wc(w, true)))
+    poll_raw(cq, |w| each(&WorkCompletion::from_wc(w, true)))
 }
 
 /// Polls `cq` once with `ibv_poll_cq` into a batch on the stack, handing

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvxfer::verbs::{self, Completion, Device, RcQueuePair, Sge, VerbsError};
+use kvxfer::verbs::{self, Device, RcQueuePair, Sge, VerbsError, WorkCompletion};
 
 fn require() -> bool {
     std::env::var("KVXFER_REQUIRE_RDMA").is_ok_and(|v| v == "1")
@@ -46,7 +46,7 @@ fn connected_pair(a: &Device, b: &Device) -> (RcQueuePair, RcQueuePair) {
 }
 
 /// Polls until `n` completions arrived on the send (or receive) queue.
-fn wait_for(qp: &RcQueuePair, recv: bool, n: usize) -> Vec<Completion> {
+fn wait_for(qp: &RcQueuePair, recv: bool, n: usize) -> Vec<WorkCompletion> {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut out = Vec::new();
     while out.len() < n {

@@ -959,7 +959,7 @@ struct VerbsSide {
     /// The other side's block: remote key and address.
     to: (u32, u64),
     /// Completions polled (kept: a send allocates nothing).
-    done: Vec<kvxfer::verbs::Completion>,
+    done: Vec<kvxfer::verbs::WorkCompletion>,
     // Declared last: the device outlives its queue pair and regions.
     _dev: kvxfer::verbs::Device,
 }

@@ -35,8 +35,8 @@ mod mapping;
 pub mod pattern;
 mod receiver;
 mod sender;
-mod session;
 mod state;
+mod stats;
 pub mod wire;
 
 pub use fragments::{Fragment, FragmentStats, RankSlice, distinct_heads, map_blocks, rank_slice};
@@ -46,8 +46,8 @@ pub use receiver::{CacheReceiver, ReceiverConfig, RecvHandle, RecvRequest};
 #[cfg(feature = "fuzzing")]
 pub use sender::context_plan;
 pub use sender::{CacheSender, SendHandle, SenderConfig};
-pub use session::{Metrics, PeerMeasure, SessionStats};
 pub use state::{Attention, AttentionDp, CacheState, DataType};
+pub use stats::{Metrics, PeerMeasure, SessionStats};
 
 /// Errors of the KV-cache layer.
 #[derive(Clone, Debug, thiserror::Error)]

@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::sender::Cell;
-use super::session::{Metrics, MetricsCell, PeerMeasure, SessionStats, append_csv};
+use super::stats::{Metrics, MetricsCell, PeerMeasure, SessionStats, append_csv};
 use super::wire::{Msg, Reassembler, RequestInfo, is_ours};
 use super::{CacheError, CacheState, recv_ranks, target_ranks};
 use crate::agent::TransferAgent;

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::lookup::walk_back;
-use super::session::{Metrics, MetricsCell, PeerMeasure, SessionStats, append_csv};
+use super::stats::{Metrics, MetricsCell, PeerMeasure, SessionStats, append_csv};
 use super::wire::{Msg, Reassembler, RequestInfo, is_ours};
 use super::{
     BlockLookup, CacheError, CacheState, distinct_heads, map_blocks, rank_slice, target_ranks,

@@ -9,7 +9,7 @@ impl TransferAgent for Engine {
     }
 
     fn backend_name(&self) -> &'static str {
-        mode_name(self.inner.mode)
+        self.inner.mode.as_str()
     }
 
     fn remote_transport(&self, name: &str) -> Result<&'static str, Error> {
@@ -22,7 +22,7 @@ impl TransferAgent for Engine {
             self.inner.registry.register(
                 descs,
                 SUPPORTED,
-                mode_name(self.inner.mode),
+                self.inner.mode.as_str(),
                 self.inner.device.as_deref(),
             )
         }

@@ -1,7 +1,7 @@
 //! The engine: one agent for every data path. [`Engine`] implements
 //! [`TransferAgent`]; a loaded peer is reached over TCP streams, by
 //! cross-memory attach (same host) or over RDMA queue pairs, chosen per peer
-//! by the agent's [`Mode`].
+//! by the agent's [`Backend`].
 //!
 //! One listener per agent serves the side channel (descriptor fetch) and
 //! incoming data streams. To each remote agent an initiator opens a *link*:
@@ -14,7 +14,7 @@
 //! Modules: `peer` (paths, connecting, descriptors), `plan` (request
 //! planning, no I/O), `submit` (the submit path), `api` (the trait),
 //! `target`, `tcp_stream`, `cma`, `rdma` (data types, `link`, `recv`),
-//! `wire` and `session` (the frame codec and the target's request table,
+//! `wire` and `requests` (the frame codec and the target's request table,
 //! no I/O), `sock` (vectored socket I/O), `handshake` and `local_proof`
 //! (authentication, the initiator's process proof).
 //!
@@ -28,7 +28,7 @@ mod local_proof;
 mod peer;
 mod plan;
 mod rdma;
-pub(crate) mod session;
+pub(crate) mod requests;
 mod sock;
 mod submit;
 mod target;
@@ -71,7 +71,7 @@ use crate::shm::{self, Direction, Piece};
 use crate::small::{FastHash, Few};
 use crate::verbs::{Device, QpInfo};
 
-use session::{Finished, RequestTable};
+use requests::{Finished, RequestTable};
 use sock::{FrameReader, IdlePolicy, ProgressClock, UntilDeadline, iov, writev_all};
 use wire::{
     CommitOp, Frame, HEADER_LEN, PROTOCOL_VERSION, WRITE_LIST_ENTRY, WRITE_LIST_MAX, status,
@@ -81,34 +81,11 @@ use wire::{
 /// own `readv` costs little next to their payload).
 const WRITE_LIST_PIECE_MAX: u64 = 64 << 10;
 
-/// The backend name of an agent mode, for errors and logs.
-fn mode_name(mode: Mode) -> &'static str {
-    match mode {
-        Mode::Tcp => "tcp",
-        Mode::Shm => "shm",
-        Mode::Auto => "auto",
-        Mode::Rdma => "rdma",
-    }
-}
 /// Cross-memory requests smaller than this are copied by one thread.
 const PARALLEL_COPY_MIN: u64 = 2 << 20;
 /// Payload a stream writes between two looks at whether its request was
 /// aborted (a job with more is written in batches of about this much).
 const ABORT_CHECK_BYTES: u64 = 4 << 20;
-
-/// Which data paths an agent offers and uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Mode {
-    /// TCP only.
-    Tcp,
-    /// Cross-memory attach only: every peer must be on this host.
-    Shm,
-    /// Cross-memory attach to peers on this host that allow it, RDMA to
-    /// other peers when both have a device, TCP to the rest.
-    Auto,
-    /// RDMA only: every peer must be reachable over RDMA.
-    Rdma,
-}
 
 /// How data reaches one peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,7 +129,7 @@ pub struct Engine {
 
 struct Inner {
     config: AgentConfig,
-    mode: Mode,
+    mode: Backend,
     instance: u64,
     /// Holds `instance`; peers read it back to prove direct access works.
     probe_word: Box<u64>,
@@ -221,21 +198,21 @@ impl Engine {
     /// # Errors
     /// [`Error::InvalidConfig`], or the bind error.
     pub fn new(config: AgentConfig) -> Result<Self, Error> {
-        Self::with_mode(config, Mode::Tcp)
+        Self::with_mode(config, Backend::Tcp)
     }
 
-    pub(crate) fn with_mode(mut config: AgentConfig, mode: Mode) -> Result<Self, Error> {
+    pub(crate) fn with_mode(mut config: AgentConfig, mode: Backend) -> Result<Self, Error> {
         config.validate()?;
         config.resolve_security()?;
         // Resolved once (the environment is read here, not per connection).
         config.rdma.ack_timeout = Some(config.rdma.effective_ack_timeout()?);
         let open = || Device::open(config.rdma.device.as_deref(), config.rdma.gid_index);
         let device = match mode {
-            Mode::Rdma => Some(Arc::new(open().map_err(|e| Error::BackendUnavailable {
+            Backend::Rdma => Some(Arc::new(open().map_err(|e| Error::BackendUnavailable {
                 backend: "rdma",
                 reason: e.to_string(),
             })?)),
-            Mode::Auto => match open() {
+            Backend::Auto => match open() {
                 Ok(d) => {
                     tracing::info!(agent = %config.name, device = d.name(), gid_index = d.gid_index(), "RDMA device with an active port found; auto uses rdma to remote hosts (shm on this host where possible)");
                     Some(Arc::new(d))
@@ -245,7 +222,7 @@ impl Engine {
                     None
                 }
             },
-            Mode::Tcp | Mode::Shm => None,
+            Backend::Tcp | Backend::Shm => None,
         };
         let listener = TcpListener::bind(config.listen)?;
         let listen_addr = listener.local_addr()?;
@@ -257,7 +234,7 @@ impl Engine {
         // Bound before any descriptor naming `instance` is published, so no
         // other process can hold the name first.
         let local_proof = match mode {
-            Mode::Shm | Mode::Auto if config.shm.delegate => {
+            Backend::Shm | Backend::Auto if config.shm.delegate => {
                 match local_proof::Listener::bind(instance) {
                     Ok(l) => Some(Arc::new(l)),
                     Err(e) => {
@@ -333,11 +310,11 @@ pub fn make_transfer_agent(
                 agent = %config.name,
                 "backend auto: shm (cross-memory attach) to same-host peers that allow it, rdma to peers with a device when this host has one, tcp otherwise"
             );
-            Ok(Box::new(Engine::with_mode(config, Mode::Auto)?))
+            Ok(Box::new(Engine::with_mode(config, Backend::Auto)?))
         }
         Backend::Tcp => Ok(Box::new(Engine::new(config)?)),
-        Backend::Shm => Ok(Box::new(Engine::with_mode(config, Mode::Shm)?)),
-        Backend::Rdma => Ok(Box::new(Engine::with_mode(config, Mode::Rdma)?)),
+        Backend::Shm => Ok(Box::new(Engine::with_mode(config, Backend::Shm)?)),
+        Backend::Rdma => Ok(Box::new(Engine::with_mode(config, Backend::Rdma)?)),
     }
 }
 

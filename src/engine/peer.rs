@@ -10,16 +10,16 @@ impl Inner {
             name: self.config.name.clone(),
             instance: self.instance,
             backend: match self.mode {
-                Mode::Shm => BackendKind::Shm,
-                Mode::Rdma => BackendKind::Rdma,
-                Mode::Tcp | Mode::Auto => BackendKind::Tcp,
+                Backend::Shm => BackendKind::Shm,
+                Backend::Rdma => BackendKind::Rdma,
+                Backend::Tcp | Backend::Auto => BackendKind::Tcp,
             },
             endpoints: vec![self.endpoint.clone()],
             regions: self.registry.exported(),
             rdma: self.device.as_ref().map(|d| RdmaInfo {
                 device: d.name().to_owned(),
             }),
-            local_access: matches!(self.mode, Mode::Shm | Mode::Auto).then(|| LocalAccess {
+            local_access: matches!(self.mode, Backend::Shm | Backend::Auto).then(|| LocalAccess {
                 host: self.host.clone(),
                 pid: std::process::id(),
                 probe_addr: &*self.probe_word as *const u64 as u64,
@@ -27,13 +27,13 @@ impl Inner {
         }
     }
 
-    /// Chooses the data path to a remote agent (see [`Mode`]).
+    /// Chooses the data path to a remote agent (see [`Backend`]).
     pub(in crate::engine) fn choose_path(&self, desc: &AgentDesc) -> Result<Path, Error> {
-        if self.mode == Mode::Tcp {
+        if self.mode == Backend::Tcp {
             return Ok(Path::Tcp);
         }
         let rdma_ok = self.device.is_some() && desc.rdma.is_some();
-        if self.mode == Mode::Rdma {
+        if self.mode == Backend::Rdma {
             if !rdma_ok {
                 return Err(Error::BackendUnavailable {
                     backend: "rdma",
@@ -52,7 +52,7 @@ impl Inner {
                 tracing::info!(agent = %self.config.name, remote = %desc.name, pid, "data path: shm (cross-memory attach)");
                 Ok(Path::Cma { pid })
             }
-            (Err(reason), Mode::Shm) => Err(Error::BackendUnavailable {
+            (Err(reason), Backend::Shm) => Err(Error::BackendUnavailable {
                 backend: "shm",
                 reason: format!("remote agent {:?}: {reason}", desc.name),
             }),

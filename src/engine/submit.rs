@@ -252,7 +252,7 @@ impl Engine {
         if req.local.mem_type != MemoryType::Dram && !req.local.is_empty() {
             return Err(Error::UnsupportedMemoryType {
                 mem_type: req.local.mem_type,
-                backend: mode_name(inner.mode),
+                backend: inner.mode.as_str(),
             });
         }
         let peer = inner.peer(&req.remote_agent)?;

@@ -183,7 +183,7 @@ fn delegation_initiator_child() {
         .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
         .collect();
     let target = AgentDesc::decode(&bytes).unwrap();
-    let init = Engine::with_mode(AgentConfig::new("init"), Mode::Shm).unwrap();
+    let init = Engine::with_mode(AgentConfig::new("init"), Backend::Shm).unwrap();
     write_and_read_scattered(&init, &target, dst.parse().unwrap());
 }
 
@@ -197,7 +197,7 @@ fn scattered_remote_side_is_copied_by_the_target() {
     for target_delegates in [true, false] {
         let target = Engine::with_mode(
             AgentConfig::new("target").with_shm_delegate(target_delegates),
-            Mode::Shm,
+            Backend::Shm,
         )
         .unwrap();
         let dst = vec![0u8; 2 * K * P];
@@ -243,8 +243,8 @@ fn scattered_remote_side_is_copied_by_the_target() {
 /// process that proved itself); the initiator copies, bytes right.
 #[test]
 fn a_target_never_copies_for_its_own_process() {
-    let init = Engine::with_mode(AgentConfig::new("init"), Mode::Shm).unwrap();
-    let target = Engine::with_mode(AgentConfig::new("target"), Mode::Shm).unwrap();
+    let init = Engine::with_mode(AgentConfig::new("init"), Backend::Shm).unwrap();
+    let target = Engine::with_mode(AgentConfig::new("target"), Backend::Shm).unwrap();
     let dst = vec![0u8; 2 * K * P];
     // SAFETY: `dst` outlives the agents (dropped first below).
     unsafe { target.register_memory(&MemoryDescs::dram(&dst)).unwrap() };

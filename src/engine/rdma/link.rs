@@ -482,7 +482,7 @@ impl Link {
     pub(in crate::engine) fn on_send_completion(
         &self,
         conn: &rdma::RdmaConn,
-        c: &crate::verbs::Completion,
+        c: &crate::verbs::WorkCompletion,
         touched: &mut bool,
     ) {
         conn.posted.fetch_sub(1, Ordering::AcqRel);

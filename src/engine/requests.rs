@@ -12,14 +12,14 @@ use std::collections::HashMap;
 use crate::error::RejectReason;
 
 #[derive(Debug)]
-struct Progress<M> {
+struct RequestProgress<M> {
     done: u64,
     expected: Option<u64>,
     error: Option<RejectReason>,
     sync: Option<M>,
 }
 
-impl<M> Default for Progress<M> {
+impl<M> Default for RequestProgress<M> {
     fn default() -> Self {
         Self {
             done: 0,
@@ -50,7 +50,7 @@ pub(crate) const MAX_OPEN_REQUESTS: usize = 1 << 16;
 /// message as the target holds it.
 #[derive(Debug)]
 pub(crate) struct RequestTable<M = Vec<u8>> {
-    open: HashMap<u64, Progress<M>>,
+    open: HashMap<u64, RequestProgress<M>>,
 }
 
 impl<M> Default for RequestTable<M> {
@@ -62,7 +62,7 @@ impl<M> Default for RequestTable<M> {
 }
 
 impl<M> RequestTable<M> {
-    fn entry(&mut self, req: u64) -> Result<&mut Progress<M>, &'static str> {
+    fn entry(&mut self, req: u64) -> Result<&mut RequestProgress<M>, &'static str> {
         if self.open.len() >= MAX_OPEN_REQUESTS && !self.open.contains_key(&req) {
             return Err("too many requests open at once");
         }

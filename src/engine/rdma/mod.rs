@@ -6,6 +6,9 @@
 
 pub(in crate::engine) mod link;
 pub(in crate::engine) mod recv;
+mod window;
+
+use window::Window;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -446,71 +449,6 @@ impl RdmaConn {
     /// Called with the send queue's lock held.
     pub(crate) fn unwind_slot(&self) {
         self.window.unwind();
-    }
-}
-
-/// The send window without a lock: the sizes of the posted work requests
-/// in a ring indexed by posting order (at most [`WINDOW`]), and their sum.
-/// Slots are taken (and unwound) by one thread at a time — the holder of
-/// the send queue's lock — and released in order by the one thread
-/// draining the completion queue; `taken` and `released` count them.
-/// A try and a release are sequentially consistent (with the send queue's
-/// `waiting` count), so a release never misses work that a try refused.
-struct Window {
-    lens: Box<[AtomicU64]>,
-    taken: AtomicU64,
-    released: AtomicU64,
-    bytes: AtomicU64,
-}
-
-impl Window {
-    fn new() -> Self {
-        Self {
-            lens: (0..WINDOW).map(|_| AtomicU64::new(0)).collect(),
-            taken: AtomicU64::new(0),
-            released: AtomicU64::new(0),
-            bytes: AtomicU64::new(0),
-        }
-    }
-
-    fn slot(&self, n: u64) -> &AtomicU64 {
-        &self.lens[(n % u64::from(WINDOW)) as usize]
-    }
-
-    fn try_take(&self, len: u64, max_bytes: u64) -> bool {
-        let taken = self.taken.load(Ordering::Relaxed);
-        let released = self.released.load(Ordering::SeqCst);
-        let in_flight = taken - released;
-        if in_flight >= u64::from(WINDOW)
-            || (in_flight > 0 && self.bytes.load(Ordering::SeqCst) + len > max_bytes)
-        {
-            return false;
-        }
-        self.slot(taken).store(len, Ordering::Relaxed);
-        self.bytes.fetch_add(len, Ordering::AcqRel);
-        // Publishes the slot's length to the releasing thread.
-        self.taken.store(taken + 1, Ordering::Release);
-        true
-    }
-
-    fn release(&self) {
-        let released = self.released.load(Ordering::Relaxed);
-        if released == self.taken.load(Ordering::Acquire) {
-            return;
-        }
-        let len = self.slot(released).load(Ordering::Relaxed);
-        self.bytes.fetch_sub(len, Ordering::SeqCst);
-        self.released.store(released + 1, Ordering::SeqCst);
-    }
-
-    fn unwind(&self) {
-        let taken = self.taken.load(Ordering::Relaxed);
-        if taken == self.released.load(Ordering::Acquire) {
-            return;
-        }
-        let len = self.slot(taken - 1).load(Ordering::Relaxed);
-        self.bytes.fetch_sub(len, Ordering::AcqRel);
-        self.taken.store(taken - 1, Ordering::Release);
     }
 }
 

@@ -401,6 +401,51 @@ fn a_refused_write_does_not_take_down_the_connection() {
         .unwrap();
 }
 
+/// `Abort` from a raw peer: a request it aborts is answered `Aborted` once
+/// its sent segments are in, its sync message withheld; an abort that
+/// claims more segments than the commit announces is a protocol violation
+/// that closes only that peer's connection. The target's memory is
+/// untouched and it serves others throughout.
+#[test]
+fn aborts_are_counted_and_cannot_be_abused() {
+    let v = Victim::new(Backend::Tcp, AgentConfig::new("target"));
+    let mut c = RawConn::connect(&v.conn());
+    c.auth("mallory", None).unwrap();
+    c.hello("mallory", 7).unwrap();
+    let commit = |req: u64, segments: u64, sync: &[u8]| {
+        let mut h = Hdr::new(raw::COMMIT);
+        h.flags = 1 | 0x80;
+        h.id = req;
+        h.len = segments;
+        h.aux = sync.len() as u32;
+        h
+    };
+    let abort = |req: u64, segments: u64| {
+        let mut h = Hdr::new(raw::ABORT);
+        h.id = req;
+        h.len = segments;
+        h
+    };
+    // Three segments announced, all three skipped: answered, no message.
+    c.send(commit(1, 3, b"must not arrive"), b"must not arrive")
+        .unwrap();
+    c.send(abort(1, 3), &[]).unwrap();
+    let a = c.recv().unwrap();
+    assert_eq!((a.kind, a.id, a.status), (raw::ACK, 1, raw::ST_ABORTED));
+    // Aborted with nothing skipped (a copy that never began): the same.
+    c.send(abort(2, 0), &[]).unwrap();
+    c.send(commit(2, 0, b"nor this"), b"nor this").unwrap();
+    let a = c.recv().unwrap();
+    assert_eq!((a.kind, a.id, a.status), (raw::ACK, 2, raw::ST_ABORTED));
+    assert!(v.agent.take_sync_messages().is_empty());
+    // More skipped than the commit announces (u64::MAX: no overflow).
+    c.send(abort(3, u64::MAX), &[]).unwrap();
+    c.send(commit(3, 1, b""), b"").unwrap();
+    assert!(c.closed(), "an impossible abort was accepted");
+    v.assert_untouched();
+    v.still_serves(AgentConfig::new("good"));
+}
+
 /// Sync messages a target's application does not take are held within a
 /// byte budget per sender and in all: beyond it a request fails with
 /// `InboxFull` at its sender, others' messages still arrive, and taking

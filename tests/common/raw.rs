@@ -22,8 +22,10 @@ pub const AUTH_HELLO: u8 = 17;
 pub const AUTH_CHALLENGE: u8 = 18;
 pub const AUTH_PROOF: u8 = 19;
 pub const AUTH_RESULT: u8 = 20;
+pub const ABORT: u8 = 21;
 
 pub const ST_OK: u16 = 0;
+pub const ST_ABORTED: u16 = 7;
 pub const ST_DELEGATE_REFUSED: u16 = 14;
 pub const ST_AUTH_REQUIRED: u16 = 16;
 pub const ST_AUTH_FAILED: u16 = 17;

@@ -645,7 +645,10 @@ impl Link {
             let sock = connect_any(&peer.endpoints, deadline)?;
             let clock = ProgressClock::new();
             let ticket = handshake(inner, peer, &sock, link_id, i as u32, &clock, deadline)?;
-            if i == 0 && matches!(path, Path::Cma { .. }) && cfg.shm.delegate {
+            // A target in this very process never copies for it: no proof,
+            // no delegation asked.
+            let other_process = !matches!(path, Path::Cma { pid } if pid == std::process::id());
+            if i == 0 && matches!(path, Path::Cma { .. }) && cfg.shm.delegate && other_process {
                 // The target copies for this process only once the kernel
                 // has told it on its local socket that this is the process.
                 match local_proof::prove(peer.instance, ticket, cfg.connect_timeout) {

@@ -674,7 +674,11 @@ impl Inner {
             return false;
         }
         let proven = lock(&session.proven).as_ref().and_then(|p| p.live_pid());
-        if proven != Some(pid) || pid == std::process::id() {
+        if pid == std::process::id() {
+            tracing::warn!(agent = %self.config.name, remote = %session.remote, "refused a delegated copy into this very process");
+            return false;
+        }
+        if proven != Some(pid) {
             tracing::warn!(agent = %self.config.name, remote = %session.remote, claimed = pid, ?proven, "refused a delegated copy: the initiator did not prove it is that process");
             return false;
         }

@@ -114,7 +114,7 @@ R=${ROUNDS:-9}
 LR=${LAT_ROUNDS:-41}
 med() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 # Lower quartile: where a program's runs sit in the guest's fast mode (runs
-# land in modes about 2x apart, by periods of the host: docs/benchmarks.md).
+# land in modes about 2x apart, by periods of the host: git history of docs/benchmarks.md).
 q1() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print v[int((NR + 3) / 4)] }'; }
 wbws=(); kws=(); rbws=(); krs=(); lats=(); ppes=(); ppps=(); ppvs=(); pp2s=(); ratios_w=(); ratios_r=(); ratios_l=(); ratios_p=(); ratios_v=(); ratios_2=()
 kwj=

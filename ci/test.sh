@@ -49,7 +49,7 @@ cache_bin=$(test_bin cache)
 # ACK timeout 20 (4.3 s) instead of the library's 14 (67 ms): under TCG the
 # guest stalls for longer than 67 ms at times, each expiry resends everything
 # unacknowledged, and on a 256 MiB READ that snowballed into a stall past the
-# 30 s I/O timeout (docs/benchmarks.md, "Soft-RoCE retransmissions").
+# 30 s I/O timeout (git history of docs/benchmarks.md, "Soft-RoCE retransmissions").
 KVXFER_RDMA_ACK_TIMEOUT=20 KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 2400 sh -c \
   "$verbs_bin --test-threads 1 --color never && $agent_bin --test-threads 2 --color never && \
    KVXFER_TEST_RDMA_PROGRESS=events $agent_bin --test-threads 2 --color never \

@@ -63,7 +63,7 @@ pub struct AgentConfig {
 #[non_exhaustive]
 pub struct TcpConfig {
     /// TCP streams per remote agent (default 2, chosen by measurement: see
-    /// `docs/benchmarks.md`). Small requests use only the first stream.
+    /// the git history of `docs/benchmarks.md`). Small requests use only the first stream.
     pub streams_per_peer: usize,
     /// Largest data segment; larger descriptors are split (default 4 MiB).
     pub segment_size: u64,
@@ -119,7 +119,7 @@ pub struct RdmaConfig {
     pub gid_index: Option<u32>,
     /// How the RDMA progress thread waits for completions (default
     /// [`RdmaProgress::Adaptive`], chosen by measurement: see
-    /// `docs/benchmarks.md`). Threads waiting on a request poll the
+    /// the git history of `docs/benchmarks.md`). Threads waiting on a request poll the
     /// completion queue themselves either way.
     pub progress: RdmaProgress,
     /// Reliable-connected queue pairs per remote agent (default 1, at most
@@ -187,7 +187,7 @@ impl RdmaConfig {
 }
 
 /// Default of [`RdmaConfig::max_inflight`]: 64 MiB, chosen by measurement
-/// on soft-RoCE (see `docs/benchmarks.md`); far above the bandwidth-delay
+/// on soft-RoCE (see the git history of `docs/benchmarks.md`); far above the bandwidth-delay
 /// product of any real link, so a stream never waits on it.
 pub const DEFAULT_RDMA_MAX_INFLIGHT: u64 = 64 << 20;
 

@@ -1397,7 +1397,7 @@ const DIRECT_SGES: usize = 4;
 /// request and gather list built on the stack. (The extended API's start,
 /// set-up and complete calls, through sideway's guards, cost about twice the
 /// instructions for one work request: callgrind in the soft-RoCE guest,
-/// `docs/benchmarks.md`.) One work request is posted whole or not at all,
+/// the git history of `docs/benchmarks.md`.) One work request is posted whole or not at all,
 /// as with the extended API.
 ///
 /// # Safety

@@ -244,7 +244,7 @@ struct Buffer {
 /// its block does not share one with the block the other side writes from
 /// (side by side in the heap, a ping-pong's four 8-byte blocks sat in one
 /// line). Measured in the soft-RoCE guest it made no difference beyond the
-/// noise (`docs/benchmarks.md`, tenth session): one confound less against
+/// noise (the git history of `docs/benchmarks.md`, tenth session): one confound less against
 /// perftest, not a speed-up.
 struct Pages {
     ptr: std::ptr::NonNull<u64>,

@@ -374,7 +374,7 @@ impl Engine {
     /// go straight into the lane, and the status comes back alone (two
     /// words): no `Result` of this layer's error moved through the calls of
     /// the general path, which on soft-RoCE's 8-byte ping-pong was a fifth
-    /// of the library's instructions before the post (`docs/benchmarks.md`).
+    /// of the library's instructions before the post (the git history of `docs/benchmarks.md`).
     /// `None`, with nothing held or claimed: [`submit_cached`](Self::submit_cached)
     /// and the general path decide (a hit the lane turns away, taken by
     /// another request, is looked up once more there: rare, and the lookup

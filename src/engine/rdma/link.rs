@@ -630,7 +630,7 @@ impl Link {
                 // themselves (or none): keep out of their way — a woken
                 // progress thread took the CPU from them (soft-RoCE
                 // ping-pong 420 µs with it, 200-225 µs without, see
-                // docs/benchmarks.md). Look in every millisecond while work
+                // docs/benchmarks.md history). Look in every millisecond while work
                 // is posted and nobody drained since the last look (a
                 // waiter may have given up), every 20 ms while waiters
                 // drain (a latency-bound caller: one request, wait, the

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Two builds of kvxfer-bench side by side in one boot of the soft-RoCE guest:
+# ib_write_lat and both builds' two-process 8-byte ping-pong, alternating
+# (order reversed every other round), then the 1 MiB WRITE stream of each.
+# The binaries must lie inside this tree (the guest sees it), e.g. under
+# target/. TCG: compare within the boot only; runs land in two modes about
+# 2x apart, so compare the fast-mode medians too.
+#
+#   benches/ab_rdma.sh target/ab/old-bench target/release/kvxfer-bench   # LAT_ROUNDS=15 ROUNDS=3
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "${KVXFER_RDMA_GUEST:-}" != 1 ]; then
+  exec ci/rxe-guest --timeout 2400 env LAT_ROUNDS="${LAT_ROUNDS:-15}" ROUNDS="${ROUNDS:-3}" bash benches/ab_rdma.sh "$@"
+fi
+A=$1; B=$2
+json() { sed -n 's/.*"'"$1"'":\([-+0-9.eE]*\).*/\1/p' | head -n 1; }
+listening() { for _ in $(seq 100); do ss -ltn 2>/dev/null | grep -q ':18515 ' && return 0; sleep 0.05; done; return 1; }
+lat() {
+  local v= t s
+  for t in 1 2 3; do
+    timeout 300 ib_write_lat -d rxe1 -x 0 -s 8 -n 1000 >/dev/null 2>&1 &
+    s=$!
+    listening || sleep "$t"
+    v=$(timeout 300 ib_write_lat -d rxe0 -x 0 -s 8 -n 1000 127.0.0.1 2>/dev/null | awk '$1 == 8 {print $5}')
+    wait "$s" || true
+    [ -n "$v" ] && break
+  done
+  echo "$v"
+}
+pp() { KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$1" --backend rdma --pingpong --iters 1000 --warmup 20 --target-rdma-device rxe1 --idle-secs 0 --two-process --json | json p50_us; }
+bw() { KVXFER_RDMA_DEVICE=rxe0 timeout 600 "$1" --backend rdma --op write --block-size 1MiB --batch 16 --iters 13 --warmup 2 --target-rdma-device rxe1 --depth 4 --json | json gb_per_s; }
+for r in $(seq "$LAT_ROUNDS"); do
+  if [ $((r % 2)) = 1 ]; then l=$(lat); a=$(pp "$A"); b=$(pp "$B"); else b=$(pp "$B"); a=$(pp "$A"); l=$(lat); fi
+  echo "latency round $r: ib_write_lat $l us, old $a us, new $b us"
+done
+for r in $(seq "$ROUNDS"); do echo "bandwidth round $r: old $(bw "$A") GB/s, new $(bw "$B") GB/s"; done

@@ -454,14 +454,15 @@ impl FromStr for TransportKind {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self, Error> {
-        match s.to_ascii_lowercase().as_str() {
-            "tcp" => Ok(Self::Tcp),
-            "shm" => Ok(Self::Shm),
-            "rdma" => Ok(Self::Rdma),
-            other => Err(Error::InvalidConfig(format!(
-                "unknown transport {other:?} (tcp, shm, rdma)"
-            ))),
-        }
+        [Self::Tcp, Self::Shm, Self::Rdma]
+            .into_iter()
+            .find(|t| t.as_str().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                Error::InvalidConfig(format!(
+                    "unknown transport {:?} (tcp, shm, rdma)",
+                    s.to_ascii_lowercase()
+                ))
+            })
     }
 }
 
@@ -657,15 +658,15 @@ impl FromStr for Backend {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self, Error> {
-        match s.to_ascii_lowercase().as_str() {
-            "auto" => Ok(Backend::Auto),
-            "tcp" => Ok(Backend::Tcp),
-            "shm" => Ok(Backend::Shm),
-            "rdma" => Ok(Backend::Rdma),
-            other => Err(Error::InvalidConfig(format!(
-                "unknown backend {other:?} (expected auto, tcp, shm or rdma)"
-            ))),
-        }
+        [Backend::Auto, Backend::Tcp, Backend::Shm, Backend::Rdma]
+            .into_iter()
+            .find(|b| b.as_str().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                Error::InvalidConfig(format!(
+                    "unknown backend {:?} (expected auto, tcp, shm or rdma)",
+                    s.to_ascii_lowercase()
+                ))
+            })
     }
 }
 

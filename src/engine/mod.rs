@@ -674,22 +674,24 @@ impl Link {
             receivers.push(rx);
         }
         let n_qps = rdma_conns.len();
-        let data_path = Arc::new(match path {
-            Path::Tcp => DataPath {
-                transport: TransportKind::Tcp,
-                device: streams[0].sock.peer_addr().ok().map(|a| a.to_string()),
-                mechanism: "TCP streams; the kernel copies between socket and registered memory",
-            },
-            Path::Cma { .. } => DataPath {
-                transport: TransportKind::Shm,
-                device: None,
-                mechanism: "cross-memory attach (process_vm_writev/readv), one copy",
-            },
-            Path::Rdma => DataPath {
-                transport: TransportKind::Rdma,
-                device: inner.device.as_ref().map(|d| d.name().to_owned()),
-                mechanism: "one-sided RDMA WRITE/READ on RC queue pairs, zero copy",
-            },
+        let (device, mechanism) = match path {
+            Path::Tcp => (
+                streams[0].sock.peer_addr().ok().map(|a| a.to_string()),
+                "TCP streams; the kernel copies between socket and registered memory",
+            ),
+            Path::Cma { .. } => (
+                None,
+                "cross-memory attach (process_vm_writev/readv), one copy",
+            ),
+            Path::Rdma => (
+                inner.device.as_ref().map(|d| d.name().to_owned()),
+                "one-sided RDMA WRITE/READ on RC queue pairs, zero copy",
+            ),
+        };
+        let data_path = Arc::new(DataPath {
+            transport: path.kind(),
+            device,
+            mechanism,
         });
         let link = Arc::new(Link {
             rdma: rdma_conns,

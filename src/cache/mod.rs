@@ -31,6 +31,7 @@
 
 mod fragments;
 mod lookup;
+pub mod machine;
 mod mapping;
 pub mod pattern;
 mod receiver;
@@ -41,10 +42,11 @@ pub mod wire;
 
 pub use fragments::{Fragment, FragmentStats, RankSlice, distinct_heads, map_blocks, rank_slice};
 pub use lookup::{BlockLookup, MemBlockLookup};
+#[cfg(feature = "fuzzing")]
+pub use machine::context_plan;
+pub use machine::{ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine};
 pub use mapping::{TargetRanks, needs_send, recv_ranks, target_ranks};
 pub use receiver::{CacheReceiver, ReceiverConfig, RecvHandle, RecvRequest};
-#[cfg(feature = "fuzzing")]
-pub use sender::context_plan;
 pub use sender::{CacheSender, SendHandle, SenderConfig};
 pub use state::{Attention, AttentionDp, CacheState, DataType};
 pub use stats::{Metrics, PeerMeasure, SessionStats};

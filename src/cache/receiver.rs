@@ -1,19 +1,21 @@
-//! The generation side: [`CacheReceiver`] asks every context rank that
-//! holds part of a request for its share (sending its destination blocks),
-//! and completes the request when each rank that sends has reported its
-//! share landed (`Done`, delivered after the data).
+//! The generation side's driver: [`CacheReceiver`] runs a
+//! [`ReceiverMachine`] over a [`TransferAgent`] — the agent's sync
+//! messages in (stamped on arrival), the machine's messages out — on one
+//! thread per receiver (the receiver owns its agent's notifications).
+//! `request` sends its request infos from the caller's thread.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::machine::{ReceiverEvent, ReceiverMachine};
 use super::sender::Cell;
-use super::stats::{Metrics, MetricsCell, PeerMeasure, SessionStats, append_csv};
-use super::wire::{Msg, Reassembler, RequestInfo, is_ours};
-use super::{CacheError, CacheState, recv_ranks, target_ranks};
+use super::stats::{Metrics, SessionStats, append_csv};
+use super::wire::{Reassembler, is_ours};
+use super::{CacheError, CacheState};
 use crate::agent::TransferAgent;
 use crate::memory::MemoryType;
 
@@ -86,47 +88,87 @@ impl RecvHandle {
     }
 }
 
-struct Req {
-    cell: Arc<Cell<SessionStats>>,
-    /// Context agents asked (every target rank).
-    asked: Vec<String>,
-    /// Context agent → its share, for the ranks that send.
-    senders: BTreeMap<String, Share>,
-    /// Agents that answered `Cancelled` (or `Done`) after a cancel.
-    settled: Vec<String>,
-    /// Set when this side cancelled: the outcome is `cancel`'s to record.
-    cancelling: bool,
-    failed: Option<CacheError>,
-    start: Instant,
-    request_info: Duration,
-    mapping: Duration,
-    deadline: Instant,
-}
+/// Longest sleep of the protocol thread (messages and shutdown wake it
+/// sooner; deadlines are met to within it).
+const IDLE_WAIT: Duration = Duration::from_millis(20);
 
-/// One context rank's share of a request, as the receiver saw it.
-#[derive(Default)]
-struct Share {
-    rank: u32,
-    /// When its `Ready` reached this agent.
-    ready: Option<Instant>,
-    /// When its `Done` reached this agent (after the share's data).
-    done: Option<Instant>,
-    bytes: u64,
-    fragments: u64,
-    fragments_coalesced: u64,
+/// The machine and what waits on its outcomes.
+struct Core {
+    m: ReceiverMachine,
+    cells: HashMap<u64, Arc<Cell<SessionStats>>>,
+    settle_waiters: HashMap<u64, Vec<crossbeam_channel::Sender<()>>>,
 }
 
 struct Shared {
     agent: Arc<dyn TransferAgent>,
-    state: CacheState,
     rank: u32,
-    ctx_state: CacheState,
-    /// Context agent names, by context rank.
-    ctx_agents: Vec<String>,
-    config: ReceiverConfig,
-    reqs: Mutex<HashMap<u64, Req>>,
+    timings_dir: Option<PathBuf>,
+    timeout: Duration,
+    /// Lock order: `sending` before `core`.
+    core: Mutex<Core>,
+    /// Held while the machine's messages are sent, so that they go out in
+    /// its order.
+    sending: Mutex<()>,
     stop: AtomicBool,
-    metrics: MetricsCell,
+}
+
+impl Shared {
+    /// Runs `f` on the machine, then hands its outcomes to the handles and
+    /// cancel waiters.
+    fn with_core<R>(&self, f: impl FnOnce(&mut Core) -> R) -> R {
+        let mut rows = Vec::new();
+        let out = {
+            let mut c = lock(&self.core);
+            let out = f(&mut c);
+            while let Some(ev) = c.m.poll_event() {
+                match ev {
+                    ReceiverEvent::Finished {
+                        request_id,
+                        outcome,
+                    } => {
+                        if let Some(cell) = c.cells.remove(&request_id) {
+                            if let (Ok(stats), Some(_)) = (&outcome, &self.timings_dir) {
+                                rows.push(stats.clone());
+                            }
+                            cell.set(outcome);
+                        }
+                    }
+                    ReceiverEvent::CancelSettled { request_id } => {
+                        for w in c.settle_waiters.remove(&request_id).into_iter().flatten() {
+                            let _ = w.send(());
+                        }
+                    }
+                }
+            }
+            out
+        };
+        if let Some(dir) = &self.timings_dir {
+            for stats in rows {
+                if let Err(e) = append_csv(dir, self.rank, "recv", &stats) {
+                    tracing::warn!(%e, "cannot write receive timings");
+                }
+            }
+        }
+        out
+    }
+
+    /// Sends the machine's messages, in its order.
+    fn flush(&self) {
+        let _order = lock(&self.sending);
+        loop {
+            let Some(t) = lock(&self.core).m.poll_transmit() else {
+                return;
+            };
+            for chunk in t.msg.encode() {
+                if let Err(e) = self.agent.notify_sync_message(&t.to, chunk) {
+                    self.with_core(|c| {
+                        c.m.handle_transmit_failed(&t.to, &t.msg, e, Instant::now());
+                    });
+                    break;
+                }
+            }
+        }
+    }
 }
 
 /// The generation side of the KV-cache protocol for one rank.
@@ -154,12 +196,6 @@ impl CacheReceiver {
         config: ReceiverConfig,
     ) -> Result<Self, CacheError> {
         ctx_state.check_compatible(&state)?;
-        if rank >= state.world_size() {
-            return Err(CacheError::InvalidState(format!(
-                "rank {rank} outside TP {} × PP {}",
-                state.tp, state.pp
-            )));
-        }
         if ctx_connections.len() != ctx_state.world_size() as usize {
             return Err(CacheError::InvalidState(format!(
                 "{} context connections for {} context ranks",
@@ -167,20 +203,33 @@ impl CacheReceiver {
                 ctx_state.world_size()
             )));
         }
+        if rank >= state.world_size() {
+            return Err(CacheError::InvalidState(format!(
+                "rank {rank} outside TP {} × PP {}",
+                state.tp, state.pp
+            )));
+        }
         let ctx_agents = ctx_connections
             .iter()
             .map(|c| agent.load_remote_agent_by_connection(c))
             .collect::<Result<Vec<_>, _>>()?;
+        let timings_dir = config.timings_dir.clone();
+        let timeout = config.timeout;
+        let connection = agent.local_connection_info();
+        let mut m = ReceiverMachine::new(state, rank, ctx_state, ctx_agents, connection, config)?;
+        m.set_stopwatch(Instant::now);
         let shared = Arc::new(Shared {
             agent,
-            state,
             rank,
-            ctx_state,
-            ctx_agents,
-            config,
-            reqs: Mutex::new(HashMap::new()),
+            timings_dir,
+            timeout,
+            core: Mutex::new(Core {
+                m,
+                cells: HashMap::new(),
+                settle_waiters: HashMap::new(),
+            }),
+            sending: Mutex::new(()),
             stop: AtomicBool::new(false),
-            metrics: MetricsCell::default(),
         });
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -203,88 +252,21 @@ impl CacheReceiver {
         if s.stop.load(Ordering::Relaxed) {
             return Err(CacheError::Closed);
         }
-        let start = Instant::now();
-        let targets = target_ranks(&s.state, s.rank, &s.ctx_state, req.ctx_dp_rank)?;
-        let senders = recv_ranks(&s.state, s.rank, &s.ctx_state, req.ctx_dp_rank)?;
-        let mapping = start.elapsed();
-        let n = req.blocks.len();
-        if n == 0 {
-            return Err(CacheError::InvalidState(
-                "a request needs at least one block".into(),
-            ));
-        }
-        let info = RequestInfo {
-            request_id: req.request_id,
-            gen_rank: s.rank,
-            gen_dp_rank: s.state.attention_dp.map_or(0, |d| d.rank),
-            gen_state: s.state.clone(),
-            connection: s.agent.local_connection_info(),
-            index_from_end: (n - 1) as u32,
-            last_block_key: req.last_block_key,
-            blocks: req.blocks,
-            pool_mem_type: s.config.mem_type,
-        };
-        let asked: Vec<String> = targets
-            .ranks
-            .iter()
-            .map(|&c| s.ctx_agents[c as usize].clone())
-            .collect();
+        let request_id = req.request_id;
         let cell = Cell::new();
-        {
-            let mut reqs = lock(&s.reqs);
-            if reqs.contains_key(&req.request_id) {
-                return Err(CacheError::DuplicateRequest(req.request_id));
-            }
-            reqs.insert(
-                req.request_id,
-                Req {
-                    cell: Arc::clone(&cell),
-                    asked: asked.clone(),
-                    senders: senders
-                        .iter()
-                        .map(|&c| {
-                            let share = Share {
-                                rank: c,
-                                ..Share::default()
-                            };
-                            (s.ctx_agents[c as usize].clone(), share)
-                        })
-                        .collect(),
-                    settled: Vec::new(),
-                    cancelling: false,
-                    failed: None,
-                    start,
-                    request_info: Duration::ZERO,
-                    mapping,
-                    deadline: start + s.config.timeout,
-                },
-            );
+        s.with_core(|c| {
+            c.m.request(req, Instant::now())?;
+            c.cells.insert(request_id, Arc::clone(&cell));
+            Ok::<_, CacheError>(())
+        })?;
+        s.flush();
+        // A receiver makes no transfers: a transport error this early means
+        // a request info could not be sent (and the request was withdrawn).
+        if let Some(Err(e @ CacheError::Transfer(_))) = cell.get() {
+            return Err(e);
         }
-        let chunks = Msg::Request(info).encode();
-        for (i, a) in asked.iter().enumerate() {
-            for c in &chunks {
-                if let Err(e) = s.agent.notify_sync_message(a, c.clone()) {
-                    lock(&s.reqs).remove(&req.request_id);
-                    for b in &asked[..i] {
-                        notify(
-                            s,
-                            b,
-                            &Msg::Cancel {
-                                request_id: req.request_id,
-                            },
-                        );
-                    }
-                    return Err(e.into());
-                }
-            }
-        }
-        if let Some(r) = lock(&s.reqs).get_mut(&req.request_id) {
-            r.request_info = start.elapsed();
-        }
-        Ok(RecvHandle {
-            request_id: req.request_id,
-            cell,
-        })
+        s.with_core(|c| c.m.handle_request_sent(request_id, Instant::now()));
+        Ok(RecvHandle { request_id, cell })
     }
 
     /// Requests and waits.
@@ -301,7 +283,7 @@ impl CacheReceiver {
 
     /// Totals over the requests this receiver finished.
     pub fn metrics(&self) -> Metrics {
-        self.shared.metrics.snapshot()
+        lock(&self.shared.core).m.metrics()
     }
 
     /// Cancels a request: every context rank asked is told, and this
@@ -316,47 +298,20 @@ impl CacheReceiver {
     /// land: the blocks must not be reused).
     pub fn cancel(&self, request_id: u64) -> Result<(), CacheError> {
         let s = &self.shared;
-        let asked = match lock(&s.reqs).get_mut(&request_id) {
-            Some(r) => {
-                r.cancelling = true;
-                r.asked.clone()
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        s.with_core(|c| {
+            c.settle_waiters.entry(request_id).or_default().push(tx);
+            let r = c.m.cancel(request_id, Instant::now());
+            if r.is_err() {
+                c.settle_waiters.remove(&request_id);
             }
-            None => return Err(CacheError::UnknownRequest(request_id)),
-        };
-        for a in &asked {
-            notify(s, a, &Msg::Cancel { request_id });
-        }
-        let deadline = Instant::now() + s.config.timeout;
-        loop {
-            {
-                let mut reqs = lock(&s.reqs);
-                let Some(r) = reqs.get(&request_id) else {
-                    return Ok(());
-                };
-                let open = r
-                    .senders
-                    .iter()
-                    .any(|(a, v)| v.done.is_none() && !r.settled.contains(a));
-                if !open {
-                    let r = reqs.remove(&request_id).expect("present");
-                    if r.cell.get().is_none() {
-                        s.metrics.ended(true);
-                    }
-                    r.cell.set(Err(CacheError::Cancelled {
-                        request_id,
-                        reason: "cancelled by the generation side".into(),
-                    }));
-                    return Ok(());
-                }
-            }
-            if Instant::now() > deadline {
-                return Err(CacheError::Timeout {
-                    what: format!("context ranks acknowledging the cancel of request {request_id}"),
-                    after: s.config.timeout,
-                });
-            }
-            std::thread::sleep(Duration::from_micros(500));
-        }
+            r
+        })?;
+        s.flush();
+        rx.recv_timeout(s.timeout).map_err(|_| CacheError::Timeout {
+            what: format!("context ranks acknowledging the cancel of request {request_id}"),
+            after: s.timeout,
+        })
     }
 }
 
@@ -368,9 +323,7 @@ impl Drop for CacheReceiver {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        for (_, r) in lock(&self.shared.reqs).drain() {
-            r.cell.set(Err(CacheError::Closed));
-        }
+        self.shared.with_core(|c| c.m.close());
     }
 }
 
@@ -378,169 +331,41 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn notify(s: &Shared, agent: &str, m: &Msg) {
-    for c in m.encode() {
-        if let Err(e) = s.agent.notify_sync_message(agent, c) {
-            tracing::debug!(remote = agent, %e, "cannot notify a context rank");
-            return;
-        }
-    }
-}
-
+/// The protocol thread: messages in (stamped on arrival, so a share's
+/// timings do not depend on when this thread got to them), deadlines.
 fn run(s: &Shared) {
     let mut reasm = Reassembler::default();
     while !s.stop.load(Ordering::Relaxed) {
-        // Stamped on arrival: a share's timings do not depend on when
-        // this thread got to its messages.
-        for (from, msgs) in s.agent.wait_sync_messages_timed(Duration::from_millis(5)) {
-            for (chunk, at) in msgs {
+        let now = Instant::now();
+        let due = s.with_core(|c| {
+            if c.m.poll_timeout().is_some_and(|t| t <= now) {
+                c.m.handle_timeout(now);
+            }
+            c.m.poll_timeout()
+        });
+        let wait = due.map_or(IDLE_WAIT, |t| {
+            t.saturating_duration_since(Instant::now()).min(IDLE_WAIT)
+        });
+        let mut msgs = Vec::new();
+        for (from, chunks) in s.agent.wait_sync_messages_timed(wait) {
+            for (chunk, at) in chunks {
                 if !is_ours(&chunk) {
                     continue;
                 }
                 match reasm.feed(&from, &chunk) {
-                    Ok(Some(m)) => message(s, &from, m, at),
+                    Ok(Some(m)) => msgs.push((from.clone(), m, at)),
                     Ok(None) => {}
                     Err(e) => tracing::warn!(%e, "dropping a KV-cache message"),
                 }
             }
         }
-        // Deadlines; failed requests whose every sender has settled are
-        // dropped (a timed-out one stays until `cancel` settles it).
-        let now = Instant::now();
-        let mut reqs = lock(&s.reqs);
-        reqs.retain(|_, r| {
-            r.failed.is_none()
-                || r.senders
-                    .iter()
-                    .any(|(a, v)| v.done.is_none() && !r.settled.contains(a))
-        });
-        let late: Vec<u64> = reqs
-            .iter()
-            .filter(|(_, r)| now > r.deadline && r.cell.get().is_none())
-            .map(|(&id, _)| id)
-            .collect();
-        for id in late {
-            if let Some(r) = reqs.get(&id) {
-                let missing: Vec<u32> = r
-                    .senders
-                    .values()
-                    .filter(|v| v.done.is_none())
-                    .map(|v| v.rank)
-                    .collect();
-                s.metrics.ended(false);
-                r.cell.set(Err(CacheError::Timeout {
-                    what: format!("request {id}: shares of context ranks {missing:?}"),
-                    after: s.config.timeout,
-                }));
-            }
+        if !msgs.is_empty() {
+            s.with_core(|c| {
+                for (from, m, at) in msgs {
+                    c.m.handle_message(&from, m, at);
+                }
+            });
         }
+        s.flush();
     }
-}
-
-fn message(s: &Shared, from: &str, m: Msg, at: Instant) {
-    let id = m.request_id();
-    let mut reqs = lock(&s.reqs);
-    let Some(r) = reqs.get_mut(&id) else {
-        tracing::debug!(
-            remote = from,
-            request = id,
-            "message about an unknown request"
-        );
-        return;
-    };
-    match m {
-        Msg::Ready { .. } => {
-            if let Some(v) = r.senders.get_mut(from) {
-                v.ready.get_or_insert(at);
-            }
-        }
-        Msg::Done {
-            bytes,
-            fragments,
-            fragments_coalesced,
-            ..
-        } => {
-            let Some(v) = r.senders.get_mut(from) else {
-                r.failed.get_or_insert(CacheError::Protocol {
-                    peer: from.to_owned(),
-                    detail: format!("a share of request {id} from a rank that should not send"),
-                });
-                return;
-            };
-            v.done = Some(at);
-            v.bytes = bytes;
-            v.fragments = fragments;
-            v.fragments_coalesced = fragments_coalesced;
-            if r.senders.values().all(|v| v.done.is_some()) && r.failed.is_none() {
-                let r = reqs.remove(&id).expect("present");
-                complete(s, id, r);
-            }
-        }
-        Msg::Cancelled {
-            reason, failure, ..
-        } => {
-            r.settled.push(from.to_owned());
-            // This side's cancel records its own outcome; a replica that
-            // never sends has nothing of its own to report while ranks
-            // that send exist.
-            if r.cancelling || (!r.senders.contains_key(from) && !r.senders.is_empty()) {
-                return;
-            }
-            let e = CacheError::Cancelled {
-                request_id: id,
-                reason: format!("context agent {from}: {reason}"),
-            };
-            r.failed.get_or_insert(e.clone());
-            if r.cell.get().is_none() {
-                // Counted as the context side counts it.
-                s.metrics.ended(!failure);
-            }
-            r.cell.set(Err(e));
-        }
-        other => tracing::warn!(remote = from, ?other, "unexpected message on a receiver"),
-    }
-}
-
-fn complete(s: &Shared, id: u64, r: Req) {
-    // The last share's arrival (the `Done` that completes the request).
-    let end = r
-        .senders
-        .values()
-        .filter_map(|v| v.done)
-        .max()
-        .unwrap_or_else(Instant::now);
-    let first_ready = r.senders.values().filter_map(|v| v.ready).min();
-    let peers: Vec<PeerMeasure> = r
-        .senders
-        .values()
-        .map(|v| {
-            let a = v.ready.unwrap_or(r.start);
-            PeerMeasure {
-                peer_rank: v.rank,
-                delay: a.saturating_duration_since(r.start),
-                duration: v.done.unwrap_or(end).saturating_duration_since(a),
-                bytes: v.bytes,
-            }
-        })
-        .collect();
-    let stats = SessionStats {
-        request_id: id,
-        request_info: r.request_info,
-        mapping: r.mapping,
-        preprocess: Duration::ZERO,
-        transmission: end.saturating_duration_since(first_ready.unwrap_or(r.start)),
-        postprocess: Duration::ZERO,
-        bytes: peers.iter().map(|p| p.bytes).sum(),
-        peers,
-        fragments: r.senders.values().map(|v| v.fragments).sum(),
-        fragments_coalesced: r.senders.values().map(|v| v.fragments_coalesced).sum(),
-        staging_copies: 0,
-    };
-    if let Some(dir) = &s.config.timings_dir
-        && let Err(e) = append_csv(dir, s.rank, "recv", &stats)
-    {
-        tracing::warn!(%e, "cannot write receive timings");
-    }
-    s.metrics.completed(&stats);
-    r.cell.set(Ok(stats));
 }

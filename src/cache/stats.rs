@@ -85,39 +85,23 @@ pub struct Metrics {
     pub staging_copies: u64,
 }
 
-/// Lock-free accumulation of [`Metrics`].
-#[derive(Default)]
-pub(crate) struct MetricsCell {
-    v: [std::sync::atomic::AtomicU64; 7],
-}
-
-impl MetricsCell {
-    /// A completed request.
-    pub(crate) fn completed(&self, s: &SessionStats) {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.v[0].fetch_add(1, Relaxed);
-        self.v[3].fetch_add(s.bytes, Relaxed);
-        self.v[4].fetch_add(s.fragments, Relaxed);
-        self.v[5].fetch_add(s.fragments_coalesced, Relaxed);
-        self.v[6].fetch_add(s.staging_copies, Relaxed);
+impl Metrics {
+    /// Counts a completed request.
+    pub(crate) fn record_completed(&mut self, s: &SessionStats) {
+        self.completed += 1;
+        self.bytes += s.bytes;
+        self.fragments += s.fragments;
+        self.fragments_coalesced += s.fragments_coalesced;
+        self.staging_copies += s.staging_copies;
     }
 
-    /// A request that ended without completing: cancelled or failed.
-    pub(crate) fn ended(&self, cancelled: bool) {
-        let i = if cancelled { 1 } else { 2 };
-        self.v[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    pub(crate) fn snapshot(&self) -> Metrics {
-        let g = |i: usize| self.v[i].load(std::sync::atomic::Ordering::Relaxed);
-        Metrics {
-            completed: g(0),
-            cancelled: g(1),
-            failed: g(2),
-            bytes: g(3),
-            fragments: g(4),
-            fragments_coalesced: g(5),
-            staging_copies: g(6),
+    /// Counts a request that ended without completing: cancelled or
+    /// failed.
+    pub(crate) fn record_ended(&mut self, cancelled: bool) {
+        if cancelled {
+            self.cancelled += 1;
+        } else {
+            self.failed += 1;
         }
     }
 }

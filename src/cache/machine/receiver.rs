@@ -1,0 +1,533 @@
+//! The generation side's protocol: ask every context rank that holds part
+//! of a request for its share (sending the destination blocks), and
+//! complete the request when each rank that sends has reported its share
+//! landed (`Done`, delivered after the data).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::{Stopwatch, Transmit};
+use crate::cache::wire::{Msg, RequestInfo};
+use crate::cache::{
+    CacheError, CacheState, Metrics, PeerMeasure, ReceiverConfig, RecvRequest, SessionStats,
+    recv_ranks, target_ranks,
+};
+
+/// What a [`ReceiverMachine`] reports to its driver.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum ReceiverEvent {
+    /// The request's outcome, reported once: every share landed (`Ok`), a
+    /// context rank cancelled or failed it, it timed out, or this side
+    /// cancelled it. After a timeout or a context rank's cancel, writes of
+    /// other ranks may still land: only [`CancelSettled`] says they cannot.
+    ///
+    /// [`CancelSettled`]: ReceiverEvent::CancelSettled
+    Finished {
+        /// The request.
+        request_id: u64,
+        /// Its outcome.
+        outcome: Result<SessionStats, CacheError>,
+    },
+    /// A [`ReceiverMachine::cancel`] settled: every rank that sends has
+    /// answered (`Cancelled` after its posted writes ended, or `Done`), so
+    /// nothing can still land in the request's blocks.
+    CancelSettled {
+        /// The request.
+        request_id: u64,
+    },
+}
+
+/// One context rank's share of a request, as the receiver saw it.
+#[derive(Default)]
+struct Share {
+    rank: u32,
+    /// When its `Ready` reached this agent.
+    ready: Option<Instant>,
+    /// When its `Done` reached this agent (after the share's data).
+    done: Option<Instant>,
+    bytes: u64,
+    fragments: u64,
+    fragments_coalesced: u64,
+}
+
+struct Req {
+    /// Context agents asked (every target rank).
+    asked: Vec<String>,
+    /// Context agent → its share, for the ranks that send.
+    senders: BTreeMap<String, Share>,
+    /// Agents that answered `Cancelled`.
+    settled: BTreeSet<String>,
+    /// This side cancelled: the request ends when every sender settled.
+    cancelling: bool,
+    /// The outcome was reported.
+    reported: bool,
+    start: Instant,
+    request_info: Duration,
+    mapping: Duration,
+    deadline: Instant,
+    /// After the outcome (a timeout, a context rank's cancel) or a cancel:
+    /// when the request is forgotten even if a sender never settles.
+    expire: Option<Instant>,
+}
+
+impl Req {
+    /// A rank that sends has neither delivered nor settled.
+    fn open(&self) -> bool {
+        self.senders
+            .iter()
+            .any(|(a, v)| v.done.is_none() && !self.settled.contains(a))
+    }
+}
+
+/// The generation side of the KV-cache protocol for one rank, without I/O
+/// (see the [module docs](super)).
+pub struct ReceiverMachine {
+    state: CacheState,
+    rank: u32,
+    ctx_state: CacheState,
+    /// Context agent names, by context rank.
+    ctx_agents: Vec<String>,
+    /// This side's connection info, sent in each request.
+    connection: String,
+    config: ReceiverConfig,
+    stopwatch: Option<Stopwatch>,
+    /// Open requests, by id.
+    reqs: HashMap<u64, Req>,
+    transmits: VecDeque<Transmit>,
+    events: VecDeque<ReceiverEvent>,
+    metrics: Metrics,
+}
+
+impl ReceiverMachine {
+    /// A machine for `rank` of an executor with `state`; the context
+    /// executor is `ctx_state`, its ranks' agents named `ctx_agents` (by
+    /// context rank); `connection` is this side's connection info, which
+    /// the context ranks load to write here.
+    ///
+    /// # Errors
+    /// An invalid or incompatible state, or a wrong number of agents.
+    pub fn new(
+        state: CacheState,
+        rank: u32,
+        ctx_state: CacheState,
+        ctx_agents: Vec<String>,
+        connection: String,
+        config: ReceiverConfig,
+    ) -> Result<Self, CacheError> {
+        ctx_state.check_compatible(&state)?;
+        if rank >= state.world_size() {
+            return Err(CacheError::InvalidState(format!(
+                "rank {rank} outside TP {} × PP {}",
+                state.tp, state.pp
+            )));
+        }
+        if ctx_agents.len() != ctx_state.world_size() as usize {
+            return Err(CacheError::InvalidState(format!(
+                "{} context agents for {} context ranks",
+                ctx_agents.len(),
+                ctx_state.world_size()
+            )));
+        }
+        Ok(Self {
+            state,
+            rank,
+            ctx_state,
+            ctx_agents,
+            connection,
+            config,
+            stopwatch: None,
+            reqs: HashMap::new(),
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+            metrics: Metrics::default(),
+        })
+    }
+
+    /// Measures the durations inside one step with `stopwatch` (statistics
+    /// only).
+    pub fn set_stopwatch(&mut self, stopwatch: Stopwatch) {
+        self.stopwatch = Some(stopwatch);
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ReceiverConfig {
+        &self.config
+    }
+
+    /// Totals over the requests that ended.
+    pub fn metrics(&self) -> Metrics {
+        self.metrics
+    }
+
+    /// Requests still open (including those whose outcome was reported
+    /// while writes may still land).
+    pub fn open_requests(&self) -> usize {
+        self.reqs.len()
+    }
+
+    /// Asks the context ranks for `req`'s cache (one [`Msg::Request`] each,
+    /// queued for [`poll_transmit`](Self::poll_transmit)). Once the driver
+    /// has handed them to the transport it may report
+    /// [`handle_request_sent`](Self::handle_request_sent).
+    ///
+    /// # Errors
+    /// A duplicate id, no block, or a mapping error.
+    pub fn request(&mut self, req: RecvRequest, now: Instant) -> Result<(), CacheError> {
+        let t0 = self.stopwatch.map_or(now, |f| f());
+        let targets = target_ranks(&self.state, self.rank, &self.ctx_state, req.ctx_dp_rank)?;
+        let senders = recv_ranks(&self.state, self.rank, &self.ctx_state, req.ctx_dp_rank)?;
+        let mapping = self
+            .stopwatch
+            .map_or(now, |f| f())
+            .saturating_duration_since(t0);
+        let n = req.blocks.len();
+        if n == 0 {
+            return Err(CacheError::InvalidState(
+                "a request needs at least one block".into(),
+            ));
+        }
+        if self.reqs.contains_key(&req.request_id) {
+            return Err(CacheError::DuplicateRequest(req.request_id));
+        }
+        let info = RequestInfo {
+            request_id: req.request_id,
+            gen_rank: self.rank,
+            gen_dp_rank: self.state.attention_dp.map_or(0, |d| d.rank),
+            gen_state: self.state.clone(),
+            connection: self.connection.clone(),
+            index_from_end: (n - 1) as u32,
+            last_block_key: req.last_block_key,
+            blocks: req.blocks,
+            pool_mem_type: self.config.mem_type,
+        };
+        let asked: Vec<String> = targets
+            .ranks
+            .iter()
+            .map(|&c| self.ctx_agents[c as usize].clone())
+            .collect();
+        let senders = senders
+            .iter()
+            .map(|&c| {
+                let share = Share {
+                    rank: c,
+                    ..Share::default()
+                };
+                (self.ctx_agents[c as usize].clone(), share)
+            })
+            .collect();
+        for a in &asked {
+            self.transmits.push_back(Transmit {
+                to: a.clone(),
+                msg: Msg::Request(info.clone()),
+            });
+        }
+        self.reqs.insert(
+            req.request_id,
+            Req {
+                asked,
+                senders,
+                settled: BTreeSet::new(),
+                cancelling: false,
+                reported: false,
+                start: now,
+                request_info: Duration::ZERO,
+                mapping,
+                deadline: now + self.config.timeout,
+                expire: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// Every request info of `request_id` was handed to the transport (for
+    /// the request's `request_info` measure).
+    pub fn handle_request_sent(&mut self, request_id: u64, now: Instant) {
+        if let Some(r) = self.reqs.get_mut(&request_id) {
+            r.request_info = now.saturating_duration_since(r.start);
+        }
+    }
+
+    /// The transport refused `msg` for `to`. A request whose request info
+    /// could not be sent is withdrawn: the ranks already asked are told to
+    /// cancel, the rest are not asked, and it finishes with the error.
+    pub fn handle_transmit_failed(
+        &mut self,
+        to: &str,
+        msg: &Msg,
+        error: crate::Error,
+        _now: Instant,
+    ) {
+        let Msg::Request(info) = msg else {
+            tracing::debug!(remote = to, %error, "cannot notify a context rank");
+            return;
+        };
+        let id = info.request_id;
+        let Some(r) = self.reqs.remove(&id) else {
+            return;
+        };
+        let unsent = |t: &Transmit| matches!(&t.msg, Msg::Request(i) if i.request_id == id);
+        let pending: Vec<String> = self
+            .transmits
+            .iter()
+            .filter(|t| unsent(t))
+            .map(|t| t.to.clone())
+            .collect();
+        self.transmits.retain(|t| !unsent(t));
+        for a in r.asked.iter().filter(|a| *a != to && !pending.contains(a)) {
+            self.transmits.push_back(Transmit {
+                to: a.clone(),
+                msg: Msg::Cancel { request_id: id },
+            });
+        }
+        if !r.reported {
+            self.events.push_back(ReceiverEvent::Finished {
+                request_id: id,
+                outcome: Err(CacheError::Transfer(error)),
+            });
+        }
+    }
+
+    /// Cancels a request: every context rank asked is told; it settles
+    /// ([`ReceiverEvent::CancelSettled`], and `Finished` with `Cancelled`
+    /// unless it had ended) once each rank that sends has answered.
+    ///
+    /// # Errors
+    /// [`CacheError::UnknownRequest`].
+    pub fn cancel(&mut self, request_id: u64, now: Instant) -> Result<(), CacheError> {
+        let Some(r) = self.reqs.get_mut(&request_id) else {
+            return Err(CacheError::UnknownRequest(request_id));
+        };
+        r.cancelling = true;
+        r.expire = Some(now + self.config.timeout);
+        for a in r.asked.clone() {
+            self.transmits.push_back(Transmit {
+                to: a,
+                msg: Msg::Cancel { request_id },
+            });
+        }
+        self.settle(request_id);
+        Ok(())
+    }
+
+    /// Ends every open request with [`CacheError::Closed`] (those whose
+    /// outcome was not reported yet) and forgets them.
+    pub fn close(&mut self) {
+        let mut ids: Vec<u64> = self.reqs.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            let r = self.reqs.remove(&id).expect("listed");
+            if !r.reported {
+                self.events.push_back(ReceiverEvent::Finished {
+                    request_id: id,
+                    outcome: Err(CacheError::Closed),
+                });
+            }
+        }
+    }
+
+    /// A message from context agent `from`, which reached this agent at
+    /// `now`.
+    pub fn handle_message(&mut self, from: &str, msg: Msg, now: Instant) {
+        let id = msg.request_id();
+        let Some(r) = self.reqs.get_mut(&id) else {
+            tracing::debug!(
+                remote = from,
+                request = id,
+                "message about an unknown request"
+            );
+            return;
+        };
+        match msg {
+            Msg::Ready { .. } => {
+                if let Some(v) = r.senders.get_mut(from) {
+                    v.ready.get_or_insert(now);
+                }
+            }
+            Msg::Done {
+                bytes,
+                fragments,
+                fragments_coalesced,
+                ..
+            } => {
+                let Some(v) = r.senders.get_mut(from) else {
+                    let e = CacheError::Protocol {
+                        peer: from.to_owned(),
+                        detail: format!("a share of request {id} from a rank that should not send"),
+                    };
+                    self.fail(id, e, false, now);
+                    return;
+                };
+                v.done = Some(now);
+                v.bytes = bytes;
+                v.fragments = fragments;
+                v.fragments_coalesced = fragments_coalesced;
+                if !r.reported && r.senders.values().all(|v| v.done.is_some()) {
+                    let r = self.reqs.remove(&id).expect("present");
+                    self.complete(id, &r, now);
+                    if r.cancelling {
+                        // Every share landed before the cancel took: it
+                        // settles with the request complete.
+                        self.events
+                            .push_back(ReceiverEvent::CancelSettled { request_id: id });
+                    }
+                    return;
+                }
+            }
+            Msg::Cancelled {
+                reason, failure, ..
+            } => {
+                r.settled.insert(from.to_owned());
+                // This side's cancel records its own outcome; a replica
+                // that never sends has nothing of its own to report while
+                // ranks that send exist.
+                if !r.cancelling && (r.senders.contains_key(from) || r.senders.is_empty()) {
+                    let e = CacheError::Cancelled {
+                        request_id: id,
+                        reason: format!("context agent {from}: {reason}"),
+                    };
+                    // Counted as the context side counts it.
+                    self.fail(id, e, !failure, now);
+                }
+            }
+            other => tracing::warn!(remote = from, ?other, "unexpected message on a receiver"),
+        }
+        self.settle(id);
+    }
+
+    /// Time passed: requests past their deadline fail with a timeout (and
+    /// stay open until a cancel settles them or they expire); requests
+    /// past their expiry are forgotten.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let mut ids: Vec<u64> = self.reqs.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            let r = &self.reqs[&id];
+            if r.expire.is_some_and(|e| now >= e) {
+                self.reqs.remove(&id);
+            } else if !r.reported && now >= r.deadline {
+                let missing: Vec<u32> = r
+                    .senders
+                    .values()
+                    .filter(|v| v.done.is_none())
+                    .map(|v| v.rank)
+                    .collect();
+                let e = CacheError::Timeout {
+                    what: format!("request {id}: shares of context ranks {missing:?}"),
+                    after: self.config.timeout,
+                };
+                self.fail(id, e, false, now);
+            }
+        }
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) is next due.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.reqs
+            .values()
+            .filter_map(|r| {
+                if r.reported {
+                    r.expire
+                } else {
+                    Some(r.deadline)
+                }
+            })
+            .min()
+    }
+
+    /// The next message to send.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    /// The next outcome to report.
+    pub fn poll_event(&mut self) -> Option<ReceiverEvent> {
+        self.events.pop_front()
+    }
+
+    /// Reports a failure as the request's outcome (once) and keeps the
+    /// request until its senders settle or it expires.
+    fn fail(&mut self, id: u64, e: CacheError, cancelled: bool, now: Instant) {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        if r.reported {
+            return;
+        }
+        r.reported = true;
+        r.expire.get_or_insert(now + self.config.timeout);
+        self.metrics.record_ended(cancelled);
+        self.events.push_back(ReceiverEvent::Finished {
+            request_id: id,
+            outcome: Err(e),
+        });
+    }
+
+    /// Forgets a request nothing can still write once its outcome is
+    /// known; settles this side's cancel.
+    fn settle(&mut self, id: u64) {
+        let Some(r) = self.reqs.get(&id) else {
+            return;
+        };
+        if r.open() || !(r.cancelling || r.reported) {
+            return;
+        }
+        let r = self.reqs.remove(&id).expect("present");
+        if r.cancelling {
+            if !r.reported {
+                self.metrics.record_ended(true);
+                self.events.push_back(ReceiverEvent::Finished {
+                    request_id: id,
+                    outcome: Err(CacheError::Cancelled {
+                        request_id: id,
+                        reason: "cancelled by the generation side".into(),
+                    }),
+                });
+            }
+            self.events
+                .push_back(ReceiverEvent::CancelSettled { request_id: id });
+        }
+    }
+
+    fn complete(&mut self, id: u64, r: &Req, now: Instant) {
+        // The last share's arrival (the `Done` that completes the request).
+        let end = r
+            .senders
+            .values()
+            .filter_map(|v| v.done)
+            .max()
+            .unwrap_or(now);
+        let first_ready = r.senders.values().filter_map(|v| v.ready).min();
+        let peers: Vec<PeerMeasure> = r
+            .senders
+            .values()
+            .map(|v| {
+                let a = v.ready.unwrap_or(r.start);
+                PeerMeasure {
+                    peer_rank: v.rank,
+                    delay: a.saturating_duration_since(r.start),
+                    duration: v.done.unwrap_or(end).saturating_duration_since(a),
+                    bytes: v.bytes,
+                }
+            })
+            .collect();
+        let stats = SessionStats {
+            request_id: id,
+            request_info: r.request_info,
+            mapping: r.mapping,
+            preprocess: Duration::ZERO,
+            transmission: end.saturating_duration_since(first_ready.unwrap_or(r.start)),
+            postprocess: Duration::ZERO,
+            bytes: peers.iter().map(|p| p.bytes).sum(),
+            peers,
+            fragments: r.senders.values().map(|v| v.fragments).sum(),
+            fragments_coalesced: r.senders.values().map(|v| v.fragments_coalesced).sum(),
+            staging_copies: 0,
+        };
+        self.metrics.record_completed(&stats);
+        self.events.push_back(ReceiverEvent::Finished {
+            request_id: id,
+            outcome: Ok(stats),
+        });
+    }
+}

@@ -28,6 +28,8 @@
 
 mod receiver;
 mod sender;
+#[cfg(test)]
+mod tests;
 
 use std::time::Instant;
 

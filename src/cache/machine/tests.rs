@@ -1,0 +1,896 @@
+//! The KV-cache protocol run deterministically: every rank of both
+//! executors is a machine, wired to the others in memory ([`Pair`]), with
+//! simulated time, pools as plain vectors, messages that take
+//! [`LATENCY`] and writes that take [`WRITE_TIME`]. No socket, thread or
+//! clock: a run is a function of its inputs, so every step can be cut by
+//! a cancel, a lost peer or a deadline, and checked.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use super::{
+    ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, TransferAction, TransferId,
+    Transmit,
+};
+use crate::agent::TransferRequest;
+use crate::cache::pattern::{check_block, fill_block};
+use crate::cache::wire::{Msg, Reassembler};
+use crate::cache::{
+    Attention, CacheError, CacheState, DataType, RankSlice, ReceiverConfig, RecvRequest,
+    SenderConfig, distinct_heads, rank_slice,
+};
+
+/// One message's flight.
+const LATENCY: Duration = Duration::from_millis(2);
+/// One posted write, from post to completion.
+const WRITE_TIME: Duration = Duration::from_millis(3);
+/// Both sides' request timeout.
+const TIMEOUT: Duration = Duration::from_secs(2);
+/// Blocks per pool.
+const POOL_BLOCKS: u32 = 8;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Side {
+    Ctx,
+    Gen,
+}
+
+fn name(side: Side, i: usize) -> String {
+    match side {
+        Side::Ctx => format!("ctx{i}"),
+        Side::Gen => format!("gen{i}"),
+    }
+}
+
+/// Where a node's pool sits in the simulated address space.
+fn base(side: Side, i: usize) -> u64 {
+    let k = match side {
+        Side::Ctx => 1 + i as u64,
+        Side::Gen => 64 + i as u64,
+    };
+    k << 36
+}
+
+struct Node {
+    slice: RankSlice,
+    pool: Vec<u8>,
+    dead: bool,
+}
+
+enum Item {
+    Deliver {
+        from: String,
+        to: (Side, usize),
+        chunks: Vec<Vec<u8>>,
+    },
+    WriteEnds {
+        ctx: usize,
+        id: TransferId,
+    },
+}
+
+/// Decides whether a message (from, to, what) is lost.
+type LoseFn = dyn FnMut(&str, &str, &Msg) -> bool;
+
+struct Posted {
+    request: TransferRequest,
+    aborted: bool,
+}
+
+/// How posted writes behave.
+#[derive(Clone, Copy, PartialEq)]
+enum Writes {
+    /// They complete after [`WRITE_TIME`].
+    Complete,
+    /// They never complete unless aborted.
+    Hang,
+}
+
+/// The two executors, wired in memory.
+struct Pair {
+    t0: Instant,
+    now: Instant,
+    ctx_state: CacheState,
+    gen_state: CacheState,
+    senders: Vec<SenderMachine>,
+    receivers: Vec<ReceiverMachine>,
+    ctx: Vec<Node>,
+    gen_nodes: Vec<Node>,
+    /// Pending deliveries and completions: (due, sequence) → item.
+    queue: BTreeMap<(Instant, u64), Item>,
+    seq: u64,
+    posted: BTreeMap<(usize, TransferId), Posted>,
+    reasm: BTreeMap<(Side, usize), Reassembler>,
+    /// Every event: when, which rank, what.
+    ctx_events: Vec<(Instant, usize, SenderEvent)>,
+    gen_events: Vec<(Instant, usize, ReceiverEvent)>,
+    /// Every write that landed: when, from which context rank, into which
+    /// generation rank.
+    landed: Vec<(Instant, usize, usize)>,
+    /// Transfers in flight on a context rank when it reported an outcome.
+    inflight_at_finish: Vec<usize>,
+    writes: Writes,
+    /// Messages for which this returns true are lost.
+    lose: Box<LoseFn>,
+}
+
+fn state(tp: u32, pp: u32) -> CacheState {
+    CacheState::new(4, 4 / tp, 8, 4, DataType::Bf16, Attention::Default, tp, pp)
+}
+
+fn sender_config() -> SenderConfig {
+    SenderConfig {
+        timeout: TIMEOUT,
+        // Several batches per share, two in flight: cancels land between
+        // them.
+        batch_bytes: 512,
+        batches_in_flight: 2,
+        ..SenderConfig::default()
+    }
+}
+
+impl Pair {
+    fn new(ctx_state: CacheState, gen_state: CacheState) -> Self {
+        Self::with_receiver_timeout(ctx_state, gen_state, TIMEOUT)
+    }
+
+    fn with_receiver_timeout(ctx_state: CacheState, gen_state: CacheState, t: Duration) -> Self {
+        let t0 = Instant::now();
+        let d = distinct_heads(&ctx_state, &gen_state);
+        let node = |s: &CacheState, r: u32| {
+            let slice = rank_slice(s, r, d);
+            Node {
+                slice,
+                pool: vec![0; (slice.block_bytes() * u64::from(POOL_BLOCKS)) as usize],
+                dead: false,
+            }
+        };
+        let ctx: Vec<Node> = (0..ctx_state.world_size())
+            .map(|r| node(&ctx_state, r))
+            .collect();
+        let gen_nodes: Vec<Node> = (0..gen_state.world_size())
+            .map(|r| node(&gen_state, r))
+            .collect();
+        let senders = (0..ctx.len())
+            .map(|r| {
+                SenderMachine::new(ctx_state.clone(), r as u32, None, sender_config()).unwrap()
+            })
+            .collect();
+        let ctx_names: Vec<String> = (0..ctx.len()).map(|i| name(Side::Ctx, i)).collect();
+        let receivers = (0..gen_nodes.len())
+            .map(|r| {
+                ReceiverMachine::new(
+                    gen_state.clone(),
+                    r as u32,
+                    ctx_state.clone(),
+                    ctx_names.clone(),
+                    name(Side::Gen, r),
+                    ReceiverConfig {
+                        timeout: t,
+                        ..ReceiverConfig::default()
+                    },
+                )
+                .unwrap()
+            })
+            .collect();
+        Self {
+            t0,
+            now: t0,
+            ctx_state,
+            gen_state,
+            senders,
+            receivers,
+            ctx,
+            gen_nodes,
+            queue: BTreeMap::new(),
+            seq: 0,
+            posted: BTreeMap::new(),
+            reasm: BTreeMap::new(),
+            ctx_events: Vec::new(),
+            gen_events: Vec::new(),
+            landed: Vec::new(),
+            inflight_at_finish: Vec::new(),
+            writes: Writes::Complete,
+            lose: Box::new(|_, _, _| false),
+        }
+    }
+
+    fn block_addr(&self, side: Side, i: usize, b: u32) -> u64 {
+        let n = match side {
+            Side::Ctx => &self.ctx[i],
+            Side::Gen => &self.gen_nodes[i],
+        };
+        base(side, i) + u64::from(b) * n.slice.block_bytes()
+    }
+
+    /// Fills every context rank's blocks `0..n` with the pattern.
+    fn prefill(&mut self, n: u32) {
+        for k in &mut self.ctx {
+            let bb = k.slice.block_bytes() as usize;
+            for b in 0..n {
+                let blk = &mut k.pool[b as usize * bb..(b as usize + 1) * bb];
+                fill_block(&self.ctx_state, &k.slice, blk, b);
+            }
+        }
+    }
+
+    /// Every generation rank asks for request `id` (blocks `0..n`), every
+    /// context rank sends it (blocks `0..n`).
+    fn start(&mut self, id: u64, n: u32) {
+        self.prefill(n);
+        for g in 0..self.receivers.len() {
+            self.request(g, id, n);
+        }
+        for c in 0..self.senders.len() {
+            self.send(c, id, n);
+        }
+    }
+
+    fn request(&mut self, g: usize, id: u64, n: u32) {
+        let blocks = (0..n).map(|b| self.block_addr(Side::Gen, g, b)).collect();
+        let req = RecvRequest {
+            request_id: id,
+            ctx_dp_rank: 0,
+            blocks,
+            last_block_key: None,
+        };
+        self.receivers[g].request(req, self.now).unwrap();
+        self.drain_gen(g);
+    }
+
+    fn send(&mut self, c: usize, id: u64, n: u32) {
+        let blocks = (0..n).map(|b| self.block_addr(Side::Ctx, c, b)).collect();
+        self.senders[c].send(id, blocks, self.now).unwrap();
+        self.drain_ctx(c);
+    }
+
+    fn cancel_ctx(&mut self, c: usize, id: u64) -> Result<(), CacheError> {
+        let r = self.senders[c].cancel(id, self.now);
+        self.drain_ctx(c);
+        r
+    }
+
+    fn cancel_gen(&mut self, g: usize, id: u64) -> Result<(), CacheError> {
+        let r = self.receivers[g].cancel(id, self.now);
+        self.drain_gen(g);
+        r
+    }
+
+    fn push(&mut self, at: Instant, item: Item) {
+        self.seq += 1;
+        self.queue.insert((at, self.seq), item);
+    }
+
+    fn transmit(&mut self, from: &str, t: Transmit) {
+        if (self.lose)(from, &t.to, &t.msg) {
+            return;
+        }
+        let to = node_of(&t.to);
+        let chunks = t.msg.encode();
+        self.push(
+            self.now + LATENCY,
+            Item::Deliver {
+                from: from.to_owned(),
+                to,
+                chunks,
+            },
+        );
+    }
+
+    fn drain_ctx(&mut self, c: usize) {
+        let me = name(Side::Ctx, c);
+        while let Some(t) = self.senders[c].poll_transmit() {
+            self.transmit(&me, t);
+        }
+        while let Some(a) = self.senders[c].poll_transfer() {
+            match a {
+                TransferAction::Post { id, request } => {
+                    let posted = Posted {
+                        request,
+                        aborted: false,
+                    };
+                    self.posted.insert((c, id), posted);
+                    if self.writes == Writes::Complete {
+                        self.push(self.now + WRITE_TIME, Item::WriteEnds { ctx: c, id });
+                    }
+                }
+                TransferAction::Abort { id } => {
+                    // Nothing of an aborted write moves any more: it ends
+                    // at once, untouched.
+                    let p = self
+                        .posted
+                        .get_mut(&(c, id))
+                        .expect("abort of a posted write");
+                    assert!(!p.aborted, "aborted twice");
+                    p.aborted = true;
+                    self.push(self.now, Item::WriteEnds { ctx: c, id });
+                }
+            }
+        }
+        while let Some(e) = self.senders[c].poll_event() {
+            self.inflight_at_finish
+                .push(self.senders[c].transfers_in_flight());
+            self.ctx_events.push((self.now, c, e));
+        }
+    }
+
+    fn drain_gen(&mut self, g: usize) {
+        let me = name(Side::Gen, g);
+        while let Some(t) = self.receivers[g].poll_transmit() {
+            self.transmit(&me, t);
+        }
+        while let Some(e) = self.receivers[g].poll_event() {
+            self.gen_events.push((self.now, g, e));
+        }
+    }
+
+    fn deliver(&mut self, from: &str, to: (Side, usize), msg: Msg) {
+        match to {
+            (Side::Ctx, c) if !self.ctx[c].dead => {
+                self.senders[c].handle_message(from, msg, self.now);
+                self.drain_ctx(c);
+            }
+            (Side::Gen, g) if !self.gen_nodes[g].dead => {
+                self.receivers[g].handle_message(from, msg, self.now);
+                self.drain_gen(g);
+            }
+            _ => {}
+        }
+    }
+
+    /// A write ends: aborted (nothing moved), failed (its target is
+    /// dead), or landed — data first, then its sync message.
+    fn write_ends(&mut self, c: usize, id: TransferId) {
+        let Some(p) = self.posted.remove(&(c, id)) else {
+            // Aborted: it ended then, not at its scheduled end.
+            return;
+        };
+        let (_, g) = node_of(&p.request.remote_agent);
+        let outcome = if p.aborted {
+            Err(crate::Error::Aborted)
+        } else if self.gen_nodes[g].dead {
+            Err(crate::Error::Closed)
+        } else {
+            for (l, r) in p.request.local.descs.iter().zip(&p.request.remote.descs) {
+                assert_eq!(l.len, r.len);
+                let src = (l.addr - base(Side::Ctx, c)) as usize;
+                let dst = (r.addr - base(Side::Gen, g)) as usize;
+                let n = l.len as usize;
+                let bytes = self.ctx[c].pool[src..src + n].to_vec();
+                self.gen_nodes[g].pool[dst..dst + n].copy_from_slice(&bytes);
+            }
+            self.landed.push((self.now, c, g));
+            if let Some(chunk) = p.request.sync_message {
+                let m = Reassembler::default()
+                    .feed(&name(Side::Ctx, c), &chunk)
+                    .unwrap()
+                    .expect("one chunk");
+                self.deliver(&name(Side::Ctx, c), (Side::Gen, g), m);
+            }
+            Ok(())
+        };
+        if !self.ctx[c].dead {
+            self.senders[c].handle_transfer_done(id, outcome, self.now);
+            self.drain_ctx(c);
+        }
+    }
+
+    /// The next instant something happens: a delivery, a write's end, a
+    /// machine's deadline.
+    fn next_due(&self) -> Option<Instant> {
+        let q = self.queue.keys().next().map(|k| k.0);
+        let s = self
+            .senders
+            .iter()
+            .zip(&self.ctx)
+            .filter(|(_, n)| !n.dead)
+            .filter_map(|(m, _)| m.poll_timeout());
+        let r = self
+            .receivers
+            .iter()
+            .zip(&self.gen_nodes)
+            .filter(|(_, n)| !n.dead)
+            .filter_map(|(m, _)| m.poll_timeout());
+        q.into_iter().chain(s).chain(r).min()
+    }
+
+    /// Runs the next step; false when nothing is left to happen.
+    fn step(&mut self) -> bool {
+        let Some(at) = self.next_due() else {
+            return false;
+        };
+        self.now = self.now.max(at);
+        if let Some((&key, _)) = self.queue.iter().next()
+            && key.0 <= self.now
+        {
+            match self.queue.remove(&key).expect("present") {
+                Item::Deliver { from, to, chunks } => {
+                    let r = self.reasm.entry(to).or_default();
+                    let mut msg = None;
+                    for c in &chunks {
+                        msg = r.feed(&from, c).unwrap();
+                    }
+                    self.deliver(&from, to, msg.expect("a whole message"));
+                }
+                Item::WriteEnds { ctx, id } => self.write_ends(ctx, id),
+            }
+            return true;
+        }
+        for c in 0..self.senders.len() {
+            if !self.ctx[c].dead
+                && self.senders[c]
+                    .poll_timeout()
+                    .is_some_and(|t| t <= self.now)
+            {
+                self.senders[c].handle_timeout(self.now);
+                self.drain_ctx(c);
+            }
+        }
+        for g in 0..self.receivers.len() {
+            if !self.gen_nodes[g].dead
+                && self.receivers[g]
+                    .poll_timeout()
+                    .is_some_and(|t| t <= self.now)
+            {
+                self.receivers[g].handle_timeout(self.now);
+                self.drain_gen(g);
+            }
+        }
+        true
+    }
+
+    /// Runs until nothing is left to happen; returns the steps taken.
+    fn run(&mut self) -> usize {
+        let mut n = 0;
+        while self.step() {
+            n += 1;
+            assert!(n < 1_000_000, "the protocol does not settle");
+        }
+        n
+    }
+
+    fn elapsed(&self, at: Instant) -> Duration {
+        at - self.t0
+    }
+
+    fn ctx_outcomes(&self, c: usize) -> Vec<(Instant, Result<u64, CacheError>)> {
+        self.ctx_events
+            .iter()
+            .filter(|e| e.1 == c)
+            .map(|(t, _, e)| {
+                let SenderEvent::Finished { outcome, .. } = e;
+                (*t, outcome.as_ref().map(|s| s.bytes).map_err(Clone::clone))
+            })
+            .collect()
+    }
+
+    fn gen_outcomes(&self, g: usize) -> Vec<(Instant, Result<u64, CacheError>)> {
+        self.gen_events
+            .iter()
+            .filter(|e| e.1 == g)
+            .filter_map(|(t, _, e)| match e {
+                ReceiverEvent::Finished { outcome, .. } => {
+                    Some((*t, outcome.as_ref().map(|s| s.bytes).map_err(Clone::clone)))
+                }
+                ReceiverEvent::CancelSettled { .. } => None,
+            })
+            .collect()
+    }
+
+    fn settled(&self, g: usize) -> Vec<Instant> {
+        self.gen_events
+            .iter()
+            .filter(|e| e.1 == g && matches!(e.2, ReceiverEvent::CancelSettled { .. }))
+            .map(|e| e.0)
+            .collect()
+    }
+
+    /// Every generation rank's blocks `0..n` hold the request's cache.
+    fn check_landed(&self, n: u32, tokens: u32) {
+        for (g, k) in self.gen_nodes.iter().enumerate() {
+            let bb = k.slice.block_bytes() as usize;
+            for b in 0..n {
+                let blk = &k.pool[b as usize * bb..(b as usize + 1) * bb];
+                if let Some(m) = check_block(&self.gen_state, &k.slice, blk, b, tokens) {
+                    panic!("generation rank {g}, block {b}: {m}");
+                }
+            }
+        }
+    }
+
+    /// Nothing is open or in flight anywhere.
+    fn assert_quiet(&self) {
+        assert!(self.posted.is_empty(), "writes still posted");
+        for (c, s) in self.senders.iter().enumerate() {
+            assert!(self.ctx[c].dead || s.is_idle(), "context rank {c} not idle");
+            assert_eq!(s.transfers_in_flight(), 0);
+        }
+        for (g, r) in self.receivers.iter().enumerate() {
+            assert!(
+                self.gen_nodes[g].dead || r.open_requests() == 0,
+                "generation rank {g} still has open requests"
+            );
+        }
+    }
+}
+
+fn node_of(agent: &str) -> (Side, usize) {
+    if let Some(i) = agent.strip_prefix("ctx") {
+        (Side::Ctx, i.parse().unwrap())
+    } else {
+        (
+            Side::Gen,
+            agent.strip_prefix("gen").unwrap().parse().unwrap(),
+        )
+    }
+}
+
+const ID: u64 = 0xfeed_0000_0001;
+
+#[test]
+fn shares_land_and_both_sides_agree_across_layouts() {
+    let layouts = [
+        ((2, 1), (1, 1)),
+        ((1, 1), (2, 1)),
+        ((2, 2), (1, 2)),
+        ((1, 2), (2, 1)),
+        ((4, 1), (2, 2)),
+        ((1, 1), (1, 1)),
+    ];
+    for ((ct, cp), (gt, gp)) in layouts {
+        let tag = format!("TP{ct}/PP{cp} -> TP{gt}/PP{gp}");
+        let mut p = Pair::new(state(ct, cp), state(gt, gp));
+        // 10 tokens in blocks of 4: three blocks, the last one partial.
+        p.start(ID, 3);
+        p.run();
+        p.check_landed(3, 10);
+        let sent: u64 = (0..p.senders.len())
+            .map(|c| {
+                let o = p.ctx_outcomes(c);
+                assert_eq!(o.len(), 1, "{tag}");
+                o[0].1.clone().unwrap()
+            })
+            .sum();
+        let got: u64 = (0..p.receivers.len())
+            .map(|g| {
+                let o = p.gen_outcomes(g);
+                assert_eq!(o.len(), 1, "{tag}");
+                o[0].1.clone().unwrap()
+            })
+            .sum();
+        assert!(sent > 0, "{tag}");
+        assert_eq!(sent, got, "{tag}");
+        assert!(
+            p.inflight_at_finish.iter().all(|&n| n == 0),
+            "{tag}: a context rank finished with writes in flight"
+        );
+        for s in &p.senders {
+            assert_eq!(s.metrics().completed, 1, "{tag}");
+        }
+        for r in &p.receivers {
+            let m = r.metrics();
+            assert_eq!((m.completed, m.failed, m.cancelled), (1, 0, 0), "{tag}");
+        }
+        p.assert_quiet();
+    }
+}
+
+#[test]
+fn timings_follow_simulated_time_exactly() {
+    // TP1 → TP1, one share of three blocks in one batch.
+    let mut p = Pair::new(state(1, 1), state(1, 1));
+    p.senders[0] = SenderMachine::new(
+        state(1, 1),
+        0,
+        None,
+        SenderConfig {
+            timeout: TIMEOUT,
+            ..SenderConfig::default()
+        },
+    )
+    .unwrap();
+    p.start(ID, 3);
+    p.run();
+    // The request reaches the context rank after one latency; the write
+    // starts then and lands WRITE_TIME later, `Done` with it; `Ready`
+    // reaches the receiver one latency after the start.
+    let (t, bytes) = p.ctx_outcomes(0)[0].clone();
+    assert_eq!(p.elapsed(t), LATENCY + WRITE_TIME);
+    let (tg, _) = p.gen_outcomes(0)[0].clone();
+    assert_eq!(p.elapsed(tg), LATENCY + WRITE_TIME);
+    let SenderEvent::Finished { outcome, .. } = &p.ctx_events[0].2;
+    let st = outcome.as_ref().unwrap();
+    assert_eq!(st.request_info, LATENCY);
+    assert_eq!(st.peers.len(), 1);
+    assert_eq!(st.peers[0].duration, WRITE_TIME);
+    assert_eq!(st.bytes, bytes.unwrap());
+    let ReceiverEvent::Finished { outcome, .. } = &p.gen_events[0].2 else {
+        panic!("not an outcome");
+    };
+    let rs = outcome.as_ref().unwrap();
+    // From `Ready` (one latency after the write began) to `Done`.
+    assert_eq!(rs.transmission, WRITE_TIME - LATENCY);
+    assert_eq!(rs.peers[0].delay, 2 * LATENCY);
+}
+
+/// Which side cancels.
+#[derive(Clone, Copy, Debug)]
+enum Canceller {
+    Context,
+    Generation,
+}
+
+#[test]
+fn a_cancel_at_every_step_quiesces_both_sides() {
+    // TP2 → TP1: two shares, each several batches, two in flight.
+    let baseline = {
+        let mut p = Pair::new(state(2, 1), state(1, 1));
+        p.start(ID, 3);
+        p.run()
+    };
+    assert!(baseline > 10, "too few steps to cut: {baseline}");
+    for who in [Canceller::Context, Canceller::Generation] {
+        for k in 0..=baseline {
+            let tag = format!("{who:?} cancels after {k} steps");
+            let mut p = Pair::new(state(2, 1), state(1, 1));
+            p.start(ID, 3);
+            for _ in 0..k {
+                p.step();
+            }
+            let t_cancel = p.now;
+            let r = match who {
+                Canceller::Context => p.cancel_ctx(0, ID),
+                Canceller::Generation => p.cancel_gen(0, ID),
+            };
+            p.run();
+            // Exactly one outcome per rank; each context rank's only once
+            // nothing it posted is in flight.
+            for c in 0..2 {
+                assert_eq!(p.ctx_outcomes(c).len(), 1, "{tag}");
+            }
+            assert!(p.inflight_at_finish.iter().all(|&n| n == 0), "{tag}");
+            let g = p.gen_outcomes(0);
+            assert_eq!(g.len(), 1, "{tag}");
+            let completed = g[0].1.is_ok();
+            match who {
+                Canceller::Context => {
+                    if r.is_err() {
+                        // Already finished: it had completed.
+                        assert!(matches!(r, Err(CacheError::UnknownRequest(_))), "{tag}");
+                        assert!(completed, "{tag}");
+                    }
+                    // Nothing context rank 0 posted lands after its outcome.
+                    let (t_out, o) = p.ctx_outcomes(0)[0].clone();
+                    assert!(
+                        p.landed.iter().all(|&(t, c, _)| c != 0 || t <= t_out),
+                        "{tag}"
+                    );
+                    if o.is_err() {
+                        assert!(!completed, "{tag}: receiver completed a cancelled share");
+                        assert!(
+                            matches!(&g[0].1, Err(CacheError::Cancelled { .. })),
+                            "{tag}: {:?}",
+                            g[0].1
+                        );
+                    }
+                }
+                Canceller::Generation => {
+                    let settled = p.settled(0);
+                    if r.is_err() {
+                        assert!(completed, "{tag}");
+                        assert!(settled.is_empty(), "{tag}");
+                    } else {
+                        // The cancel settles, and nothing lands after it.
+                        assert_eq!(settled.len(), 1, "{tag}");
+                        assert!(settled[0] >= t_cancel, "{tag}");
+                        assert!(p.landed.iter().all(|&(t, _, _)| t <= settled[0]), "{tag}");
+                        if !completed {
+                            assert!(
+                                matches!(&g[0].1, Err(CacheError::Cancelled { .. })),
+                                "{tag}"
+                            );
+                        }
+                    }
+                }
+            }
+            // Long before any deadline.
+            assert!(p.elapsed(p.now) < TIMEOUT, "{tag}: waited for a timeout");
+            let m = p.receivers[0].metrics();
+            assert_eq!(m.completed + m.cancelled + m.failed, 1, "{tag}: {m:?}");
+            p.assert_quiet();
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_never_asks_times_out_the_context_side_at_its_deadline() {
+    // TP1 → TP2: generation rank 1 never asks; rank 0 would wait longer.
+    let mut p = Pair::with_receiver_timeout(state(1, 1), state(2, 1), 2 * TIMEOUT);
+    p.prefill(3);
+    p.request(0, ID, 3);
+    p.send(0, ID, 3);
+    p.run();
+    let o = p.ctx_outcomes(0);
+    assert_eq!(o.len(), 1);
+    assert_eq!(p.elapsed(o[0].0), TIMEOUT);
+    match &o[0].1 {
+        Err(CacheError::Timeout { what, .. }) => assert!(what.contains("[1]"), "{what}"),
+        other => panic!("{other:?}"),
+    }
+    // The rank that asked is told, as a failure, one latency later; no
+    // write was posted.
+    let g = p.gen_outcomes(0);
+    assert_eq!(g.len(), 1);
+    assert_eq!(p.elapsed(g[0].0), TIMEOUT + LATENCY);
+    assert!(matches!(&g[0].1, Err(CacheError::Cancelled { .. })));
+    assert!(p.landed.is_empty());
+    assert_eq!(p.receivers[0].metrics().failed, 1);
+    assert_eq!(p.senders[0].metrics().failed, 1);
+    p.assert_quiet();
+}
+
+#[test]
+fn a_lost_context_rank_times_the_receiver_out_and_is_forgotten() {
+    let mut p = Pair::new(state(1, 1), state(1, 1));
+    p.ctx[0].dead = true;
+    p.request(0, ID, 2);
+    // Run to the deadline only.
+    while p.gen_outcomes(0).is_empty() {
+        assert!(p.step());
+    }
+    let g = p.gen_outcomes(0);
+    assert_eq!(p.elapsed(g[0].0), TIMEOUT);
+    assert!(matches!(&g[0].1, Err(CacheError::Timeout { .. })));
+    // Still open: a late write could land. A cancel cannot settle (no one
+    // answers); the request is forgotten one timeout after it.
+    assert_eq!(p.receivers[0].open_requests(), 1);
+    p.cancel_gen(0, ID).unwrap();
+    let t_cancel = p.now;
+    p.run();
+    assert!(p.settled(0).is_empty());
+    assert_eq!(p.receivers[0].open_requests(), 0);
+    assert_eq!(p.elapsed(p.now), p.elapsed(t_cancel) + TIMEOUT);
+    assert_eq!(p.gen_outcomes(0).len(), 1);
+    assert_eq!(p.receivers[0].metrics().failed, 1);
+}
+
+#[test]
+fn a_lost_generation_rank_fails_the_writes_at_once() {
+    let mut p = Pair::new(state(1, 1), state(1, 1));
+    p.start(ID, 3);
+    // Until the first write is posted, then the generation rank dies.
+    while p.posted.is_empty() {
+        assert!(p.step());
+    }
+    p.gen_nodes[0].dead = true;
+    p.run();
+    let o = p.ctx_outcomes(0);
+    assert_eq!(o.len(), 1);
+    assert!(
+        matches!(&o[0].1, Err(CacheError::Transfer(crate::Error::Closed))),
+        "{:?}",
+        o[0].1
+    );
+    // Within the writes' time, not at a deadline.
+    assert!(p.elapsed(o[0].0) < TIMEOUT / 10);
+    assert_eq!(p.senders[0].metrics().failed, 1);
+    p.assert_quiet();
+}
+
+#[test]
+fn writes_that_hang_are_aborted_at_the_deadline() {
+    let mut p = Pair::new(state(1, 1), state(1, 1));
+    p.writes = Writes::Hang;
+    p.start(ID, 3);
+    p.run();
+    let o = p.ctx_outcomes(0);
+    assert_eq!(o.len(), 1);
+    // The deadline counts from `send`; the aborted writes end at once.
+    assert_eq!(p.elapsed(o[0].0), TIMEOUT);
+    match &o[0].1 {
+        Err(CacheError::Timeout { what, .. }) => assert!(what.contains("writes"), "{what}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(p.landed.is_empty());
+    assert_eq!(p.inflight_at_finish, vec![0]);
+    // The receiver hears of it (or times out itself, at the same instant
+    // give or take a latency): either way it ends.
+    assert_eq!(p.gen_outcomes(0).len(), 1);
+    p.assert_quiet();
+}
+
+#[test]
+fn lost_messages_end_in_timeouts_not_hangs() {
+    for lost in ["Request", "Ready", "Cancelled"] {
+        let mut p = Pair::new(state(2, 1), state(1, 1));
+        p.lose = Box::new(move |_, _, m| {
+            let kind = match m {
+                Msg::Request(_) => "Request",
+                Msg::Ready { .. } => "Ready",
+                Msg::Cancelled { .. } => "Cancelled",
+                _ => "",
+            };
+            kind == lost
+        });
+        p.start(ID, 3);
+        if lost == "Cancelled" {
+            p.step();
+            p.cancel_gen(0, ID).unwrap();
+        }
+        p.run();
+        for c in 0..2 {
+            assert_eq!(p.ctx_outcomes(c).len(), 1, "{lost}");
+        }
+        assert_eq!(p.gen_outcomes(0).len(), 1, "{lost}");
+        assert!(p.elapsed(p.now) <= 2 * TIMEOUT + LATENCY, "{lost}");
+        p.assert_quiet();
+    }
+}
+
+#[test]
+fn a_request_for_a_finished_id_is_refused_and_ids_can_be_reused() {
+    let mut p = Pair::new(state(1, 1), state(1, 1));
+    p.start(ID, 2);
+    p.run();
+    assert!(p.gen_outcomes(0)[0].1.is_ok());
+    // A late duplicate ask is answered at once, as a failure.
+    p.request(0, ID, 2);
+    p.run();
+    let g = p.gen_outcomes(0);
+    assert_eq!(g.len(), 2);
+    assert!(
+        matches!(&g[1].1, Err(CacheError::Cancelled { reason, .. }) if reason.contains("already finished"))
+    );
+    // `send` with the id again starts it anew.
+    p.request(0, ID, 2);
+    p.send(0, ID, 2);
+    p.run();
+    assert!(p.gen_outcomes(0)[2].1.is_ok());
+    assert!(p.ctx_outcomes(0)[1].1.is_ok());
+    p.assert_quiet();
+}
+
+#[test]
+fn api_misuse_is_typed_and_changes_nothing() {
+    let mut p = Pair::new(state(1, 1), state(1, 1));
+    let now = p.now;
+    assert!(matches!(
+        p.senders[0].cancel(7, now),
+        Err(CacheError::UnknownRequest(7))
+    ));
+    assert!(matches!(
+        p.receivers[0].cancel(7, now),
+        Err(CacheError::UnknownRequest(7))
+    ));
+    p.send(0, ID, 2);
+    assert!(matches!(
+        p.senders[0].send(ID, vec![1], now),
+        Err(CacheError::DuplicateRequest(ID))
+    ));
+    p.request(0, ID, 2);
+    let dup = RecvRequest {
+        request_id: ID,
+        ctx_dp_rank: 0,
+        blocks: vec![1],
+        last_block_key: None,
+    };
+    assert!(matches!(
+        p.receivers[0].request(dup.clone(), now),
+        Err(CacheError::DuplicateRequest(ID))
+    ));
+    let empty = RecvRequest {
+        request_id: 9,
+        blocks: vec![],
+        ..dup
+    };
+    assert!(matches!(
+        p.receivers[0].request(empty, now),
+        Err(CacheError::InvalidState(_))
+    ));
+    // The original request still completes.
+    p.prefill(2);
+    p.run();
+    assert!(p.gen_outcomes(0)[0].1.is_ok());
+    p.check_landed(2, 8);
+    p.assert_quiet();
+}

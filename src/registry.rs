@@ -173,8 +173,10 @@ impl Registry {
         self.acquire_local_keyed(descs, None)
     }
 
-    /// As [`acquire_local`](Self::acquire_local), also collecting each
-    /// descriptor's RDMA local key (0 where the region has none).
+    /// Guards for every region the local descriptors fall in (one guard per
+    /// distinct region touched consecutively), also collecting each
+    /// descriptor's RDMA local key (0 where the region has none) when
+    /// `lkeys` is given.
     pub(crate) fn acquire_local_keyed(
         &self,
         descs: &MemoryDescs,

@@ -564,53 +564,19 @@ struct Link {
 /// itself (callgrind, soft-RoCE ping-pong: about 550 of 2,040 instructions a
 /// request).
 ///
-/// The lane takes no lock: its [`state`](Self::state) says who owns its
-/// slot. A submitter claims a free lane (one compare-and-swap), fills the
-/// slot, marks it posted and posts its work request through the queue
-/// pair's [`SharedPoster`](crate::verbs::SharedPoster) — outside the send
-/// queue's lock and the window: the queue pair has one send-queue entry
-/// beyond the window for it. From then on the slot belongs to whoever
-/// finishes the request (a compare-and-swap from posted to finishing): the
-/// thread draining its completion, the submitter when the post fails, or
-/// the link's last thread on exit, which also closes the lane. A request
-/// finds the lane taken, or work counted in the send queue's `waiting`
-/// (queued, or popped and not yet posted), or the link broken: it takes
-/// the ordinary path, so it never overtakes earlier work of its caller.
-struct ExpressLane {
-    /// [`LANE_FREE`], [`LANE_CLAIMED`], [`LANE_POSTED`], [`LANE_FINISHING`]
-    /// or [`LANE_CLOSED`].
-    state: std::sync::atomic::AtomicU8,
-    /// Written only by the thread that moved `state` to `CLAIMED` (until it
-    /// stores `POSTED`) or to `FINISHING` (until it stores `FREE` or
-    /// `CLOSED`).
-    slot: std::cell::UnsafeCell<Express>,
-}
-
-/// The lane is free: a submitter may claim it.
-const LANE_FREE: u8 = 0;
-/// A submitter is filling the slot (a few instructions, no system call).
-const LANE_CLAIMED: u8 = 1;
-/// A request is in flight (or being posted); its finisher takes the slot.
-const LANE_POSTED: u8 = 2;
-/// A finisher is releasing the request's holds and recording its outcome.
-const LANE_FINISHING: u8 = 3;
-/// The link's last thread has left: no request may take the lane.
-const LANE_CLOSED: u8 = 4;
-
-// SAFETY: the slot is touched only by the one thread whose
-// compare-and-swap moved `state` to CLAIMED or FINISHING, and handed on by
-// release stores that the next owner's acquiring compare-and-swap reads;
-// its contents (region holds, an `Arc`) are `Send`.
-unsafe impl Sync for ExpressLane {}
-
-impl Default for ExpressLane {
-    fn default() -> Self {
-        Self {
-            state: std::sync::atomic::AtomicU8::new(LANE_FREE),
-            slot: std::cell::UnsafeCell::new(Express::default()),
-        }
-    }
-}
+/// The lane takes no lock ([`rdma::lane::Lane`], model-checked with loom):
+/// a submitter claims a free lane (one compare-and-swap), fills the slot,
+/// marks it posted and posts its work request through the queue pair's
+/// [`SharedPoster`](crate::verbs::SharedPoster) — outside the send queue's
+/// lock and the window: the queue pair has one send-queue entry beyond the
+/// window for it. From then on the slot belongs to whoever finishes the
+/// request: the thread draining its completion, the submitter when the
+/// post fails, or the link's last thread on exit, which also closes the
+/// lane. A request finds the lane taken, or work counted in the send
+/// queue's `waiting` (queued, or popped and not yet posted), or the link
+/// broken: it takes the ordinary path, so it never overtakes earlier work
+/// of its caller.
+type ExpressLane = rdma::lane::Lane<Express>;
 
 /// What the express lane's slot holds.
 #[derive(Default)]

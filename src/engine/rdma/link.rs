@@ -361,33 +361,19 @@ impl Link {
             return None;
         };
         let post = rdma::data_post(id | rdma::EXPRESS_FLAG, op, wr, &wr.sges);
-        let lane = &self.express;
-        if !crate::verbs::SharedPoster::fits(&post)
-            || lane
-                .state
-                .compare_exchange(
-                    LANE_FREE,
-                    LANE_CLAIMED,
-                    Ordering::Acquire,
-                    Ordering::Relaxed,
-                )
-                .is_err()
-        {
+        if !crate::verbs::SharedPoster::fits(&post) {
             return None;
         }
+        let mut claim = self.express.claim()?;
         // Sequentially consistent with the count a submitter raises before
         // it queues (and the pump lowers only after posting): either this
-        // sees that work, or that work comes after this request.
+        // sees that work, or that work comes after this request. (Dropping
+        // the claim frees the lane.)
         if conn.waiting.load(Ordering::SeqCst) != 0 || self.is_broken() {
-            lane.state.store(LANE_FREE, Ordering::Release);
             return None;
         }
-        let completion = {
-            // SAFETY: our compare-and-swap moved the lane to CLAIMED: the
-            // slot is ours until we store POSTED.
-            let slot = unsafe { &mut *lane.slot.get() };
+        let completion = claim.with_slot(|slot| {
             if !hold(&mut slot.guards) {
-                lane.state.store(LANE_FREE, Ordering::Release);
                 return None;
             }
             let new = || Completion::counted(Some(driver.clone()), Some(&self.in_flight));
@@ -397,10 +383,10 @@ impl Link {
                 Some(c) => c.reset(),
                 None => *status = new(),
             }
-            Arc::clone(status)
-        };
+            Some(Arc::clone(status))
+        })?;
         conn.posted.fetch_add(1, Ordering::AcqRel);
-        lane.state.store(LANE_POSTED, Ordering::Release);
+        claim.post();
         // SAFETY: the pieces lie in regions held (in the lane) until the
         // work request's completion is handled; the connection's queue pair
         // is alive (we hold the link); `post` fits (checked above).
@@ -423,54 +409,12 @@ impl Link {
     /// `close`: the link's last thread is leaving, no request may take
     /// the lane after this one.
     pub(in crate::engine) fn finish_express(&self, result: Result<(), Error>, close: bool) {
-        let lane = &self.express;
-        loop {
-            match lane.state.load(Ordering::Acquire) {
-                LANE_POSTED => {
-                    if lane
-                        .state
-                        .compare_exchange(
-                            LANE_POSTED,
-                            LANE_FINISHING,
-                            Ordering::Acquire,
-                            Ordering::Relaxed,
-                        )
-                        .is_err()
-                    {
-                        continue;
-                    }
-                    // SAFETY: our compare-and-swap moved the lane to
-                    // FINISHING: the slot is ours until we store below.
-                    let slot = unsafe { &mut *lane.slot.get() };
-                    slot.guards.clear();
-                    if let Some(c) = &slot.status {
-                        c.complete(result);
-                    }
-                    let next = if close { LANE_CLOSED } else { LANE_FREE };
-                    lane.state.store(next, Ordering::Release);
-                    return;
-                }
-                LANE_FREE if close => {
-                    if lane
-                        .state
-                        .compare_exchange(
-                            LANE_FREE,
-                            LANE_CLOSED,
-                            Ordering::AcqRel,
-                            Ordering::Relaxed,
-                        )
-                        .is_ok()
-                    {
-                        return;
-                    }
-                }
-                // A submitter filling the slot, or another finisher: both
-                // are a few instructions from handing the lane on.
-                LANE_CLAIMED | LANE_FINISHING if close => std::thread::yield_now(),
-                // Nothing in flight (or someone else finishing it).
-                _ => return,
+        self.express.finish(close, |slot| {
+            slot.guards.clear();
+            if let Some(c) = &slot.status {
+                c.complete(result);
             }
-        }
+        });
     }
 
     /// Handles one completion of `conn`'s send queue, polled by the holder

@@ -39,7 +39,9 @@ impl TransferAgent for Engine {
     fn load_remote_agent(&self, desc: &AgentDesc) -> Result<(), Error> {
         desc.validate()?;
         let regions = desc.region_map()?;
-        let path = self.inner.choose_path(desc)?;
+        // Every transport moves host memory only so far: a peer has one path,
+        // which its link carries.
+        let path = self.inner.choose_path(desc, MemoryType::Dram)?;
         let mut peers = self.inner.peers.write().unwrap_or_else(|p| p.into_inner());
         // Same process: keep the live link, refresh the regions.
         let link = match peers.get(&desc.name) {

@@ -1,7 +1,8 @@
 //! The engine: one agent for every data path. [`Engine`] implements
 //! [`TransferAgent`]; a loaded peer is reached over TCP streams, by
-//! cross-memory attach (same host) or over RDMA queue pairs, chosen per peer
-//! by the agent's [`Backend`].
+//! cross-memory attach (same host) or over RDMA queue pairs, chosen per
+//! peer and memory type among the transports the agent's [`Backend`]
+//! allows (`transport`).
 //!
 //! One listener per agent serves the side channel (descriptor fetch) and
 //! incoming data streams. To each remote agent an initiator opens a *link*:
@@ -11,7 +12,8 @@
 //! one-sided work requests on the link's queue pairs (`rdma`). The target
 //! side (`target`) runs one thread per incoming connection.
 //!
-//! Modules: `peer` (paths, connecting, descriptors), `plan` (request
+//! Modules: `transport` (the transports and the choice of one per peer
+//! and memory type), `peer` (connecting, descriptors), `plan` (request
 //! planning, no I/O), `submit` (the submit path), `api` (the trait),
 //! `target`, `tcp_stream`, `cma`, `rdma` (data types, `link`, `recv`),
 //! `wire` and `requests` (the frame codec and the target's request table,
@@ -35,6 +37,7 @@ mod target;
 mod tcp_stream;
 #[cfg(test)]
 mod tests;
+mod transport;
 pub(crate) mod wire;
 
 use peer::*;
@@ -136,6 +139,8 @@ struct Inner {
     host: String,
     /// The RDMA device, for `rdma` and (when one exists) `auto` agents.
     device: Option<Arc<Device>>,
+    /// The transports this agent may use, in order of preference.
+    transports: Vec<Box<dyn transport::Transport>>,
     endpoint: String,
     listen_addr: SocketAddr,
     registry: Registry,
@@ -245,12 +250,14 @@ impl Engine {
             }
             _ => None,
         };
+        let host = shm::host_id();
         let inner = Arc::new(Inner {
+            transports: transport::for_backend(mode, device.is_some(), &host),
             mode,
             instance,
             probe_word: Box::new(instance),
             device,
-            host: shm::host_id(),
+            host,
             endpoint,
             listen_addr,
             registry: Registry::default(),

@@ -27,44 +27,17 @@ impl Inner {
         }
     }
 
-    /// Chooses the data path to a remote agent (see [`Backend`]).
-    pub(in crate::engine) fn choose_path(&self, desc: &AgentDesc) -> Result<Path, Error> {
-        if self.mode == Backend::Tcp {
-            return Ok(Path::Tcp);
-        }
-        let rdma_ok = self.device.is_some() && desc.rdma.is_some();
-        if self.mode == Backend::Rdma {
-            if !rdma_ok {
-                return Err(Error::BackendUnavailable {
-                    backend: "rdma",
-                    reason: format!("remote agent {:?} has no RDMA device", desc.name),
-                });
-            }
-            tracing::info!(agent = %self.config.name, remote = %desc.name, "data path: rdma");
-            return Ok(Path::Rdma);
-        }
-        let verdict = match &desc.local_access {
-            None => Err("the remote agent does not offer cross-memory access".to_string()),
-            Some(a) => shm::probe(a, desc.instance, &self.host).map(|()| a.pid),
-        };
-        match (verdict, self.mode) {
-            (Ok(pid), _) => {
-                tracing::info!(agent = %self.config.name, remote = %desc.name, pid, "data path: shm (cross-memory attach)");
-                Ok(Path::Cma { pid })
-            }
-            (Err(reason), Backend::Shm) => Err(Error::BackendUnavailable {
-                backend: "shm",
-                reason: format!("remote agent {:?}: {reason}", desc.name),
-            }),
-            (Err(reason), _) if rdma_ok => {
-                tracing::info!(agent = %self.config.name, remote = %desc.name, %reason, "data path: rdma (shm not possible)");
-                Ok(Path::Rdma)
-            }
-            (Err(reason), _) => {
-                tracing::info!(agent = %self.config.name, remote = %desc.name, %reason, "data path: tcp (neither shm nor rdma possible)");
-                Ok(Path::Tcp)
-            }
-        }
+    /// Chooses the data path to a remote agent for memory of `mem_type`:
+    /// the first of this agent's transports that moves it and reaches the
+    /// peer ([`transport::choose`]).
+    pub(in crate::engine) fn choose_path(
+        &self,
+        desc: &AgentDesc,
+        mem_type: MemoryType,
+    ) -> Result<Path, Error> {
+        let path = transport::choose(&self.transports, self.mode, desc, mem_type)?;
+        tracing::info!(agent = %self.config.name, remote = %desc.name, %mem_type, transport = %path.kind(), "data path");
+        Ok(path)
     }
 
     pub(in crate::engine) fn peer(&self, name: &str) -> Result<Arc<Peer>, Error> {

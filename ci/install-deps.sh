@@ -2,7 +2,8 @@
 # Installs the Debian packages a kvxfer job needs; idempotent.
 #   ci/install-deps.sh build   # compiler toolchain pieces
 #   ci/install-deps.sh bench   # + iperf3, python3 for the comparison scripts
-#   ci/install-deps.sh test    # + g++, valgrind for the C/C++ ABI tests
+#   ci/install-deps.sh test    # + g++, valgrind for the C/C++ ABI tests; python3 and
+#                              #   its venv module for the Python package's tests
 #   ci/install-deps.sh guest   # + QEMU, busybox, rdma-core, perftest for ci/rxe-guest
 set -euo pipefail
 # cmake, libclang-dev: rdma-mummy-sys (under sideway) builds vendored
@@ -12,7 +13,7 @@ want=(gcc pkg-config ca-certificates cmake libclang-dev linux-libc-dev)
 case "${1:-build}" in
   build) ;;
   bench) want+=(iperf3 python3) ;;
-  test) want+=(procps g++ valgrind) ;;
+  test) want+=(procps g++ valgrind python3 python3-venv) ;;
   guest) want+=(qemu-system-x86 busybox-static cpio kmod gzip rdma-core ibverbs-providers ibverbs-utils perftest iproute2) ;;
   *) echo "usage: $0 build|bench|test|guest" >&2; exit 2 ;;
 esac

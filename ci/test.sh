@@ -18,6 +18,8 @@ RUSTDOCFLAGS="-D warnings" cargo doc --locked --workspace --no-deps -q
 echo "== cargo test (agent suite on tcp, unit tests, C/C++ ABI tests, benches in test mode)"
 cargo test --locked --workspace --all-targets
 cargo test --locked --workspace --doc
+echo "== Python package: the abi3 wheel built with maturin, installed in a fresh venv, pytest"
+bash ci/python.sh
 echo "== loom models of the lock-free code (every interleaving of its threads)"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --locked -p kvxfer --lib loom
 for b in shm auto; do

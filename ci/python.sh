@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The Python package: builds the abi3 wheel with maturin, installs it into a
+# fresh virtual environment, and runs its tests (pytest).
+#   ci/python.sh            # build, install, test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=target/pyenv
+rm -rf "$venv" target/wheels
+python3 -m venv "$venv"
+"$venv/bin/pip" install -q --disable-pip-version-check "maturin>=1.9,<2" "pytest>=7"
+"$venv/bin/maturin" build --quiet --release -m python/Cargo.toml -o target/wheels
+"$venv/bin/pip" install -q --disable-pip-version-check target/wheels/kvxfer-*.whl
+# Imported from the installed wheel, not the source tree.
+(cd /tmp && "$OLDPWD/$venv/bin/python" -c "import kvxfer, sys; print('kvxfer', kvxfer.__version__, 'on Python', sys.version.split()[0])")
+"$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests

@@ -1,0 +1,135 @@
+"""kvxfer: zero-copy KV-cache transfer between LLM serving executors.
+
+The native API::
+
+    import kvxfer
+    target = kvxfer.Agent("gen-0")
+    buf = bytearray(4096)
+    reg = target.register(buf)            # registered while `reg` lives
+    ...
+    initiator = kvxfer.Agent("ctx-0")
+    name = initiator.add_remote_agent(target.metadata())
+    src = initiator.register(bytearray(b"x" * 4096))
+    initiator.write(src.descs(), remote_descs, name, notif=b"ready").wait(5.0)
+
+Every blocking call releases the GIL; every wait has a deadline and
+honours Ctrl-C. Errors are typed: each is a subclass of `KvxferError`
+named after the Rust error's variant (`UnknownAgentError`,
+`RemoteRangeNotExportedError`, `TimeoutError`, ...).
+"""
+
+import ctypes
+
+from . import _kvxfer
+from ._kvxfer import *  # noqa: F401,F403  (the exception classes)
+from ._kvxfer import KvxferError, Transfer
+
+__all__ = ["Agent", "Registration", "Transfer", "KvxferError"] + [
+    n for n in dir(_kvxfer) if n.endswith("Error")
+]
+__version__ = _kvxfer.__version__
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's `Py_buffer` (stable since 3.3)."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_release_buffer.restype = None
+# PyBUF_SIMPLE: one contiguous block of bytes (a strided view is refused).
+_PYBUF_SIMPLE = 0
+
+
+class Registration:
+    """A Python buffer registered with an agent.
+
+    Holds the buffer exported (a `bytearray` cannot be resized, the memory
+    cannot move) until `deregister()`, the end of a `with` block, or
+    garbage collection. Peers may write into it while it is registered.
+    """
+
+    def __init__(self, agent, obj):
+        self._agent = agent
+        self._view = _PyBuffer()
+        _get_buffer(obj, ctypes.byref(self._view), _PYBUF_SIMPLE)
+        self.addr = self._view.buf or 0
+        self.len = self._view.len
+        self.readonly = bool(self._view.readonly)
+        try:
+            agent.register_raw([(self.addr, self.len, 0)], "dram")
+        except BaseException:
+            _release_buffer(ctypes.byref(self._view))
+            raise
+        self._live = True
+
+    def descs(self, offset=0, length=None):
+        """`[(address, length)]` for `length` bytes from `offset` (default:
+        to the end), checked against the buffer."""
+        if length is None:
+            length = self.len - offset
+        if offset < 0 or length <= 0 or offset + length > self.len:
+            raise ValueError(
+                f"range {offset}+{length} outside the registered {self.len} bytes"
+            )
+        return [(self.addr + offset, length)]
+
+    def deregister(self):
+        """Deregisters (refused with `RegionBusyError` while transfers use
+        it) and releases the buffer."""
+        if not self._live:
+            return
+        self._agent.deregister_raw([(self.addr, self.len, 0)], "dram")
+        self._live = False
+        _release_buffer(ctypes.byref(self._view))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.deregister()
+
+    def __del__(self):
+        try:
+            self.deregister()
+        except Exception:
+            # Still in use by a transfer: keep the buffer exported rather
+            # than let a peer write into freed memory.
+            pass
+
+
+class Agent(_kvxfer.Agent):
+    """A kvxfer agent. `Agent(name, backend="tcp", listen=None, secret=None,
+    connect_timeout=10.0, io_timeout=30.0)`."""
+
+    def register(self, obj):
+        """Registers any object with the buffer protocol (`bytearray`,
+        `memoryview`, `mmap`, a contiguous numpy array); returns its
+        `Registration`."""
+        return Registration(self, obj)
+
+    def write(self, local, remote, remote_agent, notif=None):
+        """WRITE `local` `(address, length)` pieces into `remote` ones at
+        `remote_agent`; `notif` is delivered after the data."""
+        return self.transfer("write", local, remote, remote_agent, notif)
+
+    def read(self, local, remote, remote_agent, notif=None):
+        """READ `remote` pieces at `remote_agent` into `local` ones."""
+        return self.transfer("read", local, remote, remote_agent, notif)

@@ -1,0 +1,390 @@
+//! `kvxfer._kvxfer`: the Python extension module over a kvxfer agent.
+//!
+//! The module exposes the agent with raw `(address, length)` descriptors;
+//! the `kvxfer` package around it (`python/kvxfer/__init__.py`) turns
+//! Python buffers into registrations. Every call that can block (making an
+//! agent, connecting, waiting) releases the GIL; every wait has a deadline
+//! and honours Ctrl-C. Errors are typed: one exception class per variant
+//! of [`kvxfer::Error`], all subclasses of `KvxferError`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use kvxfer::auth::Credential;
+use kvxfer::{
+    AgentConfig, AgentDesc, Backend, Error, MemoryDesc, MemoryDescs, MemoryType, TransferAgent,
+    TransferRequest, TransferState, TransferStatus, make_transfer_agent,
+};
+
+pyo3::create_exception!(_kvxfer, KvxferError, PyException, "Every kvxfer error.");
+
+/// One exception class per variant of [`kvxfer::Error`], and the mapping.
+macro_rules! errors {
+    ($($variant:ident => $class:ident),* $(,)?) => {
+        $(pyo3::create_exception!(
+            _kvxfer,
+            $class,
+            KvxferError,
+            concat!("kvxfer's `Error::", stringify!($variant), "`.")
+        );)*
+
+        fn to_py(e: Error) -> PyErr {
+            let msg = e.to_string();
+            match e {
+                $(Error::$variant { .. } => $class::new_err(msg),)*
+                _ => KvxferError::new_err(msg),
+            }
+        }
+
+        fn add_errors(m: &Bound<'_, PyModule>) -> PyResult<()> {
+            let py = m.py();
+            m.add("KvxferError", py.get_type::<KvxferError>())?;
+            $(m.add(stringify!($class), py.get_type::<$class>())?;)*
+            Ok(())
+        }
+    };
+}
+
+errors! {
+    InvalidDescriptor => InvalidDescriptorError,
+    Overlap => OverlapError,
+    UnsupportedMemoryType => UnsupportedMemoryTypeError,
+    NotRegistered => NotRegisteredError,
+    NotARegistration => NotARegistrationError,
+    RegionBusy => RegionBusyError,
+    UnknownAgent => UnknownAgentError,
+    RemoteRangeNotExported => RemoteRangeNotExportedError,
+    InvalidRequest => InvalidRequestError,
+    InvalidAgentDesc => InvalidAgentDescError,
+    InvalidConnectionInfo => InvalidConnectionInfoError,
+    InvalidConfig => InvalidConfigError,
+    BackendUnavailable => BackendUnavailableError,
+    TransportRequired => TransportRequiredError,
+    Credential => CredentialError,
+    AuthFailed => AuthFailedError,
+    RemoteRejected => RemoteRejectedError,
+    StaleAgent => StaleAgentError,
+    ProtocolViolation => ProtocolViolationError,
+    ConnectionLost => ConnectionLostError,
+    Connect => ConnectError,
+    Rdma => RdmaError,
+    RdmaCompletion => RdmaCompletionError,
+    PeerTimedOut => PeerTimedOutError,
+    Timeout => TimeoutError,
+    WouldBlock => WouldBlockError,
+    Aborted => AbortedError,
+    Closed => ClosedError,
+    Io => IoError,
+}
+
+/// A duration from seconds, refusing what is negative or not a number.
+fn secs(what: &str, s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} must be a non-negative number of seconds, not {s}"
+        ))
+    })
+}
+
+fn mem_type(name: &str) -> PyResult<MemoryType> {
+    match name.to_ascii_lowercase().as_str() {
+        "dram" | "cpu" => Ok(MemoryType::Dram),
+        "vram" | "cuda" | "gpu" => Ok(MemoryType::Vram),
+        "blk" => Ok(MemoryType::Blk),
+        "obj" => Ok(MemoryType::Obj),
+        "file" => Ok(MemoryType::File),
+        _ => Err(PyValueError::new_err(format!(
+            "unknown memory type {name:?} (dram, vram, blk, obj, file)"
+        ))),
+    }
+}
+
+/// Waits in slices, so that Ctrl-C (a pending signal) ends the wait.
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// A kvxfer agent (see the `kvxfer` package for the buffer helpers).
+#[pyclass(module = "kvxfer._kvxfer", name = "Agent", subclass, frozen)]
+struct PyAgent {
+    agent: Arc<dyn TransferAgent>,
+    io_timeout: Duration,
+}
+
+#[pymethods]
+impl PyAgent {
+    /// Makes an agent named `name` on `backend` (`tcp`, `shm`, `rdma` or
+    /// `auto`), listening on `listen` (`host:port`; default an ephemeral
+    /// loopback port). `secret`: the cluster secret every peer must hold.
+    #[new]
+    #[pyo3(signature = (name, backend = "tcp", listen = None, secret = None, connect_timeout = 10.0, io_timeout = 30.0))]
+    fn new(
+        py: Python<'_>,
+        name: String,
+        backend: &str,
+        listen: Option<&str>,
+        secret: Option<&[u8]>,
+        connect_timeout: f64,
+        io_timeout: f64,
+    ) -> PyResult<Self> {
+        let backend: Backend = backend.parse().map_err(to_py)?;
+        let io_timeout = secs("io_timeout", io_timeout)?;
+        let mut cfg = AgentConfig::new(name)
+            .with_connect_timeout(secs("connect_timeout", connect_timeout)?)
+            .with_io_timeout(io_timeout);
+        if let Some(l) = listen {
+            let addr = l
+                .parse()
+                .map_err(|e| PyValueError::new_err(format!("listen address {l:?}: {e}")))?;
+            cfg = cfg.with_listen(addr);
+        }
+        if let Some(s) = secret {
+            let c = Credential::new(s.to_vec()).map_err(|e| to_py(Error::Credential(e)))?;
+            cfg = cfg.with_credential(c);
+        }
+        let agent = py
+            .detach(|| make_transfer_agent(backend, cfg))
+            .map_err(to_py)?;
+        Ok(Self {
+            agent: Arc::from(agent),
+            io_timeout,
+        })
+    }
+
+    /// The agent's name.
+    #[getter]
+    fn name(&self) -> String {
+        self.agent.name().to_owned()
+    }
+
+    /// The backend's name.
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.agent.backend_name()
+    }
+
+    /// Where peers reach this agent (`host:port`).
+    fn connection_info(&self) -> String {
+        self.agent.local_connection_info()
+    }
+
+    /// This agent's descriptor, encoded, for a peer's `add_remote_agent`.
+    fn metadata<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.agent.local_agent_desc().encode())
+    }
+
+    /// Loads a peer from its `metadata()` bytes; returns its name.
+    fn add_remote_agent(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<String> {
+        let desc = AgentDesc::decode(metadata).map_err(|e| to_py(Error::InvalidAgentDesc(e)))?;
+        let name = desc.name.clone();
+        py.detach(|| self.agent.load_remote_agent(&desc))
+            .map_err(to_py)?;
+        Ok(name)
+    }
+
+    /// Fetches a peer's descriptor from its connection info and loads it;
+    /// returns its name.
+    fn connect(&self, py: Python<'_>, connection_info: &str) -> PyResult<String> {
+        py.detach(|| self.agent.load_remote_agent_by_connection(connection_info))
+            .map_err(to_py)
+    }
+
+    /// Forgets a peer (its transfers in flight fail).
+    fn remove_remote_agent(&self, py: Python<'_>, name: &str) -> PyResult<()> {
+        py.detach(|| self.agent.invalidate_remote_agent(name))
+            .map_err(to_py)
+    }
+
+    /// How a loaded peer is reached (`tcp`, `shm`, `rdma`).
+    fn remote_transport(&self, name: &str) -> PyResult<&'static str> {
+        self.agent.remote_transport(name).map_err(to_py)
+    }
+
+    /// Registers raw `(address, length, device)` ranges of `mem_type`.
+    /// The caller vouches that the memory stays valid until it is
+    /// deregistered (`kvxfer.Agent.register` does so for Python buffers).
+    #[pyo3(signature = (descs, mem_type = "dram"))]
+    fn register_raw(&self, descs: Vec<(u64, u64, u32)>, mem_type: &str) -> PyResult<()> {
+        let d = descs_of(mem_type, &descs)?;
+        // SAFETY: the caller's promise (see the method's documentation):
+        // the ranges stay valid memory until deregistered.
+        unsafe { self.agent.register_memory(&d) }.map_err(to_py)
+    }
+
+    /// Deregisters ranges registered by `register_raw` (refused while
+    /// transfers use them).
+    #[pyo3(signature = (descs, mem_type = "dram"))]
+    fn deregister_raw(&self, descs: Vec<(u64, u64, u32)>, mem_type: &str) -> PyResult<()> {
+        let d = descs_of(mem_type, &descs)?;
+        self.agent.deregister_memory(&d).map_err(to_py)
+    }
+
+    /// Starts a transfer: `op` is `"write"` (local → remote) or `"read"`
+    /// (remote → local); `local` and `remote` are paired `(address,
+    /// length)` lists; `notif` is delivered to the peer after the data.
+    #[pyo3(signature = (op, local, remote, remote_agent, notif = None, local_mem = "dram", remote_mem = "dram"))]
+    #[allow(clippy::too_many_arguments)]
+    fn transfer(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        local: Vec<(u64, u64)>,
+        remote: Vec<(u64, u64)>,
+        remote_agent: String,
+        notif: Option<&[u8]>,
+        local_mem: &str,
+        remote_mem: &str,
+    ) -> PyResult<PyTransfer> {
+        let pairs = |v: &[(u64, u64)]| v.iter().map(|&(a, l)| MemoryDesc::new(a, l, 0)).collect();
+        let l = MemoryDescs::new(mem_type(local_mem)?, pairs(&local));
+        let r = MemoryDescs::new(mem_type(remote_mem)?, pairs(&remote));
+        let mut req = match op {
+            "write" | "WRITE" => TransferRequest::write(l, r, remote_agent),
+            "read" | "READ" => TransferRequest::read(l, r, remote_agent),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "op must be \"write\" or \"read\", not {op:?}"
+                )));
+            }
+        };
+        if let Some(n) = notif {
+            req = req.with_sync_message(n.to_vec());
+        }
+        let st = py
+            .detach(|| self.agent.submit_transfer(&req))
+            .map_err(to_py)?;
+        Ok(PyTransfer {
+            st,
+            default_timeout: self.io_timeout,
+        })
+    }
+
+    /// Sends `message` to `remote` as a notification (no data); returns its
+    /// handle (done once the peer has it).
+    fn send_notif(&self, py: Python<'_>, remote: &str, message: &[u8]) -> PyResult<PyTransfer> {
+        let st = py
+            .detach(|| self.agent.notify_sync_message(remote, message.to_vec()))
+            .map_err(to_py)?;
+        Ok(PyTransfer {
+            st,
+            default_timeout: self.io_timeout,
+        })
+    }
+
+    /// The notifications that arrived: `{peer name: [bytes, ...]}`, each
+    /// peer's in order; empty when none.
+    fn get_new_notifs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        notifs(py, self.agent.take_sync_messages())
+    }
+
+    /// As `get_new_notifs`, waiting up to `timeout` seconds for the first.
+    fn wait_notifs<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
+        let deadline = Instant::now() + secs("timeout", timeout)?;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let got = py.detach(|| self.agent.wait_sync_messages(left.min(WAIT_SLICE)));
+            if !got.is_empty() || left <= WAIT_SLICE {
+                return notifs(py, got);
+            }
+            py.check_signals()?;
+        }
+    }
+}
+
+fn descs_of(mem: &str, v: &[(u64, u64, u32)]) -> PyResult<MemoryDescs> {
+    Ok(MemoryDescs::new(
+        mem_type(mem)?,
+        v.iter()
+            .map(|&(a, l, d)| MemoryDesc::new(a, l, d))
+            .collect(),
+    ))
+}
+
+fn notifs<'py>(py: Python<'py>, msgs: kvxfer::agent::SyncMessages) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (from, list) in msgs {
+        let l = PyList::empty(py);
+        for m in list {
+            l.append(PyBytes::new(py, &m))?;
+        }
+        d.set_item(from, l)?;
+    }
+    Ok(d)
+}
+
+/// A transfer in flight or finished.
+#[pyclass(module = "kvxfer._kvxfer", name = "Transfer", frozen)]
+struct PyTransfer {
+    st: TransferStatus,
+    default_timeout: Duration,
+}
+
+#[pymethods]
+impl PyTransfer {
+    /// Whether it finished (successfully or not).
+    fn done(&self) -> bool {
+        self.st.is_completed()
+    }
+
+    /// `"PROC"` while in flight, `"DONE"` once every byte landed (and the
+    /// notification, if any, was delivered), `"ERR"` when it failed.
+    #[getter]
+    fn state(&self) -> &'static str {
+        match self.st.poll() {
+            Ok(TransferState::InProgress) => "PROC",
+            Ok(TransferState::Completed) => "DONE",
+            Err(_) => "ERR",
+        }
+    }
+
+    /// Waits until it finished, at most `timeout` seconds (default: the
+    /// agent's I/O timeout); raises its error, or `TimeoutError` (kvxfer's)
+    /// when it is still in flight then.
+    #[pyo3(signature = (timeout = None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let t = match timeout {
+            Some(s) => secs("timeout", s)?,
+            None => self.default_timeout,
+        };
+        let deadline = Instant::now() + t;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let slice = left.min(WAIT_SLICE);
+            match py.detach(|| self.st.wait(slice)) {
+                Ok(TransferState::Completed) => return Ok(()),
+                Ok(TransferState::InProgress) if left <= WAIT_SLICE => {
+                    return Err(to_py(Error::Timeout {
+                        what: "transfer",
+                        after: t,
+                    }));
+                }
+                Ok(TransferState::InProgress) => py.check_signals()?,
+                Err(e) => return Err(to_py(e)),
+            }
+        }
+    }
+
+    /// Stops it: nothing more of it is sent; it ends (`AbortedError`) once
+    /// nothing of it can touch either side's memory. False when it had
+    /// already finished.
+    fn abort(&self) -> bool {
+        self.st.abort()
+    }
+
+    /// The transport that carries it (`tcp`, `shm`, `rdma`).
+    #[getter]
+    fn transport(&self) -> &'static str {
+        self.st.data_path().transport.as_str()
+    }
+}
+
+#[pymodule]
+fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyAgent>()?;
+    m.add_class::<PyTransfer>()?;
+    add_errors(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

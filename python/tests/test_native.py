@@ -1,0 +1,227 @@
+"""The native Python API: transfers between two processes over tcp and shm,
+typed errors that change nothing, deadlines, Ctrl-C."""
+
+import mmap
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import kvxfer
+
+SIZE = 1 << 20
+WAIT = 30.0
+spawn = mp.get_context("spawn")
+
+
+def pattern(n, salt=0):
+    return bytes((i * 7 + salt) % 251 for i in range(n))
+
+
+def target_main(conn, backend, fill):
+    """A target in its own process: registers a buffer (filled with
+    `fill`), sends its metadata, waits for one notification, sends back
+    what arrived and the buffer, then waits to be told to stop."""
+    agent = kvxfer.Agent("py-target", backend=backend)
+    buf = bytearray(fill)
+    reg = agent.register(buf)
+    conn.send((agent.metadata(), agent.connection_info(), reg.addr, reg.len))
+    got = {}
+    deadline = time.monotonic() + WAIT
+    while not got and time.monotonic() < deadline:
+        got = agent.wait_notifs(1.0)
+    conn.send((got, bytes(buf)))
+    conn.recv()
+
+
+class Target:
+    def __init__(self, backend, fill=bytes(SIZE)):
+        self.conn, child = spawn.Pipe()
+        self.proc = spawn.Process(target=target_main, args=(child, backend, fill))
+        self.proc.start()
+        assert self.conn.poll(WAIT), "the target did not start"
+        self.metadata, self.connection, self.addr, self.len = self.conn.recv()
+
+    def result(self):
+        assert self.conn.poll(WAIT), "the target did not report"
+        return self.conn.recv()
+
+    def stop(self):
+        if self.proc.is_alive():
+            try:
+                self.conn.send("stop")
+            except OSError:
+                pass
+            self.proc.join(WAIT)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_write_with_a_notification_lands_in_another_process(backend):
+    t = Target(backend)
+    try:
+        a = kvxfer.Agent("py-init", backend=backend)
+        name = a.add_remote_agent(t.metadata)
+        assert name == "py-target"
+        assert a.remote_transport(name) == backend
+        data = bytearray(pattern(SIZE))
+        with a.register(data) as src:
+            x = a.write(src.descs(), [(t.addr, t.len)], name, notif=b"blocks 0..8 ready")
+            x.wait(WAIT)
+            assert x.done() and x.state == "DONE" and x.transport == backend
+        notifs, buf = t.result()
+        assert notifs == {"py-init": [b"blocks 0..8 ready"]}
+        assert buf == bytes(data)
+    finally:
+        t.stop()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_read_from_another_process(backend):
+    want = pattern(SIZE, salt=3)
+    t = Target(backend, fill=want)
+    try:
+        a = kvxfer.Agent("py-init", backend=backend)
+        name = a.connect(t.connection)
+        dst = bytearray(SIZE)
+        reg = a.register(dst)
+        a.read(reg.descs(), [(t.addr, t.len)], name).wait(WAIT)
+        assert bytes(dst) == want
+        # The notification alone (no data) wakes the target.
+        a.send_notif(name, b"bye").wait(WAIT)
+        notifs, _ = t.result()
+        assert notifs == {"py-init": [b"bye"]}
+        reg.deregister()
+    finally:
+        t.stop()
+
+
+def test_bad_input_is_typed_and_changes_nothing():
+    t = kvxfer.Agent("py-t")
+    i = kvxfer.Agent("py-i")
+    dst = bytearray(b"\x55" * 4096)
+    rt = t.register(dst)
+    name = i.add_remote_agent(t.metadata())
+    src = bytearray(b"\xaa" * 8192)
+    ri = i.register(src)
+    # Unknown agent.
+    with pytest.raises(kvxfer.UnknownAgentError):
+        i.write(ri.descs(0, 16), rt.descs(0, 16), "nobody")
+    # A remote range past what the target registered.
+    with pytest.raises(kvxfer.RemoteRangeNotExportedError):
+        i.write(ri.descs(), [(rt.addr, 8192)], name)
+    # A local range outside every registration.
+    other = bytearray(64)
+    with pytest.raises(kvxfer.NotRegisteredError):
+        i.write([(id(other), 16)], rt.descs(0, 16), name)
+    # Malformed metadata.
+    with pytest.raises(kvxfer.InvalidAgentDescError):
+        i.add_remote_agent(b"not an agent descriptor")
+    # Pieces that do not pair up.
+    with pytest.raises(kvxfer.KvxferError):
+        i.write(ri.descs(0, 16), rt.descs(0, 32), name)
+    # Bad arguments of the binding itself.
+    with pytest.raises(ValueError):
+        ri.descs(8000, 400)
+    with pytest.raises(ValueError):
+        i.transfer("copy", ri.descs(0, 16), rt.descs(0, 16), name)
+    with pytest.raises(ValueError):
+        i.wait_notifs(-1.0)
+    assert bytes(dst) == b"\x55" * 4096, "a refused request changed the target"
+    # Every error class is a KvxferError.
+    for n in kvxfer.__all__:
+        if n.endswith("Error"):
+            assert issubclass(getattr(kvxfer, n), kvxfer.KvxferError)
+    # The agent still works after all that.
+    i.write(ri.descs(0, 4096), rt.descs(), name).wait(WAIT)
+    assert bytes(dst) == b"\xaa" * 4096
+
+
+def test_buffers_of_every_kind_register_and_stay_pinned():
+    a = kvxfer.Agent("py-buffers")
+    m = mmap.mmap(-1, 1 << 16)
+    reg = a.register(m)
+    assert reg.len == 1 << 16 and not reg.readonly
+    # Exported: the mmap cannot be closed while registered.
+    with pytest.raises(BufferError):
+        m.close()
+    reg.deregister()
+    m.close()
+    ro = a.register(b"immutable source bytes")
+    assert ro.readonly
+    ro.deregister()
+    ba = bytearray(100)
+    with a.register(ba):
+        with pytest.raises(BufferError):
+            ba.extend(b"x")  # a registered bytearray cannot move
+    ba.extend(b"x")
+    with pytest.raises(BufferError):
+        a.register(memoryview(bytearray(64))[::2])  # not contiguous
+
+
+def test_a_busy_registration_cannot_go():
+    t = kvxfer.Agent("py-busy-t")
+    i = kvxfer.Agent("py-busy-i")
+    dst = bytearray(SIZE)
+    rt = t.register(dst)
+    name = i.add_remote_agent(t.metadata())
+    src = bytearray(SIZE)
+    ri = i.register(src)
+    x = i.write(ri.descs(), rt.descs(), name)
+    try:
+        ri.deregister()
+        busy = False
+    except kvxfer.RegionBusyError:
+        busy = True
+    x.wait(WAIT)
+    if busy:
+        ri.deregister()
+    rt.deregister()
+
+
+def test_waits_have_deadlines():
+    a = kvxfer.Agent("py-deadline")
+    t0 = time.monotonic()
+    assert a.wait_notifs(0.3) == {}
+    assert time.monotonic() - t0 >= 0.25
+
+
+def test_a_killed_peer_fails_the_transfer_within_the_timeout():
+    t = Target("tcp")
+    a = kvxfer.Agent("py-init", io_timeout=5.0, connect_timeout=5.0)
+    name = a.add_remote_agent(t.metadata)
+    src = bytearray(SIZE)
+    reg = a.register(src)
+    a.write(reg.descs(), [(t.addr, t.len)], name).wait(WAIT)
+    os.kill(t.proc.pid, signal.SIGKILL)
+    t.proc.join()
+    t0 = time.monotonic()
+    with pytest.raises(kvxfer.KvxferError):
+        for _ in range(100):
+            a.write(reg.descs(), [(t.addr, t.len)], name).wait(10.0)
+    assert time.monotonic() - t0 < 20.0
+
+
+def test_ctrl_c_ends_a_wait():
+    code = (
+        "import kvxfer, os, signal, threading, time\n"
+        "a = kvxfer.Agent('py-sigint')\n"
+        "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    a.wait_notifs(60.0)\n"
+        "    print('not interrupted')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted after %.1f s' % (time.monotonic() - t0))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert "interrupted after" in out.stdout, out.stdout + out.stderr
+    assert float(out.stdout.split()[2]) < 30.0

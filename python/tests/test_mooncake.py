@@ -1,0 +1,111 @@
+"""kvxfer.mooncake against the real Mooncake TransferEngine: the same
+scripted sequence (SGLang's batch write, single writes and reads, a write
+outside the peer's memory) in two processes, once per implementation;
+return codes and destination bytes must match."""
+
+import ctypes
+import importlib
+import multiprocessing as mp
+
+import pytest
+
+SIZE = 1 << 20
+WAIT = 60.0
+spawn = mp.get_context("spawn")
+
+
+def pattern(n, salt):
+    return bytes((i * 13 + salt) % 251 for i in range(n))
+
+
+def engine(module):
+    return importlib.import_module(module).TransferEngine()
+
+
+def target_main(conn, module):
+    te = engine(module)
+    rc_init = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    buf = ctypes.create_string_buffer(pattern(SIZE, 1), SIZE)
+    addr = ctypes.addressof(buf)
+    rc_reg = te.register_memory(addr, SIZE)
+    conn.send((rc_init, rc_reg, f"127.0.0.1:{te.get_rpc_port()}", addr))
+    conn.recv()
+    conn.send((buf.raw, te.unregister_memory(addr)))
+    conn.recv()
+
+
+def initiator_main(conn, module, session, dst):
+    te = engine(module)
+    rcs = [te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")]
+    src = ctypes.create_string_buffer(pattern(SIZE, 2), SIZE)
+    s = ctypes.addressof(src)
+    rcs.append(te.register_memory(s, SIZE))
+    # SGLang's shape: one batch per layer, pages grouped, any order.
+    rcs.append(
+        te.batch_transfer_sync_write(
+            session, [s, s + 4096, s + 65536], [dst + 8192, dst, dst + 131072], [4096, 4096, 65536]
+        )
+    )
+    rcs.append(te.transfer_sync_write(session, s + 200_000, dst + 300_000, 1000))
+    rcs.append(te.transfer_sync_read(session, s + 500_000, dst + 700_000, 4096))
+    # Outside what the peer registered.
+    rcs.append(te.transfer_sync_write(session, s, dst + SIZE + (1 << 20), 4096))
+    rcs.append(te.batch_register_memory([], []))
+    rcs.append(te.unregister_memory(s))
+    conn.send((rcs, src.raw))
+    conn.recv()
+
+
+def run(module):
+    tconn, tchild = spawn.Pipe()
+    t = spawn.Process(target=target_main, args=(tchild, module))
+    t.start()
+    try:
+        assert tconn.poll(WAIT), f"{module}: target did not start"
+        rc_init, rc_reg, session, dst = tconn.recv()
+        iconn, ichild = spawn.Pipe()
+        i = spawn.Process(target=initiator_main, args=(ichild, module, session, dst))
+        i.start()
+        try:
+            assert iconn.poll(WAIT), f"{module}: initiator did not report"
+            rcs, src = iconn.recv()
+            iconn.send("stop")
+        finally:
+            i.join(WAIT)
+            if i.is_alive():
+                i.kill()
+        tconn.send("report")
+        assert tconn.poll(WAIT), f"{module}: target did not report"
+        dst_bytes, rc_unreg = tconn.recv()
+        tconn.send("stop")
+        return [rc_init, rc_reg] + rcs + [rc_unreg], dst_bytes, src
+    finally:
+        t.join(WAIT)
+        if t.is_alive():
+            t.kill()
+
+
+def test_kvxfer_mooncake_runs_the_sglang_sequence():
+    rcs, dst, src = run("kvxfer.mooncake")
+    assert rcs == [0, 0, 0, 0, 0, 0, 0, -1, 0, 0, 0], rcs
+    want = bytearray(pattern(SIZE, 1))
+    s = pattern(SIZE, 2)
+    want[8192:8192 + 4096] = s[0:4096]
+    want[0:4096] = s[4096:8192]
+    want[131072:131072 + 65536] = s[65536:131072]
+    want[300_000:301_000] = s[200_000:201_000]
+    assert dst == bytes(want)
+    # The read brought the peer's bytes.
+    assert src[500_000:504_096] == pattern(SIZE, 1)[700_000:704_096]
+
+
+def test_same_results_as_the_real_mooncake():
+    try:
+        importlib.import_module("mooncake.engine")
+    except ImportError as e:
+        pytest.skip(f"SKIPPED: the real Mooncake is not installed here ({e})")
+    real = run("mooncake.engine")
+    ours = run("kvxfer.mooncake")
+    assert ours[0] == real[0], f"return codes: kvxfer {ours[0]} vs mooncake {real[0]}"
+    assert ours[1] == real[1], "destination bytes differ"
+    assert ours[2] == real[2], "read-back bytes differ"

@@ -16,4 +16,10 @@ python3 -m venv "$venv"
 # where it cannot be installed they say SKIPPED and why.
 "$venv/bin/pip" install -q --disable-pip-version-check "mooncake-transfer-engine-non-cuda==0.3.13.post1" ||
   echo "the real Mooncake could not be installed: its differential test will be skipped"
+# The real NIXL (UCX backend, DRAM): its Python API needs numpy only (torch
+# is imported for type checking alone), so it goes in without its declared
+# dependencies.
+{ "$venv/bin/pip" install -q --disable-pip-version-check numpy &&
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "nixl-cu12==1.5.1"; } ||
+  echo "the real NIXL could not be installed: its differential test will be skipped"
 "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider python/tests

@@ -28,9 +28,10 @@ Where kvxfer is stricter than NIXL:
 """
 
 import json
+import os
 import time
 
-from . import Agent, KvxferError
+from . import Agent, KvxferError, _kvxfer
 
 NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
 
@@ -85,24 +86,33 @@ class nixl_agent_config:
 
 class DescList:
     """A descriptor list (NIXL's `nixlRegDList` / `nixlXferDList`): a
-    memory type and `(address, length, device)` triples."""
+    memory type and `(address, length, device)` descriptors, kept in Rust
+    (`kvxfer._kvxfer.DescList`) so that transfers select from it by index
+    without a Python object per descriptor."""
 
     def __init__(self, mem_type, descs, reg=False):
         self.mem_type = _mem(mem_type)
-        self.descs = descs
         self.reg = reg
+        self.native = descs if isinstance(descs, _kvxfer.DescList) else _kvxfer.DescList(
+            descs, _MEM[self.mem_type]
+        )
+
+    @property
+    def descs(self):
+        """The descriptors as `(address, length, device)` tuples."""
+        return [self.native[i] for i in range(len(self.native))]
 
     def __len__(self):
-        return len(self.descs)
+        return len(self.native)
 
     def __getitem__(self, i):
-        return self.descs[i]
+        return self.native[i]
 
     def __iter__(self):
         return iter(self.descs)
 
     def __repr__(self):
-        return f"DescList({self.mem_type}, {len(self.descs)} descriptors)"
+        return f"DescList({self.mem_type}, {len(self)} descriptors)"
 
 
 def _tensor_desc(t):
@@ -115,12 +125,9 @@ def _triples(descs, mem_type, reg):
     """(memory type, [(address, length, device)]) of any form NIXL takes:
     a DescList, a list of tuples, an Nx3 numpy array, tensors."""
     if isinstance(descs, DescList):
-        return descs.mem_type, descs.descs
-    if hasattr(descs, "shape") and hasattr(descs, "tolist"):  # numpy Nx3 (or Nx4)
-        if len(descs.shape) != 2 or descs.shape[1] < 3:
-            raise ValueError("a descriptor array must be N x 3 (address, length, device)")
-        rows = descs.tolist()
-        return _mem(mem_type), [(int(r[0]), int(r[1]), int(r[2])) for r in rows]
+        return descs.mem_type, descs.native
+    if hasattr(descs, "__array_interface__"):  # numpy N x 3, read in Rust
+        return _mem(mem_type), _kvxfer.DescList(descs, _MEM[_mem(mem_type)])
     if hasattr(descs, "data_ptr"):  # one tensor
         mem, d = _tensor_desc(descs)
         return mem, [d]
@@ -165,82 +172,35 @@ class _Telemetry:
         )
 
 
-def _merge(local, remote):
-    """Pairs adjacent on both sides merged: NIXL's descriptor merging."""
-    out_l, out_r = [], []
-    for (la, ll, ld), (ra, rl, rd) in zip(local, remote):
-        if (
-            out_l
-            and out_l[-1][0] + out_l[-1][1] == la
-            and out_r[-1][0] + out_r[-1][1] == ra
-            and out_l[-1][2] == ld
-            and out_r[-1][2] == rd
-        ):
-            pa, pl, pd = out_l[-1]
-            out_l[-1] = (pa, pl + ll, pd)
-            qa, ql, qd = out_r[-1]
-            out_r[-1] = (qa, ql + rl, qd)
-        else:
-            out_l.append((la, ll, ld))
-            out_r.append((ra, rl, rd))
-    return out_l, out_r
-
-
 class nixl_xfer_handle:
-    """A transfer request: made once, posted by `transfer` (again once it
-    ended), checked by `check_xfer_state`."""
+    """A transfer request: made once (descriptors selected and merged in
+    Rust), posted by `transfer` (again once it ended), checked by
+    `check_xfer_state`."""
 
-    def __init__(self, agent, op, local, remote, remote_agent, notif):
-        if op not in ("READ", "WRITE"):
-            raise KeyError(f"operation {op!r}: READ or WRITE")
-        if len(local[1]) != len(remote[1]):
-            raise ValueError(
-                f"{len(local[1])} local descriptors for {len(remote[1])} remote ones"
-            )
-        for (_, a, _), (_, b, _) in zip(local[1], remote[1]):
-            if a != b:
-                raise ValueError("paired descriptors differ in length")
+    def __init__(self, agent, request):
         self._agent = agent
-        self._op = op.lower()
-        self._local_mem = _MEM[local[0]]
-        self._remote_mem = _MEM[remote[0]]
-        self._local, self._remote = _merge(local[1], remote[1])
-        self._requested = len(local[1])
-        self._remote_agent = remote_agent
-        self._notif = notif or b""
+        self._request = request
         self._xfer = None
         self._failed = False
-        self._start = self._post = 0
+        self._start = self._post = self._t0 = 0
         self._end = None
 
     def _submit(self, notif):
-        msg = notif if notif else self._notif
-        if isinstance(msg, str):
-            msg = msg.encode()
+        msg = notif.encode() if isinstance(notif, str) else notif
         self._start = time.time_ns() // 1000
         t0 = time.perf_counter_ns()
         self._failed = False
         self._end = None
         try:
-            self._xfer = self._agent.transfer(
-                self._op,
-                [(a, n) for a, n, _ in self._local],
-                [(a, n) for a, n, _ in self._remote],
-                self._remote_agent,
-                msg or None,
-                self._local_mem,
-                self._remote_mem,
-            )
+            self._xfer = self._agent.post(self._request, msg or None)
         except KvxferError:
             self._xfer = None
             self._failed = True
-        self._post = (time.perf_counter_ns() - t0) // 1000
         self._t0 = t0
+        self._post = (time.perf_counter_ns() - t0) // 1000
 
     def _state(self):
-        if self._failed:
-            return "ERR"
-        if self._xfer is None:
+        if self._failed or self._xfer is None:
             return "ERR"
         s = self._xfer.state
         if s != "PROC" and self._end is None:
@@ -258,13 +218,24 @@ class nixl_xfer_handle:
         self._xfer = None
 
 
+def _request(agent, operation, local, local_ids, remote, remote_ids, remote_agent, notif):
+    if operation not in ("READ", "WRITE"):
+        raise KeyError(f"operation {operation!r}: READ or WRITE")
+    msg = notif.encode() if isinstance(notif, str) else notif
+    return agent.make_request(
+        operation, local, local_ids, remote, remote_ids, remote_agent, msg or None
+    )
+
+
 class nixl_agent:
     """NIXL's agent, over a kvxfer agent (backend `auto`)."""
 
     def __init__(self, agent_name, nixl_conf=None, instantiate_all=False):
         self.name = str(agent_name)
         self.config = nixl_conf or nixl_agent_config()
-        self._agent = Agent(self.name, backend="auto")
+        # `auto`: shared memory on this host, RDMA where both sides have a
+        # device, TCP otherwise; KVXFER_NIXL_BACKEND picks one.
+        self._agent = Agent(self.name, backend=os.environ.get("KVXFER_NIXL_BACKEND", "auto"))
         self.backends = {b: b for b in self.config.backends}
         self.notifs = {}
 
@@ -359,25 +330,30 @@ class nixl_agent:
         arrays, any order) of two prepared lists."""
         if local_xfer_side.agent_name != NIXL_INIT_AGENT:
             raise ValueError("the local side must be prepared with NIXL_INIT_AGENT")
-        lo = local_xfer_side.dlist
-        ro = remote_xfer_side.dlist
-        li = [lo.descs[int(i)] for i in local_indices]
-        ri = [ro.descs[int(i)] for i in remote_indices]
-        return nixl_xfer_handle(
+        req = _request(
             self._agent,
             operation,
-            (lo.mem_type, li),
-            (ro.mem_type, ri),
+            local_xfer_side.dlist.native,
+            local_indices,
+            remote_xfer_side.dlist.native,
+            remote_indices,
             remote_xfer_side.agent_name,
             notif_msg,
         )
+        return nixl_xfer_handle(self._agent, req)
 
     def initialize_xfer(self, operation, local_descs, remote_descs, remote_agent, notif_msg=b"", backends=[]):  # noqa: B006,E501
         """A transfer from two descriptor lists (unprepared form)."""
-        lm, ld = _triples(local_descs, None, False)
-        rm, rd = _triples(remote_descs, None, False)
-        self._agent.remote_transport(_name(remote_agent))
-        return nixl_xfer_handle(self._agent, operation, (lm, ld), (rm, rd), _name(remote_agent), notif_msg)
+        local = self.get_xfer_descs(local_descs)
+        remote = self.get_xfer_descs(remote_descs)
+        name = _name(remote_agent)
+        self._agent.remote_transport(name)
+        ids = list(range(len(local)))
+        req = _request(
+            self._agent, operation, local.native, ids, remote.native,
+            list(range(len(remote))), name, notif_msg,
+        )
+        return nixl_xfer_handle(self._agent, req)
 
     def transfer(self, handle, notif_msg=b""):
         """Posts the transfer: `"DONE"` when it completed inline, `"PROC"`
@@ -402,9 +378,9 @@ class nixl_agent:
         return _Telemetry(
             handle._start,
             handle._post,
-            max(0, (end - getattr(handle, "_t0", end)) // 1000),
-            sum(n for _, n, _ in handle._local),
-            len(handle._local),
+            max(0, (end - handle._t0) // 1000),
+            handle._request.total_bytes,
+            handle._request.desc_count,
         )
 
     def query_xfer_backend(self, handle):

@@ -225,3 +225,53 @@ def test_ctrl_c_ends_a_wait():
     )
     assert "interrupted after" in out.stdout, out.stdout + out.stderr
     assert float(out.stdout.split()[2]) < 30.0
+
+
+def test_requests_select_by_index_and_merge():
+    from kvxfer import _kvxfer
+
+    t = kvxfer.Agent("py-idx-t")
+    i = kvxfer.Agent("py-idx-i")
+    blk, n = 256, 16
+    dst = bytearray(blk * n)
+    src = bytearray(pattern(blk * n, 9))
+    rt, ri = t.register(dst), i.register(src)
+    name = i.add_remote_agent(t.metadata())
+    L = _kvxfer.DescList([(ri.addr + k * blk, blk) for k in range(n)])
+    R = _kvxfer.DescList([(rt.addr + k * blk, blk, 0) for k in range(n)])
+    assert len(L) == n and L[1] == (ri.addr + blk, blk, 0) and L.mem_type == "dram"
+    lid, rid = [0, 1, 2, 9, 4], [5, 6, 7, 0, 15]
+    req = i.make_request("write", L, lid, R, rid, name, b"n")
+    # (0,5)(1,6)(2,7) merge; (9,0) and (4,15) stay.
+    assert (req.requested, req.desc_count, req.total_bytes) == (5, 3, 5 * blk)
+    assert i.make_request("write", L, lid, R, rid, name, merge=False).desc_count == 5
+    i.post(req).wait(WAIT)
+    want = bytearray(blk * n)
+    for a, b in zip(lid, rid):
+        want[b * blk:(b + 1) * blk] = src[a * blk:(a + 1) * blk]
+    assert dst == want
+    assert t.wait_notifs(WAIT) == {"py-idx-i": [b"n"]}
+    # Posted again, with another notification.
+    i.post(req, b"again").wait(WAIT)
+    assert t.wait_notifs(WAIT) == {"py-idx-i": [b"again"]}
+    # Bad indices and shapes are refused before anything moves.
+    with pytest.raises(ValueError):
+        i.make_request("write", L, [n], R, [0], name)
+    with pytest.raises(ValueError):
+        i.make_request("write", L, [-1], R, [0], name)
+    with pytest.raises(ValueError):
+        i.make_request("write", L, [0, 1], R, [0], name)
+    with pytest.raises(ValueError):
+        i.make_request("move", L, [0], R, [0], name)
+    np = pytest.importorskip("numpy", reason="numpy arrays as indices and descriptor lists")
+    ids = np.array([3, 2, 1], dtype=np.int32)
+    req = i.make_request("read", L, ids, R, ids.astype(np.uint64), name)
+    assert req.desc_count == 3  # descending: nothing adjacent in order
+    arr = np.array([(ri.addr + k * blk, blk, 0) for k in range(n)], dtype=np.int64)
+    assert _kvxfer.DescList(arr)[n - 1] == L[n - 1]
+    with pytest.raises(ValueError):
+        i.make_request("write", L, np.arange(8)[::2], R, np.arange(4), name)
+    with pytest.raises(ValueError):
+        _kvxfer.DescList(np.zeros((4, 5), dtype=np.int64))
+    with pytest.raises(ValueError):
+        i.make_request("write", L, np.array([0.5]), R, [0], name)

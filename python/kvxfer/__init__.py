@@ -22,9 +22,33 @@ import ctypes
 
 from . import _kvxfer
 from ._kvxfer import *  # noqa: F401,F403  (the exception classes)
-from ._kvxfer import KvxferError, Transfer
+from ._kvxfer import (  # noqa: F401
+    CacheReceiver,
+    CacheSender,
+    CacheState,
+    DescList,
+    KvxferError,
+    Request,
+    Transfer,
+    block_bytes,
+    pattern_check,
+    pattern_fill,
+)
 
-__all__ = ["Agent", "Registration", "Transfer", "KvxferError"] + [
+__all__ = [
+    "Agent",
+    "Registration",
+    "Transfer",
+    "KvxferError",
+    "DescList",
+    "Request",
+    "CacheState",
+    "CacheSender",
+    "CacheReceiver",
+    "block_bytes",
+    "pattern_fill",
+    "pattern_check",
+] + [
     n for n in dir(_kvxfer) if n.endswith("Error")
 ]
 __version__ = _kvxfer.__version__

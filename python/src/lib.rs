@@ -10,6 +10,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod cache;
+
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -32,7 +34,7 @@ macro_rules! errors {
             concat!("kvxfer's `Error::", stringify!($variant), "`.")
         );)*
 
-        fn to_py(e: Error) -> PyErr {
+        pub(crate) fn to_py(e: Error) -> PyErr {
             let msg = e.to_string();
             match e {
                 $(Error::$variant { .. } => $class::new_err(msg),)*
@@ -82,7 +84,7 @@ errors! {
 }
 
 /// A duration from seconds, refusing what is negative or not a number.
-fn secs(what: &str, s: f64) -> PyResult<Duration> {
+pub(crate) fn secs(what: &str, s: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(s).map_err(|_| {
         PyValueError::new_err(format!(
             "{what} must be a non-negative number of seconds, not {s}"
@@ -108,8 +110,8 @@ const WAIT_SLICE: Duration = Duration::from_millis(100);
 
 /// A kvxfer agent (see the `kvxfer` package for the buffer helpers).
 #[pyclass(module = "kvxfer._kvxfer", name = "Agent", subclass, frozen)]
-struct PyAgent {
-    agent: Arc<dyn TransferAgent>,
+pub(crate) struct PyAgent {
+    pub(crate) agent: Arc<dyn TransferAgent>,
     io_timeout: Duration,
 }
 
@@ -729,6 +731,7 @@ fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTransfer>()?;
     m.add_class::<PyDescList>()?;
     m.add_class::<PyRequest>()?;
+    cache::add(m)?;
     add_errors(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -34,6 +34,8 @@ import time
 from . import Agent, KvxferError, _kvxfer
 
 NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
+# How long check_xfer_state waits for a transfer in flight (seconds).
+_CHECK_WAIT = 20e-6
 
 
 class nixlNoTelemetryError(KvxferError):
@@ -199,10 +201,10 @@ class nixl_xfer_handle:
         self._t0 = t0
         self._post = (time.perf_counter_ns() - t0) // 1000
 
-    def _state(self):
+    def _state(self, max_wait=0.0):
         if self._failed or self._xfer is None:
             return "ERR"
-        s = self._xfer.state
+        s = self._xfer.check(max_wait) if max_wait else self._xfer.state
         if s != "PROC" and self._end is None:
             self._end = time.perf_counter_ns()
         return s
@@ -365,8 +367,10 @@ class nixl_agent:
         return handle._state()
 
     def check_xfer_state(self, handle):
-        """`"DONE"`, `"PROC"` or `"ERR"`."""
-        return handle._state()
+        """`"DONE"`, `"PROC"` or `"ERR"`. Waits up to 20 µs (the GIL
+        released) for a transfer in flight to end, so that a caller polling
+        in a loop leaves the CPU to the threads moving its data."""
+        return handle._state(_CHECK_WAIT)
 
     def get_xfer_telemetry(self, handle):
         """Start (µs since the epoch), post and transfer durations (µs),

@@ -684,6 +684,19 @@ impl PyTransfer {
         }
     }
 
+    /// As `state`, after waiting at most `max_wait` seconds (the GIL
+    /// released) for it to finish: for callers that poll in a loop, whose
+    /// spinning would otherwise take the CPU from the threads moving the
+    /// data.
+    fn check(&self, py: Python<'_>, max_wait: f64) -> PyResult<&'static str> {
+        let t = secs("max_wait", max_wait)?;
+        Ok(match py.detach(|| self.st.wait(t)) {
+            Ok(TransferState::InProgress) => "PROC",
+            Ok(TransferState::Completed) => "DONE",
+            Err(_) => "ERR",
+        })
+    }
+
     /// Waits until it finished, at most `timeout` seconds (default: the
     /// agent's I/O timeout); raises its error, or `TimeoutError` (kvxfer's)
     /// when it is still in flight then.

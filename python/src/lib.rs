@@ -242,15 +242,7 @@ impl PyAgent {
         let pairs = |v: &[(u64, u64)]| v.iter().map(|&(a, l)| MemoryDesc::new(a, l, 0)).collect();
         let l = MemoryDescs::new(mem_type(local_mem)?, pairs(&local));
         let r = MemoryDescs::new(mem_type(remote_mem)?, pairs(&remote));
-        let mut req = match op {
-            "write" | "WRITE" => TransferRequest::write(l, r, remote_agent),
-            "read" | "READ" => TransferRequest::read(l, r, remote_agent),
-            _ => {
-                return Err(PyValueError::new_err(format!(
-                    "op must be \"write\" or \"read\", not {op:?}"
-                )));
-            }
-        };
+        let mut req = new_request(op, l, r, remote_agent)?;
         if let Some(n) = notif {
             req = req.with_sync_message(n.to_vec());
         }
@@ -301,15 +293,7 @@ impl PyAgent {
             MemoryDescs::new(local.mem, l),
             MemoryDescs::new(remote.mem, r),
         );
-        let mut req = match op {
-            "write" | "WRITE" => TransferRequest::write(l, r, remote_agent),
-            "read" | "READ" => TransferRequest::read(l, r, remote_agent),
-            _ => {
-                return Err(PyValueError::new_err(format!(
-                    "op must be \"write\" or \"read\", not {op:?}"
-                )));
-            }
-        };
+        let mut req = new_request(op, l, r, remote_agent)?;
         req.validate_shape().map_err(to_py)?;
         if let Some(n) = notif.filter(|n| !n.is_empty()) {
             req = req.with_sync_message(n.to_vec());
@@ -373,6 +357,22 @@ impl PyAgent {
             }
             py.check_signals()?;
         }
+    }
+}
+
+/// A READ or WRITE request (`op` names it, any case).
+fn new_request(
+    op: &str,
+    local: MemoryDescs,
+    remote: MemoryDescs,
+    remote_agent: String,
+) -> PyResult<TransferRequest> {
+    match op.to_ascii_lowercase().as_str() {
+        "write" => Ok(TransferRequest::write(local, remote, remote_agent)),
+        "read" => Ok(TransferRequest::read(local, remote, remote_agent)),
+        _ => Err(PyValueError::new_err(format!(
+            "op must be \"write\" or \"read\", not {op:?}"
+        ))),
     }
 }
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::machine::{ReceiverEvent, ReceiverMachine};
 use super::sender::Cell;
-use super::stats::{Metrics, SessionStats, append_csv};
+use super::stats::{Metrics, SessionStats, record_timings};
 use super::wire::{Reassembler, is_ours};
 use super::{CacheError, CacheState};
 use crate::agent::TransferAgent;
@@ -142,13 +142,7 @@ impl Shared {
             }
             out
         };
-        if let Some(dir) = &self.timings_dir {
-            for stats in rows {
-                if let Err(e) = append_csv(dir, self.rank, "recv", &stats) {
-                    tracing::warn!(%e, "cannot write receive timings");
-                }
-            }
-        }
+        record_timings(self.timings_dir.as_deref(), self.rank, "recv", &rows);
         out
     }
 

@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::machine::{SenderEvent, SenderMachine, TransferAction, TransferId};
-use super::stats::{Metrics, SessionStats, append_csv};
+use super::stats::{Metrics, SessionStats, record_timings};
 use super::wire::{Msg, Reassembler, is_ours};
 use super::{BlockLookup, CacheError, CacheState};
 use crate::agent::{TransferAgent, TransferState, TransferStatus};
@@ -176,13 +176,7 @@ impl Shared {
             }
             out
         };
-        if let Some(dir) = &self.timings_dir {
-            for stats in rows {
-                if let Err(e) = append_csv(dir, self.rank, "send", &stats) {
-                    tracing::warn!(%e, "cannot write send timings");
-                }
-            }
-        }
+        record_timings(self.timings_dir.as_deref(), self.rank, "send", &rows);
         out
     }
 

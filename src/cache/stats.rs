@@ -106,6 +106,20 @@ impl Metrics {
     }
 }
 
+/// Appends a row per session to `<dir>/rank_<rank>_<side>.csv` when `dir`
+/// is set; a failure is logged, not returned (timings never fail a
+/// transfer).
+pub(crate) fn record_timings(dir: Option<&Path>, rank: u32, side: &str, rows: &[SessionStats]) {
+    let Some(dir) = dir else {
+        return;
+    };
+    for stats in rows {
+        if let Err(e) = append_csv(dir, rank, side, stats) {
+            tracing::warn!(%e, side, "cannot write timings");
+        }
+    }
+}
+
 /// Appends one row for `s` to `<dir>/rank_<rank>_<side>.csv`, writing the
 /// header first when the file is empty.
 ///

@@ -40,6 +40,7 @@ __all__ = [
     "Registration",
     "Transfer",
     "KvxferError",
+    "ReadOnlyBufferError",
     "DescList",
     "Request",
     "CacheState",
@@ -52,6 +53,10 @@ __all__ = [
     n for n in dir(_kvxfer) if n.endswith("Error")
 ]
 __version__ = _kvxfer.__version__
+
+
+class ReadOnlyBufferError(KvxferError, ValueError):
+    """A read-only buffer was given where peers may write (registration)."""
 
 
 class _PyBuffer(ctypes.Structure):
@@ -91,12 +96,21 @@ class Registration:
     """
 
     def __init__(self, agent, obj):
+        self._live = False
         self._agent = agent
         self._view = _PyBuffer()
         _get_buffer(obj, ctypes.byref(self._view), _PYBUF_SIMPLE)
         self.addr = self._view.buf or 0
         self.len = self._view.len
         self.readonly = bool(self._view.readonly)
+        if self.readonly:
+            # Peers may write whatever is registered: an immutable object
+            # (bytes) written behind Python's back would break it.
+            _release_buffer(ctypes.byref(self._view))
+            raise ReadOnlyBufferError(
+                f"a read-only buffer ({type(obj).__name__}) cannot be registered: peers "
+                "may write registered memory; use a bytearray or a writable array"
+            )
         try:
             agent.register_raw([(self.addr, self.len, 0)], "dram")
         except BaseException:

@@ -153,9 +153,13 @@ def test_buffers_of_every_kind_register_and_stay_pinned():
         m.close()
     reg.deregister()
     m.close()
-    ro = a.register(b"immutable source bytes")
-    assert ro.readonly
-    ro.deregister()
+    # Peers may write registered memory: immutable objects are refused.
+    before = b"immutable source bytes"
+    with pytest.raises(kvxfer.ReadOnlyBufferError):
+        a.register(before)
+    with pytest.raises(kvxfer.ReadOnlyBufferError):
+        a.register(memoryview(bytearray(64)).toreadonly())
+    assert before == b"immutable source bytes"
     ba = bytearray(100)
     with a.register(ba):
         with pytest.raises(BufferError):

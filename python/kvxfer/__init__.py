@@ -88,39 +88,56 @@ _PYBUF_SIMPLE = 0
 
 
 class Registration:
-    """A Python buffer registered with an agent.
+    """Memory registered with an agent: a Python buffer, or a tensor.
 
-    Holds the buffer exported (a `bytearray` cannot be resized, the memory
-    cannot move) until `deregister()`, the end of a `with` block, or
-    garbage collection. Peers may write into it while it is registered.
+    Holds what it registered (a buffer stays exported: a `bytearray` cannot
+    be resized, the memory cannot move; a tensor stays referenced) until
+    `deregister()`, the end of a `with` block, or garbage collection.
+    Peers may write into it while it is registered.
     """
 
     def __init__(self, agent, obj):
         self._live = False
         self._agent = agent
-        self._view = _PyBuffer()
-        _get_buffer(obj, ctypes.byref(self._view), _PYBUF_SIMPLE)
-        self.addr = self._view.buf or 0
-        self.len = self._view.len
-        self.readonly = bool(self._view.readonly)
-        if self.readonly:
-            # Peers may write whatever is registered: an immutable object
-            # (bytes) written behind Python's back would break it.
-            _release_buffer(ctypes.byref(self._view))
-            raise ReadOnlyBufferError(
-                f"a read-only buffer ({type(obj).__name__}) cannot be registered: peers "
-                "may write registered memory; use a bytearray or a writable array"
-            )
+        self._view = None
+        self._obj = None
+        self.mem_type = "dram"
+        self.device = 0
+        tensor = _tensor_range(obj)
+        if tensor is not None:
+            self.addr, self.len, self.mem_type, self.device = tensor
+            self.readonly = False
+            self._obj = obj
+        else:
+            self._view = _PyBuffer()
+            _get_buffer(obj, ctypes.byref(self._view), _PYBUF_SIMPLE)
+            self.addr = self._view.buf or 0
+            self.len = self._view.len
+            self.readonly = bool(self._view.readonly)
+            if self.readonly:
+                # Peers may write whatever is registered: an immutable
+                # object (bytes) written behind Python's back would break it.
+                self._release()
+                raise ReadOnlyBufferError(
+                    f"a read-only buffer ({type(obj).__name__}) cannot be registered: peers "
+                    "may write registered memory; use a bytearray or a writable array"
+                )
         try:
-            agent.register_raw([(self.addr, self.len, 0)], "dram")
+            agent.register_raw([(self.addr, self.len, self.device)], self.mem_type)
         except BaseException:
-            _release_buffer(ctypes.byref(self._view))
+            self._release()
             raise
         self._live = True
 
+    def _release(self):
+        if self._view is not None:
+            _release_buffer(ctypes.byref(self._view))
+            self._view = None
+        self._obj = None
+
     def descs(self, offset=0, length=None):
         """`[(address, length)]` for `length` bytes from `offset` (default:
-        to the end), checked against the buffer."""
+        to the end), checked against the registration."""
         if length is None:
             length = self.len - offset
         if offset < 0 or length <= 0 or offset + length > self.len:
@@ -131,12 +148,12 @@ class Registration:
 
     def deregister(self):
         """Deregisters (refused with `RegionBusyError` while transfers use
-        it) and releases the buffer."""
+        it) and lets go of the buffer or tensor."""
         if not self._live:
             return
-        self._agent.deregister_raw([(self.addr, self.len, 0)], "dram")
+        self._agent.deregister_raw([(self.addr, self.len, self.device)], self.mem_type)
         self._live = False
-        _release_buffer(ctypes.byref(self._view))
+        self._release()
 
     def __enter__(self):
         return self
@@ -153,14 +170,41 @@ class Registration:
             pass
 
 
+def _tensor_range(obj):
+    """(address, length, memory type, device) of a contiguous tensor: one
+    with `__cuda_array_interface__` (GPU memory), or torch-like
+    (`data_ptr()`, `numel()`, `element_size()`, `device`); None for other
+    objects (they go through the buffer protocol)."""
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        if cai.get("strides") is not None:
+            raise ValueError("a strided GPU array cannot be registered (make it contiguous)")
+        ptr, _ = cai["data"]
+        n = 1
+        for d in cai["shape"]:
+            n *= d
+        itemsize = int(cai["typestr"][2:])
+        return int(ptr), n * itemsize, "vram", 0
+    if all(hasattr(obj, a) for a in ("data_ptr", "numel", "element_size", "device")):
+        if hasattr(obj, "is_contiguous") and not obj.is_contiguous():
+            raise ValueError("a non-contiguous tensor cannot be registered (use .contiguous())")
+        dev = obj.device
+        kind = getattr(dev, "type", "cpu")
+        mem = "vram" if kind == "cuda" else "dram"
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), mem, int(dev.index or 0) if kind == "cuda" else 0
+    return None
+
+
 class Agent(_kvxfer.Agent):
     """A kvxfer agent. `Agent(name, backend="tcp", listen=None, secret=None,
     connect_timeout=10.0, io_timeout=30.0)`."""
 
     def register(self, obj):
-        """Registers any object with the buffer protocol (`bytearray`,
-        `memoryview`, `mmap`, a contiguous numpy array); returns its
-        `Registration`."""
+        """Registers a writable buffer (`bytearray`, `memoryview`, `mmap`, a
+        contiguous numpy array) or a contiguous tensor (torch-like, or with
+        `__cuda_array_interface__`: GPU memory, refused with
+        `UnsupportedMemoryTypeError` until GPU memory is supported);
+        returns its `Registration`."""
         return Registration(self, obj)
 
     def write(self, local, remote, remote_agent, notif=None):

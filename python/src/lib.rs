@@ -246,13 +246,7 @@ impl PyAgent {
         if let Some(n) = notif {
             req = req.with_sync_message(n.to_vec());
         }
-        let st = py
-            .detach(|| self.agent.submit_transfer(&req))
-            .map_err(to_py)?;
-        Ok(PyTransfer {
-            st,
-            default_timeout: self.io_timeout,
-        })
+        self.submit(py, &req)
     }
 
     /// A request from two descriptor lists and the indices to take from
@@ -313,31 +307,24 @@ impl PyAgent {
         request: &PyRequest,
         notif: Option<&[u8]>,
     ) -> PyResult<PyTransfer> {
-        let st = match notif.filter(|n| !n.is_empty()) {
+        match notif.filter(|n| !n.is_empty()) {
             Some(n) => {
                 let mut r = request.req.clone();
                 r.sync_message = Some(n.to_vec());
-                py.detach(|| self.agent.submit_transfer(&r))
+                self.submit(py, &r)
             }
-            None => py.detach(|| self.agent.submit_transfer(&request.req)),
+            None => self.submit(py, &request.req),
         }
-        .map_err(to_py)?;
-        Ok(PyTransfer {
-            st,
-            default_timeout: self.io_timeout,
-        })
     }
 
     /// Sends `message` to `remote` as a notification (no data); returns its
     /// handle (done once the peer has it).
     fn send_notif(&self, py: Python<'_>, remote: &str, message: &[u8]) -> PyResult<PyTransfer> {
+        let t0 = Instant::now();
         let st = py
             .detach(|| self.agent.notify_sync_message(remote, message.to_vec()))
             .map_err(to_py)?;
-        Ok(PyTransfer {
-            st,
-            default_timeout: self.io_timeout,
-        })
+        Ok(PyTransfer::new(st, self.io_timeout, (0, 0), t0))
     }
 
     /// The notifications that arrived: `{peer name: [bytes, ...]}`, each
@@ -357,6 +344,18 @@ impl PyAgent {
             }
             py.check_signals()?;
         }
+    }
+}
+
+impl PyAgent {
+    /// Submits `req` (the GIL released), timing the submission.
+    fn submit(&self, py: Python<'_>, req: &TransferRequest) -> PyResult<PyTransfer> {
+        let t0 = Instant::now();
+        let st = py
+            .detach(|| self.agent.submit_transfer(req))
+            .map_err(to_py)?;
+        let size = (req.local.total_len(), req.local.descs.len());
+        Ok(PyTransfer::new(st, self.io_timeout, size, t0))
     }
 }
 
@@ -664,19 +663,49 @@ fn merge(
 struct PyTransfer {
     st: TransferStatus,
     default_timeout: Duration,
+    /// Bytes and descriptors of the request.
+    size: (u64, usize),
+    /// When `submit_transfer` was called, and how long it took.
+    started: Instant,
+    post: Duration,
+    /// When a look at the transfer first saw it finished.
+    seen_done: std::sync::OnceLock<Instant>,
+}
+
+impl PyTransfer {
+    fn new(st: TransferStatus, default_timeout: Duration, size: (u64, usize), t0: Instant) -> Self {
+        Self {
+            st,
+            default_timeout,
+            size,
+            started: t0,
+            post: t0.elapsed(),
+            seen_done: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Records the first look that found it finished.
+    fn seen(&self, finished: bool) {
+        if finished {
+            self.seen_done.get_or_init(Instant::now);
+        }
+    }
 }
 
 #[pymethods]
 impl PyTransfer {
     /// Whether it finished (successfully or not).
     fn done(&self) -> bool {
-        self.st.is_completed()
+        let d = self.st.is_completed();
+        self.seen(d);
+        d
     }
 
     /// `"PROC"` while in flight, `"DONE"` once every byte landed (and the
     /// notification, if any, was delivered), `"ERR"` when it failed.
     #[getter]
     fn state(&self) -> &'static str {
+        self.seen(self.st.is_completed());
         match self.st.poll() {
             Ok(TransferState::InProgress) => "PROC",
             Ok(TransferState::Completed) => "DONE",
@@ -690,7 +719,9 @@ impl PyTransfer {
     /// data.
     fn check(&self, py: Python<'_>, max_wait: f64) -> PyResult<&'static str> {
         let t = secs("max_wait", max_wait)?;
-        Ok(match py.detach(|| self.st.wait(t)) {
+        let r = py.detach(|| self.st.wait(t));
+        self.seen(self.st.is_completed());
+        Ok(match r {
             Ok(TransferState::InProgress) => "PROC",
             Ok(TransferState::Completed) => "DONE",
             Err(_) => "ERR",
@@ -710,7 +741,9 @@ impl PyTransfer {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let slice = left.min(WAIT_SLICE);
-            match py.detach(|| self.st.wait(slice)) {
+            let r = py.detach(|| self.st.wait(slice));
+            self.seen(self.st.is_completed());
+            match r {
                 Ok(TransferState::Completed) => return Ok(()),
                 Ok(TransferState::InProgress) if left <= WAIT_SLICE => {
                     return Err(to_py(Error::Timeout {
@@ -729,6 +762,33 @@ impl PyTransfer {
     /// already finished.
     fn abort(&self) -> bool {
         self.st.abort()
+    }
+
+    /// Same as `abort` (the name NIXL-style callers use).
+    fn cancel(&self) -> bool {
+        self.st.abort()
+    }
+
+    /// What it moved and how: `bytes`, `descs`, `transport`, `device`,
+    /// `mechanism`, `post_us` (the submission call), and `xfer_us` (from
+    /// the submission to the first look that found it finished; `None`
+    /// while in flight).
+    fn telemetry<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.seen(self.st.is_completed());
+        let d = PyDict::new(py);
+        let path = self.st.data_path();
+        d.set_item("bytes", self.size.0)?;
+        d.set_item("descs", self.size.1)?;
+        d.set_item("transport", path.transport.as_str())?;
+        d.set_item("device", path.device.clone())?;
+        d.set_item("mechanism", path.mechanism)?;
+        d.set_item("post_us", self.post.as_secs_f64() * 1e6)?;
+        let xfer = self
+            .seen_done
+            .get()
+            .map(|t| t.saturating_duration_since(self.started).as_secs_f64() * 1e6);
+        d.set_item("xfer_us", xfer)?;
+        Ok(d)
     }
 
     /// The transport that carries it (`tcp`, `shm`, `rdma`).

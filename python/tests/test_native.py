@@ -196,6 +196,28 @@ def test_waits_have_deadlines():
     assert time.monotonic() - t0 >= 0.25
 
 
+def proc_state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def wait_stopped(pid):
+    """Until every thread of `pid` is stopped (`kill` returns before)."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 def test_a_peer_killed_mid_transfer_fails_it_within_the_timeout():
     t = Target("tcp")
     a = kvxfer.Agent("py-init", io_timeout=5.0, connect_timeout=5.0)
@@ -206,9 +228,10 @@ def test_a_peer_killed_mid_transfer_fails_it_within_the_timeout():
     # Frozen, the target cannot acknowledge: the next write stays in flight
     # until the target dies under it.
     os.kill(t.proc.pid, signal.SIGSTOP)
+    wait_stopped(t.proc.pid)
     x = a.write(reg.descs(), [(t.addr, t.len)], name, notif=b"never")
     time.sleep(0.2)
-    assert x.state == "PROC"
+    assert x.state == "PROC", (x.state, x.telemetry(), proc_state(t.proc.pid))
     os.kill(t.proc.pid, signal.SIGKILL)
     t.proc.join()
     t0 = time.monotonic()
@@ -286,3 +309,62 @@ def test_requests_select_by_index_and_merge():
         _kvxfer.DescList(np.zeros((4, 5), dtype=np.int64))
     with pytest.raises(ValueError):
         i.make_request("write", L, np.array([0.5]), R, [0], name)
+
+
+class FakeDevice:
+    def __init__(self, kind, index=None):
+        self.type, self.index = kind, index
+
+
+class FakeTensor:
+    """Torch's tensor surface (no torch here): memory from a ctypes array."""
+
+    def __init__(self, n, kind="cpu", contiguous=True):
+        import ctypes
+
+        self._mem = (ctypes.c_uint16 * n)()
+        self._n = n
+        self.device = FakeDevice(kind, 0 if kind == "cuda" else None)
+        self._contiguous = contiguous
+
+    def data_ptr(self):
+        import ctypes
+
+        return ctypes.addressof(self._mem)
+
+    def numel(self):
+        return self._n
+
+    def element_size(self):
+        return 2
+
+    def is_contiguous(self):
+        return self._contiguous
+
+
+def test_tensors_register_by_address_and_gpu_memory_is_refused_typed():
+    t = kvxfer.Agent("py-tensor-t")
+    i = kvxfer.Agent("py-tensor-i")
+    dst = FakeTensor(4096)
+    src = bytearray(pattern(8192, 4))
+    rt = t.register(dst)
+    assert (rt.addr, rt.len, rt.mem_type) == (dst.data_ptr(), 8192, "dram")
+    ri = i.register(src)
+    name = i.add_remote_agent(t.metadata())
+    x = i.write(ri.descs(), rt.descs(), name)
+    x.wait(WAIT)
+    assert bytes(dst._mem) == bytes(src)
+    tele = x.telemetry()
+    assert tele["bytes"] == 8192 and tele["descs"] == 1 and tele["transport"] == "tcp"
+    assert tele["xfer_us"] is not None and tele["post_us"] >= 0
+    rt.deregister()
+    with pytest.raises(ValueError):
+        t.register(FakeTensor(16, contiguous=False))
+    with pytest.raises(kvxfer.UnsupportedMemoryTypeError):
+        t.register(FakeTensor(16, kind="cuda"))
+
+    class CudaArray:
+        __cuda_array_interface__ = {"data": (1 << 40, False), "shape": (64,), "typestr": "<f4", "version": 3, "strides": None}
+
+    with pytest.raises(kvxfer.UnsupportedMemoryTypeError):
+        t.register(CudaArray())

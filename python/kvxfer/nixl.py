@@ -123,7 +123,7 @@ def _tensor_desc(t):
     return mem, (int(t.data_ptr()), int(t.numel() * t.element_size()), int(dev.index or 0))
 
 
-def _triples(descs, mem_type, reg):
+def _triples(descs, mem_type):
     """(memory type, [(address, length, device)]) of any form NIXL takes:
     a DescList, a list of tuples, an Nx3 numpy array, tensors."""
     if isinstance(descs, DescList):
@@ -246,13 +246,13 @@ class nixl_agent:
     def get_reg_descs(self, descs, mem_type=None):
         """A registration descriptor list from tuples `(address, length,
         device, meta)`, an Nx3 array or tensors."""
-        mem, d = _triples(descs, mem_type, True)
+        mem, d = _triples(descs, mem_type)
         return DescList(mem, d, reg=True)
 
     def get_xfer_descs(self, descs, mem_type=None):
         """A transfer descriptor list from tuples `(address, length,
         device)`, an Nx3 array or tensors."""
-        mem, d = _triples(descs, mem_type, False)
+        mem, d = _triples(descs, mem_type)
         return DescList(mem, d)
 
     def register_memory(self, reg_list, mem_type=None, backends=[]):  # noqa: B006

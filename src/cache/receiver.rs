@@ -12,9 +12,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::machine::{ReceiverEvent, ReceiverMachine};
-use super::sender::Cell;
+use super::sender::{Cell, lock};
 use super::stats::{Metrics, SessionStats, record_timings};
-use super::wire::{Reassembler, is_ours};
+use super::wire::Reassembler;
 use super::{CacheError, CacheState};
 use crate::agent::TransferAgent;
 use crate::memory::MemoryType;
@@ -321,10 +321,6 @@ impl Drop for CacheReceiver {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// The protocol thread: messages in (stamped on arrival, so a share's
 /// timings do not depend on when this thread got to them), deadlines.
 fn run(s: &Shared) {
@@ -343,13 +339,8 @@ fn run(s: &Shared) {
         let mut msgs = Vec::new();
         for (from, chunks) in s.agent.wait_sync_messages_timed(wait) {
             for (chunk, at) in chunks {
-                if !is_ours(&chunk) {
-                    continue;
-                }
-                match reasm.feed(&from, &chunk) {
-                    Ok(Some(m)) => msgs.push((from.clone(), m, at)),
-                    Ok(None) => {}
-                    Err(e) => tracing::warn!(%e, "dropping a KV-cache message"),
+                if let Some(m) = reasm.accept(&from, &chunk) {
+                    msgs.push((from.clone(), m, at));
                 }
             }
         }

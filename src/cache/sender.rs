@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::machine::{SenderEvent, SenderMachine, TransferAction, TransferId};
 use super::stats::{Metrics, SessionStats, record_timings};
-use super::wire::{Msg, Reassembler, is_ours};
+use super::wire::{Msg, Reassembler};
 use super::{BlockLookup, CacheError, CacheState};
 use crate::agent::{TransferAgent, TransferState, TransferStatus};
 use crate::memory::MemoryType;
@@ -63,7 +63,7 @@ impl<T: Clone> Cell<T> {
     }
 
     pub(crate) fn set(&self, v: Result<T, CacheError>) {
-        let mut g = self.value.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = lock(&self.value);
         if g.is_none() {
             *g = Some(v);
             self.cv.notify_all();
@@ -71,12 +71,12 @@ impl<T: Clone> Cell<T> {
     }
 
     pub(crate) fn get(&self) -> Option<Result<T, CacheError>> {
-        self.value.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        lock(&self.value).clone()
     }
 
     pub(crate) fn wait(&self, timeout: Duration, what: &str) -> Result<T, CacheError> {
         let deadline = Instant::now() + timeout;
-        let mut g = self.value.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = lock(&self.value);
         loop {
             if let Some(v) = g.as_ref() {
                 return v.clone();
@@ -387,7 +387,8 @@ impl Drop for CacheSender {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// Locks `m`, taking over a lock poisoned by a panic elsewhere.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -415,13 +416,8 @@ fn run(s: &Shared) {
         let mut msgs = Vec::new();
         for (from, chunks) in s.agent.wait_sync_messages(wait) {
             for chunk in chunks {
-                if !is_ours(&chunk) {
-                    continue;
-                }
-                match reasm.feed(&from, &chunk) {
-                    Ok(Some(m)) => msgs.push((from.clone(), m)),
-                    Ok(None) => {}
-                    Err(e) => tracing::warn!(%e, "dropping a KV-cache message"),
+                if let Some(m) = reasm.accept(&from, &chunk) {
+                    msgs.push((from.clone(), m));
                 }
             }
         }

@@ -130,6 +130,18 @@ pub struct Reassembler {
 }
 
 impl Reassembler {
+    /// As [`feed`](Self::feed) for a sync message of any kind: another
+    /// protocol's is skipped, a malformed one dropped with a warning.
+    pub fn accept(&mut self, from: &str, chunk: &[u8]) -> Option<Msg> {
+        if !is_ours(chunk) {
+            return None;
+        }
+        self.feed(from, chunk)
+            .inspect_err(|e| tracing::warn!(%e, "dropping a KV-cache message"))
+            .ok()
+            .flatten()
+    }
+
     /// Feeds one chunk from `from`; returns a whole message when this chunk
     /// completes one.
     ///

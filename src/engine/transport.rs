@@ -16,8 +16,11 @@ pub(in crate::engine) trait Transport: Send + Sync {
     /// What it is, as every status reports it.
     fn kind(&self) -> TransportKind;
 
-    /// Whether it moves memory of this type.
-    fn supports(&self, mem_type: MemoryType) -> bool;
+    /// Whether it moves memory of this type (host memory only, unless the
+    /// transport says otherwise).
+    fn supports(&self, mem_type: MemoryType) -> bool {
+        mem_type == MemoryType::Dram
+    }
 
     /// The path to `peer` this way, or why there is none.
     fn reach(&self, peer: &AgentDesc) -> Result<Path, String>;
@@ -30,10 +33,6 @@ pub(in crate::engine) struct Tcp;
 impl Transport for Tcp {
     fn kind(&self) -> TransportKind {
         TransportKind::Tcp
-    }
-
-    fn supports(&self, mem_type: MemoryType) -> bool {
-        mem_type == MemoryType::Dram
     }
 
     fn reach(&self, _peer: &AgentDesc) -> Result<Path, String> {
@@ -53,10 +52,6 @@ impl Transport for Shm {
         TransportKind::Shm
     }
 
-    fn supports(&self, mem_type: MemoryType) -> bool {
-        mem_type == MemoryType::Dram
-    }
-
     fn reach(&self, peer: &AgentDesc) -> Result<Path, String> {
         let Some(a) = &peer.local_access else {
             return Err("the remote agent does not offer cross-memory access".into());
@@ -72,10 +67,6 @@ pub(in crate::engine) struct Rdma;
 impl Transport for Rdma {
     fn kind(&self) -> TransportKind {
         TransportKind::Rdma
-    }
-
-    fn supports(&self, mem_type: MemoryType) -> bool {
-        mem_type == MemoryType::Dram
     }
 
     fn reach(&self, peer: &AgentDesc) -> Result<Path, String> {

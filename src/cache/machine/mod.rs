@@ -45,6 +45,11 @@ pub use sender::{SenderEvent, SenderMachine};
 /// [module docs](self)); `std::time::Instant::now` in a real driver.
 pub type Stopwatch = fn() -> Instant;
 
+/// The stopwatch's reading, or `now` without one.
+fn lap(stopwatch: Option<Stopwatch>, now: Instant) -> Instant {
+    stopwatch.map_or(now, |f| f())
+}
+
 /// A protocol message for the driver to send as sync messages
 /// ([`Msg::encode`] chunks, in order) to agent `to`.
 #[derive(Clone, Debug, PartialEq)]

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::{Stopwatch, Transmit};
+use super::{Stopwatch, Transmit, lap};
 use crate::cache::wire::{Msg, RequestInfo};
 use crate::cache::{
     CacheError, CacheState, Metrics, PeerMeasure, ReceiverConfig, RecvRequest, SessionStats,
@@ -174,13 +174,10 @@ impl ReceiverMachine {
     /// # Errors
     /// A duplicate id, no block, or a mapping error.
     pub fn request(&mut self, req: RecvRequest, now: Instant) -> Result<(), CacheError> {
-        let t0 = self.stopwatch.map_or(now, |f| f());
+        let t0 = lap(self.stopwatch, now);
         let targets = target_ranks(&self.state, self.rank, &self.ctx_state, req.ctx_dp_rank)?;
         let senders = recv_ranks(&self.state, self.rank, &self.ctx_state, req.ctx_dp_rank)?;
-        let mapping = self
-            .stopwatch
-            .map_or(now, |f| f())
-            .saturating_duration_since(t0);
+        let mapping = lap(self.stopwatch, now).saturating_duration_since(t0);
         let n = req.blocks.len();
         if n == 0 {
             return Err(CacheError::InvalidState(

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{Stopwatch, TransferAction, TransferId, Transmit};
+use super::{Stopwatch, TransferAction, TransferId, Transmit, lap};
 use crate::agent::TransferRequest;
 use crate::cache::lookup::walk_back;
 use crate::cache::wire::{Msg, RequestInfo};
@@ -394,13 +394,9 @@ impl SenderMachine {
         self.try_start(id, now);
     }
 
-    fn clock(&self, now: Instant) -> Instant {
-        self.stopwatch.map_or(now, |f| f())
-    }
-
     /// Starts writing once `send` was called and every counterpart asked.
     fn try_start(&mut self, id: u64, now: Instant) {
-        let t_map = self.clock(now);
+        let t_map = lap(self.stopwatch, now);
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
         };
@@ -442,12 +438,12 @@ impl SenderMachine {
                 }
             }
         }
-        let t_pre = self.stopwatch.map_or(now, |f| f());
+        let t_pre = lap(self.stopwatch, now);
         r.stats.mapping = t_pre.saturating_duration_since(t_map);
         if let Some(e) = failure {
             let agents = r.asked_agents();
             self.tell_cancelled(&agents, id, &e);
-            self.finish(id, Err(e), now);
+            self.finish(id, Err(e));
             return;
         }
         let ready: Vec<String> = shares.iter().map(|s| s.agent.clone()).collect();
@@ -455,7 +451,7 @@ impl SenderMachine {
         for a in ready {
             self.transmit(&a, Msg::Ready { request_id: id });
         }
-        let t_end = self.clock(now);
+        let t_end = lap(self.stopwatch, now);
         if let Some(r) = self.reqs.get_mut(&id) {
             r.stats.preprocess = t_end.saturating_duration_since(t_pre);
         }
@@ -479,7 +475,7 @@ impl SenderMachine {
         };
         let Some(shares) = r.shares.as_mut() else {
             if let Some(e) = r.cancelled.clone() {
-                self.finish(id, Err(e), now);
+                self.finish(id, Err(e));
             }
             return;
         };
@@ -516,7 +512,7 @@ impl SenderMachine {
             return;
         }
         // Nothing queued or posted is left.
-        let t_post = self.clock(now);
+        let t_post = lap(self.stopwatch, now);
         let stopwatch = self.stopwatch;
         let r = self.reqs.get_mut(&id).expect("present");
         let shares = r.shares.as_ref().expect("present");
@@ -546,14 +542,12 @@ impl SenderMachine {
             Some(e) => {
                 let agents = r.asked_agents();
                 self.tell_cancelled(&agents, id, &e);
-                self.finish(id, Err(e), now);
+                self.finish(id, Err(e));
             }
             None => {
-                r.stats.postprocess = stopwatch
-                    .map_or(now, |f| f())
-                    .saturating_duration_since(t_post);
+                r.stats.postprocess = lap(stopwatch, now).saturating_duration_since(t_post);
                 let stats = r.stats.clone();
-                self.finish(id, Ok(stats), now);
+                self.finish(id, Ok(stats));
             }
         }
     }
@@ -572,7 +566,7 @@ impl SenderMachine {
         self.progress(id, now);
     }
 
-    fn finish(&mut self, id: u64, outcome: Result<SessionStats, CacheError>, _now: Instant) {
+    fn finish(&mut self, id: u64, outcome: Result<SessionStats, CacheError>) {
         let Some(r) = self.reqs.remove(&id) else {
             return;
         };

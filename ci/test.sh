@@ -26,6 +26,8 @@ for b in shm auto; do
   echo "== agent suite and KV-cache protocol on $b"
   KVXFER_TEST_BACKEND=$b cargo test --locked --test agent --test cache
 done
+echo "== KV-cache protocol on inproc (agents of one process, plain copies)"
+KVXFER_TEST_BACKEND=inproc cargo test --locked --test cache
 echo "== agent suite and KV-cache protocol on tcp and shm, every agent holding a cluster secret"
 for b in tcp shm; do
   KVXFER_SECRET="ci-cluster-secret-$$-$RANDOM" KVXFER_TEST_BACKEND=$b cargo test --locked --test agent --test cache

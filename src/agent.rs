@@ -431,15 +431,19 @@ pub enum TransportKind {
     /// One-sided RDMA WRITE / READ on reliable-connected queue pairs, zero
     /// copy.
     Rdma,
+    /// A plain copy between two agents of one process
+    /// ([`Backend::InProcess`]).
+    InProcess,
 }
 
 impl TransportKind {
-    /// Its name: `"tcp"`, `"shm"` or `"rdma"`.
+    /// Its name: `"tcp"`, `"shm"`, `"rdma"` or `"inproc"`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Tcp => "tcp",
             Self::Shm => "shm",
             Self::Rdma => "rdma",
+            Self::InProcess => "inproc",
         }
     }
 }
@@ -454,12 +458,12 @@ impl FromStr for TransportKind {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self, Error> {
-        [Self::Tcp, Self::Shm, Self::Rdma]
+        [Self::Tcp, Self::Shm, Self::Rdma, Self::InProcess]
             .into_iter()
             .find(|t| t.as_str().eq_ignore_ascii_case(s))
             .ok_or_else(|| {
                 Error::InvalidConfig(format!(
-                    "unknown transport {:?} (tcp, shm, rdma)",
+                    "unknown transport {:?} (tcp, shm, rdma, inproc)",
                     s.to_ascii_lowercase()
                 ))
             })
@@ -640,16 +644,24 @@ pub enum Backend {
     /// RDMA verbs only (reliable-connected queue pairs); creating the agent
     /// fails without a usable device, loading a peer without one fails.
     Rdma,
+    /// Agents of this process only: a transfer is a plain copy between two
+    /// agents' registered memory, done in the submitting thread (its status
+    /// is final when `submit_transfer` returns), checked and ordered as on
+    /// every other path. For tests of code built on the agent, and for
+    /// agents that share one process; loading a peer of another process
+    /// fails.
+    InProcess,
 }
 
 impl Backend {
-    /// Its name: `"auto"`, `"tcp"`, `"shm"` or `"rdma"`.
+    /// Its name: `"auto"`, `"tcp"`, `"shm"`, `"rdma"` or `"inproc"`.
     pub fn as_str(self) -> &'static str {
         match self {
             Backend::Auto => "auto",
             Backend::Tcp => "tcp",
             Backend::Shm => "shm",
             Backend::Rdma => "rdma",
+            Backend::InProcess => "inproc",
         }
     }
 }
@@ -658,15 +670,21 @@ impl FromStr for Backend {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self, Error> {
-        [Backend::Auto, Backend::Tcp, Backend::Shm, Backend::Rdma]
-            .into_iter()
-            .find(|b| b.as_str().eq_ignore_ascii_case(s))
-            .ok_or_else(|| {
-                Error::InvalidConfig(format!(
-                    "unknown backend {:?} (expected auto, tcp, shm or rdma)",
-                    s.to_ascii_lowercase()
-                ))
-            })
+        [
+            Backend::Auto,
+            Backend::Tcp,
+            Backend::Shm,
+            Backend::Rdma,
+            Backend::InProcess,
+        ]
+        .into_iter()
+        .find(|b| b.as_str().eq_ignore_ascii_case(s))
+        .ok_or_else(|| {
+            Error::InvalidConfig(format!(
+                "unknown backend {:?} (expected auto, tcp, shm, rdma or inproc)",
+                s.to_ascii_lowercase()
+            ))
+        })
     }
 }
 

@@ -58,6 +58,8 @@ pub enum BackendKind {
     /// RDMA verbs (reliable-connected queue pairs), with the TCP side channel
     /// for control.
     Rdma,
+    /// Agents of one process, copying between each other's memory.
+    InProcess,
 }
 
 impl BackendKind {
@@ -67,6 +69,7 @@ impl BackendKind {
             BackendKind::Tcp => "tcp",
             BackendKind::Shm => "shm",
             BackendKind::Rdma => "rdma",
+            BackendKind::InProcess => "inproc",
         }
     }
 }

@@ -124,40 +124,10 @@ impl TransferAgent for Engine {
         let inner = &self.inner;
         let owner = inner.instance;
         let peer = self.check_request(request)?;
-        let Resolved {
-            guards,
-            lkeys,
-            rkeys,
-            ..
-        } = self.resolve(request, request.sync_message.as_deref(), &peer)?;
-        if peer.path != Path::Rdma {
-            // The socket paths keep only the holds on the local regions:
-            // the request was checked now, and is validated in full on
-            // every submission.
-            let hold = PreparedHold { _guards: guards };
-            return Ok(PreparedTransfer::new(
-                request.clone(),
-                owner,
-                Some(Box::new(hold)),
-            ));
-        }
+        let resolved = self.resolve(request, request.sync_message.as_deref(), &peer)?;
         let link = peer.link(inner)?;
-        let wrs = plan_rdma(request, &lkeys, &rkeys, &link, &inner.config)?;
-        let driver = small(request).then(|| link.driver());
-        let resolved = PreparedRdma {
-            planned: Planned {
-                peer,
-                link,
-                wrs,
-                driver,
-            },
-            guards,
-        };
-        Ok(PreparedTransfer::new(
-            request.clone(),
-            owner,
-            Some(Box::new(resolved)),
-        ))
+        let kept = link.prepare(self, peer, request, resolved)?;
+        Ok(PreparedTransfer::new(request.clone(), owner, Some(kept)))
     }
 
     fn submit_prepared(&self, prepared: &PreparedTransfer) -> Result<TransferStatus, Error> {

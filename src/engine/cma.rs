@@ -4,7 +4,53 @@
 
 use super::*;
 
-impl Link {
+impl SocketLink {
+    /// Submits a cross-memory request to the process `pid`: the link's
+    /// first stream grants, copies (or delegates) and commits it.
+    pub(in crate::engine) fn submit_cma(
+        self: &Arc<Self>,
+        pid: u32,
+        sub: Submission<'_>,
+    ) -> Result<TransferStatus, Error> {
+        let Submission {
+            engine,
+            req,
+            resolved,
+            sync,
+            ..
+        } = sub;
+        let inner = &engine.inner;
+        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
+        let completion = Completion::counted(None, Some(&inner.in_flight));
+        let pending = Pending::new(&completion, 1, resolved.guards, None);
+        self.insert(id, Arc::clone(&pending))?;
+        self.clock.touch();
+        let job = Job::Cma {
+            req: id,
+            op: req.op,
+            pid,
+            pieces: req
+                .local
+                .descs
+                .iter()
+                .zip(&req.remote.descs)
+                .map(|(l, r)| Piece {
+                    local: l.addr,
+                    remote: r.addr,
+                    len: l.len,
+                })
+                .collect(),
+            grants: grant_ranges(&req.remote, &resolved.keys),
+            delegate: should_delegate(req),
+            sync,
+            pending,
+        };
+        if self.streams[0].tx.send(job).is_err() {
+            self.fail(Error::Closed);
+        }
+        Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
+    }
+
     /// Waits for the target's answer to a request's grants (or delegate).
     pub(in crate::engine) fn wait_granted(&self, pending: &Pending) -> Result<u16, Error> {
         loop {

@@ -13,6 +13,7 @@ impl Inner {
                 Backend::Shm => BackendKind::Shm,
                 Backend::Rdma => BackendKind::Rdma,
                 Backend::Tcp | Backend::Auto => BackendKind::Tcp,
+                Backend::InProcess => BackendKind::InProcess,
             },
             endpoints: vec![self.endpoint.clone()],
             regions: self.registry.exported(),
@@ -259,7 +260,7 @@ pub(in crate::engine) fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDe
 
 impl Peer {
     /// The live link, opening a new one when there is none or it broke.
-    pub(in crate::engine) fn link(&self, inner: &Inner) -> Result<Arc<Link>, Error> {
+    pub(in crate::engine) fn link(&self, inner: &Inner) -> Result<Arc<dyn Link>, Error> {
         let mut slot = lock(&self.link);
         if let Some(l) = slot.as_ref() {
             if !l.is_broken() {
@@ -268,12 +269,7 @@ impl Peer {
             let old = slot.take().expect("checked above");
             old.join();
         }
-        let n = match self.path {
-            Path::Tcp => inner.config.tcp.streams_per_peer,
-            // Data bypasses the socket; one stream carries the control.
-            Path::Cma { .. } | Path::Rdma => 1,
-        };
-        let l = Link::open(inner, &self.desc, n, self.path)?;
+        let l = self.path.connect(inner, &self.desc)?;
         *slot = Some(Arc::clone(&l));
         Ok(l)
     }

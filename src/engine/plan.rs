@@ -191,7 +191,7 @@ pub(in crate::engine) fn plan_rdma(
     req: &TransferRequest,
     lkeys: &[u32],
     rkeys: &[u32],
-    link: &Link,
+    link: &SocketLink,
     config: &AgentConfig,
 ) -> Result<Few<rdma::Wr>, Error> {
     let pieces: Few<_> = req

@@ -16,117 +16,27 @@ impl Engine {
     }
 
     /// Submits `req` with `sync` as its sync message (taken apart from the
-    /// request, which the caller keeps).
+    /// request, which the caller keeps): checked, resolved, and handed to
+    /// the peer's link, whatever its transport.
     pub(in crate::engine) fn submit(
         &self,
         req: &TransferRequest,
         sync: Option<Vec<u8>>,
         fence: bool,
     ) -> Result<TransferStatus, Error> {
-        let inner = &self.inner;
-        let generation = inner.registry.generation();
+        let generation = self.inner.registry.generation();
         let peer = self.check_request(req)?;
-        let rdma = peer.path == Path::Rdma;
-        let Resolved {
-            guards,
-            lkeys,
-            keys,
-            rkeys,
-        } = self.resolve(req, sync.as_deref(), &peer)?;
-        let link = peer.link(inner)?;
-        if rdma {
-            let wrs = plan_rdma(req, &lkeys, &rkeys, &link, &inner.config)?;
-            let driver = small(req).then(|| link.driver());
-            if !fence && req.local.descs.len() <= CACHE_MAX_DESCS && driver.is_some() {
-                let planned = Planned {
-                    peer: Arc::clone(&peer),
-                    link: Arc::clone(&link),
-                    wrs: wrs.clone(),
-                    driver: driver.clone(),
-                };
-                self.remember(req, generation, &guards, planned);
-            }
-            return self.post_planned(&link, req.op, Cow::Owned(wrs), sync, guards, &driver);
-        }
-        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
-        let completion = Completion::counted(None, Some(&inner.in_flight));
-        let new_pending = |outstanding: usize| {
-            Arc::new(Pending {
-                completion: Arc::clone(&completion),
-                outstanding: AtomicUsize::new(outstanding),
-                error: Mutex::new(None),
-                failed: AtomicBool::new(false),
-                guards: Mutex::new(guards),
-                granted: OnceLock::new(),
-                undriven: None,
-            })
-        };
-        if let Path::Cma { pid } = peer.path {
-            let pending = new_pending(1);
-            link.insert(id, Arc::clone(&pending))?;
-            link.clock.touch();
-            let job = Job::Cma {
-                req: id,
-                op: req.op,
-                pid,
-                pieces: req
-                    .local
-                    .descs
-                    .iter()
-                    .zip(&req.remote.descs)
-                    .map(|(l, r)| Piece {
-                        local: l.addr,
-                        remote: r.addr,
-                        len: l.len,
-                    })
-                    .collect(),
-                grants: grant_ranges(&req.remote, &keys),
-                delegate: should_delegate(req),
-                sync,
-                pending,
-            };
-            if link.streams[0].tx.send(job).is_err() {
-                link.fail(Error::Closed);
-            }
-            return Ok(TransferStatus::new(id, completion, Arc::clone(&link.path)));
-        }
-        let n = link.streams.len();
-        let plan = plan_segments(req, &keys, inner.config.tcp.segment_size, n);
-        let total: usize = plan.iter().map(Vec::len).sum();
-        let reads = if req.op == TransferOp::Read { total } else { 0 };
-        let fences = if fence { n - 1 } else { 0 };
-        let pending = new_pending(reads + 1);
-        link.insert(id, Arc::clone(&pending))?;
-        link.clock.touch();
-        let mut sync = sync;
-        // Stream 0 carries the commit, after its own segments; every other
-        // stream carries its segments (and a fence, for data-less requests).
-        for (k, segs) in plan.into_iter().enumerate().rev() {
-            let tail = if k == 0 {
-                Tail::Commit {
-                    segments: (total + fences) as u64,
-                    sync: sync.take(),
-                }
-            } else if fence {
-                Tail::Fence
-            } else if segs.is_empty() {
-                continue;
-            } else {
-                Tail::None
-            };
-            let job = Job::Frames {
-                req: id,
-                op: req.op,
-                segs,
-                tail,
-                pending: Arc::clone(&pending),
-            };
-            if link.streams[k].tx.send(job).is_err() {
-                link.fail(Error::Closed);
-                break;
-            }
-        }
-        Ok(TransferStatus::new(id, completion, Arc::clone(&link.path)))
+        let resolved = self.resolve(req, sync.as_deref(), &peer)?;
+        let link = peer.link(&self.inner)?;
+        link.submit(Submission {
+            engine: self,
+            peer: &peer,
+            req,
+            resolved,
+            sync,
+            fence,
+            generation,
+        })
     }
 }
 
@@ -191,7 +101,7 @@ pub(in crate::engine) fn same_name(a: &str, b: &str) -> bool {
     a == b
 }
 
-/// A [`Link::post_express`] hold for holds already taken: moves `taken`
+/// A [`SocketLink::post_express`] hold for holds already taken: moves `taken`
 /// into the lane's list.
 pub(in crate::engine) fn hold_all(
     into: &mut Few<RegionGuard>,
@@ -205,7 +115,7 @@ pub(in crate::engine) fn hold_all(
 /// post again (kept by [`SubmitCache`] and by prepared transfers).
 pub(in crate::engine) struct Planned {
     pub(in crate::engine) peer: Arc<Peer>,
-    pub(in crate::engine) link: Arc<Link>,
+    pub(in crate::engine) link: Arc<SocketLink>,
     pub(in crate::engine) wrs: Few<rdma::Wr>,
     /// `Some` for requests whose waiters poll the completion queue.
     pub(in crate::engine) driver: Option<std::sync::Weak<dyn Progress>>,
@@ -452,7 +362,7 @@ impl Engine {
     /// waiters drive `driver` (`None`: the progress thread completes it).
     pub(in crate::engine) fn post_planned(
         &self,
-        link: &Arc<Link>,
+        link: &Arc<SocketLink>,
         op: TransferOp,
         wrs: std::borrow::Cow<'_, Few<rdma::Wr>>,
         sync: Option<Vec<u8>>,

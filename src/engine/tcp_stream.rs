@@ -6,7 +6,63 @@
 
 use super::*;
 
-impl Link {
+impl SocketLink {
+    /// Submits a request on the TCP streams: its segments spread over
+    /// them, the commit (with the sync message) on stream 0 after its own
+    /// segments.
+    pub(in crate::engine) fn submit_streams(
+        self: &Arc<Self>,
+        sub: Submission<'_>,
+    ) -> Result<TransferStatus, Error> {
+        let Submission {
+            engine,
+            req,
+            resolved,
+            mut sync,
+            fence,
+            ..
+        } = sub;
+        let inner = &engine.inner;
+        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
+        let completion = Completion::counted(None, Some(&inner.in_flight));
+        let n = self.streams.len();
+        let plan = plan_segments(req, &resolved.keys, inner.config.tcp.segment_size, n);
+        let total: usize = plan.iter().map(Vec::len).sum();
+        let reads = if req.op == TransferOp::Read { total } else { 0 };
+        let fences = if fence { n - 1 } else { 0 };
+        let pending = Pending::new(&completion, reads + 1, resolved.guards, None);
+        self.insert(id, Arc::clone(&pending))?;
+        self.clock.touch();
+        // Stream 0 carries the commit, after its own segments; every other
+        // stream carries its segments (and a fence, for data-less requests).
+        for (k, segs) in plan.into_iter().enumerate().rev() {
+            let tail = if k == 0 {
+                Tail::Commit {
+                    segments: (total + fences) as u64,
+                    sync: sync.take(),
+                }
+            } else if fence {
+                Tail::Fence
+            } else if segs.is_empty() {
+                continue;
+            } else {
+                Tail::None
+            };
+            let job = Job::Frames {
+                req: id,
+                op: req.op,
+                segs,
+                tail,
+                pending: Arc::clone(&pending),
+            };
+            if self.streams[k].tx.send(job).is_err() {
+                self.fail(Error::Closed);
+                break;
+            }
+        }
+        Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
+    }
+
     pub(in crate::engine) fn run_sender(self: Arc<Self>, idx: usize, rx: Receiver<Job>) {
         let fd = self.streams[idx].sock.as_raw_fd();
         let mut headers: Vec<[u8; HEADER_LEN]> = Vec::new();
@@ -286,7 +342,7 @@ impl Link {
     }
 }
 
-impl Link {
+impl SocketLink {
     pub(in crate::engine) fn run_reader(self: Arc<Self>, idx: usize) {
         let sock = &self.streams[idx].sock;
         let clock = ProgressClock::new();
@@ -413,7 +469,7 @@ impl Link {
 }
 
 pub(in crate::engine) struct LinkIdle<'a> {
-    pub(in crate::engine) link: &'a Link,
+    pub(in crate::engine) link: &'a SocketLink,
 }
 
 impl IdlePolicy for LinkIdle<'_> {

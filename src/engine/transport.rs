@@ -26,6 +26,74 @@ pub(in crate::engine) trait Transport: Send + Sync {
     fn reach(&self, peer: &AgentDesc) -> Result<Path, String>;
 }
 
+/// An open connection to one peer, made by the transport its path names
+/// ([`Path::connect`]). The engine checks and resolves a request (agent,
+/// shape, memory type, local holds, the peer's keys) and hands it to the
+/// peer's link; the link moves the data and completes the status.
+pub(in crate::engine) trait Link: Send + Sync {
+    /// Whether it broke: the next request opens a new one.
+    fn is_broken(&self) -> bool;
+
+    /// Breaks it (the first cause wins): its requests in flight fail with
+    /// `cause` once nothing touches their memory any more.
+    fn fail(&self, cause: Error);
+
+    /// Waits until its threads have ended (after [`fail`](Self::fail)).
+    fn join(&self);
+
+    /// Starts a checked and resolved request; never blocks on the peer.
+    fn submit(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error>;
+
+    /// What a [`PreparedTransfer`] of `req` keeps. By default the holds on
+    /// its local regions only: the request is resolved again on every
+    /// submission.
+    fn prepare(
+        self: Arc<Self>,
+        _engine: &Engine,
+        _peer: Arc<Peer>,
+        _req: &TransferRequest,
+        resolved: Resolved,
+    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+        Ok(Box::new(PreparedHold {
+            _guards: resolved.guards,
+        }))
+    }
+}
+
+/// A request on its way to a link: checked, its local regions held, its
+/// remote keys resolved.
+pub(in crate::engine) struct Submission<'a> {
+    pub(in crate::engine) engine: &'a Engine,
+    pub(in crate::engine) peer: &'a Arc<Peer>,
+    pub(in crate::engine) req: &'a TransferRequest,
+    pub(in crate::engine) resolved: Resolved,
+    /// The sync message (taken apart from the request, which the caller
+    /// keeps).
+    pub(in crate::engine) sync: Option<Vec<u8>>,
+    /// Ordered after every earlier request to the peer (a data-less
+    /// notification).
+    pub(in crate::engine) fence: bool,
+    /// The registry's generation read before the local regions were held.
+    pub(in crate::engine) generation: u64,
+}
+
+impl Path {
+    /// Opens a link to `peer` this way.
+    pub(in crate::engine) fn connect(
+        self,
+        inner: &Inner,
+        peer: &AgentDesc,
+    ) -> Result<Arc<dyn Link>, Error> {
+        let streams = match self {
+            Path::InProcess => return Ok(inproc::LocalLink::open(peer)?),
+            Path::Tcp => inner.config.tcp.streams_per_peer,
+            // Data bypasses the socket; one stream carries the control.
+            Path::Cma { .. } | Path::Rdma => 1,
+        };
+        Ok(SocketLink::open(inner, peer, streams, self)?)
+    }
+}
+
 /// TCP streams: reaches every peer (their endpoints were already reached
 /// for the descriptor).
 pub(in crate::engine) struct Tcp;
@@ -94,6 +162,7 @@ pub(in crate::engine) fn for_backend(
         Backend::Tcp => vec![Box::new(Tcp)],
         Backend::Shm => vec![shm()],
         Backend::Rdma => vec![Box::new(Rdma)],
+        Backend::InProcess => vec![Box::new(inproc::InProcess)],
         Backend::Auto => {
             let mut v = vec![shm()];
             if has_device {

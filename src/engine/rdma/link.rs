@@ -5,7 +5,7 @@
 
 use crate::engine::*;
 
-impl Progress for Link {
+impl Progress for SocketLink {
     fn progress(&self) -> bool {
         // Every queue pair is drained (no short cut at the first with
         // completions).
@@ -17,7 +17,68 @@ impl Progress for Link {
     }
 }
 
-impl Link {
+impl SocketLink {
+    /// Submits an RDMA request: its work requests planned on this link's
+    /// queue pairs (and a small one remembered for its next submission),
+    /// then posted.
+    pub(in crate::engine) fn submit_rdma(
+        self: Arc<Self>,
+        sub: Submission<'_>,
+    ) -> Result<TransferStatus, Error> {
+        let Submission {
+            engine,
+            peer,
+            req,
+            resolved,
+            sync,
+            fence,
+            generation,
+        } = sub;
+        let config = &engine.inner.config;
+        let wrs = plan_rdma(req, &resolved.lkeys, &resolved.rkeys, &self, config)?;
+        let driver = small(req).then(|| self.driver());
+        if !fence && req.local.descs.len() <= CACHE_MAX_DESCS && driver.is_some() {
+            let planned = Planned {
+                peer: Arc::clone(peer),
+                link: Arc::clone(&self),
+                wrs: wrs.clone(),
+                driver: driver.clone(),
+            };
+            engine.remember(req, generation, &resolved.guards, planned);
+        }
+        engine.post_planned(
+            &self,
+            req.op,
+            Cow::Owned(wrs),
+            sync,
+            resolved.guards,
+            &driver,
+        )
+    }
+
+    /// What a prepared RDMA transfer keeps: its plan on this link and the
+    /// holds on its local regions.
+    pub(in crate::engine) fn prepare_rdma(
+        self: Arc<Self>,
+        engine: &Engine,
+        peer: Arc<Peer>,
+        req: &TransferRequest,
+        resolved: Resolved,
+    ) -> Result<PreparedRdma, Error> {
+        let config = &engine.inner.config;
+        let wrs = plan_rdma(req, &resolved.lkeys, &resolved.rkeys, &self, config)?;
+        let driver = small(req).then(|| self.driver());
+        Ok(PreparedRdma {
+            planned: Planned {
+                peer,
+                link: self,
+                wrs,
+                driver,
+            },
+            guards: resolved.guards,
+        })
+    }
+
     /// What a waiting thread polls for this link's completions (weak: a
     /// status must not keep the link alive).
     pub(in crate::engine) fn driver(self: &Arc<Self>) -> std::sync::Weak<dyn Progress> {

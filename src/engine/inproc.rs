@@ -1,0 +1,186 @@
+//! The in-process transport ([`Backend::InProcess`]): agents of one process
+//! reach each other through a directory of this process, and a transfer is
+//! a plain copy between their registered memory, done in the submitting
+//! thread — no socket, no thread, no wait. The target's checks are the
+//! ones its listener makes on every other path (the region registered, the
+//! access key of the loaded descriptor current, room in its inbox for the
+//! sync message), all made before the first byte moves: a refused request
+//! changes nothing and fails its status with [`Error::RemoteRejected`], as
+//! on the other paths.
+//!
+//! A dropped target is delisted first and then waits until copies into it
+//! that have begun are over (its `door`): when its drop returns, no
+//! in-process initiator touches its memory.
+
+use std::sync::{LazyLock, Weak};
+
+use super::transport::Transport;
+use super::*;
+
+/// The in-process agents of this process, by instance.
+static AGENTS: LazyLock<Mutex<HashMap<u64, Weak<Inner>, FastHash>>> =
+    LazyLock::new(|| Mutex::new(HashMap::default()));
+
+/// Lists `inner` in the directory (an agent on [`Backend::InProcess`]).
+pub(in crate::engine) fn enlist(inner: &Arc<Inner>) {
+    lock(&AGENTS).insert(inner.instance, Arc::downgrade(inner));
+}
+
+/// Takes `inner` out of the directory, then closes its door: returns once
+/// no copy into or out of its memory is under way, and none starts.
+pub(in crate::engine) fn delist(inner: &Inner) {
+    lock(&AGENTS).remove(&inner.instance);
+    *inner.door.write().unwrap_or_else(|p| p.into_inner()) = false;
+}
+
+/// The agent of this process with `instance`, if it is listed.
+fn find(instance: u64) -> Option<Arc<Inner>> {
+    lock(&AGENTS).get(&instance).and_then(Weak::upgrade)
+}
+
+/// Reaches agents of this process made on [`Backend::InProcess`].
+pub(in crate::engine) struct InProcess;
+
+impl Transport for InProcess {
+    fn kind(&self) -> TransportKind {
+        TransportKind::InProcess
+    }
+
+    fn reach(&self, peer: &AgentDesc) -> Result<Path, String> {
+        match find(peer.instance) {
+            Some(t) if t.config.name == peer.name => Ok(Path::InProcess),
+            Some(t) => Err(format!(
+                "the agent of this process with that instance is called {:?}",
+                t.config.name
+            )),
+            None => {
+                Err("the remote agent is not an agent of this process on the inproc backend".into())
+            }
+        }
+    }
+}
+
+/// A link to an agent of this process.
+pub(in crate::engine) struct LocalLink {
+    target: Weak<Inner>,
+    remote: String,
+    path: Arc<DataPath>,
+    /// Set by [`Link::fail`] (the first cause wins).
+    broken: Mutex<Option<Error>>,
+}
+
+impl LocalLink {
+    /// A link to `peer`, found in the directory.
+    pub(in crate::engine) fn open(peer: &AgentDesc) -> Result<Arc<Self>, Error> {
+        let target = find(peer.instance).ok_or_else(|| gone(&peer.name))?;
+        Ok(Arc::new(LocalLink {
+            target: Arc::downgrade(&target),
+            remote: peer.name.clone(),
+            path: Arc::new(DataPath {
+                transport: TransportKind::InProcess,
+                device: None,
+                mechanism: "in-process copy (memmove) by the submitting thread",
+            }),
+            broken: Mutex::new(None),
+        }))
+    }
+
+    /// Checks everything the target would, then copies and delivers the
+    /// sync message; `Err` from the target's side ([`Error::RemoteRejected`],
+    /// the target gone) is the request's outcome.
+    fn carry_out(&self, sub: Submission<'_>) -> Result<(), Error> {
+        let Submission {
+            engine,
+            req,
+            resolved,
+            sync,
+            ..
+        } = sub;
+        let target = self.target.upgrade().ok_or_else(|| gone(&self.remote))?;
+        // Held while copying: the target's drop waits for it.
+        let open = target.door.read().unwrap_or_else(|p| p.into_inner());
+        if !*open || target.closing.load(Ordering::Acquire) {
+            return Err(gone(&self.remote));
+        }
+        let refused = |reason| Error::RemoteRejected {
+            remote: self.remote.clone(),
+            reason,
+        };
+        let mut holds: Few<RegionGuard> = Few::new();
+        for (d, &key) in req.remote.descs.iter().zip(&resolved.keys) {
+            let g = target
+                .registry
+                .admit_remote(req.remote.mem_type, d.addr, d.len, key)
+                .map_err(refused)?;
+            if !holds
+                .last()
+                .is_some_and(|h| Arc::ptr_eq(h.region(), g.region()))
+            {
+                holds.push(g);
+            }
+        }
+        let room = match &sync {
+            Some(m) => Some(
+                target
+                    .inbox
+                    .reserve(&engine.inner.config.name, m.len() as u64)
+                    .map_err(refused)?,
+            ),
+            None => None,
+        };
+        for (l, r) in req.local.descs.iter().zip(&req.remote.descs) {
+            let (from, to) = match req.op {
+                TransferOp::Write => (l.addr, r.addr),
+                TransferOp::Read => (r.addr, l.addr),
+            };
+            // SAFETY: both ranges lie inside registered regions held for
+            // the copy — the local one by `resolved.guards`, the remote one
+            // by `holds`, admitted by the target's registry — and a
+            // registration promises its range stays allocated while
+            // registered (`TransferAgent::register_memory`); the target
+            // cannot finish dropping while `open` is held. `copy` allows
+            // the ranges to overlap (an agent writing to itself).
+            unsafe { std::ptr::copy(from as *const u8, to as *mut u8, l.len as usize) };
+        }
+        if let (Some(room), Some(m)) = (room, sync) {
+            target.inbox.deliver(room, m);
+        }
+        drop(holds);
+        drop(resolved.guards);
+        Ok(())
+    }
+}
+
+/// The error of a target that no longer exists in this process.
+fn gone(remote: &str) -> Error {
+    Error::ConnectionLost {
+        remote: remote.to_owned(),
+        cause: Arc::new(io::Error::new(
+            io::ErrorKind::NotConnected,
+            "the in-process agent was dropped",
+        )),
+    }
+}
+
+impl Link for LocalLink {
+    fn is_broken(&self) -> bool {
+        lock(&self.broken).is_some() || self.target.strong_count() == 0
+    }
+
+    fn fail(&self, cause: Error) {
+        lock(&self.broken).get_or_insert(cause);
+    }
+
+    fn join(&self) {}
+
+    fn submit(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
+        if let Some(e) = lock(&self.broken).clone() {
+            return Err(e);
+        }
+        let inner = &sub.engine.inner;
+        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
+        let completion = Completion::counted(None, Some(&inner.in_flight));
+        completion.complete(self.carry_out(sub));
+        Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
+    }
+}

@@ -755,7 +755,7 @@ pub trait TransferAgent: Send + Sync {
     fn fetch_remote_agent_desc(&self, connection_info: &str) -> Result<AgentDesc, Error>;
 
     /// The data path used to reach a loaded remote agent: `"tcp"`, `"shm"`,
-    /// `"rdma"`.
+    /// `"rdma"` or `"inproc"`.
     ///
     /// # Errors
     /// [`Error::UnknownAgent`].

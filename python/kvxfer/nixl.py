@@ -388,7 +388,7 @@ class nixl_agent:
         )
 
     def query_xfer_backend(self, handle):
-        """The transport that carried the transfer (`tcp`, `shm`, `rdma`)."""
+        """The transport that carried the transfer (`tcp`, `shm`, `rdma`, `inproc`)."""
         return handle._xfer.transport if handle._xfer is not None else ""
 
     def release_xfer_handle(self, handle):

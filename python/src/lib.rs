@@ -120,8 +120,8 @@ pub(crate) struct PyAgent {
 
 #[pymethods]
 impl PyAgent {
-    /// Makes an agent named `name` on `backend` (`tcp`, `shm`, `rdma` or
-    /// `auto`), listening on `listen` (`host:port`; default an ephemeral
+    /// Makes an agent named `name` on `backend` (`tcp`, `shm`, `rdma`,
+    /// `auto`, or `inproc`: agents of this process, plain copies), listening on `listen` (`host:port`; default an ephemeral
     /// loopback port). `secret`: the cluster secret every peer must hold.
     #[new]
     #[pyo3(signature = (name, backend = "tcp", listen = None, secret = None, connect_timeout = 10.0, io_timeout = 30.0))]
@@ -202,7 +202,7 @@ impl PyAgent {
             .map_err(to_py)
     }
 
-    /// How a loaded peer is reached (`tcp`, `shm`, `rdma`).
+    /// How a loaded peer is reached (`tcp`, `shm`, `rdma`, `inproc`).
     fn remote_transport(&self, name: &str) -> PyResult<&'static str> {
         self.agent.remote_transport(name).map_err(to_py)
     }
@@ -532,7 +532,7 @@ impl PyTransfer {
         Ok(d)
     }
 
-    /// The transport that carries it (`tcp`, `shm`, `rdma`).
+    /// The transport that carries it (`tcp`, `shm`, `rdma`, `inproc`).
     #[getter]
     fn transport(&self) -> &'static str {
         self.st.data_path().transport.as_str()

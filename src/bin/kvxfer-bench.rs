@@ -26,7 +26,7 @@ use kvxfer::{
 struct Args {
     #[command(subcommand)]
     command: Option<Sub>,
-    /// Backend: auto, tcp, shm, rdma.
+    /// Backend: auto, tcp, shm, rdma, inproc.
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Operation: write or read.

@@ -175,7 +175,7 @@ pub struct kvxfer_options {
     /// (any process that reaches the port can then read and write the
     /// exported memory).
     pub insecure: u32,
-    /// `"tcp"`, `"shm"` or `"rdma"`: host-memory transfers must use this
+    /// `"tcp"`, `"shm"`, `"rdma"` or `"inproc"`: host-memory transfers must use this
     /// transport; one to a peer reached another way fails with
     /// `KVXFER_ERR_TRANSPORT_REQUIRED` before anything is sent (an `auto`
     /// agent otherwise falls back to TCP). NULL: no requirement.
@@ -580,7 +580,8 @@ pub unsafe extern "C" fn kvxfer_last_error(buf: *mut c_char, cap: usize) -> usiz
 // ---------------------------------------------------------------------------
 
 /// Creates an agent called `name` on `backend` (`"auto"`, `"tcp"`, `"shm"`,
-/// `"rdma"`),
+/// `"rdma"`, or `"inproc"`: agents of this process only, each transfer a
+/// copy done before `kvxfer_submit` returns),
 /// with optional settings (`options` may be NULL).
 ///
 /// # Safety
@@ -1286,7 +1287,7 @@ pub unsafe extern "C" fn kvxfer_status_abort(
 }
 
 /// Writes the transport that carries (or carried) the transfer: a static
-/// NUL-terminated `"tcp"`, `"shm"` or `"rdma"`.
+/// NUL-terminated `"tcp"`, `"shm"`, `"rdma"` or `"inproc"`.
 ///
 /// # Safety
 /// `out` is valid for a write.
@@ -1302,7 +1303,10 @@ pub unsafe extern "C" fn kvxfer_status_transport(
         let name: &'static CStr = match s.status.data_path().transport {
             kvxfer_core::TransportKind::Tcp => c"tcp",
             kvxfer_core::TransportKind::Shm => c"shm",
-            _ => c"rdma",
+            kvxfer_core::TransportKind::Rdma => c"rdma",
+            kvxfer_core::TransportKind::InProcess => c"inproc",
+            // The enum is non-exhaustive: one this library does not know yet.
+            _ => c"unknown",
         };
         // SAFETY: non-null and valid for a write.
         unsafe { *out = name.as_ptr() };

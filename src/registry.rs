@@ -19,7 +19,7 @@ pub(crate) struct LocalRegion {
     busy: AtomicUsize,
     /// The region's registration with the RDMA device, when the agent has
     /// one. Dropped (deregistered) with the region.
-    mr: Option<Arc<sideway::ibverbs::memory_region::MemoryRegion>>,
+    mr: Option<crate::verbs::Registered>,
 }
 
 impl LocalRegion {

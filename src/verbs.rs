@@ -170,6 +170,33 @@ pub struct QpInfo {
     pub mtu: u32,
 }
 
+/// A range registered with a device (`ibv_reg_mr`); deregistered when the
+/// last clone is dropped. The verbs layer's own type, so that no sideway
+/// type leaves this module.
+#[derive(Clone)]
+pub struct Registered(Arc<MemoryRegion>);
+
+impl Registered {
+    /// The key local work requests name it by.
+    pub fn lkey(&self) -> u32 {
+        self.0.lkey()
+    }
+
+    /// The key a peer's one-sided work requests name it by.
+    pub fn rkey(&self) -> u32 {
+        self.0.rkey()
+    }
+}
+
+impl std::fmt::Debug for Registered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registered")
+            .field("lkey", &self.lkey())
+            .field("rkey", &self.rkey())
+            .finish()
+    }
+}
+
 impl Device {
     /// Opens a device: `name`, else `KVXFER_RDMA_DEVICE`, else the first one
     /// with an active port 1. GID: `gid_index`, else `KVXFER_RDMA_GID_INDEX`,
@@ -288,10 +315,11 @@ impl Device {
     ///
     /// # Errors
     /// `ibv_reg_mr`'s error.
-    pub unsafe fn register(&self, addr: u64, len: u64) -> Result<Arc<MemoryRegion>, VerbsError> {
+    pub unsafe fn register(&self, addr: u64, len: u64) -> Result<Registered, VerbsError> {
         let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
         // SAFETY: forwarded contract: the range outlives the region.
         unsafe { self.pd.reg_mr(addr as usize, len as usize, access) }
+            .map(Registered)
             .map_err(|e| verb("ibv_reg_mr")(other(e)))
     }
 

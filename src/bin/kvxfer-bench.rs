@@ -954,8 +954,8 @@ struct VerbsSide {
     qp: kvxfer::verbs::RcQueuePair,
     src: Buffer,
     dst: Buffer,
-    src_mr: std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>,
-    dst_mr: std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>,
+    src_mr: kvxfer::verbs::Registered,
+    dst_mr: kvxfer::verbs::Registered,
     /// The other side's block: remote key and address.
     to: (u32, u64),
     /// Completions polled (kept: a send allocates nothing).

@@ -15,8 +15,6 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use sideway::ibverbs::memory_region::MemoryRegion;
-
 use crate::error::Error;
 use crate::small::Few;
 use crate::verbs::{CqPoller, Device, RcQueuePair, Sge, VerbsError};
@@ -73,7 +71,7 @@ pub(crate) fn rdma_err(remote: &str, e: VerbsError) -> Error {
 /// A registered ring of fixed-size message buffers. The registration is
 /// declared first so it is dropped before the memory it covers.
 pub(crate) struct MsgRing {
-    mr: Arc<MemoryRegion>,
+    mr: crate::verbs::Registered,
     buf: Box<[u8]>,
     free: Mutex<Vec<usize>>,
 }

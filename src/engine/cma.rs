@@ -4,6 +4,18 @@
 
 use super::*;
 
+/// The cross-memory part of a socket link.
+pub(in crate::engine) struct CmaParts {
+    /// Threads a large copy is split over.
+    pub(in crate::engine) copy_threads: usize,
+    /// This agent's probe address and instance, sent with `Delegate` so the
+    /// target can prove it reaches this process; `None`: never delegate.
+    pub(in crate::engine) delegate_probe: Option<(u64, u64)>,
+    /// Cleared when the target refuses a delegated copy: later requests do
+    /// not ask again.
+    pub(in crate::engine) delegate_ok: AtomicBool,
+}
+
 impl SocketLink {
     /// Submits a cross-memory request to the process `pid`: the link's
     /// first stream grants, copies (or delegates) and commits it.
@@ -117,7 +129,7 @@ impl SocketLink {
             }
             status::DELEGATE_REFUSED => {
                 tracing::debug!(remote = %self.remote, "target declined delegated copies; copying here");
-                self.delegate_ok.store(false, Ordering::Relaxed);
+                self.cma.delegate_ok.store(false, Ordering::Relaxed);
                 Ok(false)
             }
             st => Err(Error::ConnectionLost {
@@ -184,8 +196,8 @@ impl SocketLink {
         if pending.completion.abort_requested() {
             return Ok(CmaOutcome::Commit { aborted: true });
         }
-        if let (Some(sync), Some((probe_addr, instance))) = (delegate, self.delegate_probe)
-            && self.delegate_ok.load(Ordering::Relaxed)
+        if let (Some(sync), Some((probe_addr, instance))) = (delegate, self.cma.delegate_probe)
+            && self.cma.delegate_ok.load(Ordering::Relaxed)
             && self.run_delegate(fd, req, op, pieces, sync, (probe_addr, instance), pending)?
         {
             return Ok(CmaOutcome::Done);
@@ -203,7 +215,7 @@ impl SocketLink {
                 pid,
                 dir,
                 pieces,
-                self.copy_threads,
+                self.cma.copy_threads,
                 PARALLEL_COPY_MIN,
                 &stop,
             )

@@ -42,6 +42,7 @@ mod tests;
 mod transport;
 pub(crate) mod wire;
 
+use cma::CmaParts;
 use peer::*;
 #[cfg(feature = "fuzzing")]
 pub(crate) use plan::fuzz_respond;

@@ -202,7 +202,7 @@ pub(in crate::engine) fn plan_rdma(
         .zip(req.remote.descs.iter().zip(rkeys))
         .map(|((l, &lk), (r, &rk))| (lk, l.addr, rk, r.addr, l.len))
         .collect();
-    let conn = link.rdma.first().ok_or(Error::Closed)?;
+    let conn = link.rdma.qps.first().ok_or(Error::Closed)?;
     Ok(rdma::plan_wrs(
         &pieces,
         conn.max_msg.min(config.tcp.segment_size).min(rdma::WR_MAX),

@@ -159,76 +159,25 @@ pub(in crate::engine) struct PendingTable {
 
 /// The connections from this agent to one remote agent.
 pub(in crate::engine) struct SocketLink {
-    /// RDMA path: the connection's queue pair (posting, window, buffers).
-    /// RDMA path: the link's queue pairs (empty on other paths); sync
-    /// messages go on the first.
-    pub(in crate::engine) rdma: Vec<rdma::RdmaConn>,
-    /// Rotates the queue pair a request's first work request goes to.
-    pub(in crate::engine) next_stripe: AtomicUsize,
-    /// RDMA requests in flight whose waiters do not poll the completion
-    /// queue themselves (large ones). While there are none, the progress
-    /// threads stay off the completion queue (no completion events, no
-    /// wake-ups competing with the waiting thread) and only look in now and
-    /// then; submitting one wakes them.
-    pub(in crate::engine) undriven: Arc<AtomicUsize>,
-    /// The progress threads, to wake them.
-    pub(in crate::engine) progress_threads: OnceLock<Vec<std::thread::Thread>>,
+    /// RDMA path: the queue pairs and their posting state (no queue pair
+    /// on the other paths).
+    pub(in crate::engine) rdma: rdma::RdmaParts,
+    /// Cross-memory path: copy threads and delegation.
+    pub(in crate::engine) cma: CmaParts,
     pub(in crate::engine) remote: String,
     pub(in crate::engine) io_timeout: Duration,
-    pub(in crate::engine) copy_threads: usize,
-    /// This agent's probe address and instance, sent with `Delegate` so the
-    /// target can prove it reaches this process; `None`: never delegate.
-    pub(in crate::engine) delegate_probe: Option<(u64, u64)>,
-    /// Cleared when the target refuses a delegated copy: later requests do
-    /// not ask again.
-    pub(in crate::engine) delegate_ok: AtomicBool,
     /// The agent's count of requests in flight.
     pub(in crate::engine) in_flight: Arc<AtomicUsize>,
     /// What carries this link's requests (every status reports it).
     pub(in crate::engine) path: Arc<crate::agent::DataPath>,
     pub(in crate::engine) streams: Vec<StreamHandle>,
     pub(in crate::engine) pending: Mutex<PendingTable>,
-    /// RDMA path, one queue pair: the express lane of small requests.
-    pub(in crate::engine) express: ExpressLane,
     /// Set (under `pending`'s lock) when `pending.broken` is: a request's
     /// path reads it without the lock.
     pub(in crate::engine) broken: AtomicBool,
     pub(in crate::engine) clock: ProgressClock,
     pub(in crate::engine) alive: AtomicUsize,
     pub(in crate::engine) threads: Mutex<Vec<JoinHandle<()>>>,
-}
-
-/// A link's express lane: one small request at a time — a single data work
-/// request of at most four pieces, no sync message, its waiter polling the
-/// completion queue — travels without a [`Pending`] record and a table
-/// entry, and reuses the previous express request's status when its caller
-/// has dropped it. What a latency-bound caller (one request, wait, the next)
-/// submits; the record, the table and the status cost more than the post
-/// itself (callgrind, soft-RoCE ping-pong: about 550 of 2,040 instructions a
-/// request).
-///
-/// The lane takes no lock ([`rdma::lane::Lane`], model-checked with loom):
-/// a submitter claims a free lane (one compare-and-swap), fills the slot,
-/// marks it posted and posts its work request through the queue pair's
-/// [`SharedPoster`](crate::verbs::SharedPoster) — outside the send queue's
-/// lock and the window: the queue pair has one send-queue entry beyond the
-/// window for it. From then on the slot belongs to whoever finishes the
-/// request: the thread draining its completion, the submitter when the
-/// post fails, or the link's last thread on exit, which also closes the
-/// lane. A request finds the lane taken, or work counted in the send
-/// queue's `waiting` (queued, or popped and not yet posted), or the link
-/// broken: it takes the ordinary path, so it never overtakes earlier work
-/// of its caller.
-pub(in crate::engine) type ExpressLane = rdma::lane::Lane<Express>;
-
-/// What the express lane's slot holds.
-#[derive(Default)]
-pub(in crate::engine) struct Express {
-    /// The holds on the regions of the request in flight.
-    pub(in crate::engine) guards: Few<RegionGuard>,
-    /// The status of the request in flight, or of the last one: reused
-    /// when nothing else refers to it any more.
-    pub(in crate::engine) status: Option<Arc<Completion>>,
 }
 
 impl SocketLink {
@@ -304,24 +253,22 @@ impl SocketLink {
             mechanism,
         });
         let link = Arc::new(SocketLink {
-            rdma: rdma_conns,
-            next_stripe: AtomicUsize::new(0),
-            undriven: Arc::new(AtomicUsize::new(0)),
-            progress_threads: OnceLock::new(),
+            rdma: rdma::RdmaParts::new(rdma_conns),
+            cma: CmaParts {
+                copy_threads: cfg.shm.copy_threads,
+                delegate_probe: cfg
+                    .shm
+                    .delegate
+                    .then_some((&*inner.probe_word as *const u64 as u64, inner.instance)),
+                delegate_ok: AtomicBool::new(may_delegate),
+            },
             remote: peer.name.clone(),
             io_timeout: cfg.io_timeout,
-            copy_threads: cfg.shm.copy_threads,
-            delegate_probe: cfg
-                .shm
-                .delegate
-                .then_some((&*inner.probe_word as *const u64 as u64, inner.instance)),
-            delegate_ok: AtomicBool::new(may_delegate),
             in_flight: Arc::clone(&inner.in_flight),
             path: data_path,
             alive: AtomicUsize::new(2 * streams.len() + n_qps),
             streams,
             pending: Mutex::new(PendingTable::default()),
-            express: ExpressLane::default(),
             broken: AtomicBool::new(false),
             clock: ProgressClock::new(),
             threads: Mutex::new(Vec::new()),
@@ -351,7 +298,7 @@ impl SocketLink {
             progress.push(t.thread().clone());
             threads.push(t);
         }
-        let _ = link.progress_threads.set(progress);
+        let _ = link.rdma.progress_threads.set(progress);
         *lock(&link.threads) = threads;
         tracing::debug!(remote = %peer.name, streams = link.streams.len(), "link open");
         Ok(link)
@@ -383,7 +330,7 @@ impl SocketLink {
             t.broken = Some(cause);
             self.broken.store(true, Ordering::Release);
         }
-        for r in &self.rdma {
+        for r in &self.rdma.qps {
             // Flush every posted work request; the progress threads drain
             // the completions and exit when none is left.
             let _ = lock(&r.qp).set_error();

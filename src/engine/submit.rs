@@ -394,14 +394,14 @@ impl Engine {
             failed: AtomicBool::new(false),
             guards: Mutex::new(guards),
             granted: OnceLock::new(),
-            undriven: (!driven).then(|| Arc::clone(&link.undriven)),
+            undriven: (!driven).then(|| Arc::clone(&link.rdma.undriven)),
         });
         link.insert(id, Arc::clone(&pending))?;
         link.clock.touch();
         if !driven {
             // Counted before posting: the progress threads must be on
             // the completion queue by the time it completes.
-            link.undriven.fetch_add(1, Ordering::AcqRel);
+            link.rdma.undriven.fetch_add(1, Ordering::AcqRel);
             link.wake_progress();
         }
         link.post_rdma(id, op, wrs.into_owned(), sync, &pending);

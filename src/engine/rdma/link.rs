@@ -10,6 +10,7 @@ impl Progress for SocketLink {
         // Every queue pair is drained (no short cut at the first with
         // completions).
         self.rdma
+            .qps
             .iter()
             .map(|c| self.drain_rdma(c, false))
             .sum::<usize>()
@@ -89,7 +90,7 @@ impl SocketLink {
     /// Wakes the RDMA progress threads (parked while no large request is
     /// in flight).
     pub(in crate::engine) fn wake_progress(&self) {
-        for t in self.progress_threads.get().into_iter().flatten() {
+        for t in self.rdma.progress_threads.get().into_iter().flatten() {
             t.unpark();
         }
     }
@@ -112,10 +113,10 @@ impl SocketLink {
         sync: Option<Vec<u8>>,
         pending: &Arc<Pending>,
     ) {
-        let n = self.rdma.len();
+        let n = self.rdma.qps.len();
         if n == 1 {
             // One queue pair: everything in order on it, no gate.
-            let conn = &self.rdma[0];
+            let conn = &self.rdma.qps[0];
             let mut q = lock(&conn.queue);
             // One data work request, nothing queued before it, room in the
             // window: posted at once, without going through the queue.
@@ -148,6 +149,7 @@ impl SocketLink {
         // Work requests go round the queue pairs, starting where the
         // previous request left off, so small requests spread too.
         let start = self
+            .rdma
             .next_stripe
             .fetch_add(wrs.len().max(1), Ordering::Relaxed);
         let mut per_qp: Vec<Vec<rdma::Wr>> = (0..n).map(|_| Vec::new()).collect();
@@ -155,7 +157,7 @@ impl SocketLink {
             per_qp[(start + i) % n].push(wr);
         }
         let mut touched = vec![false; n];
-        for ((conn, wrs), t) in self.rdma.iter().zip(per_qp).zip(&mut touched) {
+        for ((conn, wrs), t) in self.rdma.qps.iter().zip(per_qp).zip(&mut touched) {
             if wrs.is_empty() {
                 continue;
             }
@@ -173,18 +175,18 @@ impl SocketLink {
             // After everything queued so far on the other queue pairs
             // (this request's data included): RC orders the SEND only
             // behind its own queue pair's work.
-            let gate = self.rdma[1..]
+            let gate = self.rdma.qps[1..]
                 .iter()
                 .map(|c| c.queued.load(Ordering::Acquire))
                 .collect();
-            let conn = &self.rdma[0];
+            let conn = &self.rdma.qps[0];
             let mut q = lock(&conn.queue);
             conn.count_queued(1);
             conn.waiting.fetch_add(1, Ordering::SeqCst);
             q.items
                 .push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
         }
-        for (conn, _) in self.rdma.iter().zip(touched).filter(|(_, t)| *t) {
+        for (conn, _) in self.rdma.qps.iter().zip(touched).filter(|(_, t)| *t) {
             self.pump(conn);
         }
     }
@@ -193,7 +195,7 @@ impl SocketLink {
     /// for on the other queue pairs has completed.
     pub(in crate::engine) fn gate_open(&self, gate: &[u64]) -> bool {
         gate.iter()
-            .zip(&self.rdma[1..])
+            .zip(&self.rdma.qps[1..])
             .all(|(&g, c)| c.completed.load(Ordering::Acquire) >= g)
     }
 
@@ -418,14 +420,14 @@ impl SocketLink {
         hold: impl FnOnce(&mut Few<RegionGuard>) -> bool,
         driver: &std::sync::Weak<dyn Progress>,
     ) -> Option<Arc<Completion>> {
-        let [conn] = self.rdma.as_slice() else {
+        let [conn] = self.rdma.qps.as_slice() else {
             return None;
         };
         let post = rdma::data_post(id | rdma::EXPRESS_FLAG, op, wr, &wr.sges);
         if !crate::verbs::SharedPoster::fits(&post) {
             return None;
         }
-        let mut claim = self.express.claim()?;
+        let mut claim = self.rdma.express.claim()?;
         // Sequentially consistent with the count a submitter raises before
         // it queues (and the pump lowers only after posting): either this
         // sees that work, or that work comes after this request. (Dropping
@@ -470,7 +472,7 @@ impl SocketLink {
     /// `close`: the link's last thread is leaving, no request may take
     /// the lane after this one.
     pub(in crate::engine) fn finish_express(&self, result: Result<(), Error>, close: bool) {
-        self.express.finish(close, |slot| {
+        self.rdma.express.finish(close, |slot| {
             slot.guards.clear();
             if let Some(c) = &slot.status {
                 c.complete(result);
@@ -594,7 +596,7 @@ impl SocketLink {
         }
         if conn.index != 0 {
             // A sync message on the first queue pair may wait for these.
-            self.pump(&self.rdma[0]);
+            self.pump(&self.rdma.qps[0]);
         }
         n
     }
@@ -605,7 +607,7 @@ impl SocketLink {
     /// `adaptive`: poll, rather than sleep on the completion channel,
     /// while work requests are posted ([`RdmaProgress::Adaptive`](crate::RdmaProgress::Adaptive)).
     pub(in crate::engine) fn run_rdma_progress(self: Arc<Self>, index: usize, adaptive: bool) {
-        let Some(conn) = self.rdma.get(index) else {
+        let Some(conn) = self.rdma.qps.get(index) else {
             self.thread_exit();
             return;
         };
@@ -628,7 +630,7 @@ impl SocketLink {
             // Read without the queue's lock: the submitting thread holds it
             // across its post, and a progress thread blocking on it there
             // cost both a futex round trip.
-            if self.undriven.load(Ordering::Acquire) == 0
+            if self.rdma.undriven.load(Ordering::Acquire) == 0
                 && conn.waiting.load(Ordering::Acquire) == 0
             {
                 // Only requests whose waiters poll the completion queue

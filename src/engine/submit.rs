@@ -74,31 +74,10 @@ pub(in crate::engine) struct SubmitCache {
 impl SubmitCache {
     pub(in crate::engine) fn matches(&self, req: &TransferRequest) -> bool {
         self.op == req.op
-            && same_name(&self.remote_agent, &req.remote_agent)
+            && self.remote_agent == req.remote_agent
             && self.local == req.local
             && self.remote == req.remote
     }
-}
-
-/// `a == b` for strings as short as agent names, without a call to
-/// `memcmp`: from 8 to 16 bytes, two overlapping words each (a handful of
-/// instructions, against about 35 for the call on an 11-byte name, on the
-/// path of every cached submission).
-pub(in crate::engine) fn same_name(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    let n = a.len();
-    if n != b.len() {
-        return false;
-    }
-    if (8..=16).contains(&n) {
-        let word = |s: &[u8], at: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&s[at..at + 8]);
-            u64::from_ne_bytes(w)
-        };
-        return word(a, 0) == word(b, 0) && word(a, n - 8) == word(b, n - 8);
-    }
-    a == b
 }
 
 /// A [`SocketLink::post_express`] hold for holds already taken: moves `taken`

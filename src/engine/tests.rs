@@ -8,33 +8,6 @@ fn descs(v: &[(u64, u64)]) -> Vec<MemoryDesc> {
 }
 
 #[test]
-fn same_name_agrees_with_string_equality() {
-    let names = [
-        "",
-        "a",
-        "b",
-        "kvxfer-p",
-        "kvxfer-q",
-        "kvxfer-pong",
-        "kvxfer-ponh",
-        "xvxfer-pong",
-        "kvxfer-pong-0123",
-        "kvxfer-pong-0124",
-        "kvxfer-pong-01234",
-        "kvxfer-pong-01235",
-    ];
-    for a in names {
-        for b in names {
-            assert_eq!(same_name(a, b), a == b, "{a:?} vs {b:?}");
-        }
-    }
-    // Same words at both ends, a difference in the middle (17+ bytes
-    // compare in full; 16 bytes is covered by the two words).
-    assert!(!same_name("abcdefgh-X-abcdefgh", "abcdefgh-Y-abcdefgh"));
-    assert!(!same_name("abcdefgXhgfedcba", "abcdefgYhgfedcba"));
-}
-
-#[test]
 fn runs_count_breaks_in_adjacency() {
     assert_eq!(runs(&[]), 0);
     assert_eq!(runs(&descs(&[(0, 10), (10, 5), (15, 1)])), 1);

@@ -143,6 +143,32 @@ def test_bad_input_is_typed_and_changes_nothing():
     assert bytes(dst) == b"\xaa" * 4096
 
 
+def test_inproc_agents_copy_in_the_submitting_call():
+    """The in-process backend (for unit tests of code built on kvxfer): a
+    transfer between two agents of this process is done, data and
+    notification, when the call returns; a stale remote range is refused
+    and changes nothing."""
+    t = kvxfer.Agent("py-inproc-t", backend="inproc")
+    i = kvxfer.Agent("py-inproc-i", backend="inproc")
+    dst = bytearray(4096)
+    rt = t.register(dst)
+    src = bytearray(pattern(4096, 5))
+    ri = i.register(src)
+    name = i.add_remote_agent(t.metadata())
+    assert i.remote_transport(name) == "inproc"
+    x = i.write(ri.descs(), rt.descs(), name, notif=b"landed")
+    assert x.done() and x.state == "DONE" and x.transport == "inproc"
+    assert bytes(dst) == bytes(src)
+    assert t.get_new_notifs() == {"py-inproc-i": [b"landed"]}
+    # The target registers its buffer again: the loaded range is stale.
+    rt.deregister()
+    dst2 = bytearray(4096)
+    t.register(dst2)
+    with pytest.raises(kvxfer.RemoteRejectedError):
+        i.write(ri.descs(), [(rt.addr, 4096)], name).wait(WAIT)
+    assert dst2 == bytearray(4096)
+
+
 def test_buffers_of_every_kind_register_and_stay_pinned():
     a = kvxfer.Agent("py-buffers")
     m = mmap.mmap(-1, 1 << 16)

@@ -561,3 +561,51 @@ impl AgentConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_ranges_are_checked() {
+        let ok = AgentConfig::new("a");
+        assert!(ok.validate().is_ok());
+        for bad in [
+            AgentConfig::new("a").with_rdma_qps_per_peer(0),
+            AgentConfig::new("a").with_rdma_qps_per_peer(17),
+            AgentConfig::new("a").with_rdma_ack_timeout(0),
+            AgentConfig::new("a").with_rdma_ack_timeout(32),
+            AgentConfig::new("a").with_streams_per_peer(0),
+            AgentConfig::new("a").with_rdma_max_inflight((64 << 10) - 1),
+        ] {
+            assert!(
+                matches!(bad.validate(), Err(Error::InvalidConfig(_))),
+                "{bad:?}"
+            );
+        }
+        let set = AgentConfig::new("a").with_rdma_ack_timeout(20);
+        assert_eq!(set.rdma.effective_ack_timeout().unwrap(), 20);
+        assert!(
+            AgentConfig::new("a")
+                .with_rdma_max_inflight(64 << 10)
+                .validate()
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn progress_modes_parse() {
+        assert_eq!(RdmaProgress::default(), RdmaProgress::Adaptive);
+        for (s, m) in [
+            ("adaptive", RdmaProgress::Adaptive),
+            ("Events", RdmaProgress::Events),
+            ("POLL", RdmaProgress::Poll),
+        ] {
+            assert_eq!(s.parse::<RdmaProgress>().unwrap(), m);
+        }
+        assert!(matches!(
+            "spin".parse::<RdmaProgress>(),
+            Err(Error::InvalidConfig(_))
+        ));
+    }
+}

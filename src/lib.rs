@@ -79,6 +79,7 @@ pub mod registration;
 mod registry;
 mod shm;
 mod small;
+pub mod status;
 pub mod verbs;
 
 pub use agent::{

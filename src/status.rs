@@ -1,0 +1,618 @@
+//! Transfer statuses: the completion cell every data path completes (one
+//! atomic state, a condition variable for sleepers, a driver a waiter may
+//! poll), [`TransferStatus`] with its deadlines and abort, the
+//! [`DataPath`] every status reports, and [`PreparedTransfer`].
+
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use crate::agent::TransferRequest;
+use crate::error::Error;
+
+/// Progress of a transfer, as `wait` reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransferState {
+    /// Not finished yet.
+    InProgress,
+    /// Finished successfully.
+    Completed,
+}
+
+/// [`Completion::state`]: no outcome yet.
+const PENDING: u8 = 0;
+/// [`Completion::state`]: finished successfully.
+const SUCCEEDED: u8 = 1;
+/// [`Completion::state`]: failed; the error is in [`Completion::error`].
+const FAILED: u8 = 2;
+
+/// Shared completion cell behind a [`TransferStatus`]. Backends complete it
+/// once; later completions are ignored (first outcome wins). A success is
+/// one compare-and-swap, read with one load: no lock on the path every
+/// request takes. A failure's error sits behind the lock, which is also
+/// the condition variable's.
+#[derive(Debug)]
+pub(crate) struct Completion {
+    /// [`PENDING`], then [`SUCCEEDED`] or [`FAILED`], set once.
+    state: AtomicU8,
+    /// The error of a failed transfer (stored before `state` says
+    /// [`FAILED`]); the lock sleepers wait under.
+    error: Mutex<Option<Error>>,
+    cv: Condvar,
+    /// Threads asleep (or about to be) on `cv`; counted under `error`'s
+    /// lock before they look at `state`. Completing notifies only when
+    /// there are any (taking the lock first, so that none is between its
+    /// look and its sleep): a notification is a system call, paid on every
+    /// request otherwise.
+    sleepers: AtomicUsize,
+    /// The backend's completion source (an RDMA completion queue), polled
+    /// by a waiting thread itself: the completion then costs no thread
+    /// wake-up. `Weak`: a status must not keep a connection alive.
+    driver: Option<Weak<dyn Progress>>,
+    /// The agent's count of requests in flight, which this completion
+    /// counts in while it is pending (see
+    /// [`Limits::max_requests_in_flight`](crate::Limits::max_requests_in_flight)).
+    in_flight: Option<Arc<AtomicUsize>>,
+    /// Set by [`TransferStatus::abort`]: the backend sends nothing more of
+    /// the request and fails it with [`Error::Aborted`] once what it did
+    /// send is done.
+    abort: AtomicBool,
+}
+
+impl Drop for Completion {
+    fn drop(&mut self) {
+        if *self.state.get_mut() == PENDING
+            && let Some(n) = &self.in_flight
+        {
+            n.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Something a waiting thread can drive: a completion queue it may poll in
+/// place of the backend's progress thread.
+pub(crate) trait Progress: Send + Sync {
+    /// Processes whatever completions are ready (without blocking); true
+    /// when there were some.
+    fn progress(&self) -> bool;
+}
+
+/// How long [`TransferStatus::wait`] polls a driver after its last progress
+/// before it sleeps on the condition variable (re-polling every
+/// [`DRIVE_SLICE`]): small transfers complete inside the window with no
+/// wake-up; long ones leave the CPU to the progress thread.
+const DRIVE_SPIN: Duration = Duration::from_micros(200);
+const DRIVE_SLICE: Duration = Duration::from_millis(1);
+/// Idle polls between two clock reads of a driving waiter.
+const DRIVE_CLOCK_EVERY: u32 = 16;
+
+/// A wait's deadline, fixed at the first clock read rather than on entry: a
+/// wait that finds its outcome at once reads no clock. The wait may then
+/// last longer than asked by the time before that first read (a few
+/// polls, microseconds), never shorter.
+struct Deadline {
+    timeout: Duration,
+    /// `Some(None)`: no deadline (the timeout overflows `Instant`).
+    at: Option<Option<Instant>>,
+}
+
+impl Deadline {
+    fn new(timeout: Duration) -> Self {
+        Self { timeout, at: None }
+    }
+
+    fn at(&mut self, now: Instant) -> Option<Instant> {
+        *self.at.get_or_insert_with(|| now.checked_add(self.timeout))
+    }
+
+    fn passed(&mut self, now: Instant) -> bool {
+        self.at(now).is_some_and(|d| now >= d)
+    }
+
+    /// Time left, reading the clock.
+    fn left(&mut self) -> Duration {
+        let now = Instant::now();
+        match self.at(now) {
+            Some(d) => d.saturating_duration_since(now),
+            None => Duration::from_secs(3600),
+        }
+    }
+}
+
+impl Completion {
+    #[cfg(test)]
+    pub(crate) fn new() -> Arc<Self> {
+        Self::counted(None, None)
+    }
+
+    /// A pending completion counted in `in_flight` until its outcome is in
+    /// (or it is dropped).
+    pub(crate) fn counted(
+        driver: Option<Weak<dyn Progress>>,
+        in_flight: Option<&Arc<AtomicUsize>>,
+    ) -> Arc<Self> {
+        if let Some(n) = in_flight {
+            n.fetch_add(1, Ordering::AcqRel);
+        }
+        Arc::new(Self {
+            state: AtomicU8::new(PENDING),
+            error: Mutex::new(None),
+            cv: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
+            driver,
+            in_flight: in_flight.cloned(),
+            abort: AtomicBool::new(false),
+        })
+    }
+
+    /// Whether the request's caller asked for it to be aborted.
+    pub(crate) fn abort_requested(&self) -> bool {
+        self.abort.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        self.state.load(Ordering::Acquire) != PENDING
+    }
+
+    /// Makes a finished completion pending again, for a new request (the
+    /// caller owns it alone: no status refers to it any more).
+    pub(crate) fn reset(&mut self) {
+        if *self.state.get_mut() != PENDING
+            && let Some(n) = &self.in_flight
+        {
+            n.fetch_add(1, Ordering::AcqRel);
+        }
+        *self.state.get_mut() = PENDING;
+        *self.error.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.abort.get_mut() = false;
+    }
+
+    /// Polls the driver until the outcome is in, the deadline passes, or
+    /// nothing has happened for [`DRIVE_SPIN`]. The clock is read only every
+    /// [`DRIVE_CLOCK_EVERY`] idle polls (a completion found sooner costs no
+    /// clock read at all): where reading it is a system call (a guest on an
+    /// emulated HPET: 2.2 µs a read) the reads cost more than the polls.
+    fn drive(&self, deadline: &mut Deadline) {
+        // Already in (e.g. reaped by the submitting call): no upgrade.
+        if self.is_done() {
+            return;
+        }
+        let Some(driver) = self.driver.as_ref().and_then(Weak::upgrade) else {
+            return;
+        };
+        // When the last progress was seen, once the clock has been read
+        // after it.
+        let mut last: Option<Instant> = None;
+        let mut idle = 0u32;
+        while !self.is_done() {
+            if driver.progress() {
+                last = None;
+                idle = 0;
+                continue;
+            }
+            idle += 1;
+            if idle.is_multiple_of(DRIVE_CLOCK_EVERY) {
+                let now = Instant::now();
+                if deadline.passed(now) || now - *last.get_or_insert(now) > DRIVE_SPIN {
+                    return;
+                }
+            }
+            if idle.is_multiple_of(64) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Polls the driver once, if there is one and the outcome is not in.
+    fn poke(&self) {
+        if self.is_done() {
+            return;
+        }
+        if let Some(driver) = self.driver.as_ref().and_then(Weak::upgrade) {
+            driver.progress();
+        }
+    }
+
+    /// Records the outcome; returns false when one was already recorded.
+    pub(crate) fn complete(&self, outcome: Result<(), Error>) -> bool {
+        let won = match outcome {
+            Ok(()) => self
+                .state
+                .compare_exchange(PENDING, SUCCEEDED, Ordering::SeqCst, Ordering::Relaxed)
+                .is_ok(),
+            Err(e) => {
+                let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+                if self.state.load(Ordering::Relaxed) != PENDING {
+                    return false;
+                }
+                *slot = Some(e);
+                // A success may still win the race (it takes no lock).
+                let won = self
+                    .state
+                    .compare_exchange(PENDING, FAILED, Ordering::SeqCst, Ordering::Relaxed)
+                    .is_ok();
+                if !won {
+                    *slot = None;
+                }
+                won
+            }
+        };
+        if won && let Some(n) = &self.in_flight {
+            n.fetch_sub(1, Ordering::AcqRel);
+        }
+        // Sequentially consistent with a sleeper's count then look: either
+        // it saw the outcome, or this sees it counted. The lock, taken and
+        // let go, waits out a sleeper between its look and its sleep.
+        if won && self.sleepers.load(Ordering::SeqCst) > 0 {
+            drop(self.error.lock().unwrap_or_else(|p| p.into_inner()));
+            self.cv.notify_all();
+        }
+        won
+    }
+
+    /// The outcome so far.
+    fn snapshot(&self) -> Result<TransferState, Error> {
+        match self.state.load(Ordering::Acquire) {
+            PENDING => Ok(TransferState::InProgress),
+            SUCCEEDED => Ok(TransferState::Completed),
+            _ => Err(self
+                .error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .unwrap_or(Error::Closed)),
+        }
+    }
+}
+
+/// A transfer request resolved once for repeated submission with
+/// [`TransferAgent::submit_prepared`](crate::agent::TransferAgent::submit_prepared) (NIXL's prepared transfer handles,
+/// perftest's work request built once): the remote agent, the connection,
+/// the local and remote keys and the work requests are looked up when it is
+/// made, not on every submission.
+///
+/// While it lives, the local regions it covers count as in use:
+/// deregistering them is refused ([`Error::RegionBusy`]). If the remote
+/// agent is loaded again or invalidated, or its connection fails, the next
+/// submission resolves the request afresh (as
+/// [`submit_transfer`](TransferAgent::submit_transfer) does, reconnecting
+/// if need be).
+pub struct PreparedTransfer {
+    request: TransferRequest,
+    /// The agent that made it (submitting it to another is refused).
+    owner: u64,
+    /// The backend's resolution; `None` where it keeps none (each
+    /// submission then validates the request in full).
+    pub(crate) resolved: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl PreparedTransfer {
+    pub(crate) fn new(
+        request: TransferRequest,
+        owner: u64,
+        resolved: Option<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Self {
+        Self {
+            request,
+            owner,
+            resolved,
+        }
+    }
+
+    /// The request it was made from.
+    pub fn request(&self) -> &TransferRequest {
+        &self.request
+    }
+
+    pub(crate) fn owner(&self) -> u64 {
+        self.owner
+    }
+}
+
+impl std::fmt::Debug for PreparedTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedTransfer")
+            .field("request", &self.request)
+            .field("resolved", &self.resolved.is_some())
+            .finish()
+    }
+}
+
+/// A data path: how bytes move between this agent and a peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TransportKind {
+    /// TCP streams: the kernel copies between the socket and registered
+    /// memory (`sendmsg` / `readv`).
+    Tcp,
+    /// Cross-memory attach between processes of one host
+    /// (`process_vm_writev` / `process_vm_readv`), by the initiator or, for
+    /// scattered remote pieces, by the target.
+    Shm,
+    /// One-sided RDMA WRITE / READ on reliable-connected queue pairs, zero
+    /// copy.
+    Rdma,
+    /// A plain copy between two agents of one process
+    /// ([`Backend::InProcess`](crate::agent::Backend::InProcess)).
+    InProcess,
+}
+
+impl TransportKind {
+    /// Its name: `"tcp"`, `"shm"`, `"rdma"` or `"inproc"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Shm => "shm",
+            Self::Rdma => "rdma",
+            Self::InProcess => "inproc",
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for TransportKind {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        [Self::Tcp, Self::Shm, Self::Rdma, Self::InProcess]
+            .into_iter()
+            .find(|t| t.as_str().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                Error::InvalidConfig(format!(
+                    "unknown transport {:?} (tcp, shm, rdma, inproc)",
+                    s.to_ascii_lowercase()
+                ))
+            })
+    }
+}
+
+/// What carried a transfer: the transport, the device, and how the bytes
+/// moved — so that a transfer that took a slower path than expected says
+/// so (see also [`AgentConfig::with_required_transport`](crate::config::AgentConfig::with_required_transport)).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataPath {
+    /// The transport.
+    pub transport: TransportKind,
+    /// The RDMA device (`rxe0`, `mlx5_0`, ...) on RDMA; the peer's endpoint
+    /// (`host:port`) on TCP; `None` on shm.
+    pub device: Option<String>,
+    /// How the bytes moved, in words.
+    pub mechanism: &'static str,
+}
+
+/// Handle on a submitted transfer. Cheap to clone; every clone observes the
+/// same outcome. Dropping it does not cancel the transfer.
+#[derive(Clone, Debug)]
+pub struct TransferStatus {
+    id: u64,
+    completion: Arc<Completion>,
+    path: Arc<DataPath>,
+}
+
+impl TransferStatus {
+    pub(crate) fn new(id: u64, completion: Arc<Completion>, path: Arc<DataPath>) -> Self {
+        Self {
+            id,
+            completion,
+            path,
+        }
+    }
+
+    /// The data path that carries (or carried) the transfer.
+    pub fn data_path(&self) -> &DataPath {
+        &self.path
+    }
+
+    /// The request id (unique per agent, 64-bit).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Whether the transfer has finished, successfully or not. On RDMA, a
+    /// small request's completion queue is polled once first (nobody else
+    /// may be polling it: see [`wait`](Self::wait)).
+    pub fn is_completed(&self) -> bool {
+        self.completion.poke();
+        self.completion.is_done()
+    }
+
+    /// The state now, without blocking (polling the completion queue once,
+    /// as [`is_completed`](Self::is_completed)).
+    ///
+    /// # Errors
+    /// The transfer's failure, if it failed.
+    pub fn poll(&self) -> Result<TransferState, Error> {
+        self.completion.poke();
+        self.completion.snapshot()
+    }
+
+    /// Blocks until the transfer finishes or `timeout` elapses. Returns
+    /// `Ok(InProgress)` when the timeout elapsed first.
+    ///
+    /// # Errors
+    /// The transfer's failure, if it failed.
+    pub fn wait(&self, timeout: Duration) -> Result<TransferState, Error> {
+        let c = &*self.completion;
+        let mut deadline = Deadline::new(timeout);
+        let driven = c.driver.is_some();
+        loop {
+            if driven {
+                c.drive(&mut deadline);
+            }
+            match c.state.load(Ordering::Acquire) {
+                SUCCEEDED => return Ok(TransferState::Completed),
+                FAILED => return c.snapshot(),
+                _ => {}
+            }
+            let mut left = deadline.left();
+            if left.is_zero() {
+                return c.snapshot();
+            }
+            if driven {
+                left = left.min(DRIVE_SLICE);
+            }
+            let guard = c.error.lock().unwrap_or_else(|p| p.into_inner());
+            // Counted before the look (see `complete`).
+            c.sleepers.fetch_add(1, Ordering::SeqCst);
+            if c.state.load(Ordering::SeqCst) == PENDING {
+                drop(
+                    c.cv.wait_timeout(guard, left)
+                        .unwrap_or_else(|p| p.into_inner()),
+                );
+            } else {
+                drop(guard);
+            }
+            c.sleepers.fetch_sub(1, Ordering::Relaxed);
+            if c.is_done() {
+                return c.snapshot();
+            }
+        }
+    }
+
+    /// Asks for the transfer to be aborted; returns false when it had
+    /// already finished (its outcome stands).
+    ///
+    /// Nothing of the request that has not yet been handed to the network
+    /// (or, on the cross-memory path, copied) is sent, its sync message is
+    /// not delivered, and the data of a READ still arriving is dropped
+    /// rather than written to local memory. The transfer then finishes
+    /// with [`Error::Aborted`] — only once what was already sent has been
+    /// written and acknowledged, so that when [`wait`](Self::wait) reports
+    /// it, no byte of the transfer will change in either agent's memory
+    /// any more (the regions may be reused or deregistered). A transfer
+    /// whose data had all been sent by then completes as usual
+    /// ([`TransferState::Completed`], sync message delivered). Parts the
+    /// abort skipped leave the destination's bytes as they were; parts
+    /// already sent land.
+    ///
+    /// Never blocks; wait for the outcome with [`wait`](Self::wait) (it
+    /// comes at the pace of the work in flight, bounded by the I/O
+    /// timeout). A small RDMA request posted at submission (one work
+    /// request, no sync message) is on the wire at once: it completes.
+    pub fn abort(&self) -> bool {
+        let c = &*self.completion;
+        if c.is_done() {
+            return false;
+        }
+        c.abort.store(true, Ordering::Relaxed);
+        true
+    }
+
+    /// Like [`wait`](Self::wait), but a transfer still running at the
+    /// timeout is an [`Error::Timeout`].
+    ///
+    /// # Errors
+    /// The transfer's failure, or `Timeout`.
+    pub fn wait_success(&self, timeout: Duration) -> Result<(), Error> {
+        match self.wait(timeout)? {
+            TransferState::Completed => Ok(()),
+            TransferState::InProgress => Err(Error::Timeout {
+                what: "transfer",
+                after: timeout,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn test_path() -> Arc<DataPath> {
+        Arc::new(DataPath {
+            transport: TransportKind::Tcp,
+            device: None,
+            mechanism: "test",
+        })
+    }
+
+    #[test]
+    fn first_outcome_wins_and_is_kept() {
+        let c = Completion::new();
+        let st = TransferStatus::new(1, Arc::clone(&c), test_path());
+        assert_eq!(st.poll().unwrap(), TransferState::InProgress);
+        assert!(c.complete(Err(Error::Closed)));
+        assert!(!c.complete(Ok(())));
+        assert!(!c.complete(Err(Error::UnknownAgent("x".into()))));
+        assert!(matches!(st.poll(), Err(Error::Closed)));
+        assert!(matches!(st.wait(Duration::ZERO), Err(Error::Closed)));
+        let ok = Completion::new();
+        assert!(ok.complete(Ok(())));
+        assert!(!ok.complete(Err(Error::Closed)));
+        let st = TransferStatus::new(2, ok, test_path());
+        assert_eq!(st.wait(Duration::ZERO).unwrap(), TransferState::Completed);
+        assert!(st.is_completed());
+    }
+
+    #[test]
+    fn racing_outcomes_record_exactly_one() {
+        for round in 0..200 {
+            let c = Completion::new();
+            let won = std::thread::scope(|s| {
+                let a = s.spawn(|| c.complete(Ok(())));
+                let b = s.spawn(|| c.complete(Err(Error::Closed)));
+                [a.join().unwrap(), b.join().unwrap()]
+            });
+            assert_eq!(won.iter().filter(|w| **w).count(), 1, "round {round}");
+            let st = TransferStatus::new(round, c, test_path());
+            match (won[0], st.poll()) {
+                (true, Ok(TransferState::Completed)) | (false, Err(Error::Closed)) => {}
+                (w, other) => panic!("round {round}: success won {w}, status {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn sleepers_wake_on_an_outcome_recorded_without_the_lock() {
+        for round in 0..50 {
+            let c = Completion::new();
+            let st = TransferStatus::new(round, Arc::clone(&c), test_path());
+            std::thread::scope(|s| {
+                let w = s.spawn(|| {
+                    let t = Instant::now();
+                    (st.wait(Duration::from_secs(20)), t.elapsed())
+                });
+                if round % 2 == 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                c.complete(Ok(()));
+                let (state, took) = w.join().unwrap();
+                assert_eq!(state.unwrap(), TransferState::Completed);
+                // A lost wake-up sleeps out the whole timeout.
+                assert!(
+                    took < Duration::from_secs(10),
+                    "round {round}: woke after {took:?}"
+                );
+            });
+        }
+        let c = Completion::new();
+        let st = TransferStatus::new(0, Arc::clone(&c), test_path());
+        let t = Instant::now();
+        assert_eq!(
+            st.wait(Duration::from_millis(30)).unwrap(),
+            TransferState::InProgress
+        );
+        assert!(t.elapsed() >= Duration::from_millis(30));
+    }
+
+    #[test]
+    fn a_reset_completion_is_pending_again() {
+        let mut c = Completion::new();
+        assert!(c.complete(Err(Error::Closed)));
+        Arc::get_mut(&mut c).unwrap().reset();
+        assert!(!c.is_done());
+        assert!(c.complete(Ok(())));
+        assert_eq!(
+            TransferStatus::new(0, c, test_path()).poll().unwrap(),
+            TransferState::Completed
+        );
+    }
+}

@@ -278,7 +278,7 @@ impl Completion {
 /// deregistering them is refused ([`Error::RegionBusy`]). If the remote
 /// agent is loaded again or invalidated, or its connection fails, the next
 /// submission resolves the request afresh (as
-/// [`submit_transfer`](TransferAgent::submit_transfer) does, reconnecting
+/// [`submit_transfer`](crate::agent::TransferAgent::submit_transfer) does, reconnecting
 /// if need be).
 pub struct PreparedTransfer {
     request: TransferRequest,

@@ -44,10 +44,10 @@ pub fn tcp_frames(data: &[u8]) {
         };
         match frame {
             Frame::Write { req, len, .. } | Frame::ReadReq { req, len, .. } => {
-                let _ = table.segment(req, reject(len % 3 == 0));
+                let _ = table.segments(req, 1, reject(len % 3 == 0));
             }
             Frame::Fence { req } => {
-                let _ = table.segment(req, Ok(()));
+                let _ = table.segments(req, 1, Ok(()));
             }
             Frame::WriteList {
                 req, count, total, ..

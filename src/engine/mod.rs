@@ -12,19 +12,24 @@
 //! one-sided work requests on the link's queue pairs (`rdma`). The target
 //! side (`target`) runs one thread per incoming connection.
 //!
-//! Modules: `transport` (the transports and the choice of one per peer
-//! and memory type), `peer` (connecting, descriptors), `plan` (request
-//! planning, no I/O), `submit` (the submit path), `api` (the trait),
-//! `target`, `tcp_stream`, `cma`, `rdma` (data types, `link`, `recv`),
-//! `wire` and `requests` (the frame codec and the target's request table,
-//! no I/O), `sock` (vectored socket I/O), `handshake` and `local_proof`
-//! (authentication, the initiator's process proof).
+//! Modules: `transport` (the `Transport` and `Link` traits, the choice of
+//! a transport per peer and memory type), `peer` (connecting,
+//! descriptors), `plan` (request planning, no I/O), `submit` (the submit
+//! path, transport-blind), `api` (the trait), `target` (the listener side:
+//! accept, serve, dispatch each frame to its transport, commit); per
+//! transport: `socket_link` (the link shared by tcp, shm and rdma),
+//! `tcp_stream` and `tcp_target`, `cma` and `cma_target`, `rdma` (data
+//! types, `link`, `recv`, `accept`), `inproc`; `wire` and `requests` (the
+//! frame codec and the target's request table, no I/O), `sock` (vectored
+//! socket I/O), `handshake` and `local_proof` (authentication, the
+//! initiator's process proof).
 //!
 //! See `docs/architecture.md` for threads and ownership, and
 //! `docs/wire-format.md` for the frames.
 
 mod api;
 mod cma;
+mod cma_target;
 mod handshake;
 mod inproc;
 mod local_proof;
@@ -37,12 +42,14 @@ mod socket_link;
 mod submit;
 mod target;
 mod tcp_stream;
+mod tcp_target;
 #[cfg(test)]
 mod tests;
 mod transport;
 pub(crate) mod wire;
 
 use cma::CmaParts;
+use cma_target::DelegateAsk;
 use peer::*;
 #[cfg(feature = "fuzzing")]
 pub(crate) use plan::fuzz_respond;

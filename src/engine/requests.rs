@@ -69,22 +69,11 @@ impl<M> RequestTable<M> {
         Ok(self.open.entry(req).or_default())
     }
 
-    /// Records one processed segment (or fence) of `req`.
+    /// Records `n` processed segments of `req` (a segment, a fence, a
+    /// write list's pieces) with one outcome.
     ///
     /// # Errors
     /// When the initiator has [`MAX_OPEN_REQUESTS`] other requests open.
-    pub(crate) fn segment(
-        &mut self,
-        req: u64,
-        result: Result<(), RejectReason>,
-    ) -> Result<Option<Finished<M>>, &'static str> {
-        self.segments(req, 1, result)
-    }
-
-    /// Records `n` segments of `req` with one outcome (a write list).
-    ///
-    /// # Errors
-    /// As [`segment`](Self::segment).
     pub(crate) fn segments(
         &mut self,
         req: u64,
@@ -148,8 +137,8 @@ mod tests {
     #[test]
     fn commit_after_segments() {
         let mut t: RequestTable = RequestTable::default();
-        assert_eq!(t.segment(1, Ok(())).unwrap(), None);
-        assert_eq!(t.segment(1, Ok(())).unwrap(), None);
+        assert_eq!(t.segments(1, 1, Ok(())).unwrap(), None);
+        assert_eq!(t.segments(1, 1, Ok(())).unwrap(), None);
         let f = t.commit(1, 2, Some(b"hi".to_vec())).unwrap().unwrap();
         assert_eq!(f.outcome, Ok(()));
         assert_eq!(f.sync.as_deref(), Some(&b"hi"[..]));
@@ -160,17 +149,17 @@ mod tests {
     fn commit_before_segments_waits_for_all() {
         let mut t: RequestTable = RequestTable::default();
         assert_eq!(t.commit(7, 3, Some(vec![1])).unwrap(), None);
-        assert_eq!(t.segment(7, Ok(())).unwrap(), None);
-        assert_eq!(t.segment(7, Ok(())).unwrap(), None);
-        let f = t.segment(7, Ok(())).unwrap().unwrap();
+        assert_eq!(t.segments(7, 1, Ok(())).unwrap(), None);
+        assert_eq!(t.segments(7, 1, Ok(())).unwrap(), None);
+        let f = t.segments(7, 1, Ok(())).unwrap().unwrap();
         assert_eq!(f.sync, Some(vec![1]));
     }
 
     #[test]
     fn refused_segment_withholds_sync() {
         let mut t: RequestTable = RequestTable::default();
-        t.segment(3, Err(RejectReason::BadKey)).unwrap();
-        t.segment(3, Err(RejectReason::NotRegistered)).unwrap();
+        t.segments(3, 1, Err(RejectReason::BadKey)).unwrap();
+        t.segments(3, 1, Err(RejectReason::NotRegistered)).unwrap();
         let f = t.commit(3, 2, Some(vec![9])).unwrap().unwrap();
         assert_eq!(f.outcome, Err(RejectReason::BadKey));
         assert_eq!(f.sync, None);
@@ -180,10 +169,10 @@ mod tests {
     fn aborted_request_finishes_when_the_sent_segments_are_in() {
         let mut t: RequestTable = RequestTable::default();
         assert_eq!(t.commit(8, 5, Some(vec![1])).unwrap(), None);
-        assert_eq!(t.segment(8, Ok(())).unwrap(), None);
+        assert_eq!(t.segments(8, 1, Ok(())).unwrap(), None);
         // One stream skipped three segments; one sent is still to come.
         assert_eq!(t.segments(8, 3, Err(RejectReason::Aborted)).unwrap(), None);
-        let f = t.segment(8, Ok(())).unwrap().unwrap();
+        let f = t.segments(8, 1, Ok(())).unwrap().unwrap();
         assert_eq!(f.outcome, Err(RejectReason::Aborted));
         assert_eq!(f.sync, None);
         // Nothing skipped (a copy that never began): it still fails.
@@ -202,8 +191,8 @@ mod tests {
     #[test]
     fn protocol_errors() {
         let mut t: RequestTable = RequestTable::default();
-        t.segment(5, Ok(())).unwrap();
-        t.segment(5, Ok(())).unwrap();
+        t.segments(5, 1, Ok(())).unwrap();
+        t.segments(5, 1, Ok(())).unwrap();
         assert!(t.commit(5, 1, None).is_err());
         let mut t: RequestTable = RequestTable::default();
         t.commit(6, 2, None).unwrap();
@@ -217,9 +206,9 @@ mod tests {
             assert_eq!(t.commit(req, 1, None), Ok(None));
         }
         assert!(t.commit(u64::MAX, 1, None).is_err());
-        assert!(t.segment(u64::MAX, Ok(())).is_err());
+        assert!(t.segments(u64::MAX, 1, Ok(())).is_err());
         // Requests already open still progress, and make room.
-        assert!(t.segment(0, Ok(())).unwrap().is_some());
+        assert!(t.segments(0, 1, Ok(())).unwrap().is_some());
         assert_eq!(
             t.commit(u64::MAX, 0, None).unwrap().map(|f| f.req),
             Some(u64::MAX)

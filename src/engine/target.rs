@@ -58,6 +58,38 @@ impl IdlePolicy for ServerIdle<'_> {
     }
 }
 
+/// One incoming connection as its handlers see it: the socket (answers go
+/// out on it), the frame reader and its idle policy, and the session.
+pub(in crate::engine) struct Conn<'c, 'r, 'i> {
+    pub(in crate::engine) sock: &'c TcpStream,
+    pub(in crate::engine) reader: &'c mut FrameReader<'r>,
+    pub(in crate::engine) idle: &'c mut ServerIdle<'i>,
+    pub(in crate::engine) session: &'c Session,
+}
+
+impl Conn<'_, '_, '_> {
+    /// Sends header-only frames on the connection.
+    pub(in crate::engine) fn send(
+        &self,
+        frames: &[[u8; HEADER_LEN]],
+        io_timeout: Duration,
+    ) -> io::Result<()> {
+        send_frames(self.sock, frames, self.idle.clock, io_timeout)
+    }
+}
+
+/// Records the outcome of `n` segments of `req`.
+fn segment(
+    session: &Session,
+    req: u64,
+    n: u64,
+    result: Result<(), RejectReason>,
+) -> io::Result<Option<Finished<HeldSync>>> {
+    lock(&session.table)
+        .segments(req, n, result)
+        .map_err(violation)
+}
+
 /// A sync message as the target holds it until its request finishes: the
 /// bytes, and their room in the inbox.
 pub(in crate::engine) type HeldSync = (Vec<u8>, Reservation);
@@ -351,11 +383,18 @@ impl Inner {
         // RDMA receive threads of this connection; stopped and joined when it
         // ends (dropping them).
         let mut rdma_receivers: Vec<RdmaReceiver> = Vec::new();
+        let mut c = Conn {
+            sock,
+            reader,
+            idle,
+            session,
+        };
         loop {
-            let Some(raw) = reader.next_header(idle)? else {
+            let Some(raw) = c.reader.next_header(c.idle)? else {
                 return Ok(());
             };
             let finished = match Frame::decode(&raw).map_err(|e| violation(e.to_string()))? {
+                // The TCP path's data (`tcp_target`).
                 Frame::Write {
                     req,
                     mem_type,
@@ -363,26 +402,8 @@ impl Inner {
                     len,
                     key,
                 } => {
-                    let result = match self.registry.admit_remote(mem_type, addr, len, key) {
-                        Ok(guard) => {
-                            // SAFETY: `[addr, addr + len)` lies inside a region
-                            // registered with this agent, whose registrant
-                            // promised it stays valid for writes while
-                            // registered; `guard` keeps it from being
-                            // deregistered until the payload has landed.
-                            unsafe { reader.read_into(addr as *mut u8, len as usize, idle)? };
-                            drop(guard);
-                            Ok(())
-                        }
-                        Err(reason) => {
-                            tracing::debug!(remote = %session.remote, addr, len, %reason, "refused write segment");
-                            reader.discard(len, idle)?;
-                            Err(reason)
-                        }
-                    };
-                    lock(&session.table)
-                        .segment(req, result)
-                        .map_err(violation)?
+                    let result = self.land_write(&mut c, mem_type, addr, len, key)?;
+                    segment(session, req, 1, result)?
                 }
                 Frame::ReadReq {
                     req,
@@ -391,57 +412,9 @@ impl Inner {
                     len,
                     key,
                 } => {
-                    let result = match self.registry.admit_remote(mem_type, addr, len, key) {
-                        Ok(guard) => {
-                            let hdr = Frame::ReadData {
-                                req,
-                                len,
-                                status: status::OK,
-                            }
-                            .encode();
-                            let mut iovs = [
-                                iov(hdr.as_ptr(), HEADER_LEN),
-                                iov(addr as *const u8, len as usize),
-                            ];
-                            // SAFETY: the payload range lies inside a region
-                            // registered here and held by `guard`; the header
-                            // is a live local.
-                            unsafe {
-                                writev_all(
-                                    sock.as_raw_fd(),
-                                    &mut iovs,
-                                    clock,
-                                    self.config.io_timeout,
-                                )?
-                            };
-                            drop(guard);
-                            Ok(())
-                        }
-                        Err(reason) => {
-                            send_frames(
-                                sock,
-                                &[Frame::ReadData {
-                                    req,
-                                    len: 0,
-                                    status: reason.code(),
-                                }
-                                .encode()],
-                                clock,
-                                self.config.io_timeout,
-                            )?;
-                            Err(reason)
-                        }
-                    };
-                    lock(&session.table)
-                        .segment(req, result)
-                        .map_err(violation)?
+                    let result = self.send_read(&mut c, req, mem_type, addr, len, key)?;
+                    segment(session, req, 1, result)?
                 }
-                Frame::Fence { req } => lock(&session.table)
-                    .segment(req, Ok(()))
-                    .map_err(violation)?,
-                Frame::Abort { req, segments } => lock(&session.table)
-                    .segments(req, segments, Err(RejectReason::Aborted))
-                    .map_err(violation)?,
                 Frame::WriteList {
                     req,
                     mem_type,
@@ -449,75 +422,32 @@ impl Inner {
                     total,
                     key,
                 } => {
-                    let table =
-                        reader.read_vec_mid_frame(count as usize * WRITE_LIST_ENTRY, idle)?;
-                    let WriteListTable { pieces, lo, hi } =
-                        write_list_pieces(&table, total).map_err(violation)?;
-                    // One admission for the span: a key names one region,
-                    // so the span inside it puts every piece inside it.
-                    let result = match self.registry.admit_remote(mem_type, lo, hi - lo, key) {
-                        Ok(guard) => {
-                            // SAFETY: every piece lies inside the admitted
-                            // span of a registered region, writable while
-                            // registered; `guard` holds the registration
-                            // until the payload has landed.
-                            unsafe { reader.read_into_many(&pieces, idle)? };
-                            drop(guard);
-                            Ok(())
-                        }
-                        Err(reason) => {
-                            tracing::debug!(remote = %session.remote, lo, hi, %reason, "refused write list");
-                            reader.discard(total, idle)?;
-                            Err(reason)
-                        }
-                    };
-                    lock(&session.table)
-                        .segments(req, u64::from(count), result)
-                        .map_err(violation)?
+                    let result = self.land_write_list(&mut c, mem_type, count, total, key)?;
+                    segment(session, req, u64::from(count), result)?
                 }
-                Frame::QpConnect { qpn, psn, mtu } => {
-                    let gid: [u8; 16] = reader
-                        .read_vec(16, idle)?
-                        .try_into()
-                        .map_err(|_| violation("short GID"))?;
-                    let remote = QpInfo { qpn, psn, gid, mtu };
-                    match self.accept_qp(&remote, &session.remote, sock) {
-                        Ok((info, receiver)) => {
-                            let hdr = Frame::QpAccept {
-                                qpn: info.qpn,
-                                psn: info.psn,
-                                mtu: info.mtu,
-                                status: status::OK,
-                            }
-                            .encode();
-                            let mut iovs =
-                                [iov(hdr.as_ptr(), HEADER_LEN), iov(info.gid.as_ptr(), 16)];
-                            // SAFETY: both iovecs point into live locals.
-                            unsafe {
-                                writev_all(
-                                    sock.as_raw_fd(),
-                                    &mut iovs,
-                                    clock,
-                                    self.config.io_timeout,
-                                )?
-                            };
-                            rdma_receivers.push(receiver);
-                        }
-                        Err(st) => send_frames(
-                            sock,
-                            &[Frame::QpAccept {
-                                qpn: 0,
-                                psn: 0,
-                                mtu: 0,
-                                status: st,
-                            }
-                            .encode()],
-                            clock,
-                            self.config.io_timeout,
-                        )?,
-                    }
-                    None
+                Frame::Fence { req } => segment(session, req, 1, Ok(()))?,
+                // Every socket path: the request's end.
+                Frame::Abort { req, segments } => {
+                    segment(session, req, segments, Err(RejectReason::Aborted))?
                 }
+                Frame::Commit {
+                    req,
+                    op: _,
+                    segments,
+                    sync_len,
+                    has_sync,
+                } => {
+                    let sync = read_sync(
+                        c.reader,
+                        &self.inbox,
+                        &session.remote,
+                        has_sync,
+                        sync_len,
+                        c.idle,
+                    )?;
+                    commit(session, req, segments, sync)?
+                }
+                // The cross-memory path (`cma_target`).
                 Frame::Grant {
                     req,
                     mem_type,
@@ -526,37 +456,7 @@ impl Inner {
                     key,
                     total,
                 } => {
-                    let admitted = self.registry.admit_remote(mem_type, addr, len, key);
-                    let answer = {
-                        let mut grants = lock(&session.grants);
-                        let g = grants.entry(req).or_default();
-                        g.seen += 1;
-                        match admitted {
-                            Ok(guard) => {
-                                g.guards.push(guard);
-                                g.spans.push((addr, len));
-                            }
-                            Err(r) => {
-                                g.refused.get_or_insert(r);
-                            }
-                        }
-                        if g.seen < total {
-                            None
-                        } else if let Some(r) = g.refused {
-                            grants.remove(&req);
-                            Some(r.code())
-                        } else {
-                            Some(status::OK)
-                        }
-                    };
-                    if let Some(st) = answer {
-                        send_frames(
-                            sock,
-                            &[Frame::Granted { req, status: st }.encode()],
-                            clock,
-                            self.config.io_timeout,
-                        )?;
-                    }
+                    self.grant(&mut c, req, mem_type, (addr, len), key, total)?;
                     None
                 }
                 Frame::Delegate {
@@ -569,84 +469,22 @@ impl Inner {
                     sync_len,
                     has_sync,
                 } => {
-                    // The sync message may follow: no header read-ahead.
-                    let table =
-                        reader.read_vec_mid_frame(count as usize * wire::DELEGATE_ENTRY, idle)?;
-                    let sync = read_sync(
-                        reader,
-                        &self.inbox,
-                        &session.remote,
-                        has_sync,
-                        sync_len,
-                        idle,
-                    )?;
-                    let answer = |st| {
-                        send_frames(
-                            sock,
-                            &[Frame::Granted { req, status: st }.encode()],
-                            clock,
-                            self.config.io_timeout,
-                        )
+                    let ask = DelegateAsk {
+                        req,
+                        op,
+                        count,
+                        pid,
+                        probe_addr,
+                        instance,
                     };
-                    if !self.may_copy_for(session, pid, probe_addr, instance) {
-                        answer(status::DELEGATE_REFUSED)?;
-                        None
-                    } else {
-                        let spans = lock(&session.grants)
-                            .get(&req)
-                            .map(|g| g.spans.clone())
-                            .unwrap_or_default();
-                        let pieces = delegated_pieces(&table, &spans).map_err(violation)?;
-                        let dir = match op {
-                            CommitOp::Write => shm::Direction::Read,
-                            CommitOp::Read => shm::Direction::Write,
-                        };
-                        // SAFETY: every local range lies inside a span granted
-                        // for this request (checked above), in a region this
-                        // agent registered, whose registrant promised it stays
-                        // valid while registered; the request's grant guards
-                        // keep it registered until the commit below.
-                        let copied = unsafe {
-                            shm::copy_parallel(
-                                pid,
-                                dir,
-                                &pieces,
-                                self.config.shm.copy_threads,
-                                PARALLEL_COPY_MIN,
-                                &|| false,
-                            )
-                        };
-                        match copied {
-                            Ok(_) => {
-                                self.delegated_copies.fetch_add(1, Ordering::Relaxed);
-                                answer(status::OK)?;
-                                commit(session, req, 0, sync)?
-                            }
-                            Err(e) => {
-                                tracing::warn!(agent = %self.config.name, remote = %session.remote, req, error = %e, "delegated cross-memory copy failed");
-                                lock(&session.grants).remove(&req);
-                                answer(status::DELEGATE_FAILED)?;
-                                None
-                            }
-                        }
-                    }
+                    self.delegate(&mut c, ask, has_sync, sync_len)?
                 }
-                Frame::Commit {
-                    req,
-                    op: _,
-                    segments,
-                    sync_len,
-                    has_sync,
-                } => {
-                    let sync = read_sync(
-                        reader,
-                        &self.inbox,
-                        &session.remote,
-                        has_sync,
-                        sync_len,
-                        idle,
-                    )?;
-                    commit(session, req, segments, sync)?
+                // The RDMA path (`rdma::accept`).
+                Frame::QpConnect { qpn, psn, mtu } => {
+                    if let Some(r) = self.qp_connect(&mut c, qpn, psn, mtu)? {
+                        rdma_receivers.push(r);
+                    }
+                    None
                 }
                 other => return Err(violation(format!("unexpected frame {other:?}"))),
             };
@@ -654,54 +492,6 @@ impl Inner {
                 self.finish(sock, session, f, clock)?;
             }
         }
-    }
-
-    /// Whether this agent copies for the initiator of `session`, which says
-    /// it is process `pid` with `instance` readable at `probe_addr`: only
-    /// when delegation is on, the kernel proved on the local socket that
-    /// `pid` is the session's initiator and it still lives, it is another
-    /// process than this one, and the probe shows this process can reach it
-    /// (decided once per session). A pid taken from the frame alone is
-    /// never trusted: the copy runs with this process's privileges.
-    pub(in crate::engine) fn may_copy_for(
-        &self,
-        session: &Session,
-        pid: u32,
-        probe_addr: u64,
-        instance: u64,
-    ) -> bool {
-        if !self.config.shm.delegate {
-            return false;
-        }
-        let proven = lock(&session.proven).as_ref().and_then(|p| p.live_pid());
-        if pid == std::process::id() {
-            tracing::warn!(agent = %self.config.name, remote = %session.remote, "refused a delegated copy into this very process");
-            return false;
-        }
-        if proven != Some(pid) {
-            tracing::warn!(agent = %self.config.name, remote = %session.remote, claimed = pid, ?proven, "refused a delegated copy: the initiator did not prove it is that process");
-            return false;
-        }
-        let mut d = lock(&session.delegate);
-        if let Some((p, a, i, ok)) = *d
-            && (p, a, i) == (pid, probe_addr, instance)
-        {
-            return ok;
-        }
-        let access = LocalAccess {
-            host: self.host.clone(),
-            pid,
-            probe_addr,
-        };
-        let ok = match shm::probe(&access, instance, &self.host) {
-            Ok(()) => true,
-            Err(why) => {
-                tracing::info!(agent = %self.config.name, remote = %session.remote, %why, "not copying for this initiator; it copies itself");
-                false
-            }
-        };
-        *d = Some((pid, probe_addr, instance, ok));
-        ok
     }
 
     /// Serves the local proof socket until the agent closes: a ticket binds
@@ -752,105 +542,5 @@ impl Inner {
             clock,
             self.config.io_timeout,
         )
-    }
-
-    /// Target side of `QpConnect`: a queue pair connected to the
-    /// initiator's, receive buffers posted, and a thread that delivers the
-    /// sync messages arriving as SENDs.
-    pub(in crate::engine) fn accept_qp(
-        &self,
-        remote: &QpInfo,
-        remote_name: &str,
-        sock: &TcpStream,
-    ) -> Result<(QpInfo, RdmaReceiver), u16> {
-        let Some(dev) = self.device.as_ref() else {
-            return Err(status::NO_RDMA);
-        };
-        let sink = SyncSink {
-            inbox: Arc::clone(&self.inbox),
-            remote: remote_name.to_owned(),
-            sock: sock.try_clone().map_err(|_| status::QP_FAILED)?,
-            io_timeout: self.config.io_timeout,
-        };
-        let refused = |e: crate::verbs::VerbsError| {
-            tracing::warn!(remote = %remote_name, error = %e, "cannot accept an RDMA connection");
-            status::QP_FAILED
-        };
-        if let Some(rx) = self.srq_receiver(dev) {
-            let mut qp = dev.create_rc_on_srq(&rx.shared.srq).map_err(refused)?;
-            qp.set_ack_timeout(ack_timeout(&self.config));
-            qp.connect(remote).map_err(refused)?;
-            let info = qp.info();
-            lock(&rx.shared.conns).insert(info.qpn, Arc::new(sink));
-            return Ok((
-                info,
-                RdmaReceiver::Shared {
-                    qpn: info.qpn,
-                    _qp: qp,
-                    rx,
-                },
-            ));
-        }
-        let ack_timeout = ack_timeout(&self.config);
-        let setup =
-            || -> Result<(crate::verbs::RcQueuePair, rdma::MsgRing), crate::verbs::VerbsError> {
-                // Receive events: the thread sleeps until a SEND lands.
-                let mut qp = dev.create_rc_with_events(rdma::WINDOW, false, true)?;
-                qp.set_ack_timeout(ack_timeout);
-                qp.connect(remote)?;
-                let ring = rdma::MsgRing::new(dev, rdma::RING)?;
-                for slot in 0..rdma::RING {
-                    // SAFETY: the ring lives in the receiver thread with the queue
-                    // pair, and is dropped after it.
-                    unsafe { qp.post_recv(slot as u64, ring.sge(slot, rdma::SYNC_MAX))? };
-                }
-                Ok((qp, ring))
-            };
-        let (qp, ring) = setup().map_err(refused)?;
-        let info = qp.info();
-        let stop = Arc::new(AtomicBool::new(false));
-        let ctx = ReceiverCtx {
-            sink,
-            stop: Arc::clone(&stop),
-        };
-        let thread = std::thread::Builder::new()
-            .name(format!("kvxfer-rdma-recv-{remote_name}"))
-            .spawn(move || ctx.run(qp, ring))
-            .map_err(|_| status::QP_FAILED)?;
-        Ok((
-            info,
-            RdmaReceiver::Own {
-                stop,
-                thread: Some(thread),
-            },
-        ))
-    }
-
-    /// The agent's shared receive queue and thread, made on first use;
-    /// `None` when connections receive on their own queues (configuration,
-    /// or a device that cannot make one: logged once).
-    pub(in crate::engine) fn srq_receiver(&self, dev: &Arc<Device>) -> Option<Arc<SrqReceiver>> {
-        let mut st = lock(&self.srq_rx);
-        match &*st {
-            SrqState::Ready(rx) => return Some(Arc::clone(rx)),
-            SrqState::PerQueuePair => return None,
-            SrqState::Untried => {}
-        }
-        if !self.config.rdma.srq {
-            *st = SrqState::PerQueuePair;
-            return None;
-        }
-        match SrqReceiver::start(dev, &self.config.name) {
-            Ok(rx) => {
-                tracing::info!(device = %dev.name(), depth = rx.shared.srq.depth(), "RDMA connections share one receive queue");
-                *st = SrqState::Ready(Arc::clone(&rx));
-                Some(rx)
-            }
-            Err(e) => {
-                tracing::info!(device = %dev.name(), error = %e, "no shared receive queue; each RDMA connection posts its own receive buffers");
-                *st = SrqState::PerQueuePair;
-                None
-            }
-        }
     }
 }

@@ -4,6 +4,7 @@
 //! regions; a request's sync message sent as a SEND on the same queue pair
 //! after its data, so RC ordering delivers it only after every byte landed.
 
+pub(in crate::engine) mod accept;
 pub(crate) mod lane;
 pub(in crate::engine) mod link;
 pub(in crate::engine) mod recv;

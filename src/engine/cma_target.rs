@@ -1,0 +1,189 @@
+//! The cross-memory path at the target: grants (ranges admitted and held
+//! until the request's commit, so the initiator's direct copy lands in
+//! registered memory only), and delegated copies done here for a proven
+//! initiator whose side is the contiguous one.
+
+use super::*;
+
+/// What a `Delegate` frame asks, besides its sync message.
+pub(in crate::engine) struct DelegateAsk {
+    pub(in crate::engine) req: u64,
+    pub(in crate::engine) op: CommitOp,
+    pub(in crate::engine) count: u32,
+    pub(in crate::engine) pid: u32,
+    pub(in crate::engine) probe_addr: u64,
+    pub(in crate::engine) instance: u64,
+}
+
+impl Inner {
+    /// Admits one `Grant` of `req`; once all `total` have come, answers
+    /// `Granted` (the first refusal, or OK).
+    pub(in crate::engine) fn grant(
+        &self,
+        c: &mut Conn<'_, '_, '_>,
+        req: u64,
+        mem_type: MemoryType,
+        (addr, len): (u64, u64),
+        key: u64,
+        total: u32,
+    ) -> io::Result<()> {
+        let admitted = self.registry.admit_remote(mem_type, addr, len, key);
+        let answer = {
+            let mut grants = lock(&c.session.grants);
+            let g = grants.entry(req).or_default();
+            g.seen += 1;
+            match admitted {
+                Ok(guard) => {
+                    g.guards.push(guard);
+                    g.spans.push((addr, len));
+                }
+                Err(r) => {
+                    g.refused.get_or_insert(r);
+                }
+            }
+            if g.seen < total {
+                None
+            } else if let Some(r) = g.refused {
+                grants.remove(&req);
+                Some(r.code())
+            } else {
+                Some(status::OK)
+            }
+        };
+        match answer {
+            Some(st) => c.send(
+                &[Frame::Granted { req, status: st }.encode()],
+                self.config.io_timeout,
+            ),
+            None => Ok(()),
+        }
+    }
+
+    /// Serves a `Delegate`: copies the request's pieces (each inside a span
+    /// granted for it) from or into the proven initiator's process, answers,
+    /// and commits it with its sync message; refuses when this agent does
+    /// not copy for that initiator.
+    pub(in crate::engine) fn delegate(
+        &self,
+        c: &mut Conn<'_, '_, '_>,
+        ask: DelegateAsk,
+        has_sync: bool,
+        sync_len: u32,
+    ) -> io::Result<Option<Finished<HeldSync>>> {
+        let DelegateAsk {
+            req,
+            op,
+            count,
+            pid,
+            probe_addr,
+            instance,
+        } = ask;
+        let session = c.session;
+        // The sync message may follow: no header read-ahead.
+        let table = c
+            .reader
+            .read_vec_mid_frame(count as usize * wire::DELEGATE_ENTRY, c.idle)?;
+        let sync = read_sync(
+            c.reader,
+            &self.inbox,
+            &session.remote,
+            has_sync,
+            sync_len,
+            c.idle,
+        )?;
+        let answer = |st| {
+            c.send(
+                &[Frame::Granted { req, status: st }.encode()],
+                self.config.io_timeout,
+            )
+        };
+        if !self.may_copy_for(session, pid, probe_addr, instance) {
+            answer(status::DELEGATE_REFUSED)?;
+            return Ok(None);
+        }
+        let spans = lock(&session.grants)
+            .get(&req)
+            .map(|g| g.spans.clone())
+            .unwrap_or_default();
+        let pieces = delegated_pieces(&table, &spans).map_err(violation)?;
+        let dir = match op {
+            CommitOp::Write => shm::Direction::Read,
+            CommitOp::Read => shm::Direction::Write,
+        };
+        // SAFETY: every local range lies inside a span granted for this
+        // request (checked above), in a region this agent registered, whose
+        // registrant promised it stays valid while registered; the
+        // request's grant guards keep it registered until the commit below.
+        let copied = unsafe {
+            shm::copy_parallel(
+                pid,
+                dir,
+                &pieces,
+                self.config.shm.copy_threads,
+                PARALLEL_COPY_MIN,
+                &|| false,
+            )
+        };
+        match copied {
+            Ok(_) => {
+                self.delegated_copies.fetch_add(1, Ordering::Relaxed);
+                answer(status::OK)?;
+                commit(session, req, 0, sync)
+            }
+            Err(e) => {
+                tracing::warn!(agent = %self.config.name, remote = %session.remote, req, error = %e, "delegated cross-memory copy failed");
+                lock(&session.grants).remove(&req);
+                answer(status::DELEGATE_FAILED)?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Whether this agent copies for the initiator of `session`, which says
+    /// it is process `pid` with `instance` readable at `probe_addr`: only
+    /// when delegation is on, the kernel proved on the local socket that
+    /// `pid` is the session's initiator and it still lives, it is another
+    /// process than this one, and the probe shows this process can reach it
+    /// (decided once per session). A pid taken from the frame alone is
+    /// never trusted: the copy runs with this process's privileges.
+    pub(in crate::engine) fn may_copy_for(
+        &self,
+        session: &Session,
+        pid: u32,
+        probe_addr: u64,
+        instance: u64,
+    ) -> bool {
+        if !self.config.shm.delegate {
+            return false;
+        }
+        let proven = lock(&session.proven).as_ref().and_then(|p| p.live_pid());
+        if pid == std::process::id() {
+            tracing::warn!(agent = %self.config.name, remote = %session.remote, "refused a delegated copy into this very process");
+            return false;
+        }
+        if proven != Some(pid) {
+            tracing::warn!(agent = %self.config.name, remote = %session.remote, claimed = pid, ?proven, "refused a delegated copy: the initiator did not prove it is that process");
+            return false;
+        }
+        let mut d = lock(&session.delegate);
+        if let Some((p, a, i, ok)) = *d
+            && (p, a, i) == (pid, probe_addr, instance)
+        {
+            return ok;
+        }
+        let access = LocalAccess {
+            host: self.host.clone(),
+            pid,
+            probe_addr,
+        };
+        let ok = match shm::probe(&access, instance, &self.host) {
+            Ok(()) => true,
+            Err(why) => {
+                tracing::info!(agent = %self.config.name, remote = %session.remote, %why, "not copying for this initiator; it copies itself");
+                false
+            }
+        };
+        *d = Some((pid, probe_addr, instance, ok));
+        ok
+    }
+}

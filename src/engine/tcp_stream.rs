@@ -65,12 +65,7 @@ impl SocketLink {
 
     pub(in crate::engine) fn run_sender(self: Arc<Self>, idx: usize, rx: Receiver<Job>) {
         let fd = self.streams[idx].sock.as_raw_fd();
-        let mut headers: Vec<[u8; HEADER_LEN]> = Vec::new();
-        let mut iovs: Vec<libc::iovec> = Vec::new();
-        let mut tables: Vec<Vec<u8>> = Vec::new();
-        // After each data frame: (iovecs so far, segments so far, bytes so
-        // far), where an aborted request may stop.
-        let mut marks: Vec<(usize, usize, u64)> = Vec::new();
+        let mut f = Framed::default();
         while let Ok(job) = rx.recv() {
             let (req, op, mut segs, tail, pending, mut aborted) = match job {
                 Job::Stop => break,
@@ -129,134 +124,11 @@ impl SocketLink {
                 segs.clear();
                 aborted = true;
             }
-            headers.clear();
-            iovs.clear();
-            tables.clear();
-            marks.clear();
+            f.clear();
             if op == TransferOp::Write {
-                // Runs of small segments to one region go as write lists
-                // (one frame and one scatter read at the target for up to
-                // WRITE_LIST_MAX of them); the rest as single segments.
-                headers.reserve(segs.len() + 3);
-                let mut bytes = 0;
-                let mut i = 0;
-                while i < segs.len() {
-                    let s0 = &segs[i];
-                    let mut j = i + 1;
-                    if s0.len <= WRITE_LIST_PIECE_MAX {
-                        while j < segs.len()
-                            && j - i < WRITE_LIST_MAX as usize
-                            && segs[j].len <= WRITE_LIST_PIECE_MAX
-                            && segs[j].key == s0.key
-                            && segs[j].mem_type == s0.mem_type
-                        {
-                            j += 1;
-                        }
-                    }
-                    if j - i >= 2 {
-                        let run = &segs[i..j];
-                        let mut table = Vec::with_capacity(run.len() * WRITE_LIST_ENTRY);
-                        for s in run {
-                            table.extend_from_slice(&s.remote.to_le_bytes());
-                            table.extend_from_slice(&s.len.to_le_bytes());
-                        }
-                        let total = run.iter().map(|s| s.len).sum();
-                        headers.push(
-                            Frame::WriteList {
-                                req,
-                                mem_type: s0.mem_type,
-                                count: run.len() as u32,
-                                total,
-                                key: s0.key,
-                            }
-                            .encode(),
-                        );
-                        iovs.push(iov(
-                            headers.last().expect("just pushed").as_ptr(),
-                            HEADER_LEN,
-                        ));
-                        iovs.push(iov(table.as_ptr(), table.len()));
-                        tables.push(table);
-                        for s in run {
-                            iovs.push(iov(s.local as *const u8, s.len as usize));
-                        }
-                        bytes += total;
-                    } else {
-                        headers.push(
-                            Frame::Write {
-                                req,
-                                mem_type: s0.mem_type,
-                                addr: s0.remote,
-                                len: s0.len,
-                                key: s0.key,
-                            }
-                            .encode(),
-                        );
-                        iovs.push(iov(
-                            headers.last().expect("just pushed").as_ptr(),
-                            HEADER_LEN,
-                        ));
-                        iovs.push(iov(s0.local as *const u8, s0.len as usize));
-                        bytes += s0.len;
-                    }
-                    i = j;
-                    marks.push((iovs.len(), i, bytes));
-                }
+                f.writes(req, &segs);
             }
-            let data_frames = headers.len();
-            for s in segs.iter().filter(|_| op == TransferOp::Read) {
-                headers.push(
-                    Frame::ReadReq {
-                        req,
-                        mem_type: s.mem_type,
-                        addr: s.remote,
-                        len: s.len,
-                        key: s.key,
-                    }
-                    .encode(),
-                );
-            }
-            if aborted {
-                headers.push(
-                    Frame::Abort {
-                        req,
-                        segments: skipped as u64,
-                    }
-                    .encode(),
-                );
-            }
-            let sync = match &tail {
-                Tail::None => None,
-                Tail::Fence => {
-                    headers.push(Frame::Fence { req }.encode());
-                    None
-                }
-                Tail::Commit { segments, sync } => {
-                    headers.push(
-                        Frame::Commit {
-                            req,
-                            op: match op {
-                                TransferOp::Write => CommitOp::Write,
-                                TransferOp::Read => CommitOp::Read,
-                            },
-                            segments: *segments,
-                            sync_len: sync.as_ref().map_or(0, |m| m.len() as u32),
-                            has_sync: sync.is_some(),
-                        }
-                        .encode(),
-                    );
-                    sync.as_deref()
-                }
-            };
-            // Write frames are in `iovs` already; then the read requests,
-            // an abort and the tail.
-            let data_end = iovs.len();
-            for h in &headers[data_frames..] {
-                iovs.push(iov(h.as_ptr(), HEADER_LEN));
-            }
-            if let Some(m) = sync {
-                iovs.push(iov(m.as_ptr(), m.len()));
-            }
+            let data_end = f.tail(req, op, &segs, aborted.then_some(skipped), &tail);
             if op == TransferOp::Read {
                 let mut reads = lock(&self.streams[idx].reads);
                 for s in &segs {
@@ -268,8 +140,8 @@ impl SocketLink {
                     });
                 }
             }
-            let abortable = marks.last().is_some_and(|m| m.2 > ABORT_CHECK_BYTES);
-            // SAFETY: header iovecs point into `headers`, the sync iovec into
+            let abortable = f.marks.last().is_some_and(|m| m.2 > ABORT_CHECK_BYTES);
+            // SAFETY: header iovecs point into `f.headers`, the sync iovec into
             // the job (both alive until the call returns); payload iovecs
             // point into local regions validated at submit time and held by
             // the request's guards, which live until the request completes,
@@ -277,9 +149,9 @@ impl SocketLink {
             // acknowledgement follows these bytes).
             let written = unsafe {
                 if abortable {
-                    self.write_abortable(fd, &mut iovs, &marks, data_end, req, &pending)
+                    self.write_abortable(fd, &mut f.iovs, &f.marks, data_end, req, &pending)
                 } else {
-                    writev_all(fd, &mut iovs, &self.clock, self.io_timeout)
+                    writev_all(fd, &mut f.iovs, &self.clock, self.io_timeout)
                 }
             };
             if let Err(e) = written {
@@ -488,5 +360,175 @@ impl IdlePolicy for LinkIdle<'_> {
             ));
         }
         Ok(())
+    }
+}
+
+/// A stream sender's scratch: one job's frames as the iovecs of one
+/// `writev` — headers, write-list tables, payloads straight from the local
+/// regions, and the sync message.
+#[derive(Default)]
+pub(in crate::engine) struct Framed {
+    pub(in crate::engine) headers: Vec<[u8; HEADER_LEN]>,
+    pub(in crate::engine) iovs: Vec<libc::iovec>,
+    pub(in crate::engine) tables: Vec<Vec<u8>>,
+    /// After each data frame: (iovecs so far, segments so far, bytes so
+    /// far), where an aborted request may stop.
+    pub(in crate::engine) marks: Vec<(usize, usize, u64)>,
+}
+
+impl Framed {
+    fn clear(&mut self) {
+        self.headers.clear();
+        self.iovs.clear();
+        self.tables.clear();
+        self.marks.clear();
+    }
+
+    /// A WRITE's data frames: runs of small segments to one region go as
+    /// write lists (one frame and one scatter read at the target for up to
+    /// `WRITE_LIST_MAX` of them); the rest as single segments.
+    fn writes(&mut self, req: u64, segs: &[Seg]) {
+        let Framed {
+            headers,
+            iovs,
+            tables,
+            marks,
+        } = self;
+        // Room for every header of the job (its data frames, an abort and
+        // the tail) up front: the iovecs point into this vector.
+        headers.reserve(segs.len() + 3);
+        let mut bytes = 0;
+        let mut i = 0;
+        while i < segs.len() {
+            let s0 = &segs[i];
+            let mut j = i + 1;
+            if s0.len <= WRITE_LIST_PIECE_MAX {
+                while j < segs.len()
+                    && j - i < WRITE_LIST_MAX as usize
+                    && segs[j].len <= WRITE_LIST_PIECE_MAX
+                    && segs[j].key == s0.key
+                    && segs[j].mem_type == s0.mem_type
+                {
+                    j += 1;
+                }
+            }
+            if j - i >= 2 {
+                let run = &segs[i..j];
+                let mut table = Vec::with_capacity(run.len() * WRITE_LIST_ENTRY);
+                for s in run {
+                    table.extend_from_slice(&s.remote.to_le_bytes());
+                    table.extend_from_slice(&s.len.to_le_bytes());
+                }
+                let total = run.iter().map(|s| s.len).sum();
+                headers.push(
+                    Frame::WriteList {
+                        req,
+                        mem_type: s0.mem_type,
+                        count: run.len() as u32,
+                        total,
+                        key: s0.key,
+                    }
+                    .encode(),
+                );
+                iovs.push(iov(
+                    headers.last().expect("just pushed").as_ptr(),
+                    HEADER_LEN,
+                ));
+                iovs.push(iov(table.as_ptr(), table.len()));
+                tables.push(table);
+                for s in run {
+                    iovs.push(iov(s.local as *const u8, s.len as usize));
+                }
+                bytes += total;
+            } else {
+                headers.push(
+                    Frame::Write {
+                        req,
+                        mem_type: s0.mem_type,
+                        addr: s0.remote,
+                        len: s0.len,
+                        key: s0.key,
+                    }
+                    .encode(),
+                );
+                iovs.push(iov(
+                    headers.last().expect("just pushed").as_ptr(),
+                    HEADER_LEN,
+                ));
+                iovs.push(iov(s0.local as *const u8, s0.len as usize));
+                bytes += s0.len;
+            }
+            i = j;
+            marks.push((iovs.len(), i, bytes));
+        }
+    }
+
+    /// After the data frames: a READ's requests, an `Abort` (counting
+    /// `aborted` skipped segments), the fence or commit and the sync
+    /// message. Returns where the data frames' iovecs end.
+    fn tail<'a>(
+        &mut self,
+        req: u64,
+        op: TransferOp,
+        segs: &[Seg],
+        aborted: Option<usize>,
+        tail: &'a Tail,
+    ) -> usize {
+        let headers = &mut self.headers;
+        let data_frames = headers.len();
+        for s in segs.iter().filter(|_| op == TransferOp::Read) {
+            headers.push(
+                Frame::ReadReq {
+                    req,
+                    mem_type: s.mem_type,
+                    addr: s.remote,
+                    len: s.len,
+                    key: s.key,
+                }
+                .encode(),
+            );
+        }
+        if let Some(skipped) = aborted {
+            headers.push(
+                Frame::Abort {
+                    req,
+                    segments: skipped as u64,
+                }
+                .encode(),
+            );
+        }
+        let sync: Option<&'a [u8]> = match tail {
+            Tail::None => None,
+            Tail::Fence => {
+                headers.push(Frame::Fence { req }.encode());
+                None
+            }
+            Tail::Commit { segments, sync } => {
+                headers.push(
+                    Frame::Commit {
+                        req,
+                        op: match op {
+                            TransferOp::Write => CommitOp::Write,
+                            TransferOp::Read => CommitOp::Read,
+                        },
+                        segments: *segments,
+                        sync_len: sync.as_ref().map_or(0, |m| m.len() as u32),
+                        has_sync: sync.is_some(),
+                    }
+                    .encode(),
+                );
+                sync.as_deref()
+            }
+        };
+        // Write frames are in `iovs` already; then the read requests, an
+        // abort and the tail.
+        let data_end = self.iovs.len();
+        for h in &self.headers[data_frames..] {
+            self.iovs.push(iov(h.as_ptr(), HEADER_LEN));
+        }
+        if let Some(m) = sync {
+            self.iovs.push(iov(m.as_ptr(), m.len()));
+        }
+        data_end
     }
 }

@@ -170,11 +170,81 @@ class Registration:
             pass
 
 
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    """DLPack's `DLTensor`, the first member of a `DLManagedTensor` (the
+    legacy `"dltensor"` capsule's pointer)."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_pointer.restype = ctypes.c_void_p
+# DLPack device types: host memory, and host memory pinned by CUDA / ROCm.
+_DL_HOST = {1: "cpu", 3: "cuda_host", 11: "rocm_host"}
+_DL_CUDA = 2
+
+
+def _dlpack_range(obj):
+    """(address, length, memory type, device) of a contiguous DLPack tensor.
+    The capsule is only looked at (not consumed: its own destructor hands
+    it back to the producer); the registration keeps `obj` itself."""
+    capsule = obj.__dlpack__()
+    ptr = _capsule_pointer(capsule, b"dltensor")
+    t = _DLTensor.from_address(ptr)
+    dev = t.device.device_type
+    if dev not in _DL_HOST and dev != _DL_CUDA:
+        raise ValueError(f"a DLPack tensor on device type {dev} cannot be registered")
+    shape = [t.shape[i] for i in range(t.ndim)]
+    count = 1
+    for d in shape:
+        count *= d
+    if t.strides and count:
+        want = 1
+        for i in reversed(range(t.ndim)):
+            if shape[i] != 1 and t.strides[i] != want:
+                raise ValueError("a strided DLPack tensor cannot be registered (make it contiguous)")
+            want *= shape[i]
+    item_bits = t.dtype.bits * t.dtype.lanes
+    if item_bits % 8:
+        raise ValueError(f"DLPack elements of {item_bits} bits are not whole bytes")
+    addr = (t.data or 0) + t.byte_offset
+    length = count * item_bits // 8
+    if dev == _DL_CUDA:
+        return addr, length, "vram", t.device.device_id
+    return addr, length, "dram", 0
+
+
+def _has_buffer(obj):
+    try:
+        memoryview(obj).release()
+        return True
+    except TypeError:
+        return False
+
+
 def _tensor_range(obj):
     """(address, length, memory type, device) of a contiguous tensor: one
-    with `__cuda_array_interface__` (GPU memory), or torch-like
-    (`data_ptr()`, `numel()`, `element_size()`, `device`); None for other
-    objects (they go through the buffer protocol)."""
+    with `__cuda_array_interface__` (GPU memory), torch-like (`data_ptr()`,
+    `numel()`, `element_size()`, `device`), or one that only speaks DLPack
+    (`__dlpack__`); None for other objects (they go through the buffer
+    protocol, which also tells a read-only buffer)."""
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
         if cai.get("strides") is not None:
@@ -192,6 +262,8 @@ def _tensor_range(obj):
         kind = getattr(dev, "type", "cpu")
         mem = "vram" if kind == "cuda" else "dram"
         return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), mem, int(dev.index or 0) if kind == "cuda" else 0
+    if hasattr(obj, "__dlpack__") and not _has_buffer(obj):
+        return _dlpack_range(obj)
     return None
 
 
@@ -201,8 +273,8 @@ class Agent(_kvxfer.Agent):
 
     def register(self, obj):
         """Registers a writable buffer (`bytearray`, `memoryview`, `mmap`, a
-        contiguous numpy array) or a contiguous tensor (torch-like, or with
-        `__cuda_array_interface__`: GPU memory, refused with
+        contiguous numpy array) or a contiguous tensor (torch-like, DLPack,
+        or with `__cuda_array_interface__`; GPU memory is refused with
         `UnsupportedMemoryTypeError` until GPU memory is supported);
         returns its `Registration`."""
         return Registration(self, obj)

@@ -394,3 +394,43 @@ def test_tensors_register_by_address_and_gpu_memory_is_refused_typed():
 
     with pytest.raises(kvxfer.UnsupportedMemoryTypeError):
         t.register(CudaArray())
+
+
+class DLPackOnly:
+    """A tensor that speaks DLPack only (as a JAX or TensorFlow CPU array
+    does): no buffer protocol, no data_ptr; its export is numpy's."""
+
+    def __init__(self, arr, device=(1, 0)):
+        self._arr = arr
+        self._device = device
+
+    def __dlpack__(self, stream=None):
+        return self._arr.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self._device
+
+
+def test_dlpack_tensors_register_contiguous_only():
+    np = pytest.importorskip("numpy")
+    t = kvxfer.Agent("py-dl-t")
+    i = kvxfer.Agent("py-dl-i")
+    arr = np.zeros((16, 64), dtype=np.float32)
+    dst = DLPackOnly(arr)
+    rt = t.register(dst)
+    assert (rt.addr, rt.len, rt.mem_type) == (arr.ctypes.data, arr.nbytes, "dram")
+    # A view into the middle: its address carries the offset.
+    rows = DLPackOnly(arr[4:8])
+    src = bytearray(pattern(arr.nbytes, 9))
+    ri = i.register(src)
+    name = i.add_remote_agent(t.metadata())
+    i.write(ri.descs(), rt.descs(), name).wait(WAIT)
+    assert arr.tobytes() == bytes(src)
+    rt.deregister()
+    r4 = t.register(rows)
+    assert (r4.addr, r4.len) == (arr.ctypes.data + 4 * 64 * 4, 4 * 64 * 4)
+    r4.deregister()
+    # Strided: refused before anything is registered.
+    with pytest.raises(ValueError):
+        t.register(DLPackOnly(arr[:, ::2]))
+

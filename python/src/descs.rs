@@ -111,29 +111,38 @@ impl ArrayView {
 }
 
 /// Indices from a list of ints or a one-dimensional integer numpy array,
-/// each checked against `len`.
+/// each checked against `len` (read in one pass, straight into the result).
 pub(crate) fn indices(obj: &Bound<'_, PyAny>, len: usize, what: &str) -> PyResult<Vec<usize>> {
-    let raw: Vec<i128> = match array_view(obj)? {
-        Some(v) if v.shape.len() == 1 => v.values(obj),
-        Some(_) => {
-            return Err(PyValueError::new_err(format!(
-                "{what}: a one-dimensional array"
-            )));
+    let outside = |i: i128| PyValueError::new_err(format!("{what}: index {i} outside 0..{len}"));
+    match array_view(obj)? {
+        Some(v) if v.shape.len() == 1 => {
+            let mut out = Vec::with_capacity(v.len());
+            let mut bad = None;
+            v.each(obj, |i| match usize::try_from(i) {
+                Ok(k) if k < len => out.push(k),
+                _ => {
+                    bad.get_or_insert(i);
+                }
+            });
+            match bad {
+                Some(i) => Err(outside(i)),
+                None => Ok(out),
+            }
         }
+        Some(_) => Err(PyValueError::new_err(format!(
+            "{what}: a one-dimensional array"
+        ))),
         None => obj
             .extract::<Vec<i64>>()?
             .into_iter()
-            .map(i128::from)
+            .map(|i| {
+                usize::try_from(i)
+                    .ok()
+                    .filter(|&k| k < len)
+                    .ok_or_else(|| outside(i128::from(i)))
+            })
             .collect(),
-    };
-    raw.into_iter()
-        .map(|i| {
-            usize::try_from(i)
-                .ok()
-                .filter(|&i| i < len)
-                .ok_or_else(|| PyValueError::new_err(format!("{what}: index {i} outside 0..{len}")))
-        })
-        .collect()
+    }
 }
 
 /// A descriptor list held in Rust: `(address, length, device)` triples of
@@ -252,7 +261,9 @@ impl PyRequest {
 pub(crate) fn merge(
     pairs: impl Iterator<Item = (MemoryDesc, MemoryDesc)>,
 ) -> (Vec<MemoryDesc>, Vec<MemoryDesc>) {
-    let (mut l, mut r): (Vec<MemoryDesc>, Vec<MemoryDesc>) = (Vec::new(), Vec::new());
+    let n = pairs.size_hint().0;
+    let (mut l, mut r): (Vec<MemoryDesc>, Vec<MemoryDesc>) =
+        (Vec::with_capacity(n), Vec::with_capacity(n));
     for (a, b) in pairs {
         if let (Some(pa), Some(pb)) = (l.last_mut(), r.last_mut())
             && pa.end() == Some(a.addr)

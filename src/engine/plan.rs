@@ -12,7 +12,9 @@ pub(in crate::engine) fn plan_segments(
     max: u64,
     streams: usize,
 ) -> Vec<Vec<Seg>> {
-    let mut out: Vec<Vec<Seg>> = (0..streams).map(|_| Vec::new()).collect();
+    // Room for an even share of the pieces each (more when pieces split).
+    let share = req.local.descs.len() / streams + 1;
+    let mut out: Vec<Vec<Seg>> = (0..streams).map(|_| Vec::with_capacity(share)).collect();
     let mut load = vec![0u64; streams];
     for ((l, r), &key) in req.local.descs.iter().zip(&req.remote.descs).zip(keys) {
         let mut off = 0;

@@ -179,7 +179,7 @@ impl Engine {
             .registry
             .acquire_local_keyed(&req.local, rdma.then_some(&mut lkeys))?;
         // Access keys for the socket paths, remote keys for RDMA.
-        let mut keys = Vec::new();
+        let mut keys = Vec::with_capacity(if rdma { 0 } else { req.remote.descs.len() });
         let mut rkeys = Few::new();
         let mut hint = None;
         for d in &req.remote.descs {

@@ -139,7 +139,7 @@ impl SocketLink {
                     .push_back((rdma::Queued::Data { id, op, wr }, Arc::clone(pending)));
             }
             if let Some(msg) = sync {
-                let gate = Vec::new();
+                let gate = rdma::schedule::Gate::default();
                 q.items
                     .push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
             }
@@ -153,8 +153,8 @@ impl SocketLink {
             .next_stripe
             .fetch_add(wrs.len().max(1), Ordering::Relaxed);
         let mut per_qp: Vec<Vec<rdma::Wr>> = (0..n).map(|_| Vec::new()).collect();
-        for (i, wr) in wrs.into_iter().enumerate() {
-            per_qp[(start + i) % n].push(wr);
+        for (qp, wr) in rdma::schedule::stripe(start, wrs.len(), n).zip(wrs) {
+            per_qp[qp].push(wr);
         }
         let mut touched = vec![false; n];
         for ((conn, wrs), t) in self.rdma.qps.iter().zip(per_qp).zip(&mut touched) {
@@ -175,10 +175,11 @@ impl SocketLink {
             // After everything queued so far on the other queue pairs
             // (this request's data included): RC orders the SEND only
             // behind its own queue pair's work.
-            let gate = self.rdma.qps[1..]
-                .iter()
-                .map(|c| c.queued.load(Ordering::Acquire))
-                .collect();
+            let gate = rdma::schedule::Gate::behind(
+                self.rdma.qps[1..]
+                    .iter()
+                    .map(|c| c.queued.load(Ordering::Acquire)),
+            );
             let conn = &self.rdma.qps[0];
             let mut q = lock(&conn.queue);
             conn.count_queued(1);
@@ -193,10 +194,12 @@ impl SocketLink {
 
     /// Whether a sync message's gate is open: every work request it waits
     /// for on the other queue pairs has completed.
-    pub(in crate::engine) fn gate_open(&self, gate: &[u64]) -> bool {
-        gate.iter()
-            .zip(&self.rdma.qps[1..])
-            .all(|(&g, c)| c.completed.load(Ordering::Acquire) >= g)
+    pub(in crate::engine) fn gate_open(&self, gate: &rdma::schedule::Gate) -> bool {
+        gate.open(
+            self.rdma.qps[1..]
+                .iter()
+                .map(|c| c.completed.load(Ordering::Acquire)),
+        )
     }
 
     /// Posts queued work requests while the window and the message buffers

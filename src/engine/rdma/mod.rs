@@ -8,6 +8,7 @@ pub(in crate::engine) mod accept;
 pub(crate) mod lane;
 pub(in crate::engine) mod link;
 pub(in crate::engine) mod recv;
+pub(in crate::engine) mod schedule;
 mod window;
 
 use window::Window;
@@ -155,11 +156,10 @@ pub(crate) enum Queued {
         id: u64,
         /// The message.
         msg: Vec<u8>,
-        /// With several queue pairs: for each other one (the link's
-        /// second, third, ...), how many of its work requests must have
-        /// completed before this SEND may be posted — all those queued
-        /// before it, so every earlier byte has landed.
-        gate: Vec<u64>,
+        /// With several queue pairs: waits until every work request
+        /// queued before it on the others has completed, so every earlier
+        /// byte has landed ([`schedule::Gate`]).
+        gate: schedule::Gate,
     },
 }
 

@@ -12,6 +12,8 @@
 //! cfg.validate().unwrap();
 //! ```
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::Duration;

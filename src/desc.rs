@@ -7,6 +7,8 @@
 //! invariants, and reports each failure as a typed [`DescError`]; it never
 //! panics on any input.
 
+#![forbid(unsafe_code)]
+
 use serde::{Deserialize, Serialize};
 
 use crate::memory::{MemoryDesc, MemoryType, RegionMap};

@@ -5,6 +5,8 @@
 //! environment (I/O, timeouts). Every variant is `Clone`, so one failure can
 //! be reported to every waiter of a transfer status.
 
+#![forbid(unsafe_code)]
+
 use std::io;
 use std::sync::Arc;
 use std::time::Duration;

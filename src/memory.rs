@@ -11,6 +11,8 @@
 //! `BTreeMap`, so "which registered region contains this range" costs
 //! O(log n).
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::fmt;
 

@@ -3,6 +3,8 @@
 //! poll), [`TransferStatus`] with its deadlines and abort, the
 //! [`DataPath`] every status reports, and [`PreparedTransfer`].
 
+#![forbid(unsafe_code)]
+
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};

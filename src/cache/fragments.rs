@@ -12,6 +12,8 @@
 //! No byte is copied here: the result is a list of (source address,
 //! destination address, length) for one-sided WRITEs.
 
+#![forbid(unsafe_code)]
+
 use super::{CacheError, CacheState};
 
 /// One contiguous piece to move: `len` bytes from `src` (context pool) to

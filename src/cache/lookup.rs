@@ -2,6 +2,8 @@
 //! its last block, walking back, through a lookup the serving engine
 //! provides (its reuse radix tree).
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::sync::RwLock;
 

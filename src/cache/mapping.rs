@@ -5,6 +5,8 @@
 //! Global rank numbering: `rank = pp_rank × TP + tp_rank`. Context
 //! parallelism is not supported (CP = 1 on both sides).
 
+#![forbid(unsafe_code)]
+
 use super::{CacheError, CacheState};
 
 /// The peer ranks one rank talks to, and the shape of that domain.

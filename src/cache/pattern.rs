@@ -3,6 +3,8 @@
 //! truncated to the element size, so a receiver can check every byte from
 //! its own layout alone, whatever the sender's.
 
+#![forbid(unsafe_code)]
+
 use super::{CacheState, RankSlice};
 
 /// The value of one element (its low `dtype.size()` bytes are stored).

@@ -3,6 +3,8 @@
 //! exchange it; [`CacheState::check_compatible`] says what differs when the
 //! two cannot be mapped onto each other.
 
+#![forbid(unsafe_code)]
+
 use serde::{Deserialize, Serialize};
 
 use super::CacheError;

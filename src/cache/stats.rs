@@ -3,6 +3,8 @@
 //! `rank_<r>_recv.csv`: `RequestID` then `Delay(ms),Duration(ms),
 //! Bandwidth(Gbps)` per peer).
 
+#![forbid(unsafe_code)]
+
 use std::io::Write;
 use std::path::Path;
 use std::time::Duration;

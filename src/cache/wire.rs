@@ -5,6 +5,8 @@
 //! that the receiving side reassembles per sending agent (an agent
 //! delivers one sender's messages in order).
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};

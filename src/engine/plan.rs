@@ -2,6 +2,8 @@
 //! delegate tables (parsed with bounds checks, also by the fuzz targets),
 //! cross-memory grants and the delegation choice, RDMA work requests.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 /// Splits `(local, remote)` pairs into segments of at most `max` bytes and

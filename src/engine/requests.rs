@@ -7,6 +7,8 @@
 //! then is its sync message released, so the message always follows the
 //! request's data.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 
 use crate::error::RejectReason;

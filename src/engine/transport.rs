@@ -9,6 +9,8 @@
 //! the error lists every transport's reason. Adding a transport is one
 //! implementation here, its [`Path`], and its link behaviour.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 /// One way of moving data to a peer.

@@ -2,6 +2,8 @@
 //! followed by a body (`aux` bytes of control data, or `len` bytes of
 //! payload). Pure encode/decode; no I/O. Layout in `docs/wire-format.md`.
 
+#![forbid(unsafe_code)]
+
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 

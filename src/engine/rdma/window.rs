@@ -2,6 +2,8 @@
 //! requests, checked by a `loom` model (`RUSTFLAGS="--cfg loom" cargo test
 //! --lib window`).
 
+#![forbid(unsafe_code)]
+
 #[cfg(loom)]
 use loom::sync::atomic::{AtomicU64, Ordering};
 #[cfg(not(loom))]

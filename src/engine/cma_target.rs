@@ -83,14 +83,7 @@ impl Inner {
         let table = c
             .reader
             .read_vec_mid_frame(count as usize * wire::DELEGATE_ENTRY, c.idle)?;
-        let sync = read_sync(
-            c.reader,
-            &self.inbox,
-            &session.remote,
-            has_sync,
-            sync_len,
-            c.idle,
-        )?;
+        let sync = c.read_sync(&self.inbox, has_sync, sync_len)?;
         let answer = |st| {
             c.send(
                 &[Frame::Granted { req, status: st }.encode()],

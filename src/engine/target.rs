@@ -68,6 +68,24 @@ pub(in crate::engine) struct Conn<'c, 'r, 'i> {
 }
 
 impl Conn<'_, '_, '_> {
+    /// Reads the sync message a `Commit` or `Delegate` announced into room
+    /// in `inbox` ([`read_sync`]).
+    pub(in crate::engine) fn read_sync(
+        &mut self,
+        inbox: &Arc<Inbox>,
+        has_sync: bool,
+        sync_len: u32,
+    ) -> io::Result<SyncBody> {
+        read_sync(
+            self.reader,
+            inbox,
+            &self.session.remote,
+            has_sync,
+            sync_len,
+            self.idle,
+        )
+    }
+
     /// Sends header-only frames on the connection.
     pub(in crate::engine) fn send(
         &self,
@@ -437,14 +455,7 @@ impl Inner {
                     sync_len,
                     has_sync,
                 } => {
-                    let sync = read_sync(
-                        c.reader,
-                        &self.inbox,
-                        &session.remote,
-                        has_sync,
-                        sync_len,
-                        c.idle,
-                    )?;
+                    let sync = c.read_sync(&self.inbox, has_sync, sync_len)?;
                     commit(session, req, segments, sync)?
                 }
                 // The cross-memory path (`cma_target`).

@@ -16,19 +16,36 @@ impl Inner {
         len: u64,
         key: u64,
     ) -> io::Result<Result<(), RejectReason>> {
-        match self.registry.admit_remote(mem_type, addr, len, key) {
+        self.land(c, mem_type, (addr, addr + len), key, len, |c| {
+            // SAFETY: `[addr, addr + len)` was admitted: it lies inside a
+            // region registered with this agent, whose registrant promised
+            // it stays valid for writes while registered, and the
+            // admission's guard holds it registered during this read.
+            unsafe { c.reader.read_into(addr as *mut u8, len as usize, c.idle) }
+        })
+    }
+
+    /// Reads a payload of `total` bytes with `read` once the registry has
+    /// admitted the span `[lo, hi)` it lands in (held meanwhile); skips the
+    /// bytes when the span is refused (the refusal is the outcome).
+    fn land(
+        &self,
+        c: &mut Conn<'_, '_, '_>,
+        mem_type: MemoryType,
+        (lo, hi): (u64, u64),
+        key: u64,
+        total: u64,
+        read: impl FnOnce(&mut Conn<'_, '_, '_>) -> io::Result<()>,
+    ) -> io::Result<Result<(), RejectReason>> {
+        match self.registry.admit_remote(mem_type, lo, hi - lo, key) {
             Ok(guard) => {
-                // SAFETY: `[addr, addr + len)` lies inside a region
-                // registered with this agent, whose registrant promised it
-                // stays valid for writes while registered; `guard` keeps it
-                // from being deregistered until the payload has landed.
-                unsafe { c.reader.read_into(addr as *mut u8, len as usize, c.idle)? };
+                read(c)?;
                 drop(guard);
                 Ok(Ok(()))
             }
             Err(reason) => {
-                tracing::debug!(remote = %c.session.remote, addr, len, %reason, "refused write segment");
-                c.reader.discard(len, c.idle)?;
+                tracing::debug!(remote = %c.session.remote, lo, hi, %reason, "refused write payload");
+                c.reader.discard(total, c.idle)?;
                 Ok(Err(reason))
             }
         }
@@ -97,20 +114,13 @@ impl Inner {
             .read_vec_mid_frame(count as usize * WRITE_LIST_ENTRY, c.idle)?;
         let WriteListTable { pieces, lo, hi } =
             write_list_pieces(&table, total).map_err(violation)?;
-        match self.registry.admit_remote(mem_type, lo, hi - lo, key) {
-            Ok(guard) => {
-                // SAFETY: every piece lies inside the admitted span of a
-                // registered region, writable while registered; `guard`
-                // holds the registration until the payload has landed.
-                unsafe { c.reader.read_into_many(&pieces, c.idle)? };
-                drop(guard);
-                Ok(Ok(()))
-            }
-            Err(reason) => {
-                tracing::debug!(remote = %c.session.remote, lo, hi, %reason, "refused write list");
-                c.reader.discard(total, c.idle)?;
-                Ok(Err(reason))
-            }
-        }
+        // One admission for the span: a key names one region, so the span
+        // inside it puts every piece inside it.
+        self.land(c, mem_type, (lo, hi), key, total, |c| {
+            // SAFETY: every piece lies inside the admitted span of a
+            // registered region, writable while registered; the admission's
+            // guard holds the registration during this read.
+            unsafe { c.reader.read_into_many(&pieces, c.idle) }
+        })
     }
 }

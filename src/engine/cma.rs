@@ -31,9 +31,7 @@ impl SocketLink {
             sync,
             ..
         } = sub;
-        let inner = &engine.inner;
-        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
-        let completion = Completion::counted(None, Some(&inner.in_flight));
+        let (id, completion) = engine.new_request();
         let pending = Pending::new(&completion, 1, resolved.guards, None);
         self.insert(id, Arc::clone(&pending))?;
         self.clock.touch();

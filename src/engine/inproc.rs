@@ -177,9 +177,7 @@ impl Link for LocalLink {
         if let Some(e) = lock(&self.broken).clone() {
             return Err(e);
         }
-        let inner = &sub.engine.inner;
-        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
-        let completion = Completion::counted(None, Some(&inner.in_flight));
+        let (id, completion) = sub.engine.new_request();
         completion.complete(self.carry_out(sub));
         Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
     }

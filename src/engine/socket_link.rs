@@ -436,8 +436,6 @@ impl Link for SocketLink {
         // The socket paths keep only the holds on the local regions: the
         // request was checked now, and is validated in full on every
         // submission.
-        Ok(Box::new(PreparedHold {
-            _guards: resolved.guards,
-        }))
+        Ok(PreparedHold::keep(resolved))
     }
 }

@@ -40,10 +40,29 @@ impl Engine {
     }
 }
 
-/// What a [`PreparedTransfer`] on a socket path keeps: its local regions
-/// held (as on RDMA), nothing else.
+/// What a [`PreparedTransfer`] keeps when its transport plans nothing
+/// ahead: its local regions held (as on RDMA), nothing else.
 pub(in crate::engine) struct PreparedHold {
     pub(in crate::engine) _guards: Few<RegionGuard>,
+}
+
+impl PreparedHold {
+    /// The holds of `resolved`, as a prepared transfer keeps them.
+    pub(in crate::engine) fn keep(resolved: Resolved) -> Box<dyn std::any::Any + Send + Sync> {
+        Box::new(PreparedHold {
+            _guards: resolved.guards,
+        })
+    }
+}
+
+impl Engine {
+    /// A new request's id and its status, counted in flight; its waiters
+    /// drive nothing (the link's threads complete it).
+    pub(in crate::engine) fn new_request(&self) -> (u64, Arc<Completion>) {
+        let inner = &self.inner;
+        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
+        (id, Completion::counted(None, Some(&inner.in_flight)))
+    }
 }
 
 /// Largest request (in descriptors) [`SubmitCache`] remembers: the cache

@@ -23,8 +23,7 @@ impl SocketLink {
             ..
         } = sub;
         let inner = &engine.inner;
-        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
-        let completion = Completion::counted(None, Some(&inner.in_flight));
+        let (id, completion) = engine.new_request();
         let n = self.streams.len();
         let plan = plan_segments(req, &resolved.keys, inner.config.tcp.segment_size, n);
         let total: usize = plan.iter().map(Vec::len).sum();

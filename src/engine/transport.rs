@@ -56,9 +56,7 @@ pub(in crate::engine) trait Link: Send + Sync {
         _req: &TransferRequest,
         resolved: Resolved,
     ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
-        Ok(Box::new(PreparedHold {
-            _guards: resolved.guards,
-        }))
+        Ok(PreparedHold::keep(resolved))
     }
 }
 

@@ -70,23 +70,7 @@ pub(super) fn initiate(
     timeout: Duration,
 ) -> Result<String, Error> {
     let clock = ProgressClock::new();
-    let io_err = |e: io::Error| {
-        if e.kind() == io::ErrorKind::TimedOut {
-            Error::Timeout {
-                what: "authentication handshake",
-                after: timeout,
-            }
-        } else {
-            Error::Connect {
-                addr: remote.to_owned(),
-                cause: Arc::new(e),
-            }
-        }
-    };
-    let failed = |reason: String| Error::AuthFailed {
-        remote: remote.to_owned(),
-        reason,
-    };
+    let io_err = |e: io::Error| initiator_io_error(remote, timeout, e);
     let mine = nonce();
     let mut body = mine.to_vec();
     body.extend_from_slice(me.as_bytes());
@@ -98,36 +82,7 @@ pub(super) fn initiate(
     let mut idle = UntilDeadline;
     let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
     reader.set_deadline(Some(deadline));
-    let raw = reader
-        .next_header(&mut idle)
-        .map_err(io_err)?
-        .ok_or_else(|| io_err(io::ErrorKind::UnexpectedEof.into()))?;
-    let (keyed, body_len) = match Frame::decode(&raw) {
-        Ok(Frame::AuthChallenge {
-            status: status::OK,
-            keyed,
-            body_len,
-        }) => (keyed, body_len),
-        Ok(Frame::AuthChallenge {
-            status: status::AUTH_REQUIRED,
-            ..
-        }) => {
-            return Err(failed(
-                "the target requires a cluster credential and this agent has none \
-                 (KVXFER_SECRET_FILE, AgentConfig::with_credential)"
-                    .into(),
-            ));
-        }
-        other => {
-            return Err(Error::ProtocolViolation {
-                remote: remote.to_owned(),
-                detail: format!("expected an authentication challenge, got {other:?}"),
-            });
-        }
-    };
-    let body = reader
-        .read_vec(body_len as usize, &mut idle)
-        .map_err(io_err)?;
+    let (keyed, body) = read_challenge(&mut reader, &mut idle, remote, timeout)?;
     let theirs = nonce_of(&body);
     let (tag, name) = if keyed {
         body[NONCE_LEN..].split_at(MAC_LEN)
@@ -135,13 +90,14 @@ pub(super) fn initiate(
         (&[][..], &body[NONCE_LEN..])
     };
     let name = String::from_utf8(name.to_vec())
-        .map_err(|_| failed("the target's name is not UTF-8".into()))?;
+        .map_err(|_| auth_failed(remote, "the target's name is not UTF-8".into()))?;
     if let Some(want) = expect
         && want != name
     {
-        return Err(failed(format!(
-            "the target calls itself {name:?}, not {want:?}"
-        )));
+        return Err(auth_failed(
+            remote,
+            format!("the target calls itself {name:?}, not {want:?}"),
+        ));
     }
     let Some(cred) = cred else {
         // Neither side has a credential (the target would have said
@@ -149,7 +105,8 @@ pub(super) fn initiate(
         return Ok(name);
     };
     if !keyed {
-        return Err(failed(
+        return Err(auth_failed(
+            remote,
             "the target has no cluster credential; this agent does not send data to or \
              accept data from an unauthenticated target"
                 .into(),
@@ -162,7 +119,8 @@ pub(super) fn initiate(
         target: name.as_bytes(),
     };
     if !cred.verify_target(&t, tag) {
-        return Err(failed(
+        return Err(auth_failed(
+            remote,
             "the target's proof does not check out (another cluster secret?)".into(),
         ));
     }
@@ -181,13 +139,78 @@ pub(super) fn initiate(
         .ok_or_else(|| io_err(io::ErrorKind::UnexpectedEof.into()))?;
     match Frame::decode(&raw) {
         Ok(Frame::AuthResult { status: status::OK }) => Ok(name),
-        Ok(Frame::AuthResult { .. }) => Err(failed(
+        Ok(Frame::AuthResult { .. }) => Err(auth_failed(
+            remote,
             "the target refused this agent's proof (another cluster secret?)".into(),
         )),
         other => Err(Error::ProtocolViolation {
             remote: remote.to_owned(),
             detail: format!("expected an authentication result, got {other:?}"),
         }),
+    }
+}
+
+/// The target's challenge: whether it is keyed, and its body (nonce, tag
+/// when keyed, name).
+fn read_challenge(
+    reader: &mut FrameReader<'_>,
+    idle: &mut UntilDeadline,
+    remote: &str,
+    timeout: Duration,
+) -> Result<(bool, Vec<u8>), Error> {
+    let io_err = |e: io::Error| initiator_io_error(remote, timeout, e);
+    let raw = reader
+        .next_header(idle)
+        .map_err(io_err)?
+        .ok_or_else(|| io_err(io::ErrorKind::UnexpectedEof.into()))?;
+    let (keyed, body_len) = match Frame::decode(&raw) {
+        Ok(Frame::AuthChallenge {
+            status: status::OK,
+            keyed,
+            body_len,
+        }) => (keyed, body_len),
+        Ok(Frame::AuthChallenge {
+            status: status::AUTH_REQUIRED,
+            ..
+        }) => {
+            return Err(auth_failed(
+                remote,
+                "the target requires a cluster credential and this agent has none \
+                 (KVXFER_SECRET_FILE, AgentConfig::with_credential)"
+                    .into(),
+            ));
+        }
+        other => {
+            return Err(Error::ProtocolViolation {
+                remote: remote.to_owned(),
+                detail: format!("expected an authentication challenge, got {other:?}"),
+            });
+        }
+    };
+    let body = reader.read_vec(body_len as usize, idle).map_err(io_err)?;
+    Ok((keyed, body))
+}
+
+/// An initiator's I/O error during the handshake: a timeout, or a failed
+/// connection to `remote`.
+fn initiator_io_error(remote: &str, timeout: Duration, e: io::Error) -> Error {
+    if e.kind() == io::ErrorKind::TimedOut {
+        Error::Timeout {
+            what: "authentication handshake",
+            after: timeout,
+        }
+    } else {
+        Error::Connect {
+            addr: remote.to_owned(),
+            cause: Arc::new(e),
+        }
+    }
+}
+
+fn auth_failed(remote: &str, reason: String) -> Error {
+    Error::AuthFailed {
+        remote: remote.to_owned(),
+        reason,
     }
 }
 

@@ -251,6 +251,9 @@ impl Inner {
         }
     }
 
+    /// Serves one incoming connection: authenticates it, then answers
+    /// descriptor requests until a `Hello` makes it a data stream of a
+    /// session.
     pub(in crate::engine) fn serve(
         &self,
         sock: &TcpStream,
@@ -265,50 +268,16 @@ impl Inner {
             clock: &clock,
         };
         let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
-        // Nothing is answered before the initiator has authenticated, and
-        // it must do so within the connect timeout.
-        let stop = || self.closing.load(Ordering::Relaxed);
-        reader.set_deadline(Some(
-            std::time::Instant::now() + self.config.connect_timeout,
-        ));
-        let verdict = handshake::respond(
-            sock.as_fd(),
-            &mut reader,
-            &stop,
-            self.config.security.credential.as_ref(),
-            &self.config.name,
-            &clock,
-            self.config.io_timeout,
-        );
-        reader.set_deadline(None);
-        drop(pending_auth);
-        let authenticated = match verdict? {
-            handshake::Verdict::Accepted(name) => name,
-            handshake::Verdict::Refused(why) => {
-                tracing::warn!(agent = %self.config.name, peer = ?sock.peer_addr().ok(), %why, "refused an unauthenticated connection");
-                return Ok(());
-            }
+        let Some(authenticated) = self.authenticate(sock, &mut reader, &clock, pending_auth)?
+        else {
+            return Ok(());
         };
         loop {
             let Some(raw) = reader.next_header(&mut idle)? else {
                 return Ok(());
             };
             match Frame::decode(&raw).map_err(|e| violation(e.to_string()))? {
-                Frame::DescRequest => {
-                    let body = self.local_desc().encode();
-                    let hdr = Frame::DescReply {
-                        body_len: body.len() as u32,
-                    }
-                    .encode();
-                    let mut iovs = [
-                        iov(hdr.as_ptr(), HEADER_LEN),
-                        iov(body.as_ptr(), body.len()),
-                    ];
-                    // SAFETY: both iovecs point into live locals.
-                    unsafe {
-                        writev_all(sock.as_raw_fd(), &mut iovs, &clock, self.config.io_timeout)?
-                    };
-                }
+                Frame::DescRequest => self.send_desc(sock, &clock)?,
                 Frame::Hello {
                     instance,
                     expect,
@@ -332,54 +301,20 @@ impl Inner {
                         status::OK
                     };
                     let hello_ack = |status, ticket| {
-                        send_frames(
-                            sock,
-                            &[Frame::HelloAck {
-                                instance: self.instance,
-                                status,
-                                ticket,
-                            }
-                            .encode()],
-                            &clock,
-                            self.config.io_timeout,
-                        )
+                        let ack = Frame::HelloAck {
+                            instance: self.instance,
+                            status,
+                            ticket,
+                        };
+                        send_frames(sock, &[ack.encode()], &clock, self.config.io_timeout)
                     };
                     if st != status::OK {
                         return hello_ack(st, 0);
                     }
                     let key = (instance, link);
-                    let session = {
-                        let mut sessions = lock(&self.sessions);
-                        let s = sessions.entry(key).or_insert_with(|| {
-                            Arc::new(Session {
-                                remote: authenticated.clone(),
-                                table: Mutex::new(RequestTable::default()),
-                                grants: Mutex::new(HashMap::new()),
-                                streams: AtomicUsize::new(0),
-                                ticket: u128::from_le_bytes(crate::auth::random_bytes()),
-                                proven: Mutex::new(None),
-                                delegate: Mutex::new(None),
-                            })
-                        });
-                        // Another agent's session: a connection joins only
-                        // the sessions of the agent it authenticated as.
-                        if s.remote != authenticated {
-                            let owner = s.remote.clone();
-                            drop(sessions);
-                            return Err(violation(format!(
-                                "{authenticated:?} tried to join a session of {owner:?}"
-                            )));
-                        }
-                        s.streams.fetch_add(1, Ordering::SeqCst);
-                        Arc::clone(s)
-                    };
-                    if let Err(e) = hello_ack(status::OK, session.ticket) {
-                        if session.streams.fetch_sub(1, Ordering::SeqCst) == 1 {
-                            lock(&self.sessions).remove(&key);
-                        }
-                        return Err(e);
-                    }
-                    let r = self.serve_data(sock, &mut reader, &mut idle, &session);
+                    let session = self.join_session(key, &authenticated)?;
+                    let r = hello_ack(status::OK, session.ticket)
+                        .and_then(|()| self.serve_data(sock, &mut reader, &mut idle, &session));
                     if session.streams.fetch_sub(1, Ordering::SeqCst) == 1 {
                         lock(&self.sessions).remove(&key);
                     }
@@ -388,6 +323,91 @@ impl Inner {
                 other => return Err(violation(format!("unexpected first frame {other:?}"))),
             }
         }
+    }
+
+    /// The connection's handshake: the name it authenticated as, or `None`
+    /// when it was refused (logged). Nothing is answered before the
+    /// initiator has authenticated, and it must do so within the connect
+    /// timeout.
+    pub(in crate::engine) fn authenticate(
+        &self,
+        sock: &TcpStream,
+        reader: &mut FrameReader<'_>,
+        clock: &ProgressClock,
+        pending_auth: Unauthenticated,
+    ) -> io::Result<Option<String>> {
+        let stop = || self.closing.load(Ordering::Relaxed);
+        reader.set_deadline(Some(
+            std::time::Instant::now() + self.config.connect_timeout,
+        ));
+        let verdict = handshake::respond(
+            sock.as_fd(),
+            reader,
+            &stop,
+            self.config.security.credential.as_ref(),
+            &self.config.name,
+            clock,
+            self.config.io_timeout,
+        );
+        reader.set_deadline(None);
+        drop(pending_auth);
+        match verdict? {
+            handshake::Verdict::Accepted(name) => Ok(Some(name)),
+            handshake::Verdict::Refused(why) => {
+                tracing::warn!(agent = %self.config.name, peer = ?sock.peer_addr().ok(), %why, "refused an unauthenticated connection");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Answers a descriptor request with this agent's descriptor.
+    pub(in crate::engine) fn send_desc(
+        &self,
+        sock: &TcpStream,
+        clock: &ProgressClock,
+    ) -> io::Result<()> {
+        let body = self.local_desc().encode();
+        let hdr = Frame::DescReply {
+            body_len: body.len() as u32,
+        }
+        .encode();
+        let mut iovs = [
+            iov(hdr.as_ptr(), HEADER_LEN),
+            iov(body.as_ptr(), body.len()),
+        ];
+        // SAFETY: both iovecs point into live locals.
+        unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, self.config.io_timeout) }
+    }
+
+    /// The session `key` (an initiator's instance and link), made on its
+    /// first stream, with this stream counted in it; the caller uncounts it
+    /// (and removes the session after its last stream). A connection joins
+    /// only the sessions of the agent it authenticated as.
+    pub(in crate::engine) fn join_session(
+        &self,
+        key: (u64, u64),
+        authenticated: &str,
+    ) -> io::Result<Arc<Session>> {
+        let mut sessions = lock(&self.sessions);
+        let s = sessions.entry(key).or_insert_with(|| {
+            Arc::new(Session {
+                remote: authenticated.to_owned(),
+                table: Mutex::new(RequestTable::default()),
+                grants: Mutex::new(HashMap::new()),
+                streams: AtomicUsize::new(0),
+                ticket: u128::from_le_bytes(crate::auth::random_bytes()),
+                proven: Mutex::new(None),
+                delegate: Mutex::new(None),
+            })
+        });
+        if s.remote != authenticated {
+            let owner = s.remote.clone();
+            return Err(violation(format!(
+                "{authenticated:?} tried to join a session of {owner:?}"
+            )));
+        }
+        s.streams.fetch_add(1, Ordering::SeqCst);
+        Ok(Arc::clone(s))
     }
 
     pub(in crate::engine) fn serve_data(

@@ -192,7 +192,6 @@ pub fn run(a: &KvArgs) -> Result<()> {
             )
         })
         .collect::<Result<_, _>>()?;
-    let wait = Duration::from_secs(300);
     // KV and raw rounds alternate, so that both see the same machine.
     for k in &ctx {
         for g in &gen_ranks {
@@ -205,55 +204,19 @@ pub fn run(a: &KvArgs) -> Result<()> {
     for i in 0..total {
         let id = u64::from(i) + 1;
         let t = Instant::now();
-        let recv: Vec<_> = receivers
-            .iter()
-            .enumerate()
-            .map(|(g, r)| {
-                r.request(RecvRequest {
-                    request_id: id,
-                    ctx_dp_rank: 0,
-                    blocks: (0..n).map(|b| gen_ranks[g].addr(b)).collect(),
-                    last_block_key: None,
-                })
-            })
-            .collect::<Result<_, _>>()?;
-        let send: Vec<_> = senders
-            .iter()
-            .enumerate()
-            .map(|(c, s)| s.send(id, (0..n).map(|b| ctx[c].addr(b)).collect()))
-            .collect::<Result<_, _>>()?;
-        let mut it_bytes = 0;
-        let (mut it_frags, mut it_coal, mut it_copies) = (0, 0, 0);
-        for h in send {
-            let st = h.wait(wait)?;
-            it_bytes += st.bytes;
-            it_frags += st.fragments;
-            it_coal += st.fragments_coalesced;
-            it_copies += st.staging_copies;
-        }
-        for h in recv {
-            h.wait(wait)?;
-        }
+        let it = kv_round(&senders, &receivers, &ctx, &gen_ranks, n, id)?;
         let kv_t = t.elapsed().as_secs_f64();
-        per_iter = it_bytes;
+        per_iter = it.bytes;
         if a.verify && i + 1 == total {
-            for (g, k) in gen_ranks.iter().enumerate() {
-                let bb = k.slice.block_bytes() as usize;
-                for b in 0..n {
-                    let blk = &k.pool[b as usize * bb..(b as usize + 1) * bb];
-                    if let Some(m) = check_block(&gen_s, &k.slice, blk, b, a.tokens) {
-                        bail!("generation rank {g}: {m}");
-                    }
-                }
-            }
+            verify(&gen_ranks, &gen_s, n, a.tokens)?;
         }
-        let raw_t = raw_round(&ctx, &gen_ranks, &ctx_s, &gen_s, it_bytes)?;
+        let raw_t = raw_round(&ctx, &gen_ranks, &ctx_s, &gen_s, it.bytes)?;
         if i >= a.warmup {
             kv_times.push(kv_t);
             raw_times.push(raw_t);
-            frags = it_frags;
-            coalesced = it_coal;
-            copies += it_copies;
+            frags = it.fragments;
+            coalesced = it.coalesced;
+            copies += it.copies;
         }
     }
     drop(receivers);
@@ -268,6 +231,110 @@ pub fn run(a: &KvArgs) -> Result<()> {
         .agent
         .remote_transport(&gen_agent_name(&gen_ranks, 0))
         .unwrap_or("unknown");
+    let figures = Figures {
+        transport,
+        per_iter,
+        kv_gbps,
+        raw_gbps,
+        frags,
+        coalesced,
+        copies,
+    };
+    report(a, &figures);
+    Ok(())
+}
+
+/// One KV round's sender statistics, summed over the context ranks.
+struct RoundStats {
+    bytes: u64,
+    fragments: u64,
+    coalesced: u64,
+    copies: u64,
+}
+
+/// One KV transfer of `n` blocks as request `id`: every generation rank
+/// asks, every context rank sends, all waited for.
+fn kv_round(
+    senders: &[CacheSender],
+    receivers: &[CacheReceiver],
+    ctx: &[Rank],
+    gen_ranks: &[Rank],
+    n: u32,
+    id: u64,
+) -> Result<RoundStats> {
+    let wait = Duration::from_secs(300);
+    let recv: Vec<_> = receivers
+        .iter()
+        .enumerate()
+        .map(|(g, r)| {
+            r.request(RecvRequest {
+                request_id: id,
+                ctx_dp_rank: 0,
+                blocks: (0..n).map(|b| gen_ranks[g].addr(b)).collect(),
+                last_block_key: None,
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let send: Vec<_> = senders
+        .iter()
+        .enumerate()
+        .map(|(c, s)| s.send(id, (0..n).map(|b| ctx[c].addr(b)).collect()))
+        .collect::<Result<_, _>>()?;
+    let mut it = RoundStats {
+        bytes: 0,
+        fragments: 0,
+        coalesced: 0,
+        copies: 0,
+    };
+    for h in send {
+        let st = h.wait(wait)?;
+        it.bytes += st.bytes;
+        it.fragments += st.fragments;
+        it.coalesced += st.fragments_coalesced;
+        it.copies += st.staging_copies;
+    }
+    for h in recv {
+        h.wait(wait)?;
+    }
+    Ok(it)
+}
+
+/// Checks every generation rank's blocks element by element.
+fn verify(gen_ranks: &[Rank], gen_s: &CacheState, n: u32, tokens: u32) -> Result<()> {
+    for (g, k) in gen_ranks.iter().enumerate() {
+        let bb = k.slice.block_bytes() as usize;
+        for b in 0..n {
+            let blk = &k.pool[b as usize * bb..(b as usize + 1) * bb];
+            if let Some(m) = check_block(gen_s, &k.slice, blk, b, tokens) {
+                bail!("generation rank {g}: {m}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What a KV run measured.
+struct Figures<'a> {
+    transport: &'a str,
+    per_iter: u64,
+    kv_gbps: f64,
+    raw_gbps: f64,
+    frags: u64,
+    coalesced: u64,
+    copies: u64,
+}
+
+/// Prints a KV run's figures (one JSON line with `--json`).
+fn report(a: &KvArgs, f: &Figures<'_>) {
+    let Figures {
+        transport,
+        per_iter,
+        kv_gbps,
+        raw_gbps,
+        frags,
+        coalesced,
+        copies,
+    } = *f;
     if a.json {
         println!(
             "{{\"kind\":\"kv\",\"model\":\"{}\",\"backend\":\"{transport}\",\"ctx_tp\":{},\"ctx_pp\":{},\"gen_tp\":{},\"gen_pp\":{},\"tokens\":{},\"tokens_per_block\":{},\"iters\":{},\"bytes\":{per_iter},\"gb_per_s\":{kv_gbps:.4},\"raw_gb_per_s\":{raw_gbps:.4},\"ratio\":{:.4},\"fragments\":{},\"fragments_coalesced\":{},\"staging_copies\":{copies}}}",
@@ -298,7 +365,6 @@ pub fn run(a: &KvArgs) -> Result<()> {
             coalesced,
         );
     }
-    Ok(())
 }
 
 fn gen_agent_name(gen_ranks: &[Rank], g: usize) -> String {

@@ -6,6 +6,8 @@ use super::*;
 
 /// The cross-memory part of a socket link.
 pub(in crate::engine) struct CmaParts {
+    /// The target's process.
+    pub(in crate::engine) pid: u32,
     /// Threads a large copy is split over.
     pub(in crate::engine) copy_threads: usize,
     /// This agent's probe address and instance, sent with `Delegate` so the
@@ -16,12 +18,101 @@ pub(in crate::engine) struct CmaParts {
     pub(in crate::engine) delegate_ok: AtomicBool,
 }
 
-impl SocketLink {
-    /// Submits a cross-memory request to the process `pid`: the link's
-    /// first stream grants, copies (or delegates) and commits it.
+/// A cross-memory request for the first stream's sender thread: grants,
+/// direct copy (or a delegated one), commit.
+pub(in crate::engine) struct CmaJob {
+    req: u64,
+    op: TransferOp,
+    pieces: Vec<Piece>,
+    grants: Vec<GrantRange>,
+    sync: Option<Vec<u8>>,
+    /// Ask the target to copy (see [`should_delegate`]).
+    delegate: bool,
+    pending: Arc<Pending>,
+}
+
+impl SocketPath for CmaParts {
+    type Job = CmaJob;
+
+    fn run_job(
+        link: &CmaLink,
+        fd: std::os::fd::RawFd,
+        job: CmaJob,
+    ) -> Result<Option<Frames>, Error> {
+        let CmaJob {
+            req,
+            op,
+            pieces,
+            grants,
+            sync,
+            delegate,
+            pending,
+        } = job;
+        let delegate = delegate.then_some(sync.as_deref());
+        Ok(
+            match link.run_cma(fd, req, op, &pieces, &grants, delegate, &pending)? {
+                CmaOutcome::Commit { aborted } => Some(Frames {
+                    req,
+                    op,
+                    segs: Vec::new(),
+                    tail: Tail::Commit { segments: 0, sync },
+                    pending,
+                    aborted,
+                }),
+                CmaOutcome::Done => None,
+            },
+        )
+    }
+}
+
+impl CmaLink {
+    /// Opens the control stream to `peer`, the process `pid` on this host,
+    /// and proves this process to it (so that it may copy for this one)
+    /// when delegation is on.
+    pub(in crate::engine) fn open(
+        inner: &Inner,
+        peer: &AgentDesc,
+        pid: u32,
+    ) -> Result<Arc<Self>, Error> {
+        let cfg = &inner.config;
+        // A target in this very process never copies for it: no proof, no
+        // delegation asked.
+        let ask = cfg.shm.delegate && pid != std::process::id();
+        let mut may_delegate = false;
+        let streams = connect_streams(inner, peer, 1, |_, _, _, ticket| {
+            if ask {
+                // The target copies for this process only once the kernel
+                // has told it on its local socket that this is the process.
+                match local_proof::prove(peer.instance, ticket, cfg.connect_timeout) {
+                    Ok(()) => may_delegate = true,
+                    Err(e) => {
+                        tracing::debug!(remote = %peer.name, error = %e, "no local proof; the target will not copy for this agent")
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        let parts = CmaParts {
+            pid,
+            copy_threads: cfg.shm.copy_threads,
+            delegate_probe: cfg
+                .shm
+                .delegate
+                .then_some((&*inner.probe_word as *const u64 as u64, inner.instance)),
+            delegate_ok: AtomicBool::new(may_delegate),
+        };
+        let path = DataPath {
+            transport: TransportKind::Shm,
+            device: None,
+            mechanism: "cross-memory attach (process_vm_writev/readv), one copy",
+        };
+        Self::start(inner, peer, streams, parts, path)
+    }
+
+    /// Submits a cross-memory request: the link's first stream grants,
+    /// copies (or delegates) and commits it.
     pub(in crate::engine) fn submit_cma(
         self: &Arc<Self>,
-        pid: u32,
         sub: Submission<'_>,
     ) -> Result<TransferStatus, Error> {
         let Submission {
@@ -35,10 +126,9 @@ impl SocketLink {
         let pending = Pending::new(&completion, 1, resolved.guards, None);
         self.insert(id, Arc::clone(&pending))?;
         self.clock.touch();
-        let job = Job::Cma {
+        let job = Job::Path(CmaJob {
             req: id,
             op: req.op,
-            pid,
             pieces: req
                 .local
                 .descs
@@ -54,7 +144,7 @@ impl SocketLink {
             delegate: should_delegate(req),
             sync,
             pending,
-        };
+        });
         if self.streams[0].tx.send(job).is_err() {
             self.fail(Error::Closed);
         }
@@ -127,7 +217,7 @@ impl SocketLink {
             }
             status::DELEGATE_REFUSED => {
                 tracing::debug!(remote = %self.remote, "target declined delegated copies; copying here");
-                self.cma.delegate_ok.store(false, Ordering::Relaxed);
+                self.parts.delegate_ok.store(false, Ordering::Relaxed);
                 Ok(false)
             }
             st => Err(Error::ConnectionLost {
@@ -147,7 +237,6 @@ impl SocketLink {
         fd: std::os::fd::RawFd,
         req: u64,
         op: TransferOp,
-        pid: u32,
         pieces: &[Piece],
         grants: &[GrantRange],
         delegate: Option<Option<&[u8]>>,
@@ -194,8 +283,8 @@ impl SocketLink {
         if pending.completion.abort_requested() {
             return Ok(CmaOutcome::Commit { aborted: true });
         }
-        if let (Some(sync), Some((probe_addr, instance))) = (delegate, self.cma.delegate_probe)
-            && self.cma.delegate_ok.load(Ordering::Relaxed)
+        if let (Some(sync), Some((probe_addr, instance))) = (delegate, self.parts.delegate_probe)
+            && self.parts.delegate_ok.load(Ordering::Relaxed)
             && self.run_delegate(fd, req, op, pieces, sync, (probe_addr, instance), pending)?
         {
             return Ok(CmaOutcome::Done);
@@ -210,10 +299,10 @@ impl SocketLink {
         // happen before this copy returns (the commit follows it).
         let copied = unsafe {
             shm::copy_parallel(
-                pid,
+                self.parts.pid,
                 dir,
                 pieces,
-                self.cma.copy_threads,
+                self.parts.copy_threads,
                 PARALLEL_COPY_MIN,
                 &stop,
             )
@@ -228,5 +317,23 @@ impl SocketLink {
         })?;
         self.clock.touch();
         Ok(CmaOutcome::Commit { aborted: !copied })
+    }
+}
+
+impl Link for CmaLink {
+    fn is_broken(&self) -> bool {
+        SocketLink::is_broken(self)
+    }
+
+    fn fail(&self, cause: Error) {
+        SocketLink::fail(self, cause);
+    }
+
+    fn join(&self) {
+        SocketLink::join(self);
+    }
+
+    fn submit(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
+        self.submit_cma(sub)
     }
 }

@@ -17,7 +17,7 @@
 //! descriptors), `plan` (request planning, no I/O), `submit` (the submit
 //! path, transport-blind), `api` (the trait), `target` (the listener side:
 //! accept, serve, dispatch each frame to its transport, commit); per
-//! transport: `socket_link` (the link shared by tcp, shm and rdma),
+//! transport: `socket_link` (what the tcp, shm and rdma links share),
 //! `tcp_stream` and `tcp_target`, `cma` and `cma_target`, `rdma` (data
 //! types, `link`, `recv`, `accept`), `inproc`; `wire` and `requests` (the
 //! frame codec and the target's request table, no I/O), `sock` (vectored

@@ -195,7 +195,7 @@ pub(in crate::engine) fn plan_rdma(
     req: &TransferRequest,
     lkeys: &[u32],
     rkeys: &[u32],
-    link: &SocketLink,
+    link: &RdmaLink,
     config: &AgentConfig,
 ) -> Result<Few<rdma::Wr>, Error> {
     let pieces: Few<_> = req
@@ -206,7 +206,7 @@ pub(in crate::engine) fn plan_rdma(
         .zip(req.remote.descs.iter().zip(rkeys))
         .map(|((l, &lk), (r, &rk))| (lk, l.addr, rk, r.addr, l.len))
         .collect();
-    let conn = link.rdma.qps.first().ok_or(Error::Closed)?;
+    let conn = link.parts.qps.first().ok_or(Error::Closed)?;
     Ok(rdma::plan_wrs(
         &pieces,
         conn.max_msg.min(config.tcp.segment_size).min(rdma::WR_MAX),

@@ -1,8 +1,10 @@
-//! The link of the socket transports: TCP streams to one peer, which carry
-//! the data (`tcp`), or the control beside cross-memory copies (`shm`) or
-//! RDMA queue pairs (`rdma`). The link's state (streams, the table of
-//! requests in flight, its threads) lives here; each transport's submit and
-//! progress live in its own module (`tcp_stream`, `cma`, `rdma::link`).
+//! What the socket transports' links share: TCP streams to one peer, which
+//! carry the data (`tcp`), or the control beside cross-memory copies
+//! (`shm`) or RDMA queue pairs (`rdma`); the table of requests in flight;
+//! the stream threads. Each transport is its own link type
+//! ([`SocketLink<P>`] with its part `P`: [`TcpLink`], [`CmaLink`],
+//! [`RdmaLink`]), opened, submitted to and driven by its own module
+//! (`tcp_stream`, `cma`, `rdma::link`).
 
 use super::*;
 
@@ -21,7 +23,7 @@ pub(in crate::engine) struct Pending {
     /// (made on first use: a channel is several allocations, which the
     /// other paths need not pay).
     pub(in crate::engine) granted: OnceLock<(Sender<u16>, Receiver<u16>)>,
-    /// RDMA requests no waiter polls for (see [`SocketLink::undriven`]): the
+    /// RDMA requests no waiter polls for (see `RdmaParts::undriven`): the
     /// link's count, decremented when this one finishes.
     pub(in crate::engine) undriven: Option<Arc<AtomicUsize>>,
 }
@@ -122,31 +124,30 @@ pub(in crate::engine) enum CmaOutcome {
     Done,
 }
 
-pub(in crate::engine) enum Job {
-    /// Cross-memory request: grants, direct copy, commit.
-    Cma {
-        req: u64,
-        op: TransferOp,
-        pid: u32,
-        pieces: Vec<Piece>,
-        grants: Vec<GrantRange>,
-        sync: Option<Vec<u8>>,
-        /// Ask the target to copy (see [`should_delegate`]).
-        delegate: bool,
-        pending: Arc<Pending>,
-    },
-    Frames {
-        req: u64,
-        op: TransferOp,
-        segs: Vec<Seg>,
-        tail: Tail,
-        pending: Arc<Pending>,
-    },
+/// Work for a stream's sender thread.
+pub(in crate::engine) enum Job<X> {
+    /// Frames to write (a request's segments, its tail).
+    Frames(Frames),
+    /// The transport's own work (a cross-memory request's grants and
+    /// copy), which may end in frames to write.
+    Path(X),
     Stop,
 }
 
-pub(in crate::engine) struct StreamHandle {
-    pub(in crate::engine) tx: Sender<Job>,
+/// A request's frames on one stream.
+pub(in crate::engine) struct Frames {
+    pub(in crate::engine) req: u64,
+    pub(in crate::engine) op: TransferOp,
+    pub(in crate::engine) segs: Vec<Seg>,
+    pub(in crate::engine) tail: Tail,
+    pub(in crate::engine) pending: Arc<Pending>,
+    /// Its data was aborted before the frames were made (an `Abort` frame
+    /// goes before the tail).
+    pub(in crate::engine) aborted: bool,
+}
+
+pub(in crate::engine) struct StreamHandle<X> {
+    pub(in crate::engine) tx: Sender<Job<X>>,
     pub(in crate::engine) reads: Mutex<VecDeque<ReadSlot>>,
     pub(in crate::engine) sock: TcpStream,
 }
@@ -157,20 +158,71 @@ pub(in crate::engine) struct PendingTable {
     pub(in crate::engine) broken: Option<Error>,
 }
 
-/// The connections from this agent to one remote agent.
-pub(in crate::engine) struct SocketLink {
-    /// RDMA path: the queue pairs and their posting state (no queue pair
-    /// on the other paths).
-    pub(in crate::engine) rdma: rdma::RdmaParts,
-    /// Cross-memory path: copy threads and delegation.
-    pub(in crate::engine) cma: CmaParts,
+/// What one socket transport adds to the link it shares with the others:
+/// its own state, its own work for the first stream's sender thread, and
+/// what it does when the link breaks and when its last thread has left.
+/// Each transport is its own link type ([`TcpLink`], [`CmaLink`],
+/// [`RdmaLink`]), with its own [`Link`] implementation in its module.
+pub(in crate::engine) trait SocketPath: Send + Sync + Sized + 'static {
+    /// The transport's own jobs ([`Job::Path`]).
+    type Job: Send + 'static;
+
+    /// Threads of its own the link counts before it ends.
+    fn threads(&self) -> usize {
+        0
+    }
+
+    /// Does one of its jobs on stream `fd` (of the sender thread that runs
+    /// it); returns the frames to write after it, if any. `Err`: the link
+    /// is broken.
+    fn run_job(
+        link: &SocketLink<Self>,
+        fd: std::os::fd::RawFd,
+        job: Self::Job,
+    ) -> Result<Option<Frames>, Error>;
+
+    /// The link broke: unblocks what the transport has beside the streams.
+    fn on_fail(&self) {}
+
+    /// The link's last thread is leaving: settles what the transport holds
+    /// outside the table of requests.
+    fn on_closed(&self, _cause: Error) {}
+}
+
+/// The TCP transport's part of its link: nothing but the streams.
+pub(in crate::engine) struct TcpParts;
+
+impl SocketPath for TcpParts {
+    type Job = std::convert::Infallible;
+
+    fn run_job(
+        _: &SocketLink<Self>,
+        _: std::os::fd::RawFd,
+        job: Self::Job,
+    ) -> Result<Option<Frames>, Error> {
+        match job {}
+    }
+}
+
+/// A TCP link: the data in frames over `streams_per_peer` streams.
+pub(in crate::engine) type TcpLink = SocketLink<TcpParts>;
+/// A cross-memory link: copies by this process, control on one stream.
+pub(in crate::engine) type CmaLink = SocketLink<CmaParts>;
+/// An RDMA link: queue pairs, control on one stream.
+pub(in crate::engine) type RdmaLink = SocketLink<rdma::RdmaParts>;
+
+/// The connections from this agent to one remote agent over one of the
+/// socket transports (`P`: the transport's own part).
+pub(in crate::engine) struct SocketLink<P: SocketPath> {
+    /// The transport's own state.
+    pub(in crate::engine) parts: P,
     pub(in crate::engine) remote: String,
     pub(in crate::engine) io_timeout: Duration,
     /// The agent's count of requests in flight.
     pub(in crate::engine) in_flight: Arc<AtomicUsize>,
     /// What carries this link's requests (every status reports it).
     pub(in crate::engine) path: Arc<crate::agent::DataPath>,
-    pub(in crate::engine) streams: Vec<StreamHandle>,
+    pub(in crate::engine) streams: Vec<StreamHandle<P::Job>>,
     pub(in crate::engine) pending: Mutex<PendingTable>,
     /// Set (under `pending`'s lock) when `pending.broken` is: a request's
     /// path reads it without the lock.
@@ -180,128 +232,106 @@ pub(in crate::engine) struct SocketLink {
     pub(in crate::engine) threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
-impl SocketLink {
-    /// Opens `streams_per_peer` connections to `peer` and starts their
-    /// threads.
-    pub(in crate::engine) fn open(
+/// A link's streams, connected, authenticated and greeted, with the
+/// receiving ends of their job channels.
+pub(in crate::engine) struct Streams<X> {
+    pub(in crate::engine) handles: Vec<StreamHandle<X>>,
+    pub(in crate::engine) jobs: Vec<Receiver<Job<X>>>,
+}
+
+/// Opens `n` streams to `peer`. `on_stream(i, sock, clock, ticket)` runs on
+/// each after its handshake (the transports set up their own channels on
+/// the first), before the stream's timeouts are set.
+pub(in crate::engine) fn connect_streams<X>(
+    inner: &Inner,
+    peer: &AgentDesc,
+    n: usize,
+    mut on_stream: impl FnMut(usize, &TcpStream, &ProgressClock, u128) -> Result<(), Error>,
+) -> Result<Streams<X>, Error> {
+    let cfg = &inner.config;
+    let link_id = random_u64();
+    let mut streams = Streams {
+        handles: Vec::with_capacity(n),
+        jobs: Vec::with_capacity(n),
+    };
+    for i in 0..n {
+        // Each stream: connected, authenticated and greeted within the
+        // connect timeout, however slowly the peer answers.
+        let deadline = std::time::Instant::now() + cfg.connect_timeout;
+        let sock = connect_any(&peer.endpoints, deadline)?;
+        let clock = ProgressClock::new();
+        let ticket = handshake(inner, peer, &sock, link_id, i as u32, &clock, deadline)?;
+        on_stream(i, &sock, &clock, ticket)?;
+        sock.set_read_timeout(Some(tick(cfg.io_timeout)))?;
+        sock.set_write_timeout(Some(tick(cfg.io_timeout)))?;
+        let (tx, rx) = crossbeam_channel::unbounded();
+        streams.handles.push(StreamHandle {
+            tx,
+            reads: Mutex::new(VecDeque::new()),
+            sock,
+        });
+        streams.jobs.push(rx);
+    }
+    Ok(streams)
+}
+
+impl<P: SocketPath> SocketLink<P> {
+    /// The link over `streams` with the transport's `parts`, its stream
+    /// threads started (the transport starts its own, counted in
+    /// [`SocketPath::threads`], once this returns).
+    pub(in crate::engine) fn start(
         inner: &Inner,
         peer: &AgentDesc,
-        n_streams: usize,
-        path: Path,
-    ) -> Result<Arc<SocketLink>, Error> {
-        let cfg = &inner.config;
-        let use_rdma = path == Path::Rdma;
-        let link_id = random_u64();
-        let mut may_delegate = false;
-        let mut streams = Vec::with_capacity(n_streams);
-        let mut receivers = Vec::with_capacity(n_streams);
-        let mut rdma_conns = Vec::new();
-        for i in 0..n_streams {
-            // Each stream: connected, authenticated and greeted within the
-            // connect timeout, however slowly the peer answers.
-            let deadline = std::time::Instant::now() + cfg.connect_timeout;
-            let sock = connect_any(&peer.endpoints, deadline)?;
-            let clock = ProgressClock::new();
-            let ticket = handshake(inner, peer, &sock, link_id, i as u32, &clock, deadline)?;
-            // A target in this very process never copies for it: no proof,
-            // no delegation asked.
-            let other_process = !matches!(path, Path::Cma { pid } if pid == std::process::id());
-            if i == 0 && matches!(path, Path::Cma { .. }) && cfg.shm.delegate && other_process {
-                // The target copies for this process only once the kernel
-                // has told it on its local socket that this is the process.
-                match local_proof::prove(peer.instance, ticket, cfg.connect_timeout) {
-                    Ok(()) => may_delegate = true,
-                    Err(e) => {
-                        tracing::debug!(remote = %peer.name, error = %e, "no local proof; the target will not copy for this agent")
-                    }
-                }
-            }
-            if i == 0 && use_rdma {
-                for k in 0..cfg.rdma.qps_per_peer {
-                    rdma_conns.push(rdma_connect(inner, peer, &sock, &clock, k)?);
-                }
-            }
-            sock.set_read_timeout(Some(tick(cfg.io_timeout)))?;
-            sock.set_write_timeout(Some(tick(cfg.io_timeout)))?;
-            let (tx, rx) = crossbeam_channel::unbounded();
-            streams.push(StreamHandle {
-                tx,
-                reads: Mutex::new(VecDeque::new()),
-                sock,
-            });
-            receivers.push(rx);
-        }
-        let n_qps = rdma_conns.len();
-        let (device, mechanism) = match path {
-            Path::Tcp => (
-                streams[0].sock.peer_addr().ok().map(|a| a.to_string()),
-                "TCP streams; the kernel copies between socket and registered memory",
-            ),
-            Path::Cma { .. } => (
-                None,
-                "cross-memory attach (process_vm_writev/readv), one copy",
-            ),
-            Path::Rdma => (
-                inner.device.as_ref().map(|d| d.name().to_owned()),
-                "one-sided RDMA WRITE/READ on RC queue pairs, zero copy",
-            ),
-            Path::InProcess => unreachable!("an in-process peer's link is a LocalLink"),
-        };
-        let data_path = Arc::new(DataPath {
-            transport: path.kind(),
-            device,
-            mechanism,
-        });
+        streams: Streams<P::Job>,
+        parts: P,
+        path: DataPath,
+    ) -> Result<Arc<Self>, Error> {
+        let Streams { handles, jobs } = streams;
         let link = Arc::new(SocketLink {
-            rdma: rdma::RdmaParts::new(rdma_conns),
-            cma: CmaParts {
-                copy_threads: cfg.shm.copy_threads,
-                delegate_probe: cfg
-                    .shm
-                    .delegate
-                    .then_some((&*inner.probe_word as *const u64 as u64, inner.instance)),
-                delegate_ok: AtomicBool::new(may_delegate),
-            },
+            alive: AtomicUsize::new(2 * handles.len() + parts.threads()),
+            parts,
             remote: peer.name.clone(),
-            io_timeout: cfg.io_timeout,
+            io_timeout: inner.config.io_timeout,
             in_flight: Arc::clone(&inner.in_flight),
-            path: data_path,
-            alive: AtomicUsize::new(2 * streams.len() + n_qps),
-            streams,
+            path: Arc::new(path),
+            streams: handles,
             pending: Mutex::new(PendingTable::default()),
             broken: AtomicBool::new(false),
             clock: ProgressClock::new(),
             threads: Mutex::new(Vec::new()),
         });
-        let mut threads = Vec::new();
-        for (i, rx) in receivers.into_iter().enumerate() {
-            let l = Arc::clone(&link);
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("kvxfer-send-{}-{i}", peer.name))
-                    .spawn(move || l.run_sender(i, rx))?,
-            );
-            let l = Arc::clone(&link);
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("kvxfer-recv-{}-{i}", peer.name))
-                    .spawn(move || l.run_reader(i))?,
-            );
+        for (i, rx) in jobs.into_iter().enumerate() {
+            let (send, recv) = (Arc::clone(&link), Arc::clone(&link));
+            let started = link
+                .spawn(format!("kvxfer-send-{}-{i}", peer.name), move || {
+                    send.run_sender(i, rx)
+                })
+                .and_then(|_| {
+                    link.spawn(format!("kvxfer-recv-{}-{i}", peer.name), move || {
+                        recv.run_reader(i)
+                    })
+                });
+            if let Err(e) = started {
+                // The threads already started end; the link is dropped.
+                link.fail(Error::Closed);
+                link.join();
+                return Err(e);
+            }
         }
-        let mut progress = Vec::new();
-        let adaptive = cfg.rdma.progress == crate::agent::RdmaProgress::Adaptive;
-        for k in 0..n_qps {
-            let l = Arc::clone(&link);
-            let t = std::thread::Builder::new()
-                .name(format!("kvxfer-rdma-{}-{k}", peer.name))
-                .spawn(move || l.run_rdma_progress(k, adaptive))?;
-            progress.push(t.thread().clone());
-            threads.push(t);
-        }
-        let _ = link.rdma.progress_threads.set(progress);
-        *lock(&link.threads) = threads;
-        tracing::debug!(remote = %peer.name, streams = link.streams.len(), "link open");
+        tracing::debug!(remote = %peer.name, streams = link.streams.len(), transport = %link.path.transport, "link open");
         Ok(link)
+    }
+
+    /// Starts one of the link's threads (joined by [`join`](Self::join)).
+    pub(in crate::engine) fn spawn(
+        &self,
+        name: String,
+        f: impl FnOnce() + Send + 'static,
+    ) -> Result<std::thread::Thread, Error> {
+        let t = std::thread::Builder::new().name(name).spawn(f)?;
+        let handle = t.thread().clone();
+        lock(&self.threads).push(t);
+        Ok(handle)
     }
 
     pub(in crate::engine) fn is_broken(&self) -> bool {
@@ -330,11 +360,7 @@ impl SocketLink {
             t.broken = Some(cause);
             self.broken.store(true, Ordering::Release);
         }
-        for r in &self.rdma.qps {
-            // Flush every posted work request; the progress threads drain
-            // the completions and exit when none is left.
-            let _ = lock(&r.qp).set_error();
-        }
+        self.parts.on_fail();
         for s in &self.streams {
             let _ = s.sock.shutdown(Shutdown::Both);
             let _ = s.tx.send(Job::Stop);
@@ -356,7 +382,7 @@ impl SocketLink {
         for (_, p) in pending {
             p.finish(Some(cause.clone()));
         }
-        self.finish_express(Err(cause), true);
+        self.parts.on_closed(cause);
     }
 
     pub(in crate::engine) fn join(&self) {
@@ -398,44 +424,5 @@ impl SocketLink {
             lock(&self.pending).map.remove(&req);
             p.finish(None);
         }
-    }
-}
-
-impl Link for SocketLink {
-    fn is_broken(&self) -> bool {
-        SocketLink::is_broken(self)
-    }
-
-    fn fail(&self, cause: Error) {
-        SocketLink::fail(self, cause);
-    }
-
-    fn join(&self) {
-        SocketLink::join(self);
-    }
-
-    fn submit(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
-        match sub.peer.path {
-            Path::Tcp => self.submit_streams(sub),
-            Path::Cma { pid } => self.submit_cma(pid, sub),
-            Path::Rdma => self.submit_rdma(sub),
-            Path::InProcess => unreachable!("an in-process peer's link is a LocalLink"),
-        }
-    }
-
-    fn prepare(
-        self: Arc<Self>,
-        engine: &Engine,
-        peer: Arc<Peer>,
-        req: &TransferRequest,
-        resolved: Resolved,
-    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
-        if peer.path == Path::Rdma {
-            return Ok(Box::new(self.prepare_rdma(engine, peer, req, resolved)?));
-        }
-        // The socket paths keep only the holds on the local regions: the
-        // request was checked now, and is validated in full on every
-        // submission.
-        Ok(PreparedHold::keep(resolved))
     }
 }

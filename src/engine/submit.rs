@@ -99,7 +99,7 @@ impl SubmitCache {
     }
 }
 
-/// A [`SocketLink::post_express`] hold for holds already taken: moves `taken`
+/// A [`RdmaLink::post_express`] hold for holds already taken: moves `taken`
 /// into the lane's list.
 pub(in crate::engine) fn hold_all(
     into: &mut Few<RegionGuard>,
@@ -113,7 +113,7 @@ pub(in crate::engine) fn hold_all(
 /// post again (kept by [`SubmitCache`] and by prepared transfers).
 pub(in crate::engine) struct Planned {
     pub(in crate::engine) peer: Arc<Peer>,
-    pub(in crate::engine) link: Arc<SocketLink>,
+    pub(in crate::engine) link: Arc<RdmaLink>,
     pub(in crate::engine) wrs: Few<rdma::Wr>,
     /// `Some` for requests whose waiters poll the completion queue.
     pub(in crate::engine) driver: Option<std::sync::Weak<dyn Progress>>,
@@ -360,7 +360,7 @@ impl Engine {
     /// waiters drive `driver` (`None`: the progress thread completes it).
     pub(in crate::engine) fn post_planned(
         &self,
-        link: &Arc<SocketLink>,
+        link: &Arc<RdmaLink>,
         op: TransferOp,
         wrs: std::borrow::Cow<'_, Few<rdma::Wr>>,
         sync: Option<Vec<u8>>,
@@ -392,14 +392,14 @@ impl Engine {
             failed: AtomicBool::new(false),
             guards: Mutex::new(guards),
             granted: OnceLock::new(),
-            undriven: (!driven).then(|| Arc::clone(&link.rdma.undriven)),
+            undriven: (!driven).then(|| Arc::clone(&link.parts.undriven)),
         });
         link.insert(id, Arc::clone(&pending))?;
         link.clock.touch();
         if !driven {
             // Counted before posting: the progress threads must be on
             // the completion queue by the time it completes.
-            link.rdma.undriven.fetch_add(1, Ordering::AcqRel);
+            link.parts.undriven.fetch_add(1, Ordering::AcqRel);
             link.wake_progress();
         }
         link.post_rdma(id, op, wrs.into_owned(), sync, &pending);

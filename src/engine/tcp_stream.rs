@@ -6,7 +6,23 @@
 
 use super::*;
 
-impl SocketLink {
+impl TcpLink {
+    /// Opens `streams_per_peer` streams to `peer`.
+    pub(in crate::engine) fn open(inner: &Inner, peer: &AgentDesc) -> Result<Arc<Self>, Error> {
+        let n = inner.config.tcp.streams_per_peer;
+        let streams = connect_streams(inner, peer, n, |_, _, _, _| Ok(()))?;
+        let path = DataPath {
+            transport: TransportKind::Tcp,
+            device: streams.handles[0]
+                .sock
+                .peer_addr()
+                .ok()
+                .map(|a| a.to_string()),
+            mechanism: "TCP streams; the kernel copies between socket and registered memory",
+        };
+        Self::start(inner, peer, streams, TcpParts, path)
+    }
+
     /// Submits a request on the TCP streams: its segments spread over
     /// them, the commit (with the sync message) on stream 0 after its own
     /// segments.
@@ -47,13 +63,14 @@ impl SocketLink {
             } else {
                 Tail::None
             };
-            let job = Job::Frames {
+            let job = Job::Frames(Frames {
                 req: id,
                 op: req.op,
                 segs,
                 tail,
                 pending: Arc::clone(&pending),
-            };
+                aborted: false,
+            });
             if self.streams[k].tx.send(job).is_err() {
                 self.fail(Error::Closed);
                 break;
@@ -61,54 +78,53 @@ impl SocketLink {
         }
         Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
     }
+}
 
-    pub(in crate::engine) fn run_sender(self: Arc<Self>, idx: usize, rx: Receiver<Job>) {
+impl Link for TcpLink {
+    fn is_broken(&self) -> bool {
+        SocketLink::is_broken(self)
+    }
+
+    fn fail(&self, cause: Error) {
+        SocketLink::fail(self, cause);
+    }
+
+    fn join(&self) {
+        SocketLink::join(self);
+    }
+
+    fn submit(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
+        self.submit_streams(sub)
+    }
+}
+
+impl<P: SocketPath> SocketLink<P> {
+    /// Stream `idx`'s sender thread: writes each job's frames (doing the
+    /// transport's own jobs first) until the link stops.
+    pub(in crate::engine) fn run_sender(self: Arc<Self>, idx: usize, rx: Receiver<Job<P::Job>>) {
         let fd = self.streams[idx].sock.as_raw_fd();
         let mut f = Framed::default();
         while let Ok(job) = rx.recv() {
-            let (req, op, mut segs, tail, pending, mut aborted) = match job {
+            let frames = match job {
                 Job::Stop => break,
-                Job::Cma {
-                    req,
-                    op,
-                    pid,
-                    pieces,
-                    grants,
-                    sync,
-                    delegate,
-                    pending,
-                } => match self.run_cma(
-                    fd,
-                    req,
-                    op,
-                    pid,
-                    &pieces,
-                    &grants,
-                    delegate.then_some(sync.as_deref()),
-                    &pending,
-                ) {
-                    Ok(CmaOutcome::Commit { aborted }) => (
-                        req,
-                        op,
-                        Vec::new(),
-                        Tail::Commit { segments: 0, sync },
-                        pending,
-                        aborted,
-                    ),
-                    Ok(CmaOutcome::Done) => continue,
+                Job::Frames(frames) => frames,
+                Job::Path(job) => match P::run_job(&self, fd, job) {
+                    Ok(Some(frames)) => frames,
+                    Ok(None) => continue,
                     Err(e) => {
                         self.fail(e);
                         break;
                     }
                 },
-                Job::Frames {
-                    req,
-                    op,
-                    segs,
-                    tail,
-                    pending,
-                } => (req, op, segs, tail, pending, false),
             };
+            let Frames {
+                req,
+                op,
+                mut segs,
+                tail,
+                pending,
+                mut aborted,
+            } = frames;
             // Aborted before any of it went out: its segments are skipped
             // (a READ's events for them are counted here, as no data will
             // come for them).
@@ -213,7 +229,7 @@ impl SocketLink {
     }
 }
 
-impl SocketLink {
+impl<P: SocketPath> SocketLink<P> {
     pub(in crate::engine) fn run_reader(self: Arc<Self>, idx: usize) {
         let sock = &self.streams[idx].sock;
         let clock = ProgressClock::new();
@@ -238,7 +254,7 @@ impl SocketLink {
         &self,
         idx: usize,
         reader: &mut FrameReader<'_>,
-        idle: &mut LinkIdle<'_>,
+        idle: &mut LinkIdle<'_, P>,
     ) -> Result<(), Error> {
         loop {
             let raw = match reader.next_header(idle) {
@@ -339,11 +355,13 @@ impl SocketLink {
     }
 }
 
-pub(in crate::engine) struct LinkIdle<'a> {
-    pub(in crate::engine) link: &'a SocketLink,
+/// A link reader's idle check: the link broken, or requests outstanding
+/// and no progress within the I/O timeout, ends the wait.
+pub(in crate::engine) struct LinkIdle<'a, P: SocketPath> {
+    pub(in crate::engine) link: &'a SocketLink<P>,
 }
 
-impl IdlePolicy for LinkIdle<'_> {
+impl<P: SocketPath> IdlePolicy for LinkIdle<'_, P> {
     fn on_idle(&mut self, _mid_frame: bool) -> io::Result<()> {
         let t = lock(&self.link.pending);
         if t.broken.is_some() {

@@ -84,13 +84,13 @@ impl Path {
         inner: &Inner,
         peer: &AgentDesc,
     ) -> Result<Arc<dyn Link>, Error> {
-        let streams = match self {
-            Path::InProcess => return Ok(inproc::LocalLink::open(peer)?),
-            Path::Tcp => inner.config.tcp.streams_per_peer,
+        Ok(match self {
+            Path::InProcess => inproc::LocalLink::open(peer)?,
+            Path::Tcp => TcpLink::open(inner, peer)?,
             // Data bypasses the socket; one stream carries the control.
-            Path::Cma { .. } | Path::Rdma => 1,
-        };
-        Ok(SocketLink::open(inner, peer, streams, self)?)
+            Path::Cma { pid } => CmaLink::open(inner, peer, pid)?,
+            Path::Rdma => RdmaLink::open(inner, peer)?,
+        })
     }
 }
 

@@ -5,11 +5,11 @@
 
 use crate::engine::*;
 
-impl Progress for SocketLink {
+impl Progress for RdmaLink {
     fn progress(&self) -> bool {
         // Every queue pair is drained (no short cut at the first with
         // completions).
-        self.rdma
+        self.parts
             .qps
             .iter()
             .map(|c| self.drain_rdma(c, false))
@@ -18,7 +18,72 @@ impl Progress for SocketLink {
     }
 }
 
-impl SocketLink {
+impl SocketPath for rdma::RdmaParts {
+    type Job = std::convert::Infallible;
+
+    fn threads(&self) -> usize {
+        // One progress thread per queue pair.
+        self.qps.len()
+    }
+
+    fn run_job(
+        _: &RdmaLink,
+        _: std::os::fd::RawFd,
+        job: Self::Job,
+    ) -> Result<Option<Frames>, Error> {
+        match job {}
+    }
+
+    fn on_fail(&self) {
+        for r in &self.qps {
+            // Flush every posted work request; the progress threads drain
+            // the completions and exit when none is left.
+            let _ = lock(&r.qp).set_error();
+        }
+    }
+
+    fn on_closed(&self, cause: Error) {
+        self.finish_express(Err(cause), true);
+    }
+}
+
+impl RdmaLink {
+    /// Opens the control stream to `peer` and, over it,
+    /// [`qps_per_peer`](crate::RdmaConfig::qps_per_peer) queue pairs, with
+    /// a progress thread each.
+    pub(in crate::engine) fn open(inner: &Inner, peer: &AgentDesc) -> Result<Arc<Self>, Error> {
+        let cfg = &inner.config;
+        let mut qps = Vec::with_capacity(cfg.rdma.qps_per_peer);
+        let streams = connect_streams(inner, peer, 1, |_, sock, clock, _| {
+            for k in 0..cfg.rdma.qps_per_peer {
+                qps.push(rdma_connect(inner, peer, sock, clock, k)?);
+            }
+            Ok(())
+        })?;
+        let path = DataPath {
+            transport: TransportKind::Rdma,
+            device: inner.device.as_ref().map(|d| d.name().to_owned()),
+            mechanism: "one-sided RDMA WRITE/READ on RC queue pairs, zero copy",
+        };
+        let link = Self::start(inner, peer, streams, rdma::RdmaParts::new(qps), path)?;
+        let adaptive = cfg.rdma.progress == crate::agent::RdmaProgress::Adaptive;
+        let mut progress = Vec::new();
+        for k in 0..link.parts.qps.len() {
+            let l = Arc::clone(&link);
+            let name = format!("kvxfer-rdma-{}-{k}", peer.name);
+            match link.spawn(name, move || l.run_rdma_progress(k, adaptive)) {
+                Ok(t) => progress.push(t),
+                Err(e) => {
+                    link.fail(Error::Closed);
+                    link.join();
+                    return Err(e);
+                }
+            }
+        }
+        let _ = link.parts.progress_threads.set(progress);
+        Ok(link)
+    }
+
     /// Submits an RDMA request: its work requests planned on this link's
     /// queue pairs (and a small one remembered for its next submission),
     /// then posted.
@@ -90,7 +155,7 @@ impl SocketLink {
     /// Wakes the RDMA progress threads (parked while no large request is
     /// in flight).
     pub(in crate::engine) fn wake_progress(&self) {
-        for t in self.rdma.progress_threads.get().into_iter().flatten() {
+        for t in self.parts.progress_threads.get().into_iter().flatten() {
             t.unpark();
         }
     }
@@ -113,10 +178,10 @@ impl SocketLink {
         sync: Option<Vec<u8>>,
         pending: &Arc<Pending>,
     ) {
-        let n = self.rdma.qps.len();
+        let n = self.parts.qps.len();
         if n == 1 {
             // One queue pair: everything in order on it, no gate.
-            let conn = &self.rdma.qps[0];
+            let conn = &self.parts.qps[0];
             let mut q = lock(&conn.queue);
             // One data work request, nothing queued before it, room in the
             // window: posted at once, without going through the queue.
@@ -149,7 +214,7 @@ impl SocketLink {
         // Work requests go round the queue pairs, starting where the
         // previous request left off, so small requests spread too.
         let start = self
-            .rdma
+            .parts
             .next_stripe
             .fetch_add(wrs.len().max(1), Ordering::Relaxed);
         let mut per_qp: Vec<Vec<rdma::Wr>> = (0..n).map(|_| Vec::new()).collect();
@@ -157,7 +222,7 @@ impl SocketLink {
             per_qp[qp].push(wr);
         }
         let mut touched = vec![false; n];
-        for ((conn, wrs), t) in self.rdma.qps.iter().zip(per_qp).zip(&mut touched) {
+        for ((conn, wrs), t) in self.parts.qps.iter().zip(per_qp).zip(&mut touched) {
             if wrs.is_empty() {
                 continue;
             }
@@ -176,18 +241,18 @@ impl SocketLink {
             // (this request's data included): RC orders the SEND only
             // behind its own queue pair's work.
             let gate = rdma::schedule::Gate::behind(
-                self.rdma.qps[1..]
+                self.parts.qps[1..]
                     .iter()
                     .map(|c| c.queued.load(Ordering::Acquire)),
             );
-            let conn = &self.rdma.qps[0];
+            let conn = &self.parts.qps[0];
             let mut q = lock(&conn.queue);
             conn.count_queued(1);
             conn.waiting.fetch_add(1, Ordering::SeqCst);
             q.items
                 .push_back((rdma::Queued::Sync { id, msg, gate }, Arc::clone(pending)));
         }
-        for (conn, _) in self.rdma.qps.iter().zip(touched).filter(|(_, t)| *t) {
+        for (conn, _) in self.parts.qps.iter().zip(touched).filter(|(_, t)| *t) {
             self.pump(conn);
         }
     }
@@ -196,7 +261,7 @@ impl SocketLink {
     /// for on the other queue pairs has completed.
     pub(in crate::engine) fn gate_open(&self, gate: &rdma::schedule::Gate) -> bool {
         gate.open(
-            self.rdma.qps[1..]
+            self.parts.qps[1..]
                 .iter()
                 .map(|c| c.completed.load(Ordering::Acquire)),
         )
@@ -228,6 +293,9 @@ impl SocketLink {
         }
     }
 
+    /// The pump's loop: batches taken from the head of the queue and
+    /// posted, one doorbell each, until the queue is empty or the window,
+    /// the message buffers or a gate stop it.
     pub(in crate::engine) fn pump_queue<'c>(
         &self,
         conn: &'c rdma::RdmaConn,
@@ -245,127 +313,106 @@ impl SocketLink {
                 return;
             }
             if let Some(cause) = self.broken_cause() {
-                let drained: Vec<_> = q.items.drain(..).collect();
-                conn.waiting.fetch_sub(drained.len(), Ordering::AcqRel);
-                drop(q);
-                for (item, p) in drained {
-                    for _ in 0..item.events() {
-                        self.complete_event(item.id(), &p, Err(cause.clone()));
-                    }
-                }
+                self.fail_queued(conn, q, &cause);
                 return;
             }
-            // The batch, and every work request's pieces back to back with
-            // where each one's are: scratch kept in the queue, so posting
-            // allocates nothing.
-            let rdma::SendQueue {
-                items,
-                batch,
-                sges,
-                spans,
-            } = &mut *q;
-            batch.clear();
-            while batch.len() < batch_max {
-                let Some((front, p)) = items.front() else {
-                    break;
-                };
-                if p.completion.abort_requested() {
-                    let (item, p) = items.pop_front().expect("front exists");
-                    conn.waiting.fetch_sub(1, Ordering::SeqCst);
-                    conn.count_completed();
-                    skipped.push((item, p));
-                    continue;
-                }
-                let len = match front {
-                    rdma::Queued::Data { wr, .. } => wr.len,
-                    rdma::Queued::Sync { gate, .. } if !self.gate_open(gate) => break,
-                    rdma::Queued::Sync { msg, .. } => msg.len() as u64,
-                };
-                if !conn.try_take_slot(len) {
-                    break;
-                }
-                let send_slot = match front {
-                    rdma::Queued::Sync { .. } => match conn.sends.try_acquire() {
-                        Some(s) => Some(s),
-                        None => {
-                            conn.unwind_slot();
-                            break;
-                        }
-                    },
-                    rdma::Queued::Data { .. } => None,
-                };
-                let (item, p) = items.pop_front().expect("front exists");
-                // Still counted in `waiting` until posted (below), so an
-                // express request cannot overtake it in between.
-                batch.push((item, p, send_slot));
-            }
-            if batch.is_empty() {
+            self.take_batch(conn, &mut q, batch_max, skipped);
+            let n = q.batch.len();
+            if n == 0 {
                 return;
             }
-            conn.posted.fetch_add(batch.len(), Ordering::AcqRel);
-            sges.clear();
-            spans.clear();
-            for (item, _, slot) in batch.iter() {
-                let start = sges.len();
-                match (item, slot) {
-                    (rdma::Queued::Data { wr, .. }, _) => sges.extend_from_slice(&wr.sges),
-                    (rdma::Queued::Sync { id, msg, .. }, Some(slot)) => {
-                        let len = conn.sends.write_sync(*slot, *id, msg);
-                        sges.push(conn.sends.sge(*slot, len));
-                    }
-                    (rdma::Queued::Sync { .. }, None) => {}
-                }
-                spans.push(start..sges.len());
-            }
-            let posts: Few<crate::verbs::Post<'_>> = batch
-                .iter()
-                .zip(spans.iter())
-                .map(|((item, _, slot), span)| {
-                    let sg = &sges[span.clone()];
-                    match item {
-                        rdma::Queued::Data { id, op, wr } => rdma::data_post(*id, *op, wr, sg),
-                        rdma::Queued::Sync { id, .. } => crate::verbs::Post {
-                            // A sync message always has a buffer (taken above).
-                            wr_id: rdma::SEND_FLAG | ((slot.unwrap_or(0) as u64) << 40) | id,
-                            op: crate::verbs::PostOp::Send { imm: 0 },
-                            sges: sg,
-                        },
-                    }
-                })
-                .collect();
-            // SAFETY: data pieces lie in registered regions held by the
-            // requests' guards, which live until every event of a request
-            // (these work requests' completions among them) has happened; a
-            // message slot is ours until its SEND completes.
-            let r = unsafe { lock(&conn.qp).post_batch(&posts) };
-            drop(posts);
-            conn.waiting.fetch_sub(batch.len(), Ordering::SeqCst);
-            let Err(e) = r else {
-                batch.clear();
+            conn.posted.fetch_add(n, Ordering::AcqRel);
+            let r = post_queued_batch(conn, &mut q);
+            conn.waiting.fetch_sub(n, Ordering::SeqCst);
+            match r {
                 // Still holding the lock: go on while work is queued.
-                continue;
-            };
-            // Nothing of the batch was posted (atomic batches, or one).
-            let failed = std::mem::take(batch);
-            // Slots are unwound under the queue's lock, as they were taken.
-            for _ in 0..failed.len() {
-                conn.unwind_slot();
-            }
-            drop(q);
-            conn.posted.fetch_sub(failed.len(), Ordering::AcqRel);
-            let err = rdma::rdma_err(&self.remote, e);
-            for (item, p, slot) in failed.into_iter().rev() {
-                if let Some(slot) = slot {
-                    conn.sends.release(slot);
-                }
-                for _ in 0..item.events() {
-                    self.complete_event(item.id(), &p, Err(err.clone()));
+                Ok(()) => q.batch.clear(),
+                Err(e) => {
+                    self.fail_batch(conn, q, e);
+                    // The link is broken now: the next pass fails what is
+                    // queued.
+                    q = lock(&conn.queue);
                 }
             }
-            self.fail(err);
-            // The link is broken now: the next pass fails what is queued.
-            q = lock(&conn.queue);
         }
+    }
+
+    /// Fills `q.batch` from the head of the queue, up to `batch_max` work
+    /// requests, while the window and the message buffers have room and no
+    /// gate is shut ([`rdma::schedule::take_batch`]); aborted requests'
+    /// work met on the way goes to `skipped`, counted as done.
+    pub(in crate::engine) fn take_batch(
+        &self,
+        conn: &rdma::RdmaConn,
+        q: &mut rdma::SendQueue,
+        batch_max: usize,
+        skipped: &mut Vec<(rdma::Queued, Arc<Pending>)>,
+    ) {
+        let rdma::SendQueue { items, batch, .. } = q;
+        batch.clear();
+        let before = skipped.len();
+        let needs = |(item, _): &(rdma::Queued, Arc<Pending>)| match item {
+            rdma::Queued::Data { wr, .. } => rdma::schedule::Needs::Data(wr.len),
+            rdma::Queued::Sync { msg, gate, .. } => rdma::schedule::Needs::Sync {
+                len: msg.len() as u64,
+                open: self.gate_open(gate),
+            },
+        };
+        let aborted = |(_, p): &(rdma::Queued, Arc<Pending>)| p.completion.abort_requested();
+        let mut room = LinkRoom(conn);
+        rdma::schedule::take_batch(items, batch, batch_max, needs, aborted, &mut room, skipped);
+        // Still counted in `waiting` until posted (the batch) or skipped, so
+        // an express request cannot overtake them in between.
+        for _ in before..skipped.len() {
+            conn.waiting.fetch_sub(1, Ordering::SeqCst);
+            conn.count_completed();
+        }
+    }
+
+    /// The link is broken: every queued work request fails with `cause`
+    /// (each counts its events, so requests still complete exactly once).
+    pub(in crate::engine) fn fail_queued(
+        &self,
+        conn: &rdma::RdmaConn,
+        mut q: std::sync::MutexGuard<'_, rdma::SendQueue>,
+        cause: &Error,
+    ) {
+        let drained: Vec<_> = q.items.drain(..).collect();
+        conn.waiting.fetch_sub(drained.len(), Ordering::AcqRel);
+        drop(q);
+        for (item, p) in drained {
+            for _ in 0..item.events() {
+                self.complete_event(item.id(), &p, Err(cause.clone()));
+            }
+        }
+    }
+
+    /// A batch the queue pair refused (nothing of it was posted: atomic
+    /// batches, or one): its window slots and message buffers given back,
+    /// its events failed, the link failed.
+    pub(in crate::engine) fn fail_batch(
+        &self,
+        conn: &rdma::RdmaConn,
+        mut q: std::sync::MutexGuard<'_, rdma::SendQueue>,
+        e: crate::verbs::VerbsError,
+    ) {
+        let failed = std::mem::take(&mut q.batch);
+        // Slots are unwound under the queue's lock, as they were taken.
+        for _ in 0..failed.len() {
+            conn.unwind_slot();
+        }
+        drop(q);
+        conn.posted.fetch_sub(failed.len(), Ordering::AcqRel);
+        let err = rdma::rdma_err(&self.remote, e);
+        for ((item, p), slot) in failed.into_iter().rev() {
+            if let Some(slot) = slot {
+                conn.sends.release(slot);
+            }
+            for _ in 0..item.events() {
+                self.complete_event(item.id(), &p, Err(err.clone()));
+            }
+        }
+        self.fail(err);
     }
 
     /// Whether `wr` may be posted at once, bypassing the send queue `q`:
@@ -423,14 +470,14 @@ impl SocketLink {
         hold: impl FnOnce(&mut Few<RegionGuard>) -> bool,
         driver: &std::sync::Weak<dyn Progress>,
     ) -> Option<Arc<Completion>> {
-        let [conn] = self.rdma.qps.as_slice() else {
+        let [conn] = self.parts.qps.as_slice() else {
             return None;
         };
         let post = rdma::data_post(id | rdma::EXPRESS_FLAG, op, wr, &wr.sges);
         if !crate::verbs::SharedPoster::fits(&post) {
             return None;
         }
-        let mut claim = self.rdma.express.claim()?;
+        let mut claim = self.parts.express.claim()?;
         // Sequentially consistent with the count a submitter raises before
         // it queues (and the pump lowers only after posting): either this
         // sees that work, or that work comes after this request. (Dropping
@@ -459,7 +506,7 @@ impl SocketLink {
         if let Err(e) = unsafe { conn.poster.post(&post) } {
             conn.posted.fetch_sub(1, Ordering::AcqRel);
             let err = rdma::rdma_err(&self.remote, e);
-            self.finish_express(Err(err.clone()), false);
+            self.parts.finish_express(Err(err.clone()), false);
             self.fail(err);
         } else if conn.reap.look(id) {
             // A software provider completes it inside the post: reaped
@@ -468,19 +515,6 @@ impl SocketLink {
             conn.reap.record(completion.is_done());
         }
         Some(completion)
-    }
-
-    /// Completes the express request in flight, if any, with `result`:
-    /// releases its regions, records the outcome, frees the lane.
-    /// `close`: the link's last thread is leaving, no request may take
-    /// the lane after this one.
-    pub(in crate::engine) fn finish_express(&self, result: Result<(), Error>, close: bool) {
-        self.rdma.express.finish(close, |slot| {
-            slot.guards.clear();
-            if let Some(c) = &slot.status {
-                c.complete(result);
-            }
-        });
     }
 
     /// Handles one completion of `conn`'s send queue, polled by the holder
@@ -526,7 +560,7 @@ impl SocketLink {
             }
         };
         if express {
-            self.finish_express(result, false);
+            self.parts.finish_express(result, false);
             return;
         }
         // A request's last event (nothing else can count one then) is
@@ -599,7 +633,7 @@ impl SocketLink {
         }
         if conn.index != 0 {
             // A sync message on the first queue pair may wait for these.
-            self.pump(&self.rdma.qps[0]);
+            self.pump(&self.parts.qps[0]);
         }
         n
     }
@@ -610,7 +644,7 @@ impl SocketLink {
     /// `adaptive`: poll, rather than sleep on the completion channel,
     /// while work requests are posted ([`RdmaProgress::Adaptive`](crate::RdmaProgress::Adaptive)).
     pub(in crate::engine) fn run_rdma_progress(self: Arc<Self>, index: usize, adaptive: bool) {
-        let Some(conn) = self.rdma.qps.get(index) else {
+        let Some(conn) = self.parts.qps.get(index) else {
             self.thread_exit();
             return;
         };
@@ -633,7 +667,7 @@ impl SocketLink {
             // Read without the queue's lock: the submitting thread holds it
             // across its post, and a progress thread blocking on it there
             // cost both a futex round trip.
-            if self.rdma.undriven.load(Ordering::Acquire) == 0
+            if self.parts.undriven.load(Ordering::Acquire) == 0
                 && conn.waiting.load(Ordering::Acquire) == 0
             {
                 // Only requests whose waiters poll the completion queue
@@ -679,5 +713,113 @@ impl SocketLink {
             }
         }
         self.thread_exit();
+    }
+}
+
+impl rdma::RdmaParts {
+    /// Completes the express request in flight, if any, with `result`:
+    /// releases its regions, records the outcome, frees the lane.
+    /// `close`: the link's last thread is leaving, no request may take
+    /// the lane after this one.
+    pub(in crate::engine) fn finish_express(&self, result: Result<(), Error>, close: bool) {
+        self.express.finish(close, |slot| {
+            slot.guards.clear();
+            if let Some(c) = &slot.status {
+                c.complete(result);
+            }
+        });
+    }
+}
+
+impl Link for RdmaLink {
+    fn is_broken(&self) -> bool {
+        SocketLink::is_broken(self)
+    }
+
+    fn fail(&self, cause: Error) {
+        SocketLink::fail(self, cause);
+    }
+
+    fn join(&self) {
+        SocketLink::join(self);
+    }
+
+    fn submit(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
+        self.submit_rdma(sub)
+    }
+
+    fn prepare(
+        self: Arc<Self>,
+        engine: &Engine,
+        peer: Arc<Peer>,
+        req: &TransferRequest,
+        resolved: Resolved,
+    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+        Ok(Box::new(self.prepare_rdma(engine, peer, req, resolved)?))
+    }
+}
+
+/// Posts `q.batch` with one doorbell: every work request's pieces gathered
+/// back to back in the queue's scratch (posting allocates nothing), a sync
+/// message written into its buffer.
+fn post_queued_batch(
+    conn: &rdma::RdmaConn,
+    q: &mut rdma::SendQueue,
+) -> Result<(), crate::verbs::VerbsError> {
+    let rdma::SendQueue {
+        batch, sges, spans, ..
+    } = q;
+    sges.clear();
+    spans.clear();
+    for ((item, _), slot) in batch.iter() {
+        let start = sges.len();
+        match (item, slot) {
+            (rdma::Queued::Data { wr, .. }, _) => sges.extend_from_slice(&wr.sges),
+            (rdma::Queued::Sync { id, msg, .. }, Some(slot)) => {
+                let len = conn.sends.write_sync(*slot, *id, msg);
+                sges.push(conn.sends.sge(*slot, len));
+            }
+            (rdma::Queued::Sync { .. }, None) => {}
+        }
+        spans.push(start..sges.len());
+    }
+    let posts: Few<crate::verbs::Post<'_>> = batch
+        .iter()
+        .zip(spans.iter())
+        .map(|(((item, _), slot), span)| {
+            let sg = &sges[span.clone()];
+            match item {
+                rdma::Queued::Data { id, op, wr } => rdma::data_post(*id, *op, wr, sg),
+                rdma::Queued::Sync { id, .. } => crate::verbs::Post {
+                    // A sync message always has a buffer (taken with it).
+                    wr_id: rdma::SEND_FLAG | ((slot.unwrap_or(0) as u64) << 40) | id,
+                    op: crate::verbs::PostOp::Send { imm: 0 },
+                    sges: sg,
+                },
+            }
+        })
+        .collect();
+    // SAFETY: data pieces lie in registered regions held by the requests'
+    // guards, which live until every event of a request (these work
+    // requests' completions among them) has happened; a message slot is
+    // ours until its SEND completes.
+    unsafe { lock(&conn.qp).post_batch(&posts) }
+}
+
+/// The send schedule's view of a queue pair's resources: its window slots
+/// and its message buffers.
+struct LinkRoom<'a>(&'a rdma::RdmaConn);
+
+impl rdma::schedule::Room for LinkRoom<'_> {
+    fn take_slot(&mut self, len: u64) -> bool {
+        self.0.try_take_slot(len)
+    }
+
+    fn unwind_slot(&mut self) {
+        self.0.unwind_slot();
+    }
+
+    fn take_buffer(&mut self) -> Option<usize> {
+        self.0.sends.try_acquire()
     }
 }

@@ -181,14 +181,17 @@ impl Queued {
     }
 }
 
+/// Queued work and the request it belongs to.
+pub(crate) type QueuedFor = (Queued, Arc<super::Pending>);
+
 /// A queue pair's work waiting for room in the send window, in posting
 /// order, with the pump's scratch space (kept, so that posting allocates
 /// nothing).
 #[derive(Default)]
 pub(crate) struct SendQueue {
-    pub(crate) items: VecDeque<(Queued, Arc<super::Pending>)>,
+    pub(crate) items: VecDeque<QueuedFor>,
     /// Items being posted, each with its message buffer (sync messages).
-    pub(crate) batch: Vec<(Queued, Arc<super::Pending>, Option<usize>)>,
+    pub(crate) batch: Vec<(QueuedFor, Option<usize>)>,
     /// The batch's gather lists back to back, and where each one's is.
     pub(crate) sges: Vec<Sge>,
     pub(crate) spans: Vec<std::ops::Range<usize>>,

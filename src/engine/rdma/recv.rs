@@ -321,7 +321,7 @@ pub(in crate::engine) fn rdma_connect(
     let rerr = |e: crate::verbs::VerbsError| rdma::rdma_err(&peer.name, e);
     let events = inner.config.rdma.progress != crate::agent::RdmaProgress::Poll;
     // One send-queue entry beyond the window: the express lane's, whose
-    // lone work request bypasses the window (see `SocketLink::post_express`).
+    // lone work request bypasses the window (see `RdmaLink::post_express`).
     let mut qp = dev.create_rc_with(rdma::WINDOW + 1, events).map_err(rerr)?;
     let mine = qp.info();
     let hdr = Frame::QpConnect {

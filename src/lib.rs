@@ -50,8 +50,9 @@
 //! - the engine (private; built by [`make_transfer_agent`]): the agent
 //!   over TCP streams, plus the intra-node (cross-memory attach, `shm`) and
 //!   RDMA data paths, chosen per peer ([`Backend`]).
-//! - [`verbs`]: the RDMA verbs layer (sideway), the only module that talks
-//!   to the RDMA stack.
+//! - [`verbs`]: the RDMA verbs layer, the `kvxfer-verbs` crate of the
+//!   workspace: the only crate that talks to the RDMA stack (sideway,
+//!   rdma-mummy-sys), so no other code can reach it but through its API.
 //!
 //! ## Thread safety
 //! Agents are `Send + Sync`; every method takes `&self`. A
@@ -80,7 +81,8 @@ mod registry;
 mod shm;
 mod small;
 pub mod status;
-pub mod verbs;
+/// The RDMA verbs layer (the `kvxfer-verbs` crate).
+pub use kvxfer_verbs as verbs;
 
 pub use agent::{
     Backend, DataPath, PreparedTransfer, SyncMessages, TimedSyncMessages, TransferAgent,

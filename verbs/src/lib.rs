@@ -1,4 +1,4 @@
-//! Verbs layer: the one module that talks to `sideway` (RDMA verbs). Device
+//! Verbs layer: the one crate of kvxfer that talks to `sideway` (RDMA verbs). Device
 //! selection, protection domain, memory regions, reliable-connected queue
 //! pairs and completion polling, with one typed error per verb.
 //!
@@ -68,7 +68,7 @@ pub enum VerbsError {
     },
 }
 
-pub(super) fn verb(verb: &'static str) -> impl FnOnce(io::Error) -> VerbsError {
+pub(crate) fn verb(verb: &'static str) -> impl FnOnce(io::Error) -> VerbsError {
     move |source| {
         if source.raw_os_error() == Some(libc::EOPNOTSUPP) {
             VerbsError::Unsupported { what: verb }
@@ -78,7 +78,7 @@ pub(super) fn verb(verb: &'static str) -> impl FnOnce(io::Error) -> VerbsError {
     }
 }
 
-pub(super) fn other(e: impl std::fmt::Display) -> io::Error {
+pub(crate) fn other(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
 }
 

@@ -311,7 +311,7 @@ impl Device {
             gid_index: self.gid_index,
             gid: self.gid,
             mtu: self.mtu as u32,
-            psn: crate::auth::random_u64() as u32 & 0x00ff_ffff,
+            psn: random_psn(),
             ack_timeout: DEFAULT_ACK_TIMEOUT,
         }
     }
@@ -527,4 +527,13 @@ pub(super) unsafe fn qp_in_error(qp: *mut rdma_mummy_sys::ibv_qp) -> bool {
     // SAFETY: forwarded contract; the out-parameters are valid.
     let rc = unsafe { rdma_mummy_sys::ibv_query_qp(qp, &mut attr, mask, &mut init) };
     rc != 0 || attr.qp_state == rdma_mummy_sys::ibv_qp_state::IBV_QPS_ERR
+}
+
+/// A random initial packet sequence number (24 bits) from the operating
+/// system's random source.
+///
+/// # Panics
+/// When the OS has no random source to offer.
+fn random_psn() -> u32 {
+    getrandom::u32().expect("the OS random source failed") & 0x00ff_ffff
 }

@@ -6,7 +6,7 @@
 # ratios, the machines are noisy.
 #
 #   benches/ab.sh OLD_BENCH NEW_BENCH          # ROUNDS=5
-# e.g. git worktree add /tmp/base REV && (cd /tmp/base && cargo build --release --bin kvxfer-bench)
+# e.g. git worktree add /tmp/base REV && (cd /tmp/base && cargo build --release -p kvxfer-bench)
 #      benches/ab.sh /tmp/base/target/release/kvxfer-bench target/release/kvxfer-bench
 set -euo pipefail
 A=$1; B=$2; ROUNDS=${ROUNDS:-5}

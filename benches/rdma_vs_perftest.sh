@@ -38,7 +38,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${KVXFER_RDMA_GUEST:-}" != 1 ]; then
-  cargo build --release --locked --bin kvxfer-bench >&2
+  cargo build --release --locked -p kvxfer-bench >&2
   # The guest passes on only the variables it knows: ROUNDS, LAT_ROUNDS
   # and ITERS go on the command line.
   exec ci/rxe-guest --timeout 2400 env ROUNDS="${ROUNDS:-9}" LAT_ROUNDS="${LAT_ROUNDS:-41}" ITERS="${ITERS:-200}" bash benches/rdma_vs_perftest.sh

@@ -13,7 +13,7 @@ ITERS=${ITERS:-500}
 THREADS=${THREADS:-}  # shm copy threads; empty: the library default
 
 bash ci/install-deps.sh bench >&2
-cargo build --release --locked --bin kvxfer-bench >&2
+cargo build --release --locked -p kvxfer-bench >&2
 BENCH=target/release/kvxfer-bench
 gbps() { python3 -c 'import json,sys; print(json.loads(sys.stdin.readline())["gb_per_s"])'; }
 

@@ -12,7 +12,7 @@ SECS=${SECONDS_PER_RUN:-4}
 STREAMS=${STREAMS:-}  # empty: the library default
 
 bash ci/install-deps.sh bench >&2
-cargo build --release --locked --bin kvxfer-bench >&2
+cargo build --release --locked -p kvxfer-bench >&2
 BENCH=target/release/kvxfer-bench
 
 port=$((20000 + RANDOM % 20000))

@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install-deps.sh build
-cargo build --release --locked --bin kvxfer-bench
+cargo build --release --locked -p kvxfer-bench
 exec target/release/kvxfer-bench "$@"

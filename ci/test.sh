@@ -79,7 +79,7 @@ for t in agent_desc tcp_frames kv_wire handshake; do
   echo "$t: $(grep -E '^Done' "$fuzz_tmp/$t.log")"
 done
 echo "== bench CLI smoke run"
-cargo build --release --locked --bin kvxfer-bench
+cargo build --release --locked -p kvxfer-bench
 target/release/kvxfer-bench --block-size 64KiB --batch 16 --iters 20 --warmup 2 --json
 target/release/kvxfer-bench --op read --block-size 4KiB --batch 64 --iters 20 --warmup 2 --json
 target/release/kvxfer-bench kv --tokens 256 --iters 2 --verify --json

@@ -5,9 +5,7 @@
 //! role, `--connect` only the initiator role, for runs across two hosts.
 //! `kvxfer-bench kv` measures the KV-cache protocol (see `kv.rs`).
 
-#[path = "kvxfer-bench/kv.rs"]
 mod kv;
-#[path = "kvxfer-bench/pingpong.rs"]
 mod pingpong;
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Installs the Debian packages a kvxfer job needs; idempotent.
 #   ci/install-deps.sh build   # compiler toolchain pieces
-#   ci/install-deps.sh bench   # + iperf3, python3 for the comparison scripts
+#   ci/install-deps.sh bench   # + iperf3, fio, python3 for the comparison scripts
 #   ci/install-deps.sh test    # + g++, valgrind for the C/C++ ABI tests; python3 and
-#                              #   its venv module for the Python package's tests
+#                              #   its venv module for the Python package's tests;
+#                              #   util-linux and mount (losetup, mount -t tmpfs) for
+#                              #   the storage tests' loop devices and full disks
 #   ci/install-deps.sh guest   # + QEMU, busybox, rdma-core, perftest for ci/rxe-guest
 set -euo pipefail
 # cmake, libclang-dev: rdma-mummy-sys (under sideway) builds vendored
@@ -12,8 +14,8 @@ set -euo pipefail
 want=(gcc pkg-config ca-certificates cmake libclang-dev linux-libc-dev)
 case "${1:-build}" in
   build) ;;
-  bench) want+=(iperf3 python3) ;;
-  test) want+=(procps g++ valgrind python3 python3-venv) ;;
+  bench) want+=(iperf3 fio python3 util-linux) ;;
+  test) want+=(procps g++ valgrind python3 python3-venv util-linux mount) ;;
   guest) want+=(qemu-system-x86 busybox-static cpio kmod gzip rdma-core ibverbs-providers ibverbs-utils perftest iproute2) ;;
   *) echo "usage: $0 build|bench|test|guest" >&2; exit 2 ;;
 esac

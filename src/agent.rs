@@ -50,6 +50,10 @@ pub struct TransferRequest {
     pub remote_agent: String,
     /// Delivered to the remote agent after all of this request's data.
     pub sync_message: Option<Vec<u8>>,
+    /// Storage targets (FILE, BLK): the request completes only once the
+    /// data written is on stable storage (`fdatasync` of each file
+    /// written). Ignored by the other memory types.
+    pub durable: bool,
 }
 
 impl TransferRequest {
@@ -61,6 +65,7 @@ impl TransferRequest {
             remote,
             remote_agent: remote_agent.into(),
             sync_message: None,
+            durable: false,
         }
     }
 
@@ -72,7 +77,15 @@ impl TransferRequest {
             remote,
             remote_agent: remote_agent.into(),
             sync_message: None,
+            durable: false,
         }
+    }
+
+    /// Storage targets: completes only once the data written is on stable
+    /// storage (see [`durable`](Self::durable)).
+    pub fn with_durable(mut self) -> Self {
+        self.durable = true;
+        self
     }
 
     /// Attaches a sync message, delivered after the request's data.
@@ -329,4 +342,30 @@ pub trait TransferAgent: Send + Sync {
     /// Whether every descriptor lies inside a region `remote` exported, as
     /// known from its loaded descriptor. False for an unknown agent.
     fn check_remote_descs(&self, remote: &str, descs: &MemoryDescs) -> bool;
+
+    /// Opens a file or block device as storage; returns its handle, the
+    /// `device_id` of the FILE or BLK descriptors that name ranges of it
+    /// (`addr` = byte offset). Register such descriptors with
+    /// [`register_memory`](Self::register_memory); a request to this agent
+    /// itself (its own name as the remote agent) then moves data between
+    /// host memory and them.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] when the path cannot be opened as asked;
+    /// [`Error::InvalidConfig`] when it is not of the kind asked;
+    /// [`Error::BackendUnavailable`] when the I/O engine cannot start.
+    fn open_storage(&self, spec: &crate::storage::StorageSpec) -> Result<u32, Error>;
+
+    /// Adopts an open descriptor of a regular file as storage (through the
+    /// page cache); returns its handle, as [`open_storage`](Self::open_storage).
+    ///
+    /// # Errors
+    /// As [`open_storage`](Self::open_storage).
+    fn adopt_storage(&self, fd: std::os::fd::OwnedFd) -> Result<u32, Error>;
+
+    /// Closes storage `handle`, refused while regions of it are registered.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for an unknown handle or one in use.
+    fn close_storage(&self, handle: u32) -> Result<(), Error>;
 }

@@ -58,6 +58,11 @@ pub struct AgentConfig {
     /// (an `auto` agent otherwise falls back to TCP, logging why). Empty
     /// by default.
     pub required_transports: Vec<(MemoryType, TransportKind)>,
+    /// The I/O engine of the agent's storage (FILE and BLK regions).
+    /// `Auto` (the default): `KVXFER_STORAGE_IO` (`io_uring`, `psync`)
+    /// when set, else `io_uring` where the kernel allows it, else
+    /// `pread`/`pwrite`.
+    pub storage_io: crate::storage::StorageIo,
 }
 
 /// The TCP data path.
@@ -299,6 +304,7 @@ impl AgentConfig {
             security: SecurityConfig::default(),
             limits: Limits::default(),
             required_transports: Vec::new(),
+            storage_io: crate::storage::StorageIo::Auto,
         }
     }
 
@@ -450,6 +456,27 @@ impl AgentConfig {
     pub fn with_insecure(mut self, on: bool) -> Self {
         self.security.insecure = on;
         self
+    }
+
+    /// Chooses the storage I/O engine ([`storage_io`](Self::storage_io)).
+    pub fn with_storage_io(mut self, io: crate::storage::StorageIo) -> Self {
+        self.storage_io = io;
+        self
+    }
+
+    /// The storage I/O engine: the configured one, else
+    /// `KVXFER_STORAGE_IO`, else `Auto`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an unknown `KVXFER_STORAGE_IO`.
+    pub fn effective_storage_io(&self) -> Result<crate::storage::StorageIo, Error> {
+        if self.storage_io != crate::storage::StorageIo::Auto {
+            return Ok(self.storage_io);
+        }
+        match std::env::var("KVXFER_STORAGE_IO") {
+            Ok(v) => v.trim().parse(),
+            Err(_) => Ok(crate::storage::StorageIo::Auto),
+        }
     }
 
     /// Sets the most requests in flight at once

@@ -311,6 +311,33 @@ pub enum Error {
     /// A local I/O error outside any peer connection.
     #[error("I/O error: {0}")]
     Io(Arc<io::Error>),
+    /// A read, write or sync of storage (a FILE or BLK region) failed; the
+    /// OS error is kept (`ENOSPC` for a full device, `EIO`, ...). What the
+    /// request wrote before the failure may have landed; nothing else
+    /// changed.
+    #[error("storage {op} on handle {handle} failed: {source}")]
+    Storage {
+        /// The storage handle (the descriptors' `device_id`).
+        handle: u64,
+        /// `open`, `write`, `read`, `fdatasync`, ...
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: Arc<io::Error>,
+    },
+    /// A direct-I/O (`O_DIRECT`) storage range or buffer is not aligned to
+    /// the device's logical block size; nothing was read or written.
+    #[error("{what} {value:#x} is not a multiple of storage handle {handle}'s block size {block}")]
+    Misaligned {
+        /// The storage handle.
+        handle: u64,
+        /// `offset`, `length` or `memory address`.
+        what: &'static str,
+        /// The misaligned value.
+        value: u64,
+        /// The alignment direct I/O needs.
+        block: u32,
+    },
 }
 
 impl From<io::Error> for Error {

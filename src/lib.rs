@@ -81,6 +81,7 @@ mod registry;
 mod shm;
 mod small;
 pub mod status;
+pub mod storage;
 /// The RDMA verbs layer (the `kvxfer-verbs` crate).
 pub use kvxfer_verbs as verbs;
 
@@ -98,3 +99,4 @@ pub use engine::make_transfer_agent;
 pub use error::{Error, RejectReason};
 pub use memory::{MemoryDesc, MemoryDescs, MemoryType};
 pub use registration::Registration;
+pub use storage::{StorageIo, StorageKind, StorageSpec};

@@ -252,6 +252,11 @@ impl Registry {
         len: u64,
         key: u64,
     ) -> Result<RegionGuard, RejectReason> {
+        // Peers reach host memory only: storage regions (file offsets) are
+        // this agent's own.
+        if mem_type != MemoryType::Dram {
+            return Err(RejectReason::NotRegistered);
+        }
         let map = self.read();
         let r = map
             .find(mem_type, &MemoryDesc::new(addr, len, 0))
@@ -262,10 +267,28 @@ impl Registry {
         Ok(RegionGuard::new(&r.value))
     }
 
-    /// The regions to export in the agent descriptor.
+    /// Whether any FILE or BLK region of storage `handle` is registered.
+    pub(crate) fn has_device_regions(&self, handle: u32) -> bool {
+        self.read().iter().any(|r| {
+            matches!(r.mem_type, MemoryType::File | MemoryType::Blk) && r.desc.device_id == handle
+        })
+    }
+
+    /// Whether every one of `descs` lies inside a registered region.
+    pub(crate) fn contains_all(&self, descs: &MemoryDescs) -> bool {
+        let map = self.read();
+        descs
+            .descs
+            .iter()
+            .all(|d| map.find(descs.mem_type, d).is_some())
+    }
+
+    /// The regions to export in the agent descriptor: host memory only
+    /// (storage regions are reached through the agent itself).
     pub(crate) fn exported(&self) -> Vec<ExportedRegion> {
         self.read()
             .iter()
+            .filter(|r| r.mem_type == MemoryType::Dram)
             .map(|r| ExportedRegion {
                 mem_type: r.mem_type,
                 desc: r.desc,

@@ -340,16 +340,20 @@ pub enum TransportKind {
     /// A plain copy between two agents of one process
     /// ([`Backend::InProcess`](crate::agent::Backend::InProcess)).
     InProcess,
+    /// Reads and writes between host memory and the agent's own storage
+    /// (FILE and BLK regions), by `io_uring` or `pread`/`pwrite`.
+    Storage,
 }
 
 impl TransportKind {
-    /// Its name: `"tcp"`, `"shm"`, `"rdma"` or `"inproc"`.
+    /// Its name: `"tcp"`, `"shm"`, `"rdma"`, `"inproc"` or `"storage"`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Tcp => "tcp",
             Self::Shm => "shm",
             Self::Rdma => "rdma",
             Self::InProcess => "inproc",
+            Self::Storage => "storage",
         }
     }
 }

@@ -7,6 +7,7 @@
 
 mod kv;
 mod pingpong;
+mod storage;
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::net::SocketAddr;
@@ -156,6 +157,19 @@ struct Args {
     /// library's).
     #[arg(long, value_parser = parse_size)]
     rdma_inflight: Option<u64>,
+    /// Destination (WRITE) or source (READ) in this agent's own storage
+    /// instead of a peer's host memory: `file:PATH` (created, opened with
+    /// O_DIRECT unless `--buffered`) or `blk:DEVICE` (a block device,
+    /// O_DIRECT). Compare with `fio --ioengine=io_uring --direct=1` at the
+    /// same block size and `--iodepth` = `--batch` (benches/storage_vs_fio.sh).
+    #[arg(long, conflicts_with_all = ["listen", "connect", "memcpy", "pingpong"])]
+    memory: Option<String>,
+    /// `--memory file:PATH`: through the page cache instead of O_DIRECT.
+    #[arg(long, requires = "memory")]
+    buffered: bool,
+    /// `--memory`: the storage I/O engine (auto, io_uring, psync).
+    #[arg(long, requires = "memory", default_value = "auto")]
+    storage_io: String,
     /// Internal: in target role, exit when standard input closes.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
@@ -411,10 +425,18 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[idx.min(sorted.len() - 1)]
 }
 
+/// Where a run's requests go: the remote agent and its region (host
+/// memory of a peer, or the agent's own storage).
+struct Target {
+    remote: String,
+    mem_type: MemoryType,
+    base: u64,
+    device_id: u32,
+}
+
 fn measure(
     agent: &dyn TransferAgent,
-    remote: &str,
-    remote_base: u64,
+    target: &Target,
     src: &Buffer,
     args: &Args,
     pt: &Point,
@@ -427,11 +449,12 @@ fn measure(
             .collect(),
     );
     let dst = MemoryDescs::new(
-        MemoryType::Dram,
+        target.mem_type,
         (0..pt.batch)
-            .map(|i| MemoryDesc::new(remote_base + i * pt.block, pt.block, 0))
+            .map(|i| MemoryDesc::new(target.base + i * pt.block, pt.block, target.device_id))
             .collect(),
     );
+    let remote = target.remote.as_str();
     let make = || match args.op.as_str() {
         "read" => TransferRequest::read(local.clone(), dst.clone(), remote),
         _ => TransferRequest::write(local.clone(), dst.clone(), remote),
@@ -562,6 +585,25 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
             human(need)
         );
     }
+    let target = Target {
+        remote,
+        mem_type: MemoryType::Dram,
+        base: region.desc.addr,
+        device_id: 0,
+    };
+    run_points(args, agent.as_ref(), &target, &src, &points)?;
+    drop(agent);
+    Ok(())
+}
+
+/// Measures every point of the plan against `target` and prints them.
+fn run_points(
+    args: &Args,
+    agent: &dyn TransferAgent,
+    target: &Target,
+    src: &Buffer,
+    points: &[Point],
+) -> Result<()> {
     let total: u64 = points.iter().map(|p| p.iters).sum();
     let bar = if args.json || !std::io::stderr().is_terminal() {
         ProgressBar::hidden()
@@ -575,22 +617,14 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
         b
     };
     // The data path actually used (auto picks shm on one host).
-    let backend_name = agent.remote_transport(&remote)?;
+    let backend_name = agent.remote_transport(&target.remote)?;
     let streams = args
         .streams
         .unwrap_or(AgentConfig::new("defaults").tcp.streams_per_peer);
     let mut rows = Vec::new();
-    for pt in &points {
+    for pt in points {
         bar.set_message(format!("{} × {}", human(pt.block), pt.batch));
-        let m = measure(
-            agent.as_ref(),
-            &remote,
-            region.desc.addr,
-            &src,
-            args,
-            pt,
-            &bar,
-        )?;
+        let m = measure(agent, target, src, args, pt, &bar)?;
         if args.json {
             println!(
                 "{{\"backend\":\"{backend_name}\",\"op\":\"{}\",\"block_size\":{},\"batch\":{},\"iters\":{},\"streams\":{},\"bytes_per_request\":{},\"gb_per_s\":{:.4},\"p50_us\":{:.1},\"p99_us\":{:.1},\"mean_us\":{:.1},\"cpu_cores\":{:.3}}}",
@@ -630,7 +664,6 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
         }
         println!("(GB/s = 10^9 bytes/s; latency is per request: submit to completion)");
     }
-    drop(agent);
     Ok(())
 }
 
@@ -686,6 +719,9 @@ fn main() -> Result<()> {
     }
     if args.pingpong_ab {
         return pingpong::run_pingpong_ab(&args);
+    }
+    if let Some(memory) = &args.memory {
+        return storage::run(&args, memory);
     }
     if let Some(listen) = args.listen {
         return run_target(&args, listen);

@@ -84,6 +84,8 @@ errors! {
     Aborted => AbortedError,
     Closed => ClosedError,
     Io => IoError,
+    Storage => StorageError,
+    Misaligned => MisalignedError,
 }
 
 /// A duration from seconds, refusing what is negative or not a number.

@@ -12,18 +12,38 @@ impl TransferAgent for Engine {
         self.inner.mode.as_str()
     }
 
+    fn open_storage(&self, spec: &crate::storage::StorageSpec) -> Result<u32, Error> {
+        self.inner.storage.open(spec)
+    }
+
+    fn adopt_storage(&self, fd: std::os::fd::OwnedFd) -> Result<u32, Error> {
+        self.inner.storage.adopt(fd)
+    }
+
+    fn close_storage(&self, handle: u32) -> Result<(), Error> {
+        let in_use = self.inner.registry.has_device_regions(handle);
+        self.inner.storage.close(handle, in_use)
+    }
+
     fn remote_transport(&self, name: &str) -> Result<&'static str, Error> {
         Ok(self.inner.peer(name)?.path.kind().as_str())
     }
 
     unsafe fn register_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
-        // SAFETY: forwarded contract of `register_memory`.
+        let storage = matches!(descs.mem_type, MemoryType::File | MemoryType::Blk);
+        if storage {
+            for d in &descs.descs {
+                self.inner.storage.check_region(descs.mem_type, d)?;
+            }
+        }
+        // SAFETY: forwarded contract of `register_memory`. Storage ranges
+        // are file offsets: never registered with the RDMA device.
         unsafe {
             self.inner.registry.register(
                 descs,
                 SUPPORTED,
                 self.inner.mode.as_str(),
-                self.inner.device.as_deref(),
+                self.inner.device.as_deref().filter(|_| !storage),
             )
         }
     }
@@ -187,6 +207,9 @@ impl TransferAgent for Engine {
     }
 
     fn check_remote_descs(&self, remote: &str, descs: &MemoryDescs) -> bool {
+        if remote == self.inner.config.name {
+            return self.inner.registry.contains_all(descs);
+        }
         let Ok(peer) = self.inner.peer(remote) else {
             return false;
         };

@@ -39,6 +39,7 @@ mod rdma;
 pub(crate) mod requests;
 mod sock;
 mod socket_link;
+mod storage_link;
 mod submit;
 mod target;
 mod tcp_stream;
@@ -106,9 +107,13 @@ const ABORT_CHECK_BYTES: u64 = 4 << 20;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Path {
     Tcp,
-    Cma { pid: u32 },
+    Cma {
+        pid: u32,
+    },
     Rdma,
     InProcess,
+    /// The agent itself: its FILE and BLK regions.
+    Storage,
 }
 
 impl Path {
@@ -118,10 +123,11 @@ impl Path {
             Path::Cma { .. } => TransportKind::Shm,
             Path::Rdma => TransportKind::Rdma,
             Path::InProcess => TransportKind::InProcess,
+            Path::Storage => TransportKind::Storage,
         }
     }
 }
-const SUPPORTED: &[MemoryType] = &[MemoryType::Dram];
+const SUPPORTED: &[MemoryType] = &[MemoryType::Dram, MemoryType::File, MemoryType::Blk];
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -185,6 +191,10 @@ struct Inner {
     /// Open until the agent is dropped; in-process initiators hold it
     /// (shared) while they copy into or out of this agent's memory.
     door: RwLock<bool>,
+    /// Files and block devices opened as storage, and their I/O engine.
+    storage: crate::storage::Storage,
+    /// The agent as its own peer: the target of requests to its storage.
+    self_peer: OnceLock<Arc<Peer>>,
 }
 
 /// One count in [`Inner::unauthenticated`], given back on drop.
@@ -294,6 +304,8 @@ impl Engine {
             unauthenticated: Arc::new(AtomicUsize::new(0)),
             in_flight: Arc::new(AtomicUsize::new(0)),
             door: RwLock::new(true),
+            storage: crate::storage::Storage::new(config.effective_storage_io()?),
+            self_peer: OnceLock::new(),
             config,
         });
         if mode == Backend::InProcess {

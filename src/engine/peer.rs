@@ -42,6 +42,17 @@ impl Inner {
     }
 
     pub(in crate::engine) fn peer(&self, name: &str) -> Result<Arc<Peer>, Error> {
+        if name == self.config.name {
+            return Ok(Arc::clone(self.self_peer.get_or_init(|| {
+                Arc::new(Peer {
+                    desc: self.local_desc(),
+                    regions: RegionMap::new(),
+                    path: Path::Storage,
+                    link: Mutex::new(None),
+                    retired: AtomicBool::new(false),
+                })
+            })));
+        }
         self.peers
             .read()
             .unwrap_or_else(|p| p.into_inner())

@@ -197,6 +197,16 @@ impl Engine {
             .inner
             .registry
             .acquire_local_keyed(&req.local, rdma.then_some(&mut lkeys))?;
+        if peer.path == Path::Storage {
+            // The remote regions are this agent's own: its storage link
+            // resolves (and holds) them.
+            return Ok(Resolved {
+                guards,
+                lkeys,
+                keys: Vec::new(),
+                rkeys: Few::new(),
+            });
+        }
         // Access keys for the socket paths, remote keys for RDMA.
         let mut keys = Vec::with_capacity(if rdma { 0 } else { req.remote.descs.len() });
         let mut rkeys = Few::new();

@@ -86,6 +86,7 @@ impl Path {
     ) -> Result<Arc<dyn Link>, Error> {
         Ok(match self {
             Path::InProcess => inproc::LocalLink::open(peer)?,
+            Path::Storage => storage_link::StorageLink::open(inner)?,
             Path::Tcp => TcpLink::open(inner, peer)?,
             // Data bypasses the socket; one stream carries the control.
             Path::Cma { pid } => CmaLink::open(inner, peer, pid)?,

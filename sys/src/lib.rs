@@ -321,6 +321,8 @@ impl From<Error> for Fail {
             Error::Rdma { .. } | Error::RdmaCompletion { .. } => KVXFER_ERR_RDMA,
             Error::AuthFailed { .. } => KVXFER_ERR_AUTH,
             Error::Credential(_) => KVXFER_ERR_INVALID_ARGUMENT,
+            Error::Misaligned { .. } => KVXFER_ERR_INVALID_DESCRIPTOR,
+            Error::Storage { .. } | Error::Io(_) => KVXFER_ERR_IO,
             _ => KVXFER_ERR_IO,
         };
         Fail::new(code, e.to_string())
@@ -1305,6 +1307,7 @@ pub unsafe extern "C" fn kvxfer_status_transport(
             kvxfer_core::TransportKind::Shm => c"shm",
             kvxfer_core::TransportKind::Rdma => c"rdma",
             kvxfer_core::TransportKind::InProcess => c"inproc",
+            kvxfer_core::TransportKind::Storage => c"storage",
             // The enum is non-exhaustive: one this library does not know yet.
             _ => c"unknown",
         };

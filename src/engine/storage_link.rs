@@ -1,0 +1,207 @@
+//! The storage path: a request to this agent itself whose remote
+//! descriptors are its own FILE or BLK regions. Its link resolves them in
+//! the agent's registry (held until the request completes), checks every
+//! range before anything moves (the file not shrunk under a region, direct
+//! I/O alignment of offsets, lengths and buffers, room in the inbox for the
+//! sync message) and hands the reads or writes to the storage I/O engine
+//! ([`crate::storage::io`]); the status completes once every one of them
+//! (and, for a durable request, the sync of each file written) has.
+
+use std::os::fd::RawFd;
+
+use crate::storage::io::{Batch, OP_MAX, Op};
+use crate::storage::{StorageFile, StorageKind};
+
+use super::*;
+
+/// The link of the agent to itself: its storage.
+pub(in crate::engine) struct StorageLink {
+    path: Arc<DataPath>,
+    /// Set by [`Link::fail`] (the first cause wins).
+    broken: Mutex<Option<Error>>,
+}
+
+impl StorageLink {
+    /// The link, with the agent's storage I/O engine started.
+    pub(in crate::engine) fn open(inner: &Inner) -> Result<Arc<Self>, Error> {
+        let io = inner.storage.engine()?;
+        Ok(Arc::new(StorageLink {
+            path: Arc::new(DataPath {
+                transport: TransportKind::Storage,
+                device: Some(io.name().to_owned()),
+                mechanism: "reads and writes between registered host memory and the agent's \
+                            files and block devices, zero copy (O_DIRECT where opened so)",
+            }),
+            broken: Mutex::new(None),
+        }))
+    }
+}
+
+impl Link for StorageLink {
+    fn is_broken(&self) -> bool {
+        lock(&self.broken).is_some()
+    }
+
+    fn fail(&self, cause: Error) {
+        lock(&self.broken).get_or_insert(cause);
+    }
+
+    fn join(&self) {}
+
+    fn submit(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
+        if let Some(e) = lock(&self.broken).clone() {
+            return Err(e);
+        }
+        let Submission {
+            engine,
+            req,
+            resolved,
+            sync,
+            ..
+        } = sub;
+        let inner = &engine.inner;
+        let me = inner.config.name.as_str();
+        // A notification to itself (no data): delivered at once.
+        if req.local.is_empty() {
+            if let Some(m) = sync {
+                let room = reserve(inner, me, m.len())?;
+                inner.inbox.deliver(room, m);
+            }
+            let (id, completion) = engine.new_request();
+            completion.complete(Ok(()));
+            return Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)));
+        }
+        let mem_type = req.remote.mem_type;
+        if !matches!(mem_type, MemoryType::File | MemoryType::Blk) {
+            return Err(Error::UnsupportedMemoryType {
+                mem_type,
+                backend: "storage (a request to the agent itself moves FILE and BLK regions)",
+            });
+        }
+        let held = inner.registry.acquire_local_keyed(&req.remote, None)?;
+        let (ops, written) = plan(inner, req)?;
+        let room = match &sync {
+            Some(m) => Some(reserve(inner, me, m.len())?),
+            None => None,
+        };
+        let syncs = if req.durable && req.op == TransferOp::Write {
+            written
+        } else {
+            Vec::new()
+        };
+        let (id, completion) = engine.new_request();
+        let inbox = Arc::clone(&inner.inbox);
+        let done_status = Arc::clone(&completion);
+        let guards = resolved.guards;
+        let done = Box::new(move |r: Result<(), Error>| {
+            // The regions are let go before the status completes, so a
+            // caller may deregister them as soon as it sees the outcome.
+            drop(guards);
+            drop(held);
+            if let (Ok(()), Some(room), Some(m)) = (&r, room, sync) {
+                inbox.deliver(room, m);
+            }
+            done_status.complete(r);
+        });
+        let batch = Batch {
+            ops,
+            sync: syncs,
+            done,
+        };
+        // SAFETY: every op's memory lies in local regions checked and held
+        // (`guards`) and every fd belongs to a storage region held (`held`)
+        // — a held region cannot be deregistered, and storage with
+        // registered regions cannot be closed — until `done` has run.
+        unsafe { inner.storage.engine()?.submit(batch) };
+        Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
+    }
+}
+
+/// Room in this agent's inbox for its own sync message.
+fn reserve(inner: &Inner, me: &str, len: usize) -> Result<Reservation, Error> {
+    inner
+        .inbox
+        .reserve(me, len as u64)
+        .map_err(|reason| Error::RemoteRejected {
+            remote: me.to_owned(),
+            reason,
+        })
+}
+
+/// Files a request writes: (handle, fd).
+type Written = Vec<(u32, RawFd)>;
+
+/// `req`'s reads or writes, each at most [`OP_MAX`] bytes, after every check
+/// (nothing has moved when this fails); and the files written (handle, fd).
+fn plan(inner: &Inner, req: &TransferRequest) -> Result<(Vec<Op>, Written), Error> {
+    let write = req.op == TransferOp::Write;
+    let mut ops = Vec::with_capacity(req.local.descs.len());
+    let mut files: Vec<(Arc<StorageFile>, u64)> = Vec::new();
+    for (l, r) in req.local.descs.iter().zip(&req.remote.descs) {
+        let f = match files.iter_mut().find(|(f, _)| f.handle == r.device_id) {
+            Some((f, end)) => {
+                *end = (*end).max(r.addr + r.len);
+                Arc::clone(f)
+            }
+            None => {
+                let f = inner
+                    .storage
+                    .get(r.device_id)
+                    .ok_or(Error::InvalidDescriptor {
+                        desc: *r,
+                        reason: "device_id is not an open storage handle",
+                    })?;
+                files.push((Arc::clone(&f), r.addr + r.len));
+                f
+            }
+        };
+        if f.kind == StorageKind::Block || f.align > 1 {
+            f.aligned("offset", r.addr)?;
+            f.aligned("length", r.len)?;
+            f.aligned("memory address", l.addr)?;
+        }
+        let mut done = 0;
+        while done < l.len {
+            let n = (l.len - done).min(OP_MAX);
+            ops.push(Op {
+                fd: f.raw_fd(),
+                handle: f.handle,
+                write,
+                buf: l.addr + done,
+                len: n as u32,
+                offset: r.addr + done,
+            });
+            done += n;
+        }
+    }
+    // A file shrunk under its regions (truncated by someone else): refused
+    // before anything moves, rather than a READ stopping short or a WRITE
+    // growing the file back.
+    for (f, end) in &files {
+        let size = f.size().map_err(|e| Error::Storage {
+            handle: u64::from(f.handle),
+            op: "fstat",
+            source: Arc::new(e),
+        })?;
+        if *end > size {
+            return Err(Error::Storage {
+                handle: u64::from(f.handle),
+                op: "size check",
+                source: Arc::new(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{} is {size} bytes long but the request reaches byte {end}: \
+                         it was truncated under a registered region",
+                        f.path.display()
+                    ),
+                )),
+            });
+        }
+    }
+    let written = if write {
+        files.iter().map(|(f, _)| (f.handle, f.raw_fd())).collect()
+    } else {
+        Vec::new()
+    };
+    Ok((ops, written))
+}

@@ -1,0 +1,230 @@
+//! The I/O engines behind storage transfers: a batch of reads or writes
+//! between host memory and open files, then (on request) a data sync of
+//! each file written, completed once with the first failure.
+
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::StorageIo;
+use crate::error::Error;
+
+/// Largest piece one read or write moves (io_uring takes a 32-bit length;
+/// the kernel moves at most about 2 GiB a call anyway).
+pub(crate) const OP_MAX: u64 = 1 << 30;
+
+/// One read or write.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Op {
+    /// The open file or device.
+    pub(crate) fd: RawFd,
+    /// Its storage handle (for errors).
+    pub(crate) handle: u32,
+    /// Write memory to the file (else read the file into memory).
+    pub(crate) write: bool,
+    /// Host memory address.
+    pub(crate) buf: u64,
+    /// Bytes (at most [`OP_MAX`]).
+    pub(crate) len: u32,
+    /// File offset.
+    pub(crate) offset: u64,
+}
+
+impl Op {
+    /// The part of it left after `done` bytes moved.
+    pub(crate) fn rest(mut self, done: u32) -> Op {
+        self.buf += u64::from(done);
+        self.offset += u64::from(done);
+        self.len -= done;
+        self
+    }
+
+    pub(crate) fn name(&self) -> &'static str {
+        if self.write { "write" } else { "read" }
+    }
+}
+
+/// What a finished batch reports.
+pub(crate) type Done = Box<dyn FnOnce(Result<(), Error>) + Send>;
+
+/// A request's I/O: its reads or writes (any order, all in flight at once),
+/// then a data sync of each of `sync` once they all succeeded; `done` runs
+/// once, after every one of them has finished (so nothing touches the
+/// request's memory after it), with the first failure.
+pub(crate) struct Batch {
+    pub(crate) ops: Vec<Op>,
+    /// Files to `fdatasync` after the ops (handle, fd).
+    pub(crate) sync: Vec<(u32, RawFd)>,
+    pub(crate) done: Done,
+}
+
+/// Moves batches. Implementations: [`super::uring::Uring`] and [`Psync`].
+pub(crate) trait IoEngine: Send + Sync {
+    /// `"io_uring"` or `"pread/pwrite"`.
+    fn name(&self) -> &'static str;
+
+    /// Starts `batch`; never blocks on the I/O.
+    ///
+    /// # Safety
+    /// Every op's memory range must stay valid (allocated, and for reads
+    /// not otherwise accessed) and every fd open until the batch's `done`
+    /// has run.
+    unsafe fn submit(&self, batch: Batch);
+}
+
+/// The failure of `op` with `e`.
+pub(crate) fn op_error(op: &Op, e: std::io::Error) -> Error {
+    Error::Storage {
+        handle: u64::from(op.handle),
+        op: op.name(),
+        source: Arc::new(e),
+    }
+}
+
+/// A read or write that moved nothing: past the end of the file (which
+/// shrank under a registered region) or out of space.
+pub(crate) fn short_error(op: &Op) -> Error {
+    op_error(
+        op,
+        std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!(
+                "{} of {} bytes at offset {} stopped short: the file ends there",
+                op.name(),
+                op.len,
+                op.offset
+            ),
+        ),
+    )
+}
+
+/// Starts the engine `choice` asks for.
+pub(crate) fn start(choice: StorageIo) -> Result<Arc<dyn IoEngine>, Error> {
+    match choice {
+        StorageIo::Psync => Ok(Arc::new(Psync::start(PSYNC_THREADS)?)),
+        StorageIo::IoUring => Ok(Arc::new(super::uring::Uring::start()?)),
+        StorageIo::Auto => match super::uring::Uring::start() {
+            Ok(u) => Ok(Arc::new(u)),
+            Err(e) => {
+                tracing::info!(error = %e, "io_uring unavailable; storage I/O falls back to pread/pwrite");
+                Ok(Arc::new(Psync::start(PSYNC_THREADS)?))
+            }
+        },
+    }
+}
+
+/// Worker threads of the `pread`/`pwrite` engine: batches in flight at once.
+const PSYNC_THREADS: usize = 4;
+
+/// `pread`/`pwrite` on worker threads, a batch per thread at a time.
+pub(crate) struct Psync {
+    tx: Option<Sender<Batch>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Psync {
+    fn start(n: usize) -> Result<Self, Error> {
+        let (tx, rx): (Sender<Batch>, Receiver<Batch>) = crossbeam_channel::unbounded();
+        let mut threads = Vec::with_capacity(n);
+        for i in 0..n {
+            let rx = rx.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("kvxfer-psync-{i}"))
+                    .spawn(move || {
+                        while let Ok(b) = rx.recv() {
+                            // SAFETY: the submitter's contract covers the
+                            // batch until its `done` runs, which is after.
+                            let r = unsafe { run_sync(&b.ops, &b.sync) };
+                            (b.done)(r);
+                        }
+                    })?,
+            );
+        }
+        Ok(Psync {
+            tx: Some(tx),
+            threads,
+        })
+    }
+}
+
+impl IoEngine for Psync {
+    fn name(&self) -> &'static str {
+        "pread/pwrite"
+    }
+
+    unsafe fn submit(&self, batch: Batch) {
+        let Some(tx) = &self.tx else {
+            (batch.done)(Err(Error::Closed));
+            return;
+        };
+        if let Err(e) = tx.send(batch) {
+            (e.0.done)(Err(Error::Closed));
+        }
+    }
+}
+
+impl Drop for Psync {
+    fn drop(&mut self) {
+        // Closing the channel ends the workers once the queued batches are
+        // done.
+        self.tx = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A batch with `pread`/`pwrite` (short transfers continued), then
+/// `fdatasync`; stops at the first failure.
+///
+/// # Safety
+/// As [`IoEngine::submit`].
+unsafe fn run_sync(ops: &[Op], sync: &[(u32, RawFd)]) -> Result<(), Error> {
+    for op in ops {
+        let mut op = *op;
+        while op.len > 0 {
+            // SAFETY: the caller keeps the range valid and the fd open.
+            let n = unsafe {
+                if op.write {
+                    libc::pwrite(
+                        op.fd,
+                        op.buf as *const libc::c_void,
+                        op.len as usize,
+                        op.offset as libc::off_t,
+                    )
+                } else {
+                    libc::pread(
+                        op.fd,
+                        op.buf as *mut libc::c_void,
+                        op.len as usize,
+                        op.offset as libc::off_t,
+                    )
+                }
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(op_error(&op, e));
+            }
+            if n == 0 {
+                return Err(short_error(&op));
+            }
+            op = op.rest(n as u32);
+        }
+    }
+    for &(handle, fd) in sync {
+        // SAFETY: the fd is open (the caller's contract).
+        if unsafe { libc::fdatasync(fd) } != 0 {
+            return Err(Error::Storage {
+                handle: u64::from(handle),
+                op: "fdatasync",
+                source: Arc::new(std::io::Error::last_os_error()),
+            });
+        }
+    }
+    Ok(())
+}

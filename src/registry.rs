@@ -16,6 +16,12 @@ use crate::small::Few;
 #[derive(Debug)]
 pub(crate) struct LocalRegion {
     pub(crate) key: u64,
+    /// The registered range.
+    pub(crate) desc: MemoryDesc,
+    /// Host memory used with storage: its slot in the io_uring ring's
+    /// registered buffers (`None`: tried, plain reads and writes), taken on
+    /// first use and given back on deregistration.
+    pub(crate) storage_slot: std::sync::OnceLock<Option<u16>>,
     busy: AtomicUsize,
     /// The region's registration with the RDMA device, when the agent has
     /// one. Dropped (deregistered) with the region.
@@ -129,6 +135,8 @@ impl Registry {
         for (d, mr) in descs.descs.iter().zip(mrs) {
             let region = Arc::new(LocalRegion {
                 key: crate::auth::random_u64(),
+                desc: *d,
+                storage_slot: std::sync::OnceLock::new(),
                 busy: AtomicUsize::new(0),
                 mr,
             });
@@ -138,8 +146,8 @@ impl Registry {
         Ok(())
     }
 
-    /// Deregisters all of `descs` or none.
-    pub(crate) fn deregister(&self, descs: &MemoryDescs) -> Result<(), Error> {
+    /// Deregisters all of `descs` or none; the regions removed.
+    pub(crate) fn deregister(&self, descs: &MemoryDescs) -> Result<Vec<Arc<LocalRegion>>, Error> {
         let mut map = self.write();
         // Before the idle checks (sequentially consistent, as in
         // `hold_current`): a hold taken on a cached region either shows in
@@ -160,10 +168,20 @@ impl Registry {
                 });
             }
         }
-        for d in &descs.descs {
-            map.remove_exact(descs.mem_type, d);
-        }
-        Ok(())
+        Ok(descs
+            .descs
+            .iter()
+            .filter_map(|d| map.remove_exact(descs.mem_type, d).map(|r| r.value))
+            .collect())
+    }
+
+    /// The registered region holding `d`.
+    pub(crate) fn region_of(
+        &self,
+        mem_type: MemoryType,
+        d: &MemoryDesc,
+    ) -> Option<Arc<LocalRegion>> {
+        self.read().find(mem_type, d).map(|r| Arc::clone(&r.value))
     }
 
     /// Guards for every region the local descriptors fall in (one guard per

@@ -49,7 +49,14 @@ impl TransferAgent for Engine {
     }
 
     fn deregister_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
-        self.inner.registry.deregister(descs)
+        for region in self.inner.registry.deregister(descs)? {
+            // Host memory used with storage: out of the ring's registered
+            // buffers before the caller may free it.
+            if let Some(Some(slot)) = region.storage_slot.get() {
+                self.inner.storage.forget_buffer(*slot);
+            }
+        }
+        Ok(())
     }
 
     fn local_agent_desc(&self) -> AgentDesc {

@@ -160,6 +160,11 @@ fn plan(inner: &Inner, req: &TransferRequest) -> Result<(Vec<Op>, Written), Erro
             f.aligned("length", r.len)?;
             f.aligned("memory address", l.addr)?;
         }
+        // The host region's registered buffer (io_uring fixed buffers).
+        let fixed = inner
+            .registry
+            .region_of(req.local.mem_type, l)
+            .and_then(|region| inner.storage.buffer_slot(&region));
         let mut done = 0;
         while done < l.len {
             let n = (l.len - done).min(OP_MAX);
@@ -170,6 +175,7 @@ fn plan(inner: &Inner, req: &TransferRequest) -> Result<(Vec<Op>, Written), Erro
                 buf: l.addr + done,
                 len: n as u32,
                 offset: r.addr + done,
+                fixed,
             });
             done += n;
         }

@@ -29,6 +29,9 @@ pub(crate) struct Op {
     pub(crate) len: u32,
     /// File offset.
     pub(crate) offset: u64,
+    /// The registered buffer holding `buf` (`io_uring` fixed buffers), if
+    /// any.
+    pub(crate) fixed: Option<u16>,
 }
 
 impl Op {
@@ -71,6 +74,20 @@ pub(crate) trait IoEngine: Send + Sync {
     /// not otherwise accessed) and every fd open until the batch's `done`
     /// has run.
     unsafe fn submit(&self, batch: Batch);
+
+    /// Registers `[addr, addr + len)` with the engine (pinned once, not on
+    /// every op); its slot, or `None` where the engine has no such thing or
+    /// it failed (ops on it then go as plain reads and writes).
+    ///
+    /// # Safety
+    /// The range must stay allocated until [`forget_buffer`](Self::forget_buffer)
+    /// of the slot, or the engine's drop.
+    unsafe fn register_buffer(&self, _addr: u64, _len: u64) -> Option<u16> {
+        None
+    }
+
+    /// Unregisters the buffer in `slot`; no op may use it any more.
+    fn forget_buffer(&self, _slot: u16) {}
 }
 
 /// The failure of `op` with `e`.

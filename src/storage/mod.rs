@@ -379,6 +379,25 @@ impl Storage {
         Ok(())
     }
 
+    /// The registered-buffer slot of host region `region` (registered with
+    /// the engine on first use), if the engine has one for it.
+    pub(crate) fn buffer_slot(&self, region: &crate::registry::LocalRegion) -> Option<u16> {
+        let engine = self.engine.get()?;
+        *region.storage_slot.get_or_init(|| {
+            // SAFETY: the region is registered with the agent (its memory
+            // stays allocated until deregistered, which forgets the slot
+            // first, or until the agent, and with it the engine, drops).
+            unsafe { engine.register_buffer(region.desc.addr, region.desc.len) }
+        })
+    }
+
+    /// Gives back a registered-buffer slot (its region deregistered).
+    pub(crate) fn forget_buffer(&self, slot: u16) {
+        if let Some(e) = self.engine.get() {
+            e.forget_buffer(slot);
+        }
+    }
+
     /// The I/O engine, started on first use.
     pub(crate) fn engine(&self) -> Result<&Arc<dyn io::IoEngine>, Error> {
         if let Some(e) = self.engine.get() {

@@ -34,6 +34,10 @@ pub(in crate::engine) struct CmaJob {
 impl SocketPath for CmaParts {
     type Job = CmaJob;
 
+    fn submit(link: Arc<CmaLink>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
+        link.submit_cma(sub)
+    }
+
     fn run_job(
         link: &CmaLink,
         fd: std::os::fd::RawFd,
@@ -317,23 +321,5 @@ impl CmaLink {
         })?;
         self.clock.touch();
         Ok(CmaOutcome::Commit { aborted: !copied })
-    }
-}
-
-impl Link for CmaLink {
-    fn is_broken(&self) -> bool {
-        SocketLink::is_broken(self)
-    }
-
-    fn fail(&self, cause: Error) {
-        SocketLink::fail(self, cause);
-    }
-
-    fn join(&self) {
-        SocketLink::join(self);
-    }
-
-    fn submit(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
-        self.submit_cma(sub)
     }
 }

@@ -159,13 +159,29 @@ pub(in crate::engine) struct PendingTable {
 }
 
 /// What one socket transport adds to the link it shares with the others:
-/// its own state, its own work for the first stream's sender thread, and
-/// what it does when the link breaks and when its last thread has left.
-/// Each transport is its own link type ([`TcpLink`], [`CmaLink`],
-/// [`RdmaLink`]), with its own [`Link`] implementation in its module.
+/// its own state, how it submits (and prepares) a request, its own work for
+/// the first stream's sender thread, and what it does when the link breaks
+/// and when its last thread has left. Each transport is its own link type
+/// ([`TcpLink`], [`CmaLink`], [`RdmaLink`]), its behaviour in its module.
 pub(in crate::engine) trait SocketPath: Send + Sync + Sized + 'static {
     /// The transport's own jobs ([`Job::Path`]).
     type Job: Send + 'static;
+
+    /// [`Link::submit`] on a link of this transport.
+    fn submit(link: Arc<SocketLink<Self>>, sub: Submission<'_>) -> Result<TransferStatus, Error>;
+
+    /// [`Link::prepare`] on a link of this transport: by default the holds
+    /// on the local regions only (the request is checked now and validated
+    /// in full on every submission).
+    fn prepare(
+        _link: Arc<SocketLink<Self>>,
+        _engine: &Engine,
+        _peer: Arc<Peer>,
+        _req: &TransferRequest,
+        resolved: Resolved,
+    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+        Ok(PreparedHold::keep(resolved))
+    }
 
     /// Threads of its own the link counts before it ends.
     fn threads(&self) -> usize {
@@ -194,6 +210,10 @@ pub(in crate::engine) struct TcpParts;
 
 impl SocketPath for TcpParts {
     type Job = std::convert::Infallible;
+
+    fn submit(link: Arc<TcpLink>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
+        link.submit_streams(sub)
+    }
 
     fn run_job(
         _: &SocketLink<Self>,
@@ -424,5 +444,33 @@ impl<P: SocketPath> SocketLink<P> {
             lock(&self.pending).map.remove(&req);
             p.finish(None);
         }
+    }
+}
+
+impl<P: SocketPath> Link for SocketLink<P> {
+    fn is_broken(&self) -> bool {
+        SocketLink::is_broken(self)
+    }
+
+    fn fail(&self, cause: Error) {
+        SocketLink::fail(self, cause);
+    }
+
+    fn join(&self) {
+        SocketLink::join(self);
+    }
+
+    fn submit(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
+        P::submit(self, sub)
+    }
+
+    fn prepare(
+        self: Arc<Self>,
+        engine: &Engine,
+        peer: Arc<Peer>,
+        req: &TransferRequest,
+        resolved: Resolved,
+    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+        P::prepare(self, engine, peer, req, resolved)
     }
 }

@@ -80,24 +80,6 @@ impl TcpLink {
     }
 }
 
-impl Link for TcpLink {
-    fn is_broken(&self) -> bool {
-        SocketLink::is_broken(self)
-    }
-
-    fn fail(&self, cause: Error) {
-        SocketLink::fail(self, cause);
-    }
-
-    fn join(&self) {
-        SocketLink::join(self);
-    }
-
-    fn submit(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
-        self.submit_streams(sub)
-    }
-}
-
 impl<P: SocketPath> SocketLink<P> {
     /// Stream `idx`'s sender thread: writes each job's frames (doing the
     /// transport's own jobs first) until the link stops.

@@ -21,6 +21,20 @@ impl Progress for RdmaLink {
 impl SocketPath for rdma::RdmaParts {
     type Job = std::convert::Infallible;
 
+    fn submit(link: Arc<RdmaLink>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
+        link.submit_rdma(sub)
+    }
+
+    fn prepare(
+        link: Arc<RdmaLink>,
+        engine: &Engine,
+        peer: Arc<Peer>,
+        req: &TransferRequest,
+        resolved: Resolved,
+    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+        Ok(Box::new(link.prepare_rdma(engine, peer, req, resolved)?))
+    }
+
     fn threads(&self) -> usize {
         // One progress thread per queue pair.
         self.qps.len()
@@ -728,34 +742,6 @@ impl rdma::RdmaParts {
                 c.complete(result);
             }
         });
-    }
-}
-
-impl Link for RdmaLink {
-    fn is_broken(&self) -> bool {
-        SocketLink::is_broken(self)
-    }
-
-    fn fail(&self, cause: Error) {
-        SocketLink::fail(self, cause);
-    }
-
-    fn join(&self) {
-        SocketLink::join(self);
-    }
-
-    fn submit(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
-        self.submit_rdma(sub)
-    }
-
-    fn prepare(
-        self: Arc<Self>,
-        engine: &Engine,
-        peer: Arc<Peer>,
-        req: &TransferRequest,
-        resolved: Resolved,
-    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
-        Ok(Box::new(self.prepare_rdma(engine, peer, req, resolved)?))
     }
 }
 

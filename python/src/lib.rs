@@ -204,7 +204,8 @@ impl PyAgent {
             .map_err(to_py)
     }
 
-    /// How a loaded peer is reached (`tcp`, `shm`, `rdma`, `inproc`).
+    /// How a loaded peer is reached (`tcp`, `shm`, `rdma`, `inproc`;
+    /// `storage` for the agent itself).
     fn remote_transport(&self, name: &str) -> PyResult<&'static str> {
         self.agent.remote_transport(name).map_err(to_py)
     }
@@ -231,7 +232,11 @@ impl PyAgent {
     /// Starts a transfer: `op` is `"write"` (local → remote) or `"read"`
     /// (remote → local); `local` and `remote` are paired `(address,
     /// length)` lists; `notif` is delivered to the peer after the data.
-    #[pyo3(signature = (op, local, remote, remote_agent, notif = None, local_mem = "dram", remote_mem = "dram"))]
+    /// Storage: the remote agent is this agent's own name, `remote_mem`
+    /// `"file"` or `"blk"`, `remote_device` the handle `open_storage`
+    /// returned (addresses are then file offsets); `durable` completes the
+    /// transfer only once written data is on stable storage.
+    #[pyo3(signature = (op, local, remote, remote_agent, notif = None, local_mem = "dram", remote_mem = "dram", remote_device = 0, durable = false))]
     #[allow(clippy::too_many_arguments)]
     fn transfer(
         &self,
@@ -243,15 +248,56 @@ impl PyAgent {
         notif: Option<&[u8]>,
         local_mem: &str,
         remote_mem: &str,
+        remote_device: u32,
+        durable: bool,
     ) -> PyResult<PyTransfer> {
-        let pairs = |v: &[(u64, u64)]| v.iter().map(|&(a, l)| MemoryDesc::new(a, l, 0)).collect();
-        let l = MemoryDescs::new(mem_type(local_mem)?, pairs(&local));
-        let r = MemoryDescs::new(mem_type(remote_mem)?, pairs(&remote));
+        let pairs = |v: &[(u64, u64)], dev: u32| {
+            v.iter().map(|&(a, l)| MemoryDesc::new(a, l, dev)).collect()
+        };
+        let l = MemoryDescs::new(mem_type(local_mem)?, pairs(&local, 0));
+        let r = MemoryDescs::new(mem_type(remote_mem)?, pairs(&remote, remote_device));
         let mut req = new_request(op, l, r, remote_agent)?;
         if let Some(n) = notif {
             req = req.with_sync_message(n.to_vec());
         }
+        req.durable = durable;
         self.submit(py, &req)
+    }
+
+    /// Opens a file (`kind="file"`; created with `size` bytes when `size`
+    /// is given; `O_DIRECT` when `direct`) or a block device
+    /// (`kind="blk"`, always `O_DIRECT`) as storage; returns its handle,
+    /// the `device` of the FILE or BLK ranges registered with
+    /// `register_raw` (addresses are byte offsets).
+    #[pyo3(signature = (path, kind = "file", size = None, direct = false))]
+    fn open_storage(
+        &self,
+        path: std::path::PathBuf,
+        kind: &str,
+        size: Option<u64>,
+        direct: bool,
+    ) -> PyResult<u32> {
+        let spec = match kind {
+            "file" => {
+                let s = kvxfer::StorageSpec::file(path).direct(direct);
+                match size {
+                    Some(n) => s.create(n),
+                    None => s,
+                }
+            }
+            "blk" | "block" => kvxfer::StorageSpec::block(path),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "storage kind {other:?}: expected \"file\" or \"blk\""
+                )));
+            }
+        };
+        self.agent.open_storage(&spec).map_err(to_py)
+    }
+
+    /// Closes storage `handle` (refused while ranges of it are registered).
+    fn close_storage(&self, handle: u32) -> PyResult<()> {
+        self.agent.close_storage(handle).map_err(to_py)
     }
 
     /// A request from two descriptor lists and the indices to take from
@@ -539,7 +585,8 @@ impl PyTransfer {
         Ok(d)
     }
 
-    /// The transport that carries it (`tcp`, `shm`, `rdma`, `inproc`).
+    /// The transport that carries it (`tcp`, `shm`, `rdma`, `inproc`,
+    /// `storage`).
     #[getter]
     fn transport(&self) -> &'static str {
         self.st.data_path().transport.as_str()

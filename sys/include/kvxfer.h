@@ -206,6 +206,14 @@ typedef struct kvxfer_request {
   size_t sync_message_len;
 } kvxfer_request;
 
+// Flags of `kvxfer_agent_submit_flags`: any of the `KVXFER_SUBMIT_*`
+// values, or-ed.
+typedef uint32_t kvxfer_submit_flags;
+
+// What `kvxfer_agent_open_storage` opens: one of the `KVXFER_STORAGE_*`
+// values.
+typedef uint32_t kvxfer_storage_kind;
+
 // One executor's KV-cache layout (TensorRT-LLM's `CacheState`). Blocks
 // are `[layer][k|v][head][token][dim]` per rank (see `docs/c-api.md`).
 typedef struct kvxfer_cache_state {
@@ -267,6 +275,16 @@ typedef struct kvxfer_cache_stats {
 
 // Remote memory is read, local memory written.
 #define KVXFER_OP_READ 1
+
+// Storage targets (FILE, BLK): the transfer completes only once the data
+// written is on stable storage (`fdatasync` of each file written).
+#define KVXFER_SUBMIT_DURABLE 1
+
+// A regular file: `KVXFER_MEM_FILE` descriptors.
+#define KVXFER_STORAGE_FILE 0
+
+// A block device, opened with `O_DIRECT`: `KVXFER_MEM_BLK` descriptors.
+#define KVXFER_STORAGE_BLOCK 1
 
 #ifdef __cplusplus
 extern "C" {
@@ -416,6 +434,40 @@ enum kvxfer_result kvxfer_agent_connection_info(const struct kvxfer_agent *agent
 enum kvxfer_result kvxfer_agent_submit(const struct kvxfer_agent *agent,
                                        const struct kvxfer_request *request,
                                        struct kvxfer_status **out);
+
+// `kvxfer_agent_submit` with `flags` (`KVXFER_SUBMIT_*`, or-ed; 0 is
+// `kvxfer_agent_submit`).
+//
+// # Safety
+// As `kvxfer_agent_submit`.
+enum kvxfer_result kvxfer_agent_submit_flags(const struct kvxfer_agent *agent,
+                                             const struct kvxfer_request *request,
+                                             kvxfer_submit_flags flags,
+                                             struct kvxfer_status **out);
+
+// Opens a file (`KVXFER_STORAGE_FILE`: created and set to `size` bytes
+// when `size` is not 0; `O_DIRECT` when `direct` is not 0) or a block
+// device (`KVXFER_STORAGE_BLOCK`, always `O_DIRECT`) as storage, and
+// writes its handle to `out_handle`: the `device_id` of the
+// `KVXFER_MEM_FILE` / `KVXFER_MEM_BLK` descriptors (`addr` = byte offset)
+// registered with `kvxfer_agent_register_memory`. A transfer whose remote
+// agent is this agent's own name moves host memory to and from them.
+//
+// # Safety
+// `path` is a NUL-terminated string; `out_handle` is valid for a write.
+enum kvxfer_result kvxfer_agent_open_storage(const struct kvxfer_agent *agent,
+                                             const char *path,
+                                             kvxfer_storage_kind kind,
+                                             uint64_t size,
+                                             uint32_t direct,
+                                             uint32_t *out_handle);
+
+// Closes storage `handle`; refused (`KVXFER_ERR_INVALID_ARGUMENT`) while
+// ranges of it are registered.
+//
+// # Safety
+// `agent` is a live agent.
+enum kvxfer_result kvxfer_agent_close_storage(const struct kvxfer_agent *agent, uint32_t handle);
 
 // Resolves a request once for repeated submission: checked now (local
 // registration, remote agent and exported range), its local regions held

@@ -135,6 +135,11 @@ fn c_agent_test_under_valgrind() {
 }
 
 #[test]
+fn c_storage_test() {
+    c_program("storage_test", "storage_test", &[]);
+}
+
+#[test]
 fn c_cache_test() {
     c_program("cache_test", "cache_test", &[]);
 }

@@ -370,18 +370,39 @@ fn bad_storage_requests_are_typed_errors_and_change_nothing() {
             .iter()
             .all(|&b| b == 0)
     );
-    // Closing storage with registered regions is refused; after
-    // deregistering, it closes.
-    assert!(matches!(a.close_storage(h), Err(Error::InvalidRequest(_))));
-    a.deregister_memory(&region).unwrap();
-    a.close_storage(h).unwrap();
-    // Peers never see storage regions in the descriptor.
+    // Peers never see storage regions in the descriptor, and a peer's
+    // request naming one is refused before anything is sent.
     assert!(
         a.local_agent_desc()
             .regions
             .iter()
             .all(|r| r.mem_type == MemoryType::Dram)
     );
+    let peer = agent("bad-peer", io);
+    let peer_src = Buf::filled(4096, 6);
+    register(peer.as_ref(), &peer_src.all());
+    peer.load_remote_agent(&a.local_agent_desc()).unwrap();
+    let e = peer
+        .submit_transfer(&TransferRequest::write(
+            peer_src.all(),
+            file_descs(h, &[(0, 4096)], MemoryType::File),
+            "bad",
+        ))
+        .unwrap_err();
+    assert!(matches!(e, Error::RemoteRangeNotExported { .. }), "{e}");
+    drop(peer);
+    assert!(
+        std::fs::read(dir.join("f"))
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0)
+    );
+    // Closing storage with registered regions is refused; after
+    // deregistering, it closes.
+    assert!(matches!(a.close_storage(h), Err(Error::InvalidRequest(_))));
+    a.deregister_memory(&region).unwrap();
+    a.close_storage(h).unwrap();
+
     drop(a);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -41,18 +41,21 @@ impl Inner {
         Ok(path)
     }
 
+    /// The agent as its own peer, the target of requests to its storage
+    /// (FILE and BLK regions).
+    pub(in crate::engine) fn self_peer(&self) -> Arc<Peer> {
+        Arc::clone(self.self_peer.get_or_init(|| {
+            Arc::new(Peer {
+                desc: self.local_desc(),
+                regions: RegionMap::new(),
+                path: Path::Storage,
+                link: Mutex::new(None),
+                retired: AtomicBool::new(false),
+            })
+        }))
+    }
+
     pub(in crate::engine) fn peer(&self, name: &str) -> Result<Arc<Peer>, Error> {
-        if name == self.config.name {
-            return Ok(Arc::clone(self.self_peer.get_or_init(|| {
-                Arc::new(Peer {
-                    desc: self.local_desc(),
-                    regions: RegionMap::new(),
-                    path: Path::Storage,
-                    link: Mutex::new(None),
-                    retired: AtomicBool::new(false),
-                })
-            })));
-        }
         self.peers
             .read()
             .unwrap_or_else(|p| p.into_inner())

@@ -163,7 +163,15 @@ impl Engine {
                 backend: inner.mode.as_str(),
             });
         }
-        let peer = inner.peer(&req.remote_agent)?;
+        // The agent's own storage: its self-peer. (Its own name with host
+        // memory is a loaded peer like any other.)
+        let own_storage = req.remote_agent == inner.config.name
+            && matches!(req.remote.mem_type, MemoryType::File | MemoryType::Blk);
+        let peer = if own_storage {
+            inner.self_peer()
+        } else {
+            inner.peer(&req.remote_agent)?
+        };
         // A notification moves no memory: no transport is required for it.
         if !inner.config.required_transports.is_empty() && !req.local.is_empty() {
             let actual = peer.path.kind();

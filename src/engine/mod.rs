@@ -19,7 +19,7 @@
 //! accept, serve, dispatch each frame to its transport, commit); per
 //! transport: `socket_link` (what the tcp, shm and rdma links share),
 //! `tcp_stream` and `tcp_target`, `cma` and `cma_target`, `rdma` (data
-//! types, `link`, `recv`, `accept`), `inproc`; `wire` and `requests` (the
+//! types, `link`, `progress`, `recv`, `accept`, `schedule`), `inproc`, `storage_link`; `wire` and `requests` (the
 //! frame codec and the target's request table, no I/O), `sock` (vectored
 //! socket I/O), `handshake` and `local_proof` (authentication, the
 //! initiator's process proof).

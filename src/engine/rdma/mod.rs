@@ -7,6 +7,7 @@
 pub(in crate::engine) mod accept;
 pub(crate) mod lane;
 pub(in crate::engine) mod link;
+pub(in crate::engine) mod progress;
 pub(in crate::engine) mod recv;
 pub(in crate::engine) mod schedule;
 mod window;

@@ -19,10 +19,11 @@
 //! accept, serve, dispatch each frame to its transport, commit); per
 //! transport: `socket_link` (what the tcp, shm and rdma links share),
 //! `tcp_stream` and `tcp_target`, `cma` and `cma_target`, `rdma` (data
-//! types, `link`, `progress`, `recv`, `accept`, `schedule`), `inproc`, `storage_link`; `wire` and `requests` (the
-//! frame codec and the target's request table, no I/O), `sock` (vectored
-//! socket I/O), `handshake` and `local_proof` (authentication, the
-//! initiator's process proof).
+//! types, `link`, `progress`, `recv`, `accept`, `schedule`), `inproc`,
+//! `storage_link` (the agent's own FILE and BLK regions); `wire` and
+//! `requests` (the frame codec and the target's request table, no I/O),
+//! `sock` (vectored socket I/O), `handshake` and `local_proof`
+//! (authentication, the initiator's process proof).
 //!
 //! See `docs/architecture.md` for threads and ownership, and
 //! `docs/wire-format.md` for the frames.

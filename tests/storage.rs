@@ -868,3 +868,51 @@ fn host_regions_come_and_go_between_storage_transfers() {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+#[test]
+fn dropping_the_agent_waits_for_its_storage_transfers() {
+    // A large write still running when the agent is dropped: the drop
+    // returns only once nothing touches the memory or the file any more,
+    // and the status then holds the outcome.
+    const LEN: u64 = 256 << 20;
+    for io in engines() {
+        let dir = tempdir();
+        let src = Buf::filled(LEN as usize, 29);
+        let a = agent("drop", io);
+        let h = a
+            .open_storage(&StorageSpec::file(dir.join("f")).create(LEN))
+            .unwrap();
+        let region = file_descs(h, &[(0, LEN)], MemoryType::File);
+        register(a.as_ref(), &region);
+        register(a.as_ref(), &src.all());
+        // 256 pieces of 1 MiB, more than the ring's 256 entries can hold
+        // with its wake-up read.
+        let local = MemoryDescs::new(
+            MemoryType::Dram,
+            (0..256)
+                .map(|i| MemoryDesc::new(src.addr() + i * (1 << 20), 1 << 20, 0))
+                .collect(),
+        );
+        let remote = file_descs(
+            h,
+            &(0..256)
+                .map(|i| (i * (1 << 20), 1 << 20))
+                .collect::<Vec<_>>(),
+            MemoryType::File,
+        );
+        let st = a
+            .submit_transfer(&TransferRequest::write(local, remote, "drop"))
+            .unwrap();
+        drop(a);
+        assert!(
+            st.is_completed(),
+            "{io:?}: the drop returned before the write finished"
+        );
+        st.wait_success(Duration::ZERO).unwrap();
+        assert!(
+            std::fs::read(dir.join("f")).unwrap() == src.bytes(),
+            "{io:?}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -79,7 +79,11 @@ impl Link for StorageLink {
             });
         }
         let held = inner.registry.acquire_local_keyed(&req.remote, None)?;
-        let (ops, written) = plan(inner, req)?;
+        let Planned {
+            ops,
+            files,
+            written,
+        } = plan(inner, req)?;
         let room = match &sync {
             Some(m) => Some(reserve(inner, me, m.len())?),
             None => None,
@@ -94,10 +98,12 @@ impl Link for StorageLink {
         let done_status = Arc::clone(&completion);
         let guards = resolved.guards;
         let done = Box::new(move |r: Result<(), Error>| {
-            // The regions are let go before the status completes, so a
-            // caller may deregister them as soon as it sees the outcome.
+            // The regions (and the files, open until now whatever happened
+            // to their handles) are let go before the status completes, so
+            // a caller may deregister them as soon as it sees the outcome.
             drop(guards);
             drop(held);
+            drop(files);
             if let (Ok(()), Some(room), Some(m)) = (&r, room, sync) {
                 inbox.deliver(room, m);
             }
@@ -128,12 +134,18 @@ fn reserve(inner: &Inner, me: &str, len: usize) -> Result<Reservation, Error> {
         })
 }
 
-/// Files a request writes: (handle, fd).
-type Written = Vec<(u32, RawFd)>;
+/// A request's I/O, planned and checked.
+struct Planned {
+    ops: Vec<Op>,
+    /// The files its ops use, kept open until it is done.
+    files: Vec<Arc<StorageFile>>,
+    /// The files it writes: (handle, fd).
+    written: Vec<(u32, RawFd)>,
+}
 
 /// `req`'s reads or writes, each at most [`OP_MAX`] bytes, after every check
 /// (nothing has moved when this fails); and the files written (handle, fd).
-fn plan(inner: &Inner, req: &TransferRequest) -> Result<(Vec<Op>, Written), Error> {
+fn plan(inner: &Inner, req: &TransferRequest) -> Result<Planned, Error> {
     let write = req.op == TransferOp::Write;
     let mut ops = Vec::with_capacity(req.local.descs.len());
     let mut files: Vec<(Arc<StorageFile>, u64)> = Vec::new();
@@ -209,5 +221,9 @@ fn plan(inner: &Inner, req: &TransferRequest) -> Result<(Vec<Op>, Written), Erro
     } else {
         Vec::new()
     };
-    Ok((ops, written))
+    Ok(Planned {
+        ops,
+        files: files.into_iter().map(|(f, _)| f).collect(),
+        written,
+    })
 }

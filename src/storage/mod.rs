@@ -266,11 +266,14 @@ fn block_device_size(fd: RawFd) -> std::io::Result<u64> {
 
 /// An agent's open storage and its I/O engine (started with the first
 /// handle).
+///
+/// Drop order: the engine first (its drop waits for the batches in flight,
+/// whose requests also keep their files open), then the files.
 pub(crate) struct Storage {
+    engine: OnceLock<Arc<dyn io::IoEngine>>,
     files: RwLock<HashMap<u32, Arc<StorageFile>>>,
     next: AtomicU32,
     choice: StorageIo,
-    engine: OnceLock<Arc<dyn io::IoEngine>>,
     /// Serialises starting the engine.
     starting: Mutex<()>,
 }
@@ -278,10 +281,10 @@ pub(crate) struct Storage {
 impl Storage {
     pub(crate) fn new(choice: StorageIo) -> Self {
         Storage {
+            engine: OnceLock::new(),
             files: RwLock::new(HashMap::new()),
             next: AtomicU32::new(1),
             choice,
-            engine: OnceLock::new(),
             starting: Mutex::new(()),
         }
     }

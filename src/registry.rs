@@ -685,4 +685,19 @@ mod tests {
         );
         assert!(r.admit_remote(MemoryType::Dram, 0x1063, 1, key).is_ok());
     }
+
+    #[test]
+    fn storage_regions_are_neither_exported_nor_admitted() {
+        let r = Registry::default();
+        // A FILE region on handle 0 (the address space a peer's frame
+        // would name): not exported, and refused even with its key.
+        let file = MemoryDescs::new(MemoryType::File, vec![MemoryDesc::new(0, 4096, 0)]);
+        reg(&r, &file, &[MemoryType::File], "t").unwrap();
+        assert!(r.exported().is_empty());
+        let key = r.read().iter().next().unwrap().value.key;
+        assert_eq!(
+            r.admit_remote(MemoryType::File, 0, 4096, key).unwrap_err(),
+            RejectReason::NotRegistered
+        );
+    }
 }

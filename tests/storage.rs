@@ -115,6 +115,17 @@ fn rand_u64() -> u64 {
     h.finish()
 }
 
+/// Opens `path` as a FILE of `size` bytes (created) and registers all of
+/// it; its handle and region.
+fn open_file(agent: &dyn TransferAgent, path: &Path, size: u64) -> (u32, MemoryDescs) {
+    let h = agent
+        .open_storage(&StorageSpec::file(path).create(size))
+        .unwrap();
+    let region = file_descs(h, &[(0, size)], MemoryType::File);
+    register(agent, &region);
+    (h, region)
+}
+
 /// Registers `descs` with `agent`.
 fn register(agent: &dyn TransferAgent, descs: &MemoryDescs) {
     // SAFETY: every host buffer registered here outlives its agent (declared
@@ -177,11 +188,7 @@ fn one_byte_round_trip_through_a_file() {
         let src = Buf::filled(4096, 1);
         let back = Buf::new(4096);
         let a = agent("one-byte", io);
-        let h = a
-            .open_storage(&StorageSpec::file(dir.join("f")).create(4096))
-            .unwrap();
-        let region = file_descs(h, &[(0, 4096)], MemoryType::File);
-        register(a.as_ref(), &region);
+        let (h, _) = open_file(a.as_ref(), &dir.join("f"), 4096);
         register(a.as_ref(), &src.all());
         register(a.as_ref(), &back.all());
         write(
@@ -278,11 +285,7 @@ fn one_gib_round_trip_is_element_exact() {
     let src = Buf::filled(LEN as usize, 3);
     let back = Buf::new(LEN as usize);
     let a = agent("gib", io);
-    let h = a
-        .open_storage(&StorageSpec::file(dir.join("f")).create(LEN))
-        .unwrap();
-    let region = file_descs(h, &[(0, LEN)], MemoryType::File);
-    register(a.as_ref(), &region);
+    let (_, region) = open_file(a.as_ref(), &dir.join("f"), LEN);
     register(a.as_ref(), &src.all());
     register(a.as_ref(), &back.all());
     write(a.as_ref(), src.all(), region.clone()).unwrap();
@@ -301,11 +304,7 @@ fn a_sync_message_follows_the_data_into_the_agents_own_inbox() {
     let dir = tempdir();
     let src = Buf::filled(8192, 9);
     let a = agent("notify", io);
-    let h = a
-        .open_storage(&StorageSpec::file(dir.join("f")).create(8192))
-        .unwrap();
-    let region = file_descs(h, &[(0, 8192)], MemoryType::File);
-    register(a.as_ref(), &region);
+    let (_, region) = open_file(a.as_ref(), &dir.join("f"), 8192);
     register(a.as_ref(), &src.all());
     let req =
         TransferRequest::write(src.all(), region, "notify").with_sync_message(b"landed".to_vec());
@@ -848,11 +847,7 @@ fn host_regions_come_and_go_between_storage_transfers() {
     for io in engines() {
         let dir = tempdir();
         let a = agent("churn", io);
-        let h = a
-            .open_storage(&StorageSpec::file(dir.join("f")).create(4096))
-            .unwrap();
-        let region = file_descs(h, &[(0, 4096)], MemoryType::File);
-        register(a.as_ref(), &region);
+        let (_, region) = open_file(a.as_ref(), &dir.join("f"), 4096);
         for round in 0..300u32 {
             let src = Buf::filled(4096, round);
             register(a.as_ref(), &src.all());
@@ -879,11 +874,7 @@ fn dropping_the_agent_waits_for_its_storage_transfers() {
         let dir = tempdir();
         let src = Buf::filled(LEN as usize, 29);
         let a = agent("drop", io);
-        let h = a
-            .open_storage(&StorageSpec::file(dir.join("f")).create(LEN))
-            .unwrap();
-        let region = file_descs(h, &[(0, LEN)], MemoryType::File);
-        register(a.as_ref(), &region);
+        let (h, _) = open_file(a.as_ref(), &dir.join("f"), LEN);
         register(a.as_ref(), &src.all());
         // 256 pieces of 1 MiB, more than the ring's 256 entries can hold
         // with its wake-up read.

@@ -977,17 +977,8 @@ pub unsafe extern "C" fn kvxfer_agent_submit(
     request: *const kvxfer_request,
     out: *mut *mut kvxfer_status,
 ) -> kvxfer_result {
-    boundary(|| {
-        // SAFETY: checked against the handle table.
-        let a = unsafe { live(agent, Kind::Agent, "agent")? };
-        non_null(request, "request")?;
-        non_null(out, "out")?;
-        // SAFETY: non-null and valid per the contract.
-        let req = unsafe { request_from(&*request)? };
-        let status = a.agent.submit_transfer(&req)?;
-        // SAFETY: `out` was checked non-null and is valid for a write.
-        unsafe { hand_out(out, Box::new(kvxfer_status { status }), Kind::Status) }
-    })
+    // SAFETY: forwarded contract.
+    unsafe { kvxfer_agent_submit_flags(agent, request, 0, out) }
 }
 
 /// `kvxfer_agent_submit` with `flags` (`KVXFER_SUBMIT_*`, or-ed; 0 is

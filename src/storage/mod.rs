@@ -20,7 +20,7 @@ pub(crate) mod io;
 pub(crate) mod uring;
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -134,7 +134,7 @@ impl std::str::FromStr for StorageIo {
 pub(crate) struct StorageFile {
     pub(crate) handle: u32,
     pub(crate) kind: StorageKind,
-    fd: OwnedFd,
+    file: std::fs::File,
     /// The alignment `O_DIRECT` needs of offsets, lengths and addresses
     /// (the logical block size); 1 without `O_DIRECT`.
     pub(crate) align: u32,
@@ -183,11 +183,10 @@ impl StorageFile {
         if let (StorageKind::File, Some(size)) = (spec.kind, spec.size) {
             file.set_len(size).map_err(|e| fail("ftruncate", e))?;
         }
-        let fd = OwnedFd::from(file);
         let align = if !direct {
             1
         } else if is_block {
-            logical_block_size(fd.as_raw_fd()).map_err(|e| fail("ioctl(BLKSSZGET)", e))?
+            logical_block_size(file.as_raw_fd()).map_err(|e| fail("ioctl(BLKSSZGET)", e))?
         } else {
             // A file on a filesystem: the block device's logical block size
             // is what O_DIRECT needs; 4096 covers every common device.
@@ -196,7 +195,7 @@ impl StorageFile {
         Ok(StorageFile {
             handle,
             kind: spec.kind,
-            fd,
+            file,
             align,
             path: spec.path.clone(),
         })
@@ -204,23 +203,13 @@ impl StorageFile {
 
     /// The descriptor for I/O.
     pub(crate) fn raw_fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
+        self.file.as_raw_fd()
     }
 
     /// Its current size in bytes (a file's length, a device's capacity).
     pub(crate) fn size(&self) -> std::io::Result<u64> {
         match self.kind {
-            StorageKind::File => {
-                let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-                // SAFETY: `st` is a valid out pointer for fstat; the fd is
-                // open (owned by `self`).
-                let r = unsafe { libc::fstat(self.raw_fd(), st.as_mut_ptr()) };
-                if r != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // SAFETY: fstat succeeded and filled it.
-                Ok(unsafe { st.assume_init() }.st_size as u64)
-            }
+            StorageKind::File => Ok(self.file.metadata()?.len()),
             StorageKind::Block => block_device_size(self.raw_fd()),
         }
     }
@@ -305,9 +294,7 @@ impl Storage {
         self.engine()?;
         let handle = self.next.fetch_add(1, Ordering::Relaxed);
         let path = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
-        // SAFETY: `fd` is an open descriptor we own; the File takes it over
-        // and hands it back below.
-        let file = unsafe { std::fs::File::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(fd)) };
+        let file = std::fs::File::from(fd);
         let meta = file.metadata().map_err(|e| Error::Storage {
             handle: u64::from(handle),
             op: "fstat",
@@ -321,7 +308,7 @@ impl Storage {
         let f = StorageFile {
             handle,
             kind: StorageKind::File,
-            fd: OwnedFd::from(file),
+            file,
             align: 1,
             path,
         };

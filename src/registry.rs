@@ -175,15 +175,6 @@ impl Registry {
             .collect())
     }
 
-    /// The registered region holding `d`.
-    pub(crate) fn region_of(
-        &self,
-        mem_type: MemoryType,
-        d: &MemoryDesc,
-    ) -> Option<Arc<LocalRegion>> {
-        self.read().find(mem_type, d).map(|r| Arc::clone(&r.value))
-    }
-
     /// Guards for every region the local descriptors fall in (one guard per
     /// distinct region touched consecutively).
     #[cfg(test)]

@@ -9,8 +9,8 @@
 
 use std::os::fd::RawFd;
 
+use crate::storage::StorageFile;
 use crate::storage::io::{Batch, OP_MAX, Op};
-use crate::storage::{StorageFile, StorageKind};
 
 use super::*;
 
@@ -61,29 +61,14 @@ impl Link for StorageLink {
         } = sub;
         let inner = &engine.inner;
         let me = inner.config.name.as_str();
-        // A notification to itself (no data): delivered at once.
-        if req.local.is_empty() {
-            if let Some(m) = sync {
-                let room = reserve(inner, me, m.len())?;
-                inner.inbox.deliver(room, m);
-            }
-            let (id, completion) = engine.new_request();
-            completion.complete(Ok(()));
-            return Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)));
-        }
-        let mem_type = req.remote.mem_type;
-        if !matches!(mem_type, MemoryType::File | MemoryType::Blk) {
-            return Err(Error::UnsupportedMemoryType {
-                mem_type,
-                backend: "storage (a request to the agent itself moves FILE and BLK regions)",
-            });
-        }
+        // Only requests naming FILE or BLK regions reach the self-peer
+        // (`Engine::check_request`); one without data is an empty batch.
         let held = inner.registry.acquire_local_keyed(&req.remote, None)?;
         let Planned {
             ops,
             files,
             written,
-        } = plan(inner, req)?;
+        } = plan(inner, req, &resolved.guards)?;
         let room = match &sync {
             Some(m) => Some(reserve(inner, me, m.len())?),
             None => None,
@@ -145,10 +130,14 @@ struct Planned {
 
 /// `req`'s reads or writes, each at most [`OP_MAX`] bytes, after every check
 /// (nothing has moved when this fails); and the files written (handle, fd).
-fn plan(inner: &Inner, req: &TransferRequest) -> Result<Planned, Error> {
+/// `guards`: the holds on the local regions, in the order the local
+/// descriptors meet them.
+fn plan(inner: &Inner, req: &TransferRequest, guards: &[RegionGuard]) -> Result<Planned, Error> {
     let write = req.op == TransferOp::Write;
     let mut ops = Vec::with_capacity(req.local.descs.len());
     let mut files: Vec<(Arc<StorageFile>, u64)> = Vec::new();
+    let mut held = guards.iter();
+    let mut region = held.next();
     for (l, r) in req.local.descs.iter().zip(&req.remote.descs) {
         let f = match files.iter_mut().find(|(f, _)| f.handle == r.device_id) {
             Some((f, end)) => {
@@ -167,16 +156,15 @@ fn plan(inner: &Inner, req: &TransferRequest) -> Result<Planned, Error> {
                 f
             }
         };
-        if f.kind == StorageKind::Block || f.align > 1 {
-            f.aligned("offset", r.addr)?;
-            f.aligned("length", r.len)?;
-            f.aligned("memory address", l.addr)?;
+        f.aligned("offset", r.addr)?;
+        f.aligned("length", r.len)?;
+        f.aligned("memory address", l.addr)?;
+        // The host region holding `l` (the next hold once `l` leaves the
+        // current one), and its registered buffer (io_uring fixed buffers).
+        while region.is_some_and(|g| !contains(&g.region().desc, l)) {
+            region = held.next();
         }
-        // The host region's registered buffer (io_uring fixed buffers).
-        let fixed = inner
-            .registry
-            .region_of(req.local.mem_type, l)
-            .and_then(|region| inner.storage.buffer_slot(&region));
+        let fixed = region.and_then(|g| inner.storage.buffer_slot(g.region()));
         let mut done = 0;
         while done < l.len {
             let n = (l.len - done).min(OP_MAX);
@@ -226,4 +214,9 @@ fn plan(inner: &Inner, req: &TransferRequest) -> Result<Planned, Error> {
         files: files.into_iter().map(|(f, _)| f).collect(),
         written,
     })
+}
+
+/// Whether `d` lies inside `region`.
+fn contains(region: &crate::memory::MemoryDesc, d: &crate::memory::MemoryDesc) -> bool {
+    region.addr <= d.addr && d.addr + d.len <= region.addr + region.len
 }

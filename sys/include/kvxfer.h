@@ -210,10 +210,6 @@ typedef struct kvxfer_request {
 // values, or-ed.
 typedef uint32_t kvxfer_submit_flags;
 
-// What `kvxfer_agent_open_storage` opens: one of the `KVXFER_STORAGE_*`
-// values.
-typedef uint32_t kvxfer_storage_kind;
-
 // One executor's KV-cache layout (TensorRT-LLM's `CacheState`). Blocks
 // are `[layer][k|v][head][token][dim]` per rank (see `docs/c-api.md`).
 typedef struct kvxfer_cache_state {
@@ -254,6 +250,10 @@ typedef struct kvxfer_cache_stats {
   // landing, in microseconds.
   uint64_t transmission_us;
 } kvxfer_cache_stats;
+
+// What `kvxfer_agent_open_storage` opens: one of the `KVXFER_STORAGE_*`
+// values.
+typedef uint32_t kvxfer_storage_kind;
 
 // Host memory.
 #define KVXFER_MEM_DRAM 0
@@ -444,30 +444,6 @@ enum kvxfer_result kvxfer_agent_submit_flags(const struct kvxfer_agent *agent,
                                              const struct kvxfer_request *request,
                                              kvxfer_submit_flags flags,
                                              struct kvxfer_status **out);
-
-// Opens a file (`KVXFER_STORAGE_FILE`: created and set to `size` bytes
-// when `size` is not 0; `O_DIRECT` when `direct` is not 0) or a block
-// device (`KVXFER_STORAGE_BLOCK`, always `O_DIRECT`) as storage, and
-// writes its handle to `out_handle`: the `device_id` of the
-// `KVXFER_MEM_FILE` / `KVXFER_MEM_BLK` descriptors (`addr` = byte offset)
-// registered with `kvxfer_agent_register_memory`. A transfer whose remote
-// agent is this agent's own name moves host memory to and from them.
-//
-// # Safety
-// `path` is a NUL-terminated string; `out_handle` is valid for a write.
-enum kvxfer_result kvxfer_agent_open_storage(const struct kvxfer_agent *agent,
-                                             const char *path,
-                                             kvxfer_storage_kind kind,
-                                             uint64_t size,
-                                             uint32_t direct,
-                                             uint32_t *out_handle);
-
-// Closes storage `handle`; refused (`KVXFER_ERR_INVALID_ARGUMENT`) while
-// ranges of it are registered.
-//
-// # Safety
-// `agent` is a live agent.
-enum kvxfer_result kvxfer_agent_close_storage(const struct kvxfer_agent *agent, uint32_t handle);
 
 // Resolves a request once for repeated submission: checked now (local
 // registration, remote agent and exported range), its local regions held
@@ -731,6 +707,30 @@ enum kvxfer_result kvxfer_cache_wait(const struct kvxfer_cache_handle *handle,
 // # Safety
 // `handle` is NULL or a request handle (checked).
 enum kvxfer_result kvxfer_cache_handle_free(struct kvxfer_cache_handle *handle);
+
+// Opens a file (`KVXFER_STORAGE_FILE`: created and set to `size` bytes
+// when `size` is not 0; `O_DIRECT` when `direct` is not 0) or a block
+// device (`KVXFER_STORAGE_BLOCK`, always `O_DIRECT`) as storage, and
+// writes its handle to `out_handle`: the `device_id` of the
+// `KVXFER_MEM_FILE` / `KVXFER_MEM_BLK` descriptors (`addr` = byte offset)
+// registered with `kvxfer_agent_register_memory`. A transfer whose remote
+// agent is this agent's own name moves host memory to and from them.
+//
+// # Safety
+// `path` is a NUL-terminated string; `out_handle` is valid for a write.
+enum kvxfer_result kvxfer_agent_open_storage(const struct kvxfer_agent *agent,
+                                             const char *path,
+                                             kvxfer_storage_kind kind,
+                                             uint64_t size,
+                                             uint32_t direct,
+                                             uint32_t *out_handle);
+
+// Closes storage `handle`; refused (`KVXFER_ERR_INVALID_ARGUMENT`) while
+// ranges of it are registered.
+//
+// # Safety
+// `agent` is a live agent.
+enum kvxfer_result kvxfer_agent_close_storage(const struct kvxfer_agent *agent, uint32_t handle);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -23,7 +23,9 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 mod cache;
+mod storage;
 pub use cache::*;
+pub use storage::*;
 
 use kvxfer_core::{
     AgentConfig, Backend, Error, MemoryDesc, MemoryDescs, MemoryType, TransferAgent,
@@ -135,14 +137,6 @@ pub type kvxfer_submit_flags = u32;
 /// Storage targets (FILE, BLK): the transfer completes only once the data
 /// written is on stable storage (`fdatasync` of each file written).
 pub const KVXFER_SUBMIT_DURABLE: kvxfer_submit_flags = 1;
-
-/// What `kvxfer_agent_open_storage` opens: one of the `KVXFER_STORAGE_*`
-/// values.
-pub type kvxfer_storage_kind = u32;
-/// A regular file: `KVXFER_MEM_FILE` descriptors.
-pub const KVXFER_STORAGE_FILE: kvxfer_storage_kind = 0;
-/// A block device, opened with `O_DIRECT`: `KVXFER_MEM_BLK` descriptors.
-pub const KVXFER_STORAGE_BLOCK: kvxfer_storage_kind = 1;
 
 /// One byte range: `[addr, addr + len)` on device `device_id`.
 #[repr(C)]
@@ -1010,69 +1004,6 @@ pub unsafe extern "C" fn kvxfer_agent_submit_flags(
         let status = a.agent.submit_transfer(&req)?;
         // SAFETY: `out` was checked non-null and is valid for a write.
         unsafe { hand_out(out, Box::new(kvxfer_status { status }), Kind::Status) }
-    })
-}
-
-/// Opens a file (`KVXFER_STORAGE_FILE`: created and set to `size` bytes
-/// when `size` is not 0; `O_DIRECT` when `direct` is not 0) or a block
-/// device (`KVXFER_STORAGE_BLOCK`, always `O_DIRECT`) as storage, and
-/// writes its handle to `out_handle`: the `device_id` of the
-/// `KVXFER_MEM_FILE` / `KVXFER_MEM_BLK` descriptors (`addr` = byte offset)
-/// registered with `kvxfer_agent_register_memory`. A transfer whose remote
-/// agent is this agent's own name moves host memory to and from them.
-///
-/// # Safety
-/// `path` is a NUL-terminated string; `out_handle` is valid for a write.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvxfer_agent_open_storage(
-    agent: *const kvxfer_agent,
-    path: *const c_char,
-    kind: kvxfer_storage_kind,
-    size: u64,
-    direct: u32,
-    out_handle: *mut u32,
-) -> kvxfer_result {
-    boundary(|| {
-        // SAFETY: checked against the handle table.
-        let a = unsafe { live(agent, Kind::Agent, "agent")? };
-        // SAFETY: NUL-terminated per the contract.
-        let path = unsafe { text(path, "path")? };
-        non_null(out_handle, "out_handle")?;
-        let spec = match kind {
-            KVXFER_STORAGE_FILE => {
-                let s = kvxfer_core::StorageSpec::file(path).direct(direct != 0);
-                if size > 0 { s.create(size) } else { s }
-            }
-            KVXFER_STORAGE_BLOCK => kvxfer_core::StorageSpec::block(path),
-            other => {
-                return Err(Fail::new(
-                    KVXFER_ERR_INVALID_ARGUMENT,
-                    format!("unknown storage kind {other}"),
-                ));
-            }
-        };
-        let h = a.agent.open_storage(&spec)?;
-        // SAFETY: checked non-null; valid for a write per the contract.
-        unsafe { *out_handle = h };
-        Ok(KVXFER_OK)
-    })
-}
-
-/// Closes storage `handle`; refused (`KVXFER_ERR_INVALID_ARGUMENT`) while
-/// ranges of it are registered.
-///
-/// # Safety
-/// `agent` is a live agent.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvxfer_agent_close_storage(
-    agent: *const kvxfer_agent,
-    handle: u32,
-) -> kvxfer_result {
-    boundary(|| {
-        // SAFETY: checked against the handle table.
-        let a = unsafe { live(agent, Kind::Agent, "agent")? };
-        a.agent.close_storage(handle)?;
-        Ok(KVXFER_OK)
     })
 }
 

@@ -16,7 +16,7 @@ use crate::memory::{MemoryDesc, MemoryType, RegionMap};
 /// Magic bytes that open every encoded [`AgentDesc`].
 pub const DESC_MAGIC: [u8; 4] = *b"KVXA";
 /// The descriptor format version this build writes and reads.
-pub const DESC_VERSION: u16 = 1;
+pub const DESC_VERSION: u16 = 2;
 /// Longest agent name accepted, in bytes.
 pub const MAX_AGENT_NAME: usize = 256;
 
@@ -103,6 +103,10 @@ pub struct ExportedRegion {
     pub key: u64,
     /// The RDMA remote key, when the region is registered with a device.
     pub rkey: Option<u32>,
+    /// What a request's offsets and lengths in the region must be multiples
+    /// of: a storage region's direct-I/O block size, 1 otherwise. A power
+    /// of two.
+    pub align: u32,
 }
 
 /// RDMA reachability of an agent.
@@ -192,15 +196,21 @@ impl AgentDesc {
         self.region_map().map(|_| ())
     }
 
-    /// The exported regions as a lookup map (region → key).
+    /// The exported regions as a lookup map.
     ///
     /// # Errors
     /// [`DescError::Invalid`] when a region is empty, wraps, or overlaps
-    /// another.
-    pub fn region_map(&self) -> Result<RegionMap<(u64, Option<u32>)>, DescError> {
+    /// another, or its alignment is not a power of two.
+    pub fn region_map(&self) -> Result<RegionMap<ExportedRegion>, DescError> {
         let mut map = RegionMap::new();
         for r in &self.regions {
-            map.insert(r.mem_type, r.desc, (r.key, r.rkey))
+            if !r.align.is_power_of_two() {
+                return Err(DescError::Invalid(format!(
+                    "region {:?}: alignment {} is not a power of two",
+                    r.desc, r.align
+                )));
+            }
+            map.insert(r.mem_type, r.desc, *r)
                 .map_err(|e| DescError::Invalid(e.to_string()))?;
         }
         Ok(map)
@@ -224,12 +234,21 @@ mod tests {
                     desc: MemoryDesc::new(0x1000, 4096, 0),
                     key: 7,
                     rkey: Some(0x1234),
+                    align: 1,
                 },
                 ExportedRegion {
                     mem_type: MemoryType::Dram,
                     desc: MemoryDesc::new(0x4000, 4096, 0),
                     key: 8,
                     rkey: None,
+                    align: 1,
+                },
+                ExportedRegion {
+                    mem_type: MemoryType::File,
+                    desc: MemoryDesc::new(0, 1 << 20, 3),
+                    key: 9,
+                    rkey: None,
+                    align: 4096,
                 },
             ],
             local_access: Some(LocalAccess {
@@ -259,13 +278,13 @@ mod tests {
             AgentDesc::decode(&bad),
             Err(DescError::BadMagic(_))
         ));
-        let mut v2 = good.clone();
-        v2[4] = 2;
+        let mut v1 = good.clone();
+        v1[4] = 1;
         assert_eq!(
-            AgentDesc::decode(&v2),
+            AgentDesc::decode(&v1),
             Err(DescError::UnsupportedVersion {
-                found: 2,
-                supported: 1
+                found: 1,
+                supported: 2
             })
         );
         assert!(matches!(
@@ -283,6 +302,12 @@ mod tests {
         assert!(matches!(
             AgentDesc::decode(&overlapping.encode()),
             Err(DescError::Invalid(_))
+        ));
+        let mut odd = sample();
+        odd.regions[2].align = 3000;
+        assert!(matches!(
+            AgentDesc::decode(&odd.encode()),
+            Err(DescError::Invalid(e)) if e.contains("power of two")
         ));
         let mut unnamed = sample();
         unnamed.name.clear();

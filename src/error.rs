@@ -36,6 +36,19 @@ pub enum RejectReason {
     /// The initiator aborted the request: the segments it had sent landed,
     /// the rest never came, and the sync message was not delivered.
     Aborted,
+    /// A storage range (FILE or BLK) is not aligned to the block size its
+    /// direct I/O needs; nothing of it was read or written.
+    Misaligned,
+    /// A storage range ends past the end of the target's file or device (it
+    /// was truncated under its registration); nothing of it moved.
+    PastEnd,
+    /// The target's storage I/O failed with this OS error number (`ENOSPC`:
+    /// the disk is full). Data the request wrote before the failure may
+    /// have landed; earlier requests' data is intact.
+    StorageIo {
+        /// The `errno` (0 when the OS gave none).
+        errno: u16,
+    },
 }
 
 impl RejectReason {
@@ -49,6 +62,24 @@ impl RejectReason {
             RejectReason::ShuttingDown => 5,
             RejectReason::InboxFull => 6,
             RejectReason::Aborted => 7,
+            RejectReason::Misaligned => 8,
+            RejectReason::PastEnd => 9,
+            RejectReason::StorageIo { errno } => STORAGE_IO_BASE.saturating_add(errno),
+        }
+    }
+
+    /// The reason for a failed storage read, write or sync at the target.
+    pub(crate) fn storage_io(e: &io::Error) -> Self {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            // A read stopped short: the file shrank under its region.
+            return RejectReason::PastEnd;
+        }
+        let errno = e.raw_os_error().unwrap_or(0);
+        RejectReason::StorageIo {
+            errno: u16::try_from(errno)
+                .ok()
+                .filter(|&n| n < u16::MAX - STORAGE_IO_BASE)
+                .unwrap_or(0),
         }
     }
 
@@ -61,14 +92,23 @@ impl RejectReason {
             5 => RejectReason::ShuttingDown,
             6 => RejectReason::InboxFull,
             7 => RejectReason::Aborted,
+            8 => RejectReason::Misaligned,
+            9 => RejectReason::PastEnd,
+            c if c >= STORAGE_IO_BASE => RejectReason::StorageIo {
+                errno: c - STORAGE_IO_BASE,
+            },
             _ => RejectReason::Malformed,
         }
     }
 }
 
+/// Wire codes from here on are [`RejectReason::StorageIo`], the `errno`
+/// added.
+const STORAGE_IO_BASE: u16 = 0x100;
+
 impl std::fmt::Display for RejectReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+        let text = match self {
             RejectReason::NotRegistered => "range not registered at the target",
             RejectReason::BadKey => "access key does not match the region (stale descriptor)",
             RejectReason::UnsupportedMemoryType => "memory type not supported by the target",
@@ -78,7 +118,20 @@ impl std::fmt::Display for RejectReason {
                 "the target's sync-message inbox is full (its application is not taking messages)"
             }
             RejectReason::Aborted => "the initiator aborted the request",
-        })
+            RejectReason::Misaligned => {
+                "the storage range is not aligned to the target's direct-I/O block size"
+            }
+            RejectReason::PastEnd => {
+                "the storage range ends past the end of the target's file or device \
+                 (truncated under its registration)"
+            }
+            RejectReason::StorageIo { errno: 0 } => "storage I/O at the target failed",
+            RejectReason::StorageIo { errno } => {
+                let cause = io::Error::from_raw_os_error(i32::from(*errno));
+                return write!(f, "storage I/O at the target failed: {cause}");
+            }
+        };
+        f.write_str(text)
     }
 }
 

@@ -193,7 +193,7 @@ impl<V> Region<V> {
 
 /// Non-overlapping regions per address space, with O(log n) lookup of the
 /// region containing a range.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct RegionMap<V> {
     spaces: BTreeMap<AddressSpace, BTreeMap<u64, Region<V>>>,
     count: usize,

@@ -253,7 +253,10 @@ impl Registry {
         current
     }
 
-    /// Admits a remote access to `[addr, addr + len)` presenting `key`.
+    /// Admits a remote access to host memory `[addr, addr + len)`
+    /// presenting `key`. Storage regions are never admitted here: their
+    /// addresses are file offsets, reached only through
+    /// [`admit_storage`](Self::admit_storage).
     pub(crate) fn admit_remote(
         &self,
         mem_type: MemoryType,
@@ -261,15 +264,37 @@ impl Registry {
         len: u64,
         key: u64,
     ) -> Result<RegionGuard, RejectReason> {
-        // Peers reach host memory only: storage regions (file offsets) are
-        // this agent's own.
         if mem_type != MemoryType::Dram {
-            return Err(RejectReason::NotRegistered);
+            return Err(RejectReason::UnsupportedMemoryType);
         }
+        self.admit(mem_type, MemoryDesc::new(addr, len, 0), key)
+    }
+
+    /// Admits a remote access to the range `[addr, addr + len)` of storage
+    /// `handle` (a FILE or BLK region), presenting `key`: the agent reads
+    /// or writes it on the peer's behalf.
+    pub(crate) fn admit_storage(
+        &self,
+        mem_type: MemoryType,
+        handle: u32,
+        addr: u64,
+        len: u64,
+        key: u64,
+    ) -> Result<RegionGuard, RejectReason> {
+        if !matches!(mem_type, MemoryType::File | MemoryType::Blk) {
+            return Err(RejectReason::UnsupportedMemoryType);
+        }
+        self.admit(mem_type, MemoryDesc::new(addr, len, handle), key)
+    }
+
+    fn admit(
+        &self,
+        mem_type: MemoryType,
+        d: MemoryDesc,
+        key: u64,
+    ) -> Result<RegionGuard, RejectReason> {
         let map = self.read();
-        let r = map
-            .find(mem_type, &MemoryDesc::new(addr, len, 0))
-            .ok_or(RejectReason::NotRegistered)?;
+        let r = map.find(mem_type, &d).ok_or(RejectReason::NotRegistered)?;
         if r.value.key != key {
             return Err(RejectReason::BadKey);
         }
@@ -292,17 +317,28 @@ impl Registry {
             .all(|d| map.find(descs.mem_type, d).is_some())
     }
 
-    /// The regions to export in the agent descriptor: host memory only
-    /// (storage regions are reached through the agent itself).
-    pub(crate) fn exported(&self) -> Vec<ExportedRegion> {
+    /// The regions to export in the agent descriptor: host memory, and
+    /// storage (FILE and BLK) regions with their direct-I/O alignment
+    /// (`align` of a storage handle; peers reach those through the agent).
+    pub(crate) fn exported(&self, align: impl Fn(u32) -> u32) -> Vec<ExportedRegion> {
         self.read()
             .iter()
-            .filter(|r| r.mem_type == MemoryType::Dram)
+            .filter(|r| {
+                matches!(
+                    r.mem_type,
+                    MemoryType::Dram | MemoryType::File | MemoryType::Blk
+                )
+            })
             .map(|r| ExportedRegion {
                 mem_type: r.mem_type,
                 desc: r.desc,
                 key: r.value.key,
                 rkey: r.value.rkey(),
+                align: if r.mem_type == MemoryType::Dram {
+                    1
+                } else {
+                    align(r.desc.device_id)
+                },
             })
             .collect()
     }
@@ -577,7 +613,7 @@ mod tests {
             )
             .is_err()
         );
-        assert_eq!(r.exported().len(), 1);
+        assert_eq!(r.exported(|_| 1).len(), 1);
         assert!(matches!(
             reg(
                 &r,
@@ -643,7 +679,7 @@ mod tests {
             Err(Error::RegionBusy { in_flight: 1, .. })
         ));
         drop(g);
-        let key = r.exported()[0].key;
+        let key = r.exported(|_| 1)[0].key;
         let g = r.admit_remote(MemoryType::Dram, 0x1000, 100, key).unwrap();
         assert!(r.deregister(&d).is_err());
         drop(g);
@@ -663,7 +699,7 @@ mod tests {
     fn remote_access_checks_key_and_bounds() {
         let r = Registry::default();
         reg(&r, &dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t").unwrap();
-        let key = r.exported()[0].key;
+        let key = r.exported(|_| 1)[0].key;
         assert_eq!(
             r.admit_remote(MemoryType::Dram, 0x1000, 100, key ^ 1)
                 .unwrap_err(),
@@ -677,18 +713,60 @@ mod tests {
         assert!(r.admit_remote(MemoryType::Dram, 0x1063, 1, key).is_ok());
     }
 
+    /// Storage regions are exported with their handle's alignment and
+    /// admitted only as storage (by handle, offset and key), never as host
+    /// memory (their addresses are file offsets), and host memory never as
+    /// storage.
     #[test]
-    fn storage_regions_are_neither_exported_nor_admitted() {
+    fn storage_regions_are_admitted_only_as_storage() {
         let r = Registry::default();
-        // A FILE region on handle 0 (the address space a peer's frame
-        // would name): not exported, and refused even with its key.
-        let file = MemoryDescs::new(MemoryType::File, vec![MemoryDesc::new(0, 4096, 0)]);
-        reg(&r, &file, &[MemoryType::File], "t").unwrap();
-        assert!(r.exported().is_empty());
-        let key = r.read().iter().next().unwrap().value.key;
+        let file = MemoryDescs::new(MemoryType::File, vec![MemoryDesc::new(0, 8192, 3)]);
+        reg(&r, &file, &[MemoryType::File, MemoryType::Dram], "t").unwrap();
+        reg(&r, &dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t").unwrap();
+        let exported = r.exported(|h| if h == 3 { 4096 } else { 1 });
+        let f = exported
+            .iter()
+            .find(|e| e.mem_type == MemoryType::File)
+            .unwrap();
+        let m = exported
+            .iter()
+            .find(|e| e.mem_type == MemoryType::Dram)
+            .unwrap();
+        assert_eq!((f.align, m.align), (4096, 1));
         assert_eq!(
-            r.admit_remote(MemoryType::File, 0, 4096, key).unwrap_err(),
+            r.admit_remote(MemoryType::File, 0, 4096, f.key)
+                .unwrap_err(),
+            RejectReason::UnsupportedMemoryType
+        );
+        assert_eq!(
+            r.admit_storage(MemoryType::Dram, 0, 0x1000, 100, m.key)
+                .unwrap_err(),
+            RejectReason::UnsupportedMemoryType
+        );
+        assert!(
+            r.admit_storage(MemoryType::File, 3, 4096, 4096, f.key)
+                .is_ok()
+        );
+        // Another handle, past the end, the other storage kind, a bad key.
+        assert_eq!(
+            r.admit_storage(MemoryType::File, 4, 0, 4096, f.key)
+                .unwrap_err(),
             RejectReason::NotRegistered
+        );
+        assert_eq!(
+            r.admit_storage(MemoryType::File, 3, 4096, 4097, f.key)
+                .unwrap_err(),
+            RejectReason::NotRegistered
+        );
+        assert_eq!(
+            r.admit_storage(MemoryType::Blk, 3, 0, 4096, f.key)
+                .unwrap_err(),
+            RejectReason::NotRegistered
+        );
+        assert_eq!(
+            r.admit_storage(MemoryType::File, 3, 0, 4096, f.key ^ 1)
+                .unwrap_err(),
+            RejectReason::BadKey
         );
     }
 }

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::raw::{self, Hdr, RawConn};
 use kvxfer::{
-    AgentConfig, AgentDesc, Backend, Credential, Error, MemoryDescs, TransferAgent,
-    TransferRequest, make_transfer_agent,
+    AgentConfig, AgentDesc, Backend, Credential, Error, MemoryDesc, MemoryDescs, MemoryType,
+    StorageSpec, TransferAgent, TransferRequest, make_transfer_agent,
 };
 
 const SECRET: &[u8] = b"TOP SECRET: never exported, never to leave this process";
@@ -399,6 +399,142 @@ fn a_refused_write_does_not_take_down_the_connection() {
     v.agent
         .deregister_memory(&MemoryDescs::dram(&other))
         .unwrap();
+}
+
+/// A raw peer aimed at the target's storage (a FILE region opened for
+/// direct I/O): a misaligned range, a range past the end of the file
+/// (truncated under its region), another handle, a write list, a grant
+/// for direct access, or the region's key presented as host memory are
+/// each refused with their own status, the file and the target's memory
+/// unchanged; an aligned write lands.
+#[test]
+fn a_rogue_peer_reaches_storage_only_through_the_checks() {
+    const FILE: u64 = 64 << 10;
+    let v = Victim::new(Backend::Tcp, AgentConfig::new("target"));
+    let dir = std::env::temp_dir().join(format!("kvxfer-rogue-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("f");
+    let h = v
+        .agent
+        .open_storage(&StorageSpec::file(&path).create(FILE).direct(true))
+        .unwrap();
+    let region = MemoryDescs::new(MemoryType::File, vec![MemoryDesc::new(0, FILE, h)]);
+    // SAFETY: a storage descriptor names a file range, not memory.
+    unsafe { v.agent.register_memory(&region).unwrap() };
+    let key = v
+        .agent
+        .local_agent_desc()
+        .regions
+        .iter()
+        .find(|r| r.mem_type == MemoryType::File)
+        .unwrap()
+        .key;
+    let mut c = RawConn::connect(&v.conn());
+    c.auth("mallory", None).unwrap();
+    c.hello("mallory", 9).unwrap();
+    const FILE_TYPE: u8 = 4;
+    // One WRITE segment and its commit; the target's status for it.
+    let mut req = 0;
+    let mut write = |c: &mut RawConn, mem: u8, handle: u32, addr: u64, len: u64, key: u64| {
+        req += 1;
+        let mut w = Hdr::new(raw::WRITE);
+        w.flags = mem;
+        w.aux = handle;
+        w.id = req;
+        w.addr = addr;
+        w.len = len;
+        w.key = key;
+        c.send(w, &vec![0xEEu8; len as usize]).unwrap();
+        let mut commit = Hdr::new(raw::COMMIT);
+        commit.flags = 1;
+        commit.id = req;
+        commit.len = 1;
+        c.send(commit, &[]).unwrap();
+        let a = c.recv().expect("an ack");
+        assert_eq!((a.kind, a.id), (raw::ACK, req));
+        a.status
+    };
+    const NOT_REGISTERED: u16 = 1;
+    const UNSUPPORTED: u16 = 3;
+    const MISALIGNED: u16 = 8;
+    const PAST_END: u16 = 9;
+    assert_eq!(write(&mut c, FILE_TYPE, h, 100, 4096, key), MISALIGNED);
+    assert_eq!(write(&mut c, FILE_TYPE, h, 0, 100, key), MISALIGNED);
+    assert_eq!(
+        write(&mut c, FILE_TYPE, h + 1, 0, 4096, key),
+        NOT_REGISTERED
+    );
+    assert_eq!(write(&mut c, FILE_TYPE, h, 0, 4096, key ^ 1), 2);
+    // The file offset as a host address, with the file's key.
+    assert_eq!(write(&mut c, 0, h, 0, 4096, key), NOT_REGISTERED);
+    assert_eq!(write(&mut c, 0, h, v.region_addr(), 4096, key), 2);
+    // Direct access (a grant) and write lists: host memory only.
+    let mut g = Hdr::new(raw::GRANT);
+    g.flags = FILE_TYPE;
+    g.id = 100;
+    g.len = 4096;
+    g.key = key;
+    g.aux = 1;
+    c.send(g, &[]).unwrap();
+    let a = c.recv().unwrap();
+    assert_eq!((a.kind, a.status), (raw::GRANTED, UNSUPPORTED));
+    let mut wl = Hdr::new(raw::WRITE_LIST);
+    wl.flags = FILE_TYPE;
+    wl.id = 101;
+    wl.aux = 2;
+    wl.len = 8192;
+    wl.key = key;
+    let mut body = Vec::new();
+    for off in [0u64, 4096] {
+        body.extend_from_slice(&off.to_le_bytes());
+        body.extend_from_slice(&4096u64.to_le_bytes());
+    }
+    body.extend_from_slice(&[0xEE; 8192]);
+    c.send(wl, &body).unwrap();
+    let mut commit = Hdr::new(raw::COMMIT);
+    commit.flags = 1;
+    commit.id = 101;
+    commit.len = 2;
+    c.send(commit, &[]).unwrap();
+    let a = c.recv().unwrap();
+    assert_eq!((a.kind, a.id, a.status), (raw::ACK, 101, UNSUPPORTED));
+    assert!(
+        std::fs::read(&path).unwrap().iter().all(|&b| b == 0),
+        "a refused write changed the file"
+    );
+    // Truncated under its region: writes and reads past the end refused.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(FILE / 2)
+        .unwrap();
+    assert_eq!(write(&mut c, FILE_TYPE, h, FILE / 2, 4096, key), PAST_END);
+    let mut r = Hdr::new(raw::READ_REQ);
+    r.flags = FILE_TYPE;
+    r.aux = h;
+    r.id = 200;
+    r.addr = FILE - 4096;
+    r.len = 4096;
+    r.key = key;
+    c.send(r, &[]).unwrap();
+    let d = c.recv().unwrap();
+    assert_eq!((d.kind, d.len, d.status), (raw::READ_DATA, 0, PAST_END));
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        FILE / 2,
+        "not grown"
+    );
+    // An aligned write inside the file lands; the connection carried on.
+    assert_eq!(write(&mut c, FILE_TYPE, h, 4096, 4096, key), raw::ST_OK);
+    let data = std::fs::read(&path).unwrap();
+    assert!(data[4096..8192].iter().all(|&b| b == 0xEE));
+    assert!(data[..4096].iter().chain(&data[8192..]).all(|&b| b == 0));
+    v.assert_untouched();
+    v.still_serves(AgentConfig::new("good"));
+    drop(c);
+    v.agent.deregister_memory(&region).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `Abort` from a raw peer: a request it aborts is answered `Aborted` once

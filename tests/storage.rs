@@ -1,7 +1,8 @@
 //! Storage tiers: FILE regions on a temporary directory and BLK regions on
 //! a loop device made by the test, moved to and from host memory by a
 //! request to the agent itself, on both I/O engines (`io_uring`, and
-//! `pread`/`pwrite`). Tests that need what this machine cannot make (a
+//! `pread`/`pwrite`); and (`remote`) a peer's FILE and BLK regions written
+//! and read through the peer's agent. Tests that need what this machine cannot make (a
 //! loop device, a tmpfs mount, the kernel's page flags) print a SKIPPED
 //! line with the reason.
 
@@ -16,6 +17,9 @@ use kvxfer::{
 };
 
 const WAIT: Duration = Duration::from_secs(120);
+
+#[path = "storage/remote.rs"]
+mod remote;
 
 /// A zeroed buffer aligned for direct I/O (4 KiB).
 struct Buf {
@@ -369,14 +373,9 @@ fn bad_storage_requests_are_typed_errors_and_change_nothing() {
             .iter()
             .all(|&b| b == 0)
     );
-    // Peers never see storage regions in the descriptor, and a peer's
-    // request naming one is refused before anything is sent.
-    assert!(
-        a.local_agent_desc()
-            .regions
-            .iter()
-            .all(|r| r.mem_type == MemoryType::Dram)
-    );
+    // A peer's request naming storage the agent did not register (another
+    // handle) is refused before anything is sent (a peer's requests to
+    // registered storage: `remote`).
     let peer = agent("bad-peer", io);
     let peer_src = Buf::filled(4096, 6);
     register(peer.as_ref(), &peer_src.all());
@@ -384,7 +383,7 @@ fn bad_storage_requests_are_typed_errors_and_change_nothing() {
     let e = peer
         .submit_transfer(&TransferRequest::write(
             peer_src.all(),
-            file_descs(h, &[(0, 4096)], MemoryType::File),
+            file_descs(h + 1, &[(0, 4096)], MemoryType::File),
             "bad",
         ))
         .unwrap_err();

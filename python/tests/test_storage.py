@@ -38,3 +38,30 @@ def test_a_buffer_goes_to_a_file_and_comes_back(tmp_path):
         agent.close_storage(handle)
     agent.deregister_raw([(0, 1 << 20, handle)], mem_type="file")
     agent.close_storage(handle)
+
+
+def test_a_peer_writes_and_reads_the_agents_file_through_it(tmp_path):
+    target = kvxfer.Agent("py-storage-target", backend="tcp")
+    path = tmp_path / "kv.bin"
+    handle = target.open_storage(str(path), kind="file", size=1 << 20)
+    target.register_raw([(0, 1 << 20, handle)], mem_type="file")
+    peer = kvxfer.Agent("py-storage-peer", backend="tcp")
+    name = peer.add_remote_agent(target.metadata())
+    src = bytearray(os.urandom(1 << 16))
+    back = bytearray(1 << 16)
+    s = peer.register(src)
+    b = peer.register(back)
+    t = peer.transfer("write", [(s.addr, s.len)], [(8192, s.len)], name,
+                      remote_mem="file", remote_device=handle, durable=True)
+    t.wait(WAIT)
+    assert t.state == "DONE"
+    assert t.transport == "tcp"
+    assert path.read_bytes()[8192:8192 + len(src)] == bytes(src)
+    t = peer.transfer("read", [(b.addr, b.len)], [(8192, b.len)], name,
+                      remote_mem="file", remote_device=handle)
+    t.wait(WAIT)
+    assert bytes(back) == bytes(src)
+    # Outside what the target registered: typed, nothing sent.
+    with pytest.raises(kvxfer.RemoteRangeNotExportedError):
+        peer.transfer("write", [(s.addr, s.len)], [((1 << 20) - 100, s.len)], name,
+                      remote_mem="file", remote_device=handle)

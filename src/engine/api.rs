@@ -66,37 +66,45 @@ impl TransferAgent for Engine {
     fn load_remote_agent(&self, desc: &AgentDesc) -> Result<(), Error> {
         desc.validate()?;
         let regions = desc.region_map()?;
-        // Every transport moves host memory only so far: a peer has one path,
-        // which its link carries.
         let path = self.inner.choose_path(desc, MemoryType::Dram)?;
-        let mut peers = self.inner.peers.write().unwrap_or_else(|p| p.into_inner());
-        // Same process: keep the live link, refresh the regions.
-        let link = match peers.get(&desc.name) {
-            Some(old) if old.desc.instance == desc.instance && old.path == path => {
-                lock(&old.link).take()
-            }
-            Some(old) => {
-                if let Some(l) = lock(&old.link).take() {
-                    l.fail(Error::StaleAgent {
-                        remote: desc.name.clone(),
-                        addr: desc.endpoints.join(","),
-                    });
-                }
-                None
-            }
-            None => None,
+        // The peer's storage is reached through its agent: on this path when
+        // it moves FILE memory, else on a lane of its own.
+        let storage = match self.inner.choose_path(desc, MemoryType::File) {
+            Ok(p) if p == path => StorageRoute::Same,
+            Ok(p) => StorageRoute::Lane(Arc::new(Peer::new(
+                desc.clone(),
+                regions.clone(),
+                p,
+                StorageRoute::Same,
+            ))),
+            Err(e) => StorageRoute::Unreachable(e),
         };
-        let peer = Arc::new(Peer {
-            desc: desc.clone(),
-            regions,
-            path,
-            link: Mutex::new(link),
-            retired: AtomicBool::new(false),
-        });
+        let mut peers = self.inner.peers.write().unwrap_or_else(|p| p.into_inner());
+        let peer = Arc::new(Peer::new(desc.clone(), regions, path, storage));
+        // Same process: keep the live links, refresh the regions.
+        if let Some(old) = peers.get(&desc.name)
+            && old.desc.instance == desc.instance
+            && old.path == path
+        {
+            *lock(&peer.link) = lock(&old.link).take();
+            if let (StorageRoute::Lane(new), StorageRoute::Lane(old)) =
+                (&peer.storage, &old.storage)
+                && new.path == old.path
+            {
+                *lock(&new.link) = lock(&old.link).take();
+            }
+        }
         if let Some(old) = peers.insert(desc.name.clone(), Arc::clone(&peer)) {
-            old.retired.store(true, Ordering::Release);
+            old.retire();
             // Drop a cached resolution's hold on the old entry's link.
             *lock(&self.inner.submit_cache) = None;
+            // Links the new entry did not take over (another instance).
+            for l in old.take_links() {
+                l.fail(Error::StaleAgent {
+                    remote: desc.name.clone(),
+                    addr: desc.endpoints.join(","),
+                });
+            }
         }
         drop(peers);
         // Connect now, so the first transfer does not pay for connection
@@ -123,9 +131,9 @@ impl TransferAgent for Engine {
             .unwrap_or_else(|p| p.into_inner())
             .remove(name)
             .ok_or_else(|| Error::UnknownAgent(name.to_owned()))?;
-        peer.retired.store(true, Ordering::Release);
+        peer.retire();
         *lock(&self.inner.submit_cache) = None;
-        if let Some(l) = lock(&peer.link).take() {
+        for l in peer.take_links() {
             l.fail(Error::UnknownAgent(name.to_owned()));
             l.join();
         }

@@ -59,7 +59,11 @@ impl SocketPath for CmaParts {
                     req,
                     op,
                     segs: Vec::new(),
-                    tail: Tail::Commit { segments: 0, sync },
+                    tail: Tail::Commit {
+                        segments: 0,
+                        sync,
+                        durable: false,
+                    },
                     pending,
                     aborted,
                 }),

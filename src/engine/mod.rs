@@ -41,6 +41,7 @@ pub(crate) mod requests;
 mod sock;
 mod socket_link;
 mod storage_link;
+mod storage_target;
 mod submit;
 mod target;
 mod tcp_stream;
@@ -59,6 +60,7 @@ use plan::*;
 pub(crate) use plan::{delegated_pieces, write_list_pieces};
 use rdma::recv::*;
 use socket_link::*;
+use storage_target::{Bounce, StorageWrites};
 use submit::*;
 use target::*;
 use transport::{Link, Submission};
@@ -80,7 +82,7 @@ use crate::agent::{
     TransferAgent, TransferOp, TransferRequest, TransferStatus, TransportKind,
 };
 use crate::auth::random_u64;
-use crate::desc::{AgentDesc, BackendKind, LocalAccess, RdmaInfo};
+use crate::desc::{AgentDesc, BackendKind, ExportedRegion, LocalAccess, RdmaInfo};
 use crate::error::{Error, RejectReason};
 use crate::memory::{MemoryDescs, MemoryType, RegionMap};
 use crate::registry::{Inbox, RegionGuard, Registry, Reservation};
@@ -401,7 +403,7 @@ impl Drop for Engine {
             .drain()
             .collect();
         for (_, p) in peers {
-            if let Some(link) = lock(&p.link).take() {
+            for link in p.take_links() {
                 link.fail(Error::Closed);
                 link.join();
             }
@@ -415,12 +417,27 @@ impl Drop for Engine {
 /// A loaded remote agent.
 struct Peer {
     desc: AgentDesc,
-    /// Exported regions: (access key, RDMA remote key).
-    regions: RegionMap<(u64, Option<u32>)>,
+    /// Exported regions, by memory type and range.
+    regions: RegionMap<ExportedRegion>,
     path: Path,
     link: Mutex<Option<Arc<dyn Link>>>,
     /// Set when a newer load of the agent replaced this entry, or the agent
     /// was invalidated: prepared transfers resolved against it resolve
     /// again.
     retired: AtomicBool,
+    /// How requests reach the peer's FILE and BLK regions.
+    storage: StorageRoute,
+}
+
+/// How requests reach a peer's FILE and BLK regions: always through its
+/// agent (which reads and writes its files), on the first path that moves
+/// them — the peer's own path, or a lane of its own beside it.
+enum StorageRoute {
+    /// The peer's path moves them (TCP), or this is such a lane.
+    Same,
+    /// Another path (TCP beside RDMA or cross-memory attach): the lane's
+    /// link opens on its first request. Retired and closed with the peer.
+    Lane(Arc<Peer>),
+    /// No transport of this agent moves them to the peer.
+    Unreachable(Error),
 }

@@ -16,7 +16,9 @@ impl Inner {
                 Backend::InProcess => BackendKind::InProcess,
             },
             endpoints: vec![self.endpoint.clone()],
-            regions: self.registry.exported(),
+            regions: self
+                .registry
+                .exported(|h| self.storage.get(h).map_or(1, |f| f.align)),
             rdma: self.device.as_ref().map(|d| RdmaInfo {
                 device: d.name().to_owned(),
             }),
@@ -45,13 +47,12 @@ impl Inner {
     /// (FILE and BLK regions).
     pub(in crate::engine) fn self_peer(&self) -> Arc<Peer> {
         Arc::clone(self.self_peer.get_or_init(|| {
-            Arc::new(Peer {
-                desc: self.local_desc(),
-                regions: RegionMap::new(),
-                path: Path::Storage,
-                link: Mutex::new(None),
-                retired: AtomicBool::new(false),
-            })
+            Arc::new(Peer::new(
+                self.local_desc(),
+                RegionMap::new(),
+                Path::Storage,
+                StorageRoute::Same,
+            ))
         }))
     }
 
@@ -273,6 +274,51 @@ pub(in crate::engine) fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDe
 }
 
 impl Peer {
+    /// An entry with no link yet.
+    pub(in crate::engine) fn new(
+        desc: AgentDesc,
+        regions: RegionMap<ExportedRegion>,
+        path: Path,
+        storage: StorageRoute,
+    ) -> Self {
+        Peer {
+            desc,
+            regions,
+            path,
+            link: Mutex::new(None),
+            retired: AtomicBool::new(false),
+            storage,
+        }
+    }
+
+    /// The entry whose link reaches the peer's FILE and BLK regions: this
+    /// one, or its storage lane.
+    pub(in crate::engine) fn for_storage(self: &Arc<Self>) -> Result<Arc<Peer>, Error> {
+        match &self.storage {
+            StorageRoute::Same => Ok(Arc::clone(self)),
+            StorageRoute::Lane(lane) => Ok(Arc::clone(lane)),
+            StorageRoute::Unreachable(e) => Err(e.clone()),
+        }
+    }
+
+    /// Marks the entry (and its storage lane) replaced or invalidated.
+    pub(in crate::engine) fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+        if let StorageRoute::Lane(lane) = &self.storage {
+            lane.retired.store(true, Ordering::Release);
+        }
+    }
+
+    /// Takes the entry's links (its own and its storage lane's), to fail
+    /// or hand on.
+    pub(in crate::engine) fn take_links(&self) -> Vec<Arc<dyn Link>> {
+        let mut links: Vec<_> = lock(&self.link).take().into_iter().collect();
+        if let StorageRoute::Lane(lane) = &self.storage {
+            links.extend(lock(&lane.link).take());
+        }
+        links
+    }
+
     /// The live link, opening a new one when there is none or it broke.
     pub(in crate::engine) fn link(&self, inner: &Inner) -> Result<Arc<dyn Link>, Error> {
         let mut slot = lock(&self.link);

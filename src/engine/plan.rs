@@ -29,6 +29,7 @@ pub(in crate::engine) fn plan_segments(
             };
             out[k].push(Seg {
                 mem_type: req.remote.mem_type,
+                device: r.device_id,
                 local: l.addr + off,
                 remote: r.addr + off,
                 len,

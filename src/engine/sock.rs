@@ -410,6 +410,22 @@ impl<'c> FrameReader<'c> {
         Ok(v)
     }
 
+    /// Reads exactly `buf.len()` payload bytes into `buf`; `more`: the
+    /// frame's payload goes on after them (no read-ahead into the next
+    /// header).
+    pub(crate) fn read_chunk(
+        &mut self,
+        buf: &mut [u8],
+        more: bool,
+        idle: &mut dyn IdlePolicy,
+    ) -> io::Result<()> {
+        self.no_read_ahead = more;
+        // SAFETY: `buf` is a live exclusive slice of `buf.len()` bytes.
+        let r = unsafe { self.read_into(buf.as_mut_ptr(), buf.len(), idle) };
+        self.no_read_ahead = false;
+        r
+    }
+
     /// Reads and drops `len` bytes (the payload of a refused segment).
     /// Only the last piece may read ahead into the next header: bytes past
     /// an earlier piece are still this payload's.

@@ -90,6 +90,8 @@ pub(in crate::engine) struct ReadSlot {
 #[derive(Clone, Copy)]
 pub(in crate::engine) struct Seg {
     pub(in crate::engine) mem_type: MemoryType,
+    /// The storage handle of a FILE or BLK destination (else unused).
+    pub(in crate::engine) device: u32,
     pub(in crate::engine) local: u64,
     pub(in crate::engine) remote: u64,
     pub(in crate::engine) len: u64,
@@ -101,6 +103,8 @@ pub(in crate::engine) enum Tail {
     Commit {
         segments: u64,
         sync: Option<Vec<u8>>,
+        /// The target syncs the storage it wrote before acknowledging.
+        durable: bool,
     },
     Fence,
 }

@@ -163,14 +163,16 @@ impl Engine {
                 backend: inner.mode.as_str(),
             });
         }
-        // The agent's own storage: its self-peer. (Its own name with host
-        // memory is a loaded peer like any other.)
-        let own_storage = req.remote_agent == inner.config.name
-            && matches!(req.remote.mem_type, MemoryType::File | MemoryType::Blk);
-        let peer = if own_storage {
+        // The agent's own storage: its self-peer (its own name with host
+        // memory is a loaded peer like any other); a peer's storage: the
+        // entry whose path moves it.
+        let storage = matches!(req.remote.mem_type, MemoryType::File | MemoryType::Blk);
+        let peer = if !storage {
+            inner.peer(&req.remote_agent)?
+        } else if req.remote_agent == inner.config.name {
             inner.self_peer()
         } else {
-            inner.peer(&req.remote_agent)?
+            inner.peer(&req.remote_agent)?.for_storage()?
         };
         // A notification moves no memory: no transport is required for it.
         if !inner.config.required_transports.is_empty() && !req.local.is_empty() {
@@ -229,10 +231,24 @@ impl Engine {
                     desc: *d,
                 });
             };
+            if r.value.align > 1 {
+                // A peer's storage opened for direct I/O: refused here, before
+                // anything is sent, as the peer would refuse it.
+                for (what, value) in [("offset", d.addr), ("length", d.len)] {
+                    if !value.is_multiple_of(u64::from(r.value.align)) {
+                        return Err(Error::Misaligned {
+                            handle: u64::from(d.device_id),
+                            what,
+                            value,
+                            block: r.value.align,
+                        });
+                    }
+                }
+            }
             if !rdma {
-                keys.push(r.value.0);
+                keys.push(r.value.key);
             } else {
-                rkeys.push(r.value.1.ok_or_else(|| Error::BackendUnavailable {
+                rkeys.push(r.value.rkey.ok_or_else(|| Error::BackendUnavailable {
                     backend: "rdma",
                     reason: format!(
                         "remote agent {:?} exported region {:?} without an RDMA registration",

@@ -23,6 +23,9 @@ pub(in crate::engine) struct Session {
     /// initiator's (pid, probe address, instance) and the probe's verdict,
     /// decided on its first delegated request.
     pub(in crate::engine) delegate: Mutex<Option<(u32, u64, u64, bool)>>,
+    /// The storage each request wrote, synced before a durable one is
+    /// acknowledged (`storage_target`).
+    pub(in crate::engine) storage: Mutex<HashMap<u64, StorageWrites>>,
 }
 
 #[derive(Default)]
@@ -65,6 +68,8 @@ pub(in crate::engine) struct Conn<'c, 'r, 'i> {
     pub(in crate::engine) reader: &'c mut FrameReader<'r>,
     pub(in crate::engine) idle: &'c mut ServerIdle<'i>,
     pub(in crate::engine) session: &'c Session,
+    /// Storage segments pass through it.
+    pub(in crate::engine) bounce: Bounce,
 }
 
 impl Conn<'_, '_, '_> {
@@ -94,6 +99,12 @@ impl Conn<'_, '_, '_> {
     ) -> io::Result<()> {
         send_frames(self.sock, frames, self.idle.clock, io_timeout)
     }
+}
+
+/// Whether `mem_type` names storage (FILE and BLK regions, reached
+/// through this agent).
+fn is_storage(mem_type: MemoryType) -> bool {
+    matches!(mem_type, MemoryType::File | MemoryType::Blk)
 }
 
 /// Records the outcome of `n` segments of `req`.
@@ -398,6 +409,7 @@ impl Inner {
                 ticket: u128::from_le_bytes(crate::auth::random_bytes()),
                 proven: Mutex::new(None),
                 delegate: Mutex::new(None),
+                storage: Mutex::new(HashMap::new()),
             })
         });
         if s.remote != authenticated {
@@ -426,6 +438,7 @@ impl Inner {
             reader,
             idle,
             session,
+            bounce: Bounce::default(),
         };
         loop {
             let Some(raw) = c.reader.next_header(c.idle)? else {
@@ -436,21 +449,32 @@ impl Inner {
                 Frame::Write {
                     req,
                     mem_type,
+                    device,
                     addr,
                     len,
                     key,
                 } => {
-                    let result = self.land_write(&mut c, mem_type, addr, len, key)?;
+                    let result = if is_storage(mem_type) {
+                        // The agent's files (`storage_target`).
+                        self.land_storage_write(&mut c, req, (mem_type, device), (addr, len), key)?
+                    } else {
+                        self.land_write(&mut c, mem_type, addr, len, key)?
+                    };
                     segment(session, req, 1, result)?
                 }
                 Frame::ReadReq {
                     req,
                     mem_type,
+                    device,
                     addr,
                     len,
                     key,
                 } => {
-                    let result = self.send_read(&mut c, req, mem_type, addr, len, key)?;
+                    let result = if is_storage(mem_type) {
+                        self.send_storage_read(&mut c, req, (mem_type, device), (addr, len), key)?
+                    } else {
+                        self.send_read(&mut c, req, mem_type, addr, len, key)?
+                    };
                     segment(session, req, 1, result)?
                 }
                 Frame::WriteList {
@@ -474,7 +498,11 @@ impl Inner {
                     segments,
                     sync_len,
                     has_sync,
+                    durable,
                 } => {
+                    if durable {
+                        session.durable(req);
+                    }
                     let sync = c.read_sync(&self.inbox, has_sync, sync_len)?;
                     commit(session, req, segments, sync)?
                 }
@@ -556,10 +584,15 @@ impl Inner {
     ) -> io::Result<()> {
         // The initiator's direct copies are over: unpin before telling anyone.
         lock(&session.grants).remove(&f.req);
-        if let (Ok(()), Some((msg, room))) = (&f.outcome, f.sync) {
+        // A durable request's storage writes reach the disk before its
+        // message and acknowledgement.
+        let outcome = session
+            .sync_storage(f.req, f.outcome.is_ok())
+            .and(f.outcome);
+        if let (Ok(()), Some((msg, room))) = (&outcome, f.sync) {
             self.inbox.deliver(room, msg);
         }
-        let st = match f.outcome {
+        let st = match outcome {
             Ok(()) => status::OK,
             Err(r) => r.code(),
         };

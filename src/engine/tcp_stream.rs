@@ -55,6 +55,7 @@ impl TcpLink {
                 Tail::Commit {
                     segments: (total + fences) as u64,
                     sync: sync.take(),
+                    durable: req.durable,
                 }
             } else if fence {
                 Tail::Fence
@@ -401,7 +402,8 @@ impl Framed {
         while i < segs.len() {
             let s0 = &segs[i];
             let mut j = i + 1;
-            if s0.len <= WRITE_LIST_PIECE_MAX {
+            // Host memory only: a storage target writes each piece itself.
+            if s0.len <= WRITE_LIST_PIECE_MAX && s0.mem_type == MemoryType::Dram {
                 while j < segs.len()
                     && j - i < WRITE_LIST_MAX as usize
                     && segs[j].len <= WRITE_LIST_PIECE_MAX
@@ -444,6 +446,7 @@ impl Framed {
                     Frame::Write {
                         req,
                         mem_type: s0.mem_type,
+                        device: s0.device,
                         addr: s0.remote,
                         len: s0.len,
                         key: s0.key,
@@ -480,6 +483,7 @@ impl Framed {
                 Frame::ReadReq {
                     req,
                     mem_type: s.mem_type,
+                    device: s.device,
                     addr: s.remote,
                     len: s.len,
                     key: s.key,
@@ -502,7 +506,11 @@ impl Framed {
                 headers.push(Frame::Fence { req }.encode());
                 None
             }
-            Tail::Commit { segments, sync } => {
+            Tail::Commit {
+                segments,
+                sync,
+                durable,
+            } => {
                 headers.push(
                     Frame::Commit {
                         req,
@@ -513,6 +521,7 @@ impl Framed {
                         segments: *segments,
                         sync_len: sync.as_ref().map_or(0, |m| m.len() as u32),
                         has_sync: sync.is_some(),
+                        durable: *durable,
                     }
                     .encode(),
                 );

@@ -96,12 +96,26 @@ impl Path {
 }
 
 /// TCP streams: reaches every peer (their endpoints were already reached
-/// for the descriptor).
-pub(in crate::engine) struct Tcp;
+/// for the descriptor). It also carries requests to a peer's storage (FILE
+/// and BLK regions, which its agent reads and writes), for agents of every
+/// socket backend.
+pub(in crate::engine) struct Tcp {
+    /// Whether it moves host memory too (else storage only: the backend
+    /// moves host memory another way).
+    pub(in crate::engine) host_memory: bool,
+}
 
 impl Transport for Tcp {
     fn kind(&self) -> TransportKind {
         TransportKind::Tcp
+    }
+
+    fn supports(&self, mem_type: MemoryType) -> bool {
+        match mem_type {
+            MemoryType::Dram => self.host_memory,
+            MemoryType::File | MemoryType::Blk => true,
+            MemoryType::Vram | MemoryType::Obj => false,
+        }
     }
 
     fn reach(&self, _peer: &AgentDesc) -> Result<Path, String> {
@@ -148,7 +162,8 @@ impl Transport for Rdma {
 
 /// The transports of an agent on `backend`, in order of preference:
 /// `auto` prefers cross-memory attach on this host, then RDMA (when this
-/// agent has a device), then TCP.
+/// agent has a device), then TCP. The shm and RDMA backends reach a peer's
+/// storage over TCP.
 pub(in crate::engine) fn for_backend(
     backend: Backend,
     has_device: bool,
@@ -159,17 +174,18 @@ pub(in crate::engine) fn for_backend(
             host: host.to_owned(),
         }) as Box<dyn Transport>
     };
+    let tcp = |host_memory| Box::new(Tcp { host_memory }) as Box<dyn Transport>;
     match backend {
-        Backend::Tcp => vec![Box::new(Tcp)],
-        Backend::Shm => vec![shm()],
-        Backend::Rdma => vec![Box::new(Rdma)],
+        Backend::Tcp => vec![tcp(true)],
+        Backend::Shm => vec![shm(), tcp(false)],
+        Backend::Rdma => vec![Box::new(Rdma), tcp(false)],
         Backend::InProcess => vec![Box::new(inproc::InProcess)],
         Backend::Auto => {
             let mut v = vec![shm()];
             if has_device {
                 v.push(Box::new(Rdma));
             }
-            v.push(Box::new(Tcp));
+            v.push(tcp(true));
             v
         }
     }

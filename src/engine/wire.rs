@@ -12,7 +12,7 @@ use crate::memory::MemoryType;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 40;
 /// Protocol version carried in `Hello`.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Largest control body (agent name, sync message, descriptor) accepted.
 pub const MAX_CONTROL_BODY: u32 = 16 << 20;
 
@@ -178,7 +178,9 @@ pub enum Frame {
         req: u64,
         /// Memory type of the destination.
         mem_type: MemoryType,
-        /// Destination address at the target.
+        /// The storage handle (FILE and BLK regions; 0 for memory).
+        device: u32,
+        /// Destination address (storage: offset) at the target.
         addr: u64,
         /// Payload length.
         len: u64,
@@ -191,7 +193,9 @@ pub enum Frame {
         req: u64,
         /// Memory type of the source.
         mem_type: MemoryType,
-        /// Source address at the target.
+        /// The storage handle (FILE and BLK regions; 0 for memory).
+        device: u32,
+        /// Source address (storage: offset) at the target.
         addr: u64,
         /// Length.
         len: u64,
@@ -221,6 +225,9 @@ pub enum Frame {
         sync_len: u32,
         /// Whether a sync message is present (it may be empty).
         has_sync: bool,
+        /// The target makes the request's storage writes durable
+        /// (`fdatasync` of each file written) before it acknowledges.
+        durable: bool,
     },
     /// `count` small WRITE segments in one frame: a table of `count`
     /// (address, length) pairs (16 bytes each, little-endian) follows, then
@@ -388,8 +395,11 @@ fn op_flags(op: CommitOp, has_sync: bool) -> u8 {
     }) | if has_sync { 0x80 } else { 0 }
 }
 
+/// `flags` bit of `Commit`: make the request's storage writes durable.
+const DURABLE: u8 = 0x40;
+
 fn flags_op(flags: u8) -> Option<CommitOp> {
-    match flags & 0x7f {
+    match flags & 0x3f {
         1 => Some(CommitOp::Write),
         2 => Some(CommitOp::Read),
         _ => None,
@@ -459,6 +469,7 @@ impl Frame {
             Frame::Write {
                 req,
                 mem_type,
+                device,
                 addr,
                 len,
                 key,
@@ -466,6 +477,7 @@ impl Frame {
             | Frame::ReadReq {
                 req,
                 mem_type,
+                device,
                 addr,
                 len,
                 key,
@@ -476,6 +488,7 @@ impl Frame {
                     K_READ_REQ
                 };
                 h.flags = mem_code(mem_type);
+                h.aux = device.into();
                 h.id = req.into();
                 h.addr = addr.into();
                 h.len = len.into();
@@ -493,9 +506,10 @@ impl Frame {
                 segments,
                 sync_len,
                 has_sync,
+                durable,
             } => {
                 h.kind = K_COMMIT;
-                h.flags = op_flags(op, has_sync);
+                h.flags = op_flags(op, has_sync) | if durable { DURABLE } else { 0 };
                 h.id = req.into();
                 h.len = segments.into();
                 h.aux = sync_len.into();
@@ -673,10 +687,12 @@ impl Frame {
                 if addr.checked_add(len).is_none() {
                     return Err(WireError::BadField("segment wraps the address space"));
                 }
+                let device = aux;
                 if h.kind == K_WRITE {
                     Frame::Write {
                         req,
                         mem_type,
+                        device,
                         addr,
                         len,
                         key,
@@ -685,6 +701,7 @@ impl Frame {
                     Frame::ReadReq {
                         req,
                         mem_type,
+                        device,
                         addr,
                         len,
                         key,
@@ -702,6 +719,7 @@ impl Frame {
                 segments: h.len.get(),
                 sync_len: body_limit(aux)?,
                 has_sync: h.flags & 0x80 != 0,
+                durable: h.flags & DURABLE != 0,
             },
             K_FENCE => Frame::Fence { req: h.id.get() },
             K_ABORT => Frame::Abort {
@@ -841,6 +859,7 @@ mod tests {
             Frame::Write {
                 req: u64::MAX,
                 mem_type: MemoryType::Dram,
+                device: 0,
                 addr: 0x7fff_0000,
                 len: 65536,
                 key: 0xabcdef,
@@ -848,6 +867,7 @@ mod tests {
             Frame::ReadReq {
                 req: 4,
                 mem_type: MemoryType::Vram,
+                device: 3,
                 addr: 8,
                 len: 1,
                 key: 1,
@@ -863,6 +883,23 @@ mod tests {
                 segments: 10_000,
                 sync_len: 0,
                 has_sync: true,
+                durable: false,
+            },
+            Frame::Write {
+                req: 5,
+                mem_type: MemoryType::Blk,
+                device: u32::MAX,
+                addr: 1 << 40,
+                len: 4096,
+                key: 3,
+            },
+            Frame::Commit {
+                req: 5,
+                op: CommitOp::Write,
+                segments: 1,
+                sync_len: 9,
+                has_sync: true,
+                durable: true,
             },
             Frame::Fence { req: 13 },
             Frame::Abort {
@@ -941,6 +978,7 @@ mod tests {
         let mut w = Frame::Write {
             req: 1,
             mem_type: MemoryType::Dram,
+            device: 0,
             addr: 0,
             len: 1,
             key: 0,
@@ -951,6 +989,7 @@ mod tests {
         let wrap = Frame::Write {
             req: 1,
             mem_type: MemoryType::Dram,
+            device: 0,
             addr: u64::MAX,
             len: 2,
             key: 0,

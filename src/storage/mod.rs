@@ -7,7 +7,9 @@
 //! other memory. A request to the agent itself (its own name as the remote
 //! agent) with FILE or BLK remote descriptors then WRITEs host memory into
 //! the range or READs it back, with the same status and sync-message
-//! contract as every other path.
+//! contract as every other path. Storage regions are exported like host
+//! memory: a peer that loaded the agent reaches them through it, over TCP
+//! (`engine/storage_target.rs`).
 //!
 //! The I/O runs on an I/O engine: `io_uring` (one ring and thread) where the
 //! kernel offers it, else `pread`/`pwrite` on worker threads (detected and
@@ -199,6 +201,11 @@ impl StorageFile {
             align,
             path: spec.path.clone(),
         })
+    }
+
+    /// The open file, for plain reads and writes.
+    pub(crate) fn file(&self) -> &std::fs::File {
+        &self.file
     }
 
     /// The descriptor for I/O.

@@ -13,10 +13,13 @@ pub const HELLO_ACK: u8 = 2;
 pub const DESC_REQUEST: u8 = 3;
 pub const DESC_REPLY: u8 = 4;
 pub const WRITE: u8 = 5;
+pub const READ_REQ: u8 = 6;
+pub const READ_DATA: u8 = 7;
 pub const COMMIT: u8 = 8;
 pub const ACK: u8 = 9;
 pub const GRANT: u8 = 11;
 pub const GRANTED: u8 = 12;
+pub const WRITE_LIST: u8 = 15;
 pub const DELEGATE: u8 = 16;
 pub const AUTH_HELLO: u8 = 17;
 pub const AUTH_CHALLENGE: u8 = 18;
@@ -159,7 +162,7 @@ impl RawConn {
     pub fn hello(&mut self, name: &str, link: u64) -> Option<Hdr> {
         let mut h = Hdr::new(HELLO);
         h.id = 0x1234_5679;
-        h.status = 2; // protocol version
+        h.status = 3; // protocol version
         h.len = link;
         h.aux = name.len() as u32;
         self.send(h, name.as_bytes()).ok()?;

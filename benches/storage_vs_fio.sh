@@ -2,7 +2,9 @@
 # Storage WRITE and READ, 1 MiB x 64, against fio with the io_uring engine,
 # O_DIRECT, 1 MiB blocks and queue depth 64, on the same file and the same
 # block device (a loop device over a file, made here), alternating rounds.
-# Prints one line per round and the median ratios.
+# Prints one line per round and the median ratios. The `peer-file` rows
+# move the same data to a peer agent's file, through that agent over TCP
+# on loopback (`--storage-peer`), against the same fio figure.
 #
 #   benches/storage_vs_fio.sh            # ROUNDS=5, DIR=target/storage-bench
 # Needs root for the loop device (the BLK rows are skipped without one).
@@ -19,8 +21,8 @@ truncate -s 256M "$img"
 lo=$(losetup -f --show "$img" 2>/dev/null || true)
 trap '[ -n "$lo" ] && losetup -d "$lo"; rm -f "$img" "$file"' EXIT
 [ -n "$lo" ] || echo "no loop device (losetup failed): BLK rows skipped" >&2
-ours() { # op memory -> GB/s
-  target/release/kvxfer-bench --memory "$2" --op "$1" --block-size 1MiB --batch 64 \
+ours() { # op memory [flag] -> GB/s
+  target/release/kvxfer-bench --memory "$2" ${3:-} --op "$1" --block-size 1MiB --batch 64 \
     --iters 40 --warmup 4 --json | python3 -c 'import json,sys; print(json.loads(sys.stdin.readline())["gb_per_s"])'
 }
 fio_bw() { # op path -> GB/s
@@ -36,6 +38,9 @@ for r in $(seq "$ROUNDS"); do
     if [ $((r % 2)) = 1 ]; then a=$(ours "$op" "file:$file"); b=$(fio_bw "$op" "$file");
     else b=$(fio_bw "$op" "$file"); a=$(ours "$op" "file:$file"); fi
     echo "round $r file $op kvxfer $a fio $b" | tee -a "$out"
+    if [ $((r % 2)) = 1 ]; then a=$(ours "$op" "file:$file" --storage-peer); b=$(fio_bw "$op" "$file");
+    else b=$(fio_bw "$op" "$file"); a=$(ours "$op" "file:$file" --storage-peer); fi
+    echo "round $r peer-file $op kvxfer $a fio $b" | tee -a "$out"
     if [ -n "$lo" ]; then
       if [ $((r % 2)) = 1 ]; then a=$(ours "$op" "blk:$lo"); b=$(fio_bw "$op" "$lo");
       else b=$(fio_bw "$op" "$lo"); a=$(ours "$op" "blk:$lo"); fi

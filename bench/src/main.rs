@@ -170,6 +170,11 @@ struct Args {
     /// `--memory`: the storage I/O engine (auto, io_uring, psync).
     #[arg(long, requires = "memory", default_value = "auto")]
     storage_io: String,
+    /// `--memory`: the storage belongs to a second agent of this process, a
+    /// peer reached over TCP on loopback, which reads and writes it on this
+    /// agent's behalf (a peer's storage through its agent).
+    #[arg(long, requires = "memory")]
+    storage_peer: bool,
     /// Internal: in target role, exit when standard input closes.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
@@ -616,8 +621,13 @@ fn run_points(
         );
         b
     };
-    // The data path actually used (auto picks shm on one host).
-    let backend_name = agent.remote_transport(&target.remote)?;
+    // The data path actually used (auto picks shm on one host; storage is
+    // the agent's own, or a peer's through it over TCP).
+    let backend_name = match target.mem_type {
+        MemoryType::File | MemoryType::Blk if target.remote == agent.name() => "storage",
+        MemoryType::File | MemoryType::Blk => "tcp",
+        _ => agent.remote_transport(&target.remote)?,
+    };
     let streams = args
         .streams
         .unwrap_or(AgentConfig::new("defaults").tcp.streams_per_peer);

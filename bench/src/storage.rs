@@ -1,6 +1,7 @@
 //! `--memory file:PATH | blk:DEVICE`: WRITE (or READ) between host memory
-//! and the agent's own storage, the plan's block sizes and batches, in the
-//! same table as the other runs.
+//! and the agent's own storage (or, `--storage-peer`, a peer agent's, through
+//! that agent over TCP), the plan's block sizes and batches, in the same
+//! table as the other runs.
 
 use anyhow::{Context, Result, bail};
 use kvxfer::{
@@ -26,16 +27,27 @@ pub fn run(args: &Args, memory: &str) -> Result<()> {
     // SAFETY: `src` outlives the agent (dropped first, below) and is only
     // touched by transfers.
     unsafe { agent.register_memory(&src.desc())? };
-    let handle = agent
+    // The agent whose storage it is: this one, or a peer.
+    let peer = if args.storage_peer {
+        let cfg = config("kvxfer-bench-storage-peer", args).with_storage_io(io);
+        Some(make_transfer_agent(Backend::Tcp, cfg)?)
+    } else {
+        None
+    };
+    let owner = peer.as_deref().unwrap_or(agent.as_ref());
+    let handle = owner
         .open_storage(&spec)
         .with_context(|| format!("opening {memory}"))?;
     let mem_type = spec.kind.mem_type();
     let region = MemoryDescs::new(mem_type, vec![MemoryDesc::new(0, need, handle)]);
     // SAFETY: a storage range (file offsets), not memory.
-    unsafe { agent.register_memory(&region) }
+    unsafe { owner.register_memory(&region) }
         .with_context(|| format!("registering the first {need} bytes of {memory}"))?;
+    if peer.is_some() {
+        agent.load_remote_agent(&owner.local_agent_desc())?;
+    }
     let target = Target {
-        remote: agent.name().to_owned(),
+        remote: owner.name().to_owned(),
         mem_type,
         base: 0,
         device_id: handle,
@@ -58,5 +70,6 @@ pub fn run(args: &Args, memory: &str) -> Result<()> {
         &points,
     )?;
     drop(agent);
+    drop(peer);
     Ok(())
 }

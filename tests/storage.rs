@@ -906,3 +906,68 @@ fn dropping_the_agent_waits_for_its_storage_transfers() {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+#[test]
+fn an_aborted_storage_transfer_quiesces_and_delivers_no_message() {
+    const PIECE: u64 = 4096;
+    const N: u64 = 16384;
+    for io in engines() {
+        let dir = tempdir();
+        let src = Buf::filled((N * PIECE) as usize, 67);
+        let a = agent("abort", io);
+        let (h, _) = open_file(a.as_ref(), &dir.join("f"), N * PIECE);
+        register(a.as_ref(), &src.all());
+        // 16384 pieces of 4 KiB, in reverse order: many ops, most of them
+        // still waiting for the kernel when the abort comes.
+        let local = MemoryDescs::new(
+            MemoryType::Dram,
+            (0..N)
+                .map(|i| MemoryDesc::new(src.addr() + i * PIECE, PIECE, 0))
+                .collect(),
+        );
+        let remote = file_descs(
+            h,
+            &(0..N).rev().map(|i| (i * PIECE, PIECE)).collect::<Vec<_>>(),
+            MemoryType::File,
+        );
+        let req = TransferRequest::write(local, remote, "abort").with_sync_message(b"m".to_vec());
+        let st = a.submit_transfer(&req).unwrap();
+        let asked = st.abort();
+        let outcome = st.wait(WAIT);
+        // Quiet once it reports: the memory can go at once.
+        a.deregister_memory(&src.all()).unwrap();
+        let msgs = a.take_sync_messages();
+        let on_disk = std::fs::read(dir.join("f")).unwrap();
+        let landed = (0..N as usize)
+            .filter(|&i| {
+                let at = (N as usize - 1 - i) * PIECE as usize;
+                let piece = &on_disk[at..at + PIECE as usize];
+                let want = &src.bytes()[i * PIECE as usize..(i + 1) * PIECE as usize];
+                assert!(
+                    piece == want || piece.iter().all(|&b| b == 0),
+                    "{io:?}: piece {i} is neither written nor untouched"
+                );
+                piece == want
+            })
+            .count();
+        match outcome {
+            Err(Error::Aborted) => {
+                assert!(asked);
+                assert!(
+                    msgs.is_empty(),
+                    "{io:?}: an aborted request's message arrived"
+                );
+                println!("{io:?}: aborted with {landed} of {N} pieces written");
+            }
+            Ok(kvxfer::TransferState::Completed) => {
+                // Everything was under way before the abort: as usual.
+                assert_eq!(landed, N as usize, "{io:?}");
+                assert_eq!(msgs.get("abort").map(Vec::len), Some(1), "{io:?}");
+                println!("{io:?}: completed before the abort took effect");
+            }
+            other => panic!("{io:?}: {other:?}"),
+        }
+        drop(a);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -5,7 +5,8 @@
 //! I/O alignment of offsets, lengths and buffers, room in the inbox for the
 //! sync message) and hands the reads or writes to the storage I/O engine
 //! ([`crate::storage::io`]); the status completes once every one of them
-//! (and, for a durable request, the sync of each file written) has.
+//! (and, for a durable request, the sync of each file written) has. An
+//! abort skips the ops not yet handed to the kernel.
 
 use std::os::fd::RawFd;
 
@@ -94,10 +95,14 @@ impl Link for StorageLink {
             }
             done_status.complete(r);
         });
+        // `TransferStatus::abort`: the ops not yet handed to the kernel are
+        // skipped (and the sync message not delivered).
+        let asked = Arc::clone(&completion);
         let batch = Batch {
             ops,
             sync: syncs,
             done,
+            stop: Some(Box::new(move || asked.abort_requested())),
         };
         // SAFETY: every op's memory lies in local regions checked and held
         // (`guards`) and every fd belongs to a storage region held (`held`)

@@ -51,15 +51,30 @@ impl Op {
 /// What a finished batch reports.
 pub(crate) type Done = Box<dyn FnOnce(Result<(), Error>) + Send>;
 
+/// Whether the batch's caller asked for it to stop (an abort).
+pub(crate) type Stop = Box<dyn Fn() -> bool + Send>;
+
 /// A request's I/O: its reads or writes (any order, all in flight at once),
 /// then a data sync of each of `sync` once they all succeeded; `done` runs
 /// once, after every one of them has finished (so nothing touches the
 /// request's memory after it), with the first failure.
+///
+/// Once `stop` says so, ops not yet handed to the kernel are skipped and
+/// the batch fails with [`Error::Aborted`] (if any was skipped: a batch
+/// whose ops were all under way by then finishes as usual).
 pub(crate) struct Batch {
     pub(crate) ops: Vec<Op>,
     /// Files to `fdatasync` after the ops (handle, fd).
     pub(crate) sync: Vec<(u32, RawFd)>,
     pub(crate) done: Done,
+    pub(crate) stop: Option<Stop>,
+}
+
+impl Batch {
+    /// Whether its caller asked it to stop.
+    pub(crate) fn stopped(stop: &Option<Stop>) -> bool {
+        stop.as_ref().is_some_and(|s| s())
+    }
 }
 
 /// Moves batches. Implementations: [`super::uring::Uring`] and [`Psync`].
@@ -153,7 +168,7 @@ impl Psync {
                         while let Ok(b) = rx.recv() {
                             // SAFETY: the submitter's contract covers the
                             // batch until its `done` runs, which is after.
-                            let r = unsafe { run_sync(&b.ops, &b.sync) };
+                            let r = unsafe { run_sync(&b.ops, &b.sync, &b.stop) };
                             (b.done)(r);
                         }
                     })?,
@@ -194,12 +209,16 @@ impl Drop for Psync {
 }
 
 /// A batch with `pread`/`pwrite` (short transfers continued), then
-/// `fdatasync`; stops at the first failure.
+/// `fdatasync`; stops at the first failure, or before an op once `stop`
+/// says so.
 ///
 /// # Safety
 /// As [`IoEngine::submit`].
-unsafe fn run_sync(ops: &[Op], sync: &[(u32, RawFd)]) -> Result<(), Error> {
+unsafe fn run_sync(ops: &[Op], sync: &[(u32, RawFd)], stop: &Option<Stop>) -> Result<(), Error> {
     for op in ops {
+        if Batch::stopped(stop) {
+            return Err(Error::Aborted);
+        }
         let mut op = *op;
         while op.len > 0 {
             // SAFETY: the caller keeps the range valid and the fd open.
@@ -244,4 +263,110 @@ unsafe fn run_sync(ops: &[Op], sync: &[(u32, RawFd)]) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const PIECE: usize = 4096;
+
+    /// A file of `n` zeroed pieces, and `n` pieces of ones to write to it.
+    fn setup(name: &str, n: usize) -> (std::path::PathBuf, std::fs::File, Vec<u8>) {
+        let path = std::env::temp_dir().join(format!("kvxfer-io-{name}-{}", std::process::id()));
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        f.set_len((n * PIECE) as u64).unwrap();
+        (path, f, vec![1u8; n * PIECE])
+    }
+
+    fn writes(f: &std::fs::File, src: &[u8]) -> Vec<Op> {
+        src.chunks(PIECE)
+            .enumerate()
+            .map(|(i, c)| Op {
+                fd: f.as_raw_fd(),
+                handle: 1,
+                write: true,
+                buf: c.as_ptr() as u64,
+                len: c.len() as u32,
+                offset: (i * PIECE) as u64,
+                fixed: None,
+            })
+            .collect()
+    }
+
+    /// Runs a batch of `ops` on `engine`, stopping once `stop` says so; the
+    /// outcome.
+    fn run(engine: &dyn IoEngine, ops: Vec<Op>, stop: Stop) -> Result<(), Error> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let batch = Batch {
+            ops,
+            sync: Vec::new(),
+            done: Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+            stop: Some(stop),
+        };
+        // SAFETY: the buffers and the file outlive the batch (waited for).
+        unsafe { engine.submit(batch) };
+        rx.recv_timeout(std::time::Duration::from_secs(60))
+            .expect("batch finished")
+    }
+
+    /// Pieces of the file that were written (ones), in order.
+    fn written(path: &std::path::Path) -> Vec<bool> {
+        std::fs::read(path)
+            .unwrap()
+            .chunks(PIECE)
+            .map(|c| c.iter().all(|&b| b == 1))
+            .collect()
+    }
+
+    #[test]
+    fn a_stopped_psync_batch_skips_the_ops_after_the_stop() {
+        let (path, f, src) = setup("psync", 8);
+        let engine = Psync::start(1).unwrap();
+        // Asked before each op: the fourth look says stop.
+        let looks = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::clone(&looks);
+        let stop: Stop = Box::new(move || seen.fetch_add(1, Ordering::SeqCst) >= 3);
+        let r = run(&engine, writes(&f, &src), stop);
+        assert!(matches!(r, Err(Error::Aborted)), "{r:?}");
+        let w = written(&path);
+        assert_eq!(w, [true, true, true, false, false, false, false, false]);
+        // Never asked to stop: every op runs.
+        let r = run(&engine, writes(&f, &src), Box::new(|| false));
+        assert!(r.is_ok(), "{r:?}");
+        assert!(written(&path).iter().all(|&w| w));
+        drop(f);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn a_stopped_uring_batch_hands_nothing_more_to_the_kernel() {
+        let engine = match super::super::uring::Uring::start() {
+            Ok(u) => u,
+            Err(e) => {
+                println!("SKIPPED a_stopped_uring_batch_hands_nothing_more_to_the_kernel: {e}");
+                return;
+            }
+        };
+        let (path, f, src) = setup("uring", 8);
+        // Stopped before any op went in: none does, the batch is aborted.
+        let r = run(&engine, writes(&f, &src), Box::new(|| true));
+        assert!(matches!(r, Err(Error::Aborted)), "{r:?}");
+        assert!(written(&path).iter().all(|&w| !w));
+        let r = run(&engine, writes(&f, &src), Box::new(|| false));
+        assert!(r.is_ok(), "{r:?}");
+        assert!(written(&path).iter().all(|&w| w));
+        drop(f);
+        std::fs::remove_file(&path).unwrap();
+    }
 }

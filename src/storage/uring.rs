@@ -17,7 +17,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use crossbeam_channel::{Receiver, Sender};
 use io_uring::{IoUring, opcode, squeue, types};
 
-use super::io::{Batch, Done, IoEngine, Op, op_error, short_error};
+use super::io::{Batch, Done, IoEngine, Op, Stop, op_error, short_error};
 use crate::error::Error;
 
 /// Submission queue entries (the completion queue has twice as many).
@@ -177,6 +177,7 @@ struct InFlight {
     ops: Vec<Op>,
     sync: Vec<(u32, RawFd)>,
     done: Option<Done>,
+    stop: Option<Stop>,
     /// Ops (or syncs) submitted or queued and not yet completed.
     remaining: usize,
     error: Option<Error>,
@@ -338,6 +339,7 @@ impl Ring {
             ops: b.ops,
             sync: b.sync,
             done: Some(b.done),
+            stop: b.stop,
             remaining: n,
             error: None,
             syncing: false,
@@ -347,12 +349,22 @@ impl Ring {
         }
     }
 
-    /// Moves backlog into the submission queue while it has room.
+    /// Moves backlog into the submission queue while it has room; ops of
+    /// a batch asked to stop are skipped instead.
     fn fill(&mut self) {
         while let Some(item) = self.backlog.front().copied() {
             let entry = match item {
                 Item::Op { slot, index } => {
-                    let b = self.batches[slot as usize].as_ref().expect("live batch");
+                    let b = self.batches[slot as usize].as_mut().expect("live batch");
+                    if Batch::stopped(&b.stop) {
+                        self.backlog.pop_front();
+                        b.error.get_or_insert(Error::Aborted);
+                        b.remaining -= 1;
+                        if b.remaining == 0 {
+                            self.step(slot);
+                        }
+                        continue;
+                    }
                     op_entry(&b.ops[index as usize]).user_data(user_data(slot, u64::from(index)))
                 }
                 Item::Sync { slot, index } => {
@@ -500,6 +512,7 @@ mod tests {
             done: Box::new(move |r| {
                 let _ = tx.send(r);
             }),
+            stop: None,
         };
         // SAFETY: the buffers and the file outlive the batch (waited for
         // below).

@@ -248,6 +248,20 @@ pub trait TransferAgent: Send + Sync {
         Ok(desc.name)
     }
 
+    /// Finds a remote agent by name in the metadata store (see
+    /// [`crate::metadata`]), fetches its current descriptor over the side
+    /// channel from the endpoint published there (the same instance must
+    /// answer) and loads it. A peer loaded so is watched: when it leaves
+    /// the store its requests fail with [`Error::PeerGone`], and the next
+    /// request to it resolves it again.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] without a metadata store;
+    /// [`Error::UnknownAgent`] when no live agent has that name;
+    /// [`Error::MetadataStore`] when the store cannot be reached; and as
+    /// [`load_remote_agent_by_connection`](Self::load_remote_agent_by_connection).
+    fn load_remote_agent_by_name(&self, name: &str) -> Result<(), Error>;
+
     /// Fetches a remote agent's descriptor from its connection info, as
     /// [`load_remote_agent_by_connection`](Self::load_remote_agent_by_connection)
     /// does, without loading it (to check its name first, for example).

@@ -63,6 +63,10 @@ pub struct AgentConfig {
     /// when set, else `io_uring` where the kernel allows it, else
     /// `pread`/`pwrite`.
     pub storage_io: crate::storage::StorageIo,
+    /// Where the agent publishes itself and finds peers by name
+    /// (`Direct`, the default: no store, unless `KVXFER_ETCD` names an
+    /// etcd cluster; see [`crate::metadata`]).
+    pub metadata: crate::metadata::Metadata,
 }
 
 /// The TCP data path.
@@ -305,6 +309,26 @@ impl AgentConfig {
             limits: Limits::default(),
             required_transports: Vec::new(),
             storage_io: crate::storage::StorageIo::Auto,
+            metadata: crate::metadata::Metadata::Direct,
+        }
+    }
+
+    /// Publishes the agent in an etcd cluster, and finds peers there by
+    /// name ([`crate::metadata`]).
+    pub fn with_etcd(mut self, etcd: crate::metadata::EtcdConfig) -> Self {
+        self.metadata = crate::metadata::Metadata::Etcd(etcd);
+        self
+    }
+
+    /// The metadata store in effect: the field, else `KVXFER_ETCD` (with
+    /// `KVXFER_ETCD_PREFIX`), else none.
+    pub fn effective_metadata(&self) -> crate::metadata::Metadata {
+        match &self.metadata {
+            crate::metadata::Metadata::Direct => crate::metadata::EtcdConfig::from_env().map_or(
+                crate::metadata::Metadata::Direct,
+                crate::metadata::Metadata::Etcd,
+            ),
+            m => m.clone(),
         }
     }
 

@@ -190,9 +190,37 @@ pub enum Error {
         /// How many transfers use it now.
         in_flight: usize,
     },
-    /// No remote agent of that name is loaded.
+    /// No remote agent of that name is loaded (or, resolving by name, none
+    /// is published in the metadata store).
     #[error("unknown remote agent {0:?} (load it first, or it was invalidated)")]
     UnknownAgent(String),
+    /// The remote agent left: its entry in the metadata store expired (its
+    /// process died) or was removed (it closed), or names another instance
+    /// (it restarted). Its requests in flight failed with this; a peer
+    /// loaded by name is resolved again on the next request.
+    #[error("remote agent {remote:?} is gone (it left the metadata store)")]
+    PeerGone {
+        /// The remote agent.
+        remote: String,
+    },
+    /// The metadata store could not be used (unreachable, or it answered
+    /// with an error).
+    #[error("metadata store {store}: {reason}")]
+    MetadataStore {
+        /// The store (e.g. `etcd 127.0.0.1:2379`).
+        store: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// Another live agent is published under this name in the metadata
+    /// store.
+    #[error("agent name {name:?} is taken in {store} by a live agent")]
+    NameTaken {
+        /// The name.
+        name: String,
+        /// The store.
+        store: String,
+    },
     /// A remote descriptor lies outside every region the remote exported.
     #[error("remote agent {remote:?} exported no {mem_type} region containing {desc:?}")]
     RemoteRangeNotExported {

@@ -76,6 +76,7 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod memory;
+pub mod metadata;
 pub mod registration;
 mod registry;
 mod shm;
@@ -98,5 +99,6 @@ pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion, LocalAccess};
 pub use engine::make_transfer_agent;
 pub use error::{Error, RejectReason};
 pub use memory::{MemoryDesc, MemoryDescs, MemoryType};
+pub use metadata::{EtcdConfig, Metadata};
 pub use registration::Registration;
 pub use storage::{StorageIo, StorageKind, StorageSpec};

@@ -269,7 +269,9 @@ def _tensor_range(obj):
 
 class Agent(_kvxfer.Agent):
     """A kvxfer agent. `Agent(name, backend="tcp", listen=None, secret=None,
-    connect_timeout=10.0, io_timeout=30.0)`."""
+    connect_timeout=10.0, io_timeout=30.0, etcd=None, etcd_prefix="/kvxfer",
+    etcd_lease_ttl=5.0)`; with `etcd` ("host:port,..."), published there
+    and able to `connect_by_name`."""
 
     def register(self, obj):
         """Registers a writable buffer (`bytearray`, `memoryview`, `mmap`, a

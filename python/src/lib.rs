@@ -86,6 +86,9 @@ errors! {
     Io => IoError,
     Storage => StorageError,
     Misaligned => MisalignedError,
+    PeerGone => PeerGoneError,
+    MetadataStore => MetadataStoreError,
+    NameTaken => NameTakenError,
 }
 
 /// A duration from seconds, refusing what is negative or not a number.
@@ -125,8 +128,12 @@ impl PyAgent {
     /// Makes an agent named `name` on `backend` (`tcp`, `shm`, `rdma`,
     /// `auto`, or `inproc`: agents of this process, plain copies), listening on `listen` (`host:port`; default an ephemeral
     /// loopback port). `secret`: the cluster secret every peer must hold.
+    /// `etcd`: an etcd cluster (`host:port[,host:port...]`) to publish the
+    /// agent in and find peers in by name, under `etcd_prefix`, with a
+    /// lease of `etcd_lease_ttl` seconds.
     #[new]
-    #[pyo3(signature = (name, backend = "tcp", listen = None, secret = None, connect_timeout = 10.0, io_timeout = 30.0))]
+    #[pyo3(signature = (name, backend = "tcp", listen = None, secret = None, connect_timeout = 10.0, io_timeout = 30.0, etcd = None, etcd_prefix = "/kvxfer", etcd_lease_ttl = 5.0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         name: String,
@@ -135,6 +142,9 @@ impl PyAgent {
         secret: Option<&[u8]>,
         connect_timeout: f64,
         io_timeout: f64,
+        etcd: Option<&str>,
+        etcd_prefix: &str,
+        etcd_lease_ttl: f64,
     ) -> PyResult<Self> {
         let backend: Backend = backend.parse().map_err(to_py)?;
         let io_timeout = secs("io_timeout", io_timeout)?;
@@ -150,6 +160,13 @@ impl PyAgent {
         if let Some(s) = secret {
             let c = Credential::new(s.to_vec()).map_err(|e| to_py(Error::Credential(e)))?;
             cfg = cfg.with_credential(c);
+        }
+        if let Some(eps) = etcd {
+            cfg = cfg.with_etcd(
+                kvxfer::EtcdConfig::new(eps.split(',').map(str::trim))
+                    .with_prefix(etcd_prefix)
+                    .with_lease_ttl(secs("etcd_lease_ttl", etcd_lease_ttl)?),
+            );
         }
         let agent = py
             .detach(|| make_transfer_agent(backend, cfg))
@@ -189,6 +206,14 @@ impl PyAgent {
         py.detach(|| self.agent.load_remote_agent(&desc))
             .map_err(to_py)?;
         Ok(name)
+    }
+
+    /// Finds a peer by name in the metadata store (the agent's `etcd`) and
+    /// loads it; watched from then on (`PeerGoneError` once it leaves, and
+    /// resolved again on the next request).
+    fn connect_by_name(&self, py: Python<'_>, name: &str) -> PyResult<()> {
+        py.detach(|| self.agent.load_remote_agent_by_name(name))
+            .map_err(to_py)
     }
 
     /// Fetches a peer's descriptor from its connection info and loads it;

@@ -115,6 +115,10 @@ impl TransferAgent for Engine {
         Ok(())
     }
 
+    fn load_remote_agent_by_name(&self, name: &str) -> Result<(), Error> {
+        self.load_by_name(name)
+    }
+
     fn fetch_remote_agent_desc(&self, connection_info: &str) -> Result<AgentDesc, Error> {
         fetch_desc(&self.inner, connection_info)
     }

@@ -34,6 +34,7 @@ mod cma_target;
 mod handshake;
 mod inproc;
 mod local_proof;
+mod names;
 mod peer;
 mod plan;
 mod rdma;
@@ -198,6 +199,9 @@ struct Inner {
     storage: crate::storage::Storage,
     /// The agent as its own peer: the target of requests to its storage.
     self_peer: OnceLock<Arc<Peer>>,
+    /// Its publication in the metadata store, and the peers it loaded by
+    /// name.
+    names: names::Names,
 }
 
 /// One count in [`Inner::unauthenticated`], given back on drop.
@@ -309,6 +313,7 @@ impl Engine {
             door: RwLock::new(true),
             storage: crate::storage::Storage::new(config.effective_storage_io()?),
             self_peer: OnceLock::new(),
+            names: names::Names::default(),
             config,
         });
         if mode == Backend::InProcess {
@@ -330,11 +335,14 @@ impl Engine {
             None => None,
         };
         tracing::debug!(agent = %inner.config.name, endpoint = %inner.endpoint, "tcp agent listening");
-        Ok(Self {
+        let engine = Self {
             inner,
             listener_thread: Some(listener_thread),
             local_proof_thread,
-        })
+        };
+        // Published once it answers (a failure drops, and so closes, it).
+        engine.inner.publish()?;
+        Ok(engine)
     }
 }
 
@@ -366,6 +374,8 @@ impl Drop for Engine {
     fn drop(&mut self) {
         let inner = &self.inner;
         inner.closing.store(true, Ordering::SeqCst);
+        // Out of the metadata store first: peers learn at once.
+        inner.names.close();
         // No in-process initiator copies into this agent after this.
         inproc::delist(inner);
         // The cached resolution holds a link: it goes with the others.

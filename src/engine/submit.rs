@@ -168,11 +168,11 @@ impl Engine {
         // entry whose path moves it.
         let storage = matches!(req.remote.mem_type, MemoryType::File | MemoryType::Blk);
         let peer = if !storage {
-            inner.peer(&req.remote_agent)?
+            self.peer_or_reload(&req.remote_agent)?
         } else if req.remote_agent == inner.config.name {
             inner.self_peer()
         } else {
-            inner.peer(&req.remote_agent)?.for_storage()?
+            self.peer_or_reload(&req.remote_agent)?.for_storage()?
         };
         // A notification moves no memory: no transport is required for it.
         if !inner.config.required_transports.is_empty() && !req.local.is_empty() {

@@ -1,0 +1,472 @@
+//! Cluster metadata on a real etcd (Debian's `etcd-server`), started by
+//! the tests on loopback ports in a temporary data directory: agents
+//! published and found by name, a live name taken once, peers that leave
+//! (closed, killed, stopped) failing their requests with `PeerGone`,
+//! reconnection by name, and etcd faults (its leader killed, all of it
+//! stopped and started again). Without an `etcd` binary the tests print a
+//! SKIPPED line.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::PeerProc;
+use kvxfer::{
+    AgentConfig, Backend, Error, EtcdConfig, MemoryDescs, TransferAgent, TransferRequest,
+    make_transfer_agent,
+};
+
+/// A lease short enough for the tests, long enough for a loaded machine.
+const TTL: Duration = Duration::from_secs(3);
+const WAIT: Duration = Duration::from_secs(60);
+
+/// An etcd cluster of this test's own.
+struct Etcd {
+    nodes: Vec<Node>,
+    dir: PathBuf,
+}
+
+struct Node {
+    name: String,
+    client: String,
+    peer: String,
+    proc: Option<Child>,
+}
+
+/// A free loopback port (taken by the OS, then let go).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Etcd {
+    /// `n` members, started and answering; `Err` with the reason when this
+    /// machine has no etcd.
+    fn start(n: usize) -> Result<Self, String> {
+        let v = Command::new("etcd")
+            .arg("--version")
+            .output()
+            .map_err(|e| {
+                format!("no etcd binary ({e}); ci/install-deps.sh test installs etcd-server")
+            })?;
+        if !v.status.success() {
+            return Err("etcd --version failed".into());
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "kvxfer-etcd-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let nodes: Vec<Node> = (0..n)
+            .map(|i| Node {
+                name: format!("n{i}"),
+                client: format!("127.0.0.1:{}", free_port()),
+                peer: format!("127.0.0.1:{}", free_port()),
+                proc: None,
+            })
+            .collect();
+        let mut e = Etcd { nodes, dir };
+        for i in 0..n {
+            e.run(i);
+        }
+        e.wait_ready()?;
+        Ok(e)
+    }
+
+    fn cluster(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| format!("{}=http://{}", n.name, n.peer))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Starts member `i` (again, on its data directory).
+    fn run(&mut self, i: usize) {
+        let cluster = self.cluster();
+        let n = &mut self.nodes[i];
+        let log = std::fs::File::create(self.dir.join(format!("{}.log", n.name))).unwrap();
+        let child = Command::new("etcd")
+            .args(["--name", &n.name])
+            .arg("--data-dir")
+            .arg(self.dir.join(&n.name))
+            .args(["--listen-client-urls", &format!("http://{}", n.client)])
+            .args(["--advertise-client-urls", &format!("http://{}", n.client)])
+            .args(["--listen-peer-urls", &format!("http://{}", n.peer)])
+            .args([
+                "--initial-advertise-peer-urls",
+                &format!("http://{}", n.peer),
+            ])
+            .args(["--initial-cluster", &cluster])
+            .args(["--initial-cluster-state", "new"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn etcd");
+        n.proc = Some(child);
+    }
+
+    /// Waits until every running member answers a read.
+    fn wait_ready(&self) -> Result<(), String> {
+        let deadline = Instant::now() + WAIT;
+        for n in self.nodes.iter().filter(|n| n.proc.is_some()) {
+            loop {
+                let ok = Command::new("etcdctl")
+                    .env("ETCDCTL_API", "3")
+                    .args(["--endpoints", &n.client, "--command-timeout=2s", "get", "x"])
+                    .output()
+                    .is_ok_and(|o| o.status.success());
+                if ok {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(format!("etcd member {} did not come up", n.name));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(())
+    }
+
+    fn endpoints(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.client.clone()).collect()
+    }
+
+    /// An agent configuration on this cluster under `prefix`.
+    fn config(&self, name: &str, prefix: &str) -> AgentConfig {
+        AgentConfig::new(name).with_etcd(
+            EtcdConfig::new(self.endpoints())
+                .with_prefix(prefix)
+                .with_lease_ttl(TTL),
+        )
+    }
+
+    /// Kills member `i` (SIGKILL).
+    fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.nodes[i].proc.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Writes `value` under `key` with etcdctl.
+    fn put(&self, key: &str, value: &str) {
+        let st = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args([
+                "--endpoints",
+                &self.endpoints().join(","),
+                "put",
+                key,
+                value,
+            ])
+            .output()
+            .unwrap();
+        assert!(st.status.success(), "{st:?}");
+    }
+
+    /// The member that leads, by index.
+    fn leader(&self) -> Option<usize> {
+        let out = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &self.endpoints().join(",")])
+            .args(["endpoint", "status", "-w", "fields"])
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        // Per endpoint: "Endpoint" : "...", then "Leader" : id, "MemberID" : id.
+        let mut endpoint = None;
+        let mut member = None;
+        for line in text.lines() {
+            let value = line.split(':').skip(1).collect::<Vec<_>>().join(":");
+            let value = value.trim().trim_matches('"').to_owned();
+            if line.contains("\"Endpoint\"") {
+                endpoint = Some(value);
+            } else if line.contains("\"MemberID\"") {
+                member = Some(value);
+            } else if line.contains("\"Leader\"") && member.as_deref() == Some(value.as_str()) {
+                let ep = endpoint.clone()?;
+                return self.nodes.iter().position(|n| ep.ends_with(&n.client));
+            }
+        }
+        None
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A prefix of this test's own.
+fn prefix(test: &str) -> String {
+    format!("/kvxfer-test-{}-{test}", std::process::id())
+}
+
+/// The etcd cluster, or a SKIPPED line and `None`.
+fn etcd(test: &str, n: usize) -> Option<Etcd> {
+    match Etcd::start(n) {
+        Ok(e) => Some(e),
+        Err(why) => {
+            println!("SKIPPED {test}: {why}");
+            None
+        }
+    }
+}
+
+/// A buffer registered with `agent`, leaked (it outlives every agent of the
+/// test).
+fn buffer(agent: &dyn TransferAgent, len: usize, fill: u8) -> &'static mut [u8] {
+    let b: &'static mut [u8] = Box::leak(vec![fill; len].into_boxed_slice());
+    // SAFETY: leaked: the memory lives for the whole process.
+    unsafe { agent.register_memory(&MemoryDescs::dram(b)).unwrap() };
+    b
+}
+
+fn write(init: &dyn TransferAgent, src: &[u8], dst: &[u8], to: &str) -> Result<(), Error> {
+    let req = TransferRequest::write(MemoryDescs::dram(src), MemoryDescs::dram(dst), to);
+    init.submit_transfer(&req)?.wait_success(WAIT)
+}
+
+/// Retries `f` (a store request during an election, say) until it succeeds
+/// or `within` has passed.
+fn eventually<T>(within: Duration, mut f: impl FnMut() -> Result<T, Error>) -> Result<T, Error> {
+    let t0 = Instant::now();
+    loop {
+        match f() {
+            Ok(v) => return Ok(v),
+            Err(e) if t0.elapsed() < within => {
+                println!("retrying: {e}");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+#[test]
+fn agents_find_each_other_by_name_and_a_live_name_is_taken_once() {
+    let Some(etcd) = etcd("agents_find_each_other_by_name", 1) else {
+        return;
+    };
+    let p = prefix("names");
+    let target = make_transfer_agent(Backend::Tcp, etcd.config("ctx-0", &p)).unwrap();
+    let dst = buffer(target.as_ref(), 1 << 20, 0);
+    let init = make_transfer_agent(Backend::Tcp, etcd.config("gen-0", &p)).unwrap();
+    let src = buffer(init.as_ref(), 1 << 20, 0x5a);
+    init.load_remote_agent_by_name("ctx-0").unwrap();
+    write(init.as_ref(), src, dst, "ctx-0").unwrap();
+    assert!(dst.iter().all(|&b| b == 0x5a));
+
+    // The same live name again: refused, typed; the holder is unaffected.
+    let e = make_transfer_agent(Backend::Tcp, etcd.config("ctx-0", &p))
+        .err()
+        .expect("a second ctx-0 was accepted");
+    assert!(
+        matches!(e, Error::NameTaken { ref name, .. } if name == "ctx-0"),
+        "{e}"
+    );
+    // Another prefix is another cluster: the name is free there.
+    drop(make_transfer_agent(Backend::Tcp, etcd.config("ctx-0", &prefix("other"))).unwrap());
+    // A name nobody holds; data under the prefix that is not a descriptor.
+    let e = init.load_remote_agent_by_name("nobody").unwrap_err();
+    assert!(matches!(e, Error::UnknownAgent(_)), "{e}");
+    etcd.put(&format!("{p}/agents/junk"), "not a descriptor");
+    let e = init.load_remote_agent_by_name("junk").unwrap_err();
+    assert!(matches!(e, Error::InvalidAgentDesc(_)), "{e}");
+    // ... which the watchers ignore: transfers go on.
+    write(init.as_ref(), src, dst, "ctx-0").unwrap();
+
+    // The target closes: its key goes at once, and the initiator's next
+    // request finds it gone.
+    drop(target);
+    let t0 = Instant::now();
+    let e = eventually(Duration::from_secs(10), || {
+        match write(init.as_ref(), src, dst, "ctx-0") {
+            Err(Error::PeerGone { .. }) => Ok(()),
+            Ok(()) => Err(Error::Closed),
+            Err(e) => Err(e),
+        }
+    });
+    e.unwrap();
+    println!(
+        "a closed peer was gone for its peers after {:?}",
+        t0.elapsed()
+    );
+
+    // It comes back (a new instance): the next request reconnects by name.
+    let again = make_transfer_agent(Backend::Tcp, etcd.config("ctx-0", &p)).unwrap();
+    let dst2 = buffer(again.as_ref(), 1 << 20, 0);
+    src.fill(0x3c);
+    eventually(Duration::from_secs(10), || {
+        write(init.as_ref(), src, dst2, "ctx-0")
+    })
+    .unwrap();
+    assert!(dst2.iter().all(|&b| b == 0x3c));
+}
+
+/// A peer process stopped (SIGSTOP: it holds its sockets but renews
+/// nothing, as a hung or cut-off host): its lease expires and a request
+/// stuck on it fails with `PeerGone` long before the I/O timeout. A peer
+/// killed (SIGKILL) is gone from the store once its lease expires; a new
+/// process under its name is reached by the next request.
+#[test]
+fn peers_that_die_or_hang_fail_their_requests_with_peer_gone() {
+    let Some(etcd) = etcd("peers_that_die_or_hang", 1) else {
+        return;
+    };
+    let p = prefix("die");
+    let eps = etcd.endpoints().join(",");
+    let ttl = TTL.as_secs().to_string();
+    let env = [
+        ("KVXFER_ETCD", eps.as_str()),
+        ("KVXFER_ETCD_PREFIX", p.as_str()),
+        ("KVXFER_ETCD_LEASE_TTL", ttl.as_str()),
+    ];
+    const LEN: u64 = 64 << 20;
+    let mut cfg = etcd.config("init", &p);
+    cfg.io_timeout = Duration::from_secs(120);
+    let init = make_transfer_agent(Backend::Tcp, cfg).unwrap();
+    let src = buffer(init.as_ref(), LEN as usize, 0x11);
+
+    // Hung.
+    let hung = PeerProc::spawn("hung", LEN, 1, &env);
+    init.load_remote_agent_by_name("hung").unwrap();
+    let small =
+        TransferRequest::write(MemoryDescs::dram(&src[..4096]), hung.range(0, 4096), "hung");
+    init.submit_transfer(&small)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    hung.signal("STOP");
+    let big = TransferRequest::write(MemoryDescs::dram(src), hung.range(0, LEN), "hung");
+    let t0 = Instant::now();
+    let st = init.submit_transfer(&big).unwrap();
+    let e = st.wait_success(Duration::from_secs(100)).unwrap_err();
+    let took = t0.elapsed();
+    assert!(matches!(e, Error::PeerGone { .. }), "{e}");
+    println!(
+        "a hung peer's request failed with PeerGone after {took:?} (its lease {TTL:?}, I/O timeout 120 s)"
+    );
+    assert!(took < Duration::from_secs(100));
+    hung.signal("CONT");
+    drop(hung);
+
+    // Killed.
+    let mut killed = PeerProc::spawn("killed", LEN, 2, &env);
+    init.load_remote_agent_by_name("killed").unwrap();
+    let to_killed = killed.range(0, 4096);
+    let req = TransferRequest::write(MemoryDescs::dram(&src[..4096]), to_killed, "killed");
+    init.submit_transfer(&req)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    killed.kill();
+    let t0 = Instant::now();
+    eventually(Duration::from_secs(30), || {
+        match init
+            .submit_transfer(&req)
+            .and_then(|s| s.wait_success(WAIT))
+        {
+            Err(Error::PeerGone { .. }) => Ok(()),
+            Ok(()) => panic!("a killed peer took a write"),
+            Err(e) => Err(e),
+        }
+    })
+    .unwrap();
+    println!(
+        "a killed peer was gone from the store after {:?}",
+        t0.elapsed()
+    );
+    // A new process under the name: the next request reaches it.
+    let back = PeerProc::spawn("killed", LEN, 3, &env);
+    let req = TransferRequest::write(
+        MemoryDescs::dram(&src[..4096]),
+        back.range(0, 4096),
+        "killed",
+    );
+    eventually(Duration::from_secs(30), || {
+        init.submit_transfer(&req)
+            .and_then(|s| s.wait_success(WAIT))
+    })
+    .unwrap();
+}
+
+/// Three members; the leader is killed: lookups and lease renewals go on
+/// (an agent outlives several lease periods), and so do transfers.
+#[test]
+fn lookups_and_renewals_survive_the_etcd_leader() {
+    let Some(mut etcd) = etcd("lookups_and_renewals_survive_the_etcd_leader", 3) else {
+        return;
+    };
+    let p = prefix("leader");
+    let a = make_transfer_agent(Backend::Tcp, etcd.config("a", &p)).unwrap();
+    let dst = buffer(a.as_ref(), 1 << 16, 0);
+    let b = make_transfer_agent(Backend::Tcp, etcd.config("b", &p)).unwrap();
+    let src = buffer(b.as_ref(), 1 << 16, 7);
+    b.load_remote_agent_by_name("a").unwrap();
+    let leader = etcd.leader().unwrap_or(0);
+    etcd.kill(leader);
+    println!("killed etcd member {leader} (the leader)");
+    // Several lease periods: renewals must go on for `a` to stay.
+    let until = Instant::now() + 3 * TTL;
+    while Instant::now() < until {
+        write(b.as_ref(), src, dst, "a").unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let c = make_transfer_agent(Backend::Tcp, etcd.config("c", &p)).unwrap();
+    eventually(Duration::from_secs(20), || c.load_remote_agent_by_name("a")).unwrap();
+    write(b.as_ref(), src, dst, "a").unwrap();
+}
+
+/// All of etcd stopped: transfers between connected agents go on, lookups
+/// fail with a typed error naming the store (within its timeout); started
+/// again (same data), lookups work and the agents are still published.
+#[test]
+fn transfers_outlive_an_etcd_outage() {
+    let Some(mut etcd) = etcd("transfers_outlive_an_etcd_outage", 1) else {
+        return;
+    };
+    let p = prefix("outage");
+    let a = make_transfer_agent(Backend::Tcp, etcd.config("a", &p)).unwrap();
+    let dst = buffer(a.as_ref(), 1 << 16, 0);
+    let b = make_transfer_agent(Backend::Tcp, etcd.config("b", &p)).unwrap();
+    let src = buffer(b.as_ref(), 1 << 16, 9);
+    b.load_remote_agent_by_name("a").unwrap();
+    etcd.kill(0);
+    let until = Instant::now() + 2 * TTL;
+    while Instant::now() < until {
+        write(b.as_ref(), src, dst, "a").unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let t0 = Instant::now();
+    let e = b.load_remote_agent_by_name("a").unwrap_err();
+    assert!(matches!(e, Error::MetadataStore { .. }), "{e}");
+    assert!(e.to_string().contains("etcd"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    etcd.run(0);
+    etcd.wait_ready().unwrap();
+    eventually(Duration::from_secs(30), || b.load_remote_agent_by_name("a")).unwrap();
+    write(b.as_ref(), src, dst, "a").unwrap();
+    // Both still hold their names.
+    let e = make_transfer_agent(Backend::Tcp, etcd.config("a", &p)).err();
+    assert!(matches!(e, Some(Error::NameTaken { .. })), "{e:?}");
+}
+
+/// Entry point of the peer processes (`PeerProc`).
+#[test]
+fn peer_process_entry() {
+    if std::env::var("KVXFER_PEER").is_ok() {
+        common::peer_main();
+    }
+}

@@ -46,8 +46,22 @@ fn free_port() -> u16 {
 
 impl Etcd {
     /// `n` members, started and answering; `Err` with the reason when this
-    /// machine has no etcd.
+    /// machine has no etcd. Ports are picked free, then bound by etcd: one
+    /// taken meanwhile by another test fails that start, which is tried
+    /// again on other ports.
     fn start(n: usize) -> Result<Self, String> {
+        let mut last = String::new();
+        for _ in 0..3 {
+            match Self::start_once(n) {
+                Ok(e) => return Ok(e),
+                Err(why) if why.starts_with("no etcd") => return Err(why),
+                Err(why) => last = why,
+            }
+        }
+        Err(last)
+    }
+
+    fn start_once(n: usize) -> Result<Self, String> {
         let v = Command::new("etcd")
             .arg("--version")
             .output()
@@ -77,6 +91,8 @@ impl Etcd {
         }
         e.wait_ready()?;
         Ok(e)
+        // (On failure `e` drops: its members are killed, its directory
+        // removed.)
     }
 
     fn cluster(&self) -> String {
@@ -112,11 +128,19 @@ impl Etcd {
         n.proc = Some(child);
     }
 
-    /// Waits until every running member answers a read.
-    fn wait_ready(&self) -> Result<(), String> {
+    /// Waits until every running member answers a read (a member that
+    /// exited, on a port taken meanwhile, fails at once).
+    fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + WAIT;
-        for n in self.nodes.iter().filter(|n| n.proc.is_some()) {
+        for i in 0..self.nodes.len() {
             loop {
+                let n = &mut self.nodes[i];
+                let Some(child) = n.proc.as_mut() else {
+                    break;
+                };
+                if let Ok(Some(st)) = child.try_wait() {
+                    return Err(format!("etcd member {} exited: {st}", n.name));
+                }
                 let ok = Command::new("etcdctl")
                     .env("ETCDCTL_API", "3")
                     .args(["--endpoints", &n.client, "--command-timeout=2s", "get", "x"])

@@ -8,11 +8,10 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::PeerProc;
+use common::etcd::Etcd;
 use kvxfer::{
     AgentConfig, Backend, Error, EtcdConfig, MemoryDescs, TransferAgent, TransferRequest,
     make_transfer_agent,
@@ -22,214 +21,13 @@ use kvxfer::{
 const TTL: Duration = Duration::from_secs(3);
 const WAIT: Duration = Duration::from_secs(60);
 
-/// An etcd cluster of this test's own.
-struct Etcd {
-    nodes: Vec<Node>,
-    dir: PathBuf,
-}
-
-struct Node {
-    name: String,
-    client: String,
-    peer: String,
-    proc: Option<Child>,
-}
-
-/// A free loopback port (taken by the OS, then let go).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-impl Etcd {
-    /// `n` members, started and answering; `Err` with the reason when this
-    /// machine has no etcd. Ports are picked free, then bound by etcd: one
-    /// taken meanwhile by another test fails that start, which is tried
-    /// again on other ports.
-    fn start(n: usize) -> Result<Self, String> {
-        let mut last = String::new();
-        for _ in 0..3 {
-            match Self::start_once(n) {
-                Ok(e) => return Ok(e),
-                Err(why) if why.starts_with("no etcd") => return Err(why),
-                Err(why) => last = why,
-            }
-        }
-        Err(last)
-    }
-
-    fn start_once(n: usize) -> Result<Self, String> {
-        let v = Command::new("etcd")
-            .arg("--version")
-            .output()
-            .map_err(|e| {
-                format!("no etcd binary ({e}); ci/install-deps.sh test installs etcd-server")
-            })?;
-        if !v.status.success() {
-            return Err("etcd --version failed".into());
-        }
-        let dir = std::env::temp_dir().join(format!(
-            "kvxfer-etcd-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let nodes: Vec<Node> = (0..n)
-            .map(|i| Node {
-                name: format!("n{i}"),
-                client: format!("127.0.0.1:{}", free_port()),
-                peer: format!("127.0.0.1:{}", free_port()),
-                proc: None,
-            })
-            .collect();
-        let mut e = Etcd { nodes, dir };
-        for i in 0..n {
-            e.run(i);
-        }
-        e.wait_ready()?;
-        Ok(e)
-        // (On failure `e` drops: its members are killed, its directory
-        // removed.)
-    }
-
-    fn cluster(&self) -> String {
-        self.nodes
-            .iter()
-            .map(|n| format!("{}=http://{}", n.name, n.peer))
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-
-    /// Starts member `i` (again, on its data directory).
-    fn run(&mut self, i: usize) {
-        let cluster = self.cluster();
-        let n = &mut self.nodes[i];
-        let log = std::fs::File::create(self.dir.join(format!("{}.log", n.name))).unwrap();
-        let child = Command::new("etcd")
-            .args(["--name", &n.name])
-            .arg("--data-dir")
-            .arg(self.dir.join(&n.name))
-            .args(["--listen-client-urls", &format!("http://{}", n.client)])
-            .args(["--advertise-client-urls", &format!("http://{}", n.client)])
-            .args(["--listen-peer-urls", &format!("http://{}", n.peer)])
-            .args([
-                "--initial-advertise-peer-urls",
-                &format!("http://{}", n.peer),
-            ])
-            .args(["--initial-cluster", &cluster])
-            .args(["--initial-cluster-state", "new"])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn etcd");
-        n.proc = Some(child);
-    }
-
-    /// Waits until every running member answers a read (a member that
-    /// exited, on a port taken meanwhile, fails at once).
-    fn wait_ready(&mut self) -> Result<(), String> {
-        let deadline = Instant::now() + WAIT;
-        for i in 0..self.nodes.len() {
-            loop {
-                let n = &mut self.nodes[i];
-                let Some(child) = n.proc.as_mut() else {
-                    break;
-                };
-                if let Ok(Some(st)) = child.try_wait() {
-                    return Err(format!("etcd member {} exited: {st}", n.name));
-                }
-                let ok = Command::new("etcdctl")
-                    .env("ETCDCTL_API", "3")
-                    .args(["--endpoints", &n.client, "--command-timeout=2s", "get", "x"])
-                    .output()
-                    .is_ok_and(|o| o.status.success());
-                if ok {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    return Err(format!("etcd member {} did not come up", n.name));
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
-        Ok(())
-    }
-
-    fn endpoints(&self) -> Vec<String> {
-        self.nodes.iter().map(|n| n.client.clone()).collect()
-    }
-
-    /// An agent configuration on this cluster under `prefix`.
-    fn config(&self, name: &str, prefix: &str) -> AgentConfig {
-        AgentConfig::new(name).with_etcd(
-            EtcdConfig::new(self.endpoints())
-                .with_prefix(prefix)
-                .with_lease_ttl(TTL),
-        )
-    }
-
-    /// Kills member `i` (SIGKILL).
-    fn kill(&mut self, i: usize) {
-        if let Some(mut c) = self.nodes[i].proc.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// Writes `value` under `key` with etcdctl.
-    fn put(&self, key: &str, value: &str) {
-        let st = Command::new("etcdctl")
-            .env("ETCDCTL_API", "3")
-            .args([
-                "--endpoints",
-                &self.endpoints().join(","),
-                "put",
-                key,
-                value,
-            ])
-            .output()
-            .unwrap();
-        assert!(st.status.success(), "{st:?}");
-    }
-
-    /// The member that leads, by index.
-    fn leader(&self) -> Option<usize> {
-        let out = Command::new("etcdctl")
-            .env("ETCDCTL_API", "3")
-            .args(["--endpoints", &self.endpoints().join(",")])
-            .args(["endpoint", "status", "-w", "fields"])
-            .output()
-            .ok()?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        // Per endpoint: "Endpoint" : "...", then "Leader" : id, "MemberID" : id.
-        let mut endpoint = None;
-        let mut member = None;
-        for line in text.lines() {
-            let value = line.split(':').skip(1).collect::<Vec<_>>().join(":");
-            let value = value.trim().trim_matches('"').to_owned();
-            if line.contains("\"Endpoint\"") {
-                endpoint = Some(value);
-            } else if line.contains("\"MemberID\"") {
-                member = Some(value);
-            } else if line.contains("\"Leader\"") && member.as_deref() == Some(value.as_str()) {
-                let ep = endpoint.clone()?;
-                return self.nodes.iter().position(|n| ep.ends_with(&n.client));
-            }
-        }
-        None
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        for i in 0..self.nodes.len() {
-            self.kill(i);
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// An agent configuration on `etcd` under `prefix`.
+fn config(etcd: &Etcd, name: &str, prefix: &str) -> AgentConfig {
+    AgentConfig::new(name).with_etcd(
+        EtcdConfig::new(etcd.endpoints())
+            .with_prefix(prefix)
+            .with_lease_ttl(TTL),
+    )
 }
 
 /// A prefix of this test's own.
@@ -284,16 +82,16 @@ fn agents_find_each_other_by_name_and_a_live_name_is_taken_once() {
         return;
     };
     let p = prefix("names");
-    let target = make_transfer_agent(Backend::Tcp, etcd.config("ctx-0", &p)).unwrap();
+    let target = make_transfer_agent(Backend::Tcp, config(&etcd, "ctx-0", &p)).unwrap();
     let dst = buffer(target.as_ref(), 1 << 20, 0);
-    let init = make_transfer_agent(Backend::Tcp, etcd.config("gen-0", &p)).unwrap();
+    let init = make_transfer_agent(Backend::Tcp, config(&etcd, "gen-0", &p)).unwrap();
     let src = buffer(init.as_ref(), 1 << 20, 0x5a);
     init.load_remote_agent_by_name("ctx-0").unwrap();
     write(init.as_ref(), src, dst, "ctx-0").unwrap();
     assert!(dst.iter().all(|&b| b == 0x5a));
 
     // The same live name again: refused, typed; the holder is unaffected.
-    let e = make_transfer_agent(Backend::Tcp, etcd.config("ctx-0", &p))
+    let e = make_transfer_agent(Backend::Tcp, config(&etcd, "ctx-0", &p))
         .err()
         .expect("a second ctx-0 was accepted");
     assert!(
@@ -301,7 +99,7 @@ fn agents_find_each_other_by_name_and_a_live_name_is_taken_once() {
         "{e}"
     );
     // Another prefix is another cluster: the name is free there.
-    drop(make_transfer_agent(Backend::Tcp, etcd.config("ctx-0", &prefix("other"))).unwrap());
+    drop(make_transfer_agent(Backend::Tcp, config(&etcd, "ctx-0", &prefix("other"))).unwrap());
     // A name nobody holds; data under the prefix that is not a descriptor.
     let e = init.load_remote_agent_by_name("nobody").unwrap_err();
     assert!(matches!(e, Error::UnknownAgent(_)), "{e}");
@@ -329,7 +127,7 @@ fn agents_find_each_other_by_name_and_a_live_name_is_taken_once() {
     );
 
     // It comes back (a new instance): the next request reconnects by name.
-    let again = make_transfer_agent(Backend::Tcp, etcd.config("ctx-0", &p)).unwrap();
+    let again = make_transfer_agent(Backend::Tcp, config(&etcd, "ctx-0", &p)).unwrap();
     let dst2 = buffer(again.as_ref(), 1 << 20, 0);
     src.fill(0x3c);
     eventually(Duration::from_secs(10), || {
@@ -358,7 +156,7 @@ fn peers_that_die_or_hang_fail_their_requests_with_peer_gone() {
         ("KVXFER_ETCD_LEASE_TTL", ttl.as_str()),
     ];
     const LEN: u64 = 64 << 20;
-    let mut cfg = etcd.config("init", &p);
+    let mut cfg = config(&etcd, "init", &p);
     cfg.io_timeout = Duration::from_secs(120);
     let init = make_transfer_agent(Backend::Tcp, cfg).unwrap();
     let src = buffer(init.as_ref(), LEN as usize, 0x11);
@@ -434,9 +232,9 @@ fn lookups_and_renewals_survive_the_etcd_leader() {
         return;
     };
     let p = prefix("leader");
-    let a = make_transfer_agent(Backend::Tcp, etcd.config("a", &p)).unwrap();
+    let a = make_transfer_agent(Backend::Tcp, config(&etcd, "a", &p)).unwrap();
     let dst = buffer(a.as_ref(), 1 << 16, 0);
-    let b = make_transfer_agent(Backend::Tcp, etcd.config("b", &p)).unwrap();
+    let b = make_transfer_agent(Backend::Tcp, config(&etcd, "b", &p)).unwrap();
     let src = buffer(b.as_ref(), 1 << 16, 7);
     b.load_remote_agent_by_name("a").unwrap();
     let leader = etcd.leader().unwrap_or(0);
@@ -448,7 +246,7 @@ fn lookups_and_renewals_survive_the_etcd_leader() {
         write(b.as_ref(), src, dst, "a").unwrap();
         std::thread::sleep(Duration::from_millis(200));
     }
-    let c = make_transfer_agent(Backend::Tcp, etcd.config("c", &p)).unwrap();
+    let c = make_transfer_agent(Backend::Tcp, config(&etcd, "c", &p)).unwrap();
     eventually(Duration::from_secs(20), || c.load_remote_agent_by_name("a")).unwrap();
     write(b.as_ref(), src, dst, "a").unwrap();
 }
@@ -462,9 +260,9 @@ fn transfers_outlive_an_etcd_outage() {
         return;
     };
     let p = prefix("outage");
-    let a = make_transfer_agent(Backend::Tcp, etcd.config("a", &p)).unwrap();
+    let a = make_transfer_agent(Backend::Tcp, config(&etcd, "a", &p)).unwrap();
     let dst = buffer(a.as_ref(), 1 << 16, 0);
-    let b = make_transfer_agent(Backend::Tcp, etcd.config("b", &p)).unwrap();
+    let b = make_transfer_agent(Backend::Tcp, config(&etcd, "b", &p)).unwrap();
     let src = buffer(b.as_ref(), 1 << 16, 9);
     b.load_remote_agent_by_name("a").unwrap();
     etcd.kill(0);
@@ -483,7 +281,7 @@ fn transfers_outlive_an_etcd_outage() {
     eventually(Duration::from_secs(30), || b.load_remote_agent_by_name("a")).unwrap();
     write(b.as_ref(), src, dst, "a").unwrap();
     // Both still hold their names.
-    let e = make_transfer_agent(Backend::Tcp, etcd.config("a", &p)).err();
+    let e = make_transfer_agent(Backend::Tcp, config(&etcd, "a", &p)).err();
     assert!(matches!(e, Some(Error::NameTaken { .. })), "{e:?}");
 }
 

@@ -79,6 +79,14 @@ typedef enum kvxfer_result {
   // The configuration requires a transport for this memory type and the
   // peer is reached another way; nothing was sent.
   KVXFER_ERR_TRANSPORT_REQUIRED = 314,
+  // The remote agent left the metadata store (its process died, closed
+  // or restarted); a peer loaded by name is resolved again on the next
+  // request.
+  KVXFER_ERR_PEER_GONE = 315,
+  // The metadata store (etcd) cannot be reached or refused the request.
+  KVXFER_ERR_METADATA_STORE = 316,
+  // Another live agent holds this name in the metadata store.
+  KVXFER_ERR_NAME_TAKEN = 317,
   // A bug: a panic was caught at the boundary.
   KVXFER_ERR_PANIC = 900,
 } kvxfer_result;
@@ -163,6 +171,15 @@ typedef struct kvxfer_options {
   // `KVXFER_ERR_TRANSPORT_REQUIRED` before anything is sent (an `auto`
   // agent otherwise falls back to TCP). NULL: no requirement.
   const char *require_dram_transport;
+  // An etcd cluster (`host:port[,host:port...]`) to publish the agent in
+  // and find peers in by name (`kvxfer_agent_load_remote_by_name`).
+  // NULL: `KVXFER_ETCD`, else none.
+  const char *etcd_endpoints;
+  // The key prefix in etcd (NULL: `KVXFER_ETCD_PREFIX`, else
+  // `/kvxfer`).
+  const char *etcd_prefix;
+  // The agent's lease in etcd, in seconds, at least 2 (0: 5).
+  uint32_t etcd_lease_ttl_s;
 } kvxfer_options;
 
 // A memory type: one of the `KVXFER_MEM_*` values.
@@ -370,6 +387,16 @@ enum kvxfer_result kvxfer_agent_load_remote(const struct kvxfer_agent *agent,
                                             char *name_buf,
                                             size_t name_cap,
                                             size_t *name_len);
+
+// Finds the agent `name` in the metadata store (`options.etcd_endpoints`
+// or `KVXFER_ETCD`), fetches its descriptor from it and loads it; watched
+// from then on (its requests fail with `KVXFER_ERR_PEER_GONE` once it
+// leaves the store, and it is resolved again on the next request).
+//
+// # Safety
+// `name` is NUL-terminated.
+enum kvxfer_result kvxfer_agent_load_remote_by_name(const struct kvxfer_agent *agent,
+                                                    const char *name);
 
 // Writes the agent name an encoded descriptor carries (NUL-terminated),
 // without loading it.

@@ -105,6 +105,14 @@ pub enum kvxfer_result {
     /// The configuration requires a transport for this memory type and the
     /// peer is reached another way; nothing was sent.
     KVXFER_ERR_TRANSPORT_REQUIRED = 314,
+    /// The remote agent left the metadata store (its process died, closed
+    /// or restarted); a peer loaded by name is resolved again on the next
+    /// request.
+    KVXFER_ERR_PEER_GONE = 315,
+    /// The metadata store (etcd) cannot be reached or refused the request.
+    KVXFER_ERR_METADATA_STORE = 316,
+    /// Another live agent holds this name in the metadata store.
+    KVXFER_ERR_NAME_TAKEN = 317,
     /// A bug: a panic was caught at the boundary.
     KVXFER_ERR_PANIC = 900,
 }
@@ -189,6 +197,15 @@ pub struct kvxfer_options {
     /// `KVXFER_ERR_TRANSPORT_REQUIRED` before anything is sent (an `auto`
     /// agent otherwise falls back to TCP). NULL: no requirement.
     pub require_dram_transport: *const c_char,
+    /// An etcd cluster (`host:port[,host:port...]`) to publish the agent in
+    /// and find peers in by name (`kvxfer_agent_load_remote_by_name`).
+    /// NULL: `KVXFER_ETCD`, else none.
+    pub etcd_endpoints: *const c_char,
+    /// The key prefix in etcd (NULL: `KVXFER_ETCD_PREFIX`, else
+    /// `/kvxfer`).
+    pub etcd_prefix: *const c_char,
+    /// The agent's lease in etcd, in seconds, at least 2 (0: 5).
+    pub etcd_lease_ttl_s: u32,
 }
 
 /// A transfer request. `local` and `remote` pair up element by element
@@ -332,6 +349,9 @@ impl From<Error> for Fail {
             Error::Credential(_) => KVXFER_ERR_INVALID_ARGUMENT,
             Error::Misaligned { .. } => KVXFER_ERR_INVALID_DESCRIPTOR,
             Error::Storage { .. } | Error::Io(_) => KVXFER_ERR_IO,
+            Error::PeerGone { .. } => KVXFER_ERR_PEER_GONE,
+            Error::MetadataStore { .. } => KVXFER_ERR_METADATA_STORE,
+            Error::NameTaken { .. } => KVXFER_ERR_NAME_TAKEN,
             _ => KVXFER_ERR_IO,
         };
         Fail::new(code, e.to_string())
@@ -558,6 +578,9 @@ pub extern "C" fn kvxfer_result_name(code: kvxfer_result) -> *const c_char {
         KVXFER_ERR_CANCELLED,
         KVXFER_ERR_ABORTED,
         KVXFER_ERR_TRANSPORT_REQUIRED,
+        KVXFER_ERR_PEER_GONE,
+        KVXFER_ERR_METADATA_STORE,
+        KVXFER_ERR_NAME_TAKEN,
         KVXFER_ERR_PANIC
     );
     s.as_ptr().cast()
@@ -681,6 +704,19 @@ pub unsafe extern "C" fn kvxfer_agent_new(
                 let t = unsafe { text(p, "options.require_dram_transport")? };
                 cfg = cfg.with_required_transport(MemoryType::Dram, t.parse()?);
             }
+            if let Some(p) = field!(etcd_endpoints: *const c_char).filter(|p| !p.is_null()) {
+                // SAFETY: NUL-terminated per the contract.
+                let eps = unsafe { text(p, "options.etcd_endpoints")? };
+                let mut etcd = kvxfer_core::EtcdConfig::new(eps.split(',').map(str::trim));
+                if let Some(p) = field!(etcd_prefix: *const c_char).filter(|p| !p.is_null()) {
+                    // SAFETY: NUL-terminated per the contract.
+                    etcd = etcd.with_prefix(unsafe { text(p, "options.etcd_prefix")? });
+                }
+                if let Some(s) = field!(etcd_lease_ttl_s: u32).filter(|&s| s > 0) {
+                    etcd = etcd.with_lease_ttl(Duration::from_secs(s.into()));
+                }
+                cfg = cfg.with_etcd(etcd);
+            }
         }
         let agent = kvxfer_core::make_transfer_agent(backend, cfg)?;
         // SAFETY: `out` was checked non-null and is valid for a write.
@@ -801,6 +837,28 @@ pub unsafe extern "C" fn kvxfer_agent_load_remote(
         a.agent.load_remote_agent(&d)?;
         // SAFETY: forwarded contract.
         unsafe { name_out(&d.name, name_buf, name_cap, name_len) }
+    })
+}
+
+/// Finds the agent `name` in the metadata store (`options.etcd_endpoints`
+/// or `KVXFER_ETCD`), fetches its descriptor from it and loads it; watched
+/// from then on (its requests fail with `KVXFER_ERR_PEER_GONE` once it
+/// leaves the store, and it is resolved again on the next request).
+///
+/// # Safety
+/// `name` is NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_load_remote_by_name(
+    agent: *const kvxfer_agent,
+    name: *const c_char,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        // SAFETY: NUL-terminated per the contract.
+        let name = unsafe { text(name, "name")? };
+        a.agent.load_remote_agent_by_name(name)?;
+        Ok(KVXFER_OK)
     })
 }
 

@@ -6,6 +6,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+// The etcd harness of the library's tests (some of it unused here).
+#[allow(dead_code)]
+#[path = "../../tests/common/etcd.rs"]
+mod etcd;
+
 fn manifest() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -75,6 +80,10 @@ fn compile(compiler: &str, std: &str, source: &Path, out: &Path) {
 }
 
 fn run(program: &Path, wrapper: &[&str]) -> String {
+    run_env(program, wrapper, &[])
+}
+
+fn run_env(program: &Path, wrapper: &[&str], env: &[(&str, &str)]) -> String {
     let mut cmd = match wrapper.split_first() {
         Some((w, rest)) => {
             let mut c = Command::new(w);
@@ -83,6 +92,7 @@ fn run(program: &Path, wrapper: &[&str]) -> String {
         }
         None => Command::new(program),
     };
+    cmd.envs(env.iter().copied());
     let out = cmd.output().expect("run program");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -137,6 +147,29 @@ fn c_agent_test_under_valgrind() {
 #[test]
 fn c_storage_test() {
     c_program("storage_test", "storage_test", &[]);
+}
+
+/// The etcd-backed metadata store through the C ABI, against an etcd of
+/// the test's own.
+#[test]
+fn c_etcd_test() {
+    let etcd = match etcd::Etcd::start(1) {
+        Ok(e) => e,
+        Err(why) => {
+            println!("SKIPPED c_etcd_test: {why}");
+            return;
+        }
+    };
+    let exe = out_dir().join("etcd_test");
+    compile(
+        "gcc",
+        "-std=c11",
+        &manifest().join("tests/c/etcd_test.c"),
+        &exe,
+    );
+    let endpoint = etcd.endpoints().join(",");
+    let out = run_env(&exe, &[], &[("KVXFER_TEST_ETCD", &endpoint)]);
+    assert!(out.contains("checks passed"), "{out}");
 }
 
 #[test]

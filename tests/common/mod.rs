@@ -5,6 +5,7 @@
 //! `--exact peer_process_entry`; that entry point runs [`peer_main`].
 #![allow(dead_code)]
 
+pub mod etcd;
 pub mod raw;
 
 use std::io::{BufRead, BufReader, Write};

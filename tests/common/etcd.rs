@@ -1,0 +1,211 @@
+//! An etcd cluster of a test's own (Debian's `etcd-server`), started on
+//! loopback ports in a temporary data directory; members can be killed and
+//! started again. Used by `tests/etcd.rs` and by the C ABI tests.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a member may take to answer.
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A free loopback port (taken by the OS, then let go).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// An etcd cluster of this test's own.
+pub struct Etcd {
+    nodes: Vec<Node>,
+    dir: PathBuf,
+}
+
+struct Node {
+    name: String,
+    client: String,
+    peer: String,
+    proc: Option<Child>,
+}
+
+impl Etcd {
+    /// `n` members, started and answering; `Err` with the reason when this
+    /// machine has no etcd. Ports are picked free, then bound by etcd: one
+    /// taken meanwhile by another test fails that start, which is tried
+    /// again on other ports.
+    pub fn start(n: usize) -> Result<Self, String> {
+        let mut last = String::new();
+        for _ in 0..3 {
+            match Self::start_once(n) {
+                Ok(e) => return Ok(e),
+                Err(why) if why.starts_with("no etcd") => return Err(why),
+                Err(why) => last = why,
+            }
+        }
+        Err(last)
+    }
+
+    fn start_once(n: usize) -> Result<Self, String> {
+        let v = Command::new("etcd")
+            .arg("--version")
+            .output()
+            .map_err(|e| {
+                format!("no etcd binary ({e}); ci/install-deps.sh test installs etcd-server")
+            })?;
+        if !v.status.success() {
+            return Err("etcd --version failed".into());
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "kvxfer-etcd-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let nodes: Vec<Node> = (0..n)
+            .map(|i| Node {
+                name: format!("n{i}"),
+                client: format!("127.0.0.1:{}", free_port()),
+                peer: format!("127.0.0.1:{}", free_port()),
+                proc: None,
+            })
+            .collect();
+        let mut e = Etcd { nodes, dir };
+        for i in 0..n {
+            e.run(i);
+        }
+        e.wait_ready()?;
+        Ok(e)
+        // (On failure `e` drops: its members are killed, its directory
+        // removed.)
+    }
+
+    fn cluster(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| format!("{}=http://{}", n.name, n.peer))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Starts member `i` (again, on its data directory).
+    pub fn run(&mut self, i: usize) {
+        let cluster = self.cluster();
+        let n = &mut self.nodes[i];
+        let log = std::fs::File::create(self.dir.join(format!("{}.log", n.name))).unwrap();
+        let child = Command::new("etcd")
+            .args(["--name", &n.name])
+            .arg("--data-dir")
+            .arg(self.dir.join(&n.name))
+            .args(["--listen-client-urls", &format!("http://{}", n.client)])
+            .args(["--advertise-client-urls", &format!("http://{}", n.client)])
+            .args(["--listen-peer-urls", &format!("http://{}", n.peer)])
+            .args([
+                "--initial-advertise-peer-urls",
+                &format!("http://{}", n.peer),
+            ])
+            .args(["--initial-cluster", &cluster])
+            .args(["--initial-cluster-state", "new"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn etcd");
+        n.proc = Some(child);
+    }
+
+    /// Waits until every running member answers a read (a member that
+    /// exited, on a port taken meanwhile, fails at once).
+    pub fn wait_ready(&mut self) -> Result<(), String> {
+        let deadline = Instant::now() + WAIT;
+        for i in 0..self.nodes.len() {
+            loop {
+                let n = &mut self.nodes[i];
+                let Some(child) = n.proc.as_mut() else {
+                    break;
+                };
+                if let Ok(Some(st)) = child.try_wait() {
+                    return Err(format!("etcd member {} exited: {st}", n.name));
+                }
+                let ok = Command::new("etcdctl")
+                    .env("ETCDCTL_API", "3")
+                    .args(["--endpoints", &n.client, "--command-timeout=2s", "get", "x"])
+                    .output()
+                    .is_ok_and(|o| o.status.success());
+                if ok {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(format!("etcd member {} did not come up", n.name));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn endpoints(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.client.clone()).collect()
+    }
+
+    /// Kills member `i` (SIGKILL).
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.nodes[i].proc.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Writes `value` under `key` with etcdctl.
+    pub fn put(&self, key: &str, value: &str) {
+        let st = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args([
+                "--endpoints",
+                &self.endpoints().join(","),
+                "put",
+                key,
+                value,
+            ])
+            .output()
+            .unwrap();
+        assert!(st.status.success(), "{st:?}");
+    }
+
+    /// The member that leads, by index.
+    pub fn leader(&self) -> Option<usize> {
+        let out = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &self.endpoints().join(",")])
+            .args(["endpoint", "status", "-w", "fields"])
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        // Per endpoint: "Endpoint" : "...", then "Leader" : id, "MemberID" : id.
+        let mut endpoint = None;
+        let mut member = None;
+        for line in text.lines() {
+            let value = line.split(':').skip(1).collect::<Vec<_>>().join(":");
+            let value = value.trim().trim_matches('"').to_owned();
+            if line.contains("\"Endpoint\"") {
+                endpoint = Some(value);
+            } else if line.contains("\"MemberID\"") {
+                member = Some(value);
+            } else if line.contains("\"Leader\"") && member.as_deref() == Some(value.as_str()) {
+                let ep = endpoint.clone()?;
+                return self.nodes.iter().position(|n| ep.ends_with(&n.client));
+            }
+        }
+        None
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

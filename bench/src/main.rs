@@ -6,6 +6,7 @@
 //! `kvxfer-bench kv` measures the KV-cache protocol (see `kv.rs`).
 
 mod kv;
+mod names;
 mod pingpong;
 mod storage;
 
@@ -77,9 +78,15 @@ struct Args {
     /// process that reaches the port can read and write the region.
     #[arg(long)]
     insecure: bool,
-    /// Run only the initiator role against the target at ADDR (host:port).
+    /// Run only the initiator role against the target at ADDR (host:port),
+    /// or, with `--metadata`, the target agent of that name.
     #[arg(long)]
     connect: Option<String>,
+    /// A metadata store, `etcd://host:port[,host:port...]`: both roles
+    /// publish themselves there, and `--connect NAME` finds the target by
+    /// name (the target's name is `kvxfer-bench-target`).
+    #[arg(long)]
+    metadata: Option<String>,
     /// Size of the target's registered region, e.g. 256MiB.
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     region_size: u64,
@@ -186,6 +193,10 @@ enum Sub {
     /// (every rank an agent in this process), against the raw agent
     /// bandwidth for the same bytes.
     Kv(kv::KvArgs),
+    /// Peers found by name in etcd: resolve-and-connect (lookup, side
+    /// channel, first transfer) to new peers created in turn, and many
+    /// agents publishing at once.
+    Names(names::NamesArgs),
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -214,8 +225,25 @@ fn human(n: u64) -> String {
     }
 }
 
+/// `etcd://host:port[,host:port...]` as the store's configuration.
+pub(crate) fn etcd_config(url: &str) -> Result<kvxfer::EtcdConfig> {
+    let eps = url
+        .strip_prefix("etcd://")
+        .with_context(|| format!("--metadata {url:?}: expected etcd://host:port[,host:port]"))?;
+    Ok(kvxfer::EtcdConfig::new(eps.split(',').map(str::trim)))
+}
+
 fn config(name: &str, args: &Args) -> AgentConfig {
     let mut cfg = AgentConfig::new(name).with_insecure(args.insecure);
+    if let Some(url) = &args.metadata {
+        match etcd_config(url) {
+            Ok(e) => cfg = cfg.with_etcd(e),
+            Err(e) => {
+                eprintln!("{e}");
+                std::process::exit(2);
+            }
+        }
+    }
     if let Some(path) = &args.secret_file {
         match kvxfer::Credential::from_file(path) {
             Ok(c) => cfg = cfg.with_credential(c),
@@ -576,7 +604,12 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
     // SAFETY: `src` outlives the agent (dropped first, below) and is only
     // touched by transfers.
     unsafe { agent.register_memory(&src.desc())? };
-    let remote = agent.load_remote_agent_by_connection(conn)?;
+    let remote = if args.metadata.is_some() {
+        agent.load_remote_agent_by_name(conn)?;
+        conn.to_owned()
+    } else {
+        agent.load_remote_agent_by_connection(conn)?
+    };
     let desc = agent.remote_agent_desc(&remote)?;
     let region = desc
         .regions
@@ -700,6 +733,9 @@ fn main() -> Result<()> {
     let args = Args::parse();
     if let Some(Sub::Kv(k)) = &args.command {
         return kv::run(k);
+    }
+    if let Some(Sub::Names(n)) = &args.command {
+        return names::run(n);
     }
     if args.memcpy {
         for pt in plan(&args) {

@@ -2,12 +2,14 @@
 //! the tests on loopback ports in a temporary data directory: agents
 //! published and found by name, a live name taken once, peers that leave
 //! (closed, killed, stopped) failing their requests with `PeerGone`,
-//! reconnection by name, and etcd faults (its leader killed, all of it
-//! stopped and started again). Without an `etcd` binary the tests print a
-//! SKIPPED line.
+//! reconnection by name, etcd faults (its leader killed, all of it stopped
+//! and started again), and agents on "hosts" that are network namespaces
+//! the test makes (one unplugged from their switch). Without an `etcd`
+//! binary, or network namespaces, the tests print a SKIPPED line.
 
 mod common;
 
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::PeerProc;
@@ -291,4 +293,197 @@ fn peer_process_entry() {
     if std::env::var("KVXFER_PEER").is_ok() {
         common::peer_main();
     }
+}
+
+/// Network namespaces made by the test: a switch (a bridge in a namespace
+/// of its own) and hosts plugged into it by veth pairs, `10.77.0.<i+1>/24`
+/// each. Deleted on drop.
+struct Net {
+    switch: String,
+    hosts: Vec<String>,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
+impl Net {
+    fn new(hosts: usize) -> Result<Self, String> {
+        let tag = format!("kvx{}", std::process::id());
+        let switch = format!("{tag}-sw");
+        ip(&["netns", "add", &switch])?;
+        let mut net = Net {
+            switch,
+            hosts: Vec::new(),
+        };
+        let sw = net.switch.clone();
+        ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &sw, "link", "set", "br0", "up"])?;
+        for i in 0..hosts {
+            let h = format!("{tag}-h{i}");
+            ip(&["netns", "add", &h])?;
+            net.hosts.push(h.clone());
+            let port = format!("p{i}");
+            ip(&[
+                "-n", &h, "link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns",
+                &sw,
+            ])?;
+            ip(&["-n", &sw, "link", "set", &port, "master", "br0"])?;
+            ip(&["-n", &sw, "link", "set", &port, "up"])?;
+            ip(&[
+                "-n",
+                &h,
+                "addr",
+                "add",
+                &format!("{}/24", Net::addr(i)),
+                "dev",
+                "eth0",
+            ])?;
+            ip(&["-n", &h, "link", "set", "eth0", "up"])?;
+            ip(&["-n", &h, "link", "set", "lo", "up"])?;
+        }
+        Ok(net)
+    }
+
+    fn addr(i: usize) -> String {
+        format!("10.77.0.{}", i + 1)
+    }
+
+    /// Unplugs host `i` (its switch port down) or plugs it back.
+    fn plug(&self, i: usize, up: bool) {
+        ip(&[
+            "-n",
+            &self.switch,
+            "link",
+            "set",
+            &format!("p{i}"),
+            if up { "up" } else { "down" },
+        ])
+        .unwrap();
+    }
+
+    /// Runs `f` on a thread inside host `i`'s namespace: agents made there
+    /// listen and connect there (their threads inherit it).
+    fn run_in<T: Send>(&self, i: usize, f: impl FnOnce() -> T + Send) -> T {
+        let path = format!("/var/run/netns/{}", self.hosts[i]);
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                use std::os::fd::AsRawFd;
+                let ns = std::fs::File::open(&path).expect("netns file");
+                // SAFETY: moves this thread only into the namespace, whose
+                // descriptor is open for the call.
+                let r = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+                assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+                f()
+            })
+            .join()
+            .expect("namespace thread")
+        })
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for h in self.hosts.iter().chain([&self.switch]) {
+            let _ = ip(&["netns", "del", h]);
+        }
+    }
+}
+
+/// Three "hosts" (network namespaces on a bridge): etcd on one, a target
+/// process on another, the initiator on the third. They find each other by
+/// name and transfer; the target's host unplugged, its lease expires and a
+/// request stuck on it fails with `PeerGone` (its connection still open);
+/// plugged back, the next request reaches it again.
+#[test]
+fn agents_on_other_hosts_find_each_other_and_an_unplugged_host_is_gone() {
+    let test = "agents_on_other_hosts_find_each_other_and_an_unplugged_host_is_gone";
+    let net = match Net::new(3) {
+        Ok(n) => n,
+        Err(why) => {
+            println!("SKIPPED {test}: no network namespaces here ({why})");
+            return;
+        }
+    };
+    let etcd = match Etcd::start_in(&net.hosts[2], &Net::addr(2)) {
+        Ok(e) => e,
+        Err(why) => {
+            println!("SKIPPED {test}: {why}");
+            return;
+        }
+    };
+    let endpoint = format!("{}:2379", Net::addr(2));
+    let p = prefix("hosts");
+    let secret = "netns-cluster-secret-0123456789";
+    let ttl = TTL.as_secs().to_string();
+    let listen = format!("{}:0", Net::addr(0));
+    const LEN: u64 = 64 << 20;
+    let target = PeerProc::spawn_in(
+        &net.hosts[0],
+        "host-a",
+        LEN,
+        5,
+        &[
+            ("KVXFER_ETCD", endpoint.as_str()),
+            ("KVXFER_ETCD_PREFIX", p.as_str()),
+            ("KVXFER_ETCD_LEASE_TTL", ttl.as_str()),
+            ("KVXFER_TEST_LISTEN", listen.as_str()),
+            ("KVXFER_SECRET", secret),
+        ],
+    );
+    let to_a = |off, len| target.range(off, len);
+    let small_dst = to_a(0, 4096);
+    let big_dst = to_a(0, LEN);
+    net.run_in(1, || {
+        let mut cfg = AgentConfig::new("host-b")
+            .with_listen(format!("{}:0", Net::addr(1)).parse().unwrap())
+            .with_credential(kvxfer::Credential::new(secret.as_bytes().to_vec()).unwrap())
+            .with_etcd(
+                EtcdConfig::new([endpoint.clone()])
+                    .with_prefix(&p)
+                    .with_lease_ttl(TTL),
+            );
+        cfg.io_timeout = Duration::from_secs(120);
+        let init = make_transfer_agent(Backend::Tcp, cfg).unwrap();
+        let src = buffer(init.as_ref(), LEN as usize, 0x77);
+        init.load_remote_agent_by_name("host-a").unwrap();
+        let small =
+            TransferRequest::write(MemoryDescs::dram(&src[..4096]), small_dst.clone(), "host-a");
+        let st = init.submit_transfer(&small).unwrap();
+        st.wait_success(WAIT).unwrap();
+        assert_eq!(st.data_path().transport, kvxfer::TransportKind::Tcp);
+        // Unplugged: no reset, no answer; the lease runs out.
+        net.plug(0, false);
+        let big = TransferRequest::write(MemoryDescs::dram(src), big_dst.clone(), "host-a");
+        let t0 = Instant::now();
+        let e = init
+            .submit_transfer(&big)
+            .unwrap()
+            .wait_success(Duration::from_secs(100))
+            .unwrap_err();
+        let took = t0.elapsed();
+        assert!(matches!(e, Error::PeerGone { .. }), "{e}");
+        println!("an unplugged host's request failed with PeerGone after {took:?} (lease {TTL:?}, I/O timeout 120 s)");
+        // Plugged back: it publishes itself again, and the next request
+        // finds it by name.
+        net.plug(0, true);
+        eventually(Duration::from_secs(60), || {
+            init.submit_transfer(&small)
+                .and_then(|s| s.wait_success(WAIT))
+        })
+        .unwrap();
+    });
+    drop(target);
+    drop(etcd);
 }

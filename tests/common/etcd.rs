@@ -22,6 +22,8 @@ fn free_port() -> u16 {
 pub struct Etcd {
     nodes: Vec<Node>,
     dir: PathBuf,
+    /// The network namespace its members run in (`None`: this one).
+    netns: Option<String>,
 }
 
 struct Node {
@@ -48,7 +50,27 @@ impl Etcd {
         Err(last)
     }
 
-    fn start_once(n: usize) -> Result<Self, String> {
+    /// One member in network namespace `netns` (made by the test), on
+    /// `host` there.
+    pub fn start_in(netns: &str, host: &str) -> Result<Self, String> {
+        Self::check_binary()?;
+        let node = Node {
+            name: "n0".into(),
+            client: format!("{host}:2379"),
+            peer: format!("{host}:2380"),
+            proc: None,
+        };
+        let mut e = Etcd {
+            nodes: vec![node],
+            dir: Self::new_dir(),
+            netns: Some(netns.to_owned()),
+        };
+        e.run(0);
+        e.wait_ready()?;
+        Ok(e)
+    }
+
+    fn check_binary() -> Result<(), String> {
         let v = Command::new("etcd")
             .arg("--version")
             .output()
@@ -58,12 +80,34 @@ impl Etcd {
         if !v.status.success() {
             return Err("etcd --version failed".into());
         }
+        Ok(())
+    }
+
+    fn new_dir() -> PathBuf {
         let dir = std::env::temp_dir().join(format!(
             "kvxfer-etcd-{}-{}",
             std::process::id(),
             free_port()
         ));
         std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// `program`, run in the cluster's namespace.
+    fn command(&self, program: &str) -> Command {
+        match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, program]);
+                c
+            }
+            None => Command::new(program),
+        }
+    }
+
+    fn start_once(n: usize) -> Result<Self, String> {
+        Self::check_binary()?;
+        let dir = Self::new_dir();
         let nodes: Vec<Node> = (0..n)
             .map(|i| Node {
                 name: format!("n{i}"),
@@ -72,7 +116,11 @@ impl Etcd {
                 proc: None,
             })
             .collect();
-        let mut e = Etcd { nodes, dir };
+        let mut e = Etcd {
+            nodes,
+            dir,
+            netns: None,
+        };
         for i in 0..n {
             e.run(i);
         }
@@ -93,9 +141,10 @@ impl Etcd {
     /// Starts member `i` (again, on its data directory).
     pub fn run(&mut self, i: usize) {
         let cluster = self.cluster();
+        let mut etcd = self.command("etcd");
         let n = &mut self.nodes[i];
         let log = std::fs::File::create(self.dir.join(format!("{}.log", n.name))).unwrap();
-        let child = Command::new("etcd")
+        let child = etcd
             .args(["--name", &n.name])
             .arg("--data-dir")
             .arg(self.dir.join(&n.name))
@@ -120,24 +169,25 @@ impl Etcd {
     pub fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + WAIT;
         for i in 0..self.nodes.len() {
+            let (name, client) = (self.nodes[i].name.clone(), self.nodes[i].client.clone());
             loop {
-                let n = &mut self.nodes[i];
-                let Some(child) = n.proc.as_mut() else {
+                let Some(child) = self.nodes[i].proc.as_mut() else {
                     break;
                 };
                 if let Ok(Some(st)) = child.try_wait() {
-                    return Err(format!("etcd member {} exited: {st}", n.name));
+                    return Err(format!("etcd member {name} exited: {st}"));
                 }
-                let ok = Command::new("etcdctl")
+                let ok = self
+                    .command("etcdctl")
                     .env("ETCDCTL_API", "3")
-                    .args(["--endpoints", &n.client, "--command-timeout=2s", "get", "x"])
+                    .args(["--endpoints", &client, "--command-timeout=2s", "get", "x"])
                     .output()
                     .is_ok_and(|o| o.status.success());
                 if ok {
                     break;
                 }
                 if Instant::now() > deadline {
-                    return Err(format!("etcd member {} did not come up", n.name));
+                    return Err(format!("etcd member {name} did not come up"));
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }
@@ -159,7 +209,8 @@ impl Etcd {
 
     /// Writes `value` under `key` with etcdctl.
     pub fn put(&self, key: &str, value: &str) {
-        let st = Command::new("etcdctl")
+        let st = self
+            .command("etcdctl")
             .env("ETCDCTL_API", "3")
             .args([
                 "--endpoints",
@@ -175,7 +226,8 @@ impl Etcd {
 
     /// The member that leads, by index.
     pub fn leader(&self) -> Option<usize> {
-        let out = Command::new("etcdctl")
+        let out = self
+            .command("etcdctl")
             .env("ETCDCTL_API", "3")
             .args(["--endpoints", &self.endpoints().join(",")])
             .args(["endpoint", "status", "-w", "fields"])

@@ -90,6 +90,9 @@ pub fn local_agent(
     tweak: impl FnOnce(AgentConfig) -> AgentConfig,
 ) -> Box<dyn TransferAgent> {
     let mut cfg = AgentConfig::new(name);
+    if let Ok(l) = std::env::var("KVXFER_TEST_LISTEN") {
+        cfg = cfg.with_listen(l.parse().expect("KVXFER_TEST_LISTEN"));
+    }
     if let Ok(p) = std::env::var("KVXFER_TEST_RDMA_PROGRESS") {
         cfg = cfg.with_rdma_progress(p.parse().expect("KVXFER_TEST_RDMA_PROGRESS"));
     }
@@ -180,6 +183,12 @@ impl PeerProc {
         Self::spawn_as(name, len, seed, env, None)
     }
 
+    /// As [`spawn`](Self::spawn), in network namespace `netns` (made by
+    /// the test; `ip netns exec`).
+    pub fn spawn_in(netns: &str, name: &str, len: u64, seed: u64, env: &[(&str, &str)]) -> Self {
+        Self::spawn_with(name, len, seed, env, None, Some(netns))
+    }
+
     /// As [`spawn`](Self::spawn), running as user and group `uid` when given
     /// (the binary is copied where that user can execute it).
     pub fn spawn_as(
@@ -188,6 +197,17 @@ impl PeerProc {
         seed: u64,
         env: &[(&str, &str)],
         uid: Option<u32>,
+    ) -> Self {
+        Self::spawn_with(name, len, seed, env, uid, None)
+    }
+
+    fn spawn_with(
+        name: &str,
+        len: u64,
+        seed: u64,
+        env: &[(&str, &str)],
+        uid: Option<u32>,
+        netns: Option<&str>,
     ) -> Self {
         let mut exe = std::env::current_exe().expect("current exe");
         let mut exe_copy = None;
@@ -202,7 +222,14 @@ impl PeerProc {
             exe = copy.clone();
             exe_copy = Some(copy);
         }
-        let mut cmd = Command::new(exe);
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
         // With two RDMA devices (the soft-RoCE guest), peers use the second
         // one, so traffic crosses between devices.
         if backend() == Backend::Rdma && std::path::Path::new("/sys/class/infiniband/rxe1").exists()

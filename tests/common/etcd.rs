@@ -170,10 +170,7 @@ impl Etcd {
         let deadline = Instant::now() + WAIT;
         for i in 0..self.nodes.len() {
             let (name, client) = (self.nodes[i].name.clone(), self.nodes[i].client.clone());
-            loop {
-                let Some(child) = self.nodes[i].proc.as_mut() else {
-                    break;
-                };
+            while let Some(child) = self.nodes[i].proc.as_mut() {
                 if let Ok(Some(st)) = child.try_wait() {
                     return Err(format!("etcd member {name} exited: {st}"));
                 }

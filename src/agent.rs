@@ -290,6 +290,15 @@ pub trait TransferAgent: Send + Sync {
     /// [`Error::UnknownAgent`].
     fn invalidate_remote_agent(&self, name: &str) -> Result<(), Error>;
 
+    /// The agent's metrics in the Prometheus text exposition format:
+    /// requests finished by transport, peer and outcome, bytes moved, and
+    /// (when timing is on) latency histograms ([`crate::metrics`]).
+    fn metrics_text(&self) -> String;
+
+    /// Where the metrics endpoint listens (`http://<addr>/metrics`), when
+    /// configured ([`AgentConfig::with_metrics_listen`](crate::AgentConfig::with_metrics_listen)).
+    fn metrics_addr(&self) -> Option<std::net::SocketAddr>;
+
     /// Connection info (`host:port`) other agents pass to
     /// [`load_remote_agent_by_connection`](Self::load_remote_agent_by_connection).
     fn local_connection_info(&self) -> String;

@@ -67,6 +67,9 @@ pub struct AgentConfig {
     /// (`Direct`, the default: no store, unless `KVXFER_ETCD` names an
     /// etcd cluster; see [`crate::metadata`]).
     pub metadata: crate::metadata::Metadata,
+    /// What the agent measures, and where it serves the figures
+    /// ([`crate::metrics`]).
+    pub metrics: crate::metrics::MetricsConfig,
 }
 
 /// The TCP data path.
@@ -310,7 +313,22 @@ impl AgentConfig {
             required_transports: Vec::new(),
             storage_io: crate::storage::StorageIo::Auto,
             metadata: crate::metadata::Metadata::Direct,
+            metrics: crate::metrics::MetricsConfig::default(),
         }
+    }
+
+    /// Records each request's latency for the metrics
+    /// ([`MetricsConfig::timing`](crate::metrics::MetricsConfig::timing)).
+    pub fn with_metrics_timing(mut self, on: bool) -> Self {
+        self.metrics.timing = on;
+        self
+    }
+
+    /// Serves the metrics at `http://<addr>/metrics` (cargo feature
+    /// `metrics-endpoint`; latency recorded too).
+    pub fn with_metrics_listen(mut self, addr: std::net::SocketAddr) -> Self {
+        self.metrics.listen = Some(addr);
+        self
     }
 
     /// Publishes the agent in an etcd cluster, and finds peers there by

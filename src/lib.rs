@@ -77,6 +77,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod memory;
 pub mod metadata;
+pub mod metrics;
 pub mod registration;
 mod registry;
 mod shm;

@@ -60,6 +60,17 @@ pub(crate) struct Completion {
     /// the request and fails it with [`Error::Aborted`] once what it did
     /// send is done.
     abort: AtomicBool,
+    /// Where the outcome is counted (the request's transport and peer).
+    meter: Option<Metered>,
+}
+
+/// A request's place in the agent's metrics.
+#[derive(Debug)]
+struct Metered {
+    meter: Arc<crate::metrics::Meter>,
+    bytes: u64,
+    /// When it was submitted, when latency is recorded.
+    started: Option<Instant>,
 }
 
 impl Drop for Completion {
@@ -145,7 +156,33 @@ impl Completion {
             driver,
             in_flight: in_flight.cloned(),
             abort: AtomicBool::new(false),
+            meter: None,
         })
+    }
+
+    /// Counts the outcome of this (fresh) completion's request of `bytes`
+    /// in `meter`.
+    pub(crate) fn metered(
+        mut self: Arc<Self>,
+        meter: Option<&Arc<crate::metrics::Meter>>,
+        bytes: u64,
+    ) -> Arc<Self> {
+        if let (Some(m), Some(me)) = (meter, Arc::get_mut(&mut self)) {
+            me.meter = Some(Metered {
+                meter: Arc::clone(m),
+                bytes,
+                started: m.timing().then(Instant::now),
+            });
+        }
+        self
+    }
+
+    /// Counts the outcome in the metrics, if metered.
+    fn count(&self, outcome: Result<(), &Error>) {
+        if let Some(m) = &self.meter {
+            m.meter
+                .record(outcome, m.bytes, m.started.map(|t| t.elapsed()));
+        }
     }
 
     /// Whether the request's caller asked for it to be aborted.
@@ -157,9 +194,9 @@ impl Completion {
         self.state.load(Ordering::Acquire) != PENDING
     }
 
-    /// Makes a finished completion pending again, for a new request (the
-    /// caller owns it alone: no status refers to it any more).
-    pub(crate) fn reset(&mut self) {
+    /// Makes a finished completion pending again, for a new request of
+    /// `bytes` (the caller owns it alone: no status refers to it any more).
+    pub(crate) fn reset(&mut self, bytes: u64) {
         if *self.state.get_mut() != PENDING
             && let Some(n) = &self.in_flight
         {
@@ -168,6 +205,12 @@ impl Completion {
         *self.state.get_mut() = PENDING;
         *self.error.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
         *self.abort.get_mut() = false;
+        if let Some(m) = &mut self.meter {
+            m.bytes = bytes;
+            if m.started.is_some() {
+                m.started = Some(Instant::now());
+            }
+        }
     }
 
     /// Polls the driver until the outcome is in, the deadline passes, or
@@ -221,10 +264,16 @@ impl Completion {
     /// Records the outcome; returns false when one was already recorded.
     pub(crate) fn complete(&self, outcome: Result<(), Error>) -> bool {
         let won = match outcome {
-            Ok(()) => self
-                .state
-                .compare_exchange(PENDING, SUCCEEDED, Ordering::SeqCst, Ordering::Relaxed)
-                .is_ok(),
+            Ok(()) => {
+                let won = self
+                    .state
+                    .compare_exchange(PENDING, SUCCEEDED, Ordering::SeqCst, Ordering::Relaxed)
+                    .is_ok();
+                if won {
+                    self.count(Ok(()));
+                }
+                won
+            }
             Err(e) => {
                 let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
                 if self.state.load(Ordering::Relaxed) != PENDING {
@@ -236,7 +285,11 @@ impl Completion {
                     .state
                     .compare_exchange(PENDING, FAILED, Ordering::SeqCst, Ordering::Relaxed)
                     .is_ok();
-                if !won {
+                if won {
+                    if let Some(e) = slot.as_ref() {
+                        self.count(Err(e));
+                    }
+                } else {
                     *slot = None;
                 }
                 won
@@ -613,7 +666,7 @@ mod tests {
     fn a_reset_completion_is_pending_again() {
         let mut c = Completion::new();
         assert!(c.complete(Err(Error::Closed)));
-        Arc::get_mut(&mut c).unwrap().reset();
+        Arc::get_mut(&mut c).unwrap().reset(0);
         assert!(!c.is_done());
         assert!(c.complete(Ok(())));
         assert_eq!(

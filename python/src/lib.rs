@@ -208,6 +208,11 @@ impl PyAgent {
         Ok(name)
     }
 
+    /// The agent's metrics in the Prometheus text format.
+    fn metrics_text(&self) -> String {
+        self.agent.metrics_text()
+    }
+
     /// Finds a peer by name in the metadata store (the agent's `etcd`) and
     /// loads it; watched from then on (`PeerGoneError` once it leaves, and
     /// resolved again on the next request).

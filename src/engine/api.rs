@@ -115,6 +115,19 @@ impl TransferAgent for Engine {
         Ok(())
     }
 
+    fn metrics_text(&self) -> String {
+        self.inner
+            .metrics
+            .render(self.inner.in_flight.load(Ordering::Relaxed))
+    }
+
+    fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        #[cfg(feature = "metrics-endpoint")]
+        return self.metrics_server.as_ref().map(|m| m.addr);
+        #[cfg(not(feature = "metrics-endpoint"))]
+        None
+    }
+
     fn load_remote_agent_by_name(&self, name: &str) -> Result<(), Error> {
         self.load_by_name(name)
     }

@@ -130,7 +130,7 @@ impl CmaLink {
             sync,
             ..
         } = sub;
-        let (id, completion) = engine.new_request();
+        let (id, completion) = engine.new_request(&self.meter, req.local.total_len());
         let pending = Pending::new(&completion, 1, resolved.guards, None);
         self.insert(id, Arc::clone(&pending))?;
         self.clock.touch();

@@ -67,11 +67,13 @@ pub(in crate::engine) struct LocalLink {
     path: Arc<DataPath>,
     /// Set by [`Link::fail`] (the first cause wins).
     broken: Mutex<Option<Error>>,
+    /// Where its requests' outcomes are counted.
+    meter: Arc<crate::metrics::Meter>,
 }
 
 impl LocalLink {
     /// A link to `peer`, found in the directory.
-    pub(in crate::engine) fn open(peer: &AgentDesc) -> Result<Arc<Self>, Error> {
+    pub(in crate::engine) fn open(inner: &Inner, peer: &AgentDesc) -> Result<Arc<Self>, Error> {
         let target = find(peer.instance).ok_or_else(|| gone(&peer.name))?;
         Ok(Arc::new(LocalLink {
             target: Arc::downgrade(&target),
@@ -82,6 +84,7 @@ impl LocalLink {
                 mechanism: "in-process copy (memmove) by the submitting thread",
             }),
             broken: Mutex::new(None),
+            meter: inner.metrics.meter(TransportKind::InProcess, &peer.name),
         }))
     }
 
@@ -177,7 +180,9 @@ impl Link for LocalLink {
         if let Some(e) = lock(&self.broken).clone() {
             return Err(e);
         }
-        let (id, completion) = sub.engine.new_request();
+        let (id, completion) = sub
+            .engine
+            .new_request(&self.meter, sub.req.local.total_len());
         completion.complete(self.carry_out(sub));
         Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
     }

@@ -34,6 +34,8 @@ mod cma_target;
 mod handshake;
 mod inproc;
 mod local_proof;
+#[cfg(feature = "metrics-endpoint")]
+mod metrics_http;
 mod names;
 mod peer;
 mod plan;
@@ -152,6 +154,9 @@ pub struct Engine {
     inner: Arc<Inner>,
     listener_thread: Option<JoinHandle<()>>,
     local_proof_thread: Option<JoinHandle<()>>,
+    /// The metrics endpoint, when configured.
+    #[cfg(feature = "metrics-endpoint")]
+    metrics_server: Option<metrics_http::MetricsServer>,
 }
 
 struct Inner {
@@ -202,6 +207,8 @@ struct Inner {
     /// Its publication in the metadata store, and the peers it loaded by
     /// name.
     names: names::Names,
+    /// Its requests' outcomes, by transport and peer.
+    metrics: crate::metrics::Metrics,
 }
 
 /// One count in [`Inner::unauthenticated`], given back on drop.
@@ -314,6 +321,7 @@ impl Engine {
             storage: crate::storage::Storage::new(config.effective_storage_io()?),
             self_peer: OnceLock::new(),
             names: names::Names::default(),
+            metrics: crate::metrics::Metrics::new(&config.name, &config.metrics),
             config,
         });
         if mode == Backend::InProcess {
@@ -335,10 +343,24 @@ impl Engine {
             None => None,
         };
         tracing::debug!(agent = %inner.config.name, endpoint = %inner.endpoint, "tcp agent listening");
+        #[cfg(feature = "metrics-endpoint")]
+        let metrics_server = match inner.config.metrics.listen {
+            Some(addr) => Some(metrics_http::MetricsServer::start(&inner, addr)?),
+            None => None,
+        };
+        #[cfg(not(feature = "metrics-endpoint"))]
+        if inner.config.metrics.listen.is_some() {
+            return Err(Error::InvalidConfig(
+                "this build of kvxfer has no metrics endpoint (cargo feature `metrics-endpoint`)"
+                    .into(),
+            ));
+        }
         let engine = Self {
             inner,
             listener_thread: Some(listener_thread),
             local_proof_thread,
+            #[cfg(feature = "metrics-endpoint")]
+            metrics_server,
         };
         // Published once it answers (a failure drops, and so closes, it).
         engine.inner.publish()?;
@@ -376,6 +398,10 @@ impl Drop for Engine {
         inner.closing.store(true, Ordering::SeqCst);
         // Out of the metadata store first: peers learn at once.
         inner.names.close();
+        #[cfg(feature = "metrics-endpoint")]
+        if let Some(m) = &mut self.metrics_server {
+            m.stop();
+        }
         // No in-process initiator copies into this agent after this.
         inproc::delist(inner);
         // The cached resolution holds a link: it goes with the others.

@@ -244,6 +244,8 @@ pub(in crate::engine) struct SocketLink<P: SocketPath> {
     pub(in crate::engine) io_timeout: Duration,
     /// The agent's count of requests in flight.
     pub(in crate::engine) in_flight: Arc<AtomicUsize>,
+    /// Where its requests' outcomes are counted.
+    pub(in crate::engine) meter: Arc<crate::metrics::Meter>,
     /// What carries this link's requests (every status reports it).
     pub(in crate::engine) path: Arc<crate::agent::DataPath>,
     pub(in crate::engine) streams: Vec<StreamHandle<P::Job>>,
@@ -317,6 +319,7 @@ impl<P: SocketPath> SocketLink<P> {
             remote: peer.name.clone(),
             io_timeout: inner.config.io_timeout,
             in_flight: Arc::clone(&inner.in_flight),
+            meter: inner.metrics.meter(path.transport, &peer.name),
             path: Arc::new(path),
             streams: handles,
             pending: Mutex::new(PendingTable::default()),

@@ -20,6 +20,8 @@ pub(in crate::engine) struct StorageLink {
     path: Arc<DataPath>,
     /// Set by [`Link::fail`] (the first cause wins).
     broken: Mutex<Option<Error>>,
+    /// Where its requests' outcomes are counted.
+    meter: Arc<crate::metrics::Meter>,
 }
 
 impl StorageLink {
@@ -34,6 +36,9 @@ impl StorageLink {
                             files and block devices, zero copy (O_DIRECT where opened so)",
             }),
             broken: Mutex::new(None),
+            meter: inner
+                .metrics
+                .meter(TransportKind::Storage, &inner.config.name),
         }))
     }
 }
@@ -79,7 +84,7 @@ impl Link for StorageLink {
         } else {
             Vec::new()
         };
-        let (id, completion) = engine.new_request();
+        let (id, completion) = engine.new_request(&self.meter, req.local.total_len());
         let inbox = Arc::clone(&inner.inbox);
         let done_status = Arc::clone(&completion);
         let guards = resolved.guards;

@@ -56,12 +56,18 @@ impl PreparedHold {
 }
 
 impl Engine {
-    /// A new request's id and its status, counted in flight; its waiters
-    /// drive nothing (the link's threads complete it).
-    pub(in crate::engine) fn new_request(&self) -> (u64, Arc<Completion>) {
+    /// A new request's id and its status, counted in flight and, once it
+    /// finishes, in `meter` (a request of `bytes`); its waiters drive
+    /// nothing (the link's threads complete it).
+    pub(in crate::engine) fn new_request(
+        &self,
+        meter: &Arc<crate::metrics::Meter>,
+        bytes: u64,
+    ) -> (u64, Arc<Completion>) {
         let inner = &self.inner;
         let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
-        (id, Completion::counted(None, Some(&inner.in_flight)))
+        let c = Completion::counted(None, Some(&inner.in_flight)).metered(Some(meter), bytes);
+        (id, c)
     }
 }
 
@@ -411,7 +417,9 @@ impl Engine {
             return Ok(TransferStatus::new(id, c, Arc::clone(&link.path)));
         }
         let driven = driver.is_some();
-        let completion = Completion::counted(driver.clone(), Some(&self.inner.in_flight));
+        let bytes = wrs.iter().map(|w| w.len).sum();
+        let completion = Completion::counted(driver.clone(), Some(&self.inner.in_flight))
+            .metered(Some(&link.meter), bytes);
         // A sync message is two events: its SEND's completion, and the
         // target's acknowledgement that it delivered it.
         let events = wrs.len() + 2 * usize::from(sync.is_some());

@@ -39,7 +39,7 @@ impl TcpLink {
             ..
         } = sub;
         let inner = &engine.inner;
-        let (id, completion) = engine.new_request();
+        let (id, completion) = engine.new_request(&self.meter, req.local.total_len());
         let n = self.streams.len();
         let plan = plan_segments(req, &resolved.keys, inner.config.tcp.segment_size, n);
         let total: usize = plan.iter().map(Vec::len).sum();

@@ -85,7 +85,7 @@ impl Path {
         peer: &AgentDesc,
     ) -> Result<Arc<dyn Link>, Error> {
         Ok(match self {
-            Path::InProcess => inproc::LocalLink::open(peer)?,
+            Path::InProcess => inproc::LocalLink::open(inner, peer)?,
             Path::Storage => storage_link::StorageLink::open(inner)?,
             Path::Tcp => TcpLink::open(inner, peer)?,
             // Data bypasses the socket; one stream carries the control.

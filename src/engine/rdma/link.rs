@@ -503,11 +503,14 @@ impl RdmaLink {
             if !hold(&mut slot.guards) {
                 return None;
             }
-            let new = || Completion::counted(Some(driver.clone()), Some(&self.in_flight));
+            let new = || {
+                Completion::counted(Some(driver.clone()), Some(&self.in_flight))
+                    .metered(Some(&self.meter), wr.len)
+            };
             let status = slot.status.get_or_insert_with(new);
             match Arc::get_mut(status) {
                 // Unique: the caller dropped the status it was behind.
-                Some(c) => c.reset(),
+                Some(c) => c.reset(wr.len),
                 None => *status = new(),
             }
             Some(Arc::clone(status))

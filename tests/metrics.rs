@@ -1,0 +1,99 @@
+//! The agent's metrics, scraped for real from its HTTP endpoint: requests
+//! by outcome, bytes, and latency histograms per transport and peer, in the
+//! Prometheus text format.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use kvxfer::{AgentConfig, Backend, Error, MemoryDescs, TransferRequest, make_transfer_agent};
+
+/// `GET path` on `addr`: the status line and the body.
+fn get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut all = String::new();
+    s.read_to_string(&mut all).unwrap();
+    let (head, body) = all.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_owned(), body.to_owned())
+}
+
+/// The value of the sample `name{labels}` in `text`.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[test]
+fn metrics_are_scraped_from_the_endpoint() {
+    let target = make_transfer_agent(Backend::Tcp, AgentConfig::new("m-target")).unwrap();
+    let dst = vec![0u8; 1 << 20];
+    let gone = vec![0u8; 4096];
+    // SAFETY: the agents are dropped at the end of the test, before these
+    // buffers go.
+    unsafe {
+        target.register_memory(&MemoryDescs::dram(&dst)).unwrap();
+        target.register_memory(&MemoryDescs::dram(&gone)).unwrap();
+    }
+    let cfg = AgentConfig::new("m-init").with_metrics_listen("127.0.0.1:0".parse().unwrap());
+    let init = make_transfer_agent(Backend::Tcp, cfg).unwrap();
+    let src = vec![1u8; 1 << 20];
+    // SAFETY: as above.
+    unsafe { init.register_memory(&MemoryDescs::dram(&src)).unwrap() };
+    init.load_remote_agent(&target.local_agent_desc()).unwrap();
+    let write = |dst: &[u8]| {
+        let req = TransferRequest::write(
+            MemoryDescs::dram(&src[..dst.len()]),
+            MemoryDescs::dram(dst),
+            "m-target",
+        );
+        init.submit_transfer(&req)?
+            .wait_success(Duration::from_secs(60))
+    };
+    for _ in 0..5 {
+        write(&dst).unwrap();
+    }
+    // A region the target let go after the initiator loaded its key.
+    target.deregister_memory(&MemoryDescs::dram(&gone)).unwrap();
+    let e = write(&gone).unwrap_err();
+    assert!(matches!(e, Error::RemoteRejected { .. }), "{e}");
+
+    let addr = init.metrics_addr().expect("an endpoint");
+    let (status, text) = get(addr, "/metrics");
+    assert!(status.contains("200"), "{status}");
+    let l = "agent=\"m-init\",transport=\"tcp\",peer=\"m-target\"";
+    let val = |s: &str| sample(&text, s).unwrap_or_else(|| panic!("no {s}:\n{text}"));
+    assert_eq!(
+        val(&format!("kvxfer_requests_total{{{l},outcome=\"ok\"}}")),
+        5.0
+    );
+    assert_eq!(
+        val(&format!(
+            "kvxfer_requests_total{{{l},outcome=\"rejected\"}}"
+        )),
+        1.0
+    );
+    assert_eq!(
+        val(&format!("kvxfer_bytes_total{{{l}}}")),
+        5.0 * (1 << 20) as f64
+    );
+    assert_eq!(
+        val(&format!("kvxfer_request_duration_seconds_count{{{l}}}")),
+        6.0
+    );
+    assert_eq!(
+        val(&format!(
+            "kvxfer_request_duration_seconds_bucket{{{l},le=\"+Inf\"}}"
+        )),
+        6.0
+    );
+    assert!(val(&format!("kvxfer_request_duration_seconds_sum{{{l}}}")) > 0.0);
+    assert_eq!(val("kvxfer_requests_in_flight{agent=\"m-init\"}"), 0.0);
+    // The same text without HTTP; other paths are not served.
+    assert!(init.metrics_text().contains("kvxfer_bytes_total"));
+    let (status, _) = get(addr, "/other");
+    assert!(status.contains("404"), "{status}");
+    drop(init);
+    drop(target);
+}

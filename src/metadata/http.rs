@@ -112,19 +112,11 @@ impl Conn {
         Ok(())
     }
 
-    /// Reads more bytes into the buffer; false at the end of the stream.
+    /// Reads more bytes into the buffer before the deadline; false at the
+    /// end of the stream.
     fn fill(&mut self) -> Result<bool, HttpError> {
         self.arm()?;
-        let mut chunk = [0u8; 8192];
-        let n = loop {
-            match self.sock.read(&mut chunk) {
-                Ok(n) => break n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e.into()),
-            }
-        };
-        self.buf.extend_from_slice(&chunk[..n]);
-        Ok(n > 0)
+        self.fill_untimed()
     }
 
     /// The response head: status, and how the body is framed.
@@ -339,7 +331,8 @@ impl Stream {
 }
 
 impl Conn {
-    /// [`fill`](Self::fill) under the socket's own read timeout.
+    /// Reads more bytes into the buffer, under the socket's read timeout
+    /// as it is set; false at the end of the stream.
     fn fill_untimed(&mut self) -> Result<bool, HttpError> {
         let mut chunk = [0u8; 8192];
         let n = loop {

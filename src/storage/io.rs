@@ -265,11 +265,39 @@ unsafe fn run_sync(ops: &[Op], sync: &[(u32, RawFd)], stop: &Option<Stop>) -> Re
     Ok(())
 }
 
+/// Runs `ops` as one batch on `engine` (stopping once `stop` says so);
+/// its outcome, waited for up to 60 s.
+#[cfg(test)]
+pub(crate) fn run_batch(
+    engine: &dyn IoEngine,
+    ops: Vec<Op>,
+    stop: Option<Stop>,
+) -> Result<(), Error> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let batch = Batch {
+        ops,
+        sync: Vec::new(),
+        done: Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+        stop,
+    };
+    // SAFETY: the callers' buffers and files outlive the batch, which is
+    // waited for here.
+    unsafe { engine.submit(batch) };
+    rx.recv_timeout(std::time::Duration::from_secs(60))
+        .expect("batch finished")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn run(engine: &dyn IoEngine, ops: Vec<Op>, stop: Stop) -> Result<(), Error> {
+        run_batch(engine, ops, Some(stop))
+    }
 
     const PIECE: usize = 4096;
 
@@ -300,24 +328,6 @@ mod tests {
                 fixed: None,
             })
             .collect()
-    }
-
-    /// Runs a batch of `ops` on `engine`, stopping once `stop` says so; the
-    /// outcome.
-    fn run(engine: &dyn IoEngine, ops: Vec<Op>, stop: Stop) -> Result<(), Error> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        let batch = Batch {
-            ops,
-            sync: Vec::new(),
-            done: Box::new(move |r| {
-                let _ = tx.send(r);
-            }),
-            stop: Some(stop),
-        };
-        // SAFETY: the buffers and the file outlive the batch (waited for).
-        unsafe { engine.submit(batch) };
-        rx.recv_timeout(std::time::Duration::from_secs(60))
-            .expect("batch finished")
     }
 
     /// Pieces of the file that were written (ones), in order.

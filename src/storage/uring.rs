@@ -505,20 +505,7 @@ mod tests {
 
     /// Runs `ops` as one batch; its outcome.
     fn run(u: &Uring, ops: Vec<Op>) -> Result<(), Error> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        let batch = Batch {
-            ops,
-            sync: Vec::new(),
-            done: Box::new(move |r| {
-                let _ = tx.send(r);
-            }),
-            stop: None,
-        };
-        // SAFETY: the buffers and the file outlive the batch (waited for
-        // below).
-        unsafe { u.submit(batch) };
-        rx.recv_timeout(std::time::Duration::from_secs(30))
-            .expect("batch finished")
+        super::super::io::run_batch(u, ops, None)
     }
 
     fn op(fd: RawFd, write: bool, buf: &[u8], offset: u64, fixed: Option<u16>) -> Op {

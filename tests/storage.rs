@@ -172,6 +172,29 @@ fn sub(buf: &Buf, off: u64, len: u64) -> MemoryDescs {
     )
 }
 
+/// `n` host descriptors of `piece` bytes, back to back from the start of `b`.
+fn pieces(b: &Buf, n: usize, piece: u64) -> MemoryDescs {
+    MemoryDescs::new(
+        MemoryType::Dram,
+        (0..n)
+            .map(|i| MemoryDesc::new(b.addr() + i as u64 * piece, piece, 0))
+            .collect(),
+    )
+}
+
+/// Storage descriptors of `piece` bytes: piece `i` at even slot `perm[i]`
+/// of file `h` (the odd slots stay untouched).
+fn even_slots(h: u32, perm: &[usize], piece: u64) -> MemoryDescs {
+    file_descs(
+        h,
+        &perm
+            .iter()
+            .map(|&p| (2 * p as u64 * piece, piece))
+            .collect::<Vec<_>>(),
+        MemoryType::File,
+    )
+}
+
 /// A deterministic permutation of `0..n`.
 fn shuffled(n: usize, seed: u64) -> Vec<usize> {
     let mut v: Vec<usize> = (0..n).collect();
@@ -242,22 +265,8 @@ fn scattered_64k_pieces_land_where_described() {
         register(a.as_ref(), &back.all());
         // Piece i of memory goes to slot perm[i] of the file's even slots.
         let perm = shuffled(N, 42);
-        let local = |b: &Buf| {
-            MemoryDescs::new(
-                MemoryType::Dram,
-                (0..N)
-                    .map(|i| MemoryDesc::new(b.addr() + i as u64 * PIECE, PIECE, 0))
-                    .collect(),
-            )
-        };
-        let remote = file_descs(
-            h,
-            &perm
-                .iter()
-                .map(|&p| (2 * p as u64 * PIECE, PIECE))
-                .collect::<Vec<_>>(),
-            MemoryType::File,
-        );
+        let local = |b: &Buf| pieces(b, N, PIECE);
+        let remote = even_slots(h, &perm, PIECE);
         write(a.as_ref(), local(&src), remote.clone()).unwrap();
         let on_disk = std::fs::read(dir.join("f")).unwrap();
         for (i, &p) in perm.iter().enumerate() {

@@ -265,6 +265,22 @@ unsafe fn run_sync(ops: &[Op], sync: &[(u32, RawFd)], stop: &Option<Stop>) -> Re
     Ok(())
 }
 
+/// A new file of `len` bytes in the temporary directory, open for reading
+/// and writing.
+#[cfg(test)]
+pub(crate) fn temp_file(name: &str, len: u64) -> (std::path::PathBuf, std::fs::File) {
+    let path = std::env::temp_dir().join(format!("kvxfer-{name}-{}", std::process::id()));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    f.set_len(len).unwrap();
+    (path, f)
+}
+
 /// Runs `ops` as one batch on `engine` (stopping once `stop` says so);
 /// its outcome, waited for up to 60 s.
 #[cfg(test)]
@@ -303,15 +319,7 @@ mod tests {
 
     /// A file of `n` zeroed pieces, and `n` pieces of ones to write to it.
     fn setup(name: &str, n: usize) -> (std::path::PathBuf, std::fs::File, Vec<u8>) {
-        let path = std::env::temp_dir().join(format!("kvxfer-io-{name}-{}", std::process::id()));
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
-        f.set_len((n * PIECE) as u64).unwrap();
+        let (path, f) = temp_file(&format!("io-{name}"), (n * PIECE) as u64);
         (path, f, vec![1u8; n * PIECE])
     }
 

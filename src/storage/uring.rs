@@ -535,15 +535,7 @@ mod tests {
             );
             return;
         }
-        let path = std::env::temp_dir().join(format!("kvxfer-uring-{}", std::process::id()));
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
-        f.set_len(8192).unwrap();
+        let (path, f) = super::super::io::temp_file("uring", 8192);
         let fd = f.as_raw_fd();
         let src: Vec<u8> = (0..8192u32).map(|i| (i * 31 + 7) as u8).collect();
         // SAFETY: `src` outlives the registration (forgotten below).

@@ -79,22 +79,8 @@ fn a_peers_file_round_trips_through_its_agent() {
 
         // 256 pieces of 64 KiB to scattered even slots, and back.
         let perm = shuffled(N, 7);
-        let local = |b: &Buf| {
-            MemoryDescs::new(
-                MemoryType::Dram,
-                (0..N)
-                    .map(|i| MemoryDesc::new(b.addr() + i as u64 * PIECE, PIECE, 0))
-                    .collect(),
-            )
-        };
-        let remote = file_descs(
-            h,
-            &perm
-                .iter()
-                .map(|&p| (2 * p as u64 * PIECE, PIECE))
-                .collect::<Vec<_>>(),
-            MemoryType::File,
-        );
+        let local = |b: &Buf| pieces(b, N, PIECE);
+        let remote = even_slots(h, &perm, PIECE);
         let w = TransferRequest::write(local(&src), remote.clone(), &tname);
         run_remote(init.as_ref(), w).unwrap();
         let on_disk = std::fs::read(&path).unwrap();

@@ -487,3 +487,120 @@ fn agents_on_other_hosts_find_each_other_and_an_unplugged_host_is_gone() {
     drop(target);
     drop(etcd);
 }
+
+/// A context rank of the KV-cache protocol in a process of its own,
+/// published in etcd (`KVXFER_ETCD`), that never sends: it waits on stdin.
+fn kv_context_main(s: &kvxfer::cache::CacheState) -> ! {
+    use std::io::{BufRead, Write};
+    let agent: std::sync::Arc<dyn kvxfer::TransferAgent> =
+        make_transfer_agent(Backend::Tcp, AgentConfig::new("kv-ctx0"))
+            .unwrap()
+            .into();
+    let slice = kvxfer::cache::rank_slice(s, 0, kvxfer::cache::distinct_heads(s, s));
+    let pool: &'static mut [u8] =
+        Box::leak(vec![0u8; 4 * slice.block_bytes() as usize].into_boxed_slice());
+    // SAFETY: leaked: lives as long as the process.
+    unsafe { agent.register_memory(&MemoryDescs::dram(pool)).unwrap() };
+    let _sender = kvxfer::cache::CacheSender::new(
+        std::sync::Arc::clone(&agent),
+        s.clone(),
+        0,
+        None,
+        kvxfer::cache::SenderConfig::default(),
+    )
+    .unwrap();
+    println!("READY {}", agent.local_connection_info());
+    std::io::stdout().flush().unwrap();
+    for _ in std::io::stdin().lock().lines() {}
+    std::process::exit(0)
+}
+
+/// The KV-cache receiver waits on a context rank's share; the context
+/// process is killed: the request fails with `PeerGone` once its lease runs
+/// out, not at the receiver's deadline (120 s).
+#[test]
+fn a_kv_request_fails_at_once_when_its_context_rank_leaves() {
+    use kvxfer::cache::{
+        Attention, CacheError, CacheReceiver, CacheState, DataType, ReceiverConfig, RecvRequest,
+    };
+    let s = CacheState::new(2, 2, 16, 16, DataType::F32, Attention::Default, 1, 1);
+    if std::env::var_os("KVXFER_KV_PEER").is_some() {
+        kv_context_main(&s);
+    }
+    let Some(etcd) = etcd("a_kv_request_fails_at_once_when_its_context_rank_leaves", 1) else {
+        return;
+    };
+    let p = prefix("kv");
+    let eps = etcd.endpoints().join(",");
+    let ttl = TTL.as_secs().to_string();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_kv_request_fails_at_once_when_its_context_rank_leaves",
+        ])
+        .arg("--nocapture")
+        .env("KVXFER_KV_PEER", "1")
+        .env("KVXFER_ETCD", &eps)
+        .env("KVXFER_ETCD_PREFIX", &p)
+        .env("KVXFER_ETCD_LEASE_TTL", &ttl)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let conn = {
+        use std::io::BufRead;
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(
+                out.read_line(&mut line).unwrap() > 0,
+                "the context process exited"
+            );
+            // (The harness may print the test's name on the same line.)
+            if let Some(at) = line.find("READY ") {
+                break line[at + 6..].trim().to_owned();
+            }
+        }
+    };
+    let agent: std::sync::Arc<dyn TransferAgent> =
+        make_transfer_agent(Backend::Tcp, config(&etcd, "kv-gen0", &p))
+            .unwrap()
+            .into();
+    let slice = kvxfer::cache::rank_slice(&s, 0, kvxfer::cache::distinct_heads(&s, &s));
+    let pool = buffer(agent.as_ref(), 4 * slice.block_bytes() as usize, 0);
+    let recv = CacheReceiver::new(
+        std::sync::Arc::clone(&agent),
+        s.clone(),
+        0,
+        s.clone(),
+        &[conn],
+        ReceiverConfig {
+            timeout: Duration::from_secs(120),
+            ..ReceiverConfig::default()
+        },
+    )
+    .unwrap();
+    let h = recv
+        .request(RecvRequest {
+            request_id: 9,
+            ctx_dp_rank: 0,
+            blocks: vec![pool.as_ptr() as u64],
+            last_block_key: None,
+        })
+        .unwrap();
+    let t0 = Instant::now();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let e = h.wait(Duration::from_secs(110)).unwrap_err();
+    let took = t0.elapsed();
+    assert!(
+        matches!(e, CacheError::Transfer(Error::PeerGone { .. })),
+        "{e}"
+    );
+    println!(
+        "a KV request failed with PeerGone {took:?} after its context rank was killed (lease {TTL:?}, receiver timeout 120 s)"
+    );
+    assert!(took < Duration::from_secs(100));
+    drop(recv);
+}

@@ -331,6 +331,15 @@ fn run(s: &Shared) {
             if c.m.poll_timeout().is_some_and(|t| t <= now) {
                 c.m.handle_timeout(now);
             }
+            // A context rank the agent no longer knows left (its metadata
+            // store entry went): its requests fail now, not at their
+            // deadline.
+            for a in c.m.awaited_agents() {
+                if let Err(crate::Error::UnknownAgent(_)) = s.agent.remote_transport(&a) {
+                    let gone = crate::Error::PeerGone { remote: a.clone() };
+                    c.m.handle_peer_gone(&a, gone, now);
+                }
+            }
             c.m.poll_timeout()
         });
         let wait = due.map_or(IDLE_WAIT, |t| {

@@ -259,7 +259,55 @@ impl ReceiverMachine {
             tracing::debug!(remote = to, %error, "cannot notify a context rank");
             return;
         };
-        let id = info.request_id;
+        self.withdraw(info.request_id, to, error);
+    }
+
+    /// Context agents whose share of an open request has not landed.
+    pub fn awaited_agents(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .reqs
+            .values()
+            .filter(|r| !r.reported && !r.cancelling)
+            .flat_map(|r| {
+                r.senders
+                    .iter()
+                    .filter(|(a, s)| s.done.is_none() && !r.settled.contains(*a))
+                    .map(|(a, _)| a.clone())
+            })
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// Context agent `agent` is gone (it left the agent's metadata store:
+    /// its process died, hung or restarted): every open request still
+    /// waiting on its share fails with `error` at once instead of at its
+    /// deadline (and, as after a timeout, stays known until it expires).
+    pub fn handle_peer_gone(&mut self, agent: &str, error: crate::Error, now: Instant) {
+        let ids: Vec<u64> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| {
+                !r.reported
+                    && !r.cancelling
+                    && r.senders.get(agent).is_some_and(|s| s.done.is_none())
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            tracing::info!(
+                remote = agent,
+                request_id = id,
+                "a context rank is gone; failing its request"
+            );
+            self.fail(id, CacheError::Transfer(error.clone()), false, now);
+        }
+    }
+
+    /// Withdraws request `id`, which could not be sent to `to`: forgotten,
+    /// every other rank asked told to cancel, and finished with `error`.
+    fn withdraw(&mut self, id: u64, to: &str, error: crate::Error) {
         let Some(r) = self.reqs.remove(&id) else {
             return;
         };

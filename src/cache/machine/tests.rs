@@ -754,6 +754,43 @@ fn a_lost_context_rank_times_the_receiver_out_and_is_forgotten() {
     assert_eq!(p.receivers[0].metrics().failed, 1);
 }
 
+/// A context rank that left the agent's metadata store (its process died
+/// or hung): the request waiting on its share fails at once with the cause,
+/// not at its deadline; it is then awaited no more, and (as after a
+/// timeout) forgotten one timeout later.
+#[test]
+fn a_context_rank_that_leaves_fails_the_request_at_once() {
+    let mut p = Pair::new(state(1, 1), state(1, 1));
+    p.ctx[0].dead = true;
+    p.request(0, ID, 2);
+    let ctx0 = name(Side::Ctx, 0);
+    assert_eq!(p.receivers[0].awaited_agents(), vec![ctx0.clone()]);
+    // Another agent leaving changes nothing.
+    let gone = |r: &str| crate::Error::PeerGone { remote: r.into() };
+    p.receivers[0].handle_peer_gone("someone-else", gone("someone-else"), p.now);
+    p.drain_gen(0);
+    assert!(p.gen_outcomes(0).is_empty());
+    p.receivers[0].handle_peer_gone(&ctx0, gone(&ctx0), p.now);
+    p.drain_gen(0);
+    let g = p.gen_outcomes(0);
+    assert_eq!(g.len(), 1);
+    assert_eq!(p.elapsed(g[0].0), Duration::ZERO);
+    assert!(
+        matches!(
+            &g[0].1,
+            Err(CacheError::Transfer(crate::Error::PeerGone { .. }))
+        ),
+        "{:?}",
+        g[0].1
+    );
+    assert!(p.receivers[0].awaited_agents().is_empty());
+    assert_eq!(p.receivers[0].open_requests(), 1);
+    p.run();
+    assert_eq!(p.receivers[0].open_requests(), 0);
+    assert_eq!(p.gen_outcomes(0).len(), 1);
+    assert_eq!(p.receivers[0].metrics().failed, 1);
+}
+
 #[test]
 fn a_lost_generation_rank_fails_the_writes_at_once() {
     let mut p = Pair::new(state(1, 1), state(1, 1));

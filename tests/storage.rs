@@ -90,6 +90,8 @@ fn engines() -> Vec<StorageIo> {
         Ok(_) => v.push(StorageIo::IoUring),
         Err(e) => println!("SKIPPED io_uring engine: {e}"),
     }
+    drop(probe);
+    let _ = std::fs::remove_dir_all(&dir);
     v
 }
 

@@ -8,7 +8,8 @@
 #                              #   the storage tests' loop devices and full disks;
 #                              #   etcd-server and etcd-client (etcdctl) for the
 #                              #   metadata-store tests' own etcd clusters, and
-#                              #   iproute2 for their network namespaces
+#                              #   iproute2 for their network namespaces,
+#                              #   openssl for their TLS certificates
 #   ci/install-deps.sh guest   # + QEMU, busybox, rdma-core, perftest for ci/rxe-guest
 set -euo pipefail
 # cmake, libclang-dev: rdma-mummy-sys (under sideway) builds vendored
@@ -18,7 +19,7 @@ want=(gcc pkg-config ca-certificates cmake libclang-dev linux-libc-dev)
 case "${1:-build}" in
   build) ;;
   bench) want+=(iperf3 fio python3 util-linux) ;;
-  test) want+=(procps g++ valgrind python3 python3-venv util-linux mount etcd-server etcd-client iproute2) ;;
+  test) want+=(procps g++ valgrind python3 python3-venv util-linux mount etcd-server etcd-client iproute2 openssl) ;;
   guest) want+=(qemu-system-x86 busybox-static cpio kmod gzip rdma-core ibverbs-providers ibverbs-utils perftest iproute2) ;;
   *) echo "usage: $0 build|bench|test|guest" >&2; exit 2 ;;
 esac

@@ -100,6 +100,6 @@ pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion, LocalAccess};
 pub use engine::make_transfer_agent;
 pub use error::{Error, RejectReason};
 pub use memory::{MemoryDesc, MemoryDescs, MemoryType};
-pub use metadata::{EtcdConfig, Metadata};
+pub use metadata::{EtcdConfig, EtcdTls, Metadata};
 pub use registration::Registration;
 pub use storage::{StorageIo, StorageKind, StorageSpec};

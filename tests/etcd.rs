@@ -604,3 +604,156 @@ fn a_kv_request_fails_at_once_when_its_context_rank_leaves() {
     assert!(took < Duration::from_secs(100));
     drop(recv);
 }
+
+/// A certificate authority, a server certificate for 127.0.0.1 and a
+/// client certificate, made with `openssl` in `dir` (P-256 keys, one day).
+fn make_certs(dir: &std::path::Path) -> Result<(), String> {
+    let run = |args: &[&str]| -> Result<(), String> {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .map_err(|e| format!("no openssl ({e})"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "openssl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(())
+    };
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    run(&[
+        &["req", "-x509"][..],
+        &ec,
+        &[
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=kvxfer test CA",
+        ],
+    ]
+    .concat())?;
+    std::fs::write(dir.join("server.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
+    for who in ["server", "client"] {
+        let (key, csr, crt, ext) = (
+            format!("{who}.key"),
+            format!("{who}.csr"),
+            format!("{who}.crt"),
+            format!("{who}.ext"),
+        );
+        run(&[
+            &["req"][..],
+            &ec,
+            &[
+                "-keyout",
+                &key,
+                "-out",
+                &csr,
+                "-subj",
+                &format!("/CN=kvxfer {who}"),
+            ],
+        ]
+        .concat())?;
+        run(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &crt,
+            "-days",
+            "1",
+            "-extfile",
+            &ext,
+        ])?;
+    }
+    Ok(())
+}
+
+/// etcd over TLS with client certificates: agents with the CA and a
+/// client certificate publish and find each other; one without a client
+/// certificate, or speaking plain HTTP, cannot start (a typed store error).
+#[test]
+fn agents_reach_etcd_over_tls_with_client_certificates() {
+    let test = "agents_reach_etcd_over_tls_with_client_certificates";
+    let certs = std::env::temp_dir().join(format!("kvxfer-certs-{}", std::process::id()));
+    std::fs::create_dir_all(&certs).unwrap();
+    if let Err(why) = make_certs(&certs) {
+        println!("SKIPPED {test}: {why}");
+        let _ = std::fs::remove_dir_all(&certs);
+        return;
+    }
+    let etcd = match Etcd::start_tls(&certs) {
+        Ok(e) => e,
+        Err(why) => {
+            println!("SKIPPED {test}: {why}");
+            let _ = std::fs::remove_dir_all(&certs);
+            return;
+        }
+    };
+    let p = prefix("tls");
+    let tls = kvxfer::EtcdTls::new(certs.join("ca.crt"))
+        .with_client_cert(certs.join("client.crt"), certs.join("client.key"));
+    let cfg = |name: &str, tls: Option<kvxfer::EtcdTls>| {
+        let mut e = EtcdConfig::new(etcd.endpoints())
+            .with_prefix(&p)
+            .with_lease_ttl(TTL);
+        if let Some(t) = tls {
+            e = e.with_tls(t);
+        }
+        AgentConfig::new(name).with_etcd(e)
+    };
+    let target = make_transfer_agent(Backend::Tcp, cfg("tls-a", Some(tls.clone()))).unwrap();
+    let dst = buffer(target.as_ref(), 1 << 16, 0);
+    let init = make_transfer_agent(Backend::Tcp, cfg("tls-b", Some(tls))).unwrap();
+    let src = buffer(init.as_ref(), 1 << 16, 0x2e);
+    init.load_remote_agent_by_name("tls-a").unwrap();
+    write(init.as_ref(), src, dst, "tls-a").unwrap();
+    assert!(dst.iter().all(|&b| b == 0x2e));
+    // No client certificate: the server refuses the handshake.
+    let e = make_transfer_agent(
+        Backend::Tcp,
+        cfg("tls-c", Some(kvxfer::EtcdTls::new(certs.join("ca.crt")))),
+    )
+    .err()
+    .expect("an agent without a client certificate was published");
+    assert!(matches!(e, Error::MetadataStore { .. }), "{e}");
+    // Plain HTTP to a TLS port.
+    let e = make_transfer_agent(Backend::Tcp, cfg("tls-d", None))
+        .err()
+        .expect("an agent speaking plain HTTP was published");
+    assert!(matches!(e, Error::MetadataStore { .. }), "{e}");
+    // A CA file that is not one: a configuration error.
+    let e = make_transfer_agent(
+        Backend::Tcp,
+        cfg(
+            "tls-e",
+            Some(kvxfer::EtcdTls::new(certs.join("server.ext"))),
+        ),
+    )
+    .err()
+    .expect("a bad CA file was accepted");
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
+    drop(init);
+    drop(target);
+    drop(etcd);
+    std::fs::remove_dir_all(&certs).unwrap();
+}

@@ -130,9 +130,10 @@ impl PyAgent {
     /// loopback port). `secret`: the cluster secret every peer must hold.
     /// `etcd`: an etcd cluster (`host:port[,host:port...]`) to publish the
     /// agent in and find peers in by name, under `etcd_prefix`, with a
-    /// lease of `etcd_lease_ttl` seconds.
+    /// lease of `etcd_lease_ttl` seconds; over TLS with `etcd_ca` (and a
+    /// client certificate `etcd_cert` with its key `etcd_key`).
     #[new]
-    #[pyo3(signature = (name, backend = "tcp", listen = None, secret = None, connect_timeout = 10.0, io_timeout = 30.0, etcd = None, etcd_prefix = "/kvxfer", etcd_lease_ttl = 5.0))]
+    #[pyo3(signature = (name, backend = "tcp", listen = None, secret = None, connect_timeout = 10.0, io_timeout = 30.0, etcd = None, etcd_prefix = "/kvxfer", etcd_lease_ttl = 5.0, etcd_ca = None, etcd_cert = None, etcd_key = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -145,6 +146,9 @@ impl PyAgent {
         etcd: Option<&str>,
         etcd_prefix: &str,
         etcd_lease_ttl: f64,
+        etcd_ca: Option<std::path::PathBuf>,
+        etcd_cert: Option<std::path::PathBuf>,
+        etcd_key: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let backend: Backend = backend.parse().map_err(to_py)?;
         let io_timeout = secs("io_timeout", io_timeout)?;
@@ -162,11 +166,17 @@ impl PyAgent {
             cfg = cfg.with_credential(c);
         }
         if let Some(eps) = etcd {
-            cfg = cfg.with_etcd(
-                kvxfer::EtcdConfig::new(eps.split(',').map(str::trim))
-                    .with_prefix(etcd_prefix)
-                    .with_lease_ttl(secs("etcd_lease_ttl", etcd_lease_ttl)?),
-            );
+            let mut e = kvxfer::EtcdConfig::new(eps.split(',').map(str::trim))
+                .with_prefix(etcd_prefix)
+                .with_lease_ttl(secs("etcd_lease_ttl", etcd_lease_ttl)?);
+            if let Some(ca) = etcd_ca {
+                let mut tls = kvxfer::EtcdTls::new(ca);
+                if let (Some(c), Some(k)) = (etcd_cert, etcd_key) {
+                    tls = tls.with_client_cert(c, k);
+                }
+                e = e.with_tls(tls);
+            }
+            cfg = cfg.with_etcd(e);
         }
         let agent = py
             .detach(|| make_transfer_agent(backend, cfg))

@@ -25,6 +25,7 @@ use crate::error::Error;
 pub(crate) struct Client {
     cfg: EtcdConfig,
     good: AtomicUsize,
+    tls: Option<http::TlsClient>,
 }
 
 /// Keys with their values, and the store's revision when they were read.
@@ -68,9 +69,24 @@ impl Client {
                 cfg.lease_ttl
             )));
         }
+        let tls = match &cfg.tls {
+            None => None,
+            #[cfg(feature = "etcd-tls")]
+            Some(t) => Some(
+                http::TlsClient::new(t)
+                    .map_err(|e| Error::InvalidConfig(format!("etcd TLS: {e}")))?,
+            ),
+            #[cfg(not(feature = "etcd-tls"))]
+            Some(_) => {
+                return Err(Error::InvalidConfig(
+                    "this build of kvxfer has no TLS to etcd (cargo feature `etcd-tls`)".into(),
+                ));
+            }
+        };
         Ok(Client {
             cfg,
             good: AtomicUsize::new(0),
+            tls,
         })
     }
 
@@ -98,7 +114,13 @@ impl Client {
             if Instant::now() >= deadline {
                 break;
             }
-            match http::post(&self.cfg.endpoints[i], path, &body, deadline) {
+            match http::post(
+                &self.cfg.endpoints[i],
+                path,
+                &body,
+                deadline,
+                self.tls.as_ref(),
+            ) {
                 Ok(answer) => {
                     self.good.store(i, Ordering::Relaxed);
                     return serde_json::from_slice(&answer)
@@ -200,7 +222,14 @@ impl Client {
         let mut last = String::from("timed out");
         for k in 0..n {
             let ep = &self.cfg.endpoints[(first + k) % n];
-            match http::Stream::open(ep, "/v3/watch", body.as_bytes(), deadline, closer) {
+            match http::Stream::open(
+                ep,
+                "/v3/watch",
+                body.as_bytes(),
+                deadline,
+                closer,
+                self.tls.as_ref(),
+            ) {
                 Ok(s) => return Ok(s),
                 Err(e) => last = format!("{ep}: {e}"),
             }

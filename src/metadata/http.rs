@@ -4,7 +4,8 @@
 //! newline-separated JSON messages (a watch). Every read and write has a
 //! deadline, and a stream can be shut down from another thread (its
 //! socket is shared with a [`Closer`]), so no thread is ever stuck in it.
-//! Response heads are parsed by `httparse`.
+//! Response heads are parsed by `httparse`. With a [`TlsClient`] (feature
+//! `etcd-tls`) the same runs over TLS (rustls).
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
@@ -51,15 +52,98 @@ impl Closer {
     }
 }
 
+/// TLS to the server: the client configuration and the name its
+/// certificate must hold (default: the endpoint's host).
+#[cfg(feature = "etcd-tls")]
+pub(crate) struct TlsClient {
+    config: std::sync::Arc<rustls::ClientConfig>,
+    name: Option<rustls::pki_types::ServerName<'static>>,
+}
+
+/// TLS to the server (this build has none: never made).
+#[cfg(not(feature = "etcd-tls"))]
+pub(crate) enum TlsClient {}
+
+#[cfg(feature = "etcd-tls")]
+impl TlsClient {
+    /// From the CA file, the optional client certificate and key, and the
+    /// optional server name; what is wrong with them.
+    pub(crate) fn new(tls: &super::EtcdTls) -> Result<Self, String> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        let certs = CertificateDer::pem_file_iter(&tls.ca_file)
+            .map_err(|e| format!("{}: {e}", tls.ca_file.display()))?;
+        for c in certs {
+            let c = c.map_err(|e| format!("{}: {e}", tls.ca_file.display()))?;
+            roots
+                .add(c)
+                .map_err(|e| format!("{}: {e}", tls.ca_file.display()))?;
+        }
+        if roots.is_empty() {
+            return Err(format!("{}: no certificate in it", tls.ca_file.display()));
+        }
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots);
+        let config = match &tls.client {
+            None => builder.with_no_client_auth(),
+            Some((cert, key)) => {
+                let chain = CertificateDer::pem_file_iter(cert)
+                    .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+                    .map_err(|e| format!("{}: {e}", cert.display()))?;
+                let key = PrivateKeyDer::from_pem_file(key)
+                    .map_err(|e| format!("{}: {e}", key.display()))?;
+                builder
+                    .with_client_auth_cert(chain, key)
+                    .map_err(|e| e.to_string())?
+            }
+        };
+        let name = match &tls.server_name {
+            Some(n) => Some(
+                ServerName::try_from(n.clone()).map_err(|e| format!("server name {n:?}: {e}"))?,
+            ),
+            None => None,
+        };
+        Ok(TlsClient {
+            config: std::sync::Arc::new(config),
+            name,
+        })
+    }
+
+    /// A TLS session to `endpoint` (`host:port`).
+    fn session(&self, endpoint: &str) -> io::Result<rustls::ClientConnection> {
+        let name = match &self.name {
+            Some(n) => n.clone(),
+            None => {
+                let host = endpoint
+                    .rsplit_once(':')
+                    .map_or(endpoint, |(h, _)| h)
+                    .trim_start_matches('[')
+                    .trim_end_matches(']');
+                rustls::pki_types::ServerName::try_from(host.to_owned())
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?
+            }
+        };
+        rustls::ClientConnection::new(std::sync::Arc::clone(&self.config), name)
+            .map_err(io::Error::other)
+    }
+}
+
 /// An open request whose answer is being read.
 struct Conn {
     sock: TcpStream,
+    /// The TLS session over `sock`, when there is one.
+    #[cfg(feature = "etcd-tls")]
+    tls: Option<Box<rustls::ClientConnection>>,
     buf: Vec<u8>,
     deadline: Option<Instant>,
 }
 
 impl Conn {
-    fn open(endpoint: &str, deadline: Instant) -> Result<Self, HttpError> {
+    fn open(endpoint: &str, deadline: Instant, tls: Option<&TlsClient>) -> Result<Self, HttpError> {
         let mut last = None;
         for a in endpoint.to_socket_addrs()? {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -69,8 +153,16 @@ impl Conn {
             match TcpStream::connect_timeout(&a, left) {
                 Ok(s) => {
                     s.set_nodelay(true)?;
+                    #[cfg(feature = "etcd-tls")]
+                    let tls = tls.map(|t| t.session(endpoint)).transpose()?.map(Box::new);
+                    #[cfg(not(feature = "etcd-tls"))]
+                    if let Some(t) = tls {
+                        match *t {}
+                    }
                     return Ok(Conn {
                         sock: s,
+                        #[cfg(feature = "etcd-tls")]
+                        tls,
                         buf: Vec::new(),
                         deadline: Some(deadline),
                     });
@@ -108,8 +200,24 @@ impl Conn {
         );
         let mut msg = head.into_bytes();
         msg.extend_from_slice(body);
+        #[cfg(feature = "etcd-tls")]
+        if let Some(t) = self.tls.as_deref_mut() {
+            let mut s = rustls::Stream::new(t, &mut self.sock);
+            s.write_all(&msg)?;
+            return Ok(s.flush()?);
+        }
         self.sock.write_all(&msg)?;
         Ok(())
+    }
+
+    /// Reads what the server sent next (through TLS when there is a
+    /// session).
+    fn read_some(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        #[cfg(feature = "etcd-tls")]
+        if let Some(t) = self.tls.as_deref_mut() {
+            return rustls::Stream::new(t, &mut self.sock).read(buf);
+        }
+        self.sock.read(buf)
     }
 
     /// Reads more bytes into the buffer before the deadline; false at the
@@ -240,8 +348,9 @@ pub(crate) fn post(
     path: &str,
     body: &[u8],
     deadline: Instant,
+    tls: Option<&TlsClient>,
 ) -> Result<Vec<u8>, HttpError> {
-    let mut c = Conn::open(endpoint, deadline)?;
+    let mut c = Conn::open(endpoint, deadline, tls)?;
     c.send(endpoint, path, body)?;
     let (status, framing) = c.head()?;
     let body = c.body(framing)?;
@@ -273,8 +382,9 @@ impl Stream {
         body: &[u8],
         deadline: Instant,
         closer: &Closer,
+        tls: Option<&TlsClient>,
     ) -> Result<Self, HttpError> {
-        let mut conn = Conn::open(endpoint, deadline)?;
+        let mut conn = Conn::open(endpoint, deadline, tls)?;
         *closer.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn.sock.try_clone()?);
         conn.send(endpoint, path, body)?;
         let (status, framing) = conn.head()?;
@@ -336,7 +446,7 @@ impl Conn {
     fn fill_untimed(&mut self) -> Result<bool, HttpError> {
         let mut chunk = [0u8; 8192];
         let n = loop {
-            match self.sock.read(&mut chunk) {
+            match self.read_some(&mut chunk) {
                 Ok(n) => break n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e.into()),
@@ -379,22 +489,22 @@ mod tests {
     #[test]
     fn bodies_by_length_and_by_chunks() {
         let a = serve(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n{\"a\":1}");
-        assert_eq!(post(&a, "/x", b"{}", soon()).unwrap(), b"{\"a\":1}");
+        assert_eq!(post(&a, "/x", b"{}", soon(), None).unwrap(), b"{\"a\":1}");
         let a = serve(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n4;x=y\r\n\":2}\r\n0\r\n\r\n");
-        assert_eq!(post(&a, "/x", b"{}", soon()).unwrap(), b"{\"a\":2}");
+        assert_eq!(post(&a, "/x", b"{}", soon(), None).unwrap(), b"{\"a\":2}");
         let a = serve(b"HTTP/1.1 404 Not Found\r\nContent-Length: 4\r\n\r\nnope");
         assert!(matches!(
-            post(&a, "/x", b"{}", soon()),
+            post(&a, "/x", b"{}", soon(), None),
             Err(HttpError::Status { status: 404, .. })
         ));
         let a = serve(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n");
         assert!(matches!(
-            post(&a, "/x", b"{}", soon()),
+            post(&a, "/x", b"{}", soon(), None),
             Err(HttpError::Malformed(_))
         ));
         let a = serve(b"garbage\r\n\r\n");
         assert!(matches!(
-            post(&a, "/x", b"{}", soon()),
+            post(&a, "/x", b"{}", soon(), None),
             Err(HttpError::Malformed(_))
         ));
     }
@@ -406,7 +516,7 @@ mod tests {
               5\r\n{\"a\":\r\n6\r\n1}\n{\"b\r\n5\r\n\":2}\n\r\n0\r\n\r\n",
         );
         let closer = Closer::default();
-        let mut s = Stream::open(&a, "/w", b"{}", soon(), &closer).unwrap();
+        let mut s = Stream::open(&a, "/w", b"{}", soon(), &closer, None).unwrap();
         assert_eq!(s.next_message().unwrap().unwrap(), b"{\"a\":1}");
         assert_eq!(s.next_message().unwrap().unwrap(), b"{\"b\":2}");
         assert_eq!(s.next_message().unwrap(), None);
@@ -430,7 +540,7 @@ mod tests {
             let _ = s2.read(&mut buf);
         });
         let closer = Closer::default();
-        let mut s = Stream::open(&addr, "/w", b"{}", soon(), &closer).unwrap();
+        let mut s = Stream::open(&addr, "/w", b"{}", soon(), &closer, None).unwrap();
         let c = closer.clone();
         let t = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(50));
@@ -444,6 +554,7 @@ mod tests {
             "/x",
             b"{}",
             Instant::now() + Duration::from_millis(200),
+            None,
         )
         .unwrap_err();
         assert!(

@@ -44,9 +44,10 @@ pub enum Metadata {
 }
 
 /// An etcd v3 cluster as a metadata store. Reached through etcd's JSON
-/// gateway (served on the client port of every etcd since 3.3), over plain
-/// HTTP: run it on a trusted network, and give the agents a cluster
-/// credential (the descriptors it holds carry region keys).
+/// gateway (served on the client port of every etcd since 3.3), over HTTP,
+/// or HTTPS with [`tls`](Self::tls) (cargo feature `etcd-tls`). Give the
+/// agents a cluster credential as well: the descriptors the store holds
+/// carry region keys.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct EtcdConfig {
@@ -61,6 +62,45 @@ pub struct EtcdConfig {
     pub lease_ttl: Duration,
     /// Deadline of one store request (over every endpoint). Default 2 s.
     pub timeout: Duration,
+    /// TLS to the endpoints (`None`: plain HTTP).
+    pub tls: Option<EtcdTls>,
+}
+
+/// TLS to etcd's client port: the server's certificate checked against
+/// `ca_file`, and optionally a client certificate for etcd's
+/// `--client-cert-auth`.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct EtcdTls {
+    /// PEM file of the certificate authorities the server's certificate
+    /// must chain to.
+    pub ca_file: std::path::PathBuf,
+    /// PEM files of this client's certificate chain and private key.
+    pub client: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    /// The name the server's certificate must hold (default: the
+    /// endpoint's host, a DNS name or an IP address).
+    pub server_name: Option<String>,
+}
+
+impl EtcdTls {
+    /// Servers checked against `ca_file`, no client certificate.
+    pub fn new(ca_file: impl Into<std::path::PathBuf>) -> Self {
+        EtcdTls {
+            ca_file: ca_file.into(),
+            client: None,
+            server_name: None,
+        }
+    }
+
+    /// Presents the certificate chain in `cert` with the key in `key`.
+    pub fn with_client_cert(
+        mut self,
+        cert: impl Into<std::path::PathBuf>,
+        key: impl Into<std::path::PathBuf>,
+    ) -> Self {
+        self.client = Some((cert.into(), key.into()));
+        self
+    }
 }
 
 impl EtcdConfig {
@@ -72,7 +112,14 @@ impl EtcdConfig {
             prefix: "/kvxfer".into(),
             lease_ttl: Duration::from_secs(5),
             timeout: Duration::from_secs(2),
+            tls: None,
         }
+    }
+
+    /// Talks to the endpoints over TLS.
+    pub fn with_tls(mut self, tls: EtcdTls) -> Self {
+        self.tls = Some(tls);
+        self
     }
 
     /// Sets the key prefix.
@@ -95,7 +142,8 @@ impl EtcdConfig {
 
     /// The endpoints as one string, for messages.
     pub fn describe(&self) -> String {
-        format!("etcd {}", self.endpoints.join(","))
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("etcd {scheme}://{}", self.endpoints.join(","))
     }
 
     /// The key of agent `name`.

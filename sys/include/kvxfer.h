@@ -180,6 +180,14 @@ typedef struct kvxfer_options {
   const char *etcd_prefix;
   // The agent's lease in etcd, in seconds, at least 2 (0: 5).
   uint32_t etcd_lease_ttl_s;
+  // TLS to etcd: PEM file of the certificate authorities its server
+  // certificate must chain to (NULL: plain HTTP).
+  const char *etcd_ca_file;
+  // With `etcd_ca_file`: this client's certificate chain and key (PEM
+  // files), for etcd's `--client-cert-auth` (NULL: none).
+  const char *etcd_cert_file;
+  // The key of `etcd_cert_file`.
+  const char *etcd_key_file;
 } kvxfer_options;
 
 // A memory type: one of the `KVXFER_MEM_*` values.

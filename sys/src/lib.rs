@@ -206,6 +206,14 @@ pub struct kvxfer_options {
     pub etcd_prefix: *const c_char,
     /// The agent's lease in etcd, in seconds, at least 2 (0: 5).
     pub etcd_lease_ttl_s: u32,
+    /// TLS to etcd: PEM file of the certificate authorities its server
+    /// certificate must chain to (NULL: plain HTTP).
+    pub etcd_ca_file: *const c_char,
+    /// With `etcd_ca_file`: this client's certificate chain and key (PEM
+    /// files), for etcd's `--client-cert-auth` (NULL: none).
+    pub etcd_cert_file: *const c_char,
+    /// The key of `etcd_cert_file`.
+    pub etcd_key_file: *const c_char,
 }
 
 /// A transfer request. `local` and `remote` pair up element by element
@@ -714,6 +722,24 @@ pub unsafe extern "C" fn kvxfer_agent_new(
                 }
                 if let Some(s) = field!(etcd_lease_ttl_s: u32).filter(|&s| s > 0) {
                     etcd = etcd.with_lease_ttl(Duration::from_secs(s.into()));
+                }
+                if let Some(p) = field!(etcd_ca_file: *const c_char).filter(|p| !p.is_null()) {
+                    // SAFETY: NUL-terminated per the contract.
+                    let mut tls =
+                        kvxfer_core::EtcdTls::new(unsafe { text(p, "options.etcd_ca_file")? });
+                    let cert = field!(etcd_cert_file: *const c_char).filter(|p| !p.is_null());
+                    let key = field!(etcd_key_file: *const c_char).filter(|p| !p.is_null());
+                    if let (Some(c), Some(k)) = (cert, key) {
+                        // SAFETY: NUL-terminated per the contract.
+                        let (c, k) = unsafe {
+                            (
+                                text(c, "options.etcd_cert_file")?,
+                                text(k, "options.etcd_key_file")?,
+                            )
+                        };
+                        tls = tls.with_client_cert(c, k);
+                    }
+                    etcd = etcd.with_tls(tls);
                 }
                 cfg = cfg.with_etcd(etcd);
             }

@@ -24,6 +24,9 @@ pub struct Etcd {
     dir: PathBuf,
     /// The network namespace its members run in (`None`: this one).
     netns: Option<String>,
+    /// TLS on the client port: `ca.crt`, `server.crt`, `server.key` in this
+    /// directory (clients must present a certificate of that CA).
+    tls: Option<PathBuf>,
 }
 
 struct Node {
@@ -64,6 +67,28 @@ impl Etcd {
             nodes: vec![node],
             dir: Self::new_dir(),
             netns: Some(netns.to_owned()),
+            tls: None,
+        };
+        e.run(0);
+        e.wait_ready()?;
+        Ok(e)
+    }
+
+    /// One member whose client port speaks TLS with the certificates in
+    /// `certs` (`ca.crt`, `server.crt` for 127.0.0.1, `server.key`) and
+    /// requires client certificates of that CA.
+    pub fn start_tls(certs: &std::path::Path) -> Result<Self, String> {
+        Self::check_binary()?;
+        let mut e = Etcd {
+            nodes: vec![Node {
+                name: "n0".into(),
+                client: format!("127.0.0.1:{}", free_port()),
+                peer: format!("127.0.0.1:{}", free_port()),
+                proc: None,
+            }],
+            dir: Self::new_dir(),
+            netns: None,
+            tls: Some(certs.to_owned()),
         };
         e.run(0);
         e.wait_ready()?;
@@ -120,6 +145,7 @@ impl Etcd {
             nodes,
             dir,
             netns: None,
+            tls: None,
         };
         for i in 0..n {
             e.run(i);
@@ -142,14 +168,30 @@ impl Etcd {
     pub fn run(&mut self, i: usize) {
         let cluster = self.cluster();
         let mut etcd = self.command("etcd");
+        let scheme = match &self.tls {
+            Some(d) => {
+                etcd.arg("--cert-file")
+                    .arg(d.join("server.crt"))
+                    .arg("--key-file")
+                    .arg(d.join("server.key"))
+                    .arg("--trusted-ca-file")
+                    .arg(d.join("ca.crt"))
+                    .arg("--client-cert-auth");
+                "https"
+            }
+            None => "http",
+        };
         let n = &mut self.nodes[i];
         let log = std::fs::File::create(self.dir.join(format!("{}.log", n.name))).unwrap();
         let child = etcd
             .args(["--name", &n.name])
             .arg("--data-dir")
             .arg(self.dir.join(&n.name))
-            .args(["--listen-client-urls", &format!("http://{}", n.client)])
-            .args(["--advertise-client-urls", &format!("http://{}", n.client)])
+            .args(["--listen-client-urls", &format!("{scheme}://{}", n.client)])
+            .args([
+                "--advertise-client-urls",
+                &format!("{scheme}://{}", n.client),
+            ])
             .args(["--listen-peer-urls", &format!("http://{}", n.peer)])
             .args([
                 "--initial-advertise-peer-urls",
@@ -174,10 +216,22 @@ impl Etcd {
                 if let Ok(Some(st)) = child.try_wait() {
                     return Err(format!("etcd member {name} exited: {st}"));
                 }
-                let ok = self
-                    .command("etcdctl")
+                let mut ctl = self.command("etcdctl");
+                if let Some(d) = &self.tls {
+                    ctl.arg("--cacert")
+                        .arg(d.join("ca.crt"))
+                        .arg("--cert")
+                        .arg(d.join("client.crt"))
+                        .arg("--key")
+                        .arg(d.join("client.key"));
+                }
+                let endpoint = match &self.tls {
+                    Some(_) => format!("https://{client}"),
+                    None => client.clone(),
+                };
+                let ok = ctl
                     .env("ETCDCTL_API", "3")
-                    .args(["--endpoints", &client, "--command-timeout=2s", "get", "x"])
+                    .args(["--endpoints", &endpoint, "--command-timeout=2s", "get", "x"])
                     .output()
                     .is_ok_and(|o| o.status.success());
                 if ok {

@@ -148,12 +148,8 @@ impl TransferAgent for Engine {
             .unwrap_or_else(|p| p.into_inner())
             .remove(name)
             .ok_or_else(|| Error::UnknownAgent(name.to_owned()))?;
-        peer.retire();
-        *lock(&self.inner.submit_cache) = None;
-        for l in peer.take_links() {
-            l.fail(Error::UnknownAgent(name.to_owned()));
-            l.join();
-        }
+        self.inner
+            .close_peer(&peer, || Error::UnknownAgent(name.to_owned()));
         Ok(())
     }
 

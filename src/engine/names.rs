@@ -75,14 +75,9 @@ impl Inner {
             return;
         };
         tracing::info!(agent = %self.config.name, remote = name, instance, "peer left the metadata store; its requests fail");
-        peer.retire();
-        *lock(&self.submit_cache) = None;
-        for l in peer.take_links() {
-            l.fail(Error::PeerGone {
-                remote: name.to_owned(),
-            });
-            l.join();
-        }
+        self.close_peer(&peer, || Error::PeerGone {
+            remote: name.to_owned(),
+        });
     }
 
     /// The descriptor published under `name`.

@@ -56,6 +56,18 @@ impl Inner {
         }))
     }
 
+    /// Closes `peer`, already out of the peer table: retired (with any
+    /// cached resolution against it), its links failed with `cause()` and
+    /// their threads joined.
+    pub(in crate::engine) fn close_peer(&self, peer: &Peer, cause: impl Fn() -> Error) {
+        peer.retire();
+        *lock(&self.submit_cache) = None;
+        for l in peer.take_links() {
+            l.fail(cause());
+            l.join();
+        }
+    }
+
     pub(in crate::engine) fn peer(&self, name: &str) -> Result<Arc<Peer>, Error> {
         self.peers
             .read()

@@ -406,6 +406,11 @@ pub enum Error {
         #[source]
         source: Arc<io::Error>,
     },
+    /// GPU memory could not be registered or moved: no driver, a range
+    /// that is not device memory, on another device than its descriptor
+    /// names, or past its allocation, or a failed driver call.
+    #[error("GPU memory: {0}")]
+    Gpu(#[from] crate::gpu::GpuError),
     /// A direct-I/O (`O_DIRECT`) storage range or buffer is not aligned to
     /// the device's logical block size; nothing was read or written.
     #[error("{what} {value:#x} is not a multiple of storage handle {handle}'s block size {block}")]

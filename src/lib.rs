@@ -75,6 +75,7 @@ pub mod error;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod gpu;
 pub mod memory;
 pub mod metadata;
 pub mod metrics;

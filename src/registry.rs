@@ -270,6 +270,22 @@ impl Registry {
         self.admit(mem_type, MemoryDesc::new(addr, len, 0), key)
     }
 
+    /// Admits an access to host or GPU memory `[addr, addr + len)`
+    /// presenting `key`, by a path that moves GPU memory (the in-process
+    /// one): never storage.
+    pub(crate) fn admit_memory(
+        &self,
+        mem_type: MemoryType,
+        addr: u64,
+        len: u64,
+        key: u64,
+    ) -> Result<RegionGuard, RejectReason> {
+        if !matches!(mem_type, MemoryType::Dram | MemoryType::Vram) {
+            return Err(RejectReason::UnsupportedMemoryType);
+        }
+        self.admit(mem_type, MemoryDesc::new(addr, len, 0), key)
+    }
+
     /// Admits a remote access to the range `[addr, addr + len)` of storage
     /// `handle` (a FILE or BLK region), presenting `key`: the agent reads
     /// or writes it on the peer's behalf.
@@ -317,24 +333,19 @@ impl Registry {
             .all(|d| map.find(descs.mem_type, d).is_some())
     }
 
-    /// The regions to export in the agent descriptor: host memory, and
-    /// storage (FILE and BLK) regions with their direct-I/O alignment
+    /// The regions to export in the agent descriptor: host and GPU memory,
+    /// and storage (FILE and BLK) regions with their direct-I/O alignment
     /// (`align` of a storage handle; peers reach those through the agent).
     pub(crate) fn exported(&self, align: impl Fn(u32) -> u32) -> Vec<ExportedRegion> {
         self.read()
             .iter()
-            .filter(|r| {
-                matches!(
-                    r.mem_type,
-                    MemoryType::Dram | MemoryType::File | MemoryType::Blk
-                )
-            })
+            .filter(|r| r.mem_type != MemoryType::Obj)
             .map(|r| ExportedRegion {
                 mem_type: r.mem_type,
                 desc: r.desc,
                 key: r.value.key,
                 rkey: r.value.rkey(),
-                align: if r.mem_type == MemoryType::Dram {
+                align: if r.mem_type.is_virtual_address() {
                     1
                 } else {
                     align(r.desc.device_id)

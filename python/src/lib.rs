@@ -89,6 +89,7 @@ errors! {
     PeerGone => PeerGoneError,
     MetadataStore => MetadataStoreError,
     NameTaken => NameTakenError,
+    Gpu => GpuError,
 }
 
 /// A duration from seconds, refusing what is negative or not a number.

@@ -36,14 +36,24 @@ impl TransferAgent for Engine {
                 self.inner.storage.check_region(descs.mem_type, d)?;
             }
         }
+        if descs.mem_type == MemoryType::Vram {
+            for d in &descs.descs {
+                crate::gpu::admit_registration(d)?;
+            }
+        }
         // SAFETY: forwarded contract of `register_memory`. Storage ranges
-        // are file offsets: never registered with the RDMA device.
+        // are file offsets: never registered with the RDMA device; nor is
+        // GPU memory yet (GPUDirect registration is not built: no RDMA
+        // path moves VRAM).
         unsafe {
             self.inner.registry.register(
                 descs,
                 SUPPORTED,
                 self.inner.mode.as_str(),
-                self.inner.device.as_deref().filter(|_| !storage),
+                self.inner
+                    .device
+                    .as_deref()
+                    .filter(|_| !storage && descs.mem_type != MemoryType::Vram),
             )
         }
     }

@@ -113,7 +113,7 @@ impl LocalLink {
         for (d, &key) in req.remote.descs.iter().zip(&resolved.keys) {
             let g = target
                 .registry
-                .admit_remote(req.remote.mem_type, d.addr, d.len, key)
+                .admit_memory(req.remote.mem_type, d.addr, d.len, key)
                 .map_err(refused)?;
             if !holds
                 .last()
@@ -131,19 +131,31 @@ impl LocalLink {
             ),
             None => None,
         };
-        for (l, r) in req.local.descs.iter().zip(&req.remote.descs) {
+        // GPU memory on either side: the driver copies (with the context of
+        // the GPU side's device).
+        let gpu = [&req.local, &req.remote]
+            .into_iter()
+            .find(|d| d.mem_type == MemoryType::Vram);
+        for (i, (l, r)) in req.local.descs.iter().zip(&req.remote.descs).enumerate() {
             let (from, to) = match req.op {
                 TransferOp::Write => (l.addr, r.addr),
                 TransferOp::Read => (r.addr, l.addr),
             };
-            // SAFETY: both ranges lie inside registered regions held for
-            // the copy — the local one by `resolved.guards`, the remote one
-            // by `holds`, admitted by the target's registry — and a
+            // Both ranges lie inside registered regions held for the copy
+            // — the local one by `resolved.guards`, the remote one by
+            // `holds`, admitted by the target's registry — and a
             // registration promises its range stays allocated while
             // registered (`TransferAgent::register_memory`); the target
-            // cannot finish dropping while `open` is held. `copy` allows
-            // the ranges to overlap (an agent writing to itself).
-            unsafe { std::ptr::copy(from as *const u8, to as *mut u8, l.len as usize) };
+            // cannot finish dropping while `open` is held.
+            match gpu {
+                // SAFETY: as above; `copy` allows the ranges to overlap (an
+                // agent writing to itself).
+                None => unsafe { std::ptr::copy(from as *const u8, to as *mut u8, l.len as usize) },
+                // SAFETY: as above; a GPU range was checked to be device
+                // memory when registered, and the driver's copy is waited
+                // for before it returns.
+                Some(g) => unsafe { crate::gpu::copy(to, from, l.len, g.descs[i].device_id) }?,
+            }
         }
         if let (Some(room), Some(m)) = (room, sync) {
             target.inbox.deliver(room, m);

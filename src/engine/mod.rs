@@ -123,7 +123,12 @@ enum Path {
 }
 
 impl Path {
-    fn kind(self) -> TransportKind {
+    /// Whether it moves GPU memory (VRAM) on either side of a request.
+    pub(in crate::engine) fn moves_vram(self) -> bool {
+        matches!(self, Path::InProcess)
+    }
+
+    pub(in crate::engine) fn kind(self) -> TransportKind {
         match self {
             Path::Tcp => TransportKind::Tcp,
             Path::Cma { .. } => TransportKind::Shm,
@@ -133,7 +138,12 @@ impl Path {
         }
     }
 }
-const SUPPORTED: &[MemoryType] = &[MemoryType::Dram, MemoryType::File, MemoryType::Blk];
+const SUPPORTED: &[MemoryType] = &[
+    MemoryType::Dram,
+    MemoryType::Vram,
+    MemoryType::File,
+    MemoryType::Blk,
+];
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

@@ -163,7 +163,9 @@ impl Engine {
             return Err(Error::Closed);
         }
         req.validate_shape()?;
-        if req.local.mem_type != MemoryType::Dram && !req.local.is_empty() {
+        if !matches!(req.local.mem_type, MemoryType::Dram | MemoryType::Vram)
+            && !req.local.is_empty()
+        {
             return Err(Error::UnsupportedMemoryType {
                 mem_type: req.local.mem_type,
                 backend: inner.mode.as_str(),
@@ -180,6 +182,15 @@ impl Engine {
         } else {
             self.peer_or_reload(&req.remote_agent)?.for_storage()?
         };
+        // GPU memory, on either side, only on a path that moves it.
+        for mem_type in [req.local.mem_type, req.remote.mem_type] {
+            if mem_type == MemoryType::Vram && !req.local.is_empty() && !peer.path.moves_vram() {
+                return Err(Error::UnsupportedMemoryType {
+                    mem_type,
+                    backend: peer.path.kind().as_str(),
+                });
+            }
+        }
         // A notification moves no memory: no transport is required for it.
         if !inner.config.required_transports.is_empty() && !req.local.is_empty() {
             let actual = peer.path.kind();

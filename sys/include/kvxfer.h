@@ -87,6 +87,10 @@ typedef enum kvxfer_result {
   KVXFER_ERR_METADATA_STORE = 316,
   // Another live agent holds this name in the metadata store.
   KVXFER_ERR_NAME_TAKEN = 317,
+  // GPU memory could not be registered or moved: no CUDA driver, a range
+  // that is not device memory, on another device than `device_id`
+  // names, or past its allocation, or a failed driver call.
+  KVXFER_ERR_GPU = 318,
   // A bug: a panic was caught at the boundary.
   KVXFER_ERR_PANIC = 900,
 } kvxfer_result;

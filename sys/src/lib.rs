@@ -113,6 +113,10 @@ pub enum kvxfer_result {
     KVXFER_ERR_METADATA_STORE = 316,
     /// Another live agent holds this name in the metadata store.
     KVXFER_ERR_NAME_TAKEN = 317,
+    /// GPU memory could not be registered or moved: no CUDA driver, a range
+    /// that is not device memory, on another device than `device_id`
+    /// names, or past its allocation, or a failed driver call.
+    KVXFER_ERR_GPU = 318,
     /// A bug: a panic was caught at the boundary.
     KVXFER_ERR_PANIC = 900,
 }
@@ -360,6 +364,7 @@ impl From<Error> for Fail {
             Error::PeerGone { .. } => KVXFER_ERR_PEER_GONE,
             Error::MetadataStore { .. } => KVXFER_ERR_METADATA_STORE,
             Error::NameTaken { .. } => KVXFER_ERR_NAME_TAKEN,
+            Error::Gpu(_) => KVXFER_ERR_GPU,
             _ => KVXFER_ERR_IO,
         };
         Fail::new(code, e.to_string())
@@ -589,6 +594,7 @@ pub extern "C" fn kvxfer_result_name(code: kvxfer_result) -> *const c_char {
         KVXFER_ERR_PEER_GONE,
         KVXFER_ERR_METADATA_STORE,
         KVXFER_ERR_NAME_TAKEN,
+        KVXFER_ERR_GPU,
         KVXFER_ERR_PANIC
     );
     s.as_ptr().cast()

@@ -1,0 +1,485 @@
+//! The CUDA driver API calls kvxfer makes, through cudarc's raw bindings
+//! with the library loaded at run time.
+//!
+//! cudarc panics when a call is made and `libcuda.so` cannot be loaded, so
+//! [`driver`] first checks that the library loads, then initialises it;
+//! every other call goes through the [`Cuda`] it returns. Each device's
+//! primary context is retained on first use and kept for the life of the
+//! process (the driver releases it at exit). Copies run on a non-blocking
+//! stream of the calling thread (one per device, destroyed with the
+//! thread) and are waited for before the call returns.
+
+use std::cell::RefCell;
+use std::ffi::{CStr, c_void};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::OnceLock;
+
+use cudarc::driver::sys as cu;
+
+use super::{Allocation, GpuError};
+
+/// The loaded and initialised driver.
+pub(crate) struct Cuda {
+    version: i32,
+    /// Per device ordinal: its primary context (as an address), retained on
+    /// first use.
+    contexts: Vec<OnceLock<Result<usize, GpuError>>>,
+}
+
+static CUDA: OnceLock<Result<Cuda, GpuError>> = OnceLock::new();
+
+/// The driver, loaded and initialised on first use.
+///
+/// # Errors
+/// [`GpuError::NoDriver`] when `libcuda.so` cannot be loaded or `cuInit`
+/// fails (no device, driver and library of different versions, ...).
+pub(crate) fn driver() -> Result<&'static Cuda, GpuError> {
+    CUDA.get_or_init(load).as_ref().map_err(Clone::clone)
+}
+
+fn load() -> Result<Cuda, GpuError> {
+    // SAFETY: only tries to open the library (and closes it again).
+    if !unsafe { cu::is_culib_present() } {
+        return Err(GpuError::NoDriver(
+            "libcuda.so (the NVIDIA driver's library) could not be loaded".into(),
+        ));
+    }
+    let no_driver = |e: GpuError| GpuError::NoDriver(e.to_string());
+    // SAFETY: the library is present (above); cuInit takes flags 0.
+    check("cuInit", unsafe { cu::cuInit(0) }).map_err(no_driver)?;
+    let mut version = 0;
+    // SAFETY: writes one int.
+    check("cuDriverGetVersion", unsafe {
+        cu::cuDriverGetVersion(&mut version)
+    })
+    .map_err(no_driver)?;
+    let mut count = 0;
+    // SAFETY: writes one int.
+    check("cuDeviceGetCount", unsafe {
+        cu::cuDeviceGetCount(&mut count)
+    })
+    .map_err(no_driver)?;
+    tracing::info!(version, devices = count, "CUDA driver loaded");
+    Ok(Cuda {
+        version,
+        contexts: (0..count.max(0)).map(|_| OnceLock::new()).collect(),
+    })
+}
+
+/// `Ok` for `CUDA_SUCCESS`, else the call's error with the result's name.
+fn check(call: &'static str, r: cu::CUresult) -> Result<(), GpuError> {
+    if r == cu::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorName writes a pointer to a static string (or
+    // leaves it null for an unknown code).
+    let named = unsafe { cu::cuGetErrorName(r, &mut name) } == cu::CUresult::CUDA_SUCCESS;
+    let name = if named && !name.is_null() {
+        // SAFETY: a NUL-terminated static string of the driver's.
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned()
+    } else {
+        "unknown error".into()
+    };
+    Err(GpuError::Driver {
+        call,
+        code: r as u32,
+        name,
+    })
+}
+
+/// A stream of the calling thread on one device.
+struct Stream {
+    device: u32,
+    raw: cu::CUstream,
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: created by cuStreamCreate, destroyed once; work on it was
+        // waited for by the call that issued it.
+        let _ = unsafe { cu::cuStreamDestroy_v2(self.raw) };
+    }
+}
+
+thread_local! {
+    /// The calling thread's copy streams, one per device used.
+    static STREAMS: RefCell<Vec<Stream>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Cuda {
+    /// The driver's version (`1000 * major + 10 * minor`).
+    pub(crate) fn version(&self) -> i32 {
+        self.version
+    }
+
+    /// How many devices the driver sees.
+    pub(crate) fn device_count(&self) -> u32 {
+        self.contexts.len() as u32
+    }
+
+    /// Makes `device`'s primary context current on the calling thread.
+    fn bind(&self, device: u32) -> Result<(), GpuError> {
+        let slot = self
+            .contexts
+            .get(device as usize)
+            .ok_or_else(|| GpuError::Driver {
+                call: "cuDeviceGet",
+                code: cu::CUresult::CUDA_ERROR_INVALID_DEVICE as u32,
+                name: format!("no device {device} ({} present)", self.contexts.len()),
+            })?;
+        let ctx = slot
+            .get_or_init(|| {
+                let mut dev = 0;
+                // SAFETY: writes one device handle; the ordinal is in range.
+                check("cuDeviceGet", unsafe {
+                    cu::cuDeviceGet(&mut dev, device as i32)
+                })?;
+                let mut ctx: cu::CUcontext = std::ptr::null_mut();
+                // SAFETY: writes one context handle, retained for the life
+                // of the process (never released).
+                check("cuDevicePrimaryCtxRetain", unsafe {
+                    cu::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+                })?;
+                Ok(ctx as usize)
+            })
+            .clone()?;
+        // SAFETY: a retained primary context.
+        check("cuCtxSetCurrent", unsafe {
+            cu::cuCtxSetCurrent(ctx as cu::CUcontext)
+        })
+    }
+
+    /// The allocation that contains `addr`, which must be device memory.
+    pub(crate) fn allocation(&self, addr: u64) -> Result<Allocation, GpuError> {
+        let not_device = |detail: String| GpuError::NotDeviceMemory { addr, detail };
+        let mut mem_type: u32 = 0;
+        // SAFETY: the memory-type attribute is written as one unsigned int.
+        let r = unsafe {
+            cu::cuPointerGetAttribute(
+                (&mut mem_type as *mut u32).cast::<c_void>(),
+                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                addr,
+            )
+        };
+        check("cuPointerGetAttribute(MEMORY_TYPE)", r).map_err(|e| not_device(e.to_string()))?;
+        if mem_type != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Err(not_device(format!(
+                "the driver reports memory type {mem_type}"
+            )));
+        }
+        let mut ordinal: i32 = -1;
+        // SAFETY: the device-ordinal attribute is written as one int.
+        check("cuPointerGetAttribute(DEVICE_ORDINAL)", unsafe {
+            cu::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast::<c_void>(),
+                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr,
+            )
+        })?;
+        let device =
+            u32::try_from(ordinal).map_err(|_| not_device(format!("device ordinal {ordinal}")))?;
+        self.bind(device)?;
+        let (mut base, mut size): (cu::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: writes the base and size of the allocation holding addr.
+        check("cuMemGetAddressRange", unsafe {
+            cu::cuMemGetAddressRange_v2(&mut base, &mut size, addr)
+        })?;
+        Ok(Allocation {
+            base,
+            size: size as u64,
+            device,
+        })
+    }
+
+    /// Sets `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` on the allocation at `base`.
+    pub(crate) fn set_sync_memops(&self, base: u64) -> Result<(), GpuError> {
+        let on: u32 = 1;
+        // SAFETY: the attribute's value is read as one unsigned int.
+        check("cuPointerSetAttribute(SYNC_MEMOPS)", unsafe {
+            cu::cuPointerSetAttribute(
+                (&on as *const u32).cast::<c_void>(),
+                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
+                base,
+            )
+        })
+    }
+
+    /// Copies `len` bytes from `src` to `dst` (host or device memory,
+    /// either way) with `device`'s context, and waits for the copy.
+    ///
+    /// # Safety
+    /// Both ranges valid for `len` bytes for the whole call.
+    pub(crate) unsafe fn copy(
+        &self,
+        dst: u64,
+        src: u64,
+        len: u64,
+        device: u32,
+    ) -> Result<(), GpuError> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.bind(device)?;
+        STREAMS.with(|s| {
+            let mut streams = s.borrow_mut();
+            let stream = match streams.iter().position(|s| s.device == device) {
+                Some(i) => streams[i].raw,
+                None => {
+                    let mut raw: cu::CUstream = std::ptr::null_mut();
+                    // SAFETY: writes one stream handle of the current context.
+                    check("cuStreamCreate", unsafe {
+                        cu::cuStreamCreate(
+                            &mut raw,
+                            cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                        )
+                    })?;
+                    streams.push(Stream { device, raw });
+                    raw
+                }
+            };
+            // SAFETY: the caller keeps both ranges valid; the copy is waited
+            // for below, before they may change owner.
+            check("cuMemcpyAsync", unsafe {
+                cu::cuMemcpyAsync(dst, src, len as usize, stream)
+            })?;
+            // SAFETY: a stream of this thread.
+            check("cuStreamSynchronize", unsafe {
+                cu::cuStreamSynchronize(stream)
+            })
+        })
+    }
+
+    /// A device attribute of `device`.
+    pub(crate) fn attribute(
+        &self,
+        device: u32,
+        attr: cu::CUdevice_attribute,
+    ) -> Result<i32, GpuError> {
+        let mut dev = 0;
+        // SAFETY: writes one device handle.
+        check("cuDeviceGet", unsafe {
+            cu::cuDeviceGet(&mut dev, device as i32)
+        })?;
+        let mut v = 0;
+        // SAFETY: writes one int.
+        check("cuDeviceGetAttribute", unsafe {
+            cu::cuDeviceGetAttribute(&mut v, attr, dev)
+        })?;
+        Ok(v)
+    }
+
+    /// `device`'s PCI bus id (`0000:3b:00.0`), as sysfs names it.
+    pub(crate) fn pci_bus_id(&self, device: u32) -> Result<String, GpuError> {
+        let mut dev = 0;
+        // SAFETY: writes one device handle.
+        check("cuDeviceGet", unsafe {
+            cu::cuDeviceGet(&mut dev, device as i32)
+        })?;
+        let mut buf = [0 as std::ffi::c_char; 32];
+        // SAFETY: writes a NUL-terminated string of at most 32 bytes.
+        check("cuDeviceGetPCIBusId", unsafe {
+            cu::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev)
+        })?;
+        // SAFETY: NUL-terminated by the driver within the buffer.
+        let s = unsafe { CStr::from_ptr(buf.as_ptr()) };
+        Ok(s.to_string_lossy().to_lowercase())
+    }
+
+    /// Exports `[base, base + size)` of device memory as a dma-buf (for
+    /// `ibv_reg_dmabuf_mr`); `base` and `size` host-page aligned.
+    pub(crate) fn dmabuf(&self, device: u32, base: u64, size: u64) -> Result<OwnedFd, GpuError> {
+        self.bind(device)?;
+        let mut fd: i32 = -1;
+        // SAFETY: the dma-buf handle type writes one int (a file descriptor).
+        check("cuMemGetHandleForAddressRange(DMA_BUF_FD)", unsafe {
+            cu::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut i32).cast::<c_void>(),
+                base,
+                size as usize,
+                cu::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        })?;
+        // SAFETY: a new descriptor the driver made for us.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Allocates `len` bytes of device memory on `device`.
+    pub(crate) fn alloc(&self, device: u32, len: u64) -> Result<u64, GpuError> {
+        self.bind(device)?;
+        let mut ptr: cu::CUdeviceptr = 0;
+        // SAFETY: writes one device pointer.
+        check("cuMemAlloc", unsafe {
+            cu::cuMemAlloc_v2(&mut ptr, len.max(1) as usize)
+        })?;
+        Ok(ptr)
+    }
+
+    /// Frees device memory from [`alloc`](Self::alloc).
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc` and is not used afterwards.
+    pub(crate) unsafe fn free(&self, device: u32, ptr: u64) -> Result<(), GpuError> {
+        self.bind(device)?;
+        // SAFETY: forwarded contract.
+        check("cuMemFree", unsafe { cu::cuMemFree_v2(ptr) })
+    }
+}
+
+/// Whether the driver reports `attr` set on `device` (a probe: errors read
+/// as "no").
+pub(crate) fn flag(cuda: &Cuda, device: u32, attr: cu::CUdevice_attribute) -> bool {
+    cuda.attribute(device, attr).is_ok_and(|v| v != 0)
+}
+
+pub(crate) use cu::CUdevice_attribute as DeviceAttribute;
+
+/// Device memory allocated with `cuMemAlloc`, freed on drop: for tests,
+/// the benchmark and examples that need VRAM to register (kvxfer itself
+/// never allocates device memory for a caller).
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    ptr: u64,
+    len: u64,
+    device: u32,
+}
+
+impl DeviceBuffer {
+    /// `len` bytes (at least one) of device memory on `device`, unset.
+    ///
+    /// # Errors
+    /// [`GpuError::NoDriver`] without a driver; [`GpuError::Driver`] when
+    /// the allocation fails.
+    pub fn new(device: u32, len: u64) -> Result<Self, GpuError> {
+        let ptr = driver()?.alloc(device, len)?;
+        Ok(Self { ptr, len, device })
+    }
+
+    /// Its device address (what a VRAM descriptor names).
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it is empty (never: at least one byte is allocated).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device ordinal it lives on.
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// Copies `data` to offset `at`.
+    ///
+    /// # Errors
+    /// [`GpuError::PastAllocation`] when it does not fit; a driver error.
+    pub fn write(&self, at: u64, data: &[u8]) -> Result<(), GpuError> {
+        let dst = self.range(at, data.len() as u64)?;
+        // SAFETY: `dst..+len` lies inside this allocation (checked), `data`
+        // is a live slice.
+        unsafe { driver()?.copy(dst, data.as_ptr() as u64, data.len() as u64, self.device) }
+    }
+
+    /// Copies `out.len()` bytes from offset `at` into `out`.
+    ///
+    /// # Errors
+    /// [`GpuError::PastAllocation`] when the range does not fit; a driver
+    /// error.
+    pub fn read(&self, at: u64, out: &mut [u8]) -> Result<(), GpuError> {
+        let src = self.range(at, out.len() as u64)?;
+        // SAFETY: as in `write`, with `out` a live mutable slice.
+        unsafe { driver()?.copy(out.as_mut_ptr() as u64, src, out.len() as u64, self.device) }
+    }
+
+    fn range(&self, at: u64, len: u64) -> Result<u64, GpuError> {
+        match at.checked_add(len) {
+            Some(end) if end <= self.len => Ok(self.ptr + at),
+            _ => Err(GpuError::PastAllocation {
+                addr: self.ptr.wrapping_add(at),
+                len,
+                base: self.ptr,
+                size: self.len,
+            }),
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let Ok(cuda) = driver() {
+            // SAFETY: allocated by `new`, freed once; the owner promised (by
+            // registering) to deregister before dropping it.
+            if let Err(e) = unsafe { cuda.free(self.device, self.ptr) } {
+                tracing::warn!(error = %e, "freeing device memory failed");
+            }
+        }
+    }
+}
+
+/// What the driver and its devices offer, for diagnostics (`kvxfer-bench
+/// gpu-probe`, the GPU check script).
+#[derive(Debug, Clone)]
+pub struct Probe {
+    /// The driver's version (`1000 * major + 10 * minor`).
+    pub driver_version: i32,
+    /// One entry per device.
+    pub devices: Vec<DeviceProbe>,
+}
+
+/// One device, as [`probe`] found it.
+#[derive(Debug, Clone)]
+pub struct DeviceProbe {
+    /// Its ordinal.
+    pub ordinal: u32,
+    /// Its PCI bus id, as sysfs names it.
+    pub pci_bus_id: String,
+    /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`.
+    pub dmabuf_supported: bool,
+    /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED`.
+    pub gpudirect_rdma_supported: bool,
+    /// Whether a 2 MiB allocation could be exported as a dma-buf (the
+    /// driver's error otherwise).
+    pub dmabuf_export: Result<(), GpuError>,
+}
+
+/// Probes the driver and every device (allocating 2 MiB on each to try a
+/// dma-buf export).
+///
+/// # Errors
+/// [`GpuError::NoDriver`] without a driver.
+pub fn probe() -> Result<Probe, GpuError> {
+    let cuda = driver()?;
+    let mut devices = Vec::new();
+    for ordinal in 0..cuda.device_count() {
+        let dmabuf_export = DeviceBuffer::new(ordinal, 2 << 20)
+            .and_then(|b| cuda.dmabuf(ordinal, b.addr(), b.len()).map(drop));
+        devices.push(DeviceProbe {
+            ordinal,
+            pci_bus_id: cuda.pci_bus_id(ordinal).unwrap_or_else(|e| e.to_string()),
+            dmabuf_supported: flag(
+                cuda,
+                ordinal,
+                DeviceAttribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
+            ),
+            gpudirect_rdma_supported: flag(
+                cuda,
+                ordinal,
+                DeviceAttribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED,
+            ),
+            dmabuf_export,
+        });
+    }
+    Ok(Probe {
+        driver_version: cuda.version(),
+        devices,
+    })
+}

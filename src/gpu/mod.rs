@@ -1,0 +1,198 @@
+//! GPU memory (VRAM): what the engine needs from the CUDA driver, and the
+//! checks a VRAM registration must pass.
+//!
+//! The driver (`libcuda.so`) is loaded at run time, on first use (feature
+//! `cuda`, cudarc with dynamic loading): kvxfer builds and runs on hosts
+//! without CUDA, where registering VRAM fails with
+//! [`GpuError::NoDriver`]. This module is pure (no FFI): the driver calls
+//! live in `cuda.rs`, behind [`driver`].
+//!
+//! A VRAM registration names a range `[addr, addr + len)` and a device
+//! ordinal (`device_id`). It is accepted only when the driver reports that
+//! `addr` is device memory, on that device, inside one allocation that
+//! covers the whole range ([`check_range`]); `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS`
+//! is then set on the allocation so that synchronous copies and memsets
+//! are ordered with the transfers that read or write it.
+
+// The driver's FFI is confined to `cuda`.
+#![deny(unsafe_code)]
+
+use crate::memory::MemoryDesc;
+
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::driver;
+#[cfg(feature = "cuda")]
+pub use cuda::{DeviceBuffer, DeviceProbe, Probe, probe};
+
+/// Why GPU memory could not be registered or moved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GpuError {
+    /// No usable CUDA driver: the library is absent, or it failed to
+    /// initialise, or kvxfer was built without the `cuda` feature.
+    #[error("no CUDA driver: {0}")]
+    NoDriver(String),
+    /// The range does not start in device memory (host memory, pinned host
+    /// memory, or an address the driver does not know).
+    #[error("{addr:#x} is not GPU device memory ({detail})")]
+    NotDeviceMemory {
+        /// The start of the range.
+        addr: u64,
+        /// What the driver said.
+        detail: String,
+    },
+    /// The range is on another GPU than its descriptor's `device_id`.
+    #[error(
+        "GPU range {addr:#x}+{len} is on device {actual}, but its descriptor names device {claimed}"
+    )]
+    WrongDevice {
+        /// The start of the range.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// The descriptor's `device_id`.
+        claimed: u32,
+        /// The device the driver reports.
+        actual: u32,
+    },
+    /// The range runs past the end of the allocation it starts in.
+    #[error("GPU range {addr:#x}+{len} runs past the end of its allocation {base:#x}+{size}")]
+    PastAllocation {
+        /// The start of the range.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// The allocation's base address.
+        base: u64,
+        /// The allocation's size.
+        size: u64,
+    },
+    /// A driver call failed.
+    #[error("CUDA {call} failed: {name} ({code})")]
+    Driver {
+        /// The driver entry point.
+        call: &'static str,
+        /// Its `CUresult`.
+        code: u32,
+        /// The result's name (`cuGetErrorName`).
+        name: String,
+    },
+}
+
+/// One device-memory allocation, as the driver reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Allocation {
+    /// Its base address.
+    pub(crate) base: u64,
+    /// Its size in bytes.
+    pub(crate) size: u64,
+    /// The device ordinal it lives on.
+    pub(crate) device: u32,
+}
+
+/// Checks that `desc` lies inside `alloc` (which contains `desc.addr`) and
+/// names its device.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn check_range(alloc: &Allocation, desc: &MemoryDesc) -> Result<(), GpuError> {
+    if alloc.device != desc.device_id {
+        return Err(GpuError::WrongDevice {
+            addr: desc.addr,
+            len: desc.len,
+            claimed: desc.device_id,
+            actual: alloc.device,
+        });
+    }
+    let end = desc.addr.checked_add(desc.len);
+    let alloc_end = alloc.base.saturating_add(alloc.size);
+    if desc.addr < alloc.base || end.is_none_or(|e| e > alloc_end) {
+        return Err(GpuError::PastAllocation {
+            addr: desc.addr,
+            len: desc.len,
+            base: alloc.base,
+            size: alloc.size,
+        });
+    }
+    Ok(())
+}
+
+/// Checks a VRAM registration against the driver (see the module docs) and
+/// sets `SYNC_MEMOPS` on its allocation.
+#[cfg(feature = "cuda")]
+pub(crate) fn admit_registration(desc: &MemoryDesc) -> Result<Allocation, GpuError> {
+    let cuda = driver()?;
+    let alloc = cuda.allocation(desc.addr)?;
+    check_range(&alloc, desc)?;
+    cuda.set_sync_memops(alloc.base)?;
+    Ok(alloc)
+}
+
+/// Without the `cuda` feature no VRAM can be registered.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn admit_registration(_desc: &MemoryDesc) -> Result<Allocation, GpuError> {
+    Err(GpuError::NoDriver(
+        "kvxfer was built without the `cuda` feature".into(),
+    ))
+}
+
+/// Copies `len` bytes from `src` to `dst`, either of which may be device
+/// memory (the driver's unified addressing tells which), and waits until
+/// the copy is complete.
+///
+/// # Safety
+/// Both ranges must be valid for `len` bytes (host memory readable or
+/// writable, device memory allocated) and not change owner during the
+/// call.
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+pub(crate) unsafe fn copy(dst: u64, src: u64, len: u64, device: u32) -> Result<(), GpuError> {
+    // SAFETY: forwarded contract.
+    unsafe { driver()?.copy(dst, src, len, device) }
+}
+
+/// Without the `cuda` feature there is no device memory to copy.
+///
+/// # Safety
+/// None needed: it only fails.
+#[cfg(not(feature = "cuda"))]
+#[allow(unsafe_code)]
+pub(crate) unsafe fn copy(_dst: u64, _src: u64, _len: u64, _device: u32) -> Result<(), GpuError> {
+    Err(GpuError::NoDriver(
+        "kvxfer was built without the `cuda` feature".into(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn range_must_lie_in_the_allocation_on_the_named_device() {
+        let a = Allocation {
+            base: 0x1000,
+            size: 0x1000,
+            device: 1,
+        };
+        assert_eq!(check_range(&a, &MemoryDesc::new(0x1000, 0x1000, 1)), Ok(()));
+        assert_eq!(check_range(&a, &MemoryDesc::new(0x1800, 0x10, 1)), Ok(()));
+        assert!(matches!(
+            check_range(&a, &MemoryDesc::new(0x1000, 0x10, 0)),
+            Err(GpuError::WrongDevice {
+                claimed: 0,
+                actual: 1,
+                ..
+            })
+        ));
+        for d in [
+            MemoryDesc::new(0x1800, 0x801, 1),
+            MemoryDesc::new(0xfff, 0x10, 1),
+            MemoryDesc::new(0x1800, u64::MAX, 1),
+        ] {
+            assert!(
+                matches!(check_range(&a, &d), Err(GpuError::PastAllocation { .. })),
+                "{d:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,266 @@
+/* A stand-in for the NVIDIA driver library (libcuda.so) for kvxfer's tests
+ * on machines without a GPU: the driver-API calls kvxfer makes, with the
+ * semantics it relies on, over host memory.
+ *
+ * "Device memory" is a range of address space mapped PROT_NONE: touching it
+ * from the host faults, as touching real device memory would, so a path
+ * that treats VRAM as host memory crashes the test instead of passing it.
+ * The bytes live in a separate host mapping; the copy calls translate.
+ *
+ * Devices: FAKECUDA_DEVICES (default 2). Contexts: one primary context per
+ * device; the current one is per thread, and the calls that need one fail
+ * with CUDA_ERROR_INVALID_CONTEXT without it. A dma-buf export succeeds
+ * only when FAKECUDA_DMABUF=1 (it hands out a memfd).
+ *
+ * Built by the tests with gcc -shared -fPIC -Wl,-soname,libcuda.so and
+ * loaded before kvxfer's first driver call, so that the dlopen of
+ * "libcuda.so" finds it.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+};
+
+#define MAX_ALLOCS 4096
+#define GRAIN (64u << 10)
+
+struct alloc {
+    CUdeviceptr base;
+    size_t size;
+    size_t mapped; /* size rounded up to GRAIN */
+    char *bytes;
+    int device;
+    int sync_memops;
+};
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static struct alloc allocs[MAX_ALLOCS];
+static int initialised;
+static __thread int current = -1; /* device of the current context */
+
+static int devices(void) {
+    const char *s = getenv("FAKECUDA_DEVICES");
+    return s ? atoi(s) : 2;
+}
+
+/* The allocation containing p, or NULL; call with the lock held. */
+static struct alloc *find(CUdeviceptr p) {
+    for (int i = 0; i < MAX_ALLOCS; i++)
+        if (allocs[i].size && p >= allocs[i].base && p < allocs[i].base + allocs[i].size)
+            return &allocs[i];
+    return NULL;
+}
+
+CUresult cuInit(unsigned flags) {
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    initialised = 1;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDriverGetVersion(int *v) {
+    *v = 13000;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetCount(int *n) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    *n = devices();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGet(int *dev, int ordinal) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (ordinal < 0 || ordinal >= devices()) return CUDA_ERROR_INVALID_DEVICE;
+    *dev = ordinal;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) {
+    if (dev < 0 || dev >= devices()) return CUDA_ERROR_INVALID_DEVICE;
+    *ctx = (void *)(uintptr_t)(0x1000 + dev);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSetCurrent(void *ctx) {
+    uintptr_t c = (uintptr_t)ctx;
+    if (c < 0x1000 || c >= 0x1000 + (uintptr_t)devices()) return CUDA_ERROR_INVALID_CONTEXT;
+    current = (int)(c - 0x1000);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorName(CUresult e, const char **s) {
+    switch (e) {
+    case CUDA_SUCCESS: *s = "CUDA_SUCCESS"; break;
+    case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+    case CUDA_ERROR_NOT_INITIALIZED: *s = "CUDA_ERROR_NOT_INITIALIZED"; break;
+    case CUDA_ERROR_INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
+    case CUDA_ERROR_NOT_SUPPORTED: *s = "CUDA_ERROR_NOT_SUPPORTED"; break;
+    default: *s = NULL; return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetAttribute(int *v, int attr, int dev) {
+    if (dev < 0 || dev >= devices()) return CUDA_ERROR_INVALID_DEVICE;
+    *v = (attr == 124 /* DMA_BUF_SUPPORTED */) ? (getenv("FAKECUDA_DMABUF") != NULL) : 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetPCIBusId(char *buf, int len, int dev) {
+    if (dev < 0 || dev >= devices() || len < 13) return CUDA_ERROR_INVALID_VALUE;
+    snprintf(buf, (size_t)len, "0000:%02X:00.0", 0x10 + dev);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (size == 0) return CUDA_ERROR_INVALID_VALUE;
+    size_t mapped = (size + GRAIN - 1) / GRAIN * GRAIN;
+    /* The device address: reserved, inaccessible from the host. */
+    void *va = mmap(NULL, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (va == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    void *bytes = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (bytes == MAP_FAILED) {
+        munmap(va, mapped);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].size == 0) {
+            allocs[i] = (struct alloc){(CUdeviceptr)(uintptr_t)va, size, mapped, bytes, current, 0};
+            pthread_mutex_unlock(&lock);
+            *p = (CUdeviceptr)(uintptr_t)va;
+            return CUDA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    munmap(va, mapped);
+    munmap(bytes, mapped);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    if (!a || a->base != p) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    munmap((void *)(uintptr_t)a->base, a->mapped);
+    munmap(a->bytes, a->mapped);
+    memset(a, 0, sizeof *a);
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    CUresult r = CUDA_SUCCESS;
+    if (!a) {
+        r = CUDA_ERROR_INVALID_VALUE; /* as for host memory unknown to CUDA */
+    } else if (attr == 2 /* MEMORY_TYPE */) {
+        *(unsigned *)data = 2; /* CU_MEMORYTYPE_DEVICE */
+    } else if (attr == 9 /* DEVICE_ORDINAL */) {
+        *(int *)data = a->device;
+    } else if (attr == 6 /* SYNC_MEMOPS */) {
+        *(int *)data = a->sync_memops;
+    } else {
+        r = CUDA_ERROR_INVALID_VALUE;
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+CUresult cuPointerSetAttribute(const void *value, int attr, CUdeviceptr p) {
+    if (attr != 6 /* SYNC_MEMOPS */) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    if (a) a->sync_memops = *(const unsigned *)value != 0;
+    pthread_mutex_unlock(&lock);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    if (a) {
+        if (base) *base = a->base;
+        if (size) *size = a->size;
+    }
+    pthread_mutex_unlock(&lock);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuStreamCreate(void **s, unsigned flags) {
+    (void)flags;
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    *s = malloc(1);
+    return *s ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult cuStreamDestroy_v2(void *s) {
+    free(s);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(void *s) {
+    return s ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* Host address of [p, p + n): the bytes behind a device range (which must
+ * lie in one allocation), or p itself for host memory. NULL if a device
+ * range overruns its allocation. Call with the lock held. */
+static char *host_of(CUdeviceptr p, size_t n) {
+    struct alloc *a = find(p);
+    if (!a) return (char *)(uintptr_t)p;
+    if (n > a->size - (size_t)(p - a->base)) return NULL;
+    return a->bytes + (p - a->base);
+}
+
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream) {
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!stream) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    char *d = host_of(dst, n), *s = host_of(src, n);
+    pthread_mutex_unlock(&lock);
+    if (!d || !s) return CUDA_ERROR_INVALID_VALUE;
+    memmove(d, s, n);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t size, int type, unsigned long long flags) {
+    (void)flags;
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (type != 1 /* DMA_BUF_FD */ || !getenv("FAKECUDA_DMABUF")) return CUDA_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    int ok = a && size <= a->mapped - (size_t)(p - a->base);
+    pthread_mutex_unlock(&lock);
+    if (!ok) return CUDA_ERROR_INVALID_VALUE;
+    int fd = memfd_create("fakecuda-dmabuf", MFD_CLOEXEC);
+    if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    *(int *)handle = fd;
+    return CUDA_SUCCESS;
+}

@@ -1,0 +1,106 @@
+//! The VRAM suite against a stand-in driver (`tests/gpu/fakecuda.c`,
+//! built here with gcc): every host without a GPU runs it. The stand-in's
+//! device memory faults when the host touches it, so a path that treated
+//! VRAM as host memory would crash this test; the same suite runs against
+//! the real driver in `tests/gpu.rs` (`ci/gpu-check.sh` on a GPU machine).
+
+#[path = "gpu/suite.rs"]
+#[macro_use]
+mod suite;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use kvxfer::gpu::{self, GpuError};
+
+/// Builds the stand-in and loads it before kvxfer's first driver call: the
+/// driver's `dlopen("libcuda.so")` then finds it by its soname.
+fn ready(_test: &str) -> bool {
+    stand_in();
+    true
+}
+
+/// The stand-in driver, built and loaded once.
+fn stand_in() -> &'static libloading::Library {
+    static LOADED: OnceLock<libloading::Library> = OnceLock::new();
+    LOADED.get_or_init(|| {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fakecuda");
+        std::fs::create_dir_all(&dir).unwrap();
+        let lib = dir.join(format!("libcuda-fake-{}.so", std::process::id()));
+        let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/gpu/fakecuda.c");
+        let out = Command::new("gcc")
+            .args(["-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-pthread"])
+            .arg("-Wl,-soname,libcuda.so")
+            .arg("-o")
+            .arg(&lib)
+            .arg(src)
+            .output()
+            .expect("gcc runs (ci/install-deps.sh installs it)");
+        assert!(
+            out.status.success(),
+            "building the stand-in driver failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // SAFETY: our own library, with no initialisers of its own.
+        let l = unsafe { libloading::Library::new(&lib) }.unwrap();
+        let _ = std::fs::remove_file(&lib);
+        l
+    })
+}
+
+gpu_suite!(ready);
+
+#[test]
+fn probe_reports_the_stand_in() {
+    ready("probe_reports_the_stand_in");
+    let p = gpu::probe().unwrap();
+    assert_eq!(p.driver_version, 13000);
+    assert_eq!(p.devices.len(), 2);
+    assert_eq!(p.devices[1].pci_bus_id, "0000:11:00.0");
+    // FAKECUDA_DMABUF is not set: the export is refused, typed.
+    assert!(matches!(
+        p.devices[0].dmabuf_export,
+        Err(GpuError::Driver { code: 801, .. })
+    ));
+}
+
+#[test]
+fn device_buffer_bounds_are_checked() {
+    ready("device_buffer_bounds_are_checked");
+    let b = gpu::DeviceBuffer::new(1, 100).unwrap();
+    assert_eq!(b.device(), 1);
+    assert!(matches!(
+        b.write(90, &[0; 11]),
+        Err(GpuError::PastAllocation { .. })
+    ));
+    b.write(90, &[5; 10]).unwrap();
+    let mut out = [0u8; 10];
+    b.read(90, &mut out).unwrap();
+    assert_eq!(out, [5; 10]);
+    assert!(matches!(
+        gpu::DeviceBuffer::new(7, 1),
+        Err(GpuError::Driver { .. })
+    ));
+}
+
+/// Registration sets `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` on the allocation
+/// (asked of the stand-in, which records it).
+#[test]
+fn registration_sets_sync_memops() {
+    type GetAttr = unsafe extern "C" fn(*mut std::ffi::c_void, i32, u64) -> i32;
+    // SAFETY: the stand-in's cuPointerGetAttribute, with this signature.
+    let get: libloading::Symbol<'_, GetAttr> =
+        unsafe { stand_in().get(b"cuPointerGetAttribute") }.unwrap();
+    let sync = |addr: u64| {
+        let mut v: i32 = -1;
+        // SAFETY: SYNC_MEMOPS (6) is written as one int.
+        assert_eq!(unsafe { get((&mut v as *mut i32).cast(), 6, addr) }, 0);
+        v
+    };
+    let g = gpu::DeviceBuffer::new(0, 1 << 16).unwrap();
+    assert_eq!(sync(g.addr()), 0);
+    let a = suite::agent(kvxfer::Backend::InProcess, "a");
+    suite::register_vram(a.as_ref(), &g).unwrap();
+    assert_eq!(sync(g.addr()), 1);
+}

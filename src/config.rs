@@ -48,6 +48,8 @@ pub struct AgentConfig {
     pub shm: ShmConfig,
     /// The RDMA data path.
     pub rdma: RdmaConfig,
+    /// GPU memory (VRAM).
+    pub gpu: GpuConfig,
     /// Who may talk to the agent.
     pub security: SecurityConfig,
     /// Bounds on what peers and the application can make the agent hold.
@@ -88,6 +90,40 @@ impl Default for TcpConfig {
         Self {
             streams_per_peer: 2,
             segment_size: 4 << 20,
+        }
+    }
+}
+
+/// GPU memory (VRAM) on paths that cannot reach it directly.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct GpuConfig {
+    /// Bytes per pinned host buffer of a staging ring (default 4 MiB): VRAM
+    /// moved over TCP is copied through such buffers (device→host before
+    /// sending, host→device after receiving), chunk by chunk.
+    pub staging_chunk: usize,
+    /// Buffers per ring (default 3, at least 2): the copies of the next
+    /// chunks run while the current one is on the wire. Each thread that
+    /// moves VRAM over TCP (a stream's sender or reader, a target's
+    /// connection) has one ring per device, made on first use.
+    pub staging_slots: usize,
+}
+
+impl Default for GpuConfig {
+    fn default() -> Self {
+        Self {
+            staging_chunk: 4 << 20,
+            staging_slots: 3,
+        }
+    }
+}
+
+impl GpuConfig {
+    /// The staging ring's shape.
+    pub(crate) fn shape(&self) -> crate::gpu::StagingShape {
+        crate::gpu::StagingShape {
+            chunk: self.staging_chunk,
+            slots: self.staging_slots,
         }
     }
 }
@@ -306,6 +342,7 @@ impl AgentConfig {
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(30),
             tcp: TcpConfig::default(),
+            gpu: GpuConfig::default(),
             shm: ShmConfig::default(),
             rdma: RdmaConfig::default(),
             security: SecurityConfig::default(),
@@ -416,6 +453,14 @@ impl AgentConfig {
     /// Replaces the limits.
     pub fn with_limits(mut self, limits: Limits) -> Self {
         self.limits = limits;
+        self
+    }
+
+    /// Sets the staging ring of VRAM over TCP ([`GpuConfig`]): `slots`
+    /// pinned buffers of `chunk` bytes.
+    pub fn with_gpu_staging(mut self, chunk: usize, slots: usize) -> Self {
+        self.gpu.staging_chunk = chunk;
+        self.gpu.staging_slots = slots;
         self
     }
 
@@ -598,6 +643,14 @@ impl AgentConfig {
             return bad(format!(
                 "tcp.segment_size must be at least 4096, got {}",
                 self.tcp.segment_size
+            ));
+        }
+        if !(4096..=1 << 30).contains(&self.gpu.staging_chunk)
+            || !(2..=64).contains(&self.gpu.staging_slots)
+        {
+            return bad(format!(
+                "gpu.staging_chunk must be 4 KiB..=1 GiB and gpu.staging_slots 2..=64, got {} and {}",
+                self.gpu.staging_chunk, self.gpu.staging_slots
             ));
         }
         if !(1..=64).contains(&self.shm.copy_threads) {

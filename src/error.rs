@@ -49,6 +49,10 @@ pub enum RejectReason {
         /// The `errno` (0 when the OS gave none).
         errno: u16,
     },
+    /// A copy between the target's GPU memory and its staging buffers
+    /// failed (a driver error, logged at the target). Data of the segment
+    /// may have landed in part.
+    GpuCopy,
 }
 
 impl RejectReason {
@@ -64,6 +68,7 @@ impl RejectReason {
             RejectReason::Aborted => 7,
             RejectReason::Misaligned => 8,
             RejectReason::PastEnd => 9,
+            RejectReason::GpuCopy => 18,
             RejectReason::StorageIo { errno } => STORAGE_IO_BASE.saturating_add(errno),
         }
     }
@@ -94,6 +99,7 @@ impl RejectReason {
             7 => RejectReason::Aborted,
             8 => RejectReason::Misaligned,
             9 => RejectReason::PastEnd,
+            18 => RejectReason::GpuCopy,
             c if c >= STORAGE_IO_BASE => RejectReason::StorageIo {
                 errno: c - STORAGE_IO_BASE,
             },
@@ -125,6 +131,7 @@ impl std::fmt::Display for RejectReason {
                 "the storage range ends past the end of the target's file or device \
                  (truncated under its registration)"
             }
+            RejectReason::GpuCopy => "a copy to or from the target's GPU memory failed",
             RejectReason::StorageIo { errno: 0 } => "storage I/O at the target failed",
             RejectReason::StorageIo { errno } => {
                 let cause = io::Error::from_raw_os_error(i32::from(*errno));

@@ -94,8 +94,8 @@ pub use agent::{
 };
 pub use auth::{Credential, CredentialError};
 pub use config::{
-    AgentConfig, DEFAULT_RDMA_MAX_INFLIGHT, Limits, RdmaConfig, RdmaProgress, SecurityConfig,
-    ShmConfig, TcpConfig,
+    AgentConfig, DEFAULT_RDMA_MAX_INFLIGHT, GpuConfig, Limits, RdmaConfig, RdmaProgress,
+    SecurityConfig, ShmConfig, TcpConfig,
 };
 pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion, LocalAccess};
 pub use engine::make_transfer_agent;

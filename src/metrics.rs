@@ -176,6 +176,17 @@ impl Metrics {
              # TYPE kvxfer_requests_in_flight gauge\n\
              kvxfer_requests_in_flight{{agent=\"{agent}\"}} {in_flight}"
         );
+        let (copies, bytes) = crate::gpu::staging_copies();
+        let _ = writeln!(
+            o,
+            "# HELP kvxfer_gpu_staging_copies_total Copies between GPU memory and pinned host \
+             buffers (GPU memory moved over TCP), in this process.\n\
+             # TYPE kvxfer_gpu_staging_copies_total counter\n\
+             kvxfer_gpu_staging_copies_total {copies}\n\
+             # HELP kvxfer_gpu_staging_bytes_total Bytes of those copies.\n\
+             # TYPE kvxfer_gpu_staging_bytes_total counter\n\
+             kvxfer_gpu_staging_bytes_total {bytes}"
+        );
         let _ = writeln!(
             o,
             "# HELP kvxfer_requests_total Requests finished, by transport, peer and outcome \

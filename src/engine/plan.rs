@@ -31,6 +31,7 @@ pub(in crate::engine) fn plan_segments(
                 mem_type: req.remote.mem_type,
                 device: r.device_id,
                 local: l.addr + off,
+                local_gpu: (req.local.mem_type == MemoryType::Vram).then_some(l.device_id),
                 remote: r.addr + off,
                 len,
                 key,

@@ -329,6 +329,29 @@ impl<'c> FrameReader<'c> {
         Ok(())
     }
 
+    /// Reads exactly `len` bytes of a payload that goes on after them (read
+    /// in parts): nothing is read ahead, since the bytes after them are
+    /// still payload, not the next header. `last` says the part ends the
+    /// payload (then the next header may be read ahead, as by
+    /// [`read_into`](Self::read_into)).
+    ///
+    /// # Safety
+    /// As [`read_into`](Self::read_into).
+    pub(crate) unsafe fn read_part(
+        &mut self,
+        dst: *mut u8,
+        len: usize,
+        last: bool,
+        idle: &mut dyn IdlePolicy,
+    ) -> io::Result<()> {
+        let saved = self.no_read_ahead;
+        self.no_read_ahead |= !last;
+        // SAFETY: forwarded contract.
+        let r = unsafe { self.read_into(dst, len, idle) };
+        self.no_read_ahead = saved;
+        r
+    }
+
     /// Reads `pieces` (pointer, length) back to back from the stream, with
     /// as few `readv` calls as the socket allows (up to 1023 pieces, plus
     /// the next header's free space, per call).

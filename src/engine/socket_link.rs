@@ -84,6 +84,8 @@ pub(in crate::engine) struct ReadSlot {
     pub(in crate::engine) req: u64,
     pub(in crate::engine) dst: u64,
     pub(in crate::engine) len: u64,
+    /// The device of a GPU destination (its data is staged).
+    pub(in crate::engine) gpu: Option<u32>,
     pub(in crate::engine) pending: Arc<Pending>,
 }
 
@@ -93,6 +95,8 @@ pub(in crate::engine) struct Seg {
     /// The storage handle of a FILE or BLK destination (else unused).
     pub(in crate::engine) device: u32,
     pub(in crate::engine) local: u64,
+    /// The device of local GPU memory (moved through staging buffers).
+    pub(in crate::engine) local_gpu: Option<u32>,
     pub(in crate::engine) remote: u64,
     pub(in crate::engine) len: u64,
     pub(in crate::engine) key: u64,
@@ -242,6 +246,8 @@ pub(in crate::engine) struct SocketLink<P: SocketPath> {
     pub(in crate::engine) parts: P,
     pub(in crate::engine) remote: String,
     pub(in crate::engine) io_timeout: Duration,
+    /// The staging ring's shape, for GPU memory.
+    pub(in crate::engine) gpu_staging: crate::gpu::StagingShape,
     /// The agent's count of requests in flight.
     pub(in crate::engine) in_flight: Arc<AtomicUsize>,
     /// Where its requests' outcomes are counted.
@@ -318,6 +324,7 @@ impl<P: SocketPath> SocketLink<P> {
             parts,
             remote: peer.name.clone(),
             io_timeout: inner.config.io_timeout,
+            gpu_staging: inner.config.gpu.shape(),
             in_flight: Arc::clone(&inner.in_flight),
             meter: inner.metrics.meter(path.transport, &peer.name),
             path: Arc::new(path),

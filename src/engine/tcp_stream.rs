@@ -123,6 +123,13 @@ impl<P: SocketPath> SocketLink<P> {
                 aborted = true;
             }
             f.clear();
+            if op == TransferOp::Write && segs.iter().any(|s| s.local_gpu.is_some()) {
+                if let Err(e) = self.write_gpu(fd, &mut f, req, &segs, &tail, &pending) {
+                    self.fail(e);
+                    break;
+                }
+                continue;
+            }
             if op == TransferOp::Write {
                 f.writes(req, &segs);
             }
@@ -134,6 +141,7 @@ impl<P: SocketPath> SocketLink<P> {
                         req,
                         dst: s.local,
                         len: s.len,
+                        gpu: s.local_gpu,
                         pending: Arc::clone(&pending),
                     });
                 }
@@ -158,6 +166,78 @@ impl<P: SocketPath> SocketLink<P> {
             }
         }
         self.thread_exit();
+    }
+
+    /// Writes a WRITE job whose local memory is on the GPU: each segment's
+    /// `Write` frame with its payload staged through the thread's pinned
+    /// ring (the copy of the next chunk runs while one is sent), then the
+    /// tail. An abort is looked for before each segment: the rest are
+    /// replaced by an `Abort` frame counting them. A driver failure
+    /// mid-frame cannot be told to the target: the link fails with it.
+    fn write_gpu(
+        &self,
+        fd: std::os::fd::RawFd,
+        f: &mut Framed,
+        req: u64,
+        segs: &[Seg],
+        tail: &Tail,
+        pending: &Pending,
+    ) -> Result<(), Error> {
+        let send = |iovs: &mut [libc::iovec]| {
+            // SAFETY: every iovec points into a live local (a header, a
+            // staging buffer, the job's tail) or, for host memory, into a
+            // local region held by the request's guards.
+            unsafe { writev_all(fd, iovs, &self.clock, self.io_timeout) }
+        };
+        for (i, s) in segs.iter().enumerate() {
+            if pending.completion.abort_requested() {
+                f.clear();
+                f.tail(req, TransferOp::Write, &[], Some(segs.len() - i), tail);
+                return send(&mut f.iovs).map_err(|e| self.io_error(e));
+            }
+            let hdr = Frame::Write {
+                req,
+                mem_type: s.mem_type,
+                device: s.device,
+                addr: s.remote,
+                len: s.len,
+                key: s.key,
+            }
+            .encode();
+            let Some(device) = s.local_gpu else {
+                let mut iovs = [
+                    iov(hdr.as_ptr(), HEADER_LEN),
+                    iov(s.local as *const u8, s.len as usize),
+                ];
+                send(&mut iovs).map_err(|e| self.io_error(e))?;
+                continue;
+            };
+            // The header goes with the first chunk.
+            let mut first = true;
+            let mut write = |bytes: &[u8]| {
+                let chunk = iov(bytes.as_ptr(), bytes.len());
+                if std::mem::take(&mut first) {
+                    send(&mut [iov(hdr.as_ptr(), HEADER_LEN), chunk])
+                } else {
+                    send(&mut [chunk])
+                }
+            };
+            // SAFETY: `s.local` lies inside a local VRAM region (device
+            // memory on `device`) validated at submit time and held by the
+            // request's guards, which live until its acknowledgement, which
+            // follows these bytes.
+            let staged = unsafe {
+                crate::gpu::send_staged(device, self.gpu_staging, s.local, s.len, &mut write)
+            };
+            match staged {
+                Ok(()) => {}
+                Err(crate::gpu::StageError::Io(e)) => return Err(self.io_error(e)),
+                Err(crate::gpu::StageError::Gpu(e)) => return Err(Error::Gpu(e)),
+            }
+        }
+        f.clear();
+        f.tail(req, TransferOp::Write, &[], None, tail);
+        send(&mut f.iovs).map_err(|e| self.io_error(e))
     }
 
     /// Writes a job's frames as [`writev_all`] does, about
@@ -274,14 +354,18 @@ impl<P: SocketPath> SocketLink<P> {
                             self.complete_event(req, &slot.pending, Err(Error::Aborted));
                             continue;
                         }
-                        // SAFETY: `slot.dst` lies inside a local region that
-                        // was registered and validated at submit time, and the
-                        // request's guards (in `slot.pending`) keep it
-                        // registered until every event, this one included,
-                        // has been processed.
-                        unsafe { reader.read_into(slot.dst as *mut u8, len as usize, idle) }
-                            .map_err(|e| self.link_error(e))?;
-                        Ok(())
+                        if let Some(device) = slot.gpu {
+                            self.read_into_gpu(reader, idle, &slot, device)?
+                        } else {
+                            // SAFETY: `slot.dst` lies inside a local region
+                            // that was registered and validated at submit
+                            // time, and the request's guards (in
+                            // `slot.pending`) keep it registered until every
+                            // event, this one included, has been processed.
+                            unsafe { reader.read_into(slot.dst as *mut u8, len as usize, idle) }
+                                .map_err(|e| self.link_error(e))?;
+                            Ok(())
+                        }
                     } else {
                         Err(Error::RemoteRejected {
                             remote: self.remote.clone(),
@@ -317,6 +401,42 @@ impl<P: SocketPath> SocketLink<P> {
                     self.complete_event(req, &p, result);
                 }
                 other => return Err(self.violation(&format!("unexpected frame {other:?}"))),
+            }
+        }
+    }
+
+    /// Lands READ data in local GPU memory through the thread's staging
+    /// ring. A driver failure fails the segment (the rest of its bytes are
+    /// drained); a socket failure, the link.
+    fn read_into_gpu(
+        &self,
+        reader: &mut FrameReader<'_>,
+        idle: &mut LinkIdle<'_, P>,
+        slot: &ReadSlot,
+        device: u32,
+    ) -> Result<Result<(), Error>, Error> {
+        let mut got = 0u64;
+        let mut read = |buf: &mut [u8]| {
+            let last = got + buf.len() as u64 == slot.len;
+            // SAFETY: `buf` is a live mutable slice.
+            unsafe { reader.read_part(buf.as_mut_ptr(), buf.len(), last, idle) }?;
+            got += buf.len() as u64;
+            Ok(())
+        };
+        // SAFETY: `slot.dst` lies inside a local VRAM region registered and
+        // validated at submit time (device memory on `device`), held by the
+        // request's guards until this event is processed.
+        let r = unsafe {
+            crate::gpu::recv_staged(device, self.gpu_staging, slot.dst, slot.len, &mut read)
+        };
+        match r {
+            Ok(()) => Ok(Ok(())),
+            Err(crate::gpu::StageError::Io(e)) => Err(self.link_error(e)),
+            Err(crate::gpu::StageError::Gpu(e)) => {
+                reader
+                    .discard(slot.len - got, idle)
+                    .map_err(|e| self.link_error(e))?;
+                Ok(Err(Error::Gpu(e)))
             }
         }
     }

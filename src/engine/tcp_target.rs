@@ -16,6 +16,9 @@ impl Inner {
         len: u64,
         key: u64,
     ) -> io::Result<Result<(), RejectReason>> {
+        if mem_type == MemoryType::Vram {
+            return self.land_gpu(c, addr, len, key);
+        }
         self.land(c, mem_type, (addr, addr + len), key, len, |c| {
             // SAFETY: `[addr, addr + len)` was admitted: it lies inside a
             // region registered with this agent, whose registrant promised
@@ -51,6 +54,116 @@ impl Inner {
         }
     }
 
+    /// Lands a `Write` payload in GPU memory through the connection thread's
+    /// staging ring, or skips it when the range is refused. A driver
+    /// failure refuses the segment (`GpuCopy`; the rest of its bytes are
+    /// drained, what was copied before stays).
+    fn land_gpu(
+        &self,
+        c: &mut Conn<'_, '_, '_>,
+        addr: u64,
+        len: u64,
+        key: u64,
+    ) -> io::Result<Result<(), RejectReason>> {
+        let guard = match self.registry.admit_memory(MemoryType::Vram, addr, len, key) {
+            Ok(g) => g,
+            Err(reason) => {
+                tracing::debug!(remote = %c.session.remote, addr, len, %reason, "refused GPU write payload");
+                c.reader.discard(len, c.idle)?;
+                return Ok(Err(reason));
+            }
+        };
+        let device = guard.region().desc.device_id;
+        let mut got = 0u64;
+        let mut read = |buf: &mut [u8]| {
+            let last = got + buf.len() as u64 == len;
+            // SAFETY: `buf` is a live mutable slice.
+            unsafe {
+                c.reader
+                    .read_part(buf.as_mut_ptr(), buf.len(), last, c.idle)
+            }?;
+            got += buf.len() as u64;
+            Ok(())
+        };
+        // SAFETY: `[addr, addr + len)` was admitted: inside a VRAM region
+        // registered here (checked to be device memory on `device`) and held
+        // by `guard` during the copy.
+        let r = unsafe {
+            crate::gpu::recv_staged(device, self.config.gpu.shape(), addr, len, &mut read)
+        };
+        drop(guard);
+        match r {
+            Ok(()) => Ok(Ok(())),
+            Err(crate::gpu::StageError::Io(e)) => Err(e),
+            Err(crate::gpu::StageError::Gpu(e)) => {
+                tracing::warn!(remote = %c.session.remote, addr, len, error = %e, "copy to GPU memory failed");
+                c.reader.discard(len - got, c.idle)?;
+                Ok(Err(RejectReason::GpuCopy))
+            }
+        }
+    }
+
+    /// Answers a `ReadReq` for GPU memory: the header, then the range's
+    /// bytes staged through the connection thread's ring. A driver failure
+    /// after the header cannot be told in-band: the connection ends.
+    fn send_read_gpu(
+        &self,
+        c: &mut Conn<'_, '_, '_>,
+        req: u64,
+        addr: u64,
+        len: u64,
+        key: u64,
+    ) -> io::Result<Result<(), RejectReason>> {
+        let guard = match self.registry.admit_memory(MemoryType::Vram, addr, len, key) {
+            Ok(g) => g,
+            Err(reason) => {
+                let refusal = Frame::ReadData {
+                    req,
+                    len: 0,
+                    status: reason.code(),
+                };
+                c.send(&[refusal.encode()], self.config.io_timeout)?;
+                return Ok(Err(reason));
+            }
+        };
+        let device = guard.region().desc.device_id;
+        let hdr = Frame::ReadData {
+            req,
+            len,
+            status: status::OK,
+        }
+        .encode();
+        let fd = c.sock.as_raw_fd();
+        let clock = c.idle.clock;
+        let timeout = self.config.io_timeout;
+        let mut first = true;
+        let mut write = |bytes: &[u8]| {
+            let chunk = iov(bytes.as_ptr(), bytes.len());
+            let mut two = [iov(hdr.as_ptr(), HEADER_LEN), chunk];
+            let iovs: &mut [libc::iovec] = if std::mem::take(&mut first) {
+                &mut two
+            } else {
+                &mut two[1..]
+            };
+            // SAFETY: the header is a live local, the chunk a staging buffer
+            // borrowed for the call.
+            unsafe { writev_all(fd, iovs, clock, timeout) }
+        };
+        // SAFETY: `[addr, addr + len)` was admitted (device memory on
+        // `device`, registered here) and is held by `guard`.
+        let r = unsafe {
+            crate::gpu::send_staged(device, self.config.gpu.shape(), addr, len, &mut write)
+        };
+        drop(guard);
+        match r {
+            Ok(()) => Ok(Ok(())),
+            Err(crate::gpu::StageError::Io(e)) => Err(e),
+            Err(crate::gpu::StageError::Gpu(e)) => Err(io::Error::other(format!(
+                "copy from GPU memory for a READ failed: {e}"
+            ))),
+        }
+    }
+
     /// Answers a `ReadReq` with the range's bytes, or with the refusal.
     pub(in crate::engine) fn send_read(
         &self,
@@ -61,6 +174,9 @@ impl Inner {
         len: u64,
         key: u64,
     ) -> io::Result<Result<(), RejectReason>> {
+        if mem_type == MemoryType::Vram {
+            return self.send_read_gpu(c, req, addr, len, key);
+        }
         match self.registry.admit_remote(mem_type, addr, len, key) {
             Ok(guard) => {
                 let hdr = Frame::ReadData {

@@ -112,9 +112,10 @@ impl Transport for Tcp {
 
     fn supports(&self, mem_type: MemoryType) -> bool {
         match mem_type {
-            MemoryType::Dram => self.host_memory,
+            // GPU memory through staging buffers.
+            MemoryType::Dram | MemoryType::Vram => self.host_memory,
             MemoryType::File | MemoryType::Blk => true,
-            MemoryType::Vram | MemoryType::Obj => false,
+            MemoryType::Obj => false,
         }
     }
 
@@ -305,7 +306,7 @@ mod tests {
         );
         // A memory type no transport moves: each says so.
         let auto = for_backend(Backend::Auto, true, "h");
-        let e = choose(&auto, Backend::Auto, &desc(true, None), MemoryType::Vram).unwrap_err();
+        let e = choose(&auto, Backend::Auto, &desc(true, None), MemoryType::Obj).unwrap_err();
         let text = e.to_string();
         for k in ["shm", "rdma", "tcp"] {
             assert!(text.contains(&format!("{k}: does not move")), "{text}");

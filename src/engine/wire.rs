@@ -38,7 +38,7 @@ const _: () = assert!(std::mem::size_of::<RawHeader>() == HEADER_LEN);
 pub mod status {
     /// Success.
     pub const OK: u16 = 0;
-    // 1..=7 are `RejectReason` codes (see `crate::error::RejectReason`).
+    // 1..=9 and 18 are `RejectReason` codes (see `crate::error::RejectReason`).
     /// Hello: the target is not the instance the initiator expected.
     pub const STALE_INSTANCE: u16 = 10;
     /// Hello: protocol version not supported.

@@ -5,17 +5,19 @@
 //! `cuda`, cudarc with dynamic loading): kvxfer builds and runs on hosts
 //! without CUDA, where registering VRAM fails with
 //! [`GpuError::NoDriver`]. This module is pure (no FFI): the driver calls
-//! live in `cuda.rs`, behind [`driver`].
+//! live in `cuda.rs`, behind `driver`.
 //!
 //! A VRAM registration names a range `[addr, addr + len)` and a device
 //! ordinal (`device_id`). It is accepted only when the driver reports that
 //! `addr` is device memory, on that device, inside one allocation that
-//! covers the whole range ([`check_range`]); `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS`
+//! covers the whole range; `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS`
 //! is then set on the allocation so that synchronous copies and memsets
 //! are ordered with the transfers that read or write it.
 
 // The driver's FFI is confined to `cuda`.
 #![deny(unsafe_code)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::memory::MemoryDesc;
 
@@ -23,9 +25,9 @@ use crate::memory::MemoryDesc;
 #[allow(unsafe_code)]
 mod cuda;
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::driver;
-#[cfg(feature = "cuda")]
 pub use cuda::{DeviceBuffer, DeviceProbe, Probe, probe};
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::{driver, with_staging};
 
 /// Why GPU memory could not be registered or moved.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -79,6 +81,50 @@ pub enum GpuError {
         /// The result's name (`cuGetErrorName`).
         name: String,
     },
+}
+
+/// The shape of a thread's staging ring: `slots` pinned host buffers of
+/// `chunk` bytes each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StagingShape {
+    pub(crate) chunk: usize,
+    pub(crate) slots: usize,
+}
+
+/// Why moving device memory through a socket failed: the socket or the
+/// driver.
+#[derive(Debug)]
+pub(crate) enum StageError {
+    Io(std::io::Error),
+    Gpu(GpuError),
+}
+
+impl From<GpuError> for StageError {
+    fn from(e: GpuError) -> Self {
+        StageError::Gpu(e)
+    }
+}
+
+static STAGED_COPIES: AtomicU64 = AtomicU64::new(0);
+static STAGED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Counts copies through pinned host buffers (the one place a copy is
+/// made: device memory on a path that cannot reach it).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn count_staged(copies: u64, bytes: u64) {
+    STAGED_COPIES.fetch_add(copies, Ordering::Relaxed);
+    STAGED_BYTES.fetch_add(bytes, Ordering::Relaxed);
+}
+
+/// Staging copies made by this process so far: `(copies, bytes)`. Device
+/// memory moved over TCP passes through pinned host buffers, one copy per
+/// chunk (at most `GpuConfig::staging_chunk` bytes); every other path
+/// copies nothing.
+pub fn staging_copies() -> (u64, u64) {
+    (
+        STAGED_COPIES.load(Ordering::Relaxed),
+        STAGED_BYTES.load(Ordering::Relaxed),
+    )
 }
 
 /// One device-memory allocation, as the driver reports it.
@@ -161,6 +207,63 @@ pub(crate) unsafe fn copy(_dst: u64, _src: u64, _len: u64, _device: u32) -> Resu
     Err(GpuError::NoDriver(
         "kvxfer was built without the `cuda` feature".into(),
     ))
+}
+
+/// Sends `len` bytes of device memory at `src` (on `device`) through
+/// `write`, staged through the calling thread's pinned ring.
+///
+/// # Safety
+/// `[src, src + len)` is device memory on `device`, allocated for the
+/// whole call.
+#[allow(unsafe_code)]
+pub(crate) unsafe fn send_staged(
+    device: u32,
+    shape: StagingShape,
+    src: u64,
+    len: u64,
+    write: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+) -> Result<(), StageError> {
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: forwarded contract.
+        with_staging(device, shape, |s| unsafe { s.send(src, len, write) })?
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, shape, src, len, write);
+        Err(StageError::Gpu(GpuError::NoDriver(
+            "kvxfer was built without the `cuda` feature".into(),
+        )))
+    }
+}
+
+/// Receives `len` bytes through `read` into device memory at `dst` (on
+/// `device`), staged through the calling thread's pinned ring; returns
+/// once they have landed.
+///
+/// # Safety
+/// `[dst, dst + len)` is device memory on `device`, allocated and
+/// writable for the whole call.
+#[allow(unsafe_code)]
+pub(crate) unsafe fn recv_staged(
+    device: u32,
+    shape: StagingShape,
+    dst: u64,
+    len: u64,
+    read: &mut dyn FnMut(&mut [u8]) -> std::io::Result<()>,
+) -> Result<(), StageError> {
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: forwarded contract.
+        with_staging(device, shape, |s| unsafe { s.recv(dst, len, read) })?
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, shape, dst, len, read);
+        Err(StageError::Gpu(GpuError::NoDriver(
+            "kvxfer was built without the `cuda` feature".into(),
+        )))
+    }
 }
 
 #[cfg(test)]

@@ -213,20 +213,149 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
     return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
-CUresult cuStreamCreate(void **s, unsigned flags) {
-    (void)flags;
-    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
-    *s = malloc(1);
-    return *s ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+/* Streams run their work on a thread of their own, in order, each copy
+ * after a short random delay: a caller that reuses a buffer before waiting
+ * for the copy that reads it, or reads a destination before the copy has
+ * landed, sees wrong bytes. Events mark a point in a stream. */
+struct op {
+    struct op *next;
+    char *dst;
+    const char *src;
+    size_t n;
+};
+
+struct stream {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t thread;
+    struct op *head, *tail;
+    unsigned long long enqueued, completed;
+    int stop;
+    unsigned seed;
+};
+
+struct event {
+    struct stream *stream;
+    unsigned long long seq;
+};
+
+static void *stream_main(void *arg) {
+    struct stream *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->head && !s->stop) pthread_cond_wait(&s->cv, &s->mu);
+        if (!s->head) break;
+        struct op *o = s->head;
+        pthread_mutex_unlock(&s->mu);
+        if (o->n) {
+            usleep(rand_r(&s->seed) % 300);
+            memmove(o->dst, o->src, o->n);
+        }
+        pthread_mutex_lock(&s->mu);
+        s->head = o->next;
+        if (!s->head) s->tail = NULL;
+        s->completed++;
+        free(o);
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
 }
 
-CUresult cuStreamDestroy_v2(void *s) {
+/* Queues a copy (n > 0) or a marker (n == 0); returns its sequence number. */
+static unsigned long long enqueue(struct stream *s, char *dst, const char *src, size_t n) {
+    struct op *o = calloc(1, sizeof *o);
+    o->dst = dst;
+    o->src = src;
+    o->n = n;
+    pthread_mutex_lock(&s->mu);
+    if (s->tail) s->tail->next = o; else s->head = o;
+    s->tail = o;
+    unsigned long long seq = ++s->enqueued;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return seq;
+}
+
+static void wait_for(struct stream *s, unsigned long long seq) {
+    pthread_mutex_lock(&s->mu);
+    while (s->completed < seq) pthread_cond_wait(&s->cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+}
+
+CUresult cuStreamCreate(void **out, unsigned flags) {
+    (void)flags;
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    struct stream *s = calloc(1, sizeof *s);
+    if (!s) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->seed = (unsigned)(uintptr_t)s;
+    if (pthread_create(&s->thread, NULL, stream_main, s) != 0) {
+        free(s);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *out = s;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(void *p) {
+    struct stream *s = p;
+    if (!s) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&s->mu);
+    unsigned long long seq = s->enqueued;
+    pthread_mutex_unlock(&s->mu);
+    wait_for(s, seq);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamDestroy_v2(void *p) {
+    struct stream *s = p;
+    if (!s) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&s->mu);
+    s->stop = 1;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->thread, NULL);
     free(s);
     return CUDA_SUCCESS;
 }
 
-CUresult cuStreamSynchronize(void *s) {
-    return s ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+CUresult cuEventCreate(void **out, unsigned flags) {
+    (void)flags;
+    *out = calloc(1, sizeof(struct event));
+    return *out ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult cuEventRecord(void *e, void *s) {
+    if (!e || !s) return CUDA_ERROR_INVALID_VALUE;
+    struct event *ev = e;
+    ev->stream = s;
+    ev->seq = enqueue(s, NULL, NULL, 0);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventSynchronize(void *e) {
+    struct event *ev = e;
+    if (!ev) return CUDA_ERROR_INVALID_VALUE;
+    if (ev->stream) wait_for(ev->stream, ev->seq);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventDestroy_v2(void *e) {
+    free(e);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) {
+    (void)flags;
+    *p = malloc(n ? n : 1);
+    return *p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult cuMemFreeHost(void *p) {
+    free(p);
+    return CUDA_SUCCESS;
 }
 
 /* Host address of [p, p + n): the bytes behind a device range (which must
@@ -246,7 +375,7 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream)
     char *d = host_of(dst, n), *s = host_of(src, n);
     pthread_mutex_unlock(&lock);
     if (!d || !s) return CUDA_ERROR_INVALID_VALUE;
-    memmove(d, s, n);
+    if (n) enqueue(stream, d, s, n);
     return CUDA_SUCCESS;
 }
 

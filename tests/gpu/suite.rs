@@ -193,43 +193,296 @@ pub fn registration_errors() {
         .unwrap();
 }
 
-/// A peer on the TCP path (which moves no GPU memory) refuses requests
-/// with VRAM on either side, typed, before anything moves.
-pub fn tcp_refuses_vram() {
-    let host = pattern(4096, 3);
-    let g = DeviceBuffer::new(0, 4096).unwrap();
-    g.write(0, &[0u8; 4096]).unwrap();
-    let (a, b) = (agent(Backend::Tcp, "a"), agent(Backend::Tcp, "b"));
-    register_dram(a.as_ref(), &host);
-    register_vram(b.as_ref(), &g).unwrap();
-    register_vram(a.as_ref(), &g).unwrap();
+/// Agents on `backend` with a staging ring of `chunk`-byte buffers.
+fn staged_agent(
+    backend: Backend,
+    name: &str,
+    chunk: usize,
+    slots: usize,
+) -> Box<dyn TransferAgent> {
+    make_transfer_agent(
+        backend,
+        AgentConfig::new(name).with_gpu_staging(chunk, slots),
+    )
+    .unwrap()
+}
+
+/// VRAM over TCP, staged through pinned buffers on both sides: DRAM→VRAM,
+/// VRAM→VRAM and VRAM→DRAM writes and reads, 64 KiB × 256 scattered and
+/// 1 MiB × 64, and one byte; element-exact, and counted as staging copies.
+/// The initiator's ring has small buffers (many chunks per segment, the
+/// pipeline exercised), the target's the default.
+pub fn tcp_round_trips() {
+    let len: u64 = 16 << 20;
+    let src = pattern(len as usize, 11);
+    let back = vec![0u8; len as usize];
+    let ga = DeviceBuffer::new(0, len).unwrap();
+    let gb = DeviceBuffer::new(0, len).unwrap();
+    let a = staged_agent(Backend::Tcp, "a", 96 << 10, 2);
+    let b = agent(Backend::Tcp, "b");
+    register_dram(a.as_ref(), &src);
+    register_dram(a.as_ref(), &back);
+    register_vram(a.as_ref(), &ga).unwrap();
+    register_vram(b.as_ref(), &gb).unwrap();
     a.load_remote_agent(&b.local_agent_desc()).unwrap();
-    let e = a
+    let dram = |buf: &[u8]| (MemoryType::Dram, buf.as_ptr() as u64, 0);
+    let gpu = |g: &DeviceBuffer| (MemoryType::Vram, g.addr(), g.device());
+    let (copies0, bytes0) = kvxfer::gpu::staging_copies();
+    for (n, piece) in [(256u64, 64u64 << 10), (16, 1 << 20)] {
+        gb.write(0, &vec![0u8; len as usize]).unwrap();
+        ga.write(0, &vec![0u8; len as usize]).unwrap();
+        // DRAM (a) → VRAM (b).
+        let (l, r) = scattered(dram(&src), gpu(&gb), n, piece);
+        let st = a
+            .submit_transfer(&TransferRequest::write(l, r, "b"))
+            .unwrap();
+        completed(Ok(st)).unwrap();
+        let on_gb = unscatter(&src[..(n * piece) as usize], n, piece);
+        assert!(
+            device_bytes(&gb)[..on_gb.len()] == on_gb[..],
+            "DRAM→VRAM over TCP, {n} × {piece}"
+        );
+        // VRAM (b) → VRAM (a): a read, gathered back in order.
+        let (l, r) = scattered(gpu(&ga), gpu(&gb), n, piece);
+        completed(a.submit_transfer(&TransferRequest::read(l, r, "b"))).unwrap();
+        assert!(
+            device_bytes(&ga)[..on_gb.len()] == src[..on_gb.len()],
+            "VRAM→VRAM read over TCP"
+        );
+        // VRAM (a) → VRAM (b), a write, then VRAM (b) → DRAM (a), a read.
+        gb.write(0, &vec![0u8; len as usize]).unwrap();
+        let (l, r) = scattered(gpu(&ga), gpu(&gb), n, piece);
+        completed(a.submit_transfer(&TransferRequest::write(l, r, "b"))).unwrap();
+        assert!(
+            device_bytes(&gb)[..on_gb.len()] == on_gb[..],
+            "VRAM→VRAM write over TCP"
+        );
+        let (l, r) = scattered(dram(&back), gpu(&gb), n, piece);
+        completed(a.submit_transfer(&TransferRequest::read(l, r, "b"))).unwrap();
+        assert!(
+            back[..on_gb.len()] == src[..on_gb.len()],
+            "VRAM→DRAM read over TCP"
+        );
+    }
+    // One byte, VRAM (b) → VRAM (a) and DRAM (a) → VRAM (b).
+    gb.write(7, &[0xa5]).unwrap();
+    completed(a.submit_transfer(&TransferRequest::read(
+        vram(&ga, 3, 1),
+        vram(&gb, 7, 1),
+        "b",
+    )))
+    .unwrap();
+    let mut one = [0u8];
+    ga.read(3, &mut one).unwrap();
+    assert_eq!(one[0], 0xa5);
+    completed(a.submit_transfer(&TransferRequest::write(
+        MemoryDescs::dram(&src[9..10]),
+        vram(&gb, 0, 1),
+        "b",
+    )))
+    .unwrap();
+    gb.read(0, &mut one).unwrap();
+    assert_eq!(one[0], src[9]);
+    let (copies, bytes) = kvxfer::gpu::staging_copies();
+    // Every byte of VRAM crossed a staging buffer on each side it was on.
+    assert!(copies > copies0 && bytes - bytes0 >= 2 * (256 * (64 << 10) + 16 * (1 << 20)));
+    assert!(a.metrics_text().contains("kvxfer_gpu_staging_bytes_total"));
+}
+
+/// A stale key for a peer's VRAM (deregistered and registered again) is
+/// refused by the target, typed, and the memory is unchanged; the link
+/// goes on serving the next request.
+pub fn tcp_stale_vram_key_is_refused() {
+    let src = pattern(1 << 20, 5);
+    let g = DeviceBuffer::new(0, 1 << 20).unwrap();
+    g.write(0, &vec![0u8; 1 << 20]).unwrap();
+    let a = agent(Backend::Tcp, "a");
+    let b = agent(Backend::Tcp, "b");
+    register_dram(a.as_ref(), &src);
+    register_vram(b.as_ref(), &g).unwrap();
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    b.deregister_memory(&vram(&g, 0, g.len())).unwrap();
+    register_vram(b.as_ref(), &g).unwrap();
+    let st = a
         .submit_transfer(&TransferRequest::write(
-            MemoryDescs::dram(&host),
-            vram(&g, 0, 4096),
+            MemoryDescs::dram(&src),
+            vram(&g, 0, 1 << 20),
             "b",
         ))
-        .unwrap_err();
+        .unwrap();
+    let e = st.wait(std::time::Duration::from_secs(60)).unwrap_err();
     assert!(
         matches!(
             e,
-            Error::UnsupportedMemoryType {
-                mem_type: MemoryType::Vram,
-                backend: "tcp"
+            Error::RemoteRejected {
+                reason: kvxfer::RejectReason::BadKey,
+                ..
             }
         ),
         "{e:?}"
     );
     assert!(device_bytes(&g).iter().all(|&x| x == 0));
-    let e = a
-        .submit_transfer(&TransferRequest::write(
-            vram(&g, 0, 4096),
-            MemoryDescs::dram(&host),
-            "b",
-        ))
-        .unwrap_err();
-    assert!(matches!(e, Error::UnsupportedMemoryType { .. }), "{e:?}");
+    // The same link, the descriptor loaded again: it lands.
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    completed(a.submit_transfer(&TransferRequest::write(
+        MemoryDescs::dram(&src),
+        vram(&g, 0, 1 << 20),
+        "b",
+    )))
+    .unwrap();
+    assert!(device_bytes(&g) == src);
+}
+
+/// A peer on the cross-memory (shm) path, which cannot reach GPU memory,
+/// refuses requests with VRAM on either side, typed, before anything
+/// moves.
+pub fn shm_refuses_vram() {
+    let host = pattern(4096, 3);
+    let g = DeviceBuffer::new(0, 4096).unwrap();
+    g.write(0, &[0u8; 4096]).unwrap();
+    let (a, b) = (agent(Backend::Shm, "a"), agent(Backend::Shm, "b"));
+    register_dram(a.as_ref(), &host);
+    register_vram(b.as_ref(), &g).unwrap();
+    register_vram(a.as_ref(), &g).unwrap();
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    if a.remote_transport("b").unwrap() != "shm" {
+        println!("SKIPPED shm_refuses_vram: cross-memory attach is not allowed here");
+        return;
+    }
+    for (l, r) in [
+        (MemoryDescs::dram(&host), vram(&g, 0, 4096)),
+        (vram(&g, 0, 4096), MemoryDescs::dram(&host)),
+    ] {
+        let e = a
+            .submit_transfer(&TransferRequest::write(l, r, "b"))
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::UnsupportedMemoryType {
+                    mem_type: MemoryType::Vram,
+                    backend: "shm"
+                }
+            ),
+            "{e:?}"
+        );
+    }
+    assert!(device_bytes(&g).iter().all(|&x| x == 0));
+}
+
+/// The KV cache with GPU pools: context TP2 → generation TP1 on the
+/// in-process path, every element of every block checked, no staging copy.
+pub fn kv_tp2_to_tp1_vram_pools() {
+    use kvxfer::cache::pattern::{check_block, fill_block};
+    use kvxfer::cache::{
+        Attention, CacheReceiver, CacheSender, CacheState, DataType, ReceiverConfig, RecvRequest,
+        SenderConfig, distinct_heads, rank_slice,
+    };
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let st =
+        |tp: u32| CacheState::new(4, 8 / tp, 64, 16, DataType::Bf16, Attention::Default, tp, 1);
+    let (ctx_s, gen_s) = (st(2), st(1));
+    let d = distinct_heads(&ctx_s, &gen_s);
+    const BLOCKS: u32 = 8;
+    let tokens = 100u32;
+    let n = tokens.div_ceil(16);
+    let ctx_slices: Vec<_> = (0..2).map(|r| rank_slice(&ctx_s, r, d)).collect();
+    let gen_slice = rank_slice(&gen_s, 0, d);
+    let pool = |bytes: u64| DeviceBuffer::new(0, bytes * u64::from(BLOCKS)).unwrap();
+    let ctx_pools: Vec<DeviceBuffer> = ctx_slices.iter().map(|s| pool(s.block_bytes())).collect();
+    let gen_pool = pool(gen_slice.block_bytes());
+    let agents: Vec<Arc<dyn TransferAgent>> = (0..3)
+        .map(|i| Arc::from(agent(Backend::InProcess, &format!("kv{i}"))))
+        .collect();
+    for (a, p) in agents.iter().zip(ctx_pools.iter().chain([&gen_pool])) {
+        register_vram(a.as_ref(), p).unwrap();
+    }
+    // Context blocks 0..n, filled on the host and copied up.
+    for (r, s) in ctx_slices.iter().enumerate() {
+        let bb = s.block_bytes() as usize;
+        let mut host = vec![0u8; bb];
+        for b in 0..n {
+            fill_block(&ctx_s, s, &mut host, b);
+            ctx_pools[r].write(u64::from(b) * bb as u64, &host).unwrap();
+        }
+    }
+    let sc = SenderConfig {
+        mem_type: MemoryType::Vram,
+        ..SenderConfig::default()
+    };
+    let rc = ReceiverConfig {
+        mem_type: MemoryType::Vram,
+        ..ReceiverConfig::default()
+    };
+    let senders: Vec<CacheSender> = (0..2)
+        .map(|r| {
+            CacheSender::new(
+                Arc::clone(&agents[r]),
+                ctx_s.clone(),
+                r as u32,
+                None,
+                sc.clone(),
+            )
+            .unwrap()
+        })
+        .collect();
+    let conns: Vec<String> = agents[..2]
+        .iter()
+        .map(|a| a.local_connection_info())
+        .collect();
+    let receiver = CacheReceiver::new(
+        Arc::clone(&agents[2]),
+        gen_s.clone(),
+        0,
+        ctx_s.clone(),
+        &conns,
+        rc,
+    )
+    .unwrap();
+    // Generation blocks in reverse order.
+    let gb = gen_slice.block_bytes();
+    let recv = receiver
+        .request(RecvRequest {
+            request_id: 9,
+            ctx_dp_rank: 0,
+            blocks: (0..n)
+                .map(|b| gen_pool.addr() + u64::from(BLOCKS - 1 - b) * gb)
+                .collect(),
+            last_block_key: None,
+        })
+        .unwrap();
+    let sends: Vec<_> = senders
+        .iter()
+        .enumerate()
+        .map(|(r, s)| {
+            let bb = ctx_slices[r].block_bytes();
+            s.send(
+                9,
+                (0..n)
+                    .map(|b| ctx_pools[r].addr() + u64::from(b) * bb)
+                    .collect(),
+            )
+            .unwrap()
+        })
+        .collect();
+    for h in sends {
+        let stats = h.wait(Duration::from_secs(60)).unwrap();
+        assert_eq!(stats.staging_copies, 0);
+    }
+    recv.wait(Duration::from_secs(60)).unwrap();
+    let mut host = vec![0u8; gb as usize];
+    for b in 0..n {
+        gen_pool
+            .read(u64::from(BLOCKS - 1 - b) * gb, &mut host)
+            .unwrap();
+        if let Some(m) = check_block(&gen_s, &gen_slice, &host, b, tokens) {
+            panic!("generation block {b}: {m}");
+        }
+    }
+    drop(receiver);
+    drop(senders);
 }
 
 /// Defines the suite's tests; `$ready` says whether to run (else it has
@@ -252,9 +505,30 @@ macro_rules! gpu_suite {
         }
 
         #[test]
-        fn vram_on_the_tcp_path_is_refused_typed() {
-            if $ready("vram_on_the_tcp_path_is_refused_typed") {
-                suite::tcp_refuses_vram();
+        fn vram_kv_cache_tp2_to_tp1_pools_on_the_gpu() {
+            if $ready("vram_kv_cache_tp2_to_tp1_pools_on_the_gpu") {
+                suite::kv_tp2_to_tp1_vram_pools();
+            }
+        }
+
+        #[test]
+        fn vram_over_tcp_staged_round_trips() {
+            if $ready("vram_over_tcp_staged_round_trips") {
+                suite::tcp_round_trips();
+            }
+        }
+
+        #[test]
+        fn vram_over_tcp_stale_key_is_refused() {
+            if $ready("vram_over_tcp_stale_key_is_refused") {
+                suite::tcp_stale_vram_key_is_refused();
+            }
+        }
+
+        #[test]
+        fn vram_on_the_shm_path_is_refused_typed() {
+            if $ready("vram_on_the_shm_path_is_refused_typed") {
+                suite::shm_refuses_vram();
             }
         }
     };

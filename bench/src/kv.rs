@@ -67,6 +67,86 @@ pub struct KvArgs {
     /// One JSON object on stdout.
     #[arg(long)]
     json: bool,
+    /// Where the pools live: dram, or vram (GPU memory on `--gpu`).
+    #[arg(long, default_value = "dram", value_parser = ["dram", "vram"])]
+    memory: String,
+    /// The GPU (device ordinal) of `--memory vram` pools.
+    #[arg(long, default_value_t = 0)]
+    gpu: u32,
+}
+
+/// A rank's block pool: host memory, or GPU memory.
+enum Pool {
+    Host(Vec<u8>),
+    Gpu(kvxfer::gpu::DeviceBuffer),
+}
+
+impl Pool {
+    fn new(memory: &str, gpu: u32, len: u64) -> Result<Self> {
+        Ok(if memory == "vram" {
+            let b = kvxfer::gpu::DeviceBuffer::new(gpu, len).context("allocating a GPU pool")?;
+            b.write(0, &vec![0x5au8; len as usize])?;
+            Pool::Gpu(b)
+        } else {
+            Pool::Host(vec![0x5au8; len as usize])
+        })
+    }
+
+    fn addr(&self) -> u64 {
+        match self {
+            Pool::Host(v) => v.as_ptr() as u64,
+            Pool::Gpu(b) => b.addr(),
+        }
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Pool::Host(v) => v.len() as u64,
+            Pool::Gpu(b) => b.len(),
+        }
+    }
+
+    fn mem_type(&self) -> MemoryType {
+        match self {
+            Pool::Host(_) => MemoryType::Dram,
+            Pool::Gpu(_) => MemoryType::Vram,
+        }
+    }
+
+    fn device(&self) -> u32 {
+        match self {
+            Pool::Host(_) => 0,
+            Pool::Gpu(b) => b.device(),
+        }
+    }
+
+    fn descs(&self) -> MemoryDescs {
+        MemoryDescs::new(
+            self.mem_type(),
+            vec![MemoryDesc::new(self.addr(), self.len(), self.device())],
+        )
+    }
+
+    /// Writes `data` at `at`.
+    fn write(&mut self, at: usize, data: &[u8]) -> Result<()> {
+        match self {
+            Pool::Host(v) => v[at..at + data.len()].copy_from_slice(data),
+            Pool::Gpu(b) => b.write(at as u64, data)?,
+        }
+        Ok(())
+    }
+
+    /// `len` bytes from `at`.
+    fn read(&self, at: usize, len: usize) -> Result<Vec<u8>> {
+        Ok(match self {
+            Pool::Host(v) => v[at..at + len].to_vec(),
+            Pool::Gpu(b) => {
+                let mut out = vec![0u8; len];
+                b.read(at as u64, &mut out)?;
+                out
+            }
+        })
+    }
 }
 
 fn preset(a: &KvArgs, tp: u32, pp: u32) -> Result<CacheState> {
@@ -98,34 +178,28 @@ fn preset(a: &KvArgs, tp: u32, pp: u32) -> Result<CacheState> {
 struct Rank {
     agent: Arc<dyn TransferAgent>,
     slice: RankSlice,
-    pool: Vec<u8>,
+    pool: Pool,
 }
 
 impl Rank {
-    fn new(
-        name: String,
-        backend: Backend,
-        slice: RankSlice,
-        blocks: u32,
-        delegate: bool,
-    ) -> Result<Self> {
-        let cfg = AgentConfig::new(name).with_shm_delegate(delegate);
+    fn new(name: String, a: &KvArgs, slice: RankSlice, blocks: u32) -> Result<Self> {
+        let backend: Backend = a.backend.parse()?;
+        let cfg = AgentConfig::new(name).with_shm_delegate(!a.no_shm_delegate);
         let agent: Arc<dyn TransferAgent> = Arc::from(make_transfer_agent(backend, cfg)?);
-        let pool = vec![0x5au8; (slice.block_bytes() * u64::from(blocks)) as usize];
+        let pool = Pool::new(&a.memory, a.gpu, slice.block_bytes() * u64::from(blocks))?;
         // SAFETY: the pool lives in `Rank` with the agent; senders and
         // receivers using the agent are dropped before the ranks.
-        unsafe { agent.register_memory(&MemoryDescs::dram(&pool))? };
+        unsafe { agent.register_memory(&pool.descs())? };
         Ok(Self { agent, slice, pool })
     }
 
     fn addr(&self, b: u32) -> u64 {
-        self.pool.as_ptr() as u64 + u64::from(b) * self.slice.block_bytes()
+        self.pool.addr() + u64::from(b) * self.slice.block_bytes()
     }
 }
 
 /// Runs the benchmark and prints its result.
 pub fn run(a: &KvArgs) -> Result<()> {
-    let backend: Backend = a.backend.parse()?;
     let ctx_s = preset(a, a.ctx_tp, a.ctx_pp)?;
     let gen_s = preset(a, a.gen_tp, a.gen_pp)?;
     ctx_s.check_compatible(&gen_s)?;
@@ -134,13 +208,13 @@ pub fn run(a: &KvArgs) -> Result<()> {
     let ctx: Vec<Rank> = (0..ctx_s.world_size())
         .map(|r| {
             let s = rank_slice(&ctx_s, r, d);
-            Rank::new(format!("kv-ctx{r}"), backend, s, n, !a.no_shm_delegate)
+            Rank::new(format!("kv-ctx{r}"), a, s, n)
         })
         .collect::<Result<_>>()?;
     let gen_ranks: Vec<Rank> = (0..gen_s.world_size())
         .map(|r| {
             let s = rank_slice(&gen_s, r, d);
-            Rank::new(format!("kv-gen{r}"), backend, s, n, !a.no_shm_delegate)
+            Rank::new(format!("kv-gen{r}"), a, s, n)
         })
         .collect::<Result<_>>()?;
     let mut ctx = ctx;
@@ -148,13 +222,22 @@ pub fn run(a: &KvArgs) -> Result<()> {
         for k in &mut ctx {
             let bb = k.slice.block_bytes() as usize;
             let slice = k.slice;
+            let mut blk = vec![0u8; bb];
             for b in 0..n {
-                let blk = &mut k.pool[b as usize * bb..(b as usize + 1) * bb];
-                fill_block(&ctx_s, &slice, blk, b);
+                fill_block(&ctx_s, &slice, &mut blk, b);
+                k.pool.write(b as usize * bb, &blk)?;
             }
         }
     }
-    let mut sc = SenderConfig::default();
+    let mem_type = if a.memory == "vram" {
+        MemoryType::Vram
+    } else {
+        MemoryType::Dram
+    };
+    let mut sc = SenderConfig {
+        mem_type,
+        ..SenderConfig::default()
+    };
     if let Some(b) = a.batch_bytes {
         sc.batch_bytes = b;
     }
@@ -188,7 +271,10 @@ pub fn run(a: &KvArgs) -> Result<()> {
                 r as u32,
                 ctx_s.clone(),
                 &conns,
-                ReceiverConfig::default(),
+                ReceiverConfig {
+                    mem_type,
+                    ..ReceiverConfig::default()
+                },
             )
         })
         .collect::<Result<_, _>>()?;
@@ -203,9 +289,12 @@ pub fn run(a: &KvArgs) -> Result<()> {
     let total = a.warmup + a.iters.max(1);
     for i in 0..total {
         let id = u64::from(i) + 1;
+        let staged = kvxfer::gpu::staging_copies().0;
         let t = Instant::now();
-        let it = kv_round(&senders, &receivers, &ctx, &gen_ranks, n, id)?;
+        let mut it = kv_round(&senders, &receivers, &ctx, &gen_ranks, n, id)?;
         let kv_t = t.elapsed().as_secs_f64();
+        // GPU memory over TCP is staged: counted by the library.
+        it.copies += kvxfer::gpu::staging_copies().0 - staged;
         per_iter = it.bytes;
         if a.verify && i + 1 == total {
             verify(&gen_ranks, &gen_s, n, a.tokens)?;
@@ -304,8 +393,8 @@ fn verify(gen_ranks: &[Rank], gen_s: &CacheState, n: u32, tokens: u32) -> Result
     for (g, k) in gen_ranks.iter().enumerate() {
         let bb = k.slice.block_bytes() as usize;
         for b in 0..n {
-            let blk = &k.pool[b as usize * bb..(b as usize + 1) * bb];
-            if let Some(m) = check_block(gen_s, &k.slice, blk, b, tokens) {
+            let blk = k.pool.read(b as usize * bb, bb)?;
+            if let Some(m) = check_block(gen_s, &k.slice, &blk, b, tokens) {
                 bail!("generation rank {g}: {m}");
             }
         }
@@ -393,20 +482,20 @@ fn raw_round(
     for (c, k) in ctx.iter().enumerate() {
         let mut off = 0;
         let mut turn = c;
-        while off < share.min(k.pool.len() as u64) {
-            let len = CHUNK.min(share - off).min(k.pool.len() as u64 - off);
+        while off < share.min(k.pool.len()) {
+            let len = CHUNK.min(share - off).min(k.pool.len() - off);
             let g = turn % gens;
             turn += 1;
             let pool = &gen_ranks[g].pool;
-            if cursor[g] + len > pool.len() as u64 {
+            if cursor[g] + len > pool.len() {
                 cursor[g] = 0;
             }
             plan[c][g]
                 .0
-                .push(MemoryDesc::new(k.pool.as_ptr() as u64 + off, len, 0));
+                .push(MemoryDesc::new(k.pool.addr() + off, len, k.pool.device()));
             plan[c][g]
                 .1
-                .push(MemoryDesc::new(pool.as_ptr() as u64 + cursor[g], len, 0));
+                .push(MemoryDesc::new(pool.addr() + cursor[g], len, pool.device()));
             cursor[g] += len;
             off += len;
         }
@@ -419,8 +508,8 @@ fn raw_round(
                 continue;
             }
             let req = TransferRequest::write(
-                MemoryDescs::new(MemoryType::Dram, l),
-                MemoryDescs::new(MemoryType::Dram, r),
+                MemoryDescs::new(ctx[c].pool.mem_type(), l),
+                MemoryDescs::new(gen_ranks[g].pool.mem_type(), r),
                 gen_ranks[g].agent.name(),
             );
             sts.push(ctx[c].agent.submit_transfer(&req)?);

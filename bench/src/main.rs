@@ -164,13 +164,27 @@ struct Args {
     /// library's).
     #[arg(long, value_parser = parse_size)]
     rdma_inflight: Option<u64>,
-    /// Destination (WRITE) or source (READ) in this agent's own storage
-    /// instead of a peer's host memory: `file:PATH` (created, opened with
-    /// O_DIRECT unless `--buffered`) or `blk:DEVICE` (a block device,
+    /// The memory moved. `dram` or `vram` (GPU memory on `--gpu`): both
+    /// sides' memory, unless `--src-memory` or `--dst-memory` says
+    /// otherwise; with `--memcpy`, `vram` times device-to-device copies.
+    /// Or the destination (WRITE) or source (READ) in this agent's own
+    /// storage instead of a peer's memory: `file:PATH` (created, opened
+    /// with O_DIRECT unless `--buffered`) or `blk:DEVICE` (a block device,
     /// O_DIRECT). Compare with `fio --ioengine=io_uring --direct=1` at the
     /// same block size and `--iodepth` = `--batch` (benches/storage_vs_fio.sh).
-    #[arg(long, conflicts_with_all = ["listen", "connect", "memcpy", "pingpong"])]
+    #[arg(long, conflicts_with_all = ["pingpong"])]
     memory: Option<String>,
+    /// The initiator's memory: dram or vram (default: `--memory`'s, else
+    /// dram).
+    #[arg(long, value_parser = ["dram", "vram"])]
+    src_memory: Option<String>,
+    /// The target's memory: dram or vram (default: `--memory`'s, else
+    /// dram).
+    #[arg(long, value_parser = ["dram", "vram"])]
+    dst_memory: Option<String>,
+    /// The GPU (device ordinal) of `vram` memory.
+    #[arg(long, default_value_t = 0)]
+    gpu: u32,
     /// `--memory file:PATH`: through the page cache instead of O_DIRECT.
     #[arg(long, requires = "memory")]
     buffered: bool,
@@ -364,6 +378,92 @@ impl Buffer {
     }
 }
 
+/// A registered buffer of host or GPU memory.
+enum Mem {
+    Host(Buffer),
+    Gpu(kvxfer::gpu::DeviceBuffer),
+}
+
+impl Mem {
+    /// `len` bytes of `kind` (`dram` or `vram`) memory.
+    fn new(kind: MemoryType, len: u64, gpu: u32) -> Result<Self> {
+        Ok(match kind {
+            MemoryType::Vram => {
+                let b = kvxfer::gpu::DeviceBuffer::new(gpu, len)
+                    .context("allocating GPU memory (--memory vram)")?;
+                // Touched once, as host memory is by `Buffer::new`.
+                let fill = vec![0x5au8; (8u64 << 20).min(len) as usize];
+                let mut at = 0;
+                while at < len {
+                    let n = (len - at).min(fill.len() as u64);
+                    b.write(at, &fill[..n as usize])?;
+                    at += n;
+                }
+                Mem::Gpu(b)
+            }
+            _ => Mem::Host(Buffer::new(len)),
+        })
+    }
+
+    fn mem_type(&self) -> MemoryType {
+        match self {
+            Mem::Host(_) => MemoryType::Dram,
+            Mem::Gpu(_) => MemoryType::Vram,
+        }
+    }
+
+    fn device(&self) -> u32 {
+        match self {
+            Mem::Host(_) => 0,
+            Mem::Gpu(b) => b.device(),
+        }
+    }
+
+    fn addr(&self) -> u64 {
+        match self {
+            Mem::Host(b) => b.addr(),
+            Mem::Gpu(b) => b.addr(),
+        }
+    }
+
+    fn desc(&self) -> MemoryDescs {
+        match self {
+            Mem::Host(b) => b.desc(),
+            Mem::Gpu(b) => MemoryDescs::new(
+                MemoryType::Vram,
+                vec![MemoryDesc::new(b.addr(), b.len(), b.device())],
+            ),
+        }
+    }
+}
+
+/// The memory type a `dram`/`vram` option names.
+fn mem_kind(s: Option<&str>) -> MemoryType {
+    match s {
+        Some("vram") => MemoryType::Vram,
+        _ => MemoryType::Dram,
+    }
+}
+
+impl Args {
+    /// `--memory` when it names host or GPU memory (not storage).
+    fn memory_kind(&self) -> Option<&str> {
+        self.memory
+            .as_deref()
+            .filter(|m| matches!(*m, "dram" | "vram"))
+    }
+
+    /// The initiator's memory type.
+    fn src_kind(&self) -> MemoryType {
+        mem_kind(self.src_memory.as_deref().or(self.memory_kind()))
+    }
+
+    /// The target's memory type.
+    fn dst_kind(&self) -> MemoryType {
+        mem_kind(self.dst_memory.as_deref().or(self.memory_kind()))
+    }
+}
+
 fn run_target(args: &Args, listen: SocketAddr) -> Result<()> {
     let backend: Backend = args.backend.parse()?;
     let mut cfg = config("kvxfer-bench-target", args).with_listen(listen);
@@ -371,7 +471,7 @@ fn run_target(args: &Args, listen: SocketAddr) -> Result<()> {
         cfg = cfg.with_advertise(a.clone());
     }
     let agent = make_transfer_agent(backend, cfg)?;
-    let buf = Buffer::new(args.region_size);
+    let buf = Mem::new(args.dst_kind(), args.region_size, args.gpu)?;
     // SAFETY: `buf` lives until after the agent is dropped at the end of
     // this function; this process never touches it otherwise.
     unsafe { agent.register_memory(&buf.desc())? };
@@ -409,6 +509,9 @@ fn spawn_target(args: &Args, region: u64) -> Result<(Child, String)> {
     }
     if let Some(p) = &args.secret_file {
         cmd.arg("--secret-file").arg(p);
+    }
+    if args.dst_kind() == MemoryType::Vram {
+        cmd.args(["--dst-memory", "vram", "--gpu", &args.gpu.to_string()]);
     }
     let mut child = cmd
         .args([
@@ -470,15 +573,15 @@ struct Target {
 fn measure(
     agent: &dyn TransferAgent,
     target: &Target,
-    src: &Buffer,
+    src: &Mem,
     args: &Args,
     pt: &Point,
     bar: &ProgressBar,
 ) -> Result<Measured> {
     let local = MemoryDescs::new(
-        MemoryType::Dram,
+        src.mem_type(),
         (0..pt.batch)
-            .map(|i| MemoryDesc::new(src.addr() + i * pt.block, pt.block, 0))
+            .map(|i| MemoryDesc::new(src.addr() + i * pt.block, pt.block, src.device()))
             .collect(),
     );
     let dst = MemoryDescs::new(
@@ -558,6 +661,38 @@ fn measure_memcpy(args: &Args, pt: &Point) -> Measured {
     )
 }
 
+/// Device-to-device copies of the same descriptors between two GPU buffers
+/// of this process (the baseline for GPU memory between processes).
+fn measure_device_copy(args: &Args, pt: &Point) -> Result<Measured> {
+    let len = pt.block * pt.batch;
+    let (src, dst) = (
+        Mem::new(MemoryType::Vram, len, args.gpu)?,
+        Mem::new(MemoryType::Vram, len, args.gpu)?,
+    );
+    let (Mem::Gpu(src), Mem::Gpu(dst)) = (&src, &dst) else {
+        bail!("GPU buffers expected");
+    };
+    let pieces: Vec<(u64, u64, u64)> = (0..pt.batch)
+        .map(|i| (i * pt.block, i * pt.block, pt.block))
+        .collect();
+    let copy_all = || -> Result<()> { Ok(dst.copy_pieces(src, &pieces)?) };
+    for _ in 0..args.warmup {
+        copy_all()?;
+    }
+    let mut lat = Vec::with_capacity(pt.iters as usize);
+    let start = Instant::now();
+    for _ in 0..pt.iters {
+        let t = Instant::now();
+        copy_all()?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok(summarize(
+        start.elapsed().as_secs_f64(),
+        (pt.block * pt.batch * pt.iters) as f64,
+        lat,
+    ))
+}
+
 fn summarize(elapsed: f64, bytes: f64, mut lat: Vec<f64>) -> Measured {
     let mean_us = lat.iter().sum::<f64>() / lat.len().max(1) as f64;
     lat.sort_by(|a, b| a.total_cmp(b));
@@ -600,7 +735,7 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
     let points = plan(args);
     let need = points.iter().map(|p| p.block * p.batch).max().unwrap_or(0);
     let agent = make_transfer_agent(backend, config("kvxfer-bench-initiator", args))?;
-    let src = Buffer::new(need);
+    let src = Mem::new(args.src_kind(), need, args.gpu)?;
     // SAFETY: `src` outlives the agent (dropped first, below) and is only
     // touched by transfers.
     unsafe { agent.register_memory(&src.desc())? };
@@ -611,11 +746,12 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
         agent.load_remote_agent_by_connection(conn)?
     };
     let desc = agent.remote_agent_desc(&remote)?;
+    let dst_kind = args.dst_kind();
     let region = desc
         .regions
         .iter()
-        .find(|r| r.mem_type == MemoryType::Dram)
-        .context("target exports no host region")?;
+        .find(|r| r.mem_type == dst_kind)
+        .with_context(|| format!("target exports no {dst_kind} region"))?;
     if region.desc.len < need {
         bail!(
             "target region is {} but the plan needs {}; raise the target's --region-size",
@@ -625,9 +761,9 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
     }
     let target = Target {
         remote,
-        mem_type: MemoryType::Dram,
+        mem_type: dst_kind,
         base: region.desc.addr,
-        device_id: 0,
+        device_id: region.desc.device_id,
     };
     run_points(args, agent.as_ref(), &target, &src, &points)?;
     drop(agent);
@@ -639,7 +775,7 @@ fn run_points(
     args: &Args,
     agent: &dyn TransferAgent,
     target: &Target,
-    src: &Buffer,
+    src: &Mem,
     points: &[Point],
 ) -> Result<()> {
     let total: u64 = points.iter().map(|p| p.iters).sum();
@@ -739,9 +875,18 @@ fn main() -> Result<()> {
     }
     if args.memcpy {
         for pt in plan(&args) {
-            let m = measure_memcpy(&args, &pt);
+            let m = if args.src_kind() == MemoryType::Vram {
+                measure_device_copy(&args, &pt)?
+            } else {
+                measure_memcpy(&args, &pt)
+            };
             println!(
-                "{{\"backend\":\"memcpy\",\"op\":\"copy\",\"block_size\":{},\"batch\":{},\"iters\":{},\"bytes_per_request\":{},\"gb_per_s\":{:.4},\"p50_us\":{:.1},\"p99_us\":{:.1},\"mean_us\":{:.1}}}",
+                "{{\"backend\":\"{}\",\"op\":\"copy\",\"block_size\":{},\"batch\":{},\"iters\":{},\"bytes_per_request\":{},\"gb_per_s\":{:.4},\"p50_us\":{:.1},\"p99_us\":{:.1},\"mean_us\":{:.1}}}",
+                if args.src_kind() == MemoryType::Vram {
+                    "device-copy"
+                } else {
+                    "memcpy"
+                },
                 pt.block,
                 pt.batch,
                 pt.iters,
@@ -766,7 +911,11 @@ fn main() -> Result<()> {
     if args.pingpong_ab {
         return pingpong::run_pingpong_ab(&args);
     }
-    if let Some(memory) = &args.memory {
+    if let Some(memory) = args
+        .memory
+        .as_ref()
+        .filter(|_| args.memory_kind().is_none())
+    {
         return storage::run(&args, memory);
     }
     if let Some(listen) = args.listen {

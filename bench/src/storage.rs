@@ -1,4 +1,5 @@
-//! `--memory file:PATH | blk:DEVICE`: WRITE (or READ) between host memory
+//! `--memory file:PATH | blk:DEVICE`: WRITE (or READ) between host (or GPU,
+//! `--src-memory vram`) memory
 //! and the agent's own storage (or, `--storage-peer`, a peer agent's, through
 //! that agent over TCP), the plan's block sizes and batches, in the same
 //! table as the other runs.
@@ -9,7 +10,7 @@ use kvxfer::{
     make_transfer_agent,
 };
 
-use crate::{Args, Buffer, Target, config, plan, run_points};
+use crate::{Args, Mem, Target, config, plan, run_points};
 
 /// Runs the plan against the storage `memory` names.
 pub fn run(args: &Args, memory: &str) -> Result<()> {
@@ -23,7 +24,7 @@ pub fn run(args: &Args, memory: &str) -> Result<()> {
     };
     let cfg = config("kvxfer-bench-storage", args).with_storage_io(io);
     let agent = make_transfer_agent(Backend::Tcp, cfg)?;
-    let src = Buffer::new(need);
+    let src = Mem::new(args.src_kind(), need, args.gpu)?;
     // SAFETY: `src` outlives the agent (dropped first, below) and is only
     // touched by transfers.
     unsafe { agent.register_memory(&src.desc())? };

@@ -219,7 +219,21 @@ impl Cuda {
         len: u64,
         device: u32,
     ) -> Result<(), GpuError> {
-        if len == 0 {
+        // SAFETY: forwarded contract.
+        unsafe { self.copy_many(&[(dst, src, len)], device) }
+    }
+
+    /// Copies each `(dst, src, len)` with `device`'s context, all issued on
+    /// the thread's stream, then waits once for all of them.
+    ///
+    /// # Safety
+    /// Every range valid for its length for the whole call.
+    pub(crate) unsafe fn copy_many(
+        &self,
+        pieces: &[(u64, u64, u64)],
+        device: u32,
+    ) -> Result<(), GpuError> {
+        if pieces.iter().all(|p| p.2 == 0) {
             return Ok(());
         }
         self.bind(device)?;
@@ -240,15 +254,23 @@ impl Cuda {
                     raw
                 }
             };
-            // SAFETY: the caller keeps both ranges valid; the copy is waited
-            // for below, before they may change owner.
-            check("cuMemcpyAsync", unsafe {
-                cu::cuMemcpyAsync(dst, src, len as usize, stream)
-            })?;
+            let mut issued = Ok(());
+            for &(dst, src, len) in pieces.iter().filter(|p| p.2 > 0) {
+                // SAFETY: the caller keeps every range valid; the copies are
+                // waited for below (also after a failed issue), before they
+                // may change owner.
+                issued = check("cuMemcpyAsync", unsafe {
+                    cu::cuMemcpyAsync(dst, src, len as usize, stream)
+                });
+                if issued.is_err() {
+                    break;
+                }
+            }
             // SAFETY: a stream of this thread.
-            check("cuStreamSynchronize", unsafe {
+            let synced = check("cuStreamSynchronize", unsafe {
                 cu::cuStreamSynchronize(stream)
-            })
+            });
+            issued.and(synced)
         })
     }
 
@@ -398,6 +420,26 @@ impl DeviceBuffer {
         let src = self.range(at, out.len() as u64)?;
         // SAFETY: as in `write`, with `out` a live mutable slice.
         unsafe { driver()?.copy(out.as_mut_ptr() as u64, src, out.len() as u64, self.device) }
+    }
+
+    /// Copies `(at, src_at, len)` pieces from `src` into this buffer (both
+    /// device memory), all issued at once, then waits for them.
+    ///
+    /// # Errors
+    /// [`GpuError::PastAllocation`] when a piece does not fit either
+    /// buffer; a driver error.
+    pub fn copy_pieces(
+        &self,
+        src: &DeviceBuffer,
+        pieces: &[(u64, u64, u64)],
+    ) -> Result<(), GpuError> {
+        let mut abs = Vec::with_capacity(pieces.len());
+        for &(at, src_at, len) in pieces {
+            abs.push((self.range(at, len)?, src.range(src_at, len)?, len));
+        }
+        // SAFETY: every piece lies inside one of the two live allocations
+        // (checked above).
+        unsafe { driver()?.copy_many(&abs, self.device) }
     }
 
     fn range(&self, at: u64, len: u64) -> Result<u64, GpuError> {

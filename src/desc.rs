@@ -16,7 +16,7 @@ use crate::memory::{MemoryDesc, MemoryType, RegionMap};
 /// Magic bytes that open every encoded [`AgentDesc`].
 pub const DESC_MAGIC: [u8; 4] = *b"KVXA";
 /// The descriptor format version this build writes and reads.
-pub const DESC_VERSION: u16 = 2;
+pub const DESC_VERSION: u16 = 3;
 /// Longest agent name accepted, in bytes.
 pub const MAX_AGENT_NAME: usize = 256;
 
@@ -109,6 +109,33 @@ pub struct ExportedRegion {
     pub align: u32,
 }
 
+/// How a peer on the same host may reach the agent's GPU memory directly:
+/// CUDA IPC handles of its exported VRAM regions' allocations. Present when
+/// the agent offers cross-memory access (the shm and auto backends) and
+/// has such regions.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuAccess {
+    /// Host identity (the kernel's boot id), as in [`LocalAccess`]: peers on
+    /// other hosts never open these handles.
+    pub host: String,
+    /// The agent's process id (a process never opens its own handles).
+    pub pid: u32,
+    /// One entry per exported VRAM region that has one.
+    pub handles: Vec<IpcExport>,
+}
+
+/// The IPC handle of one exported VRAM region's allocation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IpcExport {
+    /// The region's access key (names the region in [`AgentDesc::regions`]).
+    pub key: u64,
+    /// The allocation's legacy IPC handle (`cuIpcGetMemHandle`), 64 bytes.
+    pub handle: Vec<u8>,
+    /// Where the region starts in the allocation (its address minus the
+    /// allocation's base).
+    pub offset: u64,
+}
+
 /// RDMA reachability of an agent.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RdmaInfo {
@@ -135,6 +162,8 @@ pub struct AgentDesc {
     /// RDMA access, if the agent has a device: the queue pairs themselves
     /// are set up per connection over the side channel.
     pub rdma: Option<RdmaInfo>,
+    /// GPU memory access for peers on the same host (CUDA IPC), if offered.
+    pub gpu: Option<GpuAccess>,
 }
 
 impl AgentDesc {
@@ -193,7 +222,29 @@ impl AgentDesc {
         if self.endpoints.is_empty() {
             return Err(DescError::Invalid("no endpoint".into()));
         }
-        self.region_map().map(|_| ())
+        let map = self.region_map()?;
+        if let Some(g) = &self.gpu {
+            for h in &g.handles {
+                if h.handle.len() != 64 {
+                    return Err(DescError::Invalid(format!(
+                        "IPC handle of {} bytes (64 expected)",
+                        h.handle.len()
+                    )));
+                }
+                let known = map.iter().any(|r| {
+                    r.mem_type == MemoryType::Vram
+                        && r.value.key == h.key
+                        && r.desc.addr >= h.offset
+                });
+                if !known {
+                    return Err(DescError::Invalid(format!(
+                        "IPC handle for key {:#x}, which names no exported VRAM region it can start",
+                        h.key
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The exported regions as a lookup map.
@@ -250,6 +301,13 @@ mod tests {
                     rkey: None,
                     align: 4096,
                 },
+                ExportedRegion {
+                    mem_type: MemoryType::Vram,
+                    desc: MemoryDesc::new(0x7f00_0000_0100, 1 << 20, 0),
+                    key: 10,
+                    rkey: None,
+                    align: 1,
+                },
             ],
             local_access: Some(LocalAccess {
                 host: "boot".into(),
@@ -258,6 +316,15 @@ mod tests {
             }),
             rdma: Some(RdmaInfo {
                 device: "rxe0".into(),
+            }),
+            gpu: Some(GpuAccess {
+                host: "boot".into(),
+                pid: 42,
+                handles: vec![IpcExport {
+                    key: 10,
+                    handle: vec![7; 64],
+                    offset: 0x100,
+                }],
             }),
         }
     }
@@ -284,7 +351,7 @@ mod tests {
             AgentDesc::decode(&v1),
             Err(DescError::UnsupportedVersion {
                 found: 1,
-                supported: 2
+                supported: 3
             })
         );
         assert!(matches!(
@@ -308,6 +375,18 @@ mod tests {
         assert!(matches!(
             AgentDesc::decode(&odd.encode()),
             Err(DescError::Invalid(e)) if e.contains("power of two")
+        ));
+        let mut short = sample();
+        short.gpu.as_mut().unwrap().handles[0].handle.pop();
+        assert!(matches!(
+            AgentDesc::decode(&short.encode()),
+            Err(DescError::Invalid(e)) if e.contains("64 expected")
+        ));
+        let mut stray = sample();
+        stray.gpu.as_mut().unwrap().handles[0].key = 7;
+        assert!(matches!(
+            AgentDesc::decode(&stray.encode()),
+            Err(DescError::Invalid(e)) if e.contains("no exported VRAM region")
         ));
         let mut unnamed = sample();
         unnamed.name.clear();

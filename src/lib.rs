@@ -97,7 +97,9 @@ pub use config::{
     AgentConfig, DEFAULT_RDMA_MAX_INFLIGHT, GpuConfig, Limits, RdmaConfig, RdmaProgress,
     SecurityConfig, ShmConfig, TcpConfig,
 };
-pub use desc::{AgentDesc, BackendKind, DescError, ExportedRegion, LocalAccess};
+pub use desc::{
+    AgentDesc, BackendKind, DescError, ExportedRegion, GpuAccess, IpcExport, LocalAccess,
+};
 pub use engine::make_transfer_agent;
 pub use error::{Error, RejectReason};
 pub use memory::{MemoryDesc, MemoryDescs, MemoryType};

@@ -26,6 +26,18 @@ pub(crate) struct LocalRegion {
     /// The region's registration with the RDMA device, when the agent has
     /// one. Dropped (deregistered) with the region.
     mr: Option<crate::verbs::Registered>,
+    /// GPU memory: where it sits in its allocation, and the allocation's
+    /// IPC handle.
+    pub(crate) gpu: Option<GpuRegion>,
+}
+
+/// What a VRAM region keeps of its allocation.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GpuRegion {
+    /// The region's start minus the allocation's base.
+    pub(crate) offset: u64,
+    /// The allocation's legacy IPC handle, when the driver gave one.
+    pub(crate) ipc: Option<[u8; 64]>,
 }
 
 impl LocalRegion {
@@ -101,6 +113,7 @@ impl Registry {
         supported: &[MemoryType],
         backend: &'static str,
         device: Option<&crate::verbs::Device>,
+        gpu: &[GpuRegion],
     ) -> Result<(), Error> {
         if !supported.contains(&descs.mem_type) {
             return Err(Error::UnsupportedMemoryType {
@@ -132,13 +145,14 @@ impl Registry {
             })?;
             mrs.push(Some(mr));
         }
-        for (d, mr) in descs.descs.iter().zip(mrs) {
+        for (i, (d, mr)) in descs.descs.iter().zip(mrs).enumerate() {
             let region = Arc::new(LocalRegion {
                 key: crate::auth::random_u64(),
                 desc: *d,
                 storage_slot: std::sync::OnceLock::new(),
                 busy: AtomicUsize::new(0),
                 mr,
+                gpu: gpu.get(i).copied(),
             });
             map.insert(descs.mem_type, *d, region)
                 .expect("checked above under the same lock");
@@ -268,6 +282,21 @@ impl Registry {
             return Err(RejectReason::UnsupportedMemoryType);
         }
         self.admit(mem_type, MemoryDesc::new(addr, len, 0), key)
+    }
+
+    /// The IPC exports of the VRAM regions that have a handle.
+    pub(crate) fn ipc_exports(&self) -> Vec<crate::desc::IpcExport> {
+        self.read()
+            .iter()
+            .filter_map(|r| {
+                let g = r.value.gpu?;
+                Some(crate::desc::IpcExport {
+                    key: r.value.key,
+                    handle: g.ipc?.to_vec(),
+                    offset: g.offset,
+                })
+            })
+            .collect()
     }
 
     /// Admits an access to host or GPU memory `[addr, addr + len)`
@@ -587,7 +616,7 @@ mod tests {
 
     fn reg(r: &Registry, d: &MemoryDescs, t: &[MemoryType], b: &'static str) -> Result<(), Error> {
         // SAFETY: no device: nothing accesses the (fake) ranges.
-        unsafe { r.register(d, t, b, None) }
+        unsafe { r.register(d, t, b, None, &[]) }
     }
 
     fn dram(descs: &[(u64, u64)]) -> MemoryDescs {

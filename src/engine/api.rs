@@ -36,9 +36,10 @@ impl TransferAgent for Engine {
                 self.inner.storage.check_region(descs.mem_type, d)?;
             }
         }
+        let mut gpu = Vec::new();
         if descs.mem_type == MemoryType::Vram {
             for d in &descs.descs {
-                crate::gpu::admit_registration(d)?;
+                gpu.push(crate::gpu::admit_registration(d)?);
             }
         }
         // SAFETY: forwarded contract of `register_memory`. Storage ranges
@@ -54,6 +55,7 @@ impl TransferAgent for Engine {
                     .device
                     .as_deref()
                     .filter(|_| !storage && descs.mem_type != MemoryType::Vram),
+                &gpu,
             )
         }
     }

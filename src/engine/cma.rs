@@ -1,6 +1,13 @@
 //! Cross-memory (shm) requests at the initiator: grants, the direct copy
 //! (`process_vm_writev`/`readv`, stopped between calls by an abort), and
 //! delegating the copy to the target when its side is the contiguous one.
+//!
+//! The target's GPU memory is reached the same way, through CUDA IPC: its
+//! descriptor carries each VRAM region's allocation handle; the initiator
+//! opens it (once per allocation, kept until the link closes), and after
+//! the grants the copy is the driver's (device to device, or to and from
+//! host memory), waited for before the commit, so the sync message is
+//! delivered only once the data is in place. Nothing is staged.
 
 use super::*;
 
@@ -16,6 +23,79 @@ pub(in crate::engine) struct CmaParts {
     /// Cleared when the target refuses a delegated copy: later requests do
     /// not ask again.
     pub(in crate::engine) delegate_ok: AtomicBool,
+    /// The target's GPU regions, when it exports IPC handles.
+    pub(in crate::engine) ipc: Option<IpcPeer>,
+}
+
+/// A same-host peer's GPU regions, reached through CUDA IPC.
+pub(in crate::engine) struct IpcPeer {
+    /// The peer is this process: its device addresses are this one's.
+    same_process: bool,
+    /// By region key: the region's start (the peer's address), its
+    /// allocation's handle, and where the region starts in it.
+    regions: HashMap<u64, (u64, [u8; 64], u64), FastHash>,
+    /// Allocations opened, by handle and device; closed with the link.
+    opened: Mutex<HashMap<([u8; 64], u32), crate::gpu::IpcMapping>>,
+}
+
+impl IpcPeer {
+    /// The IPC regions `peer` exports to agents of host `host`.
+    pub(in crate::engine) fn new(peer: &AgentDesc, host: &str) -> Option<Self> {
+        let g = peer.gpu.as_ref().filter(|g| g.host == host)?;
+        let regions = g
+            .handles
+            .iter()
+            .filter_map(|h| {
+                let r = peer
+                    .regions
+                    .iter()
+                    .find(|r| r.mem_type == MemoryType::Vram && r.key == h.key)?;
+                Some((
+                    h.key,
+                    (r.desc.addr, h.handle.as_slice().try_into().ok()?, h.offset),
+                ))
+            })
+            .collect();
+        Some(IpcPeer {
+            same_process: g.pid == std::process::id(),
+            regions,
+            opened: Mutex::new(HashMap::default()),
+        })
+    }
+
+    /// Where the peer's address `addr`, in its region `key`, is in this
+    /// process (opening the region's allocation on `device` the first
+    /// time).
+    fn address(&self, key: u64, addr: u64, device: u32, remote: &str) -> Result<u64, Error> {
+        if self.same_process {
+            return Ok(addr);
+        }
+        let &(start, handle, offset) =
+            self.regions
+                .get(&key)
+                .ok_or_else(|| Error::BackendUnavailable {
+                    backend: "shm",
+                    reason: format!(
+                        "remote agent {remote:?} exported a GPU region without a CUDA IPC handle"
+                    ),
+                })?;
+        let mut opened = lock(&self.opened);
+        let base = match opened.entry((handle, device)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.get().base(),
+            std::collections::hash_map::Entry::Vacant(v) => v
+                .insert(crate::gpu::IpcMapping::open(device, &handle)?)
+                .base(),
+        };
+        Ok(base + offset + (addr - start))
+    }
+}
+
+/// A cross-memory request that touches GPU memory: copied by the driver.
+pub(in crate::engine) struct GpuJob {
+    /// The remote pieces' region keys.
+    keys: Vec<u64>,
+    /// The device whose context copies (the local GPU memory's, else 0).
+    device: u32,
 }
 
 /// A cross-memory request for the first stream's sender thread: grants,
@@ -28,6 +108,8 @@ pub(in crate::engine) struct CmaJob {
     sync: Option<Vec<u8>>,
     /// Ask the target to copy (see [`should_delegate`]).
     delegate: bool,
+    /// GPU memory: the driver copies (never delegated).
+    gpu: Option<GpuJob>,
     pending: Arc<Pending>,
 }
 
@@ -50,11 +132,13 @@ impl SocketPath for CmaParts {
             grants,
             sync,
             delegate,
+            gpu,
             pending,
         } = job;
         let delegate = delegate.then_some(sync.as_deref());
+        let how = (delegate, gpu.as_ref());
         Ok(
-            match link.run_cma(fd, req, op, &pieces, &grants, delegate, &pending)? {
+            match link.run_cma(fd, req, op, &pieces, &grants, how, &pending)? {
                 CmaOutcome::Commit { aborted } => Some(Frames {
                     req,
                     op,
@@ -108,11 +192,12 @@ impl CmaLink {
                 .delegate
                 .then_some((&*inner.probe_word as *const u64 as u64, inner.instance)),
             delegate_ok: AtomicBool::new(may_delegate),
+            ipc: IpcPeer::new(peer, &inner.host),
         };
         let path = DataPath {
             transport: TransportKind::Shm,
             device: None,
-            mechanism: "cross-memory attach (process_vm_writev/readv), one copy",
+            mechanism: "cross-memory attach (process_vm_writev/readv), one copy; the target's GPU memory through CUDA IPC, one device copy",
         };
         Self::start(inner, peer, streams, parts, path)
     }
@@ -149,7 +234,15 @@ impl CmaLink {
                 })
                 .collect(),
             grants: grant_ranges(&req.remote, &resolved.keys),
-            delegate: should_delegate(req),
+            gpu: (req.remote.mem_type == MemoryType::Vram).then(|| GpuJob {
+                keys: resolved.keys.clone(),
+                device: if req.local.mem_type == MemoryType::Vram {
+                    req.local.descs.first().map_or(0, |d| d.device_id)
+                } else {
+                    0
+                },
+            }),
+            delegate: req.remote.mem_type != MemoryType::Vram && should_delegate(req),
             sync,
             pending,
         });
@@ -237,6 +330,38 @@ impl CmaLink {
         }
     }
 
+    /// The copy of a granted request that touches the target's GPU memory:
+    /// each piece through the target's opened IPC allocation, all issued
+    /// at once, waited for before returning.
+    fn copy_gpu(&self, op: TransferOp, pieces: &[Piece], g: &GpuJob) -> Result<(), Error> {
+        let ipc = self
+            .parts
+            .ipc
+            .as_ref()
+            .ok_or_else(|| Error::BackendUnavailable {
+                backend: "shm",
+                reason: format!(
+                    "remote agent {:?} offers no CUDA IPC access to its GPU memory",
+                    self.remote
+                ),
+            })?;
+        let mut abs = Vec::with_capacity(pieces.len());
+        for (p, &key) in pieces.iter().zip(&g.keys) {
+            let remote = ipc.address(key, p.remote, g.device, &self.remote)?;
+            abs.push(match op {
+                TransferOp::Write => (remote, p.local, p.len),
+                TransferOp::Read => (p.local, remote, p.len),
+            });
+        }
+        // SAFETY: local pieces lie in regions validated at submit time and
+        // held by the request's guards; remote ones inside spans the target
+        // granted (held until the commit that follows this copy), mapped
+        // into this process by the allocation's IPC handle (kept open
+        // while the link lives).
+        unsafe { crate::gpu::copy_many(&abs, g.device) }?;
+        Ok(())
+    }
+
     /// Grants and direct copy of a cross-memory request; `Err`: the link is
     /// broken.
     #[allow(clippy::too_many_arguments)]
@@ -247,7 +372,7 @@ impl CmaLink {
         op: TransferOp,
         pieces: &[Piece],
         grants: &[GrantRange],
-        delegate: Option<Option<&[u8]>>,
+        (delegate, gpu): (Option<Option<&[u8]>>, Option<&GpuJob>),
         pending: &Pending,
     ) -> Result<CmaOutcome, Error> {
         if pending.completion.abort_requested() {
@@ -290,6 +415,17 @@ impl CmaLink {
         }
         if pending.completion.abort_requested() {
             return Ok(CmaOutcome::Commit { aborted: true });
+        }
+        if let Some(g) = gpu {
+            // A failure here is the request's, not the link's: recorded,
+            // then the request is committed as aborted, which releases its
+            // grants and keeps its sync message from being delivered.
+            if let Err(e) = self.copy_gpu(op, pieces, g) {
+                pending.note_error(e);
+                return Ok(CmaOutcome::Commit { aborted: true });
+            }
+            self.clock.touch();
+            return Ok(CmaOutcome::Commit { aborted: false });
         }
         if let (Some(sync), Some((probe_addr, instance))) = (delegate, self.parts.delegate_probe)
             && self.parts.delegate_ok.load(Ordering::Relaxed)

@@ -27,11 +27,18 @@ impl Inner {
         key: u64,
         total: u32,
     ) -> io::Result<()> {
-        let admitted = self.registry.admit_remote(mem_type, addr, len, key);
+        // GPU memory is granted for an initiator that copies through CUDA
+        // IPC (it opened the allocation's handle from the descriptor).
+        let admitted = if mem_type == MemoryType::Vram {
+            self.registry.admit_memory(mem_type, addr, len, key)
+        } else {
+            self.registry.admit_remote(mem_type, addr, len, key)
+        };
         let answer = {
             let mut grants = lock(&c.session.grants);
             let g = grants.entry(req).or_default();
             g.seen += 1;
+            g.gpu |= mem_type == MemoryType::Vram;
             match admitted {
                 Ok(guard) => {
                     g.guards.push(guard);
@@ -90,7 +97,8 @@ impl Inner {
                 self.config.io_timeout,
             )
         };
-        if !self.may_copy_for(session, pid, probe_addr, instance) {
+        let gpu = lock(&session.grants).get(&req).is_some_and(|g| g.gpu);
+        if gpu || !self.may_copy_for(session, pid, probe_addr, instance) {
             answer(status::DELEGATE_REFUSED)?;
             return Ok(None);
         }

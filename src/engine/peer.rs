@@ -27,6 +27,13 @@ impl Inner {
                 pid: std::process::id(),
                 probe_addr: &*self.probe_word as *const u64 as u64,
             }),
+            gpu: Some(self.registry.ipc_exports())
+                .filter(|h| !h.is_empty() && matches!(self.mode, Backend::Shm | Backend::Auto))
+                .map(|handles| crate::desc::GpuAccess {
+                    host: self.host.clone(),
+                    pid: std::process::id(),
+                    handles,
+                }),
         }
     }
 

@@ -51,6 +51,13 @@ impl Pending {
         self.granted.get_or_init(|| crossbeam_channel::bounded(1))
     }
 
+    /// Records `e` as the request's outcome (unless one was recorded
+    /// first) without counting an event.
+    pub(in crate::engine) fn note_error(&self, e: Error) {
+        lock(&self.error).get_or_insert(e);
+        self.failed.store(true, Ordering::Release);
+    }
+
     /// Records one event; returns true when it was the last.
     pub(in crate::engine) fn event(&self, result: Result<(), Error>) -> bool {
         if let Err(e) = result {

@@ -182,11 +182,17 @@ impl Engine {
         } else {
             self.peer_or_reload(&req.remote_agent)?.for_storage()?
         };
-        // GPU memory, on either side, only on a path that moves it.
-        for mem_type in [req.local.mem_type, req.remote.mem_type] {
-            if mem_type == MemoryType::Vram && !req.local.is_empty() && !peer.path.moves_vram() {
+        // GPU memory, on either side, only on a path that moves it: TCP
+        // (staged) and in-process copies on either side; cross-memory
+        // attach when it is the target's, through CUDA IPC.
+        let gpu = [req.local.mem_type, req.remote.mem_type].contains(&MemoryType::Vram);
+        if gpu && !req.local.is_empty() {
+            let ipc = matches!(peer.path, Path::Cma { .. })
+                && req.remote.mem_type == MemoryType::Vram
+                && peer.desc.gpu.as_ref().is_some_and(|g| g.host == inner.host);
+            if !peer.path.moves_vram() && !ipc {
                 return Err(Error::UnsupportedMemoryType {
-                    mem_type,
+                    mem_type: MemoryType::Vram,
                     backend: peer.path.kind().as_str(),
                 });
             }

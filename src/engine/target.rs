@@ -36,6 +36,9 @@ pub(in crate::engine) struct Grants {
     /// read) only inside them.
     pub(in crate::engine) spans: Vec<(u64, u64)>,
     pub(in crate::engine) refused: Option<RejectReason>,
+    /// A span is GPU memory (the initiator copies through CUDA IPC): never
+    /// a delegated copy.
+    pub(in crate::engine) gpu: bool,
 }
 
 pub(in crate::engine) struct ServerIdle<'a> {

@@ -245,6 +245,7 @@ mod tests {
             rdma: rdma.then(|| RdmaInfo {
                 device: "rxe0".into(),
             }),
+            gpu: None,
             local_access: local.map(|(host, pid)| LocalAccess {
                 host: host.into(),
                 pid,

@@ -329,6 +329,49 @@ impl Cuda {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
+    /// The legacy IPC handle of the allocation at `base` (64 bytes), for
+    /// another process to open.
+    pub(crate) fn ipc_handle(&self, device: u32, base: u64) -> Result<[u8; 64], GpuError> {
+        self.bind(device)?;
+        let mut h = cu::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: writes one 64-byte handle.
+        check("cuIpcGetMemHandle", unsafe {
+            cu::cuIpcGetMemHandle(&mut h, base)
+        })?;
+        Ok(h.reserved.map(|c| c as u8))
+    }
+
+    /// Opens another process's IPC handle on `device`: the base address of
+    /// its allocation in this process.
+    pub(crate) fn ipc_open(&self, device: u32, handle: &[u8; 64]) -> Result<u64, GpuError> {
+        self.bind(device)?;
+        let h = cu::CUipcMemHandle_st {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr: cu::CUdeviceptr = 0;
+        // SAFETY: writes one device pointer; the handle is passed by value.
+        check("cuIpcOpenMemHandle", unsafe {
+            cu::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        })?;
+        Ok(ptr)
+    }
+
+    /// Closes a mapping from [`ipc_open`](Self::ipc_open).
+    ///
+    /// # Safety
+    /// `ptr` came from `ipc_open` and is not used afterwards.
+    pub(crate) unsafe fn ipc_close(&self, device: u32, ptr: u64) -> Result<(), GpuError> {
+        self.bind(device)?;
+        // SAFETY: forwarded contract.
+        check("cuIpcCloseMemHandle", unsafe {
+            cu::cuIpcCloseMemHandle(ptr)
+        })
+    }
+
     /// Allocates `len` bytes of device memory on `device`.
     pub(crate) fn alloc(&self, device: u32, len: u64) -> Result<u64, GpuError> {
         self.bind(device)?;
@@ -762,4 +805,38 @@ pub(crate) fn with_staging<R>(
         };
         Ok(f(&mut rings[i]))
     })
+}
+
+/// A peer process's allocation opened through its IPC handle, closed on
+/// drop (after which its address must not be used).
+#[derive(Debug)]
+pub(crate) struct IpcMapping {
+    device: u32,
+    base: u64,
+}
+
+impl IpcMapping {
+    /// Opens `handle` with `device`'s context.
+    pub(crate) fn open(device: u32, handle: &[u8; 64]) -> Result<Self, GpuError> {
+        let base = driver()?.ipc_open(device, handle)?;
+        tracing::debug!(device, base, "opened a peer's GPU allocation (CUDA IPC)");
+        Ok(Self { device, base })
+    }
+
+    /// The allocation's base address in this process.
+    pub(crate) fn base(&self) -> u64 {
+        self.base
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        if let Ok(cuda) = driver() {
+            // SAFETY: opened by `open`, closed once; its owner (a link's IPC
+            // table) is dropped only when no copy through it runs.
+            if let Err(e) = unsafe { cuda.ipc_close(self.device, self.base) } {
+                tracing::warn!(error = %e, "closing a peer's GPU allocation failed");
+            }
+        }
+    }
 }

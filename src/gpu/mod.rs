@@ -27,7 +27,25 @@ mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{DeviceBuffer, DeviceProbe, Probe, probe};
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::{driver, with_staging};
+pub(crate) use cuda::{IpcMapping, driver, with_staging};
+
+/// Without the `cuda` feature no peer's GPU memory can be opened.
+#[cfg(not(feature = "cuda"))]
+#[derive(Debug)]
+pub(crate) struct IpcMapping;
+
+#[cfg(not(feature = "cuda"))]
+impl IpcMapping {
+    pub(crate) fn open(_device: u32, _handle: &[u8; 64]) -> Result<Self, GpuError> {
+        Err(GpuError::NoDriver(
+            "kvxfer was built without the `cuda` feature".into(),
+        ))
+    }
+
+    pub(crate) fn base(&self) -> u64 {
+        0
+    }
+}
 
 /// Why GPU memory could not be registered or moved.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -163,20 +181,60 @@ pub(crate) fn check_range(alloc: &Allocation, desc: &MemoryDesc) -> Result<(), G
     Ok(())
 }
 
-/// Checks a VRAM registration against the driver (see the module docs) and
-/// sets `SYNC_MEMOPS` on its allocation.
+/// Checks a VRAM registration against the driver (see the module docs),
+/// sets `SYNC_MEMOPS` on its allocation, and takes the allocation's IPC
+/// handle (for peers on this host; none when the driver refuses one, as
+/// for memory it cannot share that way).
 #[cfg(feature = "cuda")]
-pub(crate) fn admit_registration(desc: &MemoryDesc) -> Result<Allocation, GpuError> {
+pub(crate) fn admit_registration(
+    desc: &MemoryDesc,
+) -> Result<crate::registry::GpuRegion, GpuError> {
     let cuda = driver()?;
     let alloc = cuda.allocation(desc.addr)?;
     check_range(&alloc, desc)?;
     cuda.set_sync_memops(alloc.base)?;
-    Ok(alloc)
+    let ipc = match cuda.ipc_handle(alloc.device, alloc.base) {
+        Ok(h) => Some(h),
+        Err(e) => {
+            tracing::info!(addr = desc.addr, error = %e, "no IPC handle for a GPU region: peers on this host reach it over TCP");
+            None
+        }
+    };
+    Ok(crate::registry::GpuRegion {
+        offset: desc.addr - alloc.base,
+        ipc,
+    })
 }
 
 /// Without the `cuda` feature no VRAM can be registered.
 #[cfg(not(feature = "cuda"))]
-pub(crate) fn admit_registration(_desc: &MemoryDesc) -> Result<Allocation, GpuError> {
+pub(crate) fn admit_registration(
+    _desc: &MemoryDesc,
+) -> Result<crate::registry::GpuRegion, GpuError> {
+    Err(GpuError::NoDriver(
+        "kvxfer was built without the `cuda` feature".into(),
+    ))
+}
+
+/// Copies each `(dst, src, len)` (host or device memory, either way) with
+/// `device`'s context, issued together, and waits for all.
+///
+/// # Safety
+/// Every range valid for its length for the whole call.
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+pub(crate) unsafe fn copy_many(pieces: &[(u64, u64, u64)], device: u32) -> Result<(), GpuError> {
+    // SAFETY: forwarded contract.
+    unsafe { driver()?.copy_many(pieces, device) }
+}
+
+/// Without the `cuda` feature there is no device memory to copy.
+///
+/// # Safety
+/// None needed: it only fails.
+#[cfg(not(feature = "cuda"))]
+#[allow(unsafe_code)]
+pub(crate) unsafe fn copy_many(_pieces: &[(u64, u64, u64)], _device: u32) -> Result<(), GpuError> {
     Err(GpuError::NoDriver(
         "kvxfer was built without the `cuda` feature".into(),
     ))

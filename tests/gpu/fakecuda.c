@@ -7,6 +7,11 @@
  * that treats VRAM as host memory crashes the test instead of passing it.
  * The bytes live in a separate host mapping; the copy calls translate.
  *
+ * The bytes are a memfd mapped shared, so that another process can open
+ * an allocation's IPC handle (pid and descriptor number of the memfd,
+ * reached through /proc/PID/fd) and map the same bytes at a device address
+ * of its own; a process cannot open its own handles, as with CUDA.
+ *
  * Devices: FAKECUDA_DEVICES (default 2). Contexts: one primary context per
  * device; the current one is per thread, and the calls that need one fail
  * with CUDA_ERROR_INVALID_CONTEXT without it. A dma-buf export succeeds
@@ -23,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -48,6 +54,16 @@ struct alloc {
     char *bytes;
     int device;
     int sync_memops;
+    int fd;      /* the memfd holding the bytes */
+    int opened;  /* mapped from another process's IPC handle */
+};
+
+struct ipc_handle {
+    char magic[8];
+    int pid;
+    int fd;
+    unsigned long long size;
+    int device;
 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -131,22 +147,25 @@ CUresult cuDeviceGetPCIBusId(char *buf, int len, int dev) {
     return CUDA_SUCCESS;
 }
 
-CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
-    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
-    if (size == 0) return CUDA_ERROR_INVALID_VALUE;
-    size_t mapped = (size + GRAIN - 1) / GRAIN * GRAIN;
+/* Maps memfd `fd` as a new allocation (a reserved device address and the
+ * shared bytes) and records it; the allocation owns `fd`. */
+static CUresult track(CUdeviceptr *p, int fd, size_t size, size_t mapped, int device, int opened) {
     /* The device address: reserved, inaccessible from the host. */
     void *va = mmap(NULL, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (va == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
-    void *bytes = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (va == MAP_FAILED) {
+        close(fd);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    void *bytes = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (bytes == MAP_FAILED) {
         munmap(va, mapped);
+        close(fd);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     pthread_mutex_lock(&lock);
     for (int i = 0; i < MAX_ALLOCS; i++) {
         if (allocs[i].size == 0) {
-            allocs[i] = (struct alloc){(CUdeviceptr)(uintptr_t)va, size, mapped, bytes, current, 0};
+            allocs[i] = (struct alloc){(CUdeviceptr)(uintptr_t)va, size, mapped, bytes, device, 0, fd, opened};
             pthread_mutex_unlock(&lock);
             *p = (CUdeviceptr)(uintptr_t)va;
             return CUDA_SUCCESS;
@@ -155,19 +174,85 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
     pthread_mutex_unlock(&lock);
     munmap(va, mapped);
     munmap(bytes, mapped);
+    close(fd);
     return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* Unmaps and forgets allocation `a`; call with the lock held. */
+static void untrack(struct alloc *a) {
+    munmap((void *)(uintptr_t)a->base, a->mapped);
+    munmap(a->bytes, a->mapped);
+    close(a->fd);
+    memset(a, 0, sizeof *a);
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (size == 0) return CUDA_ERROR_INVALID_VALUE;
+    size_t mapped = (size + GRAIN - 1) / GRAIN * GRAIN;
+    int fd = memfd_create("fakecuda-vram", 0);
+    if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (ftruncate(fd, (off_t)mapped) != 0) {
+        close(fd);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return track(p, fd, size, mapped, current, 0);
 }
 
 CUresult cuMemFree_v2(CUdeviceptr p) {
     pthread_mutex_lock(&lock);
     struct alloc *a = find(p);
-    if (!a || a->base != p) {
+    if (!a || a->base != p || a->opened) {
         pthread_mutex_unlock(&lock);
         return CUDA_ERROR_INVALID_VALUE;
     }
-    munmap((void *)(uintptr_t)a->base, a->mapped);
-    munmap(a->bytes, a->mapped);
-    memset(a, 0, sizeof *a);
+    untrack(a);
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuIpcGetMemHandle(void *out, CUdeviceptr p) {
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    if (!a || a->opened) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    struct ipc_handle h = {"fakeipc", getpid(), a->fd, a->mapped, a->device};
+    pthread_mutex_unlock(&lock);
+    memset(out, 0, 64);
+    memcpy(out, &h, sizeof h);
+    return CUDA_SUCCESS;
+}
+
+/* The handle arrives by value: 64 bytes, passed as the struct CUDA's
+ * CUipcMemHandle is (a 64-byte struct by value, in memory on x86-64). */
+struct handle64 {
+    char reserved[64];
+};
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, struct handle64 raw, unsigned flags) {
+    (void)flags;
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    struct ipc_handle h;
+    memcpy(&h, raw.reserved, sizeof h);
+    if (memcmp(h.magic, "fakeipc", 8) != 0) return CUDA_ERROR_INVALID_VALUE;
+    if (h.pid == getpid()) return CUDA_ERROR_INVALID_CONTEXT; /* not one's own */
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", h.pid, h.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return CUDA_ERROR_INVALID_VALUE;
+    return track(p, fd, (size_t)h.size, (size_t)h.size, h.device, 1);
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    if (!a || a->base != p || !a->opened) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    untrack(a);
     pthread_mutex_unlock(&lock);
     return CUDA_SUCCESS;
 }

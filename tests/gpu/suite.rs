@@ -333,43 +333,6 @@ pub fn tcp_stale_vram_key_is_refused() {
     assert!(device_bytes(&g) == src);
 }
 
-/// A peer on the cross-memory (shm) path, which cannot reach GPU memory,
-/// refuses requests with VRAM on either side, typed, before anything
-/// moves.
-pub fn shm_refuses_vram() {
-    let host = pattern(4096, 3);
-    let g = DeviceBuffer::new(0, 4096).unwrap();
-    g.write(0, &[0u8; 4096]).unwrap();
-    let (a, b) = (agent(Backend::Shm, "a"), agent(Backend::Shm, "b"));
-    register_dram(a.as_ref(), &host);
-    register_vram(b.as_ref(), &g).unwrap();
-    register_vram(a.as_ref(), &g).unwrap();
-    a.load_remote_agent(&b.local_agent_desc()).unwrap();
-    if a.remote_transport("b").unwrap() != "shm" {
-        println!("SKIPPED shm_refuses_vram: cross-memory attach is not allowed here");
-        return;
-    }
-    for (l, r) in [
-        (MemoryDescs::dram(&host), vram(&g, 0, 4096)),
-        (vram(&g, 0, 4096), MemoryDescs::dram(&host)),
-    ] {
-        let e = a
-            .submit_transfer(&TransferRequest::write(l, r, "b"))
-            .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::UnsupportedMemoryType {
-                    mem_type: MemoryType::Vram,
-                    backend: "shm"
-                }
-            ),
-            "{e:?}"
-        );
-    }
-    assert!(device_bytes(&g).iter().all(|&x| x == 0));
-}
-
 /// The KV cache with GPU pools: context TP2 → generation TP1 on the
 /// in-process path, every element of every block checked, no staging copy.
 pub fn kv_tp2_to_tp1_vram_pools() {
@@ -485,6 +448,233 @@ pub fn kv_tp2_to_tp1_vram_pools() {
     drop(senders);
 }
 
+fn fnv(buf: &[u8]) -> u64 {
+    buf.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The child side of [`ipc_two_processes`]: a shm agent with 4 MiB of GPU
+/// memory (pattern seed 21) registered, its connection info printed as
+/// `READY <info>`, then commands on stdin: `HASH` (the memory's FNV hash),
+/// `NOTIFS` (sync messages received), `REREG` (deregister the memory and
+/// register it again: a new key), `EXIT`.
+pub fn ipc_child() {
+    use std::io::BufRead;
+    let g = DeviceBuffer::new(0, 4 << 20).unwrap();
+    g.write(0, &pattern(4 << 20, 21)).unwrap();
+    let a = agent(Backend::Shm, "gpu-child");
+    register_vram(a.as_ref(), &g).unwrap();
+    println!("READY {}", a.local_connection_info());
+    let mut notifs: Vec<String> = Vec::new();
+    for line in std::io::stdin().lock().lines() {
+        match line.unwrap().trim() {
+            "HASH" => println!("HASH {:x}", fnv(&device_bytes(&g))),
+            "REREG" => {
+                a.deregister_memory(&vram(&g, 0, g.len())).unwrap();
+                register_vram(a.as_ref(), &g).unwrap();
+                println!("HASH rereg");
+            }
+            "NOTIFS" => {
+                for (_, msgs) in a.take_sync_messages() {
+                    notifs.extend(
+                        msgs.into_iter()
+                            .map(|m| String::from_utf8_lossy(&m).into_owned()),
+                    );
+                }
+                println!("NOTIFS {}", notifs.join(","));
+            }
+            _ => break,
+        }
+    }
+}
+
+/// A peer process on this host, its GPU memory reached through CUDA IPC
+/// on the shm path: scattered writes from host and GPU memory, reads back
+/// into GPU memory, the sync message delivered once the data is in place;
+/// checked against the child's own view of its memory. `spawn` starts the
+/// child (this test binary running `ipc_child`).
+pub fn ipc_two_processes(spawn: fn() -> std::process::Child) {
+    use std::io::{BufRead, BufReader, Write};
+    const LEN: u64 = 4 << 20;
+    /// Kills the child if the test fails before it exits.
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Reap(spawn());
+    let mut input = child.0.stdin.take().unwrap();
+    let mut output = BufReader::new(child.0.stdout.take().unwrap());
+    let mut answer = |cmd: &str, input: &mut std::process::ChildStdin| -> String {
+        if !cmd.is_empty() {
+            writeln!(input, "{cmd}").unwrap();
+        }
+        loop {
+            let mut l = String::new();
+            assert!(output.read_line(&mut l).unwrap() > 0, "the child ended");
+            for tag in ["READY ", "HASH ", "NOTIFS"] {
+                if let Some(at) = l.find(tag) {
+                    return l[at + tag.len()..].trim().to_owned();
+                }
+            }
+        }
+    };
+    let conn = answer("", &mut input);
+    let src = pattern(LEN as usize, 5);
+    let ga = DeviceBuffer::new(0, LEN).unwrap();
+    ga.write(0, &pattern(LEN as usize, 9)).unwrap();
+    let a = agent(Backend::Shm, "gpu-parent");
+    register_dram(a.as_ref(), &src);
+    register_vram(a.as_ref(), &ga).unwrap();
+    let name = a.load_remote_agent_by_connection(&conn).unwrap();
+    if a.remote_transport(&name).unwrap() != "shm" {
+        println!("SKIPPED ipc_two_processes: cross-memory attach is not allowed here");
+        return;
+    }
+    let base = a
+        .remote_agent_desc(&name)
+        .unwrap()
+        .regions
+        .iter()
+        .find(|r| r.mem_type == MemoryType::Vram)
+        .unwrap()
+        .desc;
+    let mut expect = pattern(LEN as usize, 21);
+    let dram = |buf: &[u8]| (MemoryType::Dram, buf.as_ptr() as u64, 0);
+    let gpu = |g: &DeviceBuffer| (MemoryType::Vram, g.addr(), g.device());
+    let child_gpu = (MemoryType::Vram, base.addr, base.device_id);
+    let staged = kvxfer::gpu::staging_copies();
+    // Host → the child's GPU, 64 KiB × 32 scattered, with a notification.
+    let (l, r) = scattered(dram(&src), child_gpu, 32, 64 << 10);
+    let st = a
+        .submit_transfer(
+            &TransferRequest::write(l, r, &name).with_sync_message(b"host-to-gpu".to_vec()),
+        )
+        .unwrap();
+    completed(Ok(st)).unwrap();
+    let moved = unscatter(&src[..2 << 20], 32, 64 << 10);
+    expect[..2 << 20].copy_from_slice(&moved);
+    assert_eq!(
+        answer("HASH", &mut input),
+        format!("{:x}", fnv(&expect)),
+        "host → GPU over IPC"
+    );
+    assert_eq!(answer("NOTIFS", &mut input), "host-to-gpu");
+    // GPU → the child's GPU, the upper 2 MiB, one piece.
+    let st = a
+        .submit_transfer(&TransferRequest::write(
+            vram(&ga, 2 << 20, 2 << 20),
+            MemoryDescs::new(
+                MemoryType::Vram,
+                vec![MemoryDesc::new(
+                    base.addr + (2 << 20),
+                    2 << 20,
+                    base.device_id,
+                )],
+            ),
+            &name,
+        ))
+        .unwrap();
+    assert_eq!(st.data_path().transport, kvxfer::TransportKind::Shm);
+    completed(Ok(st)).unwrap();
+    expect[2 << 20..].copy_from_slice(&pattern(LEN as usize, 9)[2 << 20..]);
+    assert_eq!(
+        answer("HASH", &mut input),
+        format!("{:x}", fnv(&expect)),
+        "GPU → GPU over IPC"
+    );
+    // The child's GPU → this GPU, scattered reads.
+    ga.write(0, &vec![0u8; LEN as usize]).unwrap();
+    let (l, r) = scattered(gpu(&ga), child_gpu, 64, 64 << 10);
+    completed(a.submit_transfer(&TransferRequest::read(l, r, &name))).unwrap();
+    let p = 64usize << 10;
+    let gathered: Vec<u8> = (0..64)
+        .flat_map(|i| expect[(i * 7 % 64) * p..][..p].iter().copied())
+        .collect();
+    assert!(device_bytes(&ga) == gathered, "GPU ← GPU over IPC");
+    assert_eq!(kvxfer::gpu::staging_copies(), staged, "nothing staged");
+    // The child registers its memory again: the old key is refused at the
+    // grant, before anything is copied.
+    assert_eq!(answer("REREG", &mut input), "rereg");
+    let st = a
+        .submit_transfer(&TransferRequest::write(
+            vram(&ga, 0, 4096),
+            MemoryDescs::new(
+                MemoryType::Vram,
+                vec![MemoryDesc::new(base.addr, 4096, base.device_id)],
+            ),
+            &name,
+        ))
+        .unwrap();
+    let e = st.wait(std::time::Duration::from_secs(60)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::RemoteRejected {
+                reason: kvxfer::RejectReason::BadKey,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(
+        answer("HASH", &mut input),
+        format!("{:x}", fnv(&expect)),
+        "nothing written"
+    );
+    // Nothing was staged.
+    writeln!(input, "EXIT").unwrap();
+    assert!(child.0.wait().unwrap().success());
+}
+
+/// On the shm path within one process (the same address space: no handle
+/// to open), the target's GPU memory is written and read by device copies,
+/// and the initiator's own GPU memory towards the target's host memory is
+/// refused typed (cross-memory attach cannot read device memory).
+pub fn ipc_same_process() {
+    let src = pattern(1 << 20, 4);
+    let g = DeviceBuffer::new(0, 1 << 20).unwrap();
+    let mine = DeviceBuffer::new(0, 1 << 20).unwrap();
+    let host = vec![0u8; 1 << 20];
+    let (a, b) = (agent(Backend::Shm, "a"), agent(Backend::Shm, "b"));
+    register_dram(a.as_ref(), &src);
+    register_vram(a.as_ref(), &mine).unwrap();
+    register_vram(b.as_ref(), &g).unwrap();
+    register_dram(b.as_ref(), &host);
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    if a.remote_transport("b").unwrap() != "shm" {
+        println!("SKIPPED ipc_same_process: cross-memory attach is not allowed here");
+        return;
+    }
+    let staged = kvxfer::gpu::staging_copies();
+    completed(a.submit_transfer(&TransferRequest::write(
+        MemoryDescs::dram(&src),
+        vram(&g, 0, 1 << 20),
+        "b",
+    )))
+    .unwrap();
+    assert!(device_bytes(&g) == src);
+    completed(a.submit_transfer(&TransferRequest::read(
+        vram(&mine, 0, 1 << 20),
+        vram(&g, 0, 1 << 20),
+        "b",
+    )))
+    .unwrap();
+    assert!(device_bytes(&mine) == src);
+    assert_eq!(kvxfer::gpu::staging_copies(), staged, "nothing staged");
+    let e = a
+        .submit_transfer(&TransferRequest::write(
+            vram(&mine, 0, 4096),
+            MemoryDescs::dram(&host[..4096]),
+            "b",
+        ))
+        .unwrap_err();
+    assert!(matches!(e, Error::UnsupportedMemoryType { .. }), "{e:?}");
+}
+
 /// Defines the suite's tests; `$ready` says whether to run (else it has
 /// printed why not).
 #[macro_export]
@@ -526,9 +716,39 @@ macro_rules! gpu_suite {
         }
 
         #[test]
-        fn vram_on_the_shm_path_is_refused_typed() {
-            if $ready("vram_on_the_shm_path_is_refused_typed") {
-                suite::shm_refuses_vram();
+        fn vram_through_cuda_ipc_in_one_process() {
+            if $ready("vram_through_cuda_ipc_in_one_process") {
+                suite::ipc_same_process();
+            }
+        }
+
+        #[test]
+        fn vram_through_cuda_ipc_between_two_processes() {
+            if $ready("vram_through_cuda_ipc_between_two_processes") {
+                suite::ipc_two_processes(|| {
+                    std::process::Command::new(std::env::current_exe().unwrap())
+                        .args([
+                            "gpu_ipc_peer_child",
+                            "--exact",
+                            "--nocapture",
+                            "--test-threads",
+                            "1",
+                        ])
+                        .env("KVXFER_GPU_CHILD", "1")
+                        .stdin(std::process::Stdio::piped())
+                        .stdout(std::process::Stdio::piped())
+                        .spawn()
+                        .unwrap()
+                });
+            }
+        }
+
+        /// Not a test of its own: the child process of
+        /// `vram_through_cuda_ipc_between_two_processes`.
+        #[test]
+        fn gpu_ipc_peer_child() {
+            if std::env::var_os("KVXFER_GPU_CHILD").is_some() && $ready("gpu_ipc_peer_child") {
+                suite::ipc_child();
             }
         }
     };

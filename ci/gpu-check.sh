@@ -2,14 +2,18 @@
 # The GPU check, in two halves:
 #
 #   ci/gpu-check.sh build   here (no GPU needed): builds the GPU test binary
-#                           with --release, strips it and puts it in .gpu/
-#                           (git-ignored), to be carried to the GPU machine;
+#                           and kvxfer-bench with --release, strips them and
+#                           puts them in .gpu/ (git-ignored), to be carried
+#                           to the GPU machine;
 #   ci/gpu-check.sh run     on the GPU machine (no Rust toolchain there):
 #                           the probe (nvidia-smi, driver, RDMA devices, the
-#                           driver's dma-buf export), then the VRAM suite of
-#                           tests/gpu.rs against the real driver; everything
+#                           driver's dma-buf export), the VRAM suite of
+#                           tests/gpu.rs against the real driver, then the
+#                           benchmarks of the GPU issue side by side (DRAM vs
+#                           VRAM over TCP; CUDA IPC vs a device copy; the KV
+#                           cache with GPU pools over IPC vs raw); everything
 #                           goes to $OUT (or /tmp/gpu-check), with a
-#                           summary.txt that names each test's outcome.
+#                           summary.txt.
 #
 # With the device tool: run `ci/gpu-check.sh build` here, then one call with
 # carry [".gpu"] and the command `bash ci/gpu-check.sh run`.
@@ -25,7 +29,9 @@ build)
   bin=$(cargo test --locked --release --test gpu --no-run 2>&1 | grep -o 'target/release/deps/gpu-[0-9a-f]*' | tail -n1)
   [ -n "$bin" ] || { echo "no test binary built" >&2; exit 1; }
   cp "$bin" .gpu/gpu-tests
-  strip .gpu/gpu-tests
+  cargo build --locked --release -p kvxfer-bench
+  cp target/release/kvxfer-bench .gpu/kvxfer-bench
+  strip .gpu/gpu-tests .gpu/kvxfer-bench
   ls -l .gpu
   ;;
 run)
@@ -39,14 +45,27 @@ run)
     echo "== nvidia modules"; cat /proc/driver/nvidia/version 2>&1; ls /sys/module | grep -i -E 'nvidia|peermem' 2>&1
   } > "$out/probe.txt" 2>&1
   [ -x .gpu/gpu-tests ] || { echo "missing .gpu/gpu-tests: run 'ci/gpu-check.sh build' here and carry .gpu" | tee "$out/summary.txt"; exit 1; }
-  timeout 300 .gpu/gpu-tests --test-threads 1 --nocapture > "$out/tests.txt" 2>&1
+  timeout 150 .gpu/gpu-tests --test-threads 1 --nocapture > "$out/tests.txt" 2>&1
   rc=$?
+  b=.gpu/kvxfer-bench
+  {
+    # Side by side, one run each, in this order (the GPU issue's targets).
+    for mem in dram vram; do
+      timeout 40 $b --backend tcp --memory $mem --block-size 64KiB --batch 256 --iters 200 --json
+      timeout 40 $b --backend tcp --memory $mem --block-size 1MiB --batch 64 --iters 50 --json
+    done
+    timeout 40 $b --memcpy --memory vram --block-size 64MiB --batch 1 --iters 50
+    timeout 40 $b --backend shm --memory vram --block-size 64MiB --batch 1 --iters 50 --json
+    timeout 60 $b kv --backend shm --memory vram --model llama3-8b --ctx-tp 2 --gen-tp 1 --tokens 4096 --verify --json
+    timeout 60 $b kv --backend tcp --memory vram --model llama3-8b --ctx-tp 2 --gen-tp 1 --tokens 4096 --json
+  } > "$out/bench.txt" 2>&1
   {
     echo "gpu suite exit status: $rc"
     grep -E '^(GPU-PROBE|SKIPPED)|test result|FAILED|panicked' "$out/tests.txt"
     grep -o 'GPU-PROBE.*' "$out/tests.txt"
     grep -o 'SKIPPED.*' "$out/tests.txt"
     grep -E '^test .* \.\.\. ' "$out/tests.txt" | sed 's/^/  /'
+    echo "== bench"; cat "$out/bench.txt"
     head -n 30 "$out/probe.txt"
   } > "$out/summary.txt" 2>&1
   cat "$out/summary.txt"

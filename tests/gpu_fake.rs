@@ -104,3 +104,29 @@ fn registration_sets_sync_memops() {
     suite::register_vram(a.as_ref(), &g).unwrap();
     assert_eq!(sync(g.addr()), 1);
 }
+
+/// Many small copies go to the driver as one batch (`cuMemcpyBatchAsync`,
+/// which the stand-in counts).
+#[test]
+fn small_copies_are_batched() {
+    type Count = unsafe extern "C" fn() -> u64;
+    // SAFETY: the stand-in's counter, with this signature.
+    let count: libloading::Symbol<'_, Count> =
+        unsafe { stand_in().get(b"fakecuda_batched_copies") }.unwrap();
+    let g1 = gpu::DeviceBuffer::new(0, 1 << 20).unwrap();
+    let g2 = gpu::DeviceBuffer::new(0, 1 << 20).unwrap();
+    g1.write(0, &suite::pattern(1 << 20, 3)).unwrap();
+    // SAFETY: reads a counter.
+    let before = unsafe { count() };
+    let pieces: Vec<(u64, u64, u64)> = (0..64)
+        .map(|i| (i * 16384, (63 - i) * 16384, 16384))
+        .collect();
+    g2.copy_pieces(&g1, &pieces).unwrap();
+    // SAFETY: as above.
+    assert!(unsafe { count() } >= before + 64);
+    let src = suite::device_bytes(&g1);
+    let dst = suite::device_bytes(&g2);
+    for i in 0..64usize {
+        assert!(dst[i * 16384..][..16384] == src[(63 - i) * 16384..][..16384]);
+    }
+}

@@ -133,28 +133,40 @@ impl LocalLink {
         };
         // GPU memory on either side: the driver copies (with the context of
         // the GPU side's device).
+        let pairs = req.local.descs.iter().zip(&req.remote.descs);
+        let ends = |l: &crate::memory::MemoryDesc, r: &crate::memory::MemoryDesc| match req.op {
+            TransferOp::Write => (l.addr, r.addr),
+            TransferOp::Read => (r.addr, l.addr),
+        };
+        // Both ranges of each pair lie inside registered regions held for
+        // the copy — the local one by `resolved.guards`, the remote one by
+        // `holds`, admitted by the target's registry — and a registration
+        // promises its range stays allocated while registered
+        // (`TransferAgent::register_memory`); the target cannot finish
+        // dropping while `open` is held.
         let gpu = [&req.local, &req.remote]
             .into_iter()
             .find(|d| d.mem_type == MemoryType::Vram);
-        for (i, (l, r)) in req.local.descs.iter().zip(&req.remote.descs).enumerate() {
-            let (from, to) = match req.op {
-                TransferOp::Write => (l.addr, r.addr),
-                TransferOp::Read => (r.addr, l.addr),
-            };
-            // Both ranges lie inside registered regions held for the copy
-            // — the local one by `resolved.guards`, the remote one by
-            // `holds`, admitted by the target's registry — and a
-            // registration promises its range stays allocated while
-            // registered (`TransferAgent::register_memory`); the target
-            // cannot finish dropping while `open` is held.
-            match gpu {
+        if let Some(g) = gpu {
+            // GPU memory on either side: the driver copies, all pieces at
+            // once, with the context of the GPU side's device.
+            let pieces: Vec<(u64, u64, u64)> = pairs
+                .map(|(l, r)| {
+                    let (from, to) = ends(l, r);
+                    (to, from, l.len)
+                })
+                .collect();
+            let device = g.descs.first().map_or(0, |d| d.device_id);
+            // SAFETY: as above; a GPU range was checked to be device memory
+            // when registered, and the copies are waited for before this
+            // returns.
+            unsafe { crate::gpu::copy_many(&pieces, device) }?;
+        } else {
+            for (l, r) in pairs {
+                let (from, to) = ends(l, r);
                 // SAFETY: as above; `copy` allows the ranges to overlap (an
                 // agent writing to itself).
-                None => unsafe { std::ptr::copy(from as *const u8, to as *mut u8, l.len as usize) },
-                // SAFETY: as above; a GPU range was checked to be device
-                // memory when registered, and the driver's copy is waited
-                // for before it returns.
-                Some(g) => unsafe { crate::gpu::copy(to, from, l.len, g.descs[i].device_id) }?,
+                unsafe { std::ptr::copy(from as *const u8, to as *mut u8, l.len as usize) };
             }
         }
         if let (Some(room), Some(m)) = (room, sync) {

@@ -21,6 +21,9 @@ use super::{Allocation, GpuError};
 /// The loaded and initialised driver.
 pub(crate) struct Cuda {
     version: i32,
+    /// Whether `cuMemcpyBatchAsync` is there (driver 12.8 or later) and has
+    /// not failed: many small copies are then issued in one call.
+    batch: std::sync::atomic::AtomicBool,
     /// Per device ordinal: its primary context (as an address), retained on
     /// first use.
     contexts: Vec<OnceLock<Result<usize, GpuError>>>,
@@ -59,8 +62,17 @@ fn load() -> Result<Cuda, GpuError> {
         cu::cuDeviceGetCount(&mut count)
     })
     .map_err(no_driver)?;
-    tracing::info!(version, devices = count, "CUDA driver loaded");
+    // SAFETY: looks a symbol up in the loaded library (no call).
+    let batch = version >= 12080
+        && unsafe { cu::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync") }.is_ok();
+    tracing::info!(
+        version,
+        devices = count,
+        batch_copies = batch,
+        "CUDA driver loaded"
+    );
     Ok(Cuda {
+        batch: std::sync::atomic::AtomicBool::new(batch),
         version,
         contexts: (0..count.max(0)).map(|_| OnceLock::new()).collect(),
     })
@@ -254,8 +266,28 @@ impl Cuda {
                     raw
                 }
             };
+            let live: Vec<(u64, u64, u64)> = pieces.iter().copied().filter(|p| p.2 > 0).collect();
+            if live.len() >= BATCH_MIN && self.batch.load(std::sync::atomic::Ordering::Relaxed) {
+                // SAFETY: as for the single copies below.
+                match unsafe { batch_copy(&live, stream) } {
+                    Ok(()) => {
+                        // SAFETY: a stream of this thread.
+                        return check("cuStreamSynchronize", unsafe {
+                            cu::cuStreamSynchronize(stream)
+                        });
+                    }
+                    Err(e) => {
+                        // Whatever was issued completes before the copies
+                        // are issued again one by one (same bytes).
+                        // SAFETY: a stream of this thread.
+                        let _ = unsafe { cu::cuStreamSynchronize(stream) };
+                        tracing::warn!(error = %e, "batched copies failed; copying one by one from now on");
+                        self.batch.store(false, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            }
             let mut issued = Ok(());
-            for &(dst, src, len) in pieces.iter().filter(|p| p.2 > 0) {
+            for &(dst, src, len) in &live {
                 // SAFETY: the caller keeps every range valid; the copies are
                 // waited for below (also after a failed issue), before they
                 // may change owner.
@@ -392,6 +424,50 @@ impl Cuda {
         // SAFETY: forwarded contract.
         check("cuMemFree", unsafe { cu::cuMemFree_v2(ptr) })
     }
+}
+
+/// Fewest copies issued as one batch (`cuMemcpyBatchAsync`): per-copy
+/// launch cost dominates small pieces (a KV cache's fragments are a few
+/// KiB to tens of KiB each).
+const BATCH_MIN: usize = 4;
+
+/// Issues `pieces` (`(dst, src, len)`, each non-empty) on `stream` with one
+/// `cuMemcpyBatchAsync` call, sources read in stream order.
+///
+/// # Safety
+/// Every range valid for its length until the stream is synchronised.
+unsafe fn batch_copy(pieces: &[(u64, u64, u64)], stream: cu::CUstream) -> Result<(), GpuError> {
+    let mut dsts: Vec<cu::CUdeviceptr> = pieces.iter().map(|p| p.0).collect();
+    let mut srcs: Vec<cu::CUdeviceptr> = pieces.iter().map(|p| p.1).collect();
+    let mut sizes: Vec<usize> = pieces.iter().map(|p| p.2 as usize).collect();
+    let nowhere = cu::CUmemLocation_st {
+        type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
+        id: 0,
+    };
+    let mut attrs = [cu::CUmemcpyAttributes_st {
+        srcAccessOrder: cu::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: nowhere,
+        dstLocHint: nowhere,
+        flags: 0,
+    }];
+    let mut attr_at = [0usize];
+    let mut fail = usize::MAX;
+    // SAFETY: the arrays hold `pieces.len()` entries each and live for the
+    // call; one attribute entry applies from index 0; the ranges are the
+    // caller's to keep valid.
+    check("cuMemcpyBatchAsync", unsafe {
+        cu::cuMemcpyBatchAsync(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            pieces.len(),
+            attrs.as_mut_ptr(),
+            attr_at.as_mut_ptr(),
+            1,
+            &mut fail,
+            stream,
+        )
+    })
 }
 
 /// Whether the driver reports `attr` set on `device` (a probe: errors read

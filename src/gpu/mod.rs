@@ -240,33 +240,6 @@ pub(crate) unsafe fn copy_many(_pieces: &[(u64, u64, u64)], _device: u32) -> Res
     ))
 }
 
-/// Copies `len` bytes from `src` to `dst`, either of which may be device
-/// memory (the driver's unified addressing tells which), and waits until
-/// the copy is complete.
-///
-/// # Safety
-/// Both ranges must be valid for `len` bytes (host memory readable or
-/// writable, device memory allocated) and not change owner during the
-/// call.
-#[cfg(feature = "cuda")]
-#[allow(unsafe_code)]
-pub(crate) unsafe fn copy(dst: u64, src: u64, len: u64, device: u32) -> Result<(), GpuError> {
-    // SAFETY: forwarded contract.
-    unsafe { driver()?.copy(dst, src, len, device) }
-}
-
-/// Without the `cuda` feature there is no device memory to copy.
-///
-/// # Safety
-/// None needed: it only fails.
-#[cfg(not(feature = "cuda"))]
-#[allow(unsafe_code)]
-pub(crate) unsafe fn copy(_dst: u64, _src: u64, _len: u64, _device: u32) -> Result<(), GpuError> {
-    Err(GpuError::NoDriver(
-        "kvxfer was built without the `cuda` feature".into(),
-    ))
-}
-
 /// Sends `len` bytes of device memory at `src` (on `device`) through
 /// `write`, staged through the calling thread's pinned ring.
 ///

@@ -70,6 +70,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct alloc allocs[MAX_ALLOCS];
 static int initialised;
 static __thread int current = -1; /* device of the current context */
+static unsigned long long batched_copies;
 
 static int devices(void) {
     const char *s = getenv("FAKECUDA_DEVICES");
@@ -462,6 +463,40 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream)
     if (!d || !s) return CUDA_ERROR_INVALID_VALUE;
     if (n) enqueue(stream, d, s, n);
     return CUDA_SUCCESS;
+}
+
+/* CUDA 12.8's batched copy: the copies queued in order, as one call. */
+struct memcpy_attrs {
+    int src_access_order;
+    int src_loc[2];
+    int dst_loc[2];
+    unsigned flags;
+};
+
+CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+                            struct memcpy_attrs *attrs, size_t *attr_idxs, size_t num_attrs,
+                            size_t *fail_idx, void *stream) {
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!stream || count == 0 || num_attrs == 0 || attr_idxs[0] != 0) return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < num_attrs; i++)
+        if (attrs[i].src_access_order < 1 || attrs[i].src_access_order > 3) return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < count; i++) {
+        pthread_mutex_lock(&lock);
+        char *d = host_of(dsts[i], sizes[i]), *s = host_of(srcs[i], sizes[i]);
+        pthread_mutex_unlock(&lock);
+        if (!d || !s || sizes[i] == 0) {
+            *fail_idx = i;
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        enqueue(stream, d, s, sizes[i]);
+    }
+    __atomic_fetch_add(&batched_copies, count, __ATOMIC_RELAXED);
+    return CUDA_SUCCESS;
+}
+
+/* Copies issued through cuMemcpyBatchAsync so far (for the tests). */
+unsigned long long fakecuda_batched_copies(void) {
+    return __atomic_load_n(&batched_copies, __ATOMIC_RELAXED);
 }
 
 CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t size, int type, unsigned long long flags) {

@@ -254,7 +254,8 @@ def _tensor_range(obj):
         for d in cai["shape"]:
             n *= d
         itemsize = int(cai["typestr"][2:])
-        return int(ptr), n * itemsize, "vram", 0
+        # The interface does not name the device: the driver tells.
+        return int(ptr), n * itemsize, "vram", _kvxfer.gpu_device_of(int(ptr)) if n else 0
     if all(hasattr(obj, a) for a in ("data_ptr", "numel", "element_size", "device")):
         if hasattr(obj, "is_contiguous") and not obj.is_contiguous():
             raise ValueError("a non-contiguous tensor cannot be registered (use .contiguous())")
@@ -276,9 +277,9 @@ class Agent(_kvxfer.Agent):
     def register(self, obj):
         """Registers a writable buffer (`bytearray`, `memoryview`, `mmap`, a
         contiguous numpy array) or a contiguous tensor (torch-like, DLPack,
-        or with `__cuda_array_interface__`; GPU memory is refused with
-        `UnsupportedMemoryTypeError` until GPU memory is supported);
-        returns its `Registration`."""
+        or with `__cuda_array_interface__`; CUDA tensors are registered as
+        GPU memory, checked by the driver: `GpuError` when it is not, or no
+        driver is present); returns its `Registration`."""
         return Registration(self, obj)
 
     def write(self, local, remote, remote_agent, notif=None):

@@ -634,8 +634,16 @@ impl PyTransfer {
     }
 }
 
+/// The device ordinal of the GPU memory at `addr` (`GpuError` when it is
+/// not GPU memory or no CUDA driver is present).
+#[pyfunction]
+fn gpu_device_of(addr: u64) -> PyResult<u32> {
+    kvxfer::gpu::device_of(addr).map_err(|e| to_py(Error::Gpu(e)))
+}
+
 #[pymodule]
 fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(gpu_device_of, m)?)?;
     m.add_class::<PyAgent>()?;
     m.add_class::<PyTransfer>()?;
     m.add_class::<PyDescList>()?;

@@ -586,6 +586,16 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// The device ordinal of the GPU memory at `addr` (as a `__cuda_array_interface__`
+/// pointer does not say).
+///
+/// # Errors
+/// [`GpuError::NoDriver`] without a driver; [`GpuError::NotDeviceMemory`]
+/// when `addr` is not device memory.
+pub fn device_of(addr: u64) -> Result<u32, GpuError> {
+    Ok(driver()?.allocation(addr)?.device)
+}
+
 /// What the driver and its devices offer, for diagnostics (`kvxfer-bench
 /// gpu-probe`, the GPU check script).
 #[derive(Debug, Clone)]

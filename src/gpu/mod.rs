@@ -25,7 +25,7 @@ use crate::memory::MemoryDesc;
 #[allow(unsafe_code)]
 mod cuda;
 #[cfg(feature = "cuda")]
-pub use cuda::{DeviceBuffer, DeviceProbe, Probe, probe};
+pub use cuda::{DeviceBuffer, DeviceProbe, Probe, device_of, probe};
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::{IpcMapping, driver, with_staging};
 

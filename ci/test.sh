@@ -35,7 +35,8 @@ done
 echo "== RDMA verbs tests on the host (they say SKIPPED where no RDMA device exists)"
 cargo test --locked --test rdma_verbs -- --nocapture
 echo "== RDMA tests inside the soft-RoCE guest (ci/rxe-guest: rxe0/rxe1 on a veth pair):"
-echo "   the verbs layer, the agent suite and the KV-cache protocol on the rdma backend"
+echo "   the verbs layer, the agent suite and the KV-cache protocol on the rdma backend;"
+echo "   GPUDirect RDMA registration of the stand-in driver's GPU memory (refused, typed)"
 test_bin() {
   local b
   b=$(cargo test --locked --test "$1" --no-run 2>&1 | grep -o "target/debug/deps/$1-[0-9a-f]*" | tail -n1)
@@ -45,6 +46,7 @@ test_bin() {
 verbs_bin=$(test_bin rdma_verbs)
 agent_bin=$(test_bin agent)
 cache_bin=$(test_bin cache)
+gpu_bin=$(test_bin gpu_fake)
 # The suite runs with the defaults (adaptive progress thread, shared receive
 # queue); the data-path tests once more with the progress thread on the
 # completion channel alone, with the polling progress thread and a receive
@@ -62,7 +64,8 @@ KVXFER_RDMA_ACK_TIMEOUT=20 KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 2400 
      write_and_read sync_message notify_follows target_killed write_after_target_deregistered && \
    KVXFER_TEST_RDMA_QPS=3 $agent_bin --test-threads 2 --color never \
      write_and_read ten_thousand sync_message notify_follows target_killed && \
-   $cache_bin --test-threads 2 --color never"
+   $cache_bin --test-threads 2 --color never && \
+   $gpu_bin --test-threads 1 --color never vram_on_rdma"
 echo "== fuzz targets (cargo fuzz, no sanitizer: stable toolchain), 60 s each from the committed corpus"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install --locked cargo-fuzz --version 0.13.2
 fuzz_tmp=$(mktemp -d)

@@ -33,7 +33,12 @@ pub(crate) struct LocalRegion {
 
 /// What a VRAM region keeps of its allocation.
 #[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct GpuRegion {
+    /// The device it is on.
+    pub(crate) device: u32,
+    /// The allocation's base address.
+    pub(crate) base: u64,
     /// The region's start minus the allocation's base.
     pub(crate) offset: u64,
     /// The allocation's legacy IPC handle, when the driver gave one.
@@ -137,12 +142,18 @@ impl Registry {
                 mrs.push(None);
                 continue;
             };
-            // SAFETY: the caller guarantees the range stays allocated while
+            // The caller guarantees the range stays allocated while
             // registered; the MR is dropped with the region.
-            let mr = unsafe { dev.register(d.addr, d.len) }.map_err(|e| Error::Rdma {
-                remote: String::new(),
-                source: std::sync::Arc::new(e),
-            })?;
+            let mr = match gpu.get(mrs.len()) {
+                // GPU memory: GPUDirect RDMA (dma-buf, else peer memory).
+                // SAFETY: as above.
+                Some(g) => unsafe { crate::gpu::register_rdma(dev, d, g) }?,
+                // SAFETY: as above.
+                None => unsafe { dev.register(d.addr, d.len) }.map_err(|e| Error::Rdma {
+                    remote: String::new(),
+                    source: std::sync::Arc::new(e),
+                })?,
+            };
             mrs.push(Some(mr));
         }
         for (i, (d, mr)) in descs.descs.iter().zip(mrs).enumerate() {

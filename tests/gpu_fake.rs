@@ -8,7 +8,6 @@
 #[macro_use]
 mod suite;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
@@ -25,9 +24,11 @@ fn ready(_test: &str) -> bool {
 fn stand_in() -> &'static libloading::Library {
     static LOADED: OnceLock<libloading::Library> = OnceLock::new();
     LOADED.get_or_init(|| {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fakecuda");
+        // Under the temporary directory (writable in the soft-RoCE guest,
+        // where the checkout is read-only).
+        let dir = std::env::temp_dir().join(format!("kvxfer-fakecuda-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let lib = dir.join(format!("libcuda-fake-{}.so", std::process::id()));
+        let lib = dir.join("libcuda-fake.so");
         let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/gpu/fakecuda.c");
         let out = Command::new("gcc")
             .args(["-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-pthread"])
@@ -44,7 +45,7 @@ fn stand_in() -> &'static libloading::Library {
         );
         // SAFETY: our own library, with no initialisers of its own.
         let l = unsafe { libloading::Library::new(&lib) }.unwrap();
-        let _ = std::fs::remove_file(&lib);
+        let _ = std::fs::remove_dir_all(&dir);
         l
     })
 }
@@ -129,4 +130,62 @@ fn small_copies_are_batched() {
     for i in 0..64usize {
         assert!(dst[i * 16384..][..16384] == src[(63 - i) * 16384..][..16384]);
     }
+}
+
+/// GPUDirect RDMA registration where the NIC cannot reach the stand-in's
+/// device memory (soft-RoCE in the guest: no dma-buf support in its
+/// provider, and `ibv_reg_mr` cannot pin an address the host cannot
+/// touch): an `rdma` agent's registration fails typed, naming both
+/// attempts, and registers nothing; an `auto` agent registers the memory
+/// without RDMA and still moves it over TCP. SKIPPED without an RDMA device.
+#[test]
+fn vram_on_rdma_registration_names_both_attempts() {
+    ready("vram_on_rdma_registration_names_both_attempts");
+    let a = match kvxfer::make_transfer_agent(
+        kvxfer::Backend::Rdma,
+        kvxfer::AgentConfig::new("gpu-rdma"),
+    ) {
+        Ok(a) => a,
+        Err(e) => {
+            println!("SKIPPED vram_on_rdma_registration_names_both_attempts: no RDMA device ({e})");
+            return;
+        }
+    };
+    let g = gpu::DeviceBuffer::new(0, 1 << 20).unwrap();
+    let e = suite::register_vram(a.as_ref(), &g).unwrap_err();
+    match &e {
+        kvxfer::Error::Gpu(GpuError::RdmaRegistration {
+            dmabuf, peermem, ..
+        }) => {
+            assert!(
+                dmabuf.contains("DMA_BUF") || dmabuf.contains("dmabuf"),
+                "{e}"
+            );
+            assert!(peermem.contains("ibv_reg_mr"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Nothing registered: the descriptor exports no GPU region.
+    assert!(
+        a.local_agent_desc()
+            .regions
+            .iter()
+            .all(|r| r.mem_type != kvxfer::MemoryType::Vram)
+    );
+    // An auto agent keeps the memory for its other paths.
+    let b = suite::agent(kvxfer::Backend::Auto, "gpu-auto");
+    suite::register_vram(b.as_ref(), &g).unwrap();
+    let c = suite::agent(kvxfer::Backend::Tcp, "gpu-tcp");
+    let src = suite::pattern(1 << 20, 8);
+    suite::register_dram(c.as_ref(), &src);
+    c.load_remote_agent(&b.local_agent_desc()).unwrap();
+    let st = c
+        .submit_transfer(&kvxfer::TransferRequest::write(
+            kvxfer::MemoryDescs::dram(&src),
+            suite::vram(&g, 0, 1 << 20),
+            "gpu-auto",
+        ))
+        .unwrap();
+    st.wait(std::time::Duration::from_secs(120)).unwrap();
+    assert!(suite::device_bytes(&g) == src);
 }

@@ -375,6 +375,7 @@ fn batch_of_work_requests_with_one_doorbell() {
                 imm: None,
             },
             sges: p,
+            host_source: true,
         })
         .collect();
     posts.push(verbs::Post {
@@ -384,6 +385,7 @@ fn batch_of_work_requests_with_one_doorbell() {
             remote_addr: dst.as_ptr() as u64,
         },
         sges: &whole,
+        host_source: true,
     });
     eprintln!("batch_is_atomic: {}", qa.batch_is_atomic());
     // SAFETY: every piece lies in a registered region alive until the

@@ -42,21 +42,33 @@ impl TransferAgent for Engine {
                 gpu.push(crate::gpu::admit_registration(d)?);
             }
         }
+        let device = self.inner.device.as_deref().filter(|_| !storage);
         // SAFETY: forwarded contract of `register_memory`. Storage ranges
-        // are file offsets: never registered with the RDMA device; nor is
-        // GPU memory yet (GPUDirect registration is not built: no RDMA
-        // path moves VRAM).
-        unsafe {
-            self.inner.registry.register(
-                descs,
-                SUPPORTED,
-                self.inner.mode.as_str(),
-                self.inner
-                    .device
-                    .as_deref()
-                    .filter(|_| !storage && descs.mem_type != MemoryType::Vram),
-                &gpu,
-            )
+        // are file offsets: never registered with the RDMA device.
+        let r = unsafe {
+            self.inner
+                .registry
+                .register(descs, SUPPORTED, self.inner.mode.as_str(), device, &gpu)
+        };
+        match r {
+            // An `auto` agent whose NIC cannot reach this GPU memory still
+            // moves it over its other paths (the RDMA path refuses it).
+            Err(Error::Gpu(e @ crate::gpu::GpuError::RdmaRegistration { .. }))
+                if self.inner.mode == Backend::Auto =>
+            {
+                tracing::warn!(error = %e, "GPU memory registered without GPUDirect RDMA: RDMA peers cannot reach it");
+                // SAFETY: as above.
+                unsafe {
+                    self.inner.registry.register(
+                        descs,
+                        SUPPORTED,
+                        self.inner.mode.as_str(),
+                        None,
+                        &gpu,
+                    )
+                }
+            }
+            r => r,
         }
     }
 

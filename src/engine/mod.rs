@@ -125,7 +125,7 @@ enum Path {
 impl Path {
     /// Whether it moves GPU memory (VRAM) on either side of a request.
     pub(in crate::engine) fn moves_vram(self) -> bool {
-        matches!(self, Path::InProcess | Path::Tcp)
+        matches!(self, Path::InProcess | Path::Tcp | Path::Rdma)
     }
 
     pub(in crate::engine) fn kind(self) -> TransportKind {

@@ -209,9 +209,15 @@ pub(in crate::engine) fn plan_rdma(
         .map(|((l, &lk), (r, &rk))| (lk, l.addr, rk, r.addr, l.len))
         .collect();
     let conn = link.parts.qps.first().ok_or(Error::Closed)?;
-    Ok(rdma::plan_wrs(
+    let mut wrs = rdma::plan_wrs(
         &pieces,
         conn.max_msg.min(config.tcp.segment_size).min(rdma::WR_MAX),
         conn.max_sge,
-    ))
+    );
+    if req.local.mem_type == MemoryType::Vram {
+        for w in wrs.iter_mut() {
+            w.gpu = true;
+        }
+    }
+    Ok(wrs)
 }

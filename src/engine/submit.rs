@@ -230,6 +230,13 @@ impl Engine {
             .inner
             .registry
             .acquire_local_keyed(&req.local, rdma.then_some(&mut lkeys))?;
+        if rdma && req.local.mem_type == MemoryType::Vram && lkeys.contains(&0) {
+            // GPU memory an `auto` agent's NIC could not register.
+            return Err(Error::BackendUnavailable {
+                backend: "rdma",
+                reason: "local GPU memory without a GPUDirect RDMA registration".into(),
+            });
+        }
         if peer.path == Path::Storage {
             // The remote regions are this agent's own: its storage link
             // resolves (and holds) them.

@@ -926,3 +926,90 @@ impl Drop for IpcMapping {
         }
     }
 }
+
+/// How GPU memory was registered with an RDMA device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RdmaMethod {
+    /// `cuMemGetHandleForAddressRange` + `ibv_reg_dmabuf_mr`.
+    DmaBuf,
+    /// `ibv_reg_mr` on the device pointer (the `nvidia-peermem` module).
+    PeerMemory,
+}
+
+/// The method that worked, per (GPU, RDMA device): tried first next time.
+static RDMA_METHODS: std::sync::Mutex<Vec<((u32, String), RdmaMethod)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// Registers VRAM region `d` (of allocation `g`) with `dev` for GPUDirect
+/// RDMA: by dma-buf (the host-page-aligned range around it exported by the
+/// driver, registered at the region's own address), else by handing the
+/// device pointer to `ibv_reg_mr` (peer memory); the method that works for
+/// a (GPU, NIC) pair is logged once and tried first afterwards.
+///
+/// # Safety
+/// The range must stay allocated while registered (the NIC may access it).
+///
+/// # Errors
+/// [`GpuError::RdmaRegistration`] naming both attempts' failures.
+pub(crate) unsafe fn register_rdma(
+    dev: &crate::verbs::Device,
+    d: &crate::memory::MemoryDesc,
+    g: &crate::registry::GpuRegion,
+) -> Result<crate::verbs::Registered, crate::error::Error> {
+    use std::os::fd::AsRawFd;
+    let key = (g.device, dev.name().to_owned());
+    let known = {
+        let m = RDMA_METHODS.lock().unwrap_or_else(|p| p.into_inner());
+        m.iter().find(|(k, _)| *k == key).map(|(_, v)| *v)
+    };
+    let dmabuf = || -> Result<crate::verbs::Registered, String> {
+        let cuda = driver().map_err(|e| e.to_string())?;
+        const PAGE: u64 = 4096;
+        let start = (d.addr & !(PAGE - 1)).max(g.base);
+        let end = (d.addr + d.len).next_multiple_of(PAGE);
+        let fd = cuda
+            .dmabuf(g.device, start, end - start)
+            .map_err(|e| e.to_string())?;
+        // SAFETY: the caller keeps the range allocated while registered;
+        // the region holds its own reference to the dma-buf.
+        unsafe { dev.register_dmabuf(fd.as_raw_fd(), d.addr - start, d.len, d.addr) }
+            .map_err(|e| e.to_string())
+    };
+    let peermem = || -> Result<crate::verbs::Registered, String> {
+        // SAFETY: as above.
+        unsafe { dev.register(d.addr, d.len) }.map_err(|e| e.to_string())
+    };
+    let order = if known == Some(RdmaMethod::PeerMemory) {
+        [RdmaMethod::PeerMemory, RdmaMethod::DmaBuf]
+    } else {
+        [RdmaMethod::DmaBuf, RdmaMethod::PeerMemory]
+    };
+    let (mut dmabuf_err, mut peermem_err) = (String::from("not tried"), String::from("not tried"));
+    for method in order {
+        let r = match method {
+            RdmaMethod::DmaBuf => dmabuf(),
+            RdmaMethod::PeerMemory => peermem(),
+        };
+        match r {
+            Ok(mr) => {
+                if known != Some(method) {
+                    tracing::info!(gpu = g.device, nic = %dev.name(), ?method, "GPU memory registered for GPUDirect RDMA");
+                    let mut m = RDMA_METHODS.lock().unwrap_or_else(|p| p.into_inner());
+                    m.retain(|(k, _)| *k != key);
+                    m.push((key.clone(), method));
+                }
+                return Ok(mr);
+            }
+            Err(e) => match method {
+                RdmaMethod::DmaBuf => dmabuf_err = e,
+                RdmaMethod::PeerMemory => peermem_err = e,
+            },
+        }
+    }
+    Err(GpuError::RdmaRegistration {
+        nic: dev.name().to_owned(),
+        dmabuf: dmabuf_err,
+        peermem: peermem_err,
+    }
+    .into())
+}

@@ -27,7 +27,21 @@ mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{DeviceBuffer, DeviceProbe, Probe, device_of, probe};
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::{IpcMapping, driver, with_staging};
+pub(crate) use cuda::{IpcMapping, driver, register_rdma, with_staging};
+
+/// Without the `cuda` feature no GPU memory is registered.
+///
+/// # Safety
+/// None needed: it only fails.
+#[cfg(not(feature = "cuda"))]
+#[allow(unsafe_code)]
+pub(crate) unsafe fn register_rdma(
+    _dev: &crate::verbs::Device,
+    _d: &MemoryDesc,
+    _g: &crate::registry::GpuRegion,
+) -> Result<crate::verbs::Registered, crate::error::Error> {
+    Err(GpuError::NoDriver("kvxfer was built without the `cuda` feature".into()).into())
+}
 
 /// Without the `cuda` feature no peer's GPU memory can be opened.
 #[cfg(not(feature = "cuda"))]
@@ -89,6 +103,20 @@ pub enum GpuError {
         /// The allocation's size.
         size: u64,
     },
+    /// Neither GPUDirect RDMA registration worked: the dma-buf export and
+    /// `ibv_reg_dmabuf_mr`, then the device pointer given to `ibv_reg_mr`
+    /// (the peer-memory module).
+    #[error(
+        "GPU memory could not be registered with RDMA device {nic}: by dma-buf: {dmabuf}; by peer memory: {peermem}"
+    )]
+    RdmaRegistration {
+        /// The RDMA device.
+        nic: String,
+        /// Why the dma-buf registration failed.
+        dmabuf: String,
+        /// Why the peer-memory registration failed.
+        peermem: String,
+    },
     /// A driver call failed.
     #[error("CUDA {call} failed: {name} ({code})")]
     Driver {
@@ -112,6 +140,7 @@ pub(crate) struct StagingShape {
 /// Why moving device memory through a socket failed: the socket or the
 /// driver.
 #[derive(Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) enum StageError {
     Io(std::io::Error),
     Gpu(GpuError),
@@ -201,6 +230,8 @@ pub(crate) fn admit_registration(
         }
     };
     Ok(crate::registry::GpuRegion {
+        device: alloc.device,
+        base: alloc.base,
         offset: desc.addr - alloc.base,
         ipc,
     })

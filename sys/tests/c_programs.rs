@@ -180,14 +180,26 @@ fn c_gpu_test() {
     let dir = out_dir();
     let fake = dir.join("libcuda-fake.so");
     let status = Command::new("gcc")
-        .args(["-O2", "-shared", "-fPIC", "-pthread", "-Wl,-soname,libcuda.so", "-o"])
+        .args([
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            "-Wl,-soname,libcuda.so",
+            "-o",
+        ])
         .arg(&fake)
         .arg(manifest().join("../tests/gpu/fakecuda.c"))
         .status()
         .expect("gcc runs (ci/install-deps.sh installs it)");
     assert!(status.success(), "building the stand-in CUDA driver failed");
     let exe = dir.join("gpu_test");
-    compile("gcc", "-std=c11", &manifest().join("tests/c/gpu_test.c"), &exe);
+    compile(
+        "gcc",
+        "-std=c11",
+        &manifest().join("tests/c/gpu_test.c"),
+        &exe,
+    );
     let out = run_env(&exe, &[], &[("LD_PRELOAD", fake.to_str().unwrap())]);
     assert!(out.contains("checks passed"), "{out}");
 }

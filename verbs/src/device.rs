@@ -201,6 +201,35 @@ impl Device {
             .map_err(|e| verb("ibv_reg_mr")(other(e)))
     }
 
+    /// Registers `len` bytes of a dma-buf (`fd`, from `offset` in it), seen
+    /// by peers at virtual address `iova` (`ibv_reg_dmabuf_mr`): GPU memory
+    /// exported by its driver. The region keeps its own reference to the
+    /// dma-buf; `fd` may be closed afterwards.
+    ///
+    /// # Safety
+    /// The memory behind the dma-buf must stay allocated while the region
+    /// is registered (the device may access it).
+    ///
+    /// # Errors
+    /// The failing verb (`EOPNOTSUPP` where the provider or kernel has no
+    /// dma-buf support).
+    pub unsafe fn register_dmabuf(
+        &self,
+        fd: std::os::fd::RawFd,
+        offset: u64,
+        len: u64,
+        iova: u64,
+    ) -> Result<Registered, VerbsError> {
+        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.pd
+                .reg_dmabuf_mr(offset, len as usize, iova, fd, access)
+        }
+        .map(Registered)
+        .map_err(|e| verb("ibv_reg_dmabuf_mr")(other(e)))
+    }
+
     /// A reliable-connected queue pair with its own completion queues, able
     /// to hold `depth` outstanding sends and receives.
     ///

@@ -68,6 +68,10 @@ pub struct Post<'a> {
     pub op: PostOp,
     /// Local pieces, in order.
     pub sges: &'a [Sge],
+    /// Whether the local pieces are host memory, which the CPU may read: a
+    /// small WRITE or SEND is then carried inline. `false` for GPU memory
+    /// (the device reads it, never the CPU).
+    pub host_source: bool,
 }
 
 impl<'a> Post<'a> {
@@ -76,6 +80,7 @@ impl<'a> Post<'a> {
     /// work request when posted, so the device reads no memory region).
     pub(super) fn inline_piece(&self) -> Option<&'a Sge> {
         match (self.op, self.sges) {
+            _ if !self.host_source => None,
             (PostOp::Read { .. }, _) => None,
             (_, [one]) if one.len <= MAX_INLINE => Some(one),
             _ => None,
@@ -270,7 +275,12 @@ impl RcQueuePair {
         sges: &[Sge],
         signaled: bool,
     ) -> Result<(), VerbsError> {
-        let w = [Post { wr_id, op, sges }];
+        let w = [Post {
+            wr_id,
+            op,
+            sges,
+            host_source: true,
+        }];
         // SAFETY: forwarded contract.
         unsafe { self.post_wrs(&w, signaled) }
     }
@@ -444,5 +454,50 @@ impl RcQueuePair {
     /// `ibv_poll_cq`'s error.
     pub fn poll_recv(&self, out: &mut Vec<WorkCompletion>) -> Result<usize, VerbsError> {
         poll(&self.recv_cq, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small WRITE or SEND from host memory goes inline; from GPU memory
+    /// (which the CPU must not read), a READ, or more than one piece, never.
+    #[test]
+    fn only_small_host_writes_and_sends_are_inlined() {
+        let one = [Sge {
+            lkey: 1,
+            addr: 0x1000,
+            len: 8,
+        }];
+        let big = [Sge {
+            lkey: 1,
+            addr: 0x1000,
+            len: MAX_INLINE + 1,
+        }];
+        let write = PostOp::Write {
+            rkey: 2,
+            remote_addr: 0x2000,
+            imm: None,
+        };
+        let post = |op, sges, host_source| Post {
+            wr_id: 0,
+            op,
+            sges,
+            host_source,
+        };
+        assert!(post(write, &one[..], true).inline_piece().is_some());
+        assert!(
+            post(PostOp::Send { imm: 0 }, &one[..], true)
+                .inline_piece()
+                .is_some()
+        );
+        assert!(post(write, &one[..], false).inline_piece().is_none());
+        assert!(post(write, &big[..], true).inline_piece().is_none());
+        let read = PostOp::Read {
+            rkey: 2,
+            remote_addr: 0x2000,
+        };
+        assert!(post(read, &one[..], true).inline_piece().is_none());
     }
 }

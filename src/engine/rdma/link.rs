@@ -707,6 +707,7 @@ fn post_queued_batch(
                     wr_id: rdma::SEND_FLAG | ((slot.unwrap_or(0) as u64) << 40) | id,
                     op: crate::verbs::PostOp::Send { imm: 0 },
                     sges: sg,
+                    host_source: true,
                 },
             }
         })

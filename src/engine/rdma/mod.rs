@@ -207,6 +207,9 @@ pub(crate) struct Wr {
     pub(crate) rkey: u32,
     pub(crate) remote: u64,
     pub(crate) len: u64,
+    /// The local pieces are GPU memory: never carried inline (the CPU must
+    /// not read them).
+    pub(crate) gpu: bool,
 }
 
 /// Plans work requests for `(lkey, local, rkey, remote, len)` pieces:
@@ -263,6 +266,7 @@ pub(crate) fn plan_wrs(
                     rkey,
                     remote: r,
                     len: n,
+                    gpu: false,
                 });
                 n
             };
@@ -294,6 +298,7 @@ pub(crate) fn data_post<'a>(
             },
         },
         sges,
+        host_source: !wr.gpu,
     }
 }
 
@@ -562,6 +567,7 @@ mod tests {
                 rkey: 9,
                 remote: 50_000,
                 len: 250,
+                gpu: false,
             }]
         );
     }

@@ -162,8 +162,14 @@ impl Default for ShmConfig {
 #[non_exhaustive]
 pub struct RdmaConfig {
     /// RDMA device by name (e.g. `mlx5_0`); `None`: `KVXFER_RDMA_DEVICE`,
-    /// else the first device with an active port.
+    /// else, with several devices, the one nearest GPU `near_gpu` (same
+    /// PCIe switch, else same NUMA node), else the first device with an
+    /// active port.
     pub device: Option<String>,
+    /// The GPU (device ordinal) whose nearest RDMA device the agent takes
+    /// when several exist and none is named (default 0; `None`: never
+    /// look).
+    pub near_gpu: Option<u32>,
     /// GID index on that device's port; `None`: `KVXFER_RDMA_GID_INDEX`,
     /// else the port's first RoCE v2 GID, else 0.
     pub gid_index: Option<u32>,
@@ -201,6 +207,7 @@ impl Default for RdmaConfig {
         Self {
             device: None,
             gid_index: None,
+            near_gpu: Some(0),
             progress: RdmaProgress::default(),
             qps_per_peer: 1,
             ack_timeout: None,

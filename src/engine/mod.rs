@@ -262,6 +262,15 @@ impl Engine {
         config.resolve_security()?;
         // Resolved once (the environment is read here, not per connection).
         config.rdma.ack_timeout = Some(config.rdma.effective_ack_timeout()?);
+        // With several RDMA devices and none named, the one nearest the GPU.
+        if config.rdma.device.is_none()
+            && std::env::var_os("KVXFER_RDMA_DEVICE").is_none()
+            && matches!(mode, Backend::Rdma | Backend::Auto)
+            && let Some(nic) = config.rdma.near_gpu.and_then(crate::gpu::nearest_nic)
+        {
+            tracing::info!(agent = %config.name, device = %nic, gpu = ?config.rdma.near_gpu, "RDMA device nearest the GPU");
+            config.rdma.device = Some(nic);
+        }
         let open = || Device::open(config.rdma.device.as_deref(), config.rdma.gid_index);
         let device = match mode {
             Backend::Rdma => Some(Arc::new(open().map_err(|e| Error::BackendUnavailable {

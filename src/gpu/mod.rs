@@ -24,6 +24,36 @@ use crate::memory::MemoryDesc;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 mod cuda;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod topology;
+
+/// The RDMA device nearest GPU `gpu` by PCI topology (same PCIe switch,
+/// else same NUMA node), when the driver knows the GPU, there are several
+/// devices, and one is nearer than the others.
+#[cfg(feature = "cuda")]
+pub(crate) fn nearest_nic(gpu: u32) -> Option<String> {
+    let sys = std::path::Path::new("/sys");
+    let several = std::fs::read_dir(sys.join("class/infiniband"))
+        .ok()?
+        .count()
+        > 1;
+    if !several {
+        return None;
+    }
+    let cuda = driver().ok()?;
+    if gpu >= cuda.device_count() {
+        return None;
+    }
+    let bdf = cuda.pci_bus_id(gpu).ok()?;
+    let (g, nics) = topology::read_topology(sys, &bdf)?;
+    topology::nearest(&g, &nics).map(str::to_owned)
+}
+
+/// Without the `cuda` feature no GPU is known.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn nearest_nic(_gpu: u32) -> Option<String> {
+    None
+}
 #[cfg(feature = "cuda")]
 pub use cuda::{DeviceBuffer, DeviceProbe, Probe, device_of, probe};
 #[cfg(feature = "cuda")]

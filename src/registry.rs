@@ -289,10 +289,12 @@ impl Registry {
         len: u64,
         key: u64,
     ) -> Result<RegionGuard, RejectReason> {
-        if mem_type != MemoryType::Dram {
-            return Err(RejectReason::UnsupportedMemoryType);
-        }
-        self.admit(mem_type, MemoryDesc::new(addr, len, 0), key)
+        self.admit(
+            &[MemoryType::Dram],
+            mem_type,
+            MemoryDesc::new(addr, len, 0),
+            key,
+        )
     }
 
     /// The IPC exports of the VRAM regions that have a handle.
@@ -320,10 +322,8 @@ impl Registry {
         len: u64,
         key: u64,
     ) -> Result<RegionGuard, RejectReason> {
-        if !matches!(mem_type, MemoryType::Dram | MemoryType::Vram) {
-            return Err(RejectReason::UnsupportedMemoryType);
-        }
-        self.admit(mem_type, MemoryDesc::new(addr, len, 0), key)
+        let kinds = [MemoryType::Dram, MemoryType::Vram];
+        self.admit(&kinds, mem_type, MemoryDesc::new(addr, len, 0), key)
     }
 
     /// Admits a remote access to the range `[addr, addr + len)` of storage
@@ -337,18 +337,21 @@ impl Registry {
         len: u64,
         key: u64,
     ) -> Result<RegionGuard, RejectReason> {
-        if !matches!(mem_type, MemoryType::File | MemoryType::Blk) {
-            return Err(RejectReason::UnsupportedMemoryType);
-        }
-        self.admit(mem_type, MemoryDesc::new(addr, len, handle), key)
+        let kinds = [MemoryType::File, MemoryType::Blk];
+        self.admit(&kinds, mem_type, MemoryDesc::new(addr, len, handle), key)
     }
 
+    /// Admits `d` of `mem_type`, one of `kinds`, presenting `key`.
     fn admit(
         &self,
+        kinds: &[MemoryType],
         mem_type: MemoryType,
         d: MemoryDesc,
         key: u64,
     ) -> Result<RegionGuard, RejectReason> {
+        if !kinds.contains(&mem_type) {
+            return Err(RejectReason::UnsupportedMemoryType);
+        }
         let map = self.read();
         let r = map.find(mem_type, &d).ok_or(RejectReason::NotRegistered)?;
         if r.value.key != key {

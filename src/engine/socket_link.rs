@@ -109,6 +109,21 @@ pub(in crate::engine) struct Seg {
     pub(in crate::engine) key: u64,
 }
 
+impl Seg {
+    /// Its `Write` frame header (the payload follows it).
+    pub(in crate::engine) fn write_header(&self, req: u64) -> [u8; HEADER_LEN] {
+        Frame::Write {
+            req,
+            mem_type: self.mem_type,
+            device: self.device,
+            addr: self.remote,
+            len: self.len,
+            key: self.key,
+        }
+        .encode()
+    }
+}
+
 pub(in crate::engine) enum Tail {
     None,
     Commit {

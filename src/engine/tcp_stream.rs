@@ -195,15 +195,7 @@ impl<P: SocketPath> SocketLink<P> {
                 f.tail(req, TransferOp::Write, &[], Some(segs.len() - i), tail);
                 return send(&mut f.iovs).map_err(|e| self.io_error(e));
             }
-            let hdr = Frame::Write {
-                req,
-                mem_type: s.mem_type,
-                device: s.device,
-                addr: s.remote,
-                len: s.len,
-                key: s.key,
-            }
-            .encode();
+            let hdr = s.write_header(req);
             let Some(device) = s.local_gpu else {
                 let mut iovs = [
                     iov(hdr.as_ptr(), HEADER_LEN),
@@ -562,17 +554,7 @@ impl Framed {
                 }
                 bytes += total;
             } else {
-                headers.push(
-                    Frame::Write {
-                        req,
-                        mem_type: s0.mem_type,
-                        device: s0.device,
-                        addr: s0.remote,
-                        len: s0.len,
-                        key: s0.key,
-                    }
-                    .encode(),
-                );
+                headers.push(s0.write_header(req));
                 iovs.push(iov(
                     headers.last().expect("just pushed").as_ptr(),
                     HEADER_LEN,

@@ -116,15 +116,7 @@ impl Inner {
     ) -> io::Result<Result<(), RejectReason>> {
         let guard = match self.registry.admit_memory(MemoryType::Vram, addr, len, key) {
             Ok(g) => g,
-            Err(reason) => {
-                let refusal = Frame::ReadData {
-                    req,
-                    len: 0,
-                    status: reason.code(),
-                };
-                c.send(&[refusal.encode()], self.config.io_timeout)?;
-                return Ok(Err(reason));
-            }
+            Err(reason) => return self.refuse_read(c, req, reason),
         };
         let device = guard.region().desc.device_id;
         let hdr = Frame::ReadData {
@@ -202,16 +194,24 @@ impl Inner {
                 drop(guard);
                 Ok(Ok(()))
             }
-            Err(reason) => {
-                let refusal = Frame::ReadData {
-                    req,
-                    len: 0,
-                    status: reason.code(),
-                };
-                c.send(&[refusal.encode()], self.config.io_timeout)?;
-                Ok(Err(reason))
-            }
+            Err(reason) => self.refuse_read(c, req, reason),
         }
+    }
+
+    /// Answers a `ReadReq` with a refusal (no payload).
+    fn refuse_read(
+        &self,
+        c: &mut Conn<'_, '_, '_>,
+        req: u64,
+        reason: RejectReason,
+    ) -> io::Result<Result<(), RejectReason>> {
+        let refusal = Frame::ReadData {
+            req,
+            len: 0,
+            status: reason.code(),
+        };
+        c.send(&[refusal.encode()], self.config.io_timeout)?;
+        Ok(Err(reason))
     }
 
     /// Lands a `WriteList`: its table, then its pieces' payloads back to

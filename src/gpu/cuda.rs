@@ -102,6 +102,16 @@ fn check(call: &'static str, r: cu::CUresult) -> Result<(), GpuError> {
     })
 }
 
+/// A new non-blocking stream of the current context.
+fn new_stream() -> Result<cu::CUstream, GpuError> {
+    let mut raw: cu::CUstream = std::ptr::null_mut();
+    // SAFETY: writes one stream handle of the current context.
+    check("cuStreamCreate", unsafe {
+        cu::cuStreamCreate(&mut raw, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+    })?;
+    Ok(raw)
+}
+
 /// A stream of the calling thread on one device.
 struct Stream {
     device: u32,
@@ -254,14 +264,7 @@ impl Cuda {
             let stream = match streams.iter().position(|s| s.device == device) {
                 Some(i) => streams[i].raw,
                 None => {
-                    let mut raw: cu::CUstream = std::ptr::null_mut();
-                    // SAFETY: writes one stream handle of the current context.
-                    check("cuStreamCreate", unsafe {
-                        cu::cuStreamCreate(
-                            &mut raw,
-                            cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                        )
-                    })?;
+                    let raw = new_stream()?;
                     streams.push(Stream { device, raw });
                     raw
                 }
@@ -678,14 +681,7 @@ pub(crate) struct Staging {
 impl Staging {
     fn new(cuda: &Cuda, device: u32, shape: super::StagingShape) -> Result<Self, GpuError> {
         cuda.bind(device)?;
-        let mut stream: cu::CUstream = std::ptr::null_mut();
-        // SAFETY: writes one stream handle of the current context.
-        check("cuStreamCreate", unsafe {
-            cu::cuStreamCreate(
-                &mut stream,
-                cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-            )
-        })?;
+        let stream = new_stream()?;
         // From here on `Drop` frees what was made.
         let mut s = Staging {
             device,

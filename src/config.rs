@@ -98,14 +98,16 @@ impl Default for TcpConfig {
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct GpuConfig {
-    /// Bytes per pinned host buffer of a staging ring (default 4 MiB): VRAM
-    /// moved over TCP is copied through such buffers (device→host before
-    /// sending, host→device after receiving), chunk by chunk.
+    /// Bytes per pinned host buffer of a staging ring (default 4 MiB, a
+    /// multiple of 4 KiB): VRAM moved over TCP, or to and from storage, is
+    /// copied through such buffers (device→host before sending or
+    /// writing, host→device after receiving or reading), chunk by chunk.
     pub staging_chunk: usize,
     /// Buffers per ring (default 3, at least 2): the copies of the next
-    /// chunks run while the current one is on the wire. Each thread that
-    /// moves VRAM over TCP (a stream's sender or reader, a target's
-    /// connection) has one ring per device, made on first use.
+    /// chunks run while the current one is on the wire or the disk. Each
+    /// thread that moves VRAM that way (a stream's sender or reader, a
+    /// target's connection, the agent's GPU storage worker) has one ring
+    /// per device, made on first use.
     pub staging_slots: usize,
 }
 
@@ -652,11 +654,14 @@ impl AgentConfig {
                 self.tcp.segment_size
             ));
         }
+        // Whole pages: chunks of GPU memory staged to storage opened for
+        // direct I/O then start and end on block boundaries.
         if !(4096..=1 << 30).contains(&self.gpu.staging_chunk)
+            || !self.gpu.staging_chunk.is_multiple_of(4096)
             || !(2..=64).contains(&self.gpu.staging_slots)
         {
             return bad(format!(
-                "gpu.staging_chunk must be 4 KiB..=1 GiB and gpu.staging_slots 2..=64, got {} and {}",
+                "gpu.staging_chunk must be a multiple of 4 KiB in 4 KiB..=1 GiB and gpu.staging_slots 2..=64, got {} and {}",
                 self.gpu.staging_chunk, self.gpu.staging_slots
             ));
         }
@@ -708,6 +713,8 @@ mod tests {
             AgentConfig::new("a").with_rdma_ack_timeout(32),
             AgentConfig::new("a").with_streams_per_peer(0),
             AgentConfig::new("a").with_rdma_max_inflight((64 << 10) - 1),
+            AgentConfig::new("a").with_gpu_staging(4096 + 512, 2),
+            AgentConfig::new("a").with_gpu_staging(1 << 20, 1),
         ] {
             assert!(
                 matches!(bad.validate(), Err(Error::InvalidConfig(_))),

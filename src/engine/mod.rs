@@ -123,9 +123,13 @@ enum Path {
 }
 
 impl Path {
-    /// Whether it moves GPU memory (VRAM) on either side of a request.
+    /// Whether it moves GPU memory (VRAM) on either side of a request
+    /// (storage: the local side, staged).
     pub(in crate::engine) fn moves_vram(self) -> bool {
-        matches!(self, Path::InProcess | Path::Tcp | Path::Rdma)
+        matches!(
+            self,
+            Path::InProcess | Path::Tcp | Path::Rdma | Path::Storage
+        )
     }
 
     pub(in crate::engine) fn kind(self) -> TransportKind {

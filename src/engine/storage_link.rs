@@ -4,7 +4,8 @@
 //! range before anything moves (the file not shrunk under a region, direct
 //! I/O alignment of offsets, lengths and buffers, room in the inbox for the
 //! sync message) and hands the reads or writes to the storage I/O engine
-//! ([`crate::storage::io`]); the status completes once every one of them
+//! ([`crate::storage::io`]), or for GPU memory to the staging worker
+//! ([`crate::storage::staged`]); the status completes once every one of them
 //! (and, for a durable request, the sync of each file written) has. An
 //! abort skips the ops not yet handed to the kernel.
 
@@ -12,6 +13,7 @@ use std::os::fd::RawFd;
 
 use crate::storage::StorageFile;
 use crate::storage::io::{Batch, OP_MAX, Op};
+use crate::storage::staged::{Piece, StagedBatch};
 
 use super::*;
 
@@ -33,7 +35,8 @@ impl StorageLink {
                 transport: TransportKind::Storage,
                 device: Some(io.name().to_owned()),
                 mechanism: "reads and writes between registered host memory and the agent's \
-                            files and block devices, zero copy (O_DIRECT where opened so)",
+                            files and block devices, zero copy (O_DIRECT where opened so); \
+                            GPU memory through pinned staging buffers",
             }),
             broken: Mutex::new(None),
             meter: inner
@@ -70,11 +73,14 @@ impl Link for StorageLink {
         // Only requests naming FILE or BLK regions reach the self-peer
         // (`Engine::check_request`); one without data is an empty batch.
         let held = inner.registry.acquire_local_keyed(&req.remote, None)?;
+        let vram = req.local.mem_type == MemoryType::Vram;
+        let shape = inner.config.gpu.shape();
         let Planned {
             ops,
+            pieces,
             files,
             written,
-        } = plan(inner, req, &resolved.guards)?;
+        } = plan(inner, req, &resolved.guards, vram.then_some(shape))?;
         let room = match &sync {
             Some(m) => Some(reserve(inner, me, m.len())?),
             None => None,
@@ -103,11 +109,27 @@ impl Link for StorageLink {
         // `TransferStatus::abort`: the ops not yet handed to the kernel are
         // skipped (and the sync message not delivered).
         let asked = Arc::clone(&completion);
+        let stop: crate::storage::io::Stop = Box::new(move || asked.abort_requested());
+        if vram {
+            let batch = StagedBatch {
+                pieces,
+                write: req.op == TransferOp::Write,
+                sync: syncs,
+                shape,
+                done,
+                stop: Some(stop),
+            };
+            // SAFETY: every piece's device memory lies in local VRAM
+            // regions checked and held (`guards`) and every fd belongs to a
+            // storage region held (`held`) until `done` has run.
+            unsafe { inner.storage.stager()?.submit(batch) };
+            return Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)));
+        }
         let batch = Batch {
             ops,
             sync: syncs,
             done,
-            stop: Some(Box::new(move || asked.abort_requested())),
+            stop: Some(stop),
         };
         // SAFETY: every op's memory lies in local regions checked and held
         // (`guards`) and every fd belongs to a storage region held (`held`)
@@ -131,7 +153,10 @@ fn reserve(inner: &Inner, me: &str, len: usize) -> Result<Reservation, Error> {
 
 /// A request's I/O, planned and checked.
 struct Planned {
+    /// Host memory's reads or writes.
     ops: Vec<Op>,
+    /// GPU memory's, one per descriptor (staged chunk by chunk).
+    pieces: Vec<Piece>,
     /// The files its ops use, kept open until it is done.
     files: Vec<Arc<StorageFile>>,
     /// The files it writes: (handle, fd).
@@ -141,10 +166,21 @@ struct Planned {
 /// `req`'s reads or writes, each at most [`OP_MAX`] bytes, after every check
 /// (nothing has moved when this fails); and the files written (handle, fd).
 /// `guards`: the holds on the local regions, in the order the local
-/// descriptors meet them.
-fn plan(inner: &Inner, req: &TransferRequest, guards: &[RegionGuard]) -> Result<Planned, Error> {
+/// descriptors meet them. `staging`: the local memory is on the GPU, moved
+/// through staging rings of this shape (whose pinned buffers, not the
+/// device addresses, meet the file's alignment: its chunk must).
+fn plan(
+    inner: &Inner,
+    req: &TransferRequest,
+    guards: &[RegionGuard],
+    staging: Option<crate::gpu::StagingShape>,
+) -> Result<Planned, Error> {
     let write = req.op == TransferOp::Write;
-    let mut ops = Vec::with_capacity(req.local.descs.len());
+    let n = req.local.descs.len();
+    let (mut ops, mut pieces) = match staging {
+        None => (Vec::with_capacity(n), Vec::new()),
+        Some(_) => (Vec::new(), Vec::with_capacity(n)),
+    };
     let mut files: Vec<(Arc<StorageFile>, u64)> = Vec::new();
     let mut held = guards.iter();
     let mut region = held.next();
@@ -168,6 +204,18 @@ fn plan(inner: &Inner, req: &TransferRequest, guards: &[RegionGuard]) -> Result<
         };
         f.aligned("offset", r.addr)?;
         f.aligned("length", r.len)?;
+        if let Some(shape) = staging {
+            f.aligned("staging chunk", shape.chunk as u64)?;
+            pieces.push(Piece {
+                device: l.device_id,
+                gpu: l.addr,
+                fd: f.raw_fd(),
+                handle: f.handle,
+                offset: r.addr,
+                len: l.len,
+            });
+            continue;
+        }
         f.aligned("memory address", l.addr)?;
         // The host region holding `l` (the next hold once `l` leaves the
         // current one), and its registered buffer (io_uring fixed buffers).
@@ -221,6 +269,7 @@ fn plan(inner: &Inner, req: &TransferRequest, guards: &[RegionGuard]) -> Result<
     };
     Ok(Planned {
         ops,
+        pieces,
         files: files.into_iter().map(|(f, _)| f).collect(),
         written,
     })

@@ -19,6 +19,7 @@
 //! size, checked before anything moves ([`Error::Misaligned`]).
 
 pub(crate) mod io;
+pub(crate) mod staged;
 pub(crate) mod uring;
 
 use std::collections::HashMap;
@@ -263,10 +264,13 @@ fn block_device_size(fd: RawFd) -> std::io::Result<u64> {
 /// An agent's open storage and its I/O engine (started with the first
 /// handle).
 ///
-/// Drop order: the engine first (its drop waits for the batches in flight,
-/// whose requests also keep their files open), then the files.
+/// Drop order: the engine and the GPU stager first (their drops wait for
+/// the batches in flight, whose requests also keep their files open), then
+/// the files.
 pub(crate) struct Storage {
     engine: OnceLock<Arc<dyn io::IoEngine>>,
+    /// Moves GPU memory to and from storage (started on first use).
+    stager: OnceLock<staged::Stager>,
     files: RwLock<HashMap<u32, Arc<StorageFile>>>,
     next: AtomicU32,
     choice: StorageIo,
@@ -278,6 +282,7 @@ impl Storage {
     pub(crate) fn new(choice: StorageIo) -> Self {
         Storage {
             engine: OnceLock::new(),
+            stager: OnceLock::new(),
             files: RwLock::new(HashMap::new()),
             next: AtomicU32::new(1),
             choice,
@@ -406,6 +411,19 @@ impl Storage {
         }
         let e = io::start(self.choice)?;
         Ok(self.engine.get_or_init(|| e))
+    }
+
+    /// The GPU stager, started on first use.
+    pub(crate) fn stager(&self) -> Result<&staged::Stager, Error> {
+        if let Some(s) = self.stager.get() {
+            return Ok(s);
+        }
+        let _g = self.starting.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = self.stager.get() {
+            return Ok(s);
+        }
+        let s = staged::Stager::start()?;
+        Ok(self.stager.get_or_init(|| s))
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<u32, Arc<StorageFile>>> {

@@ -433,10 +433,15 @@ CUresult cuEventDestroy_v2(void *e) {
     return CUDA_SUCCESS;
 }
 
+/* Page-aligned, as the real driver's pinned memory is (direct I/O from
+ * staging buffers relies on it). */
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) {
     (void)flags;
-    *p = malloc(n ? n : 1);
-    return *p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    if (posix_memalign(p, 4096, n ? n : 1) != 0) {
+        *p = NULL;
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return CUDA_SUCCESS;
 }
 
 CUresult cuMemFreeHost(void *p) {

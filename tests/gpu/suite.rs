@@ -671,6 +671,130 @@ pub fn ipc_same_process() {
     assert!(matches!(e, Error::UnsupportedMemoryType { .. }), "{e:?}");
 }
 
+/// A new directory under the temporary directory.
+fn scratch_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "kvxfer-gpu-{name}-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// GPU memory to and from storage, staged through pinned buffers: the
+/// agent's own FILE regions (through the page cache, and opened for direct
+/// I/O where the file system allows it), scattered 64 KiB × 64 and
+/// 1 MiB × 4 (durable) each way, and one byte; element-exact on the GPU
+/// and in the file, counted as staging copies. Then a peer's FILE written from GPU memory and read
+/// back into it, through the peer's agent over TCP.
+pub fn storage_round_trips() {
+    use kvxfer::StorageSpec;
+    const PIECE: u64 = 64 << 10;
+    const N: u64 = 64;
+    let len = N * PIECE;
+    let dir = scratch_dir("storage");
+    let src = pattern(len as usize, 23);
+    let ga = DeviceBuffer::new(0, len).unwrap();
+    let gb = DeviceBuffer::new(0, len).unwrap();
+    ga.write(0, &src).unwrap();
+    // Small staging buffers: many chunks per piece, the pipeline exercised.
+    let a = staged_agent(Backend::Tcp, "st", 16 << 10, 2);
+    register_vram(a.as_ref(), &ga).unwrap();
+    register_vram(a.as_ref(), &gb).unwrap();
+    let me = a.name().to_owned();
+    let gpu = |g: &DeviceBuffer| (MemoryType::Vram, g.addr(), g.device());
+    let (copies0, bytes0) = kvxfer::gpu::staging_copies();
+    let mut moved = 0u64;
+    for direct in [false, true] {
+        let path = dir.join(format!("f-{direct}"));
+        let spec = StorageSpec::file(&path).create(len).direct(direct);
+        let h = match a.open_storage(&spec) {
+            Ok(h) => h,
+            Err(e) if direct => {
+                println!("SKIPPED (direct I/O part of storage_round_trips): {e}");
+                continue;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let region = MemoryDescs::new(MemoryType::File, vec![MemoryDesc::new(0, len, h)]);
+        // SAFETY: storage descriptors name file ranges, not memory.
+        unsafe { a.register_memory(&region).unwrap() };
+        gb.write(0, &vec![0u8; len as usize]).unwrap();
+        // 64 KiB × 64, scattered: VRAM → FILE, then FILE → VRAM.
+        let (l, r) = scattered(gpu(&ga), (MemoryType::File, 0, h), N, PIECE);
+        completed(a.submit_transfer(&TransferRequest::write(l, r, me.as_str()))).unwrap();
+        assert!(
+            std::fs::read(&path).unwrap() == unscatter(&src, N, PIECE),
+            "VRAM → FILE (direct: {direct})"
+        );
+        let (l, r) = scattered(gpu(&gb), (MemoryType::File, 0, h), N, PIECE);
+        completed(a.submit_transfer(&TransferRequest::read(l, r, me.as_str()))).unwrap();
+        assert!(device_bytes(&gb) == src, "FILE → VRAM (direct: {direct})");
+        // 1 MiB × 4, durable, the halves swapped.
+        let mib = 1u64 << 20;
+        let (l, r) = scattered(gpu(&ga), (MemoryType::File, 0, h), 4, mib);
+        let st = a.submit_transfer(&TransferRequest::write(l, r, me.as_str()).with_durable());
+        completed(st).unwrap();
+        gb.write(0, &vec![0u8; len as usize]).unwrap();
+        let (l, r) = scattered(gpu(&gb), (MemoryType::File, 0, h), 4, mib);
+        completed(a.submit_transfer(&TransferRequest::read(l, r, me.as_str()))).unwrap();
+        assert!(device_bytes(&gb)[..4 << 20] == src[..4 << 20], "1 MiB × 4");
+        moved += 2 * len + 2 * (4 << 20);
+        if !direct {
+            // One byte each way.
+            gb.write(5, &[0x3c]).unwrap();
+            completed(a.submit_transfer(&TransferRequest::write(
+                vram(&gb, 5, 1),
+                MemoryDescs::new(MemoryType::File, vec![MemoryDesc::new(len - 1, 1, h)]),
+                me.as_str(),
+            )))
+            .unwrap();
+            completed(a.submit_transfer(&TransferRequest::read(
+                vram(&gb, 0, 1),
+                MemoryDescs::new(MemoryType::File, vec![MemoryDesc::new(len - 1, 1, h)]),
+                me.as_str(),
+            )))
+            .unwrap();
+            let mut one = [0u8];
+            gb.read(0, &mut one).unwrap();
+            assert_eq!(one[0], 0x3c);
+        }
+    }
+    let (copies, bytes) = kvxfer::gpu::staging_copies();
+    assert!(copies > copies0 && bytes - bytes0 >= moved);
+
+    // A peer's FILE, from and into GPU memory, through the peer's agent.
+    let b = agent(Backend::Tcp, "st-peer");
+    let path = dir.join("peer");
+    let h = b
+        .open_storage(&StorageSpec::file(&path).create(len))
+        .unwrap();
+    // SAFETY: as above.
+    unsafe {
+        b.register_memory(&MemoryDescs::new(
+            MemoryType::File,
+            vec![MemoryDesc::new(0, len, h)],
+        ))
+        .unwrap()
+    };
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    let (l, r) = scattered(gpu(&ga), (MemoryType::File, 0, h), N, PIECE);
+    completed(a.submit_transfer(&TransferRequest::write(l, r, "st-peer"))).unwrap();
+    assert!(
+        std::fs::read(&path).unwrap() == unscatter(&src, N, PIECE),
+        "VRAM → a peer's FILE"
+    );
+    gb.write(0, &vec![0u8; len as usize]).unwrap();
+    let (l, r) = scattered(gpu(&gb), (MemoryType::File, 0, h), N, PIECE);
+    completed(a.submit_transfer(&TransferRequest::read(l, r, "st-peer"))).unwrap();
+    assert!(device_bytes(&gb) == src, "a peer's FILE → VRAM");
+    drop(a);
+    drop(b);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Defines the suite's tests; `$ready` says whether to run (else it has
 /// printed why not).
 #[macro_export]
@@ -701,6 +825,13 @@ macro_rules! gpu_suite {
         fn vram_over_tcp_staged_round_trips() {
             if $ready("vram_over_tcp_staged_round_trips") {
                 suite::tcp_round_trips();
+            }
+        }
+
+        #[test]
+        fn vram_to_storage_and_back_staged() {
+            if $ready("vram_to_storage_and_back_staged") {
+                suite::storage_round_trips();
             }
         }
 

@@ -1,0 +1,253 @@
+//! GPU memory to and from storage: each piece moved through the worker
+//! thread's pinned staging ring (`crate::gpu`), the device→host copy of the
+//! next chunk running while a chunk is written (and the host→device copy
+//! of a chunk while the next is read), with `pwrite`/`pread` on the ring's
+//! buffers. Its pinned buffers are page-aligned and its chunk a multiple of
+//! the file's block size (checked when the request is planned), so files
+//! opened for direct I/O and block devices take them as they are.
+//!
+//! One worker thread per agent, started with the first such request; it
+//! takes batches in order and each piece in order. Its copies are counted
+//! with every other staging copy ([`crate::gpu::staging_copies`]).
+
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::io::{Batch, Done, Stop};
+use crate::error::Error;
+use crate::gpu::{StageError, StagingShape};
+
+/// A range of device memory and a file range of the same length.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Piece {
+    /// The GPU holding `gpu`.
+    pub(crate) device: u32,
+    /// Device memory address.
+    pub(crate) gpu: u64,
+    /// The open file or device.
+    pub(crate) fd: RawFd,
+    /// Its storage handle (for errors).
+    pub(crate) handle: u32,
+    /// File offset.
+    pub(crate) offset: u64,
+    /// Bytes.
+    pub(crate) len: u64,
+}
+
+/// A request's staged I/O: its pieces in order, then a data sync of each
+/// of `sync` once they all succeeded; `done` runs once, after the last
+/// copy of the last piece has completed, with the first failure. Once
+/// `stop` says so, the pieces not yet begun are skipped and the batch
+/// fails with [`Error::Aborted`].
+pub(crate) struct StagedBatch {
+    pub(crate) pieces: Vec<Piece>,
+    /// Device memory into the file (else the file into device memory).
+    pub(crate) write: bool,
+    /// Files to `fdatasync` after the pieces (handle, fd).
+    pub(crate) sync: Vec<(u32, RawFd)>,
+    pub(crate) shape: StagingShape,
+    pub(crate) done: Done,
+    pub(crate) stop: Option<Stop>,
+}
+
+/// The worker thread and its queue.
+///
+/// Drop order: the queue closes first, then the thread is joined once it
+/// has finished the batches queued (whose requests hold their memory and
+/// files until their `done` runs).
+pub(crate) struct Stager {
+    tx: Option<Sender<StagedBatch>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Stager {
+    /// Starts the worker.
+    pub(crate) fn start() -> Result<Self, Error> {
+        let (tx, rx): (Sender<StagedBatch>, Receiver<StagedBatch>) = crossbeam_channel::unbounded();
+        let thread = std::thread::Builder::new()
+            .name("kvxfer-gpu-storage".into())
+            .spawn(move || {
+                while let Ok(b) = rx.recv() {
+                    // SAFETY: the submitter's contract covers the batch
+                    // until its `done` runs, which is after.
+                    let r = unsafe { run(&b) };
+                    (b.done)(r);
+                }
+            })?;
+        Ok(Stager {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues `batch`; never blocks on its I/O.
+    ///
+    /// # Safety
+    /// Every piece's device range must stay allocated (and for reads not
+    /// otherwise accessed) and every fd open until the batch's `done` has
+    /// run.
+    pub(crate) unsafe fn submit(&self, batch: StagedBatch) {
+        let Some(tx) = &self.tx else {
+            (batch.done)(Err(Error::Closed));
+            return;
+        };
+        if let Err(e) = tx.send(batch) {
+            (e.0.done)(Err(Error::Closed));
+        }
+    }
+}
+
+impl Drop for Stager {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The failure of a staged read or write of storage `handle`.
+fn io_error(handle: u32, write: bool, e: std::io::Error) -> Error {
+    Error::Storage {
+        handle: u64::from(handle),
+        op: if write { "write" } else { "read" },
+        source: Arc::new(e),
+    }
+}
+
+/// Runs `b`'s pieces, then its syncs.
+///
+/// # Safety
+/// As [`Stager::submit`].
+unsafe fn run(b: &StagedBatch) -> Result<(), Error> {
+    for p in &b.pieces {
+        if Batch::stopped(&b.stop) {
+            return Err(Error::Aborted);
+        }
+        let mut at = p.offset;
+        let staged = if b.write {
+            let mut write = |bytes: &[u8]| {
+                pwrite_all(p.fd, bytes, at)?;
+                at += bytes.len() as u64;
+                Ok(())
+            };
+            // SAFETY: the device range is allocated for the call (the
+            // submitter's contract).
+            unsafe { crate::gpu::send_staged(p.device, b.shape, p.gpu, p.len, &mut write) }
+        } else {
+            let mut read = |buf: &mut [u8]| {
+                pread_exact(p.fd, buf, at)?;
+                at += buf.len() as u64;
+                Ok(())
+            };
+            // SAFETY: as above, and nothing else accesses it.
+            unsafe { crate::gpu::recv_staged(p.device, b.shape, p.gpu, p.len, &mut read) }
+        };
+        match staged {
+            Ok(()) => {}
+            Err(StageError::Io(e)) => return Err(io_error(p.handle, b.write, e)),
+            Err(StageError::Gpu(e)) => return Err(Error::Gpu(e)),
+        }
+    }
+    for &(handle, fd) in &b.sync {
+        // SAFETY: the fd is open (the submitter's contract).
+        if unsafe { libc::fdatasync(fd) } != 0 {
+            return Err(Error::Storage {
+                handle: u64::from(handle),
+                op: "fdatasync",
+                source: Arc::new(std::io::Error::last_os_error()),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `bytes` at `offset` (short writes continued).
+fn pwrite_all(fd: RawFd, mut bytes: &[u8], mut offset: u64) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        // SAFETY: `bytes` is a live slice; the fd is open (the caller's
+        // contract).
+        let n = unsafe {
+            libc::pwrite(
+                fd,
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                offset as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::WriteZero,
+                format!("write at offset {offset} moved nothing"),
+            ));
+        }
+        bytes = &bytes[n as usize..];
+        offset += n as u64;
+    }
+    Ok(())
+}
+
+/// Fills `buf` from `offset` (short reads continued; the end of the file
+/// first is an `UnexpectedEof`).
+fn pread_exact(fd: RawFd, mut buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        // SAFETY: `buf` is a live, writable slice; the fd is open.
+        let n = unsafe {
+            libc::pread(
+                fd,
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                offset as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!(
+                    "read of {} bytes at offset {offset} stopped short: the file ends there",
+                    buf.len()
+                ),
+            ));
+        }
+        buf = &mut buf[n as usize..];
+        offset += n as u64;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    #[test]
+    fn short_files_and_writes_are_typed_io_errors() {
+        let (path, f) = super::super::io::temp_file("staged-short", 8);
+        let mut buf = [0u8; 16];
+        let e = pread_exact(f.as_raw_fd(), &mut buf, 0).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{e}");
+        pwrite_all(f.as_raw_fd(), &[7u8; 16], 4).unwrap();
+        pread_exact(f.as_raw_fd(), &mut buf, 4).unwrap();
+        assert_eq!(buf, [7u8; 16]);
+        let err = io_error(3, true, e);
+        assert!(err.to_string().contains("3"), "{err}");
+        drop(f);
+        std::fs::remove_file(path).unwrap();
+    }
+}

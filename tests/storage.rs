@@ -982,3 +982,40 @@ fn an_aborted_storage_transfer_quiesces_and_delivers_no_message() {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+/// OBJ (an object store) is not a target kvxfer supports: registering an
+/// OBJ range, and a request naming one, are typed errors that register and
+/// move nothing.
+#[test]
+fn object_storage_is_refused_typed() {
+    let a = agent("obj", StorageIo::Auto);
+    let src = Buf::filled(4096, 3);
+    register(a.as_ref(), &src.all());
+    let obj = file_descs(1, &[(0, 4096)], MemoryType::Obj);
+    // SAFETY: an OBJ descriptor names no memory; it is refused.
+    let e = unsafe { a.register_memory(&obj) }.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::UnsupportedMemoryType {
+                mem_type: MemoryType::Obj,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let me = a.name().to_owned();
+    let e = a
+        .submit_transfer(&TransferRequest::write(src.all(), obj, me))
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::UnsupportedMemoryType {
+                mem_type: MemoryType::Obj,
+                ..
+            }
+        ),
+        "{e}"
+    );
+}

@@ -163,11 +163,17 @@ impl Engine {
             return Err(Error::Closed);
         }
         req.validate_shape()?;
-        if !matches!(req.local.mem_type, MemoryType::Dram | MemoryType::Vram)
+        // OBJ (an object store) is a target no path reaches.
+        if (!matches!(req.local.mem_type, MemoryType::Dram | MemoryType::Vram)
+            || req.remote.mem_type == MemoryType::Obj)
             && !req.local.is_empty()
         {
+            let mem_type = match req.local.mem_type {
+                MemoryType::Dram | MemoryType::Vram => req.remote.mem_type,
+                other => other,
+            };
             return Err(Error::UnsupportedMemoryType {
-                mem_type: req.local.mem_type,
+                mem_type,
                 backend: inner.mode.as_str(),
             });
         }

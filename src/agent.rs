@@ -322,6 +322,16 @@ pub trait TransferAgent: Send + Sync {
     /// The validation errors of `submit_transfer`.
     fn prepare_transfer(&self, request: &TransferRequest) -> Result<PreparedTransfer, Error>;
 
+    /// [`prepare_transfer`](Self::prepare_transfer) of a request the
+    /// prepared transfer then owns (not copied: a large request's
+    /// descriptor lists are not made twice).
+    ///
+    /// # Errors
+    /// As `prepare_transfer`.
+    fn prepare_transfer_owned(&self, request: TransferRequest) -> Result<PreparedTransfer, Error> {
+        self.prepare_transfer(&request)
+    }
+
     /// Submits a prepared transfer: what `submit_transfer(prepared.request())`
     /// does, without looking anything up again.
     ///

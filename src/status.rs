@@ -362,6 +362,12 @@ impl PreparedTransfer {
         &self.request
     }
 
+    /// The request it was made from, the preparation let go (its holds on
+    /// the local regions released).
+    pub fn into_request(self) -> TransferRequest {
+        self.request
+    }
+
     pub(crate) fn owner(&self) -> u64 {
         self.owner
     }

@@ -469,3 +469,92 @@ proptest::proptest! {
         proptest::prop_assert_eq!(remote, want_remote);
     }
 }
+
+/// A prepared TCP transfer is planned once and posted again and again:
+/// scattered pieces split into segments over several streams, each post
+/// moving the memory as it is then (not as it was when prepared), its
+/// sync message delivered each time; a prepared READ gathers back; once
+/// the peer is loaded again (its entry replaced) the plan is not used and
+/// the request is resolved afresh.
+#[test]
+fn prepared_tcp_transfers_post_their_plan_again_and_again() {
+    const N: usize = 64;
+    const PIECE: usize = 8192;
+    let mut src = vec![0u8; N * PIECE];
+    let dst = vec![0u8; N * PIECE];
+    let back = vec![0u8; N * PIECE];
+    let cfg = |n: &str| {
+        AgentConfig::new(n)
+            .with_streams_per_peer(3)
+            .with_segment_size(4096)
+    };
+    let a = make_transfer_agent(Backend::Tcp, cfg("p-init")).unwrap();
+    let b = make_transfer_agent(Backend::Tcp, cfg("p-target")).unwrap();
+    register(a.as_ref(), &src);
+    register(a.as_ref(), &back);
+    register(b.as_ref(), &dst);
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    // Piece i of `src` goes to slot (i * 5) % N of `dst`.
+    let slot = |i: usize| (i * 5) % N;
+    let scattered = |local: &[u8]| {
+        let l = (0..N)
+            .map(|i| {
+                kvxfer::MemoryDesc::new(local.as_ptr() as u64 + (i * PIECE) as u64, PIECE as u64, 0)
+            })
+            .collect();
+        let r = (0..N)
+            .map(|i| {
+                kvxfer::MemoryDesc::new(
+                    dst.as_ptr() as u64 + (slot(i) * PIECE) as u64,
+                    PIECE as u64,
+                    0,
+                )
+            })
+            .collect();
+        (
+            MemoryDescs::new(MemoryType::Dram, l),
+            MemoryDescs::new(MemoryType::Dram, r),
+        )
+    };
+    let (l, r) = scattered(&src);
+    let write = a
+        .prepare_transfer(
+            &TransferRequest::write(l, r, "p-target").with_sync_message(b"w".to_vec()),
+        )
+        .unwrap();
+    let (l, r) = scattered(&back);
+    let read = a
+        .prepare_transfer(&TransferRequest::read(l, r, "p-target"))
+        .unwrap();
+    let wait = Duration::from_secs(60);
+    for round in 0..3u8 {
+        for (i, x) in src.iter_mut().enumerate() {
+            *x = (i as u8).wrapping_mul(7) ^ round;
+        }
+        a.submit_prepared(&write)
+            .unwrap()
+            .wait_success(wait)
+            .unwrap();
+        assert_eq!(b.wait_sync_messages(wait)["p-init"], vec![b"w".to_vec()]);
+        for i in 0..N {
+            assert!(
+                dst[slot(i) * PIECE..][..PIECE] == src[i * PIECE..][..PIECE],
+                "round {round}, piece {i}"
+            );
+        }
+        a.submit_prepared(&read)
+            .unwrap()
+            .wait_success(wait)
+            .unwrap();
+        assert_eq!(back, src, "round {round}: read back");
+    }
+    // The peer loaded again: its entry is replaced, the plan is not used.
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    src.fill(0x5a);
+    a.submit_prepared(&write)
+        .unwrap()
+        .wait_success(wait)
+        .unwrap();
+    assert!(dst.iter().all(|&x| x == 0x5a));
+    assert_eq!(b.wait_sync_messages(wait)["p-init"], vec![b"w".to_vec()]);
+}

@@ -218,6 +218,8 @@ class nixl_xfer_handle:
             except KvxferError:
                 pass
         self._xfer = None
+        # The agent's preparation holds the local regions: let them go.
+        self._request.release()
 
 
 def _request(agent, operation, local, local_ids, remote, remote_ids, remote_agent, notif):

@@ -6,7 +6,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use kvxfer::{MemoryDesc, MemoryType, TransferRequest};
+use std::sync::Arc;
+
+use kvxfer::{MemoryDesc, MemoryDescs, MemoryType, TransferRequest};
 
 /// An integer array seen through numpy's `__array_interface__`: its data
 /// pointer, element kind and size, and shape (C-contiguous only).
@@ -228,26 +230,81 @@ impl PyDescList {
     }
 }
 
-/// A transfer request made once (descriptors selected and merged), posted
-/// by `Agent.post` as often as wanted.
+/// A transfer request made once (descriptors selected and merged, and,
+/// where the agent could, checked, resolved and planned), posted by
+/// `Agent.post` as often as wanted.
 #[pyclass(module = "kvxfer._kvxfer", name = "Request", frozen)]
 pub(crate) struct PyRequest {
-    pub(crate) req: TransferRequest,
+    pub(crate) made: std::sync::Mutex<Made>,
     pub(crate) requested: usize,
+}
+
+/// A request as made: prepared by the agent (its holds on the local
+/// regions and its plan), or plain — released, or refused when prepared
+/// (each post then checks it in full, and fails as it would have).
+/// Shared, so that a post lets the lock go before it lets the GIL go.
+#[derive(Clone)]
+pub(crate) enum Made {
+    Prepared(Arc<kvxfer::PreparedTransfer>),
+    Plain(Arc<TransferRequest>),
+}
+
+impl Made {
+    pub(crate) fn request(&self) -> &TransferRequest {
+        match self {
+            Made::Prepared(p) => p.request(),
+            Made::Plain(r) => r,
+        }
+    }
+}
+
+impl PyRequest {
+    pub(crate) fn new(made: Made, requested: usize) -> Self {
+        PyRequest {
+            made: std::sync::Mutex::new(made),
+            requested,
+        }
+    }
+
+    /// What it is now (a shared reference: the lock is let go).
+    pub(crate) fn made(&self) -> Made {
+        self.made.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 #[pymethods]
 impl PyRequest {
+    /// Lets the agent's preparation go (its holds on the local regions,
+    /// which keep them from being deregistered); later posts check the
+    /// request in full.
+    fn release(&self) {
+        let mut m = self.made.lock().unwrap_or_else(|p| p.into_inner());
+        let Made::Prepared(p) = &*m else {
+            return;
+        };
+        let p = Arc::clone(p);
+        // `m`'s reference let go (an empty stand-in for the moment), the
+        // request comes out of the preparation uncopied, unless a post
+        // under way still shares it (rare): then a copy.
+        let empty = MemoryDescs::new(MemoryType::Dram, Vec::new());
+        *m = Made::Plain(Arc::new(TransferRequest::write(empty.clone(), empty, "")));
+        let req = match Arc::try_unwrap(p) {
+            Ok(p) => p.into_request(),
+            Err(p) => p.request().clone(),
+        };
+        *m = Made::Plain(Arc::new(req));
+    }
+
     /// Bytes the request moves.
     #[getter]
     fn total_bytes(&self) -> u64 {
-        self.req.local.total_len()
+        self.made().request().local.total_len()
     }
 
     /// Descriptors after merging (pairs adjacent on both sides are one).
     #[getter]
     fn desc_count(&self) -> usize {
-        self.req.local.descs.len()
+        self.made().request().local.descs.len()
     }
 
     /// Descriptors selected before merging.

@@ -17,7 +17,7 @@ use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use descs::{PyDescList, PyRequest, indices, merge};
+use descs::{Made, PyDescList, PyRequest, indices, merge};
 
 use kvxfer::auth::Credential;
 use kvxfer::{
@@ -371,28 +371,41 @@ impl PyAgent {
         // the hardware prefetcher streams, makes them cache hits.
         warm(&local.descs, li.len());
         warm(&remote.descs, ri.len());
-        let pairs = li
-            .iter()
-            .zip(&ri)
-            .map(|(&a, &b)| (local.descs[a], remote.descs[b]));
-        let (l, r) = if merge {
-            self::merge(pairs)
-        } else {
-            pairs.unzip()
+        // The request: its pairs picked and merged, its notification.
+        let build = || -> PyResult<TransferRequest> {
+            let pairs = li
+                .iter()
+                .zip(&ri)
+                .map(|(&a, &b)| (local.descs[a], remote.descs[b]));
+            let (l, r) = if merge {
+                self::merge(pairs)
+            } else {
+                pairs.unzip()
+            };
+            let (l, r) = (
+                MemoryDescs::new(local.mem, l),
+                MemoryDescs::new(remote.mem, r),
+            );
+            let req = new_request(op, l, r, remote_agent.clone())?;
+            Ok(match notif.filter(|n| !n.is_empty()) {
+                Some(n) => req.with_sync_message(n.to_vec()),
+                None => req,
+            })
         };
-        let (l, r) = (
-            MemoryDescs::new(local.mem, l),
-            MemoryDescs::new(remote.mem, r),
-        );
-        let mut req = new_request(op, l, r, remote_agent)?;
-        req.validate_shape().map_err(to_py)?;
-        if let Some(n) = notif.filter(|n| !n.is_empty()) {
-            req = req.with_sync_message(n.to_vec());
-        }
-        Ok(PyRequest {
-            req,
-            requested: li.len(),
-        })
+        // Checked, resolved and planned now, so that each post is cheap.
+        // A request the agent refuses is made again (the rare path: the
+        // refused one was moved into the attempt) and refused again at its
+        // post (its shape now), as it would have been without this.
+        let made = match self.agent.prepare_transfer_owned(build()?) {
+            Ok(p) => Made::Prepared(Arc::new(p)),
+            Err(_) => {
+                let req = build()?;
+                req.validate_shape().map_err(to_py)?;
+                Made::Plain(Arc::new(req))
+            }
+        };
+        let requested = li.len();
+        Ok(PyRequest::new(made, requested))
     }
 
     /// Posts a request made by `make_request`; `notif`, when given,
@@ -404,14 +417,24 @@ impl PyAgent {
         request: &PyRequest,
         notif: Option<&[u8]>,
     ) -> PyResult<PyTransfer> {
-        match notif.filter(|n| !n.is_empty()) {
-            Some(n) => {
-                let mut r = request.req.clone();
-                r.sync_message = Some(n.to_vec());
-                self.submit(py, &r)
-            }
-            None => self.submit(py, &request.req),
+        // Taken out of the lock before the GIL is let go (a `release` on
+        // another thread waits for the lock holding the GIL).
+        let made = request.made();
+        let req = made.request();
+        if let Some(n) = notif.filter(|n| !n.is_empty())
+            && req.sync_message.as_deref() != Some(n)
+        {
+            let mut r = req.clone();
+            r.sync_message = Some(n.to_vec());
+            return self.submit(py, &r);
         }
+        let Made::Prepared(p) = &made else {
+            return self.submit(py, req);
+        };
+        let t0 = Instant::now();
+        let st = py.detach(|| self.agent.submit_prepared(p)).map_err(to_py)?;
+        let size = (req.local.total_len(), req.local.descs.len());
+        Ok(PyTransfer::new(st, self.io_timeout, size, t0))
     }
 
     /// Sends `message` to `remote` as a notification (no data); returns its

@@ -193,13 +193,21 @@ impl TransferAgent for Engine {
     }
 
     fn prepare_transfer(&self, request: &TransferRequest) -> Result<PreparedTransfer, Error> {
-        let inner = &self.inner;
-        let owner = inner.instance;
-        let peer = self.check_request(request)?;
-        let resolved = self.resolve(request, request.sync_message.as_deref(), &peer)?;
-        let link = peer.link(inner)?;
-        let kept = link.prepare(self, peer, request, resolved)?;
-        Ok(PreparedTransfer::new(request.clone(), owner, Some(kept)))
+        let kept = self.prepare(request)?;
+        Ok(PreparedTransfer::new(
+            request.clone(),
+            self.inner.instance,
+            Some(kept),
+        ))
+    }
+
+    fn prepare_transfer_owned(&self, request: TransferRequest) -> Result<PreparedTransfer, Error> {
+        let kept = self.prepare(&request)?;
+        Ok(PreparedTransfer::new(
+            request,
+            self.inner.instance,
+            Some(kept),
+        ))
     }
 
     fn submit_prepared(&self, prepared: &PreparedTransfer) -> Result<TransferStatus, Error> {
@@ -210,6 +218,24 @@ impl TransferAgent for Engine {
         }
         self.room_for_one()?;
         let req = prepared.request();
+        if let Some(t) = prepared
+            .resolved
+            .as_ref()
+            .and_then(|r| r.downcast_ref::<tcp_stream::PreparedTcp>())
+            .filter(|t| t.current())
+        {
+            if self.inner.closing.load(Ordering::Relaxed) {
+                return Err(Error::Closed);
+            }
+            return t.link.post_streams(
+                self,
+                &t.plan,
+                req.sync_message.clone(),
+                false,
+                req.durable,
+                t.guards.clone(),
+            );
+        }
         let fresh = prepared
             .resolved
             .as_ref()

@@ -168,7 +168,9 @@ pub(in crate::engine) enum Job<X> {
 pub(in crate::engine) struct Frames {
     pub(in crate::engine) req: u64,
     pub(in crate::engine) op: TransferOp,
-    pub(in crate::engine) segs: Vec<Seg>,
+    /// Its segments on this stream (shared with the prepared transfer that
+    /// planned them, when it is one).
+    pub(in crate::engine) segs: Arc<Vec<Seg>>,
     pub(in crate::engine) tail: Tail,
     pub(in crate::engine) pending: Arc<Pending>,
     /// Its data was aborted before the frames were made (an `Abort` frame
@@ -243,6 +245,16 @@ impl SocketPath for TcpParts {
 
     fn submit(link: Arc<TcpLink>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
         link.submit_streams(sub)
+    }
+
+    fn prepare(
+        link: Arc<TcpLink>,
+        engine: &Engine,
+        peer: Arc<Peer>,
+        req: &TransferRequest,
+        resolved: Resolved,
+    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+        Ok(Box::new(link.prepare_streams(engine, peer, req, resolved)))
     }
 
     fn run_job(

@@ -40,6 +40,20 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// What a [`PreparedTransfer`] of `req` keeps: checked and resolved,
+    /// then whatever its link plans ahead.
+    pub(in crate::engine) fn prepare(
+        &self,
+        req: &TransferRequest,
+    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+        let peer = self.check_request(req)?;
+        let resolved = self.resolve(req, req.sync_message.as_deref(), &peer)?;
+        let link = peer.link(&self.inner)?;
+        link.prepare(self, peer, req, resolved)
+    }
+}
+
 /// What a [`PreparedTransfer`] keeps when its transport plans nothing
 /// ahead: its local regions held (as on RDMA), nothing else.
 pub(in crate::engine) struct PreparedHold {

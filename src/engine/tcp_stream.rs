@@ -34,28 +34,75 @@ impl TcpLink {
             engine,
             req,
             resolved,
-            mut sync,
+            sync,
             fence,
             ..
         } = sub;
-        let inner = &engine.inner;
-        let (id, completion) = engine.new_request(&self.meter, req.local.total_len());
+        let plan = plan_segments(
+            req,
+            &resolved.keys,
+            engine.inner.config.tcp.segment_size,
+            self.streams.len(),
+        );
+        let plan = StreamPlan::new(plan, req);
+        self.post_streams(engine, &plan, sync, fence, req.durable, resolved.guards)
+    }
+
+    /// Prepares `req` for repeated submission: its segments planned once
+    /// (posting it then costs a few allocations, whatever its size).
+    pub(in crate::engine) fn prepare_streams(
+        self: &Arc<Self>,
+        engine: &Engine,
+        peer: Arc<Peer>,
+        req: &TransferRequest,
+        resolved: Resolved,
+    ) -> PreparedTcp {
+        let plan = plan_segments(
+            req,
+            &resolved.keys,
+            engine.inner.config.tcp.segment_size,
+            self.streams.len(),
+        );
+        PreparedTcp {
+            link: Arc::clone(self),
+            peer,
+            guards: resolved.guards,
+            plan: StreamPlan::new(plan, req),
+        }
+    }
+
+    /// Posts `plan` as a new request: `guards` hold its local regions until
+    /// it completes; `fence` orders it after every earlier request (a
+    /// notification without data).
+    pub(in crate::engine) fn post_streams(
+        self: &Arc<Self>,
+        engine: &Engine,
+        plan: &StreamPlan,
+        mut sync: Option<Vec<u8>>,
+        fence: bool,
+        durable: bool,
+        guards: Few<RegionGuard>,
+    ) -> Result<TransferStatus, Error> {
+        let (id, completion) = engine.new_request(&self.meter, plan.bytes);
         let n = self.streams.len();
-        let plan = plan_segments(req, &resolved.keys, inner.config.tcp.segment_size, n);
-        let total: usize = plan.iter().map(Vec::len).sum();
-        let reads = if req.op == TransferOp::Read { total } else { 0 };
+        let total = plan.segments;
+        let reads = if plan.op == TransferOp::Read {
+            total
+        } else {
+            0
+        };
         let fences = if fence { n - 1 } else { 0 };
-        let pending = Pending::new(&completion, reads + 1, resolved.guards, None);
+        let pending = Pending::new(&completion, reads + 1, guards, None);
         self.insert(id, Arc::clone(&pending))?;
         self.clock.touch();
         // Stream 0 carries the commit, after its own segments; every other
         // stream carries its segments (and a fence, for data-less requests).
-        for (k, segs) in plan.into_iter().enumerate().rev() {
+        for (k, segs) in plan.streams.iter().enumerate().rev() {
             let tail = if k == 0 {
                 Tail::Commit {
                     segments: (total + fences) as u64,
                     sync: sync.take(),
-                    durable: req.durable,
+                    durable,
                 }
             } else if fence {
                 Tail::Fence
@@ -66,8 +113,8 @@ impl TcpLink {
             };
             let job = Job::Frames(Frames {
                 req: id,
-                op: req.op,
-                segs,
+                op: plan.op,
+                segs: Arc::clone(segs),
                 tail,
                 pending: Arc::clone(&pending),
                 aborted: false,
@@ -78,6 +125,44 @@ impl TcpLink {
             }
         }
         Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
+    }
+}
+
+/// A request's segments on each stream of a TCP link.
+pub(in crate::engine) struct StreamPlan {
+    op: TransferOp,
+    streams: Vec<Arc<Vec<Seg>>>,
+    /// Segments on all streams.
+    segments: usize,
+    /// Bytes of local memory it moves.
+    bytes: u64,
+}
+
+impl StreamPlan {
+    fn new(plan: Vec<Vec<Seg>>, req: &TransferRequest) -> Self {
+        StreamPlan {
+            op: req.op,
+            segments: plan.iter().map(Vec::len).sum(),
+            streams: plan.into_iter().map(Arc::new).collect(),
+            bytes: req.local.total_len(),
+        }
+    }
+}
+
+/// What a TCP [`PreparedTransfer`] keeps: the link and peer entry it was
+/// planned on, holds on its local regions, and its segments.
+pub(in crate::engine) struct PreparedTcp {
+    pub(in crate::engine) link: Arc<TcpLink>,
+    pub(in crate::engine) peer: Arc<Peer>,
+    pub(in crate::engine) guards: Few<RegionGuard>,
+    pub(in crate::engine) plan: StreamPlan,
+}
+
+impl PreparedTcp {
+    /// Whether its plan still holds: the peer entry not replaced or
+    /// invalidated, the link not broken.
+    pub(in crate::engine) fn current(&self) -> bool {
+        !self.peer.retired.load(Ordering::Acquire) && !self.link.is_broken()
     }
 }
 
@@ -103,11 +188,12 @@ impl<P: SocketPath> SocketLink<P> {
             let Frames {
                 req,
                 op,
-                mut segs,
+                segs: planned,
                 tail,
                 pending,
                 mut aborted,
             } = frames;
+            let mut segs: &[Seg] = &planned;
             // Aborted before any of it went out: its segments are skipped
             // (a READ's events for them are counted here, as no data will
             // come for them).
@@ -119,24 +205,24 @@ impl<P: SocketPath> SocketLink<P> {
                         self.complete_event(req, &pending, Err(Error::Aborted));
                     }
                 }
-                segs.clear();
+                segs = &[];
                 aborted = true;
             }
             f.clear();
             if op == TransferOp::Write && segs.iter().any(|s| s.local_gpu.is_some()) {
-                if let Err(e) = self.write_gpu(fd, &mut f, req, &segs, &tail, &pending) {
+                if let Err(e) = self.write_gpu(fd, &mut f, req, segs, &tail, &pending) {
                     self.fail(e);
                     break;
                 }
                 continue;
             }
             if op == TransferOp::Write {
-                f.writes(req, &segs);
+                f.writes(req, segs);
             }
-            let data_end = f.tail(req, op, &segs, aborted.then_some(skipped), &tail);
+            let data_end = f.tail(req, op, segs, aborted.then_some(skipped), &tail);
             if op == TransferOp::Read {
                 let mut reads = lock(&self.streams[idx].reads);
-                for s in &segs {
+                for s in segs {
                     reads.push_back(ReadSlot {
                         req,
                         dst: s.local,

@@ -256,10 +256,12 @@ impl<P: SocketPath> SocketLink<P> {
 
     /// Writes a WRITE job whose local memory is on the GPU: each segment's
     /// `Write` frame with its payload staged through the thread's pinned
-    /// ring (the copy of the next chunk runs while one is sent), then the
-    /// tail. An abort is looked for before each segment: the rest are
-    /// replaced by an `Abort` frame counting them. A driver failure
-    /// mid-frame cannot be told to the target: the link fails with it.
+    /// ring, the copies running ahead across the segments of a device (the
+    /// copy of the next chunk, of this segment or a later one, runs while
+    /// one is sent), then the tail. An abort is looked for before each
+    /// segment: the rest are replaced by an `Abort` frame counting them. A
+    /// driver failure mid-frame cannot be told to the target: the link
+    /// fails with it.
     fn write_gpu(
         &self,
         fd: std::os::fd::RawFd,
@@ -275,43 +277,61 @@ impl<P: SocketPath> SocketLink<P> {
             // local region held by the request's guards.
             unsafe { writev_all(fd, iovs, &self.clock, self.io_timeout) }
         };
-        for (i, s) in segs.iter().enumerate() {
+        let abort = |f: &mut Framed, left: usize| {
+            f.clear();
+            f.tail(req, TransferOp::Write, &[], Some(left), tail);
+            send(&mut f.iovs).map_err(|e| self.io_error(e))
+        };
+        let mut i = 0;
+        while i < segs.len() {
             if pending.completion.abort_requested() {
-                f.clear();
-                f.tail(req, TransferOp::Write, &[], Some(segs.len() - i), tail);
-                return send(&mut f.iovs).map_err(|e| self.io_error(e));
+                return abort(f, segs.len() - i);
             }
-            let hdr = s.write_header(req);
-            let Some(device) = s.local_gpu else {
+            let Some(device) = segs[i].local_gpu else {
+                let s = &segs[i];
+                let hdr = s.write_header(req);
                 let mut iovs = [
                     iov(hdr.as_ptr(), HEADER_LEN),
                     iov(s.local as *const u8, s.len as usize),
                 ];
                 send(&mut iovs).map_err(|e| self.io_error(e))?;
+                i += 1;
                 continue;
             };
-            // The header goes with the first chunk.
-            let mut first = true;
-            let mut write = |bytes: &[u8]| {
+            // The run of segments from this device's memory: one pipeline.
+            let run = &segs[i..];
+            let run = &run[..run
+                .iter()
+                .take_while(|s| s.local_gpu == Some(device))
+                .count()];
+            let pieces: Vec<(u64, u64)> = run.iter().map(|s| (s.local, s.len)).collect();
+            // A segment's header goes with its first chunk.
+            let mut current = usize::MAX;
+            let mut write = |k: usize, bytes: &[u8]| {
                 let chunk = iov(bytes.as_ptr(), bytes.len());
-                if std::mem::take(&mut first) {
+                if k != current {
+                    current = k;
+                    let hdr = run[k].write_header(req);
                     send(&mut [iov(hdr.as_ptr(), HEADER_LEN), chunk])
                 } else {
                     send(&mut [chunk])
                 }
             };
-            // SAFETY: `s.local` lies inside a local VRAM region (device
+            let stop = || pending.completion.abort_requested();
+            // SAFETY: each piece lies inside a local VRAM region (device
             // memory on `device`) validated at submit time and held by the
             // request's guards, which live until its acknowledgement, which
-            // follows these bytes.
+            // follows these bytes; segments are never empty.
             let staged = unsafe {
-                crate::gpu::send_staged(device, self.gpu_staging, s.local, s.len, &mut write)
+                crate::gpu::send_staged_pieces(device, self.gpu_staging, &pieces, &stop, &mut write)
             };
             match staged {
-                Ok(()) => {}
+                Ok(sent) if sent < run.len() => return abort(f, segs.len() - i - sent),
+                Ok(_) => {}
                 Err(crate::gpu::StageError::Io(e)) => return Err(self.io_error(e)),
                 Err(crate::gpu::StageError::Gpu(e)) => return Err(Error::Gpu(e)),
             }
+            i += run.len();
         }
         f.clear();
         f.tail(req, TransferOp::Write, &[], None, tail);

@@ -774,36 +774,75 @@ impl Staging {
         if len == 0 {
             return write(&[]).map_err(super::StageError::Io);
         }
+        // SAFETY: forwarded contract.
+        unsafe { self.send_pieces(&[(src, len)], &|| false, &mut |_, b| write(b)) }?;
+        Ok(())
+    }
+
+    /// Sends device memory pieces `(address, length)` through `write`, in
+    /// order, chunk by chunk through the pinned buffers: the copies run
+    /// ahead across pieces (chunk `k + slots - 1` may belong to a later
+    /// piece), so many small pieces overlap their copies with the sends as
+    /// one large one does. `write(i, bytes)` gets each chunk of piece `i`.
+    /// `stop` is asked before each piece's first chunk: once it says so, no
+    /// more pieces are sent. Returns the pieces sent (all of them unless
+    /// stopped); every copy issued has completed by then.
+    ///
+    /// # Safety
+    /// Each piece is device memory of this ring's device, not empty,
+    /// allocated for the whole call.
+    pub(crate) unsafe fn send_pieces(
+        &mut self,
+        pieces: &[(u64, u64)],
+        stop: &dyn Fn() -> bool,
+        write: &mut dyn FnMut(usize, &[u8]) -> std::io::Result<()>,
+    ) -> Result<usize, super::StageError> {
         driver()?.bind(self.device)?;
         let chunk = self.shape.chunk as u64;
         let n = self.slots.len() as u64;
-        let chunks = len.div_ceil(chunk);
-        let piece = |k: u64| (chunk.min(len - k * chunk)) as usize;
-        let (mut issued, mut sent) = (0u64, 0u64);
-        let r = (|| -> Result<(), super::StageError> {
-            while sent < chunks {
-                while issued < chunks && issued - sent < n {
+        // A position: (piece, offset in it); the chunk there, and the next.
+        let piece = |(i, off): (usize, u64)| (pieces[i].1 - off).min(chunk);
+        let next = |(i, off): (usize, u64)| {
+            let end = off + piece((i, off));
+            if end >= pieces[i].1 {
+                (i + 1, 0)
+            } else {
+                (i, end)
+            }
+        };
+        let (mut issue, mut send) = ((0usize, 0u64), (0usize, 0u64));
+        let (mut issued, mut sent, mut bytes) = (0u64, 0u64, 0u64);
+        let r = (|| -> Result<usize, super::StageError> {
+            while send.0 < pieces.len() {
+                if send.1 == 0 && stop() {
+                    return Ok(send.0);
+                }
+                while issue.0 < pieces.len() && issued - sent < n {
                     let slot = (issued % n) as usize;
                     let host = self.slots[slot].host as u64;
-                    self.issue(slot, host, src + issued * chunk, piece(issued))?;
+                    let len = piece(issue) as usize;
+                    self.issue(slot, host, pieces[issue.0].0 + issue.1, len)?;
+                    issue = next(issue);
                     issued += 1;
                 }
                 let slot = (sent % n) as usize;
                 self.wait(slot)?;
+                let len = piece(send) as usize;
                 // SAFETY: the slot's copy has completed (waited above); its
-                // buffer holds `piece(sent)` initialised bytes.
-                let bytes =
-                    unsafe { std::slice::from_raw_parts(self.slots[slot].host, piece(sent)) };
-                write(bytes).map_err(super::StageError::Io)?;
+                // buffer holds `len` initialised bytes.
+                let b = unsafe { std::slice::from_raw_parts(self.slots[slot].host, len) };
+                write(send.0, b).map_err(super::StageError::Io)?;
+                send = next(send);
                 sent += 1;
+                bytes += len as u64;
             }
-            Ok(())
+            Ok(pieces.len())
         })();
         let drained = self.drain();
-        r?;
+        let done = r?;
         drained?;
-        super::count_staged(chunks, len);
-        Ok(())
+        super::count_staged(sent, bytes);
+        Ok(done)
     }
 
     /// Receives `len` bytes through `read` into device memory at `dst`,

@@ -329,6 +329,39 @@ pub(crate) unsafe fn send_staged(
     }
 }
 
+/// Sends device memory pieces `(address, length)` on `device` through
+/// `write` (`write(i, bytes)`: a chunk of piece `i`), in order, staged
+/// through the calling thread's pinned ring with the copies running ahead
+/// across pieces; `stop` is asked before each piece. Returns the pieces
+/// sent (fewer only when stopped), every copy completed.
+///
+/// # Safety
+/// Each piece is device memory on `device`, not empty, allocated for the
+/// whole call.
+#[allow(unsafe_code)]
+pub(crate) unsafe fn send_staged_pieces(
+    device: u32,
+    shape: StagingShape,
+    pieces: &[(u64, u64)],
+    stop: &dyn Fn() -> bool,
+    write: &mut dyn FnMut(usize, &[u8]) -> std::io::Result<()>,
+) -> Result<usize, StageError> {
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: forwarded contract.
+        with_staging(device, shape, |s| unsafe {
+            s.send_pieces(pieces, stop, write)
+        })?
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, shape, pieces, stop, write);
+        Err(StageError::Gpu(GpuError::NoDriver(
+            "kvxfer was built without the `cuda` feature".into(),
+        )))
+    }
+}
+
 /// Receives `len` bytes through `read` into device memory at `dst` (on
 /// `device`), staged through the calling thread's pinned ring; returns
 /// once they have landed.

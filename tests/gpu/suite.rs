@@ -671,6 +671,73 @@ pub fn ipc_same_process() {
     assert!(matches!(e, Error::UnsupportedMemoryType { .. }), "{e:?}");
 }
 
+/// WRITEs from GPU memory over TCP aborted while their copies run ahead
+/// across segments: each ends (aborted, or completed when it was all sent
+/// by then), every destination piece is whole or untouched, no sync
+/// message of an aborted one is delivered, and the link goes on serving.
+pub fn tcp_vram_write_abort() {
+    const N: u64 = 128;
+    const PIECE: u64 = 256 << 10;
+    let len = N * PIECE;
+    let src = pattern(len as usize, 41);
+    let g = DeviceBuffer::new(0, len).unwrap();
+    g.write(0, &src).unwrap();
+    let dst = vec![0u8; len as usize];
+    let a = staged_agent(Backend::Tcp, "ab-init", 64 << 10, 2);
+    let b = agent(Backend::Tcp, "ab-target");
+    register_vram(a.as_ref(), &g).unwrap();
+    register_dram(b.as_ref(), &dst);
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    let gpu = (MemoryType::Vram, g.addr(), g.device());
+    let host = (MemoryType::Dram, dst.as_ptr() as u64, 0);
+    let want = unscatter(&src, N, PIECE);
+    let mut aborted = 0;
+    for round in 0..4 {
+        // SAFETY: `dst` is registered with `b` and written only by it.
+        unsafe { std::ptr::write_bytes(dst.as_ptr() as *mut u8, 0, dst.len()) };
+        let (l, r) = scattered(gpu, host, N, PIECE);
+        let st = a
+            .submit_transfer(
+                &TransferRequest::write(l, r, "ab-target").with_sync_message(b"m".to_vec()),
+            )
+            .unwrap();
+        st.abort();
+        let ended = st.wait(std::time::Duration::from_secs(60));
+        let landed = dst
+            .chunks(PIECE as usize)
+            .zip(want.chunks(PIECE as usize))
+            .filter(|(d, w)| {
+                let whole = d == w;
+                assert!(
+                    whole || d.iter().all(|&x| x == 0),
+                    "round {round}: a piece half written"
+                );
+                whole
+            })
+            .count();
+        let msgs = b.take_sync_messages();
+        match ended {
+            Err(Error::Aborted) => {
+                aborted += 1;
+                assert!(msgs.is_empty(), "round {round}: an aborted write's message");
+            }
+            Ok(TransferState::Completed) => assert_eq!(landed, N as usize),
+            other => panic!("round {round}: {other:?}"),
+        }
+    }
+    // 32 MiB in flight when the abort comes: at least one is cut short.
+    assert!(aborted >= 1, "none of 4 aborted");
+    // The link goes on serving.
+    g.write(0, &[0x77]).unwrap();
+    completed(a.submit_transfer(&TransferRequest::write(
+        vram(&g, 0, 1),
+        MemoryDescs::dram(&dst[..1]),
+        "ab-target",
+    )))
+    .unwrap();
+    assert_eq!(dst[0], 0x77);
+}
+
 /// A new directory under the temporary directory.
 fn scratch_dir(name: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!(
@@ -832,6 +899,13 @@ macro_rules! gpu_suite {
         fn vram_to_storage_and_back_staged() {
             if $ready("vram_to_storage_and_back_staged") {
                 suite::storage_round_trips();
+            }
+        }
+
+        #[test]
+        fn vram_write_over_tcp_aborted_mid_pipeline() {
+            if $ready("vram_write_over_tcp_aborted_mid_pipeline") {
+                suite::tcp_vram_write_abort();
             }
         }
 

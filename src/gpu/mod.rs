@@ -5,7 +5,7 @@
 //! `cuda`, cudarc with dynamic loading): kvxfer builds and runs on hosts
 //! without CUDA, where registering VRAM fails with
 //! [`GpuError::NoDriver`]. This module is pure (no FFI): the driver calls
-//! live in `cuda.rs`, behind `driver`.
+//! live in `cuda.rs`, behind `driver`, and the staging rings in `staging.rs`.
 //!
 //! A VRAM registration names a range `[addr, addr + len)` and a device
 //! ordinal (`device_id`). It is accepted only when the driver reports that
@@ -24,6 +24,9 @@ use crate::memory::MemoryDesc;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 mod cuda;
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod staging;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod topology;
 
@@ -57,7 +60,9 @@ pub(crate) fn nearest_nic(_gpu: u32) -> Option<String> {
 #[cfg(feature = "cuda")]
 pub use cuda::{DeviceBuffer, DeviceProbe, Probe, device_of, probe};
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::{IpcMapping, driver, register_rdma, with_staging};
+pub(crate) use cuda::{IpcMapping, driver, register_rdma};
+#[cfg(feature = "cuda")]
+pub(crate) use staging::with_staging;
 
 /// Without the `cuda` feature no GPU memory is registered.
 ///

@@ -7,7 +7,8 @@
 //! opened for direct I/O and block devices take them as they are.
 //!
 //! One worker thread per agent, started with the first such request; it
-//! takes batches in order and each piece in order. Its copies are counted
+//! takes batches in order and each piece in order (writing, the copies of
+//! a run of pieces on one GPU go ahead across pieces). Its copies are counted
 //! with every other staging copy ([`crate::gpu::staging_copies`]).
 
 use std::os::fd::RawFd;
@@ -122,34 +123,12 @@ fn io_error(handle: u32, write: bool, e: std::io::Error) -> Error {
 /// # Safety
 /// As [`Stager::submit`].
 unsafe fn run(b: &StagedBatch) -> Result<(), Error> {
-    for p in &b.pieces {
-        if Batch::stopped(&b.stop) {
-            return Err(Error::Aborted);
-        }
-        let mut at = p.offset;
-        let staged = if b.write {
-            let mut write = |bytes: &[u8]| {
-                pwrite_all(p.fd, bytes, at)?;
-                at += bytes.len() as u64;
-                Ok(())
-            };
-            // SAFETY: the device range is allocated for the call (the
-            // submitter's contract).
-            unsafe { crate::gpu::send_staged(p.device, b.shape, p.gpu, p.len, &mut write) }
-        } else {
-            let mut read = |buf: &mut [u8]| {
-                pread_exact(p.fd, buf, at)?;
-                at += buf.len() as u64;
-                Ok(())
-            };
-            // SAFETY: as above, and nothing else accesses it.
-            unsafe { crate::gpu::recv_staged(p.device, b.shape, p.gpu, p.len, &mut read) }
-        };
-        match staged {
-            Ok(()) => {}
-            Err(StageError::Io(e)) => return Err(io_error(p.handle, b.write, e)),
-            Err(StageError::Gpu(e)) => return Err(Error::Gpu(e)),
-        }
+    if b.write {
+        // SAFETY: forwarded contract.
+        unsafe { write_pieces(b) }?;
+    } else {
+        // SAFETY: forwarded contract.
+        unsafe { read_pieces(b) }?;
     }
     for &(handle, fd) in &b.sync {
         // SAFETY: the fd is open (the submitter's contract).
@@ -159,6 +138,85 @@ unsafe fn run(b: &StagedBatch) -> Result<(), Error> {
                 op: "fdatasync",
                 source: Arc::new(std::io::Error::last_os_error()),
             });
+        }
+    }
+    Ok(())
+}
+
+/// `b`'s pieces written, each run of pieces on one GPU through one
+/// pipeline (the copies of the next chunks, of this piece or later ones,
+/// run while a chunk is written); stops before a piece once `b.stop` says
+/// so.
+///
+/// # Safety
+/// As [`Stager::submit`].
+unsafe fn write_pieces(b: &StagedBatch) -> Result<(), Error> {
+    let mut i = 0;
+    while i < b.pieces.len() {
+        let device = b.pieces[i].device;
+        let run = &b.pieces[i..];
+        let run = &run[..run.iter().take_while(|p| p.device == device).count()];
+        let ranges: Vec<(u64, u64)> = run.iter().map(|p| (p.gpu, p.len)).collect();
+        // Where the next chunk of each piece goes: (piece, file offset).
+        let mut at = (usize::MAX, 0u64);
+        let mut write = |k: usize, bytes: &[u8]| {
+            if at.0 != k {
+                at = (k, run[k].offset);
+            }
+            pwrite_all(run[k].fd, bytes, at.1).map_err(|e| (k, e))?;
+            at.1 += bytes.len() as u64;
+            Ok(())
+        };
+        let mut failed = None;
+        let mut wrap = |k: usize, bytes: &[u8]| {
+            write(k, bytes).map_err(|(k, e)| {
+                failed = Some(k);
+                e
+            })
+        };
+        let stop = || Batch::stopped(&b.stop);
+        // SAFETY: the device ranges are allocated for the call (the
+        // submitter's contract) and never empty (descriptors are not).
+        let staged =
+            unsafe { crate::gpu::send_staged_pieces(device, b.shape, &ranges, &stop, &mut wrap) };
+        match staged {
+            Ok(n) if n < run.len() => return Err(Error::Aborted),
+            Ok(_) => {}
+            Err(StageError::Io(e)) => {
+                let handle = run[failed.unwrap_or(0)].handle;
+                return Err(io_error(handle, true, e));
+            }
+            Err(StageError::Gpu(e)) => return Err(Error::Gpu(e)),
+        }
+        i += run.len();
+    }
+    Ok(())
+}
+
+/// `b`'s pieces read, one after the other (each through the pipeline:
+/// the host→device copy of a chunk runs while the next is read); stops
+/// before a piece once `b.stop` says so.
+///
+/// # Safety
+/// As [`Stager::submit`].
+unsafe fn read_pieces(b: &StagedBatch) -> Result<(), Error> {
+    for p in &b.pieces {
+        if Batch::stopped(&b.stop) {
+            return Err(Error::Aborted);
+        }
+        let mut at = p.offset;
+        let mut read = |buf: &mut [u8]| {
+            pread_exact(p.fd, buf, at)?;
+            at += buf.len() as u64;
+            Ok(())
+        };
+        // SAFETY: the device range is allocated for the call and nothing
+        // else accesses it (the submitter's contract).
+        let staged = unsafe { crate::gpu::recv_staged(p.device, b.shape, p.gpu, p.len, &mut read) };
+        match staged {
+            Ok(()) => {}
+            Err(StageError::Io(e)) => return Err(io_error(p.handle, false, e)),
+            Err(StageError::Gpu(e)) => return Err(Error::Gpu(e)),
         }
     }
     Ok(())

@@ -219,41 +219,68 @@ unsafe fn run_sync(ops: &[Op], sync: &[(u32, RawFd)], stop: &Option<Stop>) -> Re
         if Batch::stopped(stop) {
             return Err(Error::Aborted);
         }
-        let mut op = *op;
-        while op.len > 0 {
-            // SAFETY: the caller keeps the range valid and the fd open.
-            let n = unsafe {
-                if op.write {
-                    libc::pwrite(
-                        op.fd,
-                        op.buf as *const libc::c_void,
-                        op.len as usize,
-                        op.offset as libc::off_t,
-                    )
-                } else {
-                    libc::pread(
-                        op.fd,
-                        op.buf as *mut libc::c_void,
-                        op.len as usize,
-                        op.offset as libc::off_t,
-                    )
-                }
-            };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(op_error(&op, e));
-            }
-            if n == 0 {
-                return Err(short_error(&op));
-            }
-            op = op.rest(n as u32);
-        }
+        // SAFETY: the caller keeps the range valid and the fd open.
+        let moved = unsafe { pio_all(op.fd, op.write, op.buf, op.len as usize, op.offset) };
+        moved.map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => short_error(op),
+            _ => op_error(op, e),
+        })?;
     }
+    sync_files(sync)
+}
+
+/// Moves `[buf, buf + len)` into the file at `offset` (`write`) or the
+/// file's bytes there into it, with `pwrite`/`pread`, short transfers
+/// continued; one that moves nothing (the file ends there, or the disk
+/// took nothing) is an `UnexpectedEof`.
+///
+/// # Safety
+/// `[buf, buf + len)` is valid memory (writable for a read) and `fd` open
+/// for the call.
+pub(crate) unsafe fn pio_all(
+    fd: RawFd,
+    write: bool,
+    mut buf: u64,
+    mut len: usize,
+    mut offset: u64,
+) -> std::io::Result<()> {
+    while len > 0 {
+        // SAFETY: the caller's contract.
+        let n = unsafe {
+            if write {
+                libc::pwrite(fd, buf as *const libc::c_void, len, offset as libc::off_t)
+            } else {
+                libc::pread(fd, buf as *mut libc::c_void, len, offset as libc::off_t)
+            }
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!(
+                    "{} of {len} bytes at offset {offset} stopped short: the file ends there",
+                    if write { "write" } else { "read" }
+                ),
+            ));
+        }
+        buf += n as u64;
+        len -= n as usize;
+        offset += n as u64;
+    }
+    Ok(())
+}
+
+/// `fdatasync` of each file `(handle, fd)`, stopping at the first failure.
+pub(crate) fn sync_files(sync: &[(u32, RawFd)]) -> Result<(), Error> {
     for &(handle, fd) in sync {
-        // SAFETY: the fd is open (the caller's contract).
+        // SAFETY: a plain syscall on an fd the caller keeps open; a closed
+        // one is an error (EBADF), not undefined behaviour.
         if unsafe { libc::fdatasync(fd) } != 0 {
             return Err(Error::Storage {
                 handle: u64::from(handle),

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::io::{Batch, Done, Stop};
+use super::io::{Batch, Done, Stop, pio_all};
 use crate::error::Error;
 use crate::gpu::{StageError, StagingShape};
 
@@ -130,17 +130,7 @@ unsafe fn run(b: &StagedBatch) -> Result<(), Error> {
         // SAFETY: forwarded contract.
         unsafe { read_pieces(b) }?;
     }
-    for &(handle, fd) in &b.sync {
-        // SAFETY: the fd is open (the submitter's contract).
-        if unsafe { libc::fdatasync(fd) } != 0 {
-            return Err(Error::Storage {
-                handle: u64::from(handle),
-                op: "fdatasync",
-                source: Arc::new(std::io::Error::last_os_error()),
-            });
-        }
-    }
-    Ok(())
+    super::io::sync_files(&b.sync)
 }
 
 /// `b`'s pieces written, each run of pieces on one GPU through one
@@ -163,7 +153,10 @@ unsafe fn write_pieces(b: &StagedBatch) -> Result<(), Error> {
             if at.0 != k {
                 at = (k, run[k].offset);
             }
-            pwrite_all(run[k].fd, bytes, at.1).map_err(|e| (k, e))?;
+            // SAFETY: `bytes` is a live slice; the fd is open (the
+            // submitter's contract).
+            unsafe { pio_all(run[k].fd, true, bytes.as_ptr() as u64, bytes.len(), at.1) }
+                .map_err(|e| (k, e))?;
             at.1 += bytes.len() as u64;
             Ok(())
         };
@@ -206,7 +199,8 @@ unsafe fn read_pieces(b: &StagedBatch) -> Result<(), Error> {
         }
         let mut at = p.offset;
         let mut read = |buf: &mut [u8]| {
-            pread_exact(p.fd, buf, at)?;
+            // SAFETY: `buf` is a live, writable slice; the fd is open.
+            unsafe { pio_all(p.fd, false, buf.as_mut_ptr() as u64, buf.len(), at) }?;
             at += buf.len() as u64;
             Ok(())
         };
@@ -222,89 +216,37 @@ unsafe fn read_pieces(b: &StagedBatch) -> Result<(), Error> {
     Ok(())
 }
 
-/// Writes all of `bytes` at `offset` (short writes continued).
-fn pwrite_all(fd: RawFd, mut bytes: &[u8], mut offset: u64) -> std::io::Result<()> {
-    while !bytes.is_empty() {
-        // SAFETY: `bytes` is a live slice; the fd is open (the caller's
-        // contract).
-        let n = unsafe {
-            libc::pwrite(
-                fd,
-                bytes.as_ptr().cast(),
-                bytes.len(),
-                offset as libc::off_t,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::WriteZero,
-                format!("write at offset {offset} moved nothing"),
-            ));
-        }
-        bytes = &bytes[n as usize..];
-        offset += n as u64;
-    }
-    Ok(())
-}
-
-/// Fills `buf` from `offset` (short reads continued; the end of the file
-/// first is an `UnexpectedEof`).
-fn pread_exact(fd: RawFd, mut buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
-    while !buf.is_empty() {
-        // SAFETY: `buf` is a live, writable slice; the fd is open.
-        let n = unsafe {
-            libc::pread(
-                fd,
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                offset as libc::off_t,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                format!(
-                    "read of {} bytes at offset {offset} stopped short: the file ends there",
-                    buf.len()
-                ),
-            ));
-        }
-        buf = &mut buf[n as usize..];
-        offset += n as u64;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
 
     #[test]
-    fn short_files_and_writes_are_typed_io_errors() {
+    fn a_short_file_is_a_typed_io_error() {
         let (path, f) = super::super::io::temp_file("staged-short", 8);
+        let fd = f.as_raw_fd();
         let mut buf = [0u8; 16];
-        let e = pread_exact(f.as_raw_fd(), &mut buf, 0).unwrap_err();
+        // SAFETY: `buf` is live and writable; `f` is open.
+        let e = unsafe { pio_all(fd, false, buf.as_mut_ptr() as u64, 16, 0) }.unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{e}");
-        pwrite_all(f.as_raw_fd(), &[7u8; 16], 4).unwrap();
-        pread_exact(f.as_raw_fd(), &mut buf, 4).unwrap();
-        assert_eq!(buf, [7u8; 16]);
+        let seven = [7u8; 16];
+        // SAFETY: as above.
+        unsafe { pio_all(fd, true, seven.as_ptr() as u64, 16, 4) }.unwrap();
+        // SAFETY: as above.
+        unsafe { pio_all(fd, false, buf.as_mut_ptr() as u64, 16, 4) }.unwrap();
+        assert_eq!(buf, seven);
         let err = io_error(3, true, e);
-        assert!(err.to_string().contains("3"), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::Storage {
+                    handle: 3,
+                    op: "write",
+                    ..
+                }
+            ),
+            "{err}"
+        );
         drop(f);
         std::fs::remove_file(path).unwrap();
     }

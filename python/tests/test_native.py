@@ -337,6 +337,41 @@ def test_requests_select_by_index_and_merge():
         i.make_request("write", L, np.array([0.5]), R, [0], name)
 
 
+def test_a_made_request_holds_its_regions_until_released():
+    from kvxfer import _kvxfer
+
+    t = kvxfer.Agent("py-hold-t", backend="tcp")
+    i = kvxfer.Agent("py-hold-i", backend="tcp")
+    blk, n = 4096, 8
+    dst = bytearray(blk * n)
+    src = bytearray(pattern(blk * n, 5))
+    rt, ri = t.register(dst), i.register(src)
+    name = i.add_remote_agent(t.metadata())
+    L = _kvxfer.DescList([(ri.addr + k * blk, blk) for k in range(n)])
+    R = _kvxfer.DescList([(rt.addr + k * blk, blk) for k in range(n)])
+    ids = list(range(n))[::-1]
+    req = i.make_request("write", L, ids, R, ids, name)
+    # Prepared by the agent: its local region is held.
+    with pytest.raises(kvxfer.RegionBusyError):
+        ri.deregister()
+    i.post(req).wait(WAIT)
+    assert dst == src
+    # Released: the region may go; the request still posts (checked in
+    # full), and is refused, typed, once its region is gone.
+    req.release()
+    req.release()
+    src[:blk] = bytes(blk)
+    i.post(req).wait(WAIT)
+    assert dst == src
+    ri.deregister()
+    with pytest.raises(kvxfer.NotRegisteredError):
+        i.post(req)
+    # A request the agent refuses when made is refused again when posted.
+    gone = i.make_request("write", L, [0], R, [0], name)
+    with pytest.raises(kvxfer.NotRegisteredError):
+        i.post(gone)
+
+
 class FakeDevice:
     def __init__(self, kind, index=None):
         self.type, self.index = kind, index

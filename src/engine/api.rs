@@ -217,6 +217,9 @@ impl TransferAgent for Engine {
             ));
         }
         self.room_for_one()?;
+        if self.inner.closing.load(Ordering::Relaxed) {
+            return Err(Error::Closed);
+        }
         let req = prepared.request();
         if let Some(t) = prepared
             .resolved
@@ -224,9 +227,6 @@ impl TransferAgent for Engine {
             .and_then(|r| r.downcast_ref::<tcp_stream::PreparedTcp>())
             .filter(|t| t.current())
         {
-            if self.inner.closing.load(Ordering::Relaxed) {
-                return Err(Error::Closed);
-            }
             return t.link.post_streams(
                 self,
                 &t.plan,
@@ -244,9 +244,6 @@ impl TransferAgent for Engine {
         let Some(r) = fresh else {
             return self.submit(req, req.sync_message.clone(), false);
         };
-        if self.inner.closing.load(Ordering::Relaxed) {
-            return Err(Error::Closed);
-        }
         let p = &r.planned;
         self.post_planned(
             &p.link,

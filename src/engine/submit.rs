@@ -38,9 +38,7 @@ impl Engine {
             generation,
         })
     }
-}
 
-impl Engine {
     /// What a [`PreparedTransfer`] of `req` keeps: checked and resolved,
     /// then whatever its link plans ahead.
     pub(in crate::engine) fn prepare(
@@ -177,15 +175,14 @@ impl Engine {
             return Err(Error::Closed);
         }
         req.validate_shape()?;
-        // OBJ (an object store) is a target no path reaches.
-        if (!matches!(req.local.mem_type, MemoryType::Dram | MemoryType::Vram)
-            || req.remote.mem_type == MemoryType::Obj)
-            && !req.local.is_empty()
-        {
-            let mem_type = match req.local.mem_type {
-                MemoryType::Dram | MemoryType::Vram => req.remote.mem_type,
-                other => other,
-            };
+        // Local memory is host or GPU memory; OBJ (an object store) is a
+        // target no path reaches.
+        let unsupported = if !matches!(req.local.mem_type, MemoryType::Dram | MemoryType::Vram) {
+            Some(req.local.mem_type)
+        } else {
+            (req.remote.mem_type == MemoryType::Obj).then_some(MemoryType::Obj)
+        };
+        if let Some(mem_type) = unsupported.filter(|_| !req.local.is_empty()) {
             return Err(Error::UnsupportedMemoryType {
                 mem_type,
                 backend: inner.mode.as_str(),

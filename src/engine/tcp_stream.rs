@@ -38,13 +38,7 @@ impl TcpLink {
             fence,
             ..
         } = sub;
-        let plan = plan_segments(
-            req,
-            &resolved.keys,
-            engine.inner.config.tcp.segment_size,
-            self.streams.len(),
-        );
-        let plan = StreamPlan::new(plan, req);
+        let plan = self.plan_streams(engine, req, &resolved.keys);
         self.post_streams(engine, &plan, sync, fence, req.durable, resolved.guards)
     }
 
@@ -57,17 +51,24 @@ impl TcpLink {
         req: &TransferRequest,
         resolved: Resolved,
     ) -> PreparedTcp {
-        let plan = plan_segments(
-            req,
-            &resolved.keys,
-            engine.inner.config.tcp.segment_size,
-            self.streams.len(),
-        );
         PreparedTcp {
             link: Arc::clone(self),
             peer,
+            plan: self.plan_streams(engine, req, &resolved.keys),
             guards: resolved.guards,
-            plan: StreamPlan::new(plan, req),
+        }
+    }
+
+    /// `req`'s segments on this link's streams (`keys`: its remote
+    /// regions' access keys).
+    fn plan_streams(&self, engine: &Engine, req: &TransferRequest, keys: &[u64]) -> StreamPlan {
+        let max = engine.inner.config.tcp.segment_size;
+        let plan = plan_segments(req, keys, max, self.streams.len());
+        StreamPlan {
+            op: req.op,
+            segments: plan.iter().map(Vec::len).sum(),
+            streams: plan.into_iter().map(Arc::new).collect(),
+            bytes: req.local.total_len(),
         }
     }
 
@@ -136,17 +137,6 @@ pub(in crate::engine) struct StreamPlan {
     segments: usize,
     /// Bytes of local memory it moves.
     bytes: u64,
-}
-
-impl StreamPlan {
-    fn new(plan: Vec<Vec<Seg>>, req: &TransferRequest) -> Self {
-        StreamPlan {
-            op: req.op,
-            segments: plan.iter().map(Vec::len).sum(),
-            streams: plan.into_iter().map(Arc::new).collect(),
-            bytes: req.local.total_len(),
-        }
-    }
 }
 
 /// What a TCP [`PreparedTransfer`] keeps: the link and peer entry it was

@@ -147,7 +147,7 @@ unsafe fn write_pieces(b: &StagedBatch) -> Result<(), Error> {
         let run = &b.pieces[i..];
         let run = &run[..run.iter().take_while(|p| p.device == device).count()];
         let ranges: Vec<(u64, u64)> = run.iter().map(|p| (p.gpu, p.len)).collect();
-        // Where the next chunk of each piece goes: (piece, file offset).
+        // Where the next chunk goes: (piece, file offset).
         let mut at = (usize::MAX, 0u64);
         let mut write = |k: usize, bytes: &[u8]| {
             if at.0 != k {
@@ -155,30 +155,20 @@ unsafe fn write_pieces(b: &StagedBatch) -> Result<(), Error> {
             }
             // SAFETY: `bytes` is a live slice; the fd is open (the
             // submitter's contract).
-            unsafe { pio_all(run[k].fd, true, bytes.as_ptr() as u64, bytes.len(), at.1) }
-                .map_err(|e| (k, e))?;
+            unsafe { pio_all(run[k].fd, true, bytes.as_ptr() as u64, bytes.len(), at.1) }?;
             at.1 += bytes.len() as u64;
             Ok(())
-        };
-        let mut failed = None;
-        let mut wrap = |k: usize, bytes: &[u8]| {
-            write(k, bytes).map_err(|(k, e)| {
-                failed = Some(k);
-                e
-            })
         };
         let stop = || Batch::stopped(&b.stop);
         // SAFETY: the device ranges are allocated for the call (the
         // submitter's contract) and never empty (descriptors are not).
         let staged =
-            unsafe { crate::gpu::send_staged_pieces(device, b.shape, &ranges, &stop, &mut wrap) };
+            unsafe { crate::gpu::send_staged_pieces(device, b.shape, &ranges, &stop, &mut write) };
         match staged {
             Ok(n) if n < run.len() => return Err(Error::Aborted),
             Ok(_) => {}
-            Err(StageError::Io(e)) => {
-                let handle = run[failed.unwrap_or(0)].handle;
-                return Err(io_error(handle, true, e));
-            }
+            // The piece being written when it failed.
+            Err(StageError::Io(e)) => return Err(io_error(run[at.0].handle, true, e)),
             Err(StageError::Gpu(e)) => return Err(Error::Gpu(e)),
         }
         i += run.len();

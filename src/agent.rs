@@ -19,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use crate::config::{AgentConfig, DEFAULT_RDMA_MAX_INFLIGHT, RdmaProgress};
@@ -331,6 +332,37 @@ pub trait TransferAgent: Send + Sync {
     fn prepare_transfer_owned(&self, request: TransferRequest) -> Result<PreparedTransfer, Error> {
         self.prepare_transfer(&request)
     }
+
+    /// Prepares `descs` once for one side of later transfers made by index
+    /// ([`prepare_indexed`](Self::prepare_indexed)): this agent's memory
+    /// (`remote_agent` `None`; every descriptor registered) or a remote
+    /// agent's (every descriptor inside a region it exported).
+    ///
+    /// # Errors
+    /// [`Error::InvalidDescriptor`], [`Error::NotRegistered`],
+    /// [`Error::UnknownAgent`], [`Error::RemoteRangeNotExported`], as
+    /// `submit_transfer` would for a request of these descriptors.
+    fn prepare_desc_list(
+        &self,
+        descs: MemoryDescs,
+        remote_agent: Option<&str>,
+    ) -> Result<Arc<crate::indexed::PreparedDescList>, Error>;
+
+    /// A transfer of pairs selected by index from two prepared lists, made
+    /// ready to post with [`submit_prepared`](Self::submit_prepared). On the
+    /// TCP path nothing per descriptor is done here beyond reading the
+    /// indices: the link's threads find each pair's segments as they send
+    /// them. Elsewhere the pairs are merged into a request and prepared as
+    /// [`prepare_transfer`](Self::prepare_transfer) prepares one.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for a bad shape (an index outside its
+    /// list, lengths that differ, a list of another agent or side); the
+    /// validation errors of `submit_transfer`.
+    fn prepare_indexed(
+        &self,
+        request: crate::indexed::IndexedRequest,
+    ) -> Result<PreparedTransfer, Error>;
 
     /// Submits a prepared transfer: what `submit_transfer(prepared.request())`
     /// does, without looking anything up again.

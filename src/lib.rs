@@ -76,6 +76,7 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod gpu;
+pub mod indexed;
 pub mod memory;
 pub mod metadata;
 pub mod metrics;
@@ -102,6 +103,7 @@ pub use desc::{
 };
 pub use engine::make_transfer_agent;
 pub use error::{Error, RejectReason};
+pub use indexed::{IndexedRequest, PreparedDescList};
 pub use memory::{MemoryDesc, MemoryDescs, MemoryType};
 pub use metadata::{EtcdConfig, EtcdTls, Metadata};
 pub use registration::Registration;

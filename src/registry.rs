@@ -239,6 +239,40 @@ impl Registry {
         Ok(guards)
     }
 
+    /// The regions `descs` lie in, each once, and for each descriptor the
+    /// index of its region among them (nothing held: a caller holds them
+    /// later with [`hold_current`](Self::hold_current), from a generation
+    /// read before this call).
+    pub(crate) fn locate(
+        &self,
+        descs: &MemoryDescs,
+    ) -> Result<(Vec<Arc<LocalRegion>>, Vec<u32>), Error> {
+        let map = self.read();
+        let mut regions: Vec<Arc<LocalRegion>> = Vec::new();
+        let mut index: std::collections::HashMap<usize, u32, crate::small::FastHash> =
+            Default::default();
+        let mut of = Vec::with_capacity(descs.descs.len());
+        let mut hint = None;
+        for d in &descs.descs {
+            let found = map.find_hinted(descs.mem_type, d, hint);
+            hint = found;
+            let Some(r) = found else {
+                return Err(Error::NotRegistered {
+                    mem_type: descs.mem_type,
+                    desc: *d,
+                });
+            };
+            let k = *index
+                .entry(Arc::as_ptr(&r.value) as usize)
+                .or_insert_with(|| {
+                    regions.push(Arc::clone(&r.value));
+                    (regions.len() - 1) as u32
+                });
+            of.push(k);
+        }
+        Ok((regions, of))
+    }
+
     /// The current generation: read it before resolving regions whose
     /// holds are to be taken again later with [`hold_current`](Self::hold_current).
     pub(crate) fn generation(&self) -> u64 {

@@ -336,7 +336,12 @@ impl Completion {
 /// [`submit_transfer`](crate::agent::TransferAgent::submit_transfer) does, reconnecting
 /// if need be).
 pub struct PreparedTransfer {
-    request: TransferRequest,
+    /// The request; made from `indexed` when first asked for.
+    request: std::sync::OnceLock<TransferRequest>,
+    /// Its pairs, for one made by index.
+    pub(crate) indexed: Option<std::sync::Arc<crate::indexed::IndexedPairs>>,
+    /// Bytes it moves and pieces after merging.
+    size: (u64, usize),
     /// The agent that made it (submitting it to another is refused).
     owner: u64,
     /// The backend's resolution; `None` where it keeps none (each
@@ -350,22 +355,68 @@ impl PreparedTransfer {
         owner: u64,
         resolved: Option<Box<dyn std::any::Any + Send + Sync>>,
     ) -> Self {
+        let size = (request.local.total_len(), request.local.descs.len());
         Self {
-            request,
+            request: std::sync::OnceLock::from(request),
+            indexed: None,
+            size,
             owner,
             resolved,
         }
     }
 
-    /// The request it was made from.
+    /// One made by index: `pairs` (`size`: its bytes and pieces).
+    pub(crate) fn indexed(
+        pairs: std::sync::Arc<crate::indexed::IndexedPairs>,
+        size: (u64, usize),
+        owner: u64,
+        resolved: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Self {
+        Self {
+            request: std::sync::OnceLock::new(),
+            indexed: Some(pairs),
+            size,
+            owner,
+            resolved: Some(resolved),
+        }
+    }
+
+    /// The request it was made from (for one made by index, its pairs
+    /// merged into one: made on the first call).
     pub fn request(&self) -> &TransferRequest {
-        &self.request
+        self.request.get_or_init(|| {
+            let p = self
+                .indexed
+                .as_ref()
+                .expect("a prepared transfer without its request is indexed");
+            p.to_request()
+        })
     }
 
     /// The request it was made from, the preparation let go (its holds on
     /// the local regions released).
     pub fn into_request(self) -> TransferRequest {
-        self.request
+        self.request();
+        let Self { request, .. } = self;
+        request.into_inner().expect("made above")
+    }
+
+    /// Bytes it moves.
+    pub fn total_bytes(&self) -> u64 {
+        self.size.0
+    }
+
+    /// Pieces it moves (descriptors after merging).
+    pub fn desc_count(&self) -> usize {
+        self.size.1
+    }
+
+    /// Its sync message.
+    pub fn sync_message(&self) -> Option<&[u8]> {
+        match &self.indexed {
+            Some(p) => p.req.sync_message.as_deref(),
+            None => self.request().sync_message.as_deref(),
+        }
     }
 
     pub(crate) fn owner(&self) -> u64 {
@@ -376,7 +427,8 @@ impl PreparedTransfer {
 impl std::fmt::Debug for PreparedTransfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PreparedTransfer")
-            .field("request", &self.request)
+            .field("request", &self.request.get())
+            .field("indexed", &self.indexed.as_ref().map(|p| p.pairs()))
             .field("resolved", &self.resolved.is_some())
             .finish()
     }

@@ -523,6 +523,220 @@ fn prepared_transfer_is_submitted_again_and_again() {
 /// The same small request again after its source was deregistered is
 /// refused (the agent may remember a request's resolution, never past a
 /// deregistration), and goes again once the source is registered anew.
+/// Transfers made by index from prepared lists: permuted blocks (runs of
+/// adjacent pairs merged), WRITE and READ element-exact, the sync message
+/// after the data, the local region held while a transfer lives, lists
+/// resolved again after a deregistration or a new load of the peer, and
+/// bad input refused typed.
+#[test]
+fn indexed_transfers_from_prepared_lists() {
+    const B: u64 = 4096;
+    const N: u64 = 64;
+    let mut peer = PeerProc::spawn("target", N * B, 3, &[]);
+    let mut src = vec![0u8; (N * B) as usize];
+    let (agent, name) = connect(&peer, &src);
+    let blocks = |base: u64| dram((0..N).map(|i| (base + i * B, B)));
+    let local = agent
+        .prepare_desc_list(blocks(src.as_ptr() as u64), None)
+        .unwrap();
+    let remote = agent
+        .prepare_desc_list(blocks(peer.addr), Some(&name))
+        .unwrap();
+    // Pair k: local block k into remote block perm[k]; groups of four in
+    // reverse order, so each group is one piece.
+    let perm: Vec<u32> = (0..N as u32)
+        .map(|k| (N as u32 / 4 - 1 - k / 4) * 4 + k % 4)
+        .collect();
+    let ids: Vec<u32> = (0..N as u32).collect();
+    let indexed =
+        |op, local: &std::sync::Arc<kvxfer::PreparedDescList>, li: Vec<u32>, ri: Vec<u32>| {
+            kvxfer::IndexedRequest {
+                op,
+                local: local.clone(),
+                local_indices: li,
+                remote: remote.clone(),
+                remote_indices: ri,
+                sync_message: Some(b"blocks landed".to_vec()),
+                merge: true,
+            }
+        };
+    for (k, &p) in perm.iter().enumerate() {
+        let at = k * B as usize;
+        fill(&mut src[at..at + B as usize], 51, u64::from(p) * B);
+    }
+    let w = agent
+        .prepare_indexed(indexed(
+            kvxfer::TransferOp::Write,
+            &local,
+            ids.clone(),
+            perm.clone(),
+        ))
+        .unwrap();
+    assert_eq!((w.total_bytes(), w.desc_count()), (N * B, (N / 4) as usize));
+    if backend() == Backend::Tcp {
+        // Its pairs went to the link whole: no request was made of them.
+        assert!(format!("{w:?}").contains("request: None"), "{w:?}");
+    }
+    agent
+        .submit_prepared(&w)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(peer.cmd(&format!("check 51 0 {}", N * B)), "OK");
+    assert_eq!(peer.cmd("msgs"), "init=blocks landed");
+    // The request it stands for: the pieces after merging.
+    assert_eq!(w.request().local.descs.len(), (N / 4) as usize);
+    assert_eq!(w.request().remote.total_len(), N * B);
+
+    // READ into another local list, after the peer re-patterns.
+    assert_eq!(peer.cmd("fill 52"), "OK");
+    let dst = vec![0u8; (N * B) as usize];
+    register(agent.as_ref(), &dst);
+    let dlist = agent
+        .prepare_desc_list(blocks(dst.as_ptr() as u64), None)
+        .unwrap();
+    let r = agent
+        .prepare_indexed(indexed(
+            kvxfer::TransferOp::Read,
+            &dlist,
+            ids.clone(),
+            perm.clone(),
+        ))
+        .unwrap();
+    agent
+        .submit_prepared(&r)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    for (k, &p) in perm.iter().enumerate() {
+        let at = k * B as usize;
+        assert_eq!(
+            first_mismatch(&dst[at..at + B as usize], 52, u64::from(p) * B),
+            None,
+            "block {k}"
+        );
+    }
+
+    // One pair of the whole buffer (split into segments over the streams).
+    let whole_l = agent
+        .prepare_desc_list(MemoryDescs::dram(&src), None)
+        .unwrap();
+    let whole_r = agent
+        .prepare_desc_list(peer.range(0, N * B), Some(&name))
+        .unwrap();
+    fill(&mut src, 53, 0);
+    let mut one = indexed(kvxfer::TransferOp::Write, &whole_l, vec![0], vec![0]);
+    one.remote = whole_r;
+    let one = agent.prepare_indexed(one).unwrap();
+    agent
+        .submit_prepared(&one)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(peer.cmd(&format!("check 53 0 {}", N * B)), "OK");
+
+    // Bad input, refused typed: an index outside its list, lengths that
+    // differ, sides swapped, a list of another agent, a remote range not
+    // exported, an unregistered local range.
+    let bad = |req: kvxfer::IndexedRequest| agent.prepare_indexed(req).unwrap_err();
+    let e = bad(indexed(
+        kvxfer::TransferOp::Write,
+        &local,
+        vec![0, N as u32],
+        vec![0, 1],
+    ));
+    assert!(
+        matches!(&e, Error::InvalidRequest(m) if m.contains("local index 64")),
+        "{e}"
+    );
+    let halves = agent
+        .prepare_desc_list(dram([(src.as_ptr() as u64, B / 2)]), None)
+        .unwrap();
+    let e = bad(indexed(
+        kvxfer::TransferOp::Write,
+        &halves,
+        vec![0],
+        vec![0],
+    ));
+    assert!(
+        matches!(&e, Error::InvalidRequest(m) if m.contains("length")),
+        "{e}"
+    );
+    let mut swapped = indexed(kvxfer::TransferOp::Write, &local, vec![0], vec![0]);
+    std::mem::swap(&mut swapped.local, &mut swapped.remote);
+    assert!(matches!(bad(swapped), Error::InvalidRequest(_)));
+    let other = local_agent("other", |c| c);
+    let theirs_buf = vec![0u8; B as usize];
+    register(other.as_ref(), &theirs_buf);
+    let theirs = other
+        .prepare_desc_list(MemoryDescs::dram(&theirs_buf), None)
+        .unwrap();
+    let e = bad(indexed(
+        kvxfer::TransferOp::Write,
+        &theirs,
+        vec![0],
+        vec![0],
+    ));
+    assert!(
+        matches!(&e, Error::InvalidRequest(m) if m.contains("another agent")),
+        "{e}"
+    );
+    let e = agent
+        .prepare_desc_list(dram([(peer.addr + N * B - 8, 64)]), Some(&name))
+        .unwrap_err();
+    assert!(matches!(e, Error::RemoteRangeNotExported { .. }), "{e}");
+    let stray = vec![0u8; 64];
+    let e = agent
+        .prepare_desc_list(MemoryDescs::dram(&stray), None)
+        .unwrap_err();
+    assert!(matches!(e, Error::NotRegistered { .. }), "{e}");
+    assert_eq!(peer.cmd(&format!("check 53 0 {}", N * B)), "OK");
+
+    // The peer loaded again: transfers made before and after still go.
+    agent.invalidate_remote_agent(&name).unwrap();
+    agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    fill(&mut src, 54, 0);
+    agent
+        .submit_prepared(&one)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(peer.cmd(&format!("check 54 0 {}", N * B)), "OK");
+    for (k, &p) in perm.iter().enumerate() {
+        let at = k * B as usize;
+        fill(&mut src[at..at + B as usize], 55, u64::from(p) * B);
+    }
+    let again = agent
+        .prepare_indexed(indexed(
+            kvxfer::TransferOp::Write,
+            &local,
+            ids.clone(),
+            perm.clone(),
+        ))
+        .unwrap();
+    agent
+        .submit_prepared(&again)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(peer.cmd(&format!("check 55 0 {}", N * B)), "OK");
+
+    // Transfers made hold the local region; once they are gone it
+    // deregisters, and the list is then refused (resolved again).
+    let e = agent
+        .deregister_memory(&MemoryDescs::dram(&src))
+        .unwrap_err();
+    assert!(matches!(e, Error::RegionBusy { .. }), "{e}");
+    drop((w, one, again));
+    agent.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
+    let e = agent
+        .prepare_indexed(indexed(kvxfer::TransferOp::Write, &local, vec![0], vec![0]))
+        .unwrap_err();
+    assert!(matches!(e, Error::NotRegistered { .. }), "{e}");
+    drop(r);
+    agent.deregister_memory(&MemoryDescs::dram(&dst)).unwrap();
+}
+
 #[test]
 fn same_request_after_deregistering_its_source_is_refused() {
     let mut peer = PeerProc::spawn("target", 4096, 3, &[]);

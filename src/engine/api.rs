@@ -210,6 +210,21 @@ impl TransferAgent for Engine {
         ))
     }
 
+    fn prepare_desc_list(
+        &self,
+        descs: MemoryDescs,
+        remote_agent: Option<&str>,
+    ) -> Result<Arc<crate::indexed::PreparedDescList>, Error> {
+        self.prepare_list(descs, remote_agent)
+    }
+
+    fn prepare_indexed(
+        &self,
+        request: crate::indexed::IndexedRequest,
+    ) -> Result<PreparedTransfer, Error> {
+        self.prepare_indexed_request(request)
+    }
+
     fn submit_prepared(&self, prepared: &PreparedTransfer) -> Result<TransferStatus, Error> {
         if prepared.owner() != self.inner.instance {
             return Err(Error::InvalidRequest(
@@ -220,22 +235,25 @@ impl TransferAgent for Engine {
         if self.inner.closing.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        let req = prepared.request();
         if let Some(t) = prepared
             .resolved
             .as_ref()
             .and_then(|r| r.downcast_ref::<tcp_stream::PreparedTcp>())
             .filter(|t| t.current())
         {
+            // One made by index has no request until asked (and moves no
+            // storage).
+            let durable = prepared.indexed.is_none() && prepared.request().durable;
             return t.link.post_streams(
                 self,
                 &t.plan,
-                req.sync_message.clone(),
+                prepared.sync_message().map(<[u8]>::to_vec),
                 false,
-                req.durable,
+                durable,
                 t.guards.clone(),
             );
         }
+        let req = prepared.request();
         let fresh = prepared
             .resolved
             .as_ref()

@@ -142,7 +142,7 @@ impl SocketPath for CmaParts {
                 CmaOutcome::Commit { aborted } => Some(Frames {
                     req,
                     op,
-                    segs: Arc::default(),
+                    segs: Segs::none(),
                     tail: Tail::Commit {
                         segments: 0,
                         sync,

@@ -32,6 +32,7 @@ mod api;
 mod cma;
 mod cma_target;
 mod handshake;
+mod indexed;
 mod inproc;
 mod local_proof;
 #[cfg(feature = "metrics-endpoint")]
@@ -56,6 +57,7 @@ pub(crate) mod wire;
 
 use cma::CmaParts;
 use cma_target::DelegateAsk;
+use indexed::IndexedSegs;
 use peer::*;
 #[cfg(feature = "fuzzing")]
 pub(crate) use plan::fuzz_respond;

@@ -124,6 +124,50 @@ impl Seg {
     }
 }
 
+/// A request's segments on one stream: planned (shared with the prepared
+/// transfer that planned them, when it is one), or a share of a transfer
+/// made by index, found by the sender.
+#[derive(Clone)]
+pub(in crate::engine) enum Segs {
+    Planned(Arc<Vec<Seg>>),
+    Indexed {
+        segs: Arc<IndexedSegs>,
+        cut: crate::indexed::Cut,
+        count: usize,
+    },
+}
+
+impl Segs {
+    /// None.
+    pub(in crate::engine) fn none() -> Self {
+        Segs::Planned(Arc::default())
+    }
+
+    /// How many.
+    pub(in crate::engine) fn len(&self) -> usize {
+        match self {
+            Segs::Planned(v) => v.len(),
+            Segs::Indexed { count, .. } => *count,
+        }
+    }
+
+    /// Whether there are none.
+    pub(in crate::engine) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The segments (those of an indexed share found into `scratch`).
+    pub(in crate::engine) fn get<'a>(&'a self, scratch: &'a mut Vec<Seg>) -> &'a [Seg] {
+        match self {
+            Segs::Planned(v) => v,
+            Segs::Indexed { segs, cut, count } => {
+                segs.expand(*cut, *count, scratch);
+                scratch
+            }
+        }
+    }
+}
+
 pub(in crate::engine) enum Tail {
     None,
     Commit {
@@ -168,9 +212,8 @@ pub(in crate::engine) enum Job<X> {
 pub(in crate::engine) struct Frames {
     pub(in crate::engine) req: u64,
     pub(in crate::engine) op: TransferOp,
-    /// Its segments on this stream (shared with the prepared transfer that
-    /// planned them, when it is one).
-    pub(in crate::engine) segs: Arc<Vec<Seg>>,
+    /// Its segments on this stream.
+    pub(in crate::engine) segs: Segs,
     pub(in crate::engine) tail: Tail,
     pub(in crate::engine) pending: Arc<Pending>,
     /// Its data was aborted before the frames were made (an `Abort` frame
@@ -215,6 +258,17 @@ pub(in crate::engine) trait SocketPath: Send + Sync + Sized + 'static {
         Ok(PreparedHold::keep(resolved))
     }
 
+    /// As [`Link::prepare_indexed`]; `None` by default.
+    fn prepare_indexed(
+        _link: Arc<SocketLink<Self>>,
+        _peer: Arc<Peer>,
+        _segs: &Arc<IndexedSegs>,
+        _bytes: u64,
+        _guards: Few<RegionGuard>,
+    ) -> Option<(Box<dyn std::any::Any + Send + Sync>, usize)> {
+        None
+    }
+
     /// Threads of its own the link counts before it ends.
     fn threads(&self) -> usize {
         0
@@ -255,6 +309,17 @@ impl SocketPath for TcpParts {
         resolved: Resolved,
     ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
         Ok(Box::new(link.prepare_streams(engine, peer, req, resolved)))
+    }
+
+    fn prepare_indexed(
+        link: Arc<TcpLink>,
+        peer: Arc<Peer>,
+        segs: &Arc<IndexedSegs>,
+        bytes: u64,
+        guards: Few<RegionGuard>,
+    ) -> Option<(Box<dyn std::any::Any + Send + Sync>, usize)> {
+        let (kept, runs) = link.prepare_indexed_streams(peer, segs, bytes, guards);
+        Some((Box::new(kept), runs))
     }
 
     fn run_job(
@@ -520,5 +585,15 @@ impl<P: SocketPath> Link for SocketLink<P> {
         resolved: Resolved,
     ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
         P::prepare(self, engine, peer, req, resolved)
+    }
+
+    fn prepare_indexed(
+        self: Arc<Self>,
+        peer: Arc<Peer>,
+        segs: &Arc<IndexedSegs>,
+        bytes: u64,
+        guards: Few<RegionGuard>,
+    ) -> Option<(Box<dyn std::any::Any + Send + Sync>, usize)> {
+        P::prepare_indexed(self, peer, segs, bytes, guards)
     }
 }

@@ -170,19 +170,38 @@ impl Engine {
         &self,
         req: &TransferRequest,
     ) -> Result<Arc<Peer>, Error> {
-        let inner = &self.inner;
-        if inner.closing.load(Ordering::Relaxed) {
+        if self.inner.closing.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
         req.validate_shape()?;
+        self.check_route(
+            req.local.mem_type,
+            req.remote.mem_type,
+            &req.remote_agent,
+            !req.local.is_empty(),
+        )
+    }
+
+    /// The checks of a request that need neither the registry nor its
+    /// descriptors: the memory types, the remote agent known and a path to
+    /// it that moves them (`data`: the request moves memory, it is not a
+    /// notification alone). Returns the peer.
+    pub(in crate::engine) fn check_route(
+        &self,
+        local_mem: MemoryType,
+        remote_mem: MemoryType,
+        remote_agent: &str,
+        data: bool,
+    ) -> Result<Arc<Peer>, Error> {
+        let inner = &self.inner;
         // Local memory is host or GPU memory; OBJ (an object store) is a
         // target no path reaches.
-        let unsupported = if !matches!(req.local.mem_type, MemoryType::Dram | MemoryType::Vram) {
-            Some(req.local.mem_type)
+        let unsupported = if !matches!(local_mem, MemoryType::Dram | MemoryType::Vram) {
+            Some(local_mem)
         } else {
-            (req.remote.mem_type == MemoryType::Obj).then_some(MemoryType::Obj)
+            (remote_mem == MemoryType::Obj).then_some(MemoryType::Obj)
         };
-        if let Some(mem_type) = unsupported.filter(|_| !req.local.is_empty()) {
+        if let Some(mem_type) = unsupported.filter(|_| data) {
             return Err(Error::UnsupportedMemoryType {
                 mem_type,
                 backend: inner.mode.as_str(),
@@ -191,21 +210,21 @@ impl Engine {
         // The agent's own storage: its self-peer (its own name with host
         // memory is a loaded peer like any other); a peer's storage: the
         // entry whose path moves it.
-        let storage = matches!(req.remote.mem_type, MemoryType::File | MemoryType::Blk);
+        let storage = matches!(remote_mem, MemoryType::File | MemoryType::Blk);
         let peer = if !storage {
-            self.peer_or_reload(&req.remote_agent)?
-        } else if req.remote_agent == inner.config.name {
+            self.peer_or_reload(remote_agent)?
+        } else if remote_agent == inner.config.name {
             inner.self_peer()
         } else {
-            self.peer_or_reload(&req.remote_agent)?.for_storage()?
+            self.peer_or_reload(remote_agent)?.for_storage()?
         };
         // GPU memory, on either side, only on a path that moves it: TCP
         // (staged) and in-process copies on either side; cross-memory
         // attach when it is the target's, through CUDA IPC.
-        let gpu = [req.local.mem_type, req.remote.mem_type].contains(&MemoryType::Vram);
-        if gpu && !req.local.is_empty() {
+        let gpu = [local_mem, remote_mem].contains(&MemoryType::Vram);
+        if gpu && data {
             let ipc = matches!(peer.path, Path::Cma { .. })
-                && req.remote.mem_type == MemoryType::Vram
+                && remote_mem == MemoryType::Vram
                 && peer.desc.gpu.as_ref().is_some_and(|g| g.host == inner.host);
             if !peer.path.moves_vram() && !ipc {
                 return Err(Error::UnsupportedMemoryType {
@@ -215,14 +234,14 @@ impl Engine {
             }
         }
         // A notification moves no memory: no transport is required for it.
-        if !inner.config.required_transports.is_empty() && !req.local.is_empty() {
+        if !inner.config.required_transports.is_empty() && data {
             let actual = peer.path.kind();
-            for mem_type in [req.local.mem_type, req.remote.mem_type] {
+            for mem_type in [local_mem, remote_mem] {
                 if let Some(required) = inner.config.required_transport(mem_type)
                     && required != actual
                 {
                     return Err(Error::TransportRequired {
-                        remote: req.remote_agent.clone(),
+                        remote: remote_agent.to_owned(),
                         mem_type,
                         required,
                         actual,

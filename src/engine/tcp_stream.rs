@@ -67,9 +67,46 @@ impl TcpLink {
         StreamPlan {
             op: req.op,
             segments: plan.iter().map(Vec::len).sum(),
-            streams: plan.into_iter().map(Arc::new).collect(),
+            streams: plan
+                .into_iter()
+                .map(|v| Segs::Planned(Arc::new(v)))
+                .collect(),
             bytes: req.local.total_len(),
         }
+    }
+
+    /// Prepares a transfer made by index: its pairs cut into one share per
+    /// stream (each stream's sender finds its segments); also the number
+    /// of pieces after merging.
+    pub(in crate::engine) fn prepare_indexed_streams(
+        self: &Arc<Self>,
+        peer: Arc<Peer>,
+        segs: &Arc<IndexedSegs>,
+        bytes: u64,
+        guards: Few<RegionGuard>,
+    ) -> (PreparedTcp, usize) {
+        let walk = segs.walk(bytes, self.streams.len());
+        let plan = StreamPlan {
+            op: segs.op(),
+            segments: walk.segments,
+            streams: walk
+                .shares
+                .iter()
+                .map(|&(cut, count)| Segs::Indexed {
+                    segs: Arc::clone(segs),
+                    cut,
+                    count,
+                })
+                .collect(),
+            bytes,
+        };
+        let kept = PreparedTcp {
+            link: Arc::clone(self),
+            peer,
+            guards,
+            plan,
+        };
+        (kept, walk.runs)
     }
 
     /// Posts `plan` as a new request: `guards` hold its local regions until
@@ -115,7 +152,7 @@ impl TcpLink {
             let job = Job::Frames(Frames {
                 req: id,
                 op: plan.op,
-                segs: Arc::clone(segs),
+                segs: segs.clone(),
                 tail,
                 pending: Arc::clone(&pending),
                 aborted: false,
@@ -132,7 +169,7 @@ impl TcpLink {
 /// A request's segments on each stream of a TCP link.
 pub(in crate::engine) struct StreamPlan {
     op: TransferOp,
-    streams: Vec<Arc<Vec<Seg>>>,
+    streams: Vec<Segs>,
     /// Segments on all streams.
     segments: usize,
     /// Bytes of local memory it moves.
@@ -162,6 +199,8 @@ impl<P: SocketPath> SocketLink<P> {
     pub(in crate::engine) fn run_sender(self: Arc<Self>, idx: usize, rx: Receiver<Job<P::Job>>) {
         let fd = self.streams[idx].sock.as_raw_fd();
         let mut f = Framed::default();
+        // The segments of indexed shares, found here (kept between jobs).
+        let mut scratch = Vec::new();
         while let Ok(job) = rx.recv() {
             let frames = match job {
                 Job::Stop => break,
@@ -183,20 +222,21 @@ impl<P: SocketPath> SocketLink<P> {
                 pending,
                 mut aborted,
             } = frames;
-            let mut segs: &[Seg] = &planned;
             // Aborted before any of it went out: its segments are skipped
             // (a READ's events for them are counted here, as no data will
             // come for them).
             let mut skipped = 0;
-            if !segs.is_empty() && pending.completion.abort_requested() {
-                skipped = segs.len();
+            let mut segs: &[Seg] = &[];
+            if !planned.is_empty() && pending.completion.abort_requested() {
+                skipped = planned.len();
                 if op == TransferOp::Read {
                     for _ in 0..skipped {
                         self.complete_event(req, &pending, Err(Error::Aborted));
                     }
                 }
-                segs = &[];
                 aborted = true;
+            } else {
+                segs = planned.get(&mut scratch);
             }
             f.clear();
             if op == TransferOp::Write && segs.iter().any(|s| s.local_gpu.is_some()) {

@@ -58,6 +58,21 @@ pub(in crate::engine) trait Link: Send + Sync {
     ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
         Ok(PreparedHold::keep(resolved))
     }
+
+    /// What a [`PreparedTransfer`] made by index keeps, when the link
+    /// takes such transfers' pairs whole (`guards`: holds on the local
+    /// list's regions; `bytes`: what the pairs move), and the number of
+    /// pieces after merging. `None`: the link plans requests only (the
+    /// pairs are then made into one).
+    fn prepare_indexed(
+        self: Arc<Self>,
+        _peer: Arc<Peer>,
+        _segs: &Arc<IndexedSegs>,
+        _bytes: u64,
+        _guards: Few<RegionGuard>,
+    ) -> Option<(Box<dyn std::any::Any + Send + Sync>, usize)> {
+        None
+    }
 }
 
 /// A request on its way to a link: checked, its local regions held, its

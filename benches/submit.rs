@@ -1,14 +1,16 @@
 //! The cost of posting a request: `submit_transfer` of 4,096 scattered
 //! 4 KiB descriptors (random local and remote order, nothing merges) to a
 //! TCP peer, the submission alone (the transfer is waited for outside the
-//! timed part); and the same request prepared once, then posted. The
-//! Python front ends' per-call figure builds on these.
+//! timed part); the same request prepared once, then posted; and requests
+//! of 4,096 random pairs made by index from two prepared lists, then
+//! posted. The Python front ends' per-call figure builds on these.
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvxfer::{
-    AgentConfig, Backend, MemoryDesc, MemoryDescs, MemoryType, TransferRequest, make_transfer_agent,
+    AgentConfig, Backend, IndexedRequest, MemoryDesc, MemoryDescs, MemoryType, TransferOp,
+    TransferRequest, make_transfer_agent,
 };
 
 const N: usize = 4096;
@@ -112,6 +114,47 @@ fn submit(c: &mut Criterion) {
         })
     });
     drop(prepared);
+    // Made by index from lists prepared once (NIXL's make_prepped_xfer +
+    // transfer): 4,096 random pairs of 4 KiB blocks, new indices each time;
+    // the caller's CPU in prepare_indexed, and in submit_prepared.
+    let blocks = |base: u64| descs(base, &(0..N).collect::<Vec<_>>());
+    let local = init.prepare_desc_list(blocks(s), None).unwrap();
+    let remote = init
+        .prepare_desc_list(blocks(d), Some("bench-target"))
+        .unwrap();
+    let mut seed = 1;
+    let mut picks = || {
+        seed += 2;
+        let p: std::sync::Arc<[u32]> = permutation(N, seed).iter().map(|&k| k as u32).collect();
+        p
+    };
+    let mut indexed = |name: &str, post: bool| {
+        c.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    let req = IndexedRequest {
+                        op: TransferOp::Write,
+                        local: local.clone(),
+                        local_indices: picks(),
+                        remote: remote.clone(),
+                        remote_indices: picks(),
+                        sync_message: Some(b"x".to_vec()),
+                        merge: true,
+                    };
+                    let t0 = thread_cpu();
+                    let p = init.prepare_indexed(black_box(req)).unwrap();
+                    let t1 = thread_cpu();
+                    let st = init.submit_prepared(&p).unwrap();
+                    spent += if post { thread_cpu() - t1 } else { t1 - t0 };
+                    st.wait_success(Duration::from_secs(60)).unwrap();
+                }
+                spent
+            })
+        });
+    };
+    indexed("prepare_indexed_tcp_4096_scattered_cpu", false);
+    indexed("submit_indexed_tcp_4096_scattered_cpu", true);
     drop(init);
     drop(target);
 }

@@ -10,7 +10,7 @@
 //! has one length the lengths are checked once. No descriptor is copied
 //! and no segment planned on the caller's thread: the link's threads
 //! expand a request's pairs into segments as they send them (see
-//! [`IndexedPairs`]).
+//! `IndexedPairs`).
 //!
 //! This module is free of I/O; the engine resolves the lists (local
 //! regions, the peer's keys) and moves the data.
@@ -46,7 +46,8 @@ pub struct PreparedDescList {
     /// The length of every descriptor, when they all have one.
     uniform: Option<u64>,
     /// For each descriptor, the first one with the same address and device
-    /// (descriptors compare by these through it).
+    /// (descriptors compare by these through it); empty when every
+    /// descriptor starts somewhere of its own (each is then its own first).
     start: Vec<u32>,
     /// For each descriptor, the first one that starts where it ends (same
     /// device), or [`NONE`].
@@ -82,12 +83,15 @@ impl PreparedDescList {
         let uniform = first.filter(|&l| descs.descs.iter().all(|d| d.len == l));
         let mut at: FxHashMap<(u64, u32), u32> = FxHashMap::default();
         at.reserve(n);
-        let start = (0..n as u32)
+        let mut start: Vec<u32> = (0..n as u32)
             .map(|i| {
                 let d = &descs.descs[i as usize];
                 *at.entry((d.addr, d.device_id)).or_insert(i)
             })
             .collect();
+        if start.iter().enumerate().all(|(i, &j)| i as u32 == j) {
+            start = Vec::new();
+        }
         let succ = descs
             .descs
             .iter()
@@ -130,6 +134,14 @@ impl PreparedDescList {
     /// The remote agent whose memory it names; `None` for this agent's.
     pub fn remote_agent(&self) -> Option<&str> {
         self.remote_agent.as_deref()
+    }
+
+    /// The first descriptor with descriptor `i`'s address and device.
+    fn first(&self, i: u32) -> u32 {
+        match self.start.get(i as usize) {
+            Some(&j) => j,
+            None => i,
+        }
     }
 
     fn len_of(&self, i: u32) -> u64 {
@@ -182,12 +194,12 @@ pub struct IndexedRequest {
     pub op: TransferOp,
     /// This agent's side.
     pub local: Arc<PreparedDescList>,
-    /// Indices into `local`.
-    pub local_indices: Vec<u32>,
+    /// Indices into `local` (shared: copies of the request are cheap).
+    pub local_indices: Arc<[u32]>,
     /// The remote agent's side (it names the agent).
     pub remote: Arc<PreparedDescList>,
     /// Indices into `remote`, pairwise with `local_indices`.
-    pub remote_indices: Vec<u32>,
+    pub remote_indices: Arc<[u32]>,
     /// Delivered to the remote agent after all of the request's data.
     pub sync_message: Option<Vec<u8>>,
     /// Whether pairs adjacent in memory on both sides (and in one region)
@@ -244,7 +256,8 @@ impl IndexedRequest {
     /// (as a request of merged descriptors would be written by hand).
     ///
     /// # Errors
-    /// As [`check_shape`](Self::check_shape).
+    /// [`Error::InvalidRequest`] for a bad shape (sides swapped, index
+    /// counts that differ, an index outside its list).
     pub fn to_request(&self) -> Result<TransferRequest, Error> {
         self.check_shape()?;
         let pairs = IndexedPairs::new(
@@ -303,8 +316,8 @@ impl IndexedPairs {
         let r = &self.req;
         let (l0, l1) = (r.local_indices[k - 1], r.local_indices[k]);
         let (r0, r1) = (r.remote_indices[k - 1], r.remote_indices[k]);
-        r.local.start[l1 as usize] == self.lsucc[l0 as usize]
-            && r.remote.start[r1 as usize] == self.rsucc[r0 as usize]
+        r.local.first(l1) == self.lsucc[l0 as usize]
+            && r.remote.first(r1) == self.rsucc[r0 as usize]
     }
 
     /// The piece starting at pair `p`: the pair after its last, and its
@@ -319,6 +332,23 @@ impl IndexedPairs {
             }
         }
         (e, len)
+    }
+
+    /// Reads the tables the walk looks pairs up in, in order, when the
+    /// request picks from much of them: after a large transfer they are out
+    /// of the caches, and random picks would each miss, where one linear
+    /// pass streams them in (the hardware prefetcher follows it).
+    fn warm(&self) {
+        let r = &self.req;
+        if !r.merge || self.pairs() < 64 {
+            return;
+        }
+        let sum = |t: &[u32]| t.iter().fold(0u32, |x, &v| x ^ v);
+        for (table, list) in [(&self.lsucc, &r.local), (&self.rsucc, &r.remote)] {
+            if self.pairs() * 4 >= list.len() {
+                std::hint::black_box(sum(table) ^ sum(&list.start));
+            }
+        }
     }
 
     /// Checks that the two sides of each pair have one length; their sum.
@@ -340,7 +370,7 @@ impl IndexedPairs {
                     .req
                     .local_indices
                     .iter()
-                    .zip(&self.req.remote_indices)
+                    .zip(self.req.remote_indices.iter())
                     .enumerate()
                 {
                     let (a, b) = (l.len_of(i), r.len_of(j));
@@ -360,20 +390,24 @@ impl IndexedPairs {
         let max = max.max(1);
         let streams = streams.max(1);
         let target = |k: usize| (u128::from(bytes) * k as u128 / streams as u128) as u64;
+        self.warm();
         let mut bounds: Vec<(Cut, usize)> = Vec::with_capacity(streams + 1);
         bounds.push((Cut::default(), 0));
+        let next = |b: usize| if b < streams { target(b) } else { u64::MAX };
+        let mut t = next(bounds.len());
         let (mut p, mut segments, mut runs, mut at) = (0, 0usize, 0usize, 0u64);
         while p < self.pairs() {
             let (end, len) = self.run_end(p);
             runs += 1;
-            let n = len.div_ceil(max);
+            let n = if len <= max { 1 } else { len.div_ceil(max) };
             // Each boundary still ahead falls on the first segment that
-            // starts at or past its byte target.
+            // starts at or past its byte target (in this piece only if the
+            // target lies before the piece's end).
             let mut s = 0;
-            while bounds.len() < streams && s < n {
-                let t = target(bounds.len());
+            while t < at + len && s < n {
                 if t <= at + s * max {
                     bounds.push((Cut { pair: p, skip: s }, segments + s as usize));
+                    t = next(bounds.len());
                 } else {
                     // The first segment starting at or past `t`.
                     s = (t - at).div_ceil(max);
@@ -494,9 +528,9 @@ mod tests {
         IndexedRequest {
             op: TransferOp::Write,
             local: list(None, l),
-            local_indices: li.to_vec(),
+            local_indices: li.into(),
             remote: list(Some("peer"), r),
-            remote_indices: ri.to_vec(),
+            remote_indices: ri.into(),
             sync_message: None,
             merge,
         }
@@ -554,6 +588,28 @@ mod tests {
         req.merge = false;
         let p = by_address(req);
         assert_eq!(p.walk(bytes, 1 << 20, 3).runs, 4);
+    }
+
+    #[test]
+    fn descriptors_that_share_an_address_merge_alike() {
+        // Descriptor 2 repeats descriptor 0; 3 ends where both start.
+        let l = [
+            (0x1000u64, 0x100u64),
+            (0x1100, 0x100),
+            (0x1000, 0x100),
+            (0xf00, 0x100),
+        ];
+        let r = [
+            (0x9000u64, 0x100u64),
+            (0x9100, 0x100),
+            (0x9000, 0x100),
+            (0x8f00, 0x100),
+        ];
+        let p = by_address(request(&l, &[3, 2, 1], &r, &[3, 0, 1], true));
+        assert_eq!(p.walk(0x300, 1 << 20, 1).runs, 1);
+        let (ml, mr) = p.materialize();
+        assert_eq!(ml.descs, vec![MemoryDesc::new(0xf00, 0x300, 0)]);
+        assert_eq!(mr.descs, vec![MemoryDesc::new(0x8f00, 0x300, 0)]);
     }
 
     #[test]

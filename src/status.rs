@@ -401,6 +401,19 @@ impl PreparedTransfer {
         request.into_inner().expect("made above")
     }
 
+    /// The indexed request it was made from, for one made by index.
+    pub fn indexed_request(&self) -> Option<&crate::indexed::IndexedRequest> {
+        self.indexed.as_ref().map(|p| &p.req)
+    }
+
+    /// The indexed request it was made from, the preparation let go (its
+    /// holds released); `None` for one not made by index (see
+    /// [`into_request`](Self::into_request)).
+    pub fn into_indexed_request(self) -> Option<crate::indexed::IndexedRequest> {
+        let p = self.indexed?;
+        Some(std::sync::Arc::try_unwrap(p).map_or_else(|p| p.req.clone(), |p| p.req))
+    }
+
     /// Bytes it moves.
     pub fn total_bytes(&self) -> u64 {
         self.size.0

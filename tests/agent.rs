@@ -553,9 +553,9 @@ fn indexed_transfers_from_prepared_lists() {
             kvxfer::IndexedRequest {
                 op,
                 local: local.clone(),
-                local_indices: li,
+                local_indices: li.into(),
                 remote: remote.clone(),
-                remote_indices: ri,
+                remote_indices: ri.into(),
                 sync_message: Some(b"blocks landed".to_vec()),
                 merge: true,
             }

@@ -6,9 +6,11 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
-use kvxfer::{MemoryDesc, MemoryDescs, MemoryType, TransferRequest};
+use kvxfer::{
+    MemoryDesc, MemoryDescs, MemoryType, PreparedDescList, TransferAgent, TransferRequest,
+};
 
 /// An integer array seen through numpy's `__array_interface__`: its data
 /// pointer, element kind and size, and shape (C-contiguous only).
@@ -104,6 +106,43 @@ impl ArrayView {
         }
     }
 
+    /// Every element as an index below `len`, into a shared slice (one
+    /// allocation of its own size, one branch-free pass); `None` when an
+    /// element is not such an index.
+    fn indices_below(&self, obj: &Bound<'_, PyAny>, len: u64) -> Option<Arc<[u32]>> {
+        let n = self.len();
+        let _alive = obj; // the array: its data stays put for the reads below
+        let bad = std::cell::Cell::new(false);
+        macro_rules! read {
+            // Negative values wrap to huge ones, which fail the bound.
+            ($t:ty, $wide:expr) => {{
+                let p = self.ptr as *const $t;
+                let out: Arc<[u32]> = (0..n)
+                    .map(|i| {
+                        // SAFETY: as in `each`: `obj` is borrowed for this
+                        // call, its data holds `n` elements of this type
+                        // (possibly unaligned).
+                        let k: u64 = $wide(unsafe { p.add(i).read_unaligned() });
+                        bad.set(bad.get() | (k >= len));
+                        k as u32
+                    })
+                    .collect();
+                out
+            }};
+        }
+        let out = match (self.kind, self.size) {
+            (b'i', 1) => read!(i8, |v: i8| v as i64 as u64),
+            (b'i', 2) => read!(i16, |v: i16| v as i64 as u64),
+            (b'i', 4) => read!(i32, |v: i32| v as i64 as u64),
+            (b'i', 8) => read!(i64, |v: i64| v as u64),
+            (_, 1) => read!(u8, u64::from),
+            (_, 2) => read!(u16, u64::from),
+            (_, 4) => read!(u32, u64::from),
+            _ => read!(u64, |v: u64| v),
+        };
+        (!bad.get()).then_some(out)
+    }
+
     /// Every element, in order.
     fn values(&self, obj: &Bound<'_, PyAny>) -> Vec<i128> {
         let mut v = Vec::with_capacity(self.len());
@@ -112,24 +151,148 @@ impl ArrayView {
     }
 }
 
+/// The buffer protocol, declared here: the limited API of Python 3.9 (this
+/// wheel's floor) leaves it out, though every CPython since 3.3 exports
+/// these two functions and lays `Py_buffer` out this way (it joined the
+/// limited API unchanged in 3.11). Through it an index array is read
+/// without the dictionary `__array_interface__` builds on every access,
+/// which after a large transfer (caches cold) cost about 25 µs a call here.
+mod buffer {
+    use std::ffi::{c_char, c_int, c_void};
+
+    use pyo3::ffi::PyObject;
+
+    /// CPython's `Py_buffer`.
+    #[repr(C)]
+    pub(super) struct RawBuffer {
+        pub(super) buf: *mut c_void,
+        obj: *mut PyObject,
+        pub(super) len: isize,
+        pub(super) itemsize: isize,
+        readonly: c_int,
+        pub(super) ndim: c_int,
+        pub(super) format: *mut c_char,
+        shape: *mut isize,
+        strides: *mut isize,
+        suboffsets: *mut isize,
+        internal: *mut c_void,
+    }
+
+    unsafe extern "C" {
+        fn PyObject_GetBuffer(obj: *mut PyObject, view: *mut RawBuffer, flags: c_int) -> c_int;
+        fn PyBuffer_Release(view: *mut RawBuffer);
+    }
+
+    /// `PyBUF_C_CONTIGUOUS | PyBUF_FORMAT`: contiguous data, its format.
+    const FLAGS: c_int = 0x38 | 0x04;
+
+    /// A buffer taken from an object (released on drop); the GIL is held
+    /// by whoever holds it (it borrows the object's `Bound`).
+    pub(super) struct Held<'a> {
+        pub(super) view: RawBuffer,
+        _obj: &'a pyo3::Bound<'a, pyo3::PyAny>,
+    }
+
+    impl<'a> Held<'a> {
+        /// `obj`'s contiguous buffer; `None` (the error cleared) for an
+        /// object without one.
+        pub(super) fn take(obj: &'a pyo3::Bound<'a, pyo3::PyAny>) -> Option<Self> {
+            let mut view = RawBuffer {
+                buf: std::ptr::null_mut(),
+                obj: std::ptr::null_mut(),
+                len: 0,
+                itemsize: 0,
+                readonly: 0,
+                ndim: 0,
+                format: std::ptr::null_mut(),
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
+                suboffsets: std::ptr::null_mut(),
+                internal: std::ptr::null_mut(),
+            };
+            // SAFETY: `obj` is a live object and the GIL is held (its
+            // `Bound`); `view` is a writable `Py_buffer` of CPython's
+            // layout, filled by the call when it succeeds.
+            let rc = unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut view, FLAGS) };
+            if rc != 0 {
+                // Not a buffer (a list, say): the other ways are tried.
+                drop(pyo3::PyErr::take(obj.py()));
+                return None;
+            }
+            Some(Held { view, _obj: obj })
+        }
+
+        /// The format's element kind (`b'i'` signed, `b'u'` unsigned) when
+        /// it is a native or little-endian integer.
+        pub(super) fn int_kind(&self) -> Option<u8> {
+            if self.view.format.is_null() {
+                return Some(b'u'); // "B", unsigned bytes
+            }
+            // SAFETY: a non-null format is a NUL-terminated string the
+            // exporter keeps while the buffer is held.
+            let f = unsafe { std::ffi::CStr::from_ptr(self.view.format) }.to_bytes();
+            let f = match f {
+                [b'@' | b'=' | b'<', rest @ ..] => rest,
+                other => other,
+            };
+            match f {
+                [c] if b"bhilqn".contains(c) => Some(b'i'),
+                [c] if b"BHILQN".contains(c) => Some(b'u'),
+                _ => None,
+            }
+        }
+    }
+
+    impl Drop for Held<'_> {
+        fn drop(&mut self) {
+            // SAFETY: taken by `PyObject_GetBuffer` and released once, with
+            // the GIL held (the `Bound` borrowed for this value's life).
+            unsafe { PyBuffer_Release(&mut self.view) };
+        }
+    }
+}
+
 /// Indices from a list of ints or a one-dimensional integer numpy array,
 /// each checked against `len` (read in one pass, straight into the result).
-pub(crate) fn indices(obj: &Bound<'_, PyAny>, len: usize, what: &str) -> PyResult<Vec<usize>> {
+pub(crate) fn indices(obj: &Bound<'_, PyAny>, len: usize, what: &str) -> PyResult<Arc<[u32]>> {
     let outside = |i: i128| PyValueError::new_err(format!("{what}: index {i} outside 0..{len}"));
-    match array_view(obj)? {
+    // Lists hold fewer than u32::MAX descriptors (the agent refuses more).
+    let len = len.min(u32::MAX as usize) as u64;
+    let check = |i: i128| u32::try_from(i).ok().filter(|&k| u64::from(k) < len);
+    // Integer arrays (numpy, array.array) through the buffer protocol.
+    let held = buffer::Held::take(obj);
+    let view = match &held {
+        Some(h) if h.view.ndim == 1 && h.view.itemsize > 0 => match h.int_kind() {
+            Some(kind) if matches!(h.view.itemsize, 1 | 2 | 4 | 8) => Some(ArrayView {
+                ptr: h.view.buf as usize,
+                kind,
+                size: h.view.itemsize as usize,
+                shape: vec![(h.view.len / h.view.itemsize) as usize],
+            }),
+            _ => None,
+        },
+        _ => None,
+    };
+    let view = match view {
+        Some(v) => Some(v),
+        None => {
+            drop(held);
+            array_view(obj)?
+        }
+    };
+    match view {
         Some(v) if v.shape.len() == 1 => {
-            let mut out = Vec::with_capacity(v.len());
+            if let Some(out) = v.indices_below(obj, len) {
+                return Ok(out);
+            }
+            // The first culprit, for the message.
             let mut bad = None;
-            v.each(obj, |i| match usize::try_from(i) {
-                Ok(k) if k < len => out.push(k),
-                _ => {
+            v.each(obj, |i| {
+                if check(i).is_none() {
                     bad.get_or_insert(i);
                 }
             });
-            match bad {
-                Some(i) => Err(outside(i)),
-                None => Ok(out),
-            }
+            Err(outside(bad.unwrap_or(-1)))
         }
         Some(_) => Err(PyValueError::new_err(format!(
             "{what}: a one-dimensional array"
@@ -137,12 +300,7 @@ pub(crate) fn indices(obj: &Bound<'_, PyAny>, len: usize, what: &str) -> PyResul
         None => obj
             .extract::<Vec<i64>>()?
             .into_iter()
-            .map(|i| {
-                usize::try_from(i)
-                    .ok()
-                    .filter(|&k| k < len)
-                    .ok_or_else(|| outside(i128::from(i)))
-            })
+            .map(|i| check(i128::from(i)).ok_or_else(|| outside(i128::from(i))))
             .collect(),
     }
 }
@@ -155,6 +313,42 @@ pub(crate) fn indices(obj: &Bound<'_, PyAny>, len: usize, what: &str) -> PyResul
 pub(crate) struct PyDescList {
     pub(crate) mem: MemoryType,
     pub(crate) descs: Vec<MemoryDesc>,
+    /// The list as an agent last prepared it (for this agent's side or a
+    /// remote agent's), so that requests made from it select by index.
+    prepared: Mutex<Option<Prepared>>,
+}
+
+/// A list prepared by one agent for one side.
+struct Prepared {
+    agent: Weak<dyn TransferAgent>,
+    remote: Option<String>,
+    list: Arc<PreparedDescList>,
+}
+
+impl PyDescList {
+    /// The list prepared by `agent` for `remote`'s side (this agent's when
+    /// `None`): kept from the last time, or prepared now.
+    pub(crate) fn prepared(
+        &self,
+        agent: &Arc<dyn TransferAgent>,
+        remote: Option<&str>,
+    ) -> Result<Arc<PreparedDescList>, kvxfer::Error> {
+        let mut slot = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = slot.as_ref()
+            && p.remote.as_deref() == remote
+            && std::ptr::addr_eq(p.agent.as_ptr(), Arc::as_ptr(agent))
+        {
+            return Ok(Arc::clone(&p.list));
+        }
+        let list =
+            agent.prepare_desc_list(MemoryDescs::new(self.mem, self.descs.clone()), remote)?;
+        *slot = Some(Prepared {
+            agent: Arc::downgrade(agent),
+            remote: remote.map(str::to_owned),
+            list: Arc::clone(&list),
+        });
+        Ok(list)
+    }
 }
 
 #[pymethods]
@@ -203,7 +397,11 @@ impl PyDescList {
                 out
             }
         };
-        Ok(Self { mem, descs: out })
+        Ok(Self {
+            mem,
+            descs: out,
+            prepared: Mutex::new(None),
+        })
     }
 
     fn __len__(&self) -> usize {
@@ -247,13 +445,47 @@ pub(crate) struct PyRequest {
 pub(crate) enum Made {
     Prepared(Arc<kvxfer::PreparedTransfer>),
     Plain(Arc<TransferRequest>),
+    /// Made by index and released: prepared again by each post.
+    Indexed(Arc<kvxfer::IndexedRequest>),
 }
 
 impl Made {
-    pub(crate) fn request(&self) -> &TransferRequest {
+    /// The request (for one prepared by index, made on the first call).
+    pub(crate) fn request(&self) -> std::borrow::Cow<'_, TransferRequest> {
         match self {
-            Made::Prepared(p) => p.request(),
-            Made::Plain(r) => r,
+            Made::Prepared(p) => std::borrow::Cow::Borrowed(p.request()),
+            Made::Plain(r) => std::borrow::Cow::Borrowed(r),
+            Made::Indexed(r) => std::borrow::Cow::Owned(r.to_request().unwrap_or_else(|_| {
+                let empty = MemoryDescs::new(MemoryType::Dram, Vec::new());
+                TransferRequest::write(empty.clone(), empty, "")
+            })),
+        }
+    }
+
+    /// Bytes it moves.
+    pub(crate) fn total_bytes(&self) -> u64 {
+        match self {
+            Made::Prepared(p) => p.total_bytes(),
+            Made::Plain(r) => r.local.total_len(),
+            Made::Indexed(r) => r.to_request().map_or(0, |q| q.local.total_len()),
+        }
+    }
+
+    /// Pieces after merging.
+    pub(crate) fn desc_count(&self) -> usize {
+        match self {
+            Made::Prepared(p) => p.desc_count(),
+            Made::Plain(r) => r.local.descs.len(),
+            Made::Indexed(r) => r.to_request().map_or(0, |q| q.local.descs.len()),
+        }
+    }
+
+    /// Its sync message.
+    pub(crate) fn sync_message(&self) -> Option<&[u8]> {
+        match self {
+            Made::Prepared(p) => p.sync_message(),
+            Made::Plain(r) => r.sync_message.as_deref(),
+            Made::Indexed(r) => r.sync_message.as_deref(),
         }
     }
 }
@@ -285,26 +517,37 @@ impl PyRequest {
         let p = Arc::clone(p);
         // `m`'s reference let go (an empty stand-in for the moment), the
         // request comes out of the preparation uncopied, unless a post
-        // under way still shares it (rare): then a copy.
+        // under way still shares it (rare): then a copy. One made by index
+        // keeps its indices (no request is made of them).
         let empty = MemoryDescs::new(MemoryType::Dram, Vec::new());
         *m = Made::Plain(Arc::new(TransferRequest::write(empty.clone(), empty, "")));
-        let req = match Arc::try_unwrap(p) {
-            Ok(p) => p.into_request(),
-            Err(p) => p.request().clone(),
+        let p = match Arc::try_unwrap(p) {
+            Ok(p) => p,
+            Err(p) => {
+                *m = match p.indexed_request() {
+                    Some(r) => Made::Indexed(Arc::new(r.clone())),
+                    None => Made::Plain(Arc::new(p.request().clone())),
+                };
+                return;
+            }
         };
-        *m = Made::Plain(Arc::new(req));
+        *m = if p.indexed_request().is_some() {
+            Made::Indexed(Arc::new(p.into_indexed_request().expect("made by index")))
+        } else {
+            Made::Plain(Arc::new(p.into_request()))
+        };
     }
 
     /// Bytes the request moves.
     #[getter]
     fn total_bytes(&self) -> u64 {
-        self.made().request().local.total_len()
+        self.made().total_bytes()
     }
 
     /// Descriptors after merging (pairs adjacent on both sides are one).
     #[getter]
     fn desc_count(&self) -> usize {
-        self.made().request().local.descs.len()
+        self.made().desc_count()
     }
 
     /// Descriptors selected before merging.

@@ -21,8 +21,8 @@ use descs::{Made, PyDescList, PyRequest, indices, merge};
 
 use kvxfer::auth::Credential;
 use kvxfer::{
-    AgentConfig, AgentDesc, Backend, Error, MemoryDesc, MemoryDescs, MemoryType, TransferAgent,
-    TransferRequest, TransferState, TransferStatus, make_transfer_agent,
+    AgentConfig, AgentDesc, Backend, Error, IndexedRequest, MemoryDesc, MemoryDescs, MemoryType,
+    TransferAgent, TransferOp, TransferRequest, TransferState, TransferStatus, make_transfer_agent,
 };
 
 pyo3::create_exception!(_kvxfer, KvxferError, PyException, "Every kvxfer error.");
@@ -366,46 +366,60 @@ impl PyAgent {
                 ri.len()
             )));
         }
-        // Random picks from lists out of cache (a large transfer since the
-        // last request evicts them) each miss: one linear pass first, which
-        // the hardware prefetcher streams, makes them cache hits.
+        let op = transfer_op(op)?;
+        let requested = li.len();
+        let sync = notif.filter(|n| !n.is_empty()).map(<[u8]>::to_vec);
+        // Made by index from the lists as this agent prepared them: checked
+        // and planned without a step per descriptor here.
+        let lists = local
+            .prepared(&self.agent, None)
+            .and_then(|l| Ok((l, remote.prepared(&self.agent, Some(&remote_agent))?)));
+        if let Ok((l, r)) = lists {
+            let req = IndexedRequest {
+                op,
+                local: l,
+                local_indices: li,
+                remote: r,
+                remote_indices: ri,
+                sync_message: sync,
+                merge,
+            };
+            return Ok(match self.agent.prepare_indexed(req.clone()) {
+                Ok(p) => PyRequest::new(Made::Prepared(Arc::new(p)), requested),
+                // Refused: a bad shape raises now; otherwise each post
+                // checks it in full, and fails as it would have.
+                Err(_) => {
+                    let plain = req.to_request().map_err(to_py)?;
+                    plain.validate_shape().map_err(to_py)?;
+                    PyRequest::new(Made::Plain(Arc::new(plain)), requested)
+                }
+            });
+        }
+        // A list the agent refuses (a range not registered or not
+        // exported): the request its pairs make, refused at each post as it
+        // would be without the lists.
         warm(&local.descs, li.len());
         warm(&remote.descs, ri.len());
-        // The request: its pairs picked and merged, its notification.
-        let build = || -> PyResult<TransferRequest> {
-            let pairs = li
-                .iter()
-                .zip(&ri)
-                .map(|(&a, &b)| (local.descs[a], remote.descs[b]));
-            let (l, r) = if merge {
-                self::merge(pairs)
-            } else {
-                pairs.unzip()
-            };
-            let (l, r) = (
-                MemoryDescs::new(local.mem, l),
-                MemoryDescs::new(remote.mem, r),
-            );
-            let req = new_request(op, l, r, remote_agent.clone())?;
-            Ok(match notif.filter(|n| !n.is_empty()) {
-                Some(n) => req.with_sync_message(n.to_vec()),
-                None => req,
-            })
+        let pairs = li
+            .iter()
+            .zip(ri.iter())
+            .map(|(&a, &b)| (local.descs[a as usize], remote.descs[b as usize]));
+        let (l, r) = if merge {
+            self::merge(pairs)
+        } else {
+            pairs.unzip()
         };
-        // Checked, resolved and planned now, so that each post is cheap.
-        // A request the agent refuses is made again (the rare path: the
-        // refused one was moved into the attempt) and refused again at its
-        // post (its shape now), as it would have been without this.
-        let made = match self.agent.prepare_transfer_owned(build()?) {
-            Ok(p) => Made::Prepared(Arc::new(p)),
-            Err(_) => {
-                let req = build()?;
-                req.validate_shape().map_err(to_py)?;
-                Made::Plain(Arc::new(req))
-            }
+        let (l, r) = (
+            MemoryDescs::new(local.mem, l),
+            MemoryDescs::new(remote.mem, r),
+        );
+        let mut req = match op {
+            TransferOp::Read => TransferRequest::read(l, r, remote_agent),
+            _ => TransferRequest::write(l, r, remote_agent),
         };
-        let requested = li.len();
-        Ok(PyRequest::new(made, requested))
+        req.sync_message = sync;
+        req.validate_shape().map_err(to_py)?;
+        Ok(PyRequest::new(Made::Plain(Arc::new(req)), requested))
     }
 
     /// Posts a request made by `make_request`; `notif`, when given,
@@ -420,20 +434,28 @@ impl PyAgent {
         // Taken out of the lock before the GIL is let go (a `release` on
         // another thread waits for the lock holding the GIL).
         let made = request.made();
-        let req = made.request();
         if let Some(n) = notif.filter(|n| !n.is_empty())
-            && req.sync_message.as_deref() != Some(n)
+            && made.sync_message() != Some(n)
         {
-            let mut r = req.clone();
+            let mut r = made.request().into_owned();
             r.sync_message = Some(n.to_vec());
             return self.submit(py, &r);
         }
-        let Made::Prepared(p) = &made else {
-            return self.submit(py, req);
-        };
         let t0 = Instant::now();
-        let st = py.detach(|| self.agent.submit_prepared(p)).map_err(to_py)?;
-        let size = (req.local.total_len(), req.local.descs.len());
+        let p = match &made {
+            Made::Prepared(p) => Arc::clone(p),
+            Made::Plain(req) => return self.submit(py, req),
+            // Released: prepared again for this post (its holds then last
+            // as long as the transfer).
+            Made::Indexed(req) => {
+                let r = (**req).clone();
+                Arc::new(py.detach(|| self.agent.prepare_indexed(r)).map_err(to_py)?)
+            }
+        };
+        let st = py
+            .detach(|| self.agent.submit_prepared(&p))
+            .map_err(to_py)?;
+        let size = (p.total_bytes(), p.desc_count());
         Ok(PyTransfer::new(st, self.io_timeout, size, t0))
     }
 
@@ -480,6 +502,17 @@ impl PyAgent {
 }
 
 /// A READ or WRITE request (`op` names it, any case).
+/// `"write"` or `"read"` (any case).
+fn transfer_op(op: &str) -> PyResult<TransferOp> {
+    match op.to_ascii_lowercase().as_str() {
+        "write" => Ok(TransferOp::Write),
+        "read" => Ok(TransferOp::Read),
+        _ => Err(PyValueError::new_err(format!(
+            "op must be \"write\" or \"read\", not {op:?}"
+        ))),
+    }
+}
+
 fn new_request(
     op: &str,
     local: MemoryDescs,

@@ -335,6 +335,17 @@ def test_requests_select_by_index_and_merge():
         _kvxfer.DescList(np.zeros((4, 5), dtype=np.int64))
     with pytest.raises(ValueError):
         i.make_request("write", L, np.array([0.5]), R, [0], name)
+    # Integer buffers of every width and sign (numpy, array.array); bad
+    # values, booleans and two dimensions refused.
+    import array
+
+    for ids in (np.array([3, 2], dtype=np.int8), np.array([3, 2], dtype=np.uint16),
+                array.array("q", [3, 2]), array.array("I", [3, 2])):
+        assert i.make_request("write", L, ids, R, ids, name).requested == 2
+    for bad in (np.array([0, -1], dtype=np.int32), np.array([1 << 40], dtype=np.uint64),
+                np.array([True]), np.zeros((1, 1), dtype=np.int64)):
+        with pytest.raises(ValueError):
+            i.make_request("write", L, bad, R, [0] * len(bad), name)
 
 
 def test_a_made_request_holds_its_regions_until_released():
@@ -356,6 +367,16 @@ def test_a_made_request_holds_its_regions_until_released():
         ri.deregister()
     i.post(req).wait(WAIT)
     assert dst == src
+    # READ by index: the peer's blocks back, in reverse order.
+    back = bytearray(blk * n)
+    rb = i.register(back)
+    B = _kvxfer.DescList([(rb.addr + k * blk, blk) for k in range(n)])
+    rd = i.make_request("read", B, list(range(n)), R, ids, name)
+    i.post(rd).wait(WAIT)
+    for k in range(n):
+        assert back[k * blk:(k + 1) * blk] == dst[(n - 1 - k) * blk:(n - k) * blk]
+    rd.release()
+    rb.deregister()
     # Released: the region may go; the request still posts (checked in
     # full), and is refused, typed, once its region is gone.
     req.release()

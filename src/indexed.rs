@@ -316,8 +316,8 @@ impl IndexedPairs {
         let r = &self.req;
         let (l0, l1) = (r.local_indices[k - 1], r.local_indices[k]);
         let (r0, r1) = (r.remote_indices[k - 1], r.remote_indices[k]);
-        r.local.first(l1) == self.lsucc[l0 as usize]
-            && r.remote.first(r1) == self.rsucc[r0 as usize]
+        (r.local.first(l1) == self.lsucc[l0 as usize])
+            & (r.remote.first(r1) == self.rsucc[r0 as usize])
     }
 
     /// The piece starting at pair `p`: the pair after its last, and its
@@ -387,10 +387,54 @@ impl IndexedPairs {
     /// Its segments of at most `max` bytes, cut into `streams` shares of
     /// about equal bytes (`bytes`: from [`check_lengths`](Self::check_lengths)).
     pub(crate) fn walk(&self, bytes: u64, max: u64, streams: usize) -> Walk {
-        let max = max.max(1);
-        let streams = streams.max(1);
-        let target = |k: usize| (u128::from(bytes) * k as u128 / streams as u128) as u64;
+        let (max, streams) = (max.max(1), streams.max(1));
+        // The common case in one tight pass: pairs of one length, each a
+        // segment, none continuing the one before.
+        let one = self.req.local.uniform.filter(|&l| l <= max);
+        if let Some(len) = one
+            && (!self.req.merge || self.joins_count() == 0)
+        {
+            let n = self.pairs();
+            let target = |k: usize| (u128::from(bytes) * k as u128 / streams as u128) as u64;
+            let mut shares = Vec::with_capacity(streams);
+            let mut from = 0;
+            for k in 1..=streams {
+                // The first pair starting at or past the byte target.
+                let to = if k == streams {
+                    n
+                } else {
+                    (target(k).div_ceil(len) as usize).min(n)
+                };
+                shares.push((
+                    Cut {
+                        pair: from,
+                        skip: 0,
+                    },
+                    to - from,
+                ));
+                from = to;
+            }
+            return Walk {
+                shares,
+                segments: n,
+                runs: n,
+                bytes,
+            };
+        }
+        self.walk_pieces(bytes, max, streams)
+    }
+
+    /// How many pairs continue the piece of the pair before (one pass, no
+    /// branch per pair).
+    fn joins_count(&self) -> usize {
         self.warm();
+        (1..self.pairs()).map(|k| usize::from(self.joins(k))).sum()
+    }
+
+    /// [`walk`](Self::walk), piece by piece.
+    fn walk_pieces(&self, bytes: u64, max: u64, streams: usize) -> Walk {
+        self.warm();
+        let target = |k: usize| (u128::from(bytes) * k as u128 / streams as u128) as u64;
         let mut bounds: Vec<(Cut, usize)> = Vec::with_capacity(streams + 1);
         bounds.push((Cut::default(), 0));
         let next = |b: usize| if b < streams { target(b) } else { u64::MAX };
@@ -678,7 +722,10 @@ mod tests {
         /// are those of merging the selected pairs one after another.
         #[test]
         fn shares_cover_the_merged_pieces(
-            lens in proptest::collection::vec(1u64..5, 1..24),
+            lens in prop_oneof![
+                proptest::collection::vec(1u64..5, 1..24),
+                (1u64..5, 1usize..24).prop_map(|(l, n)| vec![l; n]),
+            ],
             picks in proptest::collection::vec((0usize..24, 0usize..24), 0..40),
             merge: bool,
             max in 1u64..7,
@@ -696,6 +743,7 @@ mod tests {
             let bytes = p.check_lengths().unwrap();
             let w = p.walk(bytes, max * 0x100, streams);
             prop_assert_eq!(w.shares.len(), streams);
+            prop_assert_eq!(&w, &p.walk_pieces(bytes, max * 0x100, streams));
             // The reference: merge pair after pair by address, then split.
             let mut pieces: Vec<(u64, u64, u64)> = Vec::new();
             for &(a, b) in &pairs {

@@ -154,8 +154,12 @@ impl PreparedDescList {
     /// The successor table (descriptors that follow one another in memory)
     /// kept only where `same_region(i, j)` says descriptors `i` and `j` lie
     /// in one region: a merged piece never spans two.
-    pub(crate) fn successors_within(&self, same_region: impl Fn(usize, usize) -> bool) -> Vec<u32> {
-        self.succ
+    pub(crate) fn successors_within(
+        &self,
+        same_region: impl Fn(usize, usize) -> bool,
+    ) -> Successors {
+        let table: Vec<u32> = self
+            .succ
             .iter()
             .enumerate()
             .map(|(i, &j)| {
@@ -165,12 +169,38 @@ impl PreparedDescList {
                     NONE
                 }
             })
-            .collect()
+            .collect();
+        Successors::new(table, self.start.is_empty())
     }
 
     /// The successor table by address alone.
-    pub(crate) fn successors(&self) -> &[u32] {
-        &self.succ
+    pub(crate) fn successors(&self) -> Successors {
+        Successors::new(self.succ.clone(), self.start.is_empty())
+    }
+}
+
+/// A list's successor table: for each descriptor, the first one that
+/// starts where it ends (within one region), or [`NONE`].
+#[derive(Debug)]
+pub(crate) struct Successors {
+    table: Vec<u32>,
+    /// Each descriptor is followed by the next one in the list, and by no
+    /// other (a pool's blocks in order, one region): descriptor `j` then
+    /// continues `i` exactly when `j == i + 1`, no lookup needed.
+    sequential: bool,
+}
+
+impl Successors {
+    /// `table`, for a list whose descriptors start at distinct places
+    /// (`distinct`) or not.
+    fn new(table: Vec<u32>, distinct: bool) -> Self {
+        let n = table.len();
+        let sequential = distinct
+            && table
+                .iter()
+                .enumerate()
+                .all(|(i, &j)| j as usize == i + 1 || (i + 1 == n && j == NONE));
+        Self { table, sequential }
     }
 }
 
@@ -262,8 +292,8 @@ impl IndexedRequest {
         self.check_shape()?;
         let pairs = IndexedPairs::new(
             self.clone(),
-            Arc::from(self.local.successors()),
-            Arc::from(self.remote.successors()),
+            Arc::new(self.local.successors()),
+            Arc::new(self.remote.successors()),
         );
         Ok(pairs.to_request())
     }
@@ -296,13 +326,13 @@ pub(crate) struct Walk {
 #[derive(Debug)]
 pub(crate) struct IndexedPairs {
     pub(crate) req: IndexedRequest,
-    lsucc: Arc<[u32]>,
-    rsucc: Arc<[u32]>,
+    lsucc: Arc<Successors>,
+    rsucc: Arc<Successors>,
 }
 
 impl IndexedPairs {
     /// `req` (its shape already checked) merged along `lsucc` and `rsucc`.
-    pub(crate) fn new(req: IndexedRequest, lsucc: Arc<[u32]>, rsucc: Arc<[u32]>) -> Self {
+    pub(crate) fn new(req: IndexedRequest, lsucc: Arc<Successors>, rsucc: Arc<Successors>) -> Self {
         Self { req, lsucc, rsucc }
     }
 
@@ -316,8 +346,11 @@ impl IndexedPairs {
         let r = &self.req;
         let (l0, l1) = (r.local_indices[k - 1], r.local_indices[k]);
         let (r0, r1) = (r.remote_indices[k - 1], r.remote_indices[k]);
-        (r.local.first(l1) == self.lsucc[l0 as usize])
-            & (r.remote.first(r1) == self.rsucc[r0 as usize])
+        if self.lsucc.sequential && self.rsucc.sequential {
+            return (l1 == l0 + 1) & (r1 == r0 + 1);
+        }
+        (r.local.first(l1) == self.lsucc.table[l0 as usize])
+            & (r.remote.first(r1) == self.rsucc.table[r0 as usize])
     }
 
     /// The piece starting at pair `p`: the pair after its last, and its
@@ -344,9 +377,9 @@ impl IndexedPairs {
             return;
         }
         let sum = |t: &[u32]| t.iter().fold(0u32, |x, &v| x ^ v);
-        for (table, list) in [(&self.lsucc, &r.local), (&self.rsucc, &r.remote)] {
-            if self.pairs() * 4 >= list.len() {
-                std::hint::black_box(sum(table) ^ sum(&list.start));
+        for (succ, list) in [(&self.lsucc, &r.local), (&self.rsucc, &r.remote)] {
+            if !succ.sequential && self.pairs() * 4 >= list.len() {
+                std::hint::black_box(sum(&succ.table) ^ sum(&list.start));
             }
         }
     }
@@ -427,6 +460,16 @@ impl IndexedPairs {
     /// How many pairs continue the piece of the pair before (one pass, no
     /// branch per pair).
     fn joins_count(&self) -> usize {
+        let r = &self.req;
+        if self.lsucc.sequential && self.rsucc.sequential {
+            // Two lists in memory order: indices one apart on both sides.
+            return r
+                .local_indices
+                .windows(2)
+                .zip(r.remote_indices.windows(2))
+                .map(|(l, m)| usize::from((l[1] == l[0] + 1) & (m[1] == m[0] + 1)))
+                .sum();
+        }
         self.warm();
         (1..self.pairs()).map(|k| usize::from(self.joins(k))).sum()
     }
@@ -582,8 +625,8 @@ mod tests {
 
     fn by_address(req: IndexedRequest) -> IndexedPairs {
         let (ls, rs) = (
-            Arc::from(req.local.successors()),
-            Arc::from(req.remote.successors()),
+            Arc::new(req.local.successors()),
+            Arc::new(req.remote.successors()),
         );
         IndexedPairs::new(req, ls, rs)
     }
@@ -661,8 +704,8 @@ mod tests {
         let blocks: Vec<(u64, u64)> = (0..4).map(|i| (0x1000 * (i + 1), 0x1000)).collect();
         let req = request(&blocks, &[0, 1, 2, 3], &blocks, &[0, 1, 2, 3], true);
         // Remote descriptors 0,1 in one region and 2,3 in another.
-        let rs: Arc<[u32]> = Arc::from(req.remote.successors_within(|i, j| i / 2 == j / 2));
-        let ls: Arc<[u32]> = Arc::from(req.local.successors());
+        let rs = Arc::new(req.remote.successors_within(|i, j| i / 2 == j / 2));
+        let ls = Arc::new(req.local.successors());
         let p = IndexedPairs::new(req, ls, rs);
         let (l, _) = p.materialize();
         assert_eq!(l.descs.len(), 2);
@@ -730,11 +773,14 @@ mod tests {
             merge: bool,
             max in 1u64..7,
             streams in 1usize..5,
+            reversed: bool,
         ) {
             // Contiguous descriptors of the given lengths on both sides
             // (lengths in units of 0x100), so that runs of indices merge.
             let mut at = 0x1000;
             let descs: Vec<(u64, u64)> = lens.iter().map(|&l| { let d = (at, l * 0x100); at += l * 0x100; d }).collect();
+            // In memory order (looked up by index alone) or not.
+            let descs: Vec<(u64, u64)> = if reversed { descs.into_iter().rev().collect() } else { descs };
             let n = descs.len();
             let pairs: Vec<(u32, u32)> = picks.iter().map(|&(a, _)| (a % n) as u32).map(|a| (a, a)).collect();
             let li: Vec<u32> = pairs.iter().map(|p| p.0).collect();

@@ -6,7 +6,7 @@
 #![forbid(unsafe_code)]
 
 use super::*;
-use crate::indexed::{Cut, IndexedPairs, IndexedRequest, PreparedDescList};
+use crate::indexed::{Cut, IndexedPairs, IndexedRequest, PreparedDescList, Successors};
 use crate::registry::LocalRegion;
 
 /// A local list's resolution: the regions its descriptors lie in (each
@@ -15,7 +15,7 @@ use crate::registry::LocalRegion;
 struct LocalSide {
     generation: u64,
     regions: Vec<Arc<LocalRegion>>,
-    succ: Arc<[u32]>,
+    succ: Arc<Successors>,
 }
 
 /// A remote list's resolution against one entry of its agent: each
@@ -24,7 +24,7 @@ struct LocalSide {
 pub(in crate::engine) struct RemoteSide {
     peer: Arc<Peer>,
     keys: Vec<u64>,
-    succ: Arc<[u32]>,
+    succ: Arc<Successors>,
 }
 
 /// What the engine keeps in a list's `resolved` slot.
@@ -71,7 +71,7 @@ impl Engine {
         let side = Arc::new(LocalSide {
             generation,
             regions,
-            succ: Arc::from(succ),
+            succ: Arc::new(succ),
         });
         store(list, Side::Local(Arc::clone(&side)));
         Ok(side)
@@ -109,7 +109,7 @@ impl Engine {
         let side = Arc::new(RemoteSide {
             peer: Arc::clone(peer),
             keys,
-            succ: Arc::from(succ),
+            succ: Arc::new(succ),
         });
         store(list, Side::Remote(Arc::clone(&side)));
         Ok(side)
@@ -141,7 +141,7 @@ impl Engine {
         };
         let rsucc = match &remote {
             Some(r) => Arc::clone(&r.succ),
-            None => Arc::from(req.remote.successors()),
+            None => Arc::new(req.remote.successors()),
         };
         let pairs = Arc::new(IndexedPairs::new(req, Arc::clone(&local.succ), rsucc));
         let bytes = pairs.check_lengths()?;

@@ -193,6 +193,9 @@ impl PreparedTcp {
     }
 }
 
+/// Segments a sender keeps room for between jobs (about 3 MiB).
+const SCRATCH_KEPT: usize = 1 << 16;
+
 impl<P: SocketPath> SocketLink<P> {
     /// Stream `idx`'s sender thread: writes each job's frames (doing the
     /// transport's own jobs first) until the link stops.
@@ -279,6 +282,10 @@ impl<P: SocketPath> SocketLink<P> {
             if let Err(e) = written {
                 self.fail(self.io_error(e));
                 break;
+            }
+            // A very large share's segments are not kept for ever.
+            if scratch.capacity() > SCRATCH_KEPT {
+                scratch = Vec::new();
             }
         }
         self.thread_exit();

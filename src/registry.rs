@@ -216,8 +216,29 @@ impl Registry {
         descs: &MemoryDescs,
         mut lkeys: Option<&mut Few<u32>>,
     ) -> Result<Few<RegionGuard>, Error> {
-        let map = self.read();
         let mut guards: Few<RegionGuard> = Few::new();
+        self.each_region(descs, |r| {
+            if let Some(k) = lkeys.as_deref_mut() {
+                k.push(r.lkey().unwrap_or(0));
+            }
+            if !guards.last().is_some_and(|g| Arc::ptr_eq(&g.0, r)) {
+                guards.push(RegionGuard::new(r));
+            }
+        })?;
+        Ok(guards)
+    }
+
+    /// Calls `f` with the region each descriptor lies in, in order.
+    ///
+    /// # Errors
+    /// [`Error::NotRegistered`] for the first descriptor outside every
+    /// region (after `f` saw those before it).
+    fn each_region(
+        &self,
+        descs: &MemoryDescs,
+        mut f: impl FnMut(&Arc<LocalRegion>),
+    ) -> Result<(), Error> {
+        let map = self.read();
         let mut hint = None;
         for d in &descs.descs {
             let found = map.find_hinted(descs.mem_type, d, hint);
@@ -228,15 +249,9 @@ impl Registry {
                     desc: *d,
                 });
             };
-            if let Some(k) = lkeys.as_deref_mut() {
-                k.push(r.value.lkey().unwrap_or(0));
-            }
-            if guards.last().is_some_and(|g| Arc::ptr_eq(&g.0, &r.value)) {
-                continue;
-            }
-            guards.push(RegionGuard::new(&r.value));
+            f(&r.value);
         }
-        Ok(guards)
+        Ok(())
     }
 
     /// The regions `descs` lie in, each once, and for each descriptor the
@@ -247,29 +262,17 @@ impl Registry {
         &self,
         descs: &MemoryDescs,
     ) -> Result<(Vec<Arc<LocalRegion>>, Vec<u32>), Error> {
-        let map = self.read();
         let mut regions: Vec<Arc<LocalRegion>> = Vec::new();
         let mut index: std::collections::HashMap<usize, u32, crate::small::FastHash> =
             Default::default();
         let mut of = Vec::with_capacity(descs.descs.len());
-        let mut hint = None;
-        for d in &descs.descs {
-            let found = map.find_hinted(descs.mem_type, d, hint);
-            hint = found;
-            let Some(r) = found else {
-                return Err(Error::NotRegistered {
-                    mem_type: descs.mem_type,
-                    desc: *d,
-                });
-            };
-            let k = *index
-                .entry(Arc::as_ptr(&r.value) as usize)
-                .or_insert_with(|| {
-                    regions.push(Arc::clone(&r.value));
-                    (regions.len() - 1) as u32
-                });
+        self.each_region(descs, |r| {
+            let k = *index.entry(Arc::as_ptr(r) as usize).or_insert_with(|| {
+                regions.push(Arc::clone(r));
+                (regions.len() - 1) as u32
+            });
             of.push(k);
-        }
+        })?;
         Ok((regions, of))
     }
 

@@ -560,18 +560,25 @@ fn indexed_transfers_from_prepared_lists() {
                 merge: true,
             }
         };
-    for (k, &p) in perm.iter().enumerate() {
-        let at = k * B as usize;
-        fill(&mut src[at..at + B as usize], 51, u64::from(p) * B);
-    }
-    let w = agent
-        .prepare_indexed(indexed(
-            kvxfer::TransferOp::Write,
-            &local,
-            ids.clone(),
-            perm.clone(),
-        ))
-        .unwrap();
+    // Local block k holds the pattern of remote block perm[k].
+    let fill_permuted = |src: &mut [u8], seed| {
+        for (k, &p) in perm.iter().enumerate() {
+            let at = k * B as usize;
+            fill(&mut src[at..at + B as usize], seed, u64::from(p) * B);
+        }
+    };
+    let write_permuted = || {
+        agent
+            .prepare_indexed(indexed(
+                kvxfer::TransferOp::Write,
+                &local,
+                ids.clone(),
+                perm.clone(),
+            ))
+            .unwrap()
+    };
+    fill_permuted(&mut src, 51);
+    let w = write_permuted();
     assert_eq!((w.total_bytes(), w.desc_count()), (N * B, (N / 4) as usize));
     if backend() == Backend::Tcp {
         // Its pairs went to the link whole: no request was made of them.
@@ -702,18 +709,8 @@ fn indexed_transfers_from_prepared_lists() {
         .wait_success(WAIT)
         .unwrap();
     assert_eq!(peer.cmd(&format!("check 54 0 {}", N * B)), "OK");
-    for (k, &p) in perm.iter().enumerate() {
-        let at = k * B as usize;
-        fill(&mut src[at..at + B as usize], 55, u64::from(p) * B);
-    }
-    let again = agent
-        .prepare_indexed(indexed(
-            kvxfer::TransferOp::Write,
-            &local,
-            ids.clone(),
-            perm.clone(),
-        ))
-        .unwrap();
+    fill_permuted(&mut src, 55);
+    let again = write_permuted();
     agent
         .submit_prepared(&again)
         .unwrap()

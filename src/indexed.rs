@@ -320,6 +320,11 @@ pub(crate) struct Walk {
     pub(crate) bytes: u64,
 }
 
+/// Where share `k` of `streams` starts: `k / streams` of `bytes`.
+fn share_target(bytes: u64, k: usize, streams: usize) -> u64 {
+    (u128::from(bytes) * k as u128 / streams as u128) as u64
+}
+
 /// An indexed request with the successor tables its merges follow (those
 /// of its lists' resolutions, so that no merged piece spans two regions):
 /// what its segments are, found again from the indices wherever needed.
@@ -421,6 +426,7 @@ impl IndexedPairs {
     /// about equal bytes (`bytes`: from [`check_lengths`](Self::check_lengths)).
     pub(crate) fn walk(&self, bytes: u64, max: u64, streams: usize) -> Walk {
         let (max, streams) = (max.max(1), streams.max(1));
+        self.warm();
         // The common case in one tight pass: pairs of one length, each a
         // segment, none continuing the one before.
         let one = self.req.local.uniform.filter(|&l| l <= max);
@@ -428,7 +434,6 @@ impl IndexedPairs {
             && (!self.req.merge || self.joins_count() == 0)
         {
             let n = self.pairs();
-            let target = |k: usize| (u128::from(bytes) * k as u128 / streams as u128) as u64;
             let mut shares = Vec::with_capacity(streams);
             let mut from = 0;
             for k in 1..=streams {
@@ -436,7 +441,7 @@ impl IndexedPairs {
                 let to = if k == streams {
                     n
                 } else {
-                    (target(k).div_ceil(len) as usize).min(n)
+                    (share_target(bytes, k, streams).div_ceil(len) as usize).min(n)
                 };
                 shares.push((
                     Cut {
@@ -470,14 +475,12 @@ impl IndexedPairs {
                 .map(|(l, m)| usize::from((l[1] == l[0] + 1) & (m[1] == m[0] + 1)))
                 .sum();
         }
-        self.warm();
         (1..self.pairs()).map(|k| usize::from(self.joins(k))).sum()
     }
 
     /// [`walk`](Self::walk), piece by piece.
     fn walk_pieces(&self, bytes: u64, max: u64, streams: usize) -> Walk {
-        self.warm();
-        let target = |k: usize| (u128::from(bytes) * k as u128 / streams as u128) as u64;
+        let target = |k: usize| share_target(bytes, k, streams);
         let mut bounds: Vec<(Cut, usize)> = Vec::with_capacity(streams + 1);
         bounds.push((Cut::default(), 0));
         let next = |b: usize| if b < streams { target(b) } else { u64::MAX };

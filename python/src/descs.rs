@@ -455,10 +455,10 @@ impl Made {
         match self {
             Made::Prepared(p) => std::borrow::Cow::Borrowed(p.request()),
             Made::Plain(r) => std::borrow::Cow::Borrowed(r),
-            Made::Indexed(r) => std::borrow::Cow::Owned(r.to_request().unwrap_or_else(|_| {
-                let empty = MemoryDescs::new(MemoryType::Dram, Vec::new());
-                TransferRequest::write(empty.clone(), empty, "")
-            })),
+            Made::Indexed(r) => std::borrow::Cow::Owned(
+                r.to_request()
+                    .expect("its shape was checked when it was made"),
+            ),
         }
     }
 
@@ -467,7 +467,7 @@ impl Made {
         match self {
             Made::Prepared(p) => p.total_bytes(),
             Made::Plain(r) => r.local.total_len(),
-            Made::Indexed(r) => r.to_request().map_or(0, |q| q.local.total_len()),
+            Made::Indexed(_) => self.request().local.total_len(),
         }
     }
 
@@ -476,7 +476,7 @@ impl Made {
         match self {
             Made::Prepared(p) => p.desc_count(),
             Made::Plain(r) => r.local.descs.len(),
-            Made::Indexed(r) => r.to_request().map_or(0, |q| q.local.descs.len()),
+            Made::Indexed(_) => self.request().local.descs.len(),
         }
     }
 

@@ -297,7 +297,7 @@ impl PyAgent {
         };
         let l = MemoryDescs::new(mem_type(local_mem)?, pairs(&local, 0));
         let r = MemoryDescs::new(mem_type(remote_mem)?, pairs(&remote, remote_device));
-        let mut req = new_request(op, l, r, remote_agent)?;
+        let mut req = new_request(transfer_op(op)?, l, r, remote_agent);
         if let Some(n) = notif {
             req = req.with_sync_message(n.to_vec());
         }
@@ -409,14 +409,12 @@ impl PyAgent {
         } else {
             pairs.unzip()
         };
-        let (l, r) = (
+        let mut req = new_request(
+            op,
             MemoryDescs::new(local.mem, l),
             MemoryDescs::new(remote.mem, r),
+            remote_agent,
         );
-        let mut req = match op {
-            TransferOp::Read => TransferRequest::read(l, r, remote_agent),
-            _ => TransferRequest::write(l, r, remote_agent),
-        };
         req.sync_message = sync;
         req.validate_shape().map_err(to_py)?;
         Ok(PyRequest::new(Made::Plain(Arc::new(req)), requested))
@@ -501,7 +499,6 @@ impl PyAgent {
     }
 }
 
-/// A READ or WRITE request (`op` names it, any case).
 /// `"write"` or `"read"` (any case).
 fn transfer_op(op: &str) -> PyResult<TransferOp> {
     match op.to_ascii_lowercase().as_str() {
@@ -513,18 +510,16 @@ fn transfer_op(op: &str) -> PyResult<TransferOp> {
     }
 }
 
+/// A READ or WRITE request.
 fn new_request(
-    op: &str,
+    op: TransferOp,
     local: MemoryDescs,
     remote: MemoryDescs,
     remote_agent: String,
-) -> PyResult<TransferRequest> {
-    match op.to_ascii_lowercase().as_str() {
-        "write" => Ok(TransferRequest::write(local, remote, remote_agent)),
-        "read" => Ok(TransferRequest::read(local, remote, remote_agent)),
-        _ => Err(PyValueError::new_err(format!(
-            "op must be \"write\" or \"read\", not {op:?}"
-        ))),
+) -> TransferRequest {
+    match op {
+        TransferOp::Read => TransferRequest::read(local, remote, remote_agent),
+        _ => TransferRequest::write(local, remote, remote_agent),
     }
 }
 

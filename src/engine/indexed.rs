@@ -93,15 +93,8 @@ impl Engine {
         let mut keys = Vec::with_capacity(descs.descs.len());
         let mut hint = None;
         for d in &descs.descs {
-            let found = peer.regions.find_hinted(descs.mem_type, d, hint);
-            hint = found;
-            let Some(r) = found else {
-                return Err(Error::RemoteRangeNotExported {
-                    remote: peer.desc.name.clone(),
-                    mem_type: descs.mem_type,
-                    desc: *d,
-                });
-            };
+            let r = peer.exported(descs.mem_type, d, hint)?;
+            hint = Some(r);
             keys.push(r.value.key);
         }
         // Regions have keys of their own (random, 64 bits).
@@ -148,20 +141,12 @@ impl Engine {
         // Host memory to a TCP peer: the pairs go to the link as they are.
         if let Some(remote) = remote.filter(|_| peer.path == Path::Tcp && lmem == MemoryType::Dram)
         {
-            let guards = match inner
+            // Held unless a deregistration came since the list was
+            // resolved (then the full path below).
+            if let Some(guards) = inner
                 .registry
                 .hold_current(&local.regions, local.generation)
             {
-                Some(g) => Some(g),
-                // A deregistration came in between: once more.
-                None => {
-                    let again = self.local_side(&pairs.req.local)?;
-                    inner
-                        .registry
-                        .hold_current(&again.regions, again.generation)
-                }
-            };
-            if let Some(guards) = guards {
                 let link = peer.link(inner)?;
                 let segs = Arc::new(IndexedSegs {
                     pairs: Arc::clone(&pairs),

@@ -293,6 +293,26 @@ pub(in crate::engine) fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDe
 }
 
 impl Peer {
+    /// The region the peer exported that `d` (of `mem_type`) lies in,
+    /// trying `hint` (the previous descriptor's) first.
+    ///
+    /// # Errors
+    /// [`Error::RemoteRangeNotExported`] when none holds it.
+    pub(in crate::engine) fn exported<'a>(
+        &'a self,
+        mem_type: MemoryType,
+        d: &crate::memory::MemoryDesc,
+        hint: Option<&'a crate::memory::Region<ExportedRegion>>,
+    ) -> Result<&'a crate::memory::Region<ExportedRegion>, Error> {
+        self.regions
+            .find_hinted(mem_type, d, hint)
+            .ok_or_else(|| Error::RemoteRangeNotExported {
+                remote: self.desc.name.clone(),
+                mem_type,
+                desc: *d,
+            })
+    }
+
     /// An entry with no link yet.
     pub(in crate::engine) fn new(
         desc: AgentDesc,

@@ -288,15 +288,8 @@ impl Engine {
         let mut rkeys = Few::new();
         let mut hint = None;
         for d in &req.remote.descs {
-            let found = peer.regions.find_hinted(req.remote.mem_type, d, hint);
-            hint = found;
-            let Some(r) = found else {
-                return Err(Error::RemoteRangeNotExported {
-                    remote: req.remote_agent.clone(),
-                    mem_type: req.remote.mem_type,
-                    desc: *d,
-                });
-            };
+            let r = peer.exported(req.remote.mem_type, d, hint)?;
+            hint = Some(r);
             if r.value.align > 1 {
                 // A peer's storage opened for direct I/O: refused here, before
                 // anything is sent, as the peer would refuse it.

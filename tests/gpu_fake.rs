@@ -189,3 +189,187 @@ fn vram_on_rdma_registration_names_both_attempts() {
     st.wait(std::time::Duration::from_secs(120)).unwrap();
     assert!(suite::device_bytes(&g) == src);
 }
+
+/// The stand-in's test controls, each about the copies into one allocation
+/// (named by its base address): hold them (0 lets go), count them, make
+/// the next one fail as an asynchronous fault does.
+fn control(name: &[u8]) -> unsafe extern "C" fn(u64) -> u64 {
+    // SAFETY: the stand-in's controls all take one address; those that
+    // return nothing leave the return register unread by the caller.
+    *unsafe { stand_in().get::<unsafe extern "C" fn(u64) -> u64>(name) }.unwrap()
+}
+
+/// Holds the copies into the allocation at `base` until dropped (also
+/// when a check fails, so that the agents' threads can finish).
+struct Held;
+
+fn hold(base: u64) -> Held {
+    // SAFETY: the stand-in's fakecuda_hold(CUdeviceptr).
+    unsafe { control(b"fakecuda_hold")(base) };
+    Held
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // SAFETY: as in `hold`; 0 holds nothing.
+        unsafe { control(b"fakecuda_hold")(0) };
+    }
+}
+
+fn copies_into(base: u64) -> u64 {
+    // SAFETY: the stand-in's fakecuda_copies_into(CUdeviceptr).
+    unsafe { control(b"fakecuda_copies_into")(base) }
+}
+
+fn fail_copy_into(base: u64) {
+    // SAFETY: the stand-in's fakecuda_fail_copy_into(CUdeviceptr).
+    unsafe { control(b"fakecuda_fail_copy_into")(base) };
+}
+
+/// Waits up to a minute for `what` to hold.
+fn until(what: &str, f: impl Fn() -> bool) {
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !f() {
+        assert!(std::time::Instant::now() < end, "still not: {what}");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+const PIECE: u64 = 64 << 10;
+
+/// Two TCP agents with one stream each (every segment through one
+/// connection thread, so one staging ring on each side).
+fn one_stream_pair(
+    a: &str,
+    b: &str,
+) -> (
+    Box<dyn kvxfer::TransferAgent>,
+    Box<dyn kvxfer::TransferAgent>,
+) {
+    let make = |name| {
+        kvxfer::make_transfer_agent(
+            kvxfer::Backend::Tcp,
+            kvxfer::AgentConfig::new(name).with_streams_per_peer(1),
+        )
+        .unwrap()
+    };
+    (make(a), make(b))
+}
+
+/// Three 64 KiB pieces of `src` (the i-th at `i * PIECE`) to GPU memory
+/// `g`, the i-th at `(2 - i) * 2 * PIECE`: three segments, none adjacent.
+fn three_pieces(src: &[u8], g: &gpu::DeviceBuffer) -> (kvxfer::MemoryDescs, kvxfer::MemoryDescs) {
+    let l = (0..3)
+        .map(|i| kvxfer::MemoryDesc::new(src.as_ptr() as u64 + i * PIECE, PIECE, 0))
+        .collect();
+    let r = (0..3)
+        .map(|i| kvxfer::MemoryDesc::new(g.addr() + (2 - i) * 2 * PIECE, PIECE, g.device()))
+        .collect();
+    (
+        kvxfer::MemoryDescs::new(kvxfer::MemoryType::Dram, l),
+        kvxfer::MemoryDescs::new(kvxfer::MemoryType::Vram, r),
+    )
+}
+
+/// Whether `g` holds the three pieces of `src` where [`three_pieces`] put
+/// them.
+fn three_landed(src: &[u8], g: &gpu::DeviceBuffer) -> bool {
+    let on = suite::device_bytes(g);
+    (0..3usize).all(|i| {
+        let at = (2 - i) * 2 * PIECE as usize;
+        on[at..at + PIECE as usize] == src[i * PIECE as usize..(i + 1) * PIECE as usize]
+    })
+}
+
+/// A receiver of staged GPU data reads the next segments from the socket
+/// while the copies of the earlier ones run. With the copies into the
+/// destination held, all three segments of a WRITE (at the target) and of
+/// a READ's data (at the initiator) are read and their copies queued — a
+/// receiver that waited for each segment's copies would queue one and
+/// wait — and the request stays unfinished; once they run, it completes
+/// with the data in place.
+#[test]
+fn staged_receives_read_on_while_copies_run() {
+    ready("staged_receives_read_on_while_copies_run");
+    let src = suite::pattern(3 * PIECE as usize, 21);
+    let gb = gpu::DeviceBuffer::new(0, 6 * PIECE).unwrap();
+    let ga = gpu::DeviceBuffer::new(0, 6 * PIECE).unwrap();
+    let (a, b) = one_stream_pair("read-on-a", "read-on-b");
+    suite::register_dram(a.as_ref(), &src);
+    suite::register_dram(b.as_ref(), &src);
+    suite::register_vram(a.as_ref(), &ga).unwrap();
+    suite::register_vram(b.as_ref(), &gb).unwrap();
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    for (g, write) in [(&gb, true), (&ga, false)] {
+        let (dram, vram) = three_pieces(&src, g);
+        let req = if write {
+            // DRAM (a) → VRAM (b): the target's receive.
+            kvxfer::TransferRequest::write(dram, vram, "read-on-b")
+        } else {
+            // VRAM (a) ← DRAM (b): the initiator's receive.
+            kvxfer::TransferRequest::read(vram, dram, "read-on-b")
+        };
+        let held = hold(g.addr());
+        let before = copies_into(g.addr());
+        let st = a.submit_transfer(&req).unwrap();
+        until("the three segments' copies queued while held", || {
+            copies_into(g.addr()) >= before + 3
+        });
+        assert_eq!(st.poll().unwrap(), kvxfer::TransferState::InProgress);
+        drop(held);
+        st.wait(std::time::Duration::from_secs(60)).unwrap();
+        assert!(three_landed(&src, g), "write: {write}");
+    }
+}
+
+/// A copy into GPU memory that fails after the receiver moved on to the
+/// next segments fails its request, typed: at the target, a refusal
+/// (`GpuCopy`); at a READ's initiator, the driver's error. The connection
+/// serves on, and the same transfer then succeeds (the failed staging ring
+/// replaced).
+#[test]
+fn a_failed_staged_copy_fails_its_request_and_the_link_serves_on() {
+    ready("a_failed_staged_copy_fails_its_request_and_the_link_serves_on");
+    let src = suite::pattern(3 * PIECE as usize, 22);
+    let gb = gpu::DeviceBuffer::new(0, 6 * PIECE).unwrap();
+    let ga = gpu::DeviceBuffer::new(0, 6 * PIECE).unwrap();
+    let (a, b) = one_stream_pair("fault-a", "fault-b");
+    suite::register_dram(a.as_ref(), &src);
+    suite::register_dram(b.as_ref(), &src);
+    suite::register_vram(a.as_ref(), &ga).unwrap();
+    suite::register_vram(b.as_ref(), &gb).unwrap();
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    for (g, write) in [(&gb, true), (&ga, false)] {
+        let request = || {
+            let (dram, vram) = three_pieces(&src, g);
+            if write {
+                kvxfer::TransferRequest::write(dram, vram, "fault-b")
+            } else {
+                kvxfer::TransferRequest::read(vram, dram, "fault-b")
+            }
+        };
+        fail_copy_into(g.addr());
+        let st = a.submit_transfer(&request()).unwrap();
+        let e = st.wait(std::time::Duration::from_secs(60)).unwrap_err();
+        if write {
+            assert!(
+                matches!(
+                    e,
+                    kvxfer::Error::RemoteRejected {
+                        reason: kvxfer::RejectReason::GpuCopy,
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+        } else {
+            assert!(
+                matches!(e, kvxfer::Error::Gpu(GpuError::Driver { code: 700, .. })),
+                "{e:?}"
+            );
+        }
+        let st = a.submit_transfer(&request()).unwrap();
+        st.wait(std::time::Duration::from_secs(60)).unwrap();
+        assert!(three_landed(&src, g), "write: {write}");
+    }
+}

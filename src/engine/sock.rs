@@ -290,6 +290,54 @@ impl<'c> FrameReader<'c> {
         }
     }
 
+    /// Whether the next frame has begun to arrive: bytes of its header read
+    /// ahead, or the socket readable (or closed, or failed: the read that
+    /// follows tells) within `timeout`.
+    pub(crate) fn frame_waiting(&self, timeout: std::time::Duration) -> bool {
+        if self.filled > 0 {
+            return true;
+        }
+        let mut pfd = libc::pollfd {
+            fd: self.fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: one live pollfd and a live timespec; no signal mask.
+        unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) > 0 }
+    }
+
+    /// Hands each segment of `landings` whose copies into GPU memory have
+    /// completed to `report`, in order, until all have or the next frame
+    /// begins to arrive (then its segments are read while the copies run).
+    /// Waits in pauses of up to a millisecond, asking `idle` after each
+    /// full one (an agent closing ends the wait).
+    pub(crate) fn settle<T, E>(
+        &self,
+        landings: &mut crate::gpu::Landings<T>,
+        idle: &mut dyn IdlePolicy,
+        on_idle: impl Fn(io::Error) -> E,
+        mut report: impl FnMut(T, Result<(), crate::gpu::GpuError>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        const MOST: std::time::Duration = std::time::Duration::from_millis(1);
+        let mut pause = std::time::Duration::from_micros(5);
+        loop {
+            while let Some((tag, r)) = landings.next(false) {
+                report(tag, r)?;
+            }
+            if landings.is_empty() || self.frame_waiting(pause) {
+                return Ok(());
+            }
+            if pause >= MOST {
+                idle.on_idle(false).map_err(&on_idle)?;
+            }
+            pause = (pause * 2).min(MOST);
+        }
+    }
+
     /// Reads the next frame header; `Ok(None)` on a clean close between
     /// frames.
     pub(crate) fn next_header(

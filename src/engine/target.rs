@@ -110,8 +110,13 @@ fn is_storage(mem_type: MemoryType) -> bool {
     matches!(mem_type, MemoryType::File | MemoryType::Blk)
 }
 
+/// Segments of `Write` frames received into GPU memory whose copies may
+/// still be running, each with its request and the guard that holds its
+/// memory registered (`tcp_target`).
+pub(in crate::engine) type GpuLandings = crate::gpu::Landings<(u64, RegionGuard)>;
+
 /// Records the outcome of `n` segments of `req`.
-fn segment(
+pub(in crate::engine) fn segment(
     session: &Session,
     req: u64,
     n: u64,
@@ -443,7 +448,13 @@ impl Inner {
             session,
             bounce: Bounce::default(),
         };
+        // Dropped first: waits for copies still writing GPU memory before
+        // their guards go.
+        let mut landings = GpuLandings::new();
         loop {
+            if !landings.is_empty() {
+                self.settle_gpu(&mut c, &mut landings)?;
+            }
             let Some(raw) = c.reader.next_header(c.idle)? else {
                 return Ok(());
             };
@@ -459,11 +470,23 @@ impl Inner {
                 } => {
                     let result = if is_storage(mem_type) {
                         // The agent's files (`storage_target`).
-                        self.land_storage_write(&mut c, req, (mem_type, device), (addr, len), key)?
+                        Some(self.land_storage_write(
+                            &mut c,
+                            req,
+                            (mem_type, device),
+                            (addr, len),
+                            key,
+                        )?)
+                    } else if mem_type == MemoryType::Vram {
+                        // Told once landed, unless refused at once.
+                        self.land_gpu(&mut c, &mut landings, (req, addr, len, key))?
                     } else {
-                        self.land_write(&mut c, mem_type, addr, len, key)?
+                        Some(self.land_write(&mut c, mem_type, addr, len, key)?)
                     };
-                    segment(session, req, 1, result)?
+                    match result {
+                        Some(result) => segment(session, req, 1, result)?,
+                        None => None,
+                    }
                 }
                 Frame::ReadReq {
                     req,

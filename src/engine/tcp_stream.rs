@@ -6,6 +6,10 @@
 
 use super::*;
 
+/// READ data received into GPU memory whose copies may still be running,
+/// each with its slot (the request, holding its memory registered).
+type ReadLandings = crate::gpu::Landings<ReadSlot>;
+
 impl TcpLink {
     /// Opens `streams_per_peer` streams to `peer`.
     pub(in crate::engine) fn open(inner: &Inner, peer: &AgentDesc) -> Result<Arc<Self>, Error> {
@@ -454,7 +458,21 @@ impl<P: SocketPath> SocketLink<P> {
         reader: &mut FrameReader<'_>,
         idle: &mut LinkIdle<'_, P>,
     ) -> Result<(), Error> {
+        // READ data still being copied into GPU memory; dropped (the copies
+        // waited for) before the requests they belong to are let go.
+        let mut landings = ReadLandings::new();
         loop {
+            if !landings.is_empty() {
+                reader.settle(
+                    &mut landings,
+                    idle,
+                    |e| self.link_error(e),
+                    |slot, r| {
+                        self.complete_event(slot.req, &slot.pending, r.map_err(Error::Gpu));
+                        Ok(())
+                    },
+                )?;
+            }
             let raw = match reader.next_header(idle) {
                 Ok(Some(raw)) => raw,
                 Ok(None) => return Ok(()),
@@ -490,17 +508,17 @@ impl<P: SocketPath> SocketLink<P> {
                             continue;
                         }
                         if let Some(device) = slot.gpu {
-                            self.read_into_gpu(reader, idle, &slot, device)?
-                        } else {
-                            // SAFETY: `slot.dst` lies inside a local region
-                            // that was registered and validated at submit
-                            // time, and the request's guards (in
-                            // `slot.pending`) keep it registered until every
-                            // event, this one included, has been processed.
-                            unsafe { reader.read_into(slot.dst as *mut u8, len as usize, idle) }
-                                .map_err(|e| self.link_error(e))?;
-                            Ok(())
+                            self.read_into_gpu(reader, idle, &mut landings, slot, device)?;
+                            continue;
                         }
+                        // SAFETY: `slot.dst` lies inside a local region
+                        // that was registered and validated at submit
+                        // time, and the request's guards (in
+                        // `slot.pending`) keep it registered until every
+                        // event, this one included, has been processed.
+                        unsafe { reader.read_into(slot.dst as *mut u8, len as usize, idle) }
+                            .map_err(|e| self.link_error(e))?;
+                        Ok(())
                     } else {
                         Err(Error::RemoteRejected {
                             remote: self.remote.clone(),
@@ -541,18 +559,22 @@ impl<P: SocketPath> SocketLink<P> {
     }
 
     /// Lands READ data in local GPU memory through the thread's staging
-    /// ring. A driver failure fails the segment (the rest of its bytes are
-    /// drained); a socket failure, the link.
+    /// ring, the copies left running: the segment's event is told when
+    /// `landings` hands it back. A driver failure while receiving fails the
+    /// segment at once (the rest of its bytes are drained); a socket
+    /// failure, the link.
     fn read_into_gpu(
         &self,
         reader: &mut FrameReader<'_>,
         idle: &mut LinkIdle<'_, P>,
-        slot: &ReadSlot,
+        landings: &mut ReadLandings,
+        slot: ReadSlot,
         device: u32,
-    ) -> Result<Result<(), Error>, Error> {
+    ) -> Result<(), Error> {
+        let (dst, len) = (slot.dst, slot.len);
         let mut got = 0u64;
         let mut read = |buf: &mut [u8]| {
-            let last = got + buf.len() as u64 == slot.len;
+            let last = got + buf.len() as u64 == len;
             // SAFETY: `buf` is a live mutable slice.
             unsafe { reader.read_part(buf.as_mut_ptr(), buf.len(), last, idle) }?;
             got += buf.len() as u64;
@@ -560,18 +582,18 @@ impl<P: SocketPath> SocketLink<P> {
         };
         // SAFETY: `slot.dst` lies inside a local VRAM region registered and
         // validated at submit time (device memory on `device`), held by the
-        // request's guards until this event is processed.
-        let r = unsafe {
-            crate::gpu::recv_staged(device, self.gpu_staging, slot.dst, slot.len, &mut read)
-        };
+        // request's guards (in `slot.pending`), which `landings` keeps until
+        // the copies are over.
+        let r = unsafe { landings.land(device, self.gpu_staging, dst, len, &mut read, slot) };
         match r {
-            Ok(()) => Ok(Ok(())),
-            Err(crate::gpu::StageError::Io(e)) => Err(self.link_error(e)),
-            Err(crate::gpu::StageError::Gpu(e)) => {
+            Ok(()) => Ok(()),
+            Err((crate::gpu::StageError::Io(e), _)) => Err(self.link_error(e)),
+            Err((crate::gpu::StageError::Gpu(e), slot)) => {
                 reader
-                    .discard(slot.len - got, idle)
+                    .discard(len - got, idle)
                     .map_err(|e| self.link_error(e))?;
-                Ok(Err(Error::Gpu(e)))
+                self.complete_event(slot.req, &slot.pending, Err(Error::Gpu(e)));
+                Ok(())
             }
         }
     }

@@ -6,8 +6,8 @@
 use super::*;
 
 impl Inner {
-    /// Lands a `Write` frame's payload at `addr`, or skips it when the
-    /// range is refused (the refusal is the segment's outcome).
+    /// Lands a `Write` frame's payload at `addr` in host memory, or skips
+    /// it when the range is refused (the refusal is the segment's outcome).
     pub(in crate::engine) fn land_write(
         &self,
         c: &mut Conn<'_, '_, '_>,
@@ -16,9 +16,6 @@ impl Inner {
         len: u64,
         key: u64,
     ) -> io::Result<Result<(), RejectReason>> {
-        if mem_type == MemoryType::Vram {
-            return self.land_gpu(c, addr, len, key);
-        }
         self.land(c, mem_type, (addr, addr + len), key, len, |c| {
             // SAFETY: `[addr, addr + len)` was admitted: it lies inside a
             // region registered with this agent, whose registrant promised
@@ -55,22 +52,24 @@ impl Inner {
     }
 
     /// Lands a `Write` payload in GPU memory through the connection thread's
-    /// staging ring, or skips it when the range is refused. A driver
-    /// failure refuses the segment (`GpuCopy`; the rest of its bytes are
-    /// drained, what was copied before stays).
-    fn land_gpu(
+    /// staging ring, or skips it when the range is refused. The copies to
+    /// the device are left running: the segment's outcome is told when
+    /// `landings` hands it back (the next segments are read meanwhile);
+    /// a refusal, or a driver failure while receiving it (`GpuCopy`, the
+    /// rest of its bytes drained, what was copied before stays), is the
+    /// outcome returned at once.
+    pub(in crate::engine) fn land_gpu(
         &self,
         c: &mut Conn<'_, '_, '_>,
-        addr: u64,
-        len: u64,
-        key: u64,
-    ) -> io::Result<Result<(), RejectReason>> {
+        landings: &mut GpuLandings,
+        (req, addr, len, key): (u64, u64, u64, u64),
+    ) -> io::Result<Option<Result<(), RejectReason>>> {
         let guard = match self.registry.admit_memory(MemoryType::Vram, addr, len, key) {
             Ok(g) => g,
             Err(reason) => {
                 tracing::debug!(remote = %c.session.remote, addr, len, %reason, "refused GPU write payload");
                 c.reader.discard(len, c.idle)?;
-                return Ok(Err(reason));
+                return Ok(Some(Err(reason)));
             }
         };
         let device = guard.region().desc.device_id;
@@ -87,20 +86,49 @@ impl Inner {
         };
         // SAFETY: `[addr, addr + len)` was admitted: inside a VRAM region
         // registered here (checked to be device memory on `device`) and held
-        // by `guard` during the copy.
+        // by `guard`, which `landings` keeps until the copies are over.
         let r = unsafe {
-            crate::gpu::recv_staged(device, self.config.gpu.shape(), addr, len, &mut read)
+            landings.land(
+                device,
+                self.config.gpu.shape(),
+                addr,
+                len,
+                &mut read,
+                (req, guard),
+            )
         };
-        drop(guard);
         match r {
-            Ok(()) => Ok(Ok(())),
-            Err(crate::gpu::StageError::Io(e)) => Err(e),
-            Err(crate::gpu::StageError::Gpu(e)) => {
+            Ok(()) => Ok(None),
+            Err((crate::gpu::StageError::Io(e), _)) => Err(e),
+            Err((crate::gpu::StageError::Gpu(e), _)) => {
                 tracing::warn!(remote = %c.session.remote, addr, len, error = %e, "copy to GPU memory failed");
                 c.reader.discard(len - got, c.idle)?;
-                Ok(Err(RejectReason::GpuCopy))
+                Ok(Some(Err(RejectReason::GpuCopy)))
             }
         }
+    }
+
+    /// Records the outcome of each GPU segment whose copies have landed,
+    /// finishing the requests they complete, until all have or the next
+    /// frame begins to arrive.
+    pub(in crate::engine) fn settle_gpu(
+        &self,
+        c: &mut Conn<'_, '_, '_>,
+        landings: &mut GpuLandings,
+    ) -> io::Result<()> {
+        let (sock, session, clock) = (c.sock, c.session, c.idle.clock);
+        c.reader
+            .settle(landings, c.idle, |e| e, |(req, guard), r| {
+                drop(guard);
+                let result = r.map_err(|e| {
+                    tracing::warn!(remote = %session.remote, req, error = %e, "copy to GPU memory failed");
+                    RejectReason::GpuCopy
+                });
+                match segment(session, req, 1, result)? {
+                    Some(f) => self.finish(sock, session, f, clock),
+                    None => Ok(()),
+                }
+            })
     }
 
     /// Answers a `ReadReq` for GPU memory: the header, then the range's

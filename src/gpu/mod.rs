@@ -62,7 +62,14 @@ pub use cuda::{DeviceBuffer, DeviceProbe, Probe, device_of, probe};
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::{IpcMapping, driver, register_rdma};
 #[cfg(feature = "cuda")]
+use staging::Ticket;
+#[cfg(feature = "cuda")]
 pub(crate) use staging::with_staging;
+
+/// Without the `cuda` feature nothing is received into GPU memory.
+#[cfg(not(feature = "cuda"))]
+#[derive(Debug, Clone, Copy)]
+struct Ticket;
 
 /// Without the `cuda` feature no GPU memory is registered.
 ///
@@ -393,6 +400,117 @@ pub(crate) unsafe fn recv_staged(
         Err(StageError::Gpu(GpuError::NoDriver(
             "kvxfer was built without the `cuda` feature".into(),
         )))
+    }
+}
+
+/// Segments received into GPU memory through the calling thread's staging
+/// rings whose copies may still be running, oldest first, each with what
+/// its receiver keeps until they have landed (the guard that holds the
+/// memory registered, the request to tell). Receiving a segment returns
+/// once its copies are issued, so the next segment is read from the socket
+/// while they run; [`next`](Self::next) hands segments back in order, once
+/// landed.
+///
+/// Bound to the thread that made it (the rings are the thread's own).
+/// Dropping it waits for every copy still running, then drops the tags: the
+/// memory a copy writes stays held until the copy is over.
+pub(crate) struct Landings<T> {
+    queue: std::collections::VecDeque<(Ticket, T)>,
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl<T> Landings<T> {
+    /// No segment in flight.
+    pub(crate) fn new() -> Self {
+        Landings {
+            queue: std::collections::VecDeque::new(),
+            _thread: std::marker::PhantomData,
+        }
+    }
+
+    /// Whether every segment received has been handed back.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// Receives `len` bytes through `read` into device memory at `dst` on
+    /// `device` (the calling thread's ring of `shape`), chunk by chunk, and
+    /// returns once the copies are issued: `tag` comes back from
+    /// [`next`](Self::next) when they have landed. On failure `tag` comes
+    /// back at once, every copy of the ring completed (a driver failure
+    /// that leaves the ring failed fails the segments before it too).
+    ///
+    /// # Safety
+    /// `[dst, dst + len)` is device memory of `device`, allocated and
+    /// writable until `tag` comes back (`tag` may be what holds it so).
+    #[allow(unsafe_code)]
+    pub(crate) unsafe fn land(
+        &mut self,
+        device: u32,
+        shape: StagingShape,
+        dst: u64,
+        len: u64,
+        read: &mut dyn FnMut(&mut [u8]) -> std::io::Result<()>,
+        tag: T,
+    ) -> Result<(), (StageError, T)> {
+        #[cfg(feature = "cuda")]
+        {
+            // SAFETY: forwarded contract; the copies are asked after before
+            // `tag` is handed back (`next`, `drop`).
+            match unsafe { staging::recv_deferred(device, shape, dst, len, read) } {
+                Ok(ticket) => {
+                    self.queue.push_back((ticket, tag));
+                    Ok(())
+                }
+                Err(e) => Err((e, tag)),
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (device, shape, dst, len, read);
+            Err((
+                StageError::Gpu(GpuError::NoDriver(
+                    "kvxfer was built without the `cuda` feature".into(),
+                )),
+                tag,
+            ))
+        }
+    }
+
+    /// The oldest segment with its outcome once its copies have completed
+    /// (or failed); `None` when none is in flight, or when the oldest is
+    /// still copying and `block` is false (else it is waited for).
+    pub(crate) fn next(&mut self, block: bool) -> Option<(T, Result<(), GpuError>)> {
+        let &(ticket, _) = self.queue.front()?;
+        let r = match landed(ticket, block) {
+            Ok(false) => return None,
+            Ok(true) => Ok(()),
+            Err(e) => Err(e),
+        };
+        self.queue.pop_front().map(|(_, tag)| (tag, r))
+    }
+}
+
+/// Whether the copies up to `ticket`'s have landed.
+#[cfg(feature = "cuda")]
+fn landed(ticket: Ticket, block: bool) -> Result<bool, GpuError> {
+    staging::landed(ticket, block)
+}
+
+/// Without the `cuda` feature no ticket is ever made.
+#[cfg(not(feature = "cuda"))]
+fn landed(_ticket: Ticket, _block: bool) -> Result<bool, GpuError> {
+    Ok(true)
+}
+
+impl<T> Drop for Landings<T> {
+    fn drop(&mut self) {
+        // The newest ticket of each ring waits for all its copies; the tags
+        // (holding the memory) drop after.
+        while let Some((ticket, tag)) = self.queue.pop_back() {
+            let _ = landed(ticket, true);
+            drop(tag);
+        }
     }
 }
 

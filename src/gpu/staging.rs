@@ -6,6 +6,7 @@
 
 use std::cell::RefCell;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::sys as cu;
 
@@ -19,18 +20,49 @@ struct Slot {
     event: cu::CUevent,
     /// Whether a copy using it was issued and not yet waited for.
     busy: bool,
+    /// The ring's number of that copy (see [`Staging::issued`]).
+    seq: u64,
 }
 
 /// A pipelined staging ring of one thread for one device: pinned host
 /// buffers (`cuMemHostAlloc`), a non-blocking stream and one event per
 /// buffer. Moving device memory through a socket, the copy of chunk
 /// `k + 1` runs while chunk `k` is on the wire.
+///
+/// Copies are numbered in issue order and take the buffers round-robin
+/// (copy `q` uses slot `q % slots`), each buffer waited for before it is
+/// used again; they run in order on the one stream, so a copy known done
+/// means every earlier one is. A received segment's copies may be left in
+/// flight ([`recv_deferred`](Self::recv_deferred)) and asked after later
+/// ([`landed`](Self::landed)).
 pub(crate) struct Staging {
+    /// Tells this ring from one made after it (a [`Ticket`] names both).
+    id: u64,
     device: u32,
     shape: super::StagingShape,
     stream: cu::CUstream,
     slots: Vec<Slot>,
+    /// Copies issued so far.
+    issued: u64,
+    /// Every copy numbered below this one has completed.
+    done: u64,
+    /// The first failure seen waiting for a copy. The stream's later
+    /// copies cannot be trusted after it (the driver's asynchronous errors
+    /// are sticky): the ring answers every later wait with it.
+    fault: Option<GpuError>,
 }
+
+/// Where a deferred receive's last copy stands in its ring: the ring (by
+/// device and id) and the copy's number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ticket {
+    device: u32,
+    ring: u64,
+    /// Copies numbered below it are the segment's and those before.
+    end: u64,
+}
+
+static RING_IDS: AtomicU64 = AtomicU64::new(0);
 
 impl Staging {
     fn new(cuda: &Cuda, device: u32, shape: super::StagingShape) -> Result<Self, GpuError> {
@@ -38,10 +70,14 @@ impl Staging {
         let stream = new_stream()?;
         // From here on `Drop` frees what was made.
         let mut s = Staging {
+            id: RING_IDS.fetch_add(1, Ordering::Relaxed),
             device,
             shape,
             stream,
             slots: Vec::with_capacity(shape.slots),
+            issued: 0,
+            done: 0,
+            fault: None,
         };
         for _ in 0..shape.slots {
             let mut host: *mut c_void = std::ptr::null_mut();
@@ -66,50 +102,129 @@ impl Staging {
                 host: host.cast(),
                 event,
                 busy: false,
+                seq: 0,
             });
         }
         Ok(s)
     }
 
+    /// The slot the next copy takes, waited for (its last copy done).
+    fn next_slot(&mut self) -> Result<usize, GpuError> {
+        let slot = (self.issued % self.slots.len() as u64) as usize;
+        self.wait(slot)?;
+        Ok(slot)
+    }
+
     /// Issues the copy of `len` bytes `src → dst` on the ring's stream and
-    /// records `slot`'s event after it.
+    /// records `slot`'s event after it; `slot` is [`next_slot`]'s answer.
+    ///
+    /// [`next_slot`]: Self::next_slot
     fn issue(&mut self, slot: usize, dst: u64, src: u64, len: usize) -> Result<(), GpuError> {
+        debug_assert!(!self.slots[slot].busy);
+        debug_assert_eq!(slot as u64, self.issued % self.slots.len() as u64);
         // SAFETY: the caller (send/recv) passes a slot's pinned buffer and a
         // device range it holds; the copy is waited for (`wait`) before the
-        // buffer is reused or the call returns.
+        // buffer is reused, and before the range is let go.
         check("cuMemcpyAsync", unsafe {
             cu::cuMemcpyAsync(dst, src, len, self.stream)
         })?;
         // SAFETY: an event and stream of this ring.
-        check("cuEventRecord", unsafe {
+        let recorded = check("cuEventRecord", unsafe {
             cu::cuEventRecord(self.slots[slot].event, self.stream)
-        })?;
-        self.slots[slot].busy = true;
+        });
+        if let Err(e) = recorded {
+            // No event marks the copy: wait for it here, since the caller
+            // lets the buffer and the range go on failure.
+            // SAFETY: this ring's stream.
+            unsafe { cu::cuStreamSynchronize(self.stream) };
+            return Err(e);
+        }
+        let s = &mut self.slots[slot];
+        s.busy = true;
+        s.seq = self.issued;
+        self.issued += 1;
         Ok(())
+    }
+
+    /// Records the outcome of a wait for `slot`'s copy.
+    fn waited(&mut self, slot: usize, r: Result<(), GpuError>) -> Result<(), GpuError> {
+        let s = &mut self.slots[slot];
+        s.busy = false;
+        match r {
+            Ok(()) => {
+                self.done = self.done.max(s.seq + 1);
+                Ok(())
+            }
+            Err(e) => Err(self.fault.get_or_insert(e).clone()),
+        }
     }
 
     /// Waits for the last copy that used `slot`.
     fn wait(&mut self, slot: usize) -> Result<(), GpuError> {
+        if let Some(e) = &self.fault {
+            return Err(e.clone());
+        }
         if !self.slots[slot].busy {
             return Ok(());
         }
-        self.slots[slot].busy = false;
         // SAFETY: an event of this ring, recorded.
-        check("cuEventSynchronize", unsafe {
+        let r = check("cuEventSynchronize", unsafe {
             cu::cuEventSynchronize(self.slots[slot].event)
-        })
+        });
+        self.waited(slot, r)
     }
 
-    /// Waits for every copy issued.
+    /// Waits for every copy issued. The buffers are free afterwards even
+    /// when a copy failed (the first failure is returned).
     fn drain(&mut self) -> Result<(), GpuError> {
         let mut first = Ok(());
         for k in 0..self.slots.len() {
-            let r = self.wait(k);
+            let r = if self.slots[k].busy {
+                // SAFETY: an event of this ring, recorded.
+                let r = check("cuEventSynchronize", unsafe {
+                    cu::cuEventSynchronize(self.slots[k].event)
+                });
+                self.waited(k, r)
+            } else {
+                Ok(())
+            };
             if first.is_ok() {
                 first = r;
             }
         }
-        first
+        first?;
+        match &self.fault {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the copies up to `ticket`'s have completed: asked of the
+    /// driver without blocking, or waited for when `block`.
+    fn landed(&mut self, ticket: Ticket, block: bool) -> Result<bool, GpuError> {
+        debug_assert_eq!((ticket.device, ticket.ring), (self.device, self.id));
+        if ticket.end <= self.done {
+            return Ok(true);
+        }
+        if let Some(e) = &self.fault {
+            return Err(e.clone());
+        }
+        // Its last copy is not done, so that copy's slot has not been
+        // taken again (a slot is waited for first): it still holds it.
+        let last = ticket.end - 1;
+        let slot = (last % self.slots.len() as u64) as usize;
+        debug_assert!(self.slots[slot].busy && self.slots[slot].seq == last);
+        if block {
+            self.wait(slot)?;
+            return Ok(true);
+        }
+        // SAFETY: an event of this ring, recorded.
+        let r = unsafe { cu::cuEventQuery(self.slots[slot].event) };
+        if r == cu::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        self.waited(slot, check("cuEventQuery", r))?;
+        Ok(true)
     }
 
     /// Sends `len` bytes of device memory at `src` through `write`, chunk by
@@ -165,6 +280,7 @@ impl Staging {
             }
         };
         let (mut issue, mut send) = ((0usize, 0u64), (0usize, 0u64));
+        let base = self.issued;
         let (mut issued, mut sent, mut bytes) = (0u64, 0u64, 0u64);
         let r = (|| -> Result<usize, super::StageError> {
             while send.0 < pieces.len() {
@@ -172,14 +288,14 @@ impl Staging {
                     return Ok(send.0);
                 }
                 while issue.0 < pieces.len() && issued - sent < n {
-                    let slot = (issued % n) as usize;
+                    let slot = self.next_slot()?;
                     let host = self.slots[slot].host as u64;
                     let len = piece(issue) as usize;
                     self.issue(slot, host, pieces[issue.0].0 + issue.1, len)?;
                     issue = next(issue);
                     issued += 1;
                 }
-                let slot = (sent % n) as usize;
+                let slot = ((base + sent) % n) as usize;
                 self.wait(slot)?;
                 let len = piece(send) as usize;
                 // SAFETY: the slot's copy has completed (waited above); its
@@ -212,29 +328,48 @@ impl Staging {
         len: u64,
         read: &mut dyn FnMut(&mut [u8]) -> std::io::Result<()>,
     ) -> Result<(), super::StageError> {
-        driver()?.bind(self.device)?;
-        let chunk = self.shape.chunk as u64;
-        let n = self.slots.len() as u64;
-        let chunks = len.div_ceil(chunk);
-        let r = (|| -> Result<(), super::StageError> {
-            for k in 0..chunks {
-                let slot = (k % n) as usize;
-                let piece = (chunk.min(len - k * chunk)) as usize;
-                self.wait(slot)?;
-                // SAFETY: no copy reads the slot's buffer any more (waited
-                // above); it has `chunk >= piece` bytes.
-                let buf = unsafe { std::slice::from_raw_parts_mut(self.slots[slot].host, piece) };
-                read(buf).map_err(super::StageError::Io)?;
-                let host = self.slots[slot].host as u64;
-                self.issue(slot, dst + k * chunk, host, piece)?;
-            }
-            Ok(())
-        })();
+        // SAFETY: forwarded contract; the copies are waited for below.
+        let r = unsafe { self.recv_deferred(dst, len, read) };
         let drained = self.drain();
         r?;
         drained?;
-        super::count_staged(chunks, len);
         Ok(())
+    }
+
+    /// Receives `len` bytes through `read` into device memory at `dst` as
+    /// [`recv`](Self::recv) does, but returns once the last chunk's copy
+    /// is issued: the ticket tells when they have all landed
+    /// ([`landed`](Self::landed)). Chunks of later receives are read while
+    /// these copies run.
+    ///
+    /// # Safety
+    /// `[dst, dst + len)` is device memory of this ring's device, allocated
+    /// and writable until the ticket is known landed (or the ring drained).
+    pub(crate) unsafe fn recv_deferred(
+        &mut self,
+        dst: u64,
+        len: u64,
+        read: &mut dyn FnMut(&mut [u8]) -> std::io::Result<()>,
+    ) -> Result<Ticket, super::StageError> {
+        driver()?.bind(self.device)?;
+        let chunk = self.shape.chunk as u64;
+        let chunks = len.div_ceil(chunk);
+        for k in 0..chunks {
+            let piece = (chunk.min(len - k * chunk)) as usize;
+            let slot = self.next_slot()?;
+            // SAFETY: no copy reads the slot's buffer any more (waited for
+            // by `next_slot`); it has `chunk >= piece` bytes.
+            let buf = unsafe { std::slice::from_raw_parts_mut(self.slots[slot].host, piece) };
+            read(buf).map_err(super::StageError::Io)?;
+            let host = self.slots[slot].host as u64;
+            self.issue(slot, dst + k * chunk, host, piece)?;
+        }
+        super::count_staged(chunks, len);
+        Ok(Ticket {
+            device: self.device,
+            ring: self.id,
+            end: self.issued,
+        })
     }
 }
 
@@ -253,13 +388,40 @@ impl Drop for Staging {
     }
 }
 
-thread_local! {
-    /// The calling thread's staging rings, one per device used.
-    static STAGING: RefCell<Vec<Staging>> = const { RefCell::new(Vec::new()) };
+/// A ring retired after a copy through it failed: what its copies' tickets
+/// are told afterwards.
+struct Retired {
+    device: u32,
+    id: u64,
+    /// Every copy numbered below this one completed.
+    done: u64,
+    fault: GpuError,
 }
 
-/// Runs `f` with the calling thread's staging ring for `device` (made, or
-/// made again in another shape, on first use).
+/// A thread's staging rings.
+struct Rings {
+    /// One per device and shape used.
+    live: Vec<Staging>,
+    /// Every ring retired (a few words each; a copy fails rarely, and
+    /// usually ends the context with it).
+    retired: Vec<Retired>,
+}
+
+thread_local! {
+    /// The calling thread's staging rings.
+    static STAGING: RefCell<Rings> = const {
+        RefCell::new(Rings {
+            live: Vec::new(),
+            retired: Vec::new(),
+        })
+    };
+}
+
+/// Runs `f` with the calling thread's staging ring for `device` in `shape`
+/// (made on first use). A ring lives as long as its thread unless a copy
+/// through it fails: it is then retired (drained and freed) when next
+/// asked for, and a new one made; the tickets of its copies are answered
+/// from what it knew.
 pub(crate) fn with_staging<R>(
     device: u32,
     shape: super::StagingShape,
@@ -267,17 +429,83 @@ pub(crate) fn with_staging<R>(
 ) -> Result<R, GpuError> {
     let cuda = driver()?;
     STAGING.with(|s| {
-        let mut rings = s.borrow_mut();
-        let i = match rings.iter().position(|r| r.device == device) {
-            Some(i) if rings[i].shape == shape => i,
-            found => {
-                if let Some(i) = found {
-                    rings.swap_remove(i);
-                }
-                rings.push(Staging::new(cuda, device, shape)?);
-                rings.len() - 1
+        let rings = &mut *s.borrow_mut();
+        let found = rings
+            .live
+            .iter()
+            .position(|r| r.device == device && r.shape == shape);
+        if let Some(i) = found
+            && rings.live[i].fault.is_some()
+        {
+            let mut old = rings.live.swap_remove(i);
+            let _ = old.drain();
+            rings.retired.push(Retired {
+                device,
+                id: old.id,
+                done: old.done,
+                fault: old.fault.take().expect("looked at above"),
+            });
+        }
+        let i = match rings
+            .live
+            .iter()
+            .position(|r| r.device == device && r.shape == shape)
+        {
+            Some(i) => i,
+            None => {
+                rings.live.push(Staging::new(cuda, device, shape)?);
+                rings.live.len() - 1
             }
         };
-        Ok(f(&mut rings[i]))
+        Ok(f(&mut rings.live[i]))
     })
+}
+
+/// Receives `len` bytes through `read` into device memory at `dst` on
+/// `device` through the calling thread's ring ([`Staging::recv_deferred`]):
+/// returns once the copies are issued. On failure every copy of the ring
+/// has completed when it returns.
+///
+/// # Safety
+/// As [`Staging::recv_deferred`].
+pub(crate) unsafe fn recv_deferred(
+    device: u32,
+    shape: super::StagingShape,
+    dst: u64,
+    len: u64,
+    read: &mut dyn FnMut(&mut [u8]) -> std::io::Result<()>,
+) -> Result<Ticket, super::StageError> {
+    with_staging(device, shape, |s| {
+        // SAFETY: forwarded contract.
+        let r = unsafe { s.recv_deferred(dst, len, read) };
+        if r.is_err() {
+            // The copies issued read buffers and write memory that the
+            // caller lets go on failure.
+            let _ = s.drain();
+        }
+        r
+    })?
+}
+
+/// Whether the copies up to `ticket`'s have completed ([`Staging::landed`]),
+/// in the calling thread's ring that issued them, or as that ring knew
+/// when it was retired. When the thread's rings are gone (its exit), they
+/// were dropped, which waits for every copy.
+pub(crate) fn landed(ticket: Ticket, block: bool) -> Result<bool, GpuError> {
+    STAGING
+        .try_with(|s| {
+            let rings = &mut *s.borrow_mut();
+            let is = |device, id| device == ticket.device && id == ticket.ring;
+            if let Some(r) = rings.live.iter_mut().find(|r| is(r.device, r.id)) {
+                return r.landed(ticket, block);
+            }
+            let r = rings.retired.iter().find(|r| is(r.device, r.id));
+            let r = r.expect("a ticket's ring is live or retired");
+            if ticket.end > r.done {
+                Err(r.fault.clone())
+            } else {
+                Ok(true)
+            }
+        })
+        .unwrap_or(Ok(true))
 }

@@ -41,6 +41,8 @@ enum {
     CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700,
     CUDA_ERROR_NOT_SUPPORTED = 801,
 };
 
@@ -56,6 +58,7 @@ struct alloc {
     int sync_memops;
     int fd;      /* the memfd holding the bytes */
     int opened;  /* mapped from another process's IPC handle */
+    unsigned long long copies_in; /* copies queued into it */
 };
 
 struct ipc_handle {
@@ -302,13 +305,42 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
 /* Streams run their work on a thread of their own, in order, each copy
  * after a short random delay: a caller that reuses a buffer before waiting
  * for the copy that reads it, or reads a destination before the copy has
- * landed, sees wrong bytes. Events mark a point in a stream. */
+ * landed, sees wrong bytes. Events mark a point in a stream.
+ *
+ * For the tests, each about the copies into one allocation (named by its
+ * base address), so that tests running side by side do not meet:
+ * fakecuda_hold(base) keeps them from starting until fakecuda_hold(0);
+ * fakecuda_copies_into(base) counts those queued; and
+ * fakecuda_fail_copy_into(base) makes the next one queued fail when it
+ * runs, as an asynchronous fault does: it copies nothing, and waiting for
+ * it or anything after it in its stream fails with
+ * CUDA_ERROR_ILLEGAL_ADDRESS. */
 struct op {
     struct op *next;
     char *dst;
     const char *src;
     size_t n;
+    CUdeviceptr into; /* the base of the destination allocation, or 0 */
+    int fail;
 };
+
+static pthread_mutex_t hold_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t hold_cv = PTHREAD_COND_INITIALIZER;
+static CUdeviceptr held;
+static CUdeviceptr fail_into;
+
+void fakecuda_hold(CUdeviceptr base) {
+    pthread_mutex_lock(&hold_mu);
+    held = base;
+    pthread_cond_broadcast(&hold_cv);
+    pthread_mutex_unlock(&hold_mu);
+}
+
+void fakecuda_fail_copy_into(CUdeviceptr base) {
+    pthread_mutex_lock(&hold_mu);
+    fail_into = base;
+    pthread_mutex_unlock(&hold_mu);
+}
 
 struct stream {
     pthread_mutex_t mu;
@@ -316,6 +348,7 @@ struct stream {
     pthread_t thread;
     struct op *head, *tail;
     unsigned long long enqueued, completed;
+    unsigned long long failed; /* the first failed op's number, or 0 */
     int stop;
     unsigned seed;
 };
@@ -334,13 +367,17 @@ static void *stream_main(void *arg) {
         struct op *o = s->head;
         pthread_mutex_unlock(&s->mu);
         if (o->n) {
+            pthread_mutex_lock(&hold_mu);
+            while (o->into && held == o->into) pthread_cond_wait(&hold_cv, &hold_mu);
+            pthread_mutex_unlock(&hold_mu);
             usleep(rand_r(&s->seed) % 300);
-            memmove(o->dst, o->src, o->n);
+            if (!o->fail) memmove(o->dst, o->src, o->n);
         }
         pthread_mutex_lock(&s->mu);
         s->head = o->next;
         if (!s->head) s->tail = NULL;
         s->completed++;
+        if (o->fail && !s->failed) s->failed = s->completed;
         free(o);
         pthread_cond_broadcast(&s->cv);
     }
@@ -348,12 +385,23 @@ static void *stream_main(void *arg) {
     return NULL;
 }
 
-/* Queues a copy (n > 0) or a marker (n == 0); returns its sequence number. */
-static unsigned long long enqueue(struct stream *s, char *dst, const char *src, size_t n) {
+/* Queues a copy (n > 0) into allocation `into` (0: host memory) or a
+ * marker (n == 0); returns its sequence number. */
+static unsigned long long enqueue(struct stream *s, char *dst, const char *src, size_t n,
+                                  CUdeviceptr into) {
     struct op *o = calloc(1, sizeof *o);
     o->dst = dst;
     o->src = src;
     o->n = n;
+    o->into = into;
+    if (n && into) {
+        pthread_mutex_lock(&hold_mu);
+        if (fail_into == into) {
+            o->fail = 1;
+            fail_into = 0;
+        }
+        pthread_mutex_unlock(&hold_mu);
+    }
     pthread_mutex_lock(&s->mu);
     if (s->tail) s->tail->next = o; else s->head = o;
     s->tail = o;
@@ -363,10 +411,13 @@ static unsigned long long enqueue(struct stream *s, char *dst, const char *src, 
     return seq;
 }
 
-static void wait_for(struct stream *s, unsigned long long seq) {
+/* Waits until op `seq` has run; fails if it or an op before it failed. */
+static CUresult wait_for(struct stream *s, unsigned long long seq) {
     pthread_mutex_lock(&s->mu);
     while (s->completed < seq) pthread_cond_wait(&s->cv, &s->mu);
+    int failed = s->failed && s->failed <= seq;
     pthread_mutex_unlock(&s->mu);
+    return failed ? CUDA_ERROR_ILLEGAL_ADDRESS : CUDA_SUCCESS;
 }
 
 CUresult cuStreamCreate(void **out, unsigned flags) {
@@ -391,8 +442,7 @@ CUresult cuStreamSynchronize(void *p) {
     pthread_mutex_lock(&s->mu);
     unsigned long long seq = s->enqueued;
     pthread_mutex_unlock(&s->mu);
-    wait_for(s, seq);
-    return CUDA_SUCCESS;
+    return wait_for(s, seq);
 }
 
 CUresult cuStreamDestroy_v2(void *p) {
@@ -417,15 +467,27 @@ CUresult cuEventRecord(void *e, void *s) {
     if (!e || !s) return CUDA_ERROR_INVALID_VALUE;
     struct event *ev = e;
     ev->stream = s;
-    ev->seq = enqueue(s, NULL, NULL, 0);
+    ev->seq = enqueue(s, NULL, NULL, 0, 0);
     return CUDA_SUCCESS;
 }
 
 CUresult cuEventSynchronize(void *e) {
     struct event *ev = e;
     if (!ev) return CUDA_ERROR_INVALID_VALUE;
-    if (ev->stream) wait_for(ev->stream, ev->seq);
-    return CUDA_SUCCESS;
+    return ev->stream ? wait_for(ev->stream, ev->seq) : CUDA_SUCCESS;
+}
+
+CUresult cuEventQuery(void *e) {
+    struct event *ev = e;
+    if (!ev) return CUDA_ERROR_INVALID_VALUE;
+    if (!ev->stream) return CUDA_SUCCESS;
+    struct stream *s = ev->stream;
+    pthread_mutex_lock(&s->mu);
+    CUresult r = s->completed < ev->seq ? CUDA_ERROR_NOT_READY
+                 : (s->failed && s->failed <= ev->seq) ? CUDA_ERROR_ILLEGAL_ADDRESS
+                 : CUDA_SUCCESS;
+    pthread_mutex_unlock(&s->mu);
+    return r;
 }
 
 CUresult cuEventDestroy_v2(void *e) {
@@ -464,9 +526,12 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream)
     if (!stream) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&lock);
     char *d = host_of(dst, n), *s = host_of(src, n);
+    struct alloc *into = n ? find(dst) : NULL;
+    if (into) into->copies_in++;
+    CUdeviceptr base = into ? into->base : 0;
     pthread_mutex_unlock(&lock);
     if (!d || !s) return CUDA_ERROR_INVALID_VALUE;
-    if (n) enqueue(stream, d, s, n);
+    if (n) enqueue(stream, d, s, n, base);
     return CUDA_SUCCESS;
 }
 
@@ -488,15 +553,27 @@ CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
     for (size_t i = 0; i < count; i++) {
         pthread_mutex_lock(&lock);
         char *d = host_of(dsts[i], sizes[i]), *s = host_of(srcs[i], sizes[i]);
+        struct alloc *into = find(dsts[i]);
+        if (into) into->copies_in++;
+        CUdeviceptr base = into ? into->base : 0;
         pthread_mutex_unlock(&lock);
         if (!d || !s || sizes[i] == 0) {
             *fail_idx = i;
             return CUDA_ERROR_INVALID_VALUE;
         }
-        enqueue(stream, d, s, sizes[i]);
+        enqueue(stream, d, s, sizes[i], base);
     }
     __atomic_fetch_add(&batched_copies, count, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
+}
+
+/* Copies queued into the allocation based at `base` so far. */
+unsigned long long fakecuda_copies_into(CUdeviceptr base) {
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(base);
+    unsigned long long n = a ? a->copies_in : 0;
+    pthread_mutex_unlock(&lock);
+    return n;
 }
 
 /* Copies issued through cuMemcpyBatchAsync so far (for the tests). */

@@ -374,35 +374,6 @@ pub(crate) unsafe fn send_staged_pieces(
     }
 }
 
-/// Receives `len` bytes through `read` into device memory at `dst` (on
-/// `device`), staged through the calling thread's pinned ring; returns
-/// once they have landed.
-///
-/// # Safety
-/// `[dst, dst + len)` is device memory on `device`, allocated and
-/// writable for the whole call.
-#[allow(unsafe_code)]
-pub(crate) unsafe fn recv_staged(
-    device: u32,
-    shape: StagingShape,
-    dst: u64,
-    len: u64,
-    read: &mut dyn FnMut(&mut [u8]) -> std::io::Result<()>,
-) -> Result<(), StageError> {
-    #[cfg(feature = "cuda")]
-    {
-        // SAFETY: forwarded contract.
-        with_staging(device, shape, |s| unsafe { s.recv(dst, len, read) })?
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (device, shape, dst, len, read);
-        Err(StageError::Gpu(GpuError::NoDriver(
-            "kvxfer was built without the `cuda` feature".into(),
-        )))
-    }
-}
-
 /// Segments received into GPU memory through the calling thread's staging
 /// rings whose copies may still be running, oldest first, each with what
 /// its receiver keeps until they have landed (the guard that holds the

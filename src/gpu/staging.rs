@@ -316,29 +316,9 @@ impl Staging {
     }
 
     /// Receives `len` bytes through `read` into device memory at `dst`,
-    /// chunk by chunk through the pinned buffers (the copy of chunk `k` up
-    /// runs while chunk `k + 1` is read); returns once all have landed.
-    ///
-    /// # Safety
-    /// `[dst, dst + len)` is device memory of this ring's device, allocated
-    /// and writable for the whole call.
-    pub(crate) unsafe fn recv(
-        &mut self,
-        dst: u64,
-        len: u64,
-        read: &mut dyn FnMut(&mut [u8]) -> std::io::Result<()>,
-    ) -> Result<(), super::StageError> {
-        // SAFETY: forwarded contract; the copies are waited for below.
-        let r = unsafe { self.recv_deferred(dst, len, read) };
-        let drained = self.drain();
-        r?;
-        drained?;
-        Ok(())
-    }
-
-    /// Receives `len` bytes through `read` into device memory at `dst` as
-    /// [`recv`](Self::recv) does, but returns once the last chunk's copy
-    /// is issued: the ticket tells when they have all landed
+    /// chunk by chunk through the pinned buffers (the copy of chunk `k`
+    /// runs while chunk `k + 1` is read), and returns once the last chunk's
+    /// copy is issued: the ticket tells when they have all landed
     /// ([`landed`](Self::landed)). Chunks of later receives are read while
     /// these copies run.
     ///

@@ -176,13 +176,16 @@ unsafe fn write_pieces(b: &StagedBatch) -> Result<(), Error> {
     Ok(())
 }
 
-/// `b`'s pieces read, one after the other (each through the pipeline:
-/// the host→device copy of a chunk runs while the next is read); stops
-/// before a piece once `b.stop` says so.
+/// `b`'s pieces read, one after the other, each chunk's host→device copy
+/// running while the next chunk is read, of this piece or the next ones
+/// (the copies are waited for at the end); stops before a piece once
+/// `b.stop` says so (the pieces begun are copied whole).
 ///
 /// # Safety
 /// As [`Stager::submit`].
 unsafe fn read_pieces(b: &StagedBatch) -> Result<(), Error> {
+    // Dropped on every return: waits for the copies still running.
+    let mut landings = crate::gpu::Landings::new();
     for p in &b.pieces {
         if Batch::stopped(&b.stop) {
             return Err(Error::Aborted);
@@ -194,14 +197,18 @@ unsafe fn read_pieces(b: &StagedBatch) -> Result<(), Error> {
             at += buf.len() as u64;
             Ok(())
         };
-        // SAFETY: the device range is allocated for the call and nothing
-        // else accesses it (the submitter's contract).
-        let staged = unsafe { crate::gpu::recv_staged(p.device, b.shape, p.gpu, p.len, &mut read) };
+        // SAFETY: the device range is allocated for the call, which waits
+        // for its copies before it returns (`landings`), and nothing else
+        // accesses it (the submitter's contract).
+        let staged = unsafe { landings.land(p.device, b.shape, p.gpu, p.len, &mut read, ()) };
         match staged {
             Ok(()) => {}
-            Err(StageError::Io(e)) => return Err(io_error(p.handle, false, e)),
-            Err(StageError::Gpu(e)) => return Err(Error::Gpu(e)),
+            Err((StageError::Io(e), ())) => return Err(io_error(p.handle, false, e)),
+            Err((StageError::Gpu(e), ())) => return Err(Error::Gpu(e)),
         }
+    }
+    while let Some(((), landed)) = landings.next(true) {
+        landed.map_err(Error::Gpu)?;
     }
     Ok(())
 }

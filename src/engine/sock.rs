@@ -313,8 +313,9 @@ impl<'c> FrameReader<'c> {
     /// Hands each segment of `landings` whose copies into GPU memory have
     /// completed to `report`, in order, until all have or the next frame
     /// begins to arrive (then its segments are read while the copies run).
-    /// Waits in pauses of up to a millisecond, asking `idle` after each
-    /// full one (an agent closing ends the wait).
+    /// Looks at the copies again after pauses growing to 50 µs (a landed
+    /// segment is told at most that late), asking `idle` every millisecond
+    /// or so (an agent closing ends the wait).
     pub(crate) fn settle<T, E>(
         &self,
         landings: &mut crate::gpu::Landings<T>,
@@ -322,8 +323,10 @@ impl<'c> FrameReader<'c> {
         on_idle: impl Fn(io::Error) -> E,
         mut report: impl FnMut(T, Result<(), crate::gpu::GpuError>) -> Result<(), E>,
     ) -> Result<(), E> {
-        const MOST: std::time::Duration = std::time::Duration::from_millis(1);
-        let mut pause = std::time::Duration::from_micros(5);
+        use std::time::Duration;
+        const MOST: Duration = Duration::from_micros(50);
+        const ASK_IDLE: Duration = Duration::from_millis(1);
+        let (mut pause, mut waited) = (Duration::from_micros(5), Duration::ZERO);
         loop {
             while let Some((tag, r)) = landings.next(false) {
                 report(tag, r)?;
@@ -331,8 +334,10 @@ impl<'c> FrameReader<'c> {
             if landings.is_empty() || self.frame_waiting(pause) {
                 return Ok(());
             }
-            if pause >= MOST {
+            waited += pause;
+            if waited >= ASK_IDLE {
                 idle.on_idle(false).map_err(&on_idle)?;
+                waited = Duration::ZERO;
             }
             pause = (pause * 2).min(MOST);
         }

@@ -238,41 +238,73 @@ fn until(what: &str, f: impl Fn() -> bool) {
 const PIECE: u64 = 64 << 10;
 
 /// Two TCP agents with one stream each (every segment through one
-/// connection thread, so one staging ring on each side).
-fn one_stream_pair(
-    a: &str,
-    b: &str,
-) -> (
-    Box<dyn kvxfer::TransferAgent>,
-    Box<dyn kvxfer::TransferAgent>,
-) {
-    let make = |name| {
-        kvxfer::make_transfer_agent(
-            kvxfer::Backend::Tcp,
-            kvxfer::AgentConfig::new(name).with_streams_per_peer(1),
-        )
-        .unwrap()
-    };
-    (make(a), make(b))
+/// connection thread, so one staging ring on each side), each with host
+/// memory `src` and GPU memory (`ga` on `a`, `gb` on `b`) registered.
+/// The agents are dropped before the memory.
+struct Pair {
+    a: Box<dyn kvxfer::TransferAgent>,
+    _b: Box<dyn kvxfer::TransferAgent>,
+    b_name: String,
+    src: Vec<u8>,
+    ga: gpu::DeviceBuffer,
+    gb: gpu::DeviceBuffer,
 }
 
-/// Three 64 KiB pieces of `src` (the i-th at `i * PIECE`) to GPU memory
-/// `g`, the i-th at `(2 - i) * 2 * PIECE`: three segments, none adjacent.
-fn three_pieces(src: &[u8], g: &gpu::DeviceBuffer) -> (kvxfer::MemoryDescs, kvxfer::MemoryDescs) {
-    let l = (0..3)
-        .map(|i| kvxfer::MemoryDesc::new(src.as_ptr() as u64 + i * PIECE, PIECE, 0))
-        .collect();
-    let r = (0..3)
-        .map(|i| kvxfer::MemoryDesc::new(g.addr() + (2 - i) * 2 * PIECE, PIECE, g.device()))
-        .collect();
-    (
-        kvxfer::MemoryDescs::new(kvxfer::MemoryType::Dram, l),
-        kvxfer::MemoryDescs::new(kvxfer::MemoryType::Vram, r),
-    )
+impl Pair {
+    fn new(name: &str, seed: u8) -> Pair {
+        let make = |name: String| {
+            kvxfer::make_transfer_agent(
+                kvxfer::Backend::Tcp,
+                kvxfer::AgentConfig::new(name).with_streams_per_peer(1),
+            )
+            .unwrap()
+        };
+        let b_name = format!("{name}-b");
+        let (a, b) = (make(format!("{name}-a")), make(b_name.clone()));
+        let src = suite::pattern(3 * PIECE as usize, seed);
+        let ga = gpu::DeviceBuffer::new(0, 6 * PIECE).unwrap();
+        let gb = gpu::DeviceBuffer::new(0, 6 * PIECE).unwrap();
+        suite::register_dram(a.as_ref(), &src);
+        suite::register_dram(b.as_ref(), &src);
+        suite::register_vram(a.as_ref(), &ga).unwrap();
+        suite::register_vram(b.as_ref(), &gb).unwrap();
+        a.load_remote_agent(&b.local_agent_desc()).unwrap();
+        Pair {
+            a,
+            _b: b,
+            b_name,
+            src,
+            ga,
+            gb,
+        }
+    }
+
+    /// Three 64 KiB pieces of `src` (the i-th at `i * PIECE`) into GPU
+    /// memory, the i-th at `(2 - i) * 2 * PIECE`: three segments, none
+    /// adjacent. A write: `a`'s host memory into `gb` (the target
+    /// receives); a read: `b`'s host memory into `ga` (the initiator
+    /// receives). Returns the request and its GPU memory.
+    fn three_pieces(&self, write: bool) -> (kvxfer::TransferRequest, &gpu::DeviceBuffer) {
+        let g = if write { &self.gb } else { &self.ga };
+        let l = (0..3)
+            .map(|i| kvxfer::MemoryDesc::new(self.src.as_ptr() as u64 + i * PIECE, PIECE, 0))
+            .collect();
+        let r = (0..3)
+            .map(|i| kvxfer::MemoryDesc::new(g.addr() + (2 - i) * 2 * PIECE, PIECE, g.device()))
+            .collect();
+        let dram = kvxfer::MemoryDescs::new(kvxfer::MemoryType::Dram, l);
+        let vram = kvxfer::MemoryDescs::new(kvxfer::MemoryType::Vram, r);
+        let req = if write {
+            kvxfer::TransferRequest::write(dram, vram, &self.b_name)
+        } else {
+            kvxfer::TransferRequest::read(vram, dram, &self.b_name)
+        };
+        (req, g)
+    }
 }
 
-/// Whether `g` holds the three pieces of `src` where [`three_pieces`] put
-/// them.
+/// Whether `g` holds the three pieces of `src` where
+/// [`Pair::three_pieces`] puts them.
 fn three_landed(src: &[u8], g: &gpu::DeviceBuffer) -> bool {
     let on = suite::device_bytes(g);
     (0..3usize).all(|i| {
@@ -291,34 +323,19 @@ fn three_landed(src: &[u8], g: &gpu::DeviceBuffer) -> bool {
 #[test]
 fn staged_receives_read_on_while_copies_run() {
     ready("staged_receives_read_on_while_copies_run");
-    let src = suite::pattern(3 * PIECE as usize, 21);
-    let gb = gpu::DeviceBuffer::new(0, 6 * PIECE).unwrap();
-    let ga = gpu::DeviceBuffer::new(0, 6 * PIECE).unwrap();
-    let (a, b) = one_stream_pair("read-on-a", "read-on-b");
-    suite::register_dram(a.as_ref(), &src);
-    suite::register_dram(b.as_ref(), &src);
-    suite::register_vram(a.as_ref(), &ga).unwrap();
-    suite::register_vram(b.as_ref(), &gb).unwrap();
-    a.load_remote_agent(&b.local_agent_desc()).unwrap();
-    for (g, write) in [(&gb, true), (&ga, false)] {
-        let (dram, vram) = three_pieces(&src, g);
-        let req = if write {
-            // DRAM (a) → VRAM (b): the target's receive.
-            kvxfer::TransferRequest::write(dram, vram, "read-on-b")
-        } else {
-            // VRAM (a) ← DRAM (b): the initiator's receive.
-            kvxfer::TransferRequest::read(vram, dram, "read-on-b")
-        };
+    let p = Pair::new("read-on", 21);
+    for write in [true, false] {
+        let (req, g) = p.three_pieces(write);
         let held = hold(g.addr());
         let before = copies_into(g.addr());
-        let st = a.submit_transfer(&req).unwrap();
+        let st = p.a.submit_transfer(&req).unwrap();
         until("the three segments' copies queued while held", || {
             copies_into(g.addr()) >= before + 3
         });
         assert_eq!(st.poll().unwrap(), kvxfer::TransferState::InProgress);
         drop(held);
         st.wait(std::time::Duration::from_secs(60)).unwrap();
-        assert!(three_landed(&src, g), "write: {write}");
+        assert!(three_landed(&p.src, g), "write: {write}");
     }
 }
 
@@ -330,26 +347,11 @@ fn staged_receives_read_on_while_copies_run() {
 #[test]
 fn a_failed_staged_copy_fails_its_request_and_the_link_serves_on() {
     ready("a_failed_staged_copy_fails_its_request_and_the_link_serves_on");
-    let src = suite::pattern(3 * PIECE as usize, 22);
-    let gb = gpu::DeviceBuffer::new(0, 6 * PIECE).unwrap();
-    let ga = gpu::DeviceBuffer::new(0, 6 * PIECE).unwrap();
-    let (a, b) = one_stream_pair("fault-a", "fault-b");
-    suite::register_dram(a.as_ref(), &src);
-    suite::register_dram(b.as_ref(), &src);
-    suite::register_vram(a.as_ref(), &ga).unwrap();
-    suite::register_vram(b.as_ref(), &gb).unwrap();
-    a.load_remote_agent(&b.local_agent_desc()).unwrap();
-    for (g, write) in [(&gb, true), (&ga, false)] {
-        let request = || {
-            let (dram, vram) = three_pieces(&src, g);
-            if write {
-                kvxfer::TransferRequest::write(dram, vram, "fault-b")
-            } else {
-                kvxfer::TransferRequest::read(vram, dram, "fault-b")
-            }
-        };
+    let p = Pair::new("fault", 22);
+    for write in [true, false] {
+        let (req, g) = p.three_pieces(write);
         fail_copy_into(g.addr());
-        let st = a.submit_transfer(&request()).unwrap();
+        let st = p.a.submit_transfer(&req).unwrap();
         let e = st.wait(std::time::Duration::from_secs(60)).unwrap_err();
         if write {
             assert!(
@@ -368,8 +370,8 @@ fn a_failed_staged_copy_fails_its_request_and_the_link_serves_on() {
                 "{e:?}"
             );
         }
-        let st = a.submit_transfer(&request()).unwrap();
+        let st = p.a.submit_transfer(&req).unwrap();
         st.wait(std::time::Duration::from_secs(60)).unwrap();
-        assert!(three_landed(&src, g), "write: {write}");
+        assert!(three_landed(&p.src, g), "write: {write}");
     }
 }

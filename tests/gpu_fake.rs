@@ -190,8 +190,8 @@ fn vram_on_rdma_registration_names_both_attempts() {
     assert!(suite::device_bytes(&g) == src);
 }
 
-/// The stand-in's test controls, each about the copies into one allocation
-/// (named by its base address): hold them (0 lets go), count them, make
+/// The stand-in's test controls, each about the copies into or from one
+/// allocation (named by its base address): hold them (0 lets go), count them, make
 /// the next one fail as an asynchronous fault does.
 fn control(name: &[u8]) -> unsafe extern "C" fn(u64) -> u64 {
     // SAFETY: the stand-in's controls all take one address; those that
@@ -199,7 +199,7 @@ fn control(name: &[u8]) -> unsafe extern "C" fn(u64) -> u64 {
     *unsafe { stand_in().get::<unsafe extern "C" fn(u64) -> u64>(name) }.unwrap()
 }
 
-/// Holds the copies into the allocation at `base` until dropped (also
+/// Holds the copies into or from the allocation at `base` until dropped (also
 /// when a check fails, so that the agents' threads can finish).
 struct Held;
 
@@ -216,14 +216,14 @@ impl Drop for Held {
     }
 }
 
-fn copies_into(base: u64) -> u64 {
-    // SAFETY: the stand-in's fakecuda_copies_into(CUdeviceptr).
-    unsafe { control(b"fakecuda_copies_into")(base) }
+fn copies_with(base: u64) -> u64 {
+    // SAFETY: the stand-in's fakecuda_copies_with(CUdeviceptr).
+    unsafe { control(b"fakecuda_copies_with")(base) }
 }
 
-fn fail_copy_into(base: u64) {
-    // SAFETY: the stand-in's fakecuda_fail_copy_into(CUdeviceptr).
-    unsafe { control(b"fakecuda_fail_copy_into")(base) };
+fn fail_copy_with(base: u64) {
+    // SAFETY: the stand-in's fakecuda_fail_copy_with(CUdeviceptr).
+    unsafe { control(b"fakecuda_fail_copy_with")(base) };
 }
 
 /// Waits up to a minute for `what` to hold.
@@ -243,7 +243,7 @@ const PIECE: u64 = 64 << 10;
 /// The agents are dropped before the memory.
 struct Pair {
     a: Box<dyn kvxfer::TransferAgent>,
-    _b: Box<dyn kvxfer::TransferAgent>,
+    b: Box<dyn kvxfer::TransferAgent>,
     b_name: String,
     src: Vec<u8>,
     ga: gpu::DeviceBuffer,
@@ -271,7 +271,7 @@ impl Pair {
         a.load_remote_agent(&b.local_agent_desc()).unwrap();
         Pair {
             a,
-            _b: b,
+            b,
             b_name,
             src,
             ga,
@@ -286,14 +286,7 @@ impl Pair {
     /// receives). Returns the request and its GPU memory.
     fn three_pieces(&self, write: bool) -> (kvxfer::TransferRequest, &gpu::DeviceBuffer) {
         let g = if write { &self.gb } else { &self.ga };
-        let l = (0..3)
-            .map(|i| kvxfer::MemoryDesc::new(self.src.as_ptr() as u64 + i * PIECE, PIECE, 0))
-            .collect();
-        let r = (0..3)
-            .map(|i| kvxfer::MemoryDesc::new(g.addr() + (2 - i) * 2 * PIECE, PIECE, g.device()))
-            .collect();
-        let dram = kvxfer::MemoryDescs::new(kvxfer::MemoryType::Dram, l);
-        let vram = kvxfer::MemoryDescs::new(kvxfer::MemoryType::Vram, r);
+        let (dram, vram) = (host_pieces(&self.src), gpu_pieces(g));
         let req = if write {
             kvxfer::TransferRequest::write(dram, vram, &self.b_name)
         } else {
@@ -303,8 +296,25 @@ impl Pair {
     }
 }
 
-/// Whether `g` holds the three pieces of `src` where
-/// [`Pair::three_pieces`] puts them.
+/// Three 64 KiB pieces of host memory `buf`, back to back.
+fn host_pieces(buf: &[u8]) -> kvxfer::MemoryDescs {
+    let l = (0..3)
+        .map(|i| kvxfer::MemoryDesc::new(buf.as_ptr() as u64 + i * PIECE, PIECE, 0))
+        .collect();
+    kvxfer::MemoryDescs::new(kvxfer::MemoryType::Dram, l)
+}
+
+/// Three 64 KiB pieces of GPU memory `g`, the i-th at `(2 - i) * 2 *
+/// PIECE`.
+fn gpu_pieces(g: &gpu::DeviceBuffer) -> kvxfer::MemoryDescs {
+    let r = (0..3)
+        .map(|i| kvxfer::MemoryDesc::new(g.addr() + (2 - i) * 2 * PIECE, PIECE, g.device()))
+        .collect();
+    kvxfer::MemoryDescs::new(kvxfer::MemoryType::Vram, r)
+}
+
+/// Whether `g` holds the three pieces of `src` where [`gpu_pieces`] puts
+/// them.
 fn three_landed(src: &[u8], g: &gpu::DeviceBuffer) -> bool {
     let on = suite::device_bytes(g);
     (0..3usize).all(|i| {
@@ -327,10 +337,10 @@ fn staged_receives_read_on_while_copies_run() {
     for write in [true, false] {
         let (req, g) = p.three_pieces(write);
         let held = hold(g.addr());
-        let before = copies_into(g.addr());
+        let before = copies_with(g.addr());
         let st = p.a.submit_transfer(&req).unwrap();
         until("the three segments' copies queued while held", || {
-            copies_into(g.addr()) >= before + 3
+            copies_with(g.addr()) >= before + 3
         });
         assert_eq!(st.poll().unwrap(), kvxfer::TransferState::InProgress);
         drop(held);
@@ -350,7 +360,7 @@ fn a_failed_staged_copy_fails_its_request_and_the_link_serves_on() {
     let p = Pair::new("fault", 22);
     for write in [true, false] {
         let (req, g) = p.three_pieces(write);
-        fail_copy_into(g.addr());
+        fail_copy_with(g.addr());
         let st = p.a.submit_transfer(&req).unwrap();
         let e = st.wait(std::time::Duration::from_secs(60)).unwrap_err();
         if write {
@@ -373,5 +383,100 @@ fn a_failed_staged_copy_fails_its_request_and_the_link_serves_on() {
         let st = p.a.submit_transfer(&req).unwrap();
         st.wait(std::time::Duration::from_secs(60)).unwrap();
         assert!(three_landed(&p.src, g), "write: {write}");
+    }
+}
+
+/// The target answers READs of its GPU memory that arrived together
+/// through one pipeline: with the copies from that memory held, the copies
+/// of all three segments are queued before any is sent (answering each
+/// segment on its own, its copy waited for, would queue one and wait);
+/// once they run, the data arrives exact and in order.
+#[test]
+fn gpu_reads_answered_through_one_pipeline() {
+    ready("gpu_reads_answered_through_one_pipeline");
+    let back = vec![0u8; 3 * PIECE as usize];
+    let p = Pair::new("read-run", 23);
+    suite::register_dram(p.a.as_ref(), &back);
+    let (fill, gb) = p.three_pieces(true);
+    p.a.submit_transfer(&fill)
+        .unwrap()
+        .wait(std::time::Duration::from_secs(60))
+        .unwrap();
+    let req = kvxfer::TransferRequest::read(host_pieces(&back), gpu_pieces(gb), &p.b_name);
+    let held = hold(gb.addr());
+    let before = copies_with(gb.addr());
+    let st = p.a.submit_transfer(&req).unwrap();
+    until("the three segments' copies queued while held", || {
+        copies_with(gb.addr()) >= before + 3
+    });
+    assert_eq!(st.poll().unwrap(), kvxfer::TransferState::InProgress);
+    drop(held);
+    st.wait(std::time::Duration::from_secs(60)).unwrap();
+    assert!(back == p.src);
+}
+
+/// READs that arrive together at the target and that one pipeline cannot
+/// take (a refused key, host memory) end its run and are answered in turn:
+/// with the target held answering a first READ of its GPU memory, READs
+/// of its GPU memory, of GPU memory with a stale key, again of its GPU
+/// memory and of its host memory queue behind it; each gets its own
+/// answer, in order — the data exact, the stale key refused `BadKey`.
+#[test]
+fn gpu_read_runs_end_at_what_they_cannot_take() {
+    ready("gpu_read_runs_end_at_what_they_cannot_take");
+    let backs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 3 * PIECE as usize]).collect();
+    let stale = gpu::DeviceBuffer::new(0, 6 * PIECE).unwrap();
+    let p = Pair::new("read-mix", 24);
+    for back in &backs {
+        suite::register_dram(p.a.as_ref(), back);
+    }
+    suite::register_vram(p.b.as_ref(), &stale).unwrap();
+    p.a.load_remote_agent(&p.b.local_agent_desc()).unwrap();
+    // `stale`'s key as `a` knows it stops being valid.
+    p.b.deregister_memory(&suite::vram(&stale, 0, stale.len()))
+        .unwrap();
+    suite::register_vram(p.b.as_ref(), &stale).unwrap();
+    let (fill, gb) = p.three_pieces(true);
+    p.a.submit_transfer(&fill)
+        .unwrap()
+        .wait(std::time::Duration::from_secs(60))
+        .unwrap();
+    let read = |back: &[u8], from: kvxfer::MemoryDescs| {
+        p.a.submit_transfer(&kvxfer::TransferRequest::read(
+            host_pieces(back),
+            from,
+            &p.b_name,
+        ))
+        .unwrap()
+    };
+    let held = hold(gb.addr());
+    let before = copies_with(gb.addr());
+    let first = read(&backs[0], gpu_pieces(gb));
+    until("the first READ's copies queued while held", || {
+        copies_with(gb.addr()) >= before + 3
+    });
+    let gpu_again = read(&backs[1], gpu_pieces(gb));
+    let refused = read(&backs[2], gpu_pieces(&stale));
+    let gpu_third = read(&backs[3], gpu_pieces(gb));
+    let host = read(&backs[2], host_pieces(&p.src));
+    drop(held);
+    let wait = |st: &kvxfer::TransferStatus| st.wait(std::time::Duration::from_secs(60));
+    for st in [&first, &gpu_again, &gpu_third] {
+        wait(st).unwrap();
+    }
+    let e = wait(&refused).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            kvxfer::Error::RemoteRejected {
+                reason: kvxfer::RejectReason::BadKey,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    wait(&host).unwrap();
+    for back in &backs {
+        assert!(back == &p.src);
     }
 }

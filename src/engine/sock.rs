@@ -194,6 +194,9 @@ pub(crate) struct FrameReader<'c> {
     /// Control exchanges (handshakes, descriptor fetches) end by this time
     /// however the peer trickles its bytes; `None` on the data path.
     deadline: Option<std::time::Instant>,
+    /// A header read and put back ([`put_back`](Self::put_back)): the next
+    /// one [`next_header`](Self::next_header) returns.
+    put_back: Option<[u8; HEADER_LEN]>,
 }
 
 impl<'c> FrameReader<'c> {
@@ -205,6 +208,7 @@ impl<'c> FrameReader<'c> {
             clock,
             no_read_ahead: false,
             deadline: None,
+            put_back: None,
         }
     }
 
@@ -257,6 +261,8 @@ impl<'c> FrameReader<'c> {
         idle: &mut dyn IdlePolicy,
         mid_frame: bool,
     ) -> io::Result<usize> {
+        // A header put back comes first: no byte after it may be read.
+        debug_assert!(self.put_back.is_none());
         loop {
             if let Some(d) = self.deadline
                 && std::time::Instant::now() >= d
@@ -294,7 +300,7 @@ impl<'c> FrameReader<'c> {
     /// ahead, or the socket readable (or closed, or failed: the read that
     /// follows tells) within `timeout`.
     pub(crate) fn frame_waiting(&self, timeout: std::time::Duration) -> bool {
-        if self.filled > 0 {
+        if self.filled > 0 || self.put_back.is_some() {
             return true;
         }
         let mut pfd = libc::pollfd {
@@ -343,12 +349,23 @@ impl<'c> FrameReader<'c> {
         }
     }
 
+    /// Puts `header`, just read by [`next_header`](Self::next_header) and
+    /// none of its frame's body yet, back: the next `next_header` returns
+    /// it again.
+    pub(crate) fn put_back(&mut self, header: [u8; HEADER_LEN]) {
+        debug_assert!(self.put_back.is_none());
+        self.put_back = Some(header);
+    }
+
     /// Reads the next frame header; `Ok(None)` on a clean close between
     /// frames.
     pub(crate) fn next_header(
         &mut self,
         idle: &mut dyn IdlePolicy,
     ) -> io::Result<Option<[u8; HEADER_LEN]>> {
+        if let Some(h) = self.put_back.take() {
+            return Ok(Some(h));
+        }
         while self.filled < HEADER_LEN {
             let mid = self.filled > 0;
             // SAFETY: a zero-length payload is never written to.

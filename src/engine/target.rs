@@ -496,6 +496,11 @@ impl Inner {
                     len,
                     key,
                 } => {
+                    if mem_type == MemoryType::Vram {
+                        // Told in turn, with the reads that follow it.
+                        self.send_reads_gpu(&mut c, (req, addr, len, key))?;
+                        continue;
+                    }
                     let result = if is_storage(mem_type) {
                         self.send_storage_read(&mut c, req, (mem_type, device), (addr, len), key)?
                     } else {

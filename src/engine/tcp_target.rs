@@ -5,6 +5,9 @@
 
 use super::*;
 
+/// Most `ReadReq`s for GPU memory answered through one staging pipeline.
+pub(in crate::engine) const GPU_READ_RUN: usize = 1024;
+
 impl Inner {
     /// Lands a `Write` frame's payload at `addr` in host memory, or skips
     /// it when the range is refused (the refusal is the segment's outcome).
@@ -124,63 +127,138 @@ impl Inner {
                     tracing::warn!(remote = %session.remote, req, error = %e, "copy to GPU memory failed");
                     RejectReason::GpuCopy
                 });
-                match segment(session, req, 1, result)? {
-                    Some(f) => self.finish(sock, session, f, clock),
-                    None => Ok(()),
-                }
+                self.told(sock, session, clock, req, result)
             })
     }
 
-    /// Answers a `ReadReq` for GPU memory: the header, then the range's
-    /// bytes staged through the connection thread's ring. A driver failure
-    /// after the header cannot be told in-band: the connection ends.
-    fn send_read_gpu(
+    /// Answers a `ReadReq` for GPU memory together with the `ReadReq`s for
+    /// memory of the same GPU that have already arrived behind it (up to
+    /// [`GPU_READ_RUN`]), through one pipeline of the connection thread's
+    /// staging ring: the device→host copies run ahead across them (the
+    /// next segment's while one is sent), and each answer goes out in turn,
+    /// its header with its first chunk. A refused request, or any other
+    /// frame, ends the run: it is put back and handled in turn. A driver
+    /// failure after a header cannot be told in band: the connection ends.
+    pub(in crate::engine) fn send_reads_gpu(
         &self,
         c: &mut Conn<'_, '_, '_>,
-        req: u64,
-        addr: u64,
-        len: u64,
-        key: u64,
-    ) -> io::Result<Result<(), RejectReason>> {
-        let guard = match self.registry.admit_memory(MemoryType::Vram, addr, len, key) {
+        (req, addr, len, key): (u64, u64, u64, u64),
+    ) -> io::Result<()> {
+        let admit = |addr, len, key| self.registry.admit_memory(MemoryType::Vram, addr, len, key);
+        let guard = match admit(addr, len, key) {
             Ok(g) => g,
-            Err(reason) => return self.refuse_read(c, req, reason),
+            Err(reason) => {
+                let refused = self.refuse_read(c, req, reason)?;
+                return self.told(c.sock, c.session, c.idle.clock, req, refused);
+            }
         };
         let device = guard.region().desc.device_id;
-        let hdr = Frame::ReadData {
-            req,
-            len,
-            status: status::OK,
-        }
-        .encode();
-        let fd = c.sock.as_raw_fd();
-        let clock = c.idle.clock;
-        let timeout = self.config.io_timeout;
-        let mut first = true;
-        let mut write = |bytes: &[u8]| {
-            let chunk = iov(bytes.as_ptr(), bytes.len());
-            let mut two = [iov(hdr.as_ptr(), HEADER_LEN), chunk];
-            let iovs: &mut [libc::iovec] = if std::mem::take(&mut first) {
-                &mut two
-            } else {
-                &mut two[1..]
+        let mut run = vec![(req, addr, len, guard)];
+        while len > 0 && run.len() < GPU_READ_RUN && c.reader.frame_waiting(Duration::ZERO) {
+            let Some(raw) = c.reader.next_header(c.idle)? else {
+                break;
             };
-            // SAFETY: the header is a live local, the chunk a staging buffer
-            // borrowed for the call.
-            unsafe { writev_all(fd, iovs, clock, timeout) }
+            let next = match Frame::decode(&raw) {
+                Ok(Frame::ReadReq {
+                    req,
+                    mem_type: MemoryType::Vram,
+                    addr,
+                    len,
+                    key,
+                    ..
+                }) if len > 0 => admit(addr, len, key)
+                    .ok()
+                    .filter(|g| g.region().desc.device_id == device)
+                    .map(|g| (req, addr, len, g)),
+                _ => None,
+            };
+            match next {
+                Some(r) => run.push(r),
+                None => {
+                    c.reader.put_back(raw);
+                    break;
+                }
+            }
+        }
+        let (fd, clock, timeout) = (c.sock.as_raw_fd(), c.idle.clock, self.config.io_timeout);
+        let header = |k: usize| {
+            Frame::ReadData {
+                req: run[k].0,
+                len: run[k].2,
+                status: status::OK,
+            }
+            .encode()
         };
-        // SAFETY: `[addr, addr + len)` was admitted (device memory on
-        // `device`, registered here) and is held by `guard`.
-        let r = unsafe {
-            crate::gpu::send_staged(device, self.config.gpu.shape(), addr, len, &mut write)
+        let staged = if len == 0 {
+            // SAFETY: a live local header.
+            unsafe {
+                writev_all(
+                    fd,
+                    &mut [iov(header(0).as_ptr(), HEADER_LEN)],
+                    clock,
+                    timeout,
+                )
+            }
+            .map_err(crate::gpu::StageError::Io)
+            .map(|()| 1)
+        } else {
+            let pieces: Vec<(u64, u64)> = run.iter().map(|r| (r.1, r.2)).collect();
+            let mut current = usize::MAX;
+            let mut write = |k: usize, bytes: &[u8]| {
+                let chunk = iov(bytes.as_ptr(), bytes.len());
+                let hdr = header(k);
+                let mut two = [iov(hdr.as_ptr(), HEADER_LEN), chunk];
+                let iovs: &mut [libc::iovec] = if std::mem::replace(&mut current, k) != k {
+                    &mut two
+                } else {
+                    &mut two[1..]
+                };
+                // SAFETY: the header is a live local, the chunk a staging
+                // buffer borrowed for the call.
+                unsafe { writev_all(fd, iovs, clock, timeout) }
+            };
+            // SAFETY: every range was admitted (device memory on `device`,
+            // registered here, not empty) and is held by its guard in `run`
+            // until the call has returned.
+            unsafe {
+                crate::gpu::send_staged_pieces(
+                    device,
+                    self.config.gpu.shape(),
+                    &pieces,
+                    &|| false,
+                    &mut write,
+                )
+            }
         };
-        drop(guard);
-        match r {
-            Ok(()) => Ok(Ok(())),
-            Err(crate::gpu::StageError::Io(e)) => Err(e),
-            Err(crate::gpu::StageError::Gpu(e)) => Err(io::Error::other(format!(
-                "copy from GPU memory for a READ failed: {e}"
-            ))),
+        match staged {
+            Ok(_) => {}
+            Err(crate::gpu::StageError::Io(e)) => return Err(e),
+            Err(crate::gpu::StageError::Gpu(e)) => {
+                return Err(io::Error::other(format!(
+                    "copy from GPU memory for a READ failed: {e}"
+                )));
+            }
+        }
+        for (req, _, _, guard) in run {
+            drop(guard);
+            self.told(c.sock, c.session, c.idle.clock, req, Ok(()))?;
+        }
+        Ok(())
+    }
+
+    /// Records the outcome of one segment of `req`, finishing the request
+    /// when it was the last.
+    fn told(
+        &self,
+        sock: &TcpStream,
+        session: &Session,
+        clock: &ProgressClock,
+        req: u64,
+        result: Result<(), RejectReason>,
+    ) -> io::Result<()> {
+        match segment(session, req, 1, result)? {
+            Some(f) => self.finish(sock, session, f, clock),
+            None => Ok(()),
         }
     }
 
@@ -194,9 +272,6 @@ impl Inner {
         len: u64,
         key: u64,
     ) -> io::Result<Result<(), RejectReason>> {
-        if mem_type == MemoryType::Vram {
-            return self.send_read_gpu(c, req, addr, len, key);
-        }
         match self.registry.admit_remote(mem_type, addr, len, key) {
             Ok(guard) => {
                 let hdr = Frame::ReadData {

@@ -313,34 +313,6 @@ pub(crate) unsafe fn copy_many(_pieces: &[(u64, u64, u64)], _device: u32) -> Res
     ))
 }
 
-/// Sends `len` bytes of device memory at `src` (on `device`) through
-/// `write`, staged through the calling thread's pinned ring.
-///
-/// # Safety
-/// `[src, src + len)` is device memory on `device`, allocated for the
-/// whole call.
-#[allow(unsafe_code)]
-pub(crate) unsafe fn send_staged(
-    device: u32,
-    shape: StagingShape,
-    src: u64,
-    len: u64,
-    write: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
-) -> Result<(), StageError> {
-    #[cfg(feature = "cuda")]
-    {
-        // SAFETY: forwarded contract.
-        with_staging(device, shape, |s| unsafe { s.send(src, len, write) })?
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (device, shape, src, len, write);
-        Err(StageError::Gpu(GpuError::NoDriver(
-            "kvxfer was built without the `cuda` feature".into(),
-        )))
-    }
-}
-
 /// Sends device memory pieces `(address, length)` on `device` through
 /// `write` (`write(i, bytes)`: a chunk of piece `i`), in order, staged
 /// through the calling thread's pinned ring with the copies running ahead

@@ -227,27 +227,6 @@ impl Staging {
         Ok(true)
     }
 
-    /// Sends `len` bytes of device memory at `src` through `write`, chunk by
-    /// chunk, each copied to a pinned buffer first (the next copies issued
-    /// before a chunk is written).
-    ///
-    /// # Safety
-    /// `[src, src + len)` is device memory of this ring's device, allocated
-    /// for the whole call.
-    pub(crate) unsafe fn send(
-        &mut self,
-        src: u64,
-        len: u64,
-        write: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
-    ) -> Result<(), super::StageError> {
-        if len == 0 {
-            return write(&[]).map_err(super::StageError::Io);
-        }
-        // SAFETY: forwarded contract.
-        unsafe { self.send_pieces(&[(src, len)], &|| false, &mut |_, b| write(b)) }?;
-        Ok(())
-    }
-
     /// Sends device memory pieces `(address, length)` through `write`, in
     /// order, chunk by chunk through the pinned buffers: the copies run
     /// ahead across pieces (chunk `k + slots - 1` may belong to a later

@@ -58,7 +58,7 @@ struct alloc {
     int sync_memops;
     int fd;      /* the memfd holding the bytes */
     int opened;  /* mapped from another process's IPC handle */
-    unsigned long long copies_in; /* copies queued into it */
+    unsigned long long copies; /* copies queued into or from it */
 };
 
 struct ipc_handle {
@@ -307,11 +307,11 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
  * for the copy that reads it, or reads a destination before the copy has
  * landed, sees wrong bytes. Events mark a point in a stream.
  *
- * For the tests, each about the copies into one allocation (named by its
- * base address), so that tests running side by side do not meet:
+ * For the tests, each about the copies into or from one allocation (named
+ * by its base address), so that tests running side by side do not meet:
  * fakecuda_hold(base) keeps them from starting until fakecuda_hold(0);
- * fakecuda_copies_into(base) counts those queued; and
- * fakecuda_fail_copy_into(base) makes the next one queued fail when it
+ * fakecuda_copies_with(base) counts those queued; and
+ * fakecuda_fail_copy_with(base) makes the next one queued fail when it
  * runs, as an asynchronous fault does: it copies nothing, and waiting for
  * it or anything after it in its stream fails with
  * CUDA_ERROR_ILLEGAL_ADDRESS. */
@@ -320,14 +320,14 @@ struct op {
     char *dst;
     const char *src;
     size_t n;
-    CUdeviceptr into; /* the base of the destination allocation, or 0 */
+    CUdeviceptr into, from; /* the destination's and source's allocations (0: host) */
     int fail;
 };
 
 static pthread_mutex_t hold_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t hold_cv = PTHREAD_COND_INITIALIZER;
 static CUdeviceptr held;
-static CUdeviceptr fail_into;
+static CUdeviceptr fail_with;
 
 void fakecuda_hold(CUdeviceptr base) {
     pthread_mutex_lock(&hold_mu);
@@ -336,9 +336,9 @@ void fakecuda_hold(CUdeviceptr base) {
     pthread_mutex_unlock(&hold_mu);
 }
 
-void fakecuda_fail_copy_into(CUdeviceptr base) {
+void fakecuda_fail_copy_with(CUdeviceptr base) {
     pthread_mutex_lock(&hold_mu);
-    fail_into = base;
+    fail_with = base;
     pthread_mutex_unlock(&hold_mu);
 }
 
@@ -368,7 +368,7 @@ static void *stream_main(void *arg) {
         pthread_mutex_unlock(&s->mu);
         if (o->n) {
             pthread_mutex_lock(&hold_mu);
-            while (o->into && held == o->into) pthread_cond_wait(&hold_cv, &hold_mu);
+            while (held && (held == o->into || held == o->from)) pthread_cond_wait(&hold_cv, &hold_mu);
             pthread_mutex_unlock(&hold_mu);
             usleep(rand_r(&s->seed) % 300);
             if (!o->fail) memmove(o->dst, o->src, o->n);
@@ -385,20 +385,21 @@ static void *stream_main(void *arg) {
     return NULL;
 }
 
-/* Queues a copy (n > 0) into allocation `into` (0: host memory) or a
- * marker (n == 0); returns its sequence number. */
+/* Queues a copy (n > 0) into allocation `into` from allocation `from`
+ * (0: host memory) or a marker (n == 0); returns its sequence number. */
 static unsigned long long enqueue(struct stream *s, char *dst, const char *src, size_t n,
-                                  CUdeviceptr into) {
+                                  CUdeviceptr into, CUdeviceptr from) {
     struct op *o = calloc(1, sizeof *o);
     o->dst = dst;
     o->src = src;
     o->n = n;
     o->into = into;
-    if (n && into) {
+    o->from = from;
+    if (n) {
         pthread_mutex_lock(&hold_mu);
-        if (fail_into == into) {
+        if (fail_with && (fail_with == into || fail_with == from)) {
             o->fail = 1;
-            fail_into = 0;
+            fail_with = 0;
         }
         pthread_mutex_unlock(&hold_mu);
     }
@@ -467,7 +468,7 @@ CUresult cuEventRecord(void *e, void *s) {
     if (!e || !s) return CUDA_ERROR_INVALID_VALUE;
     struct event *ev = e;
     ev->stream = s;
-    ev->seq = enqueue(s, NULL, NULL, 0, 0);
+    ev->seq = enqueue(s, NULL, NULL, 0, 0, 0);
     return CUDA_SUCCESS;
 }
 
@@ -521,17 +522,30 @@ static char *host_of(CUdeviceptr p, size_t n) {
     return a->bytes + (p - a->base);
 }
 
+/* Counts a copy dst <- src with the allocations it touches and names them
+ * (0: host memory). Call with the lock held. */
+static void counted(CUdeviceptr dst, CUdeviceptr src, CUdeviceptr *into, CUdeviceptr *from) {
+    struct alloc *d = find(dst), *s = find(src);
+    if (d) {
+        d->copies++;
+        *into = d->base;
+    }
+    if (s) {
+        if (s != d) s->copies++;
+        *from = s->base;
+    }
+}
+
 CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream) {
     if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
     if (!stream) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&lock);
     char *d = host_of(dst, n), *s = host_of(src, n);
-    struct alloc *into = n ? find(dst) : NULL;
-    if (into) into->copies_in++;
-    CUdeviceptr base = into ? into->base : 0;
+    CUdeviceptr into = 0, from = 0;
+    if (n) counted(dst, src, &into, &from);
     pthread_mutex_unlock(&lock);
     if (!d || !s) return CUDA_ERROR_INVALID_VALUE;
-    if (n) enqueue(stream, d, s, n, base);
+    if (n) enqueue(stream, d, s, n, into, from);
     return CUDA_SUCCESS;
 }
 
@@ -553,25 +567,24 @@ CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
     for (size_t i = 0; i < count; i++) {
         pthread_mutex_lock(&lock);
         char *d = host_of(dsts[i], sizes[i]), *s = host_of(srcs[i], sizes[i]);
-        struct alloc *into = find(dsts[i]);
-        if (into) into->copies_in++;
-        CUdeviceptr base = into ? into->base : 0;
+        CUdeviceptr into = 0, from = 0;
+        counted(dsts[i], srcs[i], &into, &from);
         pthread_mutex_unlock(&lock);
         if (!d || !s || sizes[i] == 0) {
             *fail_idx = i;
             return CUDA_ERROR_INVALID_VALUE;
         }
-        enqueue(stream, d, s, sizes[i], base);
+        enqueue(stream, d, s, sizes[i], into, from);
     }
     __atomic_fetch_add(&batched_copies, count, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
 }
 
-/* Copies queued into the allocation based at `base` so far. */
-unsigned long long fakecuda_copies_into(CUdeviceptr base) {
+/* Copies queued into or from the allocation based at `base` so far. */
+unsigned long long fakecuda_copies_with(CUdeviceptr base) {
     pthread_mutex_lock(&lock);
     struct alloc *a = find(base);
-    unsigned long long n = a ? a->copies_in : 0;
+    unsigned long long n = a ? a->copies : 0;
     pthread_mutex_unlock(&lock);
     return n;
 }

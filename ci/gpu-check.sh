@@ -53,6 +53,8 @@ run)
     for mem in dram vram; do
       timeout 40 $b --backend tcp --memory $mem --block-size 64KiB --batch 256 --iters 200 --json
       timeout 40 $b --backend tcp --memory $mem --block-size 1MiB --batch 64 --iters 50 --json
+      # READs (the serving frameworks' pull): the target's answers staged.
+      timeout 40 $b --backend tcp --op read --memory $mem --block-size 64KiB --batch 256 --iters 200 --json
     done
     timeout 40 $b --memcpy --memory vram --block-size 64MiB --batch 1 --iters 50
     timeout 40 $b --backend shm --memory vram --block-size 64MiB --batch 1 --iters 50 --json

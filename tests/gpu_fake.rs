@@ -294,6 +294,18 @@ impl Pair {
         };
         (req, g)
     }
+
+    /// `gb` with the three pieces of `src` written where [`gpu_pieces`]
+    /// puts them.
+    fn filled_gb(&self) -> &gpu::DeviceBuffer {
+        let (fill, gb) = self.three_pieces(true);
+        self.a
+            .submit_transfer(&fill)
+            .unwrap()
+            .wait(std::time::Duration::from_secs(60))
+            .unwrap();
+        gb
+    }
 }
 
 /// Three 64 KiB pieces of host memory `buf`, back to back.
@@ -323,6 +335,25 @@ fn three_landed(src: &[u8], g: &gpu::DeviceBuffer) -> bool {
     })
 }
 
+/// Posts `req` with the copies into or from `g` held: waits until three of
+/// them are queued, checks that the request is still unfinished, then lets
+/// the copies run and waits for it.
+fn three_queued_while_held(
+    a: &dyn kvxfer::TransferAgent,
+    g: &gpu::DeviceBuffer,
+    req: &kvxfer::TransferRequest,
+) {
+    let held = hold(g.addr());
+    let before = copies_with(g.addr());
+    let st = a.submit_transfer(req).unwrap();
+    until("the three segments' copies queued while held", || {
+        copies_with(g.addr()) >= before + 3
+    });
+    assert_eq!(st.poll().unwrap(), kvxfer::TransferState::InProgress);
+    drop(held);
+    st.wait(std::time::Duration::from_secs(60)).unwrap();
+}
+
 /// A receiver of staged GPU data reads the next segments from the socket
 /// while the copies of the earlier ones run. With the copies into the
 /// destination held, all three segments of a WRITE (at the target) and of
@@ -336,15 +367,7 @@ fn staged_receives_read_on_while_copies_run() {
     let p = Pair::new("read-on", 21);
     for write in [true, false] {
         let (req, g) = p.three_pieces(write);
-        let held = hold(g.addr());
-        let before = copies_with(g.addr());
-        let st = p.a.submit_transfer(&req).unwrap();
-        until("the three segments' copies queued while held", || {
-            copies_with(g.addr()) >= before + 3
-        });
-        assert_eq!(st.poll().unwrap(), kvxfer::TransferState::InProgress);
-        drop(held);
-        st.wait(std::time::Duration::from_secs(60)).unwrap();
+        three_queued_while_held(p.a.as_ref(), g, &req);
         assert!(three_landed(&p.src, g), "write: {write}");
     }
 }
@@ -397,21 +420,9 @@ fn gpu_reads_answered_through_one_pipeline() {
     let back = vec![0u8; 3 * PIECE as usize];
     let p = Pair::new("read-run", 23);
     suite::register_dram(p.a.as_ref(), &back);
-    let (fill, gb) = p.three_pieces(true);
-    p.a.submit_transfer(&fill)
-        .unwrap()
-        .wait(std::time::Duration::from_secs(60))
-        .unwrap();
+    let gb = p.filled_gb();
     let req = kvxfer::TransferRequest::read(host_pieces(&back), gpu_pieces(gb), &p.b_name);
-    let held = hold(gb.addr());
-    let before = copies_with(gb.addr());
-    let st = p.a.submit_transfer(&req).unwrap();
-    until("the three segments' copies queued while held", || {
-        copies_with(gb.addr()) >= before + 3
-    });
-    assert_eq!(st.poll().unwrap(), kvxfer::TransferState::InProgress);
-    drop(held);
-    st.wait(std::time::Duration::from_secs(60)).unwrap();
+    three_queued_while_held(p.a.as_ref(), gb, &req);
     assert!(back == p.src);
 }
 
@@ -436,11 +447,7 @@ fn gpu_read_runs_end_at_what_they_cannot_take() {
     p.b.deregister_memory(&suite::vram(&stale, 0, stale.len()))
         .unwrap();
     suite::register_vram(p.b.as_ref(), &stale).unwrap();
-    let (fill, gb) = p.three_pieces(true);
-    p.a.submit_transfer(&fill)
-        .unwrap()
-        .wait(std::time::Duration::from_secs(60))
-        .unwrap();
+    let gb = p.filled_gb();
     let read = |back: &[u8], from: kvxfer::MemoryDescs| {
         p.a.submit_transfer(&kvxfer::TransferRequest::read(
             host_pieces(back),

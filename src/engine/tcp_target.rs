@@ -153,8 +153,9 @@ impl Inner {
             }
         };
         let device = guard.region().desc.device_id;
+        // Admission refuses empty ranges: every piece of the run has bytes.
         let mut run = vec![(req, addr, len, guard)];
-        while len > 0 && run.len() < GPU_READ_RUN && c.reader.frame_waiting(Duration::ZERO) {
+        while run.len() < GPU_READ_RUN && c.reader.frame_waiting(Duration::ZERO) {
             let Some(raw) = c.reader.next_header(c.idle)? else {
                 break;
             };
@@ -166,7 +167,7 @@ impl Inner {
                     len,
                     key,
                     ..
-                }) if len > 0 => admit(addr, len, key)
+                }) => admit(addr, len, key)
                     .ok()
                     .filter(|g| g.region().desc.device_id == device)
                     .map(|g| (req, addr, len, g)),
@@ -181,54 +182,43 @@ impl Inner {
             }
         }
         let (fd, clock, timeout) = (c.sock.as_raw_fd(), c.idle.clock, self.config.io_timeout);
-        let header = |k: usize| {
-            Frame::ReadData {
+        let pieces: Vec<(u64, u64)> = run.iter().map(|r| (r.1, r.2)).collect();
+        let mut current = usize::MAX;
+        // An answer's header goes with its first chunk.
+        let mut write = |k: usize, bytes: &[u8]| {
+            let chunk = iov(bytes.as_ptr(), bytes.len());
+            if std::mem::replace(&mut current, k) == k {
+                // SAFETY: the chunk is a staging buffer borrowed for the call.
+                return unsafe { writev_all(fd, &mut [chunk], clock, timeout) };
+            }
+            let hdr = Frame::ReadData {
                 req: run[k].0,
                 len: run[k].2,
                 status: status::OK,
             }
-            .encode()
-        };
-        let staged = if len == 0 {
-            // SAFETY: a live local header.
+            .encode();
+            // SAFETY: the header is a live local, the chunk a staging buffer
+            // borrowed for the call.
             unsafe {
                 writev_all(
                     fd,
-                    &mut [iov(header(0).as_ptr(), HEADER_LEN)],
+                    &mut [iov(hdr.as_ptr(), HEADER_LEN), chunk],
                     clock,
                     timeout,
                 )
             }
-            .map_err(crate::gpu::StageError::Io)
-            .map(|()| 1)
-        } else {
-            let pieces: Vec<(u64, u64)> = run.iter().map(|r| (r.1, r.2)).collect();
-            let mut current = usize::MAX;
-            let mut write = |k: usize, bytes: &[u8]| {
-                let chunk = iov(bytes.as_ptr(), bytes.len());
-                let hdr = header(k);
-                let mut two = [iov(hdr.as_ptr(), HEADER_LEN), chunk];
-                let iovs: &mut [libc::iovec] = if std::mem::replace(&mut current, k) != k {
-                    &mut two
-                } else {
-                    &mut two[1..]
-                };
-                // SAFETY: the header is a live local, the chunk a staging
-                // buffer borrowed for the call.
-                unsafe { writev_all(fd, iovs, clock, timeout) }
-            };
-            // SAFETY: every range was admitted (device memory on `device`,
-            // registered here, not empty) and is held by its guard in `run`
-            // until the call has returned.
-            unsafe {
-                crate::gpu::send_staged_pieces(
-                    device,
-                    self.config.gpu.shape(),
-                    &pieces,
-                    &|| false,
-                    &mut write,
-                )
-            }
+        };
+        // SAFETY: every range was admitted (device memory on `device`,
+        // registered here, not empty) and is held by its guard in `run`
+        // until the call has returned.
+        let staged = unsafe {
+            crate::gpu::send_staged_pieces(
+                device,
+                self.config.gpu.shape(),
+                &pieces,
+                &|| false,
+                &mut write,
+            )
         };
         match staged {
             Ok(_) => {}

@@ -159,11 +159,17 @@ impl Staging {
         }
     }
 
-    /// Waits for the last copy that used `slot`.
+    /// Waits for the last copy that used `slot`; a ring that saw a copy
+    /// fail answers with that failure.
     fn wait(&mut self, slot: usize) -> Result<(), GpuError> {
         if let Some(e) = &self.fault {
             return Err(e.clone());
         }
+        self.sync(slot)
+    }
+
+    /// Waits for the last copy that used `slot`, if any is outstanding.
+    fn sync(&mut self, slot: usize) -> Result<(), GpuError> {
         if !self.slots[slot].busy {
             return Ok(());
         }
@@ -179,15 +185,7 @@ impl Staging {
     fn drain(&mut self) -> Result<(), GpuError> {
         let mut first = Ok(());
         for k in 0..self.slots.len() {
-            let r = if self.slots[k].busy {
-                // SAFETY: an event of this ring, recorded.
-                let r = check("cuEventSynchronize", unsafe {
-                    cu::cuEventSynchronize(self.slots[k].event)
-                });
-                self.waited(k, r)
-            } else {
-                Ok(())
-            };
+            let r = self.sync(k);
             if first.is_ok() {
                 first = r;
             }
@@ -389,7 +387,7 @@ pub(crate) fn with_staging<R>(
     let cuda = driver()?;
     STAGING.with(|s| {
         let rings = &mut *s.borrow_mut();
-        let found = rings
+        let mut found = rings
             .live
             .iter()
             .position(|r| r.device == device && r.shape == shape);
@@ -404,12 +402,9 @@ pub(crate) fn with_staging<R>(
                 done: old.done,
                 fault: old.fault.take().expect("looked at above"),
             });
+            found = None;
         }
-        let i = match rings
-            .live
-            .iter()
-            .position(|r| r.device == device && r.shape == shape)
-        {
+        let i = match found {
             Some(i) => i,
             None => {
                 rings.live.push(Staging::new(cuda, device, shape)?);

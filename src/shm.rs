@@ -10,6 +10,9 @@
 //! `ptrace_scope`, seccomp).
 
 use std::io;
+use std::marker::PhantomData;
+
+use caps::{CapSet, CapsHashSet};
 
 use crate::desc::LocalAccess;
 
@@ -68,6 +71,52 @@ pub(crate) fn probe(access: &LocalAccess, instance: u64, my_host: &str) -> Resul
         ));
     }
     Ok(())
+}
+
+/// While held, the calling thread runs without effective capabilities:
+/// what it asks of the kernel is checked as for its user alone. A
+/// cross-memory copy (or an open of `/proc/<pid>/mem`) then reaches only a
+/// process whose real, effective and saved ids all equal this thread's
+/// real ones, that is dumpable (not running a set-user-id program), holds
+/// no capability this process could not hold, and the security modules let
+/// it (Yama's `ptrace_scope`). Threads spawned while it is held start
+/// without them too. Dropping it raises them again (from the permitted set,
+/// which it leaves as it was); the thread's ids never change, so neither
+/// does who may signal or trace it.
+///
+/// Tied to its thread (capability sets are per thread): not `Send`.
+pub(crate) struct Unprivileged {
+    /// The effective set to raise again.
+    saved: CapsHashSet,
+    _thread: PhantomData<*const ()>,
+}
+
+impl Unprivileged {
+    /// Drops this thread's effective capabilities until the guard drops.
+    ///
+    /// # Errors
+    /// The kernel refused to read or lower the set.
+    pub(crate) fn enter() -> io::Result<Self> {
+        let saved = caps::read(None, CapSet::Effective).map_err(io::Error::other)?;
+        if !saved.is_empty() {
+            caps::clear(None, CapSet::Effective).map_err(io::Error::other)?;
+        }
+        Ok(Self {
+            saved,
+            _thread: PhantomData,
+        })
+    }
+}
+
+impl Drop for Unprivileged {
+    fn drop(&mut self) {
+        if !self.saved.is_empty()
+            && let Err(e) = caps::set(None, CapSet::Effective, &self.saved)
+        {
+            // Less privilege than before, never more: logged, not fatal.
+            tracing::error!(error = %e, "could not raise this thread's capabilities again");
+        }
+    }
 }
 
 /// Direction of a cross-memory copy.
@@ -274,6 +323,58 @@ pub(crate) unsafe fn copy_parallel(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Root's copy into another user's process goes through with
+    /// `CAP_SYS_PTRACE` and is refused without it; the thread's effective
+    /// set comes back when the guard drops. Needs root.
+    #[test]
+    fn unprivileged_copies_reach_only_the_users_own_processes() {
+        // SAFETY: a plain system call without arguments.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!(
+                "SKIPPED unprivileged_copies_reach_only_the_users_own_processes: needs root (to run a process as another user)"
+            );
+            return;
+        }
+        use std::os::unix::process::CommandExt;
+        let mut other = std::process::Command::new("sleep")
+            .arg("60")
+            .uid(65534)
+            .gid(65534)
+            .spawn()
+            .unwrap();
+        let pid = other.id();
+        // `spawn` returns once the child runs `sleep` (as that user).
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+        let start = u64::from_str_radix(maps.split('-').next().unwrap(), 16).unwrap();
+        let read = || {
+            let mut w = [0u8; 8];
+            let pieces = [Piece {
+                local: w.as_mut_ptr() as u64,
+                remote: start,
+                len: 8,
+            }];
+            // SAFETY: `w` is written by the kernel only.
+            unsafe { copy(pid, Direction::Read, &pieces, &|| false) }
+        };
+        let before = caps::read(None, CapSet::Effective).unwrap();
+        assert!(before.contains(&caps::Capability::CAP_SYS_PTRACE));
+        assert!(read().unwrap());
+        {
+            let _u = Unprivileged::enter().unwrap();
+            assert!(caps::read(None, CapSet::Effective).unwrap().is_empty());
+            let e = read().unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EPERM));
+            // A thread spawned meanwhile starts without them too.
+            std::thread::scope(|s| {
+                s.spawn(|| assert!(read().is_err())).join().unwrap();
+            });
+        }
+        assert_eq!(caps::read(None, CapSet::Effective).unwrap(), before);
+        assert!(read().unwrap());
+        other.kill().unwrap();
+        other.wait().unwrap();
+    }
 
     #[test]
     fn split_keeps_order_and_bytes() {

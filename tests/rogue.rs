@@ -4,6 +4,8 @@
 //! and the target still serves a good peer.
 
 mod common;
+#[path = "rogue/local_proof.rs"]
+mod local_proof;
 
 use std::os::linux::net::SocketAddrExt;
 use std::time::Duration;
@@ -117,12 +119,34 @@ fn delegate(
     // the old check (read it back through the pid) passes for any pid that
     // maps this address with this value, e.g. the target itself.
     let probe: Box<u64> = Box::new(0x6d61_6c6c_6f72_7921);
+    let st = delegate_probed(
+        c,
+        req,
+        write,
+        pid,
+        (&*probe as *const u64 as u64, *probe),
+        (target_addr, initiator_addr, len),
+    );
+    std::hint::black_box(&probe);
+    st
+}
+
+/// [`delegate`] with the probe word (its address in `pid` and the value
+/// claimed there) and the piece `(target, initiator, len)` given.
+fn delegate_probed(
+    c: &mut RawConn,
+    req: u64,
+    write: bool,
+    pid: u32,
+    (probe_addr, probe_value): (u64, u64),
+    (target_addr, initiator_addr, len): (u64, u64, u64),
+) -> u16 {
     let mut d = Hdr::new(raw::DELEGATE);
     d.flags = if write { 1 } else { 2 };
     d.id = req;
     d.aux = 1;
-    d.addr = &*probe as *const u64 as u64;
-    d.key = *probe;
+    d.addr = probe_addr;
+    d.key = probe_value;
     d.len = u64::from(pid);
     let mut table = target_addr.to_le_bytes().to_vec();
     table.extend_from_slice(&initiator_addr.to_le_bytes());
@@ -130,22 +154,49 @@ fn delegate(
     c.send(d, &table).unwrap();
     let a = c.recv().expect("an answer to the delegate");
     assert_eq!((a.kind, a.id), (raw::GRANTED, req));
-    std::hint::black_box(&probe);
     a.status
 }
 
 /// Presents a session's ticket on the target's local socket, as an
-/// initiator on this host does to prove which process it is.
+/// initiator on this host does to prove which process it is (with its own
+/// memory file).
 fn prove_local(instance: u64, ticket: u128) -> u8 {
-    use std::io::{Read, Write};
     let addr =
         std::os::unix::net::SocketAddr::from_abstract_name(format!("kvxfer-{instance:016x}"))
             .unwrap();
     let mut s = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
-    s.write_all(&ticket.to_le_bytes()).unwrap();
-    let mut a = [9u8];
-    s.read_exact(&mut a).unwrap();
-    a[0]
+    let mem = std::fs::File::open("/proc/self/mem").unwrap();
+    present(&mut s, ticket, Some(&mem)).expect("an answer")
+}
+
+/// Sends `ticket` through `s`, with `mem` as `SCM_RIGHTS` when given; the
+/// target's answer byte, `None` when it closed without one.
+fn present(
+    s: &mut std::os::unix::net::UnixStream,
+    ticket: u128,
+    mem: Option<&std::fs::File>,
+) -> Option<u8> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
+    use std::io::Read;
+    use std::os::fd::AsFd;
+    let bytes = ticket.to_le_bytes();
+    let fds: Vec<_> = mem.iter().map(|m| m.as_fd()).collect();
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() {
+        control.push(SendAncillaryMessage::ScmRights(&fds));
+    }
+    let sent = sendmsg(
+        &*s,
+        &[std::io::IoSlice::new(&bytes)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )
+    .ok()?;
+    assert_eq!(sent, bytes.len());
+    let mut a = [0u8];
+    s.read_exact(&mut a).ok()?;
+    Some(a[0])
 }
 
 /// A peer that names the target's own pid (or a third process's) in a
@@ -770,6 +821,15 @@ fn idle_connections_cannot_crowd_out_peers() {
     }
     drop(good);
     v.still_serves(AgentConfig::new("good2"));
+}
+
+/// Entry point of the processes the local proof attacks run
+/// (`local_proof::role_main`); a no-op in an ordinary run.
+#[test]
+fn rogue_role_entry() {
+    if let Ok(role) = std::env::var("KVXFER_ROGUE_ROLE") {
+        local_proof::role_main(&role);
+    }
 }
 
 /// Entry point of the peer process (`common::PeerProc`); a no-op in an

@@ -98,10 +98,13 @@ impl Inner {
             )
         };
         let gpu = lock(&session.grants).get(&req).is_some_and(|g| g.gpu);
-        if gpu || !self.may_copy_for(session, pid, probe_addr, instance) {
-            answer(status::DELEGATE_REFUSED)?;
-            return Ok(None);
-        }
+        let pid = match self.may_copy_for(session, pid, probe_addr, instance) {
+            Some(pid) if !gpu => pid,
+            _ => {
+                answer(status::DELEGATE_REFUSED)?;
+                return Ok(None);
+            }
+        };
         let spans = lock(&session.grants)
             .get(&req)
             .map(|g| g.spans.clone())
@@ -111,20 +114,29 @@ impl Inner {
             CommitOp::Write => shm::Direction::Read,
             CommitOp::Read => shm::Direction::Write,
         };
-        // SAFETY: every local range lies inside a span granted for this
-        // request (checked above), in a region this agent registered, whose
-        // registrant promised it stays valid while registered; the
-        // request's grant guards keep it registered until the commit below.
-        let copied = unsafe {
-            shm::copy_parallel(
-                pid,
-                dir,
-                &pieces,
-                self.config.shm.copy_threads,
-                PARALLEL_COPY_MIN,
-                &|| false,
-            )
-        };
+        // Without effective capabilities, the kernel lets the copy reach
+        // only a process the proven owner (this process's user) could reach
+        // alone: whatever the initiator became since the check above (a
+        // set-user-id program, another owner), it is refused.
+        let copied = shm::Unprivileged::enter().and_then(|unprivileged| {
+            // SAFETY: every local range lies inside a span granted for this
+            // request (checked above), in a region this agent registered,
+            // whose registrant promised it stays valid while registered; the
+            // request's grant guards keep it registered until the commit
+            // below.
+            let copied = unsafe {
+                shm::copy_parallel(
+                    pid,
+                    dir,
+                    &pieces,
+                    self.config.shm.copy_threads,
+                    PARALLEL_COPY_MIN,
+                    &|| false,
+                )
+            };
+            drop(unprivileged);
+            copied
+        });
         match copied {
             Ok(_) => {
                 self.delegated_copies.fetch_add(1, Ordering::Relaxed);
@@ -140,51 +152,43 @@ impl Inner {
         }
     }
 
-    /// Whether this agent copies for the initiator of `session`, which says
-    /// it is process `pid` with `instance` readable at `probe_addr`: only
-    /// when delegation is on, the kernel proved on the local socket that
-    /// `pid` is the session's initiator and it still lives, it is another
-    /// process than this one, and the probe shows this process can reach it
-    /// (decided once per session). A pid taken from the frame alone is
-    /// never trusted: the copy runs with this process's privileges.
+    /// The process this agent copies for on behalf of `session`'s
+    /// initiator, which says it is process `pid` with `instance` readable
+    /// at `probe_addr`: only when delegation is on, the kernel proved on the
+    /// local socket that `pid` is the session's initiator (owned by this
+    /// process's user), it is another process than this one, and it still
+    /// lives and runs the program it was proven in with the probe word in
+    /// place (checked at every request). A pid taken from the frame alone is
+    /// never trusted.
     pub(in crate::engine) fn may_copy_for(
         &self,
         session: &Session,
         pid: u32,
         probe_addr: u64,
         instance: u64,
-    ) -> bool {
+    ) -> Option<u32> {
         if !self.config.shm.delegate {
-            return false;
+            return None;
         }
-        let proven = lock(&session.proven).as_ref().and_then(|p| p.live_pid());
         if pid == std::process::id() {
             tracing::warn!(agent = %self.config.name, remote = %session.remote, "refused a delegated copy into this very process");
-            return false;
+            return None;
         }
-        if proven != Some(pid) {
-            tracing::warn!(agent = %self.config.name, remote = %session.remote, claimed = pid, ?proven, "refused a delegated copy: the initiator did not prove it is that process");
-            return false;
-        }
-        let mut d = lock(&session.delegate);
-        if let Some((p, a, i, ok)) = *d
-            && (p, a, i) == (pid, probe_addr, instance)
-        {
-            return ok;
-        }
-        let access = LocalAccess {
-            host: self.host.clone(),
-            pid,
-            probe_addr,
+        let proven = lock(&session.proven);
+        let Some(peer) = proven.as_ref() else {
+            tracing::warn!(agent = %self.config.name, remote = %session.remote, claimed = pid, "refused a delegated copy: the initiator never proved which process it is");
+            return None;
         };
-        let ok = match shm::probe(&access, instance, &self.host) {
-            Ok(()) => true,
-            Err(why) => {
-                tracing::info!(agent = %self.config.name, remote = %session.remote, %why, "not copying for this initiator; it copies itself");
-                false
+        match peer.check(probe_addr, instance) {
+            Ok(p) if p == pid => Some(p),
+            Ok(p) => {
+                tracing::warn!(agent = %self.config.name, remote = %session.remote, claimed = pid, proven = p, "refused a delegated copy: the initiator did not prove it is that process");
+                None
             }
-        };
-        *d = Some((pid, probe_addr, instance, ok));
-        ok
+            Err(why) => {
+                tracing::warn!(agent = %self.config.name, remote = %session.remote, pid, why, "refused a delegated copy");
+                None
+            }
+        }
     }
 }

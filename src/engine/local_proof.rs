@@ -2,32 +2,84 @@
 //! cross-memory copies.
 //!
 //! A target that copies on an initiator's behalf (`Delegate`) moves bytes
-//! between its own exported regions and another process's memory with its
-//! own privileges; the process must be the initiator itself, never one a
-//! frame names. So an initiator on the same host connects to the target's
-//! local socket — abstract Unix socket `kvxfer-<target instance, 16 hex>`,
-//! bound before the target's descriptor is published — and presents the
-//! 16-byte ticket of its authenticated session (from `HelloAck`). The
-//! target takes the pid from the socket's `SO_PEERCRED` (set by the kernel
-//! at `connect`), opens a pidfd on it, and binds that process to the
-//! session, once. Delegated copies for the session then go to that process
-//! only, and only while the pidfd says it is alive (a pid is not reused
-//! while its process lives).
+//! between its own exported regions and another process's memory; the
+//! process must be the initiator itself, never one a frame names, and the
+//! copy must never reach further than that process's owner could reach
+//! alone. So an initiator on the same host connects to the target's local
+//! socket — abstract Unix socket `kvxfer-<target instance, 16 hex>`, bound
+//! before the target's descriptor is published — and sends the 16-byte
+//! ticket of its authenticated session (from `HelloAck`) with its own
+//! `/proc/self/mem` open for reading (`SCM_RIGHTS`). What the target binds
+//! to the session, once:
+//!
+//! - **the process, not its pid number**: a pidfd of the process that
+//!   called `connect`, taken from the socket at accept (`SO_PEERPIDFD`; on
+//!   kernels before 6.5 a pidfd opened on the `SO_PEERCRED` pid at once),
+//!   so a process that connected, handed its socket on and exited binds
+//!   nothing, whoever reuses its pid;
+//! - **its owner**: the uid and gid the kernel recorded at `connect`, which
+//!   must be this process's own (an agent never copies for another user);
+//! - **its program image**: the memory file it sent, which must be
+//!   `/proc/<that pid>/mem` on procfs. The process opened it on itself, so
+//!   the target uses no privilege of its own for it, and it is bound to the
+//!   address space it was opened on: once the process calls `execve`, it
+//!   reads nothing.
+//!
+//! Before each delegated copy [`ProvenPeer::check`] asks the pidfd whether
+//! the process still lives and reads the initiator's probe word through
+//! the memory file; the copy itself then runs without effective
+//! capabilities ([`crate::shm::Unprivileged`]), so whatever happens between
+//! the check and the copy, the kernel lets it reach only a process its
+//! owner could reach.
+//!
+//! Connections are served concurrently, each within one deadline from
+//! accept to answer, so a process that connects and says nothing delays no
+//! other proof.
 
-use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::mem::MaybeUninit;
+use std::net::Shutdown;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
+use std::os::unix::fs::FileExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::time::Duration;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, recvmsg, sendmsg,
+};
 
 /// The answer byte: the ticket named a session, now bound to the caller.
 const BOUND: u8 = 0;
-/// The answer byte: no such session, or it is bound already.
+/// The answer byte: no such session, it is bound already, or the caller
+/// cannot be bound (another user, exited, memory out of its owner's reach).
 const REFUSED: u8 = 1;
+
+/// Proof connections served at once; one more is closed unanswered.
+const MAX_PENDING: usize = 64;
 
 /// The target's local socket name for an agent instance.
 fn name(instance: u64) -> String {
     format!("kvxfer-{instance:016x}")
+}
+
+/// Whether the process behind `pidfd` still lives (a pidfd polls readable
+/// once its process has exited).
+fn alive(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd on the stack; a zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n == 0
 }
 
 /// A process proven to be a session's initiator.
@@ -35,59 +87,202 @@ fn name(instance: u64) -> String {
 pub(super) struct ProvenPeer {
     pid: u32,
     pidfd: OwnedFd,
+    /// `/proc/<pid>/mem` as it was at the proof: reads nothing once the
+    /// process has run `execve`.
+    mem: File,
 }
 
 impl ProvenPeer {
-    /// The process id, while the process still lives; `None` once it has
-    /// exited (its pid may name another process by now).
+    /// The process id, while the proven process lives, still runs the
+    /// program it was proven in, and holds `instance` at `probe_addr` (the
+    /// initiator's probe word); otherwise why not.
+    pub(super) fn check(&self, probe_addr: u64, instance: u64) -> Result<u32, &'static str> {
+        if !alive(&self.pidfd) {
+            return Err("the proven process has exited");
+        }
+        let mut word = [0u8; 8];
+        match self.mem.read_at(&mut word, probe_addr) {
+            Ok(8) if u64::from_ne_bytes(word) == instance => Ok(self.pid),
+            Ok(0) => Err("the proven process has run another program since its proof"),
+            _ => Err("the initiator's probe word is not in the proven process"),
+        }
+    }
+
+    /// The process id, while the process still lives.
+    #[cfg(test)]
     pub(super) fn live_pid(&self) -> Option<u32> {
-        let mut p = libc::pollfd {
-            fd: self.pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd on the stack; a zero timeout.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        // A pidfd polls readable once its process has exited.
-        (n == 0).then_some(self.pid)
+        alive(&self.pidfd).then_some(self.pid)
     }
 }
 
-/// The kernel's word on who is at the other end of `sock`.
-fn peer_process(sock: &UnixStream) -> io::Result<ProvenPeer> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are live locals of the sizes passed.
+/// The process that connected a local proof socket, as the kernel recorded
+/// it at `connect`.
+struct Caller {
+    pid: u32,
+    uid: u32,
+    gid: u32,
+    pidfd: OwnedFd,
+}
+
+/// An integer socket option of `sock`.
+fn sockopt<T>(sock: &UnixStream, opt: libc::c_int, value: &mut T) -> io::Result<()> {
+    let mut len = std::mem::size_of::<T>() as libc::socklen_t;
+    // SAFETY: `value` and `len` are live and of the size passed.
     let r = unsafe {
         libc::getsockopt(
             sock.as_raw_fd(),
             libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
+            opt,
+            (value as *mut T).cast(),
             &mut len,
         )
     };
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
-    if cred.pid <= 0 {
-        return Err(io::Error::other("the peer's pid is not visible here"));
+    if len as usize != std::mem::size_of::<T>() {
+        return Err(io::Error::other("short socket option"));
     }
-    // SAFETY: a plain system call with integer arguments.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, cred.pid, 0) };
+    Ok(())
+}
+
+/// Takes ownership of a descriptor a system call returned (or its error).
+fn owned(fd: libc::c_long) -> io::Result<OwnedFd> {
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: `fd` is a new descriptor that nothing else owns.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-    Ok(ProvenPeer {
-        pid: cred.pid as u32,
-        pidfd,
-    })
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+impl Caller {
+    /// The kernel's word on who connected `sock`.
+    fn of(sock: &UnixStream) -> io::Result<Self> {
+        let mut cred = libc::ucred {
+            pid: 0,
+            uid: 0,
+            gid: 0,
+        };
+        sockopt(sock, libc::SO_PEERCRED, &mut cred)?;
+        if cred.pid <= 0 {
+            return Err(io::Error::other("the peer's pid is not visible here"));
+        }
+        let mut fd: libc::c_int = -1;
+        let pidfd = match sockopt(sock, libc::SO_PEERPIDFD, &mut fd) {
+            Ok(()) => owned(fd.into())?,
+            // Before Linux 6.5: the pid as it is now, as early as possible.
+            Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => {
+                // SAFETY: a plain system call with integer arguments.
+                owned(unsafe { libc::syscall(libc::SYS_pidfd_open, cred.pid, 0) })?
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(Caller {
+            pid: cred.pid as u32,
+            uid: cred.uid,
+            gid: cred.gid,
+            pidfd,
+        })
+    }
+
+    /// Binds what a delegated copy needs of this process, given the memory
+    /// file it sent, or says why it cannot be bound.
+    fn prove(self, mem: Option<OwnedFd>) -> io::Result<ProvenPeer> {
+        let refuse = |why: &str| Err(io::Error::new(io::ErrorKind::PermissionDenied, why));
+        // SAFETY: plain system calls without arguments.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        if (self.uid, self.gid) != (uid, gid) {
+            return refuse("the process belongs to another user or group");
+        }
+        let Some(mem) = mem else {
+            return refuse("the process sent no memory file");
+        };
+        // SAFETY: an all-zero statfs is a valid value to be overwritten.
+        let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: `mem` is an open descriptor, `fs` a live statfs.
+        if unsafe { libc::fstatfs(mem.as_raw_fd(), &mut fs) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let path = std::fs::read_link(format!("/proc/self/fd/{}", mem.as_raw_fd()))?;
+        if fs.f_type != libc::PROC_SUPER_MAGIC
+            || path != Path::new(&format!("/proc/{}/mem", self.pid))
+        {
+            return refuse("the file sent is not the process's own memory");
+        }
+        // Alive now: the pid named this process when it sent the file (a
+        // pid is not reused while its process lives).
+        if !alive(&self.pidfd) {
+            return refuse("the process exited");
+        }
+        Ok(ProvenPeer {
+            pid: self.pid,
+            pidfd: self.pidfd,
+            mem: File::from(mem),
+        })
+    }
+}
+
+/// Reads the 16-byte ticket from `conn` by `deadline`, however the peer
+/// trickles, and the first descriptor sent with it.
+fn read_ticket(conn: &UnixStream, deadline: Instant) -> io::Result<([u8; 16], Option<OwnedFd>)> {
+    let (mut ticket, mut got, mut fd) = ([0u8; 16], 0, None);
+    while got < ticket.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        conn.set_read_timeout(Some(left))?;
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let r = recvmsg(
+            conn,
+            &mut [IoSliceMut::new(&mut ticket[got..])],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        );
+        match r {
+            Ok(m) if m.bytes == 0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(m) => got += m.bytes,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+        // Descriptors past the first are closed here.
+        for msg in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = msg {
+                for f in fds {
+                    fd.get_or_insert(f);
+                }
+            }
+        }
+    }
+    Ok((ticket, fd))
+}
+
+/// Answers one proof connection: reads the ticket by `deadline`, proves
+/// the caller, lets `bind` bind it, and says whether it did.
+fn answer(
+    mut conn: UnixStream,
+    caller: io::Result<Caller>,
+    deadline: Instant,
+    bind: &(dyn Fn(u128, ProvenPeer) -> bool + Sync),
+) {
+    let (ticket, mem) = match read_ticket(&conn, deadline) {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::debug!(error = %e, "local proof connection dropped");
+            return;
+        }
+    };
+    let bound = match caller.and_then(|c| c.prove(mem)) {
+        Ok(peer) => bind(u128::from_le_bytes(ticket), peer),
+        Err(e) => {
+            tracing::info!(error = %e, "local proof refused: the caller cannot be bound");
+            false
+        }
+    };
+    let left = deadline.saturating_duration_since(Instant::now());
+    let _ = conn.set_write_timeout(Some(left.max(Duration::from_millis(1))));
+    let _ = conn.write_all(&[if bound { BOUND } else { REFUSED }]);
 }
 
 /// The target's listener.
@@ -106,39 +301,56 @@ impl Listener {
         })
     }
 
-    /// Serves connections until `stop` says so (checked after each; wake
-    /// the loop with [`wake`](Self::wake)). `bind` gets each valid ticket
-    /// and the proven process, and says whether it bound them.
+    /// Serves connections until `stop` says so (checked after each accept;
+    /// wake the loop with [`wake`](Self::wake)), each on a thread of its
+    /// own within `timeout` from accept, at most [`MAX_PENDING`] at once.
+    /// `bind` gets each ticket and its proven process, and says whether it
+    /// bound them. Returns once every connection has been answered or shut
+    /// down.
     pub(super) fn serve(
         &self,
         timeout: Duration,
         stop: &dyn Fn() -> bool,
-        bind: &dyn Fn(u128, ProvenPeer) -> bool,
+        bind: &(dyn Fn(u128, ProvenPeer) -> bool + Sync),
     ) {
-        for conn in self.sock.incoming() {
-            if stop() {
-                return;
-            }
-            let Ok(mut conn) = conn else { continue };
-            let answer = (|| -> io::Result<u8> {
-                conn.set_read_timeout(Some(timeout))?;
-                conn.set_write_timeout(Some(timeout))?;
-                let mut ticket = [0u8; 16];
-                conn.read_exact(&mut ticket)?;
-                let peer = peer_process(&conn)?;
-                Ok(if bind(u128::from_le_bytes(ticket), peer) {
-                    BOUND
-                } else {
-                    REFUSED
-                })
-            })();
-            match answer {
-                Ok(a) => {
-                    let _ = conn.write_all(&[a]);
+        // The connections being answered, shut down when the loop stops.
+        let open: Mutex<HashMap<u64, UnixStream>> = Mutex::default();
+        let lock = || open.lock().unwrap_or_else(PoisonError::into_inner);
+        let serial = AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for conn in self.sock.incoming() {
+                if stop() {
+                    break;
                 }
-                Err(e) => tracing::debug!(error = %e, "local proof connection dropped"),
+                let Ok(conn) = conn else { continue };
+                let deadline = Instant::now() + timeout;
+                // Who connected, before anything is read from them.
+                let caller = Caller::of(&conn);
+                let id = serial.fetch_add(1, Ordering::Relaxed);
+                {
+                    let mut open = lock();
+                    if open.len() >= MAX_PENDING {
+                        tracing::debug!("local proof connection closed: too many pending");
+                        continue;
+                    }
+                    let Ok(c) = conn.try_clone() else { continue };
+                    open.insert(id, c);
+                }
+                let run = move || {
+                    answer(conn, caller, deadline, bind);
+                    lock().remove(&id);
+                };
+                let spawned = std::thread::Builder::new()
+                    .name("kvxfer-local-proof".into())
+                    .spawn_scoped(s, run);
+                if spawned.is_err() {
+                    lock().remove(&id);
+                }
             }
-        }
+            for c in lock().values() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+        });
     }
 
     /// Wakes a [`serve`](Self::serve) loop (after its `stop` turned true).
@@ -156,11 +368,23 @@ impl Listener {
 /// Why not (no local socket: another host or network namespace; refused;
 /// timed out).
 pub(super) fn prove(instance: u64, ticket: u128, timeout: Duration) -> io::Result<()> {
+    let mem = File::open("/proc/self/mem")?;
     let addr = SocketAddr::from_abstract_name(name(instance))?;
     let mut s = UnixStream::connect_addr(&addr)?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
-    s.write_all(&ticket.to_le_bytes())?;
+    let bytes = ticket.to_le_bytes();
+    let fds = [mem.as_fd()];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    control.push(SendAncillaryMessage::ScmRights(&fds));
+    let sent = sendmsg(
+        &s,
+        &[IoSlice::new(&bytes)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
+    s.write_all(&bytes[sent..])?;
     let mut a = [REFUSED];
     s.read_exact(&mut a)?;
     if a[0] == BOUND {
@@ -177,52 +401,204 @@ pub(super) fn prove(instance: u64, ticket: u128, timeout: Duration) -> io::Resul
 mod tests {
     use super::*;
     use std::sync::Arc;
-    use std::sync::Mutex;
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::AtomicBool;
 
-    #[test]
-    fn binds_the_connecting_process_and_only_a_known_ticket() {
-        let instance = crate::auth::random_u64();
-        let l = Arc::new(Listener::bind(instance).unwrap());
-        let stop = Arc::new(AtomicBool::new(false));
-        type Seen = Vec<(u128, Option<u32>)>;
-        let seen: Arc<Mutex<Seen>> = Arc::default();
-        let t = {
-            let (l, stop, seen) = (Arc::clone(&l), Arc::clone(&stop), Arc::clone(&seen));
-            std::thread::spawn(move || {
-                l.serve(
-                    Duration::from_secs(5),
-                    &|| stop.load(Ordering::SeqCst),
-                    &|ticket, peer| {
-                        seen.lock().unwrap().push((ticket, peer.live_pid()));
+    type Seen = Arc<Mutex<Vec<(u128, Option<u32>)>>>;
+
+    /// A listener on its own thread, recording what it binds (tickets
+    /// other than 42 are refused).
+    struct Served {
+        l: Arc<Listener>,
+        stop: Arc<AtomicBool>,
+        seen: Seen,
+        t: Option<std::thread::JoinHandle<()>>,
+    }
+
+    impl Served {
+        fn start(timeout: Duration) -> Self {
+            let l = Arc::new(Listener::bind(crate::auth::random_u64()).unwrap());
+            let stop = Arc::new(AtomicBool::new(false));
+            let seen: Seen = Arc::default();
+            let t = {
+                let (l, stop, seen) = (Arc::clone(&l), Arc::clone(&stop), Arc::clone(&seen));
+                std::thread::spawn(move || {
+                    l.serve(timeout, &|| stop.load(Ordering::SeqCst), &|ticket, peer| {
+                        lock_seen(&seen).push((ticket, peer.live_pid()));
                         ticket == 42
-                    },
-                )
-            })
-        };
-        prove(instance, 42, Duration::from_secs(5)).unwrap();
-        let e = prove(instance, 7, Duration::from_secs(5)).unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
-        // No listener for another instance.
-        assert!(prove(instance ^ 2, 42, Duration::from_secs(1)).is_err());
-        stop.store(true, Ordering::SeqCst);
-        l.wake();
-        t.join().unwrap();
-        let me = Some(std::process::id());
-        assert_eq!(*seen.lock().unwrap(), vec![(42, me), (7, me)]);
+                    })
+                })
+            };
+            Self {
+                l,
+                stop,
+                seen,
+                t: Some(t),
+            }
+        }
+
+        fn instance(&self) -> u64 {
+            self.l.instance
+        }
+
+        fn stop(mut self) -> Vec<(u128, Option<u32>)> {
+            self.stop.store(true, Ordering::SeqCst);
+            self.l.wake();
+            self.t.take().unwrap().join().unwrap();
+            lock_seen(&self.seen).clone()
+        }
+    }
+
+    fn lock_seen(s: &Seen) -> std::sync::MutexGuard<'_, Vec<(u128, Option<u32>)>> {
+        s.lock().unwrap()
+    }
+
+    /// `/proc/<which>/mem`, open for reading.
+    fn mem_of(which: &str) -> OwnedFd {
+        File::open(format!("/proc/{which}/mem")).unwrap().into()
+    }
+
+    /// This process, as the far end of a socket pair.
+    fn own_caller() -> Caller {
+        let (_a, b) = UnixStream::pair().unwrap();
+        Caller::of(&b).unwrap()
+    }
+
+    /// Only the caller's own memory file binds it: not another process's,
+    /// not a file elsewhere, not none.
+    #[test]
+    fn only_the_callers_own_memory_binds_it() {
+        let mut other = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let bad: [Option<OwnedFd>; 4] = [
+            None,
+            Some(mem_of(&other.id().to_string())),
+            Some(File::open("/proc/self/status").unwrap().into()),
+            Some(File::open("/dev/null").unwrap().into()),
+        ];
+        for mem in bad {
+            let e = own_caller().prove(mem).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+        }
+        assert!(own_caller().prove(Some(mem_of("self"))).is_ok());
+        other.kill().unwrap();
+        other.wait().unwrap();
     }
 
     #[test]
-    fn an_exited_process_is_not_live() {
-        let mut child = std::process::Command::new("true").spawn().unwrap();
+    fn binds_the_connecting_process_and_only_a_known_ticket() {
+        let s = Served::start(Duration::from_secs(5));
+        prove(s.instance(), 42, Duration::from_secs(5)).unwrap();
+        let e = prove(s.instance(), 7, Duration::from_secs(5)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
+        // No listener for another instance.
+        assert!(prove(s.instance() ^ 2, 42, Duration::from_secs(1)).is_err());
+        let me = Some(std::process::id());
+        assert_eq!(s.stop(), vec![(42, me), (7, me)]);
+    }
+
+    /// Callers that connect and say nothing (or trickle) delay no other
+    /// proof: each is answered on its own, and dropped at its deadline.
+    #[test]
+    fn silent_callers_delay_no_proof() {
+        let s = Served::start(Duration::from_secs(600));
+        let addr = SocketAddr::from_abstract_name(name(s.instance())).unwrap();
+        let silent: Vec<UnixStream> = (0..8)
+            .map(|_| UnixStream::connect_addr(&addr).unwrap())
+            .collect();
+        let mut trickler = UnixStream::connect_addr(&addr).unwrap();
+        trickler.write_all(&[1, 2, 3]).unwrap();
+        // Far less than the listener's deadline for the silent ones.
+        prove(s.instance(), 42, Duration::from_secs(60)).unwrap();
+        drop(silent);
+        drop(trickler);
+        assert_eq!(s.stop(), vec![(42, Some(std::process::id()))]);
+    }
+
+    /// A stalled connection is dropped unanswered at its deadline, however
+    /// it trickles, and stopping the listener shuts pending ones at once.
+    #[test]
+    fn a_trickled_ticket_is_dropped_at_the_deadline_and_stop_is_prompt() {
+        let s = Served::start(Duration::from_millis(300));
+        let addr = SocketAddr::from_abstract_name(name(s.instance())).unwrap();
+        let mut c = UnixStream::connect_addr(&addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut a = [9u8];
+        for b in 0..15u8 {
+            if c.write_all(&[b]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Dropped at the deadline: no answer, whatever came after.
+        let _ = c.write_all(&[15]);
+        assert!(matches!(c.read(&mut a), Ok(0) | Err(_)));
+        // Pending for a long deadline: the stop shuts it down.
+        let s2 = Served::start(Duration::from_secs(600));
+        let addr2 = SocketAddr::from_abstract_name(name(s2.instance())).unwrap();
+        let mut pending = UnixStream::connect_addr(&addr2).unwrap();
+        pending
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        assert!(s2.stop().is_empty());
+        assert!(matches!(pending.read(&mut a), Ok(0) | Err(_)));
+        assert!(s.stop().is_empty());
+    }
+
+    /// The binding holds the process, not its pid number: it says the
+    /// process has exited once it has, and the probe word reads only while
+    /// the process runs the program it was proven in.
+    #[test]
+    fn a_binding_ends_with_its_process_and_its_program() {
+        // This process: the probe word reads back.
+        let word = Box::new(0x5eed_1234_u64);
+        let probe = &*word as *const u64 as u64;
+        let s = Served::start(Duration::from_secs(5));
+        prove(s.instance(), 42, Duration::from_secs(5)).unwrap();
+        drop(s.stop());
+        let me = own_caller().prove(Some(mem_of("self"))).unwrap();
+        assert_eq!(me.check(probe, *word), Ok(std::process::id()));
+        assert!(me.check(probe, *word ^ 1).is_err());
+        // A child that execs: its binding reads nothing after the exec,
+        // and says it exited once it has.
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "read x; exec sh -c 'echo ran; read y'"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
         let pid = child.id();
         // SAFETY: a plain system call with integer arguments.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-        assert!(fd >= 0);
-        // SAFETY: a new descriptor nothing else owns.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-        let p = ProvenPeer { pid, pidfd };
+        let pidfd = owned(unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) }).unwrap();
+        let caller = Caller {
+            pid,
+            // SAFETY: plain system calls without arguments.
+            uid: unsafe { libc::getuid() },
+            // SAFETY: as above.
+            gid: unsafe { libc::getgid() },
+            pidfd,
+        };
+        let peer = caller.prove(Some(mem_of(&pid.to_string()))).unwrap();
+        // The shell's memory: any mapped address reads before the exec.
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+        let start = u64::from_str_radix(maps.split('-').next().unwrap(), 16).unwrap();
+        let mut w = [0u8; 8];
+        assert_eq!(peer.mem.read_at(&mut w, start).unwrap(), 8);
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"go\n").unwrap();
+        // The new program says so once it runs.
+        let mut ran = [0u8; 4];
+        child.stdout.take().unwrap().read_exact(&mut ran).unwrap();
+        assert_eq!(&ran, b"ran\n");
+        assert_eq!(peer.mem.read_at(&mut w, start).unwrap(), 0);
+        assert_eq!(
+            peer.check(start, u64::from_ne_bytes(w)),
+            Err("the proven process has run another program since its proof")
+        );
+        child.kill().unwrap();
         child.wait().unwrap();
-        assert_eq!(p.live_pid(), None);
+        assert_eq!(peer.check(start, 0), Err("the proven process has exited"));
+        assert_eq!(peer.live_pid(), None);
     }
 }

@@ -19,10 +19,6 @@ pub(in crate::engine) struct Session {
     /// presented the ticket on the local socket: the only process a
     /// delegated copy may touch.
     pub(in crate::engine) proven: Mutex<Option<local_proof::ProvenPeer>>,
-    /// Whether this agent copies for the initiator (`Delegate`): the
-    /// initiator's (pid, probe address, instance) and the probe's verdict,
-    /// decided on its first delegated request.
-    pub(in crate::engine) delegate: Mutex<Option<(u32, u64, u64, bool)>>,
     /// The storage each request wrote, synced before a durable one is
     /// acknowledged (`storage_target`).
     pub(in crate::engine) storage: Mutex<HashMap<u64, StorageWrites>>,
@@ -416,7 +412,6 @@ impl Inner {
                 streams: AtomicUsize::new(0),
                 ticket: u128::from_le_bytes(crate::auth::random_bytes()),
                 proven: Mutex::new(None),
-                delegate: Mutex::new(None),
                 storage: Mutex::new(HashMap::new()),
             })
         });
@@ -600,7 +595,7 @@ impl Inner {
             if proven.is_some() {
                 return false;
             }
-            tracing::debug!(agent = %self.config.name, remote = %session.remote, pid = ?peer.live_pid(), "initiator process proven");
+            tracing::debug!(agent = %self.config.name, remote = %session.remote, "initiator process proven");
             *proven = Some(peer);
             true
         });

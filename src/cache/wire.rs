@@ -17,8 +17,16 @@ const MAGIC: [u8; 4] = *b"KVXC";
 const VERSION: u8 = 2;
 /// Header: magic, version, chunk index (u16), chunk count (u16).
 const HEADER: usize = 4 + 1 + 2 + 2;
-/// Largest chunk on the wire, header included.
+/// Largest chunk on the wire, header included; a larger one is refused.
 pub const CHUNK_MAX: usize = 4000;
+/// Largest message one sender may have in reassembly (a `Request` naming
+/// about two million blocks); a message announcing more is refused at its
+/// first chunk.
+pub const MESSAGE_MAX: usize = 16 << 20;
+/// Most bytes in reassembly from all senders together; past it the chunk
+/// that would exceed it is refused and its sender's partial message
+/// dropped.
+pub const REASSEMBLY_MAX: usize = 64 << 20;
 
 /// What the generation side asks of one context rank.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -125,13 +133,50 @@ pub fn is_ours(chunk: &[u8]) -> bool {
     chunk.len() >= HEADER && chunk[..4] == MAGIC
 }
 
-/// Reassembles chunks per sending agent.
-#[derive(Default)]
+/// Reassembles chunks per sending agent, within [`MESSAGE_MAX`] per sender
+/// and [`REASSEMBLY_MAX`] in all.
 pub struct Reassembler {
     partial: HashMap<String, (u16, Vec<u8>)>,
+    /// Bytes held in `partial`.
+    held: usize,
+    message_max: usize,
+    total_max: usize,
+}
+
+impl Default for Reassembler {
+    fn default() -> Self {
+        Self::with_limits(MESSAGE_MAX, REASSEMBLY_MAX)
+    }
 }
 
 impl Reassembler {
+    /// A reassembler holding at most `message_max` bytes of one sender's
+    /// message and `total_max` bytes in all.
+    pub fn with_limits(message_max: usize, total_max: usize) -> Self {
+        Self {
+            partial: HashMap::new(),
+            held: 0,
+            message_max,
+            total_max,
+        }
+    }
+
+    /// Bytes of partial messages held now.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
+    /// Drops `from`'s partial message, if any.
+    fn forget(&mut self, from: &str) -> Vec<u8> {
+        let body = self
+            .partial
+            .remove(from)
+            .map(|(_, b)| b)
+            .unwrap_or_default();
+        self.held -= body.len();
+        body
+    }
+
     /// As [`feed`](Self::feed) for a sync message of any kind: another
     /// protocol's is skipped, a malformed one dropped with a warning.
     pub fn accept(&mut self, from: &str, chunk: &[u8]) -> Option<Msg> {
@@ -161,20 +206,50 @@ impl Reassembler {
         if chunk[4] != VERSION {
             return Err(bad(&format!("unsupported version {}", chunk[4])));
         }
+        if chunk.len() > CHUNK_MAX {
+            self.forget(from);
+            return Err(bad(&format!(
+                "a chunk of {} bytes (at most {CHUNK_MAX})",
+                chunk.len()
+            )));
+        }
         let idx = u16::from_le_bytes([chunk[5], chunk[6]]);
         let count = u16::from_le_bytes([chunk[7], chunk[8]]);
         let part = &chunk[HEADER..];
-        let entry = self.partial.entry(from.to_owned()).or_default();
-        if idx != entry.0 || idx >= count {
-            self.partial.remove(from);
+        let announced = usize::from(count) * (CHUNK_MAX - HEADER);
+        if announced > self.message_max {
+            self.forget(from);
+            return Err(bad(&format!(
+                "a message of {count} chunks (at most {} bytes)",
+                self.message_max
+            )));
+        }
+        let expected = self.partial.get(from).map_or(0, |e| e.0);
+        if idx != expected || idx >= count {
+            self.forget(from);
             return Err(bad(&format!("chunk {idx} of {count} out of order")));
         }
+        if count == 1 {
+            // A one-chunk message: nothing held.
+            return postcard::from_bytes(part)
+                .map(Some)
+                .map_err(|e| bad(&format!("undecodable message: {e}")));
+        }
+        if self.held + part.len() > self.total_max {
+            self.forget(from);
+            return Err(bad(&format!(
+                "reassembly full ({} bytes held from all senders)",
+                self.held
+            )));
+        }
+        let entry = self.partial.entry(from.to_owned()).or_default();
         entry.1.extend_from_slice(part);
         entry.0 += 1;
+        self.held += part.len();
         if entry.0 < count {
             return Ok(None);
         }
-        let (_, body) = self.partial.remove(from).unwrap_or_default();
+        let body = self.forget(from);
         postcard::from_bytes(&body)
             .map(Some)
             .map_err(|e| bad(&format!("undecodable message: {e}")))
@@ -253,5 +328,58 @@ mod tests {
         assert!(r.feed("y", &chunks[1]).is_err());
         assert!(r.feed("y", &chunks[0]).unwrap().is_none());
         assert!(r.feed("y", &chunks[2]).is_err());
+        assert_eq!(r.held(), 0);
+    }
+
+    /// A chunk over the documented size, or a message announcing more than
+    /// a sender may have in reassembly, is refused at once, holding
+    /// nothing; the same sender's next good message decodes.
+    #[test]
+    fn oversized_chunks_and_messages_are_refused() {
+        let mut r = Reassembler::with_limits(64 << 10, 1 << 20);
+        let mut huge = Msg::Ready { request_id: 1 }.encode().remove(0);
+        huge.resize(16 << 20, 0);
+        assert!(r.feed("x", &huge).is_err());
+        // 64 KiB allows 17 chunks; a message of 100 chunks is refused at
+        // its first.
+        let big = Msg::Request(info(20_000)).encode();
+        assert!(big.len() > 17);
+        assert!(r.feed("x", &big[0]).is_err());
+        assert_eq!(r.held(), 0);
+        let ok = Msg::Request(info(2_000));
+        let mut got = None;
+        for c in ok.encode() {
+            got = r.feed("x", &c).unwrap();
+        }
+        assert_eq!(got, Some(ok));
+        assert_eq!(r.held(), 0);
+    }
+
+    /// The senders' partial messages share one budget: the chunk that would
+    /// pass it is refused (its sender's partial dropped), the others
+    /// complete, and one-chunk messages always decode.
+    #[test]
+    fn reassembly_is_bounded_across_senders() {
+        let m = Msg::Request(info(2_000));
+        let chunks = m.encode();
+        assert_eq!(chunks.len(), 4);
+        let per = CHUNK_MAX - HEADER;
+        // Room for four and a half full chunks in all.
+        let mut r = Reassembler::with_limits(1 << 20, 4 * per + per / 2);
+        for from in ["a", "b"] {
+            for c in &chunks[..2] {
+                assert!(r.feed(from, c).unwrap().is_none());
+            }
+        }
+        assert_eq!(r.held(), 4 * per);
+        assert!(r.feed("c", &chunks[0]).is_err(), "past the budget");
+        assert_eq!(r.held(), 4 * per);
+        let small = Msg::Ready { request_id: 9 };
+        assert_eq!(r.feed("c", &small.encode()[0]).unwrap(), Some(small));
+        assert!(r.feed("a", &chunks[2]).is_err(), "still full");
+        assert_eq!(r.held(), 2 * per);
+        assert!(r.feed("b", &chunks[2]).unwrap().is_none());
+        assert_eq!(r.feed("b", &chunks[3]).unwrap(), Some(m));
+        assert_eq!(r.held(), 0);
     }
 }

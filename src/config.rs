@@ -324,9 +324,16 @@ pub struct Limits {
     /// is closed at once. Each is a thread.
     pub max_incoming_connections: usize,
     /// Most incoming connections that have not yet authenticated (default
-    /// 64): a flood of idle connections is closed at once, and each is
-    /// dropped after `connect_timeout` anyway.
+    /// 64). A new one past it evicts the oldest connection of the source
+    /// (IP address) that holds the most, so a flood never keeps another
+    /// source out.
     pub max_unauthenticated: usize,
+    /// Most of those from one source (IP address) (default 8): a new one
+    /// past it evicts that source's own oldest.
+    pub max_unauthenticated_per_source: usize,
+    /// How long an incoming connection may take to authenticate (default
+    /// 3 s, at most `connect_timeout`); then it is dropped.
+    pub auth_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -337,6 +344,8 @@ impl Default for Limits {
             max_requests_in_flight: 1 << 16,
             max_incoming_connections: 1024,
             max_unauthenticated: 64,
+            max_unauthenticated_per_source: 8,
+            auth_timeout: Duration::from_secs(3),
         }
     }
 }
@@ -590,6 +599,15 @@ impl AgentConfig {
         self
     }
 
+    /// Sets the bounds on connections still authenticating: from one
+    /// source ([`Limits::max_unauthenticated_per_source`]), and how long
+    /// each may take ([`Limits::auth_timeout`]).
+    pub fn with_pre_auth_limits(mut self, per_source: usize, timeout: Duration) -> Self {
+        self.limits.max_unauthenticated_per_source = per_source;
+        self.limits.auth_timeout = timeout;
+        self
+    }
+
     /// Sets the sync-message inbox bounds: in all and per remote agent
     /// ([`Limits::inbox_max_bytes`]).
     pub fn with_inbox_limits(mut self, total: u64, per_peer: u64) -> Self {
@@ -688,8 +706,14 @@ impl AgentConfig {
         if l.max_requests_in_flight == 0 {
             return bad("limits.max_requests_in_flight must be at least 1".into());
         }
-        if l.max_incoming_connections == 0 || l.max_unauthenticated == 0 {
+        if l.max_incoming_connections == 0
+            || l.max_unauthenticated == 0
+            || l.max_unauthenticated_per_source == 0
+        {
             return bad("connection limits must be at least 1".into());
+        }
+        if l.auth_timeout.is_zero() {
+            return bad("limits.auth_timeout must be non-zero".into());
         }
         if self.connect_timeout.is_zero() || self.io_timeout.is_zero() {
             return bad("timeouts must be non-zero".into());

@@ -795,32 +795,69 @@ fn a_trickling_peer_cannot_hold_a_load_past_its_deadline() {
     stop2.store(true, std::sync::atomic::Ordering::SeqCst);
 }
 
-/// Connections that never authenticate hold at most `max_unauthenticated`
-/// slots: one more is closed at once, and once they go a good peer is
-/// served.
+/// An outsider re-opening idle connections from eight sources (each past
+/// its share) never keeps a good peer out: while the flood goes on, each
+/// of six good peers loads the target at its first try, and the flood's
+/// connections are the ones evicted.
 #[test]
 fn idle_connections_cannot_crowd_out_peers() {
+    use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let v = Victim::new(
         Backend::Tcp,
         AgentConfig::new("target")
             .with_connect_timeout(Duration::from_secs(600))
-            .with_connection_limits(1024, 4),
+            .with_connection_limits(1024, 16)
+            .with_pre_auth_limits(4, Duration::from_secs(600)),
     );
-    let silent: Vec<RawConn> = (0..4).map(|_| RawConn::connect(&v.conn())).collect();
-    // The fifth is closed long before its 600 s handshake deadline (the
-    // raw client reads for 30 s at most).
-    let mut fifth = RawConn::connect(&v.conn());
-    assert!(fifth.closed());
-    drop(silent);
-    let good = make_transfer_agent(Backend::Tcp, AgentConfig::new("good")).unwrap();
-    let t0 = std::time::Instant::now();
-    // The slots come free as the target's threads see the closes.
-    while let Err(e) = good.load_remote_agent_by_connection(&v.conn()) {
-        assert!(t0.elapsed() < Duration::from_secs(60), "never served: {e}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    drop(good);
-    v.still_serves(AgentConfig::new("good2"));
+    let target: SocketAddr = v.conn().parse().unwrap();
+    let (stop, opened) = (AtomicBool::new(false), AtomicUsize::new(0));
+    let open = |source: u8| -> TcpStream {
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        let from = SocketAddr::from((Ipv4Addr::new(127, 0, 0, source), 0));
+        s.bind(&from.into()).unwrap();
+        s.connect(&target.into()).unwrap();
+        let s = TcpStream::from(s);
+        s.set_nonblocking(true).unwrap();
+        opened.fetch_add(1, Ordering::SeqCst);
+        s
+    };
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            // Eight live connections per source, each re-opened once the
+            // target closes it.
+            let mut held: Vec<(u8, TcpStream)> = (3..11)
+                .flat_map(|src| (0..8).map(move |_| src))
+                .map(|src| (src, open(src)))
+                .collect();
+            while !stop.load(Ordering::SeqCst) {
+                for (src, s) in &mut held {
+                    let mut b = [0u8; 1];
+                    if matches!(s.peek(&mut b), Ok(0)) {
+                        *s = open(*src);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        // The table is full of the flood (64 connections for 16 slots).
+        while opened.load(Ordering::SeqCst) < 64 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let before = opened.load(Ordering::SeqCst);
+        for i in 0..6 {
+            let good =
+                make_transfer_agent(Backend::Tcp, AgentConfig::new(format!("good{i}"))).unwrap();
+            good.load_remote_agent_by_connection(&v.conn())
+                .unwrap_or_else(|e| panic!("good peer {i} kept out during the flood: {e}"));
+        }
+        // The flood went on meanwhile: the target evicted its connections
+        // and it opened new ones.
+        assert!(opened.load(Ordering::SeqCst) > before);
+        v.still_serves(AgentConfig::new("good-during"));
+        stop.store(true, Ordering::SeqCst);
+    });
+    v.still_serves(AgentConfig::new("good-after"));
 }
 
 /// Entry point of the processes the local proof attacks run

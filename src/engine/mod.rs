@@ -40,6 +40,7 @@ mod metrics_http;
 mod names;
 mod peer;
 mod plan;
+mod pre_auth;
 mod rdma;
 pub(crate) mod requests;
 mod sock;
@@ -63,6 +64,7 @@ use peer::*;
 pub(crate) use plan::fuzz_respond;
 use plan::*;
 pub(crate) use plan::{delegated_pieces, write_list_pieces};
+use pre_auth::PreAuthSlot;
 use rdma::recv::*;
 use socket_link::*;
 use storage_target::{Bounce, StorageWrites};
@@ -209,7 +211,7 @@ struct Inner {
     /// Delegated cross-memory copies this agent has done for initiators.
     delegated_copies: AtomicU64,
     /// Incoming connections that have not authenticated yet.
-    unauthenticated: Arc<AtomicUsize>,
+    pre_auth: Arc<Mutex<pre_auth::PreAuth>>,
     /// Requests submitted whose outcome is not in (see
     /// [`Limits::max_requests_in_flight`](crate::Limits::max_requests_in_flight)).
     in_flight: Arc<AtomicUsize>,
@@ -225,15 +227,6 @@ struct Inner {
     names: names::Names,
     /// Its requests' outcomes, by transport and peer.
     metrics: crate::metrics::Metrics,
-}
-
-/// One count in [`Inner::unauthenticated`], given back on drop.
-struct Unauthenticated(Arc<AtomicUsize>);
-
-impl Drop for Unauthenticated {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
 }
 
 /// Whether incoming RDMA connections share a receive queue.
@@ -340,7 +333,7 @@ impl Engine {
             srq_rx: Mutex::new(SrqState::Untried),
             local_proof,
             delegated_copies: AtomicU64::new(0),
-            unauthenticated: Arc::new(AtomicUsize::new(0)),
+            pre_auth: Arc::default(),
             in_flight: Arc::new(AtomicUsize::new(0)),
             door: RwLock::new(true),
             storage: crate::storage::Storage::new(config.effective_storage_io()?),

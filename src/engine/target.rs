@@ -233,18 +233,28 @@ impl Inner {
                 tracing::warn!(agent = %self.config.name, limit = self.config.limits.max_incoming_connections, peer = ?sock.peer_addr().ok(), "too many incoming connections; closing a new one");
                 continue;
             }
-            if self.unauthenticated.fetch_add(1, Ordering::SeqCst)
-                >= self.config.limits.max_unauthenticated
-            {
-                self.unauthenticated.fetch_sub(1, Ordering::SeqCst);
-                tracing::warn!(agent = %self.config.name, limit = self.config.limits.max_unauthenticated, peer = ?sock.peer_addr().ok(), "too many connections still authenticating; closing a new one");
-                continue;
-            }
-            let pending_auth = Unauthenticated(Arc::clone(&self.unauthenticated));
             let id = server.next_id;
             server.next_id += 1;
             let Ok(clone) = sock.try_clone() else {
                 continue;
+            };
+            let ip = sock
+                .peer_addr()
+                .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip());
+            let limits = &self.config.limits;
+            let evicted = lock(&self.pre_auth).admit(
+                id,
+                ip,
+                limits.max_unauthenticated_per_source,
+                limits.max_unauthenticated,
+            );
+            if let Some(old) = evicted.and_then(|e| server.socks.get(&e)) {
+                tracing::warn!(agent = %self.config.name, limit = limits.max_unauthenticated, per_source = limits.max_unauthenticated_per_source, evicted = ?old.peer_addr().ok(), peer = %ip, "too many connections still authenticating; closing the oldest of the source holding most");
+                let _ = old.shutdown(Shutdown::Both);
+            }
+            let pending_auth = PreAuthSlot {
+                table: Arc::clone(&self.pre_auth),
+                id,
             };
             server.socks.insert(id, clone);
             let me = Arc::clone(&self);
@@ -272,7 +282,7 @@ impl Inner {
     pub(in crate::engine) fn serve(
         &self,
         sock: &TcpStream,
-        pending_auth: Unauthenticated,
+        pending_auth: PreAuthSlot,
     ) -> io::Result<()> {
         sock.set_nodelay(true)?;
         sock.set_read_timeout(Some(tick(self.config.io_timeout)))?;
@@ -349,12 +359,15 @@ impl Inner {
         sock: &TcpStream,
         reader: &mut FrameReader<'_>,
         clock: &ProgressClock,
-        pending_auth: Unauthenticated,
+        pending_auth: PreAuthSlot,
     ) -> io::Result<Option<String>> {
         let stop = || self.closing.load(Ordering::Relaxed);
-        reader.set_deadline(Some(
-            std::time::Instant::now() + self.config.connect_timeout,
-        ));
+        let deadline = self
+            .config
+            .limits
+            .auth_timeout
+            .min(self.config.connect_timeout);
+        reader.set_deadline(Some(std::time::Instant::now() + deadline));
         let verdict = handshake::respond(
             sock.as_fd(),
             reader,

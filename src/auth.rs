@@ -32,6 +32,12 @@ pub const NONCE_LEN: usize = 32;
 pub const MAC_LEN: usize = 32;
 /// Shortest credential accepted, in bytes.
 pub const MIN_SECRET_LEN: usize = 16;
+/// Least estimated strength of a credential accepted, in bits (see
+/// [`Credential::new`]).
+pub const MIN_SECRET_BITS: u32 = 128;
+/// Fewest distinct bytes a credential must have (a repeated byte or a
+/// short repeated pattern is refused whatever its length).
+pub const MIN_SECRET_DISTINCT: usize = 8;
 
 /// A handshake nonce.
 pub type Nonce = [u8; NONCE_LEN];
@@ -45,6 +51,18 @@ pub enum CredentialError {
     /// Shorter than [`MIN_SECRET_LEN`] bytes.
     #[error("a cluster secret must be at least {MIN_SECRET_LEN} bytes, got {0}")]
     TooShort(usize),
+    /// Long enough, but guessable: its estimated strength is under
+    /// [`MIN_SECRET_BITS`] (its length and the kinds of characters in it),
+    /// or it has fewer than [`MIN_SECRET_DISTINCT`] distinct bytes.
+    #[error(
+        "the cluster secret is too weak: about {bits} bits from its length and kinds of characters, {distinct} distinct bytes (at least {MIN_SECRET_BITS} bits and {MIN_SECRET_DISTINCT} distinct bytes: e.g. 32 random bytes, or 32 hex digits from a random source)"
+    )]
+    TooWeak {
+        /// The estimated strength, in bits.
+        bits: u32,
+        /// Distinct bytes in it.
+        distinct: usize,
+    },
     /// The secret file could not be read.
     #[error("cannot read the cluster secret file {path}: {reason}")]
     Unreadable {
@@ -68,15 +86,52 @@ impl fmt::Debug for Credential {
     }
 }
 
+/// Estimated strength of `secret` in bits: its length times the bits of
+/// a character drawn from the kinds it uses (lower case 26, upper case 26,
+/// digits 10, other printable ASCII 33, any other byte 256 in all), and
+/// how many distinct bytes it has. An upper bound for a secret someone
+/// chose: it only refuses what is surely weak (an offline guess needs one
+/// recorded handshake).
+pub fn secret_strength(secret: &[u8]) -> (u32, usize) {
+    let mut seen = [false; 256];
+    for &b in secret {
+        seen[usize::from(b)] = true;
+    }
+    let distinct = seen.iter().filter(|&&s| s).count();
+    let has = |f: fn(&u8) -> bool| secret.iter().any(f);
+    let pool: u32 = if has(|b| !(0x20..0x7f).contains(b)) {
+        256
+    } else {
+        [
+            (has(u8::is_ascii_lowercase), 26),
+            (has(u8::is_ascii_uppercase), 26),
+            (has(u8::is_ascii_digit), 10),
+            (has(|b| b.is_ascii_punctuation() || *b == b' '), 33),
+        ]
+        .iter()
+        .filter(|(present, _)| *present)
+        .map(|(_, n)| n)
+        .sum()
+    };
+    let bits = (secret.len() as f64 * f64::from(pool.max(1)).log2()).floor() as u32;
+    (bits, distinct)
+}
+
 impl Credential {
-    /// A credential from the secret's bytes (at least [`MIN_SECRET_LEN`]).
+    /// A credential from the secret's bytes: at least [`MIN_SECRET_LEN`]
+    /// bytes, and at least [`MIN_SECRET_BITS`] by [`secret_strength`] with
+    /// [`MIN_SECRET_DISTINCT`] distinct bytes.
     ///
     /// # Errors
-    /// [`CredentialError::TooShort`].
+    /// [`CredentialError::TooShort`], [`CredentialError::TooWeak`].
     pub fn new(secret: impl Into<Vec<u8>>) -> Result<Self, CredentialError> {
         let secret = secret.into();
         if secret.len() < MIN_SECRET_LEN {
             return Err(CredentialError::TooShort(secret.len()));
+        }
+        let (bits, distinct) = secret_strength(&secret);
+        if bits < MIN_SECRET_BITS || distinct < MIN_SECRET_DISTINCT {
+            return Err(CredentialError::TooWeak { bits, distinct });
         }
         Ok(Self { secret })
     }
@@ -208,8 +263,8 @@ mod tests {
 
     #[test]
     fn proofs_verify_with_the_same_secret_only() {
-        let k = Credential::new(*b"0123456789abcdef").unwrap();
-        let other = Credential::new(*b"0123456789abcdeg").unwrap();
+        let k = Credential::new(*b"0123456789abcdef-0123456789abcdef").unwrap();
+        let other = Credential::new(*b"0123456789abcdef-0123456789abcdeg").unwrap();
         let t = transcript(b"gen-0", b"ctx-0");
         assert!(k.verify_target(&t, &k.target_tag(&t)));
         assert!(k.verify_initiator(&t, &k.initiator_tag(&t)));
@@ -223,7 +278,7 @@ mod tests {
 
     #[test]
     fn proofs_bind_nonces_and_names() {
-        let k = Credential::new(vec![7u8; 32]).unwrap();
+        let k = Credential::new(random_bytes::<32>().to_vec()).unwrap();
         let t = transcript(b"gen-0", b"ctx-0");
         let tag = k.initiator_tag(&t);
         let mut moved = t;
@@ -240,10 +295,11 @@ mod tests {
 
     #[test]
     fn tag_layout_is_label_nonces_and_framed_names() {
-        // HMAC-SHA256, key 16 x 0x0b, over the label and an all-zero
-        // transcript with empty names: fixed, so the wire format cannot
-        // drift unnoticed.
-        let k = Credential::new(vec![0x0b; 16]).unwrap();
+        // HMAC-SHA256, key the bytes 0..32, over the label and an
+        // all-zero transcript with empty names: fixed, so the wire format
+        // cannot drift unnoticed.
+        let key: Vec<u8> = (0..32).collect();
+        let k = Credential::new(key.clone()).unwrap();
         let t = Transcript {
             initiator_nonce: [0; NONCE_LEN],
             target_nonce: [0; NONCE_LEN],
@@ -252,7 +308,7 @@ mod tests {
         };
         let mut msg = INITIATOR_LABEL.to_vec();
         msg.extend_from_slice(&[0u8; 72]);
-        let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(&[0x0b; 16]).unwrap();
+        let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(&key).unwrap();
         m.update(&msg);
         let want: Tag = m.finalize().into_bytes().into();
         assert_eq!(k.initiator_tag(&t), want);
@@ -264,17 +320,50 @@ mod tests {
             Credential::new(*b"short").unwrap_err(),
             CredentialError::TooShort(5)
         );
-        let k = Credential::new(*b"do not print me!").unwrap();
+        let k = Credential::new(*b"Do not print me, ever: 42!").unwrap();
         assert!(!format!("{k:?}").contains("print"));
+    }
+
+    /// Guessable secrets are refused, typed, whatever their length; random
+    /// ones of 128 bits pass.
+    #[test]
+    fn weak_secrets_are_refused() {
+        for weak in [
+            &b"0123456789abcdef"[..],            // 16 hex digits: 64 bits
+            b"passwordpassword",                 // lower case only: 75 bits
+            &[7u8; 64],                          // one byte repeated
+            b"abababababababababababababababab", // two bytes repeated
+            b"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa1", // few distinct
+        ] {
+            assert!(
+                matches!(
+                    Credential::new(weak.to_vec()),
+                    Err(CredentialError::TooWeak { .. })
+                ),
+                "{weak:?}"
+            );
+        }
+        let e = Credential::new(*b"0123456789abcdef").unwrap_err();
+        assert!(e.to_string().contains("82 bits"), "{e}");
+        for strong in [
+            random_bytes::<16>().to_vec(),                // 128 random bits
+            b"0123456789abcdef0123456789abcdef".to_vec(), // 32 hex digits
+            b"ci-cluster-secret-12345-6789".to_vec(),     // mixed kinds
+        ] {
+            assert!(Credential::new(strong.clone()).is_ok(), "{strong:?}");
+        }
     }
 
     #[test]
     fn secret_file_drops_trailing_newline() {
         let dir = std::env::temp_dir().join(format!("kvxfer-auth-{}", random_u64()));
-        std::fs::write(&dir, b"0123456789abcdef\n").unwrap();
+        std::fs::write(&dir, b"0123456789abcdef-0123456789abcdef\n").unwrap();
         let k = Credential::from_file(&dir).unwrap();
         std::fs::remove_file(&dir).unwrap();
-        assert_eq!(k, Credential::new(*b"0123456789abcdef").unwrap());
+        assert_eq!(
+            k,
+            Credential::new(*b"0123456789abcdef-0123456789abcdef").unwrap()
+        );
         assert!(matches!(
             Credential::from_file("/nonexistent/kvxfer-secret"),
             Err(CredentialError::Unreadable { .. })

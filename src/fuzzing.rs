@@ -132,7 +132,8 @@ pub fn handshake(data: &[u8]) {
     use std::io::Write;
     // Inputs up to the socket buffer: nothing to wait for.
     let data = &data[..data.len().min(64 << 10)];
-    let cred = crate::auth::Credential::new([0x42u8; 32]).expect("32 bytes");
+    let cred = crate::auth::Credential::new((0x42u8..0x62).collect::<Vec<u8>>())
+        .expect("32 distinct bytes");
     for keyed in [false, true] {
         let (mut peer, mine) = std::os::unix::net::UnixStream::pair().expect("socketpair");
         peer.write_all(data).expect("socket buffer");

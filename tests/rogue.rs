@@ -248,7 +248,12 @@ fn a_forged_delegate_reads_and_writes_nothing() {
 }
 
 fn credential(fill: u8) -> Credential {
-    Credential::new(vec![fill; 32]).unwrap()
+    Credential::new(
+        (0..32u8)
+            .map(|i| i.wrapping_mul(37) ^ fill)
+            .collect::<Vec<u8>>(),
+    )
+    .unwrap()
 }
 
 /// With a credential configured, a peer that does not prove it holds the

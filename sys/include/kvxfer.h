@@ -162,7 +162,8 @@ typedef struct kvxfer_options {
   // buffers and runs its own thread, instead of sharing the agent's
   // shared receive queue.
   uint32_t rdma_no_shared_receive_queue;
-  // Path of a file holding the cluster secret (at least 16 bytes; a
+  // Path of a file holding the cluster secret (at least 16 bytes and
+  // 128 bits by its length and kinds of characters; a
   // trailing newline is dropped). Every connection authenticates with
   // it; NULL: `KVXFER_SECRET_FILE`, else `KVXFER_SECRET`, else none.
   const char *secret_file;

@@ -299,6 +299,16 @@ fn suid_dir() -> Result<PathBuf, String> {
     Ok(dir)
 }
 
+/// Removes the set-user-id test's directory however the test ends (a
+/// set-user-id-root copy of a test binary must not outlive it).
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Copies this test binary to `to` with `mode` (root-owned).
 fn copy_self(to: &Path, mode: u32) {
     std::fs::copy(std::env::current_exe().unwrap(), to).unwrap();
@@ -318,7 +328,8 @@ fn a_set_user_id_program_after_proof_is_out_of_reach() {
             return;
         }
     };
-    let (plain, suid) = (dir.join("prover"), dir.join("holder"));
+    let dir = RemoveOnDrop(dir);
+    let (plain, suid) = (dir.0.join("prover"), dir.0.join("holder"));
     copy_self(&plain, 0o755);
     copy_self(&suid, 0o4755);
     let v = Victim::new(Backend::Shm, AgentConfig::new("target"));
@@ -360,7 +371,7 @@ fn a_set_user_id_program_after_proof_is_out_of_reach() {
     assert!(!bound, "another user was bound");
     assert_eq!(st, raw::ST_DELEGATE_REFUSED);
     drop(c);
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
     v.still_serves(AgentConfig::new("good"));
 }
 

@@ -229,6 +229,27 @@ fn attack_holder(
     }
 }
 
+/// Asks the target (request `req`) to copy the prover's bait into its
+/// region as a delegated WRITE, the probe and bait from the prover's
+/// `proved` line; the answer (a copy done is committed and acknowledged,
+/// the acknowledgement read here).
+fn take_bait(v: &Victim, c: &mut RawConn, req: u64, pid: u32, proved: &[String]) -> u16 {
+    assert_eq!(grant(c, req, v.region_addr(), 64, v.key()), raw::ST_OK);
+    let st = delegate_probed(
+        c,
+        req,
+        true,
+        pid,
+        (num(&proved[2]), num(&proved[3])),
+        (v.region_addr(), num(&proved[4]), 64),
+    );
+    if st == raw::ST_OK {
+        let ack = c.recv().unwrap();
+        assert_eq!((ack.kind, ack.id, ack.status), (raw::ACK, req, raw::ST_OK));
+    }
+    st
+}
+
 /// A process proves itself and then runs another program of its own user:
 /// the binding was to the program it proved itself in, so no delegated
 /// copy reaches the new one, even with the probe word that worked before.
@@ -249,21 +270,9 @@ fn exec_after_proof_reaches_nothing_of_the_new_program() {
         "a process of this user is bound"
     );
     let probe = (num(&proved[2]), num(&proved[3]));
-    // Bound: a delegated copy from the prover's bait goes through (the
-    // target commits it, then acknowledges).
+    // Bound: a delegated copy from the prover's bait goes through.
     let mut req = 1;
-    assert_eq!(grant(&mut c, req, v.region_addr(), 64, v.key()), raw::ST_OK);
-    let st = delegate_probed(
-        &mut c,
-        req,
-        true,
-        pid,
-        probe,
-        (v.region_addr(), num(&proved[4]), 64),
-    );
-    assert_eq!(st, raw::ST_OK);
-    let ack = c.recv().unwrap();
-    assert_eq!((ack.kind, ack.id, ack.status), (raw::ACK, req, raw::ST_OK));
+    assert_eq!(take_bait(&v, &mut c, req, pid, &proved), raw::ST_OK);
     v.assert_untouched();
     // Now the same process runs the holder.
     prover.tell("exec");
@@ -348,18 +357,7 @@ fn a_set_user_id_program_after_proof_is_out_of_reach() {
     let bound = proved[1] == "0";
     let probe = (num(&proved[2]), num(&proved[3]));
     let mut req = 1;
-    assert_eq!(grant(&mut c, req, v.region_addr(), 64, v.key()), raw::ST_OK);
-    let st = delegate_probed(
-        &mut c,
-        req,
-        true,
-        pid,
-        probe,
-        (v.region_addr(), num(&proved[4]), 64),
-    );
-    if st == raw::ST_OK {
-        assert_eq!(c.recv().unwrap().kind, raw::ACK);
-    }
+    let st = take_bait(&v, &mut c, req, pid, &proved);
     prover.tell("exec");
     let holder = prover.line();
     assert_eq!(holder[0], "holder");

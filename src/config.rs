@@ -328,8 +328,11 @@ pub struct Limits {
     /// (IP address) that holds the most, so a flood never keeps another
     /// source out.
     pub max_unauthenticated: usize,
-    /// Most of those from one source (IP address) (default 8): a new one
-    /// past it evicts that source's own oldest.
+    /// Most of those from one source (IP address): a new one past it
+    /// evicts that source's own oldest. The default, 64, is the total: the
+    /// agents of one host (ranks of several GPUs, each opening its streams
+    /// at once) may fill the table alone, and a source gives way only when
+    /// the table is full and it holds the most.
     pub max_unauthenticated_per_source: usize,
     /// How long an incoming connection may take to authenticate (default
     /// 3 s, at most `connect_timeout`); then it is dropped.
@@ -344,7 +347,7 @@ impl Default for Limits {
             max_requests_in_flight: 1 << 16,
             max_incoming_connections: 1024,
             max_unauthenticated: 64,
-            max_unauthenticated_per_source: 8,
+            max_unauthenticated_per_source: 64,
             auth_timeout: Duration::from_secs(3),
         }
     }

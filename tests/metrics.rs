@@ -97,3 +97,43 @@ fn metrics_are_scraped_from_the_endpoint() {
     drop(init);
     drop(target);
 }
+
+/// Clients that connect and say nothing, or trickle their request a byte
+/// at a time (each byte within any per-read timeout), delay no scrape:
+/// each client is served on its own, and dropped at one deadline from
+/// accept, however it trickles.
+#[test]
+fn slow_clients_delay_no_scrape() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let cfg = AgentConfig::new("m-slow").with_metrics_listen("127.0.0.1:0".parse().unwrap());
+    let agent = make_transfer_agent(Backend::Tcp, cfg).unwrap();
+    let addr = agent.metrics_addr().expect("an endpoint");
+    let silent: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let trickler = s.spawn(|| {
+            let mut t = TcpStream::connect(addr).unwrap();
+            for b in b"GET /metrics HTTP/1.1\r\n".iter().cycle().take(600) {
+                if stop.load(Ordering::SeqCst) || t.write_all(&[*b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            t
+        });
+        // Scrapes while the silent clients and the trickler hold on.
+        for _ in 0..3 {
+            let (status, body) = get(addr, "/metrics");
+            assert_eq!(status, "HTTP/1.1 200 OK");
+            assert!(body.contains("kvxfer_"), "{body}");
+        }
+        // The trickler is dropped at its deadline, unanswered.
+        let mut t = trickler.join().unwrap_or_else(|_| panic!("trickler"));
+        t.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut rest = Vec::new();
+        let _ = t.read_to_end(&mut rest);
+        assert!(rest.is_empty(), "the trickler was answered");
+        stop.store(true, Ordering::SeqCst);
+    });
+    drop(silent);
+}

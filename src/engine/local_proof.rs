@@ -36,18 +36,14 @@
 //! accept to answer, so a process that connects and says nothing delays no
 //! other proof.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
-use std::net::Shutdown;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use rustix::net::{
@@ -313,44 +309,18 @@ impl Listener {
         stop: &dyn Fn() -> bool,
         bind: &(dyn Fn(u128, ProvenPeer) -> bool + Sync),
     ) {
-        // The connections being answered, shut down when the loop stops.
-        let open: Mutex<HashMap<u64, UnixStream>> = Mutex::default();
-        let lock = || open.lock().unwrap_or_else(PoisonError::into_inner);
-        let serial = AtomicU64::new(0);
-        std::thread::scope(|s| {
-            for conn in self.sock.incoming() {
-                if stop() {
-                    break;
-                }
-                let Ok(conn) = conn else { continue };
+        super::serve_each::serve_each(
+            self.sock.incoming(),
+            MAX_PENDING,
+            "kvxfer-local-proof",
+            stop,
+            &|conn: UnixStream| {
                 let deadline = Instant::now() + timeout;
                 // Who connected, before anything is read from them.
                 let caller = Caller::of(&conn);
-                let id = serial.fetch_add(1, Ordering::Relaxed);
-                {
-                    let mut open = lock();
-                    if open.len() >= MAX_PENDING {
-                        tracing::debug!("local proof connection closed: too many pending");
-                        continue;
-                    }
-                    let Ok(c) = conn.try_clone() else { continue };
-                    open.insert(id, c);
-                }
-                let run = move || {
-                    answer(conn, caller, deadline, bind);
-                    lock().remove(&id);
-                };
-                let spawned = std::thread::Builder::new()
-                    .name("kvxfer-local-proof".into())
-                    .spawn_scoped(s, run);
-                if spawned.is_err() {
-                    lock().remove(&id);
-                }
-            }
-            for c in lock().values() {
-                let _ = c.shutdown(Shutdown::Both);
-            }
-        });
+                answer(conn, caller, deadline, bind);
+            },
+        );
     }
 
     /// Wakes a [`serve`](Self::serve) loop (after its `stop` turned true).
@@ -401,7 +371,8 @@ pub(super) fn prove(instance: u64, ticket: u128, timeout: Duration) -> io::Resul
 mod tests {
     use super::*;
     use std::sync::Arc;
-    use std::sync::atomic::AtomicBool;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     type Seen = Arc<Mutex<Vec<(u128, Option<u32>)>>>;
 

@@ -1,14 +1,21 @@
-//! The metrics endpoint (cargo feature `metrics-endpoint`): a thread that
-//! answers `GET /metrics` with the agent's metrics in the Prometheus text
-//! format, one request per connection, every read and write bounded by a
-//! deadline; stopped when the agent closes.
+//! The metrics endpoint (cargo feature `metrics-endpoint`): a listener
+//! that answers `GET /metrics` with the agent's metrics in the Prometheus
+//! text format, one request per connection, each connection on a thread of
+//! its own (at most [`MAX_CLIENTS`] at once) within one deadline from
+//! accept to the last byte of the answer, so a client that trickles its
+//! request delays no other scrape; stopped when the agent closes.
 
 use std::io::{Read, Write};
+use std::time::Instant;
 
 use super::*;
 
 /// Longest request head read.
 const MAX_HEAD: usize = 8 << 10;
+/// Scrapes served at once; one more is closed unanswered.
+const MAX_CLIENTS: usize = 16;
+/// From accept to the last byte of the answer.
+const DEADLINE: Duration = Duration::from_secs(2);
 
 /// The endpoint's thread and where it listens.
 pub(in crate::engine) struct MetricsServer {
@@ -25,17 +32,22 @@ impl MetricsServer {
         let thread = std::thread::Builder::new()
             .name(format!("kvxfer-metrics-{}", inner.config.name))
             .spawn(move || {
-                for conn in listener.incoming() {
-                    let Some(inner) = me.upgrade() else { return };
-                    if inner.closing.load(Ordering::SeqCst) {
-                        return;
-                    }
-                    if let Ok(s) = conn
-                        && let Err(e) = answer(&inner, s)
-                    {
-                        tracing::debug!(error = %e, "metrics request failed");
-                    }
-                }
+                let stop = || {
+                    me.upgrade()
+                        .is_none_or(|i| i.closing.load(Ordering::SeqCst))
+                };
+                serve_each::serve_each(
+                    listener.incoming(),
+                    MAX_CLIENTS,
+                    "kvxfer-metrics-client",
+                    &stop,
+                    &|s: TcpStream| {
+                        let Some(inner) = me.upgrade() else { return };
+                        if let Err(e) = answer(&inner, s, Instant::now() + DEADLINE) {
+                            tracing::debug!(error = %e, "metrics request failed");
+                        }
+                    },
+                );
             })?;
         tracing::info!(agent = %inner.config.name, %addr, "metrics served at /metrics");
         Ok(MetricsServer {
@@ -57,13 +69,21 @@ impl MetricsServer {
     }
 }
 
-/// Reads one request and answers it.
-fn answer(inner: &Inner, mut s: TcpStream) -> io::Result<()> {
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    s.set_write_timeout(Some(Duration::from_secs(2)))?;
+/// What is left until `deadline`; an error once it has passed.
+fn left(deadline: Instant) -> io::Result<Option<Duration>> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::ErrorKind::TimedOut.into());
+    }
+    Ok(Some(left))
+}
+
+/// Reads one request and answers it, all by `deadline`.
+fn answer(inner: &Inner, mut s: TcpStream, deadline: Instant) -> io::Result<()> {
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        s.set_read_timeout(left(deadline)?)?;
         let n = s.read(&mut buf)?;
         if n == 0 || head.len() + n > MAX_HEAD {
             return Ok(());
@@ -87,5 +107,15 @@ fn answer(inner: &Inner, mut s: TcpStream) -> io::Result<()> {
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
-    s.write_all(msg.as_bytes())
+    let mut out = msg.as_bytes();
+    while !out.is_empty() {
+        s.set_write_timeout(left(deadline)?)?;
+        match s.write(out) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => out = &out[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }

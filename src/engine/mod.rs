@@ -43,6 +43,7 @@ mod plan;
 mod pre_auth;
 mod rdma;
 pub(crate) mod requests;
+mod serve_each;
 mod sock;
 mod socket_link;
 mod storage_link;

@@ -34,6 +34,11 @@ pub struct SenderConfig {
     pub timings_dir: Option<PathBuf>,
     /// Memory type of the pool (default DRAM).
     pub mem_type: MemoryType,
+    /// Most generation ranks one context rank serves for a request
+    /// (default 1,024): each costs a plan and writes of its own, so a
+    /// request whose layout maps this rank onto more is refused (answered
+    /// `Cancelled`, a failure) before any planning.
+    pub max_peer_ranks: usize,
 }
 
 impl Default for SenderConfig {
@@ -44,6 +49,7 @@ impl Default for SenderConfig {
             batches_in_flight: 4,
             timings_dir: None,
             mem_type: MemoryType::Dram,
+            max_peer_ranks: 1024,
         }
     }
 }

@@ -381,6 +381,21 @@ impl SenderMachine {
             return;
         }
         if r.expected.is_none() {
+            // Each generation rank this rank serves costs a plan of its
+            // own: a layout that maps it onto too many (a hostile
+            // generation state can name millions) is refused before any.
+            let peers = target_ranks(&self.state, self.rank, &info.gen_state, info.gen_dp_rank)
+                .map_or(0, |t| t.ranks.len());
+            if peers > self.config.max_peer_ranks {
+                let max = self.config.max_peer_ranks;
+                self.reqs.remove(&id);
+                self.refuse(
+                    agent,
+                    id,
+                    format!("the layout maps this context rank onto {peers} generation ranks (at most {max})"),
+                );
+                return;
+            }
             match expected_ranks(&self.state, self.rank, &info) {
                 Ok(e) => r.expected = Some(e),
                 Err(e) => {

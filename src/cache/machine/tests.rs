@@ -14,7 +14,7 @@ use super::{
 };
 use crate::agent::TransferRequest;
 use crate::cache::pattern::{check_block, fill_block};
-use crate::cache::wire::{Msg, Reassembler};
+use crate::cache::wire::{Msg, Reassembler, RequestInfo};
 use crate::cache::{
     Attention, CacheError, CacheState, DataType, RankSlice, ReceiverConfig, RecvRequest,
     SenderConfig, distinct_heads, rank_slice,
@@ -930,4 +930,35 @@ fn api_misuse_is_typed_and_changes_nothing() {
     assert!(p.gen_outcomes(0)[0].1.is_ok());
     p.check_landed(2, 8);
     p.assert_quiet();
+}
+
+/// A generation state that is admissible but maps one context rank onto
+/// 131,072 generation ranks (TP 4,096 × PP 32, one head each) is refused
+/// at its first request, before any planning, with a typed failure; a
+/// request of a sane layout is then served as usual.
+#[test]
+fn a_layout_mapping_onto_too_many_ranks_is_refused_before_planning() {
+    let ctx = CacheState::new(32, 8, 128, 16, DataType::Bf16, Attention::Default, 1, 1);
+    let hostile = CacheState::new(32, 1, 128, 16, DataType::Bf16, Attention::Default, 4096, 32);
+    assert!(ctx.check_compatible(&hostile).is_ok());
+    let mut s = SenderMachine::new(ctx, 0, None, SenderConfig::default()).unwrap();
+    let now = Instant::now();
+    let info = RequestInfo {
+        request_id: 5,
+        gen_rank: 0,
+        gen_dp_rank: 0,
+        gen_state: hostile,
+        connection: "gen".into(),
+        index_from_end: 0,
+        last_block_key: None,
+        blocks: vec![0x1000_0000],
+        pool_mem_type: crate::memory::MemoryType::Dram,
+    };
+    s.handle_message("gen", Msg::Request(info), now);
+    let msg = s.poll_transmit().expect("an answer").msg;
+    assert!(
+        matches!(&msg, Msg::Cancelled { request_id: 5, reason, failure: true } if reason.contains("131072 generation ranks")),
+        "{msg:?}"
+    );
+    assert!(s.is_idle());
 }

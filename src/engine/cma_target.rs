@@ -98,9 +98,25 @@ impl Inner {
             )
         };
         let gpu = lock(&session.grants).get(&req).is_some_and(|g| g.gpu);
-        let pid = match self.may_copy_for(session, pid, probe_addr, instance) {
+        // From the check to the end of the copy without effective
+        // capabilities: the kernel lets them reach only a process the
+        // proven owner (this process's user) could reach alone, whatever
+        // the initiator became meanwhile (a set-user-id program, another
+        // owner).
+        let unprivileged = match shm::Unprivileged::enter() {
+            Ok(u) => Some(u),
+            Err(e) => {
+                tracing::warn!(agent = %self.config.name, error = %e, "cannot drop capabilities; not copying for initiators");
+                None
+            }
+        };
+        let pid = match unprivileged
+            .as_ref()
+            .and_then(|_| self.may_copy_for(session, pid, probe_addr, instance))
+        {
             Some(pid) if !gpu => pid,
             _ => {
+                drop(unprivileged);
                 answer(status::DELEGATE_REFUSED)?;
                 return Ok(None);
             }
@@ -114,29 +130,21 @@ impl Inner {
             CommitOp::Write => shm::Direction::Read,
             CommitOp::Read => shm::Direction::Write,
         };
-        // Without effective capabilities, the kernel lets the copy reach
-        // only a process the proven owner (this process's user) could reach
-        // alone: whatever the initiator became since the check above (a
-        // set-user-id program, another owner), it is refused.
-        let copied = shm::Unprivileged::enter().and_then(|unprivileged| {
-            // SAFETY: every local range lies inside a span granted for this
-            // request (checked above), in a region this agent registered,
-            // whose registrant promised it stays valid while registered; the
-            // request's grant guards keep it registered until the commit
-            // below.
-            let copied = unsafe {
-                shm::copy_parallel(
-                    pid,
-                    dir,
-                    &pieces,
-                    self.config.shm.copy_threads,
-                    PARALLEL_COPY_MIN,
-                    &|| false,
-                )
-            };
-            drop(unprivileged);
-            copied
-        });
+        // SAFETY: every local range lies inside a span granted for this
+        // request (checked above), in a region this agent registered, whose
+        // registrant promised it stays valid while registered; the
+        // request's grant guards keep it registered until the commit below.
+        let copied = unsafe {
+            shm::copy_parallel(
+                pid,
+                dir,
+                &pieces,
+                self.config.shm.copy_threads,
+                PARALLEL_COPY_MIN,
+                &|| false,
+            )
+        };
+        drop(unprivileged);
         match copied {
             Ok(_) => {
                 self.delegated_copies.fetch_add(1, Ordering::Relaxed);
@@ -158,8 +166,11 @@ impl Inner {
     /// local socket that `pid` is the session's initiator (owned by this
     /// process's user), it is another process than this one, and it still
     /// lives and runs the program it was proven in with the probe word in
-    /// place (checked at every request). A pid taken from the frame alone is
-    /// never trusted.
+    /// place, and this thread reaches it (checked at every request; called
+    /// without effective capabilities, so a process its owner could not
+    /// reach alone, for the security modules too, is refused here rather
+    /// than failing the copy). A pid taken from the frame alone is never
+    /// trusted.
     pub(in crate::engine) fn may_copy_for(
         &self,
         session: &Session,
@@ -180,7 +191,20 @@ impl Inner {
             return None;
         };
         match peer.check(probe_addr, instance) {
-            Ok(p) if p == pid => Some(p),
+            Ok(p) if p == pid => {
+                let access = LocalAccess {
+                    host: self.host.clone(),
+                    pid,
+                    probe_addr,
+                };
+                match shm::probe(&access, instance, &self.host) {
+                    Ok(()) => Some(p),
+                    Err(why) => {
+                        tracing::info!(agent = %self.config.name, remote = %session.remote, %why, "not copying for this initiator; it copies itself");
+                        None
+                    }
+                }
+            }
             Ok(p) => {
                 tracing::warn!(agent = %self.config.name, remote = %session.remote, claimed = pid, proven = p, "refused a delegated copy: the initiator did not prove it is that process");
                 None

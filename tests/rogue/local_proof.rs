@@ -61,6 +61,10 @@ pub(super) fn role_main(role: &str) {
             let mut s = UnixStream::connect_addr(&local_socket(instance)).unwrap();
             let mem = std::fs::File::open("/proc/self/mem").unwrap();
             let answer = present(&mut s, ticket, Some(&mem)).map_or(-1, i32::from);
+            if std::env::var_os("KVXFER_ROGUE_NONDUMPABLE").is_some() {
+                // SAFETY: a plain system call with integer arguments.
+                assert_eq!(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) }, 0);
+            }
             say(&format!(
                 "proved {answer} {} {} {}",
                 &*probe as *const u64 as u64,
@@ -282,6 +286,35 @@ fn exec_after_proof_reaches_nothing_of_the_new_program() {
     let secret = (num(&holder[3]), num(&holder[4]));
     attack_holder(&v, &mut c, &mut req, pid, &[probe, own_probe], secret);
     assert_eq!(prover.finish(), ["intact"]);
+    drop(c);
+    v.still_serves(AgentConfig::new("good"));
+}
+
+/// A proven initiator that the target cannot reach without privilege (it
+/// made itself non-dumpable after its proof, as a set-user-id program is;
+/// Yama's `ptrace_scope` has the same effect) is refused (status 14, so
+/// the initiator copies itself), not failed: the connection serves on.
+#[test]
+fn an_initiator_out_of_reach_is_refused_and_the_link_serves_on() {
+    let v = Victim::new(Backend::Shm, AgentConfig::new("target"));
+    let (mut c, ticket) = session(&v, 81);
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.env("KVXFER_ROGUE_INSTANCE", format!("{:x}", v.desc.instance))
+        .env("KVXFER_ROGUE_TICKET", format!("{ticket:x}"))
+        .env("KVXFER_ROGUE_EXEC", "/nonexistent")
+        .env("KVXFER_ROGUE_NONDUMPABLE", "1");
+    let mut prover = Role::spawn(cmd, "prover");
+    let pid = prover.child.id();
+    let proved = prover.line();
+    assert_eq!(proved[..2], ["proved", "0"]);
+    assert_eq!(
+        take_bait(&v, &mut c, 1, pid, &proved),
+        raw::ST_DELEGATE_REFUSED
+    );
+    // The same connection still serves: a grant is answered.
+    assert_eq!(grant(&mut c, 2, v.region_addr(), 64, v.key()), raw::ST_OK);
+    v.assert_untouched();
+    prover.kill();
     drop(c);
     v.still_serves(AgentConfig::new("good"));
 }

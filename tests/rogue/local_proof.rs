@@ -201,6 +201,16 @@ fn session(v: &Victim, link: u64) -> (RawConn, u128) {
     (c, u128::from(ack.addr) | u128::from(ack.len) << 64)
 }
 
+/// A prover (this binary `exe`) for `v`'s session `ticket` that runs
+/// `exec` as the holder when told.
+fn prover_cmd(exe: &Path, v: &Victim, ticket: u128, exec: &Path) -> Command {
+    let mut cmd = Command::new(exe);
+    cmd.env("KVXFER_ROGUE_INSTANCE", format!("{:x}", v.desc.instance))
+        .env("KVXFER_ROGUE_TICKET", format!("{ticket:x}"))
+        .env("KVXFER_ROGUE_EXEC", exec);
+    cmd
+}
+
 /// Whether a delegated copy was kept from happening: refused, or failed
 /// (which closes the connection).
 fn kept_out(st: u16) -> bool {
@@ -261,11 +271,8 @@ fn take_bait(v: &Victim, c: &mut RawConn, req: u64, pid: u32, proved: &[String])
 fn exec_after_proof_reaches_nothing_of_the_new_program() {
     let v = Victim::new(Backend::Shm, AgentConfig::new("target"));
     let (mut c, ticket) = session(&v, 78);
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.env("KVXFER_ROGUE_INSTANCE", format!("{:x}", v.desc.instance))
-        .env("KVXFER_ROGUE_TICKET", format!("{ticket:x}"))
-        .env("KVXFER_ROGUE_EXEC", std::env::current_exe().unwrap());
-    let mut prover = Role::spawn(cmd, "prover");
+    let exe = std::env::current_exe().unwrap();
+    let mut prover = Role::spawn(prover_cmd(&exe, &v, ticket, &exe), "prover");
     let pid = prover.child.id();
     let proved = prover.line();
     assert_eq!(
@@ -298,11 +305,13 @@ fn exec_after_proof_reaches_nothing_of_the_new_program() {
 fn an_initiator_out_of_reach_is_refused_and_the_link_serves_on() {
     let v = Victim::new(Backend::Shm, AgentConfig::new("target"));
     let (mut c, ticket) = session(&v, 81);
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.env("KVXFER_ROGUE_INSTANCE", format!("{:x}", v.desc.instance))
-        .env("KVXFER_ROGUE_TICKET", format!("{ticket:x}"))
-        .env("KVXFER_ROGUE_EXEC", "/nonexistent")
-        .env("KVXFER_ROGUE_NONDUMPABLE", "1");
+    let mut cmd = prover_cmd(
+        &std::env::current_exe().unwrap(),
+        &v,
+        ticket,
+        Path::new("/nonexistent"),
+    );
+    cmd.env("KVXFER_ROGUE_NONDUMPABLE", "1");
     let mut prover = Role::spawn(cmd, "prover");
     let pid = prover.child.id();
     let proved = prover.line();
@@ -376,12 +385,8 @@ fn a_set_user_id_program_after_proof_is_out_of_reach() {
     copy_self(&suid, 0o4755);
     let v = Victim::new(Backend::Shm, AgentConfig::new("target"));
     let (mut c, ticket) = session(&v, 79);
-    let mut cmd = Command::new(&plain);
-    cmd.uid(65534)
-        .gid(65534)
-        .env("KVXFER_ROGUE_INSTANCE", format!("{:x}", v.desc.instance))
-        .env("KVXFER_ROGUE_TICKET", format!("{ticket:x}"))
-        .env("KVXFER_ROGUE_EXEC", &suid);
+    let mut cmd = prover_cmd(&plain, &v, ticket, &suid);
+    cmd.uid(65534).gid(65534);
     let mut prover = Role::spawn(cmd, "prover");
     let pid = prover.child.id();
     let proved = prover.line();

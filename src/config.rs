@@ -320,6 +320,16 @@ pub struct Limits {
     /// [`Error::WouldBlock`] — back-pressure for a caller that submits
     /// faster than the peers complete, instead of unbounded memory.
     pub max_requests_in_flight: usize,
+    /// Most requests open at this agent as a target, over all the
+    /// connections of all peers (begun, not finished; default 262,144,
+    /// about 40 MiB of bookkeeping). Once they are all taken, a connection
+    /// holding its fair share (this over the sessions alive) that opens
+    /// one more is closed, and one below its share is served while the
+    /// session holding the most is closed instead; a closed connection's
+    /// requests fail at their initiator with
+    /// [`RejectReason::Overloaded`](crate::RejectReason::Overloaded). One
+    /// connection holds at most 65,536 in any case.
+    pub max_open_requests: usize,
     /// Most incoming connections served at once (default 1024); one more
     /// is closed at once. Each is a thread.
     pub max_incoming_connections: usize,
@@ -345,6 +355,7 @@ impl Default for Limits {
             inbox_max_bytes: 1 << 30,
             inbox_max_bytes_per_peer: 256 << 20,
             max_requests_in_flight: 1 << 16,
+            max_open_requests: 1 << 18,
             max_incoming_connections: 1024,
             max_unauthenticated: 64,
             max_unauthenticated_per_source: 64,
@@ -608,6 +619,13 @@ impl AgentConfig {
     pub fn with_pre_auth_limits(mut self, per_source: usize, timeout: Duration) -> Self {
         self.limits.max_unauthenticated_per_source = per_source;
         self.limits.auth_timeout = timeout;
+        self
+    }
+
+    /// Sets the agent-wide bound on requests open at this target
+    /// ([`Limits::max_open_requests`]).
+    pub fn with_max_open_requests(mut self, n: usize) -> Self {
+        self.limits.max_open_requests = n.max(1);
         self
     }
 

@@ -53,6 +53,15 @@ pub enum RejectReason {
     /// failed (a driver error, logged at the target). Data of the segment
     /// may have landed in part.
     GpuCopy,
+    /// The target holds as many open requests, from all its peers, as it
+    /// accepts (`Limits::max_open_requests`), and this connection held more
+    /// than its fair share of them: the target closed it, failing its
+    /// requests. Their data may have landed in part.
+    Overloaded,
+    /// The request's grants expired (the target's I/O timeout passed
+    /// between the grant and the commit): the target released the ranges
+    /// and failed the request. Its data may have landed in part.
+    GrantExpired,
 }
 
 impl RejectReason {
@@ -69,6 +78,8 @@ impl RejectReason {
             RejectReason::Misaligned => 8,
             RejectReason::PastEnd => 9,
             RejectReason::GpuCopy => 18,
+            RejectReason::Overloaded => 19,
+            RejectReason::GrantExpired => 20,
             RejectReason::StorageIo { errno } => STORAGE_IO_BASE.saturating_add(errno),
         }
     }
@@ -100,6 +111,8 @@ impl RejectReason {
             8 => RejectReason::Misaligned,
             9 => RejectReason::PastEnd,
             18 => RejectReason::GpuCopy,
+            19 => RejectReason::Overloaded,
+            20 => RejectReason::GrantExpired,
             c if c >= STORAGE_IO_BASE => RejectReason::StorageIo {
                 errno: c - STORAGE_IO_BASE,
             },
@@ -132,6 +145,13 @@ impl std::fmt::Display for RejectReason {
                  (truncated under its registration)"
             }
             RejectReason::GpuCopy => "a copy to or from the target's GPU memory failed",
+            RejectReason::Overloaded => {
+                "the target holds as many open requests as it accepts, and this connection \
+                 held more than its share: the target closed it"
+            }
+            RejectReason::GrantExpired => {
+                "the request's grants expired at the target before its commit"
+            }
             RejectReason::StorageIo { errno: 0 } => "storage I/O at the target failed",
             RejectReason::StorageIo { errno } => {
                 let cause = io::Error::from_raw_os_error(i32::from(*errno));

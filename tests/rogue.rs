@@ -4,6 +4,8 @@
 //! and the target still serves a good peer.
 
 mod common;
+#[path = "rogue/held.rs"]
+mod held;
 #[path = "rogue/local_proof.rs"]
 mod local_proof;
 

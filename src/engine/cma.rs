@@ -398,6 +398,11 @@ impl CmaLink {
             })
             .collect();
         let mut iovs: Vec<_> = frames.iter().map(|f| iov(f.as_ptr(), HEADER_LEN)).collect();
+        // The target releases the grants its I/O timeout after it admits
+        // them (later than this): the copy ends by half of it from here.
+        let copy_by = self
+            .target_timeout
+            .map(|t| (std::time::Instant::now() + t / 2, t / 2));
         // SAFETY: the iovecs point into `frames`, alive for the call.
         unsafe { writev_all(fd, &mut iovs, &self.clock, self.io_timeout) }
             .map_err(|e| self.io_error(e))?;
@@ -415,6 +420,17 @@ impl CmaLink {
         }
         if pending.completion.abort_requested() {
             return Ok(CmaOutcome::Commit { aborted: true });
+        }
+        let late = || copy_by.is_some_and(|(by, _)| std::time::Instant::now() >= by);
+        let too_late = |pending: &Pending| {
+            pending.note_error(Error::Timeout {
+                what: "cross-memory copy within the target's grant",
+                after: copy_by.map_or(Duration::ZERO, |(_, t)| t),
+            });
+            Ok(CmaOutcome::Commit { aborted: true })
+        };
+        if late() {
+            return too_late(pending);
         }
         if let Some(g) = gpu {
             // A failure here is the request's, not the link's: recorded,
@@ -437,7 +453,9 @@ impl CmaLink {
             TransferOp::Write => Direction::Write,
             TransferOp::Read => Direction::Read,
         };
-        let stop = || pending.completion.abort_requested();
+        // Each call of the copy starts before the grants' deadline (the
+        // last may end after it, by one call's time).
+        let stop = || pending.completion.abort_requested() || late();
         // SAFETY: local pieces lie in regions validated at submit time and
         // held by the request's guards until it completes, which cannot
         // happen before this copy returns (the commit follows it).
@@ -460,6 +478,9 @@ impl CmaLink {
             }),
         })?;
         self.clock.touch();
+        if !copied && !pending.completion.abort_requested() {
+            return too_late(pending);
+        }
         Ok(CmaOutcome::Commit { aborted: !copied })
     }
 }

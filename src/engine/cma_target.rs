@@ -5,6 +5,13 @@
 
 use super::*;
 
+/// Most grants one request may announce, and most grants a session may
+/// hold at once.
+const GRANTS_MAX: u32 = 1 << 16;
+/// Most requests of a session with grants pending at once (an initiator
+/// grants one request at a time per link).
+const GRANTED_REQUESTS_MAX: usize = 1 << 10;
+
 /// What a `Delegate` frame asks, besides its sync message.
 pub(in crate::engine) struct DelegateAsk {
     pub(in crate::engine) req: u64,
@@ -36,7 +43,22 @@ impl Inner {
         };
         let answer = {
             let mut grants = lock(&c.session.grants);
+            // What a peer makes this session hold is bounded: requests with
+            // grants pending, and grants in all of them.
+            if total > GRANTS_MAX {
+                return Err(violation("more grants announced than a request may have"));
+            }
+            if !grants.contains_key(&req) && grants.len() >= GRANTED_REQUESTS_MAX {
+                return Err(violation("too many requests with grants pending"));
+            }
+            let held: usize = grants.values().map(|g| g.guards.len()).sum();
+            if held >= GRANTS_MAX as usize {
+                return Err(violation("too many grants held at once"));
+            }
             let g = grants.entry(req).or_default();
+            if g.seen >= total {
+                return Err(violation("more grants than the request announced"));
+            }
             g.seen += 1;
             g.gpu |= mem_type == MemoryType::Vram;
             match admitted {
@@ -121,10 +143,16 @@ impl Inner {
                 return Ok(None);
             }
         };
-        let spans = lock(&session.grants)
+        let (spans, expired) = lock(&session.grants)
             .get(&req)
-            .map(|g| g.spans.clone())
+            .map(|g| (g.spans.clone(), g.refused.is_some()))
             .unwrap_or_default();
+        if expired {
+            drop(unprivileged);
+            lock(&session.grants).remove(&req);
+            answer(status::DELEGATE_FAILED)?;
+            return Ok(None);
+        }
         let pieces = delegated_pieces(&table, &spans).map_err(violation)?;
         let dir = match op {
             CommitOp::Write => shm::Direction::Read,
@@ -149,7 +177,7 @@ impl Inner {
             Ok(_) => {
                 self.delegated_copies.fetch_add(1, Ordering::Relaxed);
                 answer(status::OK)?;
-                commit(session, req, 0, sync)
+                commit(self, session, req, 0, sync)
             }
             Err(e) => {
                 tracing::warn!(agent = %self.config.name, remote = %session.remote, req, error = %e, "delegated cross-memory copy failed");

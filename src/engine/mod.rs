@@ -29,6 +29,7 @@
 //! `docs/wire-format.md` for the frames.
 
 mod api;
+mod budget;
 mod cma;
 mod cma_target;
 mod handshake;
@@ -201,6 +202,9 @@ struct Inner {
     closing: AtomicBool,
     server: Mutex<ServerConns>,
     sessions: Mutex<HashMap<(u64, u64), Arc<Session>>>,
+    /// Requests open at this target, in all sessions (see
+    /// [`Limits::max_open_requests`](crate::Limits::max_open_requests)).
+    open_requests: Arc<AtomicUsize>,
     /// The shared receive queue and its thread, made at the first RDMA
     /// connection accepted (when `rdma_srq` is set and the device has
     /// shared receive queues).
@@ -331,6 +335,7 @@ impl Engine {
             closing: AtomicBool::new(false),
             server: Mutex::new(ServerConns::default()),
             sessions: Mutex::new(HashMap::new()),
+            open_requests: Arc::new(AtomicUsize::new(0)),
             srq_rx: Mutex::new(SrqState::Untried),
             local_proof,
             delegated_copies: AtomicU64::new(0),

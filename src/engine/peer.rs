@@ -144,7 +144,7 @@ pub(in crate::engine) fn connect_any(
 }
 
 /// Authenticates, sends `Hello` and checks the `HelloAck`; returns the
-/// session's ticket.
+/// session's ticket and the target's I/O timeout (`None`: it has none).
 pub(in crate::engine) fn handshake(
     inner: &Inner,
     peer: &AgentDesc,
@@ -153,7 +153,7 @@ pub(in crate::engine) fn handshake(
     stream: u32,
     clock: &ProgressClock,
     deadline: std::time::Instant,
-) -> Result<u128, Error> {
+) -> Result<(u128, Option<Duration>), Error> {
     let t = inner.config.connect_timeout;
     sock.set_read_timeout(Some(tick(t)))?;
     sock.set_write_timeout(Some(tick(t)))?;
@@ -196,8 +196,12 @@ pub(in crate::engine) fn handshake(
         Ok(Frame::HelloAck {
             status: status::OK,
             ticket,
+            idle_ms,
             ..
-        }) => Ok(ticket),
+        }) => Ok((
+            ticket,
+            (idle_ms > 0).then(|| Duration::from_millis(idle_ms.into())),
+        )),
         Ok(Frame::HelloAck {
             status: status::STALE_INSTANCE,
             ..

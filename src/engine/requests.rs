@@ -126,9 +126,13 @@ impl<M> RequestTable<M> {
     }
 
     /// Requests still open.
-    #[cfg(test)]
     pub(crate) fn open_count(&self) -> usize {
         self.open.len()
+    }
+
+    /// Whether `req` is open (begun, not finished).
+    pub(crate) fn is_open(&self, req: u64) -> bool {
+        self.open.contains_key(&req)
     }
 }
 

@@ -177,8 +177,8 @@ impl IdlePolicy for UntilDeadline {
 }
 
 pub(crate) trait IdlePolicy {
-    /// Called on each timeout tick; `mid_frame` tells whether a frame is
-    /// partly read. Return an error to abandon the connection.
+    /// Called on each timeout tick; `mid_frame` tells whether a frame's
+    /// body is partly read (a header partly read is not). Return an error to abandon the connection.
     fn on_idle(&mut self, mid_frame: bool) -> io::Result<()>;
 }
 
@@ -368,8 +368,10 @@ impl<'c> FrameReader<'c> {
         }
         while self.filled < HEADER_LEN {
             let mid = self.filled > 0;
+            // A header partly in is still "between frames" for `idle`: the
+            // whole header must come as if none of it had.
             // SAFETY: a zero-length payload is never written to.
-            match unsafe { self.readv_once(std::ptr::null_mut(), 0, idle, mid) } {
+            match unsafe { self.readv_once(std::ptr::null_mut(), 0, idle, false) } {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof && !mid => return Ok(None),
                 Err(e) => return Err(e),

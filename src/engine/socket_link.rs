@@ -345,6 +345,10 @@ pub(in crate::engine) struct SocketLink<P: SocketPath> {
     pub(in crate::engine) parts: P,
     pub(in crate::engine) remote: String,
     pub(in crate::engine) io_timeout: Duration,
+    /// The target's I/O timeout, as it announced it (`None`: it has
+    /// none): idle streams send it a keepalive every quarter of it, and a
+    /// cross-memory copy stops before its grants expire.
+    pub(in crate::engine) target_timeout: Option<Duration>,
     /// The staging ring's shape, for GPU memory.
     pub(in crate::engine) gpu_staging: crate::gpu::StagingShape,
     /// The agent's count of requests in flight.
@@ -368,6 +372,8 @@ pub(in crate::engine) struct SocketLink<P: SocketPath> {
 pub(in crate::engine) struct Streams<X> {
     pub(in crate::engine) handles: Vec<StreamHandle<X>>,
     pub(in crate::engine) jobs: Vec<Receiver<Job<X>>>,
+    /// The target's I/O timeout (the shortest its streams announced).
+    pub(in crate::engine) target_timeout: Option<Duration>,
 }
 
 /// Opens `n` streams to `peer`. `on_stream(i, sock, clock, ticket)` runs on
@@ -384,6 +390,7 @@ pub(in crate::engine) fn connect_streams<X>(
     let mut streams = Streams {
         handles: Vec::with_capacity(n),
         jobs: Vec::with_capacity(n),
+        target_timeout: None,
     };
     for i in 0..n {
         // Each stream: connected, authenticated and greeted within the
@@ -391,7 +398,12 @@ pub(in crate::engine) fn connect_streams<X>(
         let deadline = std::time::Instant::now() + cfg.connect_timeout;
         let sock = connect_any(&peer.endpoints, deadline)?;
         let clock = ProgressClock::new();
-        let ticket = handshake(inner, peer, &sock, link_id, i as u32, &clock, deadline)?;
+        let (ticket, target_timeout) =
+            handshake(inner, peer, &sock, link_id, i as u32, &clock, deadline)?;
+        streams.target_timeout = match (streams.target_timeout, target_timeout) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         on_stream(i, &sock, &clock, ticket)?;
         sock.set_read_timeout(Some(tick(cfg.io_timeout)))?;
         sock.set_write_timeout(Some(tick(cfg.io_timeout)))?;
@@ -417,12 +429,17 @@ impl<P: SocketPath> SocketLink<P> {
         parts: P,
         path: DataPath,
     ) -> Result<Arc<Self>, Error> {
-        let Streams { handles, jobs } = streams;
+        let Streams {
+            handles,
+            jobs,
+            target_timeout,
+        } = streams;
         let link = Arc::new(SocketLink {
             alive: AtomicUsize::new(2 * handles.len() + parts.threads()),
             parts,
             remote: peer.name.clone(),
             io_timeout: inner.config.io_timeout,
+            target_timeout,
             gpu_staging: inner.config.gpu.shape(),
             in_flight: Arc::clone(&inner.in_flight),
             meter: inner.metrics.meter(path.transport, &peer.name),

@@ -22,10 +22,48 @@ pub(in crate::engine) struct Session {
     /// The storage each request wrote, synced before a durable one is
     /// acknowledged (`storage_target`).
     pub(in crate::engine) storage: Mutex<HashMap<u64, StorageWrites>>,
+    /// Requests open in `table` (kept beside it, so that other sessions
+    /// read it without its lock).
+    pub(in crate::engine) open: AtomicUsize,
+    /// The agent's count of requests open in all sessions; this session's
+    /// are taken off it when it drops.
+    pub(in crate::engine) open_total: Arc<AtomicUsize>,
+    /// Set when the session is to close for holding more than its share of
+    /// the open-request budget (see `budget`): its streams end, telling
+    /// the initiator `Overloaded`.
+    pub(in crate::engine) evicted: AtomicBool,
 }
 
-#[derive(Default)]
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.open_total
+            .fetch_sub(*self.open.get_mut(), Ordering::Relaxed);
+    }
+}
+
+impl Session {
+    /// Releases the grants of requests granted more than `lifetime` ago
+    /// (their commit never came): each becomes a refusal its commit will
+    /// meet, holding no region.
+    pub(in crate::engine) fn expire_grants(&self, lifetime: Duration) {
+        let mut grants = lock(&self.grants);
+        if grants.is_empty() {
+            return;
+        }
+        for g in grants.values_mut() {
+            if g.refused.is_none() && g.since.idle() > lifetime {
+                g.refused = Some(RejectReason::GrantExpired);
+                g.guards.clear();
+                g.spans.clear();
+            }
+        }
+    }
+}
+
 pub(in crate::engine) struct Grants {
+    /// When the first of the request's grants came: they expire the
+    /// agent's I/O timeout later.
+    pub(in crate::engine) since: ProgressClock,
     pub(in crate::engine) seen: u32,
     pub(in crate::engine) guards: Vec<RegionGuard>,
     /// The admitted ranges, `(addr, len)`: a delegated copy may write (or
@@ -37,12 +75,72 @@ pub(in crate::engine) struct Grants {
     pub(in crate::engine) gpu: bool,
 }
 
+impl Default for Grants {
+    fn default() -> Self {
+        Self {
+            since: ProgressClock::new(),
+            seen: 0,
+            guards: Vec::new(),
+            spans: Vec::new(),
+            refused: None,
+            gpu: false,
+        }
+    }
+}
+
+/// Slowest a frame's body may arrive, on average, beyond the I/O timeout
+/// (1 MiB/s): a body of `n` bytes must be in within `io_timeout + n / this`
+/// of its header, however the peer trickles it.
+const BODY_RATE_FLOOR: u64 = 1 << 20;
+
+/// What a connection's reads wait under: the agent closing, and the
+/// deadlines a peer's frames must keep (see [`ServerIdle::on_idle`]).
 pub(in crate::engine) struct ServerIdle<'a> {
     pub(in crate::engine) inner: &'a Inner,
     pub(in crate::engine) clock: &'a ProgressClock,
+    /// Touched when a frame ends and when a header is in: the time the
+    /// next header, or the current body, has been awaited.
+    pub(in crate::engine) mark: ProgressClock,
+    /// How long the current frame's body may take (from its header).
+    pub(in crate::engine) body_allowance: Duration,
+    /// The session, once the connection is a data stream: its grants
+    /// expire while it waits.
+    pub(in crate::engine) session: Option<Arc<Session>>,
+    /// When the session's grants were last looked at.
+    pub(in crate::engine) swept: ProgressClock,
+}
+
+impl ServerIdle<'_> {
+    /// A frame ended: the next header is awaited from now. The session's
+    /// grants are looked at now and then (however busy the stream).
+    pub(in crate::engine) fn frame_done(&mut self) {
+        self.mark.touch();
+        if let Some(s) = &self.session
+            && self.swept.idle() > Duration::from_secs(1)
+        {
+            self.swept.touch();
+            s.expire_grants(self.inner.config.io_timeout);
+        }
+    }
+
+    /// A header with a body of `body` bytes is in: the body is awaited from
+    /// now, for the I/O timeout plus its length at [`BODY_RATE_FLOOR`].
+    pub(in crate::engine) fn header_in(&mut self, body: u64) {
+        self.mark.touch();
+        self.body_allowance = self
+            .inner
+            .config
+            .io_timeout
+            .saturating_add(Duration::from_secs(body / BODY_RATE_FLOOR));
+    }
 }
 
 impl IdlePolicy for ServerIdle<'_> {
+    /// Between frames (a header partly read included), the peer must send
+    /// a whole header within the I/O timeout of the last frame's end (an
+    /// idle initiator sends keepalives); within a body, it must make
+    /// progress within the I/O timeout and finish within its allowance.
+    /// Grants of the session expire meanwhile.
     fn on_idle(&mut self, mid_frame: bool) -> io::Result<()> {
         if self.inner.closing.load(Ordering::Relaxed) {
             return Err(io::Error::new(
@@ -50,10 +148,33 @@ impl IdlePolicy for ServerIdle<'_> {
                 "agent closing",
             ));
         }
-        if mid_frame && self.clock.idle() > self.inner.config.io_timeout {
+        let io_timeout = self.inner.config.io_timeout;
+        if let Some(s) = &self.session {
+            s.expire_grants(io_timeout);
+            if s.evicted.load(Ordering::Relaxed) {
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "session over its share of the open-request budget",
+                ));
+            }
+        }
+        if mid_frame {
+            if self.clock.idle() > io_timeout {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "initiator stalled in the middle of a frame",
+                ));
+            }
+            if self.mark.idle() > self.body_allowance {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "initiator trickled a frame's body past its allowance",
+                ));
+            }
+        } else if self.mark.idle() > io_timeout {
             return Err(io::Error::new(
                 io::ErrorKind::TimedOut,
-                "initiator stalled in the middle of a frame",
+                "no frame from the initiator within the I/O timeout",
             ));
         }
         Ok(())
@@ -113,14 +234,18 @@ pub(in crate::engine) type GpuLandings = crate::gpu::Landings<(u64, RegionGuard)
 
 /// Records the outcome of `n` segments of `req`.
 pub(in crate::engine) fn segment(
+    inner: &Inner,
     session: &Session,
     req: u64,
     n: u64,
     result: Result<(), RejectReason>,
 ) -> io::Result<Option<Finished<HeldSync>>> {
-    lock(&session.table)
-        .segments(req, n, result)
-        .map_err(violation)
+    let mut table = lock(&session.table);
+    inner.admit_request(session, &table, req)?;
+    let before = table.open_count();
+    let r = table.segments(req, n, result).map_err(violation);
+    session.count_open(before, table.open_count());
+    r
 }
 
 /// A sync message as the target holds it until its request finishes: the
@@ -170,21 +295,101 @@ pub(in crate::engine) fn read_sync(
 
 /// Records the commit of `req` with its sync message.
 pub(in crate::engine) fn commit(
+    inner: &Inner,
     session: &Session,
     req: u64,
     segments: u64,
     sync: SyncBody,
 ) -> io::Result<Option<Finished<HeldSync>>> {
     let mut table = lock(&session.table);
-    let sync = match sync {
-        SyncBody::None => None,
-        SyncBody::Held(h) => Some(h),
-        SyncBody::Refused(reason) => {
+    inner.admit_request(session, &table, req)?;
+    let before = table.open_count();
+    let expired = lock(&session.grants)
+        .get(&req)
+        .and_then(|g| g.refused.filter(|r| *r == RejectReason::GrantExpired));
+    let r = (|| {
+        let sync = match sync {
+            SyncBody::None => None,
+            SyncBody::Held(h) => Some(h),
+            SyncBody::Refused(reason) => {
+                table.segments(req, 0, Err(reason)).map_err(violation)?;
+                None
+            }
+        };
+        if let Some(reason) = expired {
             table.segments(req, 0, Err(reason)).map_err(violation)?;
-            None
         }
-    };
-    table.commit(req, segments, sync).map_err(violation)
+        table.commit(req, segments, sync).map_err(violation)
+    })();
+    session.count_open(before, table.open_count());
+    r
+}
+
+impl Session {
+    /// Counts the change of `table`'s open requests from `before` to
+    /// `after`, here and in the agent's total.
+    fn count_open(&self, before: usize, after: usize) {
+        if after > before {
+            self.open.fetch_add(after - before, Ordering::Relaxed);
+            self.open_total.fetch_add(after - before, Ordering::Relaxed);
+        } else if before > after {
+            self.open.fetch_sub(before - after, Ordering::Relaxed);
+            self.open_total.fetch_sub(before - after, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Inner {
+    /// Whether `session` may open `req` (when it is not open yet in
+    /// `table`, that session's table, locked by the caller) within the
+    /// agent's open-request budget ([`budget::verdict`]); a refusal closes
+    /// the session, telling its initiator `Overloaded`.
+    fn admit_request(
+        &self,
+        session: &Session,
+        table: &RequestTable<HeldSync>,
+        req: u64,
+    ) -> io::Result<()> {
+        if table.is_open(req) {
+            return Ok(());
+        }
+        let over = || {
+            io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "session over its share of the open-request budget",
+            )
+        };
+        if session.evicted.load(Ordering::Relaxed) {
+            return Err(over());
+        }
+        let limit = self.config.limits.max_open_requests;
+        let open = self.open_requests.load(Ordering::Relaxed);
+        if open < limit {
+            return Ok(());
+        }
+        // Spent: the share depends on who is alive (no table is locked
+        // under the sessions' lock, so taking it here is safe).
+        let sessions = lock(&self.sessions);
+        let own = table.open_count();
+        match budget::verdict(limit, open, own, sessions.len()) {
+            budget::Verdict::Admit => Ok(()),
+            budget::Verdict::RefuseSelf => {
+                session.evicted.store(true, Ordering::SeqCst);
+                Err(over())
+            }
+            budget::Verdict::EvictLargest => {
+                let largest = sessions
+                    .values()
+                    .filter(|s| !std::ptr::eq(s.as_ref(), session))
+                    .max_by_key(|s| s.open.load(Ordering::Relaxed));
+                if let Some(s) = largest {
+                    tracing::warn!(agent = %self.config.name, remote = %s.remote, open = s.open.load(Ordering::Relaxed), "open-request budget spent; closing the session holding the most");
+                    s.evicted.store(true, Ordering::SeqCst);
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 pub(in crate::engine) fn violation(detail: impl Into<String>) -> io::Error {
@@ -291,18 +496,28 @@ impl Inner {
         let mut idle = ServerIdle {
             inner: self,
             clock: &clock,
+            mark: ProgressClock::new(),
+            body_allowance: self.config.io_timeout,
+            session: None,
+            swept: ProgressClock::new(),
         };
         let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
         let Some(authenticated) = self.authenticate(sock, &mut reader, &clock, pending_auth)?
         else {
             return Ok(());
         };
+        idle.frame_done();
         loop {
             let Some(raw) = reader.next_header(&mut idle)? else {
                 return Ok(());
             };
-            match Frame::decode(&raw).map_err(|e| violation(e.to_string()))? {
-                Frame::DescRequest => self.send_desc(sock, &clock)?,
+            let frame = Frame::decode(&raw).map_err(|e| violation(e.to_string()))?;
+            idle.header_in(frame.body_len());
+            match frame {
+                Frame::DescRequest => {
+                    self.send_desc(sock, &clock)?;
+                    idle.frame_done();
+                }
                 Frame::Hello {
                     instance,
                     expect,
@@ -325,11 +540,14 @@ impl Inner {
                     } else {
                         status::OK
                     };
+                    let idle_ms =
+                        u32::try_from(self.config.io_timeout.as_millis()).unwrap_or(u32::MAX);
                     let hello_ack = |status, ticket| {
                         let ack = Frame::HelloAck {
                             instance: self.instance,
                             status,
                             ticket,
+                            idle_ms,
                         };
                         send_frames(sock, &[ack.encode()], &clock, self.config.io_timeout)
                     };
@@ -338,10 +556,22 @@ impl Inner {
                     }
                     let key = (instance, link);
                     let session = self.join_session(key, &authenticated)?;
+                    idle.session = Some(Arc::clone(&session));
                     let r = hello_ack(status::OK, session.ticket)
                         .and_then(|()| self.serve_data(sock, &mut reader, &mut idle, &session));
+                    idle.session = None;
                     if session.streams.fetch_sub(1, Ordering::SeqCst) == 1 {
                         lock(&self.sessions).remove(&key);
+                    }
+                    if session.evicted.load(Ordering::SeqCst) {
+                        // Told why before the close, when the stream still
+                        // takes it: its requests fail with this reason.
+                        let bye = Frame::Closing {
+                            status: RejectReason::Overloaded.code(),
+                        };
+                        let _ = send_frames(sock, &[bye.encode()], &clock, self.config.io_timeout);
+                        tracing::warn!(agent = %self.config.name, remote = %session.remote, "closed a connection over its share of the open-request budget");
+                        return Ok(());
                     }
                     return r;
                 }
@@ -426,8 +656,16 @@ impl Inner {
                 ticket: u128::from_le_bytes(crate::auth::random_bytes()),
                 proven: Mutex::new(None),
                 storage: Mutex::new(HashMap::new()),
+                open: AtomicUsize::new(0),
+                open_total: Arc::clone(&self.open_requests),
+                evicted: AtomicBool::new(false),
             })
         });
+        if s.evicted.load(Ordering::SeqCst) {
+            return Err(violation(
+                "the session was closed for holding too many requests",
+            ));
+        }
         if s.remote != authenticated {
             let owner = s.remote.clone();
             return Err(violation(format!(
@@ -460,13 +698,20 @@ impl Inner {
         // their guards go.
         let mut landings = GpuLandings::new();
         loop {
+            if session.evicted.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            c.idle.frame_done();
             if !landings.is_empty() {
                 self.settle_gpu(&mut c, &mut landings)?;
             }
             let Some(raw) = c.reader.next_header(c.idle)? else {
                 return Ok(());
             };
-            let finished = match Frame::decode(&raw).map_err(|e| violation(e.to_string()))? {
+            let frame = Frame::decode(&raw).map_err(|e| violation(e.to_string()))?;
+            c.idle.header_in(frame.body_len());
+            let finished = match frame {
+                Frame::Keepalive => None,
                 // The TCP path's data (`tcp_target`).
                 Frame::Write {
                     req,
@@ -492,7 +737,7 @@ impl Inner {
                         Some(self.land_write(&mut c, mem_type, addr, len, key)?)
                     };
                     match result {
-                        Some(result) => segment(session, req, 1, result)?,
+                        Some(result) => segment(self, session, req, 1, result)?,
                         None => None,
                     }
                 }
@@ -514,7 +759,7 @@ impl Inner {
                     } else {
                         self.send_read(&mut c, req, mem_type, addr, len, key)?
                     };
-                    segment(session, req, 1, result)?
+                    segment(self, session, req, 1, result)?
                 }
                 Frame::WriteList {
                     req,
@@ -524,12 +769,12 @@ impl Inner {
                     key,
                 } => {
                     let result = self.land_write_list(&mut c, mem_type, count, total, key)?;
-                    segment(session, req, u64::from(count), result)?
+                    segment(self, session, req, u64::from(count), result)?
                 }
-                Frame::Fence { req } => segment(session, req, 1, Ok(()))?,
+                Frame::Fence { req } => segment(self, session, req, 1, Ok(()))?,
                 // Every socket path: the request's end.
                 Frame::Abort { req, segments } => {
-                    segment(session, req, segments, Err(RejectReason::Aborted))?
+                    segment(self, session, req, segments, Err(RejectReason::Aborted))?
                 }
                 Frame::Commit {
                     req,
@@ -543,7 +788,7 @@ impl Inner {
                         session.durable(req);
                     }
                     let sync = c.read_sync(&self.inbox, has_sync, sync_len)?;
-                    commit(session, req, segments, sync)?
+                    commit(self, session, req, segments, sync)?
                 }
                 // The cross-memory path (`cma_target`).
                 Frame::Grant {

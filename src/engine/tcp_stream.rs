@@ -208,7 +208,36 @@ impl<P: SocketPath> SocketLink<P> {
         let mut f = Framed::default();
         // The segments of indexed shares, found here (kept between jobs).
         let mut scratch = Vec::new();
-        while let Ok(job) = rx.recv() {
+        // An idle stream tells the target it lives, well within the
+        // target's I/O timeout (after which it closes a silent stream).
+        let keepalive = self
+            .target_timeout
+            .map(|t| (t / 4).max(Duration::from_millis(50)));
+        let keepalive_frame = Frame::Keepalive.encode();
+        // Keepalives are not the requests' progress: they move no clock the
+        // link's I/O timeout reads.
+        let keepalive_clock = ProgressClock::new();
+        loop {
+            let job = match keepalive {
+                None => rx.recv().map_err(|_| ()),
+                Some(every) => match rx.recv_timeout(every) {
+                    Ok(job) => Ok(job),
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                        let mut iovs = [iov(keepalive_frame.as_ptr(), HEADER_LEN)];
+                        // SAFETY: the iovec points into `keepalive_frame`,
+                        // alive for the call.
+                        let sent =
+                            unsafe { writev_all(fd, &mut iovs, &keepalive_clock, self.io_timeout) };
+                        if let Err(e) = sent {
+                            self.fail(self.io_error(e));
+                            break;
+                        }
+                        continue;
+                    }
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(()),
+                },
+            };
+            let Ok(job) = job else { break };
             let frames = match job {
                 Job::Stop => break,
                 Job::Frames(frames) => frames,
@@ -552,6 +581,14 @@ impl<P: SocketPath> SocketLink<P> {
                         },
                     };
                     self.complete_event(req, &p, result);
+                }
+                // The target closes the link on its own accord: every
+                // request on it fails with its reason.
+                Frame::Closing { status: st } => {
+                    return Err(Error::RemoteRejected {
+                        remote: self.remote.clone(),
+                        reason: RejectReason::from_code(st),
+                    });
                 }
                 other => return Err(self.violation(&format!("unexpected frame {other:?}"))),
             }

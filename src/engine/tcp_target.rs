@@ -246,7 +246,7 @@ impl Inner {
         req: u64,
         result: Result<(), RejectReason>,
     ) -> io::Result<()> {
-        match segment(session, req, 1, result)? {
+        match segment(self, session, req, 1, result)? {
             Some(f) => self.finish(sock, session, f, clock),
             None => Ok(()),
         }

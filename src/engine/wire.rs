@@ -38,7 +38,7 @@ const _: () = assert!(std::mem::size_of::<RawHeader>() == HEADER_LEN);
 pub mod status {
     /// Success.
     pub const OK: u16 = 0;
-    // 1..=9 and 18 are `RejectReason` codes (see `crate::error::RejectReason`).
+    // 1..=9 and 18..=20 are `RejectReason` codes (see `crate::error::RejectReason`).
     /// Hello: the target is not the instance the initiator expected.
     pub const STALE_INSTANCE: u16 = 10;
     /// Hello: protocol version not supported.
@@ -81,6 +81,8 @@ const K_AUTH_CHALLENGE: u8 = 18;
 const K_AUTH_PROOF: u8 = 19;
 const K_AUTH_RESULT: u8 = 20;
 const K_ABORT: u8 = 21;
+const K_KEEPALIVE: u8 = 22;
+const K_CLOSING: u8 = 23;
 
 /// Largest `AuthHello` / `AuthChallenge` body: nonce, MAC, longest name.
 pub const MAX_AUTH_BODY: u32 =
@@ -136,6 +138,12 @@ pub enum Frame {
         /// an initiator on the same host presents it on the target's local
         /// socket to prove which process it is (delegated copies).
         ticket: u128,
+        /// The target's I/O timeout in milliseconds (0: none): it closes
+        /// a data stream on which no whole frame came for that long, and
+        /// releases a request's grants that long after granting them. The
+        /// initiator sends [`Frame::Keepalive`] on idle streams well within
+        /// it, and ends its direct copies of a granted request before it.
+        idle_ms: u32,
     },
     /// First frame of every connection: the initiator's nonce and agent
     /// name follow (`body_len` bytes: [`crate::auth::NONCE_LEN`] of nonce,
@@ -263,6 +271,16 @@ pub enum Frame {
         /// Segments that will not be sent (0: none, the request still
         /// fails).
         segments: u64,
+    },
+    /// Initiator → target on a data stream that has been idle: keeps the
+    /// target from closing it (see `HelloAck::idle_ms`).
+    Keepalive,
+    /// Target → initiator: the target closes this stream on its own
+    /// accord, for `status` (a `RejectReason` code, `Overloaded`); the link
+    /// fails its requests with that reason.
+    Closing {
+        /// Why (a `RejectReason` code).
+        status: u16,
     },
     /// Cross-memory path: asks the target to admit direct access to
     /// `[addr, addr + len)` of the region keyed `key` until the request's
@@ -407,6 +425,28 @@ fn flags_op(flags: u8) -> Option<CommitOp> {
 }
 
 impl Frame {
+    /// Bytes that follow this header on the stream (its body, when the
+    /// frame is well formed): a target gives a body time in proportion.
+    pub fn body_len(&self) -> u64 {
+        match *self {
+            Frame::Hello { name_len: n, .. }
+            | Frame::AuthHello { body_len: n, .. }
+            | Frame::AuthChallenge { body_len: n, .. }
+            | Frame::DescReply { body_len: n }
+            | Frame::Commit { sync_len: n, .. } => u64::from(n),
+            Frame::AuthProof => crate::auth::MAC_LEN as u64,
+            Frame::Write { len, .. } | Frame::ReadData { len, .. } => len,
+            Frame::WriteList { count, total, .. } => {
+                total.saturating_add(u64::from(count) * WRITE_LIST_ENTRY as u64)
+            }
+            Frame::Delegate {
+                count, sync_len, ..
+            } => u64::from(count) * DELEGATE_ENTRY as u64 + u64::from(sync_len),
+            Frame::QpConnect { .. } | Frame::QpAccept { status: 0, .. } => 16,
+            _ => 0,
+        }
+    }
+
     /// Encodes the header.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut h = RawHeader::default();
@@ -431,12 +471,19 @@ impl Frame {
                 instance,
                 status,
                 ticket,
+                idle_ms,
             } => {
                 h.kind = K_HELLO_ACK;
                 h.id = instance.into();
                 h.status = status.into();
                 h.addr = (ticket as u64).into();
                 h.len = ((ticket >> 64) as u64).into();
+                h.aux = idle_ms.into();
+            }
+            Frame::Keepalive => h.kind = K_KEEPALIVE,
+            Frame::Closing { status } => {
+                h.kind = K_CLOSING;
+                h.status = status.into();
             }
             Frame::AuthHello { keyed, body_len } => {
                 h.kind = K_AUTH_HELLO;
@@ -635,6 +682,11 @@ impl Frame {
                 instance: h.id.get(),
                 status: h.status.get(),
                 ticket: u128::from(h.addr.get()) | u128::from(h.len.get()) << 64,
+                idle_ms: aux,
+            },
+            K_KEEPALIVE => Frame::Keepalive,
+            K_CLOSING => Frame::Closing {
+                status: h.status.get(),
             },
             K_AUTH_HELLO | K_AUTH_CHALLENGE => {
                 if h.flags > 1 {
@@ -835,7 +887,10 @@ mod tests {
                 instance: 9,
                 status: status::STALE_INSTANCE,
                 ticket: u128::MAX - 5,
+                idle_ms: 30_000,
             },
+            Frame::Keepalive,
+            Frame::Closing { status: 19 },
             Frame::AuthHello {
                 keyed: true,
                 body_len: 40,

@@ -202,6 +202,30 @@ impl Credential {
     }
 }
 
+impl Credential {
+    fn seal_mac(&self, key: &[u8], value: &[u8]) -> Hmac<Sha256> {
+        let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(&self.secret)
+            .expect("HMAC takes keys of any length");
+        m.update(STORE_LABEL);
+        m.update(&(key.len() as u32).to_le_bytes());
+        m.update(key);
+        m.update(value);
+        m
+    }
+
+    /// The seal of a metadata-store entry: `value` published under `key`
+    /// by an agent holding this credential.
+    pub fn seal(&self, key: &[u8], value: &[u8]) -> Tag {
+        self.seal_mac(key, value).finalize().into_bytes().into()
+    }
+
+    /// Whether `tag` is the seal of `value` under `key` (constant time).
+    pub fn verify_seal(&self, key: &[u8], value: &[u8], tag: &[u8]) -> bool {
+        self.seal_mac(key, value).verify_slice(tag).is_ok()
+    }
+}
+
+const STORE_LABEL: &[u8] = b"kvxfer-store-v1";
 const TARGET_LABEL: &[u8] = b"kvxfer-auth-v1 target";
 const INITIATOR_LABEL: &[u8] = b"kvxfer-auth-v1 initiator";
 

@@ -139,6 +139,81 @@ fn agents_find_each_other_by_name_and_a_live_name_is_taken_once() {
     assert!(dst2.iter().all(|&b| b == 0x3c));
 }
 
+/// With a cluster credential, a store writer without the secret can
+/// neither redirect nor lock out agents: a live agent's entry replaced or
+/// deleted is put back (sealed) and peers keep reaching it by name; an
+/// unsealed entry is never taken for a descriptor; a name squatted by an
+/// entry that is no live agent's (no lease; a lease of its own but no
+/// seal) is taken over at start; a live agent's name is still taken once.
+#[test]
+fn a_rogue_store_writer_neither_redirects_nor_locks_out_agents() {
+    let Some(etcd) = etcd("a_rogue_store_writer", 1) else {
+        return;
+    };
+    let p = prefix("rogue");
+    let cred = kvxfer::Credential::new(b"etcd-test-cluster-secret-0123456789".to_vec()).unwrap();
+    let sealed = |name: &str| config(&etcd, name, &p).with_credential(cred.clone());
+    let target = make_transfer_agent(Backend::Tcp, sealed("ctx-0")).unwrap();
+    let dst = buffer(target.as_ref(), 1 << 20, 0);
+    let init = make_transfer_agent(Backend::Tcp, sealed("gen-0")).unwrap();
+    let src = buffer(init.as_ref(), 1 << 20, 0x5a);
+    let key = format!("{p}/agents/ctx-0");
+    let published = etcd.get(&key).expect("the target's entry");
+    assert!(published.starts_with(b"kvxfer\x01S"), "not sealed");
+
+    // Replaced by a writer without the secret (the target's own
+    // descriptor, unsealed: what a forger could copy): put back.
+    let forged = &published[40..];
+    etcd.put_bytes(&key, forged);
+    eventually(WAIT, || match etcd.get(&key) {
+        Some(v) if v == published => Ok(()),
+        _ => Err(Error::Closed),
+    })
+    .unwrap();
+    init.load_remote_agent_by_name("ctx-0").unwrap();
+    write(init.as_ref(), src, dst, "ctx-0").unwrap();
+    // Deleted: put back too.
+    let st = Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .args(["--endpoints", &etcd.endpoints().join(","), "del", &key])
+        .output()
+        .unwrap();
+    assert!(st.status.success());
+    eventually(WAIT, || match etcd.get(&key) {
+        Some(v) if v == published => Ok(()),
+        _ => Err(Error::Closed),
+    })
+    .unwrap();
+
+    // An unsealed entry under a name no agent holds is not a descriptor
+    // for an agent with the credential.
+    etcd.put_bytes(&format!("{p}/agents/fake"), forged);
+    let e = init.load_remote_agent_by_name("fake").unwrap_err();
+    assert!(
+        matches!(&e, Error::MetadataStore { reason, .. } if reason.contains("not sealed")),
+        "{e}"
+    );
+
+    // Squatted names: no lease, and a live lease without a seal. Both
+    // agents start, and are reached by name.
+    etcd.put(&format!("{p}/agents/ctx-1"), "squatted, no lease");
+    etcd.put_leased(&format!("{p}/agents/ctx-2"), "squatted, leased");
+    for name in ["ctx-1", "ctx-2"] {
+        let a = make_transfer_agent(Backend::Tcp, sealed(name))
+            .unwrap_or_else(|e| panic!("{name} kept out by a squatter: {e}"));
+        let d = buffer(a.as_ref(), 1 << 20, 0);
+        init.load_remote_agent_by_name(name).unwrap();
+        write(init.as_ref(), src, d, name).unwrap();
+        assert!(d.iter().all(|&b| b == 0x5a));
+    }
+    // A live agent's name is still taken once.
+    let e = make_transfer_agent(Backend::Tcp, sealed("ctx-0"))
+        .err()
+        .expect("a second ctx-0 was accepted");
+    assert!(matches!(e, Error::NameTaken { .. }), "{e}");
+    write(init.as_ref(), src, dst, "ctx-0").unwrap();
+}
+
 /// A peer process stopped (SIGSTOP: it holds its sockets but renews
 /// nothing, as a hung or cut-off host): its lease expires and a request
 /// stuck on it fails with `PeerGone` long before the I/O timeout. A peer

@@ -47,7 +47,8 @@ impl Inner {
                 let dir = crate::metadata::etcd::Directory::start(
                     cfg,
                     &self.config.name,
-                    self.local_desc().encode(),
+                    &self.local_desc().encode(),
+                    self.config.security.credential.clone(),
                     on_gone,
                 )?;
                 *lock(&self.names.directory) = Some(Arc::new(dir));

@@ -16,7 +16,8 @@ use base64::engine::general_purpose::STANDARD as B64;
 use serde_json::{Value, json};
 
 use super::http::{self, Closer, HttpError};
-use super::{EtcdConfig, Liveness, StoreEvent};
+use super::{EtcdConfig, Liveness, StoreEvent, seal, unseal};
+use crate::auth::Credential;
 use crate::desc::AgentDesc;
 use crate::error::Error;
 
@@ -26,6 +27,14 @@ pub(crate) struct Client {
     cfg: EtcdConfig,
     good: AtomicUsize,
     tls: Option<http::TlsClient>,
+}
+
+/// One key's value, the lease it is bound to (0: none) and the revision
+/// that last wrote it.
+pub(crate) struct Entry {
+    pub(crate) value: Vec<u8>,
+    pub(crate) lease: i64,
+    pub(crate) mod_revision: i64,
 }
 
 /// Keys with their values, and the store's revision when they were read.
@@ -177,13 +186,57 @@ impl Client {
         Ok(r["succeeded"].as_bool().unwrap_or(false))
     }
 
+    /// Puts `value` under `key`, bound to `lease`, whatever is there.
+    pub(crate) fn put(&self, key: &str, value: &[u8], lease: i64) -> Result<(), Error> {
+        self.call(
+            "/v3/kv/put",
+            &json!({ "key": B64.encode(key), "value": B64.encode(value), "lease": lease.to_string() }),
+        )
+        .map(|_| ())
+    }
+
+    /// Puts `value` under `key`, bound to `lease`, only if the key was
+    /// last written at `mod_revision`; whether it did.
+    pub(crate) fn replace_if(
+        &self,
+        key: &str,
+        mod_revision: i64,
+        value: &[u8],
+        lease: i64,
+    ) -> Result<bool, Error> {
+        let k = B64.encode(key);
+        let r = self.call(
+            "/v3/kv/txn",
+            &json!({
+                "compare": [{ "key": k, "target": "MOD", "result": "EQUAL", "mod_revision": mod_revision.to_string() }],
+                "success": [{ "request_put": { "key": k, "value": B64.encode(value), "lease": lease.to_string() } }],
+            }),
+        )?;
+        Ok(r["succeeded"].as_bool().unwrap_or(false))
+    }
+
+    /// Whether `lease` still lives (granted, not expired nor revoked).
+    pub(crate) fn lease_alive(&self, lease: i64) -> Result<bool, Error> {
+        let r = self.call("/v3/lease/timetolive", &json!({ "ID": lease.to_string() }))?;
+        Ok(int(&r["TTL"]) > 0)
+    }
+
     /// The value under `key`.
     pub(crate) fn get(&self, key: &str) -> Result<Option<Vec<u8>>, Error> {
+        Ok(self.entry(key)?.map(|e| e.value))
+    }
+
+    /// The entry under `key`: value, lease and revision.
+    pub(crate) fn entry(&self, key: &str) -> Result<Option<Entry>, Error> {
         let r = self.call("/v3/kv/range", &json!({ "key": B64.encode(key) }))?;
         Ok(r["kvs"]
             .as_array()
             .and_then(|kvs| kvs.first())
-            .map(|kv| b64(&kv["value"])))
+            .map(|kv| Entry {
+                value: b64(&kv["value"]),
+                lease: int(&kv["lease"]),
+                mod_revision: int(&kv["mod_revision"]),
+            }))
     }
 
     /// Every key under `prefix` with its value, and the store's revision.
@@ -244,8 +297,16 @@ fn name_of<'k>(prefix: &str, key: &'k str) -> Option<&'k str> {
 }
 
 /// The instance a published value names; `None` for what is not a
-/// descriptor of the agent `name` (foreign or malformed data: ignored).
-fn instance_of(name: &str, value: &[u8]) -> Option<u64> {
+/// descriptor of the agent `name` (foreign or malformed data, or, with a
+/// credential, an entry not sealed with it: ignored).
+fn instance_of(cred: Option<&Credential>, key: &str, name: &str, value: &[u8]) -> Option<u64> {
+    let value = match unseal(cred, key, value) {
+        Ok(v) => v,
+        Err(why) => {
+            tracing::warn!(name, %why, "an entry in the store not from an agent of this cluster; ignored");
+            return None;
+        }
+    };
     match AgentDesc::decode(value) {
         Ok(d) if d.name == name => Some(d.instance),
         Ok(d) => {
@@ -266,7 +327,9 @@ pub(crate) type OnGone = Arc<dyn Fn(&str, u64) + Send + Sync>;
 struct Shared {
     client: Client,
     key: String,
+    /// The entry as published (sealed with `cred` when there is one).
     value: Vec<u8>,
+    cred: Option<Credential>,
     lease: AtomicI64,
     closing: AtomicBool,
     /// Wakes the keep-alive thread early (closing).
@@ -286,20 +349,32 @@ pub(crate) struct Directory {
 }
 
 impl Directory {
-    /// Publishes agent `name` (its encoded descriptor `value`) under a new
-    /// lease — refused with [`Error::NameTaken`] while another live agent
-    /// holds the name — and starts renewing the lease and watching the
-    /// prefix (departures go to `on_gone`).
+    /// Publishes agent `name` (its encoded descriptor `desc`, sealed with
+    /// `cred` when given) under a new lease — refused with
+    /// [`Error::NameTaken`] while another live agent holds the name; an
+    /// entry that is no live agent's (bound to no lease or a gone one, or,
+    /// with a credential, not sealed with it) is taken over — and starts
+    /// renewing the lease and watching the prefix (departures go to
+    /// `on_gone`; an entry of its own replaced or deleted by another
+    /// writer is put back).
     pub(crate) fn start(
         cfg: EtcdConfig,
         name: &str,
-        value: Vec<u8>,
+        desc: &[u8],
+        cred: Option<Credential>,
         on_gone: OnGone,
     ) -> Result<Self, Error> {
         let client = Client::new(cfg)?;
         let key = client.config().agent_key(name);
+        let value = seal(cred.as_ref(), &key, desc);
         let lease = client.grant()?;
-        match client.put_if_absent(&key, &value, lease) {
+        let published = client
+            .put_if_absent(&key, &value, lease)
+            .and_then(|put| match put {
+                true => Ok(true),
+                false => take_over_stale(&client, cred.as_ref(), &key, &value, lease),
+            });
+        match published {
             Ok(true) => {}
             Ok(false) => {
                 let _ = client.revoke(lease);
@@ -318,6 +393,7 @@ impl Directory {
             client,
             key,
             value,
+            cred,
             lease: AtomicI64::new(lease),
             closing: AtomicBool::new(false),
             bell: (Mutex::new(()), Condvar::new()),
@@ -353,10 +429,17 @@ impl Directory {
     /// descriptor error for data under the name that is not one.
     pub(crate) fn resolve(&self, name: &str) -> Result<AgentDesc, Error> {
         let client = &self.shared.client;
+        let key = client.config().agent_key(name);
         let value = client
-            .get(&client.config().agent_key(name))?
+            .get(&key)?
             .ok_or_else(|| Error::UnknownAgent(name.to_owned()))?;
-        let desc = AgentDesc::decode(&value)?;
+        let value = unseal(self.shared.cred.as_ref(), &key, &value).map_err(|why| {
+            Error::MetadataStore {
+                store: client.config().describe(),
+                reason: format!("the entry for {name:?}: {why}"),
+            }
+        })?;
+        let desc = AgentDesc::decode(value)?;
         if desc.name != name {
             return Err(Error::MetadataStore {
                 store: client.config().describe(),
@@ -435,6 +518,55 @@ fn keep_alive(s: &Shared) {
     }
 }
 
+/// Puts `value` under `key` (bound to `lease`) over an entry that is no
+/// live agent's: bound to no lease (agents always publish under one) or
+/// to one that is gone, or, with a credential, not sealed with it (no
+/// agent of this cluster wrote it). Whether it did; `Ok(false)` when a
+/// live agent's entry is there.
+fn take_over_stale(
+    client: &Client,
+    cred: Option<&Credential>,
+    key: &str,
+    value: &[u8],
+    lease: i64,
+) -> Result<bool, Error> {
+    let Some(e) = client.entry(key)? else {
+        // Gone meanwhile: publish as usual.
+        return client.put_if_absent(key, value, lease);
+    };
+    let why = if e.lease == 0 {
+        "bound to no lease"
+    } else if unseal(cred, key, &e.value).is_err() {
+        "not sealed with the cluster credential"
+    } else if !client.lease_alive(e.lease)? {
+        "its lease is gone"
+    } else {
+        return Ok(false);
+    };
+    let took = client.replace_if(key, e.mod_revision, value, lease)?;
+    if took {
+        tracing::warn!(key, why, "took over a stale entry under this agent's name");
+    }
+    Ok(took)
+}
+
+/// Puts the agent's own entry back after another writer replaced or
+/// deleted it (logged; the store's ACLs should keep such writers out).
+fn restore(s: &Shared) {
+    if s.closing.load(Ordering::SeqCst) {
+        return;
+    }
+    let lease = s.lease.load(Ordering::SeqCst);
+    match s.client.put(&s.key, &s.value, lease) {
+        Ok(()) => {
+            tracing::warn!(key = %s.key, "this agent's entry was replaced or deleted in the store; put back")
+        }
+        Err(e) => {
+            tracing::warn!(key = %s.key, error = %e, "could not put this agent's entry back; the lease renewal will")
+        }
+    }
+}
+
 /// Puts the key again under a new lease.
 fn republish(s: &Shared) -> Result<(), Error> {
     let lease = s.client.grant()?;
@@ -490,11 +622,16 @@ fn watch_once(
     on_gone: &OnGone,
 ) -> Result<(), Error> {
     let (kvs, revision) = s.client.list(prefix)?;
+    let cred = s.cred.as_ref();
+    // Its own entry as it should be, else put back.
+    if kvs.iter().all(|(k, v)| *k != s.key || *v != s.value) {
+        restore(s);
+    }
     let now = kvs
         .iter()
         .filter_map(|(k, v)| {
             let name = name_of(prefix, k)?;
-            Some((name.to_owned(), instance_of(name, v)?))
+            Some((name.to_owned(), instance_of(cred, k, name, v)?))
         })
         .collect();
     feed(live, StoreEvent::Resync(now), on_gone);
@@ -520,12 +657,21 @@ fn watch_once(
             let Some(name) = name_of(prefix, &key) else {
                 continue;
             };
-            let ev = if ev["type"].as_str() == Some("DELETE") {
+            let deleted = ev["type"].as_str() == Some("DELETE");
+            if key == s.key {
+                // Its own entry, changed by another writer (or deleted with
+                // its lease, which the renewal handles): put back.
+                if deleted || b64(&ev["kv"]["value"]) != s.value {
+                    restore(s);
+                }
+                continue;
+            }
+            let ev = if deleted {
                 StoreEvent::Delete {
                     name: name.to_owned(),
                 }
             } else {
-                match instance_of(name, &b64(&ev["kv"]["value"])) {
+                match instance_of(cred, &key, name, &b64(&ev["kv"]["value"])) {
                     Some(instance) => StoreEvent::Put {
                         name: name.to_owned(),
                         instance,
@@ -558,6 +704,9 @@ mod tests {
         assert_eq!(name_of("/k/agents/", "/k/agents/ctx-1"), Some("ctx-1"));
         assert_eq!(name_of("/k/agents/", "/k/agents/"), None);
         assert_eq!(name_of("/k/agents/", "/other/x"), None);
-        assert_eq!(instance_of("x", b"not a descriptor"), None);
+        assert_eq!(
+            instance_of(None, "/k/agents/x", "x", b"not a descriptor"),
+            None
+        );
     }
 }

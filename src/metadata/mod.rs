@@ -241,9 +241,111 @@ impl Liveness {
     }
 }
 
+/// The start of a sealed store entry: this, the 32-byte seal, then the
+/// descriptor. (An encoded descriptor starts with its version, never
+/// `k`.)
+const SEALED: &[u8; 8] = b"kvxfer\x01S";
+
+/// What an agent publishes under `key`: its encoded descriptor `desc`,
+/// sealed with the cluster credential when it holds one (HMAC-SHA256 over
+/// the key and the descriptor), so that a store writer without the secret
+/// can neither forge an entry nor move one to another name.
+pub(crate) fn seal(cred: Option<&crate::auth::Credential>, key: &str, desc: &[u8]) -> Vec<u8> {
+    let Some(cred) = cred else {
+        return desc.to_vec();
+    };
+    let mut v = Vec::with_capacity(SEALED.len() + 32 + desc.len());
+    v.extend_from_slice(SEALED);
+    v.extend_from_slice(&cred.seal(key.as_bytes(), desc));
+    v.extend_from_slice(desc);
+    v
+}
+
+/// Why a store entry is not taken as an agent's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Unsealed {
+    /// The reader holds a credential and the entry carries no seal.
+    NotSealed,
+    /// The seal does not check out with the reader's credential (forged,
+    /// moved from another key, or sealed with another secret).
+    BadSeal,
+}
+
+impl std::fmt::Display for Unsealed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Unsealed::NotSealed => "the entry is not sealed with the cluster credential",
+            Unsealed::BadSeal => "the entry's seal does not check out with the cluster credential",
+        })
+    }
+}
+
+/// The descriptor in the entry `value` under `key`: with a credential, only
+/// from an entry sealed with it; without, from any entry (the seal, if
+/// any, unchecked: such an agent trusts the store).
+pub(crate) fn unseal<'v>(
+    cred: Option<&crate::auth::Credential>,
+    key: &str,
+    value: &'v [u8],
+) -> Result<&'v [u8], Unsealed> {
+    let sealed = value.starts_with(SEALED) && value.len() >= SEALED.len() + 32;
+    match (cred, sealed) {
+        (None, false) => Ok(value),
+        (None, true) => Ok(&value[SEALED.len() + 32..]),
+        (Some(_), false) => Err(Unsealed::NotSealed),
+        (Some(cred), true) => {
+            let (tag, desc) = value[SEALED.len()..].split_at(32);
+            if cred.verify_seal(key.as_bytes(), desc, tag) {
+                Ok(desc)
+            } else {
+                Err(Unsealed::BadSeal)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn entries_are_sealed_to_their_key_with_the_credential() {
+        let cred =
+            crate::auth::Credential::new(b"0123456789abcdef0123456789ABCDEF".to_vec()).unwrap();
+        let other =
+            crate::auth::Credential::new(b"fedcba9876543210FEDCBA9876543210".to_vec()).unwrap();
+        let desc = [3u8, 1, 2, 3];
+        let v = seal(Some(&cred), "/k/agents/a", &desc);
+        assert_eq!(unseal(Some(&cred), "/k/agents/a", &v), Ok(&desc[..]));
+        // Moved to another name, sealed with another secret, altered, or
+        // not sealed at all: refused with a credential.
+        assert_eq!(
+            unseal(Some(&cred), "/k/agents/b", &v),
+            Err(Unsealed::BadSeal)
+        );
+        assert_eq!(
+            unseal(Some(&other), "/k/agents/a", &v),
+            Err(Unsealed::BadSeal)
+        );
+        let mut altered = v.clone();
+        *altered.last_mut().unwrap() ^= 1;
+        assert_eq!(
+            unseal(Some(&cred), "/k/agents/a", &altered),
+            Err(Unsealed::BadSeal)
+        );
+        assert_eq!(
+            unseal(Some(&cred), "/k/agents/a", &desc),
+            Err(Unsealed::NotSealed)
+        );
+        assert_eq!(
+            unseal(Some(&cred), "/k/agents/a", &v[..v.len() - desc.len() - 1]),
+            Err(Unsealed::NotSealed)
+        );
+        // Without a credential: plain descriptors, and sealed ones read.
+        assert_eq!(seal(None, "/k/agents/a", &desc), desc);
+        assert_eq!(unseal(None, "/k/agents/a", &desc), Ok(&desc[..]));
+        assert_eq!(unseal(None, "/k/agents/a", &v), Ok(&desc[..]));
+    }
 
     fn put(n: &str, i: u64) -> StoreEvent {
         StoreEvent::Put {

@@ -275,6 +275,73 @@ impl Etcd {
         assert!(st.status.success(), "{st:?}");
     }
 
+    /// Writes the bytes `value` under `key` with etcdctl (from its stdin).
+    pub fn put_bytes(&self, key: &str, value: &[u8]) {
+        use std::io::Write;
+        let mut c = self
+            .command("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &self.endpoints().join(","), "put", key])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        c.stdin.take().unwrap().write_all(value).unwrap();
+        assert!(c.wait().unwrap().success());
+    }
+
+    /// Writes `value` under `key` bound to a lease of its own (60 s), as
+    /// a writer that keeps its entry alive would.
+    pub fn put_leased(&self, key: &str, value: &str) {
+        let out = self
+            .command("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args([
+                "--endpoints",
+                &self.endpoints().join(","),
+                "lease",
+                "grant",
+                "60",
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        // "lease 694d77aa9e38260f granted with TTL(60s)"
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let id = text
+            .split_whitespace()
+            .nth(1)
+            .expect("a lease id")
+            .to_owned();
+        let st = self
+            .command("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &self.endpoints().join(",")])
+            .args(["put", &format!("--lease={id}"), key, value])
+            .output()
+            .unwrap();
+        assert!(st.status.success(), "{st:?}");
+    }
+
+    /// The value under `key`, if any.
+    pub fn get(&self, key: &str) -> Option<Vec<u8>> {
+        let out = self
+            .command("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &self.endpoints().join(",")])
+            .args(["get", "--print-value-only", key])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let mut v = out.stdout;
+        if v.is_empty() {
+            return None;
+        }
+        // etcdctl ends the value with a newline.
+        v.pop();
+        Some(v)
+    }
+
     /// The member that leads, by index.
     pub fn leader(&self) -> Option<usize> {
         let out = self

@@ -84,11 +84,21 @@ impl TransferAgent for Engine {
     }
 
     fn local_agent_desc(&self) -> AgentDesc {
-        self.inner.local_desc()
+        // Handed around by the application: without GPU handles (a peer on
+        // this host that can open them asks this agent for them).
+        self.inner.desc_for(None)
     }
 
     fn load_remote_agent(&self, desc: &AgentDesc) -> Result<(), Error> {
         desc.validate()?;
+        let with_handles;
+        let desc = match self.inner.gpu_handles_for(desc) {
+            Some(d) => {
+                with_handles = d;
+                &with_handles
+            }
+            None => desc,
+        };
         let regions = desc.region_map()?;
         let path = self.inner.choose_path(desc, MemoryType::Dram)?;
         // The peer's storage is reached through its agent: on this path when

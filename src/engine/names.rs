@@ -47,7 +47,10 @@ impl Inner {
                 let dir = crate::metadata::etcd::Directory::start(
                     cfg,
                     &self.config.name,
-                    &self.local_desc().encode(),
+                    // Without GPU handles: every reader of the store would
+                    // have them. Same-host peers get them from the live
+                    // descriptor they fetch.
+                    &self.desc_for(None).encode(),
                     self.config.security.credential.clone(),
                     on_gone,
                 )?;

@@ -5,7 +5,17 @@
 use super::*;
 
 impl Inner {
+    /// The descriptor, with the CUDA IPC handles of its exported GPU
+    /// memory (a handle opens its whole allocation: for same-host peers
+    /// that ask only, see [`desc_for`](Self::desc_for)).
     pub(in crate::engine) fn local_desc(&self) -> AgentDesc {
+        self.desc_for(Some(&self.host))
+    }
+
+    /// The descriptor for a requester on host `host` (`None`: one that did
+    /// not ask for GPU handles): the CUDA IPC handles only when it is this
+    /// host.
+    pub(in crate::engine) fn desc_for(&self, host: Option<&str>) -> AgentDesc {
         AgentDesc {
             name: self.config.name.clone(),
             instance: self.instance,
@@ -28,13 +38,49 @@ impl Inner {
                 probe_addr: &*self.probe_word as *const u64 as u64,
             }),
             gpu: Some(self.registry.ipc_exports())
-                .filter(|h| !h.is_empty() && matches!(self.mode, Backend::Shm | Backend::Auto))
+                .filter(|h| {
+                    !h.is_empty()
+                        && matches!(self.mode, Backend::Shm | Backend::Auto)
+                        && host == Some(self.host.as_str())
+                })
                 .map(|handles| crate::desc::GpuAccess {
                     host: self.host.clone(),
                     pid: std::process::id(),
                     handles,
                 }),
         }
+    }
+
+    /// `desc` with its CUDA IPC handles, asked of the agent itself (over
+    /// the authenticated side channel, naming this host), when it is a
+    /// same-host agent with GPU memory exported whose descriptor came
+    /// without them and this agent could open them (shm, auto); `None`
+    /// otherwise, or when the agent does not answer with them (its GPU
+    /// memory is then reached by staging over TCP).
+    pub(in crate::engine) fn gpu_handles_for(&self, desc: &AgentDesc) -> Option<AgentDesc> {
+        let wanted = matches!(self.mode, Backend::Shm | Backend::Auto)
+            && desc.gpu.is_none()
+            && desc.instance != self.instance
+            && desc
+                .local_access
+                .as_ref()
+                .is_some_and(|l| l.host == self.host)
+            && desc.regions.iter().any(|r| r.mem_type == MemoryType::Vram);
+        if !wanted {
+            return None;
+        }
+        let live = desc.endpoints.iter().find_map(|ep| match fetch_desc(self, ep) {
+            Ok(live) if live.instance == desc.instance => Some(live),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::info!(agent = %self.config.name, remote = %desc.name, error = %e, "could not ask for GPU handles; its GPU memory is staged over TCP");
+                None
+            }
+        })?;
+        Some(AgentDesc {
+            gpu: live.gpu,
+            ..desc.clone()
+        })
     }
 
     /// Chooses the data path to a remote agent for memory of `mem_type`:
@@ -266,7 +312,22 @@ pub(in crate::engine) fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDe
         addr: info.to_owned(),
         cause: Arc::new(e),
     };
-    send_frames(&sock, &[Frame::DescRequest.encode()], &clock, timeout).map_err(conn_err)?;
+    // Only an agent that could open CUDA IPC handles (shm, auto) asks for
+    // them, naming its host.
+    let host: &[u8] = match inner.mode {
+        Backend::Shm | Backend::Auto => inner.host.as_bytes(),
+        _ => &[],
+    };
+    let ask = Frame::DescRequest {
+        host_len: host.len() as u32,
+    }
+    .encode();
+    let mut iovs = [
+        iov(ask.as_ptr(), HEADER_LEN),
+        iov(host.as_ptr(), host.len()),
+    ];
+    // SAFETY: both iovecs point into live locals.
+    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, &clock, timeout) }.map_err(conn_err)?;
     let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
     reader.set_deadline(Some(deadline));
     let mut idle = UntilDeadline;

@@ -514,8 +514,10 @@ impl Inner {
             let frame = Frame::decode(&raw).map_err(|e| violation(e.to_string()))?;
             idle.header_in(frame.body_len());
             match frame {
-                Frame::DescRequest => {
-                    self.send_desc(sock, &clock)?;
+                Frame::DescRequest { host_len } => {
+                    let host = reader.read_vec(host_len as usize, &mut idle)?;
+                    let host = (host_len > 0).then(|| String::from_utf8_lossy(&host).into_owned());
+                    self.send_desc(sock, &clock, host.as_deref())?;
                     idle.frame_done();
                 }
                 Frame::Hello {
@@ -619,12 +621,15 @@ impl Inner {
     }
 
     /// Answers a descriptor request with this agent's descriptor.
+    /// Sends the descriptor to a requester on host `host` (`None`: it asked
+    /// for no GPU handles; see [`Inner::desc_for`]).
     pub(in crate::engine) fn send_desc(
         &self,
         sock: &TcpStream,
         clock: &ProgressClock,
+        host: Option<&str>,
     ) -> io::Result<()> {
-        let body = self.local_desc().encode();
+        let body = self.desc_for(host).encode();
         let hdr = Frame::DescReply {
             body_len: body.len() as u32,
         }

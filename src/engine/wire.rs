@@ -88,6 +88,9 @@ const K_CLOSING: u8 = 23;
 pub const MAX_AUTH_BODY: u32 =
     (crate::auth::NONCE_LEN + crate::auth::MAC_LEN + crate::desc::MAX_AGENT_NAME) as u32;
 
+/// Longest host id a `DescRequest` carries.
+pub const MAX_HOST_ID: u32 = 256;
+
 /// Most pieces in one [`Frame::Delegate`].
 pub const DELEGATE_MAX: u32 = 1 << 16;
 /// Bytes per entry of a delegate's table: target address, initiator
@@ -172,8 +175,13 @@ pub enum Frame {
         /// `status::OK` or `status::AUTH_FAILED`.
         status: u16,
     },
-    /// Asks for the target's encoded `AgentDesc`.
-    DescRequest,
+    /// Asks for the target's encoded `AgentDesc`; a requester that could
+    /// open CUDA IPC handles sends its host id (the body) to get them.
+    DescRequest {
+        /// Length of the requester's host id that follows (0: it asks for
+        /// no GPU handles).
+        host_len: u32,
+    },
     /// The encoded descriptor follows (`body_len` bytes).
     DescReply {
         /// Body length.
@@ -433,6 +441,7 @@ impl Frame {
             | Frame::AuthHello { body_len: n, .. }
             | Frame::AuthChallenge { body_len: n, .. }
             | Frame::DescReply { body_len: n }
+            | Frame::DescRequest { host_len: n }
             | Frame::Commit { sync_len: n, .. } => u64::from(n),
             Frame::AuthProof => crate::auth::MAC_LEN as u64,
             Frame::Write { len, .. } | Frame::ReadData { len, .. } => len,
@@ -508,7 +517,10 @@ impl Frame {
                 h.kind = K_AUTH_RESULT;
                 h.status = status.into();
             }
-            Frame::DescRequest => h.kind = K_DESC_REQUEST,
+            Frame::DescRequest { host_len } => {
+                h.kind = K_DESC_REQUEST;
+                h.aux = host_len.into();
+            }
             Frame::DescReply { body_len } => {
                 h.kind = K_DESC_REPLY;
                 h.aux = body_len.into();
@@ -726,7 +738,12 @@ impl Frame {
             K_AUTH_RESULT => Frame::AuthResult {
                 status: h.status.get(),
             },
-            K_DESC_REQUEST => Frame::DescRequest,
+            K_DESC_REQUEST => {
+                if aux > MAX_HOST_ID {
+                    return Err(WireError::BodyTooLarge(aux));
+                }
+                Frame::DescRequest { host_len: aux }
+            }
             K_DESC_REPLY => Frame::DescReply {
                 body_len: body_limit(aux)?,
             },
@@ -909,7 +926,8 @@ mod tests {
             Frame::AuthResult {
                 status: status::AUTH_FAILED,
             },
-            Frame::DescRequest,
+            Frame::DescRequest { host_len: 0 },
+            Frame::DescRequest { host_len: 36 },
             Frame::DescReply { body_len: 77 },
             Frame::Write {
                 req: u64::MAX,

@@ -671,6 +671,82 @@ pub fn ipc_same_process() {
     assert!(matches!(e, Error::UnsupportedMemoryType { .. }), "{e:?}");
 }
 
+/// The descriptor an unauthenticated-on-loopback raw client gets from the
+/// agent at `conn` with a `DescRequest` naming host `host` (empty: asks for
+/// no GPU handles), as a non-Rust peer would speak it.
+fn raw_desc(conn: &str, host: &[u8]) -> kvxfer::AgentDesc {
+    use std::io::{Read, Write};
+    let header = |kind: u8, aux: u32| {
+        let mut h = [0u8; 40];
+        h[0] = kind;
+        h[4..8].copy_from_slice(&aux.to_le_bytes());
+        h
+    };
+    let mut s = std::net::TcpStream::connect(conn).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    // AuthHello (no credential): a nonce, then the name.
+    let mut hello = header(17, 32 + 3).to_vec();
+    hello.extend_from_slice(&[7u8; 32]);
+    hello.extend_from_slice(b"raw");
+    s.write_all(&hello).unwrap();
+    let mut h = [0u8; 40];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!((h[0], u16::from_le_bytes([h[2], h[3]])), (18, 0));
+    let mut skip = vec![0u8; u32::from_le_bytes(h[4..8].try_into().unwrap()) as usize];
+    s.read_exact(&mut skip).unwrap();
+    let mut ask = header(3, host.len() as u32).to_vec();
+    ask.extend_from_slice(host);
+    s.write_all(&ask).unwrap();
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(h[0], 4);
+    let mut body = vec![0u8; u32::from_le_bytes(h[4..8].try_into().unwrap()) as usize];
+    s.read_exact(&mut body).unwrap();
+    kvxfer::AgentDesc::decode(&body).unwrap()
+}
+
+/// CUDA IPC handles (each opens a whole allocation) go only to peers on
+/// this host that ask for them: not in the descriptor the application
+/// hands around, nor to a requester that does not ask (a TCP agent) or
+/// names another host; a shm agent that loads the handle-less descriptor
+/// asks the agent for them and copies through CUDA IPC.
+pub fn ipc_handles_only_to_same_host_askers() {
+    let g = DeviceBuffer::new(0, 1 << 20).unwrap();
+    let src = pattern(1 << 20, 6);
+    let b = agent(Backend::Shm, "holder");
+    register_vram(b.as_ref(), &g).unwrap();
+    assert!(b.local_agent_desc().gpu.is_none());
+    let conn = b.local_connection_info();
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    assert!(raw_desc(&conn, b"").gpu.is_none());
+    assert!(raw_desc(&conn, b"another-host").gpu.is_none());
+    let handles = raw_desc(&conn, boot_id.trim().as_bytes()).gpu.unwrap();
+    assert_eq!(handles.handles.len(), 1);
+    let tcp = agent(Backend::Tcp, "tcp-peer");
+    let name = tcp.load_remote_agent_by_connection(&conn).unwrap();
+    assert!(tcp.remote_agent_desc(&name).unwrap().gpu.is_none());
+    let a = agent(Backend::Shm, "shm-peer");
+    register_dram(a.as_ref(), &src);
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    if a.remote_transport("holder").unwrap() != "shm" {
+        println!(
+            "SKIPPED ipc_handles_only_to_same_host_askers: cross-memory attach is not allowed here"
+        );
+        return;
+    }
+    assert!(a.remote_agent_desc("holder").unwrap().gpu.is_some());
+    let st = a
+        .submit_transfer(&TransferRequest::write(
+            MemoryDescs::dram(&src),
+            vram(&g, 0, 1 << 20),
+            "holder",
+        ))
+        .unwrap();
+    assert_eq!(st.data_path().transport, kvxfer::TransportKind::Shm);
+    completed(Ok(st)).unwrap();
+    assert!(device_bytes(&g) == src);
+}
+
 /// WRITEs from GPU memory over TCP aborted while their copies run ahead
 /// across segments: each ends (aborted, or completed when it was all sent
 /// by then), every destination piece is whole or untouched, no sync
@@ -913,6 +989,13 @@ macro_rules! gpu_suite {
         fn vram_over_tcp_stale_key_is_refused() {
             if $ready("vram_over_tcp_stale_key_is_refused") {
                 suite::tcp_stale_vram_key_is_refused();
+            }
+        }
+
+        #[test]
+        fn ipc_handles_go_only_to_same_host_peers_that_ask() {
+            if $ready("ipc_handles_go_only_to_same_host_peers_that_ask") {
+                suite::ipc_handles_only_to_same_host_askers();
             }
         }
 

@@ -322,7 +322,7 @@ pub struct Limits {
     pub max_requests_in_flight: usize,
     /// Most requests open at this agent as a target, over all the
     /// connections of all peers (begun, not finished; default 262,144,
-    /// about 40 MiB of bookkeeping). Once they are all taken, a connection
+    /// about 80 MiB of bookkeeping). Once they are all taken, a connection
     /// holding its fair share (this over the sessions alive) that opens
     /// one more is closed, and one below its share is served while the
     /// session holding the most is closed instead; a closed connection's

@@ -1007,7 +1007,7 @@ fn running_out_of_descriptors_keeps_serving_existing_links() {
 }
 
 /// A field of `/proc/<pid>/status` (kB for memory, a count for threads).
-fn proc_status(pid: u32, field: &str) -> u64 {
+pub(crate) fn proc_status(pid: u32, field: &str) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     s.lines()
         .find_map(|l| l.strip_prefix(field))

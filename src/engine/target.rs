@@ -350,17 +350,18 @@ impl Inner {
         table: &RequestTable<HeldSync>,
         req: u64,
     ) -> io::Result<()> {
-        if table.is_open(req) {
-            return Ok(());
-        }
         let over = || {
             io::Error::new(
                 io::ErrorKind::ConnectionAborted,
                 "session over its share of the open-request budget",
             )
         };
+        // A session told to close serves nothing more.
         if session.evicted.load(Ordering::Relaxed) {
             return Err(over());
+        }
+        if table.is_open(req) {
+            return Ok(());
         }
         let limit = self.config.limits.max_open_requests;
         let open = self.open_requests.load(Ordering::Relaxed);
@@ -368,10 +369,22 @@ impl Inner {
             return Ok(());
         }
         // Spent: the share depends on who is alive (no table is locked
-        // under the sessions' lock, so taking it here is safe).
+        // under the sessions' lock, so taking it here is safe). Sessions
+        // already told to close count as gone: their requests go within
+        // a tick, and a second session is closed only if the budget is
+        // still spent without them.
         let sessions = lock(&self.sessions);
+        let closing: usize = sessions
+            .values()
+            .filter(|s| s.evicted.load(Ordering::Relaxed))
+            .map(|s| s.open.load(Ordering::Relaxed))
+            .sum();
+        let live = sessions
+            .values()
+            .filter(|s| !s.evicted.load(Ordering::Relaxed))
+            .count();
         let own = table.open_count();
-        match budget::verdict(limit, open, own, sessions.len()) {
+        match budget::verdict(limit, open.saturating_sub(closing), own, live) {
             budget::Verdict::Admit => Ok(()),
             budget::Verdict::RefuseSelf => {
                 session.evicted.store(true, Ordering::SeqCst);
@@ -380,7 +393,9 @@ impl Inner {
             budget::Verdict::EvictLargest => {
                 let largest = sessions
                     .values()
-                    .filter(|s| !std::ptr::eq(s.as_ref(), session))
+                    .filter(|s| {
+                        !std::ptr::eq(s.as_ref(), session) && !s.evicted.load(Ordering::Relaxed)
+                    })
                     .max_by_key(|s| s.open.load(Ordering::Relaxed));
                 if let Some(s) = largest {
                     tracing::warn!(agent = %self.config.name, remote = %s.remote, open = s.open.load(Ordering::Relaxed), "open-request budget spent; closing the session holding the most");

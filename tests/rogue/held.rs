@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{RawConn, Victim, grant, raw};
+use super::{RawConn, Victim, common, grant, proc_status, raw};
 use kvxfer::{AgentConfig, Backend, MemoryDescs, TransferAgent, TransferRequest};
 
 /// `Closing` (target → initiator), and the `Overloaded` and `GrantExpired`
@@ -79,6 +79,77 @@ fn one_peer_cannot_spend_more_than_the_open_request_budget() {
     sync(&mut next, &v);
     v.assert_untouched();
     v.still_serves(AgentConfig::new("good"));
+}
+
+/// The exhaustion attack of the issue against a target process with the
+/// default limits: 24 connections each opening 65,534 requests that never
+/// finish (1,572,816, six times the default budget of 262,144; the target
+/// grew by 473 MiB without a budget, 157 MiB with it). The target closes connections
+/// as the budget runs out, so the requests it holds (and its memory) stay
+/// within the budget, and a good peer is served throughout.
+#[test]
+fn connections_of_open_requests_stay_within_the_agent_wide_budget() {
+    let mut peer = common::PeerProc::spawn("target", 1 << 20, 1, &[]);
+    let pid = peer.pid();
+    let rss0 = proc_status(pid, "VmRSS:");
+    let probe = |c: &mut RawConn, req: u64| -> bool {
+        // A fence completing open request `req`: acknowledged while the
+        // connection is served; else `Closing` (or the close itself).
+        let mut fence = raw::Hdr::new(10);
+        fence.id = req;
+        if c.send(fence, &[]).is_err() {
+            return false;
+        }
+        match c.recv() {
+            Some(h) if h.kind == raw::ACK => {
+                assert_eq!(h.id, req);
+                true
+            }
+            Some(h) => {
+                assert_eq!((h.kind, h.status), (CLOSING, ST_OVERLOADED), "{h:?}");
+                false
+            }
+            None => false,
+        }
+    };
+    let mut conns = Vec::new();
+    for i in 0..24u64 {
+        let name = format!("mallory{i}");
+        let mut c = RawConn::connect(&peer.conn);
+        c.auth(&name, None).unwrap();
+        c.hello(&name, 100 + i).unwrap();
+        open_requests(&mut c, 1..65535);
+        // All read (or the connection closed on the way).
+        let served = probe(&mut c, 1);
+        conns.push((c, served));
+    }
+    let rss = proc_status(pid, "VmRSS:");
+    let grown_mib = rss.saturating_sub(rss0) / 1024;
+    let mut alive = 0;
+    for (c, served) in &mut conns {
+        if *served && probe(c, 2) {
+            alive += 1;
+        }
+    }
+    println!("connections still served: {alive} of 24; the target grew by {grown_mib} MiB");
+    assert!(alive <= 4, "{alive} connections hold 65,532 requests each");
+    assert!(alive >= 1);
+    assert!(grown_mib < 240, "the target grew by {grown_mib} MiB");
+    let good = kvxfer::make_transfer_agent(Backend::Tcp, AgentConfig::new("good")).unwrap();
+    let src = vec![0x44u8; 4096];
+    // SAFETY: `src` outlives `good`.
+    unsafe { good.register_memory(&MemoryDescs::dram(&src)).unwrap() };
+    let name = good.load_remote_agent_by_connection(&peer.conn).unwrap();
+    good.submit_transfer(&TransferRequest::write(
+        MemoryDescs::dram(&src),
+        common::dram([(peer.addr, 4096)]),
+        &name,
+    ))
+    .unwrap()
+    .wait_success(Duration::from_secs(60))
+    .unwrap();
+    drop(conns);
+    peer.kill();
 }
 
 /// With the budget spent by one peer, a peer below its share is served

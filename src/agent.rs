@@ -125,6 +125,25 @@ impl TransferRequest {
 /// order.
 pub type SyncMessages = HashMap<String, Vec<Vec<u8>>>;
 
+/// Wakes the threads waiting for one agent's sync messages
+/// ([`TransferAgent::sync_waker`]); holds the agent's inbox only, never
+/// the agent. Cheap to clone.
+#[derive(Clone)]
+pub struct SyncWaker(pub(crate) std::sync::Arc<crate::registry::Inbox>);
+
+impl SyncWaker {
+    /// As [`TransferAgent::wake_sync_waiters`].
+    pub fn wake(&self) {
+        self.0.wake();
+    }
+}
+
+impl std::fmt::Debug for SyncWaker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SyncWaker")
+    }
+}
+
 /// Sync messages as [`SyncMessages`], each with the moment the agent
 /// received it (for timings that must not depend on when the caller got
 /// around to taking them).
@@ -399,10 +418,18 @@ pub trait TransferAgent: Send + Sync {
 
     /// Makes every thread now blocked in
     /// [`wait_sync_messages`](Self::wait_sync_messages) return at once (with
-    /// what has arrived, possibly nothing). For event loops that wait on
-    /// sync messages and also take commands from other threads: a command
-    /// is seen now, not when the wait times out.
+    /// what has arrived, possibly nothing); when none is, the next call
+    /// returns at once. For event loops that wait on sync messages and also
+    /// take commands from other threads (or transfer completions, see
+    /// [`TransferStatus::on_complete`]): a command is seen now, not when
+    /// the wait times out, even when it came just before the wait began.
     fn wake_sync_waiters(&self);
+
+    /// A handle that does what [`wake_sync_waiters`](Self::wake_sync_waiters)
+    /// does without holding the agent: for completion callbacks
+    /// ([`TransferStatus::on_complete`](crate::TransferStatus::on_complete)),
+    /// which must not keep the agent alive nor call into it.
+    fn sync_waker(&self) -> SyncWaker;
 
     /// Whether every descriptor lies inside a region `remote` exported, as
     /// known from its loaded descriptor. False for an unknown agent.

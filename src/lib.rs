@@ -72,6 +72,7 @@ pub mod config;
 pub mod desc;
 mod engine;
 pub mod error;
+pub mod events;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
@@ -90,7 +91,7 @@ pub mod storage;
 pub use kvxfer_verbs as verbs;
 
 pub use agent::{
-    Backend, DataPath, PreparedTransfer, SyncMessages, TimedSyncMessages, TransferAgent,
+    Backend, DataPath, PreparedTransfer, SyncMessages, SyncWaker, TimedSyncMessages, TransferAgent,
     TransferOp, TransferRequest, TransferState, TransferStatus, TransportKind,
 };
 pub use auth::{Credential, CredentialError};
@@ -103,6 +104,7 @@ pub use desc::{
 };
 pub use engine::make_transfer_agent;
 pub use error::{Error, RejectReason};
+pub use events::CompletionQueue;
 pub use indexed::{IndexedRequest, PreparedDescList};
 pub use memory::{MemoryDesc, MemoryDescs, MemoryType};
 pub use metadata::{EtcdConfig, EtcdTls, Metadata};

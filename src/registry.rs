@@ -500,6 +500,8 @@ struct Mailbox {
     /// Messages by sender, each with when it was delivered.
     messages: TimedSyncMessages,
     wakes: u64,
+    /// A wake no wait has answered yet (the next wait returns at once).
+    woken: bool,
     /// Bytes of messages queued or reserved, in all.
     total: u64,
     /// The same per sending agent.
@@ -572,10 +574,13 @@ impl Inbox {
     }
 
     /// Makes every thread now in [`wait`](Self::wait) return at once, with
-    /// whatever has arrived (possibly nothing).
+    /// whatever has arrived (possibly nothing); with none waiting, the next
+    /// wait returns at once (a wake is never lost between a waiter's look
+    /// at its own state and its wait).
     pub(crate) fn wake(&self) {
         let mut m = self.lock();
         m.wakes = m.wakes.wrapping_add(1);
+        m.woken = true;
         self.cv.notify_all();
     }
 
@@ -589,7 +594,7 @@ impl Inbox {
         let deadline = Instant::now().checked_add(timeout);
         let mut m = self.lock();
         let wakes = m.wakes;
-        while m.messages.is_empty() && m.wakes == wakes {
+        while m.messages.is_empty() && m.wakes == wakes && !m.woken {
             let left = deadline.map_or(Duration::from_secs(3600), |d| {
                 d.saturating_duration_since(Instant::now())
             });
@@ -602,6 +607,7 @@ impl Inbox {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+        m.woken = false;
         m.take()
     }
 }

@@ -34,7 +34,6 @@ const FAILED: u8 = 2;
 /// one compare-and-swap, read with one load: no lock on the path every
 /// request takes. A failure's error sits behind the lock, which is also
 /// the condition variable's.
-#[derive(Debug)]
 pub(crate) struct Completion {
     /// [`PENDING`], then [`SUCCEEDED`] or [`FAILED`], set once.
     state: AtomicU8,
@@ -62,7 +61,18 @@ pub(crate) struct Completion {
     abort: AtomicBool,
     /// Where the outcome is counted (the request's transport and peer).
     meter: Option<Metered>,
+    /// Called once with the outcome ([`TransferStatus::on_complete`]):
+    /// taken out under this lock by whoever fires them, so each runs once.
+    watchers: Mutex<Vec<Watcher>>,
+    /// Whether `watchers` may hold any; set (sequentially consistent)
+    /// after one is added, read after the outcome is in: either the
+    /// completer sees it, or the watcher's adder sees the outcome. A
+    /// request nobody watches pays one load.
+    watched: AtomicBool,
 }
+
+/// A completion callback.
+type Watcher = Box<dyn FnOnce(Result<(), Error>) + Send>;
 
 /// A request's place in the agent's metrics.
 #[derive(Debug)]
@@ -71,6 +81,15 @@ struct Metered {
     bytes: u64,
     /// When it was submitted, when latency is recorded.
     started: Option<Instant>,
+}
+
+impl std::fmt::Debug for Completion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Completion")
+            .field("state", &self.state)
+            .field("abort", &self.abort)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Drop for Completion {
@@ -157,6 +176,8 @@ impl Completion {
             in_flight: in_flight.cloned(),
             abort: AtomicBool::new(false),
             meter: None,
+            watchers: Mutex::new(Vec::new()),
+            watched: AtomicBool::new(false),
         })
     }
 
@@ -205,6 +226,11 @@ impl Completion {
         *self.state.get_mut() = PENDING;
         *self.error.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
         *self.abort.get_mut() = false;
+        self.watchers
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        *self.watched.get_mut() = false;
         if let Some(m) = &mut self.meter {
             m.bytes = bytes;
             if m.started.is_some() {
@@ -298,6 +324,9 @@ impl Completion {
         if won && let Some(n) = &self.in_flight {
             n.fetch_sub(1, Ordering::AcqRel);
         }
+        if won && self.watched.load(Ordering::SeqCst) {
+            self.fire();
+        }
         // Sequentially consistent with a sleeper's count then look: either
         // it saw the outcome, or this sees it counted. The lock, taken and
         // let go, waits out a sleeper between its look and its sleep.
@@ -306,6 +335,35 @@ impl Completion {
             self.cv.notify_all();
         }
         won
+    }
+
+    /// Calls `f` with the outcome once it is in: at once (on this thread)
+    /// when it is, else on the thread that completes the request.
+    pub(crate) fn watch(&self, f: Watcher) {
+        {
+            let mut w = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
+            w.push(f);
+            self.watched.store(true, Ordering::SeqCst);
+        }
+        if self.is_done() {
+            self.fire();
+        }
+    }
+
+    /// Runs the watchers added so far with the outcome (which is in).
+    fn fire(&self) {
+        let watchers =
+            std::mem::take(&mut *self.watchers.lock().unwrap_or_else(|p| p.into_inner()));
+        if watchers.is_empty() {
+            return;
+        }
+        let outcome = match self.snapshot() {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        };
+        for w in watchers {
+            w(outcome.clone());
+        }
     }
 
     /// The outcome so far.
@@ -636,6 +694,20 @@ impl TransferStatus {
         true
     }
 
+    /// Calls `f` once with the transfer's outcome when it finishes: at
+    /// once, on this thread, when it already has; otherwise on the thread
+    /// that completes it (a backend's I/O or progress thread), so `f`
+    /// must be short, must not block and must not call into the agent
+    /// (it may run under the agent's locks) — set a flag, send on a
+    /// channel, wake a task, as [`CompletionQueue`](crate::CompletionQueue)
+    /// does. No polling: a finished transfer wakes whoever waits.
+    /// Callbacks added to one status run in the order they were added.
+    /// Statuses of a [`PreparedTransfer`] submission are their own: a
+    /// callback fires for the submission it was added to.
+    pub fn on_complete(&self, f: impl FnOnce(Result<(), Error>) + Send + 'static) {
+        self.completion.watch(Box::new(f));
+    }
+
     /// Like [`wait`](Self::wait), but a transfer still running at the
     /// timeout is an [`Error::Timeout`].
     ///
@@ -680,6 +752,86 @@ mod tests {
         let st = TransferStatus::new(2, ok, test_path());
         assert_eq!(st.wait(Duration::ZERO).unwrap(), TransferState::Completed);
         assert!(st.is_completed());
+    }
+
+    #[test]
+    fn callbacks_fire_once_with_the_outcome_before_or_after_it_is_in() {
+        use std::sync::mpsc;
+        let c = Completion::new();
+        let st = TransferStatus::new(1, Arc::clone(&c), test_path());
+        let (tx, rx) = mpsc::channel();
+        let t = tx.clone();
+        st.on_complete(move |r| t.send(("early", r.is_ok())).unwrap());
+        assert!(rx.try_recv().is_err(), "fired before the outcome");
+        assert!(c.complete(Err(Error::Closed)));
+        assert_eq!(rx.try_recv().unwrap(), ("early", false));
+        // Added after the outcome: at once, on this thread.
+        st.on_complete(move |r| {
+            assert!(matches!(r, Err(Error::Closed)));
+            tx.send(("late", false)).unwrap()
+        });
+        assert_eq!(rx.try_recv().unwrap(), ("late", false));
+        // Each once: nothing more on later (ignored) outcomes.
+        assert!(!c.complete(Ok(())));
+        assert!(rx.try_recv().is_err());
+    }
+
+    /// A callback added while the outcome comes in on another thread runs
+    /// exactly once (the completer or the adder runs it, never both, never
+    /// neither).
+    #[test]
+    fn a_callback_racing_the_outcome_runs_exactly_once() {
+        for _ in 0..2000 {
+            let c = Completion::new();
+            let st = TransferStatus::new(1, Arc::clone(&c), test_path());
+            let runs = Arc::new(AtomicUsize::new(0));
+            let completer = std::thread::spawn(move || c.complete(Ok(())));
+            let r = Arc::clone(&runs);
+            st.on_complete(move |o| {
+                assert!(o.is_ok());
+                r.fetch_add(1, Ordering::SeqCst);
+            });
+            assert!(completer.join().unwrap());
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+        }
+    }
+
+    #[test]
+    fn a_completion_queue_reports_in_finishing_order_and_its_fd_tracks_readiness() {
+        let cq = crate::CompletionQueue::new().unwrap();
+        let readable = |cq: &crate::CompletionQueue| {
+            use std::os::fd::AsFd;
+            let fd = cq.as_fd();
+            let mut fds = [rustix::event::PollFd::new(
+                &fd,
+                rustix::event::PollFlags::IN,
+            )];
+            rustix::event::poll(&mut fds, Some(&rustix::event::Timespec::default())).unwrap() == 1
+        };
+        let cs: Vec<_> = (0..3).map(|_| Completion::new()).collect();
+        for (i, c) in cs.iter().enumerate() {
+            cq.watch(
+                &TransferStatus::new(i as u64, Arc::clone(c), test_path()),
+                10 + i as u64,
+            );
+        }
+        assert!(cq.is_empty() && !readable(&cq));
+        assert!(cq.wait(Duration::from_millis(1)).is_empty());
+        cs[2].complete(Ok(()));
+        cs[0].complete(Err(Error::Closed));
+        assert!(readable(&cq));
+        let got = cq.wait(Duration::from_secs(10));
+        assert_eq!(got.iter().map(|f| f.0).collect::<Vec<_>>(), [12, 10]);
+        assert!(got[0].1.is_ok() && matches!(got[1].1, Err(Error::Closed)));
+        assert!(!readable(&cq), "readable with nothing ready");
+        // A waiter wakes when another thread completes.
+        let c1 = Arc::clone(&cs[1]);
+        let t = std::thread::spawn(move || c1.complete(Ok(())));
+        let got = cq.wait(Duration::from_secs(60));
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].0, 11);
+        t.join().unwrap();
+        assert!(cq.try_take().is_empty() && !readable(&cq));
     }
 
     #[test]

@@ -1213,7 +1213,11 @@ fn malformed_agent_desc_is_an_error() {
             c.aux = 36;
             let _ = s.write_all(&c.bytes());
             let _ = s.write_all(&[[7u8; 32].as_slice(), b"junk"].concat());
+            // The descriptor request, and the host id an agent that could
+            // open GPU handles sends with it.
             let _ = s.read_exact(&mut b);
+            let mut host = vec![0u8; u32::from_le_bytes(b[4..8].try_into().unwrap()) as usize];
+            let _ = s.read_exact(&mut host);
             let mut reply = [0u8; 40];
             reply[0] = 4; // a descriptor reply ...
             reply[4] = 12; // ... of 12 bytes ...

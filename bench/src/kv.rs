@@ -284,7 +284,11 @@ pub fn run(a: &KvArgs) -> Result<()> {
             k.agent.load_remote_agent(&g.agent.local_agent_desc())?;
         }
     }
-    let (mut kv_times, mut raw_times) = (Vec::new(), Vec::new());
+    let (mut kv_times, mut raw_times, mut batched_times) = (Vec::new(), Vec::new(), Vec::new());
+    let batching = a.batch_bytes.map(|b| {
+        let d = kvxfer::cache::SenderConfig::default();
+        (b, a.batches_in_flight.unwrap_or(d.batches_in_flight))
+    });
     let (mut per_iter, mut frags, mut coalesced, mut copies) = (0, 0, 0, 0);
     let total = a.warmup + a.iters.max(1);
     for i in 0..total {
@@ -299,10 +303,24 @@ pub fn run(a: &KvArgs) -> Result<()> {
         if a.verify && i + 1 == total {
             verify(&gen_ranks, &gen_s, n, a.tokens)?;
         }
-        let raw_t = raw_round(&ctx, &gen_ranks, &ctx_s, &gen_s, it.bytes)?;
+        let raw_t = raw_round(&ctx, &gen_ranks, &ctx_s, &gen_s, it.bytes, None)?;
+        // With small batches, also the raw agents moving the same bytes in
+        // the same batches, as many in flight: what the protocol adds.
+        let batched_t = match batching {
+            Some(b) => Some(raw_round(
+                &ctx,
+                &gen_ranks,
+                &ctx_s,
+                &gen_s,
+                it.bytes,
+                Some(b),
+            )?),
+            None => None,
+        };
         if i >= a.warmup {
             kv_times.push(kv_t);
             raw_times.push(raw_t);
+            batched_times.extend(batched_t);
             frags = it.fragments;
             coalesced = it.coalesced;
             copies += it.copies;
@@ -316,6 +334,8 @@ pub fn run(a: &KvArgs) -> Result<()> {
     };
     let kv_gbps = per_iter as f64 / median(&mut kv_times) / 1e9;
     let raw_gbps = per_iter as f64 / median(&mut raw_times) / 1e9;
+    let batched_gbps =
+        (!batched_times.is_empty()).then(|| per_iter as f64 / median(&mut batched_times) / 1e9);
     let transport = ctx[0]
         .agent
         .remote_transport(&gen_agent_name(&gen_ranks, 0))
@@ -325,6 +345,7 @@ pub fn run(a: &KvArgs) -> Result<()> {
         per_iter,
         kv_gbps,
         raw_gbps,
+        batched_gbps,
         frags,
         coalesced,
         copies,
@@ -408,6 +429,8 @@ struct Figures<'a> {
     per_iter: u64,
     kv_gbps: f64,
     raw_gbps: f64,
+    /// The raw agents in the sender's batches, when `--batch-bytes` is set.
+    batched_gbps: Option<f64>,
     frags: u64,
     coalesced: u64,
     copies: u64,
@@ -420,13 +443,26 @@ fn report(a: &KvArgs, f: &Figures<'_>) {
         per_iter,
         kv_gbps,
         raw_gbps,
+        batched_gbps,
         frags,
         coalesced,
         copies,
     } = *f;
+    let batched_json = batched_gbps.map_or(String::new(), |b| {
+        format!(
+            ",\"raw_batched_gb_per_s\":{b:.4},\"ratio_batched\":{:.4}",
+            kv_gbps / b
+        )
+    });
+    let batched_text = batched_gbps.map_or(String::new(), |b| {
+        format!(
+            ", raw agents in the same batches {b:.3} GB/s (ratio {:.3})",
+            kv_gbps / b
+        )
+    });
     if a.json {
         println!(
-            "{{\"kind\":\"kv\",\"model\":\"{}\",\"backend\":\"{transport}\",\"ctx_tp\":{},\"ctx_pp\":{},\"gen_tp\":{},\"gen_pp\":{},\"tokens\":{},\"tokens_per_block\":{},\"iters\":{},\"bytes\":{per_iter},\"gb_per_s\":{kv_gbps:.4},\"raw_gb_per_s\":{raw_gbps:.4},\"ratio\":{:.4},\"fragments\":{},\"fragments_coalesced\":{},\"staging_copies\":{copies}}}",
+            "{{\"kind\":\"kv\",\"model\":\"{}\",\"backend\":\"{transport}\",\"ctx_tp\":{},\"ctx_pp\":{},\"gen_tp\":{},\"gen_pp\":{},\"tokens\":{},\"tokens_per_block\":{},\"iters\":{},\"bytes\":{per_iter},\"gb_per_s\":{kv_gbps:.4},\"raw_gb_per_s\":{raw_gbps:.4},\"ratio\":{:.4},\"fragments\":{},\"fragments_coalesced\":{},\"staging_copies\":{copies}{batched_json}}}",
             a.model,
             a.ctx_tp,
             a.ctx_pp,
@@ -441,7 +477,7 @@ fn report(a: &KvArgs, f: &Figures<'_>) {
         );
     } else {
         println!(
-            "{} ctx TP{} PP{} -> gen TP{} PP{}, {} tokens over {transport}: {:.1} MiB per request, KV {kv_gbps:.3} GB/s, raw agents {raw_gbps:.3} GB/s, ratio {:.3}; {} fragments ({} after coalescing), {copies} staging copies",
+            "{} ctx TP{} PP{} -> gen TP{} PP{}, {} tokens over {transport}: {:.1} MiB per request, KV {kv_gbps:.3} GB/s, raw agents {raw_gbps:.3} GB/s, ratio {:.3}{batched_text}; {} fragments ({} after coalescing), {copies} staging copies",
             a.model,
             a.ctx_tp,
             a.ctx_pp,
@@ -464,14 +500,17 @@ fn gen_agent_name(gen_ranks: &[Rank], g: usize) -> String {
 /// `bytes` to the generation ranks as plain WRITEs of 1 MiB descriptors:
 /// each context rank its equal share, dealt over the generation ranks
 /// round-robin by 1 MiB chunk, each generation pool filled from its start.
+/// With `batching` = (bytes, n): chunks of that size, each its own request,
+/// each context rank keeping `n` in flight (as the KV sender's batches).
 fn raw_round(
     ctx: &[Rank],
     gen_ranks: &[Rank],
     ctx_s: &CacheState,
     gen_s: &CacheState,
     bytes: u64,
+    batching: Option<(u64, usize)>,
 ) -> Result<f64> {
-    const CHUNK: u64 = 1 << 20;
+    let chunk_len = batching.map_or(1 << 20, |b| b.0.max(1));
     let senders = u64::from(ctx_s.world_size()).max(1);
     let gens = gen_s.world_size() as usize;
     let share = bytes / senders;
@@ -483,7 +522,7 @@ fn raw_round(
         let mut off = 0;
         let mut turn = c;
         while off < share.min(k.pool.len()) {
-            let len = CHUNK.min(share - off).min(k.pool.len() - off);
+            let len = chunk_len.min(share - off).min(k.pool.len() - off);
             let g = turn % gens;
             turn += 1;
             let pool = &gen_ranks[g].pool;
@@ -501,6 +540,45 @@ fn raw_round(
         }
     }
     let t = Instant::now();
+    if let Some((_, in_flight)) = batching {
+        std::thread::scope(|s| {
+            let workers: Vec<_> = plan
+                .into_iter()
+                .enumerate()
+                .map(|(c, per_gen)| {
+                    let (ctx, gen_ranks) = (&ctx, &gen_ranks);
+                    s.spawn(move || -> Result<()> {
+                        let mut open = std::collections::VecDeque::new();
+                        for (g, (l, r)) in per_gen.into_iter().enumerate() {
+                            for (l, r) in l.into_iter().zip(r) {
+                                if open.len() >= in_flight.max(1) {
+                                    let st: kvxfer::TransferStatus =
+                                        open.pop_front().expect("non-empty");
+                                    st.wait_success(Duration::from_secs(300))
+                                        .context("raw transfer")?;
+                                }
+                                let req = TransferRequest::write(
+                                    MemoryDescs::new(ctx[c].pool.mem_type(), vec![l]),
+                                    MemoryDescs::new(gen_ranks[g].pool.mem_type(), vec![r]),
+                                    gen_ranks[g].agent.name(),
+                                );
+                                open.push_back(ctx[c].agent.submit_transfer(&req)?);
+                            }
+                        }
+                        for st in open {
+                            st.wait_success(Duration::from_secs(300))
+                                .context("raw transfer")?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .try_for_each(|w| w.join().expect("raw worker panicked"))
+        })?;
+        return Ok(t.elapsed().as_secs_f64());
+    }
     let mut sts = Vec::new();
     for (c, per_gen) in plan.into_iter().enumerate() {
         for (g, (l, r)) in per_gen.into_iter().enumerate() {

@@ -683,6 +683,58 @@ impl PyTransfer {
     fn transport(&self) -> &'static str {
         self.st.data_path().transport.as_str()
     }
+
+    /// `await transfer` in asyncio: resumes once it finished (raising its
+    /// error), woken by the completion itself through the loop's reader
+    /// on a `CompletionQueue` (no polling, no thread).
+    fn __await__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        py.import("kvxfer._aio")?
+            .call_method1("wait", (slf,))?
+            .call_method0("__await__")
+    }
+}
+
+/// Outcomes of watched transfers in the order they finished; `fileno()` is
+/// readable while any is ready (for `loop.add_reader`, `select`).
+#[pyclass(module = "kvxfer._kvxfer", name = "CompletionQueue", frozen)]
+struct PyCompletionQueue {
+    cq: kvxfer::CompletionQueue,
+}
+
+#[pymethods]
+impl PyCompletionQueue {
+    #[new]
+    fn new() -> PyResult<Self> {
+        Ok(Self {
+            cq: kvxfer::CompletionQueue::new().map_err(to_py)?,
+        })
+    }
+
+    /// Reports `transfer`'s outcome here, with `token`, once it finishes.
+    fn watch(&self, transfer: PyRef<'_, PyTransfer>, token: u64) {
+        self.cq.watch(&transfer.st, token);
+    }
+
+    /// The outcomes ready now: `(token, None)` for a success, `(token,
+    /// exception)` for a failure.
+    fn take(&self, py: Python<'_>) -> Vec<(u64, Option<Py<PyAny>>)> {
+        self.cq
+            .try_take()
+            .into_iter()
+            .map(|(token, outcome)| {
+                (
+                    token,
+                    outcome.err().map(|e| to_py(e).into_value(py).into_any()),
+                )
+            })
+            .collect()
+    }
+
+    /// The descriptor readable while an outcome is ready (never read it).
+    fn fileno(&self) -> i32 {
+        std::os::fd::AsRawFd::as_raw_fd(&self.cq)
+    }
 }
 
 /// The device ordinal of the GPU memory at `addr` (`GpuError` when it is
@@ -697,6 +749,7 @@ fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu_device_of, m)?)?;
     m.add_class::<PyAgent>()?;
     m.add_class::<PyTransfer>()?;
+    m.add_class::<PyCompletionQueue>()?;
     m.add_class::<PyDescList>()?;
     m.add_class::<PyRequest>()?;
     cache::add(m)?;

@@ -169,6 +169,51 @@ def test_inproc_agents_copy_in_the_submitting_call():
     assert dst2 == bytearray(4096)
 
 
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_transfers_are_awaitable_and_queued_as_they_finish(backend):
+    """Completion as events: `await` in asyncio (the loop woken by the
+    completion through a CompletionQueue's descriptor), several awaited at
+    once, a failure raised typed; and a CompletionQueue read by hand."""
+    import asyncio
+    import select
+
+    t = kvxfer.Agent("py-aio-t", backend=backend)
+    dst = bytearray(SIZE)
+    rt = t.register(dst)
+    i = kvxfer.Agent("py-aio-i", backend=backend)
+    src = bytearray(pattern(SIZE, 9))
+    ri = i.register(src)
+    name = i.add_remote_agent(t.metadata())
+    half = SIZE // 2
+
+    async def both():
+        x = i.write([(ri.addr, half)], [(rt.addr, half)], name)
+        y = i.write([(ri.addr + half, half)], [(rt.addr + half, half)], name)
+        await asyncio.wait_for(asyncio.gather(x, y), WAIT)
+
+    asyncio.run(both())
+    assert bytes(dst) == bytes(src)
+
+    cq = kvxfer.CompletionQueue()
+    assert select.select([cq.fileno()], [], [], 0)[0] == []
+    x = i.read([(ri.addr, 4096)], [(rt.addr, 4096)], name)
+    cq.watch(x, 42)
+    assert select.select([cq.fileno()], [], [], WAIT)[0] == [cq.fileno()]
+    assert cq.take() == [(42, None)]
+    assert select.select([cq.fileno()], [], [], 0)[0] == []
+
+    # A failure the target reports (its region registered anew: the loaded
+    # key is stale) is raised by the await.
+    rt.deregister()
+    t.register(bytearray(SIZE))
+
+    async def stale():
+        with pytest.raises(kvxfer.RemoteRejectedError):
+            await asyncio.wait_for(i.write(ri.descs(), [(rt.addr, SIZE)], name), WAIT)
+
+    asyncio.run(stale())
+
+
 def test_buffers_of_every_kind_register_and_stay_pinned():
     a = kvxfer.Agent("py-buffers")
     m = mmap.mmap(-1, 1 << 16)

@@ -88,9 +88,10 @@ impl RecvHandle {
     }
 }
 
-/// Longest sleep of the protocol thread (messages and shutdown wake it
-/// sooner; deadlines are met to within it).
-const IDLE_WAIT: Duration = Duration::from_millis(20);
+/// Longest wait of the protocol thread with no deadline due: messages, a
+/// peer leaving the metadata store, new requests and shutdown wake it;
+/// this only bounds the wait.
+const IDLE_WAIT: Duration = Duration::from_secs(1);
 
 /// The machine and what waits on its outcomes.
 struct Core {
@@ -260,6 +261,8 @@ impl CacheReceiver {
             return Err(e);
         }
         s.with_core(|c| c.m.handle_request_sent(request_id, Instant::now()));
+        // The protocol thread now waits for this request's deadline too.
+        s.agent.wake_sync_waiters();
         Ok(RecvHandle { request_id, cell })
     }
 
@@ -302,6 +305,7 @@ impl CacheReceiver {
             r
         })?;
         s.flush();
+        s.agent.wake_sync_waiters();
         rx.recv_timeout(s.timeout).map_err(|_| CacheError::Timeout {
             what: format!("context ranks acknowledging the cancel of request {request_id}"),
             after: s.timeout,

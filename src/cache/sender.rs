@@ -131,11 +131,10 @@ impl SendHandle {
     }
 }
 
-/// Longest sleep of the protocol thread with nothing posted (messages and
-/// shutdown wake it sooner).
-const IDLE_WAIT: Duration = Duration::from_millis(20);
-/// Sleep between looks at posted writes.
-const BUSY_WAIT: Duration = Duration::from_micros(200);
+/// Longest wait of the protocol thread with no deadline due: messages,
+/// finished writes, new requests and shutdown wake it; this only bounds
+/// the wait.
+const IDLE_WAIT: Duration = Duration::from_secs(1);
 
 /// The machine and what waits on its outcomes.
 struct Core {
@@ -155,6 +154,11 @@ struct Shared {
     /// out, so that they happen in its order.
     posted: Mutex<HashMap<TransferId, TransferStatus, FastHash>>,
     stop: AtomicBool,
+    /// Set by a posted write's completion callback: there is something to
+    /// reap (the callback then wakes the protocol thread's wait).
+    finished: Arc<AtomicBool>,
+    /// Wakes the protocol thread from its wait on the agent's messages.
+    waker: crate::agent::SyncWaker,
 }
 
 impl Shared {
@@ -212,6 +216,12 @@ impl Shared {
                 Some(TransferAction::Post { id, request }) => {
                     match self.agent.submit_transfer(&request) {
                         Ok(st) => {
+                            let (finished, waker) =
+                                (Arc::clone(&self.finished), self.waker.clone());
+                            st.on_complete(move |_| {
+                                finished.store(true, Ordering::SeqCst);
+                                waker.wake();
+                            });
                             posted.insert(id, st);
                         }
                         Err(e) => self.with_core(|c| {
@@ -284,7 +294,6 @@ impl CacheSender {
         let mut m = SenderMachine::new(state, rank, lookup, config)?;
         m.set_stopwatch(Instant::now);
         let shared = Arc::new(Shared {
-            agent,
             rank,
             timings_dir,
             timeout,
@@ -295,6 +304,9 @@ impl CacheSender {
             }),
             posted: Mutex::new(HashMap::default()),
             stop: AtomicBool::new(false),
+            finished: Arc::new(AtomicBool::new(false)),
+            waker: agent.sync_waker(),
+            agent,
         });
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -412,13 +424,15 @@ fn run(s: &Shared) {
             c.m.poll_timeout()
         });
         s.flush();
-        let wait = if s.reap() {
-            BUSY_WAIT
-        } else {
-            due.map_or(IDLE_WAIT, |t| {
-                t.saturating_duration_since(Instant::now()).min(IDLE_WAIT)
-            })
-        };
+        // Posted writes that finished (their callbacks set the flag, then
+        // wake the wait below: never lost, the wake outlives a wait that
+        // has not begun).
+        if s.finished.swap(false, Ordering::SeqCst) {
+            s.reap();
+        }
+        let wait = due.map_or(IDLE_WAIT, |t| {
+            t.saturating_duration_since(Instant::now()).min(IDLE_WAIT)
+        });
         let mut msgs = Vec::new();
         for (from, chunks) in s.agent.wait_sync_messages(wait) {
             for chunk in chunks {
@@ -465,8 +479,17 @@ fn run(s: &Shared) {
     s.with_core(|c| c.m.close(Instant::now()));
     s.flush();
     let deadline = Instant::now() + s.timeout;
-    while !lock(&s.core).m.is_idle() && Instant::now() < deadline {
+    loop {
+        s.finished.store(false, Ordering::SeqCst);
         s.reap();
-        std::thread::sleep(Duration::from_micros(500));
+        let left = deadline.saturating_duration_since(Instant::now());
+        if lock(&s.core).m.is_idle() || left.is_zero() {
+            break;
+        }
+        // Woken by the next write that finishes (messages are dropped:
+        // the sender is closing).
+        if !s.finished.load(Ordering::SeqCst) {
+            let _ = s.agent.wait_sync_messages(left);
+        }
     }
 }

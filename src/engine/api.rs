@@ -309,6 +309,10 @@ impl TransferAgent for Engine {
         self.inner.inbox.wake();
     }
 
+    fn sync_waker(&self) -> crate::agent::SyncWaker {
+        crate::agent::SyncWaker(Arc::clone(&self.inner.inbox))
+    }
+
     fn check_remote_descs(&self, remote: &str, descs: &MemoryDescs) -> bool {
         if remote == self.inner.config.name {
             return self.inner.registry.contains_all(descs);

@@ -82,6 +82,9 @@ impl Inner {
         self.close_peer(&peer, || Error::PeerGone {
             remote: name.to_owned(),
         });
+        // Event loops waiting on messages look at their peers again (the
+        // KV-cache receiver fails requests awaiting this one).
+        self.inbox.wake();
     }
 
     /// The descriptor published under `name`.

@@ -123,6 +123,11 @@ typedef struct kvxfer_cache_receiver kvxfer_cache_receiver;
 // A context rank's KV-cache sender. Thread-safe; free once.
 typedef struct kvxfer_cache_sender kvxfer_cache_sender;
 
+// Outcomes of the transfers it watches (`kvxfer_cq_watch`), in the order
+// they finished; its descriptor (`kvxfer_cq_fd`) is readable while any is
+// ready, for event loops. Thread-safe; free once, after the last call.
+typedef struct kvxfer_cq kvxfer_cq;
+
 // A batch of received sync messages, read-only: safe to read from several
 // threads; free once.
 typedef struct kvxfer_messages kvxfer_messages;
@@ -239,6 +244,18 @@ typedef struct kvxfer_request {
 // Flags of `kvxfer_agent_submit_flags`: any of the `KVXFER_SUBMIT_*`
 // values, or-ed.
 typedef uint32_t kvxfer_submit_flags;
+
+// A completion callback (`kvxfer_status_on_complete`): the `user_data`
+// given, and the transfer's outcome (`KVXFER_OK` or its error code).
+typedef void (*kvxfer_complete_fn)(void *user_data, enum kvxfer_result outcome);
+
+// One finished transfer, as a completion queue reports it.
+typedef struct kvxfer_completion {
+  // The token it was watched with.
+  uint64_t token;
+  // `KVXFER_OK`, or the transfer's error code.
+  enum kvxfer_result outcome;
+} kvxfer_completion;
 
 // One executor's KV-cache layout (TensorRT-LLM's `CacheState`). Blocks
 // are `[layer][k|v][head][token][dim]` per rank (see `docs/c-api.md`).
@@ -609,6 +626,61 @@ enum kvxfer_result kvxfer_status_transport(const struct kvxfer_status *status, c
 // # Safety
 // `out` is valid for a write.
 enum kvxfer_result kvxfer_status_id(const struct kvxfer_status *status, uint64_t *out);
+
+// Calls `callback(user_data, outcome)` once when the transfer finishes:
+// at once, on this thread, when it already has; otherwise on the library
+// thread that completes it. The callback must return quickly, must not
+// block and must not call into the agent (hand work to another thread:
+// post to an event loop, write to a pipe, signal a condition). The
+// status handle may be freed before it runs.
+//
+// # Safety
+// `callback` is safe to call from any thread with `user_data`, which must
+// stay valid until it has run.
+enum kvxfer_result kvxfer_status_on_complete(const struct kvxfer_status *status,
+                                             kvxfer_complete_fn callback,
+                                             void *user_data);
+
+// Makes an empty completion queue.
+//
+// # Safety
+// `out` is valid for a write.
+enum kvxfer_result kvxfer_cq_new(struct kvxfer_cq **out);
+
+// Reports `status`'s outcome on `cq`, with `token`, once it finishes (at
+// once when it has). The status handle may be freed meanwhile.
+//
+// # Safety
+// None beyond valid or NULL handles.
+enum kvxfer_result kvxfer_cq_watch(const struct kvxfer_cq *cq,
+                                   const struct kvxfer_status *status,
+                                   uint64_t token);
+
+// Writes the queue's file descriptor: readable (`POLLIN`) while an
+// outcome is ready. Owned by the queue: poll it, never read or close it.
+//
+// # Safety
+// `out` is valid for a write.
+enum kvxfer_result kvxfer_cq_fd(const struct kvxfer_cq *cq, int32_t *out);
+
+// Waits up to `timeout_ms` (0: do not wait; negative: an hour) for at
+// least one outcome, then writes up to `cap` of them to `out` and their
+// number to `*count` (0 on timeout); the rest stay ready.
+//
+// # Safety
+// `out` is valid for `cap` writes; `count` for one.
+enum kvxfer_result kvxfer_cq_wait(const struct kvxfer_cq *cq,
+                                  int64_t timeout_ms,
+                                  struct kvxfer_completion *out,
+                                  size_t cap,
+                                  size_t *count);
+
+// Frees a completion queue handle (outcomes of transfers it still
+// watches are dropped as they come). NULL is a no-op.
+//
+// # Safety
+// No other call on `cq` may run concurrently or follow.
+enum kvxfer_result kvxfer_cq_free(struct kvxfer_cq *cq);
 
 // Frees a status handle (does not cancel the transfer). NULL is a no-op.
 //

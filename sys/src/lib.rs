@@ -17,7 +17,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::ffi::{CStr, CString, c_char};
+use std::ffi::{CStr, CString, c_char, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -28,8 +28,8 @@ pub use cache::*;
 pub use storage::*;
 
 use kvxfer_core::{
-    AgentConfig, Backend, Error, MemoryDesc, MemoryDescs, MemoryType, TransferAgent,
-    TransferRequest, TransferState, TransferStatus,
+    AgentConfig, Backend, CompletionQueue, Error, MemoryDesc, MemoryDescs, MemoryType,
+    TransferAgent, TransferRequest, TransferState, TransferStatus,
 };
 
 /// Result of every call.
@@ -270,6 +270,28 @@ pub struct kvxfer_prepared {
     prepared: kvxfer_core::PreparedTransfer,
 }
 
+/// Outcomes of the transfers it watches (`kvxfer_cq_watch`), in the order
+/// they finished; its descriptor (`kvxfer_cq_fd`) is readable while any is
+/// ready, for event loops. Thread-safe; free once, after the last call.
+pub struct kvxfer_cq {
+    cq: CompletionQueue,
+}
+
+/// One finished transfer, as a completion queue reports it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvxfer_completion {
+    /// The token it was watched with.
+    pub token: u64,
+    /// `KVXFER_OK`, or the transfer's error code.
+    pub outcome: kvxfer_result,
+}
+
+/// A completion callback (`kvxfer_status_on_complete`): the `user_data`
+/// given, and the transfer's outcome (`KVXFER_OK` or its error code).
+pub type kvxfer_complete_fn =
+    Option<unsafe extern "C" fn(user_data: *mut c_void, outcome: kvxfer_result)>;
+
 /// A batch of received sync messages, read-only: safe to read from several
 /// threads; free once.
 pub struct kvxfer_messages {
@@ -284,6 +306,7 @@ pub struct kvxfer_messages {
 enum Kind {
     Agent,
     Status,
+    Cq,
     Messages,
     Prepared,
     CacheSender,
@@ -1457,6 +1480,156 @@ pub unsafe extern "C" fn kvxfer_status_id(
         unsafe { *out = s.status.id() };
         Ok(KVXFER_OK)
     })
+}
+
+/// The outcome code of a finished transfer.
+fn outcome_code(outcome: Result<(), Error>) -> kvxfer_result {
+    match outcome {
+        Ok(()) => KVXFER_OK,
+        Err(e) => Fail::from(e).code,
+    }
+}
+
+/// Calls `callback(user_data, outcome)` once when the transfer finishes:
+/// at once, on this thread, when it already has; otherwise on the library
+/// thread that completes it. The callback must return quickly, must not
+/// block and must not call into the agent (hand work to another thread:
+/// post to an event loop, write to a pipe, signal a condition). The
+/// status handle may be freed before it runs.
+///
+/// # Safety
+/// `callback` is safe to call from any thread with `user_data`, which must
+/// stay valid until it has run.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_status_on_complete(
+    status: *const kvxfer_status,
+    callback: kvxfer_complete_fn,
+    user_data: *mut c_void,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let s = unsafe { live(status, Kind::Status, "status")? };
+        let Some(cb) = callback else {
+            return Err(Fail::new(KVXFER_ERR_NULL_ARGUMENT, "callback is NULL"));
+        };
+        // Carried as an integer: the caller vouches for it on any thread.
+        let data = user_data as usize;
+        s.status.on_complete(move |outcome| {
+            let code = outcome_code(outcome);
+            // A panic (or unwinding callback) must not cross into the
+            // completing thread's caller.
+            let _ = catch_unwind(AssertUnwindSafe(|| {
+                // SAFETY: the caller's contract: `cb` may be called from
+                // any thread with `user_data`, still valid.
+                unsafe { cb(data as *mut c_void, code) }
+            }));
+        });
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Makes an empty completion queue.
+///
+/// # Safety
+/// `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_cq_new(out: *mut *mut kvxfer_cq) -> kvxfer_result {
+    boundary(|| {
+        non_null(out, "out")?;
+        let cq = CompletionQueue::new()?;
+        // SAFETY: non-null and valid for a write.
+        unsafe { hand_out(out, Box::new(kvxfer_cq { cq }), Kind::Cq) }
+    })
+}
+
+/// Reports `status`'s outcome on `cq`, with `token`, once it finishes (at
+/// once when it has). The status handle may be freed meanwhile.
+///
+/// # Safety
+/// None beyond valid or NULL handles.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_cq_watch(
+    cq: *const kvxfer_cq,
+    status: *const kvxfer_status,
+    token: u64,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let q = unsafe { live(cq, Kind::Cq, "cq")? };
+        // SAFETY: checked against the handle table.
+        let s = unsafe { live(status, Kind::Status, "status")? };
+        q.cq.watch(&s.status, token);
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Writes the queue's file descriptor: readable (`POLLIN`) while an
+/// outcome is ready. Owned by the queue: poll it, never read or close it.
+///
+/// # Safety
+/// `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_cq_fd(cq: *const kvxfer_cq, out: *mut i32) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let q = unsafe { live(cq, Kind::Cq, "cq")? };
+        non_null(out, "out")?;
+        // SAFETY: non-null and valid for a write.
+        unsafe { *out = std::os::fd::AsRawFd::as_raw_fd(&q.cq) };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Waits up to `timeout_ms` (0: do not wait; negative: an hour) for at
+/// least one outcome, then writes up to `cap` of them to `out` and their
+/// number to `*count` (0 on timeout); the rest stay ready.
+///
+/// # Safety
+/// `out` is valid for `cap` writes; `count` for one.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_cq_wait(
+    cq: *const kvxfer_cq,
+    timeout_ms: i64,
+    out: *mut kvxfer_completion,
+    cap: usize,
+    count: *mut usize,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let q = unsafe { live(cq, Kind::Cq, "cq")? };
+        non_null(count, "count")?;
+        if cap > 0 {
+            non_null(out, "out")?;
+        }
+        let timeout = if timeout_ms < 0 {
+            Duration::from_secs(3600)
+        } else {
+            Duration::from_millis(timeout_ms as u64)
+        };
+        let got = q.cq.wait_max(timeout, cap);
+        for (i, (token, outcome)) in got.iter().enumerate() {
+            let c = kvxfer_completion {
+                token: *token,
+                outcome: outcome_code(outcome.clone()),
+            };
+            // SAFETY: `i < got.len() <= cap`: inside the caller's array.
+            unsafe { *out.add(i) = c };
+        }
+        // SAFETY: non-null and valid for a write.
+        unsafe { *count = got.len() };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Frees a completion queue handle (outcomes of transfers it still
+/// watches are dropped as they come). NULL is a no-op.
+///
+/// # Safety
+/// No other call on `cq` may run concurrently or follow.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_cq_free(cq: *mut kvxfer_cq) -> kvxfer_result {
+    // SAFETY: see `free_handle`.
+    boundary(|| unsafe { free_handle(cq, Kind::Cq, "cq") })
 }
 
 /// Frees a status handle (does not cancel the transfer). NULL is a no-op.

@@ -641,9 +641,18 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert!(t.join().unwrap().is_empty());
-        // A wake before a wait does not make a later wait return early:
-        // it waits for its (short) timeout.
+        // Wakes the loop sent after the waiter returned are answered by one
+        // wait.
+        let _ = inbox.wait(Duration::ZERO);
+        // A wake before a wait is kept for it (an event loop that looked at
+        // its work just before the wake misses nothing): the next wait
+        // returns at once ...
         inbox.wake();
+        let t0 = Instant::now();
+        assert!(inbox.wait(Duration::from_secs(600)).is_empty());
+        assert!(t0.elapsed() < Duration::from_secs(60));
+        // ... and only that one: the wait after it waits its (short)
+        // timeout.
         let t0 = Instant::now();
         assert!(inbox.wait(Duration::from_millis(50)).is_empty());
         assert!(t0.elapsed() >= Duration::from_millis(50));

@@ -137,8 +137,9 @@ pub(crate) struct Piece {
 }
 
 /// Most bytes one cross-memory call moves: an abort (see [`copy`]) takes
-/// effect within this much (a few milliseconds).
-pub(crate) const CALL_MAX_BYTES: u64 = 16 << 20;
+/// effect within this much per copying thread (one TCP segment's worth,
+/// well under a millisecond).
+pub(crate) const CALL_MAX_BYTES: u64 = 4 << 20;
 
 /// Whether `addr` can go into an iovec list: it extends the last entry, or
 /// the list has room for another.

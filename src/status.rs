@@ -685,6 +685,13 @@ impl TransferStatus {
     /// comes at the pace of the work in flight, bounded by the I/O
     /// timeout). A small RDMA request posted at submission (one work
     /// request, no sync message) is on the wire at once: it completes.
+    ///
+    /// How much lands after the call, at most: over TCP, per stream, the
+    /// frames under way when the abort is seen (at most 4 MiB of payload:
+    /// streams look between frames, and no frame is larger) plus what the
+    /// kernel's socket buffers already hold; on the cross-memory path one
+    /// system call (4 MiB) per copying thread; over RDMA the work requests
+    /// already posted (`RdmaConfig::max_inflight`).
     pub fn abort(&self) -> bool {
         let c = &*self.completion;
         if c.is_done() {

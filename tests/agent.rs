@@ -1393,6 +1393,52 @@ fn aborted_transfers_stop_and_quiesce() {
     agent.deregister_memory(&MemoryDescs::dram(&dst)).unwrap();
 }
 
+/// An abort stops a transfer within one segment per stream (4 MiB, the
+/// check interval), beyond what the kernel's socket buffers (or one
+/// cross-memory call) already took: a 128 MiB WRITE of 64 KiB pieces to a
+/// frozen target, aborted once its streams are blocked mid-write, lands
+/// well under half of it (before: write lists of 1,024 pieces, 64 MiB a
+/// frame, so up to 128 MiB over two streams).
+#[test]
+fn an_abort_stops_within_a_segment_per_stream() {
+    const SIZE: u64 = 128 << 20;
+    const PIECE: u64 = 64 << 10;
+    let mut peer = PeerProc::spawn("target", SIZE, 1, &[]);
+    let agent = local_agent("init", |c| c.with_rdma_max_inflight(1 << 20));
+    let mut src = vec![0u8; SIZE as usize];
+    fill(&mut src, 9, 0);
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let count =
+        |peer: &mut PeerProc| -> u64 { peer.cmd(&format!("count 9 0 {SIZE}")).parse().unwrap() };
+    let before = count(&mut peer);
+    let pieces = |base: u64| dram((0..SIZE / PIECE).map(|i| (base + i * PIECE, PIECE)));
+    peer.signal("STOP");
+    let st = agent
+        .submit_transfer(&TransferRequest::write(
+            pieces(src.as_ptr() as u64),
+            pieces(peer.addr),
+            &name,
+        ))
+        .unwrap();
+    // The streams fill the socket buffers and block mid-write.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(st.abort());
+    peer.signal("CONT");
+    assert!(
+        matches!(st.wait(WAIT), Err(Error::Aborted)),
+        "{:?}",
+        st.poll()
+    );
+    let landed = count(&mut peer) - before;
+    println!("an abort let {} MiB of {} land", landed >> 20, SIZE >> 20);
+    assert!(
+        landed < 48 << 20,
+        "{} MiB landed after the abort",
+        landed >> 20
+    );
+}
+
 /// A `Registration` registers a buffer for as long as it lives: a peer
 /// writes into it, and once it is dropped the range is neither a local
 /// source nor a remote target any more. Dropping it while a transfer uses

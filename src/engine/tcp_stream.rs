@@ -717,13 +717,18 @@ impl Framed {
             let s0 = &segs[i];
             let mut j = i + 1;
             // Host memory only: a storage target writes each piece itself.
+            // At most ABORT_CHECK_BYTES a frame: an abort stops a stream
+            // between frames, so within that much.
             if s0.len <= WRITE_LIST_PIECE_MAX && s0.mem_type == MemoryType::Dram {
+                let mut run_bytes = s0.len;
                 while j < segs.len()
                     && j - i < WRITE_LIST_MAX as usize
                     && segs[j].len <= WRITE_LIST_PIECE_MAX
                     && segs[j].key == s0.key
                     && segs[j].mem_type == s0.mem_type
+                    && run_bytes + segs[j].len <= ABORT_CHECK_BYTES
                 {
+                    run_bytes += segs[j].len;
                     j += 1;
                 }
             }

@@ -455,6 +455,21 @@ pub fn peer_main() {
                 });
             }
             Some("hash") => out(format!("{}", fnv(&shared.snapshot(0, len)))),
+            Some("count") => {
+                // Bytes of [off, off + n) equal to the pattern of seed s.
+                let (s, off, n): (u64, usize, usize) = (
+                    f[1].parse().unwrap(),
+                    f[2].parse().unwrap(),
+                    f[3].parse().unwrap(),
+                );
+                let snap = shared.snapshot(off, n);
+                let mut want = vec![0u8; n];
+                fill(&mut want, s, off as u64);
+                out(format!(
+                    "{}",
+                    snap.iter().zip(&want).filter(|(a, b)| a == b).count()
+                ));
+            }
             Some("fill") => {
                 let s: u64 = f[1].parse().unwrap();
                 let mut v = vec![0u8; len];

@@ -285,6 +285,8 @@ pub fn run(a: &KvArgs) -> Result<()> {
         }
     }
     let (mut kv_times, mut raw_times, mut batched_times) = (Vec::new(), Vec::new(), Vec::new());
+    // Receiver's per-peer durations over the sender's, each round.
+    let mut peer_ratios = Vec::new();
     let batching = a.batch_bytes.map(|b| {
         let d = kvxfer::cache::SenderConfig::default();
         (b, a.batches_in_flight.unwrap_or(d.batches_in_flight))
@@ -318,6 +320,9 @@ pub fn run(a: &KvArgs) -> Result<()> {
             None => None,
         };
         if i >= a.warmup {
+            if it.peer_secs.0 > 0.0 {
+                peer_ratios.push(it.peer_secs.1 / it.peer_secs.0);
+            }
             kv_times.push(kv_t);
             raw_times.push(raw_t);
             batched_times.extend(batched_t);
@@ -336,6 +341,11 @@ pub fn run(a: &KvArgs) -> Result<()> {
     let raw_gbps = per_iter as f64 / median(&mut raw_times) / 1e9;
     let batched_gbps =
         (!batched_times.is_empty()).then(|| per_iter as f64 / median(&mut batched_times) / 1e9);
+    let peer_ratio = if peer_ratios.is_empty() {
+        0.0
+    } else {
+        median(&mut peer_ratios)
+    };
     let transport = ctx[0]
         .agent
         .remote_transport(&gen_agent_name(&gen_ranks, 0))
@@ -346,6 +356,7 @@ pub fn run(a: &KvArgs) -> Result<()> {
         kv_gbps,
         raw_gbps,
         batched_gbps,
+        peer_ratio,
         frags,
         coalesced,
         copies,
@@ -360,6 +371,9 @@ struct RoundStats {
     fragments: u64,
     coalesced: u64,
     copies: u64,
+    /// Per-peer durations summed over the shares, as each side measured
+    /// them (seconds): sender, receiver.
+    peer_secs: (f64, f64),
 }
 
 /// One KV transfer of `n` blocks as request `id`: every generation rank
@@ -395,16 +409,20 @@ fn kv_round(
         fragments: 0,
         coalesced: 0,
         copies: 0,
+        peer_secs: (0.0, 0.0),
     };
+    let sum =
+        |p: &[kvxfer::cache::PeerMeasure]| p.iter().map(|m| m.duration.as_secs_f64()).sum::<f64>();
     for h in send {
         let st = h.wait(wait)?;
+        it.peer_secs.0 += sum(&st.peers);
         it.bytes += st.bytes;
         it.fragments += st.fragments;
         it.coalesced += st.fragments_coalesced;
         it.copies += st.staging_copies;
     }
     for h in recv {
-        h.wait(wait)?;
+        it.peer_secs.1 += sum(&h.wait(wait)?.peers);
     }
     Ok(it)
 }
@@ -431,6 +449,9 @@ struct Figures<'a> {
     raw_gbps: f64,
     /// The raw agents in the sender's batches, when `--batch-bytes` is set.
     batched_gbps: Option<f64>,
+    /// The receivers' per-peer durations over the senders' (median of the
+    /// rounds): both measure a share from its first byte to its last.
+    peer_ratio: f64,
     frags: u64,
     coalesced: u64,
     copies: u64,
@@ -444,6 +465,7 @@ fn report(a: &KvArgs, f: &Figures<'_>) {
         kv_gbps,
         raw_gbps,
         batched_gbps,
+        peer_ratio,
         frags,
         coalesced,
         copies,
@@ -462,7 +484,7 @@ fn report(a: &KvArgs, f: &Figures<'_>) {
     });
     if a.json {
         println!(
-            "{{\"kind\":\"kv\",\"model\":\"{}\",\"backend\":\"{transport}\",\"ctx_tp\":{},\"ctx_pp\":{},\"gen_tp\":{},\"gen_pp\":{},\"tokens\":{},\"tokens_per_block\":{},\"iters\":{},\"bytes\":{per_iter},\"gb_per_s\":{kv_gbps:.4},\"raw_gb_per_s\":{raw_gbps:.4},\"ratio\":{:.4},\"fragments\":{},\"fragments_coalesced\":{},\"staging_copies\":{copies}{batched_json}}}",
+            "{{\"kind\":\"kv\",\"model\":\"{}\",\"backend\":\"{transport}\",\"ctx_tp\":{},\"ctx_pp\":{},\"gen_tp\":{},\"gen_pp\":{},\"tokens\":{},\"tokens_per_block\":{},\"iters\":{},\"bytes\":{per_iter},\"gb_per_s\":{kv_gbps:.4},\"raw_gb_per_s\":{raw_gbps:.4},\"ratio\":{:.4},\"fragments\":{},\"fragments_coalesced\":{},\"staging_copies\":{copies},\"peer_duration_ratio\":{peer_ratio:.3}{batched_json}}}",
             a.model,
             a.ctx_tp,
             a.ctx_pp,
@@ -477,7 +499,7 @@ fn report(a: &KvArgs, f: &Figures<'_>) {
         );
     } else {
         println!(
-            "{} ctx TP{} PP{} -> gen TP{} PP{}, {} tokens over {transport}: {:.1} MiB per request, KV {kv_gbps:.3} GB/s, raw agents {raw_gbps:.3} GB/s, ratio {:.3}{batched_text}; {} fragments ({} after coalescing), {copies} staging copies",
+            "{} ctx TP{} PP{} -> gen TP{} PP{}, {} tokens over {transport}: {:.1} MiB per request, KV {kv_gbps:.3} GB/s, raw agents {raw_gbps:.3} GB/s, ratio {:.3}{batched_text}; {} fragments ({} after coalescing), {copies} staging copies; per-peer durations receiver/sender {peer_ratio:.2}",
             a.model,
             a.ctx_tp,
             a.ctx_pp,

@@ -1053,7 +1053,13 @@ fn a_sync_message_flood_leaves_the_target_bounded() {
     let grown_mib = rss.saturating_sub(rss0) / 1024;
     assert!(grown_mib < 320, "the target grew by {grown_mib} MiB");
     assert!(threads <= threads0 + 4, "threads {threads0} -> {threads}");
-    // Still serving: a good peer's write lands.
+    peer_still_serves(&peer);
+    drop(c);
+    peer.kill();
+}
+
+/// A good peer's write to the target process `peer` lands.
+pub(crate) fn peer_still_serves(peer: &common::PeerProc) {
     let good = make_transfer_agent(Backend::Tcp, AgentConfig::new("good")).unwrap();
     let src = vec![0x44u8; 4096];
     // SAFETY: `src` outlives `good`.
@@ -1067,6 +1073,4 @@ fn a_sync_message_flood_leaves_the_target_bounded() {
     .unwrap()
     .wait_success(Duration::from_secs(60))
     .unwrap();
-    drop(c);
-    peer.kill();
 }

@@ -63,13 +63,7 @@ fn assert_closing(c: &mut RawConn, status: u16) {
 /// before that, it was served like anyone else.
 #[test]
 fn one_peer_cannot_spend_more_than_the_open_request_budget() {
-    let v = Victim::new(
-        Backend::Tcp,
-        AgentConfig::new("target").with_max_open_requests(4096),
-    );
-    let mut hog = stream(&v, "hog", 1);
-    open_requests(&mut hog, 0..4096);
-    sync(&mut hog, &v);
+    let (v, mut hog) = budget_spent_by_a_hog();
     // The budget is spent, by this peer alone: one more is refused.
     open_requests(&mut hog, 4096..4097);
     assert_closing(&mut hog, ST_OVERLOADED);
@@ -79,6 +73,19 @@ fn one_peer_cannot_spend_more_than_the_open_request_budget() {
     sync(&mut next, &v);
     v.assert_untouched();
     v.still_serves(AgentConfig::new("good"));
+}
+
+/// A target with a budget of 4,096 open requests, all spent by one
+/// peer's stream (returned, every request read).
+fn budget_spent_by_a_hog() -> (Victim, RawConn) {
+    let v = Victim::new(
+        Backend::Tcp,
+        AgentConfig::new("target").with_max_open_requests(4096),
+    );
+    let mut hog = stream(&v, "hog", 1);
+    open_requests(&mut hog, 0..4096);
+    sync(&mut hog, &v);
+    (v, hog)
 }
 
 /// The exhaustion attack of the issue against a target process with the
@@ -135,19 +142,7 @@ fn connections_of_open_requests_stay_within_the_agent_wide_budget() {
     assert!(alive <= 4, "{alive} connections hold 65,532 requests each");
     assert!(alive >= 1);
     assert!(grown_mib < 240, "the target grew by {grown_mib} MiB");
-    let good = kvxfer::make_transfer_agent(Backend::Tcp, AgentConfig::new("good")).unwrap();
-    let src = vec![0x44u8; 4096];
-    // SAFETY: `src` outlives `good`.
-    unsafe { good.register_memory(&MemoryDescs::dram(&src)).unwrap() };
-    let name = good.load_remote_agent_by_connection(&peer.conn).unwrap();
-    good.submit_transfer(&TransferRequest::write(
-        MemoryDescs::dram(&src),
-        common::dram([(peer.addr, 4096)]),
-        &name,
-    ))
-    .unwrap()
-    .wait_success(Duration::from_secs(60))
-    .unwrap();
+    super::peer_still_serves(&peer);
     drop(conns);
     peer.kill();
 }
@@ -157,13 +152,7 @@ fn connections_of_open_requests_stay_within_the_agent_wide_budget() {
 /// through, and the hog is closed with `Overloaded`.
 #[test]
 fn a_modest_peer_makes_the_hog_give_way() {
-    let v = Victim::new(
-        Backend::Tcp,
-        AgentConfig::new("target").with_max_open_requests(4096),
-    );
-    let mut hog = stream(&v, "hog", 1);
-    open_requests(&mut hog, 0..4096);
-    sync(&mut hog, &v);
+    let (v, mut hog) = budget_spent_by_a_hog();
     v.still_serves(AgentConfig::new("good"));
     assert_closing(&mut hog, ST_OVERLOADED);
     v.still_serves(AgentConfig::new("good-after"));

@@ -357,10 +357,7 @@ impl Completion {
         if watchers.is_empty() {
             return;
         }
-        let outcome = match self.snapshot() {
-            Ok(_) => Ok(()),
-            Err(e) => Err(e),
-        };
+        let outcome = self.snapshot().map(|_| ());
         for w in watchers {
             w(outcome.clone());
         }

@@ -31,8 +31,8 @@ impl IdlePolicy for AbandonWhen<'_> {
     }
 }
 
-/// Writes a header and an optional body.
-fn send(
+/// Writes a header and an optional body in one call.
+pub(in crate::engine) fn send(
     sock: BorrowedFd<'_>,
     hdr: &[u8; HEADER_LEN],
     body: &[u8],

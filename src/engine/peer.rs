@@ -322,12 +322,7 @@ pub(in crate::engine) fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDe
         host_len: host.len() as u32,
     }
     .encode();
-    let mut iovs = [
-        iov(ask.as_ptr(), HEADER_LEN),
-        iov(host.as_ptr(), host.len()),
-    ];
-    // SAFETY: both iovecs point into live locals.
-    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, &clock, timeout) }.map_err(conn_err)?;
+    handshake::send(sock.as_fd(), &ask, host, &clock, timeout).map_err(conn_err)?;
     let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
     reader.set_deadline(Some(deadline));
     let mut idle = UntilDeadline;

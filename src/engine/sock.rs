@@ -44,6 +44,12 @@ fn coarse_now_ns() -> u64 {
         .saturating_add(ts.tv_nsec as u64)
 }
 
+impl Default for ProgressClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl ProgressClock {
     pub(crate) fn new() -> Self {
         Self {

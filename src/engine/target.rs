@@ -60,6 +60,7 @@ impl Session {
     }
 }
 
+#[derive(Default)]
 pub(in crate::engine) struct Grants {
     /// When the first of the request's grants came: they expire the
     /// agent's I/O timeout later.
@@ -73,19 +74,6 @@ pub(in crate::engine) struct Grants {
     /// A span is GPU memory (the initiator copies through CUDA IPC): never
     /// a delegated copy.
     pub(in crate::engine) gpu: bool,
-}
-
-impl Default for Grants {
-    fn default() -> Self {
-        Self {
-            since: ProgressClock::new(),
-            seen: 0,
-            guards: Vec::new(),
-            spans: Vec::new(),
-            refused: None,
-            gpu: false,
-        }
-    }
 }
 
 /// Slowest a frame's body may arrive, on average, beyond the I/O timeout
@@ -110,11 +98,25 @@ pub(in crate::engine) struct ServerIdle<'a> {
     pub(in crate::engine) swept: ProgressClock,
 }
 
+/// The error that ends a session told to close for holding more than its
+/// share of the open-request budget.
+fn overloaded() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "session over its share of the open-request budget",
+    )
+}
+
 impl ServerIdle<'_> {
-    /// A frame ended: the next header is awaited from now. The session's
-    /// grants are looked at now and then (however busy the stream).
+    /// A frame ended: the next header is awaited from now.
     pub(in crate::engine) fn frame_done(&mut self) {
         self.mark.touch();
+        self.sweep();
+    }
+
+    /// Expires the session's grants, looking at most once a second
+    /// (however busy or idle the stream).
+    fn sweep(&mut self) {
         if let Some(s) = &self.session
             && self.swept.idle() > Duration::from_secs(1)
         {
@@ -149,14 +151,13 @@ impl IdlePolicy for ServerIdle<'_> {
             ));
         }
         let io_timeout = self.inner.config.io_timeout;
-        if let Some(s) = &self.session {
-            s.expire_grants(io_timeout);
-            if s.evicted.load(Ordering::Relaxed) {
-                return Err(io::Error::new(
-                    io::ErrorKind::ConnectionAborted,
-                    "session over its share of the open-request budget",
-                ));
-            }
+        self.sweep();
+        if self
+            .session
+            .as_ref()
+            .is_some_and(|s| s.evicted.load(Ordering::Relaxed))
+        {
+            return Err(overloaded());
         }
         if mid_frame {
             if self.clock.idle() > io_timeout {
@@ -240,12 +241,9 @@ pub(in crate::engine) fn segment(
     n: u64,
     result: Result<(), RejectReason>,
 ) -> io::Result<Option<Finished<HeldSync>>> {
-    let mut table = lock(&session.table);
-    inner.admit_request(session, &table, req)?;
-    let before = table.open_count();
-    let r = table.segments(req, n, result).map_err(violation);
-    session.count_open(before, table.open_count());
-    r
+    session.record(inner, req, |table| {
+        table.segments(req, n, result).map_err(violation)
+    })
 }
 
 /// A sync message as the target holds it until its request finishes: the
@@ -301,13 +299,10 @@ pub(in crate::engine) fn commit(
     segments: u64,
     sync: SyncBody,
 ) -> io::Result<Option<Finished<HeldSync>>> {
-    let mut table = lock(&session.table);
-    inner.admit_request(session, &table, req)?;
-    let before = table.open_count();
     let expired = lock(&session.grants)
         .get(&req)
         .and_then(|g| g.refused.filter(|r| *r == RejectReason::GrantExpired));
-    let r = (|| {
+    session.record(inner, req, |table| {
         let sync = match sync {
             SyncBody::None => None,
             SyncBody::Held(h) => Some(h),
@@ -320,12 +315,27 @@ pub(in crate::engine) fn commit(
             table.segments(req, 0, Err(reason)).map_err(violation)?;
         }
         table.commit(req, segments, sync).map_err(violation)
-    })();
-    session.count_open(before, table.open_count());
-    r
+    })
 }
 
 impl Session {
+    /// Runs `f` on the request table once `req` is admitted within the
+    /// agent's open-request budget, counting the requests it opens or
+    /// finishes.
+    fn record<R>(
+        &self,
+        inner: &Inner,
+        req: u64,
+        f: impl FnOnce(&mut RequestTable<HeldSync>) -> io::Result<R>,
+    ) -> io::Result<R> {
+        let mut table = lock(&self.table);
+        inner.admit_request(self, &table, req)?;
+        let before = table.open_count();
+        let r = f(&mut table);
+        self.count_open(before, table.open_count());
+        r
+    }
+
     /// Counts the change of `table`'s open requests from `before` to
     /// `after`, here and in the agent's total.
     fn count_open(&self, before: usize, after: usize) {
@@ -350,15 +360,9 @@ impl Inner {
         table: &RequestTable<HeldSync>,
         req: u64,
     ) -> io::Result<()> {
-        let over = || {
-            io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                "session over its share of the open-request budget",
-            )
-        };
         // A session told to close serves nothing more.
         if session.evicted.load(Ordering::Relaxed) {
-            return Err(over());
+            return Err(overloaded());
         }
         if table.is_open(req) {
             return Ok(());
@@ -388,7 +392,7 @@ impl Inner {
             budget::Verdict::Admit => Ok(()),
             budget::Verdict::RefuseSelf => {
                 session.evicted.store(true, Ordering::SeqCst);
-                Err(over())
+                Err(overloaded())
             }
             budget::Verdict::EvictLargest => {
                 let largest = sessions
@@ -635,9 +639,8 @@ impl Inner {
         }
     }
 
-    /// Answers a descriptor request with this agent's descriptor.
-    /// Sends the descriptor to a requester on host `host` (`None`: it asked
-    /// for no GPU handles; see [`Inner::desc_for`]).
+    /// Answers a descriptor request from a requester on host `host`
+    /// (`None`: it asked for no GPU handles; see [`Inner::desc_for`]).
     pub(in crate::engine) fn send_desc(
         &self,
         sock: &TcpStream,
@@ -649,12 +652,7 @@ impl Inner {
             body_len: body.len() as u32,
         }
         .encode();
-        let mut iovs = [
-            iov(hdr.as_ptr(), HEADER_LEN),
-            iov(body.as_ptr(), body.len()),
-        ];
-        // SAFETY: both iovecs point into live locals.
-        unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, self.config.io_timeout) }
+        handshake::send(sock.as_fd(), &hdr, &body, clock, self.config.io_timeout)
     }
 
     /// The session `key` (an initiator's instance and link), made on its

@@ -218,26 +218,28 @@ impl<P: SocketPath> SocketLink<P> {
         // link's I/O timeout reads.
         let keepalive_clock = ProgressClock::new();
         loop {
-            let job = match keepalive {
-                None => rx.recv().map_err(|_| ()),
-                Some(every) => match rx.recv_timeout(every) {
-                    Ok(job) => Ok(job),
-                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                        let mut iovs = [iov(keepalive_frame.as_ptr(), HEADER_LEN)];
-                        // SAFETY: the iovec points into `keepalive_frame`,
-                        // alive for the call.
-                        let sent =
-                            unsafe { writev_all(fd, &mut iovs, &keepalive_clock, self.io_timeout) };
-                        if let Err(e) = sent {
-                            self.fail(self.io_error(e));
-                            break;
-                        }
-                        continue;
-                    }
-                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(()),
-                },
+            let next = match keepalive {
+                None => rx
+                    .recv()
+                    .map_err(|_| crossbeam_channel::RecvTimeoutError::Disconnected),
+                Some(every) => rx.recv_timeout(every),
             };
-            let Ok(job) = job else { break };
+            let job = match next {
+                Ok(job) => job,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    let mut iovs = [iov(keepalive_frame.as_ptr(), HEADER_LEN)];
+                    // SAFETY: the iovec points into `keepalive_frame`, alive
+                    // for the call.
+                    let sent =
+                        unsafe { writev_all(fd, &mut iovs, &keepalive_clock, self.io_timeout) };
+                    if let Err(e) = sent {
+                        self.fail(self.io_error(e));
+                        break;
+                    }
+                    continue;
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+            };
             let frames = match job {
                 Job::Stop => break,
                 Job::Frames(frames) => frames,

@@ -65,6 +65,10 @@ struct Cluster {
     pool_blocks: u32,
     /// Attention DP on the context side: only this rank sends.
     send_only: Option<u32>,
+    /// Layer-wise: the context ranks `begin`, then mark one layer ready at
+    /// a time (last first), each waited for on the generation side before
+    /// the next is marked.
+    layerwise: bool,
 }
 
 fn cluster(
@@ -142,6 +146,7 @@ fn cluster(
         gen_ranks,
         pool_blocks,
         send_only: None,
+        layerwise: false,
     }
 }
 
@@ -206,20 +211,62 @@ impl Cluster {
             );
         }
         let mut send = Vec::new();
+        let mut sending = Vec::new();
         for (c, s) in self.senders.iter().enumerate() {
             if self.send_only.is_some_and(|o| o != c as u32) {
                 continue;
             }
             let blocks = ctx_ids.iter().map(|&b| self.ctx[c].block_addr(b)).collect();
-            send.push(s.send(id, blocks).unwrap());
+            send.push(if self.layerwise {
+                s.begin(id, blocks).unwrap()
+            } else {
+                s.send(id, blocks).unwrap()
+            });
+            sending.push(s);
+        }
+        if self.layerwise {
+            let gen_layers: Vec<_> = (0..self.gen_state.world_size())
+                .filter(|&g| gen_filter(g))
+                .map(|g| self.gen_state.layer_range(self.gen_state.coords(g).1))
+                .collect();
+            for l in (0..self.ctx_state.num_layers()).rev() {
+                for s in &sending {
+                    if s.held_layers().contains(&l) {
+                        s.layers_ready(id, l..l + 1).unwrap();
+                    }
+                }
+                // The layer lands before the next one is ready: streamed.
+                for (h, held) in recv.iter().zip(&gen_layers) {
+                    if held.contains(&l) {
+                        h.wait_layers(l..l + 1, WAIT).unwrap();
+                        assert!(
+                            !h.is_done() || l == held.start,
+                            "{id}: done before layer {l}"
+                        );
+                    }
+                }
+            }
         }
         let mut stats = Vec::new();
         for h in send {
             stats.push(h.wait(WAIT).unwrap());
         }
         let mut rstats = Vec::new();
-        for h in recv {
+        for (g, h) in recv.into_iter().enumerate() {
             rstats.push(h.wait(WAIT).unwrap());
+            // Every layer reported landed once, the last with the outcome.
+            let mut seen: Vec<u32> = h.layers_landed().into_iter().flat_map(|(r, _)| r).collect();
+            seen.sort_unstable();
+            let held = self
+                .gen_state
+                .layer_range(self.gen_state.coords(g as u32).1);
+            if gen_filter(g as u32) && self.send_only.is_none() {
+                assert_eq!(
+                    seen,
+                    held.collect::<Vec<_>>(),
+                    "request {id}, generation rank {g}"
+                );
+            }
         }
         // The receivers account for what the senders sent: bytes and
         // fragments, each share timed from its `Ready` to its `Done` as
@@ -284,6 +331,11 @@ fn state(layers: u32, heads: u32, tp: u32, pp: u32, dtype: DataType) -> CacheSta
 /// Two rounds: every prompt length, then the same prompts again with the
 /// generation side reusing all but the last two blocks (found by key).
 fn run_case(tag: &str, ctx: &CacheState, gen_s: &CacheState) {
+    run_case_as(tag, ctx, gen_s, false);
+}
+
+/// As [`run_case`], the whole request at once or layer by layer.
+fn run_case_as(tag: &str, ctx: &CacheState, gen_s: &CacheState, layerwise: bool) {
     let mut c = cluster(
         tag,
         ctx,
@@ -292,6 +344,7 @@ fn run_case(tag: &str, ctx: &CacheState, gen_s: &CacheState) {
         SenderConfig::default(),
         ReceiverConfig::default(),
     );
+    c.layerwise = layerwise;
     let mut moved = 0u64;
     for (i, tokens) in [10u32, 30, 60, 80].into_iter().enumerate() {
         let id = (i as u64) << 40 | 0xfff; // ids past 12 bits
@@ -400,6 +453,24 @@ fn uneven_pp_and_duplicate_heads() {
     let dup = CacheState::new(4, 1, 8, 16, DataType::Bf16, Attention::Default, 4, 1);
     run_case("dup-a", &dup, &state(4, 2, 1, 2, DataType::Bf16));
     run_case("dup-b", &state(4, 2, 2, 1, DataType::Bf16), &dup);
+}
+
+/// Layer by layer, each layer landing before the next is ready:
+/// heterogeneous TP/PP, uneven PP, duplicate heads, MLA, prefix reuse.
+#[test]
+fn layer_wise_streaming_across_layouts() {
+    let f = DataType::F32;
+    run_case_as("lw-a", &state(4, 4, 2, 1, f), &state(4, 4, 1, 2, f), true);
+    run_case_as("lw-b", &state(4, 4, 1, 2, f), &state(4, 4, 2, 2, f), true);
+    run_case_as(
+        "lw-uneven",
+        &state(10, 4, 1, 4, f),
+        &state(10, 4, 2, 2, f),
+        true,
+    );
+    let dup = CacheState::new(4, 1, 8, 16, DataType::Bf16, Attention::Default, 4, 1);
+    run_case_as("lw-dup", &dup, &state(4, 2, 1, 2, DataType::Bf16), true);
+    run_case_as("lw-mla", &mla(4, 1), &mla(1, 2), true);
 }
 
 fn mla(tp: u32, pp: u32) -> CacheState {

@@ -126,6 +126,23 @@ pub fn map_blocks(
     dst_blocks: &[u64],
     out: &mut Vec<Fragment>,
 ) -> Result<FragmentStats, CacheError> {
+    map_layers(src, dst, src_blocks, dst_blocks, 0..u32::MAX, out)
+}
+
+/// As [`map_blocks`], for the model layers in `layers` only (one layer
+/// group of a layer-wise transfer): the fragments of the layers outside it
+/// are left out, and no fragment spans a layer outside it.
+///
+/// # Errors
+/// As [`map_blocks`].
+pub fn map_layers(
+    src: &RankSlice,
+    dst: &RankSlice,
+    src_blocks: &[u64],
+    dst_blocks: &[u64],
+    layers: std::ops::Range<u32>,
+    out: &mut Vec<Fragment>,
+) -> Result<FragmentStats, CacheError> {
     if src_blocks.len() != dst_blocks.len() {
         return Err(CacheError::InvalidState(format!(
             "{} context blocks for {} generation blocks",
@@ -134,8 +151,10 @@ pub fn map_blocks(
         )));
     }
     let mut stats = FragmentStats::default();
-    let l0 = src.first_layer.max(dst.first_layer);
-    let l1 = (src.first_layer + src.layers).min(dst.first_layer + dst.layers);
+    let l0 = src.first_layer.max(dst.first_layer).max(layers.start);
+    let l1 = (src.first_layer + src.layers)
+        .min(dst.first_layer + dst.layers)
+        .min(layers.end);
     let h0 = src.first_head.max(dst.first_head);
     let h1 = (src.first_head + src.heads).min(dst.first_head + dst.heads);
     if l0 >= l1 || h0 >= h1 || src.head_bytes != dst.head_bytes {

@@ -40,7 +40,9 @@ mod state;
 mod stats;
 pub mod wire;
 
-pub use fragments::{Fragment, FragmentStats, RankSlice, distinct_heads, map_blocks, rank_slice};
+pub use fragments::{
+    Fragment, FragmentStats, RankSlice, distinct_heads, map_blocks, map_layers, rank_slice,
+};
 pub use lookup::{BlockLookup, MemBlockLookup};
 #[cfg(feature = "fuzzing")]
 pub use machine::context_plan;
@@ -104,6 +106,14 @@ pub enum CacheError {
     /// The transport failed.
     #[error("transfer failed: {0}")]
     Transfer(#[from] crate::Error),
+    /// Layers named that this rank does not hold (or an empty range).
+    #[error("layers {layers:?} are not a non-empty part of this rank's layers {held:?}")]
+    LayersOutOfRange {
+        /// The layers named.
+        layers: std::ops::Range<u32>,
+        /// The model layers this rank holds.
+        held: std::ops::Range<u32>,
+    },
     /// The sender or receiver is shut down.
     #[error("the cache sender or receiver is closed")]
     Closed,

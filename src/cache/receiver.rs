@@ -5,9 +5,10 @@
 //! `request` sends its request infos from the caller's thread.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -60,11 +61,39 @@ pub struct RecvRequest {
     pub last_block_key: Option<u64>,
 }
 
+/// One request's layers as they land.
+#[derive(Default)]
+struct Progress {
+    state: Mutex<Landings>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct Landings {
+    /// Runs of layers that landed, in order, with when.
+    runs: Vec<(Range<u32>, Instant)>,
+    /// The request ended.
+    ended: bool,
+}
+
+impl Progress {
+    fn landed(&self, layers: Range<u32>, at: Instant) {
+        lock(&self.state).runs.push((layers, at));
+        self.cv.notify_all();
+    }
+
+    fn ended(&self) {
+        lock(&self.state).ended = true;
+        self.cv.notify_all();
+    }
+}
+
 /// Handle on one request being received.
 #[derive(Clone)]
 pub struct RecvHandle {
     request_id: u64,
     cell: Arc<Cell<SessionStats>>,
+    progress: Arc<Progress>,
 }
 
 impl RecvHandle {
@@ -86,6 +115,53 @@ impl RecvHandle {
     pub fn wait(&self, timeout: Duration) -> Result<SessionStats, CacheError> {
         self.cell.wait(timeout, "cache receive")
     }
+
+    /// The runs of this rank's layers that landed whole so far (every
+    /// context rank writing them reported them), in the order they did,
+    /// each with when its report reached this agent. A sender that sends
+    /// the whole request at once reports its layers together at the end.
+    pub fn layers_landed(&self) -> Vec<(Range<u32>, Instant)> {
+        lock(&self.progress.state).runs.clone()
+    }
+
+    /// Waits until every layer in `layers` landed (or the request
+    /// completed).
+    ///
+    /// # Errors
+    /// `Timeout` when `timeout` passes first; the request's failure when
+    /// it ended without them.
+    pub fn wait_layers(&self, layers: Range<u32>, timeout: Duration) -> Result<(), CacheError> {
+        let deadline = Instant::now() + timeout;
+        let mut g = lock(&self.progress.state);
+        loop {
+            let mut want: Vec<bool> = vec![true; layers.len()];
+            for (run, _) in &g.runs {
+                for l in run.start.max(layers.start)..run.end.min(layers.end) {
+                    want[(l - layers.start) as usize] = false;
+                }
+            }
+            if !want.contains(&true) {
+                return Ok(());
+            }
+            if g.ended {
+                drop(g);
+                return self.wait(Duration::ZERO).map(|_| ());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(CacheError::Timeout {
+                    what: format!("layers {layers:?} of request {}", self.request_id),
+                    after: timeout,
+                });
+            }
+            g = self
+                .progress
+                .cv
+                .wait_timeout(g, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
 }
 
 /// Longest wait of the protocol thread with no deadline due: messages, a
@@ -96,7 +172,7 @@ const IDLE_WAIT: Duration = Duration::from_secs(1);
 /// The machine and what waits on its outcomes.
 struct Core {
     m: ReceiverMachine,
-    cells: HashMap<u64, Arc<Cell<SessionStats>>>,
+    cells: HashMap<u64, (Arc<Cell<SessionStats>>, Arc<Progress>)>,
     settle_waiters: HashMap<u64, Vec<crossbeam_channel::Sender<()>>>,
 }
 
@@ -127,11 +203,21 @@ impl Shared {
                         request_id,
                         outcome,
                     } => {
-                        if let Some(cell) = c.cells.remove(&request_id) {
+                        if let Some((cell, progress)) = c.cells.remove(&request_id) {
                             if let (Ok(stats), Some(_)) = (&outcome, &self.timings_dir) {
                                 rows.push(stats.clone());
                             }
                             cell.set(outcome);
+                            progress.ended();
+                        }
+                    }
+                    ReceiverEvent::LayersLanded {
+                        request_id,
+                        layers,
+                        at,
+                    } => {
+                        if let Some((_, progress)) = c.cells.get(&request_id) {
+                            progress.landed(layers, at);
                         }
                     }
                     ReceiverEvent::CancelSettled { request_id } => {
@@ -249,9 +335,11 @@ impl CacheReceiver {
         }
         let request_id = req.request_id;
         let cell = Cell::new();
+        let progress = Arc::new(Progress::default());
         s.with_core(|c| {
             c.m.request(req, Instant::now())?;
-            c.cells.insert(request_id, Arc::clone(&cell));
+            c.cells
+                .insert(request_id, (Arc::clone(&cell), Arc::clone(&progress)));
             Ok::<_, CacheError>(())
         })?;
         s.flush();
@@ -263,7 +351,11 @@ impl CacheReceiver {
         s.with_core(|c| c.m.handle_request_sent(request_id, Instant::now()));
         // The protocol thread now waits for this request's deadline too.
         s.agent.wake_sync_waiters();
-        Ok(RecvHandle { request_id, cell })
+        Ok(RecvHandle {
+            request_id,
+            cell,
+            progress,
+        })
     }
 
     /// Requests and waits.

@@ -5,6 +5,7 @@
 //! machine directly and carry out what it asks at once.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -320,22 +321,75 @@ impl CacheSender {
     }
 
     /// The request's KV cache is in `blocks` (start addresses in the
-    /// registered pool, oldest first): send each counterpart its share once
-    /// it has asked. Returns at once.
+    /// registered pool, oldest first), every layer computed: send each
+    /// counterpart its share once it has asked. Returns at once.
     ///
     /// # Errors
     /// [`CacheError::Closed`] after shutdown.
     pub fn send(&self, request_id: u64, blocks: Vec<u64>) -> Result<SendHandle, CacheError> {
+        self.open(request_id, blocks, true)
+    }
+
+    /// Layer-wise sending: the request's KV cache will be in `blocks` (as
+    /// for [`send`](Self::send)) as the prefill computes it; each layer
+    /// is written once [`layers_ready`](Self::layers_ready) marks it (and
+    /// the counterparts have asked). Returns at once; the handle completes
+    /// when every layer landed. The configured timeout counts from here.
+    ///
+    /// # Errors
+    /// [`CacheError::Closed`] after shutdown.
+    pub fn begin(&self, request_id: u64, blocks: Vec<u64>) -> Result<SendHandle, CacheError> {
+        self.open(request_id, blocks, false)
+    }
+
+    /// Model layers `layers` of request `request_id` (given to
+    /// [`begin`](Self::begin)) hold their final values: their writes are
+    /// posted now, or once the counterparts have asked. Call it after the
+    /// layers' compute finished (for GPU memory: after the stream that
+    /// computed them was synchronised). Marking a layer twice, or a
+    /// request that already ended, is a no-op.
+    ///
+    /// # Errors
+    /// [`CacheError::LayersOutOfRange`] when `layers` is empty or outside
+    /// this rank's layers ([`held_layers`](Self::held_layers));
+    /// [`CacheError::UnknownRequest`] without `begin`.
+    pub fn layers_ready(&self, request_id: u64, layers: Range<u32>) -> Result<(), CacheError> {
+        let s = &self.shared;
+        s.with_core(|c| c.m.layers_ready(request_id, layers, Instant::now()))?;
+        s.flush();
+        s.agent.wake_sync_waiters();
+        Ok(())
+    }
+
+    /// The model layers this rank holds.
+    pub fn held_layers(&self) -> Range<u32> {
+        lock(&self.shared.core).m.held_layers()
+    }
+
+    fn open(
+        &self,
+        request_id: u64,
+        blocks: Vec<u64>,
+        all_ready: bool,
+    ) -> Result<SendHandle, CacheError> {
         let s = &self.shared;
         if s.stop.load(Ordering::Relaxed) {
             return Err(CacheError::Closed);
         }
         let cell = Cell::new();
-        s.with_core(|c| match c.m.send(request_id, blocks, Instant::now()) {
-            Ok(()) => {
-                c.cells.insert(request_id, Arc::clone(&cell));
+        s.with_core(|c| {
+            let now = Instant::now();
+            let r = if all_ready {
+                c.m.send(request_id, blocks, now)
+            } else {
+                c.m.begin(request_id, blocks, now)
+            };
+            match r {
+                Ok(()) => {
+                    c.cells.insert(request_id, Arc::clone(&cell));
+                }
+                Err(e) => cell.set(Err(e)),
             }
-            Err(e) => cell.set(Err(e)),
         });
         s.flush();
         // The protocol thread now watches what was posted.
@@ -363,26 +417,39 @@ impl CacheSender {
 
     /// Cancels a request: no new write is posted; returns once nothing
     /// posted can still read this side's blocks (they may be reused at
-    /// once) and the counterparts were told.
+    /// once) and the counterparts were told. The handle then says how it
+    /// ended: `Cancelled`, or completed when every share had been
+    /// delivered before the aborts took (as the generation side saw it).
+    /// A request that already ended — another rank's cancel reached it
+    /// through the generation side, or it completed — takes the cancel as
+    /// a no-op.
     ///
     /// # Errors
-    /// [`CacheError::UnknownRequest`], or `Timeout` when the posted writes
-    /// do not finish within the configured timeout.
+    /// [`CacheError::UnknownRequest`] for an id this rank does not know
+    /// (nor recently finished), or `Timeout` when the posted writes do not
+    /// finish within the configured timeout.
     pub fn cancel(&self, request_id: u64) -> Result<(), CacheError> {
         let s = &self.shared;
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        s.with_core(|c| {
+        let waiter = s.with_core(|c| {
             c.m.cancel(request_id, Instant::now())?;
+            // A request that already ended (or just did) has nothing left
+            // to wait for.
+            if !c.m.is_open(request_id) {
+                return Ok::<_, CacheError>(None);
+            }
+            let (tx, rx) = crossbeam_channel::bounded(1);
             c.cancel_waiters.entry(request_id).or_default().push(tx);
-            Ok::<_, CacheError>(())
+            Ok(Some(rx))
         })?;
         s.flush();
         s.agent.wake_sync_waiters();
-        rx.recv_timeout(s.timeout)
-            .map_err(|_| CacheError::Timeout {
-                what: format!("cancelling request {request_id}"),
-                after: s.timeout,
-            })?;
+        if let Some(rx) = waiter {
+            rx.recv_timeout(s.timeout)
+                .map_err(|_| CacheError::Timeout {
+                    what: format!("cancelling request {request_id}"),
+                    after: s.timeout,
+                })?;
+        }
         // The counterparts are told before this returns.
         s.flush();
         Ok(())

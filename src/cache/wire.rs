@@ -94,6 +94,19 @@ pub enum Msg {
         /// The request.
         request_id: u64,
     },
+    /// Context → generation: model layers `first_layer..first_layer +
+    /// layers` of this peer's share landed (sent as the sync message of
+    /// the layer group's last write, so it arrives after that data). Only
+    /// layer-wise sending sends it; `Done` still closes the share. A peer
+    /// that does not know it drops it and waits for `Done`.
+    Landed {
+        /// The request.
+        request_id: u64,
+        /// First model layer of the group.
+        first_layer: u32,
+        /// Layers in the group.
+        layers: u32,
+    },
 }
 
 impl Msg {
@@ -104,7 +117,8 @@ impl Msg {
             Msg::Ready { request_id }
             | Msg::Done { request_id, .. }
             | Msg::Cancelled { request_id, .. }
-            | Msg::Cancel { request_id } => *request_id,
+            | Msg::Cancel { request_id }
+            | Msg::Landed { request_id, .. } => *request_id,
         }
     }
 

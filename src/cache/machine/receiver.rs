@@ -1,9 +1,12 @@
 //! The generation side's protocol: ask every context rank that holds part
 //! of a request for its share (sending the destination blocks), and
 //! complete the request when each rank that sends has reported its share
-//! landed (`Done`, delivered after the data).
+//! landed (`Done`, delivered after the data). A layer-wise sender also
+//! reports each layer group as it lands (`Landed`); a layer of this rank
+//! is reported landed once every rank that sends it has.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use super::{Stopwatch, Transmit, lap};
@@ -36,12 +39,29 @@ pub enum ReceiverEvent {
         /// The request.
         request_id: u64,
     },
+    /// Model layers `layers` of this rank landed whole: every context rank
+    /// that writes them reported them (`Landed` or `Done`, each delivered
+    /// after its data). Reported for each run of layers as it completes,
+    /// before the request's `Finished`, and never after a failure or a
+    /// cancel was reported.
+    LayersLanded {
+        /// The request.
+        request_id: u64,
+        /// The layers (model numbering), a run within this rank's.
+        layers: Range<u32>,
+        /// When the message that completed them reached this agent.
+        at: Instant,
+    },
 }
 
 /// One context rank's share of a request, as the receiver saw it.
 #[derive(Default)]
 struct Share {
     rank: u32,
+    /// The model layers it writes here (its layers and this rank's).
+    layers: Range<u32>,
+    /// Those of `layers` it reported landed (index from `layers.start`).
+    landed: Vec<bool>,
     /// When its `Ready` reached this agent.
     ready: Option<Instant>,
     /// When its `Done` reached this agent (after the share's data).
@@ -69,6 +89,10 @@ struct Req {
     /// After the outcome (a timeout, a context rank's cancel) or a cancel:
     /// when the request is forgotten even if a sender never settles.
     expire: Option<Instant>,
+    /// Per layer of this rank: senders that write it, and those that
+    /// reported it landed.
+    need: Vec<u32>,
+    got: Vec<u32>,
 }
 
 impl Req {
@@ -203,11 +227,20 @@ impl ReceiverMachine {
             .iter()
             .map(|&c| self.ctx_agents[c as usize].clone())
             .collect();
+        let mine = self.held_layers();
+        let mut need = vec![0u32; mine.len()];
         let senders = senders
             .iter()
             .map(|&c| {
+                let theirs = self.ctx_state.layer_range(self.ctx_state.coords(c).1);
+                let layers = mine.start.max(theirs.start)..mine.end.min(theirs.end);
+                for l in layers.clone() {
+                    need[(l - mine.start) as usize] += 1;
+                }
                 let share = Share {
                     rank: c,
+                    landed: vec![false; layers.len()],
+                    layers,
                     ..Share::default()
                 };
                 (self.ctx_agents[c as usize].clone(), share)
@@ -232,9 +265,16 @@ impl ReceiverMachine {
                 mapping,
                 deadline: now + self.config.timeout,
                 expire: None,
+                got: vec![0; need.len()],
+                need,
             },
         );
         Ok(())
+    }
+
+    /// The model layers this rank holds.
+    pub fn held_layers(&self) -> Range<u32> {
+        self.state.layer_range(self.state.coords(self.rank).1)
     }
 
     /// Every request info of `request_id` was handed to the transport (for
@@ -389,6 +429,27 @@ impl ReceiverMachine {
                     v.ready.get_or_insert(now);
                 }
             }
+            Msg::Landed {
+                first_layer,
+                layers,
+                ..
+            } => {
+                let run = first_layer..first_layer.saturating_add(layers);
+                let fits = r.senders.get(from).is_some_and(|v| {
+                    !run.is_empty() && v.layers.start <= run.start && run.end <= v.layers.end
+                });
+                if !fits {
+                    let e = CacheError::Protocol {
+                        peer: from.to_owned(),
+                        detail: format!("layers {run:?} of request {id} it does not write here"),
+                    };
+                    self.fail(id, e, false, now);
+                    return;
+                }
+                if !r.reported && !r.cancelling {
+                    self.land(id, from, run, now);
+                }
+            }
             Msg::Done {
                 bytes,
                 fragments,
@@ -403,6 +464,12 @@ impl ReceiverMachine {
                     self.fail(id, e, false, now);
                     return;
                 };
+                let all = v.layers.clone();
+                if !r.reported && !r.cancelling {
+                    self.land(id, from, all, now);
+                }
+                let r = self.reqs.get_mut(&id).expect("present");
+                let v = r.senders.get_mut(from).expect("present");
                 v.done = Some(now);
                 v.bytes = bytes;
                 v.fragments = fragments;
@@ -490,8 +557,52 @@ impl ReceiverMachine {
         self.events.pop_front()
     }
 
-    /// Reports a failure as the request's outcome (once) and keeps the
-    /// request until its senders settle or it expires.
+    /// Sender `from` reports `run` (within its layers) landed: each layer
+    /// that every sender of it has now reported joins a run reported as
+    /// [`ReceiverEvent::LayersLanded`].
+    fn land(&mut self, id: u64, from: &str, run: Range<u32>, now: Instant) {
+        let first = self.held_layers().start;
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        let Some(v) = r.senders.get_mut(from) else {
+            return;
+        };
+        let mut complete: Vec<u32> = Vec::new();
+        for l in run {
+            let k = (l - v.layers.start) as usize;
+            if v.landed[k] {
+                continue;
+            }
+            v.landed[k] = true;
+            let i = (l - first) as usize;
+            r.got[i] += 1;
+            if r.got[i] == r.need[i] {
+                complete.push(l);
+            }
+        }
+        // Consecutive layers completed by this message form one run.
+        let mut i = 0;
+        while i < complete.len() {
+            let start = complete[i];
+            let mut end = start + 1;
+            while i + 1 < complete.len() && complete[i + 1] == end {
+                i += 1;
+                end += 1;
+            }
+            i += 1;
+            self.events.push_back(ReceiverEvent::LayersLanded {
+                request_id: id,
+                layers: start..end,
+                at: now,
+            });
+        }
+    }
+
+    /// Reports a failure as the request's outcome (once), tells the
+    /// context ranks still writing to stop (so that the whole request
+    /// quiesces and every rank ends it alike), and keeps the request
+    /// until its senders settle or it expires.
     fn fail(&mut self, id: u64, e: CacheError, cancelled: bool, now: Instant) {
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
@@ -501,6 +612,17 @@ impl ReceiverMachine {
         }
         r.reported = true;
         r.expire.get_or_insert(now + self.config.timeout);
+        if !r.cancelling {
+            for a in &r.asked {
+                let delivered = r.senders.get(a).is_some_and(|v| v.done.is_some());
+                if !delivered && !r.settled.contains(a) {
+                    self.transmits.push_back(Transmit {
+                        to: a.clone(),
+                        msg: Msg::Cancel { request_id: id },
+                    });
+                }
+            }
+        }
         self.metrics.record_ended(cancelled);
         self.events.push_back(ReceiverEvent::Finished {
             request_id: id,

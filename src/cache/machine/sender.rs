@@ -1,10 +1,17 @@
 //! The context side's protocol: wait until every generation rank that
 //! needs part of a request has asked for it and the serving engine has
-//! called `send`, then write each share from the context pool straight into
-//! the generation pool, in batches, the last one carrying `Done` as its
-//! sync message so that it arrives after the share's data.
+//! called `send` (or `begin`), then write each share from the context pool
+//! straight into the generation pool, in batches, the last one carrying
+//! `Done` as its sync message so that it arrives after the share's data.
+//!
+//! Layer-wise: after `begin`, the engine marks layers ready as its prefill
+//! produces them (`layers_ready`); each newly ready run of layers is a
+//! group whose writes are queued as soon as the share is planned, the
+//! group's last write carrying `Landed` (or `Done`, for the share's last
+//! group). `send` is `begin` with every layer ready: one group.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,8 +20,8 @@ use crate::agent::TransferRequest;
 use crate::cache::lookup::walk_back;
 use crate::cache::wire::{Msg, RequestInfo};
 use crate::cache::{
-    BlockLookup, CacheError, CacheState, Fragment, FragmentStats, Metrics, PeerMeasure,
-    SenderConfig, SessionStats, distinct_heads, map_blocks, rank_slice, target_ranks,
+    BlockLookup, CacheError, CacheState, FragmentStats, Metrics, PeerMeasure, RankSlice,
+    SenderConfig, SessionStats, distinct_heads, map_layers, rank_slice, target_ranks,
 };
 use crate::memory::{MemoryDesc, MemoryDescs};
 use crate::small::FastHash;
@@ -43,19 +50,49 @@ pub enum SenderEvent {
 struct Share {
     rank: u32,
     agent: String,
+    /// The context blocks it reads (the request's last ones, or found by
+    /// key).
+    src_blocks: Vec<u64>,
+    /// What the two ranks hold of a block: (context, generation).
+    slices: (RankSlice, RankSlice),
+    /// The model layers both ranks hold: what it moves.
+    layers: Range<u32>,
+    /// Layers of `layers` whose writes were queued.
+    released: u32,
     queued: VecDeque<TransferRequest>,
     inflight: Vec<TransferId>,
     /// Abort was asked for what is in flight.
     aborted: bool,
-    bytes: u64,
+    /// The write carrying `Done`, once posted.
+    closing: Option<TransferId>,
+    /// It completed: `Done` was delivered after every byte of the share.
+    delivered: bool,
+    /// Counts of what was queued so far.
+    planned: FragmentStats,
     start: Option<Instant>,
     end: Option<Instant>,
 }
 
+impl Share {
+    /// Every layer's writes were queued (the last one carries `Done`).
+    fn all_released(&self) -> bool {
+        self.released as usize >= self.layers.len()
+    }
+
+    /// Nothing is queued or posted.
+    fn drained(&self) -> bool {
+        self.queued.is_empty() && self.inflight.is_empty()
+    }
+}
+
 #[derive(Default)]
 struct Req {
-    /// The request's blocks, once `send` was called.
+    /// The request's blocks, once `begin` (or `send`) was called.
     blocks: Option<Vec<u64>>,
+    /// This rank's layers (index from its first) the engine marked ready.
+    ready: Vec<bool>,
+    /// Of those, the ones whose writes were queued.
+    released: Vec<bool>,
     /// Generation rank → (agent name, its request info).
     asked: BTreeMap<u32, (String, RequestInfo)>,
     expected: Option<BTreeSet<u32>>,
@@ -155,26 +192,102 @@ impl SenderMachine {
         self.reqs.is_empty()
     }
 
+    /// Whether request `request_id` is open here (begun, or asked for,
+    /// and not finished).
+    pub fn is_open(&self, request_id: u64) -> bool {
+        self.reqs.contains_key(&request_id)
+    }
+
     /// Transfers posted and not yet reported done.
     pub fn transfers_in_flight(&self) -> usize {
         self.transfers.len()
     }
 
     /// The request's KV cache is in `blocks` (start addresses in the
-    /// registered pool, oldest first): each counterpart gets its share once
-    /// it has asked. The request fails with a timeout when they have not
-    /// all asked, or the writes have not all landed, within
-    /// `config.timeout`.
+    /// registered pool, oldest first), every layer of it computed: each
+    /// counterpart gets its share once it has asked. The request fails
+    /// with a timeout when they have not all asked, or the writes have not
+    /// all landed, within `config.timeout`.
     ///
     /// # Errors
-    /// [`CacheError::DuplicateRequest`] when `send` was already called for
-    /// this id and it has not finished.
+    /// [`CacheError::DuplicateRequest`] when `send` or `begin` was already
+    /// called for this id and it has not finished.
     pub fn send(
         &mut self,
         request_id: u64,
         blocks: Vec<u64>,
         now: Instant,
     ) -> Result<(), CacheError> {
+        self.open(request_id, blocks, true, now)
+    }
+
+    /// Layer-wise sending: the request's KV cache will be in `blocks` (as
+    /// in [`send`](Self::send)), its layers written as the prefill
+    /// produces them; [`layers_ready`](Self::layers_ready) says which
+    /// are. Nothing of a layer is written before it is marked ready. The
+    /// timeout (`config.timeout`) counts from this call.
+    ///
+    /// # Errors
+    /// As [`send`](Self::send).
+    pub fn begin(
+        &mut self,
+        request_id: u64,
+        blocks: Vec<u64>,
+        now: Instant,
+    ) -> Result<(), CacheError> {
+        self.open(request_id, blocks, false, now)
+    }
+
+    /// Model layers `layers` of a request given to [`begin`](Self::begin)
+    /// hold their final KV values: their writes are queued as soon as the
+    /// counterparts have asked (at once when they have). Layers already
+    /// marked are skipped; a request that already ended (a replica with
+    /// nothing to send, a failure, a cancel) takes this as a no-op.
+    ///
+    /// # Errors
+    /// [`CacheError::LayersOutOfRange`] when `layers` is empty or not
+    /// within this rank's layers; [`CacheError::UnknownRequest`] when
+    /// `begin` was not called for it. Neither changes anything.
+    pub fn layers_ready(
+        &mut self,
+        request_id: u64,
+        layers: Range<u32>,
+        now: Instant,
+    ) -> Result<(), CacheError> {
+        let held = self.held_layers();
+        if layers.is_empty() || layers.start < held.start || layers.end > held.end {
+            return Err(CacheError::LayersOutOfRange { layers, held });
+        }
+        let Some(r) = self.reqs.get_mut(&request_id) else {
+            if self.finished_set.contains(&request_id) {
+                return Ok(());
+            }
+            return Err(CacheError::UnknownRequest(request_id));
+        };
+        if r.blocks.is_none() {
+            return Err(CacheError::UnknownRequest(request_id));
+        }
+        let from = (layers.start - held.start) as usize;
+        let to = (layers.end - held.start) as usize;
+        r.ready[from..to].fill(true);
+        self.release(request_id, now);
+        self.progress(request_id, now);
+        Ok(())
+    }
+
+    /// The model layers this rank holds.
+    pub fn held_layers(&self) -> Range<u32> {
+        self.state.layer_range(self.state.coords(self.rank).1)
+    }
+
+    fn open(
+        &mut self,
+        request_id: u64,
+        blocks: Vec<u64>,
+        all_ready: bool,
+        now: Instant,
+    ) -> Result<(), CacheError> {
+        let n = self.held_layers().len();
         if self.finished_set.remove(&request_id) {
             self.finished.retain(|&f| f != request_id);
         }
@@ -183,6 +296,8 @@ impl SenderMachine {
             return Err(CacheError::DuplicateRequest(request_id));
         }
         r.blocks = Some(blocks);
+        r.ready = vec![all_ready; n];
+        r.released = vec![false; n];
         r.t_send = Some(now);
         r.stats.request_id = request_id;
         r.deadline = Some(now + self.config.timeout);
@@ -192,12 +307,20 @@ impl SenderMachine {
 
     /// Cancels a request: nothing new is posted, what is posted is
     /// aborted; it finishes (`Cancelled`) once nothing posted is left, and
-    /// then the counterparts are told.
+    /// then the counterparts are told. A request whose every share was
+    /// delivered before the aborts took finishes completed instead, as its
+    /// counterparts saw it; one that already ended (another rank's cancel
+    /// reached it through the generation side, or it completed) takes the
+    /// cancel as a no-op.
     ///
     /// # Errors
-    /// [`CacheError::UnknownRequest`].
+    /// [`CacheError::UnknownRequest`] for an id this rank never had (or
+    /// finished long ago).
     pub fn cancel(&mut self, request_id: u64, now: Instant) -> Result<(), CacheError> {
         if !self.reqs.contains_key(&request_id) {
+            if self.finished_set.contains(&request_id) {
+                return Ok(());
+            }
             return Err(CacheError::UnknownRequest(request_id));
         }
         let why = CacheError::Cancelled {
@@ -260,6 +383,7 @@ impl SenderMachine {
         if let Some(r) = self.reqs.get_mut(&request_id) {
             if let Some(s) = r.shares.as_mut().and_then(|v| v.get_mut(share)) {
                 s.inflight.retain(|&t| t != id);
+                s.delivered |= outcome.is_ok() && s.closing == Some(id);
             }
             if let Err(e) = outcome {
                 r.cancelled.get_or_insert(CacheError::Transfer(e));
@@ -440,13 +564,8 @@ impl SenderMachine {
                 agent,
                 blocks,
                 self.lookup.as_deref(),
-                &self.config,
             ) {
-                Ok((share, st)) => {
-                    r.stats.fragments += st.fragments;
-                    r.stats.fragments_coalesced += st.coalesced;
-                    shares.push(share);
-                }
+                Ok(share) => shares.push(share),
                 Err(e) => {
                     failure = Some(e);
                     break;
@@ -466,11 +585,59 @@ impl SenderMachine {
         for a in ready {
             self.transmit(&a, Msg::Ready { request_id: id });
         }
+        self.release(id, now);
         let t_end = lap(self.stopwatch, now);
         if let Some(r) = self.reqs.get_mut(&id) {
             r.stats.preprocess = t_end.saturating_duration_since(t_pre);
         }
         self.progress(id, now);
+    }
+
+    /// Queues the writes of the layers marked ready and not yet queued,
+    /// once the shares are planned: per share, each run of such layers
+    /// is a group whose last write carries `Landed`, or `Done` when it
+    /// completes the share.
+    fn release(&mut self, id: u64, now: Instant) {
+        let first = self.held_layers().start;
+        let t0 = lap(self.stopwatch, now);
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        if r.cancelled.is_some() {
+            return;
+        }
+        let Some(shares) = r.shares.as_mut() else {
+            return;
+        };
+        let mut runs = Vec::new();
+        let mut l = 0;
+        while l < r.ready.len() {
+            if !r.ready[l] || r.released[l] {
+                l += 1;
+                continue;
+            }
+            let start = l;
+            while l < r.ready.len() && r.ready[l] && !r.released[l] {
+                r.released[l] = true;
+                l += 1;
+            }
+            runs.push(first + start as u32..first + l as u32);
+        }
+        for s in shares.iter_mut() {
+            let info = &r.asked[&s.rank].1;
+            for run in &runs {
+                let part = run.start.max(s.layers.start)..run.end.min(s.layers.end);
+                if part.is_empty() {
+                    continue;
+                }
+                s.released += part.len() as u32;
+                let st = queue_group(info, &self.config, s, part);
+                r.stats.fragments += st.fragments;
+                r.stats.fragments_coalesced += st.coalesced;
+            }
+        }
+        let t1 = lap(self.stopwatch, now);
+        r.stats.mapping += t1.saturating_duration_since(t0);
     }
 
     /// Posts queued batches up to the window, aborts what is posted once
@@ -513,20 +680,23 @@ impl SenderMachine {
                 *next_transfer += 1;
                 transfers.insert(t, (id, i));
                 s.inflight.push(t);
+                if s.queued.is_empty() && s.all_released() {
+                    s.closing = Some(t);
+                }
                 s.start.get_or_insert(now);
                 actions.push_back(TransferAction::Post { id: t, request });
             }
-            if s.queued.is_empty() && s.inflight.is_empty() && s.end.is_none() {
+            if s.drained() && s.all_released() && s.end.is_none() {
                 s.end = Some(now);
             }
         }
         if shares
             .iter()
-            .any(|s| !s.queued.is_empty() || !s.inflight.is_empty())
+            .any(|s| !s.drained() || !(stop || s.all_released()))
         {
             return;
         }
-        // Nothing queued or posted is left.
+        // Nothing queued or posted is left, and nothing more will be.
         let t_post = lap(self.stopwatch, now);
         let stopwatch = self.stopwatch;
         let r = self.reqs.get_mut(&id).expect("present");
@@ -545,15 +715,23 @@ impl SenderMachine {
                     (Some(a), Some(b)) => b.saturating_duration_since(a),
                     _ => Duration::ZERO,
                 },
-                bytes: s.bytes,
+                bytes: s.planned.bytes,
             })
             .collect();
-        r.stats.bytes = shares.iter().map(|s| s.bytes).sum();
+        r.stats.bytes = shares.iter().map(|s| s.planned.bytes).sum();
         r.stats.transmission = match (start, end) {
             (Some(a), Some(b)) => b.saturating_duration_since(a),
             _ => Duration::ZERO,
         };
-        match r.cancelled.clone() {
+        // A cancel that came after every share's `Done` was delivered
+        // changed nothing the generation side saw: the request completed.
+        let too_late = !shares.is_empty()
+            && shares.iter().all(|s| s.delivered)
+            && matches!(
+                r.cancelled,
+                Some(CacheError::Cancelled { .. } | CacheError::Closed)
+            );
+        match r.cancelled.clone().filter(|_| !too_late) {
             Some(e) => {
                 let agents = r.asked_agents();
                 self.tell_cancelled(&agents, id, &e);
@@ -608,10 +786,9 @@ impl SenderMachine {
     }
 }
 
-/// One share's writes: the fragments of context rank `rank`'s part of the
-/// request for generation rank `g`, in batches of at most
-/// `config.batch_bytes`, the last carrying `Done`.
-#[allow(clippy::too_many_arguments)]
+/// One share of a request, planned with nothing queued: its source
+/// blocks and the layers both ranks hold, checked against the peer's
+/// request (block counts, addresses).
 fn plan_share(
     me: &CacheState,
     rank: u32,
@@ -620,8 +797,7 @@ fn plan_share(
     agent: &str,
     blocks: &[u64],
     lookup: Option<&dyn BlockLookup>,
-    config: &SenderConfig,
-) -> Result<(Share, FragmentStats), CacheError> {
+) -> Result<Share, CacheError> {
     let want = info.index_from_end as usize + 1;
     let src_blocks = match (info.last_block_key, lookup) {
         (Some(key), Some(l)) => walk_back(l, key, want).ok_or(CacheError::UnknownBlockKey(key))?,
@@ -633,17 +809,62 @@ fn plan_share(
             });
         }
     };
+    let slices = share_slices(me, rank, g, info, agent, &src_blocks)?;
+    let mine = me.layer_range(me.coords(rank).1);
+    let gen_s = &info.gen_state;
+    let theirs = gen_s.layer_range(gen_s.coords(g).1);
+    Ok(Share {
+        rank: g,
+        agent: agent.to_owned(),
+        src_blocks,
+        slices,
+        layers: mine.start.max(theirs.start)..mine.end.min(theirs.end),
+        released: 0,
+        queued: VecDeque::new(),
+        inflight: Vec::new(),
+        aborted: false,
+        closing: None,
+        delivered: false,
+        planned: FragmentStats::default(),
+        start: None,
+        end: None,
+    })
+}
+
+/// Queues the writes of one layer group (`layers`, within the share's) of
+/// share `s`, in batches of at most `config.batch_bytes`, the last
+/// carrying `Done` when the group completes the share and `Landed`
+/// otherwise. Returns the group's counts.
+fn queue_group(
+    info: &RequestInfo,
+    config: &SenderConfig,
+    s: &mut Share,
+    layers: Range<u32>,
+) -> FragmentStats {
     let mut frags = Vec::new();
-    let st = share_fragments(me, rank, g, info, agent, &src_blocks, &mut frags)?;
+    let (src, dst) = &s.slices;
+    // The block lists were checked when the share was planned.
+    let st = map_layers(
+        src,
+        dst,
+        &s.src_blocks,
+        &info.blocks,
+        layers.clone(),
+        &mut frags,
+    )
+    .unwrap_or_default();
+    s.planned.fragments += st.fragments;
+    s.planned.coalesced += st.coalesced;
+    s.planned.bytes += st.bytes;
     // Large coalesced fragments are split so that a batch stays within
     // `batch_bytes` (the cancellation granularity).
-    let mut batches: Vec<(Vec<MemoryDesc>, Vec<MemoryDesc>)> = vec![Default::default()];
+    let mut batches: Vec<(Vec<MemoryDesc>, Vec<MemoryDesc>)> = Vec::new();
     let mut size = 0u64;
     let cap = config.batch_bytes.max(1);
     for f in frags {
         let mut off = 0;
         while off < f.len {
-            if size >= cap {
+            if batches.is_empty() || size >= cap {
                 batches.push(Default::default());
                 size = 0;
             }
@@ -655,41 +876,39 @@ fn plan_share(
             off += n;
         }
     }
-    let done = Msg::Done {
-        request_id: info.request_id,
-        bytes: st.bytes,
-        fragments: st.fragments,
-        fragments_coalesced: st.coalesced,
-    }
-    .encode();
-    let n = batches.len();
-    let queued = batches
-        .into_iter()
-        .enumerate()
-        .map(|(i, (l, rm))| {
-            let t = TransferRequest::write(
-                MemoryDescs::new(config.mem_type, l),
-                MemoryDescs::new(info.pool_mem_type, rm),
-                agent,
-            );
-            if i + 1 == n {
-                t.with_sync_message(done[0].clone())
-            } else {
-                t
-            }
-        })
-        .collect();
-    let share = Share {
-        rank: g,
-        agent: agent.to_owned(),
-        queued,
-        inflight: Vec::new(),
-        aborted: false,
-        bytes: st.bytes,
-        start: None,
-        end: None,
+    let last = if s.all_released() {
+        // The share's last group: an empty one still carries `Done`.
+        if batches.is_empty() {
+            batches.push(Default::default());
+        }
+        Msg::Done {
+            request_id: info.request_id,
+            bytes: s.planned.bytes,
+            fragments: s.planned.fragments,
+            fragments_coalesced: s.planned.coalesced,
+        }
+    } else {
+        Msg::Landed {
+            request_id: info.request_id,
+            first_layer: layers.start,
+            layers: layers.end - layers.start,
+        }
     };
-    Ok((share, st))
+    let closing = last.encode();
+    let n = batches.len();
+    for (i, (l, rm)) in batches.into_iter().enumerate() {
+        let t = TransferRequest::write(
+            MemoryDescs::new(config.mem_type, l),
+            MemoryDescs::new(info.pool_mem_type, rm),
+            &s.agent,
+        );
+        s.queued.push_back(if i + 1 == n {
+            t.with_sync_message(closing[0].clone())
+        } else {
+            t
+        });
+    }
+    st
 }
 
 /// The generation ranks that must ask context rank `rank` (of `me`) before
@@ -726,18 +945,36 @@ pub(crate) fn sends_to(me: &CacheState, rank: u32, g: u32, info: &RequestInfo) -
 /// to `out`).
 ///
 /// # Errors
-/// [`CacheError::Protocol`] naming `peer` when the block counts differ, or
-/// a destination block's fragments would run past the end of the address
-/// space.
-pub(crate) fn share_fragments(
+/// As [`share_slices`].
+#[cfg(feature = "fuzzing")]
+fn share_fragments(
     me: &CacheState,
     rank: u32,
     g: u32,
     info: &RequestInfo,
     peer: &str,
     src_blocks: &[u64],
-    out: &mut Vec<Fragment>,
+    out: &mut Vec<crate::cache::Fragment>,
 ) -> Result<FragmentStats, CacheError> {
+    let (src, dst) = share_slices(me, rank, g, info, peer, src_blocks)?;
+    crate::cache::map_blocks(&src, &dst, src_blocks, &info.blocks, out)
+}
+
+/// What context rank `rank` and generation rank `g` hold of each block,
+/// once the peer's request is checked against `src_blocks`.
+///
+/// # Errors
+/// [`CacheError::Protocol`] naming `peer` when the block counts differ, or
+/// a destination block's fragments would run past the end of the address
+/// space.
+fn share_slices(
+    me: &CacheState,
+    rank: u32,
+    g: u32,
+    info: &RequestInfo,
+    peer: &str,
+    src_blocks: &[u64],
+) -> Result<(RankSlice, RankSlice), CacheError> {
     let bad = |detail: String| CacheError::Protocol {
         peer: peer.to_owned(),
         detail,
@@ -761,7 +998,7 @@ pub(crate) fn share_fragments(
             "a destination block runs past the end of the address space".into(),
         ));
     }
-    map_blocks(&src, &dst, src_blocks, &info.blocks, out)
+    Ok((src, dst))
 }
 
 /// What a context rank computes from a peer's request, without agents or

@@ -5,7 +5,8 @@
 //! clock: a run is a function of its inputs, so every step can be cut by
 //! a cancel, a lost peer or a deadline, and checked.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use super::{
@@ -112,6 +113,13 @@ struct Pair {
     writes: Writes,
     /// Messages for which this returns true are lost.
     lose: Box<LoseFn>,
+    /// Per context rank: the layers marked ready (every write posted must
+    /// read only those).
+    ready: Vec<BTreeSet<u32>>,
+    /// Aborts come too late: a posted write completes whole anyway.
+    late_aborts: bool,
+    /// (context rank, generation rank) whose `Done` was delivered.
+    dones: BTreeSet<(usize, usize)>,
 }
 
 fn state(tp: u32, pp: u32) -> CacheState {
@@ -180,7 +188,6 @@ impl Pair {
             gen_state,
             senders,
             receivers,
-            ctx,
             gen_nodes,
             queue: BTreeMap::new(),
             seq: 0,
@@ -192,7 +199,63 @@ impl Pair {
             inflight_at_finish: Vec::new(),
             writes: Writes::Complete,
             lose: Box::new(|_, _, _| false),
+            ready: vec![BTreeSet::new(); ctx.len()],
+            late_aborts: false,
+            dones: BTreeSet::new(),
+            ctx,
         }
+    }
+
+    /// The model layers a piece of context rank `c`'s pool spans.
+    fn layers_of(&self, c: usize, addr: u64, len: u64) -> Range<u32> {
+        let s = &self.ctx[c].slice;
+        let per_layer = u64::from(s.kv_factor) * u64::from(s.heads_in_block) * s.head_bytes;
+        let layer = |a: u64| {
+            let off = (a - base(Side::Ctx, c)) % s.block_bytes();
+            s.first_layer + (off / per_layer) as u32
+        };
+        layer(addr)..layer(addr + len - 1) + 1
+    }
+
+    /// Context rank `c` begins request `id` (blocks `0..n`), no layer
+    /// ready.
+    fn begin(&mut self, c: usize, id: u64, n: u32) {
+        let blocks = (0..n).map(|b| self.block_addr(Side::Ctx, c, b)).collect();
+        self.senders[c].begin(id, blocks, self.now).unwrap();
+        self.drain_ctx(c);
+    }
+
+    /// Context rank `c` marks `layers` of request `id` ready.
+    fn mark(&mut self, c: usize, id: u64, layers: Range<u32>) -> Result<(), CacheError> {
+        let r = self.senders[c].layers_ready(id, layers.clone(), self.now);
+        if r.is_ok() {
+            self.ready[c].extend(layers);
+        }
+        self.drain_ctx(c);
+        r
+    }
+
+    /// Runs until nothing is queued (deadlines aside): what was posted
+    /// landed, what was sent arrived.
+    fn settle(&mut self) {
+        while !self.queue.is_empty() {
+            self.step();
+        }
+    }
+
+    /// Generation rank `g`'s layer reports: when, which run.
+    fn layer_reports(&self, g: usize) -> Vec<(Instant, Range<u32>)> {
+        self.gen_events
+            .iter()
+            .filter(|e| e.1 == g)
+            .filter_map(|(t, _, e)| match e {
+                ReceiverEvent::LayersLanded { layers, at, .. } => {
+                    assert_eq!(at, t, "stamped with the arrival");
+                    Some((*t, layers.clone()))
+                }
+                _ => None,
+            })
+            .collect()
     }
 
     fn block_addr(&self, side: Side, i: usize, b: u32) -> u64 {
@@ -241,6 +304,7 @@ impl Pair {
     fn send(&mut self, c: usize, id: u64, n: u32) {
         let blocks = (0..n).map(|b| self.block_addr(Side::Ctx, c, b)).collect();
         self.senders[c].send(id, blocks, self.now).unwrap();
+        self.ready[c].extend(self.senders[c].held_layers());
         self.drain_ctx(c);
     }
 
@@ -285,6 +349,14 @@ impl Pair {
         while let Some(a) = self.senders[c].poll_transfer() {
             match a {
                 TransferAction::Post { id, request } => {
+                    for d in &request.local.descs {
+                        let layers = self.layers_of(c, d.addr, d.len);
+                        assert!(
+                            layers.clone().all(|l| self.ready[c].contains(&l)),
+                            "context rank {c} posted layers {layers:?}, ready: {:?}",
+                            self.ready[c]
+                        );
+                    }
                     let posted = Posted {
                         request,
                         aborted: false,
@@ -294,6 +366,7 @@ impl Pair {
                         self.push(self.now + WRITE_TIME, Item::WriteEnds { ctx: c, id });
                     }
                 }
+                TransferAction::Abort { .. } if self.late_aborts => {}
                 TransferAction::Abort { id } => {
                     // Nothing of an aborted write moves any more: it ends
                     // at once, untouched.
@@ -365,6 +438,9 @@ impl Pair {
                     .feed(&name(Side::Ctx, c), &chunk)
                     .unwrap()
                     .expect("one chunk");
+                if let Msg::Done { .. } = m {
+                    self.dones.insert((c, g));
+                }
                 self.deliver(&name(Side::Ctx, c), (Side::Gen, g), m);
             }
             Ok(())
@@ -472,7 +548,7 @@ impl Pair {
                 ReceiverEvent::Finished { outcome, .. } => {
                     Some((*t, outcome.as_ref().map(|s| s.bytes).map_err(Clone::clone)))
                 }
-                ReceiverEvent::CancelSettled { .. } => None,
+                ReceiverEvent::CancelSettled { .. } | ReceiverEvent::LayersLanded { .. } => None,
             })
             .collect()
     }
@@ -604,10 +680,14 @@ fn timings_follow_simulated_time_exactly() {
     assert_eq!(st.peers.len(), 1);
     assert_eq!(st.peers[0].duration, WRITE_TIME);
     assert_eq!(st.bytes, bytes.unwrap());
-    let ReceiverEvent::Finished { outcome, .. } = &p.gen_events[0].2 else {
-        panic!("not an outcome");
-    };
-    let rs = outcome.as_ref().unwrap();
+    let rs = p
+        .gen_events
+        .iter()
+        .find_map(|e| match &e.2 {
+            ReceiverEvent::Finished { outcome, .. } => Some(outcome.as_ref().unwrap()),
+            _ => None,
+        })
+        .expect("an outcome");
     // From `Ready` (one latency after the write began) to `Done`.
     assert_eq!(rs.transmission, WRITE_TIME - LATENCY);
     assert_eq!(rs.peers[0].delay, 2 * LATENCY);
@@ -961,4 +1041,384 @@ fn a_layout_mapping_onto_too_many_ranks_is_refused_before_planning() {
         "{msg:?}"
     );
     assert!(s.is_idle());
+}
+
+/// Every layer of generation rank `g` reported once, runs disjoint.
+fn assert_each_layer_once(p: &Pair, g: usize, tag: &str) {
+    let mine = p.receivers[g].held_layers();
+    let mut seen: Vec<u32> = p
+        .layer_reports(g)
+        .into_iter()
+        .flat_map(|(_, r)| r)
+        .collect();
+    seen.sort_unstable();
+    assert_eq!(seen, mine.collect::<Vec<_>>(), "{tag}");
+}
+
+#[test]
+fn a_whole_request_is_one_layer_group() {
+    let mut p = Pair::new(state(2, 1), state(1, 1));
+    p.start(ID, 3);
+    p.run();
+    // Both context ranks' `Done`: the layers land with the last one, just
+    // before the outcome.
+    let reports = p.layer_reports(0);
+    assert_eq!(reports.len(), 1);
+    assert_eq!(reports[0].1, 0..4);
+    let (t_done, o) = p.gen_outcomes(0)[0].clone();
+    assert!(o.is_ok());
+    assert_eq!(reports[0].0, t_done);
+    let pos = |f: &dyn Fn(&ReceiverEvent) -> bool| p.gen_events.iter().position(|e| f(&e.2));
+    assert!(
+        pos(&|e| matches!(e, ReceiverEvent::LayersLanded { .. }))
+            < pos(&|e| matches!(e, ReceiverEvent::Finished { .. }))
+    );
+}
+
+#[test]
+fn layer_groups_stream_as_they_become_ready_in_any_order_across_layouts() {
+    let layouts = [
+        ((2, 1), (1, 1)),
+        ((1, 1), (2, 1)),
+        ((2, 2), (1, 2)),
+        ((1, 2), (2, 1)),
+        ((1, 1), (1, 2)),
+        ((4, 1), (2, 2)),
+    ];
+    // Single layers and a pair, out of order.
+    let order: [Range<u32>; 3] = [3..4, 0..2, 2..3];
+    for ((ct, cp), (gt, gp)) in layouts {
+        let tag = format!("TP{ct}/PP{cp} -> TP{gt}/PP{gp}");
+        let mut p = Pair::new(state(ct, cp), state(gt, gp));
+        p.prefill(3);
+        for g in 0..p.receivers.len() {
+            p.request(g, ID, 3);
+        }
+        for c in 0..p.senders.len() {
+            p.begin(c, ID, 3);
+        }
+        p.settle();
+        // Asked and begun, nothing ready: nothing moved.
+        assert!(p.landed.is_empty(), "{tag}");
+        let mut marked = BTreeSet::new();
+        for group in &order {
+            let t_mark = p.now;
+            for c in 0..p.senders.len() {
+                let held = p.senders[c].held_layers();
+                let part = group.start.max(held.start)..group.end.min(held.end);
+                if !part.is_empty() {
+                    p.mark(c, ID, part).unwrap();
+                }
+            }
+            marked.extend(group.clone());
+            p.settle();
+            // Each generation rank now has every marked layer it holds
+            // reported, and only those; the reports came after the mark.
+            for g in 0..p.receivers.len() {
+                let mine = p.receivers[g].held_layers();
+                let got: BTreeSet<u32> = p
+                    .layer_reports(g)
+                    .into_iter()
+                    .flat_map(|(_, r)| r)
+                    .collect();
+                let want: BTreeSet<u32> = mine.filter(|l| marked.contains(l)).collect();
+                assert_eq!(got, want, "{tag}: after marking {group:?}");
+                assert!(
+                    p.layer_reports(g)
+                        .iter()
+                        .filter(|(_, r)| group.contains(&r.start))
+                        .all(|(t, _)| *t > t_mark),
+                    "{tag}"
+                );
+            }
+        }
+        p.run();
+        p.check_landed(3, 10);
+        for g in 0..p.receivers.len() {
+            assert_each_layer_once(&p, g, &tag);
+            let o = p.gen_outcomes(g);
+            assert_eq!(o.len(), 1, "{tag}");
+            assert!(o[0].1.is_ok(), "{tag}: {:?}", o[0].1);
+        }
+        let sent: u64 = (0..p.senders.len())
+            .map(|c| p.ctx_outcomes(c)[0].1.clone().unwrap())
+            .sum();
+        let got: u64 = (0..p.receivers.len())
+            .map(|g| p.gen_outcomes(g)[0].1.clone().unwrap())
+            .sum();
+        assert_eq!(sent, got, "{tag}");
+        assert!(p.inflight_at_finish.iter().all(|&n| n == 0), "{tag}");
+        p.assert_quiet();
+    }
+}
+
+#[test]
+fn a_late_generation_side_gets_the_ready_layers_at_once() {
+    // TP2 → TP1: the prefill has produced layers 0..3 before the
+    // generation side asks.
+    let mut p = Pair::new(state(2, 1), state(1, 1));
+    p.prefill(3);
+    for c in 0..2 {
+        p.begin(c, ID, 3);
+        p.mark(c, ID, 0..3).unwrap();
+    }
+    p.settle();
+    assert!(p.landed.is_empty());
+    let t_ask = p.now;
+    p.request(0, ID, 3);
+    p.settle();
+    let reports = p.layer_reports(0);
+    assert_eq!(reports.len(), 1, "{reports:?}");
+    assert_eq!(reports[0].1, 0..3);
+    // The request's flight, then the writes at once: each share is 3
+    // layers × 3 blocks × 256 bytes, 5 batches of 512 bytes, two in
+    // flight: three rounds.
+    assert_eq!(reports[0].0 - t_ask, LATENCY + 3 * WRITE_TIME);
+    assert!(p.gen_outcomes(0).is_empty());
+    for c in 0..2 {
+        p.mark(c, ID, 3..4).unwrap();
+    }
+    p.run();
+    assert_eq!(p.layer_reports(0).len(), 2);
+    assert!(p.gen_outcomes(0)[0].1.is_ok());
+    p.check_landed(3, 10);
+    p.assert_quiet();
+}
+
+#[test]
+fn a_cancel_between_groups_quiesces_both_sides() {
+    for who in [Canceller::Context, Canceller::Generation] {
+        let tag = format!("{who:?}");
+        let mut p = Pair::new(state(2, 1), state(1, 1));
+        p.prefill(3);
+        p.request(0, ID, 3);
+        for c in 0..2 {
+            p.begin(c, ID, 3);
+            p.mark(c, ID, 0..2).unwrap();
+        }
+        p.settle();
+        assert_eq!(p.layer_reports(0).len(), 1, "{tag}");
+        let landed = p.landed.len();
+        match who {
+            Canceller::Context => p.cancel_ctx(1, ID).unwrap(),
+            Canceller::Generation => p.cancel_gen(0, ID).unwrap(),
+        }
+        p.settle();
+        // The layers that become ready after the cancel are not written;
+        // a cancelled request takes them as a no-op.
+        for c in 0..2 {
+            p.mark(c, ID, 2..4).unwrap();
+        }
+        p.run();
+        assert_eq!(p.landed.len(), landed, "{tag}: written after the cancel");
+        for c in 0..2 {
+            let o = p.ctx_outcomes(c);
+            assert_eq!(o.len(), 1, "{tag}");
+            assert!(
+                matches!(o[0].1, Err(CacheError::Cancelled { .. })),
+                "{tag}: {:?}",
+                o[0].1
+            );
+        }
+        let g = p.gen_outcomes(0);
+        assert_eq!(g.len(), 1, "{tag}");
+        assert!(
+            matches!(g[0].1, Err(CacheError::Cancelled { .. })),
+            "{tag}: {:?}",
+            g[0].1
+        );
+        assert_eq!(
+            p.layer_reports(0).len(),
+            1,
+            "{tag}: a report after the cancel"
+        );
+        if let Canceller::Generation = who {
+            assert_eq!(p.settled(0).len(), 1, "{tag}");
+        }
+        assert!(p.elapsed(p.now) < TIMEOUT, "{tag}: waited for a timeout");
+        p.assert_quiet();
+    }
+}
+
+#[test]
+fn a_context_rank_that_dies_mid_stream_fails_the_request_at_once() {
+    let mut p = Pair::new(state(2, 1), state(1, 1));
+    p.prefill(3);
+    p.request(0, ID, 3);
+    for c in 0..2 {
+        p.begin(c, ID, 3);
+        p.mark(c, ID, 0..1).unwrap();
+    }
+    p.settle();
+    assert_eq!(p.layer_reports(0).len(), 1);
+    // Context rank 1 dies; rank 0 goes on producing layers.
+    p.ctx[1].dead = true;
+    p.mark(0, ID, 1..3).unwrap();
+    p.settle();
+    // Half of layers 1..3 landed: nothing more is reported.
+    assert_eq!(p.layer_reports(0).len(), 1);
+    let ctx1 = name(Side::Ctx, 1);
+    let gone = crate::Error::PeerGone {
+        remote: ctx1.clone(),
+    };
+    let t_gone = p.now;
+    p.receivers[0].handle_peer_gone(&ctx1, gone, p.now);
+    p.drain_gen(0);
+    let g = p.gen_outcomes(0);
+    assert_eq!(g.len(), 1);
+    assert_eq!(g[0].0, t_gone);
+    assert!(matches!(
+        &g[0].1,
+        Err(CacheError::Transfer(crate::Error::PeerGone { .. }))
+    ));
+    // The receiver tells rank 0 to stop: its next layer is not written,
+    // and it ends the request as cancelled by the generation side.
+    p.settle();
+    let landed = p.landed.len();
+    p.mark(0, ID, 3..4).unwrap();
+    p.run();
+    assert_eq!(p.landed.len(), landed);
+    assert_eq!(p.layer_reports(0).len(), 1);
+    let o = p.ctx_outcomes(0);
+    assert_eq!(o.len(), 1);
+    assert!(
+        matches!(&o[0].1, Err(CacheError::Cancelled { reason, .. }) if reason.contains("gen0")),
+        "{:?}",
+        o[0].1
+    );
+    assert_eq!(p.receivers[0].open_requests(), 0);
+}
+
+#[test]
+fn layers_never_ready_time_out_at_the_deadline() {
+    let mut p = Pair::new(state(1, 1), state(1, 1));
+    p.prefill(2);
+    p.request(0, ID, 2);
+    p.begin(0, ID, 2);
+    p.mark(0, ID, 0..3).unwrap();
+    p.run();
+    let o = p.ctx_outcomes(0);
+    assert_eq!(o.len(), 1);
+    assert_eq!(p.elapsed(o[0].0), TIMEOUT);
+    assert!(
+        matches!(o[0].1, Err(CacheError::Timeout { .. })),
+        "{:?}",
+        o[0].1
+    );
+    let g = p.gen_outcomes(0);
+    assert_eq!(g.len(), 1);
+    assert!(g[0].1.is_err());
+    assert_eq!(p.layer_reports(0).len(), 1);
+    p.assert_quiet();
+}
+
+#[test]
+fn layer_marks_that_are_wrong_are_typed_and_change_nothing() {
+    // PP2: context rank 1 holds layers 2..4.
+    let mut p = Pair::new(state(1, 2), state(1, 1));
+    let now = p.now;
+    assert!(matches!(
+        p.senders[1].layers_ready(ID, 2..3, now),
+        Err(CacheError::UnknownRequest(ID))
+    ));
+    p.prefill(2);
+    p.request(0, ID, 2);
+    // A peer's request alone does not begin it.
+    p.settle();
+    assert!(matches!(
+        p.senders[1].layers_ready(ID, 2..3, now),
+        Err(CacheError::UnknownRequest(ID))
+    ));
+    p.begin(0, ID, 2);
+    p.begin(1, ID, 2);
+    for bad in [0..3, 1..2, 3..5, 2..2] {
+        assert!(
+            matches!(
+                p.senders[1].layers_ready(ID, bad.clone(), p.now),
+                Err(CacheError::LayersOutOfRange { held, .. }) if held == (2..4)
+            ),
+            "{bad:?}"
+        );
+    }
+    assert!(matches!(
+        p.senders[0].begin(ID, vec![1], p.now),
+        Err(CacheError::DuplicateRequest(ID))
+    ));
+    p.settle();
+    assert!(p.landed.is_empty());
+    // Marking a layer twice is harmless.
+    p.mark(1, ID, 2..4).unwrap();
+    p.mark(1, ID, 3..4).unwrap();
+    p.mark(0, ID, 0..2).unwrap();
+    p.run();
+    assert!(p.gen_outcomes(0)[0].1.is_ok());
+    p.check_landed(2, 8);
+    assert_each_layer_once(&p, 0, "PP2 -> PP1");
+    // A request that ended takes a mark as a no-op.
+    p.mark(1, ID, 2..3).unwrap();
+    p.assert_quiet();
+}
+
+#[test]
+fn a_cancel_racing_the_last_write_ends_alike_on_both_sides() {
+    // Aborts that come too late: whatever was posted lands whole. Cut by a
+    // cancel of either side at every step, both ends agree on each share:
+    // a generation rank completes exactly when every share written to it
+    // was delivered, a context rank exactly when every share it writes
+    // was (TP1 <-> TP2: every context rank writes to every generation
+    // rank here).
+    for (ct, gt) in [(1, 1), (2, 1), (1, 2)] {
+        let baseline = {
+            let mut p = Pair::new(state(ct, 1), state(gt, 1));
+            p.start(ID, 3);
+            p.run()
+        };
+        for who in [Canceller::Context, Canceller::Generation] {
+            for k in 0..=baseline {
+                let tag = format!("TP{ct} -> TP{gt}, {who:?} cancels after {k} steps");
+                let mut p = Pair::new(state(ct, 1), state(gt, 1));
+                p.late_aborts = true;
+                p.start(ID, 3);
+                for _ in 0..k {
+                    p.step();
+                }
+                // Every rank of the cancelling side cancels; a rank that
+                // already ended takes it as a no-op.
+                match who {
+                    Canceller::Context => {
+                        for c in 0..p.senders.len() {
+                            p.cancel_ctx(c, ID).unwrap();
+                        }
+                    }
+                    Canceller::Generation => {
+                        for g in 0..p.receivers.len() {
+                            let r = p.cancel_gen(g, ID);
+                            // A receiver forgets a completed request.
+                            assert!(r.is_ok() || p.gen_outcomes(g)[0].1.is_ok(), "{tag}");
+                        }
+                    }
+                }
+                p.run();
+                let (nc, ng) = (p.senders.len(), p.receivers.len());
+                for c in 0..nc {
+                    let o = p.ctx_outcomes(c);
+                    assert_eq!(o.len(), 1, "{tag}");
+                    let all = (0..ng).all(|g| p.dones.contains(&(c, g)));
+                    assert_eq!(o[0].1.is_ok(), all, "{tag}: context rank {c}: {:?}", o[0].1);
+                }
+                for g in 0..ng {
+                    let o = p.gen_outcomes(g);
+                    assert_eq!(o.len(), 1, "{tag}");
+                    let all = (0..nc).all(|c| p.dones.contains(&(c, g)));
+                    assert_eq!(
+                        o[0].1.is_ok(),
+                        all,
+                        "{tag}: generation rank {g}: {:?}",
+                        o[0].1
+                    );
+                }
+                p.assert_quiet();
+            }
+        }
+    }
 }

@@ -73,6 +73,24 @@ pub struct KvArgs {
     /// The GPU (device ordinal) of `--memory vram` pools.
     #[arg(long, default_value_t = 0)]
     gpu: u32,
+    /// Layer-wise: a simulated prefill makes one layer ready every
+    /// `--layer-compute-ms`; each round sends the request whole after the
+    /// last layer and layer by layer as they are ready, side by side, and
+    /// reports the exposed transfer time (last layer ready to KV complete)
+    /// of both.
+    #[arg(long)]
+    layerwise: bool,
+    /// The simulated compute time of one layer, in ms (default: twice the
+    /// whole request's transfer time over its layers, measured first:
+    /// compute and transfer comparable, the link not saturated — at
+    /// exactly one layer's transfer time every hiccup adds to a queue that
+    /// never drains).
+    #[arg(long)]
+    layer_compute_ms: Option<f64>,
+    /// With `--layerwise`: draw one round's timeline in both modes to this
+    /// SVG file.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
 }
 
 /// A rank's block pool: host memory, or GPU memory.
@@ -175,7 +193,7 @@ fn preset(a: &KvArgs, tp: u32, pp: u32) -> Result<CacheState> {
     Ok(s)
 }
 
-struct Rank {
+pub(crate) struct Rank {
     agent: Arc<dyn TransferAgent>,
     slice: RankSlice,
     pool: Pool,
@@ -193,7 +211,7 @@ impl Rank {
         Ok(Self { agent, slice, pool })
     }
 
-    fn addr(&self, b: u32) -> u64 {
+    pub(crate) fn addr(&self, b: u32) -> u64 {
         self.pool.addr() + u64::from(b) * self.slice.block_bytes()
     }
 }
@@ -283,6 +301,20 @@ pub fn run(a: &KvArgs) -> Result<()> {
         for g in &gen_ranks {
             k.agent.load_remote_agent(&g.agent.local_agent_desc())?;
         }
+    }
+    if a.layerwise {
+        let x = crate::layerwise::Executors {
+            senders: &senders,
+            receivers: &receivers,
+            ctx: &ctx,
+            gen_ranks: &gen_ranks,
+            n,
+            layers: ctx_s.num_layers(),
+        };
+        let r = run_layerwise(a, &x);
+        drop(receivers);
+        drop(senders);
+        return r;
     }
     let (mut kv_times, mut raw_times, mut batched_times) = (Vec::new(), Vec::new(), Vec::new());
     // Receiver's per-peer durations over the sender's, each round.
@@ -620,4 +652,109 @@ fn raw_round(
             .context("raw transfer")?;
     }
     Ok(t.elapsed().as_secs_f64())
+}
+
+/// `--layerwise`: rounds of both modes behind a simulated prefill.
+fn run_layerwise(a: &KvArgs, x: &crate::layerwise::Executors<'_>) -> Result<()> {
+    use crate::layerwise::{Mode, median, round};
+    let mut id = 0u64;
+    let mut next = || {
+        id += 1;
+        id
+    };
+    let layers = x.layers;
+    let mut go = |mode, compute| round(x, mode, compute, next());
+    let compute = match a.layer_compute_ms {
+        Some(ms) => Duration::from_secs_f64(ms / 1e3),
+        None => {
+            // The whole request with no compute before it: its transfer
+            // time, spread over the layers, twice.
+            go(Mode::Whole, Duration::ZERO)?;
+            let mut t: Vec<Duration> = (0..3)
+                .map(|_| go(Mode::Whole, Duration::ZERO).map(|tl| tl.exposed()))
+                .collect::<Result<_>>()?;
+            median(&mut t) * 2 / layers
+        }
+    };
+    for _ in 0..a.warmup {
+        go(Mode::Whole, compute)?;
+        go(Mode::Layerwise, compute)?;
+    }
+    let (mut we, mut le, mut w2e, mut l2e) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut last = None;
+    for i in 0..a.iters.max(1) {
+        // Alternating which goes first.
+        let (w, l) = if i % 2 == 0 {
+            let w = go(Mode::Whole, compute)?;
+            (w, go(Mode::Layerwise, compute)?)
+        } else {
+            let l = go(Mode::Layerwise, compute)?;
+            (go(Mode::Whole, compute)?, l)
+        };
+        we.push(w.exposed());
+        le.push(l.exposed());
+        w2e.push(w.end_to_end());
+        l2e.push(l.end_to_end());
+        last = Some((w, l));
+    }
+    let whole_exposed = median(&mut we);
+    let layerwise_exposed = median(&mut le);
+    let one_layer = whole_exposed / layers;
+    let f = crate::layerwise::Figures {
+        compute,
+        one_layer,
+        whole_exposed,
+        layerwise_exposed,
+        whole_e2e: median(&mut w2e),
+        layerwise_e2e: median(&mut l2e),
+    };
+    let transport = x.ctx[0]
+        .agent
+        .remote_transport(&gen_agent_name(x.gen_ranks, 0))
+        .unwrap_or("unknown");
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let over_layer = ms(f.layerwise_exposed) / ms(f.one_layer).max(1e-9);
+    let gain = ms(f.whole_exposed) / ms(f.layerwise_exposed).max(1e-9);
+    if a.json {
+        println!(
+            "{{\"kind\":\"kv-layerwise\",\"model\":\"{}\",\"backend\":\"{transport}\",\"ctx_tp\":{},\"ctx_pp\":{},\"gen_tp\":{},\"gen_pp\":{},\"tokens\":{},\"layers\":{layers},\"iters\":{},\"compute_ms_per_layer\":{:.3},\"one_layer_ms\":{:.3},\"whole_exposed_ms\":{:.3},\"layerwise_exposed_ms\":{:.3},\"layerwise_over_one_layer\":{over_layer:.3},\"whole_over_layerwise\":{gain:.3},\"whole_e2e_ms\":{:.3},\"layerwise_e2e_ms\":{:.3}}}",
+            a.model,
+            a.ctx_tp,
+            a.ctx_pp,
+            a.gen_tp,
+            a.gen_pp,
+            a.tokens,
+            a.iters,
+            ms(f.compute),
+            ms(f.one_layer),
+            ms(f.whole_exposed),
+            ms(f.layerwise_exposed),
+            ms(f.whole_e2e),
+            ms(f.layerwise_e2e),
+        );
+    } else {
+        println!(
+            "{} ctx TP{} PP{} -> gen TP{} PP{}, {} tokens over {transport}, {layers} layers of {:.2} ms compute: exposed transfer whole {:.2} ms, layer by layer {:.2} ms ({over_layer:.2}x one layer's {:.2} ms; {gain:.1}x lower); end to end {:.2} ms vs {:.2} ms",
+            a.model,
+            a.ctx_tp,
+            a.ctx_pp,
+            a.gen_tp,
+            a.gen_pp,
+            a.tokens,
+            ms(f.compute),
+            ms(f.whole_exposed),
+            ms(f.layerwise_exposed),
+            ms(f.one_layer),
+            ms(f.whole_e2e),
+            ms(f.layerwise_e2e),
+        );
+    }
+    if let (Some(path), Some((w, l))) = (&a.plot, last) {
+        let title = format!(
+            "{} TP{}→TP{}, {} tokens over {transport}: one request, both modes",
+            a.model, a.ctx_tp, a.gen_tp, a.tokens
+        );
+        crate::plot::timeline(path, &title, &w, &l)?;
+    }
+    Ok(())
 }

@@ -6,8 +6,10 @@
 //! `kvxfer-bench kv` measures the KV-cache protocol (see `kv.rs`).
 
 mod kv;
+mod layerwise;
 mod names;
 mod pingpong;
+mod plot;
 mod storage;
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
@@ -199,6 +201,9 @@ struct Args {
     /// Internal: in target role, exit when standard input closes.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
+    /// Also draw the sweep (GB/s against block size) to this SVG file.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::Subcommand, Debug, Clone)]
@@ -823,6 +828,11 @@ fn run_points(
         rows.push((pt, m));
     }
     bar.finish_and_clear();
+    if let Some(path) = &args.plot {
+        let pts: Vec<(u64, f64)> = rows.iter().map(|(pt, m)| (pt.block, m.gb_per_s)).collect();
+        let title = format!("kvxfer-bench over {backend_name}: {} bandwidth", args.op);
+        plot::sweep(path, &title, &pts)?;
+    }
     if !args.json {
         println!(
             "{:<8} {:<6} {:>9} {:>6} {:>6} {:>9} {:>10} {:>10}",

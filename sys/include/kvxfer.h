@@ -727,8 +727,8 @@ enum kvxfer_result kvxfer_cache_sender_new(const struct kvxfer_agent *agent,
                                            struct kvxfer_cache_sender **out);
 
 // Sends request `request_id` from `n` blocks (start addresses, oldest
-// first) once every generation rank that targets this rank has asked;
-// `out` receives a handle to wait on.
+// first), every layer computed, once every generation rank that targets
+// this rank has asked; `out` receives a handle to wait on.
 //
 // # Safety
 // `blocks` is valid for `n` reads; `out` is valid for a write.
@@ -737,6 +737,34 @@ enum kvxfer_result kvxfer_cache_sender_send(const struct kvxfer_cache_sender *se
                                             const uint64_t *blocks,
                                             size_t n,
                                             struct kvxfer_cache_handle **out);
+
+// Layer-wise sending: request `request_id` will be in `n` blocks (as for
+// `kvxfer_cache_sender_send`) as the prefill computes it; each layer is
+// written once `kvxfer_cache_sender_layers_ready` marks it. `out`
+// receives a handle that completes when every layer landed.
+//
+// # Safety
+// `blocks` is valid for `n` reads; `out` is valid for a write.
+enum kvxfer_result kvxfer_cache_sender_begin(const struct kvxfer_cache_sender *sender,
+                                             uint64_t request_id,
+                                             const uint64_t *blocks,
+                                             size_t n,
+                                             struct kvxfer_cache_handle **out);
+
+// Model layers `first_layer .. first_layer + count` of a request given to
+// `kvxfer_cache_sender_begin` hold their final values (call it after
+// their compute finished; for GPU pools, after the computing stream was
+// synchronised): their writes are posted now, or once the counterparts
+// asked. Marking a layer twice, or a request that already ended, is a
+// no-op. `KVXFER_ERR_INVALID_ARGUMENT` for layers outside this rank's
+// (or none), or a request never begun.
+//
+// # Safety
+// `sender` is a handle from `kvxfer_cache_sender_new` (checked).
+enum kvxfer_result kvxfer_cache_sender_layers_ready(const struct kvxfer_cache_sender *sender,
+                                                    uint64_t request_id,
+                                                    uint32_t first_layer,
+                                                    uint32_t count);
 
 // Cancels a request being sent: returns once nothing of it is in flight
 // (the context blocks may be reused at once).
@@ -813,6 +841,32 @@ enum kvxfer_result kvxfer_cache_receiver_free(struct kvxfer_cache_receiver *rece
 enum kvxfer_result kvxfer_cache_wait(const struct kvxfer_cache_handle *handle,
                                      int64_t timeout_ms,
                                      struct kvxfer_cache_stats *stats);
+
+// Waits up to `timeout_ms` (negative: without end) until model layers
+// `first_layer .. first_layer + count` of a request being received have
+// landed (every context rank writing them reported them), or the request
+// completed. `KVXFER_ERR_TIMEOUT` when they have not yet; the request's
+// failure when it ended without them; `KVXFER_ERR_INVALID_ARGUMENT` for a
+// sender's handle.
+//
+// # Safety
+// `handle` is a handle from `kvxfer_cache_receiver_request` (checked).
+enum kvxfer_result kvxfer_cache_wait_layers(const struct kvxfer_cache_handle *handle,
+                                            uint32_t first_layer,
+                                            uint32_t count,
+                                            int64_t timeout_ms);
+
+// Writes to `landed` how many of model layers `first_layer .. first_layer
+// + count` of a request being received have landed so far.
+// `KVXFER_ERR_INVALID_ARGUMENT` for a sender's handle.
+//
+// # Safety
+// `handle` is a handle from `kvxfer_cache_receiver_request` (checked);
+// `landed` is valid for a write.
+enum kvxfer_result kvxfer_cache_layers_landed(const struct kvxfer_cache_handle *handle,
+                                              uint32_t first_layer,
+                                              uint32_t count,
+                                              uint32_t *landed);
 
 // Frees a request handle (the request goes on). NULL is a no-op.
 //

@@ -102,7 +102,8 @@ fn cache_fail(e: CacheError) -> Fail {
         CacheError::InvalidState(_)
         | CacheError::Incompatible { .. }
         | CacheError::DuplicateRequest(_)
-        | CacheError::UnknownRequest(_) => KVXFER_ERR_INVALID_ARGUMENT,
+        | CacheError::UnknownRequest(_)
+        | CacheError::LayersOutOfRange { .. } => KVXFER_ERR_INVALID_ARGUMENT,
         CacheError::Protocol { .. } => KVXFER_ERR_PROTOCOL,
         CacheError::Timeout { .. } => KVXFER_ERR_TIMEOUT,
         CacheError::Cancelled { .. } | CacheError::UnknownBlockKey(_) => KVXFER_ERR_CANCELLED,
@@ -196,8 +197,8 @@ pub unsafe extern "C" fn kvxfer_cache_sender_new(
 }
 
 /// Sends request `request_id` from `n` blocks (start addresses, oldest
-/// first) once every generation rank that targets this rank has asked;
-/// `out` receives a handle to wait on.
+/// first), every layer computed, once every generation rank that targets
+/// this rank has asked; `out` receives a handle to wait on.
 ///
 /// # Safety
 /// `blocks` is valid for `n` reads; `out` is valid for a write.
@@ -209,13 +210,81 @@ pub unsafe extern "C" fn kvxfer_cache_sender_send(
     n: usize,
     out: *mut *mut kvxfer_cache_handle,
 ) -> kvxfer_result {
+    // SAFETY: the caller's contract, passed on.
+    boundary(|| unsafe { open_send(sender, request_id, blocks, n, out, true) })
+}
+
+/// Layer-wise sending: request `request_id` will be in `n` blocks (as for
+/// `kvxfer_cache_sender_send`) as the prefill computes it; each layer is
+/// written once `kvxfer_cache_sender_layers_ready` marks it. `out`
+/// receives a handle that completes when every layer landed.
+///
+/// # Safety
+/// `blocks` is valid for `n` reads; `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_cache_sender_begin(
+    sender: *const kvxfer_cache_sender,
+    request_id: u64,
+    blocks: *const u64,
+    n: usize,
+    out: *mut *mut kvxfer_cache_handle,
+) -> kvxfer_result {
+    // SAFETY: the caller's contract, passed on.
+    boundary(|| unsafe { open_send(sender, request_id, blocks, n, out, false) })
+}
+
+/// Model layers `first_layer .. first_layer + count` of a request given to
+/// `kvxfer_cache_sender_begin` hold their final values (call it after
+/// their compute finished; for GPU pools, after the computing stream was
+/// synchronised): their writes are posted now, or once the counterparts
+/// asked. Marking a layer twice, or a request that already ended, is a
+/// no-op. `KVXFER_ERR_INVALID_ARGUMENT` for layers outside this rank's
+/// (or none), or a request never begun.
+///
+/// # Safety
+/// `sender` is a handle from `kvxfer_cache_sender_new` (checked).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_cache_sender_layers_ready(
+    sender: *const kvxfer_cache_sender,
+    request_id: u64,
+    first_layer: u32,
+    count: u32,
+) -> kvxfer_result {
     boundary(|| {
+        // SAFETY: checked against the handle table.
+        let s = unsafe { live(sender, Kind::CacheSender, "sender")? };
+        let layers = first_layer..first_layer.saturating_add(count);
+        s.sender
+            .layers_ready(request_id, layers)
+            .map_err(cache_fail)?;
+        Ok(KVXFER_OK)
+    })
+}
+
+/// `kvxfer_cache_sender_send` (`all_ready`) or `_begin`.
+///
+/// # Safety
+/// As `kvxfer_cache_sender_send`.
+unsafe fn open_send(
+    sender: *const kvxfer_cache_sender,
+    request_id: u64,
+    blocks: *const u64,
+    n: usize,
+    out: *mut *mut kvxfer_cache_handle,
+    all_ready: bool,
+) -> Result<kvxfer_result, Fail> {
+    {
         // SAFETY: checked against the handle table.
         let s = unsafe { live(sender, Kind::CacheSender, "sender")? };
         non_null(out, "out")?;
         // SAFETY: valid for `n` reads.
         let blocks = unsafe { slice(blocks, n, "blocks")? }.to_vec();
-        let h = s.sender.send(request_id, blocks).map_err(cache_fail)?;
+        let h = if all_ready {
+            s.sender.send(request_id, blocks)
+        } else {
+            s.sender.begin(request_id, blocks)
+        }
+        .map_err(cache_fail)?;
         // SAFETY: `out` was checked non-null and is valid for a write.
         unsafe {
             hand_out(
@@ -226,7 +295,7 @@ pub unsafe extern "C" fn kvxfer_cache_sender_send(
                 Kind::CacheHandle,
             )
         }
-    })
+    }
 }
 
 /// Cancels a request being sent: returns once nothing of it is in flight
@@ -436,6 +505,84 @@ pub unsafe extern "C" fn kvxfer_cache_wait(
                 }
             };
         }
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Waits up to `timeout_ms` (negative: without end) until model layers
+/// `first_layer .. first_layer + count` of a request being received have
+/// landed (every context rank writing them reported them), or the request
+/// completed. `KVXFER_ERR_TIMEOUT` when they have not yet; the request's
+/// failure when it ended without them; `KVXFER_ERR_INVALID_ARGUMENT` for a
+/// sender's handle.
+///
+/// # Safety
+/// `handle` is a handle from `kvxfer_cache_receiver_request` (checked).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_cache_wait_layers(
+    handle: *const kvxfer_cache_handle,
+    first_layer: u32,
+    count: u32,
+    timeout_ms: i64,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let h = unsafe { live(handle, Kind::CacheHandle, "handle")? };
+        let HandleKind::Recv(r) = &h.inner else {
+            return Err(Fail::new(
+                KVXFER_ERR_INVALID_ARGUMENT,
+                "layers land on the generation side: pass a receiver's handle",
+            ));
+        };
+        let layers = first_layer..first_layer.saturating_add(count);
+        if timeout_ms < 0 {
+            loop {
+                match r.wait_layers(layers.clone(), Duration::from_secs(60)) {
+                    Err(CacheError::Timeout { .. }) => continue,
+                    other => break other,
+                }
+            }
+        } else {
+            r.wait_layers(layers, Duration::from_millis(timeout_ms as u64))
+        }
+        .map_err(cache_fail)?;
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Writes to `landed` how many of model layers `first_layer .. first_layer
+/// + count` of a request being received have landed so far.
+/// `KVXFER_ERR_INVALID_ARGUMENT` for a sender's handle.
+///
+/// # Safety
+/// `handle` is a handle from `kvxfer_cache_receiver_request` (checked);
+/// `landed` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_cache_layers_landed(
+    handle: *const kvxfer_cache_handle,
+    first_layer: u32,
+    count: u32,
+    landed: *mut u32,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let h = unsafe { live(handle, Kind::CacheHandle, "handle")? };
+        non_null(landed, "landed")?;
+        let HandleKind::Recv(r) = &h.inner else {
+            return Err(Fail::new(
+                KVXFER_ERR_INVALID_ARGUMENT,
+                "layers land on the generation side: pass a receiver's handle",
+            ));
+        };
+        let want = first_layer..first_layer.saturating_add(count);
+        let n: u32 = r
+            .layers_landed()
+            .iter()
+            .map(|(run, _)| run.start.max(want.start)..run.end.min(want.end))
+            .map(|part| part.len() as u32)
+            .sum();
+        // SAFETY: non-null and valid for a write per the contract.
+        unsafe { *landed = n };
         Ok(KVXFER_OK)
     })
 }

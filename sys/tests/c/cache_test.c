@@ -110,6 +110,39 @@ int main(void) {
   for (size_t k = 0; k < gen_block; k++) touched += gen_pool[gen_block + k] != 0;
   EXPECT(touched == 0);
 
+  /* Request 10, layer by layer, the last layer first: each lands before
+   * the next is ready. */
+  memset(gen_pool, 0, BLOCKS * gen_block * sizeof(uint32_t));
+  CHECK(kvxfer_cache_receiver_request(rcv, 10, 0, gen_blocks, 3, &rh));
+  for (int r = 0; r < 2; r++) CHECK(kvxfer_cache_sender_begin(snd[r], 10, ctx_blocks[r], 3, &sh[r]));
+  uint32_t landed = 99;
+  CHECK(kvxfer_cache_layers_landed(rh, 0, LAYERS, &landed));
+  EXPECT(landed == 0);
+  EXPECT(kvxfer_cache_wait_layers(rh, 0, LAYERS, 50) == KVXFER_ERR_TIMEOUT);
+  EXPECT(kvxfer_cache_sender_layers_ready(snd[0], 10, LAYERS, 1) == KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT(kvxfer_cache_sender_layers_ready(snd[0], 10, 0, 0) == KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT(kvxfer_cache_sender_layers_ready(snd[0], 11, 0, 1) == KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT(kvxfer_cache_wait_layers(sh[0], 0, 1, 0) == KVXFER_ERR_INVALID_ARGUMENT);
+  for (int l = LAYERS - 1; l >= 0; l--) {
+    for (int r = 0; r < 2; r++) CHECK(kvxfer_cache_sender_layers_ready(snd[r], 10, (uint32_t)l, 1));
+    CHECK(kvxfer_cache_wait_layers(rh, (uint32_t)l, 1, 30000));
+    CHECK(kvxfer_cache_layers_landed(rh, 0, LAYERS, &landed));
+    EXPECT(landed == (uint32_t)(LAYERS - l));
+    /* The layer's elements are in place, the layers not ready are not. */
+    for (uint32_t ll = 0; ll < LAYERS; ll++) {
+      uint32_t got = gen_pool[dst[0] * gen_block + at(HEADS, ll, 1, 3, 2, 5)];
+      uint32_t want = ll >= (uint32_t)l ? value(ll, 1, 3, 2 + TOKENS, 5) : 0;
+      EXPECT(got == want);
+    }
+  }
+  for (int r = 0; r < 2; r++) {
+    CHECK(kvxfer_cache_wait(sh[r], 30000, NULL));
+    CHECK(kvxfer_cache_handle_free(sh[r]));
+  }
+  CHECK(kvxfer_cache_wait(rh, 30000, &st));
+  EXPECT(st.bytes == 3 * gen_block * sizeof(uint32_t));
+  CHECK(kvxfer_cache_handle_free(rh));
+
   /* Bad calls. */
   kvxfer_cache_state bad = layout(HEADS, 3);
   kvxfer_cache_sender *none = NULL;

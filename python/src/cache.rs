@@ -255,6 +255,46 @@ impl PyRecvHandle {
             r => Some(r),
         })
     }
+
+    /// The runs of this rank's model layers that landed so far, in the
+    /// order they did: a list of `(start, stop)`.
+    fn layers_landed(&self) -> Vec<(u32, u32)> {
+        self.h
+            .layers_landed()
+            .into_iter()
+            .map(|(r, _)| (r.start, r.end))
+            .collect()
+    }
+
+    /// Waits until model layers `first_layer .. first_layer + count` landed
+    /// (or the request completed); raises `CacheProtocolError` on a
+    /// timeout or when the request ended without them.
+    #[pyo3(signature = (first_layer, count = 1, timeout = 60.0))]
+    fn wait_layers(
+        &self,
+        py: Python<'_>,
+        first_layer: u32,
+        count: u32,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let t = secs("timeout", timeout)?;
+        let layers = first_layer..first_layer.saturating_add(count);
+        let deadline = std::time::Instant::now() + t;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let slice = left.min(Duration::from_millis(100));
+            match py.detach(|| self.h.wait_layers(layers.clone(), slice)) {
+                Err(CacheError::Timeout { .. }) if !left.is_zero() => py.check_signals()?,
+                Err(CacheError::Timeout { .. }) => {
+                    return Err(cache_err(CacheError::Timeout {
+                        what: format!("layers {layers:?}"),
+                        after: t,
+                    }));
+                }
+                r => return r.map_err(cache_err),
+            }
+        }
+    }
 }
 
 /// The context side of the KV-cache protocol for one rank (it takes over
@@ -290,10 +330,36 @@ impl PyCacheSender {
     }
 
     /// The request's KV cache is in `blocks` (start addresses, oldest
-    /// first): each counterpart gets its share once it has asked.
+    /// first), every layer computed: each counterpart gets its share once
+    /// it has asked.
     fn send(&self, request_id: u64, blocks: Vec<u64>) -> PyResult<PySendHandle> {
         let h = self.s.send(request_id, blocks).map_err(cache_err)?;
         Ok(PySendHandle { h })
+    }
+
+    /// Layer-wise sending: the request's KV cache will be in `blocks` as
+    /// the prefill computes it; each layer is written once `layers_ready`
+    /// marks it.
+    fn begin(&self, request_id: u64, blocks: Vec<u64>) -> PyResult<PySendHandle> {
+        let h = self.s.begin(request_id, blocks).map_err(cache_err)?;
+        Ok(PySendHandle { h })
+    }
+
+    /// Model layers `first_layer .. first_layer + count` of a request given
+    /// to `begin` hold their final values (call it after their compute
+    /// finished; for GPU pools, after the stream was synchronised).
+    #[pyo3(signature = (request_id, first_layer, count = 1))]
+    fn layers_ready(&self, request_id: u64, first_layer: u32, count: u32) -> PyResult<()> {
+        self.s
+            .layers_ready(request_id, first_layer..first_layer.saturating_add(count))
+            .map_err(cache_err)
+    }
+
+    /// The model layers this rank holds: `(start, stop)`.
+    #[getter]
+    fn held_layers(&self) -> (u32, u32) {
+        let r = self.s.held_layers();
+        (r.start, r.end)
     }
 
     /// Cancels a request; returns once nothing posted can still read its

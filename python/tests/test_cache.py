@@ -50,3 +50,35 @@ def test_a_request_nobody_answers_times_out_typed():
     with pytest.raises(kvxfer.CacheProtocolError, match="timed out"):
         h.wait(30.0)
     assert bytes(buf) == bytes(len(buf))
+
+
+def test_layer_by_layer_out_of_order():
+    st = kvxfer.CacheState(4, 2, 16, 4, "bf16", tp=1)
+    c = kvxfer.Agent("py-lw-ctx")
+    g = kvxfer.Agent("py-lw-gen")
+    bb = kvxfer.block_bytes(st, 0, st)
+    src = bytearray(bb * 2)
+    dst = bytearray(bb * 2)
+    for b in range(2):
+        kvxfer.pattern_fill(st, 0, st, src, b * bb, b)
+    rs = c.register(src)
+    rd = g.register(dst)
+    s = kvxfer.CacheSender(c, st, 0)
+    r = kvxfer.CacheReceiver(g, st, 0, st, [c.connection_info()])
+    assert s.held_layers == (0, 4)
+    h = r.request(5, [rd.addr, rd.addr + bb])
+    sh = s.begin(5, [rs.addr, rs.addr + bb])
+    assert h.layers_landed() == []
+    with pytest.raises(kvxfer.CacheProtocolError, match="layers"):
+        s.layers_ready(5, 4)
+    with pytest.raises(kvxfer.CacheProtocolError, match="unknown request"):
+        s.layers_ready(6, 0)
+    # Each layer lands before the next is ready.
+    for n, layer in enumerate((2, 0, 3, 1)):
+        s.layers_ready(5, layer)
+        h.wait_layers(layer, timeout=30.0)
+        assert len(h.layers_landed()) == n + 1
+        assert (layer, layer + 1) in h.layers_landed()
+    assert sh.wait(30.0)["bytes"] == h.wait(30.0)["bytes"] == 2 * bb
+    for b in range(2):
+        assert kvxfer.pattern_check(st, 0, st, dst, b * bb, b, 8) is None

@@ -9,7 +9,8 @@
 mod suite;
 
 use std::process::Command;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use kvxfer::gpu::{self, GpuError};
 
@@ -486,4 +487,160 @@ fn gpu_read_runs_end_at_what_they_cannot_take() {
     for back in &backs {
         assert!(back == &p.src);
     }
+}
+
+/// A driver entry point of the stand-in, for the test to play the serving
+/// engine (streams, events, asynchronous copies).
+fn entry<T: Copy>(name: &[u8]) -> T {
+    // SAFETY: the caller names the symbol's true signature.
+    *unsafe { stand_in().get::<T>(name) }.unwrap()
+}
+
+type Create = unsafe extern "C" fn(*mut *mut std::ffi::c_void, u32) -> u32;
+type Record = unsafe extern "C" fn(*mut std::ffi::c_void, *mut std::ffi::c_void) -> u32;
+type CopyAsync = unsafe extern "C" fn(u64, u64, usize, *mut std::ffi::c_void) -> u32;
+
+/// The "compute" of a layer: a device-to-device copy on `stream`, then an
+/// event recorded after it.
+fn compute_then_event(
+    stream: *mut std::ffi::c_void,
+    into: &gpu::DeviceBuffer,
+    from: &gpu::DeviceBuffer,
+) -> gpu::CudaEvent {
+    let mut ev = std::ptr::null_mut();
+    // SAFETY: the stand-in's cuEventCreate, cuMemcpyAsync and cuEventRecord
+    // with live buffers, stream and event.
+    unsafe {
+        assert_eq!(entry::<Create>(b"cuEventCreate")(&mut ev, 0), 0);
+        let copy = entry::<CopyAsync>(b"cuMemcpyAsync");
+        assert_eq!(
+            copy(into.addr(), from.addr(), into.len() as usize, stream),
+            0
+        );
+        assert_eq!(entry::<Record>(b"cuEventRecord")(ev, stream), 0);
+        // The event stays alive for the test's length (never destroyed).
+        gpu::CudaEvent::from_raw(ev as u64, 0)
+    }
+}
+
+/// Layer-wise sending after CUDA events: a layer marked ready after an
+/// event is written only once the work recorded before it ran, and a fault
+/// in that work fails the request.
+#[test]
+fn layers_ready_after_their_cuda_event() {
+    use kvxfer::cache::{
+        CacheError, CacheReceiver, CacheSender, CacheState, DataType, RecvRequest, SenderConfig,
+        distinct_heads, rank_slice,
+    };
+    use kvxfer::{AgentConfig, Backend, MemoryDescs};
+    stand_in();
+    let into = gpu::DeviceBuffer::new(0, 1 << 16).unwrap();
+    let from = gpu::DeviceBuffer::new(0, 1 << 16).unwrap();
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: the stand-in's cuStreamCreate (its context is current: the
+    // buffers above bound it).
+    let made = unsafe { entry::<Create>(b"cuStreamCreate")(&mut stream, 0) };
+    assert_eq!(made, 0);
+
+    // TP1 -> TP1, two layers, host pools over TCP.
+    let st = CacheState::new(
+        2,
+        2,
+        16,
+        4,
+        DataType::Bf16,
+        kvxfer::cache::Attention::Default,
+        1,
+        1,
+    );
+    let slice = rank_slice(&st, 0, distinct_heads(&st, &st));
+    let bb = slice.block_bytes() as usize;
+    let agent = |n: &str| -> Arc<dyn kvxfer::TransferAgent> {
+        Arc::from(kvxfer::make_transfer_agent(Backend::Tcp, AgentConfig::new(n)).unwrap())
+    };
+    let (ca, ga) = (agent("ev-ctx"), agent("ev-gen"));
+    let mut src = vec![0u8; 2 * bb];
+    for b in 0..2 {
+        kvxfer::cache::pattern::fill_block(&st, &slice, &mut src[b * bb..(b + 1) * bb], b as u32);
+    }
+    let dst = vec![0u8; 2 * bb];
+    // SAFETY: the pools outlive the agents' use (the sender and receiver
+    // are dropped first, below).
+    unsafe {
+        ca.register_memory(&MemoryDescs::dram(&src)).unwrap();
+        ga.register_memory(&MemoryDescs::dram(&dst)).unwrap();
+    }
+    let sender = CacheSender::new(
+        Arc::clone(&ca),
+        st.clone(),
+        0,
+        None,
+        SenderConfig {
+            timeout: Duration::from_secs(20),
+            ..SenderConfig::default()
+        },
+    )
+    .unwrap();
+    let receiver = CacheReceiver::new(
+        Arc::clone(&ga),
+        st.clone(),
+        0,
+        st.clone(),
+        &[ca.local_connection_info()],
+        kvxfer::cache::ReceiverConfig::default(),
+    )
+    .unwrap();
+    let addrs = |v: &[u8]| vec![v.as_ptr() as u64, v.as_ptr() as u64 + bb as u64];
+    let ask = |id| {
+        receiver
+            .request(RecvRequest {
+                request_id: id,
+                ctx_dp_rank: 0,
+                blocks: addrs(&dst),
+                last_block_key: None,
+            })
+            .unwrap()
+    };
+    let wait = Duration::from_secs(60);
+
+    let rh = ask(1);
+    let sh = sender.begin(1, addrs(&src)).unwrap();
+    let held = hold(into.addr());
+    let ev = compute_then_event(stream, &into, &from);
+    sender.layers_ready_after(1, 0..1, ev).unwrap();
+    assert!(matches!(
+        sender.layers_ready_after(1, 1..3, ev),
+        Err(CacheError::LayersOutOfRange { .. })
+    ));
+    sender.layers_ready(1, 1..2).unwrap();
+    rh.wait_layers(1..2, wait).unwrap();
+    // Layer 0's compute is held: it cannot have been written.
+    assert_eq!(rh.layers_landed().len(), 1);
+    assert!(!rh.is_done());
+    drop(held);
+    rh.wait_layers(0..1, wait).unwrap();
+    sh.wait(wait).unwrap();
+    rh.wait(wait).unwrap();
+    for b in 0..2 {
+        let blk = &dst[b * bb..(b + 1) * bb];
+        assert_eq!(
+            kvxfer::cache::pattern::check_block(&st, &slice, blk, b as u32, 8),
+            None
+        );
+    }
+
+    // A fault in the layer's compute fails the request on both sides.
+    let rh = ask(2);
+    let sh = sender.begin(2, addrs(&src)).unwrap();
+    fail_copy_with(into.addr());
+    let ev = compute_then_event(stream, &into, &from);
+    sender.layers_ready_after(2, 0..2, ev).unwrap();
+    let e = sh.wait(wait).unwrap_err();
+    assert!(
+        matches!(&e, CacheError::Transfer(kvxfer::Error::Gpu(_))),
+        "{e}"
+    );
+    assert!(rh.wait(wait).is_err());
+    drop(receiver);
+    drop(sender);
 }

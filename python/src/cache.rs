@@ -347,12 +347,31 @@ impl PyCacheSender {
 
     /// Model layers `first_layer .. first_layer + count` of a request given
     /// to `begin` hold their final values (call it after their compute
-    /// finished; for GPU pools, after the stream was synchronised).
-    #[pyo3(signature = (request_id, first_layer, count = 1))]
-    fn layers_ready(&self, request_id: u64, first_layer: u32, count: u32) -> PyResult<()> {
-        self.s
-            .layers_ready(request_id, first_layer..first_layer.saturating_add(count))
-            .map_err(cache_err)
+    /// finished). For GPU pools, pass the CUDA event recorded after their
+    /// compute (`cuda_event`: `torch.cuda.Event().cuda_event`, of device
+    /// `device`, kept alive until then): they are written once it
+    /// completed, and this returns at once.
+    #[pyo3(signature = (request_id, first_layer, count = 1, cuda_event = None, device = 0))]
+    fn layers_ready(
+        &self,
+        request_id: u64,
+        first_layer: u32,
+        count: u32,
+        cuda_event: Option<u64>,
+        device: u32,
+    ) -> PyResult<()> {
+        let layers = first_layer..first_layer.saturating_add(count);
+        match cuda_event {
+            None => self.s.layers_ready(request_id, layers),
+            Some(0) => return Err(PyValueError::new_err("cuda_event is a null handle")),
+            Some(raw) => {
+                // SAFETY: the caller passes a live event of `device`'s
+                // primary context (documented).
+                let event = unsafe { kvxfer::gpu::CudaEvent::from_raw(raw, device) };
+                self.s.layers_ready_after(request_id, layers, event)
+            }
+        }
+        .map_err(cache_err)
     }
 
     /// The model layers this rank holds: `(start, stop)`.

@@ -160,7 +160,15 @@ struct Shared {
     finished: Arc<AtomicBool>,
     /// Wakes the protocol thread from its wait on the agent's messages.
     waker: crate::agent::SyncWaker,
+    /// Layers waiting for a CUDA event, for the thread that waits on them
+    /// (started with the first).
+    #[cfg(feature = "cuda")]
+    gpu_waits: Mutex<Option<crossbeam_channel::Sender<GpuWait>>>,
 }
+
+/// Layers to mark ready once a CUDA event completed.
+#[cfg(feature = "cuda")]
+type GpuWait = (u64, Range<u32>, crate::gpu::CudaEvent);
 
 impl Shared {
     /// Runs `f` on the machine, then hands its outcomes to the handles and
@@ -307,6 +315,8 @@ impl CacheSender {
             stop: AtomicBool::new(false),
             finished: Arc::new(AtomicBool::new(false)),
             waker: agent.sync_waker(),
+            #[cfg(feature = "cuda")]
+            gpu_waits: Mutex::new(None),
             agent,
         });
         let s = Arc::clone(&shared);
@@ -359,6 +369,59 @@ impl CacheSender {
         s.flush();
         s.agent.wake_sync_waiters();
         Ok(())
+    }
+
+    /// As [`layers_ready`](Self::layers_ready), once the GPU work
+    /// recorded before `event` completed (the layers' compute on the
+    /// prefill's stream): returns at once; one thread of this sender waits
+    /// on the events, in the order given (`cuEventSynchronize`). A fault in
+    /// that work fails the request (`Transfer(Gpu)`). An event that never
+    /// completes holds the layers (and those after it) back until the
+    /// request's timeout; the waiting thread then ends with the event.
+    ///
+    /// # Errors
+    /// As [`layers_ready`](Self::layers_ready), checked now.
+    #[cfg(feature = "cuda")]
+    pub fn layers_ready_after(
+        &self,
+        request_id: u64,
+        layers: Range<u32>,
+        event: crate::gpu::CudaEvent,
+    ) -> Result<(), CacheError> {
+        lock(&self.shared.core)
+            .m
+            .check_layers(request_id, &layers)?;
+        let mut waits = lock(&self.shared.gpu_waits);
+        if waits.is_none() {
+            let (tx, rx) = crossbeam_channel::unbounded::<GpuWait>();
+            let s = Arc::clone(&self.shared);
+            std::thread::Builder::new()
+                .name(format!("kvxfer-cache-gpu-{}", s.rank))
+                .spawn(move || {
+                    for (id, layers, event) in rx {
+                        let now = || Instant::now();
+                        match event.synchronize() {
+                            Ok(()) => {
+                                // The request may have ended meanwhile.
+                                let _ = s.with_core(|c| c.m.layers_ready(id, layers, now()));
+                            }
+                            Err(e) => s.with_core(|c| {
+                                let e = CacheError::Transfer(crate::Error::Gpu(e));
+                                c.m.fail(id, e, now());
+                            }),
+                        }
+                        s.flush();
+                        s.agent.wake_sync_waiters();
+                    }
+                })
+                .map_err(|e| CacheError::Transfer(crate::Error::Io(Arc::new(e))))?;
+            *waits = Some(tx);
+        }
+        waits
+            .as_ref()
+            .expect("started")
+            .send((request_id, layers, event))
+            .map_err(|_| CacheError::Closed)
     }
 
     /// The model layers this rank holds.
@@ -460,6 +523,10 @@ impl Drop for CacheSender {
     /// Stops the thread and joins it; requests still open fail with
     /// `Closed` (after their posted writes finished or timed out).
     fn drop(&mut self) {
+        // The GPU-event thread ends after the waits it has (not joined: a
+        // wait on an event that never completes has no end).
+        #[cfg(feature = "cuda")]
+        lock(&self.shared.gpu_waits).take();
         self.shared.stop.store(true, Ordering::Relaxed);
         self.shared.agent.wake_sync_waiters();
         if let Some(t) = self.thread.take() {

@@ -589,6 +589,42 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// A CUDA event the caller recorded on a stream of device `device`'s
+/// primary context (`torch.cuda.Event`'s handle, a `cudaEvent_t`): work
+/// that may go once the stream reached it waits for it
+/// ([`CacheSender::layers_ready_after`](crate::cache::CacheSender::layers_ready_after)).
+#[derive(Clone, Copy, Debug)]
+pub struct CudaEvent {
+    raw: u64,
+    device: u32,
+}
+
+impl CudaEvent {
+    /// The event whose handle is `raw`, of device `device`.
+    ///
+    /// # Safety
+    /// `raw` is a `CUevent` of `device`'s primary context, and stays valid
+    /// (not destroyed) until the wait on it ended.
+    pub unsafe fn from_raw(raw: u64, device: u32) -> Self {
+        Self { raw, device }
+    }
+
+    /// Blocks the calling thread until the work recorded before the event
+    /// completed (`cuEventSynchronize`; a `CU_EVENT_BLOCKING_SYNC` event
+    /// sleeps instead of spinning).
+    ///
+    /// # Errors
+    /// [`GpuError::NoDriver`]; the driver's error for a fault in that work.
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        let cuda = driver()?;
+        cuda.bind(self.device)?;
+        // SAFETY: a live event of this context, per `from_raw`'s contract.
+        check("cuEventSynchronize", unsafe {
+            cu::cuEventSynchronize(self.raw as cu::CUevent)
+        })
+    }
+}
+
 /// The device ordinal of the GPU memory at `addr` (as a `__cuda_array_interface__`
 /// pointer does not say).
 ///

@@ -58,7 +58,7 @@ pub(crate) fn nearest_nic(_gpu: u32) -> Option<String> {
     None
 }
 #[cfg(feature = "cuda")]
-pub use cuda::{DeviceBuffer, DeviceProbe, Probe, device_of, probe};
+pub use cuda::{CudaEvent, DeviceBuffer, DeviceProbe, Probe, device_of, probe};
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::{IpcMapping, driver, register_rdma};
 #[cfg(feature = "cuda")]

@@ -766,6 +766,24 @@ enum kvxfer_result kvxfer_cache_sender_layers_ready(const struct kvxfer_cache_se
                                                     uint32_t first_layer,
                                                     uint32_t count);
 
+// As `kvxfer_cache_sender_layers_ready`, once the GPU work recorded
+// before `cuda_event` (a `CUevent` / `cudaEvent_t` of device `device`'s
+// primary context, alive until then) completed: returns at once; one
+// thread of the sender waits on the events in the order given. A fault
+// in that work fails the request. Bad layers or request:
+// `KVXFER_ERR_INVALID_ARGUMENT`, checked now.
+//
+// # Safety
+// `sender` is a handle from `kvxfer_cache_sender_new` (checked);
+// `cuda_event` is a live event of that context and stays so until the
+// layers are marked.
+enum kvxfer_result kvxfer_cache_sender_layers_ready_after(const struct kvxfer_cache_sender *sender,
+                                                          uint64_t request_id,
+                                                          uint32_t first_layer,
+                                                          uint32_t count,
+                                                          void *cuda_event,
+                                                          uint32_t device);
+
 // Cancels a request being sent: returns once nothing of it is in flight
 // (the context blocks may be reused at once).
 //

@@ -261,6 +261,40 @@ pub unsafe extern "C" fn kvxfer_cache_sender_layers_ready(
     })
 }
 
+/// As `kvxfer_cache_sender_layers_ready`, once the GPU work recorded
+/// before `cuda_event` (a `CUevent` / `cudaEvent_t` of device `device`'s
+/// primary context, alive until then) completed: returns at once; one
+/// thread of the sender waits on the events in the order given. A fault
+/// in that work fails the request. Bad layers or request:
+/// `KVXFER_ERR_INVALID_ARGUMENT`, checked now.
+///
+/// # Safety
+/// `sender` is a handle from `kvxfer_cache_sender_new` (checked);
+/// `cuda_event` is a live event of that context and stays so until the
+/// layers are marked.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_cache_sender_layers_ready_after(
+    sender: *const kvxfer_cache_sender,
+    request_id: u64,
+    first_layer: u32,
+    count: u32,
+    cuda_event: *mut std::ffi::c_void,
+    device: u32,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let s = unsafe { live(sender, Kind::CacheSender, "sender")? };
+        non_null(cuda_event, "cuda_event")?;
+        let layers = first_layer..first_layer.saturating_add(count);
+        // SAFETY: the caller's contract on `cuda_event`.
+        let event = unsafe { kvxfer_core::gpu::CudaEvent::from_raw(cuda_event as u64, device) };
+        s.sender
+            .layers_ready_after(request_id, layers, event)
+            .map_err(cache_fail)?;
+        Ok(KVXFER_OK)
+    })
+}
+
 /// `kvxfer_cache_sender_send` (`all_ready`) or `_begin`.
 ///
 /// # Safety

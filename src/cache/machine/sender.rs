@@ -254,25 +254,45 @@ impl SenderMachine {
         layers: Range<u32>,
         now: Instant,
     ) -> Result<(), CacheError> {
+        self.check_layers(request_id, &layers)?;
         let held = self.held_layers();
-        if layers.is_empty() || layers.start < held.start || layers.end > held.end {
-            return Err(CacheError::LayersOutOfRange { layers, held });
-        }
         let Some(r) = self.reqs.get_mut(&request_id) else {
-            if self.finished_set.contains(&request_id) {
-                return Ok(());
-            }
-            return Err(CacheError::UnknownRequest(request_id));
+            // It already ended.
+            return Ok(());
         };
-        if r.blocks.is_none() {
-            return Err(CacheError::UnknownRequest(request_id));
-        }
         let from = (layers.start - held.start) as usize;
         let to = (layers.end - held.start) as usize;
         r.ready[from..to].fill(true);
         self.release(request_id, now);
         self.progress(request_id, now);
         Ok(())
+    }
+
+    /// Whether [`layers_ready`](Self::layers_ready) would take `layers`
+    /// of `request_id`, without marking them.
+    ///
+    /// # Errors
+    /// As [`layers_ready`](Self::layers_ready).
+    pub fn check_layers(&self, request_id: u64, layers: &Range<u32>) -> Result<(), CacheError> {
+        let held = self.held_layers();
+        if layers.is_empty() || layers.start < held.start || layers.end > held.end {
+            return Err(CacheError::LayersOutOfRange {
+                layers: layers.clone(),
+                held,
+            });
+        }
+        match self.reqs.get(&request_id) {
+            Some(r) if r.blocks.is_some() => Ok(()),
+            None if self.finished_set.contains(&request_id) => Ok(()),
+            _ => Err(CacheError::UnknownRequest(request_id)),
+        }
+    }
+
+    /// Fails an open request with `why` (as a cancel does: nothing new is
+    /// posted, what is posted is aborted, the counterparts are told);
+    /// unknown ids are ignored.
+    pub fn fail(&mut self, request_id: u64, why: CacheError, now: Instant) {
+        self.cancel_with(request_id, why, now);
     }
 
     /// The model layers this rank holds.

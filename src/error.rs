@@ -14,6 +14,56 @@ use std::time::Duration;
 use crate::desc::DescError;
 use crate::memory::{MemoryDesc, MemoryType};
 
+/// What of a refused request's data reached its destination.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Landed {
+    /// Not a byte: every piece was refused before any was written.
+    Nothing,
+    /// Some pieces landed whole, the others not at all (a deregistration
+    /// in the middle of the request).
+    Partly,
+    /// Every byte landed; what was refused came after the data (its sync
+    /// message, or a commit after its grants expired).
+    All,
+    /// The target did not say: a refused READ, a link the target closed,
+    /// or a target that predates the report.
+    Unknown,
+}
+
+impl Landed {
+    /// The code carried in an `Ack` frame's `aux` (0: unknown).
+    pub(crate) fn code(self) -> u32 {
+        match self {
+            Landed::Unknown => 0,
+            Landed::Nothing => 1,
+            Landed::Partly => 2,
+            Landed::All => 3,
+        }
+    }
+
+    /// The report a code carries (an unknown code: `Unknown`).
+    pub(crate) fn from_code(c: u32) -> Self {
+        match c {
+            1 => Landed::Nothing,
+            2 => Landed::Partly,
+            3 => Landed::All,
+            _ => Landed::Unknown,
+        }
+    }
+}
+
+impl std::fmt::Display for Landed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Landed::Nothing => "not a byte of it landed",
+            Landed::Partly => "part of it landed",
+            Landed::All => "all of its data landed",
+            Landed::Unknown => "what landed is unknown",
+        })
+    }
+}
+
 /// Why a remote agent refused part of a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -317,13 +367,16 @@ pub enum Error {
         reason: String,
     },
     /// The remote agent refused (part of) the request; nothing of the
-    /// refused range was touched.
-    #[error("remote agent {remote:?} rejected the request: {reason}")]
+    /// refused range was touched, and `landed` says what of the request
+    /// was.
+    #[error("remote agent {remote:?} rejected the request: {reason} ({landed})")]
     RemoteRejected {
         /// The remote agent.
         remote: String,
         /// Why it refused.
         reason: RejectReason,
+        /// What of the request's data reached its destination.
+        landed: Landed,
     },
     /// The remote agent's process is not the one the loaded descriptor
     /// describes (it restarted); reload its descriptor.

@@ -103,7 +103,7 @@ pub use desc::{
     AgentDesc, BackendKind, DescError, ExportedRegion, GpuAccess, IpcExport, LocalAccess,
 };
 pub use engine::make_transfer_agent;
-pub use error::{Error, RejectReason};
+pub use error::{Error, Landed, RejectReason};
 pub use events::CompletionQueue;
 pub use indexed::{IndexedRequest, PreparedDescList};
 pub use memory::{MemoryDesc, MemoryDescs, MemoryType};

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvxfer::{
-    AgentDesc, Backend, DescError, Error, MemoryDescs, RejectReason, TransferRequest, TransferState,
+    AgentDesc, Backend, DescError, Error, Landed, MemoryDescs, RejectReason, TransferRequest,
+    TransferState,
 };
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -812,12 +813,14 @@ fn write_after_target_deregistered_is_rejected() {
 /// The target deregisters its region while a large WRITE into it is
 /// arriving: either the deregistration is refused (the region is busy) and
 /// the write completes, or the rest of the write is refused and the request
-/// fails with a rejection — never a broken connection: a notification on
-/// the same link goes through afterwards.
+/// fails with a rejection that says what landed, as the target's memory
+/// shows — never a broken connection: a notification on the same link
+/// goes through afterwards.
 #[test]
 fn deregistration_during_an_inbound_write_is_clean() {
     let size: u64 = 64 << 20;
-    let src = vec![0x5au8; size as usize];
+    let mut src = vec![0u8; size as usize];
+    fill(&mut src, 7, 0);
     for round in 0..3 {
         let mut peer = PeerProc::spawn("target", size, 3, &[]);
         let (agent, name) = connect(&peer, &src);
@@ -829,19 +832,31 @@ fn deregistration_during_an_inbound_write_is_clean() {
             ))
             .unwrap();
         let dereg = peer.cmd("dereg");
+        // Bytes of the target's region still its own, and bytes written.
+        let mut count =
+            |seed: u64| -> u64 { peer.cmd(&format!("count {seed} 0 {size}")).parse().unwrap() };
         match (st.wait(WAIT), dereg.as_str()) {
-            (Ok(TransferState::Completed), _) => {}
+            (Ok(TransferState::Completed), _) => assert_eq!(count(7), size),
             (
-                Err(
-                    Error::RemoteRejected {
-                        reason: RejectReason::NotRegistered,
-                        ..
-                    }
-                    | Error::RdmaCompletion {
-                        status: "IBV_WC_REM_ACCESS_ERR",
-                        ..
-                    },
-                ),
+                Err(Error::RemoteRejected {
+                    reason: RejectReason::NotRegistered,
+                    landed,
+                    ..
+                }),
+                "OK",
+            ) => {
+                let (own, written) = (count(3), count(7));
+                match landed {
+                    Landed::Nothing => assert_eq!(own, size, "round {round}"),
+                    Landed::Partly => assert!(own < size && written < size, "round {round}"),
+                    other => panic!("round {round}: {other:?} ({own} own, {written} written)"),
+                }
+            }
+            (
+                Err(Error::RdmaCompletion {
+                    status: "IBV_WC_REM_ACCESS_ERR",
+                    ..
+                }),
                 "OK",
             ) => {}
             (other, d) => panic!("round {round}: write {other:?}, deregistration {d}"),

@@ -411,9 +411,11 @@ impl CmaLink {
             self.complete_event(
                 req,
                 pending,
+                // Refused grants: nothing was copied.
                 Err(Error::RemoteRejected {
                     remote: self.remote.clone(),
                     reason: RejectReason::from_code(st),
+                    landed: crate::error::Landed::Nothing,
                 }),
             );
             return Ok(CmaOutcome::Done);

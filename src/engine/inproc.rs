@@ -105,9 +105,11 @@ impl LocalLink {
         if !*open || target.closing.load(Ordering::Acquire) {
             return Err(gone(&self.remote));
         }
+        // Every admission, and the message's room, before any copy.
         let refused = |reason| Error::RemoteRejected {
             remote: self.remote.clone(),
             reason,
+            landed: crate::error::Landed::Nothing,
         };
         let mut holds: Few<RegionGuard> = Few::new();
         for (d, &key) in req.remote.descs.iter().zip(&resolved.keys) {

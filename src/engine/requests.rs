@@ -11,11 +11,13 @@
 
 use std::collections::HashMap;
 
-use crate::error::RejectReason;
+use crate::error::{Landed, RejectReason};
 
 #[derive(Debug)]
 struct RequestProgress<M> {
     done: u64,
+    /// Of `done`, the segments refused.
+    refused: u64,
     expected: Option<u64>,
     error: Option<RejectReason>,
     sync: Option<M>,
@@ -25,6 +27,7 @@ impl<M> Default for RequestProgress<M> {
     fn default() -> Self {
         Self {
             done: 0,
+            refused: 0,
             expected: None,
             error: None,
             sync: None,
@@ -39,6 +42,8 @@ pub(crate) struct Finished<M = Vec<u8>> {
     pub(crate) req: u64,
     /// First refusal among the request's segments, if any.
     pub(crate) outcome: Result<(), RejectReason>,
+    /// What of its data landed (`All` when nothing was refused).
+    pub(crate) landed: crate::error::Landed,
     /// The sync message to deliver (only present on success).
     pub(crate) sync: Option<M>,
 }
@@ -86,6 +91,7 @@ impl<M> RequestTable<M> {
         p.done = p.done.saturating_add(n);
         if let Err(r) = result {
             p.error.get_or_insert(r);
+            p.refused = p.refused.saturating_add(n);
         }
         Ok(self.try_finish(req))
     }
@@ -122,7 +128,19 @@ impl<M> RequestTable<M> {
             None => Ok(()),
         };
         let sync = if outcome.is_ok() { p.sync } else { None };
-        Some(Finished { req, outcome, sync })
+        // A refusal of no segment (the sync message, a late commit) came
+        // after all of the data.
+        let landed = match p.refused {
+            0 => Landed::All,
+            r if r >= p.done => Landed::Nothing,
+            _ => Landed::Partly,
+        };
+        Some(Finished {
+            req,
+            outcome,
+            landed,
+            sync,
+        })
     }
 
     /// Requests still open.
@@ -149,6 +167,31 @@ mod tests {
         assert_eq!(f.outcome, Ok(()));
         assert_eq!(f.sync.as_deref(), Some(&b"hi"[..]));
         assert_eq!(t.open_count(), 0);
+    }
+
+    #[test]
+    fn a_refusal_says_what_landed() {
+        let mut t: RequestTable = RequestTable::default();
+        // Refused at its first segment, every segment: nothing landed.
+        t.segments(1, 2, Err(RejectReason::NotRegistered)).unwrap();
+        let f = t.commit(1, 2, None).unwrap().unwrap();
+        assert_eq!(f.landed, Landed::Nothing);
+        // A deregistration in the middle.
+        t.segments(2, 3, Ok(())).unwrap();
+        t.segments(2, 1, Err(RejectReason::NotRegistered)).unwrap();
+        let f = t.commit(2, 4, None).unwrap().unwrap();
+        assert_eq!(
+            (f.outcome, f.landed),
+            (Err(RejectReason::NotRegistered), Landed::Partly)
+        );
+        // Only the message refused, after every segment landed.
+        t.segments(3, 2, Ok(())).unwrap();
+        t.segments(3, 0, Err(RejectReason::InboxFull)).unwrap();
+        let f = t.commit(3, 2, Some(vec![1])).unwrap().unwrap();
+        assert_eq!(
+            (f.outcome, f.landed, f.sync),
+            (Err(RejectReason::InboxFull), Landed::All, None)
+        );
     }
 
     #[test]

@@ -145,9 +145,11 @@ fn reserve(inner: &Inner, me: &str, len: usize) -> Result<Reservation, Error> {
     inner
         .inbox
         .reserve(me, len as u64)
+        // Reserved before any I/O.
         .map_err(|reason| Error::RemoteRejected {
             remote: me.to_owned(),
             reason,
+            landed: crate::error::Landed::Nothing,
         })
 }
 

@@ -903,6 +903,7 @@ impl Inner {
             &[Frame::Ack {
                 req: f.req,
                 status: st,
+                landed: f.landed.code(),
             }
             .encode()],
             clock,

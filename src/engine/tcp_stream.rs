@@ -554,6 +554,7 @@ impl<P: SocketPath> SocketLink<P> {
                         Err(Error::RemoteRejected {
                             remote: self.remote.clone(),
                             reason: RejectReason::from_code(st),
+                            landed: crate::error::Landed::Unknown,
                         })
                     };
                     self.complete_event(req, &slot.pending, result);
@@ -567,7 +568,11 @@ impl<P: SocketPath> SocketLink<P> {
                         return Err(self.violation("second grant answer for a request"));
                     }
                 }
-                Frame::Ack { req, status: st } => {
+                Frame::Ack {
+                    req,
+                    status: st,
+                    landed,
+                } => {
                     let p = lock(&self.pending).map.get(&req).cloned();
                     let Some(p) = p else {
                         return Err(self.violation("acknowledgement for an unknown request"));
@@ -579,6 +584,7 @@ impl<P: SocketPath> SocketLink<P> {
                             reason => Err(Error::RemoteRejected {
                                 remote: self.remote.clone(),
                                 reason,
+                                landed: crate::error::Landed::from_code(landed),
                             }),
                         },
                     };
@@ -590,6 +596,7 @@ impl<P: SocketPath> SocketLink<P> {
                     return Err(Error::RemoteRejected {
                         remote: self.remote.clone(),
                         reason: RejectReason::from_code(st),
+                        landed: crate::error::Landed::Unknown,
                     });
                 }
                 other => return Err(self.violation(&format!("unexpected frame {other:?}"))),

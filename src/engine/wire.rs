@@ -371,6 +371,9 @@ pub enum Frame {
         req: u64,
         /// `status::OK` or a reject code.
         status: u16,
+        /// With a reject code: what of the data landed
+        /// ([`Landed::code`](crate::error::Landed); 0 unknown).
+        landed: u32,
     },
 }
 
@@ -655,10 +658,15 @@ impl Frame {
                 h.id = req.into();
                 h.status = status.into();
             }
-            Frame::Ack { req, status } => {
+            Frame::Ack {
+                req,
+                status,
+                landed,
+            } => {
                 h.kind = K_ACK;
                 h.id = req.into();
                 h.status = status.into();
+                h.aux = landed.into();
             }
         }
         let mut out = [0u8; HEADER_LEN];
@@ -879,6 +887,7 @@ impl Frame {
             K_ACK => Frame::Ack {
                 req: h.id.get(),
                 status: h.status.get(),
+                landed: h.aux.get(),
             },
             k => return Err(WireError::UnknownKind(k)),
         })
@@ -1032,7 +1041,11 @@ mod tests {
                 mtu: 0,
                 status: status::NO_RDMA,
             },
-            Frame::Ack { req: 12, status: 2 },
+            Frame::Ack {
+                req: 12,
+                status: 2,
+                landed: 2,
+            },
         ]
     }
 
@@ -1045,7 +1058,12 @@ mod tests {
 
     #[test]
     fn rejects_nonsense() {
-        let mut h = Frame::Ack { req: 1, status: 0 }.encode();
+        let mut h = Frame::Ack {
+            req: 1,
+            status: 0,
+            landed: 0,
+        }
+        .encode();
         h[0] = 200;
         assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind(200)));
         let mut w = Frame::Write {

@@ -296,5 +296,8 @@ fn a_grant_expires_without_its_commit() {
         (ack.kind, ack.id, ack.status),
         (raw::ACK, 5, ST_GRANT_EXPIRED)
     );
+    // What was granted is the initiator's to copy, before its commit: the
+    // target says so (3: all of the data; here none was written).
+    assert_eq!(ack.aux, 3);
     v.assert_untouched();
 }

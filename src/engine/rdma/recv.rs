@@ -68,7 +68,13 @@ impl SyncSink {
                 reason.code()
             }
         };
-        let ack = [Frame::Ack { req, status: st }.encode()];
+        // The message follows its data, which landed by then.
+        let ack = [Frame::Ack {
+            req,
+            status: st,
+            landed: crate::error::Landed::All.code(),
+        }
+        .encode()];
         send_frames(&self.sock, &ack, clock, self.io_timeout).is_ok()
     }
 }

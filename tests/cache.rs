@@ -910,3 +910,73 @@ fn context_rank_in_another_process() {
     assert!(child.wait().unwrap().success());
     drop(recv);
 }
+
+/// Cancelled between layer groups, from either side: both sides end the
+/// request as cancelled, the layers not yet ready are never written (the
+/// destination keeps them as they were), and marking them afterwards is a
+/// no-op.
+#[test]
+fn cancel_between_layer_groups_from_either_side() {
+    for side in ["context", "generation"] {
+        // TP2 -> TP1: the other context rank is told through the receiver.
+        let ctx_s = state(4, 4, 2, 1, DataType::F32);
+        let gen_s = state(4, 4, 1, 1, DataType::F32);
+        let mut c = cluster(
+            &format!("cl-{side}"),
+            &ctx_s,
+            &gen_s,
+            4,
+            SenderConfig::default(),
+            ReceiverConfig::default(),
+        );
+        let ids: Vec<u32> = (0..4).collect();
+        c.prefill(3, &ids);
+        let h = c.receivers[0]
+            .request(RecvRequest {
+                request_id: 3,
+                ctx_dp_rank: 0,
+                blocks: ids.iter().map(|&b| c.gen_ranks[0].block_addr(b)).collect(),
+                last_block_key: None,
+            })
+            .unwrap();
+        let sends: Vec<_> = (0..2)
+            .map(|r| {
+                let blocks = ids.iter().map(|&b| c.ctx[r].block_addr(b)).collect();
+                c.senders[r].begin(3, blocks).unwrap()
+            })
+            .collect();
+        for s in &c.senders {
+            s.layers_ready(3, 0..2).unwrap();
+        }
+        h.wait_layers(0..2, WAIT).unwrap();
+        match side {
+            "context" => c.senders[0].cancel(3).unwrap(),
+            _ => c.receivers[0].cancel(3).unwrap(),
+        }
+        for s in &sends {
+            let e = s.wait(WAIT).unwrap_err();
+            assert!(matches!(e, CacheError::Cancelled { .. }), "{side}: {e}");
+        }
+        let e = h.wait(WAIT).unwrap_err();
+        assert!(matches!(e, CacheError::Cancelled { .. }), "{side}: {e}");
+        // Every rank has ended it: a mark or a second cancel is a no-op.
+        for s in &c.senders {
+            s.layers_ready(3, 2..4).unwrap();
+            s.cancel(3).unwrap();
+        }
+        // Layers 2 and 3 were never written: the destination holds zeros
+        // there (a layer is 4 heads x 16 tokens x 8 dims x 4 bytes x K/V).
+        let layer = 2 * 4 * 16 * 8 * 4;
+        for &b in &ids {
+            let blk = c.gen_ranks[0].block(b);
+            assert!(
+                blk[2 * layer..].iter().all(|&x| x == 0),
+                "{side}: block {b}"
+            );
+            assert!(
+                blk[..2 * layer].iter().any(|&x| x != 0),
+                "{side}: block {b}"
+            );
+        }
+    }
+}

@@ -516,13 +516,8 @@ fn report(a: &KvArgs, f: &Figures<'_>) {
     });
     if a.json {
         println!(
-            "{{\"kind\":\"kv\",\"model\":\"{}\",\"backend\":\"{transport}\",\"ctx_tp\":{},\"ctx_pp\":{},\"gen_tp\":{},\"gen_pp\":{},\"tokens\":{},\"tokens_per_block\":{},\"iters\":{},\"bytes\":{per_iter},\"gb_per_s\":{kv_gbps:.4},\"raw_gb_per_s\":{raw_gbps:.4},\"ratio\":{:.4},\"fragments\":{},\"fragments_coalesced\":{},\"staging_copies\":{copies},\"peer_duration_ratio\":{peer_ratio:.3}{batched_json}}}",
-            a.model,
-            a.ctx_tp,
-            a.ctx_pp,
-            a.gen_tp,
-            a.gen_pp,
-            a.tokens,
+            "{{{},\"tokens_per_block\":{},\"iters\":{},\"bytes\":{per_iter},\"gb_per_s\":{kv_gbps:.4},\"raw_gb_per_s\":{raw_gbps:.4},\"ratio\":{:.4},\"fragments\":{},\"fragments_coalesced\":{},\"staging_copies\":{copies},\"peer_duration_ratio\":{peer_ratio:.3}{batched_json}}}",
+            run_json(a, "kv", transport),
             a.tokens_per_block,
             a.iters,
             kv_gbps / raw_gbps,
@@ -531,19 +526,31 @@ fn report(a: &KvArgs, f: &Figures<'_>) {
         );
     } else {
         println!(
-            "{} ctx TP{} PP{} -> gen TP{} PP{}, {} tokens over {transport}: {:.1} MiB per request, KV {kv_gbps:.3} GB/s, raw agents {raw_gbps:.3} GB/s, ratio {:.3}{batched_text}; {} fragments ({} after coalescing), {copies} staging copies; per-peer durations receiver/sender {peer_ratio:.2}",
-            a.model,
-            a.ctx_tp,
-            a.ctx_pp,
-            a.gen_tp,
-            a.gen_pp,
-            a.tokens,
+            "{}: {:.1} MiB per request, KV {kv_gbps:.3} GB/s, raw agents {raw_gbps:.3} GB/s, ratio {:.3}{batched_text}; {} fragments ({} after coalescing), {copies} staging copies; per-peer durations receiver/sender {peer_ratio:.2}",
+            run_text(a, transport),
             per_iter as f64 / (1 << 20) as f64,
             kv_gbps / raw_gbps,
             frags,
             coalesced,
         );
     }
+}
+
+/// The run's model, layouts and prompt as the start of a JSON object's
+/// fields.
+fn run_json(a: &KvArgs, kind: &str, transport: &str) -> String {
+    format!(
+        "\"kind\":\"{kind}\",\"model\":\"{}\",\"backend\":\"{transport}\",\"ctx_tp\":{},\"ctx_pp\":{},\"gen_tp\":{},\"gen_pp\":{},\"tokens\":{}",
+        a.model, a.ctx_tp, a.ctx_pp, a.gen_tp, a.gen_pp, a.tokens
+    )
+}
+
+/// The run's model, layouts and prompt, in words.
+fn run_text(a: &KvArgs, transport: &str) -> String {
+    format!(
+        "{} ctx TP{} PP{} -> gen TP{} PP{}, {} tokens over {transport}",
+        a.model, a.ctx_tp, a.ctx_pp, a.gen_tp, a.gen_pp, a.tokens
+    )
 }
 
 fn gen_agent_name(gen_ranks: &[Rank], g: usize) -> String {
@@ -717,13 +724,8 @@ fn run_layerwise(a: &KvArgs, x: &crate::layerwise::Executors<'_>) -> Result<()> 
     let gain = ms(f.whole_exposed) / ms(f.layerwise_exposed).max(1e-9);
     if a.json {
         println!(
-            "{{\"kind\":\"kv-layerwise\",\"model\":\"{}\",\"backend\":\"{transport}\",\"ctx_tp\":{},\"ctx_pp\":{},\"gen_tp\":{},\"gen_pp\":{},\"tokens\":{},\"layers\":{layers},\"iters\":{},\"compute_ms_per_layer\":{:.3},\"one_layer_ms\":{:.3},\"whole_exposed_ms\":{:.3},\"layerwise_exposed_ms\":{:.3},\"layerwise_over_one_layer\":{over_layer:.3},\"whole_over_layerwise\":{gain:.3},\"whole_e2e_ms\":{:.3},\"layerwise_e2e_ms\":{:.3}}}",
-            a.model,
-            a.ctx_tp,
-            a.ctx_pp,
-            a.gen_tp,
-            a.gen_pp,
-            a.tokens,
+            "{{{},\"layers\":{layers},\"iters\":{},\"compute_ms_per_layer\":{:.3},\"one_layer_ms\":{:.3},\"whole_exposed_ms\":{:.3},\"layerwise_exposed_ms\":{:.3},\"layerwise_over_one_layer\":{over_layer:.3},\"whole_over_layerwise\":{gain:.3},\"whole_e2e_ms\":{:.3},\"layerwise_e2e_ms\":{:.3}}}",
+            run_json(a, "kv-layerwise", transport),
             a.iters,
             ms(f.compute),
             ms(f.one_layer),
@@ -734,13 +736,8 @@ fn run_layerwise(a: &KvArgs, x: &crate::layerwise::Executors<'_>) -> Result<()> 
         );
     } else {
         println!(
-            "{} ctx TP{} PP{} -> gen TP{} PP{}, {} tokens over {transport}, {layers} layers of {:.2} ms compute: exposed transfer whole {:.2} ms, layer by layer {:.2} ms ({over_layer:.2}x one layer's {:.2} ms; {gain:.1}x lower); end to end {:.2} ms vs {:.2} ms",
-            a.model,
-            a.ctx_tp,
-            a.ctx_pp,
-            a.gen_tp,
-            a.gen_pp,
-            a.tokens,
+            "{}, {layers} layers of {:.2} ms compute: exposed transfer whole {:.2} ms, layer by layer {:.2} ms ({over_layer:.2}x one layer's {:.2} ms; {gain:.1}x lower); end to end {:.2} ms vs {:.2} ms",
+            run_text(a, transport),
             ms(f.compute),
             ms(f.whole_exposed),
             ms(f.layerwise_exposed),

@@ -9,6 +9,19 @@ use plotters::prelude::*;
 
 use crate::layerwise::{Mode, Timeline};
 
+/// A chart on `root` with the caption and margins both figures share.
+fn framed<'a, 'b>(
+    root: &'a DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
+    title: &str,
+) -> ChartBuilder<'a, 'b, SVGBackend<'b>> {
+    let mut b = ChartBuilder::on(root);
+    b.caption(title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50);
+    b
+}
+
 /// Draws the two rounds' timelines to `path` (SVG): when each layer was
 /// ready, when each landed on the generation side in each mode, and the
 /// exposed tails.
@@ -18,12 +31,7 @@ pub(crate) fn timeline(path: &Path, title: &str, whole: &Timeline, lw: &Timeline
     let end = ms(whole.t0, whole.complete).max(ms(lw.t0, lw.complete)) * 1.05;
     let root = SVGBackend::new(path, (960, 560)).into_drawing_area();
     root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0.0..end, 0.0..f64::from(layers))?;
+    let mut chart = framed(&root, title).build_cartesian_2d(0.0..end, 0.0..f64::from(layers))?;
     chart
         .configure_mesh()
         .x_desc("time since the prefill started (ms)")
@@ -87,12 +95,8 @@ pub(crate) fn sweep(path: &Path, title: &str, points: &[(u64, f64)]) -> Result<(
     let n = points.len();
     let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
     root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(50)
-        .build_cartesian_2d(-0.5..n as f64 - 0.5, 0.0..top.max(0.001))?;
+    let mut chart =
+        framed(&root, title).build_cartesian_2d(-0.5..n as f64 - 0.5, 0.0..top.max(0.001))?;
     let label = |v: &f64| {
         let i = v.round();
         if (v - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < n {

@@ -201,13 +201,16 @@ fn control(name: &[u8]) -> unsafe extern "C" fn(u64) -> u64 {
 }
 
 /// Holds the copies into or from the allocation at `base` until dropped (also
-/// when a check fails, so that the agents' threads can finish).
-struct Held;
+/// when a check fails, so that the agents' threads can finish). The
+/// stand-in holds one allocation at a time: tests that hold take turns.
+struct Held(#[allow(dead_code)] std::sync::MutexGuard<'static, ()>);
 
 fn hold(base: u64) -> Held {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     // SAFETY: the stand-in's fakecuda_hold(CUdeviceptr).
     unsafe { control(b"fakecuda_hold")(base) };
-    Held
+    Held(turn)
 }
 
 impl Drop for Held {

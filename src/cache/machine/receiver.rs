@@ -446,7 +446,9 @@ impl ReceiverMachine {
                     self.fail(id, e, false, now);
                     return;
                 }
-                if !r.reported && !r.cancelling {
+                // What lands while a cancel is settling is reported too:
+                // the request may yet complete.
+                if !r.reported {
                     self.land(id, from, run, now);
                 }
             }
@@ -465,7 +467,7 @@ impl ReceiverMachine {
                     return;
                 };
                 let all = v.layers.clone();
-                if !r.reported && !r.cancelling {
+                if !r.reported {
                     self.land(id, from, all, now);
                 }
                 let r = self.reqs.get_mut(&id).expect("present");

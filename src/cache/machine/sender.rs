@@ -605,11 +605,12 @@ impl SenderMachine {
         for a in ready {
             self.transmit(&a, Msg::Ready { request_id: id });
         }
-        self.release(id, now);
         let t_end = lap(self.stopwatch, now);
         if let Some(r) = self.reqs.get_mut(&id) {
             r.stats.preprocess = t_end.saturating_duration_since(t_pre);
         }
+        // The layers ready so far (mapping time counted by `release`).
+        self.release(id, now);
         self.progress(id, now);
     }
 

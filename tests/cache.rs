@@ -949,6 +949,12 @@ fn cancel_between_layer_groups_from_either_side() {
             s.layers_ready(3, 0..2).unwrap();
         }
         h.wait_layers(0..2, WAIT).unwrap();
+        for bad in [0..5, 2..2] {
+            assert!(matches!(
+                h.wait_layers(bad, WAIT),
+                Err(CacheError::LayersOutOfRange { .. })
+            ));
+        }
         match side {
             "context" => c.senders[0].cancel(3).unwrap(),
             _ => c.receivers[0].cancel(3).unwrap(),

@@ -94,6 +94,8 @@ pub struct RecvHandle {
     request_id: u64,
     cell: Arc<Cell<SessionStats>>,
     progress: Arc<Progress>,
+    /// The model layers this rank holds.
+    held: Range<u32>,
 }
 
 impl RecvHandle {
@@ -128,9 +130,14 @@ impl RecvHandle {
     /// completed).
     ///
     /// # Errors
-    /// `Timeout` when `timeout` passes first; the request's failure when
-    /// it ended without them.
+    /// [`CacheError::LayersOutOfRange`] when `layers` is empty or not
+    /// within this rank's layers; `Timeout` when `timeout` passes first;
+    /// the request's failure when it ended without them.
     pub fn wait_layers(&self, layers: Range<u32>, timeout: Duration) -> Result<(), CacheError> {
+        let held = self.held.clone();
+        if layers.is_empty() || layers.start < held.start || layers.end > held.end {
+            return Err(CacheError::LayersOutOfRange { layers, held });
+        }
         let deadline = Instant::now() + timeout;
         let mut g = lock(&self.progress.state);
         loop {
@@ -336,6 +343,7 @@ impl CacheReceiver {
         let request_id = req.request_id;
         let cell = Cell::new();
         let progress = Arc::new(Progress::default());
+        let held = lock(&s.core).m.held_layers();
         s.with_core(|c| {
             c.m.request(req, Instant::now())?;
             c.cells
@@ -355,6 +363,7 @@ impl CacheReceiver {
             request_id,
             cell,
             progress,
+            held,
         })
     }
 

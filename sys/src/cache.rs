@@ -548,7 +548,7 @@ pub unsafe extern "C" fn kvxfer_cache_wait(
 /// landed (every context rank writing them reported them), or the request
 /// completed. `KVXFER_ERR_TIMEOUT` when they have not yet; the request's
 /// failure when it ended without them; `KVXFER_ERR_INVALID_ARGUMENT` for a
-/// sender's handle.
+/// sender's handle, or layers outside this rank's (or none).
 ///
 /// # Safety
 /// `handle` is a handle from `kvxfer_cache_receiver_request` (checked).

@@ -123,6 +123,7 @@ int main(void) {
   EXPECT(kvxfer_cache_sender_layers_ready(snd[0], 10, 0, 0) == KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT(kvxfer_cache_sender_layers_ready(snd[0], 11, 0, 1) == KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT(kvxfer_cache_wait_layers(sh[0], 0, 1, 0) == KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT(kvxfer_cache_wait_layers(rh, LAYERS, 1, 0) == KVXFER_ERR_INVALID_ARGUMENT);
   for (int l = LAYERS - 1; l >= 0; l--) {
     for (int r = 0; r < 2; r++) CHECK(kvxfer_cache_sender_layers_ready(snd[r], 10, (uint32_t)l, 1));
     CHECK(kvxfer_cache_wait_layers(rh, (uint32_t)l, 1, 30000));

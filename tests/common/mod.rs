@@ -330,13 +330,27 @@ impl PeerProc {
         self.child.id()
     }
 
-    /// Sends a signal to the peer process.
+    /// Sends a signal to the peer process; `STOP` returns once it has
+    /// stopped.
     pub fn signal(&self, sig: &str) {
         let st = Command::new("kill")
             .args([&format!("-{sig}"), &self.pid().to_string()])
             .status()
             .expect("kill");
         assert!(st.success());
+        if sig == "STOP" {
+            // `kill` returns once the signal is sent, not once every
+            // thread of the peer has stopped (one may still answer a
+            // request): wait for the stop itself.
+            let mut status = 0;
+            // SAFETY: waits for our own child, writing one int.
+            let r = unsafe { libc::waitpid(self.pid() as i32, &mut status, libc::WUNTRACED) };
+            assert_eq!(r, self.pid() as i32, "waiting for the peer to stop");
+            assert!(
+                libc::WIFSTOPPED(status),
+                "the peer did not stop: {status:#x}"
+            );
+        }
     }
 
     /// Kills the peer and waits for it.

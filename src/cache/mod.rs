@@ -53,6 +53,23 @@ pub use sender::{CacheSender, SendHandle, SenderConfig};
 pub use state::{Attention, AttentionDp, CacheState, DataType};
 pub use stats::{Metrics, PeerMeasure, SessionStats};
 
+/// `layers` as a non-empty part of the model layers a rank holds (`held`).
+///
+/// # Errors
+/// [`CacheError::LayersOutOfRange`] otherwise.
+pub(crate) fn check_within(
+    layers: &std::ops::Range<u32>,
+    held: std::ops::Range<u32>,
+) -> Result<(), CacheError> {
+    if layers.is_empty() || layers.start < held.start || layers.end > held.end {
+        return Err(CacheError::LayersOutOfRange {
+            layers: layers.clone(),
+            held,
+        });
+    }
+    Ok(())
+}
+
 /// Errors of the KV-cache layer.
 #[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -134,10 +134,7 @@ impl RecvHandle {
     /// within this rank's layers; `Timeout` when `timeout` passes first;
     /// the request's failure when it ended without them.
     pub fn wait_layers(&self, layers: Range<u32>, timeout: Duration) -> Result<(), CacheError> {
-        let held = self.held.clone();
-        if layers.is_empty() || layers.start < held.start || layers.end > held.end {
-            return Err(CacheError::LayersOutOfRange { layers, held });
-        }
+        super::check_within(&layers, self.held.clone())?;
         let deadline = Instant::now() + timeout;
         let mut g = lock(&self.progress.state);
         loop {

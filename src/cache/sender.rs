@@ -199,6 +199,15 @@ impl Shared {
         out
     }
 
+    /// Runs `f` on the machine and carries out what it asks at once; the
+    /// protocol thread then watches what was posted.
+    fn act<R>(&self, f: impl FnOnce(&mut Core) -> R) -> R {
+        let r = self.with_core(f);
+        self.flush();
+        self.agent.wake_sync_waiters();
+        r
+    }
+
     /// Carries out what the machine asks — messages, then posts and
     /// aborts — in its order.
     fn flush(&self) {
@@ -364,11 +373,8 @@ impl CacheSender {
     /// this rank's layers ([`held_layers`](Self::held_layers));
     /// [`CacheError::UnknownRequest`] without `begin`.
     pub fn layers_ready(&self, request_id: u64, layers: Range<u32>) -> Result<(), CacheError> {
-        let s = &self.shared;
-        s.with_core(|c| c.m.layers_ready(request_id, layers, Instant::now()))?;
-        s.flush();
-        s.agent.wake_sync_waiters();
-        Ok(())
+        self.shared
+            .act(|c| c.m.layers_ready(request_id, layers, Instant::now()))
     }
 
     /// As [`layers_ready`](Self::layers_ready), once the GPU work
@@ -399,19 +405,15 @@ impl CacheSender {
                 .name(format!("kvxfer-cache-gpu-{}", s.rank))
                 .spawn(move || {
                     for (id, layers, event) in rx {
-                        let now = || Instant::now();
-                        match event.synchronize() {
-                            Ok(()) => {
-                                // The request may have ended meanwhile.
-                                let _ = s.with_core(|c| c.m.layers_ready(id, layers, now()));
-                            }
-                            Err(e) => s.with_core(|c| {
+                        let synced = event.synchronize();
+                        s.act(|c| match synced {
+                            // The request may have ended meanwhile.
+                            Ok(()) => drop(c.m.layers_ready(id, layers, Instant::now())),
+                            Err(e) => {
                                 let e = CacheError::Transfer(crate::Error::Gpu(e));
-                                c.m.fail(id, e, now());
-                            }),
-                        }
-                        s.flush();
-                        s.agent.wake_sync_waiters();
+                                c.m.fail(id, e, Instant::now());
+                            }
+                        });
                     }
                 })
                 .map_err(|e| CacheError::Transfer(crate::Error::Io(Arc::new(e))))?;
@@ -440,7 +442,7 @@ impl CacheSender {
             return Err(CacheError::Closed);
         }
         let cell = Cell::new();
-        s.with_core(|c| {
+        s.act(|c| {
             let now = Instant::now();
             let r = if all_ready {
                 c.m.send(request_id, blocks, now)
@@ -454,9 +456,6 @@ impl CacheSender {
                 Err(e) => cell.set(Err(e)),
             }
         });
-        s.flush();
-        // The protocol thread now watches what was posted.
-        s.agent.wake_sync_waiters();
         Ok(SendHandle { request_id, cell })
     }
 

@@ -274,13 +274,7 @@ impl SenderMachine {
     /// # Errors
     /// As [`layers_ready`](Self::layers_ready).
     pub fn check_layers(&self, request_id: u64, layers: &Range<u32>) -> Result<(), CacheError> {
-        let held = self.held_layers();
-        if layers.is_empty() || layers.start < held.start || layers.end > held.end {
-            return Err(CacheError::LayersOutOfRange {
-                layers: layers.clone(),
-                held,
-            });
-        }
+        crate::cache::check_within(layers, self.held_layers())?;
         match self.reqs.get(&request_id) {
             Some(r) if r.blocks.is_some() => Ok(()),
             None if self.finished_set.contains(&request_id) => Ok(()),

@@ -58,6 +58,7 @@ def main():
         state = agent.check_xfer_state(h)
     assert state == "DONE", state
     tele = agent.get_xfer_telemetry(h)
+    transport = agent.query_xfer_transport(h)
     agent.release_xfer_handle(h)
     agent.release_dlist_handle(local_h)
     agent.release_dlist_handle(remote_h)
@@ -68,7 +69,7 @@ def main():
     print(
         f"{remote.decode()}: {tele.totalBytes} bytes in {tele.descCount} descriptors "
         f"(4 blocks, 3 adjacent), notifications {notifs}, transport "
-        f"{agent._agent.remote_transport(remote.decode())}"
+        f"{transport}"
     )
     parent.send("stop")
     p.join(30)

@@ -1,71 +1,98 @@
-"""A NIXL-compatible front end over kvxfer.
+"""NIXL's Python API (`nixl._api`) over kvxfer.
 
-    import kvxfer.nixl as nixl_api      # instead of `import nixl._api as nixl_api`
+    import kvxfer.nixl as nixl_api      # or, with the shim, `import nixl._api`
     agent = nixl_api.nixl_agent(name, nixl_api.nixl_agent_config(backends=["UCX"]))
 
-The `nixl_agent` calls vLLM's NixlConnector and LMCache's NIXL channel make,
-with NIXL's argument shapes, return values (`"DONE"` / `"PROC"` / `"ERR"`),
-handle semantics and notification shapes: registration through
-`get_reg_descs` + `register_memory`, descriptor lists prepared once
-(`prep_xfer_dlist`) and transfers made from them by index
-(`make_prepped_xfer`, ids as lists or numpy int arrays), `transfer` /
-`check_xfer_state` / `release_xfer_handle`, `get_xfer_telemetry`,
-`get_new_notifs` / `send_notif`, metadata bytes in and out.
+NIXL's names, signatures, return values (`"DONE"` / `"PROC"` / `"ERR"`),
+validation and exception classes (`kvxfer.nixl_bindings`, which is
+`nixl._bindings` under the shim): descriptor lists from tuples, Nx3 arrays
+or tensors (`None` and a logged error for a shape NIXL refuses),
+registration, `prep_xfer_dlist` / `make_prepped_xfer` (descriptors adjacent
+on both sides merge unless `skip_desc_merge`) / `initialize_xfer`,
+`transfer` / `check_xfer_state` / `release_xfer_handle`, telemetry (switched
+by `NIXL_TELEMETRY_ENABLE` when set, else `capture_telemetry`),
+notifications, metadata bytes, `create_backend` and the plugin queries.
+
+The one plugin is `"UCX"`: kvxfer's transport selection (shared memory on
+one host, RDMA where both sides have a device, TCP otherwise;
+`KVXFER_NIXL_BACKEND` picks one). `query_xfer_transport` says which carried
+a transfer.
 
 Where kvxfer is stricter than NIXL:
 - a transfer whose peer died ends in `"ERR"` within the agent's I/O
   timeout (30 s) instead of staying `"PROC"` forever;
 - `release_xfer_handle` of a transfer in flight aborts it and returns only
-  once nothing of it can touch either side's memory (raising if that takes
-  longer than the I/O timeout);
-- a notification is delivered only after all data of its transfer landed
-  (NIXL promises the same on its UCX path);
+  once nothing of it can touch either side's memory;
+- a notification is delivered only after all data of its transfer landed;
 - serialized descriptor lists are a plain, checked format, not pickle.
-- `backends` arguments are accepted and ignored: kvxfer chooses shared
-  memory on one host, RDMA where both sides have a device, TCP otherwise,
-  and every status says which (`query_xfer_backend`).
-- loopback transfers (an agent to itself) are not supported.
+
+Not offered (each raises `nixlNotSupportedError`): loopback transfers (an
+agent to itself), GPU memory views (`prep_mem_view`), the listen-thread
+and etcd metadata exchange (`send_local_metadata`, `fetch_remote_metadata`
+and their kin; kvxfer's own agent has etcd membership), cost estimates and
+`query_memory`.
 """
 
+import enum
 import json
-import os
+import logging
 import time
 
-from . import Agent, KvxferError, _kvxfer
+from . import KvxferError
+from . import nixl_bindings as _b
+from .nixl_bindings import (
+    DEFAULT_COMM_PORT,
+    NIXL_INIT_AGENT,
+    nixl_error,
+    nixlNoTelemetryError,
+    nixlNotFoundError,
+    nixlNotSupportedError,
+    nixlRegDList,
+    nixlRemoteDList,
+    nixlXferDList,
+    nixlXferTelemetry,
+)
 
-NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
+__all__ = [
+    "DEFAULT_COMM_PORT",
+    "nixl_agent",
+    "nixl_agent_config",
+    "nixl_backend_handle",
+    "nixl_prepped_dlist_handle",
+    "nixl_thread_sync_t",
+    "nixl_xfer_handle",
+]
+
+logger = logging.getLogger("kvxfer.nixl")
+
 # How long check_xfer_state waits for a transfer in flight (seconds).
 _CHECK_WAIT = 20e-6
 
+nixl_backend_handle = int
 
-class nixlNoTelemetryError(KvxferError):
-    """Telemetry asked of an agent made without `capture_telemetry`."""
-
-DEFAULT_COMM_PORT = 8888
-
-_MEM = {"DRAM": "dram", "VRAM": "vram", "BLK": "blk", "OBJ": "obj", "FILE": "file"}
-
-
-def _mem(mem_type):
-    if mem_type is None:
-        return "DRAM"
-    m = str(mem_type).upper()
-    if m == "CPU":
-        m = "DRAM"
-    if m == "CUDA" or m == "GPU":
-        m = "VRAM"
-    if m not in _MEM:
-        raise KeyError(f"unknown memory type {mem_type!r}")
-    return m
+_MEMS = {
+    "DRAM": _b.DRAM_SEG,
+    "VRAM": _b.VRAM_SEG,
+    "FILE": _b.FILE_SEG,
+    "BLOCK": _b.BLK_SEG,
+    "OBJ": _b.OBJ_SEG,
+    "cpu": _b.DRAM_SEG,
+    "cuda": _b.VRAM_SEG,
+}
+_OPS = {"WRITE": _b.NIXL_WRITE, "READ": _b.NIXL_READ}
 
 
-def _name(agent):
-    return agent.decode() if isinstance(agent, (bytes, bytearray)) else str(agent)
+class nixl_thread_sync_t(enum.Enum):
+    """Thread synchronisation modes; `.value` is the bindings' enum."""
+
+    NIXL_THREAD_SYNC_NONE = _b.NIXL_THREAD_SYNC_NONE
+    NIXL_THREAD_SYNC_STRICT = _b.NIXL_THREAD_SYNC_STRICT
+    NIXL_THREAD_SYNC_RW = _b.NIXL_THREAD_SYNC_RW
+    NIXL_THREAD_SYNC_DEFAULT = _b.NIXL_THREAD_SYNC_DEFAULT
 
 
 class nixl_agent_config:
-    """NIXL's agent configuration. Every field is kept; kvxfer uses none of
-    them (its agent has no progress-thread or listen-thread options)."""
+    """NIXL's agent configuration (the same fields and defaults)."""
 
     def __init__(
         self,
@@ -77,101 +104,43 @@ class nixl_agent_config:
         backends=["UCX"],  # noqa: B006  (NIXL's default, never mutated)
         sync_mode=None,
     ):
+        if sync_mode is not None and not isinstance(sync_mode, nixl_thread_sync_t):
+            raise TypeError(
+                f"sync_mode must be a nixl_thread_sync_t (got {type(sync_mode).__name__!r})"
+            )
+        self.backends = backends
         self.enable_pthread = enable_prog_thread
         self.enable_listen = enable_listen_thread
         self.port = listen_port
         self.capture_telemetry = capture_telemetry
         self.num_threads = num_threads
-        self.backends = list(backends)
         self.sync_mode = sync_mode
 
 
-class DescList:
-    """A descriptor list (NIXL's `nixlRegDList` / `nixlXferDList`): a
-    memory type and `(address, length, device)` descriptors, kept in Rust
-    (`kvxfer._kvxfer.DescList`) so that transfers select from it by index
-    without a Python object per descriptor."""
-
-    def __init__(self, mem_type, descs, reg=False):
-        self.mem_type = _mem(mem_type)
-        self.reg = reg
-        self.native = descs if isinstance(descs, _kvxfer.DescList) else _kvxfer.DescList(
-            descs, _MEM[self.mem_type]
-        )
-
-    @property
-    def descs(self):
-        """The descriptors as `(address, length, device)` tuples."""
-        return [self.native[i] for i in range(len(self.native))]
-
-    def __len__(self):
-        return len(self.native)
-
-    def __getitem__(self, i):
-        return self.native[i]
-
-    def __iter__(self):
-        return iter(self.descs)
-
-    def __repr__(self):
-        return f"DescList({self.mem_type}, {len(self)} descriptors)"
+def _is_tensor(obj):
+    return hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous")
 
 
-def _tensor_desc(t):
-    dev = t.device
-    mem = "VRAM" if getattr(dev, "type", "cpu") == "cuda" else "DRAM"
-    return mem, (int(t.data_ptr()), int(t.numel() * t.element_size()), int(dev.index or 0))
-
-
-def _triples(descs, mem_type):
-    """(memory type, [(address, length, device)]) of any form NIXL takes:
-    a DescList, a list of tuples, an Nx3 numpy array, tensors."""
-    if isinstance(descs, DescList):
-        return descs.mem_type, descs.native
-    if hasattr(descs, "__array_interface__"):  # numpy N x 3, read in Rust
-        return _mem(mem_type), _kvxfer.DescList(descs, _MEM[_mem(mem_type)])
-    if hasattr(descs, "data_ptr"):  # one tensor
-        mem, d = _tensor_desc(descs)
-        return mem, [d]
-    descs = list(descs)
-    if descs and hasattr(descs[0], "data_ptr"):
-        out = [_tensor_desc(t) for t in descs]
-        return out[0][0], [d for _, d in out]
-    out = []
-    for d in descs:
-        if len(d) < 3:
-            raise ValueError(f"descriptor {d!r}: (address, length, device[, meta])")
-        out.append((int(d[0]), int(d[1]), int(d[2])))
-    return _mem(mem_type), out
+def _bytes(msg):
+    if isinstance(msg, str):
+        return msg.encode()
+    return bytes(msg) if msg else b""
 
 
 class nixl_prepped_dlist_handle:
     """A descriptor list prepared for one side of later transfers."""
 
-    def __init__(self, agent_name, dlist):
+    def __init__(self, agent, agent_name, dlist):
+        self.agent = agent
         self.agent_name = agent_name
         self.dlist = dlist
 
     def release(self):
+        """Lets the list go (also done when the handle is collected)."""
         self.dlist = None
 
-
-class _Telemetry:
-    """NIXL's `nixlXferTelemetry`: times in microseconds."""
-
-    def __init__(self, start, post, xfer, total, count):
-        self.startTime = start
-        self.postDuration = post
-        self.xferDuration = xfer
-        self.totalBytes = total
-        self.descCount = count
-
     def __repr__(self):
-        return (
-            f"nixlXferTelemetry(startTime={self.startTime}, postDuration={self.postDuration}, "
-            f"xferDuration={self.xferDuration}, totalBytes={self.totalBytes}, "
-            f"descCount={self.descCount})"
-        )
+        return f"nixl_prepped_dlist_handle({self.agent_name!r})"
 
 
 class nixl_xfer_handle:
@@ -180,26 +149,27 @@ class nixl_xfer_handle:
     `check_xfer_state`."""
 
     def __init__(self, agent, request):
-        self._agent = agent
+        self.agent = agent
         self._request = request
         self._xfer = None
         self._failed = False
+        self._released = False
         self._start = self._post = self._t0 = 0
         self._end = None
 
     def _submit(self, notif):
-        msg = notif.encode() if isinstance(notif, str) else notif
-        self._start = time.time_ns() // 1000
+        self._start = time.monotonic_ns() // 1000
         t0 = time.perf_counter_ns()
         self._failed = False
         self._end = None
         try:
-            self._xfer = self._agent.post(self._request, msg or None)
-        except KvxferError:
+            self._xfer = self.agent.kvxfer.post(self._request, _bytes(notif) or None)
+        except KvxferError as e:
+            logger.error("transfer: %s", e)
             self._xfer = None
             self._failed = True
         self._t0 = t0
-        self._post = (time.perf_counter_ns() - t0) // 1000
+        self._post = -(-(time.perf_counter_ns() - t0) // 1000)
 
     def _state(self, max_wait=0.0):
         if self._failed or self._xfer is None:
@@ -210,114 +180,360 @@ class nixl_xfer_handle:
         return s
 
     def release(self):
+        """Releases the request; one in flight is aborted first, and this
+        returns once nothing of it can touch either side's memory."""
+        if self._released:
+            return
         if self._xfer is not None and not self._xfer.done():
             self._xfer.abort()
-            # Returns once nothing of it moves any more (or raises).
             try:
                 self._xfer.wait()
             except KvxferError:
                 pass
         self._xfer = None
-        # The agent's preparation holds the local regions: let them go.
+        self._released = True
         self._request.release()
 
-
-def _request(agent, operation, local, local_ids, remote, remote_ids, remote_agent, notif):
-    if operation not in ("READ", "WRITE"):
-        raise KeyError(f"operation {operation!r}: READ or WRITE")
-    msg = notif.encode() if isinstance(notif, str) else notif
-    return agent.make_request(
-        operation, local, local_ids, remote, remote_ids, remote_agent, msg or None
-    )
+    def __repr__(self):
+        return f"nixl_xfer_handle({self._request!r})"
 
 
 class nixl_agent:
-    """NIXL's agent, over a kvxfer agent (backend `auto`)."""
+    """NIXL's agent, over a kvxfer agent."""
 
     def __init__(self, agent_name, nixl_conf=None, instantiate_all=False):
-        self.name = str(agent_name)
-        self.config = nixl_conf or nixl_agent_config()
-        # `auto`: shared memory on this host, RDMA where both sides have a
-        # device, TCP otherwise; KVXFER_NIXL_BACKEND picks one.
-        self._agent = Agent(self.name, backend=os.environ.get("KVXFER_NIXL_BACKEND", "auto"))
-        self.backends = {b: b for b in self.config.backends}
+        if nixl_conf and instantiate_all:
+            instantiate_all = False
+            logger.warning("Ignoring instantiate_all based on the provided config in agent creation.")
+        if not nixl_conf:
+            nixl_conf = nixl_agent_config()
+        default_sync = (
+            nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            if nixl_conf.enable_listen
+            else nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
+        )
+        config = _b.nixlAgentConfig()
+        config.useProgThread = nixl_conf.enable_pthread
+        config.useListenThread = nixl_conf.enable_listen
+        config.listenPort = nixl_conf.port
+        config.syncMode = (nixl_conf.sync_mode or default_sync).value
+        config.captureTelemetry = nixl_conf.capture_telemetry
+        # Looked up at each call, as NIXL's `_api` does.
+        self.agent = _b.nixlAgent(agent_name, config)
+        self.name = agent_name
         self.notifs = {}
+        self.backends = {}
+        self.backend_mems = {}
+        self.backend_options = {}
+        self.plugin_list = self.agent.getAvailPlugins()
+        self.plugin_b_options = {}
+        self.plugin_mem_types = {}
+        self.nixl_mems = dict(_MEMS)
+        self.nixl_ops = dict(_OPS)
+        self._regs = {}
+        backends = self.plugin_list if instantiate_all else nixl_conf.backends
+        for b in backends:
+            if b not in self.plugin_list:
+                logger.warning("Skipping backend registration %s due to the missing plugin.", b)
+                continue
+            init = {}
+            if nixl_conf.num_threads > 0:
+                init["num_threads"] = str(nixl_conf.num_threads)
+            self.create_backend(b, init)
+        logger.info("Initialized NIXL agent: %s", agent_name)
+
+    # -- plugins and backends --------------------------------------------
+
+    def get_plugin_list(self):
+        """The plugins kvxfer offers (`["UCX"]`)."""
+        return self.plugin_list
+
+    def _load_plugin_params(self, plugin):
+        if plugin not in self.plugin_list:
+            return
+        opts, mems = self.agent.getPluginParams(plugin)
+        self.plugin_b_options[plugin] = opts
+        self.plugin_mem_types[plugin] = mems
+
+    def get_plugin_mem_types(self, backend):
+        """A plugin's memory types; `[]` for an unknown plugin."""
+        if backend not in self.plugin_mem_types:
+            self._load_plugin_params(backend)
+        if backend not in self.plugin_mem_types:
+            logger.warning("Plugin %s is not available to get its supported mem types.", backend)
+            return []
+        return self.plugin_mem_types[backend]
+
+    def get_plugin_params(self, backend):
+        """A plugin's options and defaults; `{}` for an unknown plugin."""
+        if backend not in self.plugin_b_options:
+            self._load_plugin_params(backend)
+        if backend not in self.plugin_b_options:
+            logger.warning("Plugin %s is not available to get its parameters.", backend)
+            return {}
+        return self.plugin_b_options[backend]
+
+    def get_backend_mem_types(self, backend):
+        """An instantiated backend's memory types; `[]` if not instantiated."""
+        if backend in self.backend_mems:
+            return self.backend_mems[backend]
+        logger.warning("Backend %s not instantiated to get its supported mem types.", backend)
+        return []
+
+    def get_backend_params(self, backend):
+        """An instantiated backend's options; `{}` if not instantiated."""
+        if backend in self.backend_options:
+            return self.backend_options[backend]
+        logger.warning("Backend %s not instantiated to get its parameters.", backend)
+        return {}
+
+    def create_backend(self, backend, initParams={}):  # noqa: B006,N803
+        """Instantiates a plugin (`nixlNotFoundError` for one kvxfer does
+        not offer)."""
+        self.backends[backend] = self.agent.createBackend(backend, initParams)
+        opts, mems = self.agent.getBackendParams(self.backends[backend])
+        self.backend_mems[backend] = mems
+        self.backend_options[backend] = opts
+        logger.info("Backend %s was instantiated", backend)
+
+    def _handles(self, backends):
+        return [self.backends[b] for b in backends]
+
+    def _need_backend(self, what, mem):
+        if not self.agent.has_backend():
+            raise nixlNotFoundError(f"{what}: no available backends for mem type {mem.name!r}")
 
     # -- descriptors and memory -----------------------------------------
 
-    def get_reg_descs(self, descs, mem_type=None):
-        """A registration descriptor list from tuples `(address, length,
-        device, meta)`, an Nx3 array or tensors."""
-        mem, d = _triples(descs, mem_type)
-        return DescList(mem, d, reg=True)
+    def _tensor_list(self, cls, descs, width):
+        tensors = [descs] if _is_tensor(descs) else list(descs)
+        dev = tensors[0].device
+        rows = []
+        for t in tensors:
+            if t.device != dev:
+                logger.error("Please use a list of tensors of the same device type")
+                return None
+            if not t.is_contiguous():
+                logger.error("Please use a list of contiguous Tensors")
+                return None
+            gpu = t.get_device()
+            row = (int(t.data_ptr()), int(t.numel() * t.element_size()), 0 if gpu == -1 else gpu)
+            rows.append(row + ((b"",) if width == 4 else ()))
+        mem = _b.DRAM_SEG if tensors[0].get_device() == -1 else _b.VRAM_SEG
+        return cls(mem, rows)
+
+    def _dlist(self, cls, other, width, descs, mem_type):
+        if isinstance(descs, cls):
+            return descs
+        if isinstance(descs, other):
+            logger.error(
+                "%s type detected, please use %s", type(descs).__name__, cls.__name__
+            )
+            return None
+        if hasattr(descs, "__array_interface__"):
+            if mem_type is None:
+                logger.error("Please specify a mem type if not using Tensors")
+                return None
+            mem = self.nixl_mems[mem_type]
+            if len(descs.shape) != 2 or descs.shape[1] != 3:
+                logger.error("Nx3 shape required for descriptor list from numpy array")
+                return None
+            return cls(mem, descs)
+        if _is_tensor(descs) or (isinstance(descs, (list, tuple)) and descs and _is_tensor(descs[0])):
+            return self._tensor_list(cls, descs, width)
+        if isinstance(descs[0], tuple):
+            if mem_type is None:
+                logger.error("Please specify a mem type if not using Tensors")
+                return None
+            mem = self.nixl_mems[mem_type]
+            if len(descs[0]) != width:
+                logger.error("%d-tuple list needed", width)
+                return None
+            try:
+                return cls(mem, descs)
+            except TypeError as e:
+                logger.error("%s", e)
+                return None
+        logger.error("Unsupported descriptor list type %s", type(descs).__name__)
+        return None
 
     def get_xfer_descs(self, descs, mem_type=None):
-        """A transfer descriptor list from tuples `(address, length,
-        device)`, an Nx3 array or tensors."""
-        mem, d = _triples(descs, mem_type)
-        return DescList(mem, d)
+        """A `nixlXferDList` from `(address, length, device)` tuples (with
+        `mem_type`), an Nx3 array (with `mem_type`), contiguous tensors, or
+        a `nixlXferDList`; `None` (and a logged error) otherwise."""
+        return self._dlist(nixlXferDList, nixlRegDList, 3, descs, mem_type)
+
+    def get_reg_descs(self, descs, mem_type=None):
+        """A `nixlRegDList` from `(address, length, device, meta)` tuples
+        (with `mem_type`), an Nx3 array (with `mem_type`), contiguous
+        tensors, or a `nixlRegDList`; `None` (and a logged error) otherwise."""
+        return self._dlist(nixlRegDList, nixlXferDList, 4, descs, mem_type)
+
+    def get_remote_descs(self, descs, mem_type=None):
+        """A `nixlRemoteDList` from `(address, length, device, agent)`
+        tuples (only memory views take one; kvxfer has none)."""
+        if isinstance(descs, nixlRemoteDList):
+            return descs
+        if mem_type is None:
+            logger.error("Please specify a mem type")
+            return None
+        return nixlRemoteDList(self.nixl_mems[mem_type], descs)
 
     def register_memory(self, reg_list, mem_type=None, backends=[]):  # noqa: B006
-        """Registers the regions; returns their descriptor list (for
-        `deregister_memory`)."""
+        """Registers the regions; returns their `nixlRegDList` (for
+        `deregister_memory`). A region registered again is counted, not
+        registered twice."""
         descs = self.get_reg_descs(reg_list, mem_type)
-        self._agent.register_raw(descs.descs, _MEM[descs.mem_type])
+        self._handles(backends)
+        mem = descs.getType()
+        self._need_backend("registerMem", mem)
+        new = [d for d in descs.triples() if (mem, d) not in self._regs]
+        try:
+            if new:
+                self.agent.kvxfer.register_raw(new, _b._NATIVE_MEM[mem])
+        except KvxferError as e:
+            raise nixl_error(e) from e
+        for d in descs.triples():
+            self._regs[(mem, d)] = self._regs.get((mem, d), 0) + 1
         return descs
 
     def deregister_memory(self, dereg_list, backends=[]):  # noqa: B006
-        """Deregisters regions registered by `register_memory`."""
-        descs = self.get_reg_descs(dereg_list)
-        self._agent.deregister_raw(descs.descs, _MEM[descs.mem_type])
+        """Deregisters regions `register_memory` registered."""
+        self._handles(backends)
+        mem = dereg_list.getType()
+        triples = dereg_list.triples()
+        missing = [d for d in triples if (mem, d) not in self._regs]
+        if missing:
+            raise nixlNotFoundError(f"deregisterMem: {len(missing)} regions are not registered")
+        last = [d for d in triples if self._regs[(mem, d)] == 1]
+        try:
+            if last:
+                self.agent.kvxfer.deregister_raw(last, _b._NATIVE_MEM[mem])
+        except KvxferError as e:
+            raise nixl_error(e) from e
+        for d in triples:
+            self._regs[(mem, d)] -= 1
+            if not self._regs[(mem, d)]:
+                del self._regs[(mem, d)]
+
+    def query_memory(self, reg_list, backend, mem_type=None):
+        """Not offered by kvxfer (NIXL answers it for storage plugins)."""
+        if backend not in self.backends:
+            raise ValueError(
+                f"Backend '{backend}' not found. Available backends: {list(self.backends.keys())}"
+            )
+        raise nixlNotSupportedError("query_memory: kvxfer's UCX plugin answers no queries")
 
     def get_serialized_descs(self, descs):
         """A descriptor list as bytes (a checked format, not pickle)."""
-        d = descs if isinstance(descs, DescList) else self.get_xfer_descs(descs)
-        body = {"mem": d.mem_type, "reg": d.reg, "descs": [list(x) for x in d.descs]}
+        reg = isinstance(descs, nixlRegDList)
+        rows = [list(d[:3]) + ([d[3].decode("latin-1")] if reg else []) for d in
+                (descs[i] for i in range(descs.descCount()))]
+        body = {"mem": int(descs.getType()), "reg": reg, "descs": rows}
         return b"KVXD1" + json.dumps(body, separators=(",", ":")).encode()
 
     def deserialize_descs(self, serialized_descs):
         """The descriptor list `get_serialized_descs` made."""
         b = bytes(serialized_descs)
         if not b.startswith(b"KVXD1"):
-            raise ValueError("not a serialized kvxfer descriptor list")
+            raise _b.nixlInvalidParamError("not a serialized kvxfer descriptor list")
         body = json.loads(b[5:])
-        triples = [(int(a), int(n), int(dv)) for a, n, dv in body["descs"]]
-        return DescList(body["mem"], triples, reg=bool(body["reg"]))
+        mem = _b.nixl_mem_t(int(body["mem"]))
+        if body["reg"]:
+            return nixlRegDList(mem, [(int(a), int(n), int(d), m.encode("latin-1"))
+                                      for a, n, d, m in body["descs"]])
+        return nixlXferDList(mem, [(int(a), int(n), int(d)) for a, n, d in body["descs"]])
 
     # -- agents -----------------------------------------------------------
 
     def get_agent_metadata(self):
         """This agent's metadata, for a peer's `add_remote_agent`."""
-        return self._agent.metadata()
+        if not self.agent.has_backend():
+            raise _b.nixlInvalidParamError("getLocalMD: no backends support remote operations")
+        return self.agent.kvxfer.metadata()
 
     def add_remote_agent(self, metadata):
-        """Loads a peer from its metadata; returns its name (as bytes, as
-        NIXL does)."""
-        return self._agent.add_remote_agent(bytes(metadata)).encode()
+        """Loads a peer from its metadata; returns its name as bytes."""
+        try:
+            return self.agent.kvxfer.add_remote_agent(bytes(metadata)).encode()
+        except KvxferError as e:
+            raise nixl_error(e) from e
 
     def remove_remote_agent(self, agent):
-        """Forgets a peer; its transfers in flight fail."""
-        self._agent.remove_remote_agent(_name(agent))
+        """Forgets a peer (its transfers in flight fail); an unknown name
+        is not an error."""
+        try:
+            self.agent.kvxfer.remove_remote_agent(_name(agent))
+        except KvxferError as e:
+            if type(e).__name__ != "UnknownAgentError":
+                raise nixl_error(e) from e
 
     def make_connection(self, remote_agent, backends=[]):  # noqa: B006
         """Connects ahead of the first transfer (kvxfer connects when the
-        peer is added; kept for the call sequence)."""
-        self._agent.remote_transport(_name(remote_agent))
+        peer is added; this checks the peer is known)."""
+        self._handles(backends)
+        self._remote(_name(remote_agent))
+
+    def _remote(self, name):
+        try:
+            return self.agent.kvxfer.remote_transport(name)
+        except KvxferError as e:
+            raise nixl_error(e) from e
+
+    def get_partial_agent_metadata(self, *args, **kwargs):
+        """Not offered (see the module's notes)."""
+        raise nixlNotSupportedError("partial metadata: not offered by kvxfer")
+
+    def send_local_metadata(self, *args, **kwargs):
+        """Not offered (see the module's notes)."""
+        raise nixlNotSupportedError("metadata exchange by listener/etcd: not offered by kvxfer.nixl")
+
+    send_partial_agent_metadata = send_local_metadata
+    fetch_remote_metadata = send_local_metadata
+    invalidate_local_metadata = send_local_metadata
+    check_remote_metadata = send_local_metadata
 
     # -- transfers --------------------------------------------------------
 
+    def _check(self, dlist, remote=None):
+        try:
+            self.agent.kvxfer.check_descs(dlist.native(), remote)
+        except KvxferError as e:
+            raise nixl_error(e) from e
+
     def prep_xfer_dlist(self, agent_name, xfer_list, mem_type=None, backends=[]):  # noqa: B006
-        """Prepares one side of later transfers: `agent_name` is
-        `"NIXL_INIT_AGENT"` (or `""`) for the local side, the peer's name
-        for the remote side."""
+        """Prepares one side of later transfers: `"NIXL_INIT_AGENT"` (or
+        `""`) for the local side, the peer's name for the remote side.
+        Memory not registered there raises `nixlNotFoundError`."""
         name = _name(agent_name)
+        if hasattr(xfer_list, "shape") and len(xfer_list.shape) == 2 and xfer_list.shape[1] == 5:
+            if mem_type is None:
+                raise ValueError("Please specify a mem type for strided descriptors")
+            raise nixlNotSupportedError("strided (Nx5) descriptor lists: not offered by kvxfer")
+        self._handles(backends)
+        descs = self.get_xfer_descs(xfer_list, mem_type)
+        self._need_backend("prepXferDlist", descs.getType())
         if name in ("", NIXL_INIT_AGENT):
             name = NIXL_INIT_AGENT
+            self._check(descs)
         elif name == self.name:
-            raise NotImplementedError("loopback transfers are not supported by kvxfer.nixl")
+            raise nixlNotSupportedError("loopback transfers (an agent to itself): not offered by kvxfer")
         else:
-            self._agent.remote_transport(name)  # raises UnknownAgentError
-        return nixl_prepped_dlist_handle(name, self.get_xfer_descs(xfer_list, mem_type))
+            self._remote(name)
+            self._check(descs, name)
+        return nixl_prepped_dlist_handle(self.agent, name, descs)
+
+    def _make(self, op, local, li, remote, ri, remote_name, notif, merge):
+        try:
+            req = self.agent.kvxfer.make_request(
+                op, local.native(), li, remote.native(), ri, remote_name,
+                _bytes(notif) or None, merge,
+            )
+        except (ValueError, IndexError) as e:
+            raise _b.nixlInvalidParamError(str(e)) from e
+        except KvxferError as e:
+            raise nixl_error(e) from e
+        return nixl_xfer_handle(self.agent, req)
 
     def make_prepped_xfer(
         self,
@@ -332,38 +548,50 @@ class nixl_agent:
     ):
         """A transfer of the selected descriptors (ids as lists or numpy int
         arrays, any order) of two prepared lists."""
+        op = self.nixl_ops[operation]
+        self._handles(backends)
         if local_xfer_side.agent_name != NIXL_INIT_AGENT:
-            raise ValueError("the local side must be prepared with NIXL_INIT_AGENT")
-        req = _request(
-            self._agent,
-            operation,
-            local_xfer_side.dlist.native,
-            local_indices,
-            remote_xfer_side.dlist.native,
-            remote_indices,
-            remote_xfer_side.agent_name,
-            notif_msg,
+            raise _b.nixlInvalidParamError("the local side must be prepared with NIXL_INIT_AGENT")
+        return self._make(
+            op.name[5:], local_xfer_side.dlist, local_indices, remote_xfer_side.dlist,
+            remote_indices, remote_xfer_side.agent_name, notif_msg, not skip_desc_merge,
         )
-        return nixl_xfer_handle(self._agent, req)
 
     def initialize_xfer(self, operation, local_descs, remote_descs, remote_agent, notif_msg=b"", backends=[]):  # noqa: B006,E501
-        """A transfer from two descriptor lists (unprepared form)."""
-        local = self.get_xfer_descs(local_descs)
-        remote = self.get_xfer_descs(remote_descs)
+        """A transfer of every descriptor of two lists, pair by pair (not
+        merged, as NIXL's combined call does not merge). Memory not
+        registered on either side raises `nixlNotFoundError` here."""
+        op = self.nixl_ops[operation]
+        self._handles(backends)
+        for d in (local_descs, remote_descs):
+            if not isinstance(d, nixlXferDList):
+                raise TypeError("initialize_xfer takes nixlXferDList descriptor lists")
         name = _name(remote_agent)
-        self._agent.remote_transport(name)
-        ids = list(range(len(local)))
-        req = _request(
-            self._agent, operation, local.native, ids, remote.native,
-            list(range(len(remote))), name, notif_msg,
-        )
-        return nixl_xfer_handle(self._agent, req)
+        if name == self.name:
+            raise nixlNotSupportedError("loopback transfers (an agent to itself): not offered by kvxfer")
+        self._remote(name)
+        n, m = local_descs.descCount(), remote_descs.descCount()
+        if n != m:
+            raise _b.nixlInvalidParamError(f"{n} local descriptors for {m} remote ones")
+        lt, rt = local_descs.triples(), remote_descs.triples()
+        for i, (a, b) in enumerate(zip(lt, rt)):
+            if a[1] != b[1]:
+                raise _b.nixlInvalidParamError(f"length mismatch at index {i}")
+        self._check(local_descs)
+        self._check(remote_descs, name)
+        ids = list(range(n))
+        return self._make(op.name[5:], local_descs, ids, remote_descs, ids, name, notif_msg, False)
+
+    def estimate_xfer_cost(self, req_handle):
+        """Not offered by kvxfer."""
+        raise nixlNotSupportedError("estimate_xfer_cost: not offered by kvxfer")
 
     def transfer(self, handle, notif_msg=b""):
         """Posts the transfer: `"DONE"` when it completed inline, `"PROC"`
         while in flight, `"ERR"` when it could not start (or is still in
         flight from an earlier post)."""
         if handle._xfer is not None and not handle._xfer.done():
+            logger.error("postXferReq: the request is still in flight")
             return "ERR"
         handle._submit(notif_msg)
         return handle._state()
@@ -375,22 +603,27 @@ class nixl_agent:
         return handle._state(_CHECK_WAIT)
 
     def get_xfer_telemetry(self, handle):
-        """Start (µs since the epoch), post and transfer durations (µs),
-        bytes and descriptors (after merging) of the last post. The
-        transfer's end is when a check first saw it done."""
-        if not self.config.capture_telemetry:
-            raise nixlNoTelemetryError("telemetry needs nixl_agent_config(capture_telemetry=True)")
+        """The last post's `nixlXferTelemetry`: start (µs, monotonic clock),
+        post and transfer durations (µs, rounded up), bytes and descriptors
+        (after merging). The transfer's end is when a check first saw it
+        end. `nixlNoTelemetryError` unless telemetry is on."""
+        if not self.agent.telemetry:
+            raise nixlNoTelemetryError("telemetry is not enabled for this agent")
         end = handle._end if handle._end is not None else time.perf_counter_ns()
-        return _Telemetry(
+        return nixlXferTelemetry(
             handle._start,
             handle._post,
-            max(0, (end - handle._t0) // 1000),
+            max(handle._post, -(-(end - handle._t0) // 1000)),
             handle._request.total_bytes,
             handle._request.desc_count,
         )
 
     def query_xfer_backend(self, handle):
-        """The transport that carried the transfer (`tcp`, `shm`, `rdma`, `inproc`)."""
+        """The backend (plugin) that carried the transfer: `"UCX"`."""
+        return next(iter(self.backends), "")
+
+    def query_xfer_transport(self, handle):
+        """kvxfer's transport that carried it: `tcp`, `shm`, `rdma`."""
         return handle._xfer.transport if handle._xfer is not None else ""
 
     def release_xfer_handle(self, handle):
@@ -401,33 +634,49 @@ class nixl_agent:
         """Releases a prepared list."""
         handle.release()
 
+    def prep_mem_view(self, *args, **kwargs):
+        """GPU memory views: not offered by kvxfer."""
+        raise nixlNotSupportedError("prep_mem_view: NIXL's GPU device API is not offered by kvxfer")
+
+    release_mem_view = prep_mem_view
+
     # -- notifications ----------------------------------------------------
 
     def get_new_notifs(self, backends=[]):  # noqa: B006
         """`{peer name: [bytes, ...]}` that arrived since the last call."""
-        return self._agent.get_new_notifs()
+        self._handles(backends)
+        return self.agent.kvxfer.get_new_notifs()
 
     def update_notifs(self, backends=[]):  # noqa: B006
         """Adds the new notifications to `self.notifs` and returns it."""
-        for k, v in self._agent.get_new_notifs().items():
+        for k, v in self.get_new_notifs(backends).items():
             self.notifs.setdefault(k, []).extend(v)
         return self.notifs
 
     def check_remote_xfer_done(self, remote_agent_name, lookup_tag, backends=[], tag_is_prefix=True):  # noqa: B006,E501
         """Whether a notification from the peer starts with (or, with
-        `tag_is_prefix=False`, contains) `lookup_tag`; removes the one found."""
-        self.update_notifs()
-        name = _name(remote_agent_name)
-        msgs = self.notifs.get(name, [])
+        `tag_is_prefix=False`, contains) `lookup_tag`; the one found is
+        removed (an empty message is matched and kept, as in NIXL)."""
+        self.update_notifs(backends)
+        msgs = self.notifs.get(_name(remote_agent_name), [])
         for i, m in enumerate(msgs):
             if (tag_is_prefix and m.startswith(lookup_tag)) or (
                 not tag_is_prefix and lookup_tag in m
             ):
-                del msgs[i]
+                if m:
+                    del msgs[i]
                 return True
         return False
 
-    def send_notif(self, remote_agent_name, notif_msg, backends=[]):  # noqa: B006
+    def send_notif(self, remote_agent_name, notif_msg, backend=None):
         """Sends a notification alone (no data)."""
-        msg = notif_msg.encode() if isinstance(notif_msg, str) else bytes(notif_msg)
-        self._agent.send_notif(_name(remote_agent_name), msg)
+        if backend is not None:
+            self.backends[backend]
+        try:
+            self.agent.kvxfer.send_notif(_name(remote_agent_name), _bytes(notif_msg))
+        except KvxferError as e:
+            raise nixl_error(e) from e
+
+
+def _name(agent):
+    return agent.decode() if isinstance(agent, (bytes, bytearray)) else str(agent)

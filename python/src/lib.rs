@@ -251,6 +251,28 @@ impl PyAgent {
         self.agent.remote_transport(name).map_err(to_py)
     }
 
+    /// The regions a loaded peer exported, in the order its descriptor
+    /// lists them: `(address, length, device, memory type)`.
+    fn remote_regions(&self, name: &str) -> PyResult<Vec<(u64, u64, u32, &'static str)>> {
+        let desc = self.agent.remote_agent_desc(name).map_err(to_py)?;
+        Ok(desc
+            .regions
+            .iter()
+            .map(|r| (r.desc.addr, r.desc.len, r.desc.device_id, r.mem_type.as_str()))
+            .collect())
+    }
+
+    /// Checks that every descriptor of `descs` lies in memory registered
+    /// here (`remote_agent` None) or exported by `remote_agent`, and
+    /// prepares the list for that side; raises the reason otherwise.
+    #[pyo3(signature = (descs, remote_agent = None))]
+    fn check_descs(&self, descs: &PyDescList, remote_agent: Option<&str>) -> PyResult<()> {
+        descs
+            .prepared(&self.agent, remote_agent)
+            .map(|_| ())
+            .map_err(to_py)
+    }
+
     /// Registers raw `(address, length, device)` ranges of `mem_type`.
     /// The caller vouches that the memory stays valid until it is
     /// deregistered (`kvxfer.Agent.register` does so for Python buffers).

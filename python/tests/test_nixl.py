@@ -144,7 +144,7 @@ def test_telemetry_needs_capture_telemetry_as_in_nixl():
     b.register_memory(b.get_reg_descs([(ob, BLOCK, 0, "")], "DRAM"))
     name = a.add_remote_agent(b.get_agent_metadata())
     h = a.initialize_xfer(
-        "WRITE", a.get_xfer_descs([(base, BLOCK, 0)]), a.get_xfer_descs([(ob, BLOCK, 0)]), name
+        "WRITE", a.get_xfer_descs([(base, BLOCK, 0)], "DRAM"), a.get_xfer_descs([(ob, BLOCK, 0)], "DRAM"), name
     )
     assert a.transfer(h) in ("PROC", "DONE")
     with pytest.raises(n.nixlNoTelemetryError):

@@ -1,6 +1,6 @@
 """WRITE 64 KiB x 256 (16 MiB a request) between two processes over TCP on
 loopback, side by side in one run: kvxfer's native Python API, kvxfer.nixl
-with prepared lists, and (when installed) the real NIXL (UCX over TCP) and
+with prepared lists, kvxfer.mooncake's batch write, and (when installed) the real NIXL (UCX over TCP) and
 the real Mooncake (TCP) on the same call sequence; plus the per-call cost of
 make_prepped_xfer + transfer with 4,096 descriptor indices.
 
@@ -175,7 +175,7 @@ def main():
     args = ap.parse_args()
     os.environ.setdefault("KVXFER_NIXL_BACKEND", "tcp")
     os.environ.setdefault("UCX_TLS", "tcp")
-    kinds = ["cli", "native", "kvxfer.nixl"]
+    kinds = ["cli", "native", "kvxfer.nixl", "kvxfer.mooncake"]
     for mod in ("nixl_cu12._api", "mooncake.engine"):
         try:
             importlib.import_module(mod)
@@ -196,6 +196,9 @@ def main():
         summary["nixl_front_vs_real_nixl"] = round(med["kvxfer.nixl"] / med["nixl_cu12._api"], 3)
     if "mooncake.engine" in med:
         summary["native_vs_real_mooncake"] = round(med["native"] / med["mooncake.engine"], 3)
+        summary["mooncake_front_vs_real_mooncake"] = round(
+            med["kvxfer.mooncake"] / med["mooncake.engine"], 3
+        )
     summary["make_prepped_xfer_plus_transfer_4096_us"] = round(call_overhead(), 1)
     print(json.dumps(summary))
 

@@ -446,6 +446,9 @@ class TransferEngine:
                 continue
             if t is _DONE:
                 continue
+            if isinstance(t, _Failed):
+                rc = -1
+                continue
             try:
                 t.wait(self._io_timeout)
             except KvxferError as e:
@@ -461,6 +464,9 @@ class TransferEngine:
         if t is _DONE:
             del self._pending[int(batch_id)]
             return 1
+        if isinstance(t, _Failed):
+            del self._pending[int(batch_id)]
+            return -1
         state = t.state
         if state == "PROC":
             return 0
@@ -544,18 +550,17 @@ class TransferEngine:
         if not loc:
             self._pending[bid] = _DONE
             return bid
+        # The peer was reached: a transfer refused now still gets an id, and
+        # its status says it failed (as Mooncake's does).
         try:
-            self._pending[bid] = self._agent.transfer(op, loc, rem, name)
-        except RemoteRangeNotExportedError:
             try:
+                self._pending[bid] = self._agent.transfer(op, loc, rem, name)
+            except RemoteRangeNotExportedError:
                 name = self._session(session, reload=True)
                 self._pending[bid] = self._agent.transfer(op, loc, rem, name)
-            except KvxferError as e:
-                self._fail(e)
-                return 0
-        except KvxferError as e:
+        except (KvxferError, OSError, urllib.error.URLError, KeyError) as e:
             self._fail(e)
-            return 0
+            self._pending[bid] = _Failed(e)
         return bid
 
     def _session(self, session, reload=False):
@@ -578,6 +583,13 @@ class TransferEngine:
 
 
 _DONE = object()
+
+
+class _Failed:
+    """A transfer refused when it was submitted."""
+
+    def __init__(self, why):
+        self.why = why
 
 
 def _op(opcode):

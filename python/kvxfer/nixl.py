@@ -80,6 +80,7 @@ _MEMS = {
     "cuda": _b.VRAM_SEG,
 }
 _OPS = {"WRITE": _b.NIXL_WRITE, "READ": _b.NIXL_READ}
+_OP_NAMES = {"WRITE": "WRITE", "READ": "READ"}
 
 
 class nixl_thread_sync_t(enum.Enum):
@@ -134,10 +135,12 @@ class nixl_prepped_dlist_handle:
         self.agent = agent
         self.agent_name = agent_name
         self.dlist = dlist
+        self.native = dlist.native()
 
     def release(self):
         """Lets the list go (also done when the handle is collected)."""
         self.dlist = None
+        self.native = None
 
     def __repr__(self):
         return f"nixl_prepped_dlist_handle({self.agent_name!r})"
@@ -147,6 +150,9 @@ class nixl_xfer_handle:
     """A transfer request: made once (descriptors selected and merged in
     Rust), posted by `transfer` (again once it ended), checked by
     `check_xfer_state`."""
+
+    __slots__ = ("agent", "_request", "_xfer", "_failed", "_released", "_start", "_post", "_t0",
+                 "_end", "__weakref__")
 
     def __init__(self, agent, request):
         self.agent = agent
@@ -220,6 +226,7 @@ class nixl_agent:
         config.captureTelemetry = nixl_conf.capture_telemetry
         # Looked up at each call, as NIXL's `_api` does.
         self.agent = _b.nixlAgent(agent_name, config)
+        self._kvxfer = self.agent.kvxfer
         self.name = agent_name
         self.notifs = {}
         self.backends = {}
@@ -525,9 +532,9 @@ class nixl_agent:
 
     def _make(self, op, local, li, remote, ri, remote_name, notif, merge):
         try:
-            req = self.agent.kvxfer.make_request(
-                op, local.native(), li, remote.native(), ri, remote_name,
-                _bytes(notif) or None, merge,
+            req = self._kvxfer.make_request(
+                op, local, li, remote, ri, remote_name,
+                notif if type(notif) is bytes and notif else (_bytes(notif) or None), merge,
             )
         except (ValueError, IndexError) as e:
             raise _b.nixlInvalidParamError(str(e)) from e
@@ -548,12 +555,15 @@ class nixl_agent:
     ):
         """A transfer of the selected descriptors (ids as lists or numpy int
         arrays, any order) of two prepared lists."""
-        op = self.nixl_ops[operation]
-        self._handles(backends)
+        # The hot call of a serving loop: kept to a few steps, as it runs
+        # with caches cold from the previous transfer.
+        op = _OP_NAMES[operation]
+        if backends:
+            self._handles(backends)
         if local_xfer_side.agent_name != NIXL_INIT_AGENT:
             raise _b.nixlInvalidParamError("the local side must be prepared with NIXL_INIT_AGENT")
         return self._make(
-            op.name[5:], local_xfer_side.dlist, local_indices, remote_xfer_side.dlist,
+            op, local_xfer_side.native, local_indices, remote_xfer_side.native,
             remote_indices, remote_xfer_side.agent_name, notif_msg, not skip_desc_merge,
         )
 
@@ -580,7 +590,8 @@ class nixl_agent:
         self._check(local_descs)
         self._check(remote_descs, name)
         ids = list(range(n))
-        return self._make(op.name[5:], local_descs, ids, remote_descs, ids, name, notif_msg, False)
+        return self._make(_OP_NAMES[operation], local_descs.native(), ids, remote_descs.native(),
+                          ids, name, notif_msg, False)
 
     def estimate_xfer_cost(self, req_handle):
         """Not offered by kvxfer."""

@@ -258,7 +258,14 @@ impl PyAgent {
         Ok(desc
             .regions
             .iter()
-            .map(|r| (r.desc.addr, r.desc.len, r.desc.device_id, r.mem_type.as_str()))
+            .map(|r| {
+                (
+                    r.desc.addr,
+                    r.desc.len,
+                    r.desc.device_id,
+                    r.mem_type.as_str(),
+                )
+            })
             .collect())
     }
 

@@ -1,11 +1,8 @@
 """Peers found by name in a real etcd (Debian's etcd-server), started here
-on loopback ports; skipped where no etcd binary exists."""
+on loopback ports (the `etcd` fixture, conftest.py); skipped where no etcd
+binary exists."""
 
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
 
 import pytest
@@ -13,39 +10,6 @@ import pytest
 import kvxfer
 
 WAIT = 30.0
-
-
-def _port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
-@pytest.fixture
-def etcd():
-    if shutil.which("etcd") is None or shutil.which("etcdctl") is None:
-        pytest.skip("SKIPPED: no etcd/etcdctl binary (ci/install-deps.sh test installs them)")
-    d = tempfile.mkdtemp(prefix="kvxfer-py-etcd-")
-    client, peer = f"127.0.0.1:{_port()}", f"127.0.0.1:{_port()}"
-    proc = subprocess.Popen(
-        ["etcd", "--name", "n0", "--data-dir", os.path.join(d, "n0"),
-         "--listen-client-urls", f"http://{client}", "--advertise-client-urls", f"http://{client}",
-         "--listen-peer-urls", f"http://{peer}", "--initial-advertise-peer-urls", f"http://{peer}",
-         "--initial-cluster", f"n0=http://{peer}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    env = dict(os.environ, ETCDCTL_API="3")
-    deadline = time.time() + 60
-    while subprocess.run(["etcdctl", "--endpoints", client, "get", "x"], env=env,
-                         capture_output=True).returncode != 0:
-        assert time.time() < deadline, "etcd did not come up"
-        time.sleep(0.1)
-    yield client
-    proc.kill()
-    proc.wait()
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_peers_by_name_and_a_taken_name(etcd):

@@ -444,12 +444,15 @@ class nixl_agent:
         b = bytes(serialized_descs)
         if not b.startswith(b"KVXD1"):
             raise _b.nixlInvalidParamError("not a serialized kvxfer descriptor list")
-        body = json.loads(b[5:])
-        mem = _b.nixl_mem_t(int(body["mem"]))
-        if body["reg"]:
-            return nixlRegDList(mem, [(int(a), int(n), int(d), m.encode("latin-1"))
-                                      for a, n, d, m in body["descs"]])
-        return nixlXferDList(mem, [(int(a), int(n), int(d)) for a, n, d in body["descs"]])
+        try:
+            body = json.loads(b[5:])
+            mem = _b.nixl_mem_t(int(body["mem"]))
+            if body["reg"]:
+                return nixlRegDList(mem, [(int(a), int(n), int(d), m.encode("latin-1"))
+                                          for a, n, d, m in body["descs"]])
+            return nixlXferDList(mem, [(int(a), int(n), int(d)) for a, n, d in body["descs"]])
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise _b.nixlInvalidParamError(f"malformed descriptor list: {e}") from e
 
     # -- agents -----------------------------------------------------------
 

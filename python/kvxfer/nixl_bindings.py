@@ -193,52 +193,53 @@ _NATIVE_MEM = {
 
 
 class _DList:
-    """Descriptors of one memory type, kept in Rust (`kvxfer.DescList`) so
-    that transfers select from them by index without a Python object per
-    descriptor; copied out only when edited."""
+    """Descriptors of one memory type. The `(address, length, device)`
+    part is kept in Rust (`kvxfer.DescList`, made when the list is made or
+    edited), so that transfers select from it by index without a Python
+    object per descriptor; a registration list also keeps each
+    descriptor's meta."""
 
     _width = 3
 
     def __init__(self, type, descs=None, sorted=False):  # noqa: A002  (NIXL's names)
         self._type = nixl_mem_t(type)
-        self._native = None
-        self._rows = []
-        if descs is None:
+        self._rows = None
+        if descs is not None and hasattr(descs, "__array_interface__"):
+            self._native = self._make(descs)
+            if self._width == 4:
+                self._rows = [(int(a), int(n), int(d), b"") for a, n, d in self.triples()]
             return
-        if hasattr(descs, "__array_interface__"):
-            self._native = _kvxfer.DescList(descs, _NATIVE_MEM[self._type])
-            return
-        rows = [tuple(d) for d in descs]
-        for d in rows:
+        rows = []
+        for d in descs or ():
+            d = tuple(d)
             if len(d) != self._width:
                 raise TypeError(f"descriptor {d!r}: a {self._width}-tuple is needed")
-        self._rows = rows
+            rows.append(self._row(d))
+        self._set(rows)
 
-    def _edit(self):
-        if self._native is not None:
-            self._rows = self._copy_rows()
-            self._native = None
+    def _row(self, d):
+        return d
 
-    def _copy_rows(self):
-        n = self._native
-        return [tuple(n[i]) + self._extra(i) for i in range(len(n))]
+    def _make(self, descs):
+        try:
+            return _kvxfer.DescList(descs, _NATIVE_MEM[self._type])
+        except (OverflowError, ValueError) as e:
+            raise TypeError(f"descriptors: {e}") from e
 
-    def _extra(self, i):
-        return ()
+    def _set(self, rows):
+        self._native = self._make([(d[0], d[1], d[2]) for d in rows])
+        self._rows = rows if self._width == 4 else None
+
+    def _all(self):
+        return self._rows if self._rows is not None else self.triples()
 
     def native(self):
-        """The list as `kvxfer.DescList` (made once until edited)."""
-        if self._native is None:
-            self._native = _kvxfer.DescList(
-                [(int(d[0]), int(d[1]), int(d[2])) for d in self._rows],
-                _NATIVE_MEM[self._type],
-            )
-            self._rows = self._rows if self._width == 4 else []
+        """The list as `kvxfer.DescList`."""
         return self._native
 
     def triples(self):
         """The descriptors as `(address, length, device)` tuples."""
-        n = self.native()
+        n = self._native
         return [n[i] for i in range(len(n))]
 
     def getType(self):  # noqa: N802  (NIXL's names)
@@ -247,43 +248,37 @@ class _DList:
 
     def descCount(self):  # noqa: N802
         """The number of descriptors."""
-        return len(self._native) if self._native is not None else len(self._rows)
+        return len(self._native)
 
     def isEmpty(self):  # noqa: N802
         """Whether there are none."""
-        return self.descCount() == 0
+        return len(self._native) == 0
 
     def __getitem__(self, i):
-        if self._native is not None and self._width == 3:
-            return self._native[i]
-        if self._native is not None:
-            self._edit()
-        return self._rows[i]
+        return self._rows[i] if self._rows is not None else self._native[i]
 
     def addDesc(self, desc):  # noqa: N802
         """Appends one descriptor."""
         d = tuple(desc)
         if len(d) != self._width:
             raise TypeError(f"descriptor {d!r}: a {self._width}-tuple is needed")
-        self._edit()
-        self._rows.append(d)
+        self._set(list(self._all()) + [self._row(d)])
 
     append = addDesc
 
     def remDesc(self, index):  # noqa: N802
         """Removes the descriptor at `index`."""
-        self._edit()
-        del self._rows[index]
+        rows = list(self._all())
+        del rows[index]
+        self._set(rows)
 
     def clear(self):
         """Removes every descriptor."""
-        self._native = None
-        self._rows = []
+        self._set([])
 
     def index(self, desc):
         """The position of `desc`."""
-        self._edit()
-        return self._rows.index(tuple(desc))
+        return list(self._all()).index(self._row(tuple(desc)))
 
     def print(self):
         """Prints the list (NIXL's debugging aid)."""
@@ -303,30 +298,13 @@ class nixlRegDList(_DList):
 
     _width = 4
 
-    def __init__(self, type, descs=None, sorted=False):  # noqa: A002
-        if descs is not None and hasattr(descs, "__array_interface__"):
-            descs = [(int(r[0]), int(r[1]), int(r[2]), b"") for r in descs]
-        super().__init__(type, descs, sorted)
-        self._rows = [(a, n, dv, m.encode() if isinstance(m, str) else bytes(m))
-                      for a, n, dv, m in self._rows]
-
-    def _extra(self, i):
-        return (self._rows[i][3],)
-
-    def _edit(self):
-        # The rows (with their metas) are always kept for a registration list.
-        self._native = None
-
-    def addDesc(self, desc):  # noqa: N802
-        """Appends one descriptor."""
-        a, n, dv, m = tuple(desc)
-        super().addDesc((a, n, dv, m.encode() if isinstance(m, str) else bytes(m)))
-
-    append = addDesc
+    def _row(self, d):
+        a, n, dv, m = d
+        return (a, n, dv, m.encode() if isinstance(m, str) else bytes(m))
 
     def trim(self):
         """A transfer list of the same descriptors, without metas."""
-        return nixlXferDList(self._type, [(a, n, dv) for a, n, dv, _ in self._rows])
+        return nixlXferDList(self._type, self.triples())
 
 
 class nixlRemoteDList(_DList):

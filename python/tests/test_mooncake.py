@@ -109,3 +109,81 @@ def test_same_results_as_the_real_mooncake():
     assert ours[0] == real[0], f"return codes: kvxfer {ours[0]} vs mooncake {real[0]}"
     assert ours[1] == real[1], "destination bytes differ"
     assert ours[2] == real[2], "read-back bytes differ"
+
+
+def test_rdma_falls_back_to_tcp_unless_required(monkeypatch):
+    import kvxfer
+    from kvxfer.mooncake import TransferEngine
+
+    try:
+        kvxfer.Agent("rdma-probe", backend="rdma")
+        pytest.skip("SKIPPED: this host has an RDMA device; the fallback needs a host without one")
+    except kvxfer.KvxferError:
+        pass
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+    assert te.get_transport() == "tcp"
+    strict = TransferEngine(require_protocol=True)
+    assert strict.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == -1
+    assert isinstance(strict.get_last_error(), kvxfer.KvxferError)
+    monkeypatch.setenv("KVXFER_REQUIRE_PROTOCOL", "1")
+    assert TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == -1
+
+
+def test_bad_input_changes_nothing():
+    from kvxfer.mooncake import TransferEngine
+
+    te = TransferEngine()
+    assert te.register_memory(4096, 4096) == -1  # not initialized
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = ctypes.create_string_buffer(4096)
+    addr = ctypes.addressof(buf)
+    assert te.register_memory(addr, 4096) == 0
+    assert te.register_memory(addr + 1024, 1024) == -7  # overlaps
+    assert te.batch_register_memory([addr], []) == -1
+    assert te.write_bytes_to_buffer(addr + 4000, b"x" * 200, 200) == -3  # runs past the region
+    assert te.write_bytes_to_buffer(addr, b"x", 2) == -1  # shorter than length
+    assert te.read_bytes_from_buffer(addr - 8, 16) == b""
+    assert te.write_bytes_to_buffer(addr, b"abc", 3) == 0
+    assert te.read_bytes_from_buffer(addr, 3) == b"abc"
+    assert te.transfer_check_status(12345) == -1
+    assert te.get_batch_transfer_status([12345]) == -1
+    assert te.free_managed_buffer(addr, 4096) == -3  # not a managed buffer
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0  # again: kept
+    assert te.unregister_memory(addr) == 0
+    assert te.unregister_memory(addr) == -3
+
+
+def test_http_metadata_server_bounds_and_refusals():
+    import http.client
+    import threading
+
+    from kvxfer.mooncake_metadata import MetadataServer
+
+    server = MetadataServer("127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host, port = server.server_address[:2]
+
+    def call(method, path, body=None, headers=None):
+        c = http.client.HTTPConnection(host, port, timeout=10)
+        c.request(method, path, body=body, headers=headers or {})
+        r = c.getresponse()
+        out = (r.status, r.read())
+        c.close()
+        return out
+
+    try:
+        assert call("GET", "/metadata?key=a")[0] == 404
+        assert call("PUT", "/metadata?key=a", b"1")[0] == 200
+        assert call("GET", "/metadata?key=a") == (200, b"1")
+        assert call("PUT", "/metadata?key=mooncake/rpc_meta/x", b"1")[0] == 200
+        assert call("PUT", "/metadata?key=mooncake/rpc_meta/x", b"2")[0] == 400  # held
+        assert call("GET", "/metadata")[0] == 400  # no key
+        assert call("GET", "/other?key=a")[0] == 404
+        too_big = {"Content-Length": str(64 << 20)}
+        assert call("PUT", "/metadata?key=b", b"", too_big)[0] == 413
+        assert call("DELETE", "/metadata?key=a")[0] == 200
+        assert call("DELETE", "/metadata?key=a")[0] == 404
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -165,3 +165,28 @@ def test_same_results_as_the_real_nixl():
     assert ours[3] == real[3], f"descCount: kvxfer {ours[3]} vs nixl {real[3]}"
     assert ours[4] == real[4], "destination bytes differ"
     assert ours[5] == real[5], f"notifications: {ours[5]} vs {real[5]}"
+
+
+def test_descriptor_lists_edit_and_refuse_like_nixl():
+    import kvxfer.nixl_bindings as b
+
+    x = b.nixlXferDList(b.DRAM_SEG, [(1, 2, 0), (3, 4, 0)])
+    x.addDesc((5, 6, 0))
+    x.remDesc(0)
+    assert [x[i] for i in range(x.descCount())] == [(3, 4, 0), (5, 6, 0)]
+    assert x.index((5, 6, 0)) == 1
+    r = b.nixlRegDList(b.DRAM_SEG, [(1, 2, 0, "m")])
+    r.addDesc((9, 9, 0, b"n"))
+    assert r[1] == (9, 9, 0, b"n") and r.trim().descCount() == 2
+    with pytest.raises(TypeError):
+        b.nixlXferDList(b.DRAM_SEG, [(1, 2)])
+    with pytest.raises(TypeError):
+        b.nixlXferDList(b.DRAM_SEG, [(-1, 2, 0)])
+    n = api("kvxfer.nixl")
+    a = n.nixl_agent("descs", n.nixl_agent_config(backends=["UCX"]))
+    blob = a.get_serialized_descs(r)
+    back = a.deserialize_descs(blob)
+    assert type(back) is b.nixlRegDList and back[0] == (1, 2, 0, b"m")
+    for bad in (b"pickle", b"KVXD1{", b'KVXD1{"mem":0,"reg":false,"descs":[[1]]}'):
+        with pytest.raises(b.nixlInvalidParamError):
+            a.deserialize_descs(bad)

@@ -176,24 +176,22 @@ def main():
     step("transfer after remove", lambda: a.prep_xfer_dlist("seq-b", x([(pb, 16, 0)])))
 
     # Telemetry switched by the environment, over the config.
+    def write_64(name, capture):
+        ag = nixl_agent(name, nixl_agent_config(backends=["UCX"], capture_telemetry=capture))
+        ag.register_memory(ag.get_reg_descs([(pc, N, 0, "")], "DRAM"))
+        ag.add_remote_agent(b.get_agent_metadata())
+        hh = ag.initialize_xfer("WRITE", ag.get_xfer_descs([(pc, 64, 0)], "DRAM"),
+                                ag.get_xfer_descs([(pb, 64, 0)], "DRAM"), "seq-b")
+        ag.transfer(hh)
+        wait_done(ag, hh)
+        return ag, hh
+
     os.environ["NIXL_TELEMETRY_ENABLE"] = "n"
-    c = nixl_agent("seq-c", nixl_agent_config(backends=["UCX"], capture_telemetry=True))
-    c.register_memory(c.get_reg_descs([(pc, N, 0, "")], "DRAM"))
-    c.add_remote_agent(b.get_agent_metadata())
-    hc = c.initialize_xfer("WRITE", c.get_xfer_descs([(pc, 64, 0)], "DRAM"),
-                           c.get_xfer_descs([(pb, 64, 0)], "DRAM"), "seq-b")
-    c.transfer(hc)
-    wait_done(c, hc)
+    c, hc = write_64("seq-c", True)
     step("env off", lambda: c.get_xfer_telemetry(hc))
     c.release_xfer_handle(hc)
     os.environ["NIXL_TELEMETRY_ENABLE"] = "y"
-    d = nixl_agent("seq-d", nixl_agent_config(backends=["UCX"]))
-    d.register_memory(d.get_reg_descs([(pc, N, 0, "")], "DRAM"))
-    d.add_remote_agent(b.get_agent_metadata())
-    hd = d.initialize_xfer("WRITE", d.get_xfer_descs([(pc, 64, 0)], "DRAM"),
-                           d.get_xfer_descs([(pb, 64, 0)], "DRAM"), "seq-b")
-    d.transfer(hd)
-    wait_done(d, hd)
+    d, hd = write_64("seq-d", False)
     step("env on", lambda: d.get_xfer_telemetry(hd).totalBytes)
     d.release_xfer_handle(hd)
     os.environ.pop("NIXL_TELEMETRY_ENABLE")

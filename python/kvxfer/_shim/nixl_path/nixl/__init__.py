@@ -16,22 +16,5 @@ import kvxfer.nixl_bindings as _bindings  # noqa: E402
 sys.modules[__name__ + "._api"] = _api
 sys.modules[__name__ + "._bindings"] = _bindings
 
-from kvxfer.nixl import (  # noqa: E402,F401
-    DEFAULT_COMM_PORT,
-    nixl_agent,
-    nixl_agent_config,
-    nixl_backend_handle,
-    nixl_prepped_dlist_handle,
-    nixl_thread_sync_t,
-    nixl_xfer_handle,
-)
-
-__all__ = [
-    "DEFAULT_COMM_PORT",
-    "nixl_agent",
-    "nixl_agent_config",
-    "nixl_backend_handle",
-    "nixl_prepped_dlist_handle",
-    "nixl_thread_sync_t",
-    "nixl_xfer_handle",
-]
+from kvxfer.nixl import *  # noqa: E402,F401,F403  (NIXL's top-level names)
+from kvxfer.nixl import __all__  # noqa: E402,F401

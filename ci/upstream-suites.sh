@@ -3,7 +3,7 @@
 # stand-ins (python -m kvxfer.shim). Not part of the test command: it needs
 # the projects' sources and torch (a large download).
 #   ci/upstream-suites.sh NIXL_CHECKOUT MOONCAKE_CHECKOUT
-# NIXL_CHECKOUT: ai-dynamo/nixl (test/python/test_nixl_api.py);
+# NIXL_CHECKOUT: ai-dynamo/nixl (test/python/test_nixl_api.py, test_nixl_bindings.py);
 # MOONCAKE_CHECKOUT: kvcache-ai/Mooncake (mooncake-wheel/tests/
 # transfer_engine_{target,initiator_test}.py), run under P2PHANDSHAKE, an
 # HTTP metadata server and etcd (when an etcd binary exists).
@@ -23,9 +23,11 @@ work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-echo "== NIXL test/python/test_nixl_api.py"
-cp "$nixl_src/test/python/test_nixl_api.py" "$nixl_src/test/python/conftest.py" "$work/"
-(cd "$work" && PYTHONPATH=$("$py" -m kvxfer.shim path nixl) "$py" -m pytest -q -rs -p no:cacheprovider test_nixl_api.py)
+echo "== NIXL test/python/test_nixl_api.py, test_nixl_bindings.py"
+cp "$nixl_src/test/python/test_nixl_api.py" "$nixl_src/test/python/test_nixl_bindings.py" \
+   "$nixl_src/test/python/conftest.py" "$work/"
+(cd "$work" && PYTHONPATH=$("$py" -m kvxfer.shim path nixl) "$py" -m pytest -q -rs -p no:cacheprovider \
+   test_nixl_api.py test_nixl_bindings.py)
 
 echo "== Mooncake mooncake-wheel/tests transfer engine"
 cp "$mooncake_src/mooncake-wheel/tests/transfer_engine_target.py" \

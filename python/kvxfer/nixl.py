@@ -36,21 +36,16 @@ and their kin; kvxfer's own agent has etcd membership), cost estimates and
 import enum
 import json
 import logging
-import time
 
-from . import KvxferError
 from . import nixl_bindings as _b
-from .nixl_bindings import (
+from .nixl_bindings import (  # noqa: F401  (NIXL_INIT_AGENT, nixlNoTelemetryError: kept for callers)
     DEFAULT_COMM_PORT,
     NIXL_INIT_AGENT,
-    nixl_error,
     nixlNoTelemetryError,
-    nixlNotFoundError,
     nixlNotSupportedError,
     nixlRegDList,
     nixlRemoteDList,
     nixlXferDList,
-    nixlXferTelemetry,
 )
 
 __all__ = [
@@ -65,9 +60,6 @@ __all__ = [
 
 logger = logging.getLogger("kvxfer.nixl")
 
-# How long check_xfer_state waits for a transfer in flight (seconds).
-_CHECK_WAIT = 20e-6
-
 nixl_backend_handle = int
 
 _MEMS = {
@@ -80,7 +72,7 @@ _MEMS = {
     "cuda": _b.VRAM_SEG,
 }
 _OPS = {"WRITE": _b.NIXL_WRITE, "READ": _b.NIXL_READ}
-_OP_NAMES = {"WRITE": "WRITE", "READ": "READ"}
+_STATES = {_b.NIXL_SUCCESS: "DONE", _b.NIXL_IN_PROG: "PROC"}
 
 
 class nixl_thread_sync_t(enum.Enum):
@@ -122,25 +114,22 @@ def _is_tensor(obj):
     return hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous")
 
 
-def _bytes(msg):
-    if isinstance(msg, str):
-        return msg.encode()
-    return bytes(msg) if msg else b""
-
-
 class nixl_prepped_dlist_handle:
     """A descriptor list prepared for one side of later transfers."""
 
-    def __init__(self, agent, agent_name, dlist):
+    def __init__(self, agent, value):
         self.agent = agent
-        self.agent_name = agent_name
-        self.dlist = dlist
-        self.native = dlist.native()
+        self._handle = value
+
+    @property
+    def agent_name(self):
+        """The side it was prepared for (`NIXL_INIT_AGENT` or a peer)."""
+        return self._handle.agent_name
 
     def release(self):
-        """Lets the list go (also done when the handle is collected)."""
-        self.dlist = None
-        self.native = None
+        """Lets the list go."""
+        if self._handle is not None and self._handle.dlist is not None:
+            self.agent.releasedDlistH(self._handle)
 
     def __repr__(self):
         return f"nixl_prepped_dlist_handle({self.agent_name!r})"
@@ -151,57 +140,19 @@ class nixl_xfer_handle:
     Rust), posted by `transfer` (again once it ended), checked by
     `check_xfer_state`."""
 
-    __slots__ = ("agent", "_request", "_xfer", "_failed", "_released", "_start", "_post", "_t0",
-                 "_end", "__weakref__")
+    __slots__ = ("agent", "_handle", "__weakref__")
 
-    def __init__(self, agent, request):
+    def __init__(self, agent, value):
         self.agent = agent
-        self._request = request
-        self._xfer = None
-        self._failed = False
-        self._released = False
-        self._start = self._post = self._t0 = 0
-        self._end = None
-
-    def _submit(self, notif):
-        self._start = time.monotonic_ns() // 1000
-        t0 = time.perf_counter_ns()
-        self._failed = False
-        self._end = None
-        try:
-            self._xfer = self.agent.kvxfer.post(self._request, _bytes(notif) or None)
-        except KvxferError as e:
-            logger.error("transfer: %s", e)
-            self._xfer = None
-            self._failed = True
-        self._t0 = t0
-        self._post = -(-(time.perf_counter_ns() - t0) // 1000)
-
-    def _state(self, max_wait=0.0):
-        if self._failed or self._xfer is None:
-            return "ERR"
-        s = self._xfer.check(max_wait) if max_wait else self._xfer.state
-        if s != "PROC" and self._end is None:
-            self._end = time.perf_counter_ns()
-        return s
+        self._handle = value
 
     def release(self):
         """Releases the request; one in flight is aborted first, and this
         returns once nothing of it can touch either side's memory."""
-        if self._released:
-            return
-        if self._xfer is not None and not self._xfer.done():
-            self._xfer.abort()
-            try:
-                self._xfer.wait()
-            except KvxferError:
-                pass
-        self._xfer = None
-        self._released = True
-        self._request.release()
+        self.agent.releaseXferReq(self._handle)
 
     def __repr__(self):
-        return f"nixl_xfer_handle({self._request!r})"
+        return f"nixl_xfer_handle({self._handle.request!r})"
 
 
 class nixl_agent:
@@ -226,7 +177,6 @@ class nixl_agent:
         config.captureTelemetry = nixl_conf.capture_telemetry
         # Looked up at each call, as NIXL's `_api` does.
         self.agent = _b.nixlAgent(agent_name, config)
-        self._kvxfer = self.agent.kvxfer
         self.name = agent_name
         self.notifs = {}
         self.backends = {}
@@ -237,7 +187,6 @@ class nixl_agent:
         self.plugin_mem_types = {}
         self.nixl_mems = dict(_MEMS)
         self.nixl_ops = dict(_OPS)
-        self._regs = {}
         backends = self.plugin_list if instantiate_all else nixl_conf.backends
         for b in backends:
             if b not in self.plugin_list:
@@ -305,12 +254,6 @@ class nixl_agent:
 
     def _handles(self, backends):
         return [self.backends[b] for b in backends]
-
-    def _need_backend(self, what, mem):
-        if not self.agent.has_backend():
-            raise nixlNotFoundError(f"{what}: no available backends for mem type {mem.name!r}")
-
-    # -- descriptors and memory -----------------------------------------
 
     def _tensor_list(self, cls, descs, width):
         tensors = [descs] if _is_tensor(descs) else list(descs)
@@ -391,45 +334,21 @@ class nixl_agent:
         `deregister_memory`). A region registered again is counted, not
         registered twice."""
         descs = self.get_reg_descs(reg_list, mem_type)
-        self._handles(backends)
-        mem = descs.getType()
-        self._need_backend("registerMem", mem)
-        new = [d for d in descs.triples() if (mem, d) not in self._regs]
-        try:
-            if new:
-                self.agent.kvxfer.register_raw(new, _b._NATIVE_MEM[mem])
-        except KvxferError as e:
-            raise nixl_error(e) from e
-        for d in descs.triples():
-            self._regs[(mem, d)] = self._regs.get((mem, d), 0) + 1
+        self.agent.registerMem(descs, self._handles(backends))
         return descs
 
     def deregister_memory(self, dereg_list, backends=[]):  # noqa: B006
         """Deregisters regions `register_memory` registered."""
-        self._handles(backends)
-        mem = dereg_list.getType()
-        triples = dereg_list.triples()
-        missing = [d for d in triples if (mem, d) not in self._regs]
-        if missing:
-            raise nixlNotFoundError(f"deregisterMem: {len(missing)} regions are not registered")
-        last = [d for d in triples if self._regs[(mem, d)] == 1]
-        try:
-            if last:
-                self.agent.kvxfer.deregister_raw(last, _b._NATIVE_MEM[mem])
-        except KvxferError as e:
-            raise nixl_error(e) from e
-        for d in triples:
-            self._regs[(mem, d)] -= 1
-            if not self._regs[(mem, d)]:
-                del self._regs[(mem, d)]
+        self.agent.deregisterMem(dereg_list, self._handles(backends))
 
     def query_memory(self, reg_list, backend, mem_type=None):
         """Not offered by kvxfer (NIXL answers it for storage plugins)."""
+        descs = self.get_reg_descs(reg_list, mem_type)
         if backend not in self.backends:
             raise ValueError(
                 f"Backend '{backend}' not found. Available backends: {list(self.backends.keys())}"
             )
-        raise nixlNotSupportedError("query_memory: kvxfer's UCX plugin answers no queries")
+        return self.agent.queryMem(descs, self.backends[backend])
 
     def get_serialized_descs(self, descs):
         """A descriptor list as bytes (a checked format, not pickle)."""
@@ -458,45 +377,29 @@ class nixl_agent:
 
     def get_agent_metadata(self):
         """This agent's metadata, for a peer's `add_remote_agent`."""
-        if not self.agent.has_backend():
-            raise _b.nixlInvalidParamError("getLocalMD: no backends support remote operations")
-        return self.agent.kvxfer.metadata()
+        return self.agent.getLocalMD()
 
     def add_remote_agent(self, metadata):
         """Loads a peer from its metadata; returns its name as bytes."""
-        try:
-            return self.agent.kvxfer.add_remote_agent(bytes(metadata)).encode()
-        except KvxferError as e:
-            raise nixl_error(e) from e
+        return self.agent.loadRemoteMD(metadata)
 
     def remove_remote_agent(self, agent):
         """Forgets a peer (its transfers in flight fail); an unknown name
         is not an error."""
-        try:
-            self.agent.kvxfer.remove_remote_agent(_name(agent))
-        except KvxferError as e:
-            if type(e).__name__ != "UnknownAgentError":
-                raise nixl_error(e) from e
+        self.agent.invalidateRemoteMD(agent)
 
     def make_connection(self, remote_agent, backends=[]):  # noqa: B006
         """Connects ahead of the first transfer (kvxfer connects when the
         peer is added; this checks the peer is known)."""
-        self._handles(backends)
-        self._remote(_name(remote_agent))
-
-    def _remote(self, name):
-        try:
-            return self.agent.kvxfer.remote_transport(name)
-        except KvxferError as e:
-            raise nixl_error(e) from e
+        self.agent.makeConnection(remote_agent, self._handles(backends))
 
     def get_partial_agent_metadata(self, *args, **kwargs):
         """Not offered (see the module's notes)."""
-        raise nixlNotSupportedError("partial metadata: not offered by kvxfer")
+        return self.agent.getLocalPartialMD(*args)
 
     def send_local_metadata(self, *args, **kwargs):
         """Not offered (see the module's notes)."""
-        raise nixlNotSupportedError("metadata exchange by listener/etcd: not offered by kvxfer.nixl")
+        return self.agent.sendLocalMD(*args)
 
     send_partial_agent_metadata = send_local_metadata
     fetch_remote_metadata = send_local_metadata
@@ -505,45 +408,17 @@ class nixl_agent:
 
     # -- transfers --------------------------------------------------------
 
-    def _check(self, dlist, remote=None):
-        try:
-            self.agent.kvxfer.check_descs(dlist.native(), remote)
-        except KvxferError as e:
-            raise nixl_error(e) from e
-
     def prep_xfer_dlist(self, agent_name, xfer_list, mem_type=None, backends=[]):  # noqa: B006
         """Prepares one side of later transfers: `"NIXL_INIT_AGENT"` (or
         `""`) for the local side, the peer's name for the remote side.
         Memory not registered there raises `nixlNotFoundError`."""
-        name = _name(agent_name)
         if hasattr(xfer_list, "shape") and len(xfer_list.shape) == 2 and xfer_list.shape[1] == 5:
             if mem_type is None:
                 raise ValueError("Please specify a mem type for strided descriptors")
             raise nixlNotSupportedError("strided (Nx5) descriptor lists: not offered by kvxfer")
-        self._handles(backends)
+        handles = self._handles(backends)
         descs = self.get_xfer_descs(xfer_list, mem_type)
-        self._need_backend("prepXferDlist", descs.getType())
-        if name in ("", NIXL_INIT_AGENT):
-            name = NIXL_INIT_AGENT
-            self._check(descs)
-        elif name == self.name:
-            raise nixlNotSupportedError("loopback transfers (an agent to itself): not offered by kvxfer")
-        else:
-            self._remote(name)
-            self._check(descs, name)
-        return nixl_prepped_dlist_handle(self.agent, name, descs)
-
-    def _make(self, op, local, li, remote, ri, remote_name, notif, merge):
-        try:
-            req = self._kvxfer.make_request(
-                op, local, li, remote, ri, remote_name,
-                notif if type(notif) is bytes and notif else (_bytes(notif) or None), merge,
-            )
-        except (ValueError, IndexError) as e:
-            raise _b.nixlInvalidParamError(str(e)) from e
-        except KvxferError as e:
-            raise nixl_error(e) from e
-        return nixl_xfer_handle(self.agent, req)
+        return nixl_prepped_dlist_handle(self.agent, self.agent.prepXferDlist(agent_name, descs, handles))
 
     def make_prepped_xfer(
         self,
@@ -557,88 +432,53 @@ class nixl_agent:
         skip_desc_merge=False,
     ):
         """A transfer of the selected descriptors (ids as lists or numpy int
-        arrays, any order) of two prepared lists."""
-        # The hot call of a serving loop: kept to a few steps, as it runs
-        # with caches cold from the previous transfer.
-        op = _OP_NAMES[operation]
-        if backends:
-            self._handles(backends)
-        if local_xfer_side.agent_name != NIXL_INIT_AGENT:
-            raise _b.nixlInvalidParamError("the local side must be prepared with NIXL_INIT_AGENT")
-        return self._make(
-            op, local_xfer_side.native, local_indices, remote_xfer_side.native,
-            remote_indices, remote_xfer_side.agent_name, notif_msg, not skip_desc_merge,
-        )
+        arrays, any order) of two prepared lists; pairs adjacent on both
+        sides merge unless `skip_desc_merge`."""
+        op = self.nixl_ops[operation]
+        return nixl_xfer_handle(self.agent, self.agent.makeXferReq(
+            op, local_xfer_side._handle, local_indices, remote_xfer_side._handle, remote_indices,
+            notif_msg, self._handles(backends) if backends else (), skip_desc_merge,
+        ))
 
     def initialize_xfer(self, operation, local_descs, remote_descs, remote_agent, notif_msg=b"", backends=[]):  # noqa: B006,E501
         """A transfer of every descriptor of two lists, pair by pair (not
         merged, as NIXL's combined call does not merge). Memory not
         registered on either side raises `nixlNotFoundError` here."""
         op = self.nixl_ops[operation]
-        self._handles(backends)
-        for d in (local_descs, remote_descs):
-            if not isinstance(d, nixlXferDList):
-                raise TypeError("initialize_xfer takes nixlXferDList descriptor lists")
-        name = _name(remote_agent)
-        if name == self.name:
-            raise nixlNotSupportedError("loopback transfers (an agent to itself): not offered by kvxfer")
-        self._remote(name)
-        n, m = local_descs.descCount(), remote_descs.descCount()
-        if n != m:
-            raise _b.nixlInvalidParamError(f"{n} local descriptors for {m} remote ones")
-        lt, rt = local_descs.triples(), remote_descs.triples()
-        for i, (a, b) in enumerate(zip(lt, rt)):
-            if a[1] != b[1]:
-                raise _b.nixlInvalidParamError(f"length mismatch at index {i}")
-        self._check(local_descs)
-        self._check(remote_descs, name)
-        ids = list(range(n))
-        return self._make(_OP_NAMES[operation], local_descs.native(), ids, remote_descs.native(),
-                          ids, name, notif_msg, False)
+        return nixl_xfer_handle(self.agent, self.agent.createXferReq(
+            op, local_descs, remote_descs, remote_agent, notif_msg, self._handles(backends),
+        ))
 
     def estimate_xfer_cost(self, req_handle):
         """Not offered by kvxfer."""
-        raise nixlNotSupportedError("estimate_xfer_cost: not offered by kvxfer")
+        return self.agent.estimateXferCost(req_handle._handle)
 
     def transfer(self, handle, notif_msg=b""):
         """Posts the transfer: `"DONE"` when it completed inline, `"PROC"`
         while in flight, `"ERR"` when it could not start (or is still in
         flight from an earlier post)."""
-        if handle._xfer is not None and not handle._xfer.done():
-            logger.error("postXferReq: the request is still in flight")
-            return "ERR"
-        handle._submit(notif_msg)
-        return handle._state()
+        return _STATES.get(self.agent.postXferReq(handle._handle, notif_msg), "ERR")
 
     def check_xfer_state(self, handle):
         """`"DONE"`, `"PROC"` or `"ERR"`. Waits up to 20 µs (the GIL
         released) for a transfer in flight to end, so that a caller polling
         in a loop leaves the CPU to the threads moving its data."""
-        return handle._state(_CHECK_WAIT)
+        return _STATES.get(self.agent.getXferStatus(handle._handle), "ERR")
 
     def get_xfer_telemetry(self, handle):
-        """The last post's `nixlXferTelemetry`: start (µs, monotonic clock),
-        post and transfer durations (µs, rounded up), bytes and descriptors
-        (after merging). The transfer's end is when a check first saw it
-        end. `nixlNoTelemetryError` unless telemetry is on."""
-        if not self.agent.telemetry:
-            raise nixlNoTelemetryError("telemetry is not enabled for this agent")
-        end = handle._end if handle._end is not None else time.perf_counter_ns()
-        return nixlXferTelemetry(
-            handle._start,
-            handle._post,
-            max(handle._post, -(-(end - handle._t0) // 1000)),
-            handle._request.total_bytes,
-            handle._request.desc_count,
-        )
+        """The last post's `nixlXferTelemetry` (see
+        `nixlAgent.getXferTelemetry`); `nixlNoTelemetryError` unless
+        telemetry is on."""
+        return self.agent.getXferTelemetry(handle._handle)
 
     def query_xfer_backend(self, handle):
         """The backend (plugin) that carried the transfer: `"UCX"`."""
-        return next(iter(self.backends), "")
+        b = self.agent.queryXferBackend(handle._handle)
+        return next((name for name, h in self.backends.items() if h == b), "")
 
     def query_xfer_transport(self, handle):
         """kvxfer's transport that carried it: `tcp`, `shm`, `rdma`."""
-        return handle._xfer.transport if handle._xfer is not None else ""
+        return self.agent.query_transport(handle._handle)
 
     def release_xfer_handle(self, handle):
         """Releases a transfer; one in flight is aborted first."""
@@ -650,21 +490,21 @@ class nixl_agent:
 
     def prep_mem_view(self, *args, **kwargs):
         """GPU memory views: not offered by kvxfer."""
-        raise nixlNotSupportedError("prep_mem_view: NIXL's GPU device API is not offered by kvxfer")
+        return self.agent.prepMemView(*args)
 
-    release_mem_view = prep_mem_view
+    def release_mem_view(self, mvh):
+        """GPU memory views: not offered by kvxfer."""
+        return self.agent.releaseMemView(mvh)
 
     # -- notifications ----------------------------------------------------
 
     def get_new_notifs(self, backends=[]):  # noqa: B006
         """`{peer name: [bytes, ...]}` that arrived since the last call."""
-        self._handles(backends)
-        return self.agent.kvxfer.get_new_notifs()
+        return self.agent.getNotifs({}, self._handles(backends))
 
     def update_notifs(self, backends=[]):  # noqa: B006
         """Adds the new notifications to `self.notifs` and returns it."""
-        for k, v in self.get_new_notifs(backends).items():
-            self.notifs.setdefault(k, []).extend(v)
+        self.notifs = self.agent.getNotifs(self.notifs, self._handles(backends))
         return self.notifs
 
     def check_remote_xfer_done(self, remote_agent_name, lookup_tag, backends=[], tag_is_prefix=True):  # noqa: B006,E501
@@ -672,7 +512,7 @@ class nixl_agent:
         `tag_is_prefix=False`, contains) `lookup_tag`; the one found is
         removed (an empty message is matched and kept, as in NIXL)."""
         self.update_notifs(backends)
-        msgs = self.notifs.get(_name(remote_agent_name), [])
+        msgs = self.notifs.get(remote_agent_name, [])
         for i, m in enumerate(msgs):
             if (tag_is_prefix and m.startswith(lookup_tag)) or (
                 not tag_is_prefix and lookup_tag in m
@@ -684,13 +524,7 @@ class nixl_agent:
 
     def send_notif(self, remote_agent_name, notif_msg, backend=None):
         """Sends a notification alone (no data)."""
-        if backend is not None:
-            self.backends[backend]
-        try:
-            self.agent.kvxfer.send_notif(_name(remote_agent_name), _bytes(notif_msg))
-        except KvxferError as e:
-            raise nixl_error(e) from e
-
-
-def _name(agent):
-    return agent.decode() if isinstance(agent, (bytes, bytearray)) else str(agent)
+        if backend is None:
+            self.agent.genNotif(remote_agent_name, notif_msg)
+        else:
+            self.agent.genNotif(remote_agent_name, notif_msg, self.backends[backend])

@@ -15,9 +15,13 @@ not find (`nixlNotFoundError`).
 """
 
 import enum
+import logging
 import os
+import time
 
 from . import Agent, KvxferError, _kvxfer
+
+_log = logging.getLogger("kvxfer.nixl")
 
 DEFAULT_COMM_PORT = 8888
 NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
@@ -51,6 +55,7 @@ class nixl_xfer_op_t(enum.IntEnum):
 
 NIXL_READ = nixl_xfer_op_t.NIXL_READ
 NIXL_WRITE = nixl_xfer_op_t.NIXL_WRITE
+_OPS = {NIXL_READ: "READ", NIXL_WRITE: "WRITE"}
 
 
 class nixl_status_t(enum.IntEnum):
@@ -69,7 +74,17 @@ class nixl_status_t(enum.IntEnum):
     NIXL_ERR_NOT_SUPPORTED = -9
 
 
-globals().update(nixl_status_t.__members__)
+NIXL_IN_PROG = nixl_status_t.NIXL_IN_PROG
+NIXL_SUCCESS = nixl_status_t.NIXL_SUCCESS
+NIXL_ERR_NOT_POSTED = nixl_status_t.NIXL_ERR_NOT_POSTED
+NIXL_ERR_INVALID_PARAM = nixl_status_t.NIXL_ERR_INVALID_PARAM
+NIXL_ERR_BACKEND = nixl_status_t.NIXL_ERR_BACKEND
+NIXL_ERR_NOT_FOUND = nixl_status_t.NIXL_ERR_NOT_FOUND
+NIXL_ERR_MISMATCH = nixl_status_t.NIXL_ERR_MISMATCH
+NIXL_ERR_NOT_ALLOWED = nixl_status_t.NIXL_ERR_NOT_ALLOWED
+NIXL_ERR_REPOST_ACTIVE = nixl_status_t.NIXL_ERR_REPOST_ACTIVE
+NIXL_ERR_UNKNOWN = nixl_status_t.NIXL_ERR_UNKNOWN
+NIXL_ERR_NOT_SUPPORTED = nixl_status_t.NIXL_ERR_NOT_SUPPORTED
 
 
 class nixl_thread_sync_t(enum.IntEnum):
@@ -287,6 +302,20 @@ class _DList:
     def __repr__(self):
         return f"{type(self).__name__}({self._type.name}, {self.descCount()} descriptors)"
 
+    def __eq__(self, other):
+        return (
+            type(other) is type(self)
+            and other._type == self._type
+            and list(other._all()) == list(self._all())
+        )
+
+    __hash__ = None
+
+    def __reduce__(self):
+        # Pickled as its type and rows (NIXL's lists pickle; LMCache ships
+        # them so between kvxfer agents too).
+        return (type(self), (int(self._type), list(self._all())))
+
 
 class nixlXferDList(_DList):
     """A transfer descriptor list: `(address, length, device)`."""
@@ -375,9 +404,56 @@ def _telemetry_enabled(config):
     return bool(config.captureTelemetry)
 
 
+def _bytes(msg):
+    if type(msg) is bytes:
+        return msg
+    if isinstance(msg, str):
+        return msg.encode()
+    return bytes(msg) if msg else b""
+
+
+def _name(agent):
+    return agent.decode() if isinstance(agent, (bytes, bytearray)) else str(agent)
+
+
+class _Prepped:
+    """A descriptor list prepared for one side (`prepXferDlist`)."""
+
+    __slots__ = ("agent_name", "dlist", "native")
+
+    def __init__(self, agent_name, dlist):
+        self.agent_name = agent_name
+        self.dlist = dlist
+        self.native = dlist.native()
+
+
+class _XferReq:
+    """A transfer request (`makeXferReq` / `createXferReq`): made once
+    (descriptors selected and merged in Rust), posted again once ended."""
+
+    __slots__ = ("request", "xfer", "failed", "released", "start", "post", "t0", "end")
+
+    def __init__(self, request):
+        self.request = request
+        self.xfer = None
+        self.failed = False
+        self.released = False
+        self.start = self.post = self.t0 = 0
+        self.end = None
+
+
+# How long getXferStatus waits for a transfer in flight (seconds): a caller
+# polling in a loop leaves the CPU to the threads moving its data.
+_CHECK_WAIT = 20e-6
+_STATUS = {"DONE": NIXL_SUCCESS, "PROC": NIXL_IN_PROG}
+
+
 class nixlAgent:
-    """The agent object NIXL's `_api` holds as `nixl_agent.agent`: a kvxfer
-    agent and its plugin bookkeeping."""
+    """NIXL's agent (the C++ `nixlAgent` as NIXL's pybind module gives it)
+    over a kvxfer agent: plugins and backends, registration, metadata,
+    descriptor lists prepared per side, transfer requests and their
+    status and telemetry, notifications. Failures raise the NIXL exception
+    of their status; `postXferReq` and `getXferStatus` return statuses."""
 
     def __init__(self, name, config):
         if not name:
@@ -391,6 +467,10 @@ class nixlAgent:
         except KvxferError as e:
             raise nixl_error(e) from e
         self._backends = {}
+        # A region registered again is counted, not registered twice.
+        self._regs = {}
+
+    # -- plugins and backends --------------------------------------------
 
     def getAvailPlugins(self):  # noqa: N802
         """The plugins kvxfer offers."""
@@ -414,13 +494,280 @@ class nixlAgent:
 
     def getBackendParams(self, handle):  # noqa: N802
         """`(options, memory types)` of an instantiated backend."""
-        for plugin, (h, params) in self._backends.items():
+        for h, params in self._backends.values():
             if h == handle:
                 opts = {"kvxfer_transport": self.transport}
                 opts.update({k: str(v) for k, v in params.items()})
                 return opts, list(_PLUGIN_MEMS)
         raise nixlNotFoundError(f"no backend with handle {handle}")
 
-    def has_backend(self):
-        """Whether a backend was instantiated (without one nothing moves)."""
-        return bool(self._backends)
+    def _need_backend(self, what, mem):
+        if not self._backends:
+            raise nixlNotFoundError(f"{what}: no available backends for mem type {mem.name!r}")
+
+    def _backend_handle(self):
+        return next(iter(self._backends.values()))[0] if self._backends else 0
+
+    # -- memory ------------------------------------------------------------
+
+    def registerMem(self, descs, backends=()):  # noqa: N802
+        """Registers a `nixlRegDList`; returns NIXL_SUCCESS."""
+        mem = descs.getType()
+        self._need_backend("registerMem", mem)
+        triples = descs.triples()
+        new = [d for d in triples if (mem, d) not in self._regs]
+        try:
+            if new:
+                self.kvxfer.register_raw(new, _NATIVE_MEM[mem])
+        except KvxferError as e:
+            raise nixl_error(e) from e
+        for d in triples:
+            self._regs[(mem, d)] = self._regs.get((mem, d), 0) + 1
+        return NIXL_SUCCESS
+
+    def deregisterMem(self, descs, backends=()):  # noqa: N802
+        """Deregisters what `registerMem` registered; returns NIXL_SUCCESS."""
+        mem = descs.getType()
+        triples = descs.triples()
+        missing = [d for d in triples if (mem, d) not in self._regs]
+        if missing:
+            raise nixlNotFoundError(f"deregisterMem: {len(missing)} regions are not registered")
+        last = [d for d in triples if self._regs[(mem, d)] == 1]
+        try:
+            if last:
+                self.kvxfer.deregister_raw(last, _NATIVE_MEM[mem])
+        except KvxferError as e:
+            raise nixl_error(e) from e
+        for d in triples:
+            self._regs[(mem, d)] -= 1
+            if not self._regs[(mem, d)]:
+                del self._regs[(mem, d)]
+        return NIXL_SUCCESS
+
+    def queryMem(self, descs, backend):  # noqa: N802
+        """Not offered by kvxfer (NIXL answers it for storage plugins)."""
+        raise nixlNotSupportedError("queryMem: kvxfer's UCX plugin answers no queries")
+
+    # -- metadata and peers ----------------------------------------------
+
+    def getLocalMD(self):  # noqa: N802
+        """This agent's metadata."""
+        if not self._backends:
+            raise nixlInvalidParamError("getLocalMD: no backends support remote operations")
+        return self.kvxfer.metadata()
+
+    def loadRemoteMD(self, metadata):  # noqa: N802
+        """Loads a peer from its metadata; its name as bytes."""
+        try:
+            return self.kvxfer.add_remote_agent(bytes(metadata)).encode()
+        except KvxferError as e:
+            raise nixl_error(e) from e
+
+    def invalidateRemoteMD(self, name):  # noqa: N802
+        """Forgets a peer (its transfers in flight fail); an unknown name is
+        not an error."""
+        try:
+            self.kvxfer.remove_remote_agent(_name(name))
+        except KvxferError as e:
+            if type(e).__name__ != "UnknownAgentError":
+                raise nixl_error(e) from e
+        return NIXL_SUCCESS
+
+    def makeConnection(self, name, backends=()):  # noqa: N802
+        """Checks the peer is loaded (kvxfer connects when it is loaded)."""
+        self._remote(_name(name))
+        return NIXL_SUCCESS
+
+    def _remote(self, name):
+        try:
+            return self.kvxfer.remote_transport(name)
+        except KvxferError as e:
+            raise nixl_error(e) from e
+
+    def _unsupported(self, *args, **kwargs):
+        raise nixlNotSupportedError(
+            "the listener/etcd metadata exchange and partial metadata are not offered by kvxfer"
+        )
+
+    getLocalPartialMD = sendLocalMD = sendLocalPartialMD = _unsupported  # noqa: N815
+    fetchRemoteMD = checkRemoteMD = invalidateLocalMD = _unsupported  # noqa: N815
+
+    # -- transfers ---------------------------------------------------------
+
+    def _check(self, dlist, remote=None):
+        try:
+            self.kvxfer.check_descs(dlist.native(), remote)
+        except KvxferError as e:
+            raise nixl_error(e) from e
+
+    def prepXferDlist(self, agent_name, descs, backends=()):  # noqa: N802
+        """Prepares one side of later transfers: `NIXL_INIT_AGENT` for the
+        local side, the peer's name for the remote side; memory not
+        registered there raises `nixlNotFoundError`."""
+        name = _name(agent_name)
+        self._need_backend("prepXferDlist", descs.getType())
+        if name in ("", NIXL_INIT_AGENT):
+            name = NIXL_INIT_AGENT
+            self._check(descs)
+        elif name == self.name:
+            raise nixlNotSupportedError("loopback transfers (an agent to itself): not offered by kvxfer")
+        else:
+            self._remote(name)
+            self._check(descs, name)
+        return _Prepped(name, descs)
+
+    def releasedDlistH(self, handle):  # noqa: N802
+        """Releases a prepared list."""
+        handle.dlist = handle.native = None
+        return NIXL_SUCCESS
+
+    def _make(self, op, local, li, remote, ri, remote_name, notif, merge):
+        try:
+            req = self.kvxfer.make_request(
+                op, local, li, remote, ri, remote_name, _bytes(notif) or None, merge
+            )
+        except (ValueError, IndexError) as e:
+            raise nixlInvalidParamError(str(e)) from e
+        except KvxferError as e:
+            raise nixl_error(e) from e
+        return _XferReq(req)
+
+    def makeXferReq(self, op, local, local_indices, remote, remote_indices, notif=b"",  # noqa: N802
+                    backends=(), skip_desc_merge=False):
+        """A request of the selected descriptors (ids as lists or numpy int
+        arrays, any order) of two prepared lists; pairs adjacent on both
+        sides merge unless `skip_desc_merge`."""
+        # The hot call of a serving loop: kept to a few steps, as it runs
+        # with caches cold from the previous transfer.
+        if local.agent_name != NIXL_INIT_AGENT:
+            raise nixlInvalidParamError("the local side must be prepared with NIXL_INIT_AGENT")
+        return self._make(_OPS[op], local.native, local_indices, remote.native, remote_indices,
+                          remote.agent_name, notif, not skip_desc_merge)
+
+    def createXferReq(self, op, local, remote, remote_agent, notif=b"", backends=()):  # noqa: N802
+        """A request of every descriptor of two lists, pair by pair (never
+        merged); memory not registered on either side raises
+        `nixlNotFoundError` here."""
+        for d in (local, remote):
+            if not isinstance(d, nixlXferDList):
+                raise TypeError("createXferReq takes nixlXferDList descriptor lists")
+        name = _name(remote_agent)
+        if name == self.name:
+            raise nixlNotSupportedError("loopback transfers (an agent to itself): not offered by kvxfer")
+        self._remote(name)
+        n, m = local.descCount(), remote.descCount()
+        if n != m:
+            raise nixlInvalidParamError(f"{n} local descriptors for {m} remote ones")
+        for i, (a, b) in enumerate(zip(local.triples(), remote.triples())):
+            if a[1] != b[1]:
+                raise nixlInvalidParamError(f"length mismatch at index {i}")
+        self._check(local)
+        self._check(remote, name)
+        ids = list(range(n))
+        return self._make(_OPS[op], local.native(), ids, remote.native(), ids, name, notif, False)
+
+    def postXferReq(self, req, notif=b""):  # noqa: N802
+        """Posts a request: NIXL_SUCCESS when it completed inline,
+        NIXL_IN_PROG while in flight, NIXL_ERR_REPOST_ACTIVE while an
+        earlier post is in flight, an error status when it could not
+        start."""
+        if req.released:
+            return NIXL_ERR_NOT_FOUND
+        if req.xfer is not None and not req.xfer.done():
+            return NIXL_ERR_REPOST_ACTIVE
+        req.start = time.monotonic_ns() // 1000
+        t0 = time.perf_counter_ns()
+        req.failed = False
+        req.end = None
+        try:
+            req.xfer = self.kvxfer.post(req.request, _bytes(notif) or None)
+        except KvxferError as e:
+            _log.error("postXferReq: %s", e)
+            req.xfer = None
+            req.failed = True
+        req.t0 = t0
+        req.post = -(-(time.perf_counter_ns() - t0) // 1000)
+        return self._status(req, 0.0)
+
+    def _status(self, req, max_wait):
+        if req.failed or req.xfer is None:
+            return NIXL_ERR_BACKEND
+        s = req.xfer.check(max_wait) if max_wait else req.xfer.state
+        if s != "PROC" and req.end is None:
+            req.end = time.perf_counter_ns()
+        return _STATUS.get(s, NIXL_ERR_BACKEND)
+
+    def getXferStatus(self, req):  # noqa: N802
+        """NIXL_SUCCESS, NIXL_IN_PROG or an error status. Waits up to
+        20 µs (the GIL released) for a transfer in flight to end."""
+        if req.released:
+            return NIXL_ERR_NOT_FOUND
+        return self._status(req, _CHECK_WAIT)
+
+    def getXferTelemetry(self, req):  # noqa: N802
+        """The last post's `nixlXferTelemetry`: start (µs, monotonic clock),
+        post and transfer durations (µs, rounded up; the transfer's end is
+        when a status check first saw it end), bytes and descriptors (after
+        merging). `nixlNoTelemetryError` unless telemetry is on."""
+        if not self.telemetry:
+            raise nixlNoTelemetryError("telemetry is not enabled for this agent")
+        end = req.end if req.end is not None else time.perf_counter_ns()
+        return nixlXferTelemetry(
+            req.start,
+            req.post,
+            max(req.post, -(-(end - req.t0) // 1000)),
+            req.request.total_bytes,
+            req.request.desc_count,
+        )
+
+    def queryXferBackend(self, req):  # noqa: N802
+        """The handle of the backend that carries the request."""
+        return self._backend_handle()
+
+    def query_transport(self, req):
+        """kvxfer's transport that carried the last post (`tcp`, `shm`,
+        `rdma`), or `""`."""
+        return req.xfer.transport if req.xfer is not None else ""
+
+    def releaseXferReq(self, req):  # noqa: N802
+        """Releases a request; one in flight is aborted first, and this
+        returns once nothing of it can touch either side's memory."""
+        if req.released:
+            return NIXL_SUCCESS
+        if req.xfer is not None and not req.xfer.done():
+            req.xfer.abort()
+            try:
+                req.xfer.wait()
+            except KvxferError:
+                pass
+        req.xfer = None
+        req.released = True
+        req.request.release()
+        return NIXL_SUCCESS
+
+    def estimateXferCost(self, req):  # noqa: N802
+        """Not offered by kvxfer."""
+        raise nixlNotSupportedError("estimateXferCost: not offered by kvxfer")
+
+    def prepMemView(self, *args):  # noqa: N802
+        """GPU memory views: not offered by kvxfer."""
+        raise nixlNotSupportedError("prepMemView: NIXL's GPU device API is not offered by kvxfer")
+
+    releaseMemView = prepMemView  # noqa: N815
+
+    # -- notifications -----------------------------------------------------
+
+    def getNotifs(self, notifs, backends=()):  # noqa: N802
+        """Adds the notifications that arrived to `notifs` (`{peer name:
+        [bytes, ...]}`) and returns it."""
+        for k, v in self.kvxfer.get_new_notifs().items():
+            notifs.setdefault(k, []).extend(v)
+        return notifs
+
+    def genNotif(self, remote, msg, backend=None):  # noqa: N802
+        """Sends a notification alone (no data)."""
+        try:
+            self.kvxfer.send_notif(_name(remote), _bytes(msg))
+        except KvxferError as e:
+            raise nixl_error(e) from e
+        return NIXL_SUCCESS

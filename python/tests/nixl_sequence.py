@@ -196,6 +196,44 @@ def main():
     d.release_xfer_handle(hd)
     os.environ.pop("NIXL_TELEMETRY_ENABLE")
 
+    # The bindings' agent, as NIXL's pybind module gives it.
+    import pickle
+
+    lst = bindings.nixlXferDList(bindings.DRAM_SEG, [(1000, 105, 0), (2000, 30, 0)])
+    step("pickled list equal", lambda: pickle.loads(pickle.dumps(lst)) == lst)
+    step("edited list differs", lambda: bindings.nixlXferDList(bindings.DRAM_SEG, [(1, 2, 0)]) == lst)
+    cfg = bindings.nixlAgentConfig()
+    cfg.useProgThread = False
+    x1, x2 = bindings.nixlAgent("raw-1", cfg), bindings.nixlAgent("raw-2", cfg)
+    u1, u2 = x1.createBackend("UCX", {}), x2.createBackend("UCX", {})
+    r1 = bindings.nixlRegDList(bindings.DRAM_SEG)
+    r1.addDesc((pa, N, 0, "dead"))
+    r2 = bindings.nixlRegDList(bindings.DRAM_SEG)
+    r2.addDesc((pc, N, 0, "dead"))
+    step("raw register", lambda: [int(x1.registerMem(r1, [u1])), int(x2.registerMem(r2, [u2]))])
+    step("raw load", lambda: x1.loadRemoteMD(x2.getLocalMD()))
+    src = bindings.nixlXferDList(bindings.DRAM_SEG)
+    src.addDesc((pa + 8, 8, 0))
+    dst = bindings.nixlXferDList(bindings.DRAM_SEG)
+    dst.addDesc((pc + 8, 8, 0))
+    req = x1.createXferReq(bindings.NIXL_WRITE, src, dst, "raw-2", "n\0tification")
+    st = x1.postXferReq(req)
+    step("raw post", lambda: st in (bindings.NIXL_SUCCESS, bindings.NIXL_IN_PROG))
+    deadline = time.monotonic() + 30
+    notes = {}
+    while (st != bindings.NIXL_SUCCESS or not notes) and time.monotonic() < deadline:
+        if st != bindings.NIXL_SUCCESS:
+            st = x1.getXferStatus(req)
+        if not notes:
+            notes = x2.getNotifs(notes)
+    step("raw status", lambda: int(st))
+    step("raw notifs", lambda: notes)
+    step("raw landed", lambda: ctypes.string_at(pc + 8, 8) == ctypes.string_at(pa + 8, 8))
+    step("raw release", lambda: int(x1.releaseXferReq(req)))
+    step("raw deregister", lambda: int(x1.deregisterMem(r1, [u1])))
+    step("raw deregister again", lambda: x1.deregisterMem(r1, [u1]))
+    step("raw invalidate", lambda: int(x1.invalidateRemoteMD("raw-2")))
+
     sys.stdout.write("RESULT " + json.dumps(out) + "\n")
     sys.stdout.flush()
     # The real NIXL may crash in its destructors at exit: the result is out.

@@ -2,6 +2,7 @@
 
 import ctypes
 import ctypes.util
+import logging
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 _libc.malloc.restype = ctypes.c_void_p
@@ -20,11 +21,14 @@ def free_passthru(addr):
     _libc.free(int(addr))
 
 
-def ba_buf(size):
-    """A zeroed `bytearray` of `size` bytes."""
-    return bytearray(int(size))
+def ba_buf(addr, size):
+    """Fills `size` bytes at `addr` with 0xba."""
+    ctypes.memset(int(addr), 0xBA, int(size))
 
 
 def verify_transfer(addr1, addr2, size):
-    """Whether `size` bytes at two addresses are equal."""
-    return ctypes.string_at(int(addr1), int(size)) == ctypes.string_at(int(addr2), int(size))
+    """Logs an error where `size` bytes at two addresses differ (NIXL's
+    helper returns nothing either way)."""
+    if ctypes.string_at(int(addr1), int(size)) != ctypes.string_at(int(addr2), int(size)):
+        logging.getLogger("nixl").error("verify_transfer: %d bytes at %#x and %#x differ",
+                                        int(size), int(addr1), int(addr2))

@@ -5,7 +5,8 @@ to): a target and an initiator engine in one process, protocol `tcp`
 device). Prints one line, `RESULT <json>`: `[step, value]` pairs of return
 codes, ids reduced to "nonzero"/0, and bytes compared.
 
-    python mooncake_sequence.py P2PHANDSHAKE | http://127.0.0.1:PORT/metadata | 127.0.0.1:ETCD_PORT  PORT_BASE
+    python mooncake_sequence.py P2PHANDSHAKE | http://127.0.0.1:PORT/metadata | 127.0.0.1:ETCD_PORT \
+        TARGET_PORT INITIATOR_PORT
 """
 
 import json
@@ -27,12 +28,12 @@ def step(name, value):
 
 def main():
     server = sys.argv[1]
-    base = int(sys.argv[2])
+    base, other = int(sys.argv[2]), int(sys.argv[3])
     p2p = server == "P2PHANDSHAKE"
     t, i = TransferEngine(), TransferEngine()
     step("init target", t.initialize(f"127.0.0.1:{base}", server, "tcp", ""))
-    step("init initiator (rdma)", i.initialize(f"127.0.0.1:{base + 2}", server, "rdma", ""))
-    step("init again", i.initialize(f"127.0.0.1:{base + 2}", server, "tcp", ""))
+    step("init initiator (rdma)", i.initialize(f"127.0.0.1:{other}", server, "rdma", ""))
+    step("init again", i.initialize(f"127.0.0.1:{other}", server, "tcp", ""))
     step("rpc port", t.get_rpc_port() > 0)
     # P2P: the session is the RPC port's; otherwise the segment's name.
     tn = f"127.0.0.1:{t.get_rpc_port() if p2p else base}"

@@ -44,13 +44,13 @@ def http_metadata():
 
 def compare(server, real_env):
     ours = run_script("mooncake_sequence.py", shim_env("mooncake", over_real=True), server,
-                      free_port())
+                      free_port(), free_port())
     got = dict(ours)
     for step, want in MUST.items():
         assert got[step] == want, f"{server}: {step}: {got[step]} (want {want})"
     if real_env is None:
         return
-    real = run_script("mooncake_sequence.py", real_env, server, free_port())
+    real = run_script("mooncake_sequence.py", real_env, server, free_port(), free_port())
     assert [s for s, _ in ours] == [s for s, _ in real]
     diff = [(s, o, r) for (s, o), (_, r) in zip(ours, real) if o != r]
     assert not diff, "\n".join(f"{server}: {s}: kvxfer {o} vs mooncake {r}" for s, o, r in diff)

@@ -129,7 +129,7 @@ pub type SyncMessages = HashMap<String, Vec<Vec<u8>>>;
 /// ([`TransferAgent::sync_waker`]); holds the agent's inbox only, never
 /// the agent. Cheap to clone.
 #[derive(Clone)]
-pub struct SyncWaker(pub(crate) std::sync::Arc<crate::registry::Inbox>);
+pub struct SyncWaker(pub(crate) std::sync::Arc<crate::inbox::Inbox>);
 
 impl SyncWaker {
     /// As [`TransferAgent::wake_sync_waiters`].

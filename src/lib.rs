@@ -77,6 +77,7 @@ pub mod events;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod gpu;
+mod inbox;
 pub mod indexed;
 pub mod memory;
 pub mod metadata;

@@ -93,8 +93,9 @@ use crate::agent::{
 use crate::auth::random_u64;
 use crate::desc::{AgentDesc, BackendKind, ExportedRegion, LocalAccess, RdmaInfo};
 use crate::error::{Error, RejectReason};
+use crate::inbox::{Inbox, Reservation};
 use crate::memory::{MemoryDescs, MemoryType, RegionMap};
-use crate::registry::{Inbox, RegionGuard, Registry, Reservation};
+use crate::registry::{RegionGuard, Registry};
 use crate::shm::{self, Direction, Piece};
 use crate::small::{FastHash, Few};
 use crate::verbs::{Device, QpInfo};

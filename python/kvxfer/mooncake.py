@@ -14,7 +14,8 @@ sync, async and batch writes and reads with their status calls;
 `send_probe`; `get_first_buffer_address`; byte access to local buffers.
 
 Protocol `"rdma"` on a host without an RDMA device falls back to TCP with a
-warning, as Mooncake does (`get_transport()` says which path is used);
+warning, as Mooncake does (`get_transport()` says which path is used), and
+so does `"efa"` (kvxfer has no EFA transport yet);
 `TransferEngine(require_protocol=True)` or `KVXFER_REQUIRE_PROTOCOL=1`
 refuses instead.
 
@@ -54,7 +55,7 @@ ERR_DNS = -101
 ERR_SOCKET = -102
 ERR_METADATA = -200
 
-_PROTOCOLS = {"tcp": "tcp", "rdma": "rdma", "shm": "shm", "auto": "auto"}
+_PROTOCOLS = {"tcp": "tcp", "rdma": "rdma", "shm": "shm", "auto": "auto", "efa": "efa"}
 
 _CODES = {
     "NotRegisteredError": ERR_ADDRESS_NOT_REGISTERED,
@@ -153,7 +154,7 @@ class TransferEngine:
             return 0
         backend = _PROTOCOLS.get(str(protocol).lower())
         if backend is None:
-            return self._fail(f"protocol {protocol!r}: tcp, rdma, shm or auto")
+            return self._fail(f"protocol {protocol!r}: tcp, rdma, efa, shm or auto")
         host, _, port = str(local_hostname).partition(":")
         try:
             addr = socket.gethostbyname(host or "127.0.0.1")
@@ -185,13 +186,15 @@ class TransferEngine:
 
     def _start(self, name, backend, kw):
         try:
+            if backend == "efa":
+                raise ValueError("kvxfer has no EFA transport yet")
             agent = Agent(name, backend=backend, **kw)
-        except KvxferError as e:
-            if backend != "rdma" or self._require:
+        except (KvxferError, ValueError) as e:
+            if backend not in ("rdma", "efa") or self._require:
                 raise
             _log.warning(
-                "kvxfer.mooncake: protocol 'rdma' is not available here (%s); "
-                "falling back to tcp (KVXFER_REQUIRE_PROTOCOL=1 refuses instead)", e
+                "kvxfer.mooncake: protocol %r is not available here (%s); "
+                "falling back to tcp (KVXFER_REQUIRE_PROTOCOL=1 refuses instead)", backend, e
             )
             agent = Agent(name, backend="tcp", **kw)
             backend = "tcp"

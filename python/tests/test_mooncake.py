@@ -126,8 +126,14 @@ def test_rdma_falls_back_to_tcp_unless_required(monkeypatch):
     strict = TransferEngine(require_protocol=True)
     assert strict.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == -1
     assert isinstance(strict.get_last_error(), kvxfer.KvxferError)
+    # SGLang's MOONCAKE_PROTOCOL=efa: no EFA transport in kvxfer yet.
+    efa = TransferEngine()
+    assert efa.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == 0
+    assert efa.get_transport() == "tcp"
+    assert TransferEngine(require_protocol=True).initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == -1
     monkeypatch.setenv("KVXFER_REQUIRE_PROTOCOL", "1")
     assert TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == -1
+    assert TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
 
 
 def test_bad_input_changes_nothing():

@@ -287,7 +287,8 @@ impl IndexedRequest {
     ///
     /// # Errors
     /// [`Error::InvalidRequest`] for a bad shape (sides swapped, index
-    /// counts that differ, an index outside its list).
+    /// counts that differ, an index outside its list, a pair whose sides
+    /// differ in length).
     pub fn to_request(&self) -> Result<TransferRequest, Error> {
         self.check_shape()?;
         let pairs = IndexedPairs::new(
@@ -295,6 +296,7 @@ impl IndexedRequest {
             Arc::new(self.local.successors()),
             Arc::new(self.remote.successors()),
         );
+        pairs.check_lengths()?;
         Ok(pairs.to_request())
     }
 }

@@ -658,13 +658,13 @@ class nixlAgent:
         n, m = local.descCount(), remote.descCount()
         if n != m:
             raise nixlInvalidParamError(f"{n} local descriptors for {m} remote ones")
-        for i, (a, b) in enumerate(zip(local.triples(), remote.triples())):
-            if a[1] != b[1]:
-                raise nixlInvalidParamError(f"length mismatch at index {i}")
+        ids = list(range(n))
+        # Made first: a pair whose sides differ in length is refused there,
+        # before the registration checks (as NIXL orders them).
+        req = self._make(_OPS[op], local.native(), ids, remote.native(), ids, name, notif, False)
         self._check(local)
         self._check(remote, name)
-        ids = list(range(n))
-        return self._make(_OPS[op], local.native(), ids, remote.native(), ids, name, notif, False)
+        return req
 
     def postXferReq(self, req, notif=b""):  # noqa: N802
         """Posts a request: NIXL_SUCCESS when it completed inline,

@@ -399,16 +399,27 @@ pub struct PreparedTransfer {
     size: (u64, usize),
     /// The agent that made it (submitting it to another is refused).
     owner: u64,
-    /// The backend's resolution; `None` where it keeps none (each
+    /// The transport's resolution; `None` where it keeps none (each
     /// submission then validates the request in full).
-    pub(crate) resolved: Option<Box<dyn std::any::Any + Send + Sync>>,
+    pub(crate) resolved: Option<Box<dyn Prepared>>,
+}
+
+/// What a transport keeps of a [`PreparedTransfer`] (its plan, holds on
+/// the local regions), posted again on every submission.
+pub(crate) trait Prepared: Send + Sync {
+    /// Posts it again as a new request with `sync` as its sync message
+    /// (`durable`: the target makes storage writes durable before it
+    /// answers). `None` when it no longer holds (the remote agent was
+    /// loaded again or invalidated, its connection broke) or the transport
+    /// keeps no plan: the caller then resolves the request afresh.
+    fn post(&self, sync: Option<&[u8]>, durable: bool) -> Option<Result<TransferStatus, Error>>;
 }
 
 impl PreparedTransfer {
     pub(crate) fn new(
         request: TransferRequest,
         owner: u64,
-        resolved: Option<Box<dyn std::any::Any + Send + Sync>>,
+        resolved: Option<Box<dyn Prepared>>,
     ) -> Self {
         let size = (request.local.total_len(), request.local.descs.len());
         Self {
@@ -425,7 +436,7 @@ impl PreparedTransfer {
         pairs: std::sync::Arc<crate::indexed::IndexedPairs>,
         size: (u64, usize),
         owner: u64,
-        resolved: Box<dyn std::any::Any + Send + Sync>,
+        resolved: Box<dyn Prepared>,
     ) -> Self {
         Self {
             request: std::sync::OnceLock::new(),

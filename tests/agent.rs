@@ -763,6 +763,39 @@ fn same_request_after_deregistering_its_source_is_refused() {
     assert_eq!(peer.cmd("check 51 0 64"), "OK");
 }
 
+/// A small request sent again and again (which a link may remember,
+/// resolved) follows the target registering its memory again: once the
+/// initiator loads the new descriptor, the same request lands under the new
+/// keys, never the stale ones.
+#[test]
+fn same_request_follows_the_targets_new_registration() {
+    let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let mut src = vec![0u8; 64];
+    let (agent, name) = connect(&peer, &src);
+    let req = TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 64), &name);
+    for seed in 60..63 {
+        fill(&mut src, seed, 0);
+        agent
+            .submit_transfer(&req)
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+        assert_eq!(peer.cmd(&format!("check {seed} 0 64")), "OK");
+    }
+    assert_eq!(peer.cmd("dereg"), "OK");
+    assert_eq!(peer.cmd("reg"), "OK");
+    agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    for seed in 63..66 {
+        fill(&mut src, seed, 0);
+        agent
+            .submit_transfer(&req)
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+        assert_eq!(peer.cmd(&format!("check {seed} 0 64")), "OK");
+    }
+}
+
 #[test]
 fn write_after_target_deregistered_is_rejected() {
     let mut peer = PeerProc::spawn("target", 4096, 3, &[]);

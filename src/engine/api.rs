@@ -125,13 +125,16 @@ impl TransferAgent for Engine {
                 (&peer.storage, &old.storage)
                 && new.path == old.path
             {
-                *lock(&new.link) = lock(&old.link).take();
+                let link = lock(&old.link).take();
+                // What it planned against the old descriptor's keys goes.
+                if let Some(l) = &link {
+                    l.forget();
+                }
+                *lock(&new.link) = link;
             }
         }
         if let Some(old) = peers.insert(desc.name.clone(), Arc::clone(&peer)) {
             old.retire();
-            // Drop a cached resolution's hold on the old entry's link.
-            *lock(&self.inner.submit_cache) = None;
             // Links the new entry did not take over (another instance).
             for l in old.take_links() {
                 l.fail(Error::StaleAgent {
@@ -150,9 +153,7 @@ impl TransferAgent for Engine {
     }
 
     fn metrics_text(&self) -> String {
-        self.inner
-            .metrics
-            .render(self.inner.in_flight.load(Ordering::Relaxed))
+        self.inner.metrics.render(self.inner.in_flight.count())
     }
 
     fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
@@ -193,10 +194,7 @@ impl TransferAgent for Engine {
 
     fn submit_transfer(&self, request: &TransferRequest) -> Result<TransferStatus, Error> {
         self.room_for_one()?;
-        if let Some(st) = self.express_cached(request) {
-            return Ok(st);
-        }
-        if let Some(r) = self.submit_cached(request) {
+        if let Some(r) = self.resubmit(request) {
             return r;
         }
         self.submit(request, request.sync_message.clone(), false)
@@ -245,42 +243,18 @@ impl TransferAgent for Engine {
         if self.inner.closing.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
-        if let Some(t) = prepared
+        // One made by index has no request until asked (and moves no
+        // storage).
+        let durable = prepared.indexed.is_none() && prepared.request().durable;
+        if let Some(r) = prepared
             .resolved
-            .as_ref()
-            .and_then(|r| r.downcast_ref::<tcp_stream::PreparedTcp>())
-            .filter(|t| t.current())
+            .as_deref()
+            .and_then(|p| p.post(prepared.sync_message(), durable))
         {
-            // One made by index has no request until asked (and moves no
-            // storage).
-            let durable = prepared.indexed.is_none() && prepared.request().durable;
-            return t.link.post_streams(
-                self,
-                &t.plan,
-                prepared.sync_message().map(<[u8]>::to_vec),
-                false,
-                durable,
-                t.guards.clone(),
-            );
+            return r;
         }
         let req = prepared.request();
-        let fresh = prepared
-            .resolved
-            .as_ref()
-            .and_then(|r| r.downcast_ref::<PreparedRdma>())
-            .filter(|r| r.planned.current());
-        let Some(r) = fresh else {
-            return self.submit(req, req.sync_message.clone(), false);
-        };
-        let p = &r.planned;
-        self.post_planned(
-            &p.link,
-            req.op,
-            Cow::Borrowed(&p.wrs),
-            req.sync_message.clone(),
-            r.guards.clone(),
-            &p.driver,
-        )
+        self.submit(req, req.sync_message.clone(), false)
     }
 
     fn notify_sync_message(&self, remote: &str, message: Vec<u8>) -> Result<TransferStatus, Error> {

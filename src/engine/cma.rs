@@ -209,13 +209,12 @@ impl CmaLink {
         sub: Submission<'_>,
     ) -> Result<TransferStatus, Error> {
         let Submission {
-            engine,
             req,
             resolved,
             sync,
             ..
         } = sub;
-        let (id, completion) = engine.new_request(&self.meter, req.local.total_len());
+        let (id, completion) = self.in_flight.start(&self.meter, req.local.total_len());
         let pending = Pending::new(&completion, 1, resolved.guards, None);
         self.insert(id, Arc::clone(&pending))?;
         self.clock.touch();

@@ -208,7 +208,9 @@ impl Link for LocalLink {
         }
         let (id, completion) = sub
             .engine
-            .new_request(&self.meter, sub.req.local.total_len());
+            .inner
+            .in_flight
+            .start(&self.meter, sub.req.local.total_len());
         completion.complete(self.carry_out(sub));
         Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
     }

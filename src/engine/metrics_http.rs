@@ -94,12 +94,9 @@ fn answer(inner: &Inner, mut s: TcpStream, deadline: Instant) -> io::Result<()> 
     let mut words = line.split(|&b| b == b' ');
     let (method, path) = (words.next(), words.next());
     let (status, body) = match (method, path) {
-        (Some(b"GET"), Some(b"/metrics")) => (
-            "200 OK",
-            inner
-                .metrics
-                .render(inner.in_flight.load(Ordering::Relaxed)),
-        ),
+        (Some(b"GET"), Some(b"/metrics")) => {
+            ("200 OK", inner.metrics.render(inner.in_flight.count()))
+        }
         _ => ("404 Not Found", "only GET /metrics is served\n".to_owned()),
     };
     let msg = format!(

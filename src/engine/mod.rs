@@ -33,6 +33,7 @@ mod budget;
 mod cma;
 mod cma_target;
 mod handshake;
+mod in_flight;
 mod indexed;
 mod inproc;
 mod local_proof;
@@ -98,6 +99,7 @@ use crate::memory::{MemoryDescs, MemoryType, RegionMap};
 use crate::registry::{RegionGuard, Registry};
 use crate::shm::{self, Direction, Piece};
 use crate::small::{FastHash, Few};
+use crate::status::Prepared;
 use crate::verbs::{Device, QpInfo};
 
 use requests::{Finished, RequestTable};
@@ -194,12 +196,8 @@ struct Inner {
     endpoint: String,
     listen_addr: SocketAddr,
     registry: Registry,
-    /// The last small RDMA request submitted, resolved (see
-    /// [`SubmitCache`]).
-    submit_cache: Mutex<Option<Box<SubmitCache>>>,
     inbox: Arc<Inbox>,
     peers: RwLock<HashMap<String, Arc<Peer>, FastHash>>,
-    next_req: AtomicU64,
     closing: AtomicBool,
     server: Mutex<ServerConns>,
     sessions: Mutex<HashMap<(u64, u64), Arc<Session>>>,
@@ -218,9 +216,9 @@ struct Inner {
     delegated_copies: AtomicU64,
     /// Incoming connections that have not authenticated yet.
     pre_auth: Arc<Mutex<pre_auth::PreAuth>>,
-    /// Requests submitted whose outcome is not in (see
+    /// Request ids, and the requests submitted whose outcome is not in (see
     /// [`Limits::max_requests_in_flight`](crate::Limits::max_requests_in_flight)).
-    in_flight: Arc<AtomicUsize>,
+    in_flight: Arc<in_flight::InFlight>,
     /// Open until the agent is dropped; in-process initiators hold it
     /// (shared) while they copy into or out of this agent's memory.
     door: RwLock<bool>,
@@ -326,13 +324,11 @@ impl Engine {
             endpoint,
             listen_addr,
             registry: Registry::default(),
-            submit_cache: Mutex::new(None),
             inbox: Arc::new(Inbox::new(
                 config.limits.inbox_max_bytes,
                 config.limits.inbox_max_bytes_per_peer,
             )),
             peers: RwLock::new(HashMap::default()),
-            next_req: AtomicU64::new(1),
             closing: AtomicBool::new(false),
             server: Mutex::new(ServerConns::default()),
             sessions: Mutex::new(HashMap::new()),
@@ -341,7 +337,7 @@ impl Engine {
             local_proof,
             delegated_copies: AtomicU64::new(0),
             pre_auth: Arc::default(),
-            in_flight: Arc::new(AtomicUsize::new(0)),
+            in_flight: in_flight::InFlight::new(),
             door: RwLock::new(true),
             storage: crate::storage::Storage::new(config.effective_storage_io()?),
             self_peer: OnceLock::new(),
@@ -429,8 +425,6 @@ impl Drop for Engine {
         }
         // No in-process initiator copies into this agent after this.
         inproc::delist(inner);
-        // The cached resolution holds a link: it goes with the others.
-        *lock(&inner.submit_cache) = None;
         // Wake the accept loop with a connection of our own; it sees
         // `closing` and returns, dropping the listener.
         let mut wake = inner.listen_addr;

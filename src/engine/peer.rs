@@ -109,12 +109,10 @@ impl Inner {
         }))
     }
 
-    /// Closes `peer`, already out of the peer table: retired (with any
-    /// cached resolution against it), its links failed with `cause()` and
-    /// their threads joined.
+    /// Closes `peer`, already out of the peer table: retired, its links
+    /// failed with `cause()` and their threads joined.
     pub(in crate::engine) fn close_peer(&self, peer: &Peer, cause: impl Fn() -> Error) {
         peer.retire();
-        *lock(&self.submit_cache) = None;
         for l in peer.take_links() {
             l.fail(cause());
             l.join();
@@ -416,6 +414,14 @@ impl Peer {
             links.extend(lock(&lane.link).take());
         }
         links
+    }
+
+    /// Its link when one is open and not broken (never connects).
+    pub(in crate::engine) fn current_link(&self) -> Option<Arc<dyn Link>> {
+        lock(&self.link)
+            .as_ref()
+            .filter(|l| !l.is_broken())
+            .map(Arc::clone)
     }
 
     /// The live link, opening a new one when there is none or it broke.

@@ -245,6 +245,18 @@ pub(in crate::engine) trait SocketPath: Send + Sync + Sized + 'static {
     /// [`Link::submit`] on a link of this transport.
     fn submit(link: Arc<SocketLink<Self>>, sub: Submission<'_>) -> Result<TransferStatus, Error>;
 
+    /// [`Link::resubmit`] on a link of this transport; `None` by default.
+    fn resubmit(
+        _link: &SocketLink<Self>,
+        _engine: &Engine,
+        _req: &TransferRequest,
+    ) -> Option<Result<TransferStatus, Error>> {
+        None
+    }
+
+    /// [`Link::forget`] on a link of this transport.
+    fn forget(&self) {}
+
     /// [`Link::prepare`] on a link of this transport: by default the holds
     /// on the local regions only (the request is checked now and validated
     /// in full on every submission).
@@ -254,7 +266,7 @@ pub(in crate::engine) trait SocketPath: Send + Sync + Sized + 'static {
         _peer: Arc<Peer>,
         _req: &TransferRequest,
         resolved: Resolved,
-    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+    ) -> Result<Box<dyn Prepared>, Error> {
         Ok(PreparedHold::keep(resolved))
     }
 
@@ -265,7 +277,7 @@ pub(in crate::engine) trait SocketPath: Send + Sync + Sized + 'static {
         _segs: &Arc<IndexedSegs>,
         _bytes: u64,
         _guards: Few<RegionGuard>,
-    ) -> Option<(Box<dyn std::any::Any + Send + Sync>, usize)> {
+    ) -> Option<(Box<dyn Prepared>, usize)> {
         None
     }
 
@@ -307,7 +319,7 @@ impl SocketPath for TcpParts {
         peer: Arc<Peer>,
         req: &TransferRequest,
         resolved: Resolved,
-    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+    ) -> Result<Box<dyn Prepared>, Error> {
         Ok(Box::new(link.prepare_streams(engine, peer, req, resolved)))
     }
 
@@ -317,7 +329,7 @@ impl SocketPath for TcpParts {
         segs: &Arc<IndexedSegs>,
         bytes: u64,
         guards: Few<RegionGuard>,
-    ) -> Option<(Box<dyn std::any::Any + Send + Sync>, usize)> {
+    ) -> Option<(Box<dyn Prepared>, usize)> {
         let (kept, runs) = link.prepare_indexed_streams(peer, segs, bytes, guards);
         Some((Box::new(kept), runs))
     }
@@ -351,8 +363,8 @@ pub(in crate::engine) struct SocketLink<P: SocketPath> {
     pub(in crate::engine) target_timeout: Option<Duration>,
     /// The staging ring's shape, for GPU memory.
     pub(in crate::engine) gpu_staging: crate::gpu::StagingShape,
-    /// The agent's count of requests in flight.
-    pub(in crate::engine) in_flight: Arc<AtomicUsize>,
+    /// The agent's request ids and count of requests in flight.
+    pub(in crate::engine) in_flight: Arc<in_flight::InFlight>,
     /// Where its requests' outcomes are counted.
     pub(in crate::engine) meter: Arc<crate::metrics::Meter>,
     /// What carries this link's requests (every status reports it).
@@ -594,13 +606,25 @@ impl<P: SocketPath> Link for SocketLink<P> {
         P::submit(self, sub)
     }
 
+    fn resubmit(
+        &self,
+        engine: &Engine,
+        req: &TransferRequest,
+    ) -> Option<Result<TransferStatus, Error>> {
+        P::resubmit(self, engine, req)
+    }
+
+    fn forget(&self) {
+        self.parts.forget();
+    }
+
     fn prepare(
         self: Arc<Self>,
         engine: &Engine,
         peer: Arc<Peer>,
         req: &TransferRequest,
         resolved: Resolved,
-    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+    ) -> Result<Box<dyn Prepared>, Error> {
         P::prepare(self, engine, peer, req, resolved)
     }
 
@@ -610,7 +634,7 @@ impl<P: SocketPath> Link for SocketLink<P> {
         segs: &Arc<IndexedSegs>,
         bytes: u64,
         guards: Few<RegionGuard>,
-    ) -> Option<(Box<dyn std::any::Any + Send + Sync>, usize)> {
+    ) -> Option<(Box<dyn Prepared>, usize)> {
         P::prepare_indexed(self, peer, segs, bytes, guards)
     }
 }

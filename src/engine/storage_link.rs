@@ -90,7 +90,10 @@ impl Link for StorageLink {
         } else {
             Vec::new()
         };
-        let (id, completion) = engine.new_request(&self.meter, req.local.total_len());
+        let (id, completion) = engine
+            .inner
+            .in_flight
+            .start(&self.meter, req.local.total_len());
         let inbox = Arc::clone(&inner.inbox);
         let done_status = Arc::clone(&completion);
         let guards = resolved.guards;

@@ -1,6 +1,6 @@
 //! The submit path: check, resolve (local holds, remote keys), plan and hand
-//! to the link; the prepared-transfer and repeated-request caches of the
-//! RDMA small-request path.
+//! to the link; a request posted again by the peer's link, and prepared
+//! transfers.
 
 use super::*;
 
@@ -8,7 +8,7 @@ impl Engine {
     /// Whether one more request may be submitted (see
     /// [`Limits::max_requests_in_flight`](crate::Limits::max_requests_in_flight)).
     pub(in crate::engine) fn room_for_one(&self) -> Result<(), Error> {
-        let n = self.inner.in_flight.load(Ordering::Relaxed);
+        let n = self.inner.in_flight.count();
         if n >= self.inner.config.limits.max_requests_in_flight {
             return Err(Error::WouldBlock { in_flight: n });
         }
@@ -30,7 +30,6 @@ impl Engine {
         let link = peer.link(&self.inner)?;
         link.submit(Submission {
             engine: self,
-            peer: &peer,
             req,
             resolved,
             sync,
@@ -44,7 +43,7 @@ impl Engine {
     pub(in crate::engine) fn prepare(
         &self,
         req: &TransferRequest,
-    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+    ) -> Result<Box<dyn Prepared>, Error> {
         let peer = self.check_request(req)?;
         let resolved = self.resolve(req, req.sync_message.as_deref(), &peer)?;
         let link = peer.link(&self.inner)?;
@@ -53,103 +52,47 @@ impl Engine {
 }
 
 /// What a [`PreparedTransfer`] keeps when its transport plans nothing
-/// ahead: its local regions held (as on RDMA), nothing else.
+/// ahead: its local regions held (as on the other paths), nothing else;
+/// each submission resolves the request afresh.
 pub(in crate::engine) struct PreparedHold {
     pub(in crate::engine) _guards: Few<RegionGuard>,
 }
 
 impl PreparedHold {
     /// The holds of `resolved`, as a prepared transfer keeps them.
-    pub(in crate::engine) fn keep(resolved: Resolved) -> Box<dyn std::any::Any + Send + Sync> {
+    pub(in crate::engine) fn keep(resolved: Resolved) -> Box<dyn Prepared> {
         Box::new(PreparedHold {
             _guards: resolved.guards,
         })
     }
 }
 
+impl Prepared for PreparedHold {
+    fn post(&self, _: Option<&[u8]>, _: bool) -> Option<Result<TransferStatus, Error>> {
+        None
+    }
+}
+
 impl Engine {
-    /// A new request's id and its status, counted in flight and, once it
-    /// finishes, in `meter` (a request of `bytes`); its waiters drive
-    /// nothing (the link's threads complete it).
-    pub(in crate::engine) fn new_request(
+    /// Posts `req` again through the link of its peer when that link
+    /// remembers it (see [`Link::resubmit`]); `None`: submit it in full.
+    /// Looks the peer up without loading it again, and never connects.
+    pub(in crate::engine) fn resubmit(
         &self,
-        meter: &Arc<crate::metrics::Meter>,
-        bytes: u64,
-    ) -> (u64, Arc<Completion>) {
+        req: &TransferRequest,
+    ) -> Option<Result<TransferStatus, Error>> {
         let inner = &self.inner;
-        let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
-        let c = Completion::counted(None, Some(&inner.in_flight)).metered(Some(meter), bytes);
-        (id, c)
+        if !matches!(req.remote.mem_type, MemoryType::Dram | MemoryType::Vram)
+            || inner.closing.load(Ordering::Relaxed)
+        {
+            return None;
+        }
+        let link = {
+            let peers = inner.peers.read().unwrap_or_else(|p| p.into_inner());
+            peers.get(&req.remote_agent)?.current_link()?
+        };
+        link.resubmit(self, req)
     }
-}
-
-/// Largest request (in descriptors) [`SubmitCache`] remembers: the cache
-/// is for latency-bound requests sent again and again; comparing a large
-/// request costs what resolving it does.
-pub(in crate::engine) const CACHE_MAX_DESCS: usize = 4;
-
-/// The resolution of the last small RDMA request `submit_transfer` took,
-/// reused when the next one is the same (same operation, agent and
-/// descriptors) and still valid: the peer entry not retired, the link not
-/// broken, no deregistration since (the registry's generation). What a
-/// caller resubmitting one request gets from
-/// [`submit_prepared`](TransferAgent::submit_prepared), without preparing;
-/// unlike a prepared transfer it holds no region.
-pub(in crate::engine) struct SubmitCache {
-    pub(in crate::engine) op: TransferOp,
-    pub(in crate::engine) remote_agent: String,
-    pub(in crate::engine) local: MemoryDescs,
-    pub(in crate::engine) remote: MemoryDescs,
-    /// Registry generation read before the regions were resolved.
-    pub(in crate::engine) generation: u64,
-    pub(in crate::engine) regions: Few<Arc<crate::registry::LocalRegion>>,
-    /// Shared with the submissions in flight: a hit takes one reference
-    /// (no copy of the work requests) and lets the cache go.
-    pub(in crate::engine) planned: Arc<Planned>,
-}
-
-impl SubmitCache {
-    pub(in crate::engine) fn matches(&self, req: &TransferRequest) -> bool {
-        self.op == req.op
-            && self.remote_agent == req.remote_agent
-            && self.local == req.local
-            && self.remote == req.remote
-    }
-}
-
-/// A [`RdmaLink::post_express`] hold for holds already taken: moves `taken`
-/// into the lane's list.
-pub(in crate::engine) fn hold_all(
-    into: &mut Few<RegionGuard>,
-    taken: &mut Few<RegionGuard>,
-) -> bool {
-    std::mem::swap(into, taken);
-    true
-}
-
-/// An RDMA request resolved against one peer entry and one link, ready to
-/// post again (kept by [`SubmitCache`] and by prepared transfers).
-pub(in crate::engine) struct Planned {
-    pub(in crate::engine) peer: Arc<Peer>,
-    pub(in crate::engine) link: Arc<RdmaLink>,
-    pub(in crate::engine) wrs: Few<rdma::Wr>,
-    /// `Some` for requests whose waiters poll the completion queue.
-    pub(in crate::engine) driver: Option<std::sync::Weak<dyn Progress>>,
-}
-
-impl Planned {
-    /// Whether it still holds: the peer entry not replaced or invalidated,
-    /// the link not broken.
-    pub(in crate::engine) fn current(&self) -> bool {
-        !self.peer.retired.load(Ordering::Acquire) && !self.link.is_broken()
-    }
-}
-
-/// What an RDMA [`PreparedTransfer`] keeps: the plan, and holds on the
-/// local regions (registered, their keys valid, while it lives).
-pub(in crate::engine) struct PreparedRdma {
-    pub(in crate::engine) planned: Planned,
-    pub(in crate::engine) guards: Few<RegionGuard>,
 }
 
 /// A request's local and remote keys, and the holds on its local regions.
@@ -328,176 +271,5 @@ impl Engine {
             keys,
             rkeys,
         })
-    }
-
-    /// Keeps `req`'s resolution for the next identical submission (in the
-    /// entry's own allocations when there is one).
-    pub(in crate::engine) fn remember(
-        &self,
-        req: &TransferRequest,
-        generation: u64,
-        guards: &[RegionGuard],
-        planned: Planned,
-    ) {
-        let Ok(mut slot) = self.inner.submit_cache.try_lock() else {
-            return;
-        };
-        let regions = guards.iter().map(|g| Arc::clone(g.region())).collect();
-        match slot.as_deref_mut() {
-            Some(c) => {
-                c.op = req.op;
-                c.remote_agent.clone_from(&req.remote_agent);
-                c.local.mem_type = req.local.mem_type;
-                c.local.descs.clone_from(&req.local.descs);
-                c.remote.mem_type = req.remote.mem_type;
-                c.remote.descs.clone_from(&req.remote.descs);
-                c.generation = generation;
-                c.regions = regions;
-                c.planned = Arc::new(planned);
-            }
-            None => {
-                *slot = Some(Box::new(SubmitCache {
-                    op: req.op,
-                    remote_agent: req.remote_agent.clone(),
-                    local: req.local.clone(),
-                    remote: req.remote.clone(),
-                    generation,
-                    regions,
-                    planned: Arc::new(planned),
-                }))
-            }
-        }
-    }
-
-    /// The latency-bound case in one pass: `req` is the request that
-    /// [`SubmitCache`] holds, still valid, one data work request without a
-    /// sync message, and the link's express lane takes it. The region holds
-    /// go straight into the lane, and the status comes back alone (two
-    /// words): no `Result` of this layer's error moved through the calls of
-    /// the general path, which on soft-RoCE's 8-byte ping-pong was a fifth
-    /// of the library's instructions before the post (the git history of `docs/benchmarks.md`).
-    /// `None`, with nothing held or claimed: [`submit_cached`](Self::submit_cached)
-    /// and the general path decide (a hit the lane turns away, taken by
-    /// another request, is looked up once more there: rare, and the lookup
-    /// is a few compares).
-    pub(in crate::engine) fn express_cached(
-        &self,
-        req: &TransferRequest,
-    ) -> Option<TransferStatus> {
-        if req.sync_message.is_some() {
-            return None;
-        }
-        let slot = self.inner.submit_cache.try_lock().ok()?;
-        let c = self.cache_hit(&slot, req)?;
-        let p = &c.planned;
-        let (Some(driver), [wr]) = (&p.driver, p.wrs.as_slice()) else {
-            return None;
-        };
-        let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
-        let registry = &self.inner.registry;
-        let hold = |g: &mut Few<RegionGuard>| registry.hold_into(&c.regions, c.generation, g);
-        let completion = p.link.post_express(id, req.op, wr, hold, driver)?;
-        let path = Arc::clone(&p.link.path);
-        drop(slot);
-        Some(TransferStatus::new(id, completion, path))
-    }
-
-    /// The entry of the submit cache (`slot`, its lock held) when it holds
-    /// `req` and is still valid: the peer entry and the link current, the
-    /// agent not closing.
-    pub(in crate::engine) fn cache_hit<'a>(
-        &self,
-        slot: &'a Option<Box<SubmitCache>>,
-        req: &TransferRequest,
-    ) -> Option<&'a SubmitCache> {
-        if req.local.descs.len() > CACHE_MAX_DESCS {
-            return None;
-        }
-        let c = slot.as_deref().filter(|c| c.matches(req))?;
-        (c.planned.current() && !self.inner.closing.load(Ordering::Relaxed)).then_some(c)
-    }
-
-    /// Submits `req` from [`SubmitCache`] when it holds this request, still
-    /// valid; `None`: resolve it in full.
-    pub(in crate::engine) fn submit_cached(
-        &self,
-        req: &TransferRequest,
-    ) -> Option<Result<TransferStatus, Error>> {
-        if req
-            .sync_message
-            .as_ref()
-            .is_some_and(|m| m.len() > rdma::SYNC_MSG_MAX)
-        {
-            return None;
-        }
-        let slot = self.inner.submit_cache.try_lock().ok()?;
-        let c = self.cache_hit(&slot, req)?;
-        let guards = self.inner.registry.hold_current(&c.regions, c.generation)?;
-        // Posted with the entry still locked (no reference on the plan
-        // taken and dropped): nothing on the posting path takes this lock,
-        // and a thread that finds it taken meanwhile resolves in full.
-        let p = &c.planned;
-        let r = self.post_planned(
-            &p.link,
-            req.op,
-            Cow::Borrowed(&p.wrs),
-            req.sync_message.clone(),
-            guards,
-            &p.driver,
-        );
-        drop(slot);
-        Some(r)
-    }
-
-    /// Posts planned RDMA work requests as request `id`: its status, whose
-    /// waiters drive `driver` (`None`: the progress thread completes it).
-    pub(in crate::engine) fn post_planned(
-        &self,
-        link: &Arc<RdmaLink>,
-        op: TransferOp,
-        wrs: std::borrow::Cow<'_, Few<rdma::Wr>>,
-        sync: Option<Vec<u8>>,
-        mut guards: Few<RegionGuard>,
-        driver: &Option<std::sync::Weak<dyn Progress>>,
-    ) -> Result<TransferStatus, Error> {
-        let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
-        if let (None, Some(d), [wr]) = (&sync, driver, wrs.as_slice())
-            && let Some(c) = link.post_express(id, op, wr, |g| hold_all(g, &mut guards), d)
-        {
-            // No clock touched: the link's idle check watches the table,
-            // which express requests stay out of (their queue pair's own
-            // timeouts fail them).
-            return Ok(TransferStatus::new(id, c, Arc::clone(&link.path)));
-        }
-        let driven = driver.is_some();
-        let bytes = wrs.iter().map(|w| w.len).sum();
-        let completion = Completion::counted(driver.clone(), Some(&self.inner.in_flight))
-            .metered(Some(&link.meter), bytes);
-        // A sync message is two events: its SEND's completion, and the
-        // target's acknowledgement that it delivered it.
-        let events = wrs.len() + 2 * usize::from(sync.is_some());
-        if events == 0 {
-            completion.complete(Ok(()));
-            return Ok(TransferStatus::new(id, completion, Arc::clone(&link.path)));
-        }
-        let pending = Arc::new(Pending {
-            completion: Arc::clone(&completion),
-            outstanding: AtomicUsize::new(events),
-            error: Mutex::new(None),
-            failed: AtomicBool::new(false),
-            guards: Mutex::new(guards),
-            granted: OnceLock::new(),
-            undriven: (!driven).then(|| Arc::clone(&link.parts.undriven)),
-        });
-        link.insert(id, Arc::clone(&pending))?;
-        link.clock.touch();
-        if !driven {
-            // Counted before posting: the progress threads must be on
-            // the completion queue by the time it completes.
-            link.parts.undriven.fetch_add(1, Ordering::AcqRel);
-            link.wake_progress();
-        }
-        link.post_rdma(id, op, wrs.into_owned(), sync, &pending);
-        Ok(TransferStatus::new(id, completion, Arc::clone(&link.path)))
     }
 }

@@ -43,7 +43,7 @@ impl TcpLink {
             ..
         } = sub;
         let plan = self.plan_streams(engine, req, &resolved.keys);
-        self.post_streams(engine, &plan, sync, fence, req.durable, resolved.guards)
+        self.post_streams(&plan, sync, fence, req.durable, resolved.guards)
     }
 
     /// Prepares `req` for repeated submission: its segments planned once
@@ -118,14 +118,13 @@ impl TcpLink {
     /// notification without data).
     pub(in crate::engine) fn post_streams(
         self: &Arc<Self>,
-        engine: &Engine,
         plan: &StreamPlan,
         mut sync: Option<Vec<u8>>,
         fence: bool,
         durable: bool,
         guards: Few<RegionGuard>,
     ) -> Result<TransferStatus, Error> {
-        let (id, completion) = engine.new_request(&self.meter, plan.bytes);
+        let (id, completion) = self.in_flight.start(&self.meter, plan.bytes);
         let n = self.streams.len();
         let total = plan.segments;
         let reads = if plan.op == TransferOp::Read {
@@ -189,11 +188,20 @@ pub(in crate::engine) struct PreparedTcp {
     pub(in crate::engine) plan: StreamPlan,
 }
 
-impl PreparedTcp {
-    /// Whether its plan still holds: the peer entry not replaced or
-    /// invalidated, the link not broken.
-    pub(in crate::engine) fn current(&self) -> bool {
-        !self.peer.retired.load(Ordering::Acquire) && !self.link.is_broken()
+impl crate::status::Prepared for PreparedTcp {
+    fn post(&self, sync: Option<&[u8]>, durable: bool) -> Option<Result<TransferStatus, Error>> {
+        // Its plan still holds: the peer entry not replaced or
+        // invalidated, the link not broken.
+        if self.peer.retired.load(Ordering::Acquire) || self.link.is_broken() {
+            return None;
+        }
+        Some(self.link.post_streams(
+            &self.plan,
+            sync.map(<[u8]>::to_vec),
+            false,
+            durable,
+            self.guards.clone(),
+        ))
     }
 }
 

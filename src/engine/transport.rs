@@ -46,6 +46,24 @@ pub(in crate::engine) trait Link: Send + Sync {
     /// Starts a checked and resolved request; never blocks on the peer.
     fn submit(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error>;
 
+    /// Posts `req` again, unchanged since this link last took it, without
+    /// resolving it (the engine checked that the agent is open and that
+    /// this is the peer's current link); `None`, with nothing held or
+    /// posted, when the link keeps no such request: the engine submits it
+    /// in full. By default it keeps none.
+    fn resubmit(
+        &self,
+        _engine: &Engine,
+        _req: &TransferRequest,
+    ) -> Option<Result<TransferStatus, Error>> {
+        None
+    }
+
+    /// Lets go of what it remembers of earlier requests (see
+    /// [`resubmit`](Self::resubmit)): the peer's descriptor was loaded
+    /// again, and its keys may have changed.
+    fn forget(&self) {}
+
     /// What a [`PreparedTransfer`] of `req` keeps. By default the holds on
     /// its local regions only: the request is resolved again on every
     /// submission.
@@ -55,7 +73,7 @@ pub(in crate::engine) trait Link: Send + Sync {
         _peer: Arc<Peer>,
         _req: &TransferRequest,
         resolved: Resolved,
-    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+    ) -> Result<Box<dyn Prepared>, Error> {
         Ok(PreparedHold::keep(resolved))
     }
 
@@ -70,7 +88,7 @@ pub(in crate::engine) trait Link: Send + Sync {
         _segs: &Arc<IndexedSegs>,
         _bytes: u64,
         _guards: Few<RegionGuard>,
-    ) -> Option<(Box<dyn std::any::Any + Send + Sync>, usize)> {
+    ) -> Option<(Box<dyn Prepared>, usize)> {
         None
     }
 }
@@ -79,7 +97,6 @@ pub(in crate::engine) trait Link: Send + Sync {
 /// remote keys resolved.
 pub(in crate::engine) struct Submission<'a> {
     pub(in crate::engine) engine: &'a Engine,
-    pub(in crate::engine) peer: &'a Arc<Peer>,
     pub(in crate::engine) req: &'a TransferRequest,
     pub(in crate::engine) resolved: Resolved,
     /// The sync message (taken apart from the request, which the caller

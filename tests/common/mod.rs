@@ -499,6 +499,11 @@ pub fn peer_main() {
                 Ok(()) => "OK".into(),
                 Err(e) => format!("ERR {e}"),
             }),
+            // SAFETY: as at the start: the buffer is leaked.
+            Some("reg") => out(match unsafe { agent.register_memory(&region) } {
+                Ok(()) => "OK".into(),
+                Err(e) => format!("ERR {e}"),
+            }),
             Some("desc") => out(agent
                 .local_agent_desc()
                 .encode()

@@ -4,6 +4,9 @@
 //! and completions. Its progress threads: `progress`.
 
 use crate::engine::*;
+use crate::status::Prepared;
+
+use super::fast;
 
 impl Progress for RdmaLink {
     fn progress(&self) -> bool {
@@ -31,8 +34,16 @@ impl SocketPath for rdma::RdmaParts {
         peer: Arc<Peer>,
         req: &TransferRequest,
         resolved: Resolved,
-    ) -> Result<Box<dyn std::any::Any + Send + Sync>, Error> {
+    ) -> Result<Box<dyn Prepared>, Error> {
         Ok(Box::new(link.prepare_rdma(engine, peer, req, resolved)?))
+    }
+
+    fn resubmit(
+        link: &RdmaLink,
+        engine: &Engine,
+        req: &TransferRequest,
+    ) -> Option<Result<TransferStatus, Error>> {
+        link.resubmit_remembered(engine, req)
     }
 
     fn threads(&self) -> usize {
@@ -56,8 +67,14 @@ impl SocketPath for rdma::RdmaParts {
         }
     }
 
+    fn forget(&self) {
+        *lock(&self.remembered) = None;
+    }
+
     fn on_closed(&self, cause: Error) {
         self.finish_express(Err(cause), true);
+        // Its holds on local regions go with the link.
+        self.forget();
     }
 }
 
@@ -107,33 +124,25 @@ impl RdmaLink {
     ) -> Result<TransferStatus, Error> {
         let Submission {
             engine,
-            peer,
             req,
             resolved,
             sync,
             fence,
             generation,
+            ..
         } = sub;
         let config = &engine.inner.config;
         let wrs = plan_rdma(req, &resolved.lkeys, &resolved.rkeys, &self, config)?;
         let driver = small(req).then(|| self.driver());
-        if !fence && req.local.descs.len() <= CACHE_MAX_DESCS && driver.is_some() {
-            let planned = Planned {
-                peer: Arc::clone(peer),
-                link: Arc::clone(&self),
+        if !fence && req.local.descs.len() <= fast::REMEMBER_MAX_DESCS && driver.is_some() {
+            let planned = fast::Planned {
+                op: req.op,
                 wrs: wrs.clone(),
                 driver: driver.clone(),
             };
-            engine.remember(req, generation, &resolved.guards, planned);
+            self.remember(req, generation, &resolved.guards, planned);
         }
-        engine.post_planned(
-            &self,
-            req.op,
-            Cow::Owned(wrs),
-            sync,
-            resolved.guards,
-            &driver,
-        )
+        self.post_planned(req.op, Cow::Owned(wrs), sync, resolved.guards, &driver)
     }
 
     /// What a prepared RDMA transfer keeps: its plan on this link and the
@@ -144,14 +153,15 @@ impl RdmaLink {
         peer: Arc<Peer>,
         req: &TransferRequest,
         resolved: Resolved,
-    ) -> Result<PreparedRdma, Error> {
+    ) -> Result<fast::PreparedRdma, Error> {
         let config = &engine.inner.config;
         let wrs = plan_rdma(req, &resolved.lkeys, &resolved.rkeys, &self, config)?;
         let driver = small(req).then(|| self.driver());
-        Ok(PreparedRdma {
-            planned: Planned {
-                peer,
-                link: self,
+        Ok(fast::PreparedRdma {
+            peer,
+            link: self,
+            planned: fast::Planned {
+                op: req.op,
                 wrs,
                 driver,
             },
@@ -504,8 +514,8 @@ impl RdmaLink {
                 return None;
             }
             let new = || {
-                Completion::counted(Some(driver.clone()), Some(&self.in_flight))
-                    .metered(Some(&self.meter), wr.len)
+                self.in_flight
+                    .completion(Some(driver.clone()), &self.meter, wr.len)
             };
             let status = slot.status.get_or_insert_with(new);
             match Arc::get_mut(status) {

@@ -5,6 +5,7 @@
 //! after its data, so RC ordering delivers it only after every byte landed.
 
 pub(in crate::engine) mod accept;
+pub(in crate::engine) mod fast;
 pub(crate) mod lane;
 pub(in crate::engine) mod link;
 pub(in crate::engine) mod progress;
@@ -478,6 +479,8 @@ pub(crate) struct RdmaParts {
     pub(crate) progress_threads: std::sync::OnceLock<Vec<std::thread::Thread>>,
     /// One queue pair: the express lane of small requests.
     pub(crate) express: ExpressLane,
+    /// The last small request the link took, to post again unresolved.
+    pub(crate) remembered: Mutex<Option<Box<fast::Remembered>>>,
 }
 
 impl RdmaParts {
@@ -488,6 +491,7 @@ impl RdmaParts {
             undriven: Arc::new(AtomicUsize::new(0)),
             progress_threads: std::sync::OnceLock::new(),
             express: ExpressLane::default(),
+            remembered: Mutex::new(None),
         }
     }
 }

@@ -26,7 +26,7 @@ impl TransferAgent for Engine {
     }
 
     fn remote_transport(&self, name: &str) -> Result<&'static str, Error> {
-        Ok(self.inner.peer(name)?.path.kind().as_str())
+        Ok(self.inner.peer(name)?.transport.kind().as_str())
     }
 
     unsafe fn register_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
@@ -100,37 +100,41 @@ impl TransferAgent for Engine {
             None => desc,
         };
         let regions = desc.region_map()?;
-        let path = self.inner.choose_path(desc, MemoryType::Dram)?;
-        // The peer's storage is reached through its agent: on this path when
-        // it moves FILE memory, else on a lane of its own.
-        let storage = match self.inner.choose_path(desc, MemoryType::File) {
-            Ok(p) if p == path => StorageRoute::Same,
-            Ok(p) => StorageRoute::Lane(Arc::new(Peer::new(
+        let transport = self.inner.choose_transport(desc, MemoryType::Dram)?;
+        // The peer's storage is reached through its agent: on this
+        // transport when it moves FILE memory, else on a lane of its own.
+        let storage = match self.inner.choose_transport(desc, MemoryType::File) {
+            Ok(t) if Arc::ptr_eq(&t, &transport) => StorageRoute::Same,
+            Ok(t) => StorageRoute::Lane(Arc::new(Peer::new(
                 desc.clone(),
                 regions.clone(),
-                p,
+                t,
                 StorageRoute::Same,
             ))),
             Err(e) => StorageRoute::Unreachable(e),
         };
         let mut peers = self.inner.peers.write().unwrap_or_else(|p| p.into_inner());
-        let peer = Arc::new(Peer::new(desc.clone(), regions, path, storage));
+        let peer = Arc::new(Peer::new(desc.clone(), regions, transport, storage));
         // Same process: keep the live links, refresh the regions.
         if let Some(old) = peers.get(&desc.name)
             && old.desc.instance == desc.instance
-            && old.path == path
+            && Arc::ptr_eq(&old.transport, &peer.transport)
         {
-            *lock(&peer.link) = lock(&old.link).take();
-            if let (StorageRoute::Lane(new), StorageRoute::Lane(old)) =
-                (&peer.storage, &old.storage)
-                && new.path == old.path
-            {
+            // What the links planned against the old descriptor's keys
+            // goes with it.
+            let take_over = |new: &Peer, old: &Peer| {
                 let link = lock(&old.link).take();
-                // What it planned against the old descriptor's keys goes.
                 if let Some(l) = &link {
                     l.forget();
                 }
                 *lock(&new.link) = link;
+            };
+            take_over(&peer, old);
+            if let (StorageRoute::Lane(new), StorageRoute::Lane(old)) =
+                (&peer.storage, &old.storage)
+                && Arc::ptr_eq(&new.transport, &old.transport)
+            {
+                take_over(new, old);
             }
         }
         if let Some(old) = peers.insert(desc.name.clone(), Arc::clone(&peer)) {

@@ -127,7 +127,8 @@ impl Engine {
         let data = !req.local_indices.is_empty();
         let peer = self.check_route(lmem, rmem, &name, data)?;
         let local = self.local_side(&req.local)?;
-        let remote = if resolvable(rmem) && peer.path != Path::Storage {
+        let kind = peer.transport.kind();
+        let remote = if resolvable(rmem) && kind != TransportKind::Storage {
             Some(self.remote_side(&req.remote, &peer)?)
         } else {
             None
@@ -139,7 +140,8 @@ impl Engine {
         let pairs = Arc::new(IndexedPairs::new(req, Arc::clone(&local.succ), rsucc));
         let bytes = pairs.check_lengths()?;
         // Host memory to a TCP peer: the pairs go to the link as they are.
-        if let Some(remote) = remote.filter(|_| peer.path == Path::Tcp && lmem == MemoryType::Dram)
+        if let Some(remote) =
+            remote.filter(|_| kind == TransportKind::Tcp && lmem == MemoryType::Dram)
         {
             // Held unless a deregistration came since the list was
             // resolved (then the full path below).

@@ -46,9 +46,16 @@ impl Transport for InProcess {
         TransportKind::InProcess
     }
 
-    fn reach(&self, peer: &AgentDesc) -> Result<Path, String> {
+    fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
+        // Plain copies between host and GPU memory, either side.
+        [local, remote]
+            .iter()
+            .all(|m| matches!(m, MemoryType::Dram | MemoryType::Vram))
+    }
+
+    fn reach(&self, peer: &AgentDesc) -> Result<(), String> {
         match find(peer.instance) {
-            Some(t) if t.config.name == peer.name => Ok(Path::InProcess),
+            Some(t) if t.config.name == peer.name => Ok(()),
             Some(t) => Err(format!(
                 "the agent of this process with that instance is called {:?}",
                 t.config.name
@@ -57,6 +64,10 @@ impl Transport for InProcess {
                 Err("the remote agent is not an agent of this process on the inproc backend".into())
             }
         }
+    }
+
+    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        Ok(LocalLink::open(inner, peer)?)
     }
 }
 

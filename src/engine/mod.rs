@@ -73,7 +73,7 @@ use socket_link::*;
 use storage_target::{Bounce, StorageWrites};
 use submit::*;
 use target::*;
-use transport::{Link, Submission};
+use transport::{Link, Submission, Transport};
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
@@ -118,39 +118,6 @@ const PARALLEL_COPY_MIN: u64 = 2 << 20;
 /// aborted (a job with more is written in batches of about this much).
 const ABORT_CHECK_BYTES: u64 = 4 << 20;
 
-/// How data reaches one peer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Path {
-    Tcp,
-    Cma {
-        pid: u32,
-    },
-    Rdma,
-    InProcess,
-    /// The agent itself: its FILE and BLK regions.
-    Storage,
-}
-
-impl Path {
-    /// Whether it moves GPU memory (VRAM) on either side of a request
-    /// (storage: the local side, staged).
-    pub(in crate::engine) fn moves_vram(self) -> bool {
-        matches!(
-            self,
-            Path::InProcess | Path::Tcp | Path::Rdma | Path::Storage
-        )
-    }
-
-    pub(in crate::engine) fn kind(self) -> TransportKind {
-        match self {
-            Path::Tcp => TransportKind::Tcp,
-            Path::Cma { .. } => TransportKind::Shm,
-            Path::Rdma => TransportKind::Rdma,
-            Path::InProcess => TransportKind::InProcess,
-            Path::Storage => TransportKind::Storage,
-        }
-    }
-}
 const SUPPORTED: &[MemoryType] = &[
     MemoryType::Dram,
     MemoryType::Vram,
@@ -192,7 +159,7 @@ struct Inner {
     /// The RDMA device, for `rdma` and (when one exists) `auto` agents.
     device: Option<Arc<Device>>,
     /// The transports this agent may use, in order of preference.
-    transports: Vec<Box<dyn transport::Transport>>,
+    transports: Vec<Arc<dyn transport::Transport>>,
     endpoint: String,
     listen_addr: SocketAddr,
     registry: Registry,
@@ -474,7 +441,9 @@ struct Peer {
     desc: AgentDesc,
     /// Exported regions, by memory type and range.
     regions: RegionMap<ExportedRegion>,
-    path: Path,
+    /// The transport that reaches it (for its host and GPU memory; its
+    /// storage: see `storage`).
+    transport: Arc<dyn Transport>,
     link: Mutex<Option<Arc<dyn Link>>>,
     /// Set when a newer load of the agent replaced this entry, or the agent
     /// was invalidated: prepared transfers resolved against it resolve

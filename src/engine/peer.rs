@@ -83,17 +83,24 @@ impl Inner {
         })
     }
 
-    /// Chooses the data path to a remote agent for memory of `mem_type`:
-    /// the first of this agent's transports that moves it and reaches the
-    /// peer ([`transport::choose`]).
-    pub(in crate::engine) fn choose_path(
+    /// Chooses the transport to a remote agent for requests from this
+    /// agent's host memory to its memory of `mem_type`: the first of this
+    /// agent's transports that moves it and reaches the peer
+    /// ([`transport::choose`]).
+    pub(in crate::engine) fn choose_transport(
         &self,
         desc: &AgentDesc,
         mem_type: MemoryType,
-    ) -> Result<Path, Error> {
-        let path = transport::choose(&self.transports, self.mode, desc, mem_type)?;
-        tracing::info!(agent = %self.config.name, remote = %desc.name, %mem_type, transport = %path.kind(), "data path");
-        Ok(path)
+    ) -> Result<Arc<dyn Transport>, Error> {
+        let t = transport::choose(
+            &self.transports,
+            self.mode,
+            desc,
+            MemoryType::Dram,
+            mem_type,
+        )?;
+        tracing::info!(agent = %self.config.name, remote = %desc.name, %mem_type, transport = %t.kind(), "data path");
+        Ok(t)
     }
 
     /// The agent as its own peer, the target of requests to its storage
@@ -103,7 +110,7 @@ impl Inner {
             Arc::new(Peer::new(
                 self.local_desc(),
                 RegionMap::new(),
-                Path::Storage,
+                Arc::new(storage_link::OwnStorage),
                 StorageRoute::Same,
             ))
         }))
@@ -375,13 +382,13 @@ impl Peer {
     pub(in crate::engine) fn new(
         desc: AgentDesc,
         regions: RegionMap<ExportedRegion>,
-        path: Path,
+        transport: Arc<dyn Transport>,
         storage: StorageRoute,
     ) -> Self {
         Peer {
             desc,
             regions,
-            path,
+            transport,
             link: Mutex::new(None),
             retired: AtomicBool::new(false),
             storage,
@@ -434,7 +441,7 @@ impl Peer {
             let old = slot.take().expect("checked above");
             old.join();
         }
-        let l = self.path.connect(inner, &self.desc)?;
+        let l = self.transport.connect(inner, &self.desc)?;
         *slot = Some(Arc::clone(&l));
         Ok(l)
     }

@@ -26,6 +26,29 @@ pub(in crate::engine) struct StorageLink {
     meter: Arc<crate::metrics::Meter>,
 }
 
+/// The agent's own storage (its FILE and BLK regions), the transport of
+/// its self-peer: requests from its host or GPU memory (staged).
+pub(in crate::engine) struct OwnStorage;
+
+impl transport::Transport for OwnStorage {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Storage
+    }
+
+    fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
+        matches!(local, MemoryType::Dram | MemoryType::Vram)
+            && matches!(remote, MemoryType::File | MemoryType::Blk)
+    }
+
+    fn reach(&self, _peer: &AgentDesc) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn connect(&self, inner: &Inner, _peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        Ok(StorageLink::open(inner)?)
+    }
+}
+
 impl StorageLink {
     /// The link, with the agent's storage I/O engine started.
     pub(in crate::engine) fn open(inner: &Inner) -> Result<Arc<Self>, Error> {

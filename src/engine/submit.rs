@@ -161,24 +161,21 @@ impl Engine {
         } else {
             self.peer_or_reload(remote_agent)?.for_storage()?
         };
-        // GPU memory, on either side, only on a path that moves it: TCP
-        // (staged) and in-process copies on either side; cross-memory
+        // Memory of other types (GPU memory, either side) only on a
+        // transport that moves it: TCP (staged) and in-process copies on
+        // either side, RDMA with GPUDirect registrations, cross-memory
         // attach when it is the target's, through CUDA IPC.
-        let gpu = [local_mem, remote_mem].contains(&MemoryType::Vram);
-        if gpu && data {
-            let ipc = matches!(peer.path, Path::Cma { .. })
-                && remote_mem == MemoryType::Vram
-                && peer.desc.gpu.as_ref().is_some_and(|g| g.host == inner.host);
-            if !peer.path.moves_vram() && !ipc {
-                return Err(Error::UnsupportedMemoryType {
-                    mem_type: MemoryType::Vram,
-                    backend: peer.path.kind().as_str(),
-                });
-            }
+        let kind = peer.transport.kind();
+        if data && !peer.transport.moves(local_mem, remote_mem, &peer.desc) {
+            let gpu = [local_mem, remote_mem].contains(&MemoryType::Vram);
+            return Err(Error::UnsupportedMemoryType {
+                mem_type: if gpu { MemoryType::Vram } else { remote_mem },
+                backend: kind.as_str(),
+            });
         }
         // A notification moves no memory: no transport is required for it.
         if !inner.config.required_transports.is_empty() && data {
-            let actual = peer.path.kind();
+            let actual = kind;
             for mem_type in [local_mem, remote_mem] {
                 if let Some(required) = inner.config.required_transport(mem_type)
                     && required != actual
@@ -203,7 +200,7 @@ impl Engine {
         sync: Option<&[u8]>,
         peer: &Peer,
     ) -> Result<Resolved, Error> {
-        let rdma = peer.path == Path::Rdma;
+        let rdma = peer.transport.kind() == TransportKind::Rdma;
         let mut lkeys = Few::new();
         let guards = self
             .inner
@@ -216,7 +213,7 @@ impl Engine {
                 reason: "local GPU memory without a GPUDirect RDMA registration".into(),
             });
         }
-        if peer.path == Path::Storage {
+        if peer.transport.kind() == TransportKind::Storage {
             // The remote regions are this agent's own: its storage link
             // resolves (and holds) them.
             return Ok(Resolved {

@@ -1,13 +1,13 @@
 //! The transports an engine may use, and the choice among them per peer
 //! and memory type.
 //!
-//! Each [`Transport`] says which memory types it moves and whether a
-//! peer's descriptor lets it reach that peer (and if not, why). The engine
-//! keeps the transports its [`Backend`] allows, in order of preference
-//! ([`for_backend`]); a peer's path for a memory type is the first that
-//! moves that memory and reaches the peer ([`choose`]), and when none does
-//! the error lists every transport's reason. Adding a transport is one
-//! implementation here, its [`Path`], and its link behaviour.
+//! Each [`Transport`] is a value the engine holds: it says which memory it
+//! moves to a peer, whether a peer's descriptor lets it reach that peer
+//! (and if not, why), and it connects a [`Link`]. The engine keeps the
+//! transports its [`Backend`] allows, in order of preference
+//! ([`for_backend`]); a peer's transport for a memory type is the first
+//! that moves that memory and reaches the peer ([`choose`]), and when none
+//! does the error lists every transport's reason.
 
 #![forbid(unsafe_code)]
 
@@ -18,18 +18,24 @@ pub(in crate::engine) trait Transport: Send + Sync {
     /// What it is, as every status reports it.
     fn kind(&self) -> TransportKind;
 
-    /// Whether it moves memory of this type (host memory only, unless the
-    /// transport says otherwise).
-    fn supports(&self, mem_type: MemoryType) -> bool {
-        mem_type == MemoryType::Dram
+    /// Whether it moves a request between this agent's memory of type
+    /// `local` and `peer`'s of type `remote` (host memory on both sides
+    /// only, unless the transport says otherwise). The one answer to
+    /// "does this transport move that memory": choosing a transport and
+    /// checking a request both ask it.
+    fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
+        local == MemoryType::Dram && remote == MemoryType::Dram
     }
 
-    /// The path to `peer` this way, or why there is none.
-    fn reach(&self, peer: &AgentDesc) -> Result<Path, String>;
+    /// Whether it reaches `peer`, or why not.
+    fn reach(&self, peer: &AgentDesc) -> Result<(), String>;
+
+    /// Opens a link to `peer` (which it reaches).
+    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error>;
 }
 
 /// An open connection to one peer, made by the transport its path names
-/// ([`Path::connect`]). The engine checks and resolves a request (agent,
+/// ([`Transport::connect`]). The engine checks and resolves a request (agent,
 /// shape, memory type, local holds, the peer's keys) and hands it to the
 /// peer's link; the link moves the data and completes the status.
 pub(in crate::engine) trait Link: Send + Sync {
@@ -109,24 +115,6 @@ pub(in crate::engine) struct Submission<'a> {
     pub(in crate::engine) generation: u64,
 }
 
-impl Path {
-    /// Opens a link to `peer` this way.
-    pub(in crate::engine) fn connect(
-        self,
-        inner: &Inner,
-        peer: &AgentDesc,
-    ) -> Result<Arc<dyn Link>, Error> {
-        Ok(match self {
-            Path::InProcess => inproc::LocalLink::open(inner, peer)?,
-            Path::Storage => storage_link::StorageLink::open(inner)?,
-            Path::Tcp => TcpLink::open(inner, peer)?,
-            // Data bypasses the socket; one stream carries the control.
-            Path::Cma { pid } => CmaLink::open(inner, peer, pid)?,
-            Path::Rdma => RdmaLink::open(inner, peer)?,
-        })
-    }
-}
-
 /// TCP streams: reaches every peer (their endpoints were already reached
 /// for the descriptor). It also carries requests to a peer's storage (FILE
 /// and BLK regions, which its agent reads and writes), for agents of every
@@ -142,17 +130,23 @@ impl Transport for Tcp {
         TransportKind::Tcp
     }
 
-    fn supports(&self, mem_type: MemoryType) -> bool {
-        match mem_type {
-            // GPU memory through staging buffers.
-            MemoryType::Dram | MemoryType::Vram => self.host_memory,
-            MemoryType::File | MemoryType::Blk => true,
-            MemoryType::Obj => false,
-        }
+    fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
+        // GPU memory through staging buffers, on either side.
+        let memory = |m| matches!(m, MemoryType::Dram | MemoryType::Vram);
+        memory(local)
+            && match remote {
+                MemoryType::Dram | MemoryType::Vram => self.host_memory,
+                MemoryType::File | MemoryType::Blk => true,
+                MemoryType::Obj => false,
+            }
     }
 
-    fn reach(&self, _peer: &AgentDesc) -> Result<Path, String> {
-        Ok(Path::Tcp)
+    fn reach(&self, _peer: &AgentDesc) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        Ok(TcpLink::open(inner, peer)?)
     }
 }
 
@@ -168,11 +162,29 @@ impl Transport for Shm {
         TransportKind::Shm
     }
 
-    fn reach(&self, peer: &AgentDesc) -> Result<Path, String> {
+    fn moves(&self, local: MemoryType, remote: MemoryType, peer: &AgentDesc) -> bool {
+        match (local, remote) {
+            (MemoryType::Dram, MemoryType::Dram) => true,
+            // The target's GPU memory, through CUDA IPC, when its GPU is on
+            // this host.
+            (MemoryType::Dram | MemoryType::Vram, MemoryType::Vram) => {
+                peer.gpu.as_ref().is_some_and(|g| g.host == self.host)
+            }
+            _ => false,
+        }
+    }
+
+    fn reach(&self, peer: &AgentDesc) -> Result<(), String> {
         let Some(a) = &peer.local_access else {
             return Err("the remote agent does not offer cross-memory access".into());
         };
-        shm::probe(a, peer.instance, &self.host).map(|()| Path::Cma { pid: a.pid })
+        shm::probe(a, peer.instance, &self.host)
+    }
+
+    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        // Data bypasses the socket; one stream carries the control.
+        let pid = peer.local_access.as_ref().map_or(0, |a| a.pid);
+        Ok(CmaLink::open(inner, peer, pid)?)
     }
 }
 
@@ -185,11 +197,23 @@ impl Transport for Rdma {
         TransportKind::Rdma
     }
 
-    fn reach(&self, peer: &AgentDesc) -> Result<Path, String> {
+    fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
+        // GPU memory registered for GPUDirect RDMA (a local region without
+        // such a registration is refused when the request is resolved).
+        [local, remote]
+            .iter()
+            .all(|m| matches!(m, MemoryType::Dram | MemoryType::Vram))
+    }
+
+    fn reach(&self, peer: &AgentDesc) -> Result<(), String> {
         match peer.rdma {
-            Some(_) => Ok(Path::Rdma),
+            Some(_) => Ok(()),
             None => Err("the remote agent has no RDMA device".into()),
         }
+    }
+
+    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        Ok(RdmaLink::open(inner, peer)?)
     }
 }
 
@@ -201,22 +225,22 @@ pub(in crate::engine) fn for_backend(
     backend: Backend,
     has_device: bool,
     host: &str,
-) -> Vec<Box<dyn Transport>> {
+) -> Vec<Arc<dyn Transport>> {
     let shm = || {
-        Box::new(Shm {
+        Arc::new(Shm {
             host: host.to_owned(),
-        }) as Box<dyn Transport>
+        }) as Arc<dyn Transport>
     };
-    let tcp = |host_memory| Box::new(Tcp { host_memory }) as Box<dyn Transport>;
+    let tcp = |host_memory| Arc::new(Tcp { host_memory }) as Arc<dyn Transport>;
     match backend {
         Backend::Tcp => vec![tcp(true)],
         Backend::Shm => vec![shm(), tcp(false)],
-        Backend::Rdma => vec![Box::new(Rdma), tcp(false)],
-        Backend::InProcess => vec![Box::new(inproc::InProcess)],
+        Backend::Rdma => vec![Arc::new(Rdma), tcp(false)],
+        Backend::InProcess => vec![Arc::new(inproc::InProcess)],
         Backend::Auto => {
             let mut v = vec![shm()];
             if has_device {
-                v.push(Box::new(Rdma));
+                v.push(Arc::new(Rdma));
             }
             v.push(tcp(true));
             v
@@ -224,30 +248,32 @@ pub(in crate::engine) fn for_backend(
     }
 }
 
-/// The path to `peer` for memory of `mem_type`: the first of `transports`
-/// that moves it and reaches the peer.
+/// The transport to `peer` for requests between this agent's memory of
+/// type `local` and the peer's of type `remote`: the first of `transports`
+/// that moves them and reaches the peer.
 ///
 /// # Errors
 /// [`Error::BackendUnavailable`] naming `backend`, with every transport's
 /// reason, when none does.
 pub(in crate::engine) fn choose(
-    transports: &[Box<dyn Transport>],
+    transports: &[Arc<dyn Transport>],
     backend: Backend,
     peer: &AgentDesc,
-    mem_type: MemoryType,
-) -> Result<Path, Error> {
+    local: MemoryType,
+    remote: MemoryType,
+) -> Result<Arc<dyn Transport>, Error> {
     let mut why = Vec::new();
     for t in transports {
-        if !t.supports(mem_type) {
-            why.push(format!("{}: does not move {mem_type} memory", t.kind()));
+        if !t.moves(local, remote, peer) {
+            why.push(format!("{}: does not move {remote} memory", t.kind()));
             continue;
         }
         match t.reach(peer) {
-            Ok(path) => {
+            Ok(()) => {
                 if !why.is_empty() {
-                    tracing::info!(remote = %peer.name, %mem_type, transport = %t.kind(), passed_over = %why.join("; "), "data path chosen after others");
+                    tracing::info!(remote = %peer.name, mem_type = %remote, transport = %t.kind(), passed_over = %why.join("; "), "data path chosen after others");
                 }
-                return Ok(path);
+                return Ok(Arc::clone(t));
             }
             Err(reason) => why.push(format!("{}: {reason}", t.kind())),
         }
@@ -255,7 +281,7 @@ pub(in crate::engine) fn choose(
     Err(Error::BackendUnavailable {
         backend: backend.as_str(),
         reason: format!(
-            "remote agent {:?}, {mem_type} memory: {}",
+            "remote agent {:?}, {remote} memory: {}",
             peer.name,
             why.join("; ")
         ),
@@ -297,27 +323,24 @@ mod tests {
         // Another host with a device: RDMA; without one: TCP.
         let other = desc(true, Some(("other-host", 1)));
         let dram = MemoryType::Dram;
-        assert_eq!(
-            choose(&auto, Backend::Auto, &other, dram).unwrap(),
-            Path::Rdma
-        );
+        let kind = |ts: &[Arc<dyn Transport>], peer: &AgentDesc| {
+            choose(ts, Backend::Auto, peer, dram, dram).unwrap().kind()
+        };
+        assert_eq!(kind(&auto, &other), TransportKind::Rdma);
         let plain = desc(false, None);
-        assert_eq!(
-            choose(&auto, Backend::Auto, &plain, dram).unwrap(),
-            Path::Tcp
-        );
+        assert_eq!(kind(&auto, &plain), TransportKind::Tcp);
         // No device here: RDMA is not in the list at all.
         let no_dev = for_backend(Backend::Auto, false, "this-host");
-        assert_eq!(
-            choose(&no_dev, Backend::Auto, &other, dram).unwrap(),
-            Path::Tcp
-        );
+        assert_eq!(kind(&no_dev, &other), TransportKind::Tcp);
     }
 
     #[test]
     fn no_transport_is_a_typed_error_with_every_reason() {
         let rdma = for_backend(Backend::Rdma, true, "h");
-        let e = choose(&rdma, Backend::Rdma, &desc(false, None), MemoryType::Dram).unwrap_err();
+        let dram = MemoryType::Dram;
+        let e = choose(&rdma, Backend::Rdma, &desc(false, None), dram, dram)
+            .map(|t| t.kind())
+            .unwrap_err();
         match e {
             Error::BackendUnavailable { backend, reason } => {
                 assert_eq!(backend, "rdma");
@@ -330,8 +353,10 @@ mod tests {
             &shm,
             Backend::Shm,
             &desc(true, Some(("elsewhere", 1))),
-            MemoryType::Dram,
+            dram,
+            dram,
         )
+        .map(|t| t.kind())
         .unwrap_err();
         assert!(
             matches!(&e, Error::BackendUnavailable { backend: "shm", reason } if reason.contains("another host")),
@@ -339,10 +364,57 @@ mod tests {
         );
         // A memory type no transport moves: each says so.
         let auto = for_backend(Backend::Auto, true, "h");
-        let e = choose(&auto, Backend::Auto, &desc(true, None), MemoryType::Obj).unwrap_err();
+        let e = choose(
+            &auto,
+            Backend::Auto,
+            &desc(true, None),
+            dram,
+            MemoryType::Obj,
+        )
+        .map(|t| t.kind())
+        .unwrap_err();
         let text = e.to_string();
         for k in ["shm", "rdma", "tcp"] {
             assert!(text.contains(&format!("{k}: does not move")), "{text}");
         }
+    }
+
+    /// One answer to "which memory does a transport move": the pairs of
+    /// (this agent's, the peer's) memory types each transport takes.
+    #[test]
+    fn each_transport_says_which_memory_it_moves() {
+        use MemoryType::{Blk, Dram, File, Obj, Vram};
+        let mut peer = desc(true, Some(("h", 1)));
+        let tcp = Tcp { host_memory: true };
+        let storage_only = Tcp { host_memory: false };
+        let shm = Shm { host: "h".into() };
+        for (l, r) in [(Dram, Dram), (Vram, Dram), (Dram, Vram), (Vram, Vram)] {
+            assert!(tcp.moves(l, r, &peer), "tcp {l}->{r}");
+            assert!(Rdma.moves(l, r, &peer), "rdma {l}->{r}");
+            assert!(inproc::InProcess.moves(l, r, &peer), "inproc {l}->{r}");
+            assert!(!storage_only.moves(l, r, &peer));
+            assert!(!storage_link::OwnStorage.moves(l, r, &peer));
+        }
+        for (l, r) in [(Dram, File), (Vram, Blk)] {
+            assert!(tcp.moves(l, r, &peer) && storage_only.moves(l, r, &peer));
+            assert!(storage_link::OwnStorage.moves(l, r, &peer));
+            assert!(!Rdma.moves(l, r, &peer) && !shm.moves(l, r, &peer));
+        }
+        for t in [&tcp as &dyn Transport, &Rdma, &shm] {
+            assert!(!t.moves(Dram, Obj, &peer) && !t.moves(File, Dram, &peer));
+        }
+        // Cross-memory attach: host memory, and the target's GPU memory
+        // (CUDA IPC) when its GPU is on this host.
+        assert!(shm.moves(Dram, Dram, &peer));
+        assert!(!shm.moves(Dram, Vram, &peer) && !shm.moves(Vram, Dram, &peer));
+        peer.gpu = Some(crate::desc::GpuAccess {
+            host: "h".into(),
+            pid: 1,
+            handles: Vec::new(),
+        });
+        assert!(shm.moves(Dram, Vram, &peer) && shm.moves(Vram, Vram, &peer));
+        assert!(!shm.moves(Vram, Dram, &peer));
+        peer.gpu.as_mut().unwrap().host = "elsewhere".into();
+        assert!(!shm.moves(Dram, Vram, &peer));
     }
 }

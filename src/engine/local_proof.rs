@@ -323,8 +323,16 @@ impl Listener {
         );
     }
 
-    /// Wakes a [`serve`](Self::serve) loop (after its `stop` turned true).
+    /// Wakes a [`serve`](Self::serve) loop (after its `stop` turned true):
+    /// shutting the listening socket down makes a blocked accept fail at
+    /// once (Linux); a connection of our own if it could not be.
     pub(super) fn wake(&self) {
+        if socket2::SockRef::from(&self.sock)
+            .shutdown(std::net::Shutdown::Both)
+            .is_ok()
+        {
+            return;
+        }
         if let Ok(addr) = SocketAddr::from_abstract_name(name(self.instance)) {
             let _ = UnixStream::connect_addr(&addr);
         }

@@ -20,6 +20,8 @@ const DEADLINE: Duration = Duration::from_secs(2);
 /// The endpoint's thread and where it listens.
 pub(in crate::engine) struct MetricsServer {
     pub(in crate::engine) addr: SocketAddr,
+    /// Another handle on the listening socket, to wake its loop.
+    wake: Option<TcpListener>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -28,6 +30,7 @@ impl MetricsServer {
     pub(in crate::engine) fn start(inner: &Arc<Inner>, addr: SocketAddr) -> Result<Self, Error> {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
+        let wake = listener.try_clone().ok();
         let me = Arc::downgrade(inner);
         let thread = std::thread::Builder::new()
             .name(format!("kvxfer-metrics-{}", inner.config.name))
@@ -52,17 +55,14 @@ impl MetricsServer {
         tracing::info!(agent = %inner.config.name, %addr, "metrics served at /metrics");
         Ok(MetricsServer {
             addr,
+            wake,
             thread: Some(thread),
         })
     }
 
     /// Stops the thread (the agent is closing: it sees that once woken).
     pub(in crate::engine) fn stop(&mut self) {
-        let mut wake = self.addr;
-        if wake.ip().is_unspecified() {
-            wake.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-        }
-        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        serve_each::wake_listener(self.wake.as_ref(), self.addr);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

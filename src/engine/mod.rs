@@ -143,6 +143,9 @@ fn tick(io_timeout: Duration) -> Duration {
 pub struct Engine {
     inner: Arc<Inner>,
     listener_thread: Option<JoinHandle<()>>,
+    /// Another handle on the listening socket, shut down to wake the
+    /// accept loop when the agent is dropped.
+    listener_wake: Option<TcpListener>,
     local_proof_thread: Option<JoinHandle<()>>,
     /// The metrics endpoint, when configured.
     #[cfg(feature = "metrics-endpoint")]
@@ -316,6 +319,7 @@ impl Engine {
             inproc::enlist(&inner);
         }
         let acceptor = Arc::clone(&inner);
+        let listener_wake = listener.try_clone().ok();
         let listener_thread = std::thread::Builder::new()
             .name(format!("kvxfer-accept-{}", inner.config.name))
             .spawn(move || acceptor.accept_loop(listener))?;
@@ -346,6 +350,7 @@ impl Engine {
         let engine = Self {
             inner,
             listener_thread: Some(listener_thread),
+            listener_wake,
             local_proof_thread,
             #[cfg(feature = "metrics-endpoint")]
             metrics_server,
@@ -392,13 +397,9 @@ impl Drop for Engine {
         }
         // No in-process initiator copies into this agent after this.
         inproc::delist(inner);
-        // Wake the accept loop with a connection of our own; it sees
-        // `closing` and returns, dropping the listener.
-        let mut wake = inner.listen_addr;
-        if wake.ip().is_unspecified() {
-            wake.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-        }
-        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        // Wake the accept loop; it sees `closing` and returns, dropping
+        // the listener.
+        serve_each::wake_listener(self.listener_wake.as_ref(), inner.listen_addr);
         if let Some(t) = self.listener_thread.take() {
             let _ = t.join();
         }

@@ -39,10 +39,28 @@ impl Connection for TcpStream {
     }
 }
 
+/// Wakes the accept loop of `listener` (another handle on the socket
+/// whose loop waits in `accept`, at `addr`): shutting the listening socket
+/// down makes a blocked accept fail at once (Linux), however loaded the
+/// host; a connection of its own if it could not be shut down.
+pub(in crate::engine) fn wake_listener(
+    listener: Option<&std::net::TcpListener>,
+    addr: std::net::SocketAddr,
+) {
+    if listener.is_some_and(|l| socket2::SockRef::from(l).shutdown(Shutdown::Both).is_ok()) {
+        return;
+    }
+    let mut wake = addr;
+    if wake.ip().is_unspecified() {
+        wake.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    let _ = TcpStream::connect_timeout(&wake, std::time::Duration::from_secs(1));
+}
+
 /// Serves each connection `incoming` yields with `handle`, on a thread
 /// named `name` of its own, at most `max` at once (one more is closed
 /// unanswered), until `stop` says so (asked after each accept: wake the
-/// listener with a connection of its own). Then shuts down the connections
+/// listener, [`wake_listener`]). Then shuts down the connections
 /// still being served and returns once their threads have ended. `handle`
 /// bounds its own time (a deadline per connection).
 pub(in crate::engine) fn serve_each<C: Connection>(
@@ -192,5 +210,27 @@ mod tests {
         assert!(!answered(&mut e.connect()));
         drop(silent);
         e.stop();
+    }
+
+    /// Waking a listener needs no connection: its loop returns even where
+    /// one could not be made (here, to a port nothing listens on).
+    #[test]
+    fn a_listener_wakes_without_a_connection() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let handle = listener.try_clone().unwrap();
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let nowhere = closed.local_addr().unwrap();
+        drop(closed);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            let r = listener.accept().map(|_| ());
+            tx.send(r.is_err()).unwrap();
+        });
+        wake_listener(Some(&handle), nowhere);
+        let failed = rx
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("the accept loop woke");
+        assert!(failed, "woken by an error, not a connection");
+        t.join().unwrap();
     }
 }

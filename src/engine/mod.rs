@@ -29,6 +29,7 @@
 //! `docs/wire-format.md` for the frames.
 
 mod api;
+mod attach;
 mod budget;
 mod cma;
 mod cma_target;

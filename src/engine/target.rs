@@ -702,9 +702,9 @@ impl Inner {
         session: &Session,
     ) -> io::Result<()> {
         let clock = idle.clock;
-        // RDMA receive threads of this connection; stopped and joined when it
-        // ends (dropping them).
-        let mut rdma_receivers: Vec<RdmaReceiver> = Vec::new();
+        // What the transports attached to this connection keep (RDMA: the
+        // receive threads); stopped and joined when it ends (dropped).
+        let mut attached: Vec<attach::Attachment> = Vec::new();
         let mut c = Conn {
             sock,
             reader,
@@ -840,11 +840,37 @@ impl Inner {
                     };
                     self.delegate(&mut c, ask, has_sync, sync_len)?
                 }
-                // The RDMA path (`rdma::accept`).
-                Frame::QpConnect { qpn, psn, mtu } => {
-                    if let Some(r) = self.qp_connect(&mut c, qpn, psn, mtu)? {
-                        rdma_receivers.push(r);
-                    }
+                // A transport beside the stream (`attach`): its message to
+                // it, its answer back.
+                Frame::Attach { name_len, len } => {
+                    let name = c.reader.read_vec_mid_frame(usize::from(name_len), c.idle)?;
+                    let msg = c.reader.read_vec(len as usize, c.idle)?;
+                    let outcome = match self
+                        .transports
+                        .iter()
+                        .find(|t| attach::names(&name, t.kind()))
+                    {
+                        Some(t) => t.accept(self, &session.remote, sock, &msg),
+                        None => Err(status::NO_TRANSPORT),
+                    };
+                    let outcome = outcome.map(|(answer, keep)| {
+                        attached.extend(keep);
+                        answer
+                    });
+                    let (hdr, body) = attach::answer(&outcome);
+                    let mut iovs = [
+                        iov(hdr.as_ptr(), HEADER_LEN),
+                        iov(body.as_ptr(), body.len()),
+                    ];
+                    // SAFETY: both iovecs point into live locals.
+                    unsafe {
+                        writev_all(
+                            sock.as_raw_fd(),
+                            &mut iovs,
+                            c.idle.clock,
+                            self.config.io_timeout,
+                        )?
+                    };
                     None
                 }
                 other => return Err(violation(format!("unexpected frame {other:?}"))),

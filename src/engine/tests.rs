@@ -227,3 +227,33 @@ fn a_target_never_copies_for_its_own_process() {
     drop((init, target));
     drop(dst);
 }
+
+/// An `Attach` naming a transport the target does not offer (an RDMA
+/// link to a TCP agent, a name no transport has) is refused with
+/// `NO_TRANSPORT`, and the stream stays in step: the next attach on it is
+/// answered too.
+#[test]
+fn attach_of_a_transport_the_target_lacks_is_refused_in_step() {
+    let init = Engine::with_mode(AgentConfig::new("init"), Backend::Tcp).unwrap();
+    let target = Engine::with_mode(AgentConfig::new("target"), Backend::Tcp).unwrap();
+    let desc = target.local_agent_desc();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let sock = connect_any(&desc.endpoints, deadline).unwrap();
+    let clock = ProgressClock::new();
+    handshake(&init.inner, &desc, &sock, 1, 0, &clock, deadline).unwrap();
+    let t = Duration::from_secs(30);
+    for (kind, msg) in [
+        (TransportKind::Rdma, vec![1u8; 28]),
+        (TransportKind::Shm, Vec::new()),
+        (TransportKind::Rdma, vec![2u8; 4096]),
+    ] {
+        let answer = attach::attach("target", &sock, &clock, t, kind, &msg).unwrap();
+        assert_eq!(answer, Err(wire::status::NO_TRANSPORT), "{kind}");
+    }
+    // Too long a message is refused before anything is sent.
+    let long = vec![0u8; wire::ATTACH_MAX as usize + 1];
+    assert!(matches!(
+        attach::attach("target", &sock, &clock, t, TransportKind::Rdma, &long),
+        Err(Error::InvalidRequest(_))
+    ));
+}

@@ -32,6 +32,21 @@ pub(in crate::engine) trait Transport: Send + Sync {
 
     /// Opens a link to `peer` (which it reaches).
     fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error>;
+
+    /// Target side: a link of this transport attaches to connection `sock`
+    /// of the authenticated initiator `remote` with its message `msg`
+    /// ([`attach::attach`]): the answer, and what serves the link while the
+    /// connection lasts; or the status refusing it. By default it takes
+    /// none ([`status::NO_TRANSPORT`]).
+    fn accept(
+        &self,
+        _inner: &Inner,
+        _remote: &str,
+        _sock: &TcpStream,
+        _msg: &[u8],
+    ) -> Result<(Vec<u8>, Option<attach::Attachment>), u16> {
+        Err(status::NO_TRANSPORT)
+    }
 }
 
 /// An open connection to one peer, made by the transport its path names
@@ -214,6 +229,16 @@ impl Transport for Rdma {
 
     fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
         Ok(RdmaLink::open(inner, peer)?)
+    }
+
+    fn accept(
+        &self,
+        inner: &Inner,
+        remote: &str,
+        sock: &TcpStream,
+        msg: &[u8],
+    ) -> Result<(Vec<u8>, Option<attach::Attachment>), u16> {
+        inner.accept_rdma(remote, sock, msg)
     }
 }
 

@@ -12,7 +12,12 @@ use crate::memory::MemoryType;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 40;
 /// Protocol version carried in `Hello`.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
+
+/// Longest transport name an `Attach` frame carries.
+pub const ATTACH_NAME_MAX: u8 = 32;
+/// Longest transport message an `Attach` or `Attached` frame carries.
+pub const ATTACH_MAX: u32 = 4096;
 /// Largest control body (agent name, sync message, descriptor) accepted.
 pub const MAX_CONTROL_BODY: u32 = 16 << 20;
 
@@ -43,10 +48,12 @@ pub mod status {
     pub const STALE_INSTANCE: u16 = 10;
     /// Hello: protocol version not supported.
     pub const BAD_VERSION: u16 = 11;
-    /// QpConnect: the target has no RDMA device.
-    pub const NO_RDMA: u16 = 12;
-    /// QpConnect: the target failed to create or connect its queue pair.
-    pub const QP_FAILED: u16 = 13;
+    /// Attach: the target does not offer that transport (an RDMA link to
+    /// a target without a device).
+    pub const NO_TRANSPORT: u16 = 12;
+    /// Attach: the target's transport failed to set its side up (RDMA:
+    /// creating or connecting its queue pair).
+    pub const ATTACH_FAILED: u16 = 13;
     /// Delegate: the target does not copy for this initiator (it declines
     /// delegated copies, or cannot reach the initiator's memory); the
     /// initiator copies itself and commits.
@@ -72,8 +79,8 @@ const K_ACK: u8 = 9;
 const K_FENCE: u8 = 10;
 const K_GRANT: u8 = 11;
 const K_GRANTED: u8 = 12;
-const K_QP_CONNECT: u8 = 13;
-const K_QP_ACCEPT: u8 = 14;
+const K_ATTACH: u8 = 13;
+const K_ATTACHED: u8 = 14;
 const K_WRITE_LIST: u8 = 15;
 const K_DELEGATE: u8 = 16;
 const K_AUTH_HELLO: u8 = 17;
@@ -344,26 +351,23 @@ pub enum Frame {
         /// `status::OK` or a reject code.
         status: u16,
     },
-    /// RDMA path: the initiator's queue pair; its 16-byte GID follows.
-    QpConnect {
-        /// Queue pair number.
-        qpn: u32,
-        /// Initial packet sequence number.
-        psn: u32,
-        /// Path MTU code.
-        mtu: u32,
+    /// A link's transport sets itself up beside this connection (RDMA: a
+    /// queue pair): the transport's name (`name_len` bytes, the name every
+    /// status reports) follows, then its own message (`len` bytes), which
+    /// only that transport reads.
+    Attach {
+        /// Length of the transport's name (1..=[`ATTACH_NAME_MAX`]).
+        name_len: u8,
+        /// Length of the transport's message (at most [`ATTACH_MAX`]).
+        len: u32,
     },
-    /// Answer to `QpConnect`: the target's queue pair (GID follows), or a
-    /// refusal status with no body.
-    QpAccept {
-        /// Queue pair number.
-        qpn: u32,
-        /// Initial packet sequence number.
-        psn: u32,
-        /// Path MTU code.
-        mtu: u32,
+    /// Answer to `Attach`: the target transport's message (`len` bytes),
+    /// or a refusal status with no body.
+    Attached {
         /// `status::OK`, or why the target refused.
         status: u16,
+        /// Length of the answer (0 with a refusal).
+        len: u32,
     },
     /// The target finished a committed request.
     Ack {
@@ -454,7 +458,8 @@ impl Frame {
             Frame::Delegate {
                 count, sync_len, ..
             } => u64::from(count) * DELEGATE_ENTRY as u64 + u64::from(sync_len),
-            Frame::QpConnect { .. } | Frame::QpAccept { status: 0, .. } => 16,
+            Frame::Attach { name_len, len } => u64::from(name_len) + u64::from(len),
+            Frame::Attached { len, .. } => u64::from(len),
             _ => 0,
         }
     }
@@ -615,25 +620,15 @@ impl Frame {
                 h.key = key.into();
                 h.aux = total.into();
             }
-            Frame::QpConnect { qpn, psn, mtu } => {
-                h.kind = K_QP_CONNECT;
-                h.addr = u64::from(qpn).into();
-                h.len = u64::from(psn).into();
-                h.key = u64::from(mtu).into();
-                h.aux = 16.into();
+            Frame::Attach { name_len, len } => {
+                h.kind = K_ATTACH;
+                h.flags = name_len;
+                h.aux = len.into();
             }
-            Frame::QpAccept {
-                qpn,
-                psn,
-                mtu,
-                status,
-            } => {
-                h.kind = K_QP_ACCEPT;
-                h.addr = u64::from(qpn).into();
-                h.len = u64::from(psn).into();
-                h.key = u64::from(mtu).into();
+            Frame::Attached { status, len } => {
+                h.kind = K_ATTACHED;
                 h.status = status.into();
-                h.aux = if status == self::status::OK { 16 } else { 0 }.into();
+                h.aux = len.into();
             }
             Frame::Delegate {
                 req,
@@ -836,31 +831,26 @@ impl Frame {
                     total: aux,
                 }
             }
-            K_QP_CONNECT | K_QP_ACCEPT => {
-                let field = |v: u64, what| u32::try_from(v).map_err(|_| WireError::BadField(what));
-                let (qpn, psn, mtu) = (
-                    field(h.addr.get(), "qpn")?,
-                    field(h.len.get(), "psn")?,
-                    field(h.key.get(), "mtu")?,
-                );
-                let st = h.status.get();
-                let body_ok = if h.kind == K_QP_CONNECT || st == status::OK {
-                    16
-                } else {
-                    0
-                };
-                if aux != body_ok {
-                    return Err(WireError::BadField("queue pair body length"));
+            K_ATTACH => {
+                if !(1..=ATTACH_NAME_MAX).contains(&h.flags) {
+                    return Err(WireError::BadField("attach name length"));
                 }
-                if h.kind == K_QP_CONNECT {
-                    Frame::QpConnect { qpn, psn, mtu }
-                } else {
-                    Frame::QpAccept {
-                        qpn,
-                        psn,
-                        mtu,
-                        status: st,
-                    }
+                if aux > ATTACH_MAX {
+                    return Err(WireError::BadField("attach message length"));
+                }
+                Frame::Attach {
+                    name_len: h.flags,
+                    len: aux,
+                }
+            }
+            K_ATTACHED => {
+                let st = h.status.get();
+                if aux > ATTACH_MAX || (st != status::OK && aux != 0) {
+                    return Err(WireError::BadField("attach answer length"));
+                }
+                Frame::Attached {
+                    status: st,
+                    len: aux,
                 }
             }
             K_DELEGATE => {
@@ -1024,22 +1014,17 @@ mod tests {
                 sync_len: 0,
                 has_sync: false,
             },
-            Frame::QpConnect {
-                qpn: 17,
-                psn: 0xabcdef,
-                mtu: 3,
+            Frame::Attach {
+                name_len: 4,
+                len: 28,
             },
-            Frame::QpAccept {
-                qpn: 18,
-                psn: 5,
-                mtu: 3,
+            Frame::Attached {
                 status: status::OK,
+                len: ATTACH_MAX,
             },
-            Frame::QpAccept {
-                qpn: 0,
-                psn: 0,
-                mtu: 0,
-                status: status::NO_RDMA,
+            Frame::Attached {
+                status: status::NO_TRANSPORT,
+                len: 0,
             },
             Frame::Ack {
                 req: 12,

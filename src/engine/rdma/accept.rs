@@ -1,62 +1,57 @@
-//! The RDMA path at the target: `QpConnect` answered with a queue pair
-//! connected to the initiator's, its receives posted (on the agent's shared
-//! receive queue when it has one) and a thread that delivers the sync
-//! messages arriving as SENDs.
+//! The RDMA path at the target: an RDMA link's attach (the initiator's
+//! queue pair) answered with a queue pair connected to the initiator's,
+//! its receives posted (on the agent's shared receive queue when it has
+//! one) and a thread that delivers the sync messages arriving as SENDs.
 
 use crate::engine::*;
 
-impl Inner {
-    /// Serves `QpConnect` (the initiator's queue pair: number, PSN, MTU,
-    /// then its GID): answers `QpAccept` with this side's, or with the
-    /// refusal. Returns the connection's receiver, to keep while it lives.
-    pub(in crate::engine) fn qp_connect(
-        &self,
-        c: &mut Conn<'_, '_, '_>,
-        qpn: u32,
-        psn: u32,
-        mtu: u32,
-    ) -> io::Result<Option<RdmaReceiver>> {
-        let gid: [u8; 16] = c
-            .reader
-            .read_vec(16, c.idle)?
-            .try_into()
-            .map_err(|_| violation("short GID"))?;
-        let remote = QpInfo { qpn, psn, gid, mtu };
-        match self.accept_qp(&remote, &c.session.remote, c.sock) {
-            Ok((info, receiver)) => {
-                let hdr = Frame::QpAccept {
-                    qpn: info.qpn,
-                    psn: info.psn,
-                    mtu: info.mtu,
-                    status: status::OK,
-                }
-                .encode();
-                let mut iovs = [iov(hdr.as_ptr(), HEADER_LEN), iov(info.gid.as_ptr(), 16)];
-                // SAFETY: both iovecs point into live locals.
-                unsafe {
-                    writev_all(
-                        c.sock.as_raw_fd(),
-                        &mut iovs,
-                        c.idle.clock,
-                        self.config.io_timeout,
-                    )?
-                };
-                Ok(Some(receiver))
-            }
-            Err(st) => {
-                let refusal = Frame::QpAccept {
-                    qpn: 0,
-                    psn: 0,
-                    mtu: 0,
-                    status: st,
-                };
-                c.send(&[refusal.encode()], self.config.io_timeout)?;
-                Ok(None)
-            }
-        }
-    }
+/// Length of a queue pair's attach message: QPN, PSN and path MTU code
+/// (u32 LE each), then the port's 16-byte GID.
+const QP_MSG_LEN: usize = 28;
 
-    /// Target side of `QpConnect`: a queue pair connected to the
+/// A queue pair's attach message (see [`QP_MSG_LEN`]).
+pub(in crate::engine) fn qp_msg(q: &QpInfo) -> Vec<u8> {
+    let mut v = Vec::with_capacity(QP_MSG_LEN);
+    for x in [q.qpn, q.psn, q.mtu] {
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.extend_from_slice(&q.gid);
+    v
+}
+
+/// The queue pair an attach message describes; `None` if it is not one.
+pub(in crate::engine) fn qp_from_msg(m: &[u8]) -> Option<QpInfo> {
+    if m.len() != QP_MSG_LEN {
+        return None;
+    }
+    let word = |i: usize| u32::from_le_bytes(m[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+    Some(QpInfo {
+        qpn: word(0),
+        psn: word(1),
+        mtu: word(2),
+        gid: m[12..].try_into().expect("16 bytes"),
+    })
+}
+
+impl Inner {
+    /// Target side of an RDMA link's attach ([`Transport::accept`]): the
+    /// queue pair of `msg` connected to one of this agent's, whose message
+    /// is the answer; the receiver serves it while the connection lasts.
+    pub(in crate::engine) fn accept_rdma(
+        &self,
+        remote: &str,
+        sock: &TcpStream,
+        msg: &[u8],
+    ) -> Result<(Vec<u8>, Option<attach::Attachment>), u16> {
+        // A malformed queue pair: refused like one that cannot connect.
+        let theirs = qp_from_msg(msg).ok_or(status::ATTACH_FAILED)?;
+        let (mine, receiver) = self.accept_qp(&theirs, remote, sock)?;
+        Ok((qp_msg(&mine), Some(Box::new(receiver))))
+    }
+}
+
+impl Inner {
+    /// An RDMA link's attach: a queue pair connected to the
     /// initiator's, receive buffers posted, and a thread that delivers the
     /// sync messages arriving as SENDs.
     pub(in crate::engine) fn accept_qp(
@@ -66,17 +61,17 @@ impl Inner {
         sock: &TcpStream,
     ) -> Result<(QpInfo, RdmaReceiver), u16> {
         let Some(dev) = self.device.as_ref() else {
-            return Err(status::NO_RDMA);
+            return Err(status::NO_TRANSPORT);
         };
         let sink = SyncSink {
             inbox: Arc::clone(&self.inbox),
             remote: remote_name.to_owned(),
-            sock: sock.try_clone().map_err(|_| status::QP_FAILED)?,
+            sock: sock.try_clone().map_err(|_| status::ATTACH_FAILED)?,
             io_timeout: self.config.io_timeout,
         };
         let refused = |e: crate::verbs::VerbsError| {
             tracing::warn!(remote = %remote_name, error = %e, "cannot accept an RDMA connection");
-            status::QP_FAILED
+            status::ATTACH_FAILED
         };
         if let Some(rx) = self.srq_receiver(dev) {
             let mut qp = dev.create_rc_on_srq(&rx.shared.srq).map_err(refused)?;
@@ -118,7 +113,7 @@ impl Inner {
         let thread = std::thread::Builder::new()
             .name(format!("kvxfer-rdma-recv-{remote_name}"))
             .spawn(move || ctx.run(qp, ring))
-            .map_err(|_| status::QP_FAILED)?;
+            .map_err(|_| status::ATTACH_FAILED)?;
         Ok((
             info,
             RdmaReceiver::Own {
@@ -154,5 +149,29 @@ impl Inner {
                 None
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_queue_pair_message_round_trips_and_nothing_else_passes() {
+        let q = QpInfo {
+            qpn: 0x11_2233,
+            psn: 0xab_cdef,
+            mtu: 3,
+            gid: [9; 16],
+        };
+        let m = qp_msg(&q);
+        assert_eq!(m.len(), QP_MSG_LEN);
+        let back = qp_from_msg(&m).unwrap();
+        assert_eq!(
+            (back.qpn, back.psn, back.mtu, back.gid),
+            (q.qpn, q.psn, q.mtu, q.gid)
+        );
+        assert!(qp_from_msg(&m[..27]).is_none());
+        assert!(qp_from_msg(&[m.clone(), vec![0]].concat()).is_none());
     }
 }

@@ -1,5 +1,6 @@
 //! RDMA data path of the socket agent: one reliable-connected queue pair per
-//! link, set up over the link's first TCP stream (`QpConnect`/`QpAccept`);
+//! link, set up over the link's first TCP stream (an `Attach` naming
+//! `rdma`, see `engine::attach`);
 //! data moved by one-sided WRITE and READ straight between registered
 //! regions; a request's sync message sent as a SEND on the same queue pair
 //! after its data, so RC ordering delivers it only after every byte landed.

@@ -330,41 +330,21 @@ pub(in crate::engine) fn rdma_connect(
     // lone work request bypasses the window (see `RdmaLink::post_express`).
     let mut qp = dev.create_rc_with(rdma::WINDOW + 1, events).map_err(rerr)?;
     let mine = qp.info();
-    let hdr = Frame::QpConnect {
-        qpn: mine.qpn,
-        psn: mine.psn,
-        mtu: mine.mtu,
-    }
-    .encode();
     let t = inner.config.connect_timeout;
-    let conn_err = |e: io::Error| Error::ConnectionLost {
-        remote: peer.name.clone(),
-        cause: Arc::new(e),
-    };
-    let mut iovs = [iov(hdr.as_ptr(), HEADER_LEN), iov(mine.gid.as_ptr(), 16)];
-    // SAFETY: both iovecs point into live locals.
-    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, t) }.map_err(conn_err)?;
-    let mut reader = FrameReader::new(sock.as_raw_fd(), clock);
-    reader.set_deadline(Some(std::time::Instant::now() + t));
-    let mut idle = UntilDeadline;
-    let raw = reader
-        .next_header(&mut idle)
-        .map_err(|e| timeout_or(e, "queue pair exchange", t, conn_err))?
-        .ok_or_else(|| conn_err(io::ErrorKind::UnexpectedEof.into()))?;
-    let (qpn, psn, mtu) = match Frame::decode(&raw) {
-        Ok(Frame::QpAccept {
-            qpn,
-            psn,
-            mtu,
-            status: status::OK,
-        }) => (qpn, psn, mtu),
-        Ok(Frame::QpAccept { status: st, .. }) => {
+    let msg = rdma::accept::qp_msg(&mine);
+    let answer = attach::attach(&peer.name, sock, clock, t, TransportKind::Rdma, &msg)?;
+    let theirs = match answer {
+        Ok(m) => rdma::accept::qp_from_msg(&m).ok_or_else(|| Error::ProtocolViolation {
+            remote: peer.name.clone(),
+            detail: format!("bad queue pair answer ({} bytes)", m.len()),
+        })?,
+        Err(st) => {
             return Err(Error::BackendUnavailable {
                 backend: "rdma",
                 reason: format!(
                     "remote agent {:?} refused the queue pair ({})",
                     peer.name,
-                    if st == status::NO_RDMA {
+                    if st == status::NO_TRANSPORT {
                         "it has no RDMA device"
                     } else {
                         "it could not create or connect one"
@@ -372,23 +352,9 @@ pub(in crate::engine) fn rdma_connect(
                 ),
             });
         }
-        other => {
-            return Err(Error::ProtocolViolation {
-                remote: peer.name.clone(),
-                detail: format!("bad queue pair answer {other:?}"),
-            });
-        }
     };
-    let gid: [u8; 16] = reader
-        .read_vec(16, &mut idle)
-        .map_err(|e| timeout_or(e, "queue pair exchange", t, conn_err))?
-        .try_into()
-        .map_err(|_| Error::ProtocolViolation {
-            remote: peer.name.clone(),
-            detail: "short GID".into(),
-        })?;
     qp.set_ack_timeout(ack_timeout(&inner.config));
-    qp.connect(&QpInfo { qpn, psn, gid, mtu }).map_err(rerr)?;
+    qp.connect(&theirs).map_err(rerr)?;
     rdma::RdmaConn::new(
         qp,
         dev,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::desc::DescError;
-use crate::memory::{MemoryDesc, MemoryType};
+use crate::memory::{MemoryDesc, MemoryError, MemoryType};
 
 /// What of a refused request's data reached its destination.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -509,5 +509,16 @@ pub enum Error {
 impl From<io::Error> for Error {
     fn from(e: io::Error) -> Self {
         Error::Io(Arc::new(e))
+    }
+}
+
+impl From<MemoryError> for Error {
+    fn from(e: MemoryError) -> Self {
+        match e {
+            MemoryError::InvalidDescriptor { desc, reason } => {
+                Error::InvalidDescriptor { desc, reason }
+            }
+            MemoryError::Overlap { desc, existing } => Error::Overlap { desc, existing },
+        }
     }
 }

@@ -107,7 +107,7 @@ pub use engine::make_transfer_agent;
 pub use error::{Error, Landed, RejectReason};
 pub use events::CompletionQueue;
 pub use indexed::{IndexedRequest, PreparedDescList};
-pub use memory::{MemoryDesc, MemoryDescs, MemoryType};
+pub use memory::{MemoryDesc, MemoryDescs, MemoryError, MemoryType};
 pub use metadata::{EtcdConfig, EtcdTls, Metadata};
 pub use registration::Registration;
 pub use storage::{StorageIo, StorageKind, StorageSpec};

@@ -10,6 +10,9 @@
 //! [`RegionMap`] keeps non-overlapping regions per address space in a
 //! `BTreeMap`, so "which registered region contains this range" costs
 //! O(log n).
+//!
+//! Pure: its own error ([`MemoryError`]), no I/O, nothing else of the
+//! crate imported.
 
 #![forbid(unsafe_code)]
 
@@ -18,7 +21,29 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::Error;
+/// Why a descriptor or a registration is refused: the memory model's own
+/// error, free of the agent layer (whose [`Error`](crate::Error) carries
+/// it as `Error::InvalidDescriptor` and `Error::Overlap`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemoryError {
+    /// A descriptor is malformed (zero length, address range overflow).
+    #[error("invalid descriptor {desc:?}: {reason}")]
+    InvalidDescriptor {
+        /// The offending descriptor.
+        desc: MemoryDesc,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A registration overlaps one that already exists.
+    #[error("descriptor {desc:?} overlaps registered region {existing:?}")]
+    Overlap {
+        /// The descriptor being registered.
+        desc: MemoryDesc,
+        /// The existing registration it overlaps.
+        existing: MemoryDesc,
+    },
+}
 
 /// The kind of memory a descriptor refers to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -95,16 +120,16 @@ impl MemoryDesc {
     /// Checks that the range is non-empty and does not wrap around.
     ///
     /// # Errors
-    /// [`Error::InvalidDescriptor`] naming the problem.
-    pub fn validate(&self) -> Result<(), Error> {
+    /// [`MemoryError::InvalidDescriptor`] naming the problem.
+    pub fn validate(&self) -> Result<(), MemoryError> {
         if self.len == 0 {
-            return Err(Error::InvalidDescriptor {
+            return Err(MemoryError::InvalidDescriptor {
                 desc: *self,
                 reason: "zero length",
             });
         }
         if self.end().is_none() {
-            return Err(Error::InvalidDescriptor {
+            return Err(MemoryError::InvalidDescriptor {
                 desc: *self,
                 reason: "addr + len overflows",
             });
@@ -227,8 +252,8 @@ impl<V> RegionMap<V> {
     /// Checks that `desc` could be inserted: valid, and overlapping nothing.
     ///
     /// # Errors
-    /// [`Error::InvalidDescriptor`] or [`Error::Overlap`].
-    pub fn check_insert(&self, mem_type: MemoryType, desc: &MemoryDesc) -> Result<(), Error> {
+    /// [`MemoryError::InvalidDescriptor`] or [`MemoryError::Overlap`].
+    pub fn check_insert(&self, mem_type: MemoryType, desc: &MemoryDesc) -> Result<(), MemoryError> {
         desc.validate()?;
         let Some(space) = self.spaces.get(&AddressSpace::of(mem_type, desc)) else {
             return Ok(());
@@ -240,7 +265,7 @@ impl<V> RegionMap<V> {
         if let Some((_, r)) = space.range(..end).next_back() {
             let rend = r.desc.addr + r.desc.len;
             if rend > desc.addr {
-                return Err(Error::Overlap {
+                return Err(MemoryError::Overlap {
                     desc: *desc,
                     existing: r.desc,
                 });
@@ -258,7 +283,7 @@ impl<V> RegionMap<V> {
         mem_type: MemoryType,
         desc: MemoryDesc,
         value: V,
-    ) -> Result<(), Error> {
+    ) -> Result<(), MemoryError> {
         self.check_insert(mem_type, &desc)?;
         self.spaces
             .entry(AddressSpace::of(mem_type, &desc))
@@ -350,11 +375,11 @@ mod tests {
         let mut m = RegionMap::new();
         assert!(matches!(
             m.insert(MemoryType::Dram, d(10, 0), ()),
-            Err(Error::InvalidDescriptor { .. })
+            Err(MemoryError::InvalidDescriptor { .. })
         ));
         assert!(matches!(
             m.insert(MemoryType::Dram, d(u64::MAX - 1, 4), ()),
-            Err(Error::InvalidDescriptor { .. })
+            Err(MemoryError::InvalidDescriptor { .. })
         ));
         assert!(m.is_empty());
     }
@@ -367,7 +392,7 @@ mod tests {
             assert!(
                 matches!(
                     m.insert(MemoryType::Dram, d(a, l), 2),
-                    Err(Error::Overlap { .. })
+                    Err(MemoryError::Overlap { .. })
                 ),
                 "{a}+{l} must overlap"
             );

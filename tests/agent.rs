@@ -773,27 +773,23 @@ fn same_request_follows_the_targets_new_registration() {
     let mut src = vec![0u8; 64];
     let (agent, name) = connect(&peer, &src);
     let req = TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, 64), &name);
-    for seed in 60..63 {
-        fill(&mut src, seed, 0);
-        agent
-            .submit_transfer(&req)
-            .unwrap()
-            .wait_success(WAIT)
-            .unwrap();
-        assert_eq!(peer.cmd(&format!("check {seed} 0 64")), "OK");
-    }
+    // Each seed's pattern written by the same request, and checked there.
+    let write_seeds = |peer: &mut PeerProc, src: &mut [u8], seeds: std::ops::Range<u64>| {
+        for seed in seeds {
+            fill(src, seed, 0);
+            agent
+                .submit_transfer(&req)
+                .unwrap()
+                .wait_success(WAIT)
+                .unwrap();
+            assert_eq!(peer.cmd(&format!("check {seed} 0 64")), "OK");
+        }
+    };
+    write_seeds(&mut peer, &mut src, 60..63);
     assert_eq!(peer.cmd("dereg"), "OK");
     assert_eq!(peer.cmd("reg"), "OK");
     agent.load_remote_agent_by_connection(&peer.conn).unwrap();
-    for seed in 63..66 {
-        fill(&mut src, seed, 0);
-        agent
-            .submit_transfer(&req)
-            .unwrap()
-            .wait_success(WAIT)
-            .unwrap();
-        assert_eq!(peer.cmd(&format!("check {seed} 0 64")), "OK");
-    }
+    write_seeds(&mut peer, &mut src, 63..66);
 }
 
 #[test]

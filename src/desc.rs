@@ -16,7 +16,7 @@ use crate::memory::{MemoryDesc, MemoryType, RegionMap};
 /// Magic bytes that open every encoded [`AgentDesc`].
 pub const DESC_MAGIC: [u8; 4] = *b"KVXA";
 /// The descriptor format version this build writes and reads.
-pub const DESC_VERSION: u16 = 3;
+pub const DESC_VERSION: u16 = 4;
 /// Longest agent name accepted, in bytes.
 pub const MAX_AGENT_NAME: usize = 256;
 
@@ -46,34 +46,6 @@ pub enum DescError {
     /// The body decodes but breaks an invariant.
     #[error("inconsistent agent descriptor: {0}")]
     Invalid(String),
-}
-
-/// Which backend produced a descriptor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[non_exhaustive]
-pub enum BackendKind {
-    /// The TCP fallback.
-    Tcp,
-    /// Intra-node: cross-memory attach between processes of one host, with
-    /// the TCP side channel for control.
-    Shm,
-    /// RDMA verbs (reliable-connected queue pairs), with the TCP side channel
-    /// for control.
-    Rdma,
-    /// Agents of one process, copying between each other's memory.
-    InProcess,
-}
-
-impl BackendKind {
-    /// The backend's name (`"tcp"`, `"shm"`, ...).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            BackendKind::Tcp => "tcp",
-            BackendKind::Shm => "shm",
-            BackendKind::Rdma => "rdma",
-            BackendKind::InProcess => "inproc",
-        }
-    }
 }
 
 /// How a peer on the same host may reach the agent's memory directly
@@ -151,8 +123,6 @@ pub struct AgentDesc {
     /// Random per-process instance id; a restarted agent has a new one, so a
     /// stale descriptor is detected at connection time.
     pub instance: u64,
-    /// The backend that serves this agent's memory.
-    pub backend: BackendKind,
     /// Endpoints (`host:port`) of the agent's listener, best first.
     pub endpoints: Vec<String>,
     /// Regions exported for one-sided access.
@@ -277,7 +247,6 @@ mod tests {
         AgentDesc {
             name: "ctx-0".into(),
             instance: 0xdead_beef,
-            backend: BackendKind::Tcp,
             endpoints: vec!["127.0.0.1:4000".into()],
             regions: vec![
                 ExportedRegion {
@@ -351,7 +320,7 @@ mod tests {
             AgentDesc::decode(&v1),
             Err(DescError::UnsupportedVersion {
                 found: 1,
-                supported: 3
+                supported: DESC_VERSION
             })
         );
         assert!(matches!(

@@ -100,9 +100,7 @@ pub use config::{
     AgentConfig, DEFAULT_RDMA_MAX_INFLIGHT, GpuConfig, Limits, RdmaConfig, RdmaProgress,
     SecurityConfig, ShmConfig, TcpConfig,
 };
-pub use desc::{
-    AgentDesc, BackendKind, DescError, ExportedRegion, GpuAccess, IpcExport, LocalAccess,
-};
+pub use desc::{AgentDesc, DescError, ExportedRegion, GpuAccess, IpcExport, LocalAccess};
 pub use engine::make_transfer_agent;
 pub use error::{Error, Landed, RejectReason};
 pub use events::CompletionQueue;

@@ -93,7 +93,7 @@ use crate::agent::{
     TransferAgent, TransferOp, TransferRequest, TransferStatus, TransportKind,
 };
 use crate::auth::random_u64;
-use crate::desc::{AgentDesc, BackendKind, ExportedRegion, LocalAccess, RdmaInfo};
+use crate::desc::{AgentDesc, ExportedRegion, LocalAccess, RdmaInfo};
 use crate::error::{Error, RejectReason};
 use crate::inbox::{Inbox, Reservation};
 use crate::memory::{MemoryDescs, MemoryType, RegionMap};

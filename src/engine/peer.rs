@@ -19,12 +19,6 @@ impl Inner {
         AgentDesc {
             name: self.config.name.clone(),
             instance: self.instance,
-            backend: match self.mode {
-                Backend::Shm => BackendKind::Shm,
-                Backend::Rdma => BackendKind::Rdma,
-                Backend::Tcp | Backend::Auto => BackendKind::Tcp,
-                Backend::InProcess => BackendKind::InProcess,
-            },
             endpoints: vec![self.endpoint.clone()],
             regions: self
                 .registry

@@ -322,7 +322,6 @@ mod tests {
         AgentDesc {
             name: "peer".into(),
             instance: 7,
-            backend: BackendKind::Tcp,
             endpoints: vec!["127.0.0.1:1".into()],
             regions: Vec::new(),
             rdma: rdma.then(|| RdmaInfo {

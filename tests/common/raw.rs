@@ -162,7 +162,7 @@ impl RawConn {
     pub fn hello(&mut self, name: &str, link: u64) -> Option<Hdr> {
         let mut h = Hdr::new(HELLO);
         h.id = 0x1234_5679;
-        h.status = 3; // protocol version
+        h.status = 4; // protocol version (docs/wire-format.md)
         h.len = link;
         h.aux = name.len() as u32;
         self.send(h, name.as_bytes()).ok()?;

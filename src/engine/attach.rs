@@ -9,13 +9,16 @@
 
 use std::io;
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::agent::TransportKind;
+use crate::engine::Inner;
+use crate::engine::handshake::send;
 use crate::engine::peer::timeout_or;
-use crate::engine::sock::{FrameReader, ProgressClock, UntilDeadline, iov, writev_all};
+use crate::engine::sock::{FrameReader, ProgressClock, UntilDeadline};
+use crate::engine::target::Conn;
 use crate::engine::wire::{ATTACH_MAX, ATTACH_NAME_MAX, Frame, HEADER_LEN, status};
 use crate::error::Error;
 
@@ -56,14 +59,8 @@ pub(in crate::engine) fn attach(
         detail,
     };
     let hdr = Frame::Attach { name_len, len }.encode();
-    let mut iovs = [
-        iov(hdr.as_ptr(), HEADER_LEN),
-        iov(name.as_ptr(), name.len()),
-        iov(msg.as_ptr(), msg.len()),
-    ];
-    // SAFETY: the iovecs point into `hdr`, `name` and `msg`, alive across
-    // the call.
-    unsafe { writev_all(sock.as_raw_fd(), &mut iovs, clock, timeout) }.map_err(conn_err)?;
+    let body = [name, msg].concat();
+    send(sock.as_fd(), &hdr, &body, clock, timeout).map_err(conn_err)?;
     let mut reader = FrameReader::new(sock.as_raw_fd(), clock);
     reader.set_deadline(Some(Instant::now() + timeout));
     let mut idle = UntilDeadline;
@@ -83,6 +80,39 @@ pub(in crate::engine) fn attach(
         Ok(Frame::Attached { status: st, .. }) => Ok(Err(st)),
         Ok(other) => Err(violation(format!("bad attach answer {other:?}"))),
         Err(e) => Err(violation(e.to_string())),
+    }
+}
+
+impl Inner {
+    /// Target side of an `Attach` frame (its header read; `name_len` and
+    /// `len` from it) on connection `c`: its transport name and message
+    /// read, handed to this agent's transport of that name, whose answer
+    /// (or the refusal) goes back in `Attached`; what the transport keeps
+    /// goes into `attached`, dropped when the connection ends.
+    pub(in crate::engine) fn serve_attach(
+        &self,
+        c: &mut Conn<'_, '_, '_>,
+        (name_len, len): (u8, u32),
+        attached: &mut Vec<Attachment>,
+    ) -> io::Result<()> {
+        let name = c.reader.read_vec_mid_frame(usize::from(name_len), c.idle)?;
+        let msg = c.reader.read_vec(len as usize, c.idle)?;
+        let outcome = match self.transports.iter().find(|t| names(&name, t.kind())) {
+            Some(t) => t.accept(self, &c.session.remote, c.sock, &msg),
+            None => Err(status::NO_TRANSPORT),
+        };
+        let outcome = outcome.map(|(answer, keep)| {
+            attached.extend(keep);
+            answer
+        });
+        let (hdr, body) = answer(&outcome);
+        send(
+            c.sock.as_fd(),
+            &hdr,
+            body,
+            c.idle.clock,
+            self.config.io_timeout,
+        )
     }
 }
 

@@ -48,9 +48,7 @@ impl Transport for InProcess {
 
     fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
         // Plain copies between host and GPU memory, either side.
-        [local, remote]
-            .iter()
-            .all(|m| matches!(m, MemoryType::Dram | MemoryType::Vram))
+        local.is_virtual_address() && remote.is_virtual_address()
     }
 
     fn reach(&self, peer: &AgentDesc) -> Result<(), String> {

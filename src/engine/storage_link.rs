@@ -36,8 +36,7 @@ impl transport::Transport for OwnStorage {
     }
 
     fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
-        matches!(local, MemoryType::Dram | MemoryType::Vram)
-            && matches!(remote, MemoryType::File | MemoryType::Blk)
+        local.is_virtual_address() && matches!(remote, MemoryType::File | MemoryType::Blk)
     }
 
     fn reach(&self, _peer: &AgentDesc) -> Result<(), String> {

@@ -82,9 +82,7 @@ impl Engine {
         req: &TransferRequest,
     ) -> Option<Result<TransferStatus, Error>> {
         let inner = &self.inner;
-        if !matches!(req.remote.mem_type, MemoryType::Dram | MemoryType::Vram)
-            || inner.closing.load(Ordering::Relaxed)
-        {
+        if !req.remote.mem_type.is_virtual_address() || inner.closing.load(Ordering::Relaxed) {
             return None;
         }
         let link = {

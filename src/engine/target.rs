@@ -843,34 +843,7 @@ impl Inner {
                 // A transport beside the stream (`attach`): its message to
                 // it, its answer back.
                 Frame::Attach { name_len, len } => {
-                    let name = c.reader.read_vec_mid_frame(usize::from(name_len), c.idle)?;
-                    let msg = c.reader.read_vec(len as usize, c.idle)?;
-                    let outcome = match self
-                        .transports
-                        .iter()
-                        .find(|t| attach::names(&name, t.kind()))
-                    {
-                        Some(t) => t.accept(self, &session.remote, sock, &msg),
-                        None => Err(status::NO_TRANSPORT),
-                    };
-                    let outcome = outcome.map(|(answer, keep)| {
-                        attached.extend(keep);
-                        answer
-                    });
-                    let (hdr, body) = attach::answer(&outcome);
-                    let mut iovs = [
-                        iov(hdr.as_ptr(), HEADER_LEN),
-                        iov(body.as_ptr(), body.len()),
-                    ];
-                    // SAFETY: both iovecs point into live locals.
-                    unsafe {
-                        writev_all(
-                            sock.as_raw_fd(),
-                            &mut iovs,
-                            c.idle.clock,
-                            self.config.io_timeout,
-                        )?
-                    };
+                    self.serve_attach(&mut c, (name_len, len), &mut attached)?;
                     None
                 }
                 other => return Err(violation(format!("unexpected frame {other:?}"))),

@@ -147,8 +147,7 @@ impl Transport for Tcp {
 
     fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
         // GPU memory through staging buffers, on either side.
-        let memory = |m| matches!(m, MemoryType::Dram | MemoryType::Vram);
-        memory(local)
+        local.is_virtual_address()
             && match remote {
                 MemoryType::Dram | MemoryType::Vram => self.host_memory,
                 MemoryType::File | MemoryType::Blk => true,
@@ -215,9 +214,7 @@ impl Transport for Rdma {
     fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
         // GPU memory registered for GPUDirect RDMA (a local region without
         // such a registration is refused when the request is resolved).
-        [local, remote]
-            .iter()
-            .all(|m| matches!(m, MemoryType::Dram | MemoryType::Vram))
+        local.is_virtual_address() && remote.is_virtual_address()
     }
 
     fn reach(&self, peer: &AgentDesc) -> Result<(), String> {

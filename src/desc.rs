@@ -16,9 +16,17 @@ use crate::memory::{MemoryDesc, MemoryType, RegionMap};
 /// Magic bytes that open every encoded [`AgentDesc`].
 pub const DESC_MAGIC: [u8; 4] = *b"KVXA";
 /// The descriptor format version this build writes and reads.
-pub const DESC_VERSION: u16 = 4;
+pub const DESC_VERSION: u16 = 5;
 /// Longest agent name accepted, in bytes.
 pub const MAX_AGENT_NAME: usize = 256;
+/// Most transports one descriptor offers.
+pub const MAX_OFFERS: usize = 16;
+/// Longest transport name, in bytes.
+pub const MAX_TRANSPORT_NAME: usize = 32;
+/// Longest transport offer ([`TransportOffer::info`]), in bytes.
+pub const MAX_OFFER_INFO: usize = 4096;
+/// Longest region key of one transport ([`RegionKey::key`]), in bytes.
+pub const MAX_REGION_KEY: usize = 64;
 
 /// Why an encoded [`AgentDesc`] was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -63,18 +71,21 @@ pub struct LocalAccess {
     pub probe_addr: u64,
 }
 
-/// A region a remote agent may read or write, with its access key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// A region a remote agent may read or write, with its access keys.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExportedRegion {
     /// The region's memory type.
     pub mem_type: MemoryType,
     /// The registered range.
     pub desc: MemoryDesc,
-    /// The key a request must present to touch the region (an rkey on RDMA;
-    /// a random 64-bit tag on TCP that changes with every registration).
+    /// The key a request through the agent (its side channel: TCP streams,
+    /// cross-memory attach, storage) names the region by: a random 64-bit
+    /// tag that changes with every registration.
     pub key: u64,
-    /// The RDMA remote key, when the region is registered with a device.
-    pub rkey: Option<u32>,
+    /// The keys of the region's registrations with the agent's transports
+    /// that a peer's hardware presents (an RDMA remote key, a libfabric
+    /// memory key): at most one per offered transport.
+    pub keys: Vec<RegionKey>,
     /// What a request's offsets and lengths in the region must be multiples
     /// of: a storage region's direct-I/O block size, 1 otherwise. A power
     /// of two.
@@ -108,11 +119,26 @@ pub struct IpcExport {
     pub offset: u64,
 }
 
-/// RDMA reachability of an agent.
+/// One region's key on one transport, of the width that transport uses.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RdmaInfo {
-    /// The device serving the agent's regions (e.g. `mlx5_0`, `rxe0`).
-    pub device: String,
+pub struct RegionKey {
+    /// The transport: its index in [`AgentDesc::transports`].
+    pub transport: u8,
+    /// The key, as the transport encodes it (at most [`MAX_REGION_KEY`]
+    /// bytes; integers little-endian).
+    pub key: Vec<u8>,
+}
+
+/// A transport an agent offers beyond its side channel, with what a peer
+/// must know of it before it connects (the connection itself is set up
+/// over the side channel).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransportOffer {
+    /// The transport's name (`rdma`, …), unique in the descriptor.
+    pub name: String,
+    /// What the transport tells its peers (the RDMA device's name, …), as
+    /// it encodes it.
+    pub info: Vec<u8>,
 }
 
 /// Everything a peer needs to reach an agent and address its memory.
@@ -129,14 +155,24 @@ pub struct AgentDesc {
     pub regions: Vec<ExportedRegion>,
     /// Direct access for peers on the same host, if offered.
     pub local_access: Option<LocalAccess>,
-    /// RDMA access, if the agent has a device: the queue pairs themselves
-    /// are set up per connection over the side channel.
-    pub rdma: Option<RdmaInfo>,
+    /// The transports it offers beyond the side channel (RDMA when it has a
+    /// device, …), which its regions' [`keys`](ExportedRegion::keys) name.
+    pub transports: Vec<TransportOffer>,
     /// GPU memory access for peers on the same host (CUDA IPC), if offered.
     pub gpu: Option<GpuAccess>,
 }
 
 impl AgentDesc {
+    /// The offer of transport `name`, with its index (what region keys
+    /// name it by).
+    pub fn offer(&self, name: &str) -> Option<(u8, &TransportOffer)> {
+        self.transports
+            .iter()
+            .enumerate()
+            .find(|(_, o)| o.name == name)
+            .and_then(|(i, o)| Some((u8::try_from(i).ok()?, o)))
+    }
+
     /// Encodes the descriptor (magic, version, postcard body).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(64 + self.regions.len() * 24);
@@ -192,6 +228,33 @@ impl AgentDesc {
         if self.endpoints.is_empty() {
             return Err(DescError::Invalid("no endpoint".into()));
         }
+        if self.transports.len() > MAX_OFFERS {
+            return Err(DescError::Invalid(format!(
+                "{} transports offered (at most {MAX_OFFERS})",
+                self.transports.len()
+            )));
+        }
+        for (i, o) in self.transports.iter().enumerate() {
+            if o.name.is_empty() || o.name.len() > MAX_TRANSPORT_NAME {
+                return Err(DescError::Invalid(format!(
+                    "transport name must be 1..={MAX_TRANSPORT_NAME} bytes, got {}",
+                    o.name.len()
+                )));
+            }
+            if o.info.len() > MAX_OFFER_INFO {
+                return Err(DescError::Invalid(format!(
+                    "transport {:?} offers {} bytes (at most {MAX_OFFER_INFO})",
+                    o.name,
+                    o.info.len()
+                )));
+            }
+            if self.transports[..i].iter().any(|p| p.name == o.name) {
+                return Err(DescError::Invalid(format!(
+                    "transport {:?} offered twice",
+                    o.name
+                )));
+            }
+        }
         let map = self.region_map()?;
         if let Some(g) = &self.gpu {
             for h in &g.handles {
@@ -221,7 +284,8 @@ impl AgentDesc {
     ///
     /// # Errors
     /// [`DescError::Invalid`] when a region is empty, wraps, or overlaps
-    /// another, or its alignment is not a power of two.
+    /// another, its alignment is not a power of two, or a key of it names
+    /// no offered transport, repeats one, or is too long.
     pub fn region_map(&self) -> Result<RegionMap<ExportedRegion>, DescError> {
         let mut map = RegionMap::new();
         for r in &self.regions {
@@ -231,7 +295,24 @@ impl AgentDesc {
                     r.desc, r.align
                 )));
             }
-            map.insert(r.mem_type, r.desc, *r)
+            for (i, k) in r.keys.iter().enumerate() {
+                let bad = if usize::from(k.transport) >= self.transports.len() {
+                    Some("names no offered transport")
+                } else if r.keys[..i].iter().any(|p| p.transport == k.transport) {
+                    Some("repeats a transport")
+                } else if k.key.is_empty() || k.key.len() > MAX_REGION_KEY {
+                    Some("is empty or too long")
+                } else {
+                    None
+                };
+                if let Some(bad) = bad {
+                    return Err(DescError::Invalid(format!(
+                        "region {:?}: key {i} {bad}",
+                        r.desc
+                    )));
+                }
+            }
+            map.insert(r.mem_type, r.desc, r.clone())
                 .map_err(|e| DescError::Invalid(e.to_string()))?;
         }
         Ok(map)
@@ -253,28 +334,31 @@ mod tests {
                     mem_type: MemoryType::Dram,
                     desc: MemoryDesc::new(0x1000, 4096, 0),
                     key: 7,
-                    rkey: Some(0x1234),
+                    keys: vec![RegionKey {
+                        transport: 0,
+                        key: 0x1234u32.to_le_bytes().to_vec(),
+                    }],
                     align: 1,
                 },
                 ExportedRegion {
                     mem_type: MemoryType::Dram,
                     desc: MemoryDesc::new(0x4000, 4096, 0),
                     key: 8,
-                    rkey: None,
+                    keys: Vec::new(),
                     align: 1,
                 },
                 ExportedRegion {
                     mem_type: MemoryType::File,
                     desc: MemoryDesc::new(0, 1 << 20, 3),
                     key: 9,
-                    rkey: None,
+                    keys: Vec::new(),
                     align: 4096,
                 },
                 ExportedRegion {
                     mem_type: MemoryType::Vram,
                     desc: MemoryDesc::new(0x7f00_0000_0100, 1 << 20, 0),
                     key: 10,
-                    rkey: None,
+                    keys: Vec::new(),
                     align: 1,
                 },
             ],
@@ -283,9 +367,10 @@ mod tests {
                 pid: 42,
                 probe_addr: 0x1234,
             }),
-            rdma: Some(RdmaInfo {
-                device: "rxe0".into(),
-            }),
+            transports: vec![TransportOffer {
+                name: "rdma".into(),
+                info: b"rxe0".to_vec(),
+            }],
             gpu: Some(GpuAccess {
                 host: "boot".into(),
                 pid: 42,
@@ -357,6 +442,38 @@ mod tests {
             AgentDesc::decode(&stray.encode()),
             Err(DescError::Invalid(e)) if e.contains("no exported VRAM region")
         ));
+        let mut stray_key = sample();
+        stray_key.regions[0].keys[0].transport = 1;
+        assert!(matches!(
+            AgentDesc::decode(&stray_key.encode()),
+            Err(DescError::Invalid(e)) if e.contains("no offered transport")
+        ));
+        let mut twice = sample();
+        let k = twice.regions[0].keys[0].clone();
+        twice.regions[0].keys.push(k);
+        assert!(matches!(
+            AgentDesc::decode(&twice.encode()),
+            Err(DescError::Invalid(e)) if e.contains("repeats")
+        ));
+        let mut wide = sample();
+        wide.regions[0].keys[0].key = vec![1; MAX_REGION_KEY + 1];
+        assert!(matches!(
+            AgentDesc::decode(&wide.encode()),
+            Err(DescError::Invalid(e)) if e.contains("too long")
+        ));
+        let mut offered_twice = sample();
+        let o = offered_twice.transports[0].clone();
+        offered_twice.transports.push(o);
+        assert!(matches!(
+            AgentDesc::decode(&offered_twice.encode()),
+            Err(DescError::Invalid(e)) if e.contains("offered twice")
+        ));
+        let d = sample();
+        assert_eq!(
+            d.offer("rdma").map(|(i, o)| (i, o.info.as_slice())),
+            Some((0, &b"rxe0"[..]))
+        );
+        assert!(d.offer("fabric").is_none());
         let mut unnamed = sample();
         unnamed.name.clear();
         assert!(matches!(

@@ -17,7 +17,6 @@
 
 #![forbid(unsafe_code)]
 
-use std::any::Any;
 use std::sync::{Arc, Mutex};
 
 use rustc_hash::FxHashMap;
@@ -25,6 +24,7 @@ use rustc_hash::FxHashMap;
 use crate::agent::{TransferOp, TransferRequest};
 use crate::error::Error;
 use crate::memory::{MemoryDesc, MemoryDescs, MemoryType};
+use crate::registry::LocalRegion;
 
 /// No descriptor (in [`PreparedDescList`]'s successor tables).
 pub(crate) const NONE: u32 = u32::MAX;
@@ -53,7 +53,42 @@ pub struct PreparedDescList {
     /// device), or [`NONE`].
     succ: Vec<u32>,
     /// The engine's resolution of the list, replaced when it is stale.
-    pub(crate) resolved: Mutex<Option<Arc<dyn Any + Send + Sync>>>,
+    pub(crate) resolved: Mutex<Option<Resolution>>,
+}
+
+/// What the engine resolved a [`PreparedDescList`] to, kept with the list
+/// and replaced when it is stale.
+#[derive(Clone)]
+pub(crate) enum Resolution {
+    /// This agent's list.
+    Local(Arc<LocalSide>),
+    /// A remote agent's list.
+    Remote(Arc<RemoteSide>),
+}
+
+/// A local list's resolution: the regions its descriptors lie in (each
+/// transfer made from the list holds them all), found at a registry
+/// generation, and its successor table within those regions.
+pub(crate) struct LocalSide {
+    /// The registry's generation when the regions were found.
+    pub(crate) generation: u64,
+    /// The regions.
+    pub(crate) regions: Vec<Arc<LocalRegion>>,
+    /// Which descriptor follows which, within one region.
+    pub(crate) succ: Arc<Successors>,
+}
+
+/// A remote list's resolution against one load of its agent: each
+/// descriptor's access key, and the successor table within the peer's
+/// regions.
+pub(crate) struct RemoteSide {
+    /// The load of the agent it was resolved against (see the engine's
+    /// peer entries, each numbered once).
+    pub(crate) entry: u64,
+    /// Each descriptor's access key.
+    pub(crate) keys: Vec<u64>,
+    /// Which descriptor follows which, within one exported region.
+    pub(crate) succ: Arc<Successors>,
 }
 
 impl PreparedDescList {

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
-use crate::desc::ExportedRegion;
+use crate::desc::{ExportedRegion, RegionKey};
 use crate::error::{Error, RejectReason};
 use crate::memory::{MemoryDesc, MemoryDescs, MemoryType, RegionMap};
 use crate::small::Few;
@@ -20,9 +20,9 @@ pub(crate) struct LocalRegion {
     /// first use and given back on deregistration.
     pub(crate) storage_slot: std::sync::OnceLock<Option<u16>>,
     busy: AtomicUsize,
-    /// The region's registration with the RDMA device, when the agent has
-    /// one. Dropped (deregistered) with the region.
-    mr: Option<crate::verbs::Registered>,
+    /// Its registrations with the agent's transports that register memory
+    /// (each named by its transport), dropped (deregistered) with it.
+    handles: Few<(&'static str, Box<dyn RegionHandle>)>,
     /// GPU memory: where it sits in its allocation, and the allocation's
     /// IPC handle.
     pub(crate) gpu: Option<GpuRegion>,
@@ -43,15 +43,49 @@ pub(crate) struct GpuRegion {
 }
 
 impl LocalRegion {
-    /// The RDMA remote key, when registered with a device.
-    pub(crate) fn rkey(&self) -> Option<u32> {
-        self.mr.as_ref().map(|m| m.rkey())
+    /// Its registration with transport `name`, if that transport made one.
+    pub(crate) fn handle(&self, name: &str) -> Option<&dyn RegionHandle> {
+        self.handles
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, h)| &**h)
     }
+}
 
-    /// The RDMA local key, when registered with a device.
-    pub(crate) fn lkey(&self) -> Option<u32> {
-        self.mr.as_ref().map(|m| m.lkey())
-    }
+/// A transport's registration of one region with its device, made when the
+/// region is registered and dropped (deregistered) with it.
+pub(crate) trait RegionHandle: Send + Sync + std::fmt::Debug {
+    /// What the transport's own operations on the region carry (an RDMA
+    /// local key, a libfabric memory descriptor).
+    fn local_key(&self) -> u64;
+
+    /// What a peer presents to reach the region, as the agent's descriptor
+    /// carries it (integers little-endian, of the transport's width).
+    fn remote_key(&self) -> Vec<u8>;
+}
+
+/// A transport that registers regions with its device.
+pub(crate) trait Registrar: Send + Sync {
+    /// The transport's name: the one its offer in the descriptor has.
+    fn name(&self) -> &'static str;
+
+    /// Registers `desc` (memory of `mem_type`; `gpu`: where GPU memory
+    /// lies in its allocation). `Ok(None)`: the transport leaves such memory
+    /// unregistered (it does not move it, or cannot here and says so when
+    /// it is asked to move it).
+    ///
+    /// # Errors
+    /// Why the device refused it; nothing is then registered.
+    ///
+    /// # Safety
+    /// The range must stay allocated while registered (the device may
+    /// access it).
+    unsafe fn register(
+        &self,
+        mem_type: MemoryType,
+        desc: &MemoryDesc,
+        gpu: Option<&GpuRegion>,
+    ) -> Result<Option<Box<dyn RegionHandle>>, Error>;
 }
 
 /// Holds a region in use; deregistration is refused while any guard lives.
@@ -104,17 +138,17 @@ impl Registry {
         self.map.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Registers all of `descs` or none.
+    /// Registers all of `descs` or none, with each of `registrars`.
     ///
     /// # Safety
-    /// With a `device`, every range must stay allocated while registered
-    /// (the device may access it); see `TransferAgent::register_memory`.
+    /// Every range must stay allocated while registered (a registrar's
+    /// device may access it); see `TransferAgent::register_memory`.
     pub(crate) unsafe fn register(
         &self,
         descs: &MemoryDescs,
         supported: &[MemoryType],
         backend: &'static str,
-        device: Option<&crate::verbs::Device>,
+        registrars: &[&dyn Registrar],
         gpu: &[GpuRegion],
     ) -> Result<(), Error> {
         if !supported.contains(&descs.mem_type) {
@@ -133,33 +167,25 @@ impl Registry {
         }
         // Device registrations first: if one fails, the ones made so far are
         // dropped (deregistered) and nothing was inserted.
-        let mut mrs = Vec::with_capacity(descs.descs.len());
-        for d in &descs.descs {
-            let Some(dev) = device else {
-                mrs.push(None);
-                continue;
-            };
-            // The caller guarantees the range stays allocated while
-            // registered; the MR is dropped with the region.
-            let mr = match gpu.get(mrs.len()) {
-                // GPU memory: GPUDirect RDMA (dma-buf, else peer memory).
-                // SAFETY: as above.
-                Some(g) => unsafe { crate::gpu::register_rdma(dev, d, g) }?,
-                // SAFETY: as above.
-                None => unsafe { dev.register(d.addr, d.len) }.map_err(|e| Error::Rdma {
-                    remote: String::new(),
-                    source: std::sync::Arc::new(e),
-                })?,
-            };
-            mrs.push(Some(mr));
+        let mut handles = Vec::with_capacity(descs.descs.len());
+        for (i, d) in descs.descs.iter().enumerate() {
+            let mut hs = Few::new();
+            for r in registrars {
+                // SAFETY: the caller guarantees the range stays allocated
+                // while registered; the handle is dropped with the region.
+                if let Some(h) = unsafe { r.register(descs.mem_type, d, gpu.get(i)) }? {
+                    hs.push((r.name(), h));
+                }
+            }
+            handles.push(hs);
         }
-        for (i, (d, mr)) in descs.descs.iter().zip(mrs).enumerate() {
+        for (i, (d, handles)) in descs.descs.iter().zip(handles).enumerate() {
             let region = Arc::new(LocalRegion {
                 key: crate::auth::random_u64(),
                 desc: *d,
                 storage_slot: std::sync::OnceLock::new(),
                 busy: AtomicUsize::new(0),
-                mr,
+                handles,
                 gpu: gpu.get(i).copied(),
             });
             map.insert(descs.mem_type, *d, region)
@@ -206,17 +232,17 @@ impl Registry {
 
     /// Guards for every region the local descriptors fall in (one guard per
     /// distinct region touched consecutively), also collecting each
-    /// descriptor's RDMA local key (0 where the region has none) when
-    /// `lkeys` is given.
+    /// descriptor's local key of transport `keys.0` into `keys.1` (`None`
+    /// where that transport did not register the region) when given.
     pub(crate) fn acquire_local_keyed(
         &self,
         descs: &MemoryDescs,
-        mut lkeys: Option<&mut Few<u32>>,
+        mut keys: Option<(&str, &mut Few<Option<u64>>)>,
     ) -> Result<Few<RegionGuard>, Error> {
         let mut guards: Few<RegionGuard> = Few::new();
         self.each_region(descs, |r| {
-            if let Some(k) = lkeys.as_deref_mut() {
-                k.push(r.lkey().unwrap_or(0));
+            if let Some((name, k)) = keys.as_mut() {
+                k.push(r.handle(name).map(|h| h.local_key()));
             }
             if !guards.last().is_some_and(|g| Arc::ptr_eq(&g.0, r)) {
                 guards.push(RegionGuard::new(r));
@@ -412,8 +438,14 @@ impl Registry {
 
     /// The regions to export in the agent descriptor: host and GPU memory,
     /// and storage (FILE and BLK) regions with their direct-I/O alignment
-    /// (`align` of a storage handle; peers reach those through the agent).
-    pub(crate) fn exported(&self, align: impl Fn(u32) -> u32) -> Vec<ExportedRegion> {
+    /// (`align` of a storage handle; peers reach those through the agent),
+    /// each with its transports' keys (`offered`: the names of the
+    /// transports the descriptor offers, in its order).
+    pub(crate) fn exported(
+        &self,
+        offered: &[&str],
+        align: impl Fn(u32) -> u32,
+    ) -> Vec<ExportedRegion> {
         self.read()
             .iter()
             .filter(|r| r.mem_type != MemoryType::Obj)
@@ -421,7 +453,18 @@ impl Registry {
                 mem_type: r.mem_type,
                 desc: r.desc,
                 key: r.value.key,
-                rkey: r.value.rkey(),
+                keys: r
+                    .value
+                    .handles
+                    .iter()
+                    .filter_map(|(name, h)| {
+                        let i = offered.iter().position(|o| o == name)?;
+                        Some(RegionKey {
+                            transport: u8::try_from(i).ok()?,
+                            key: h.remote_key(),
+                        })
+                    })
+                    .collect(),
                 align: if r.mem_type.is_virtual_address() {
                     1
                 } else {
@@ -438,7 +481,7 @@ mod tests {
 
     fn reg(r: &Registry, d: &MemoryDescs, t: &[MemoryType], b: &'static str) -> Result<(), Error> {
         // SAFETY: no device: nothing accesses the (fake) ranges.
-        unsafe { r.register(d, t, b, None, &[]) }
+        unsafe { r.register(d, t, b, &[], &[]) }
     }
 
     fn dram(descs: &[(u64, u64)]) -> MemoryDescs {
@@ -449,6 +492,117 @@ mod tests {
                 .map(|&(a, l)| MemoryDesc::new(a, l, 0))
                 .collect(),
         )
+    }
+
+    /// A registrar that counts the handles alive, numbers them, and
+    /// refuses the range starting at `refuse`.
+    struct Counting {
+        alive: Arc<AtomicUsize>,
+        next: AtomicU64,
+        refuse: u64,
+    }
+
+    #[derive(Debug)]
+    struct Handle(u64, Arc<AtomicUsize>);
+
+    impl Drop for Handle {
+        fn drop(&mut self) {
+            self.1.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    impl RegionHandle for Handle {
+        fn local_key(&self) -> u64 {
+            self.0
+        }
+
+        fn remote_key(&self) -> Vec<u8> {
+            // Wider than 32 bits, as libfabric keys may be.
+            (self.0 << 40).to_le_bytes().to_vec()
+        }
+    }
+
+    impl Registrar for Counting {
+        fn name(&self) -> &'static str {
+            "fake"
+        }
+
+        unsafe fn register(
+            &self,
+            mem_type: MemoryType,
+            desc: &MemoryDesc,
+            _gpu: Option<&GpuRegion>,
+        ) -> Result<Option<Box<dyn RegionHandle>>, Error> {
+            if mem_type != MemoryType::Dram {
+                return Ok(None);
+            }
+            if desc.addr == self.refuse {
+                return Err(Error::InvalidRequest("refused".into()));
+            }
+            self.alive.fetch_add(1, Ordering::SeqCst);
+            let n = self.next.fetch_add(1, Ordering::SeqCst) + 1;
+            Ok(Some(Box::new(Handle(n, Arc::clone(&self.alive)))))
+        }
+    }
+
+    /// Each registrar's handle lives exactly as long as its region, its
+    /// keys reach the exported regions under the offered transport's index,
+    /// and a refusal registers nothing.
+    #[test]
+    fn transports_register_regions_and_their_keys_are_exported() {
+        let r = Registry::default();
+        let fake = Counting {
+            alive: Arc::new(AtomicUsize::new(0)),
+            next: AtomicU64::new(0),
+            refuse: 0x9000,
+        };
+        let types = [MemoryType::Dram, MemoryType::File];
+        // SAFETY: the fake device touches no memory.
+        let register = |d: &MemoryDescs| unsafe { r.register(d, &types, "t", &[&fake], &[]) };
+        register(&dram(&[(0x1000, 100), (0x2000, 100)])).unwrap();
+        assert_eq!(fake.alive.load(Ordering::SeqCst), 2);
+        // One refused: the handle made before it is dropped, nothing added.
+        assert!(register(&dram(&[(0x5000, 10), (0x9000, 10)])).is_err());
+        assert_eq!(fake.alive.load(Ordering::SeqCst), 2);
+        assert!(!r.contains_all(&dram(&[(0x5000, 10)])));
+        // Memory the transport leaves alone has no handle and no key.
+        let file = MemoryDescs::new(MemoryType::File, vec![MemoryDesc::new(0, 4096, 3)]);
+        register(&file).unwrap();
+        assert_eq!(fake.alive.load(Ordering::SeqCst), 2);
+        // Local keys by transport name.
+        let mut keys = Few::new();
+        let d = dram(&[(0x1000, 8), (0x2010, 8)]);
+        let g = r
+            .acquire_local_keyed(&d, Some(("fake", &mut keys)))
+            .unwrap();
+        assert_eq!(keys.as_slice(), [Some(1), Some(2)]);
+        let mut none = Few::new();
+        let _ = r
+            .acquire_local_keyed(&d, Some(("other", &mut none)))
+            .unwrap();
+        assert_eq!(none.as_slice(), [None, None]);
+        drop(g);
+        // Exported under the offered index; not at all when not offered.
+        let exp = r.exported(&["rdma", "fake"], |_| 4096);
+        let of = |a: u64| exp.iter().find(|e| e.desc.addr == a).unwrap().clone();
+        assert_eq!(
+            of(0x2000).keys,
+            [RegionKey {
+                transport: 1,
+                key: (2u64 << 40).to_le_bytes().to_vec()
+            }]
+        );
+        assert!(of(0).keys.is_empty());
+        assert!(
+            r.exported(&["rdma"], |_| 1)
+                .iter()
+                .all(|e| e.keys.is_empty())
+        );
+        // Deregistration drops the handle.
+        r.deregister(&dram(&[(0x1000, 100)])).unwrap();
+        assert_eq!(fake.alive.load(Ordering::SeqCst), 1);
+        drop(r);
+        assert_eq!(fake.alive.load(Ordering::SeqCst), 0);
     }
 
     #[test]
@@ -475,7 +629,7 @@ mod tests {
             )
             .is_err()
         );
-        assert_eq!(r.exported(|_| 1).len(), 1);
+        assert_eq!(r.exported(&[], |_| 1).len(), 1);
         assert!(matches!(
             reg(
                 &r,
@@ -541,7 +695,7 @@ mod tests {
             Err(Error::RegionBusy { in_flight: 1, .. })
         ));
         drop(g);
-        let key = r.exported(|_| 1)[0].key;
+        let key = r.exported(&[], |_| 1)[0].key;
         let g = r.admit_remote(MemoryType::Dram, 0x1000, 100, key).unwrap();
         assert!(r.deregister(&d).is_err());
         drop(g);
@@ -561,7 +715,7 @@ mod tests {
     fn remote_access_checks_key_and_bounds() {
         let r = Registry::default();
         reg(&r, &dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t").unwrap();
-        let key = r.exported(|_| 1)[0].key;
+        let key = r.exported(&[], |_| 1)[0].key;
         assert_eq!(
             r.admit_remote(MemoryType::Dram, 0x1000, 100, key ^ 1)
                 .unwrap_err(),
@@ -585,7 +739,7 @@ mod tests {
         let file = MemoryDescs::new(MemoryType::File, vec![MemoryDesc::new(0, 8192, 3)]);
         reg(&r, &file, &[MemoryType::File, MemoryType::Dram], "t").unwrap();
         reg(&r, &dram(&[(0x1000, 100)]), &[MemoryType::Dram], "t").unwrap();
-        let exported = r.exported(|h| if h == 3 { 4096 } else { 1 });
+        let exported = r.exported(&[], |h| if h == 3 { 4096 } else { 1 });
         let f = exported
             .iter()
             .find(|e| e.mem_type == MemoryType::File)

@@ -42,33 +42,21 @@ impl TransferAgent for Engine {
                 gpu.push(crate::gpu::admit_registration(d)?);
             }
         }
-        let device = self.inner.device.as_deref().filter(|_| !storage);
-        // SAFETY: forwarded contract of `register_memory`. Storage ranges
-        // are file offsets: never registered with the RDMA device.
-        let r = unsafe {
-            self.inner
-                .registry
-                .register(descs, SUPPORTED, self.inner.mode.as_str(), device, &gpu)
-        };
-        match r {
-            // An `auto` agent whose NIC cannot reach this GPU memory still
-            // moves it over its other paths (the RDMA path refuses it).
-            Err(Error::Gpu(e @ crate::gpu::GpuError::RdmaRegistration { .. }))
-                if self.inner.mode == Backend::Auto =>
-            {
-                tracing::warn!(error = %e, "GPU memory registered without GPUDirect RDMA: RDMA peers cannot reach it");
-                // SAFETY: as above.
-                unsafe {
-                    self.inner.registry.register(
-                        descs,
-                        SUPPORTED,
-                        self.inner.mode.as_str(),
-                        None,
-                        &gpu,
-                    )
-                }
-            }
-            r => r,
+        let registrars: Few<&dyn crate::registry::Registrar> = self
+            .inner
+            .transports
+            .iter()
+            .filter_map(|t| t.registrar())
+            .collect();
+        // SAFETY: forwarded contract of `register_memory`.
+        unsafe {
+            self.inner.registry.register(
+                descs,
+                SUPPORTED,
+                self.inner.mode.as_str(),
+                &registrars,
+                &gpu,
+            )
         }
     }
 

@@ -6,32 +6,9 @@
 #![forbid(unsafe_code)]
 
 use super::*;
-use crate::indexed::{Cut, IndexedPairs, IndexedRequest, PreparedDescList, Successors};
-use crate::registry::LocalRegion;
-
-/// A local list's resolution: the regions its descriptors lie in (each
-/// transfer made from the list holds them all), found at a registry
-/// generation, and its successor table within those regions.
-struct LocalSide {
-    generation: u64,
-    regions: Vec<Arc<LocalRegion>>,
-    succ: Arc<Successors>,
-}
-
-/// A remote list's resolution against one entry of its agent: each
-/// descriptor's access key, and the successor table within the peer's
-/// regions.
-pub(in crate::engine) struct RemoteSide {
-    peer: Arc<Peer>,
-    keys: Vec<u64>,
-    succ: Arc<Successors>,
-}
-
-/// What the engine keeps in a list's `resolved` slot.
-enum Side {
-    Local(Arc<LocalSide>),
-    Remote(Arc<RemoteSide>),
-}
+use crate::indexed::{
+    Cut, IndexedPairs, IndexedRequest, LocalSide, PreparedDescList, RemoteSide, Resolution,
+};
 
 impl Engine {
     /// [`TransferAgent::prepare_desc_list`].
@@ -61,10 +38,10 @@ impl Engine {
     fn local_side(&self, list: &PreparedDescList) -> Result<Arc<LocalSide>, Error> {
         let registry = &self.inner.registry;
         let generation = registry.generation();
-        if let Some(Side::Local(s)) = cached(list).as_deref()
+        if let Some(Resolution::Local(s)) = cached(list)
             && s.generation == generation
         {
-            return Ok(Arc::clone(s));
+            return Ok(s);
         }
         let (regions, of) = registry.locate(list.descs())?;
         let succ = list.successors_within(|i, j| of[i] == of[j]);
@@ -73,7 +50,7 @@ impl Engine {
             regions,
             succ: Arc::new(succ),
         });
-        store(list, Side::Local(Arc::clone(&side)));
+        store(list, Resolution::Local(Arc::clone(&side)));
         Ok(side)
     }
 
@@ -84,10 +61,10 @@ impl Engine {
         list: &PreparedDescList,
         peer: &Arc<Peer>,
     ) -> Result<Arc<RemoteSide>, Error> {
-        if let Some(Side::Remote(s)) = cached(list).as_deref()
-            && Arc::ptr_eq(&s.peer, peer)
+        if let Some(Resolution::Remote(s)) = cached(list)
+            && s.entry == peer.entry
         {
-            return Ok(Arc::clone(s));
+            return Ok(s);
         }
         let descs = list.descs();
         let mut keys = Vec::with_capacity(descs.descs.len());
@@ -100,11 +77,11 @@ impl Engine {
         // Regions have keys of their own (random, 64 bits).
         let succ = list.successors_within(|i, j| keys[i] == keys[j]);
         let side = Arc::new(RemoteSide {
-            peer: Arc::clone(peer),
+            entry: peer.entry,
             keys,
             succ: Arc::new(succ),
         });
-        store(list, Side::Remote(Arc::clone(&side)));
+        store(list, Resolution::Remote(Arc::clone(&side)));
         Ok(side)
     }
 
@@ -128,7 +105,7 @@ impl Engine {
         let peer = self.check_route(lmem, rmem, &name, data)?;
         let local = self.local_side(&req.local)?;
         let kind = peer.transport.kind();
-        let remote = if resolvable(rmem) && kind != TransportKind::Storage {
+        let remote = if resolvable(rmem) && peer.transport.resolves_remote() {
             Some(self.remote_side(&req.remote, &peer)?)
         } else {
             None
@@ -179,14 +156,12 @@ fn resolvable(mem: MemoryType) -> bool {
     matches!(mem, MemoryType::Dram | MemoryType::Vram)
 }
 
-fn cached(list: &PreparedDescList) -> Option<Arc<Side>> {
-    lock(&list.resolved)
-        .as_ref()
-        .and_then(|a| Arc::clone(a).downcast::<Side>().ok())
+fn cached(list: &PreparedDescList) -> Option<Resolution> {
+    lock(&list.resolved).clone()
 }
 
-fn store(list: &PreparedDescList, side: Side) {
-    *lock(&list.resolved) = Some(Arc::new(side));
+fn store(list: &PreparedDescList, side: Resolution) {
+    *lock(&list.resolved) = Some(side);
 }
 
 /// The pairs of a transfer made by index on a TCP link, with what its

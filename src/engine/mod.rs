@@ -93,7 +93,7 @@ use crate::agent::{
     TransferAgent, TransferOp, TransferRequest, TransferStatus, TransportKind,
 };
 use crate::auth::random_u64;
-use crate::desc::{AgentDesc, ExportedRegion, LocalAccess, RdmaInfo};
+use crate::desc::{AgentDesc, ExportedRegion, LocalAccess, TransportOffer};
 use crate::error::{Error, RejectReason};
 use crate::inbox::{Inbox, Reservation};
 use crate::memory::{MemoryDescs, MemoryType, RegionMap};
@@ -160,8 +160,6 @@ struct Inner {
     /// Holds `instance`; peers read it back to prove direct access works.
     probe_word: Box<u64>,
     host: String,
-    /// The RDMA device, for `rdma` and (when one exists) `auto` agents.
-    device: Option<Arc<Device>>,
     /// The transports this agent may use, in order of preference.
     transports: Vec<Arc<dyn transport::Transport>>,
     endpoint: String,
@@ -175,10 +173,6 @@ struct Inner {
     /// Requests open at this target, in all sessions (see
     /// [`Limits::max_open_requests`](crate::Limits::max_open_requests)).
     open_requests: Arc<AtomicUsize>,
-    /// The shared receive queue and its thread, made at the first RDMA
-    /// connection accepted (when `rdma_srq` is set and the device has
-    /// shared receive queues).
-    srq_rx: Mutex<SrqState>,
     /// The local socket on which same-host initiators prove which process
     /// they are (delegated copies); `None` when this agent never copies
     /// for initiators.
@@ -202,17 +196,6 @@ struct Inner {
     names: names::Names,
     /// Its requests' outcomes, by transport and peer.
     metrics: crate::metrics::Metrics,
-}
-
-/// Whether incoming RDMA connections share a receive queue.
-enum SrqState {
-    /// Not tried yet.
-    Untried,
-    /// In use.
-    Ready(Arc<SrqReceiver>),
-    /// Off by configuration, or the device could not make one: each
-    /// connection posts its own receive buffers and runs its own thread.
-    PerQueuePair,
 }
 
 #[derive(Default)]
@@ -286,11 +269,19 @@ impl Engine {
         };
         let host = shm::host_id();
         let inner = Arc::new(Inner {
-            transports: transport::for_backend(mode, device.is_some(), &host),
+            transports: transport::for_backend(
+                mode,
+                // GPU memory its device cannot register: refused by an
+                // `rdma` agent, moved over its other transports by `auto`.
+                device.map(|d| {
+                    Arc::new(rdma::transport::Rdma::new(d, mode == Backend::Auto))
+                        as Arc<dyn Transport>
+                }),
+                &host,
+            ),
             mode,
             instance,
             probe_word: Box::new(instance),
-            device,
             host,
             endpoint,
             listen_addr,
@@ -304,7 +295,6 @@ impl Engine {
             server: Mutex::new(ServerConns::default()),
             sessions: Mutex::new(HashMap::new()),
             open_requests: Arc::new(AtomicUsize::new(0)),
-            srq_rx: Mutex::new(SrqState::Untried),
             local_proof,
             delegated_copies: AtomicU64::new(0),
             pre_auth: Arc::default(),
@@ -441,6 +431,9 @@ impl Drop for Engine {
 /// A loaded remote agent.
 struct Peer {
     desc: AgentDesc,
+    /// This entry's number, unique in the process: what a prepared list
+    /// resolved against it remembers.
+    entry: u64,
     /// Exported regions, by memory type and range.
     regions: RegionMap<ExportedRegion>,
     /// The transport that reaches it (for its host and GPU memory; its

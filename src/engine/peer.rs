@@ -16,16 +16,25 @@ impl Inner {
     /// not ask for GPU handles): the CUDA IPC handles only when it is this
     /// host.
     pub(in crate::engine) fn desc_for(&self, host: Option<&str>) -> AgentDesc {
+        let transports: Vec<_> = self
+            .transports
+            .iter()
+            .filter_map(|t| {
+                Some(TransportOffer {
+                    name: t.kind().as_str().to_owned(),
+                    info: t.offer()?,
+                })
+            })
+            .collect();
+        let offered: Vec<&str> = transports.iter().map(|o| o.name.as_str()).collect();
         AgentDesc {
             name: self.config.name.clone(),
             instance: self.instance,
             endpoints: vec![self.endpoint.clone()],
             regions: self
                 .registry
-                .exported(|h| self.storage.get(h).map_or(1, |f| f.align)),
-            rdma: self.device.as_ref().map(|d| RdmaInfo {
-                device: d.name().to_owned(),
-            }),
+                .exported(&offered, |h| self.storage.get(h).map_or(1, |f| f.align)),
+            transports,
             local_access: matches!(self.mode, Backend::Shm | Backend::Auto).then(|| LocalAccess {
                 host: self.host.clone(),
                 pid: std::process::id(),
@@ -379,8 +388,10 @@ impl Peer {
         transport: Arc<dyn Transport>,
         storage: StorageRoute,
     ) -> Self {
+        static ENTRIES: AtomicU64 = AtomicU64::new(0);
         Peer {
             desc,
+            entry: ENTRIES.fetch_add(1, Ordering::Relaxed),
             regions,
             transport,
             link: Mutex::new(None),

@@ -192,11 +192,12 @@ pub(in crate::engine) fn small(req: &TransferRequest) -> bool {
 }
 
 /// `req`'s work requests on `link`'s queue pairs, from its resolved local
-/// and remote keys.
+/// and remote keys (32-bit: the RDMA transport's handles and its keys in
+/// descriptors hold nothing wider).
 pub(in crate::engine) fn plan_rdma(
     req: &TransferRequest,
-    lkeys: &[u32],
-    rkeys: &[u32],
+    lkeys: &[u64],
+    rkeys: &[u64],
     link: &RdmaLink,
     config: &AgentConfig,
 ) -> Result<Few<rdma::Wr>, Error> {
@@ -206,7 +207,7 @@ pub(in crate::engine) fn plan_rdma(
         .iter()
         .zip(lkeys)
         .zip(req.remote.descs.iter().zip(rkeys))
-        .map(|((l, &lk), (r, &rk))| (lk, l.addr, rk, r.addr, l.len))
+        .map(|((l, &lk), (r, &rk))| (lk as u32, l.addr, rk as u32, r.addr, l.len))
         .collect();
     let conn = link.parts.qps.first().ok_or(Error::Closed)?;
     let mut wrs = rdma::plan_wrs(

@@ -43,6 +43,12 @@ impl transport::Transport for OwnStorage {
         Ok(())
     }
 
+    fn resolves_remote(&self) -> bool {
+        // The regions are this agent's own: its link resolves (and holds)
+        // them.
+        false
+    }
+
     fn connect(&self, inner: &Inner, _peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
         Ok(StorageLink::open(inner)?)
     }

@@ -96,12 +96,15 @@ impl Engine {
 /// A request's local and remote keys, and the holds on its local regions.
 pub(in crate::engine) struct Resolved {
     pub(in crate::engine) guards: Few<RegionGuard>,
-    /// RDMA local keys, one per local descriptor (RDMA path only).
-    pub(in crate::engine) lkeys: Few<u32>,
-    /// Access keys of the remote regions (socket paths).
+    /// The transport's local keys, one per local descriptor (transports
+    /// that register regions only, see [`Transport::registrar`]).
+    pub(in crate::engine) local_keys: Few<u64>,
+    /// Access keys of the remote regions (transports that do not register
+    /// regions).
     pub(in crate::engine) keys: Vec<u64>,
-    /// RDMA remote keys, one per remote descriptor (RDMA path only).
-    pub(in crate::engine) rkeys: Few<u32>,
+    /// The transport's remote keys, one per remote descriptor (transports
+    /// that register regions only).
+    pub(in crate::engine) remote_keys: Few<u64>,
 }
 
 impl Engine {
@@ -191,39 +194,57 @@ impl Engine {
     }
 
     /// Looks `req`'s descriptors up: local ones in the registry (held),
-    /// remote ones in what `peer` exported; checks the sync message's size.
+    /// remote ones in what `peer` exported, with the keys of the peer's
+    /// transport; checks the sync message's size.
     pub(in crate::engine) fn resolve(
         &self,
         req: &TransferRequest,
         sync: Option<&[u8]>,
         peer: &Peer,
     ) -> Result<Resolved, Error> {
-        let rdma = peer.transport.kind() == TransportKind::Rdma;
-        let mut lkeys = Few::new();
+        let transport = &*peer.transport;
+        let name = transport.kind().as_str();
+        let registers = transport.registrar().is_some();
+        let mut local = Few::new();
         let guards = self
             .inner
             .registry
-            .acquire_local_keyed(&req.local, rdma.then_some(&mut lkeys))?;
-        if rdma && req.local.mem_type == MemoryType::Vram && lkeys.contains(&0) {
-            // GPU memory an `auto` agent's NIC could not register.
-            return Err(Error::BackendUnavailable {
-                backend: "rdma",
-                reason: "local GPU memory without a GPUDirect RDMA registration".into(),
-            });
-        }
-        if peer.transport.kind() == TransportKind::Storage {
+            .acquire_local_keyed(&req.local, registers.then_some((name, &mut local)))?;
+        let local_keys = local
+            .into_iter()
+            .collect::<Option<Few<u64>>>()
+            .ok_or_else(|| Error::BackendUnavailable {
+                backend: name,
+                reason: format!(
+                    "local {} memory without a registration with this agent's {name} device",
+                    req.local.mem_type
+                ),
+            })?;
+        if !transport.resolves_remote() {
             // The remote regions are this agent's own: its storage link
             // resolves (and holds) them.
             return Ok(Resolved {
                 guards,
-                lkeys,
+                local_keys,
                 keys: Vec::new(),
-                rkeys: Few::new(),
+                remote_keys: Few::new(),
             });
         }
-        // Access keys for the socket paths, remote keys for RDMA.
-        let mut keys = Vec::with_capacity(if rdma { 0 } else { req.remote.descs.len() });
-        let mut rkeys = Few::new();
+        // The peer's keys of the transport, or the agent's access keys.
+        let offered = if registers {
+            let (i, _) = peer
+                .desc
+                .offer(name)
+                .ok_or_else(|| Error::BackendUnavailable {
+                    backend: name,
+                    reason: format!("remote agent {:?} does not offer {name}", req.remote_agent),
+                })?;
+            Some(i)
+        } else {
+            None
+        };
+        let mut keys = Vec::with_capacity(if registers { 0 } else { req.remote.descs.len() });
+        let mut remote_keys = Few::new();
         let mut hint = None;
         for d in &req.remote.descs {
             let r = peer.exported(req.remote.mem_type, d, hint)?;
@@ -242,29 +263,40 @@ impl Engine {
                     }
                 }
             }
-            if !rdma {
-                keys.push(r.value.key);
-            } else {
-                rkeys.push(r.value.rkey.ok_or_else(|| Error::BackendUnavailable {
-                    backend: "rdma",
-                    reason: format!(
-                        "remote agent {:?} exported region {:?} without an RDMA registration",
-                        req.remote_agent, r.desc
-                    ),
-                })?);
+            match offered {
+                None => keys.push(r.value.key),
+                Some(i) => remote_keys.push(remote_key(&r.value, i).ok_or_else(|| {
+                    Error::BackendUnavailable {
+                        backend: name,
+                        reason: format!(
+                            "remote agent {:?} exported region {:?} without a {name} registration",
+                            req.remote_agent, r.desc
+                        ),
+                    }
+                })?),
             }
         }
-        if rdma && sync.is_some_and(|m| m.len() > rdma::SYNC_MSG_MAX) {
+        let max = transport.max_sync();
+        if sync.is_some_and(|m| m.len() > max) {
             return Err(Error::InvalidRequest(format!(
-                "sync messages on the RDMA path are at most {} bytes",
-                rdma::SYNC_MSG_MAX
+                "sync messages on the {name} path are at most {max} bytes"
             )));
         }
         Ok(Resolved {
             guards,
-            lkeys,
+            local_keys,
             keys,
-            rkeys,
+            remote_keys,
         })
     }
+}
+
+/// `region`'s key of the transport offered at index `transport`, read as a
+/// little-endian integer (transports' keys are at most 64 bits wide);
+/// `None` when it has none of that width.
+fn remote_key(region: &ExportedRegion, transport: u8) -> Option<u64> {
+    let k = region.keys.iter().find(|k| k.transport == transport)?;
+    let mut b = [0u8; 8];
+    b.get_mut(..k.key.len())?.copy_from_slice(&k.key);
+    Some(u64::from_le_bytes(b))
 }

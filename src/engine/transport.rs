@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 use super::*;
+use crate::registry::Registrar;
 
 /// One way of moving data to a peer.
 pub(in crate::engine) trait Transport: Send + Sync {
@@ -29,6 +30,33 @@ pub(in crate::engine) trait Transport: Send + Sync {
 
     /// Whether it reaches `peer`, or why not.
     fn reach(&self, peer: &AgentDesc) -> Result<(), String>;
+
+    /// What this agent's descriptor offers of it for peers to read before
+    /// they connect ([`TransportOffer`]); `None` when it needs no offer
+    /// (peers reach it through the side channel alone).
+    fn offer(&self) -> Option<Vec<u8>> {
+        None
+    }
+
+    /// Its registrations of this agent's regions with its device, when it
+    /// has one: requests on it carry the regions' keys of this transport
+    /// (local ones from the handles, remote ones from the peer's
+    /// descriptor) rather than the agents' access keys.
+    fn registrar(&self) -> Option<&dyn Registrar> {
+        None
+    }
+
+    /// Whether a request's remote regions are the peer's exported ones, to
+    /// be resolved against its descriptor (`false`: the transport resolves
+    /// them itself).
+    fn resolves_remote(&self) -> bool {
+        true
+    }
+
+    /// Longest sync message a request on it carries.
+    fn max_sync(&self) -> usize {
+        usize::MAX
+    }
 
     /// Opens a link to `peer` (which it reaches).
     fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error>;
@@ -202,50 +230,14 @@ impl Transport for Shm {
     }
 }
 
-/// RDMA queue pairs: a peer with a device (this agent has one, or the
-/// transport would not be in its list).
-pub(in crate::engine) struct Rdma;
-
-impl Transport for Rdma {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Rdma
-    }
-
-    fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
-        // GPU memory registered for GPUDirect RDMA (a local region without
-        // such a registration is refused when the request is resolved).
-        local.is_virtual_address() && remote.is_virtual_address()
-    }
-
-    fn reach(&self, peer: &AgentDesc) -> Result<(), String> {
-        match peer.rdma {
-            Some(_) => Ok(()),
-            None => Err("the remote agent has no RDMA device".into()),
-        }
-    }
-
-    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
-        Ok(RdmaLink::open(inner, peer)?)
-    }
-
-    fn accept(
-        &self,
-        inner: &Inner,
-        remote: &str,
-        sock: &TcpStream,
-        msg: &[u8],
-    ) -> Result<(Vec<u8>, Option<attach::Attachment>), u16> {
-        inner.accept_rdma(remote, sock, msg)
-    }
-}
-
-/// The transports of an agent on `backend`, in order of preference:
+/// The transports of an agent on `backend` (`rdma`: its RDMA transport,
+/// when it has a device), in order of preference:
 /// `auto` prefers cross-memory attach on this host, then RDMA (when this
 /// agent has a device), then TCP. The shm and RDMA backends reach a peer's
 /// storage over TCP.
 pub(in crate::engine) fn for_backend(
     backend: Backend,
-    has_device: bool,
+    rdma: Option<Arc<dyn Transport>>,
     host: &str,
 ) -> Vec<Arc<dyn Transport>> {
     let shm = || {
@@ -257,13 +249,11 @@ pub(in crate::engine) fn for_backend(
     match backend {
         Backend::Tcp => vec![tcp(true)],
         Backend::Shm => vec![shm(), tcp(false)],
-        Backend::Rdma => vec![Arc::new(Rdma), tcp(false)],
+        Backend::Rdma => rdma.into_iter().chain([tcp(false)]).collect(),
         Backend::InProcess => vec![Arc::new(inproc::InProcess)],
         Backend::Auto => {
             let mut v = vec![shm()];
-            if has_device {
-                v.push(Arc::new(Rdma));
-            }
+            v.extend(rdma);
             v.push(tcp(true));
             v
         }
@@ -313,7 +303,32 @@ pub(in crate::engine) fn choose(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::desc::{LocalAccess, RdmaInfo};
+    use crate::desc::{LocalAccess, TransportOffer};
+
+    /// What the RDMA transport answers, without a device.
+    struct Rdma;
+
+    impl Transport for Rdma {
+        fn kind(&self) -> TransportKind {
+            TransportKind::Rdma
+        }
+
+        fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
+            rdma::transport::moves(local, remote)
+        }
+
+        fn reach(&self, peer: &AgentDesc) -> Result<(), String> {
+            rdma::transport::reach(peer)
+        }
+
+        fn connect(&self, _inner: &Inner, _peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+            unreachable!("not connected in these tests")
+        }
+    }
+
+    fn rdma_if(has_device: bool) -> Option<Arc<dyn Transport>> {
+        has_device.then(|| Arc::new(Rdma) as Arc<dyn Transport>)
+    }
 
     fn desc(rdma: bool, local: Option<(&str, u32)>) -> AgentDesc {
         AgentDesc {
@@ -321,9 +336,13 @@ mod tests {
             instance: 7,
             endpoints: vec!["127.0.0.1:1".into()],
             regions: Vec::new(),
-            rdma: rdma.then(|| RdmaInfo {
-                device: "rxe0".into(),
-            }),
+            transports: rdma
+                .then(|| TransportOffer {
+                    name: "rdma".into(),
+                    info: b"rxe0".to_vec(),
+                })
+                .into_iter()
+                .collect(),
             gpu: None,
             local_access: local.map(|(host, pid)| LocalAccess {
                 host: host.into(),
@@ -335,7 +354,7 @@ mod tests {
 
     #[test]
     fn auto_prefers_shm_then_rdma_then_tcp() {
-        let auto = for_backend(Backend::Auto, true, "this-host");
+        let auto = for_backend(Backend::Auto, rdma_if(true), "this-host");
         let kinds: Vec<_> = auto.iter().map(|t| t.kind()).collect();
         assert_eq!(
             kinds,
@@ -351,13 +370,13 @@ mod tests {
         let plain = desc(false, None);
         assert_eq!(kind(&auto, &plain), TransportKind::Tcp);
         // No device here: RDMA is not in the list at all.
-        let no_dev = for_backend(Backend::Auto, false, "this-host");
+        let no_dev = for_backend(Backend::Auto, rdma_if(false), "this-host");
         assert_eq!(kind(&no_dev, &other), TransportKind::Tcp);
     }
 
     #[test]
     fn no_transport_is_a_typed_error_with_every_reason() {
-        let rdma = for_backend(Backend::Rdma, true, "h");
+        let rdma = for_backend(Backend::Rdma, rdma_if(true), "h");
         let dram = MemoryType::Dram;
         let e = choose(&rdma, Backend::Rdma, &desc(false, None), dram, dram)
             .map(|t| t.kind())
@@ -369,7 +388,7 @@ mod tests {
             }
             other => panic!("{other}"),
         }
-        let shm = for_backend(Backend::Shm, false, "h");
+        let shm = for_backend(Backend::Shm, rdma_if(false), "h");
         let e = choose(
             &shm,
             Backend::Shm,
@@ -384,7 +403,7 @@ mod tests {
             "{e}"
         );
         // A memory type no transport moves: each says so.
-        let auto = for_backend(Backend::Auto, true, "h");
+        let auto = for_backend(Backend::Auto, rdma_if(true), "h");
         let e = choose(
             &auto,
             Backend::Auto,

@@ -5,6 +5,8 @@
 
 use crate::engine::*;
 
+use super::transport::SrqState;
+
 /// Length of a queue pair's attach message: QPN, PSN and path MTU code
 /// (u32 LE each), then the port's 16-byte GID.
 const QP_MSG_LEN: usize = 28;
@@ -33,49 +35,31 @@ pub(in crate::engine) fn qp_from_msg(m: &[u8]) -> Option<QpInfo> {
     })
 }
 
-impl Inner {
-    /// Target side of an RDMA link's attach ([`Transport::accept`]): the
-    /// queue pair of `msg` connected to one of this agent's, whose message
-    /// is the answer; the receiver serves it while the connection lasts.
-    pub(in crate::engine) fn accept_rdma(
-        &self,
-        remote: &str,
-        sock: &TcpStream,
-        msg: &[u8],
-    ) -> Result<(Vec<u8>, Option<attach::Attachment>), u16> {
-        // A malformed queue pair: refused like one that cannot connect.
-        let theirs = qp_from_msg(msg).ok_or(status::ATTACH_FAILED)?;
-        let (mine, receiver) = self.accept_qp(&theirs, remote, sock)?;
-        Ok((qp_msg(&mine), Some(Box::new(receiver))))
-    }
-}
-
-impl Inner {
+impl super::transport::Rdma {
     /// An RDMA link's attach: a queue pair connected to the
     /// initiator's, receive buffers posted, and a thread that delivers the
     /// sync messages arriving as SENDs.
     pub(in crate::engine) fn accept_qp(
         &self,
+        inner: &Inner,
         remote: &QpInfo,
         remote_name: &str,
         sock: &TcpStream,
     ) -> Result<(QpInfo, RdmaReceiver), u16> {
-        let Some(dev) = self.device.as_ref() else {
-            return Err(status::NO_TRANSPORT);
-        };
+        let dev = &self.device;
         let sink = SyncSink {
-            inbox: Arc::clone(&self.inbox),
+            inbox: Arc::clone(&inner.inbox),
             remote: remote_name.to_owned(),
             sock: sock.try_clone().map_err(|_| status::ATTACH_FAILED)?,
-            io_timeout: self.config.io_timeout,
+            io_timeout: inner.config.io_timeout,
         };
         let refused = |e: crate::verbs::VerbsError| {
             tracing::warn!(remote = %remote_name, error = %e, "cannot accept an RDMA connection");
             status::ATTACH_FAILED
         };
-        if let Some(rx) = self.srq_receiver(dev) {
+        if let Some(rx) = self.srq_receiver(inner) {
             let mut qp = dev.create_rc_on_srq(&rx.shared.srq).map_err(refused)?;
-            qp.set_ack_timeout(ack_timeout(&self.config));
+            qp.set_ack_timeout(ack_timeout(&inner.config));
             qp.connect(remote).map_err(refused)?;
             let info = qp.info();
             lock(&rx.shared.conns).insert(info.qpn, Arc::new(sink));
@@ -88,7 +72,7 @@ impl Inner {
                 },
             ));
         }
-        let ack_timeout = ack_timeout(&self.config);
+        let ack_timeout = ack_timeout(&inner.config);
         let setup =
             || -> Result<(crate::verbs::RcQueuePair, rdma::MsgRing), crate::verbs::VerbsError> {
                 // Receive events: the thread sleeps until a SEND lands.
@@ -126,18 +110,19 @@ impl Inner {
     /// The agent's shared receive queue and thread, made on first use;
     /// `None` when connections receive on their own queues (configuration,
     /// or a device that cannot make one: logged once).
-    pub(in crate::engine) fn srq_receiver(&self, dev: &Arc<Device>) -> Option<Arc<SrqReceiver>> {
-        let mut st = lock(&self.srq_rx);
+    fn srq_receiver(&self, inner: &Inner) -> Option<Arc<SrqReceiver>> {
+        let dev = &self.device;
+        let mut st = lock(&self.srq);
         match &*st {
             SrqState::Ready(rx) => return Some(Arc::clone(rx)),
             SrqState::PerQueuePair => return None,
             SrqState::Untried => {}
         }
-        if !self.config.rdma.srq {
+        if !inner.config.rdma.srq {
             *st = SrqState::PerQueuePair;
             return None;
         }
-        match SrqReceiver::start(dev, &self.config.name) {
+        match SrqReceiver::start(dev, &inner.config.name) {
             Ok(rx) => {
                 tracing::info!(device = %dev.name(), depth = rx.shared.srq.depth(), "RDMA connections share one receive queue");
                 *st = SrqState::Ready(Arc::clone(&rx));

@@ -82,18 +82,22 @@ impl RdmaLink {
     /// Opens the control stream to `peer` and, over it,
     /// [`qps_per_peer`](crate::RdmaConfig::qps_per_peer) queue pairs, with
     /// a progress thread each.
-    pub(in crate::engine) fn open(inner: &Inner, peer: &AgentDesc) -> Result<Arc<Self>, Error> {
+    pub(in crate::engine) fn open(
+        inner: &Inner,
+        dev: &Arc<Device>,
+        peer: &AgentDesc,
+    ) -> Result<Arc<Self>, Error> {
         let cfg = &inner.config;
         let mut qps = Vec::with_capacity(cfg.rdma.qps_per_peer);
         let streams = connect_streams(inner, peer, 1, |_, sock, clock, _| {
             for k in 0..cfg.rdma.qps_per_peer {
-                qps.push(rdma_connect(inner, peer, sock, clock, k)?);
+                qps.push(rdma_connect(inner, dev, peer, sock, clock, k)?);
             }
             Ok(())
         })?;
         let path = DataPath {
             transport: TransportKind::Rdma,
-            device: inner.device.as_ref().map(|d| d.name().to_owned()),
+            device: Some(dev.name().to_owned()),
             mechanism: "one-sided RDMA WRITE/READ on RC queue pairs, zero copy",
         };
         let link = Self::start(inner, peer, streams, rdma::RdmaParts::new(qps), path)?;
@@ -132,7 +136,13 @@ impl RdmaLink {
             ..
         } = sub;
         let config = &engine.inner.config;
-        let wrs = plan_rdma(req, &resolved.lkeys, &resolved.rkeys, &self, config)?;
+        let wrs = plan_rdma(
+            req,
+            &resolved.local_keys,
+            &resolved.remote_keys,
+            &self,
+            config,
+        )?;
         let driver = small(req).then(|| self.driver());
         if !fence && req.local.descs.len() <= fast::REMEMBER_MAX_DESCS && driver.is_some() {
             let planned = fast::Planned {
@@ -155,7 +165,13 @@ impl RdmaLink {
         resolved: Resolved,
     ) -> Result<fast::PreparedRdma, Error> {
         let config = &engine.inner.config;
-        let wrs = plan_rdma(req, &resolved.lkeys, &resolved.rkeys, &self, config)?;
+        let wrs = plan_rdma(
+            req,
+            &resolved.local_keys,
+            &resolved.remote_keys,
+            &self,
+            config,
+        )?;
         let driver = small(req).then(|| self.driver());
         Ok(fast::PreparedRdma {
             peer,

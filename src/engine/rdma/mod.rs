@@ -12,6 +12,7 @@ pub(in crate::engine) mod link;
 pub(in crate::engine) mod progress;
 pub(in crate::engine) mod recv;
 pub(in crate::engine) mod schedule;
+pub(in crate::engine) mod transport;
 mod window;
 
 use window::Window;

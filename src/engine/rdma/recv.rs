@@ -312,18 +312,12 @@ impl Drop for RdmaReceiver {
 /// Initiator side of the queue-pair exchange on a fresh stream.
 pub(in crate::engine) fn rdma_connect(
     inner: &Inner,
+    dev: &Arc<Device>,
     peer: &AgentDesc,
     sock: &TcpStream,
     clock: &ProgressClock,
     index: usize,
 ) -> Result<rdma::RdmaConn, Error> {
-    let dev = inner
-        .device
-        .as_ref()
-        .ok_or_else(|| Error::BackendUnavailable {
-            backend: "rdma",
-            reason: "this agent has no RDMA device".into(),
-        })?;
     let rerr = |e: crate::verbs::VerbsError| rdma::rdma_err(&peer.name, e);
     let events = inner.config.rdma.progress != crate::agent::RdmaProgress::Poll;
     // One send-queue entry beyond the window: the express lane's, whose

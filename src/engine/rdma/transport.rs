@@ -1,0 +1,166 @@
+//! The RDMA transport: the agent's device and what it shares among its
+//! connections (the shared receive queue), its regions' registrations,
+//! and the choice of peers it reaches.
+
+use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
+
+use crate::agent::TransportKind;
+use crate::desc::AgentDesc;
+use crate::engine::transport::{Link, Transport};
+use crate::engine::{Inner, RdmaLink, attach, status};
+use crate::error::Error;
+use crate::memory::{MemoryDesc, MemoryType};
+use crate::registry::{GpuRegion, RegionHandle, Registrar};
+use crate::verbs::{Device, Registered};
+
+use super::recv::SrqReceiver;
+
+/// RDMA queue pairs to peers that offer a device (this agent has one, or
+/// the transport would not be in its list).
+pub(in crate::engine) struct Rdma {
+    /// The device.
+    pub(in crate::engine) device: Arc<Device>,
+    /// Whether GPU memory the device cannot register is registered without
+    /// it (an `auto` agent moves it over its other transports) rather than
+    /// refused.
+    gpu_optional: bool,
+    /// The shared receive queue and its thread, made at the first RDMA
+    /// connection accepted (when `rdma_srq` is set and the device has
+    /// shared receive queues).
+    pub(in crate::engine) srq: Mutex<SrqState>,
+}
+
+/// Whether incoming RDMA connections share a receive queue.
+pub(in crate::engine) enum SrqState {
+    /// Not tried yet.
+    Untried,
+    /// In use.
+    Ready(Arc<SrqReceiver>),
+    /// Off by configuration, or the device could not make one: each
+    /// connection posts its own receive buffers and runs its own thread.
+    PerQueuePair,
+}
+
+impl Rdma {
+    /// The transport on `device` (`gpu_optional`: see the field).
+    pub(in crate::engine) fn new(device: Arc<Device>, gpu_optional: bool) -> Self {
+        Self {
+            device,
+            gpu_optional,
+            srq: Mutex::new(SrqState::Untried),
+        }
+    }
+}
+
+impl Transport for Rdma {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rdma
+    }
+
+    fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
+        moves(local, remote)
+    }
+
+    fn reach(&self, peer: &AgentDesc) -> Result<(), String> {
+        reach(peer)
+    }
+
+    fn offer(&self) -> Option<Vec<u8>> {
+        Some(self.device.name().as_bytes().to_vec())
+    }
+
+    fn registrar(&self) -> Option<&dyn Registrar> {
+        Some(self)
+    }
+
+    fn max_sync(&self) -> usize {
+        super::SYNC_MSG_MAX
+    }
+
+    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        Ok(RdmaLink::open(inner, &self.device, peer)?)
+    }
+
+    fn accept(
+        &self,
+        inner: &Inner,
+        remote: &str,
+        sock: &TcpStream,
+        msg: &[u8],
+    ) -> Result<(Vec<u8>, Option<attach::Attachment>), u16> {
+        // A malformed queue pair: refused like one that cannot connect.
+        let theirs = super::accept::qp_from_msg(msg).ok_or(status::ATTACH_FAILED)?;
+        let (mine, receiver) = self.accept_qp(inner, &theirs, remote, sock)?;
+        Ok((super::accept::qp_msg(&mine), Some(Box::new(receiver))))
+    }
+}
+
+/// Whether RDMA moves memory of type `local` to and from a peer's of type
+/// `remote`: host and GPU memory (GPU memory registered for GPUDirect RDMA;
+/// a local region without such a registration is refused when the request
+/// is resolved).
+pub(in crate::engine) fn moves(local: MemoryType, remote: MemoryType) -> bool {
+    local.is_virtual_address() && remote.is_virtual_address()
+}
+
+/// Whether RDMA reaches `peer`: it offers a device.
+pub(in crate::engine) fn reach(peer: &AgentDesc) -> Result<(), String> {
+    match peer.offer(TransportKind::Rdma.as_str()) {
+        Some(_) => Ok(()),
+        None => Err("the remote agent has no RDMA device".into()),
+    }
+}
+
+/// A region's registration with the device.
+#[derive(Debug)]
+struct RdmaRegion(Registered);
+
+impl RegionHandle for RdmaRegion {
+    fn local_key(&self) -> u64 {
+        u64::from(self.0.lkey())
+    }
+
+    fn remote_key(&self) -> Vec<u8> {
+        self.0.rkey().to_le_bytes().to_vec()
+    }
+}
+
+impl Registrar for Rdma {
+    fn name(&self) -> &'static str {
+        TransportKind::Rdma.as_str()
+    }
+
+    unsafe fn register(
+        &self,
+        mem_type: MemoryType,
+        desc: &MemoryDesc,
+        gpu: Option<&GpuRegion>,
+    ) -> Result<Option<Box<dyn RegionHandle>>, Error> {
+        let mr = match (mem_type, gpu) {
+            // Storage ranges are file offsets: never registered.
+            (MemoryType::File | MemoryType::Blk | MemoryType::Obj, _) => return Ok(None),
+            // GPU memory: GPUDirect RDMA (dma-buf, else peer memory).
+            // SAFETY: forwarded contract (the range stays allocated while
+            // registered).
+            (_, Some(g)) => match unsafe { crate::gpu::register_rdma(&self.device, desc, g) } {
+                Ok(mr) => mr,
+                Err(Error::Gpu(e @ crate::gpu::GpuError::RdmaRegistration { .. }))
+                    if self.gpu_optional =>
+                {
+                    tracing::warn!(error = %e, "GPU memory registered without GPUDirect RDMA: RDMA peers cannot reach it");
+                    return Ok(None);
+                }
+                Err(e) => return Err(e),
+            },
+            (_, None) => {
+                // SAFETY: as above.
+                unsafe { self.device.register(desc.addr, desc.len) }.map_err(|e| Error::Rdma {
+                    remote: String::new(),
+                    source: Arc::new(e),
+                })?
+            }
+        };
+        Ok(Some(Box::new(RdmaRegion(mr))))
+    }
+}

@@ -219,33 +219,8 @@ impl Engine {
         config.resolve_security()?;
         // Resolved once (the environment is read here, not per connection).
         config.rdma.ack_timeout = Some(config.rdma.effective_ack_timeout()?);
-        // With several RDMA devices and none named, the one nearest the GPU.
-        if config.rdma.device.is_none()
-            && std::env::var_os("KVXFER_RDMA_DEVICE").is_none()
-            && matches!(mode, Backend::Rdma | Backend::Auto)
-            && let Some(nic) = config.rdma.near_gpu.and_then(crate::gpu::nearest_nic)
-        {
-            tracing::info!(agent = %config.name, device = %nic, gpu = ?config.rdma.near_gpu, "RDMA device nearest the GPU");
-            config.rdma.device = Some(nic);
-        }
-        let open = || Device::open(config.rdma.device.as_deref(), config.rdma.gid_index);
-        let device = match mode {
-            Backend::Rdma => Some(Arc::new(open().map_err(|e| Error::BackendUnavailable {
-                backend: "rdma",
-                reason: e.to_string(),
-            })?)),
-            Backend::Auto => match open() {
-                Ok(d) => {
-                    tracing::info!(agent = %config.name, device = d.name(), gid_index = d.gid_index(), "RDMA device with an active port found; auto uses rdma to remote hosts (shm on this host where possible)");
-                    Some(Arc::new(d))
-                }
-                Err(e) => {
-                    tracing::info!(agent = %config.name, reason = %e, "no RDMA device; auto uses shm and tcp");
-                    None
-                }
-            },
-            Backend::Tcp | Backend::Shm | Backend::InProcess => None,
-        };
+        // The transports with devices of their own this backend uses.
+        let devices = transport::open_devices(mode, &mut config)?;
         let listener = TcpListener::bind(config.listen)?;
         let listen_addr = listener.local_addr()?;
         let endpoint = match &config.advertise {
@@ -269,16 +244,7 @@ impl Engine {
         };
         let host = shm::host_id();
         let inner = Arc::new(Inner {
-            transports: transport::for_backend(
-                mode,
-                // GPU memory its device cannot register: refused by an
-                // `rdma` agent, moved over its other transports by `auto`.
-                device.map(|d| {
-                    Arc::new(rdma::transport::Rdma::new(d, mode == Backend::Auto))
-                        as Arc<dyn Transport>
-                }),
-                &host,
-            ),
+            transports: transport::for_backend(mode, devices, &host),
             mode,
             instance,
             probe_word: Box::new(instance),

@@ -230,14 +230,30 @@ impl Transport for Shm {
     }
 }
 
-/// The transports of an agent on `backend` (`rdma`: its RDMA transport,
-/// when it has a device), in order of preference:
+/// The transports with a device of their own that an agent on `backend`
+/// uses, opened (in order of preference; `config` records what they chose).
+///
+/// # Errors
+/// A transport the backend requires that cannot open its device.
+pub(in crate::engine) fn open_devices(
+    backend: Backend,
+    config: &mut AgentConfig,
+) -> Result<Vec<Arc<dyn Transport>>, Error> {
+    let mut v: Vec<Arc<dyn Transport>> = Vec::new();
+    if let Some(t) = rdma::transport::Rdma::open(backend, config)? {
+        v.push(Arc::new(t));
+    }
+    Ok(v)
+}
+
+/// The transports of an agent on `backend` (`devices`: those with a device
+/// of their own it opened, see [`open_devices`]), in order of preference:
 /// `auto` prefers cross-memory attach on this host, then RDMA (when this
 /// agent has a device), then TCP. The shm and RDMA backends reach a peer's
 /// storage over TCP.
 pub(in crate::engine) fn for_backend(
     backend: Backend,
-    rdma: Option<Arc<dyn Transport>>,
+    devices: Vec<Arc<dyn Transport>>,
     host: &str,
 ) -> Vec<Arc<dyn Transport>> {
     let shm = || {
@@ -249,11 +265,11 @@ pub(in crate::engine) fn for_backend(
     match backend {
         Backend::Tcp => vec![tcp(true)],
         Backend::Shm => vec![shm(), tcp(false)],
-        Backend::Rdma => rdma.into_iter().chain([tcp(false)]).collect(),
+        Backend::Rdma => devices.into_iter().chain([tcp(false)]).collect(),
         Backend::InProcess => vec![Arc::new(inproc::InProcess)],
         Backend::Auto => {
             let mut v = vec![shm()];
-            v.extend(rdma);
+            v.extend(devices);
             v.push(tcp(true));
             v
         }
@@ -326,8 +342,11 @@ mod tests {
         }
     }
 
-    fn rdma_if(has_device: bool) -> Option<Arc<dyn Transport>> {
-        has_device.then(|| Arc::new(Rdma) as Arc<dyn Transport>)
+    fn rdma_if(has_device: bool) -> Vec<Arc<dyn Transport>> {
+        has_device
+            .then(|| Arc::new(Rdma) as Arc<dyn Transport>)
+            .into_iter()
+            .collect()
     }
 
     fn desc(rdma: bool, local: Option<(&str, u32)>) -> AgentDesc {

@@ -5,7 +5,7 @@
 use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 
-use crate::agent::TransportKind;
+use crate::agent::{AgentConfig, Backend, TransportKind};
 use crate::desc::AgentDesc;
 use crate::engine::transport::{Link, Transport};
 use crate::engine::{Inner, RdmaLink, attach, status};
@@ -43,13 +43,51 @@ pub(in crate::engine) enum SrqState {
 }
 
 impl Rdma {
-    /// The transport on `device` (`gpu_optional`: see the field).
-    pub(in crate::engine) fn new(device: Arc<Device>, gpu_optional: bool) -> Self {
-        Self {
-            device,
-            gpu_optional,
-            srq: Mutex::new(SrqState::Untried),
+    /// The transport of an agent on `backend`, when it uses one: `rdma`
+    /// opens its device or fails; `auto` uses one if it finds one. With
+    /// several devices and none named, the one nearest the configured GPU
+    /// (recorded in `config`).
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`]: an `rdma` agent without a usable
+    /// device.
+    pub(in crate::engine) fn open(
+        backend: Backend,
+        config: &mut AgentConfig,
+    ) -> Result<Option<Self>, Error> {
+        if !matches!(backend, Backend::Rdma | Backend::Auto) {
+            return Ok(None);
         }
+        if config.rdma.device.is_none()
+            && std::env::var_os("KVXFER_RDMA_DEVICE").is_none()
+            && let Some(nic) = config.rdma.near_gpu.and_then(crate::gpu::nearest_nic)
+        {
+            tracing::info!(agent = %config.name, device = %nic, gpu = ?config.rdma.near_gpu, "RDMA device nearest the GPU");
+            config.rdma.device = Some(nic);
+        }
+        let device = match Device::open(config.rdma.device.as_deref(), config.rdma.gid_index) {
+            Ok(d) => d,
+            Err(e) if backend == Backend::Rdma => {
+                return Err(Error::BackendUnavailable {
+                    backend: "rdma",
+                    reason: e.to_string(),
+                });
+            }
+            Err(e) => {
+                tracing::info!(agent = %config.name, reason = %e, "no RDMA device; auto uses shm and tcp");
+                return Ok(None);
+            }
+        };
+        if backend == Backend::Auto {
+            tracing::info!(agent = %config.name, device = device.name(), gid_index = device.gid_index(), "RDMA device with an active port found; auto uses rdma to remote hosts (shm on this host where possible)");
+        }
+        Ok(Some(Self {
+            device: Arc::new(device),
+            // GPU memory the device cannot register: refused by an `rdma`
+            // agent, moved over its other transports by `auto`.
+            gpu_optional: backend == Backend::Auto,
+            srq: Mutex::new(SrqState::Untried),
+        }))
     }
 }
 

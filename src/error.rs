@@ -435,6 +435,19 @@ pub enum Error {
         /// The work-completion status (`IBV_WC_*`).
         status: &'static str,
     },
+    /// A transport's own operation failed (set-up, registration, posting,
+    /// a completion with an error); the transport's error is the source.
+    #[error("{transport} failure with remote agent {remote:?}: {source}")]
+    Transport {
+        /// The transport.
+        transport: &'static str,
+        /// The remote agent (empty for local operations such as
+        /// registration).
+        remote: String,
+        /// What the transport reported.
+        #[source]
+        source: Arc<dyn std::error::Error + Send + Sync>,
+    },
     /// The peer made no progress for longer than the configured I/O timeout.
     #[error("remote agent {remote:?} made no progress for {idle:?}; connection declared dead")]
     PeerTimedOut {

@@ -336,9 +336,7 @@ pub fn make_transfer_agent(
             Ok(Box::new(Engine::with_mode(config, Backend::Auto)?))
         }
         Backend::Tcp => Ok(Box::new(Engine::new(config)?)),
-        Backend::Shm => Ok(Box::new(Engine::with_mode(config, Backend::Shm)?)),
-        Backend::Rdma => Ok(Box::new(Engine::with_mode(config, Backend::Rdma)?)),
-        Backend::InProcess => Ok(Box::new(Engine::with_mode(config, Backend::InProcess)?)),
+        b => Ok(Box::new(Engine::with_mode(config, b)?)),
     }
 }
 

@@ -197,7 +197,7 @@ pub(in crate::engine) fn small(req: &TransferRequest) -> bool {
 pub(in crate::engine) fn plan_rdma(
     req: &TransferRequest,
     lkeys: &[u64],
-    rkeys: &[u64],
+    rkeys: &[RemoteKey],
     link: &RdmaLink,
     config: &AgentConfig,
 ) -> Result<Few<rdma::Wr>, Error> {
@@ -207,7 +207,7 @@ pub(in crate::engine) fn plan_rdma(
         .iter()
         .zip(lkeys)
         .zip(req.remote.descs.iter().zip(rkeys))
-        .map(|((l, &lk), (r, &rk))| (lk as u32, l.addr, rk as u32, r.addr, l.len))
+        .map(|((l, &lk), (r, rk))| (lk as u32, l.addr, rk.key as u32, r.addr, l.len))
         .collect();
     let conn = link.parts.qps.first().ok_or(Error::Closed)?;
     let mut wrs = rdma::plan_wrs(

@@ -104,7 +104,17 @@ pub(in crate::engine) struct Resolved {
     pub(in crate::engine) keys: Vec<u64>,
     /// The transport's remote keys, one per remote descriptor (transports
     /// that register regions only).
-    pub(in crate::engine) remote_keys: Few<u64>,
+    pub(in crate::engine) remote_keys: Few<RemoteKey>,
+}
+
+/// A remote region's key on a transport that registers regions, and where
+/// the region starts (for transports that address a region by offset).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::engine) struct RemoteKey {
+    /// The key.
+    pub(in crate::engine) key: u64,
+    /// The region's first address.
+    pub(in crate::engine) base: u64,
 }
 
 impl Engine {
@@ -294,9 +304,12 @@ impl Engine {
 /// `region`'s key of the transport offered at index `transport`, read as a
 /// little-endian integer (transports' keys are at most 64 bits wide);
 /// `None` when it has none of that width.
-fn remote_key(region: &ExportedRegion, transport: u8) -> Option<u64> {
+fn remote_key(region: &ExportedRegion, transport: u8) -> Option<RemoteKey> {
     let k = region.keys.iter().find(|k| k.transport == transport)?;
     let mut b = [0u8; 8];
     b.get_mut(..k.key.len())?.copy_from_slice(&k.key);
-    Some(u64::from_le_bytes(b))
+    Some(RemoteKey {
+        key: u64::from_le_bytes(b),
+        base: region.desc.addr,
+    })
 }

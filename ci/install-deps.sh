@@ -14,11 +14,13 @@
 set -euo pipefail
 # cmake, libclang-dev: rdma-mummy-sys (under sideway) builds vendored
 # rdma-core headers with cmake and runs bindgen; no rdma-core -dev package
-# is needed, libibverbs is loaded at run time.
-want=(gcc pkg-config ca-certificates cmake libclang-dev linux-libc-dev)
+# is needed, libibverbs is loaded at run time. libfabric-dev: the `fabric`
+# backend's bindings (kvxfer-fabric runs bindgen over its headers and links
+# libfabric).
+want=(gcc pkg-config ca-certificates cmake libclang-dev linux-libc-dev libfabric-dev)
 case "${1:-build}" in
   build) ;;
-  bench) want+=(iperf3 fio python3 util-linux) ;;
+  bench) want+=(iperf3 fio python3 util-linux libfabric-bin) ;;
   test) want+=(procps g++ valgrind python3 python3-venv util-linux mount etcd-server etcd-client iproute2 openssl) ;;
   guest) want+=(qemu-system-x86 busybox-static cpio kmod gzip rdma-core ibverbs-providers ibverbs-utils perftest iproute2) ;;
   *) echo "usage: $0 build|bench|test|guest" >&2; exit 2 ;;

@@ -166,6 +166,11 @@ pub enum Backend {
     /// RDMA verbs only (reliable-connected queue pairs); creating the agent
     /// fails without a usable device, loading a peer without one fails.
     Rdma,
+    /// libfabric only (reliable-datagram endpoints with RMA: EFA, and every
+    /// other fabric libfabric drives; see [`FabricConfig`](crate::FabricConfig));
+    /// creating the agent fails without a usable provider, loading a peer
+    /// on another provider fails.
+    Fabric,
     /// Agents of this process only: a transfer is a plain copy between two
     /// agents' registered memory, done in the submitting thread (its status
     /// is final when `submit_transfer` returns), checked and ordered as on
@@ -176,13 +181,14 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// Its name: `"auto"`, `"tcp"`, `"shm"`, `"rdma"` or `"inproc"`.
+    /// Its name: `"auto"`, `"tcp"`, `"shm"`, `"rdma"`, `"fabric"` or `"inproc"`.
     pub fn as_str(self) -> &'static str {
         match self {
             Backend::Auto => "auto",
             Backend::Tcp => "tcp",
             Backend::Shm => "shm",
             Backend::Rdma => "rdma",
+            Backend::Fabric => "fabric",
             Backend::InProcess => "inproc",
         }
     }
@@ -197,13 +203,14 @@ impl FromStr for Backend {
             Backend::Tcp,
             Backend::Shm,
             Backend::Rdma,
+            Backend::Fabric,
             Backend::InProcess,
         ]
         .into_iter()
         .find(|b| b.as_str().eq_ignore_ascii_case(s))
         .ok_or_else(|| {
             Error::InvalidConfig(format!(
-                "unknown backend {:?} (expected auto, tcp, shm, rdma or inproc)",
+                "unknown backend {:?} (expected auto, tcp, shm, rdma, fabric or inproc)",
                 s.to_ascii_lowercase()
             ))
         })

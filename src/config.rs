@@ -48,6 +48,8 @@ pub struct AgentConfig {
     pub shm: ShmConfig,
     /// The RDMA data path.
     pub rdma: RdmaConfig,
+    /// The libfabric data path.
+    pub fabric: FabricConfig,
     /// GPU memory (VRAM).
     pub gpu: GpuConfig,
     /// Who may talk to the agent.
@@ -157,6 +159,19 @@ impl Default for ShmConfig {
             delegate: true,
         }
     }
+}
+
+/// The libfabric data path (backend `fabric`).
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct FabricConfig {
+    /// The provider, as libfabric names it (`efa`, `verbs;ofi_rxm`,
+    /// `tcp;ofi_rxm`, …); `None`: `KVXFER_FABRIC_PROVIDER`, else the first
+    /// provider with reliable-datagram endpoints and RMA.
+    pub provider: Option<String>,
+    /// The domain (NIC) by name; `None`: `KVXFER_FABRIC_DOMAIN`, else the
+    /// provider's first.
+    pub domain: Option<String>,
 }
 
 /// The RDMA data path.
@@ -377,6 +392,7 @@ impl AgentConfig {
             gpu: GpuConfig::default(),
             shm: ShmConfig::default(),
             rdma: RdmaConfig::default(),
+            fabric: FabricConfig::default(),
             security: SecurityConfig::default(),
             limits: Limits::default(),
             required_transports: Vec::new(),
@@ -473,6 +489,18 @@ impl AgentConfig {
     /// Replaces the shm group.
     pub fn with_shm(mut self, shm: ShmConfig) -> Self {
         self.shm = shm;
+        self
+    }
+
+    /// Replaces the libfabric group.
+    pub fn with_fabric(mut self, fabric: FabricConfig) -> Self {
+        self.fabric = fabric;
+        self
+    }
+
+    /// Selects the libfabric provider by name (`efa`, `tcp;ofi_rxm`, …).
+    pub fn with_fabric_provider(mut self, name: impl Into<String>) -> Self {
+        self.fabric.provider = Some(name.into());
         self
     }
 

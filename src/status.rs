@@ -527,6 +527,9 @@ pub enum TransportKind {
     /// One-sided RDMA WRITE / READ on reliable-connected queue pairs, zero
     /// copy.
     Rdma,
+    /// One-sided `fi_write` / `fi_read` on a libfabric reliable-datagram
+    /// endpoint, zero copy.
+    Fabric,
     /// A plain copy between two agents of one process
     /// ([`Backend::InProcess`](crate::agent::Backend::InProcess)).
     InProcess,
@@ -536,12 +539,14 @@ pub enum TransportKind {
 }
 
 impl TransportKind {
-    /// Its name: `"tcp"`, `"shm"`, `"rdma"`, `"inproc"` or `"storage"`.
+    /// Its name: `"tcp"`, `"shm"`, `"rdma"`, `"fabric"`, `"inproc"` or
+    /// `"storage"`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Tcp => "tcp",
             Self::Shm => "shm",
             Self::Rdma => "rdma",
+            Self::Fabric => "fabric",
             Self::InProcess => "inproc",
             Self::Storage => "storage",
         }
@@ -558,15 +563,21 @@ impl FromStr for TransportKind {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self, Error> {
-        [Self::Tcp, Self::Shm, Self::Rdma, Self::InProcess]
-            .into_iter()
-            .find(|t| t.as_str().eq_ignore_ascii_case(s))
-            .ok_or_else(|| {
-                Error::InvalidConfig(format!(
-                    "unknown transport {:?} (tcp, shm, rdma, inproc)",
-                    s.to_ascii_lowercase()
-                ))
-            })
+        [
+            Self::Tcp,
+            Self::Shm,
+            Self::Rdma,
+            Self::Fabric,
+            Self::InProcess,
+        ]
+        .into_iter()
+        .find(|t| t.as_str().eq_ignore_ascii_case(s))
+        .ok_or_else(|| {
+            Error::InvalidConfig(format!(
+                "unknown transport {:?} (tcp, shm, rdma, fabric, inproc)",
+                s.to_ascii_lowercase()
+            ))
+        })
     }
 }
 
@@ -577,7 +588,8 @@ impl FromStr for TransportKind {
 pub struct DataPath {
     /// The transport.
     pub transport: TransportKind,
-    /// The RDMA device (`rxe0`, `mlx5_0`, ...) on RDMA; the peer's endpoint
+    /// The RDMA device (`rxe0`, `mlx5_0`, ...) on RDMA; the provider and
+    /// domain (`efa/rdmap0s6-rdm`) on libfabric; the peer's endpoint
     /// (`host:port`) on TCP; `None` on shm.
     pub device: Option<String>,
     /// How the bytes moved, in words.

@@ -41,7 +41,7 @@ pub struct KvArgs {
     /// Tokens per block.
     #[arg(long, default_value_t = 16)]
     tokens_per_block: u32,
-    /// Backend: auto, tcp, shm, rdma, inproc.
+    /// Backend: auto, tcp, shm, rdma, fabric, inproc.
     #[arg(long, default_value = "tcp")]
     backend: String,
     /// Measured requests (each followed by a raw round; medians reported).

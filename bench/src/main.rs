@@ -30,7 +30,7 @@ use kvxfer::{
 struct Args {
     #[command(subcommand)]
     command: Option<Sub>,
-    /// Backend: auto, tcp, shm, rdma, inproc.
+    /// Backend: auto, tcp, shm, rdma, fabric, inproc.
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Operation: write or read.

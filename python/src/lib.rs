@@ -127,7 +127,7 @@ pub(crate) struct PyAgent {
 #[pymethods]
 impl PyAgent {
     /// Makes an agent named `name` on `backend` (`tcp`, `shm`, `rdma`,
-    /// `auto`, or `inproc`: agents of this process, plain copies), listening on `listen` (`host:port`; default an ephemeral
+    /// `fabric`, `auto`, or `inproc`: agents of this process, plain copies), listening on `listen` (`host:port`; default an ephemeral
     /// loopback port). `secret`: the cluster secret every peer must hold.
     /// `etcd`: an etcd cluster (`host:port[,host:port...]`) to publish the
     /// agent in and find peers in by name, under `etcd_prefix`, with a
@@ -245,7 +245,7 @@ impl PyAgent {
             .map_err(to_py)
     }
 
-    /// How a loaded peer is reached (`tcp`, `shm`, `rdma`, `inproc`;
+    /// How a loaded peer is reached (`tcp`, `shm`, `rdma`, `fabric`, `inproc`;
     /// `storage` for the agent itself).
     fn remote_transport(&self, name: &str) -> PyResult<&'static str> {
         self.agent.remote_transport(name).map_err(to_py)
@@ -706,7 +706,7 @@ impl PyTransfer {
         Ok(d)
     }
 
-    /// The transport that carries it (`tcp`, `shm`, `rdma`, `inproc`,
+    /// The transport that carries it (`tcp`, `shm`, `rdma`, `fabric`, `inproc`,
     /// `storage`).
     #[getter]
     fn transport(&self) -> &'static str {

@@ -243,6 +243,9 @@ pub(in crate::engine) fn open_devices(
     if let Some(t) = rdma::transport::Rdma::open(backend, config)? {
         v.push(Arc::new(t));
     }
+    if let Some(t) = fabric::Fabric::open(backend, config)? {
+        v.push(Arc::new(t));
+    }
     Ok(v)
 }
 
@@ -265,7 +268,7 @@ pub(in crate::engine) fn for_backend(
     match backend {
         Backend::Tcp => vec![tcp(true)],
         Backend::Shm => vec![shm(), tcp(false)],
-        Backend::Rdma => devices.into_iter().chain([tcp(false)]).collect(),
+        Backend::Rdma | Backend::Fabric => devices.into_iter().chain([tcp(false)]).collect(),
         Backend::InProcess => vec![Arc::new(inproc::InProcess)],
         Backend::Auto => {
             let mut v = vec![shm()];

@@ -176,7 +176,7 @@ typedef struct kvxfer_options {
   // (any process that reaches the port can then read and write the
   // exported memory).
   uint32_t insecure;
-  // `"tcp"`, `"shm"`, `"rdma"` or `"inproc"`: host-memory transfers must use this
+  // `"tcp"`, `"shm"`, `"rdma"`, `"fabric"` or `"inproc"`: host-memory transfers must use this
   // transport; one to a peer reached another way fails with
   // `KVXFER_ERR_TRANSPORT_REQUIRED` before anything is sent (an `auto`
   // agent otherwise falls back to TCP). NULL: no requirement.
@@ -353,7 +353,7 @@ const char *kvxfer_result_name(enum kvxfer_result code);
 size_t kvxfer_last_error(char *buf, size_t cap);
 
 // Creates an agent called `name` on `backend` (`"auto"`, `"tcp"`, `"shm"`,
-// `"rdma"`, or `"inproc"`: agents of this process only, each transfer a
+// `"rdma"`, `"fabric"`, or `"inproc"`: agents of this process only, each transfer a
 // copy done before `kvxfer_submit` returns),
 // with optional settings (`options` may be NULL).
 //
@@ -615,7 +615,7 @@ enum kvxfer_result kvxfer_status_wait(const struct kvxfer_status *status, int64_
 enum kvxfer_result kvxfer_status_abort(const struct kvxfer_status *status, bool *out);
 
 // Writes the transport that carries (or carried) the transfer: a static
-// NUL-terminated `"tcp"`, `"shm"`, `"rdma"` or `"inproc"`.
+// NUL-terminated `"tcp"`, `"shm"`, `"rdma"`, `"fabric"` or `"inproc"`.
 //
 // # Safety
 // `out` is valid for a write.

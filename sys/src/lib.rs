@@ -197,7 +197,7 @@ pub struct kvxfer_options {
     /// (any process that reaches the port can then read and write the
     /// exported memory).
     pub insecure: u32,
-    /// `"tcp"`, `"shm"`, `"rdma"` or `"inproc"`: host-memory transfers must use this
+    /// `"tcp"`, `"shm"`, `"rdma"`, `"fabric"` or `"inproc"`: host-memory transfers must use this
     /// transport; one to a peer reached another way fails with
     /// `KVXFER_ERR_TRANSPORT_REQUIRED` before anything is sent (an `auto`
     /// agent otherwise falls back to TCP). NULL: no requirement.
@@ -652,7 +652,7 @@ pub unsafe extern "C" fn kvxfer_last_error(buf: *mut c_char, cap: usize) -> usiz
 // ---------------------------------------------------------------------------
 
 /// Creates an agent called `name` on `backend` (`"auto"`, `"tcp"`, `"shm"`,
-/// `"rdma"`, or `"inproc"`: agents of this process only, each transfer a
+/// `"rdma"`, `"fabric"`, or `"inproc"`: agents of this process only, each transfer a
 /// copy done before `kvxfer_submit` returns),
 /// with optional settings (`options` may be NULL).
 ///
@@ -1435,7 +1435,7 @@ pub unsafe extern "C" fn kvxfer_status_abort(
 }
 
 /// Writes the transport that carries (or carried) the transfer: a static
-/// NUL-terminated `"tcp"`, `"shm"`, `"rdma"` or `"inproc"`.
+/// NUL-terminated `"tcp"`, `"shm"`, `"rdma"`, `"fabric"` or `"inproc"`.
 ///
 /// # Safety
 /// `out` is valid for a write.
@@ -1452,6 +1452,7 @@ pub unsafe extern "C" fn kvxfer_status_transport(
             kvxfer_core::TransportKind::Tcp => c"tcp",
             kvxfer_core::TransportKind::Shm => c"shm",
             kvxfer_core::TransportKind::Rdma => c"rdma",
+            kvxfer_core::TransportKind::Fabric => c"fabric",
             kvxfer_core::TransportKind::InProcess => c"inproc",
             kvxfer_core::TransportKind::Storage => c"storage",
             // The enum is non-exhaustive: one this library does not know yet.

@@ -127,6 +127,7 @@ pub fn expected_transport() -> &'static str {
     match backend() {
         Backend::Tcp => "tcp",
         Backend::Rdma => "rdma",
+        Backend::Fabric => "fabric",
         _ => "shm",
     }
 }

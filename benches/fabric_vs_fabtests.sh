@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The libfabric transport (backend `fabric`) against libfabric's own tools on
+# the same provider and endpoint type, in one run, rounds alternating:
+#   latency   fi_pingpong (libfabric-bin; 8-byte messages on an RDM endpoint,
+#             half the round trip) against `kvxfer-bench --backend fabric
+#             --pingpong` (8-byte WRITEs bounced between two agents, half the
+#             round trip);
+#   bandwidth benches/fi_rma_loop.c (fi_write / fi_read of 1 MiB, 16 in
+#             flight, no agent) against `kvxfer-bench --backend fabric`
+#             (requests of 16 × 1 MiB, 2 in flight), and kvxfer's own TCP
+#             transport on the same requests.
+# Prints one JSON line per measurement, then the medians and their ratios.
+#   PROV=tcp;ofi_rxm ROUNDS=3 benches/fabric_vs_fabtests.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash ci/install-deps.sh bench >/dev/null
+prov=${PROV:-tcp;ofi_rxm}
+rounds=${ROUNDS:-3}
+cargo build --release --locked -q -p kvxfer-bench
+mkdir -p target/fabric-bench
+gcc -O2 -o target/fabric-bench/fi_rma_loop benches/fi_rma_loop.c -lfabric
+bench=target/release/kvxfer-bench
+loop=target/fabric-bench/fi_rma_loop
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+port=$((20000 + RANDOM % 20000))
+for r in $(seq "$rounds"); do
+  port=$((port + 1))
+  fi_pingpong -p "$prov" -e rdm -S 8 -I 5000 -B "$port" >/dev/null 2>&1 &
+  srv=$!
+  sleep 0.5
+  us=$(fi_pingpong -p "$prov" -e rdm -S 8 -I 5000 -P "$port" 127.0.0.1 | awk '$1 == 8 {print $7}')
+  wait "$srv" || true
+  echo "{\"round\":$r,\"what\":\"fi_pingpong\",\"us\":$us}" | tee -a "$out"
+  KVXFER_FABRIC_PROVIDER="$prov" "$bench" --backend fabric --pingpong --iters 5000 --json |
+    sed "s/^{/{\"round\":$r,\"what\":\"kvxfer_fabric_pingpong\",/" | tee -a "$out"
+  for op in write read; do
+    flag=; [ "$op" = read ] && flag=-r
+    port=$((port + 1))
+    "$loop" -s "$port" -p "$prov" >/dev/null 2>&1 &
+    srv=$!
+    sleep 0.5
+    "$loop" -c 127.0.0.1 "$port" -p "$prov" -z 1048576 -n 400 -d 16 $flag |
+      sed "s/^{/{\"round\":$r,\"what\":\"fi_rma_loop\",/" | tee -a "$out"
+    wait "$srv" || true
+    for b in fabric tcp; do
+      KVXFER_FABRIC_PROVIDER="$prov" "$bench" --backend "$b" --op "$op" --block-size 1MiB \
+        --batch 16 --iters 50 --depth 2 --json |
+        sed "s/^{/{\"round\":$r,\"what\":\"kvxfer_$b\",/" | tee -a "$out"
+    done
+  done
+done
+python3 - "$out" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+def med(what, key, op=None):
+    v = [r[key] for r in rows if r["what"] == what and (op is None or r.get("op") == op)]
+    return statistics.median(v)
+lat_fi, lat_kv = med("fi_pingpong", "us"), med("kvxfer_fabric_pingpong", "p50_us")
+print(f"8-byte latency (half round trip): fi_pingpong {lat_fi:.2f} us, kvxfer fabric {lat_kv:.2f} us, ratio {lat_kv / lat_fi:.3f}")
+for op in ("write", "read"):
+    fi, fab, tcp = (med("fi_rma_loop", "gb_per_s", op), med("kvxfer_fabric", "gb_per_s", op),
+                    med("kvxfer_tcp", "gb_per_s", op))
+    print(f"1 MiB {op}: fi_rma_loop {fi:.3f} GB/s, kvxfer fabric {fab:.3f} GB/s ({fab / fi:.3f}x), kvxfer tcp {tcp:.3f} GB/s (fabric/tcp {fab / tcp:.3f})")
+PY

@@ -1,0 +1,762 @@
+//! The libfabric transport (backend `fabric`): one-sided `fi_write` /
+//! `fi_read` on a reliable-datagram endpoint (`FI_EP_RDM`), as EFA offers
+//! them, on whichever provider libfabric finds (`efa`, `verbs;ofi_rxm`,
+//! `tcp;ofi_rxm`, …).
+//!
+//! The transport owns one endpoint per agent, with its completion queue and
+//! address vector, and one progress thread that reads completions (and, on
+//! providers with manual progress, moves the target's data). A link is the
+//! usual control stream to the peer ([`FabricLink`]), on which an `Attach`
+//! named `fabric` fetches the peer endpoint's address.
+//!
+//! The notification that follows a request's data does not rely on any
+//! ordering between RMA and messages (EFA's SRD has none; the endpoint asks
+//! for `FI_ORDER_NONE`): writes are posted with `FI_DELIVERY_COMPLETE`, and
+//! the request's commit goes out on the control stream only once every one
+//! of its operations has completed (see `link`).
+//!
+//! Memory registration honours the provider's mode bits: `FI_MR_LOCAL`
+//! (every operation carries its local descriptor), `FI_MR_VIRT_ADDR`
+//! (remote addresses are virtual, else offsets in the region),
+//! `FI_MR_PROV_KEY` (else random keys this transport asks for), `FI_MR_ENDPOINT`
+//! (registrations bound to the endpoint), `FI_MR_ALLOCATED` (registered
+//! memory is the caller's, allocated) and `FI_MR_HMEM` (GPU memory through
+//! `fi_mr_regattr` with its CUDA device). Keys are up to 64 bits wide.
+
+mod link;
+
+use std::ffi::{CStr, CString, c_void};
+use std::net::TcpStream;
+use std::ptr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use kvxfer_fabric as ffi;
+
+use crate::agent::{AgentConfig, Backend, TransportKind};
+use crate::desc::AgentDesc;
+use crate::engine::transport::{Link, Transport};
+use crate::engine::{Inner, attach, status};
+use crate::error::Error;
+use crate::memory::{MemoryDesc, MemoryType};
+use crate::registry::{GpuRegion, RegionHandle, Registrar};
+
+pub(in crate::engine) use link::FabricLink;
+
+/// The libfabric API version asked for: 1.11 (`fi_mr_attr::iface`).
+const API_VERSION: u32 = (1 << 16) | 11;
+/// The memory-registration modes this transport honours.
+const MR_MODES: u64 = (ffi::FI_MR_LOCAL
+    | ffi::FI_MR_VIRT_ADDR
+    | ffi::FI_MR_ALLOCATED
+    | ffi::FI_MR_PROV_KEY
+    | ffi::FI_MR_ENDPOINT
+    | ffi::FI_MR_HMEM) as u64;
+/// Largest single RMA operation (larger pieces are split, so several are
+/// in flight at once).
+const MAX_OP: u64 = 4 << 20;
+/// Most operations in flight on the endpoint (less when its transmit queue
+/// is smaller).
+const MAX_CREDITS: usize = 1024;
+/// How long the progress thread blocks in the completion queue at a time
+/// (it is woken early by `fi_cq_signal` when the agent closes).
+const WAIT_MS: i32 = 200;
+
+/// What libfabric reported.
+#[derive(Debug, thiserror::Error)]
+pub(in crate::engine) enum FabricError {
+    /// A call failed.
+    #[error("{call}: {text} ({code})")]
+    Call {
+        /// The call.
+        call: &'static str,
+        /// libfabric's error number (positive).
+        code: i64,
+        /// `fi_strerror`'s text.
+        text: String,
+    },
+    /// An operation completed with an error.
+    #[error("{op} completed with {text} ({code}, provider error {prov})")]
+    Completion {
+        /// READ or WRITE.
+        op: &'static str,
+        /// libfabric's error number.
+        code: i32,
+        /// The provider's own error number.
+        prov: i32,
+        /// `fi_strerror`'s text.
+        text: String,
+    },
+}
+
+fn strerror(code: i64) -> String {
+    let code = i32::try_from(code.unsigned_abs()).unwrap_or(i32::MAX);
+    // SAFETY: fi_strerror returns a static string for any number.
+    let s = unsafe { CStr::from_ptr(ffi::fi_strerror(code)) };
+    s.to_string_lossy().into_owned()
+}
+
+/// `rc` of `call` as a result (negative: a libfabric error number).
+fn check(call: &'static str, rc: i64) -> Result<i64, FabricError> {
+    if rc < 0 {
+        Err(FabricError::Call {
+            call,
+            code: -rc,
+            text: strerror(rc),
+        })
+    } else {
+        Ok(rc)
+    }
+}
+
+/// The agent-level error of a libfabric failure with `remote`.
+fn fabric_err(remote: &str, e: FabricError) -> Error {
+    Error::Transport {
+        transport: "fabric",
+        remote: remote.to_owned(),
+        source: Arc::new(e),
+    }
+}
+
+/// The endpoint and everything under it, closed in reverse order of
+/// opening: endpoint, address vector, completion queue, domain, fabric;
+/// the `fi_info` they were opened from is freed last. Registrations hold an
+/// `Arc` of it, so the domain outlives them.
+struct Endpoint {
+    info: *mut ffi::fi_info,
+    fabric: *mut ffi::fid_fabric,
+    domain: *mut ffi::fid_domain,
+    cq: *mut ffi::fid_cq,
+    av: *mut ffi::fid_av,
+    ep: *mut ffi::fid_ep,
+    /// The provider's registration modes (of [`MR_MODES`]).
+    mr_mode: u64,
+    /// Whether the completion queue has a wait object (`fi_cq_sread`).
+    waits: bool,
+}
+
+// SAFETY: the domain is opened with FI_THREAD_SAFE: every object under it
+// may be used from any thread at once.
+unsafe impl Send for Endpoint {}
+// SAFETY: as above.
+unsafe impl Sync for Endpoint {}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        // SAFETY: each object was opened once by `Endpoint::open`, is closed
+        // once here, children before parents; nothing uses them any more
+        // (registrations and links hold this value).
+        unsafe {
+            for f in [
+                self.ep.cast::<ffi::fid>(),
+                self.av.cast(),
+                self.cq.cast(),
+                self.domain.cast(),
+                self.fabric.cast(),
+            ] {
+                if !f.is_null() {
+                    ffi::fi_close(f);
+                }
+            }
+            if !self.info.is_null() {
+                ffi::fi_freeinfo(self.info);
+            }
+        }
+    }
+}
+
+/// The fields of an `fi_info` this transport reads.
+struct Found {
+    provider: String,
+    domain: String,
+    mr_mode: u64,
+    hmem: bool,
+    max_msg: u64,
+    tx_size: usize,
+}
+
+impl Endpoint {
+    /// Finds a provider with reliable-datagram endpoints and RMA (`provider`
+    /// and `domain`: by name) and opens an endpoint on it.
+    fn open(provider: Option<&str>, domain: Option<&str>) -> Result<(Self, Found), FabricError> {
+        let mut ep = Endpoint {
+            info: ptr::null_mut(),
+            fabric: ptr::null_mut(),
+            domain: ptr::null_mut(),
+            cq: ptr::null_mut(),
+            av: ptr::null_mut(),
+            ep: ptr::null_mut(),
+            mr_mode: 0,
+            waits: false,
+        };
+        let prov = provider
+            .map(CString::new)
+            .transpose()
+            .map_err(|_| FabricError::Call {
+                call: "provider name",
+                code: 0,
+                text: "contains a NUL byte".into(),
+            })?;
+        let dom = domain
+            .map(CString::new)
+            .transpose()
+            .map_err(|_| FabricError::Call {
+                call: "domain name",
+                code: 0,
+                text: "contains a NUL byte".into(),
+            })?;
+        // SAFETY: plain libfabric calls; the hints are allocated by
+        // fi_allocinfo (fi_dupinfo of nothing) and freed below, the strings
+        // put in them duplicated with strdup (fi_freeinfo frees them).
+        unsafe {
+            let hints = ffi::fi_dupinfo(ptr::null());
+            if hints.is_null() {
+                return Err(FabricError::Call {
+                    call: "fi_dupinfo",
+                    code: 12,
+                    text: "out of memory".into(),
+                });
+            }
+            let h = &mut *hints;
+            (*h.ep_attr).type_ = ffi::fi_ep_type_FI_EP_RDM;
+            h.caps = u64::from(
+                ffi::FI_RMA
+                    | ffi::FI_READ
+                    | ffi::FI_WRITE
+                    | ffi::FI_REMOTE_READ
+                    | ffi::FI_REMOTE_WRITE,
+            );
+            // Operation contexts are ours (see `link::OpCtx`), with room for
+            // providers that need some.
+            h.mode = ffi::FI_CONTEXT | ffi::FI_CONTEXT2;
+            (*h.domain_attr).mr_mode = MR_MODES as i32;
+            (*h.domain_attr).threading = ffi::fi_threading_FI_THREAD_SAFE;
+            // No ordering asked for: the notification waits for delivery.
+            (*h.tx_attr).msg_order = u64::from(ffi::FI_ORDER_NONE);
+            (*h.tx_attr).op_flags = u64::from(ffi::FI_DELIVERY_COMPLETE);
+            if let Some(p) = &prov {
+                (*h.fabric_attr).prov_name = libc::strdup(p.as_ptr());
+            }
+            if let Some(d) = &dom {
+                (*h.domain_attr).name = libc::strdup(d.as_ptr());
+            }
+            let mut info = ptr::null_mut();
+            let rc = ffi::fi_getinfo(API_VERSION, ptr::null(), ptr::null(), 0, hints, &mut info);
+            ffi::fi_freeinfo(hints);
+            check("fi_getinfo", i64::from(rc))?;
+            if info.is_null() {
+                return Err(FabricError::Call {
+                    call: "fi_getinfo",
+                    code: 61,
+                    text: "no provider with reliable-datagram endpoints and RMA".into(),
+                });
+            }
+            ep.info = info;
+            let i = &*info;
+            let found = Found {
+                provider: CStr::from_ptr((*i.fabric_attr).prov_name)
+                    .to_string_lossy()
+                    .into_owned(),
+                domain: CStr::from_ptr((*i.domain_attr).name)
+                    .to_string_lossy()
+                    .into_owned(),
+                mr_mode: (*i.domain_attr).mr_mode as u64 & MR_MODES,
+                hmem: i.caps & ffi::FI_HMEM != 0,
+                max_msg: ((*i.ep_attr).max_msg_size as u64).max(4096),
+                tx_size: (*i.tx_attr).size.max(1),
+            };
+            ep.mr_mode = found.mr_mode;
+            check(
+                "fi_fabric",
+                i64::from(ffi::fi_fabric(
+                    i.fabric_attr,
+                    &mut ep.fabric,
+                    ptr::null_mut(),
+                )),
+            )?;
+            check(
+                "fi_domain",
+                i64::from(ffi::fi_domain(
+                    ep.fabric,
+                    info,
+                    &mut ep.domain,
+                    ptr::null_mut(),
+                )),
+            )?;
+            let mut cq_attr = ffi::fi_cq_attr {
+                size: 4096,
+                format: ffi::fi_cq_format_FI_CQ_FORMAT_CONTEXT,
+                wait_obj: ffi::fi_wait_obj_FI_WAIT_UNSPEC,
+                ..Default::default()
+            };
+            ep.waits = true;
+            if ffi::fi_cq_open(ep.domain, &mut cq_attr, &mut ep.cq, ptr::null_mut()) != 0 {
+                // A provider without wait objects: the progress thread polls.
+                cq_attr.wait_obj = ffi::fi_wait_obj_FI_WAIT_NONE;
+                ep.waits = false;
+                ep.cq = ptr::null_mut();
+                check(
+                    "fi_cq_open",
+                    i64::from(ffi::fi_cq_open(
+                        ep.domain,
+                        &mut cq_attr,
+                        &mut ep.cq,
+                        ptr::null_mut(),
+                    )),
+                )?;
+            }
+            let mut av_attr = ffi::fi_av_attr {
+                type_: ffi::fi_av_type_FI_AV_TABLE,
+                ..Default::default()
+            };
+            check(
+                "fi_av_open",
+                i64::from(ffi::fi_av_open(
+                    ep.domain,
+                    &mut av_attr,
+                    &mut ep.av,
+                    ptr::null_mut(),
+                )),
+            )?;
+            check(
+                "fi_endpoint",
+                i64::from(ffi::fi_endpoint(
+                    ep.domain,
+                    info,
+                    &mut ep.ep,
+                    ptr::null_mut(),
+                )),
+            )?;
+            check(
+                "fi_ep_bind(cq)",
+                i64::from(ffi::fi_ep_bind(
+                    ep.ep,
+                    &mut (*ep.cq).fid,
+                    u64::from(ffi::FI_TRANSMIT | ffi::FI_RECV),
+                )),
+            )?;
+            check(
+                "fi_ep_bind(av)",
+                i64::from(ffi::fi_ep_bind(ep.ep, &mut (*ep.av).fid, 0)),
+            )?;
+            check("fi_enable", i64::from(ffi::fi_enable(ep.ep)))?;
+            Ok((ep, found))
+        }
+    }
+
+    /// The endpoint's address, as peers insert it into their address
+    /// vectors.
+    fn name(&self) -> Result<Vec<u8>, FabricError> {
+        let mut buf = vec![0u8; 256];
+        let mut len = buf.len();
+        // SAFETY: `buf` has `len` bytes; the endpoint is open.
+        let rc = unsafe { ffi::fi_getname(&mut (*self.ep).fid, buf.as_mut_ptr().cast(), &mut len) };
+        check("fi_getname", i64::from(rc))?;
+        buf.truncate(len);
+        Ok(buf)
+    }
+
+    /// Inserts a peer's address; its handle in the address vector.
+    fn insert(&self, name: &[u8]) -> Result<ffi::fi_addr_t, FabricError> {
+        let mut addr: ffi::fi_addr_t = 0;
+        // SAFETY: `name` is an address of this provider's format (checked by
+        // the provider); one entry, written to `addr`.
+        let n = unsafe {
+            ffi::fi_av_insert(
+                self.av,
+                name.as_ptr().cast(),
+                1,
+                &mut addr,
+                0,
+                ptr::null_mut(),
+            )
+        };
+        if n != 1 {
+            return Err(FabricError::Call {
+                call: "fi_av_insert",
+                code: i64::from(n.min(0).unsigned_abs()),
+                text: "the peer's address was not inserted".into(),
+            });
+        }
+        Ok(addr)
+    }
+
+    /// Removes a peer's address.
+    fn remove(&self, mut addr: ffi::fi_addr_t) {
+        // SAFETY: `addr` was inserted by `insert` and is removed once.
+        unsafe { ffi::fi_av_remove(self.av, &mut addr, 1, 0) };
+    }
+}
+
+/// What an agent's descriptor offers of its fabric: the provider's name and
+/// registration modes, and whether it moves GPU memory.
+#[derive(Debug, PartialEq, Eq)]
+struct Offer {
+    mr_mode: u64,
+    hmem: bool,
+    provider: String,
+}
+
+impl Offer {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = self.mr_mode.to_le_bytes().to_vec();
+        v.push(u8::from(self.hmem));
+        v.extend_from_slice(self.provider.as_bytes());
+        v
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        let (mode, rest) = b.split_first_chunk::<8>()?;
+        let (&hmem, name) = rest.split_first()?;
+        Some(Self {
+            mr_mode: u64::from_le_bytes(*mode),
+            hmem: hmem == 1,
+            provider: String::from_utf8(name.to_vec()).ok()?,
+        })
+    }
+}
+
+/// Operations the endpoint may still take (its transmit queue's depth):
+/// a poster takes one per operation, the progress thread gives them back
+/// as it reads completions.
+struct Credits {
+    cap: usize,
+    free: AtomicUsize,
+}
+
+impl Credits {
+    fn new(cap: usize) -> Self {
+        Self {
+            cap,
+            free: AtomicUsize::new(cap),
+        }
+    }
+
+    /// Takes one if there is one.
+    fn try_take(&self) -> bool {
+        self.free
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    fn give(&self, k: usize) {
+        self.free.fetch_add(k, Ordering::AcqRel);
+    }
+
+    /// Operations in flight.
+    fn in_flight(&self) -> usize {
+        self.cap - self.free.load(Ordering::Acquire)
+    }
+}
+
+/// What the transport's links and its progress thread share.
+struct Shared {
+    ep: Arc<Endpoint>,
+    credits: Credits,
+    /// Operations waiting for room in the endpoint's queues, posted by the
+    /// progress thread as completions free it.
+    backlog: Mutex<std::collections::VecDeque<link::Queued>>,
+    /// The links, for the progress thread's watch over them.
+    links: Mutex<Vec<std::sync::Weak<FabricLink>>>,
+}
+
+impl Shared {
+    /// Wakes the progress thread (it then posts what waits, and watches).
+    fn wake(&self) {
+        if self.ep.waits {
+            // SAFETY: the queue is open (the endpoint outlives this call).
+            unsafe { ffi::fi_cq_signal(self.ep.cq) };
+        }
+    }
+}
+
+/// The transport: the endpoint, its progress thread, and what it tells
+/// peers.
+pub(in crate::engine) struct Fabric {
+    shared: Arc<Shared>,
+    offer: Offer,
+    /// The domain's name, as statuses report the device.
+    domain: String,
+    max_msg: u64,
+    stop: Arc<AtomicBool>,
+    progress: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Fabric {
+    /// The transport of an agent on `backend`, when it uses one: `fabric`
+    /// opens an endpoint on the configured provider, or fails.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`]: no such provider, or it cannot open
+    /// an endpoint.
+    pub(in crate::engine) fn open(
+        backend: Backend,
+        config: &mut AgentConfig,
+    ) -> Result<Option<Self>, Error> {
+        if backend != Backend::Fabric {
+            return Ok(None);
+        }
+        let provider = config
+            .fabric
+            .provider
+            .clone()
+            .or_else(|| std::env::var("KVXFER_FABRIC_PROVIDER").ok());
+        let domain = config
+            .fabric
+            .domain
+            .clone()
+            .or_else(|| std::env::var("KVXFER_FABRIC_DOMAIN").ok());
+        let unavailable = |e: FabricError| Error::BackendUnavailable {
+            backend: "fabric",
+            reason: e.to_string(),
+        };
+        let (ep, found) =
+            Endpoint::open(provider.as_deref(), domain.as_deref()).map_err(unavailable)?;
+        tracing::info!(agent = %config.name, provider = %found.provider, domain = %found.domain, mr_mode = format_args!("{:#x}", found.mr_mode), waits = ep.waits, "libfabric endpoint open");
+        let shared = Arc::new(Shared {
+            ep: Arc::new(ep),
+            credits: Credits::new(found.tx_size.min(MAX_CREDITS)),
+            backlog: Mutex::default(),
+            links: Mutex::default(),
+        });
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (shared, stop) = (Arc::clone(&shared), Arc::clone(&stop));
+            std::thread::Builder::new()
+                .name(format!("kvxfer-fabric-{}", config.name))
+                .spawn(move || link::progress(&shared, &stop))?
+        };
+        Ok(Some(Self {
+            shared,
+            offer: Offer {
+                mr_mode: found.mr_mode,
+                hmem: found.hmem,
+                provider: found.provider,
+            },
+            domain: found.domain,
+            max_msg: found.max_msg.min(MAX_OP),
+            stop,
+            progress: Mutex::new(Some(thread)),
+        }))
+    }
+}
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        self.shared.wake();
+        if let Some(t) = self
+            .progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Transport for Fabric {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Fabric
+    }
+
+    fn moves(&self, local: MemoryType, remote: MemoryType, peer: &AgentDesc) -> bool {
+        let peer_hmem = peer_offer(peer).is_some_and(|o| o.hmem);
+        let ok =
+            |m: MemoryType, hmem: bool| m == MemoryType::Dram || (m == MemoryType::Vram && hmem);
+        ok(local, self.offer.hmem) && ok(remote, peer_hmem)
+    }
+
+    fn reach(&self, peer: &AgentDesc) -> Result<(), String> {
+        let Some(theirs) = peer_offer(peer) else {
+            return Err("the remote agent offers no libfabric endpoint".into());
+        };
+        if theirs.provider != self.offer.provider {
+            return Err(format!(
+                "the remote agent's provider is {:?}, this one's {:?}",
+                theirs.provider, self.offer.provider
+            ));
+        }
+        let virt = u64::from(ffi::FI_MR_VIRT_ADDR);
+        if theirs.mr_mode & virt != self.offer.mr_mode & virt {
+            return Err(
+                "the remote agent addresses its regions otherwise (FI_MR_VIRT_ADDR)".into(),
+            );
+        }
+        Ok(())
+    }
+
+    fn offer(&self) -> Option<Vec<u8>> {
+        Some(self.offer.encode())
+    }
+
+    fn registrar(&self) -> Option<&dyn Registrar> {
+        Some(self)
+    }
+
+    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        Ok(FabricLink::open(inner, self, peer)?)
+    }
+
+    fn accept(
+        &self,
+        _inner: &Inner,
+        remote: &str,
+        _sock: &TcpStream,
+        _msg: &[u8],
+    ) -> Result<(Vec<u8>, Option<attach::Attachment>), u16> {
+        // One-sided operations need nothing of the initiator here: the
+        // answer is this endpoint's address.
+        self.shared.ep.name().map(|n| (n, None)).map_err(|e| {
+            tracing::warn!(remote = %remote, error = %e, "cannot answer a libfabric attach");
+            status::ATTACH_FAILED
+        })
+    }
+}
+
+/// `peer`'s fabric offer, if it makes one that decodes.
+fn peer_offer(peer: &AgentDesc) -> Option<Offer> {
+    peer.offer(TransportKind::Fabric.as_str())
+        .and_then(|(_, o)| Offer::decode(&o.info))
+}
+
+/// A region's registration with the domain.
+#[derive(Debug)]
+struct FabricRegion {
+    mr: *mut ffi::fid_mr,
+    desc: u64,
+    key: u64,
+    /// Keeps the domain open while registered.
+    ep: Arc<Endpoint>,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("mr_mode", &self.mr_mode)
+            .finish_non_exhaustive()
+    }
+}
+
+// SAFETY: the registration is used through the thread-safe domain only.
+unsafe impl Send for FabricRegion {}
+// SAFETY: as above.
+unsafe impl Sync for FabricRegion {}
+
+impl Drop for FabricRegion {
+    fn drop(&mut self) {
+        // SAFETY: registered once, closed once; the domain is still open
+        // (`ep`).
+        unsafe { ffi::fi_close(&mut (*self.mr).fid) };
+        let _ = &self.ep;
+    }
+}
+
+impl RegionHandle for FabricRegion {
+    fn local_key(&self) -> u64 {
+        self.desc
+    }
+
+    fn remote_key(&self) -> Vec<u8> {
+        self.key.to_le_bytes().to_vec()
+    }
+}
+
+impl Registrar for Fabric {
+    fn name(&self) -> &'static str {
+        TransportKind::Fabric.as_str()
+    }
+
+    unsafe fn register(
+        &self,
+        mem_type: MemoryType,
+        desc: &MemoryDesc,
+        gpu: Option<&GpuRegion>,
+    ) -> Result<Option<Box<dyn RegionHandle>>, Error> {
+        let cuda = match (mem_type, gpu) {
+            (MemoryType::Dram, _) => None,
+            (MemoryType::Vram, Some(g)) if self.offer.hmem => Some(g.device),
+            // Storage, and GPU memory without FI_HMEM: not registered.
+            _ => return Ok(None),
+        };
+        let err = |e| fabric_err("", e);
+        let iov = ffi::iovec {
+            iov_base: desc.addr as *mut c_void,
+            iov_len: desc.len as usize,
+        };
+        let mut attr = ffi::fi_mr_attr {
+            mr_iov: &iov,
+            iov_count: 1,
+            access: u64::from(
+                ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ | ffi::FI_REMOTE_WRITE,
+            ),
+            // Random: the key is what a peer on the fabric must know (with
+            // the address) to reach the region (providers with
+            // FI_MR_PROV_KEY choose their own).
+            requested_key: crate::auth::random_u64(),
+            ..Default::default()
+        };
+        if let Some(d) = cuda {
+            attr.iface = ffi::fi_hmem_iface_FI_HMEM_CUDA;
+            attr.device.cuda = i32::try_from(d).unwrap_or(i32::MAX);
+        }
+        let ep = &self.shared.ep;
+        let mut mr = ptr::null_mut();
+        // SAFETY: the caller keeps the range allocated while registered;
+        // the registration is closed with the region (FabricRegion::drop).
+        unsafe {
+            check(
+                "fi_mr_regattr",
+                i64::from(ffi::fi_mr_regattr(ep.domain, &attr, 0, &mut mr)),
+            )
+            .map_err(err)?;
+            // Closed with this value if binding it fails.
+            let mut region = FabricRegion {
+                mr,
+                desc: ffi::fi_mr_desc(mr) as u64,
+                key: 0,
+                ep: Arc::clone(ep),
+            };
+            if ep.mr_mode & u64::from(ffi::FI_MR_ENDPOINT) != 0 {
+                check(
+                    "fi_mr_bind",
+                    i64::from(ffi::fi_mr_bind(mr, &mut (*ep.ep).fid, 0)),
+                )
+                .map_err(err)?;
+                check("fi_mr_enable", i64::from(ffi::fi_mr_enable(mr))).map_err(err)?;
+            }
+            region.key = ffi::fi_mr_key(mr);
+            Ok(Some(Box::new(region)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_offer_round_trips_and_garbage_is_none() {
+        let o = Offer {
+            mr_mode: u64::from(ffi::FI_MR_VIRT_ADDR | ffi::FI_MR_PROV_KEY),
+            hmem: true,
+            provider: "efa".into(),
+        };
+        assert_eq!(Offer::decode(&o.encode()), Some(o));
+        assert_eq!(Offer::decode(&[1, 2, 3]), None);
+        assert_eq!(Offer::decode(&[0; 8]), None);
+    }
+
+    #[test]
+    fn credits_run_out_and_come_back() {
+        let c = Credits::new(2);
+        assert!(c.try_take() && c.try_take());
+        assert!(!c.try_take());
+        assert_eq!(c.in_flight(), 2);
+        c.give(1);
+        assert_eq!(c.in_flight(), 1);
+        assert!(c.try_take());
+    }
+}

@@ -27,7 +27,7 @@ for b in shm auto; do
   KVXFER_TEST_BACKEND=$b cargo test --locked --test agent --test cache
 done
 echo "== agent suite and KV-cache protocol on fabric (libfabric, provider tcp;ofi_rxm, no ordering asked)"
-KVXFER_FABRIC_PROVIDER="tcp;ofi_rxm" KVXFER_TEST_BACKEND=fabric cargo test --locked --test agent --test cache
+KVXFER_FABRIC_PROVIDER="tcp;ofi_rxm" KVXFER_TEST_BACKEND=fabric cargo test --locked --features fabric --test agent --test cache
 echo "SKIPPED: fabric on verbs;ofi_rxm in the soft-RoCE guest: libfabric 1.17's verbs provider cannot open its completion queue on rxe there (vrb_cq_open: Unable to create verbs CQ; fi_enable -22, the same for benches/fi_rma_loop.c)"
 echo "== KV-cache protocol on inproc (agents of one process, plain copies)"
 KVXFER_TEST_BACKEND=inproc cargo test --locked --test cache

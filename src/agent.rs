@@ -168,8 +168,9 @@ pub enum Backend {
     Rdma,
     /// libfabric only (reliable-datagram endpoints with RMA: EFA, and every
     /// other fabric libfabric drives; see [`FabricConfig`](crate::FabricConfig));
-    /// creating the agent fails without a usable provider, loading a peer
-    /// on another provider fails.
+    /// creating the agent fails without a usable provider (or in a build
+    /// without the cargo feature `fabric`), loading a peer on another
+    /// provider fails.
     Fabric,
     /// Agents of this process only: a transfer is a plain copy between two
     /// agents' registered memory, done in the submitting thread (its status

@@ -33,6 +33,7 @@ mod attach;
 mod budget;
 mod cma;
 mod cma_target;
+#[cfg(feature = "fabric")]
 mod fabric;
 mod handshake;
 mod in_flight;

@@ -243,8 +243,16 @@ pub(in crate::engine) fn open_devices(
     if let Some(t) = rdma::transport::Rdma::open(backend, config)? {
         v.push(Arc::new(t));
     }
+    #[cfg(feature = "fabric")]
     if let Some(t) = fabric::Fabric::open(backend, config)? {
         v.push(Arc::new(t));
+    }
+    #[cfg(not(feature = "fabric"))]
+    if backend == Backend::Fabric {
+        return Err(Error::BackendUnavailable {
+            backend: "fabric",
+            reason: "kvxfer was built without the `fabric` feature".into(),
+        });
     }
     Ok(v)
 }

@@ -196,8 +196,7 @@ pub(in crate::engine) fn small(req: &TransferRequest) -> bool {
 /// descriptors hold nothing wider).
 pub(in crate::engine) fn plan_rdma(
     req: &TransferRequest,
-    lkeys: &[u64],
-    rkeys: &[RemoteKey],
+    resolved: &Resolved,
     link: &RdmaLink,
     config: &AgentConfig,
 ) -> Result<Few<rdma::Wr>, Error> {
@@ -205,8 +204,8 @@ pub(in crate::engine) fn plan_rdma(
         .local
         .descs
         .iter()
-        .zip(lkeys)
-        .zip(req.remote.descs.iter().zip(rkeys))
+        .zip(&resolved.local_keys)
+        .zip(req.remote.descs.iter().zip(&resolved.remote_keys))
         .map(|((l, &lk), (r, rk))| (lk as u32, l.addr, rk.key as u32, r.addr, l.len))
         .collect();
     let conn = link.parts.qps.first().ok_or(Error::Closed)?;

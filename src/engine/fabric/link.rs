@@ -186,6 +186,23 @@ struct Group {
 }
 
 impl Group {
+    /// Its commit: no segments (its data moved beside the stream), its
+    /// sync message.
+    fn commit_frames(&self, sync: Option<Vec<u8>>) -> Frames {
+        Frames {
+            req: self.req,
+            op: self.op,
+            segs: Segs::none(),
+            tail: Tail::Commit {
+                segments: 0,
+                sync,
+                durable: false,
+            },
+            pending: Arc::clone(&self.pending),
+            aborted: false,
+        }
+    }
+
     /// One of its operations completed with `result`; the last one commits
     /// the request, or fails it.
     fn done(self: &Arc<Self>, result: Result<(), Error>) {
@@ -228,21 +245,7 @@ impl Group {
                 self.pending.finish(None);
             }
         } else {
-            commit(
-                link,
-                Frames {
-                    req: self.req,
-                    op: self.op,
-                    segs: Segs::none(),
-                    tail: Tail::Commit {
-                        segments: 0,
-                        sync,
-                        durable: false,
-                    },
-                    pending: Arc::clone(&self.pending),
-                    aborted: false,
-                },
-            );
+            commit(link, self.commit_frames(sync));
         }
         for f in release {
             commit(link, f);
@@ -317,18 +320,8 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
         if group.fence && ops.is_empty() && open.groups > 0 {
             // A notification ordered after the requests still in flight:
             // sent when the last of them has completed.
-            open.fenced.push(Frames {
-                req: id,
-                op: req.op,
-                segs: Segs::none(),
-                tail: Tail::Commit {
-                    segments: 0,
-                    sync: lock(&group.sync).take(),
-                    durable: false,
-                },
-                pending: Arc::clone(&group.pending),
-                aborted: false,
-            });
+            open.fenced
+                .push(group.commit_frames(lock(&group.sync).take()));
             return Ok(status);
         }
         open.groups += 1;

@@ -628,8 +628,9 @@ struct FabricRegion {
     mr: *mut ffi::fid_mr,
     desc: u64,
     key: u64,
-    /// Keeps the domain open while registered.
-    ep: Arc<Endpoint>,
+    /// Keeps the domain open while registered (dropped after `drop` has
+    /// closed the registration).
+    _ep: Arc<Endpoint>,
 }
 
 impl std::fmt::Debug for Endpoint {
@@ -648,9 +649,8 @@ unsafe impl Sync for FabricRegion {}
 impl Drop for FabricRegion {
     fn drop(&mut self) {
         // SAFETY: registered once, closed once; the domain is still open
-        // (`ep`).
+        // (`_ep`).
         unsafe { ffi::fi_close(&mut (*self.mr).fid) };
-        let _ = &self.ep;
     }
 }
 
@@ -717,7 +717,7 @@ impl Registrar for Fabric {
                 mr,
                 desc: ffi::fi_mr_desc(mr) as u64,
                 key: 0,
-                ep: Arc::clone(ep),
+                _ep: Arc::clone(ep),
             };
             if ep.mr_mode & u64::from(ffi::FI_MR_ENDPOINT) != 0 {
                 check(

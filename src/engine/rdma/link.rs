@@ -136,13 +136,7 @@ impl RdmaLink {
             ..
         } = sub;
         let config = &engine.inner.config;
-        let wrs = plan_rdma(
-            req,
-            &resolved.local_keys,
-            &resolved.remote_keys,
-            &self,
-            config,
-        )?;
+        let wrs = plan_rdma(req, &resolved, &self, config)?;
         let driver = small(req).then(|| self.driver());
         if !fence && req.local.descs.len() <= fast::REMEMBER_MAX_DESCS && driver.is_some() {
             let planned = fast::Planned {
@@ -165,13 +159,7 @@ impl RdmaLink {
         resolved: Resolved,
     ) -> Result<fast::PreparedRdma, Error> {
         let config = &engine.inner.config;
-        let wrs = plan_rdma(
-            req,
-            &resolved.local_keys,
-            &resolved.remote_keys,
-            &self,
-            config,
-        )?;
+        let wrs = plan_rdma(req, &resolved, &self, config)?;
         let driver = small(req).then(|| self.driver());
         Ok(fast::PreparedRdma {
             peer,

@@ -28,6 +28,22 @@ for b in shm auto; do
 done
 echo "== agent suite and KV-cache protocol on fabric (libfabric, provider tcp;ofi_rxm, no ordering asked)"
 KVXFER_FABRIC_PROVIDER="tcp;ofi_rxm" KVXFER_TEST_BACKEND=fabric cargo test --locked --features fabric --test agent --test cache
+echo "== agent suite and KV-cache protocol on fabric, provider shm (FI_MR_VIRT_ADDR addressing; no order between RMA and messages: FI_ORDER_SAS only)"
+# libfabric's shm provider leaves a file in /dev/shm per endpoint; those of
+# processes that are gone (peers the tests kill) are removed.
+clean_shm() {
+  for f in /dev/shm/*:*:*; do
+    [ -e "$f" ] || continue
+    pid=${f##*/}; pid=${pid%%:*}
+    case $pid in *[!0-9]*|'') continue ;; esac
+    [ -d "/proc/$pid" ] || rm -f "$f"
+  done
+}
+clean_shm
+refused="write_after_target_deregistered_is_rejected kept_statuses_keep_their_outcomes refused_request_withholds_its_sync_message deregistration_during_an_inbound_write_is_clean"
+echo "SKIPPED on shm: $refused: libfabric 1.17's shm provider never completes an RMA operation whose key the target refuses once the initiating process has had an endpoint before (the request stays in progress); these four run on tcp;ofi_rxm above"
+KVXFER_FABRIC_PROVIDER=shm KVXFER_TEST_BACKEND=fabric cargo test --locked --features fabric --test agent --test cache -- $(for t in $refused; do printf -- '--skip %s ' "$t"; done)
+clean_shm
 echo "SKIPPED: fabric on verbs;ofi_rxm in the soft-RoCE guest: libfabric 1.17's verbs provider cannot open its completion queue on rxe there (vrb_cq_open: Unable to create verbs CQ; fi_enable -22, the same for benches/fi_rma_loop.c)"
 echo "== KV-cache protocol on inproc (agents of one process, plain copies)"
 KVXFER_TEST_BACKEND=inproc cargo test --locked --test cache

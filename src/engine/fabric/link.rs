@@ -516,9 +516,9 @@ unsafe fn complete(ctx: *mut c_void, result: Result<(), FabricError>) {
 
 /// The endpoint's progress thread: reads completions until `stop`, then
 /// for a grace period while operations are still in flight. While this
-/// agent's operations are in flight, and for [`SPIN_AFTER`] after the last
-/// completion, it polls the queue (which also drives providers with manual
-/// progress); otherwise it blocks in it.
+/// agent's operations are in flight or wait to be posted, and for
+/// [`SPIN_AFTER`] after the last completion, it polls the queue (which also
+/// drives providers with manual progress); otherwise it blocks in it.
 pub(super) fn progress(shared: &Shared, stop: &AtomicBool) {
     /// How long it keeps polling after the last completion.
     const SPIN_AFTER: Duration = Duration::from_micros(500);
@@ -543,7 +543,12 @@ pub(super) fn progress(shared: &Shared, stop: &AtomicBool) {
         {
             return;
         }
-        let busy = credits.in_flight() > 0 || active.is_some_and(|t| t.elapsed() < SPIN_AFTER);
+        // Operations waiting to be posted count as work too: room may come
+        // back without a completion (a provider still reaching its peer),
+        // and some providers' blocking reads ignore their timeout.
+        let busy = credits.in_flight() > 0
+            || active.is_some_and(|t| t.elapsed() < SPIN_AFTER)
+            || !lock(&shared.backlog).is_empty();
         // SAFETY: `buf` holds BATCH entries of the queue's format.
         let n = unsafe {
             if ep.waits && !busy {

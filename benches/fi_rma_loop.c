@@ -40,7 +40,8 @@ int main(int argc, char **argv){
   hints->mode = FI_CONTEXT;
   hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
   hints->fabric_attr->prov_name = strdup(prov);
-  hints->addr_format = FI_SOCKADDR_IN;
+  // IPv4 addresses where the provider has them (shm names its endpoints).
+  if (strcmp(prov, "shm")) hints->addr_format = FI_SOCKADDR_IN;
   CK(fi_getinfo(FI_VERSION(1, 9), NULL, NULL, 0, hints, &info));
   struct fid_fabric *fab; struct fid_domain *dom; struct fid_ep *ep; struct fid_cq *cq; struct fid_av *av;
   CK(fi_fabric(info->fabric_attr, &fab, NULL));

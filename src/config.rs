@@ -161,7 +161,10 @@ impl Default for ShmConfig {
     }
 }
 
-/// The libfabric data path (backend `fabric`).
+/// The libfabric data path (backend `fabric`). A provider that registers
+/// memory with a NIC (`verbs`, `efa`, …) is used only with libfabric's
+/// registration cache off (`FI_MR_CACHE_MAX_COUNT=0` in the environment):
+/// the cache would keep deregistered memory open to remote writes.
 #[derive(Clone, Debug, Default)]
 #[non_exhaustive]
 pub struct FabricConfig {

@@ -21,7 +21,9 @@
 //! `FI_MR_PROV_KEY` (else random keys this transport asks for), `FI_MR_ENDPOINT`
 //! (registrations bound to the endpoint), `FI_MR_ALLOCATED` (registered
 //! memory is the caller's, allocated) and `FI_MR_HMEM` (GPU memory through
-//! `fi_mr_regattr` with its CUDA device). Keys are up to 64 bits wide.
+//! `fi_mr_regattr` with its CUDA device). Keys are up to 64 bits wide. A
+//! provider that registers with a NIC is refused while libfabric's
+//! registration cache is on (`cache_refusal`).
 
 mod link;
 
@@ -513,6 +515,21 @@ impl Fabric {
         };
         let (ep, found) =
             Endpoint::open(provider.as_deref(), domain.as_deref()).map_err(unavailable)?;
+        let env = |k: &str| std::env::var(k).ok();
+        if let Some(reason) = cache_refusal(
+            &found.provider,
+            &CacheEnv {
+                max_count: env("FI_MR_CACHE_MAX_COUNT"),
+                max_size: env("FI_MR_CACHE_MAX_SIZE"),
+                monitor: env("FI_MR_CACHE_MONITOR"),
+                efa: env("FI_EFA_MR_CACHE_ENABLE"),
+            },
+        ) {
+            return Err(Error::BackendUnavailable {
+                backend: "fabric",
+                reason,
+            });
+        }
         tracing::info!(agent = %config.name, provider = %found.provider, domain = %found.domain, mr_mode = format_args!("{:#x}", found.mr_mode), waits = ep.waits, "libfabric endpoint open");
         let shared = Arc::new(Shared {
             ep: Arc::new(ep),
@@ -540,6 +557,58 @@ impl Fabric {
             progress: Mutex::new(Some(thread)),
         }))
     }
+}
+
+/// Core providers whose registrations are checked in software by the
+/// target's provider and end with `fi_close` (no registration cache).
+const UNCACHED: &[&str] = &["tcp", "shm", "sockets", "udp", "net"];
+
+/// What the environment says of libfabric's registration cache (read once,
+/// when an agent opens its endpoint; libfabric reads the same variables).
+struct CacheEnv {
+    /// `FI_MR_CACHE_MAX_COUNT`.
+    max_count: Option<String>,
+    /// `FI_MR_CACHE_MAX_SIZE`.
+    max_size: Option<String>,
+    /// `FI_MR_CACHE_MONITOR`.
+    monitor: Option<String>,
+    /// `FI_EFA_MR_CACHE_ENABLE` (the efa provider's own switch).
+    efa: Option<String>,
+}
+
+/// Why an agent may not use `provider` with the environment `env`, if it
+/// may not: providers that register with a NIC (verbs, efa, …) keep a
+/// closed registration in libfabric's registration cache, still open to
+/// remote access, so a region this agent deregistered — or memory it freed
+/// and reused — would stay writable by peers holding its key. Such a
+/// provider is used only with the cache turned off.
+fn cache_refusal(provider: &str, env: &CacheEnv) -> Option<String> {
+    let zero = |v: &Option<String>| v.as_deref().is_some_and(|v| v.trim() == "0");
+    let off = |v: &Option<String>| {
+        v.as_deref()
+            .is_some_and(|v| matches!(v.trim(), "0" | "no" | "false" | "off"))
+    };
+    let cores: Vec<&str> = provider
+        .split(';')
+        .filter(|p| !p.starts_with("ofi_"))
+        .collect();
+    let caching: Vec<&str> = cores
+        .into_iter()
+        .filter(|p| !UNCACHED.contains(p))
+        .collect();
+    if caching.is_empty()
+        || zero(&env.max_count)
+        || zero(&env.max_size)
+        || env.monitor.as_deref().map(str::trim) == Some("disabled")
+        || (caching == ["efa"] && off(&env.efa))
+    {
+        return None;
+    }
+    Some(format!(
+        "provider {provider} may keep a closed memory registration in libfabric's registration cache, \
+         still open to remote access, so a region deregistered (or memory freed) here would stay \
+         writable by peers; turn the cache off with FI_MR_CACHE_MAX_COUNT=0 in the environment"
+    ))
 }
 
 impl Drop for Fabric {
@@ -747,6 +816,37 @@ mod tests {
         assert_eq!(Offer::decode(&o.encode()), Some(o));
         assert_eq!(Offer::decode(&[1, 2, 3]), None);
         assert_eq!(Offer::decode(&[0; 8]), None);
+    }
+
+    #[test]
+    fn providers_that_cache_registrations_need_the_cache_off() {
+        let env = |count: Option<&str>, monitor: Option<&str>, efa: Option<&str>| CacheEnv {
+            max_count: count.map(Into::into),
+            max_size: None,
+            monitor: monitor.map(Into::into),
+            efa: efa.map(Into::into),
+        };
+        let none = env(None, None, None);
+        // Software keys, no cache: nothing to turn off.
+        for p in ["tcp;ofi_rxm", "shm", "udp;ofi_rxd", "sockets", "net"] {
+            assert_eq!(cache_refusal(p, &none), None, "{p}");
+        }
+        // A NIC's registrations: refused until the cache is off.
+        for p in ["verbs;ofi_rxm", "efa", "psm3", "cxi"] {
+            let why = cache_refusal(p, &none).expect(p);
+            assert!(why.contains("FI_MR_CACHE_MAX_COUNT=0"), "{why}");
+            assert_eq!(cache_refusal(p, &env(Some("0"), None, None)), None, "{p}");
+            assert_eq!(cache_refusal(p, &env(None, Some("disabled"), None)), None);
+            assert!(cache_refusal(p, &env(Some("1024"), Some("memhooks"), None)).is_some());
+        }
+        let max_size = CacheEnv {
+            max_size: Some("0".into()),
+            ..env(None, None, None)
+        };
+        assert_eq!(cache_refusal("verbs;ofi_rxm", &max_size), None);
+        // efa's own switch turns off efa's cache only.
+        assert_eq!(cache_refusal("efa", &env(None, None, Some("0"))), None);
+        assert!(cache_refusal("verbs;ofi_rxm", &env(None, None, Some("0"))).is_some());
     }
 
     #[test]

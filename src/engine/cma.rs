@@ -163,6 +163,7 @@ impl CmaLink {
     /// when delegation is on.
     pub(in crate::engine) fn open(
         inner: &Inner,
+        shm: &transport::Shm,
         peer: &AgentDesc,
         pid: u32,
     ) -> Result<Arc<Self>, Error> {
@@ -187,10 +188,7 @@ impl CmaLink {
         let parts = CmaParts {
             pid,
             copy_threads: cfg.shm.copy_threads,
-            delegate_probe: cfg
-                .shm
-                .delegate
-                .then_some((&*inner.probe_word as *const u64 as u64, inner.instance)),
+            delegate_probe: cfg.shm.delegate.then(|| (shm.probe_addr(), inner.instance)),
             delegate_ok: AtomicBool::new(may_delegate),
             ipc: IpcPeer::new(peer, &inner.host),
         };

@@ -175,7 +175,9 @@ impl Inner {
         drop(unprivileged);
         match copied {
             Ok(_) => {
-                self.delegated_copies.fetch_add(1, Ordering::Relaxed);
+                if let Some(s) = &self.shm {
+                    s.count_delegated();
+                }
                 answer(status::OK)?;
                 commit(self, session, req, 0, sync)
             }

@@ -149,7 +149,6 @@ pub struct Engine {
     /// Another handle on the listening socket, shut down to wake the
     /// accept loop when the agent is dropped.
     listener_wake: Option<TcpListener>,
-    local_proof_thread: Option<JoinHandle<()>>,
     /// The metrics endpoint, when configured.
     #[cfg(feature = "metrics-endpoint")]
     metrics_server: Option<metrics_http::MetricsServer>,
@@ -159,11 +158,12 @@ struct Inner {
     config: AgentConfig,
     mode: Backend,
     instance: u64,
-    /// Holds `instance`; peers read it back to prove direct access works.
-    probe_word: Box<u64>,
     host: String,
     /// The transports this agent may use, in order of preference.
     transports: Vec<Arc<dyn transport::Transport>>,
+    /// Among them, cross-memory attach (shm and auto), whose target side
+    /// serves every connection (grants, delegated copies, proofs).
+    shm: Option<Arc<transport::Shm>>,
     endpoint: String,
     listen_addr: SocketAddr,
     registry: Registry,
@@ -175,12 +175,6 @@ struct Inner {
     /// Requests open at this target, in all sessions (see
     /// [`Limits::max_open_requests`](crate::Limits::max_open_requests)).
     open_requests: Arc<AtomicUsize>,
-    /// The local socket on which same-host initiators prove which process
-    /// they are (delegated copies); `None` when this agent never copies
-    /// for initiators.
-    local_proof: Option<Arc<local_proof::Listener>>,
-    /// Delegated cross-memory copies this agent has done for initiators.
-    delegated_copies: AtomicU64,
     /// Incoming connections that have not authenticated yet.
     pre_auth: Arc<Mutex<pre_auth::PreAuth>>,
     /// Request ids, and the requests submitted whose outcome is not in (see
@@ -230,26 +224,13 @@ impl Engine {
             None => listen_addr.to_string(),
         };
         let instance = random_u64() | 1;
-        // Bound before any descriptor naming `instance` is published, so no
-        // other process can hold the name first.
-        let local_proof = match mode {
-            Backend::Shm | Backend::Auto if config.shm.delegate => {
-                match local_proof::Listener::bind(instance) {
-                    Ok(l) => Some(Arc::new(l)),
-                    Err(e) => {
-                        tracing::info!(agent = %config.name, error = %e, "no local proof socket; this agent does not copy for initiators");
-                        None
-                    }
-                }
-            }
-            _ => None,
-        };
         let host = shm::host_id();
+        let shm = transport::Shm::open(mode, &config, instance, &host);
         let inner = Arc::new(Inner {
-            transports: transport::for_backend(mode, devices, &host),
+            transports: transport::for_backend(mode, devices, shm.as_ref()),
+            shm,
             mode,
             instance,
-            probe_word: Box::new(instance),
             host,
             endpoint,
             listen_addr,
@@ -263,8 +244,6 @@ impl Engine {
             server: Mutex::new(ServerConns::default()),
             sessions: Mutex::new(HashMap::new()),
             open_requests: Arc::new(AtomicUsize::new(0)),
-            local_proof,
-            delegated_copies: AtomicU64::new(0),
             pre_auth: Arc::default(),
             in_flight: in_flight::InFlight::new(),
             door: RwLock::new(true),
@@ -282,17 +261,9 @@ impl Engine {
         let listener_thread = std::thread::Builder::new()
             .name(format!("kvxfer-accept-{}", inner.config.name))
             .spawn(move || acceptor.accept_loop(listener))?;
-        let local_proof_thread = match &inner.local_proof {
-            Some(l) => {
-                let (l, me) = (Arc::clone(l), Arc::clone(&inner));
-                Some(
-                    std::thread::Builder::new()
-                        .name(format!("kvxfer-local-{}", inner.config.name))
-                        .spawn(move || me.serve_local_proofs(&l))?,
-                )
-            }
-            None => None,
-        };
+        if let Some(s) = &inner.shm {
+            s.start(&inner)?;
+        }
         tracing::debug!(agent = %inner.config.name, endpoint = %inner.endpoint, "tcp agent listening");
         #[cfg(feature = "metrics-endpoint")]
         let metrics_server = match inner.config.metrics.listen {
@@ -310,7 +281,6 @@ impl Engine {
             inner,
             listener_thread: Some(listener_thread),
             listener_wake,
-            local_proof_thread,
             #[cfg(feature = "metrics-endpoint")]
             metrics_server,
         };
@@ -360,9 +330,8 @@ impl Drop for Engine {
         if let Some(t) = self.listener_thread.take() {
             let _ = t.join();
         }
-        if let (Some(l), Some(t)) = (&inner.local_proof, self.local_proof_thread.take()) {
-            l.wake();
-            let _ = t.join();
+        if let Some(s) = &inner.shm {
+            s.stop();
         }
         // Incoming connections: shut down, then join their threads.
         let (socks, threads) = {

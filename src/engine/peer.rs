@@ -35,17 +35,13 @@ impl Inner {
                 .registry
                 .exported(&offered, |h| self.storage.get(h).map_or(1, |f| f.align)),
             transports,
-            local_access: matches!(self.mode, Backend::Shm | Backend::Auto).then(|| LocalAccess {
+            local_access: self.shm.as_ref().map(|s| LocalAccess {
                 host: self.host.clone(),
                 pid: std::process::id(),
-                probe_addr: &*self.probe_word as *const u64 as u64,
+                probe_addr: s.probe_addr(),
             }),
             gpu: Some(self.registry.ipc_exports())
-                .filter(|h| {
-                    !h.is_empty()
-                        && matches!(self.mode, Backend::Shm | Backend::Auto)
-                        && host == Some(self.host.as_str())
-                })
+                .filter(|h| !h.is_empty() && self.shm.is_some() && host == Some(self.host.as_str()))
                 .map(|handles| crate::desc::GpuAccess {
                     host: self.host.clone(),
                     pid: std::process::id(),
@@ -61,7 +57,7 @@ impl Inner {
     /// otherwise, or when the agent does not answer with them (its GPU
     /// memory is then reached by staging over TCP).
     pub(in crate::engine) fn gpu_handles_for(&self, desc: &AgentDesc) -> Option<AgentDesc> {
-        let wanted = matches!(self.mode, Backend::Shm | Backend::Auto)
+        let wanted = self.shm.is_some()
             && desc.gpu.is_none()
             && desc.instance != self.instance
             && desc

@@ -204,7 +204,7 @@ fn scattered_remote_side_is_copied_by_the_target() {
         );
         check_target(&target, &dst);
         // Who copied: the target, both ways, only when it delegates.
-        let copies = target.inner.delegated_copies.load(Ordering::Relaxed);
+        let copies = target.inner.shm.as_ref().map_or(0, |s| s.delegated());
         assert_eq!(copies, if target_delegates { 2 } else { 0 });
         drop(target);
         drop(dst);
@@ -223,7 +223,7 @@ fn a_target_never_copies_for_its_own_process() {
     unsafe { target.register_memory(&MemoryDescs::dram(&dst)).unwrap() };
     write_and_read_scattered(&init, &target.local_agent_desc(), dst.as_ptr() as u64);
     check_target(&target, &dst);
-    assert_eq!(target.inner.delegated_copies.load(Ordering::Relaxed), 0);
+    assert_eq!(target.inner.shm.as_ref().map_or(0, |s| s.delegated()), 0);
     drop((init, target));
     drop(dst);
 }

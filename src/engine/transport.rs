@@ -193,10 +193,104 @@ impl Transport for Tcp {
 }
 
 /// Cross-memory attach: a peer on this host that offers it and whose
-/// probe word this process can read.
+/// probe word this process can read. It owns what the path needs on both
+/// sides: the probe word it publishes, the local proof socket on which
+/// same-host initiators prove which process they are (so that this agent
+/// may copy for them) with the thread serving it, and the count of the
+/// copies it did for them.
+///
+/// Drop order: the agent stops the proof thread ([`Shm::stop`]) before it
+/// lets go of its state; the socket closes with the transport.
 pub(in crate::engine) struct Shm {
     /// This host's id.
     pub(in crate::engine) host: String,
+    /// Holds the agent's instance; peers read it back to prove direct
+    /// access works (its address is in the descriptor).
+    probe_word: Box<u64>,
+    /// The local proof socket; `None` when this agent never copies for
+    /// initiators.
+    proofs: Option<Arc<local_proof::Listener>>,
+    /// The thread serving `proofs`, while the agent is open.
+    proof_thread: Mutex<Option<JoinHandle<()>>>,
+    /// Delegated cross-memory copies this agent has done for initiators.
+    delegated: AtomicU64,
+}
+
+impl Shm {
+    /// The transport of an agent on `backend` (shm and auto use it) with
+    /// `instance` on this host `host`; its local proof socket is bound when
+    /// the agent copies for initiators (bound before any descriptor naming
+    /// `instance` is published, so no other process can hold the name
+    /// first).
+    pub(in crate::engine) fn open(
+        backend: Backend,
+        config: &AgentConfig,
+        instance: u64,
+        host: &str,
+    ) -> Option<Arc<Self>> {
+        if !matches!(backend, Backend::Shm | Backend::Auto) {
+            return None;
+        }
+        let proofs = if config.shm.delegate {
+            match local_proof::Listener::bind(instance) {
+                Ok(l) => Some(Arc::new(l)),
+                Err(e) => {
+                    tracing::info!(agent = %config.name, error = %e, "no local proof socket; this agent does not copy for initiators");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Some(Arc::new(Self {
+            host: host.to_owned(),
+            probe_word: Box::new(instance),
+            proofs,
+            proof_thread: Mutex::new(None),
+            delegated: AtomicU64::new(0),
+        }))
+    }
+
+    /// Starts serving the local proof socket for `inner` (its sessions'
+    /// tickets), when there is one.
+    ///
+    /// # Errors
+    /// The thread could not be started.
+    pub(in crate::engine) fn start(&self, inner: &Arc<Inner>) -> io::Result<()> {
+        if let Some(l) = &self.proofs {
+            let (l, me) = (Arc::clone(l), Arc::clone(inner));
+            let t = std::thread::Builder::new()
+                .name(format!("kvxfer-local-{}", inner.config.name))
+                .spawn(move || me.serve_local_proofs(&l))?;
+            *lock(&self.proof_thread) = Some(t);
+        }
+        Ok(())
+    }
+
+    /// Stops the proof thread (the agent is closing) and waits for it.
+    pub(in crate::engine) fn stop(&self) {
+        let t = lock(&self.proof_thread).take();
+        if let (Some(l), Some(t)) = (&self.proofs, t) {
+            l.wake();
+            let _ = t.join();
+        }
+    }
+
+    /// Where the probe word lies in this process.
+    pub(in crate::engine) fn probe_addr(&self) -> u64 {
+        &*self.probe_word as *const u64 as u64
+    }
+
+    /// Counts one delegated copy done for an initiator.
+    pub(in crate::engine) fn count_delegated(&self) {
+        self.delegated.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Delegated copies done for initiators so far.
+    #[cfg(test)]
+    pub(in crate::engine) fn delegated(&self) -> u64 {
+        self.delegated.load(Ordering::Relaxed)
+    }
 }
 
 impl Transport for Shm {
@@ -226,7 +320,7 @@ impl Transport for Shm {
     fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
         // Data bypasses the socket; one stream carries the control.
         let pid = peer.local_access.as_ref().map_or(0, |a| a.pid);
-        Ok(CmaLink::open(inner, peer, pid)?)
+        Ok(CmaLink::open(inner, self, peer, pid)?)
     }
 }
 
@@ -265,25 +359,16 @@ pub(in crate::engine) fn open_devices(
 pub(in crate::engine) fn for_backend(
     backend: Backend,
     devices: Vec<Arc<dyn Transport>>,
-    host: &str,
+    shm: Option<&Arc<Shm>>,
 ) -> Vec<Arc<dyn Transport>> {
-    let shm = || {
-        Arc::new(Shm {
-            host: host.to_owned(),
-        }) as Arc<dyn Transport>
-    };
+    let shm = shm.map(|s| Arc::clone(s) as Arc<dyn Transport>);
     let tcp = |host_memory| Arc::new(Tcp { host_memory }) as Arc<dyn Transport>;
     match backend {
         Backend::Tcp => vec![tcp(true)],
-        Backend::Shm => vec![shm(), tcp(false)],
+        Backend::Shm => shm.into_iter().chain([tcp(false)]).collect(),
         Backend::Rdma | Backend::Fabric => devices.into_iter().chain([tcp(false)]).collect(),
         Backend::InProcess => vec![Arc::new(inproc::InProcess)],
-        Backend::Auto => {
-            let mut v = vec![shm()];
-            v.extend(devices);
-            v.push(tcp(true));
-            v
-        }
+        Backend::Auto => shm.into_iter().chain(devices).chain([tcp(true)]).collect(),
     }
 }
 
@@ -353,6 +438,11 @@ mod tests {
         }
     }
 
+    fn shm_on(host: &str) -> Option<Arc<Shm>> {
+        let config = AgentConfig::new("t").with_shm_delegate(false);
+        Shm::open(Backend::Shm, &config, 7, host)
+    }
+
     fn rdma_if(has_device: bool) -> Vec<Arc<dyn Transport>> {
         has_device
             .then(|| Arc::new(Rdma) as Arc<dyn Transport>)
@@ -384,7 +474,7 @@ mod tests {
 
     #[test]
     fn auto_prefers_shm_then_rdma_then_tcp() {
-        let auto = for_backend(Backend::Auto, rdma_if(true), "this-host");
+        let auto = for_backend(Backend::Auto, rdma_if(true), shm_on("this-host").as_ref());
         let kinds: Vec<_> = auto.iter().map(|t| t.kind()).collect();
         assert_eq!(
             kinds,
@@ -400,13 +490,13 @@ mod tests {
         let plain = desc(false, None);
         assert_eq!(kind(&auto, &plain), TransportKind::Tcp);
         // No device here: RDMA is not in the list at all.
-        let no_dev = for_backend(Backend::Auto, rdma_if(false), "this-host");
+        let no_dev = for_backend(Backend::Auto, rdma_if(false), shm_on("this-host").as_ref());
         assert_eq!(kind(&no_dev, &other), TransportKind::Tcp);
     }
 
     #[test]
     fn no_transport_is_a_typed_error_with_every_reason() {
-        let rdma = for_backend(Backend::Rdma, rdma_if(true), "h");
+        let rdma = for_backend(Backend::Rdma, rdma_if(true), shm_on("h").as_ref());
         let dram = MemoryType::Dram;
         let e = choose(&rdma, Backend::Rdma, &desc(false, None), dram, dram)
             .map(|t| t.kind())
@@ -418,7 +508,7 @@ mod tests {
             }
             other => panic!("{other}"),
         }
-        let shm = for_backend(Backend::Shm, rdma_if(false), "h");
+        let shm = for_backend(Backend::Shm, rdma_if(false), shm_on("h").as_ref());
         let e = choose(
             &shm,
             Backend::Shm,
@@ -433,7 +523,7 @@ mod tests {
             "{e}"
         );
         // A memory type no transport moves: each says so.
-        let auto = for_backend(Backend::Auto, rdma_if(true), "h");
+        let auto = for_backend(Backend::Auto, rdma_if(true), shm_on("h").as_ref());
         let e = choose(
             &auto,
             Backend::Auto,
@@ -457,7 +547,8 @@ mod tests {
         let mut peer = desc(true, Some(("h", 1)));
         let tcp = Tcp { host_memory: true };
         let storage_only = Tcp { host_memory: false };
-        let shm = Shm { host: "h".into() };
+        let shm_arc = shm_on("h").expect("the shm backend has the shm transport");
+        let shm: &Shm = &shm_arc;
         for (l, r) in [(Dram, Dram), (Vram, Dram), (Dram, Vram), (Vram, Vram)] {
             assert!(tcp.moves(l, r, &peer), "tcp {l}->{r}");
             assert!(Rdma.moves(l, r, &peer), "rdma {l}->{r}");
@@ -470,7 +561,7 @@ mod tests {
             assert!(storage_link::OwnStorage.moves(l, r, &peer));
             assert!(!Rdma.moves(l, r, &peer) && !shm.moves(l, r, &peer));
         }
-        for t in [&tcp as &dyn Transport, &Rdma, &shm] {
+        for t in [&tcp as &dyn Transport, &Rdma, shm] {
             assert!(!t.moves(Dram, Obj, &peer) && !t.moves(File, Dram, &peer));
         }
         // Cross-memory attach: host memory, and the target's GPU memory

@@ -47,6 +47,12 @@ for r in $(seq "$LAT_ROUNDS"); do
   echo "latency round $r: ib_write_lat $l us, old $a us, new $b us"
 done
 for r in $(seq "$ROUNDS"); do
-  echo "bandwidth round $r: write: ib_write_bw $(perf_bw ib_write_bw) MB/s, old $(bw "$A") GB/s, new $(bw "$B") GB/s;" \
-    "read: ib_read_bw $(perf_bw ib_read_bw) MB/s, old $(bw "$A" read) GB/s, new $(bw "$B" read) GB/s"
+  # Order reversed every other round, as for the latency.
+  if [ $((r % 2)) = 1 ]; then
+    ow=$(bw "$A"); nw=$(bw "$B"); orr=$(bw "$A" read); nr=$(bw "$B" read)
+  else
+    nw=$(bw "$B"); ow=$(bw "$A"); nr=$(bw "$B" read); orr=$(bw "$A" read)
+  fi
+  echo "bandwidth round $r: write: ib_write_bw $(perf_bw ib_write_bw) MB/s, old $ow GB/s, new $nw GB/s;" \
+    "read: ib_read_bw $(perf_bw ib_read_bw) MB/s, old $orr GB/s, new $nr GB/s"
 done

@@ -11,24 +11,36 @@
 #             transport on the same requests.
 # Prints one JSON line per measurement, then the medians and their ratios.
 #   PROV=tcp;ofi_rxm ROUNDS=3 benches/fabric_vs_fabtests.sh
+# GUEST=1 runs it inside the soft-RoCE guest (ci/rxe-guest), by default on
+# verbs;ofi_rxm (registration cache off, as the transport requires;
+# FI_UNIVERSE_SIZE=64 so that ofi_rxm's completion queue fits rxe's):
+#   GUEST=1 ROUNDS=3 benches/fabric_vs_fabtests.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash ci/install-deps.sh bench >/dev/null
+if [ "${KVXFER_RDMA_GUEST:-}" != 1 ]; then
+  bash ci/install-deps.sh bench >/dev/null
+  cargo build --release --locked -q -p kvxfer-bench
+  mkdir -p target/fabric-bench
+  gcc -O2 -o target/fabric-bench/fi_rma_loop benches/fi_rma_loop.c -lfabric
+  if [ "${GUEST:-}" = 1 ]; then
+    exec ci/rxe-guest --timeout 2400 env PROV="${PROV:-verbs;ofi_rxm}" ROUNDS="${ROUNDS:-3}" \
+      FI_MR_CACHE_MAX_COUNT=0 FI_UNIVERSE_SIZE=64 bash benches/fabric_vs_fabtests.sh
+  fi
+fi
 prov=${PROV:-tcp;ofi_rxm}
 rounds=${ROUNDS:-3}
-cargo build --release --locked -q -p kvxfer-bench
-mkdir -p target/fabric-bench
-gcc -O2 -o target/fabric-bench/fi_rma_loop benches/fi_rma_loop.c -lfabric
 bench=target/release/kvxfer-bench
 loop=target/fabric-bench/fi_rma_loop
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 port=$((20000 + RANDOM % 20000))
+# Waits until a server listens on TCP port $1 (a slow guest takes a while).
+listening() { for _ in $(seq 200); do ss -ltn 2>/dev/null | grep -q ":$1 " && return 0; sleep 0.05; done; return 1; }
 for r in $(seq "$rounds"); do
   port=$((port + 1))
   fi_pingpong -p "$prov" -e rdm -S 8 -I 5000 -B "$port" >/dev/null 2>&1 &
   srv=$!
-  sleep 0.5
+  listening "$port" || sleep 1
   us=$(fi_pingpong -p "$prov" -e rdm -S 8 -I 5000 -P "$port" 127.0.0.1 | awk '$1 == 8 {print $7}')
   wait "$srv" || true
   echo "{\"round\":$r,\"what\":\"fi_pingpong\",\"us\":$us}" | tee -a "$out"
@@ -39,7 +51,7 @@ for r in $(seq "$rounds"); do
     port=$((port + 1))
     "$loop" -s "$port" -p "$prov" >/dev/null 2>&1 &
     srv=$!
-    sleep 0.5
+    listening "$port" || sleep 1
     "$loop" -c 127.0.0.1 "$port" -p "$prov" -z 1048576 -n 400 -d 16 $flag |
       sed "s/^{/{\"round\":$r,\"what\":\"fi_rma_loop\",/" | tee -a "$out"
     wait "$srv" || true

@@ -40,9 +40,11 @@ clean_shm() {
   done
 }
 clean_shm
+# `--skip NAME` for each test named in $1, for the test harness.
+skips() { for t in $1; do printf -- '--skip %s ' "$t"; done; }
 refused="write_after_target_deregistered_is_rejected kept_statuses_keep_their_outcomes refused_request_withholds_its_sync_message deregistration_during_an_inbound_write_is_clean"
 echo "SKIPPED on shm: $refused: libfabric 1.17's shm provider never completes an RMA operation whose key the target refuses once the initiating process has had an endpoint before (the request stays in progress); these four run on tcp;ofi_rxm above"
-KVXFER_FABRIC_PROVIDER=shm KVXFER_TEST_BACKEND=fabric cargo test --locked --features fabric --test agent --test cache -- $(for t in $refused; do printf -- '--skip %s ' "$t"; done)
+KVXFER_FABRIC_PROVIDER=shm KVXFER_TEST_BACKEND=fabric cargo test --locked --features fabric --test agent --test cache -- $(skips "$refused")
 clean_shm
 echo "== KV-cache protocol on inproc (agents of one process, plain copies)"
 KVXFER_TEST_BACKEND=inproc cargo test --locked --test cache
@@ -96,7 +98,7 @@ fabric_cache_bin=$(test_bin cache --features fabric)
 long="write_and_read_256_mib tp_pp_matrix cancel_in_flight_from_either_side"
 echo "SKIPPED on verbs;ofi_rxm in the guest: $long: minutes each over soft-RoCE under TCG, and nothing"
 echo "   of the fabric transport that the rest of the suites leave out (they run on tcp;ofi_rxm and shm above)"
-skip_long=$(for t in $long; do printf -- '--skip %s ' "$t"; done)
+skip_long=$(skips "$long")
 KVXFER_TEST_BACKEND=fabric ci/rxe-guest --timeout 1800 sh -c \
   "export FI_UNIVERSE_SIZE=64 KVXFER_FABRIC_PROVIDER='verbs;ofi_rxm' && \
    $fabric_agent_bin --color never --exact write_and_read_1_byte 2>&1 | grep -q 'FI_MR_CACHE_MAX_COUNT=0' && \

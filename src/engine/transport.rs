@@ -496,7 +496,7 @@ mod tests {
 
     #[test]
     fn no_transport_is_a_typed_error_with_every_reason() {
-        let rdma = for_backend(Backend::Rdma, rdma_if(true), shm_on("h").as_ref());
+        let rdma = for_backend(Backend::Rdma, rdma_if(true), None);
         let dram = MemoryType::Dram;
         let e = choose(&rdma, Backend::Rdma, &desc(false, None), dram, dram)
             .map(|t| t.kind())

@@ -588,13 +588,11 @@ fn cache_refusal(provider: &str, env: &CacheEnv) -> Option<String> {
         v.as_deref()
             .is_some_and(|v| matches!(v.trim(), "0" | "no" | "false" | "off"))
     };
-    let cores: Vec<&str> = provider
+    // The core providers under any utility layers (`ofi_rxm`, `ofi_rxd`)
+    // that register with a NIC.
+    let caching: Vec<&str> = provider
         .split(';')
-        .filter(|p| !p.starts_with("ofi_"))
-        .collect();
-    let caching: Vec<&str> = cores
-        .into_iter()
-        .filter(|p| !UNCACHED.contains(p))
+        .filter(|p| !p.starts_with("ofi_") && !UNCACHED.contains(p))
         .collect();
     if caching.is_empty()
         || zero(&env.max_count)

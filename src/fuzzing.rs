@@ -7,8 +7,10 @@
 use std::os::fd::AsFd;
 
 use crate::desc::AgentDesc;
+use crate::engine::cma_wire::CmaFrame;
 use crate::engine::requests::RequestTable;
 use crate::engine::wire::{CommitOp, Frame, HEADER_LEN};
+use crate::status::TransportKind;
 
 /// `AgentDesc::decode`: never panics; whatever decodes encodes back to
 /// the same descriptor.
@@ -21,7 +23,7 @@ pub fn agent_desc(data: &[u8]) {
 
 /// TCP frames and the target's request table: the input is a sequence of
 /// 40-byte headers, each followed by the bodies a target would read for it
-/// (write-list and delegate tables); decoded frames drive the request
+/// (write-list and cross-memory delegate tables); decoded frames drive the request
 /// table as the target's connection loop does.
 pub fn tcp_frames(data: &[u8]) {
     let mut table: RequestTable = RequestTable::default();
@@ -58,8 +60,24 @@ pub fn tcp_frames(data: &[u8]) {
                 let ok = crate::engine::write_list_pieces(body, total).is_ok();
                 let _ = table.segments(req, u64::from(count), reject(!ok));
             }
-            Frame::Delegate { req, count, op, .. } => {
-                let n = count as usize * crate::engine::wire::DELEGATE_ENTRY;
+            Frame::Transport {
+                transport: TransportKind::Shm,
+                head,
+            } => {
+                // The shm transport's frames decode (or not) without
+                // panicking, and re-encode to the same.
+                let Ok(f) = CmaFrame::decode(&head) else {
+                    continue;
+                };
+                let again = match Frame::decode(&f.encode()) {
+                    Ok(Frame::Transport { head, .. }) => CmaFrame::decode(&head),
+                    other => panic!("a shm frame re-encoded as {other:?}"),
+                };
+                assert_eq!(again, Ok(f.clone()));
+                let CmaFrame::Delegate { req, count, op, .. } = f else {
+                    continue;
+                };
+                let n = count as usize * crate::engine::cma_wire::DELEGATE_ENTRY;
                 let body = &rest[..n.min(rest.len())];
                 rest = &rest[body.len()..];
                 // Grants: one span a request, from its id.

@@ -93,7 +93,7 @@ impl Victim {
 }
 
 fn grant(c: &mut RawConn, req: u64, addr: u64, len: u64, key: u64) -> u16 {
-    let mut g = Hdr::new(raw::GRANT);
+    let mut g = Hdr::shm(raw::SHM_GRANT, 0);
     g.id = req;
     g.addr = addr;
     g.len = len;
@@ -101,8 +101,9 @@ fn grant(c: &mut RawConn, req: u64, addr: u64, len: u64, key: u64) -> u16 {
     g.aux = 1;
     c.send(g, &[]).unwrap();
     let a = c.recv().expect("an answer to the grant");
-    assert_eq!((a.kind, a.id), (raw::GRANTED, req));
-    a.status
+    assert!(a.is_shm(raw::SHM_GRANTED) && a.id == req, "{a:?}");
+    // The answer's status travels in `aux`.
+    a.aux as u16
 }
 
 /// Asks the target to copy `len` bytes between `target_addr` (its side)
@@ -143,8 +144,7 @@ fn delegate_probed(
     (probe_addr, probe_value): (u64, u64),
     (target_addr, initiator_addr, len): (u64, u64, u64),
 ) -> u16 {
-    let mut d = Hdr::new(raw::DELEGATE);
-    d.flags = if write { 1 } else { 2 };
+    let mut d = Hdr::shm(raw::SHM_DELEGATE, if write { 1 } else { 2 });
     d.id = req;
     d.aux = 1;
     d.addr = probe_addr;
@@ -155,8 +155,8 @@ fn delegate_probed(
     table.extend_from_slice(&len.to_le_bytes());
     c.send(d, &table).unwrap();
     let a = c.recv().expect("an answer to the delegate");
-    assert_eq!((a.kind, a.id), (raw::GRANTED, req));
-    a.status
+    assert!(a.is_shm(raw::SHM_GRANTED) && a.id == req, "{a:?}");
+    a.aux as u16
 }
 
 /// Presents a session's ticket on the target's local socket, as an
@@ -294,6 +294,31 @@ fn unauthenticated_peers_get_nothing() {
     assert_eq!(d.regions[0].key, v.key());
     v.assert_untouched();
     v.still_serves(AgentConfig::new("good").with_credential(k));
+}
+
+/// A frame of a transport the target does not offer (a cross-memory grant
+/// to a TCP agent), or of an unknown transport, is a protocol violation:
+/// the connection closes unanswered, nothing is admitted, and the target
+/// serves others.
+#[test]
+fn frames_of_transports_the_target_lacks_close_the_connection() {
+    let v = Victim::new(Backend::Tcp, AgentConfig::new("target"));
+    for (transport, kind) in [(raw::SHM, raw::SHM_GRANT), (0, 1), (200, 1)] {
+        let mut c = RawConn::connect(&v.conn());
+        c.auth("mallory", None).unwrap();
+        c.hello("mallory", 9).unwrap();
+        let mut g = Hdr::shm(kind, 0);
+        g.flags = transport;
+        g.id = 1;
+        g.addr = v.region_addr();
+        g.len = 4096;
+        g.key = v.key();
+        g.aux = 1;
+        c.send(g, &[]).unwrap();
+        assert!(c.closed(), "transport {transport}: answered");
+    }
+    v.assert_untouched();
+    v.still_serves(AgentConfig::new("good"));
 }
 
 /// Agents with different secrets, or only one with a secret, never
@@ -468,7 +493,8 @@ fn a_refused_write_does_not_take_down_the_connection() {
 #[test]
 fn a_rogue_peer_reaches_storage_only_through_the_checks() {
     const FILE: u64 = 64 << 10;
-    let v = Victim::new(Backend::Tcp, AgentConfig::new("target"));
+    // On shm, whose transport serves grants (its peers' storage on TCP).
+    let v = Victim::new(Backend::Shm, AgentConfig::new("target"));
     let dir = std::env::temp_dir().join(format!("kvxfer-rogue-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("f");
@@ -527,15 +553,15 @@ fn a_rogue_peer_reaches_storage_only_through_the_checks() {
     assert_eq!(write(&mut c, 0, h, 0, 4096, key), NOT_REGISTERED);
     assert_eq!(write(&mut c, 0, h, v.region_addr(), 4096, key), 2);
     // Direct access (a grant) and write lists: host memory only.
-    let mut g = Hdr::new(raw::GRANT);
-    g.flags = FILE_TYPE;
+    let mut g = Hdr::shm(raw::SHM_GRANT, FILE_TYPE);
     g.id = 100;
     g.len = 4096;
     g.key = key;
     g.aux = 1;
     c.send(g, &[]).unwrap();
     let a = c.recv().unwrap();
-    assert_eq!((a.kind, a.status), (raw::GRANTED, UNSUPPORTED));
+    assert!(a.is_shm(raw::SHM_GRANTED), "{a:?}");
+    assert_eq!(a.aux as u16, UNSUPPORTED);
     let mut wl = Hdr::new(raw::WRITE_LIST);
     wl.flags = FILE_TYPE;
     wl.id = 101;

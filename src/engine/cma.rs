@@ -120,6 +120,23 @@ impl SocketPath for CmaParts {
         link.submit_cma(sub)
     }
 
+    fn on_frame(link: &CmaLink, head: &wire::TransportHead) -> Result<(), Error> {
+        match CmaFrame::decode(head) {
+            Ok(CmaFrame::Granted { req, status }) => {
+                let p = lock(&link.pending).map.get(&req).cloned();
+                let Some(p) = p else {
+                    return Err(link.violation("grant answer for an unknown request"));
+                };
+                if p.granted().0.try_send(status).is_err() {
+                    return Err(link.violation("second grant answer for a request"));
+                }
+                Ok(())
+            }
+            Ok(other) => Err(link.violation(&format!("unexpected frame {other:?}"))),
+            Err(e) => Err(link.violation(&e.to_string())),
+        }
+    }
+
     fn run_job(
         link: &CmaLink,
         fd: std::os::fd::RawFd,
@@ -278,13 +295,13 @@ impl CmaLink {
         (probe_addr, instance): (u64, u64),
         pending: &Pending,
     ) -> Result<bool, Error> {
-        let mut table = Vec::with_capacity(pieces.len() * wire::DELEGATE_ENTRY);
+        let mut table = Vec::with_capacity(pieces.len() * cma_wire::DELEGATE_ENTRY);
         for p in pieces {
             table.extend_from_slice(&p.remote.to_le_bytes());
             table.extend_from_slice(&p.local.to_le_bytes());
             table.extend_from_slice(&p.len.to_le_bytes());
         }
-        let hdr = Frame::Delegate {
+        let hdr = CmaFrame::Delegate {
             req,
             op: match op {
                 TransferOp::Write => CommitOp::Write,
@@ -383,7 +400,7 @@ impl CmaLink {
         let frames: Vec<[u8; HEADER_LEN]> = grants
             .iter()
             .map(|g| {
-                Frame::Grant {
+                CmaFrame::Grant {
                     req,
                     mem_type: g.mem_type,
                     addr: g.addr,

@@ -1,9 +1,13 @@
 //! The cross-memory path at the target: grants (ranges admitted and held
 //! until the request's commit, so the initiator's direct copy lands in
 //! registered memory only), and delegated copies done here for a proven
-//! initiator whose side is the contiguous one.
+//! initiator whose side is the contiguous one. The engine hands the shm
+//! transport its frames ([`CmaFrame`], in `Transport` frames);
+//! [`Inner::serve_cma`] serves them.
 
 use super::*;
+use crate::engine::transport::Shm;
+use crate::engine::wire::TransportHead;
 
 /// Most grants one request may announce, and most grants a session may
 /// hold at once.
@@ -13,19 +17,66 @@ const GRANTS_MAX: u32 = 1 << 16;
 const GRANTED_REQUESTS_MAX: usize = 1 << 10;
 
 /// What a `Delegate` frame asks, besides its sync message.
-pub(in crate::engine) struct DelegateAsk {
-    pub(in crate::engine) req: u64,
-    pub(in crate::engine) op: CommitOp,
-    pub(in crate::engine) count: u32,
-    pub(in crate::engine) pid: u32,
-    pub(in crate::engine) probe_addr: u64,
-    pub(in crate::engine) instance: u64,
+struct DelegateAsk {
+    req: u64,
+    op: CommitOp,
+    count: u32,
+    pid: u32,
+    probe_addr: u64,
+    instance: u64,
 }
 
 impl Inner {
+    /// Serves one frame of the shm transport `shm` (its header's
+    /// transport fields `head`) on connection `c`: the request it
+    /// finished, if any.
+    pub(in crate::engine) fn serve_cma(
+        &self,
+        shm: &Shm,
+        c: &mut Conn<'_, '_, '_>,
+        head: &TransportHead,
+    ) -> io::Result<Option<Finished<HeldSync>>> {
+        let frame = CmaFrame::decode(head).map_err(|e| violation(e.to_string()))?;
+        c.idle.header_in(frame.body_len());
+        match frame {
+            CmaFrame::Grant {
+                req,
+                mem_type,
+                addr,
+                len,
+                key,
+                total,
+            } => {
+                self.grant(c, req, mem_type, (addr, len), key, total)?;
+                Ok(None)
+            }
+            CmaFrame::Delegate {
+                req,
+                op,
+                count,
+                pid,
+                probe_addr,
+                instance,
+                sync_len,
+                has_sync,
+            } => {
+                let ask = DelegateAsk {
+                    req,
+                    op,
+                    count,
+                    pid,
+                    probe_addr,
+                    instance,
+                };
+                self.delegate(shm, c, ask, has_sync, sync_len)
+            }
+            CmaFrame::Granted { .. } => Err(violation("a grant answer sent to a target")),
+        }
+    }
+
     /// Admits one `Grant` of `req`; once all `total` have come, answers
     /// `Granted` (the first refusal, or OK).
-    pub(in crate::engine) fn grant(
+    fn grant(
         &self,
         c: &mut Conn<'_, '_, '_>,
         req: u64,
@@ -81,7 +132,7 @@ impl Inner {
         };
         match answer {
             Some(st) => c.send(
-                &[Frame::Granted { req, status: st }.encode()],
+                &[CmaFrame::Granted { req, status: st }.encode()],
                 self.config.io_timeout,
             ),
             None => Ok(()),
@@ -92,8 +143,9 @@ impl Inner {
     /// granted for it) from or into the proven initiator's process, answers,
     /// and commits it with its sync message; refuses when this agent does
     /// not copy for that initiator.
-    pub(in crate::engine) fn delegate(
+    fn delegate(
         &self,
+        shm: &Shm,
         c: &mut Conn<'_, '_, '_>,
         ask: DelegateAsk,
         has_sync: bool,
@@ -111,11 +163,11 @@ impl Inner {
         // The sync message may follow: no header read-ahead.
         let table = c
             .reader
-            .read_vec_mid_frame(count as usize * wire::DELEGATE_ENTRY, c.idle)?;
+            .read_vec_mid_frame(count as usize * cma_wire::DELEGATE_ENTRY, c.idle)?;
         let sync = c.read_sync(&self.inbox, has_sync, sync_len)?;
         let answer = |st| {
             c.send(
-                &[Frame::Granted { req, status: st }.encode()],
+                &[CmaFrame::Granted { req, status: st }.encode()],
                 self.config.io_timeout,
             )
         };
@@ -175,9 +227,7 @@ impl Inner {
         drop(unprivileged);
         match copied {
             Ok(_) => {
-                if let Some(s) = &self.shm {
-                    s.count_delegated();
-                }
+                shm.count_delegated();
                 answer(status::OK)?;
                 commit(self, session, req, 0, sync)
             }

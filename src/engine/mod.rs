@@ -18,8 +18,9 @@
 //! path, transport-blind), `api` (the trait), `target` (the listener side:
 //! accept, serve, dispatch each frame to its transport, commit); per
 //! transport: `socket_link` (what the tcp, shm and rdma links share),
-//! `tcp_stream` and `tcp_target`, `cma` and `cma_target`, `rdma` (data
-//! types, `link`, `progress`, `recv`, `accept`, `schedule`), `inproc`,
+//! `tcp_stream` and `tcp_target`, `cma`, `cma_target` and `cma_wire` (its
+//! frames, no I/O), `rdma` (data types, `link`, `progress`, `recv`,
+//! `accept`, `schedule`), `inproc`,
 //! `storage_link` (the agent's own FILE and BLK regions); `wire` and
 //! `requests` (the frame codec and the target's request table, no I/O),
 //! `sock` (vectored socket I/O), `handshake` and `local_proof`
@@ -33,6 +34,7 @@ mod attach;
 mod budget;
 mod cma;
 mod cma_target;
+pub(crate) mod cma_wire;
 #[cfg(feature = "fabric")]
 mod fabric;
 mod handshake;
@@ -63,7 +65,7 @@ mod transport;
 pub(crate) mod wire;
 
 use cma::CmaParts;
-use cma_target::DelegateAsk;
+use cma_wire::CmaFrame;
 use indexed::IndexedSegs;
 use peer::*;
 #[cfg(feature = "fuzzing")]

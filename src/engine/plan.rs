@@ -116,7 +116,7 @@ pub(crate) fn delegated_pieces(
 ) -> Result<Vec<Piece>, &'static str> {
     let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
     table
-        .chunks_exact(wire::DELEGATE_ENTRY)
+        .chunks_exact(cma_wire::DELEGATE_ENTRY)
         .map(|e| {
             let (target, initiator, len) = (word(&e[..8]), word(&e[8..16]), word(&e[16..]));
             let inside = len > 0
@@ -153,7 +153,7 @@ pub(in crate::engine) fn runs(descs: &[crate::memory::MemoryDesc]) -> usize {
 /// remote pieces are many and much more scattered than its local ones.
 pub(in crate::engine) fn should_delegate(req: &TransferRequest) -> bool {
     let n = req.remote.descs.len();
-    if n > wire::DELEGATE_MAX as usize {
+    if n > cma_wire::DELEGATE_MAX as usize {
         return false;
     }
     let remote = runs(&req.remote.descs);

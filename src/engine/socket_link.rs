@@ -298,6 +298,13 @@ pub(in crate::engine) trait SocketPath: Send + Sync + Sized + 'static {
     /// The link broke: unblocks what the transport has beside the streams.
     fn on_fail(&self) {}
 
+    /// One of the transport's own frames ([`Frame::Transport`], its
+    /// transport fields `head`) came from the target on a stream. By
+    /// default it takes none. `Err`: the link is broken.
+    fn on_frame(link: &SocketLink<Self>, _head: &wire::TransportHead) -> Result<(), Error> {
+        Err(link.violation("unexpected transport frame"))
+    }
+
     /// The link's last thread is leaving: settles what the transport holds
     /// outside the table of requests.
     fn on_closed(&self, _cause: Error) {}

@@ -808,37 +808,15 @@ impl Inner {
                     let sync = c.read_sync(&self.inbox, has_sync, sync_len)?;
                     commit(self, session, req, segments, sync)?
                 }
-                // The cross-memory path (`cma_target`).
-                Frame::Grant {
-                    req,
-                    mem_type,
-                    addr,
-                    len,
-                    key,
-                    total,
-                } => {
-                    self.grant(&mut c, req, mem_type, (addr, len), key, total)?;
-                    None
-                }
-                Frame::Delegate {
-                    req,
-                    op,
-                    count,
-                    pid,
-                    probe_addr,
-                    instance,
-                    sync_len,
-                    has_sync,
-                } => {
-                    let ask = DelegateAsk {
-                        req,
-                        op,
-                        count,
-                        pid,
-                        probe_addr,
-                        instance,
+                // A transport's own frame, for that transport to serve
+                // (the cross-memory path's: `cma_target`).
+                Frame::Transport { transport, head } => {
+                    let Some(t) = self.transports.iter().find(|t| t.kind() == transport) else {
+                        return Err(violation(format!(
+                            "a frame of transport {transport}, which this agent does not offer"
+                        )));
                     };
-                    self.delegate(&mut c, ask, has_sync, sync_len)?
+                    t.serve_frame(self, &mut c, &head)?
                 }
                 // A transport beside the stream (`attach`): its message to
                 // it, its answer back.

@@ -567,14 +567,10 @@ impl<P: SocketPath> SocketLink<P> {
                     };
                     self.complete_event(req, &slot.pending, result);
                 }
-                Frame::Granted { req, status: st } => {
-                    let p = lock(&self.pending).map.get(&req).cloned();
-                    let Some(p) = p else {
-                        return Err(self.violation("grant answer for an unknown request"));
-                    };
-                    if p.granted().0.try_send(st).is_err() {
-                        return Err(self.violation("second grant answer for a request"));
-                    }
+                // The link's transport's own frame (the cross-memory
+                // path's answers: `cma`).
+                Frame::Transport { transport, head } if transport == self.path.transport => {
+                    P::on_frame(self, &head)?;
                 }
                 Frame::Ack {
                     req,

@@ -75,6 +75,20 @@ pub(in crate::engine) trait Transport: Send + Sync {
     ) -> Result<(Vec<u8>, Option<attach::Attachment>), u16> {
         Err(status::NO_TRANSPORT)
     }
+
+    /// Target side: one of this transport's own frames
+    /// ([`Frame::Transport`], its transport fields `head`) came on data
+    /// connection `c`; the transport reads its body, answers, and returns
+    /// the request it finished, if any. By default it takes none: a
+    /// protocol violation, which closes the connection.
+    fn serve_frame(
+        &self,
+        _inner: &Inner,
+        _c: &mut Conn<'_, '_, '_>,
+        _head: &wire::TransportHead,
+    ) -> io::Result<Option<Finished<HeldSync>>> {
+        Err(violation(format!("{} takes no frames", self.kind())))
+    }
 }
 
 /// An open connection to one peer, made by the transport its path names
@@ -321,6 +335,15 @@ impl Transport for Shm {
         // Data bypasses the socket; one stream carries the control.
         let pid = peer.local_access.as_ref().map_or(0, |a| a.pid);
         Ok(CmaLink::open(inner, self, peer, pid)?)
+    }
+
+    fn serve_frame(
+        &self,
+        inner: &Inner,
+        c: &mut Conn<'_, '_, '_>,
+        head: &wire::TransportHead,
+    ) -> io::Result<Option<Finished<HeldSync>>> {
+        inner.serve_cma(self, c, head)
     }
 }
 

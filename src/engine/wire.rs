@@ -8,11 +8,12 @@ use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 use crate::memory::MemoryType;
+use crate::status::TransportKind;
 
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 40;
 /// Protocol version carried in `Hello`.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// Longest transport name an `Attach` frame carries.
 pub const ATTACH_NAME_MAX: u8 = 32;
@@ -54,11 +55,11 @@ pub mod status {
     /// Attach: the target's transport failed to set its side up (RDMA:
     /// creating or connecting its queue pair).
     pub const ATTACH_FAILED: u16 = 13;
-    /// Delegate: the target does not copy for this initiator (it declines
-    /// delegated copies, or cannot reach the initiator's memory); the
-    /// initiator copies itself and commits.
+    /// Cross-memory `Delegate`: the target does not copy for this
+    /// initiator (it declines delegated copies, or cannot reach the
+    /// initiator's memory); the initiator copies itself and commits.
     pub const DELEGATE_REFUSED: u16 = 14;
-    /// Delegate: the target's copy failed part-way.
+    /// Cross-memory `Delegate`: the target's copy failed part-way.
     pub const DELEGATE_FAILED: u16 = 15;
     /// AuthChallenge: the target requires a cluster credential and the
     /// initiator has none.
@@ -77,12 +78,11 @@ const K_READ_DATA: u8 = 7;
 const K_COMMIT: u8 = 8;
 const K_ACK: u8 = 9;
 const K_FENCE: u8 = 10;
-const K_GRANT: u8 = 11;
-const K_GRANTED: u8 = 12;
+// 11, 12 and 16 were the cross-memory frames before protocol version 5;
+// they travel as `Transport` frames now.
 const K_ATTACH: u8 = 13;
 const K_ATTACHED: u8 = 14;
 const K_WRITE_LIST: u8 = 15;
-const K_DELEGATE: u8 = 16;
 const K_AUTH_HELLO: u8 = 17;
 const K_AUTH_CHALLENGE: u8 = 18;
 const K_AUTH_PROOF: u8 = 19;
@@ -90,6 +90,7 @@ const K_AUTH_RESULT: u8 = 20;
 const K_ABORT: u8 = 21;
 const K_KEEPALIVE: u8 = 22;
 const K_CLOSING: u8 = 23;
+const K_TRANSPORT: u8 = 24;
 
 /// Largest `AuthHello` / `AuthChallenge` body: nonce, MAC, longest name.
 pub const MAX_AUTH_BODY: u32 =
@@ -97,12 +98,6 @@ pub const MAX_AUTH_BODY: u32 =
 
 /// Longest host id a `DescRequest` carries.
 pub const MAX_HOST_ID: u32 = 256;
-
-/// Most pieces in one [`Frame::Delegate`].
-pub const DELEGATE_MAX: u32 = 1 << 16;
-/// Bytes per entry of a delegate's table: target address, initiator
-/// address, length, u64 LE.
-pub const DELEGATE_ENTRY: usize = 24;
 
 /// Most pieces in one [`Frame::WriteList`].
 pub const WRITE_LIST_MAX: u32 = 1024;
@@ -297,59 +292,16 @@ pub enum Frame {
         /// Why (a `RejectReason` code).
         status: u16,
     },
-    /// Cross-memory path: asks the target to admit direct access to
-    /// `[addr, addr + len)` of the region keyed `key` until the request's
-    /// commit; one of `total` grants of the request.
-    Grant {
-        /// Request id.
-        req: u64,
-        /// Memory type of the region.
-        mem_type: MemoryType,
-        /// Start of the range.
-        addr: u64,
-        /// Length of the range.
-        len: u64,
-        /// Region access key.
-        key: u64,
-        /// Number of grants the request asks for.
-        total: u32,
-    },
-    /// Cross-memory path, after `Granted`: asks the target to do the
-    /// request's copy itself (its side of the copy is the contiguous one, and
-    /// the kernel pins the *other* process's pages one iovec at a time), then
-    /// to commit the request with the sync message. A table of `count`
-    /// (target address, initiator address, length) triples follows (24 bytes
-    /// each, little-endian), then the sync message (`sync_len` bytes). The
-    /// initiator is the process `pid`, proven by reading `instance` at
-    /// `probe_addr` there. The target answers `Granted` (OK: copied and
-    /// committed, an `Ack` follows; `DELEGATE_REFUSED`: the initiator copies
-    /// and commits itself; `DELEGATE_FAILED`).
-    Delegate {
-        /// Request id.
-        req: u64,
-        /// Direction of the request (the target reads from the initiator for
-        /// a WRITE).
-        op: CommitOp,
-        /// Pieces (1 to [`DELEGATE_MAX`]).
-        count: u32,
-        /// The initiator's process id.
-        pid: u32,
-        /// Where the initiator's instance id can be read.
-        probe_addr: u64,
-        /// The initiator's instance id.
-        instance: u64,
-        /// Length of the sync message (0: none).
-        sync_len: u32,
-        /// Whether a sync message is present (it may be empty).
-        has_sync: bool,
-    },
-    /// Answer to a request's grants: all admitted (OK) or the first refusal;
-    /// also the answer to its `Delegate`.
-    Granted {
-        /// Request id.
-        req: u64,
-        /// `status::OK` or a reject code.
-        status: u16,
+    /// A frame of one transport's own, on the control stream of that
+    /// transport's link (the cross-memory path's grants and delegated
+    /// copies, and their answers): the engine reads the transport's code
+    /// (`flags`) and hands the rest of the header to that transport, which
+    /// reads any body itself.
+    Transport {
+        /// Whose frame it is.
+        transport: TransportKind,
+        /// The rest of the header, the transport's to read.
+        head: TransportHead,
     },
     /// A link's transport sets itself up beside this connection (RDMA: a
     /// queue pair): the transport's name (`name_len` bytes, the name every
@@ -381,6 +333,49 @@ pub enum Frame {
     },
 }
 
+/// The fields of a [`Frame::Transport`] header after its kind and
+/// transport code, as they sit on the wire; what they mean is the
+/// transport's (`docs/wire-format.md`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransportHead {
+    /// Bytes 2..4.
+    pub status: u16,
+    /// Bytes 4..8.
+    pub aux: u32,
+    /// Bytes 8..16.
+    pub id: u64,
+    /// Bytes 16..24.
+    pub addr: u64,
+    /// Bytes 24..32.
+    pub len: u64,
+    /// Bytes 32..40.
+    pub key: u64,
+}
+
+/// The code of `t` in a [`Frame::Transport`] header.
+fn transport_code(t: TransportKind) -> u8 {
+    match t {
+        TransportKind::Tcp => 1,
+        TransportKind::Shm => 2,
+        TransportKind::Rdma => 3,
+        TransportKind::Fabric => 4,
+        TransportKind::InProcess => 5,
+        TransportKind::Storage => 6,
+    }
+}
+
+fn transport_from_code(c: u8) -> Result<TransportKind, WireError> {
+    Ok(match c {
+        1 => TransportKind::Tcp,
+        2 => TransportKind::Shm,
+        3 => TransportKind::Rdma,
+        4 => TransportKind::Fabric,
+        5 => TransportKind::InProcess,
+        6 => TransportKind::Storage,
+        _ => return Err(WireError::BadField("transport code")),
+    })
+}
+
 /// A header that cannot be decoded.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {
@@ -398,7 +393,8 @@ pub enum WireError {
     BadField(&'static str),
 }
 
-fn mem_code(t: MemoryType) -> u8 {
+/// The code of memory type `t` on the wire.
+pub(crate) fn mem_code(t: MemoryType) -> u8 {
     match t {
         MemoryType::Dram => 0,
         MemoryType::Vram => 1,
@@ -408,7 +404,8 @@ fn mem_code(t: MemoryType) -> u8 {
     }
 }
 
-fn mem_from_code(c: u8) -> Result<MemoryType, WireError> {
+/// The memory type of wire code `c`.
+pub(crate) fn mem_from_code(c: u8) -> Result<MemoryType, WireError> {
     Ok(match c {
         0 => MemoryType::Dram,
         1 => MemoryType::Vram,
@@ -419,9 +416,9 @@ fn mem_from_code(c: u8) -> Result<MemoryType, WireError> {
     })
 }
 
-/// `flags` of `Commit` and `Delegate`: the direction in the low bits, bit 7
-/// when a sync message follows.
-fn op_flags(op: CommitOp, has_sync: bool) -> u8 {
+/// `flags` of `Commit` (and of the cross-memory `Delegate`): the direction
+/// in the low bits, bit 7 when a sync message follows.
+pub(crate) fn op_flags(op: CommitOp, has_sync: bool) -> u8 {
     (match op {
         CommitOp::Write => 1,
         CommitOp::Read => 2,
@@ -431,7 +428,8 @@ fn op_flags(op: CommitOp, has_sync: bool) -> u8 {
 /// `flags` bit of `Commit`: make the request's storage writes durable.
 const DURABLE: u8 = 0x40;
 
-fn flags_op(flags: u8) -> Option<CommitOp> {
+/// The direction in `flags` made by [`op_flags`].
+pub(crate) fn flags_op(flags: u8) -> Option<CommitOp> {
     match flags & 0x3f {
         1 => Some(CommitOp::Write),
         2 => Some(CommitOp::Read),
@@ -455,9 +453,6 @@ impl Frame {
             Frame::WriteList { count, total, .. } => {
                 total.saturating_add(u64::from(count) * WRITE_LIST_ENTRY as u64)
             }
-            Frame::Delegate {
-                count, sync_len, ..
-            } => u64::from(count) * DELEGATE_ENTRY as u64 + u64::from(sync_len),
             Frame::Attach { name_len, len } => u64::from(name_len) + u64::from(len),
             Frame::Attached { len, .. } => u64::from(len),
             _ => 0,
@@ -604,21 +599,15 @@ impl Frame {
                 h.len = total.into();
                 h.key = key.into();
             }
-            Frame::Grant {
-                req,
-                mem_type,
-                addr,
-                len,
-                key,
-                total,
-            } => {
-                h.kind = K_GRANT;
-                h.flags = mem_code(mem_type);
-                h.id = req.into();
-                h.addr = addr.into();
-                h.len = len.into();
-                h.key = key.into();
-                h.aux = total.into();
+            Frame::Transport { transport, head } => {
+                h.kind = K_TRANSPORT;
+                h.flags = transport_code(transport);
+                h.status = head.status.into();
+                h.aux = head.aux.into();
+                h.id = head.id.into();
+                h.addr = head.addr.into();
+                h.len = head.len.into();
+                h.key = head.key.into();
             }
             Frame::Attach { name_len, len } => {
                 h.kind = K_ATTACH;
@@ -629,29 +618,6 @@ impl Frame {
                 h.kind = K_ATTACHED;
                 h.status = status.into();
                 h.aux = len.into();
-            }
-            Frame::Delegate {
-                req,
-                op,
-                count,
-                pid,
-                probe_addr,
-                instance,
-                sync_len,
-                has_sync,
-            } => {
-                h.kind = K_DELEGATE;
-                h.flags = op_flags(op, has_sync);
-                h.id = req.into();
-                h.aux = count.into();
-                h.addr = probe_addr.into();
-                h.key = instance.into();
-                h.len = (u64::from(sync_len) << 32 | u64::from(pid)).into();
-            }
-            Frame::Granted { req, status } => {
-                h.kind = K_GRANTED;
-                h.id = req.into();
-                h.status = status.into();
             }
             Frame::Ack {
                 req,
@@ -814,23 +780,17 @@ impl Frame {
                     key: h.key.get(),
                 }
             }
-            K_GRANT => {
-                let (addr, len) = (h.addr.get(), h.len.get());
-                if len == 0 || addr.checked_add(len).is_none() {
-                    return Err(WireError::BadField("grant range"));
-                }
-                if aux == 0 {
-                    return Err(WireError::BadField("grant total"));
-                }
-                Frame::Grant {
-                    req: h.id.get(),
-                    mem_type: mem_from_code(h.flags)?,
-                    addr,
-                    len,
+            K_TRANSPORT => Frame::Transport {
+                transport: transport_from_code(h.flags)?,
+                head: TransportHead {
+                    status: h.status.get(),
+                    aux,
+                    id: h.id.get(),
+                    addr: h.addr.get(),
+                    len: h.len.get(),
                     key: h.key.get(),
-                    total: aux,
-                }
-            }
+                },
+            },
             K_ATTACH => {
                 if !(1..=ATTACH_NAME_MAX).contains(&h.flags) {
                     return Err(WireError::BadField("attach name length"));
@@ -853,27 +813,6 @@ impl Frame {
                     len: aux,
                 }
             }
-            K_DELEGATE => {
-                let count = h.aux.get();
-                if !(1..=DELEGATE_MAX).contains(&count) {
-                    return Err(WireError::BadField("delegate table length"));
-                }
-                let len = h.len.get();
-                Frame::Delegate {
-                    req: h.id.get(),
-                    op: flags_op(h.flags).ok_or(WireError::BadField("delegate op"))?,
-                    count,
-                    pid: len as u32,
-                    probe_addr: h.addr.get(),
-                    instance: h.key.get(),
-                    sync_len: body_limit((len >> 32) as u32)?,
-                    has_sync: h.flags & 0x80 != 0,
-                }
-            }
-            K_GRANTED => Frame::Granted {
-                req: h.id.get(),
-                status: h.status.get(),
-            },
             K_ACK => Frame::Ack {
                 req: h.id.get(),
                 status: h.status.get(),
@@ -985,34 +924,20 @@ mod tests {
                 total: 3 << 14,
                 key: 0xabc,
             },
-            Frame::Grant {
-                req: 14,
-                mem_type: MemoryType::Dram,
-                addr: 4096,
-                len: 1 << 20,
-                key: 99,
-                total: 2,
+            Frame::Transport {
+                transport: TransportKind::Shm,
+                head: TransportHead {
+                    status: 0x8101,
+                    aux: 4096,
+                    id: 15,
+                    addr: 0x7fff_0000_1000,
+                    len: u64::MAX,
+                    key: 0xdead_beef_cafe,
+                },
             },
-            Frame::Granted { req: 14, status: 1 },
-            Frame::Delegate {
-                req: 15,
-                op: CommitOp::Write,
-                count: 4096,
-                pid: 4242,
-                probe_addr: 0x7fff_0000_1000,
-                instance: 0xdead_beef_cafe,
-                sync_len: 77,
-                has_sync: true,
-            },
-            Frame::Delegate {
-                req: 16,
-                op: CommitOp::Read,
-                count: 1,
-                pid: u32::MAX,
-                probe_addr: 0,
-                instance: 0,
-                sync_len: 0,
-                has_sync: false,
+            Frame::Transport {
+                transport: TransportKind::Fabric,
+                head: TransportHead::default(),
             },
             Frame::Attach {
                 name_len: 4,
@@ -1080,35 +1005,18 @@ mod tests {
             Frame::decode(&big),
             Err(WireError::BodyTooLarge(_))
         ));
-        let delegate = |count, sync_len| {
-            Frame::Delegate {
-                req: 1,
-                op: CommitOp::Write,
-                count,
-                pid: 1,
-                probe_addr: 0,
-                instance: 0,
-                sync_len,
-                has_sync: true,
-            }
-            .encode()
-        };
-        for count in [0, DELEGATE_MAX + 1] {
+        let mut unknown = Frame::Transport {
+            transport: TransportKind::Shm,
+            head: TransportHead::default(),
+        }
+        .encode();
+        for code in [0, 7, 255] {
+            unknown[1] = code;
             assert_eq!(
-                Frame::decode(&delegate(count, 0)),
-                Err(WireError::BadField("delegate table length"))
+                Frame::decode(&unknown),
+                Err(WireError::BadField("transport code"))
             );
         }
-        assert!(matches!(
-            Frame::decode(&delegate(1, MAX_CONTROL_BODY + 1)),
-            Err(WireError::BodyTooLarge(_))
-        ));
-        let mut bad_op = delegate(1, 0);
-        bad_op[1] = 0x83;
-        assert_eq!(
-            Frame::decode(&bad_op),
-            Err(WireError::BadField("delegate op"))
-        );
     }
 
     proptest! {

@@ -17,15 +17,21 @@ pub const READ_REQ: u8 = 6;
 pub const READ_DATA: u8 = 7;
 pub const COMMIT: u8 = 8;
 pub const ACK: u8 = 9;
-pub const GRANT: u8 = 11;
-pub const GRANTED: u8 = 12;
 pub const WRITE_LIST: u8 = 15;
-pub const DELEGATE: u8 = 16;
 pub const AUTH_HELLO: u8 = 17;
 pub const AUTH_CHALLENGE: u8 = 18;
 pub const AUTH_PROOF: u8 = 19;
 pub const AUTH_RESULT: u8 = 20;
 pub const ABORT: u8 = 21;
+/// A transport's own frame: `flags` names the transport, `status` holds
+/// the transport's frame kind (low byte) and flags (high byte).
+pub const TRANSPORT: u8 = 24;
+/// The shm (cross-memory) transport's code in `TRANSPORT` frames.
+pub const SHM: u8 = 2;
+/// Its frame kinds.
+pub const SHM_GRANT: u8 = 1;
+pub const SHM_DELEGATE: u8 = 2;
+pub const SHM_GRANTED: u8 = 3;
 
 pub const ST_OK: u16 = 0;
 pub const ST_ABORTED: u16 = 7;
@@ -52,6 +58,21 @@ impl Hdr {
             kind,
             ..Self::default()
         }
+    }
+
+    /// A frame of the shm transport of kind `kind` with flags `flags`.
+    pub fn shm(kind: u8, flags: u8) -> Self {
+        Self {
+            kind: TRANSPORT,
+            flags: SHM,
+            status: u16::from_le_bytes([kind, flags]),
+            ..Self::default()
+        }
+    }
+
+    /// Whether it is the shm transport's frame of kind `kind`.
+    pub fn is_shm(&self, kind: u8) -> bool {
+        self.kind == TRANSPORT && self.flags == SHM && self.status.to_le_bytes()[0] == kind
     }
 
     pub fn bytes(&self) -> [u8; 40] {
@@ -162,7 +183,7 @@ impl RawConn {
     pub fn hello(&mut self, name: &str, link: u64) -> Option<Hdr> {
         let mut h = Hdr::new(HELLO);
         h.id = 0x1234_5679;
-        h.status = 4; // protocol version (docs/wire-format.md)
+        h.status = 5; // protocol version (docs/wire-format.md)
         h.len = link;
         h.aux = name.len() as u32;
         self.send(h, name.as_bytes()).ok()?;

@@ -42,7 +42,8 @@ fn open_requests(c: &mut RawConn, reqs: std::ops::Range<u64>) {
 }
 
 /// Waits until the target has processed everything sent on `c` before:
-/// a grant it must refuse (a bad key) is answered in turn.
+/// a grant it must refuse (a bad key) is answered in turn, and opens no
+/// request (the target is on shm, whose transport answers grants).
 fn sync(c: &mut RawConn, v: &Victim) {
     assert_ne!(
         grant(c, u64::MAX - 1, v.region_addr(), 8, v.key() ^ 1),
@@ -79,7 +80,7 @@ fn one_peer_cannot_spend_more_than_the_open_request_budget() {
 /// peer's stream (returned, every request read).
 fn budget_spent_by_a_hog() -> (Victim, RawConn) {
     let v = Victim::new(
-        Backend::Tcp,
+        Backend::Shm,
         AgentConfig::new("target").with_max_open_requests(4096),
     );
     let mut hog = stream(&v, "hog", 1);

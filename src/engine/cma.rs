@@ -1,6 +1,8 @@
-//! Cross-memory (shm) requests at the initiator: grants, the direct copy
+//! The cross-memory (shm) transport ([`Shm`]: its state on both sides)
+//! and its requests at the initiator: grants, the direct copy
 //! (`process_vm_writev`/`readv`, stopped between calls by an abort), and
 //! delegating the copy to the target when its side is the contiguous one.
+//! Its target side is `cma_target`, its frames `cma_wire`.
 //!
 //! The target's GPU memory is reached the same way, through CUDA IPC: its
 //! descriptor carries each VRAM region's allocation handle; the initiator
@@ -10,6 +12,147 @@
 //! delivered only once the data is in place. Nothing is staged.
 
 use super::*;
+
+/// Cross-memory attach: a peer on this host that offers it and whose
+/// probe word this process can read. It owns what the path needs on both
+/// sides: the probe word it publishes, the local proof socket on which
+/// same-host initiators prove which process they are (so that this agent
+/// may copy for them) with the thread serving it, and the count of the
+/// copies it did for them.
+///
+/// Drop order: the agent stops the proof thread ([`Shm::stop`]) before it
+/// lets go of its state; the socket closes with the transport.
+pub(in crate::engine) struct Shm {
+    /// This host's id.
+    pub(in crate::engine) host: String,
+    /// Holds the agent's instance; peers read it back to prove direct
+    /// access works (its address is in the descriptor).
+    probe_word: Box<u64>,
+    /// The local proof socket; `None` when this agent never copies for
+    /// initiators.
+    proofs: Option<Arc<local_proof::Listener>>,
+    /// The thread serving `proofs`, while the agent is open.
+    proof_thread: Mutex<Option<JoinHandle<()>>>,
+    /// Delegated cross-memory copies this agent has done for initiators.
+    delegated: AtomicU64,
+}
+
+impl Shm {
+    /// The transport of an agent on `backend` (shm and auto use it) with
+    /// `instance` on this host `host`; its local proof socket is bound when
+    /// the agent copies for initiators (bound before any descriptor naming
+    /// `instance` is published, so no other process can hold the name
+    /// first).
+    pub(in crate::engine) fn open(
+        backend: Backend,
+        config: &AgentConfig,
+        instance: u64,
+        host: &str,
+    ) -> Option<Arc<Self>> {
+        if !matches!(backend, Backend::Shm | Backend::Auto) {
+            return None;
+        }
+        let proofs = if config.shm.delegate {
+            match local_proof::Listener::bind(instance) {
+                Ok(l) => Some(Arc::new(l)),
+                Err(e) => {
+                    tracing::info!(agent = %config.name, error = %e, "no local proof socket; this agent does not copy for initiators");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Some(Arc::new(Self {
+            host: host.to_owned(),
+            probe_word: Box::new(instance),
+            proofs,
+            proof_thread: Mutex::new(None),
+            delegated: AtomicU64::new(0),
+        }))
+    }
+
+    /// Starts serving the local proof socket for `inner` (its sessions'
+    /// tickets), when there is one.
+    ///
+    /// # Errors
+    /// The thread could not be started.
+    pub(in crate::engine) fn start(&self, inner: &Arc<Inner>) -> io::Result<()> {
+        if let Some(l) = &self.proofs {
+            let (l, me) = (Arc::clone(l), Arc::clone(inner));
+            let t = std::thread::Builder::new()
+                .name(format!("kvxfer-local-{}", inner.config.name))
+                .spawn(move || me.serve_local_proofs(&l))?;
+            *lock(&self.proof_thread) = Some(t);
+        }
+        Ok(())
+    }
+
+    /// Stops the proof thread (the agent is closing) and waits for it.
+    pub(in crate::engine) fn stop(&self) {
+        let t = lock(&self.proof_thread).take();
+        if let (Some(l), Some(t)) = (&self.proofs, t) {
+            l.wake();
+            let _ = t.join();
+        }
+    }
+
+    /// Where the probe word lies in this process.
+    pub(in crate::engine) fn probe_addr(&self) -> u64 {
+        &*self.probe_word as *const u64 as u64
+    }
+
+    /// Counts one delegated copy done for an initiator.
+    pub(in crate::engine) fn count_delegated(&self) {
+        self.delegated.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Delegated copies done for initiators so far.
+    #[cfg(test)]
+    pub(in crate::engine) fn delegated(&self) -> u64 {
+        self.delegated.load(Ordering::Relaxed)
+    }
+}
+
+impl Transport for Shm {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    fn moves(&self, local: MemoryType, remote: MemoryType, peer: &AgentDesc) -> bool {
+        match (local, remote) {
+            (MemoryType::Dram, MemoryType::Dram) => true,
+            // The target's GPU memory, through CUDA IPC, when its GPU is on
+            // this host.
+            (MemoryType::Dram | MemoryType::Vram, MemoryType::Vram) => {
+                peer.gpu.as_ref().is_some_and(|g| g.host == self.host)
+            }
+            _ => false,
+        }
+    }
+
+    fn reach(&self, peer: &AgentDesc) -> Result<(), String> {
+        let Some(a) = &peer.local_access else {
+            return Err("the remote agent does not offer cross-memory access".into());
+        };
+        shm::probe(a, peer.instance, &self.host)
+    }
+
+    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        // Data bypasses the socket; one stream carries the control.
+        let pid = peer.local_access.as_ref().map_or(0, |a| a.pid);
+        Ok(CmaLink::open(inner, self, peer, pid)?)
+    }
+
+    fn serve_frame(
+        &self,
+        inner: &Inner,
+        c: &mut Conn<'_, '_, '_>,
+        head: &wire::TransportHead,
+    ) -> io::Result<Option<Finished<HeldSync>>> {
+        inner.serve_cma(self, c, head)
+    }
+}
 
 /// The cross-memory part of a socket link.
 pub(in crate::engine) struct CmaParts {
@@ -180,7 +323,7 @@ impl CmaLink {
     /// when delegation is on.
     pub(in crate::engine) fn open(
         inner: &Inner,
-        shm: &transport::Shm,
+        shm: &Shm,
         peer: &AgentDesc,
         pid: u32,
     ) -> Result<Arc<Self>, Error> {

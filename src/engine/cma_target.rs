@@ -6,7 +6,7 @@
 //! [`Inner::serve_cma`] serves them.
 
 use super::*;
-use crate::engine::transport::Shm;
+use crate::engine::cma::Shm;
 use crate::engine::wire::TransportHead;
 
 /// Most grants one request may announce, and most grants a session may

@@ -165,7 +165,7 @@ struct Inner {
     transports: Vec<Arc<dyn transport::Transport>>,
     /// Among them, cross-memory attach (shm and auto), whose target side
     /// serves every connection (grants, delegated copies, proofs).
-    shm: Option<Arc<transport::Shm>>,
+    shm: Option<Arc<cma::Shm>>,
     endpoint: String,
     listen_addr: SocketAddr,
     registry: Registry,
@@ -227,7 +227,7 @@ impl Engine {
         };
         let instance = random_u64() | 1;
         let host = shm::host_id();
-        let shm = transport::Shm::open(mode, &config, instance, &host);
+        let shm = cma::Shm::open(mode, &config, instance, &host);
         let inner = Arc::new(Inner {
             transports: transport::for_backend(mode, devices, shm.as_ref()),
             shm,

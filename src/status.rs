@@ -110,6 +110,11 @@ pub(crate) trait Progress: Send + Sync {
     fn progress(&self) -> bool;
 }
 
+/// Largest request whose waiting thread polls its transport's completion
+/// queue itself (a [`Progress`] driver); a larger one leaves the CPU to the
+/// transport's progress thread.
+pub(crate) const DRIVE_MAX_BYTES: u64 = 1 << 20;
+
 /// How long [`TransferStatus::wait`] polls a driver after its last progress
 /// before it sleeps on the condition variable (re-polling every
 /// [`DRIVE_SLICE`]): small transfers complete inside the window with no

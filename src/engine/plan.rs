@@ -188,7 +188,7 @@ pub(in crate::engine) fn grant_ranges(remote: &MemoryDescs, keys: &[u64]) -> Vec
 /// waiter takes the CPU from the stack that moves the data (measured on
 /// soft-RoCE: dropped ACKs and stalls), and saves nothing.
 pub(in crate::engine) fn small(req: &TransferRequest) -> bool {
-    req.local.descs.iter().map(|d| d.len).sum::<u64>() <= rdma::DRIVE_MAX_BYTES
+    req.local.descs.iter().map(|d| d.len).sum::<u64>() <= crate::status::DRIVE_MAX_BYTES
 }
 
 /// `req`'s work requests on `link`'s queue pairs, from its resolved local

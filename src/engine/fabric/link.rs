@@ -5,7 +5,10 @@
 //! endpoint's queues have room, else queued for the progress thread, which
 //! posts them as completions free room (a submission never waits for the
 //! peer); each carries an [`OpCtx`] the provider hands back in its
-//! completion, and the request's [`Group`] counts them. When the last one has completed (a write:
+//! completion, and the request's [`Group`] counts them. Completions are
+//! read by the progress thread, or by a thread waiting on a request of at
+//! most [`DRIVE_MAX_BYTES`], which polls the queue itself while the
+//! progress thread stands aside. When the last one has completed (a write:
 //! delivered, `FI_DELIVERY_COMPLETE`; a read: landed here) the request's
 //! commit (its sync message) goes to the target on the control stream, and
 //! the target's acknowledgement completes the status, as on the other
@@ -19,7 +22,7 @@
 use std::ffi::c_void;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use kvxfer_fabric as ffi;
@@ -33,6 +36,7 @@ use crate::engine::socket_link::{
 use crate::engine::transport::Submission;
 use crate::engine::{Inner, attach, lock, status};
 use crate::error::Error;
+use crate::status::{DRIVE_MAX_BYTES, Progress};
 
 /// A libfabric link.
 pub(in crate::engine) type FabricLink = SocketLink<FabricParts>;
@@ -54,6 +58,9 @@ pub(in crate::engine) struct FabricParts {
     /// Requests whose operations have not all completed, and the fenced
     /// notifications waiting for them.
     open: Mutex<Open>,
+    /// What a thread waiting on a small request polls (the endpoint's
+    /// completion queue) rather than wait for the progress thread.
+    driver: Weak<dyn Progress>,
 }
 
 #[derive(Default)]
@@ -147,6 +154,10 @@ impl FabricLink {
             max_msg: fabric.max_msg,
             virt: fabric.shared.ep.mr_mode & u64::from(ffi::FI_MR_VIRT_ADDR) != 0,
             open: Mutex::new(Open::default()),
+            driver: {
+                let strong: Arc<dyn Progress> = Arc::clone(&fabric.shared) as Arc<dyn Progress>;
+                Arc::downgrade(&strong)
+            },
         };
         let path = DataPath {
             transport: TransportKind::Fabric,
@@ -302,7 +313,12 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
             off += len;
         }
     }
-    let (id, completion) = link.in_flight.start(&link.meter, req.local.total_len());
+    let bytes = req.local.total_len();
+    // A small request's waiter polls the queue itself (no hand-over from
+    // the progress thread); a large one leaves the CPU to that thread.
+    let driver = (bytes <= DRIVE_MAX_BYTES).then(|| parts.driver.clone());
+    let id = link.in_flight.next_id();
+    let completion = link.in_flight.completion(driver, &link.meter, bytes);
     let pending = Pending::new(&completion, 1, resolved.guards, None);
     let status = TransferStatus::new(id, completion, Arc::clone(&link.path));
     let group = Arc::new(Group {
@@ -514,21 +530,84 @@ unsafe fn complete(ctx: *mut c_void, result: Result<(), FabricError>) {
     op.group.done(result.map_err(|e| fabric_err(&remote, e)));
 }
 
+/// Completions read from the queue at once.
+const BATCH: usize = 64;
+
+/// Reads the completions ready in the endpoint's queue (blocking up to
+/// [`WAIT_MS`] for one when `block`) and completes their operations; how
+/// many it read (an error entry counts one).
+fn reap(shared: &Shared, buf: &mut [ffi::fi_cq_entry; BATCH], block: bool) -> usize {
+    let ep = &*shared.ep;
+    // SAFETY: `buf` holds BATCH entries of the queue's format.
+    let n = unsafe {
+        if block {
+            ffi::fi_cq_sread(ep.cq, buf.as_mut_ptr().cast(), BATCH, ptr::null(), WAIT_MS)
+        } else {
+            ffi::fi_cq_read(ep.cq, buf.as_mut_ptr().cast(), BATCH)
+        }
+    };
+    if n > 0 {
+        for e in &buf[..n as usize] {
+            // SAFETY: every operation is posted with an OpCtx, and each
+            // completion is read once.
+            unsafe { complete(e.op_context, Ok(())) };
+        }
+        shared.credits.give(n as usize);
+        return n as usize;
+    }
+    if n != -(ffi::FI_EAVAIL as isize) {
+        return 0;
+    }
+    let mut err = ffi::fi_cq_err_entry::default();
+    // SAFETY: one error entry into `err`.
+    if unsafe { ffi::fi_cq_readerr(ep.cq, &mut err, 0) } != 1 {
+        return 0;
+    }
+    let op = if err.flags & u64::from(ffi::FI_READ) != 0 {
+        "READ"
+    } else {
+        "WRITE"
+    };
+    let e = FabricError::Completion {
+        op,
+        code: err.err,
+        prov: err.prov_errno,
+        text: strerror(i64::from(err.err)),
+    };
+    // SAFETY: as above.
+    unsafe { complete(err.op_context, Err(e)) };
+    shared.credits.give(1);
+    1
+}
+
+/// A thread waiting on a small request of this endpoint reads its
+/// completions itself (and so, on providers with manual progress, moves
+/// the endpoint's data): one hand-over less than waiting for the progress
+/// thread, which stands aside while a waiter polls.
+impl Progress for Shared {
+    fn progress(&self) -> bool {
+        self.driven.fetch_add(1, Ordering::Relaxed);
+        let mut buf = [ffi::fi_cq_entry::default(); BATCH];
+        reap(self, &mut buf, false) > 0
+    }
+}
+
 /// The endpoint's progress thread: reads completions until `stop`, then
 /// for a grace period while operations are still in flight. While this
 /// agent's operations are in flight or wait to be posted, and for
 /// [`SPIN_AFTER`] after the last completion, it polls the queue (which also
-/// drives providers with manual progress); otherwise it blocks in it.
+/// drives providers with manual progress), yielding instead while a
+/// waiting thread polls it; otherwise it blocks in it.
 pub(super) fn progress(shared: &Shared, stop: &AtomicBool) {
     /// How long it keeps polling after the last completion.
     const SPIN_AFTER: Duration = Duration::from_micros(500);
     let (ep, credits) = (&*shared.ep, &shared.credits);
-    const BATCH: usize = 64;
     let mut buf = [ffi::fi_cq_entry::default(); BATCH];
     let mut stopping: Option<Instant> = None;
     let mut idle = 0u32;
     let mut watched = Instant::now();
     let mut active: Option<Instant> = None;
+    let mut seen_driven = 0u64;
     loop {
         drain(shared);
         if watched.elapsed() >= Duration::from_millis(WAIT_MS as u64) {
@@ -549,42 +628,18 @@ pub(super) fn progress(shared: &Shared, stop: &AtomicBool) {
         let busy = credits.in_flight() > 0
             || active.is_some_and(|t| t.elapsed() < SPIN_AFTER)
             || !lock(&shared.backlog).is_empty();
-        // SAFETY: `buf` holds BATCH entries of the queue's format.
-        let n = unsafe {
-            if ep.waits && !busy {
-                ffi::fi_cq_sread(ep.cq, buf.as_mut_ptr().cast(), BATCH, ptr::null(), WAIT_MS)
-            } else {
-                ffi::fi_cq_read(ep.cq, buf.as_mut_ptr().cast(), BATCH)
-            }
-        };
+        // A waiter polling the queue meanwhile (see `Progress`): it reads
+        // the completions; this thread stands aside.
+        let driven = shared.driven.load(Ordering::Relaxed);
+        if busy && driven != seen_driven {
+            seen_driven = driven;
+            std::thread::yield_now();
+            continue;
+        }
+        let n = reap(shared, &mut buf, ep.waits && !busy);
         if n > 0 {
             idle = 0;
             active = Some(Instant::now());
-            for e in &buf[..n as usize] {
-                // SAFETY: every operation is posted with an OpCtx, and
-                // each completion is read once.
-                unsafe { complete(e.op_context, Ok(())) };
-            }
-            credits.give(n as usize);
-        } else if n == -(ffi::FI_EAVAIL as isize) {
-            let mut err = ffi::fi_cq_err_entry::default();
-            // SAFETY: one error entry into `err`.
-            if unsafe { ffi::fi_cq_readerr(ep.cq, &mut err, 0) } == 1 {
-                let op = if err.flags & u64::from(ffi::FI_READ) != 0 {
-                    "READ"
-                } else {
-                    "WRITE"
-                };
-                let e = FabricError::Completion {
-                    op,
-                    code: err.err,
-                    prov: err.prov_errno,
-                    text: strerror(i64::from(err.err)),
-                };
-                // SAFETY: as above.
-                unsafe { complete(err.op_context, Err(e)) };
-                credits.give(1);
-            }
         } else if busy {
             std::thread::yield_now();
         } else if !ep.waits {

@@ -30,7 +30,7 @@ mod link;
 use std::ffi::{CStr, CString, c_void};
 use std::net::TcpStream;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -461,6 +461,9 @@ struct Shared {
     backlog: Mutex<std::collections::VecDeque<link::Queued>>,
     /// The links, for the progress thread's watch over them.
     links: Mutex<Vec<std::sync::Weak<FabricLink>>>,
+    /// Polls of the queue by waiting threads so far (the progress thread
+    /// stands aside while it grows).
+    driven: AtomicU64,
 }
 
 impl Shared {
@@ -536,6 +539,7 @@ impl Fabric {
             credits: Credits::new(found.tx_size.min(MAX_CREDITS)),
             backlog: Mutex::default(),
             links: Mutex::default(),
+            driven: AtomicU64::new(0),
         });
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {

@@ -305,9 +305,6 @@ pub(crate) fn data_post<'a>(
     }
 }
 
-/// Largest request whose waiting thread polls the completion queue itself.
-pub(crate) const DRIVE_MAX_BYTES: u64 = 1 << 20;
-
 /// Misses in a row after which express posts stop looking for their own
 /// completion at once ([`ReapHint`]).
 const REAP_MISSES: u32 = 8;

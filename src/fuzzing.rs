@@ -7,7 +7,7 @@
 use std::os::fd::AsFd;
 
 use crate::desc::AgentDesc;
-use crate::engine::cma_wire::CmaFrame;
+use crate::engine::cma_wire::{CmaFrame, Delegate};
 use crate::engine::requests::RequestTable;
 use crate::engine::wire::{CommitOp, Frame, HEADER_LEN};
 use crate::status::TransportKind;
@@ -74,7 +74,7 @@ pub fn tcp_frames(data: &[u8]) {
                     other => panic!("a shm frame re-encoded as {other:?}"),
                 };
                 assert_eq!(again, Ok(f.clone()));
-                let CmaFrame::Delegate { req, count, op, .. } = f else {
+                let CmaFrame::Delegate(Delegate { req, count, op, .. }) = f else {
                     continue;
                 };
                 let n = count as usize * crate::engine::cma_wire::DELEGATE_ENTRY;

@@ -444,7 +444,7 @@ impl CmaLink {
             table.extend_from_slice(&p.local.to_le_bytes());
             table.extend_from_slice(&p.len.to_le_bytes());
         }
-        let hdr = CmaFrame::Delegate {
+        let hdr = CmaFrame::Delegate(cma_wire::Delegate {
             req,
             op: match op {
                 TransferOp::Write => CommitOp::Write,
@@ -456,7 +456,7 @@ impl CmaLink {
             instance,
             sync_len: sync.map_or(0, |m| m.len() as u32),
             has_sync: sync.is_some(),
-        }
+        })
         .encode();
         let body = sync.unwrap_or_default();
         let mut iovs = [

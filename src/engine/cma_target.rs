@@ -7,6 +7,7 @@
 
 use super::*;
 use crate::engine::cma::Shm;
+use crate::engine::cma_wire::Delegate;
 use crate::engine::wire::TransportHead;
 
 /// Most grants one request may announce, and most grants a session may
@@ -15,16 +16,6 @@ const GRANTS_MAX: u32 = 1 << 16;
 /// Most requests of a session with grants pending at once (an initiator
 /// grants one request at a time per link).
 const GRANTED_REQUESTS_MAX: usize = 1 << 10;
-
-/// What a `Delegate` frame asks, besides its sync message.
-struct DelegateAsk {
-    req: u64,
-    op: CommitOp,
-    count: u32,
-    pid: u32,
-    probe_addr: u64,
-    instance: u64,
-}
 
 impl Inner {
     /// Serves one frame of the shm transport `shm` (its header's
@@ -50,26 +41,7 @@ impl Inner {
                 self.grant(c, req, mem_type, (addr, len), key, total)?;
                 Ok(None)
             }
-            CmaFrame::Delegate {
-                req,
-                op,
-                count,
-                pid,
-                probe_addr,
-                instance,
-                sync_len,
-                has_sync,
-            } => {
-                let ask = DelegateAsk {
-                    req,
-                    op,
-                    count,
-                    pid,
-                    probe_addr,
-                    instance,
-                };
-                self.delegate(shm, c, ask, has_sync, sync_len)
-            }
+            CmaFrame::Delegate(d) => self.delegate(shm, c, &d),
             CmaFrame::Granted { .. } => Err(violation("a grant answer sent to a target")),
         }
     }
@@ -147,18 +119,18 @@ impl Inner {
         &self,
         shm: &Shm,
         c: &mut Conn<'_, '_, '_>,
-        ask: DelegateAsk,
-        has_sync: bool,
-        sync_len: u32,
+        d: &Delegate,
     ) -> io::Result<Option<Finished<HeldSync>>> {
-        let DelegateAsk {
+        let &Delegate {
             req,
             op,
             count,
             pid,
             probe_addr,
             instance,
-        } = ask;
+            sync_len,
+            has_sync,
+        } = d;
         let session = c.session;
         // The sync message may follow: no header read-ahead.
         let table = c

@@ -46,34 +46,8 @@ pub(crate) enum CmaFrame {
         total: u32,
     },
     /// After `Granted`: asks the target to do the request's copy itself
-    /// (its side of the copy is the contiguous one, and the kernel pins the
-    /// *other* process's pages one iovec at a time), then to commit the
-    /// request with the sync message. A table of `count` (target address,
-    /// initiator address, length) triples follows (24 bytes each,
-    /// little-endian), then the sync message (`sync_len` bytes). The
-    /// initiator is the process `pid`, proven by reading `instance` at
-    /// `probe_addr` there. The target answers `Granted` (OK: copied and
-    /// committed, an `Ack` follows; `DELEGATE_REFUSED`: the initiator
-    /// copies and commits itself; `DELEGATE_FAILED`).
-    Delegate {
-        /// Request id.
-        req: u64,
-        /// Direction of the request (the target reads from the initiator
-        /// for a WRITE).
-        op: CommitOp,
-        /// Pieces (1 to [`DELEGATE_MAX`]).
-        count: u32,
-        /// The initiator's process id.
-        pid: u32,
-        /// Where the initiator's instance id can be read.
-        probe_addr: u64,
-        /// The initiator's instance id.
-        instance: u64,
-        /// Length of the sync message (0: none).
-        sync_len: u32,
-        /// Whether a sync message is present (it may be empty).
-        has_sync: bool,
-    },
+    /// ([`Delegate`]).
+    Delegate(Delegate),
     /// Target → initiator: the answer to a request's grants, all admitted
     /// (OK) or the first refusal; also the answer to its `Delegate`.
     Granted {
@@ -84,13 +58,44 @@ pub(crate) enum CmaFrame {
     },
 }
 
+/// A `Delegate` frame: asks the target to do the request's copy itself
+/// (its side of the copy is the contiguous one, and the kernel pins the
+/// *other* process's pages one iovec at a time), then to commit the
+/// request with the sync message. A table of `count` (target address,
+/// initiator address, length) triples follows (24 bytes each,
+/// little-endian), then the sync message (`sync_len` bytes). The initiator
+/// is the process `pid`, proven by reading `instance` at `probe_addr`
+/// there. The target answers `Granted` (OK: copied and committed, an `Ack`
+/// follows; `DELEGATE_REFUSED`: the initiator copies and commits itself;
+/// `DELEGATE_FAILED`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Delegate {
+    /// Request id.
+    pub(crate) req: u64,
+    /// Direction of the request (the target reads from the initiator for a
+    /// WRITE).
+    pub(crate) op: CommitOp,
+    /// Pieces (1 to [`DELEGATE_MAX`]).
+    pub(crate) count: u32,
+    /// The initiator's process id.
+    pub(crate) pid: u32,
+    /// Where the initiator's instance id can be read.
+    pub(crate) probe_addr: u64,
+    /// The initiator's instance id.
+    pub(crate) instance: u64,
+    /// Length of the sync message (0: none).
+    pub(crate) sync_len: u32,
+    /// Whether a sync message is present (it may be empty).
+    pub(crate) has_sync: bool,
+}
+
 impl CmaFrame {
     /// Bytes that follow the header (a delegate's table and sync message).
     pub(crate) fn body_len(&self) -> u64 {
         match *self {
-            CmaFrame::Delegate {
+            CmaFrame::Delegate(Delegate {
                 count, sync_len, ..
-            } => u64::from(count) * DELEGATE_ENTRY as u64 + u64::from(sync_len),
+            }) => u64::from(count) * DELEGATE_ENTRY as u64 + u64::from(sync_len),
             _ => 0,
         }
     }
@@ -113,7 +118,7 @@ impl CmaFrame {
                 len,
                 key,
             },
-            CmaFrame::Delegate {
+            CmaFrame::Delegate(Delegate {
                 req,
                 op,
                 count,
@@ -122,7 +127,7 @@ impl CmaFrame {
                 instance,
                 sync_len,
                 has_sync,
-            } => TransportHead {
+            }) => TransportHead {
                 status: kind_flags(K_DELEGATE, op_flags(op, has_sync)),
                 aux: count,
                 id: req,
@@ -176,7 +181,7 @@ impl CmaFrame {
                 if sync_len > MAX_CONTROL_BODY {
                     return Err(WireError::BodyTooLarge(sync_len));
                 }
-                CmaFrame::Delegate {
+                CmaFrame::Delegate(Delegate {
                     req: h.id,
                     op: flags_op(flags).ok_or(WireError::BadField("delegate op"))?,
                     count: h.aux,
@@ -185,7 +190,7 @@ impl CmaFrame {
                     instance: h.key,
                     sync_len,
                     has_sync: flags & 0x80 != 0,
-                }
+                })
             }
             K_GRANTED => CmaFrame::Granted {
                 req: h.id,
@@ -239,7 +244,7 @@ mod tests {
                 req: 0,
                 status: u16::MAX,
             },
-            CmaFrame::Delegate {
+            CmaFrame::Delegate(Delegate {
                 req: 15,
                 op: CommitOp::Write,
                 count: 4096,
@@ -248,8 +253,8 @@ mod tests {
                 instance: 0xdead_beef_cafe,
                 sync_len: 77,
                 has_sync: true,
-            },
-            CmaFrame::Delegate {
+            }),
+            CmaFrame::Delegate(Delegate {
                 req: 16,
                 op: CommitOp::Read,
                 count: 1,
@@ -258,7 +263,7 @@ mod tests {
                 instance: 0,
                 sync_len: 0,
                 has_sync: false,
-            },
+            }),
         ]
     }
 
@@ -275,7 +280,7 @@ mod tests {
     #[test]
     fn rejects_nonsense() {
         let delegate = |count, sync_len| {
-            CmaFrame::Delegate {
+            CmaFrame::Delegate(Delegate {
                 req: 1,
                 op: CommitOp::Write,
                 count,
@@ -284,7 +289,7 @@ mod tests {
                 instance: 0,
                 sync_len,
                 has_sync: true,
-            }
+            })
             .encode()
         };
         for count in [0, DELEGATE_MAX + 1] {

@@ -8,7 +8,7 @@
 //! completion, and the request's [`Group`] counts them. Completions are
 //! read by the progress thread, or by a thread waiting on a request of at
 //! most [`DRIVE_MAX_BYTES`], which polls the queue itself while the
-//! progress thread stands aside. When the last one has completed (a write:
+//! progress thread stands aside (except on providers over kernel sockets). When the last one has completed (a write:
 //! delivered, `FI_DELIVERY_COMPLETE`; a read: landed here) the request's
 //! commit (its sync message) goes to the target on the control stream, and
 //! the target's acknowledgement completes the status, as on the other
@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer_fabric as ffi;
 
-use super::{Fabric, FabricError, Shared, WAIT_MS, check, fabric_err, strerror};
+use super::{Fabric, FabricError, Shared, WAIT_MS, check, fabric_err, strerror, waiters_poll};
 use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
 use crate::engine::socket_link::{
@@ -59,8 +59,9 @@ pub(in crate::engine) struct FabricParts {
     /// notifications waiting for them.
     open: Mutex<Open>,
     /// What a thread waiting on a small request polls (the endpoint's
-    /// completion queue) rather than wait for the progress thread.
-    driver: Weak<dyn Progress>,
+    /// completion queue) rather than wait for the progress thread; `None`
+    /// on providers over kernel sockets (see [`super::waiters_poll`]).
+    driver: Option<Weak<dyn Progress>>,
 }
 
 #[derive(Default)]
@@ -154,10 +155,10 @@ impl FabricLink {
             max_msg: fabric.max_msg,
             virt: fabric.shared.ep.mr_mode & u64::from(ffi::FI_MR_VIRT_ADDR) != 0,
             open: Mutex::new(Open::default()),
-            driver: {
+            driver: waiters_poll(&fabric.offer.provider).then(|| {
                 let strong: Arc<dyn Progress> = Arc::clone(&fabric.shared) as Arc<dyn Progress>;
                 Arc::downgrade(&strong)
-            },
+            }),
         };
         let path = DataPath {
             transport: TransportKind::Fabric,
@@ -316,7 +317,7 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
     let bytes = req.local.total_len();
     // A small request's waiter polls the queue itself (no hand-over from
     // the progress thread); a large one leaves the CPU to that thread.
-    let driver = (bytes <= DRIVE_MAX_BYTES).then(|| parts.driver.clone());
+    let driver = parts.driver.clone().filter(|_| bytes <= DRIVE_MAX_BYTES);
     let id = link.in_flight.next_id();
     let completion = link.in_flight.completion(driver, &link.meter, bytes);
     let pending = Pending::new(&completion, 1, resolved.guards, None);

@@ -567,6 +567,23 @@ impl Fabric {
 /// target's provider and end with `fi_close` (no registration cache).
 const UNCACHED: &[&str] = &["tcp", "shm", "sockets", "udp", "net"];
 
+/// Core providers that move data through kernel sockets: every poll of
+/// their completion queue is system calls.
+const OVER_SOCKETS: &[&str] = &["tcp", "sockets", "udp", "net"];
+
+/// Whether threads waiting on small requests poll the completion queue of
+/// `provider` themselves. Not on providers over kernel sockets: there a
+/// polling waiter is one more busy thread beside the progress threads that
+/// the target's data needs, and measured slower (half round trip 1.48× on
+/// `tcp;ofi_rxm`, 2 cores) where `shm` and `verbs;ofi_rxm` gained 3× or more
+/// (`docs/benchmarks.md`).
+fn waiters_poll(provider: &str) -> bool {
+    !provider
+        .split(';')
+        .filter(|p| !p.starts_with("ofi_"))
+        .any(|p| OVER_SOCKETS.contains(&p))
+}
+
 /// What the environment says of libfabric's registration cache (read once,
 /// when an agent opens its endpoint; libfabric reads the same variables).
 struct CacheEnv {
@@ -849,6 +866,23 @@ mod tests {
         // efa's own switch turns off efa's cache only.
         assert_eq!(cache_refusal("efa", &env(None, None, Some("0"))), None);
         assert!(cache_refusal("verbs;ofi_rxm", &env(None, None, Some("0"))).is_some());
+    }
+
+    #[test]
+    fn waiters_poll_except_over_kernel_sockets() {
+        for p in [
+            "verbs;ofi_rxm",
+            "efa",
+            "shm",
+            "verbs;ofi_rxd",
+            "psm3",
+            "cxi",
+        ] {
+            assert!(waiters_poll(p), "{p}");
+        }
+        for p in ["tcp;ofi_rxm", "tcp", "sockets", "udp;ofi_rxd", "net"] {
+            assert!(!waiters_poll(p), "{p}");
+        }
     }
 
     #[test]

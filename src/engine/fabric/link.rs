@@ -8,8 +8,9 @@
 //! completion, and the request's [`Group`] counts them. Completions are
 //! read by the progress thread, or by a thread waiting on a request of at
 //! most [`DRIVE_MAX_BYTES`], which polls the queue itself while the
-//! progress thread stands aside (except on providers over kernel sockets). When the last one has completed (a write:
-//! delivered, `FI_DELIVERY_COMPLETE`; a read: landed here) the request's
+//! progress thread stands aside (except on providers over kernel
+//! sockets). When the last one has completed (a write: delivered,
+//! `FI_DELIVERY_COMPLETE`; a read: landed here) the request's
 //! commit (its sync message) goes to the target on the control stream, and
 //! the target's acknowledgement completes the status, as on the other
 //! socket links. Until then the request is not in the link's table: a link

@@ -12,25 +12,34 @@
 //! delivered only once the data is in place. Nothing is staged.
 
 use super::*;
+use crate::engine::cma_target::CmaSession;
+use crate::engine::transport::SessionState;
 
 /// Cross-memory attach: a peer on this host that offers it and whose
 /// probe word this process can read. It owns what the path needs on both
-/// sides: the probe word it publishes, the local proof socket on which
-/// same-host initiators prove which process they are (so that this agent
-/// may copy for them) with the thread serving it, and the count of the
-/// copies it did for them.
+/// sides: the probe word it publishes, the target's state of each
+/// initiator session ([`CmaSession`]: grants and the proven process), the
+/// local proof socket on which same-host initiators prove which process
+/// they are (so that this agent may copy for them) with the thread serving
+/// it, and the count of the copies it did for them.
 ///
-/// Drop order: the agent stops the proof thread ([`Shm::stop`]) before it
-/// lets go of its state; the socket closes with the transport.
+/// Drop order: the agent stops the proof thread ([`Transport::stop`])
+/// before it lets go of its state; the socket closes with the transport,
+/// and the sessions' grants unpin as each session closes, or with it.
 pub(in crate::engine) struct Shm {
     /// This host's id.
     pub(in crate::engine) host: String,
     /// Holds the agent's instance; peers read it back to prove direct
     /// access works (its address is in the descriptor).
     probe_word: Box<u64>,
+    /// The target's state of each open session, by the session's ticket
+    /// (shared with the proof thread, which binds a proven process to it).
+    sessions: Arc<Mutex<HashMap<u128, Arc<CmaSession>>>>,
     /// The local proof socket; `None` when this agent never copies for
     /// initiators.
     proofs: Option<Arc<local_proof::Listener>>,
+    /// Set when the agent closes: the proof thread ends.
+    stopping: Arc<AtomicBool>,
     /// The thread serving `proofs`, while the agent is open.
     proof_thread: Mutex<Option<JoinHandle<()>>>,
     /// Delegated cross-memory copies this agent has done for initiators.
@@ -66,35 +75,17 @@ impl Shm {
         Some(Arc::new(Self {
             host: host.to_owned(),
             probe_word: Box::new(instance),
+            sessions: Arc::default(),
             proofs,
+            stopping: Arc::default(),
             proof_thread: Mutex::new(None),
             delegated: AtomicU64::new(0),
         }))
     }
 
-    /// Starts serving the local proof socket for `inner` (its sessions'
-    /// tickets), when there is one.
-    ///
-    /// # Errors
-    /// The thread could not be started.
-    pub(in crate::engine) fn start(&self, inner: &Arc<Inner>) -> io::Result<()> {
-        if let Some(l) = &self.proofs {
-            let (l, me) = (Arc::clone(l), Arc::clone(inner));
-            let t = std::thread::Builder::new()
-                .name(format!("kvxfer-local-{}", inner.config.name))
-                .spawn(move || me.serve_local_proofs(&l))?;
-            *lock(&self.proof_thread) = Some(t);
-        }
-        Ok(())
-    }
-
-    /// Stops the proof thread (the agent is closing) and waits for it.
-    pub(in crate::engine) fn stop(&self) {
-        let t = lock(&self.proof_thread).take();
-        if let (Some(l), Some(t)) = (&self.proofs, t) {
-            l.wake();
-            let _ = t.join();
-        }
+    /// The target's state of the open session `ticket`.
+    pub(in crate::engine) fn session(&self, ticket: u128) -> Option<Arc<CmaSession>> {
+        lock(&self.sessions).get(&ticket).cloned()
     }
 
     /// Where the probe word lies in this process.
@@ -150,7 +141,51 @@ impl Transport for Shm {
         c: &mut Conn<'_, '_, '_>,
         head: &wire::TransportHead,
     ) -> io::Result<Option<Finished<HeldSync>>> {
-        inner.serve_cma(self, c, head)
+        self.serve(inner, c, head)
+    }
+
+    /// Serves the local proof socket, when there is one: a ticket binds
+    /// the connecting process to its open session, once.
+    fn start(&self, inner: &Inner) -> io::Result<()> {
+        let Some(l) = &self.proofs else {
+            return Ok(());
+        };
+        let (l, sessions, stopping) = (
+            Arc::clone(l),
+            Arc::clone(&self.sessions),
+            Arc::clone(&self.stopping),
+        );
+        let (name, timeout) = (inner.config.name.clone(), inner.config.connect_timeout);
+        let t = std::thread::Builder::new()
+            .name(format!("kvxfer-local-{name}"))
+            .spawn(move || {
+                let stop = || stopping.load(Ordering::SeqCst);
+                l.serve(timeout, &stop, &|ticket, peer| {
+                    let s = lock(&sessions).get(&ticket).cloned();
+                    s.is_some_and(|s| s.prove(&name, peer))
+                });
+            })?;
+        *lock(&self.proof_thread) = Some(t);
+        Ok(())
+    }
+
+    fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        let t = lock(&self.proof_thread).take();
+        if let (Some(l), Some(t)) = (&self.proofs, t) {
+            l.wake();
+            let _ = t.join();
+        }
+    }
+
+    fn open_session(&self, ticket: u128, remote: &str) -> Option<Arc<dyn SessionState>> {
+        let s = Arc::new(CmaSession::new(remote));
+        lock(&self.sessions).insert(ticket, Arc::clone(&s));
+        Some(s)
+    }
+
+    fn close_session(&self, ticket: u128) {
+        lock(&self.sessions).remove(&ticket);
     }
 }
 
@@ -168,6 +203,32 @@ pub(in crate::engine) struct CmaParts {
     pub(in crate::engine) delegate_ok: AtomicBool,
     /// The target's GPU regions, when it exports IPC handles.
     pub(in crate::engine) ipc: Option<IpcPeer>,
+    /// The request whose grants (or delegate) the link's sender awaits the
+    /// target's answer to, while it does (one at a time).
+    pub(in crate::engine) awaited: Mutex<Option<u64>>,
+    /// The reader hands the awaited answer on here.
+    pub(in crate::engine) answer: (Sender<u16>, Receiver<u16>),
+}
+
+impl CmaParts {
+    /// The sender is about to ask the target about `req`: its answer is
+    /// awaited (before the question goes out, so that no answer comes
+    /// unawaited).
+    fn await_answer(&self, req: u64) {
+        *lock(&self.awaited) = Some(req);
+    }
+
+    /// The reader's `Granted` for `req` with `status`: handed on when it is
+    /// the awaited answer; `false` (a protocol violation) when no answer
+    /// about `req` is awaited.
+    fn take_answer(&self, req: u64, status: u16) -> bool {
+        let mut awaited = lock(&self.awaited);
+        if *awaited != Some(req) {
+            return false;
+        }
+        *awaited = None;
+        self.answer.0.try_send(status).is_ok()
+    }
 }
 
 /// A same-host peer's GPU regions, reached through CUDA IPC.
@@ -266,12 +327,8 @@ impl SocketPath for CmaParts {
     fn on_frame(link: &CmaLink, head: &wire::TransportHead) -> Result<(), Error> {
         match CmaFrame::decode(head) {
             Ok(CmaFrame::Granted { req, status }) => {
-                let p = lock(&link.pending).map.get(&req).cloned();
-                let Some(p) = p else {
-                    return Err(link.violation("grant answer for an unknown request"));
-                };
-                if p.granted().0.try_send(status).is_err() {
-                    return Err(link.violation("second grant answer for a request"));
+                if !link.parts.take_answer(req, status) {
+                    return Err(link.violation("a grant answer not awaited"));
                 }
                 Ok(())
             }
@@ -350,6 +407,8 @@ impl CmaLink {
             copy_threads: cfg.shm.copy_threads,
             delegate_probe: cfg.shm.delegate.then(|| (shm.probe_addr(), inner.instance)),
             delegate_ok: AtomicBool::new(may_delegate),
+            awaited: Mutex::new(None),
+            answer: crossbeam_channel::bounded(1),
             ipc: IpcPeer::new(peer, &inner.host),
         };
         let path = DataPath {
@@ -409,10 +468,11 @@ impl CmaLink {
         Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
     }
 
-    /// Waits for the target's answer to a request's grants (or delegate).
-    pub(in crate::engine) fn wait_granted(&self, pending: &Pending) -> Result<u16, Error> {
+    /// Waits for the target's answer to a request's grants (or delegate),
+    /// awaited since [`CmaParts::await_answer`].
+    fn wait_answer(&self) -> Result<u16, Error> {
         loop {
-            match pending.granted().1.recv_timeout(tick(self.io_timeout)) {
+            match self.parts.answer.1.recv_timeout(tick(self.io_timeout)) {
                 Ok(st) => return Ok(st),
                 Err(_) => {
                     if let Some(e) = &lock(&self.pending).broken {
@@ -427,7 +487,6 @@ impl CmaLink {
     /// `sync`. `Ok(true)`: done (its `Ack` completes the request);
     /// `Ok(false)`: refused, the caller copies and commits (and this link
     /// asks no more); `Err`: the target's copy failed, the link is broken.
-    #[allow(clippy::too_many_arguments)]
     pub(in crate::engine) fn run_delegate(
         &self,
         fd: std::os::fd::RawFd,
@@ -436,7 +495,6 @@ impl CmaLink {
         pieces: &[Piece],
         sync: Option<&[u8]>,
         (probe_addr, instance): (u64, u64),
-        pending: &Pending,
     ) -> Result<bool, Error> {
         let mut table = Vec::with_capacity(pieces.len() * cma_wire::DELEGATE_ENTRY);
         for p in pieces {
@@ -464,11 +522,12 @@ impl CmaLink {
             iov(table.as_ptr(), table.len()),
             iov(body.as_ptr(), body.len()),
         ];
+        self.parts.await_answer(req);
         // SAFETY: the iovecs point into `hdr`, `table` and `body`, alive for
         // the call.
         unsafe { writev_all(fd, &mut iovs, &self.clock, self.io_timeout) }
             .map_err(|e| self.io_error(e))?;
-        match self.wait_granted(pending)? {
+        match self.wait_answer()? {
             status::OK => {
                 self.clock.touch();
                 Ok(true)
@@ -543,14 +602,14 @@ impl CmaLink {
         let frames: Vec<[u8; HEADER_LEN]> = grants
             .iter()
             .map(|g| {
-                CmaFrame::Grant {
+                CmaFrame::Grant(cma_wire::Grant {
                     req,
                     mem_type: g.mem_type,
                     addr: g.addr,
                     len: g.len,
                     key: g.key,
                     total: grants.len() as u32,
-                }
+                })
                 .encode()
             })
             .collect();
@@ -560,10 +619,11 @@ impl CmaLink {
         let copy_by = self
             .target_timeout
             .map(|t| (std::time::Instant::now() + t / 2, t / 2));
+        self.parts.await_answer(req);
         // SAFETY: the iovecs point into `frames`, alive for the call.
         unsafe { writev_all(fd, &mut iovs, &self.clock, self.io_timeout) }
             .map_err(|e| self.io_error(e))?;
-        let st = self.wait_granted(pending)?;
+        let st = self.wait_answer()?;
         if st != status::OK {
             self.complete_event(
                 req,
@@ -604,7 +664,7 @@ impl CmaLink {
         }
         if let (Some(sync), Some((probe_addr, instance))) = (delegate, self.parts.delegate_probe)
             && self.parts.delegate_ok.load(Ordering::Relaxed)
-            && self.run_delegate(fd, req, op, pieces, sync, (probe_addr, instance), pending)?
+            && self.run_delegate(fd, req, op, pieces, sync, (probe_addr, instance))?
         {
             return Ok(CmaOutcome::Done);
         }
@@ -641,5 +701,33 @@ impl CmaLink {
             return too_late(pending);
         }
         Ok(CmaOutcome::Commit { aborted: !copied })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reader hands on one answer about the request the sender awaits
+    /// one for; any other (unawaited, another request's, a second one) is
+    /// refused, which breaks the link as a protocol violation.
+    #[test]
+    fn only_the_awaited_answer_is_taken() {
+        let p = CmaParts {
+            pid: 1,
+            copy_threads: 1,
+            delegate_probe: None,
+            delegate_ok: AtomicBool::new(false),
+            ipc: None,
+            awaited: Mutex::new(None),
+            answer: crossbeam_channel::bounded(1),
+        };
+        assert!(!p.take_answer(5, status::OK), "nothing awaited");
+        p.await_answer(5);
+        assert!(!p.take_answer(6, status::OK), "another request's");
+        assert!(p.take_answer(5, 7));
+        assert!(!p.take_answer(5, status::OK), "a second answer");
+        assert_eq!(p.answer.1.try_recv(), Ok(7));
+        assert!(p.answer.1.try_recv().is_err());
     }
 }

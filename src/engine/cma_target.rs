@@ -2,12 +2,14 @@
 //! until the request's commit, so the initiator's direct copy lands in
 //! registered memory only), and delegated copies done here for a proven
 //! initiator whose side is the contiguous one. The engine hands the shm
-//! transport its frames ([`CmaFrame`], in `Transport` frames);
-//! [`Inner::serve_cma`] serves them.
+//! transport its frames ([`CmaFrame`], in `Transport` frames) and tells it
+//! of each session's requests ([`CmaSession`]); [`Shm::serve`] serves the
+//! frames.
 
 use super::*;
 use crate::engine::cma::Shm;
-use crate::engine::cma_wire::Delegate;
+use crate::engine::cma_wire::{Delegate, Grant};
+use crate::engine::transport::SessionState;
 use crate::engine::wire::TransportHead;
 
 /// Most grants one request may announce, and most grants a session may
@@ -17,55 +19,138 @@ const GRANTS_MAX: u32 = 1 << 16;
 /// grants one request at a time per link).
 const GRANTED_REQUESTS_MAX: usize = 1 << 10;
 
-impl Inner {
-    /// Serves one frame of the shm transport `shm` (its header's
-    /// transport fields `head`) on connection `c`: the request it
-    /// finished, if any.
-    pub(in crate::engine) fn serve_cma(
+/// What the shm transport keeps for one initiator's session at the
+/// target: the grants of its requests, held until each request finishes,
+/// and the process proven to be its initiator.
+pub(in crate::engine) struct CmaSession {
+    /// The authenticated initiator.
+    remote: String,
+    /// Grants by request, held until the request finishes.
+    grants: Mutex<HashMap<u64, Grants>>,
+    /// The process proven to be the session's initiator, once it has
+    /// presented the session's ticket on the local proof socket: the only
+    /// process a delegated copy may touch.
+    proven: Mutex<Option<local_proof::ProvenPeer>>,
+}
+
+impl CmaSession {
+    /// The state of a new session of the initiator `remote`.
+    pub(in crate::engine) fn new(remote: &str) -> Self {
+        Self {
+            remote: remote.to_owned(),
+            grants: Mutex::default(),
+            proven: Mutex::default(),
+        }
+    }
+
+    /// Binds `peer`, proven on agent `agent`'s local socket to hold the
+    /// session's ticket, as the session's initiator: only the first proof
+    /// binds.
+    pub(in crate::engine) fn prove(&self, agent: &str, peer: local_proof::ProvenPeer) -> bool {
+        let mut proven = lock(&self.proven);
+        if proven.is_some() {
+            return false;
+        }
+        tracing::debug!(%agent, remote = %self.remote, "initiator process proven");
+        *proven = Some(peer);
+        true
+    }
+}
+
+#[derive(Default)]
+struct Grants {
+    /// When the first of the request's grants came: they expire the
+    /// agent's I/O timeout later.
+    since: ProgressClock,
+    seen: u32,
+    guards: Vec<RegionGuard>,
+    /// The admitted ranges, `(addr, len)`: a delegated copy may write (or
+    /// read) only inside them.
+    spans: Vec<(u64, u64)>,
+    refused: Option<RejectReason>,
+    /// A span is GPU memory (the initiator copies through CUDA IPC): never
+    /// a delegated copy.
+    gpu: bool,
+}
+
+impl SessionState for CmaSession {
+    /// A request whose grants expired before its commit is refused with
+    /// [`RejectReason::GrantExpired`].
+    fn commit_refusal(&self, req: u64) -> Option<RejectReason> {
+        lock(&self.grants)
+            .get(&req)
+            .and_then(|g| g.refused.filter(|r| *r == RejectReason::GrantExpired))
+    }
+
+    /// The initiator's direct copies of `req` are over: its grants unpin.
+    fn finished(&self, req: u64) {
+        lock(&self.grants).remove(&req);
+    }
+
+    /// Releases the grants of requests granted more than `lifetime` ago
+    /// (their commit never came): each becomes a refusal its commit will
+    /// meet, holding no region.
+    fn sweep(&self, lifetime: Duration) {
+        let mut grants = lock(&self.grants);
+        for g in grants.values_mut() {
+            if g.refused.is_none() && g.since.idle() > lifetime {
+                g.refused = Some(RejectReason::GrantExpired);
+                g.guards.clear();
+                g.spans.clear();
+            }
+        }
+    }
+}
+
+impl Shm {
+    /// Serves one of its frames (its header's transport fields `head`)
+    /// on `inner`'s connection `c`: the request it finished, if any.
+    pub(in crate::engine) fn serve(
         &self,
-        shm: &Shm,
+        inner: &Inner,
         c: &mut Conn<'_, '_, '_>,
         head: &TransportHead,
     ) -> io::Result<Option<Finished<HeldSync>>> {
         let frame = CmaFrame::decode(head).map_err(|e| violation(e.to_string()))?;
         c.idle.header_in(frame.body_len());
+        let Some(state) = self.session(c.session.ticket) else {
+            return Err(violation("a cross-memory frame outside a session"));
+        };
         match frame {
-            CmaFrame::Grant {
-                req,
-                mem_type,
-                addr,
-                len,
-                key,
-                total,
-            } => {
-                self.grant(c, req, mem_type, (addr, len), key, total)?;
+            CmaFrame::Grant(g) => {
+                Self::grant(inner, &state, c, &g)?;
                 Ok(None)
             }
-            CmaFrame::Delegate(d) => self.delegate(shm, c, &d),
+            CmaFrame::Delegate(d) => self.delegate(inner, &state, c, &d),
             CmaFrame::Granted { .. } => Err(violation("a grant answer sent to a target")),
         }
     }
 
-    /// Admits one `Grant` of `req`; once all `total` have come, answers
-    /// `Granted` (the first refusal, or OK).
+    /// Admits one `Grant` of its request into the session's `state`; once
+    /// all the request's grants have come, answers `Granted` (the first
+    /// refusal, or OK).
     fn grant(
-        &self,
+        inner: &Inner,
+        state: &CmaSession,
         c: &mut Conn<'_, '_, '_>,
-        req: u64,
-        mem_type: MemoryType,
-        (addr, len): (u64, u64),
-        key: u64,
-        total: u32,
+        &Grant {
+            req,
+            mem_type,
+            addr,
+            len,
+            key,
+            total,
+        }: &Grant,
     ) -> io::Result<()> {
         // GPU memory is granted for an initiator that copies through CUDA
         // IPC (it opened the allocation's handle from the descriptor).
         let admitted = if mem_type == MemoryType::Vram {
-            self.registry.admit_memory(mem_type, addr, len, key)
+            inner.registry.admit_memory(mem_type, addr, len, key)
         } else {
-            self.registry.admit_remote(mem_type, addr, len, key)
+            inner.registry.admit_remote(mem_type, addr, len, key)
         };
         let answer = {
-            let mut grants = lock(&c.session.grants);
+            let mut grants = lock(&state.grants);
             // What a peer makes this session hold is bounded: requests with
             // grants pending, and grants in all of them.
             if total > GRANTS_MAX {
@@ -105,7 +190,7 @@ impl Inner {
         match answer {
             Some(st) => c.send(
                 &[CmaFrame::Granted { req, status: st }.encode()],
-                self.config.io_timeout,
+                inner.config.io_timeout,
             ),
             None => Ok(()),
         }
@@ -117,7 +202,8 @@ impl Inner {
     /// not copy for that initiator.
     fn delegate(
         &self,
-        shm: &Shm,
+        inner: &Inner,
+        state: &CmaSession,
         c: &mut Conn<'_, '_, '_>,
         d: &Delegate,
     ) -> io::Result<Option<Finished<HeldSync>>> {
@@ -136,14 +222,14 @@ impl Inner {
         let table = c
             .reader
             .read_vec_mid_frame(count as usize * cma_wire::DELEGATE_ENTRY, c.idle)?;
-        let sync = c.read_sync(&self.inbox, has_sync, sync_len)?;
+        let sync = c.read_sync(&inner.inbox, has_sync, sync_len)?;
         let answer = |st| {
             c.send(
                 &[CmaFrame::Granted { req, status: st }.encode()],
-                self.config.io_timeout,
+                inner.config.io_timeout,
             )
         };
-        let gpu = lock(&session.grants).get(&req).is_some_and(|g| g.gpu);
+        let gpu = lock(&state.grants).get(&req).is_some_and(|g| g.gpu);
         // From the check to the end of the copy without effective
         // capabilities: the kernel lets them reach only a process the
         // proven owner (this process's user) could reach alone, whatever
@@ -152,13 +238,13 @@ impl Inner {
         let unprivileged = match shm::Unprivileged::enter() {
             Ok(u) => Some(u),
             Err(e) => {
-                tracing::warn!(agent = %self.config.name, error = %e, "cannot drop capabilities; not copying for initiators");
+                tracing::warn!(agent = %inner.config.name, error = %e, "cannot drop capabilities; not copying for initiators");
                 None
             }
         };
         let pid = match unprivileged
             .as_ref()
-            .and_then(|_| self.may_copy_for(session, pid, probe_addr, instance))
+            .and_then(|_| Self::may_copy_for(inner, state, pid, probe_addr, instance))
         {
             Some(pid) if !gpu => pid,
             _ => {
@@ -167,13 +253,13 @@ impl Inner {
                 return Ok(None);
             }
         };
-        let (spans, expired) = lock(&session.grants)
+        let (spans, expired) = lock(&state.grants)
             .get(&req)
             .map(|g| (g.spans.clone(), g.refused.is_some()))
             .unwrap_or_default();
         if expired {
             drop(unprivileged);
-            lock(&session.grants).remove(&req);
+            lock(&state.grants).remove(&req);
             answer(status::DELEGATE_FAILED)?;
             return Ok(None);
         }
@@ -191,7 +277,7 @@ impl Inner {
                 pid,
                 dir,
                 &pieces,
-                self.config.shm.copy_threads,
+                inner.config.shm.copy_threads,
                 PARALLEL_COPY_MIN,
                 &|| false,
             )
@@ -199,21 +285,21 @@ impl Inner {
         drop(unprivileged);
         match copied {
             Ok(_) => {
-                shm.count_delegated();
+                self.count_delegated();
                 answer(status::OK)?;
-                commit(self, session, req, 0, sync)
+                commit(inner, session, req, 0, sync)
             }
             Err(e) => {
-                tracing::warn!(agent = %self.config.name, remote = %session.remote, req, error = %e, "delegated cross-memory copy failed");
-                lock(&session.grants).remove(&req);
+                tracing::warn!(agent = %inner.config.name, remote = %session.remote, req, error = %e, "delegated cross-memory copy failed");
+                lock(&state.grants).remove(&req);
                 answer(status::DELEGATE_FAILED)?;
                 Ok(None)
             }
         }
     }
 
-    /// The process this agent copies for on behalf of `session`'s
-    /// initiator, which says it is process `pid` with `instance` readable
+    /// The process `inner` copies for on behalf of the initiator of the
+    /// session `state`, which says it is process `pid` with `instance` readable
     /// at `probe_addr`: only when delegation is on, the kernel proved on the
     /// local socket that `pid` is the session's initiator (owned by this
     /// process's user), it is another process than this one, and it still
@@ -223,46 +309,46 @@ impl Inner {
     /// reach alone, for the security modules too, is refused here rather
     /// than failing the copy). A pid taken from the frame alone is never
     /// trusted.
-    pub(in crate::engine) fn may_copy_for(
-        &self,
-        session: &Session,
+    fn may_copy_for(
+        inner: &Inner,
+        state: &CmaSession,
         pid: u32,
         probe_addr: u64,
         instance: u64,
     ) -> Option<u32> {
-        if !self.config.shm.delegate {
+        if !inner.config.shm.delegate {
             return None;
         }
         if pid == std::process::id() {
-            tracing::warn!(agent = %self.config.name, remote = %session.remote, "refused a delegated copy into this very process");
+            tracing::warn!(agent = %inner.config.name, remote = %state.remote, "refused a delegated copy into this very process");
             return None;
         }
-        let proven = lock(&session.proven);
+        let proven = lock(&state.proven);
         let Some(peer) = proven.as_ref() else {
-            tracing::warn!(agent = %self.config.name, remote = %session.remote, claimed = pid, "refused a delegated copy: the initiator never proved which process it is");
+            tracing::warn!(agent = %inner.config.name, remote = %state.remote, claimed = pid, "refused a delegated copy: the initiator never proved which process it is");
             return None;
         };
         match peer.check(probe_addr, instance) {
             Ok(p) if p == pid => {
                 let access = LocalAccess {
-                    host: self.host.clone(),
+                    host: inner.host.clone(),
                     pid,
                     probe_addr,
                 };
-                match shm::probe(&access, instance, &self.host) {
+                match shm::probe(&access, instance, &inner.host) {
                     Ok(()) => Some(p),
                     Err(why) => {
-                        tracing::info!(agent = %self.config.name, remote = %session.remote, %why, "not copying for this initiator; it copies itself");
+                        tracing::info!(agent = %inner.config.name, remote = %state.remote, %why, "not copying for this initiator; it copies itself");
                         None
                     }
                 }
             }
             Ok(p) => {
-                tracing::warn!(agent = %self.config.name, remote = %session.remote, claimed = pid, proven = p, "refused a delegated copy: the initiator did not prove it is that process");
+                tracing::warn!(agent = %inner.config.name, remote = %state.remote, claimed = pid, proven = p, "refused a delegated copy: the initiator did not prove it is that process");
                 None
             }
             Err(why) => {
-                tracing::warn!(agent = %self.config.name, remote = %session.remote, pid, why, "refused a delegated copy");
+                tracing::warn!(agent = %inner.config.name, remote = %state.remote, pid, why, "refused a delegated copy");
                 None
             }
         }

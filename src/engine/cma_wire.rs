@@ -28,23 +28,8 @@ const K_GRANTED: u8 = 3;
 /// A cross-memory frame.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum CmaFrame {
-    /// Asks the target to admit direct access to `[addr, addr + len)` of
-    /// the region keyed `key` until the request's commit; one of `total`
-    /// grants of the request.
-    Grant {
-        /// Request id.
-        req: u64,
-        /// Memory type of the region.
-        mem_type: MemoryType,
-        /// Start of the range.
-        addr: u64,
-        /// Length of the range.
-        len: u64,
-        /// Region access key.
-        key: u64,
-        /// Number of grants the request asks for.
-        total: u32,
-    },
+    /// Asks the target to admit direct access to a range ([`Grant`]).
+    Grant(Grant),
     /// After `Granted`: asks the target to do the request's copy itself
     /// ([`Delegate`]).
     Delegate(Delegate),
@@ -56,6 +41,25 @@ pub(crate) enum CmaFrame {
         /// `status::OK` or a reject code.
         status: u16,
     },
+}
+
+/// A `Grant` frame: asks the target to admit direct access to
+/// `[addr, addr + len)` of the region keyed `key` until the request's
+/// commit; one of `total` grants of the request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Grant {
+    /// Request id.
+    pub(crate) req: u64,
+    /// Memory type of the region.
+    pub(crate) mem_type: MemoryType,
+    /// Start of the range.
+    pub(crate) addr: u64,
+    /// Length of the range.
+    pub(crate) len: u64,
+    /// Region access key.
+    pub(crate) key: u64,
+    /// Number of grants the request asks for.
+    pub(crate) total: u32,
 }
 
 /// A `Delegate` frame: asks the target to do the request's copy itself
@@ -103,14 +107,14 @@ impl CmaFrame {
     /// Encodes the header (a [`Frame::Transport`] of the shm transport).
     pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
         let head = match *self {
-            CmaFrame::Grant {
+            CmaFrame::Grant(Grant {
                 req,
                 mem_type,
                 addr,
                 len,
                 key,
                 total,
-            } => TransportHead {
+            }) => TransportHead {
                 status: kind_flags(K_GRANT, mem_code(mem_type)),
                 aux: total,
                 id: req,
@@ -164,14 +168,14 @@ impl CmaFrame {
                 if h.aux == 0 {
                     return Err(WireError::BadField("grant total"));
                 }
-                CmaFrame::Grant {
+                CmaFrame::Grant(Grant {
                     req: h.id,
                     mem_type: mem_from_code(flags)?,
                     addr: h.addr,
                     len: h.len,
                     key: h.key,
                     total: h.aux,
-                }
+                })
             }
             K_DELEGATE => {
                 if !(1..=DELEGATE_MAX).contains(&h.aux) {
@@ -223,22 +227,22 @@ mod tests {
 
     fn samples() -> Vec<CmaFrame> {
         vec![
-            CmaFrame::Grant {
+            CmaFrame::Grant(Grant {
                 req: 14,
                 mem_type: MemoryType::Dram,
                 addr: 4096,
                 len: 1 << 20,
                 key: 99,
                 total: 2,
-            },
-            CmaFrame::Grant {
+            }),
+            CmaFrame::Grant(Grant {
                 req: u64::MAX,
                 mem_type: MemoryType::Vram,
                 addr: 0,
                 len: u64::MAX,
                 key: 0,
                 total: u32::MAX,
-            },
+            }),
             CmaFrame::Granted { req: 14, status: 1 },
             CmaFrame::Granted {
                 req: 0,
@@ -313,14 +317,14 @@ mod tests {
             Err(WireError::BadField("cross-memory frame kind"))
         );
         let grant = |addr, len, total| {
-            CmaFrame::Grant {
+            CmaFrame::Grant(Grant {
                 req: 1,
                 mem_type: MemoryType::Dram,
                 addr,
                 len,
                 key: 1,
                 total,
-            }
+            })
             .encode()
         };
         for (addr, len) in [(0, 0), (u64::MAX, 2)] {

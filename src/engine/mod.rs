@@ -78,7 +78,7 @@ use socket_link::*;
 use storage_target::{Bounce, StorageWrites};
 use submit::*;
 use target::*;
-use transport::{Link, Submission, Transport};
+use transport::{Link, SessionState, Submission, Transport};
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
@@ -163,8 +163,8 @@ struct Inner {
     host: String,
     /// The transports this agent may use, in order of preference.
     transports: Vec<Arc<dyn transport::Transport>>,
-    /// Among them, cross-memory attach (shm and auto), whose target side
-    /// serves every connection (grants, delegated copies, proofs).
+    /// Among them, cross-memory attach (shm and auto): its probe word and
+    /// GPU handles go in this agent's descriptor.
     shm: Option<Arc<cma::Shm>>,
     endpoint: String,
     listen_addr: SocketAddr,
@@ -263,8 +263,8 @@ impl Engine {
         let listener_thread = std::thread::Builder::new()
             .name(format!("kvxfer-accept-{}", inner.config.name))
             .spawn(move || acceptor.accept_loop(listener))?;
-        if let Some(s) = &inner.shm {
-            s.start(&inner)?;
+        for t in &inner.transports {
+            t.start(&inner)?;
         }
         tracing::debug!(agent = %inner.config.name, endpoint = %inner.endpoint, "tcp agent listening");
         #[cfg(feature = "metrics-endpoint")]
@@ -332,8 +332,8 @@ impl Drop for Engine {
         if let Some(t) = self.listener_thread.take() {
             let _ = t.join();
         }
-        if let Some(s) = &inner.shm {
-            s.stop();
+        for t in &inner.transports {
+            t.stop();
         }
         // Incoming connections: shut down, then join their threads.
         let (socks, threads) = {

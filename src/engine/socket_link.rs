@@ -19,10 +19,6 @@ pub(in crate::engine) struct Pending {
     /// did not fail takes no lock for it.
     pub(in crate::engine) failed: AtomicBool,
     pub(in crate::engine) guards: Mutex<Few<RegionGuard>>,
-    /// Cross-memory path: the target's answer to the request's grants
-    /// (made on first use: a channel is several allocations, which the
-    /// other paths need not pay).
-    pub(in crate::engine) granted: OnceLock<(Sender<u16>, Receiver<u16>)>,
     /// RDMA requests no waiter polls for (see `RdmaParts::undriven`): the
     /// link's count, decremented when this one finishes.
     pub(in crate::engine) undriven: Option<Arc<AtomicUsize>>,
@@ -42,13 +38,8 @@ impl Pending {
             error: Mutex::new(None),
             failed: AtomicBool::new(false),
             guards: Mutex::new(guards),
-            granted: OnceLock::new(),
             undriven,
         })
-    }
-
-    pub(in crate::engine) fn granted(&self) -> &(Sender<u16>, Receiver<u16>) {
-        self.granted.get_or_init(|| crossbeam_channel::bounded(1))
     }
 
     /// Records `e` as the request's outcome (unless one was recorded

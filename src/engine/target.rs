@@ -1,8 +1,11 @@
-//! The target side: accept loop, authentication and `Hello`, and the
-//! per-connection service that lands WRITE payloads, answers READs, admits
-//! cross-memory grants, copies delegated requests for a proven initiator,
-//! accepts RDMA queue pairs, and acknowledges each request once all its
-//! segments are processed (its sync message delivered first).
+//! The target side: accept loop, authentication and `Hello`, the sessions
+//! of initiators' links (each transport keeps its own state of one,
+//! [`SessionState`]), and the per-connection service that lands WRITE
+//! payloads, answers READs, hands each transport its own frames (the
+//! cross-memory grants and delegated copies: `cma_target`), attaches
+//! transports beside the stream (RDMA queue pairs), and acknowledges each
+//! request once all its segments are processed (its sync message delivered
+//! first).
 
 use super::*;
 
@@ -10,15 +13,14 @@ use super::*;
 pub(in crate::engine) struct Session {
     pub(in crate::engine) remote: String,
     pub(in crate::engine) table: Mutex<RequestTable<HeldSync>>,
-    /// Cross-memory grants held until each request's commit.
-    pub(in crate::engine) grants: Mutex<HashMap<u64, Grants>>,
     pub(in crate::engine) streams: AtomicUsize,
-    /// Names this session on the local proof socket (see [`local_proof`]).
+    /// Names this session to its transports, and on the local proof socket
+    /// (see [`local_proof`]); sent to the initiator in `HelloAck`.
     pub(in crate::engine) ticket: u128,
-    /// The process proven to be this session's initiator, once it has
-    /// presented the ticket on the local socket: the only process a
-    /// delegated copy may touch.
-    pub(in crate::engine) proven: Mutex<Option<local_proof::ProvenPeer>>,
+    /// What the agent's transports keep for the session
+    /// ([`Transport::open_session`]), told when its requests commit and
+    /// finish.
+    pub(in crate::engine) transports: Few<Arc<dyn SessionState>>,
     /// The storage each request wrote, synced before a durable one is
     /// acknowledged (`storage_target`).
     pub(in crate::engine) storage: Mutex<HashMap<u64, StorageWrites>>,
@@ -41,41 +43,6 @@ impl Drop for Session {
     }
 }
 
-impl Session {
-    /// Releases the grants of requests granted more than `lifetime` ago
-    /// (their commit never came): each becomes a refusal its commit will
-    /// meet, holding no region.
-    pub(in crate::engine) fn expire_grants(&self, lifetime: Duration) {
-        let mut grants = lock(&self.grants);
-        if grants.is_empty() {
-            return;
-        }
-        for g in grants.values_mut() {
-            if g.refused.is_none() && g.since.idle() > lifetime {
-                g.refused = Some(RejectReason::GrantExpired);
-                g.guards.clear();
-                g.spans.clear();
-            }
-        }
-    }
-}
-
-#[derive(Default)]
-pub(in crate::engine) struct Grants {
-    /// When the first of the request's grants came: they expire the
-    /// agent's I/O timeout later.
-    pub(in crate::engine) since: ProgressClock,
-    pub(in crate::engine) seen: u32,
-    pub(in crate::engine) guards: Vec<RegionGuard>,
-    /// The admitted ranges, `(addr, len)`: a delegated copy may write (or
-    /// read) only inside them.
-    pub(in crate::engine) spans: Vec<(u64, u64)>,
-    pub(in crate::engine) refused: Option<RejectReason>,
-    /// A span is GPU memory (the initiator copies through CUDA IPC): never
-    /// a delegated copy.
-    pub(in crate::engine) gpu: bool,
-}
-
 /// Slowest a frame's body may arrive, on average, beyond the I/O timeout
 /// (1 MiB/s): a body of `n` bytes must be in within `io_timeout + n / this`
 /// of its header, however the peer trickles it.
@@ -91,10 +58,10 @@ pub(in crate::engine) struct ServerIdle<'a> {
     pub(in crate::engine) mark: ProgressClock,
     /// How long the current frame's body may take (from its header).
     pub(in crate::engine) body_allowance: Duration,
-    /// The session, once the connection is a data stream: its grants
-    /// expire while it waits.
+    /// The session, once the connection is a data stream: its transports'
+    /// holds expire while it waits.
     pub(in crate::engine) session: Option<Arc<Session>>,
-    /// When the session's grants were last looked at.
+    /// When the session's holds were last looked at.
     pub(in crate::engine) swept: ProgressClock,
 }
 
@@ -114,14 +81,17 @@ impl ServerIdle<'_> {
         self.sweep();
     }
 
-    /// Expires the session's grants, looking at most once a second
-    /// (however busy or idle the stream).
+    /// Expires the holds the session's transports keep longer than the
+    /// I/O timeout, looking at most once a second (however busy or idle
+    /// the stream).
     fn sweep(&mut self) {
         if let Some(s) = &self.session
             && self.swept.idle() > Duration::from_secs(1)
         {
             self.swept.touch();
-            s.expire_grants(self.inner.config.io_timeout);
+            for t in &s.transports {
+                t.sweep(self.inner.config.io_timeout);
+            }
         }
     }
 
@@ -142,7 +112,7 @@ impl IdlePolicy for ServerIdle<'_> {
     /// a whole header within the I/O timeout of the last frame's end (an
     /// idle initiator sends keepalives); within a body, it must make
     /// progress within the I/O timeout and finish within its allowance.
-    /// Grants of the session expire meanwhile.
+    /// Holds of the session's transports expire meanwhile.
     fn on_idle(&mut self, mid_frame: bool) -> io::Result<()> {
         if self.inner.closing.load(Ordering::Relaxed) {
             return Err(io::Error::new(
@@ -299,9 +269,10 @@ pub(in crate::engine) fn commit(
     segments: u64,
     sync: SyncBody,
 ) -> io::Result<Option<Finished<HeldSync>>> {
-    let expired = lock(&session.grants)
-        .get(&req)
-        .and_then(|g| g.refused.filter(|r| *r == RejectReason::GrantExpired));
+    let expired = session
+        .transports
+        .iter()
+        .find_map(|t| t.commit_refusal(req));
     session.record(inner, req, |table| {
         let sync = match sync {
             SyncBody::None => None,
@@ -581,9 +552,7 @@ impl Inner {
                     let r = hello_ack(status::OK, session.ticket)
                         .and_then(|()| self.serve_data(sock, &mut reader, &mut idle, &session));
                     idle.session = None;
-                    if session.streams.fetch_sub(1, Ordering::SeqCst) == 1 {
-                        lock(&self.sessions).remove(&key);
-                    }
+                    self.leave_session(key, &session);
                     if session.evicted.load(Ordering::SeqCst) {
                         // Told why before the close, when the stream still
                         // takes it: its requests fail with this reason.
@@ -666,13 +635,17 @@ impl Inner {
     ) -> io::Result<Arc<Session>> {
         let mut sessions = lock(&self.sessions);
         let s = sessions.entry(key).or_insert_with(|| {
+            let ticket = u128::from_le_bytes(crate::auth::random_bytes());
             Arc::new(Session {
                 remote: authenticated.to_owned(),
                 table: Mutex::new(RequestTable::default()),
-                grants: Mutex::new(HashMap::new()),
                 streams: AtomicUsize::new(0),
-                ticket: u128::from_le_bytes(crate::auth::random_bytes()),
-                proven: Mutex::new(None),
+                ticket,
+                transports: self
+                    .transports
+                    .iter()
+                    .filter_map(|t| t.open_session(ticket, authenticated))
+                    .collect(),
                 storage: Mutex::new(HashMap::new()),
                 open: AtomicUsize::new(0),
                 open_total: Arc::clone(&self.open_requests),
@@ -692,6 +665,27 @@ impl Inner {
         }
         s.streams.fetch_add(1, Ordering::SeqCst);
         Ok(Arc::clone(s))
+    }
+
+    /// Uncounts a stream of the session `key` (see [`join_session`]);
+    /// after its last, the session closes: it is removed, and its
+    /// transports let go of what they kept for it. The count and the
+    /// removal are one step under the sessions' lock, so a stream that
+    /// joins meanwhile opens a new session rather than joining a closed
+    /// one.
+    ///
+    /// [`join_session`]: Self::join_session
+    fn leave_session(&self, key: (u64, u64), session: &Session) {
+        {
+            let mut sessions = lock(&self.sessions);
+            if session.streams.fetch_sub(1, Ordering::SeqCst) != 1 {
+                return;
+            }
+            sessions.remove(&key);
+        }
+        for t in &self.transports {
+            t.close_session(session.ticket);
+        }
     }
 
     pub(in crate::engine) fn serve_data(
@@ -832,28 +826,6 @@ impl Inner {
         }
     }
 
-    /// Serves the local proof socket until the agent closes: a ticket binds
-    /// the connecting process to its session, once.
-    pub(in crate::engine) fn serve_local_proofs(&self, listener: &local_proof::Listener) {
-        let stop = || self.closing.load(Ordering::SeqCst);
-        listener.serve(self.config.connect_timeout, &stop, &|ticket, peer| {
-            let session = lock(&self.sessions)
-                .values()
-                .find(|s| s.ticket == ticket)
-                .cloned();
-            let Some(session) = session else {
-                return false;
-            };
-            let mut proven = lock(&session.proven);
-            if proven.is_some() {
-                return false;
-            }
-            tracing::debug!(agent = %self.config.name, remote = %session.remote, "initiator process proven");
-            *proven = Some(peer);
-            true
-        });
-    }
-
     pub(in crate::engine) fn finish(
         &self,
         sock: &TcpStream,
@@ -861,8 +833,12 @@ impl Inner {
         f: Finished<HeldSync>,
         clock: &ProgressClock,
     ) -> io::Result<()> {
-        // The initiator's direct copies are over: unpin before telling anyone.
-        lock(&session.grants).remove(&f.req);
+        // Nothing touches the request's memory any more (the initiator's
+        // direct copies are over): its transports let go of it before
+        // anyone is told.
+        for t in &session.transports {
+            t.finished(f.req);
+        }
         // A durable request's storage writes reach the disk before its
         // message and acknowledgement.
         let outcome = session

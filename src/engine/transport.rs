@@ -90,6 +90,52 @@ pub(in crate::engine) trait Transport: Send + Sync {
     ) -> io::Result<Option<Finished<HeldSync>>> {
         Err(violation(format!("{} takes no frames", self.kind())))
     }
+
+    /// Starts what serves it beside the agent's connections (a thread of
+    /// its own), once the agent listens. By default nothing.
+    ///
+    /// # Errors
+    /// It could not be started: the agent does not open.
+    fn start(&self, _inner: &Inner) -> io::Result<()> {
+        Ok(())
+    }
+
+    /// Stops what [`start`](Self::start) started (the agent is closing,
+    /// and accepts no more connections) and waits for it.
+    fn stop(&self) {}
+
+    /// Target side: the session of a link of the authenticated initiator
+    /// `remote`, named by its `ticket`, opened (before the initiator hears
+    /// of it); what this
+    /// transport keeps for it, which the engine tells of the session's
+    /// requests until [`close_session`](Self::close_session). By default
+    /// nothing.
+    fn open_session(&self, _ticket: u128, _remote: &str) -> Option<Arc<dyn SessionState>> {
+        None
+    }
+
+    /// Target side: the session `ticket` closed (its last connection
+    /// ended): let go of what [`open_session`](Self::open_session) made.
+    fn close_session(&self, _ticket: u128) {}
+}
+
+/// What a transport keeps at the target for one initiator's session
+/// ([`Transport::open_session`]): the engine tells it when the session's
+/// requests commit and finish, and lets its holds expire.
+pub(in crate::engine) trait SessionState: Send + Sync {
+    /// The refusal `req`'s commit must carry for this transport's part in
+    /// it (a hold of it expired), if any.
+    fn commit_refusal(&self, _req: u64) -> Option<RejectReason> {
+        None
+    }
+
+    /// `req` finished (before its sync message is delivered and its
+    /// acknowledgement sent): nothing of it is touched any more.
+    fn finished(&self, _req: u64) {}
+
+    /// Holds of requests older than `lifetime` expire (called at most
+    /// about once a second while a connection of the session lives).
+    fn sweep(&self, _lifetime: Duration) {}
 }
 
 /// An open connection to one peer, made by the transport its path names

@@ -302,3 +302,53 @@ fn a_grant_expires_without_its_commit() {
     assert_eq!(ack.aux, 3);
     v.assert_untouched();
 }
+
+/// Until `region` can be deregistered (its grants unpinned), within 30 s;
+/// whether it could.
+fn released_within_30s(v: &Victim, region: &MemoryDescs) -> bool {
+    let t0 = Instant::now();
+    loop {
+        match v.agent.deregister_memory(region) {
+            Ok(()) => return true,
+            Err(kvxfer::Error::RegionBusy { .. }) if t0.elapsed() < Duration::from_secs(30) => {
+                std::thread::sleep(Duration::from_millis(50))
+            }
+            Err(kvxfer::Error::RegionBusy { .. }) => return false,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// The grants of a session belong to it, not to the connection that made
+/// them: they stay pinned while another stream of the session lives, and
+/// unpin when its last stream closes, long before they would expire (the
+/// I/O timeout here is two minutes).
+#[test]
+fn grants_unpin_when_their_session_closes() {
+    let v = Victim::new(
+        Backend::Shm,
+        AgentConfig::new("target").with_io_timeout(Duration::from_secs(120)),
+    );
+    let mut granted = stream(&v, "granted", 1);
+    let mut other = stream(&v, "granted", 1);
+    assert_eq!(
+        grant(&mut granted, 5, v.region_addr(), 4096, v.key()),
+        raw::ST_OK
+    );
+    let region = MemoryDescs::dram(&v.buf[super::CANARY..super::CANARY + super::REGION]);
+    let busy = |v: &Victim| {
+        matches!(
+            v.agent.deregister_memory(&region),
+            Err(kvxfer::Error::RegionBusy { .. })
+        )
+    };
+    assert!(busy(&v));
+    // The granting stream goes; the session lives on in the other.
+    drop(granted);
+    std::thread::sleep(Duration::from_millis(500));
+    sync(&mut other, &v);
+    assert!(busy(&v), "a grant unpinned while its session lived on");
+    drop(other);
+    assert!(released_within_30s(&v, &region));
+    v.assert_untouched();
+}

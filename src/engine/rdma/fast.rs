@@ -11,7 +11,7 @@
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use crate::agent::{Progress, TransferOp, TransferRequest, TransferStatus};
 use crate::engine::socket_link::{Pending, RdmaLink};
@@ -225,7 +225,6 @@ impl RdmaLink {
             error: Mutex::new(None),
             failed: AtomicBool::new(false),
             guards: Mutex::new(guards),
-            granted: OnceLock::new(),
             undriven: (!driven).then(|| Arc::clone(&self.parts.undriven)),
         });
         self.insert(id, Arc::clone(&pending))?;

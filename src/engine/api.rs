@@ -1,7 +1,18 @@
 //! [`TransferAgent`] for [`Engine`]: the contract's methods, each a few
 //! lines over the engine's registry, peers and submit path.
 
-use super::*;
+use crate::agent::{
+    PreparedTransfer, SyncMessages, TransferAgent, TransferRequest, TransferStatus,
+};
+use crate::desc::AgentDesc;
+use crate::engine::peer::fetch_desc;
+use crate::engine::{Engine, Peer, SUPPORTED, StorageRoute, lock};
+use crate::error::Error;
+use crate::memory::{MemoryDescs, MemoryType};
+use crate::small::Few;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 impl TransferAgent for Engine {
     fn name(&self) -> &str {

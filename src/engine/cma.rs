@@ -11,9 +11,32 @@
 //! host memory), waited for before the commit, so the sync message is
 //! delivered only once the data is in place. Nothing is staged.
 
-use super::*;
+use crate::agent::{AgentConfig, Backend, DataPath, TransferOp, TransferStatus, TransportKind};
+use crate::desc::AgentDesc;
 use crate::engine::cma_target::CmaSession;
-use crate::engine::transport::SessionState;
+use crate::engine::cma_wire::CmaFrame;
+use crate::engine::plan::{grant_ranges, should_delegate};
+use crate::engine::requests::Finished;
+use crate::engine::sock::{iov, writev_all};
+use crate::engine::socket_link::{
+    CmaLink, CmaOutcome, Frames, GrantRange, Job, Pending, Segs, SocketPath, Tail, connect_streams,
+};
+use crate::engine::target::{Conn, HeldSync};
+use crate::engine::transport::{Link, SessionState, Submission, Transport};
+use crate::engine::wire::{CommitOp, HEADER_LEN, status};
+use crate::engine::{Inner, PARALLEL_COPY_MIN, cma_wire, local_proof, lock, tick, wire};
+use crate::error::{Error, RejectReason};
+use crate::memory::MemoryType;
+use crate::shm;
+use crate::shm::{Direction, Piece};
+use crate::small::FastHash;
+use crossbeam_channel::{Receiver, Sender};
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// Cross-memory attach: a peer on this host that offers it and whose
 /// probe word this process can read. It owns what the path needs on both

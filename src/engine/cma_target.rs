@@ -6,11 +6,24 @@
 //! of each session's requests ([`CmaSession`]); [`Shm::serve`] serves the
 //! frames.
 
-use super::*;
+use crate::desc::LocalAccess;
 use crate::engine::cma::Shm;
-use crate::engine::cma_wire::{Delegate, Grant};
+use crate::engine::cma_wire::{CmaFrame, Delegate, Grant};
+use crate::engine::plan::delegated_pieces;
+use crate::engine::requests::Finished;
+use crate::engine::sock::ProgressClock;
+use crate::engine::target::{Conn, HeldSync, commit, violation};
 use crate::engine::transport::SessionState;
-use crate::engine::wire::TransportHead;
+use crate::engine::wire::{CommitOp, TransportHead, status};
+use crate::engine::{Inner, PARALLEL_COPY_MIN, cma_wire, local_proof, lock};
+use crate::error::RejectReason;
+use crate::memory::MemoryType;
+use crate::registry::RegionGuard;
+use crate::shm;
+use std::collections::HashMap;
+use std::io;
+use std::sync::Mutex;
+use std::time::Duration;
 
 /// Most grants one request may announce, and most grants a session may
 /// hold at once.

@@ -5,10 +5,16 @@
 
 #![forbid(unsafe_code)]
 
-use super::*;
+use crate::agent::{PreparedTransfer, TransferAgent, TransferOp, TransportKind};
+use crate::engine::socket_link::Seg;
+use crate::engine::{Engine, Peer, lock};
+use crate::error::Error;
 use crate::indexed::{
     Cut, IndexedPairs, IndexedRequest, LocalSide, PreparedDescList, RemoteSide, Resolution,
 };
+use crate::memory::{MemoryDescs, MemoryType};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 impl Engine {
     /// [`TransferAgent::prepare_desc_list`].

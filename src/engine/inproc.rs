@@ -15,7 +15,18 @@
 use std::sync::{LazyLock, Weak};
 
 use super::transport::Transport;
-use super::*;
+use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
+use crate::desc::AgentDesc;
+use crate::engine::transport::{Link, Submission};
+use crate::engine::{Inner, lock};
+use crate::error::Error;
+use crate::memory::MemoryType;
+use crate::registry::RegionGuard;
+use crate::small::{FastHash, Few};
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 /// The in-process agents of this process, by instance.
 static AGENTS: LazyLock<Mutex<HashMap<u64, Weak<Inner>, FastHash>>> =

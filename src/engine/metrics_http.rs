@@ -8,7 +8,14 @@
 use std::io::{Read, Write};
 use std::time::Instant;
 
-use super::*;
+use crate::engine::{Inner, serve_each};
+use crate::error::Error;
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// Longest request head read.
 const MAX_HEAD: usize = 8 << 10;

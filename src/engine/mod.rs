@@ -64,54 +64,31 @@ mod tests;
 mod transport;
 pub(crate) mod wire;
 
-use cma::CmaParts;
-use cma_wire::CmaFrame;
-use indexed::IndexedSegs;
-use peer::*;
 #[cfg(feature = "fuzzing")]
 pub(crate) use plan::fuzz_respond;
-use plan::*;
+#[cfg(feature = "fuzzing")]
 pub(crate) use plan::{delegated_pieces, write_list_pieces};
-use pre_auth::PreAuthSlot;
-use rdma::recv::*;
-use socket_link::*;
-use storage_target::{Bounce, StorageWrites};
-use submit::*;
-use target::*;
-use transport::{Link, SessionState, Submission, Transport};
+use target::Session;
+use transport::{Link, Transport};
 
-use std::borrow::Cow;
-use std::collections::{HashMap, VecDeque};
-use std::io;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsFd, AsRawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::collections::HashMap;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{Receiver, Sender};
-
-use crate::agent::{
-    AgentConfig, Backend, Completion, DataPath, PreparedTransfer, Progress, SyncMessages,
-    TransferAgent, TransferOp, TransferRequest, TransferStatus, TransportKind,
-};
+use crate::agent::{AgentConfig, Backend, TransferAgent};
 use crate::auth::random_u64;
-use crate::desc::{AgentDesc, ExportedRegion, LocalAccess, TransportOffer};
-use crate::error::{Error, RejectReason};
-use crate::inbox::{Inbox, Reservation};
-use crate::memory::{MemoryDescs, MemoryType, RegionMap};
-use crate::registry::{RegionGuard, Registry};
-use crate::shm::{self, Direction, Piece};
-use crate::small::{FastHash, Few};
-use crate::status::Prepared;
-use crate::verbs::{Device, QpInfo};
+use crate::desc::{AgentDesc, ExportedRegion};
+use crate::error::Error;
+use crate::inbox::Inbox;
+use crate::memory::{MemoryType, RegionMap};
+use crate::registry::Registry;
+use crate::shm;
+use crate::small::FastHash;
 
-use requests::{Finished, RequestTable};
-use sock::{FrameReader, IdlePolicy, ProgressClock, UntilDeadline, iov, writev_all};
-use wire::{
-    CommitOp, Frame, HEADER_LEN, PROTOCOL_VERSION, WRITE_LIST_ENTRY, WRITE_LIST_MAX, status,
-};
+use wire::status;
 
 /// Largest segment sent inside a write list; bigger ones go alone (their
 /// own `readv` costs little next to their payload).

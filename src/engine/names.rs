@@ -5,7 +5,12 @@
 
 use std::collections::HashSet;
 
-use super::*;
+use crate::agent::TransferAgent;
+use crate::desc::AgentDesc;
+use crate::engine::peer::fetch_desc;
+use crate::engine::{Engine, Inner, Peer, lock};
+use crate::error::Error;
+use std::sync::{Arc, Mutex};
 
 /// The agent's side of the metadata store.
 #[derive(Default)]

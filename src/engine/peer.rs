@@ -2,7 +2,21 @@
 //! connecting (endpoints, authentication, `Hello`), fetching a descriptor
 //! over the side channel, and a peer's link, opened on first use.
 
-use super::*;
+use crate::agent::{AgentConfig, Backend};
+use crate::desc::{AgentDesc, ExportedRegion, LocalAccess, TransportOffer};
+use crate::engine::handshake::{self};
+use crate::engine::sock::{FrameReader, ProgressClock, UntilDeadline, iov, writev_all};
+use crate::engine::transport::{Link, Transport};
+use crate::engine::wire::{Frame, HEADER_LEN, PROTOCOL_VERSION, status};
+use crate::engine::{Inner, Peer, StorageRoute, lock, storage_link, tick, transport};
+use crate::error::Error;
+use crate::memory::{MemoryType, RegionMap};
+use rustix::fd::{AsFd, AsRawFd};
+use std::io;
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 impl Inner {
     /// The descriptor, with the CUDA IPC handles of its exported GPU

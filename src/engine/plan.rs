@@ -4,7 +4,15 @@
 
 #![forbid(unsafe_code)]
 
-use super::*;
+use crate::agent::{AgentConfig, TransferRequest};
+use crate::engine::socket_link::{GrantRange, RdmaLink, Seg};
+use crate::engine::submit::Resolved;
+use crate::engine::wire::WRITE_LIST_ENTRY;
+use crate::engine::{cma_wire, rdma};
+use crate::error::Error;
+use crate::memory::{MemoryDescs, MemoryType};
+use crate::shm::Piece;
+use crate::small::Few;
 
 /// Splits `(local, remote)` pairs into segments of at most `max` bytes and
 /// spreads them over `streams` streams, balancing bytes.
@@ -91,7 +99,11 @@ pub(crate) fn write_list_pieces(table: &[u8], total: u64) -> Result<WriteListTab
 pub(crate) fn fuzz_respond(
     fd: std::os::fd::BorrowedFd<'_>,
     cred: Option<&crate::auth::Credential>,
-) -> io::Result<bool> {
+) -> std::io::Result<bool> {
+    use crate::engine::handshake;
+    use crate::engine::sock::{FrameReader, ProgressClock};
+    use std::os::fd::AsRawFd;
+    use std::time::Duration;
     let clock = ProgressClock::new();
     let mut reader = FrameReader::new(fd.as_raw_fd(), &clock);
     reader.set_deadline(Some(std::time::Instant::now() + Duration::from_secs(1)));

@@ -6,7 +6,31 @@
 //! [`RdmaLink`]), opened, submitted to and driven by its own module
 //! (`tcp_stream`, `cma`, `rdma::link`).
 
-use super::*;
+use crate::agent::{Completion, DataPath, TransferOp, TransferRequest, TransferStatus};
+use crate::auth::random_u64;
+use crate::desc::AgentDesc;
+use crate::engine::cma::CmaParts;
+use crate::engine::indexed::IndexedSegs;
+use crate::engine::peer::connect_any;
+use crate::engine::peer::handshake;
+use crate::engine::sock::ProgressClock;
+use crate::engine::submit::{PreparedHold, Resolved};
+use crate::engine::transport::{Link, Submission};
+use crate::engine::wire::{Frame, HEADER_LEN};
+use crate::engine::{Engine, Inner, Peer, in_flight, lock, rdma, tick, wire};
+use crate::error::Error;
+use crate::memory::MemoryType;
+use crate::registry::RegionGuard;
+use crate::small::{FastHash, Few};
+use crate::status::Prepared;
+use crossbeam_channel::{Receiver, Sender};
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// One outstanding request at the initiator. It completes when every
 /// expected event (one acknowledgement, plus one per READ segment) has

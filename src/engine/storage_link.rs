@@ -15,7 +15,16 @@ use crate::storage::StorageFile;
 use crate::storage::io::{Batch, OP_MAX, Op};
 use crate::storage::staged::{Piece, StagedBatch};
 
-use super::*;
+use crate::agent::{DataPath, TransferOp, TransferRequest, TransferStatus, TransportKind};
+use crate::desc::AgentDesc;
+use crate::engine::transport::{Link, Submission};
+use crate::engine::{Inner, lock, transport};
+use crate::error::Error;
+use crate::inbox::Reservation;
+use crate::memory::MemoryType;
+use crate::registry::RegionGuard;
+use std::io;
+use std::sync::{Arc, Mutex};
 
 /// The link of the agent to itself: its storage.
 pub(in crate::engine) struct StorageLink {

@@ -10,7 +10,18 @@ use std::os::unix::fs::FileExt;
 
 use crate::storage::StorageFile;
 
-use super::*;
+use crate::engine::sock::{ProgressClock, iov, writev_all};
+use crate::engine::target::{Conn, Session};
+use crate::engine::wire::{Frame, status};
+use crate::engine::{Inner, lock};
+use crate::error::RejectReason;
+use crate::memory::MemoryType;
+use crate::registry::RegionGuard;
+use rustix::fd::AsRawFd;
+use std::io;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Most bytes of one segment read or written at a time (a multiple of every
 /// direct-I/O block size).

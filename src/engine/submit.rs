@@ -2,7 +2,17 @@
 //! to the link; a request posted again by the peer's link, and prepared
 //! transfers.
 
-use super::*;
+use crate::agent::{TransferRequest, TransferStatus};
+use crate::desc::ExportedRegion;
+use crate::engine::transport::Submission;
+use crate::engine::{Engine, Peer};
+use crate::error::Error;
+use crate::memory::MemoryType;
+use crate::registry::RegionGuard;
+use crate::small::Few;
+use crate::status::Prepared;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 impl Engine {
     /// Whether one more request may be submitted (see

@@ -7,7 +7,25 @@
 //! request once all its segments are processed (its sync message delivered
 //! first).
 
-use super::*;
+use crate::engine::pre_auth::PreAuthSlot;
+use crate::engine::requests::{Finished, RequestTable};
+use crate::engine::sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
+use crate::engine::storage_target::{Bounce, StorageWrites};
+use crate::engine::transport::SessionState;
+use crate::engine::wire::{Frame, HEADER_LEN, PROTOCOL_VERSION, status};
+use crate::engine::{Inner, attach, budget, handshake, lock, tick};
+use crate::error::RejectReason;
+use crate::inbox::{Inbox, Reservation};
+use crate::memory::MemoryType;
+use crate::registry::RegionGuard;
+use crate::small::Few;
+use rustix::fd::{AsFd, AsRawFd};
+use std::collections::HashMap;
+use std::io;
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// One initiator's link as seen by the target.
 pub(in crate::engine) struct Session {

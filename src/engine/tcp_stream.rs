@@ -4,7 +4,29 @@
 //! memory (or drains it, for an aborted request) and routes
 //! acknowledgements and grant answers.
 
-use super::*;
+use crate::agent::{DataPath, TransferOp, TransferRequest, TransferStatus, TransportKind};
+use crate::desc::AgentDesc;
+use crate::engine::indexed::IndexedSegs;
+use crate::engine::plan::plan_segments;
+use crate::engine::sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
+use crate::engine::socket_link::{
+    Frames, Job, Pending, ReadSlot, Seg, Segs, SocketLink, SocketPath, Tail, TcpLink, TcpParts,
+    connect_streams,
+};
+use crate::engine::submit::Resolved;
+use crate::engine::transport::Submission;
+use crate::engine::wire::{CommitOp, Frame, HEADER_LEN, WRITE_LIST_ENTRY, WRITE_LIST_MAX, status};
+use crate::engine::{ABORT_CHECK_BYTES, Engine, Inner, Peer, WRITE_LIST_PIECE_MAX, lock};
+use crate::error::{Error, RejectReason};
+use crate::memory::MemoryType;
+use crate::registry::RegionGuard;
+use crate::small::Few;
+use crossbeam_channel::Receiver;
+use rustix::fd::AsRawFd;
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 /// READ data received into GPU memory whose copies may still be running,
 /// each with its slot (the request, holding its memory registered).

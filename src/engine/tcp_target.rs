@@ -3,7 +3,17 @@
 //! lists scattered into their pieces — each admitted against the registry
 //! first, a refused payload skipped exactly.
 
-use super::*;
+use crate::engine::Inner;
+use crate::engine::plan::{WriteListTable, write_list_pieces};
+use crate::engine::sock::{ProgressClock, iov, writev_all};
+use crate::engine::target::{Conn, GpuLandings, Session, segment, violation};
+use crate::engine::wire::{Frame, HEADER_LEN, WRITE_LIST_ENTRY, status};
+use crate::error::RejectReason;
+use crate::memory::MemoryType;
+use rustix::fd::AsRawFd;
+use std::io;
+use std::net::TcpStream;
+use std::time::Duration;
 
 /// Most `ReadReq`s for GPU memory answered through one staging pipeline.
 pub(in crate::engine) const GPU_READ_RUN: usize = 1024;

@@ -1,7 +1,16 @@
 //! Unit tests of the engine that need its private items.
 
-use super::*;
+use crate::agent::{AgentConfig, Backend, TransferAgent, TransferRequest, TransportKind};
+use crate::desc::AgentDesc;
+use crate::engine::peer::connect_any;
+use crate::engine::peer::handshake;
+use crate::engine::plan::{delegated_pieces, runs, should_delegate};
+use crate::engine::sock::ProgressClock;
+use crate::engine::{Engine, attach, wire};
+use crate::error::Error;
 use crate::memory::MemoryDesc;
+use crate::memory::{MemoryDescs, MemoryType};
+use std::time::Duration;
 
 fn descs(v: &[(u64, u64)]) -> Vec<MemoryDesc> {
     v.iter().map(|&(a, l)| MemoryDesc::new(a, l, 0)).collect()

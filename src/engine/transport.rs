@@ -11,9 +11,26 @@
 
 #![forbid(unsafe_code)]
 
-use super::*;
+use crate::agent::{AgentConfig, Backend, TransferRequest, TransferStatus, TransportKind};
+use crate::desc::AgentDesc;
 use crate::engine::cma::Shm;
+use crate::engine::indexed::IndexedSegs;
+use crate::engine::requests::Finished;
+use crate::engine::socket_link::TcpLink;
+use crate::engine::submit::{PreparedHold, Resolved};
+use crate::engine::target::{Conn, HeldSync, violation};
+use crate::engine::wire::status;
+use crate::engine::{Engine, Inner, Peer, attach, inproc, rdma, wire};
+use crate::error::{Error, RejectReason};
+use crate::memory::MemoryType;
+use crate::registry::RegionGuard;
 use crate::registry::Registrar;
+use crate::small::Few;
+use crate::status::Prepared;
+use std::io;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// One way of moving data to a peer.
 pub(in crate::engine) trait Transport: Send + Sync {
@@ -267,7 +284,7 @@ pub(in crate::engine) fn open_devices(
         v.push(Arc::new(t));
     }
     #[cfg(feature = "fabric")]
-    if let Some(t) = fabric::Fabric::open(backend, config)? {
+    if let Some(t) = crate::engine::fabric::Fabric::open(backend, config)? {
         v.push(Arc::new(t));
     }
     #[cfg(not(feature = "fabric"))]
@@ -345,6 +362,7 @@ pub(in crate::engine) fn choose(
 mod tests {
     use super::*;
     use crate::desc::{LocalAccess, TransportOffer};
+    use crate::engine::storage_link;
 
     /// What the RDMA transport answers, without a device.
     struct Rdma;

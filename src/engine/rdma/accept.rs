@@ -3,7 +3,14 @@
 //! its receives posted (on the agent's shared receive queue when it has
 //! one) and a thread that delivers the sync messages arriving as SENDs.
 
-use crate::engine::*;
+use crate::engine::peer::ack_timeout;
+use crate::engine::rdma::recv::{RdmaReceiver, ReceiverCtx, SrqReceiver, SyncSink};
+use crate::engine::wire::status;
+use crate::engine::{Inner, lock, rdma};
+use crate::verbs::QpInfo;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use super::transport::SrqState;
 

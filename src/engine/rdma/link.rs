@@ -3,8 +3,24 @@
 //! within the window and the multi-queue-pair gate; aborted work skipped)
 //! and completions. Its progress threads: `progress`.
 
-use crate::engine::*;
+use crate::agent::{
+    Completion, DataPath, Progress, TransferOp, TransferRequest, TransferStatus, TransportKind,
+};
+use crate::desc::AgentDesc;
+use crate::engine::plan::{plan_rdma, small};
+use crate::engine::rdma::recv::rdma_connect;
+use crate::engine::socket_link::{Frames, Pending, RdmaLink, SocketPath, connect_streams};
+use crate::engine::submit::Resolved;
+use crate::engine::transport::Submission;
+use crate::engine::{Engine, Inner, Peer, lock, rdma};
+use crate::error::Error;
+use crate::registry::RegionGuard;
+use crate::small::Few;
 use crate::status::Prepared;
+use crate::verbs::Device;
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use super::fast;
 

@@ -186,7 +186,7 @@ impl Queued {
 }
 
 /// Queued work and the request it belongs to.
-pub(crate) type QueuedFor = (Queued, Arc<super::Pending>);
+pub(crate) type QueuedFor = (Queued, Arc<crate::engine::socket_link::Pending>);
 
 /// A queue pair's work waiting for room in the send window, in posting
 /// order, with the pump's scratch space (kept, so that posting allocates

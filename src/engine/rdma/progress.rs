@@ -3,7 +3,12 @@
 //! the way of waiters that poll it themselves (small ones), and leave once
 //! the link is broken and nothing is posted.
 
-use crate::engine::*;
+use crate::engine::rdma;
+use crate::engine::rdma::recv::Backoff;
+use crate::engine::socket_link::RdmaLink;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 impl RdmaLink {
     /// The progress thread: drains the completion queue whenever nobody

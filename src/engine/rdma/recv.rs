@@ -2,7 +2,23 @@
 //! (a thread per connection, or one shared receive queue per device),
 //! and connecting a link's queue pairs over its first TCP stream.
 
-use crate::engine::*;
+use crate::agent::TransportKind;
+use crate::desc::AgentDesc;
+use crate::engine::peer::ack_timeout;
+use crate::engine::sock::ProgressClock;
+use crate::engine::target::send_frames;
+use crate::engine::wire::{Frame, status};
+use crate::engine::{Inner, attach, lock, rdma};
+use crate::error::Error;
+use crate::inbox::Inbox;
+use crate::small::FastHash;
+use crate::verbs::Device;
+use std::collections::HashMap;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// Polls a completion queue with a short spin, then sleeps: a busy-poll
 /// phase for latency, bounded CPU when idle.

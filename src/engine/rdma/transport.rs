@@ -7,8 +7,9 @@ use std::sync::{Arc, Mutex};
 
 use crate::agent::{AgentConfig, Backend, TransportKind};
 use crate::desc::AgentDesc;
+use crate::engine::socket_link::RdmaLink;
 use crate::engine::transport::{Link, Transport};
-use crate::engine::{Inner, RdmaLink, attach, status};
+use crate::engine::{Inner, attach, status};
 use crate::error::Error;
 use crate::memory::{MemoryDesc, MemoryType};
 use crate::registry::{GpuRegion, RegionHandle, Registrar};

@@ -118,7 +118,7 @@ impl Inner {
 
 /// The `Attached` frame answering an attach with `outcome` (the target
 /// transport's answer, or the status refusing it), header and body.
-pub(in crate::engine) fn answer(outcome: &Result<Vec<u8>, u16>) -> ([u8; HEADER_LEN], &[u8]) {
+fn answer(outcome: &Result<Vec<u8>, u16>) -> ([u8; HEADER_LEN], &[u8]) {
     match outcome {
         Ok(a) => {
             let len = u32::try_from(a.len()).unwrap_or(u32::MAX).min(ATTACH_MAX);
@@ -141,7 +141,7 @@ pub(in crate::engine) fn answer(outcome: &Result<Vec<u8>, u16>) -> ([u8; HEADER_
 }
 
 /// Whether `name` (an `Attach` frame's) names `transport`.
-pub(in crate::engine) fn names(name: &[u8], transport: TransportKind) -> bool {
+fn names(name: &[u8], transport: TransportKind) -> bool {
     name == transport.as_str().as_bytes()
 }
 

@@ -51,7 +51,7 @@ use std::time::Duration;
 /// and the sessions' grants unpin as each session closes, or with it.
 pub(in crate::engine) struct Shm {
     /// This host's id.
-    pub(in crate::engine) host: String,
+    host: String,
     /// Holds the agent's instance; peers read it back to prove direct
     /// access works (its address is in the descriptor).
     probe_word: Box<u64>,
@@ -215,22 +215,22 @@ impl Transport for Shm {
 /// The cross-memory part of a socket link.
 pub(in crate::engine) struct CmaParts {
     /// The target's process.
-    pub(in crate::engine) pid: u32,
+    pid: u32,
     /// Threads a large copy is split over.
-    pub(in crate::engine) copy_threads: usize,
+    copy_threads: usize,
     /// This agent's probe address and instance, sent with `Delegate` so the
     /// target can prove it reaches this process; `None`: never delegate.
-    pub(in crate::engine) delegate_probe: Option<(u64, u64)>,
+    delegate_probe: Option<(u64, u64)>,
     /// Cleared when the target refuses a delegated copy: later requests do
     /// not ask again.
-    pub(in crate::engine) delegate_ok: AtomicBool,
+    delegate_ok: AtomicBool,
     /// The target's GPU regions, when it exports IPC handles.
-    pub(in crate::engine) ipc: Option<IpcPeer>,
+    ipc: Option<IpcPeer>,
     /// The request whose grants (or delegate) the link's sender awaits the
     /// target's answer to, while it does (one at a time).
-    pub(in crate::engine) awaited: Mutex<Option<u64>>,
+    awaited: Mutex<Option<u64>>,
     /// The reader hands the awaited answer on here.
-    pub(in crate::engine) answer: (Sender<u16>, Receiver<u16>),
+    answer: (Sender<u16>, Receiver<u16>),
 }
 
 impl CmaParts {
@@ -255,7 +255,7 @@ impl CmaParts {
 }
 
 /// A same-host peer's GPU regions, reached through CUDA IPC.
-pub(in crate::engine) struct IpcPeer {
+struct IpcPeer {
     /// The peer is this process: its device addresses are this one's.
     same_process: bool,
     /// By region key: the region's start (the peer's address), its
@@ -267,7 +267,7 @@ pub(in crate::engine) struct IpcPeer {
 
 impl IpcPeer {
     /// The IPC regions `peer` exports to agents of host `host`.
-    pub(in crate::engine) fn new(peer: &AgentDesc, host: &str) -> Option<Self> {
+    fn new(peer: &AgentDesc, host: &str) -> Option<Self> {
         let g = peer.gpu.as_ref().filter(|g| g.host == host)?;
         let regions = g
             .handles
@@ -318,7 +318,7 @@ impl IpcPeer {
 }
 
 /// A cross-memory request that touches GPU memory: copied by the driver.
-pub(in crate::engine) struct GpuJob {
+struct GpuJob {
     /// The remote pieces' region keys.
     keys: Vec<u64>,
     /// The device whose context copies (the local GPU memory's, else 0).
@@ -444,10 +444,7 @@ impl CmaLink {
 
     /// Submits a cross-memory request: the link's first stream grants,
     /// copies (or delegates) and commits it.
-    pub(in crate::engine) fn submit_cma(
-        self: &Arc<Self>,
-        sub: Submission<'_>,
-    ) -> Result<TransferStatus, Error> {
+    fn submit_cma(self: &Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
         let Submission {
             req,
             resolved,
@@ -510,7 +507,7 @@ impl CmaLink {
     /// `sync`. `Ok(true)`: done (its `Ack` completes the request);
     /// `Ok(false)`: refused, the caller copies and commits (and this link
     /// asks no more); `Err`: the target's copy failed, the link is broken.
-    pub(in crate::engine) fn run_delegate(
+    fn run_delegate(
         &self,
         fd: std::os::fd::RawFd,
         req: u64,
@@ -604,7 +601,7 @@ impl CmaLink {
     /// Grants and direct copy of a cross-memory request; `Err`: the link is
     /// broken.
     #[allow(clippy::too_many_arguments)]
-    pub(in crate::engine) fn run_cma(
+    fn run_cma(
         &self,
         fd: std::os::fd::RawFd,
         req: u64,

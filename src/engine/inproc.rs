@@ -81,7 +81,7 @@ impl Transport for InProcess {
 }
 
 /// A link to an agent of this process.
-pub(in crate::engine) struct LocalLink {
+struct LocalLink {
     target: Weak<Inner>,
     remote: String,
     path: Arc<DataPath>,
@@ -93,7 +93,7 @@ pub(in crate::engine) struct LocalLink {
 
 impl LocalLink {
     /// A link to `peer`, found in the directory.
-    pub(in crate::engine) fn open(inner: &Inner, peer: &AgentDesc) -> Result<Arc<Self>, Error> {
+    fn open(inner: &Inner, peer: &AgentDesc) -> Result<Arc<Self>, Error> {
         let target = find(peer.instance).ok_or_else(|| gone(&peer.name))?;
         Ok(Arc::new(LocalLink {
             target: Arc::downgrade(&target),

@@ -24,7 +24,7 @@ pub(in crate::engine) struct Names {
 
 impl Names {
     /// Whether `name` was loaded by name (and so is resolved again).
-    pub(in crate::engine) fn loaded_by_name(&self, name: &str) -> bool {
+    fn loaded_by_name(&self, name: &str) -> bool {
         lock(&self.by_name).contains(name)
     }
 
@@ -72,7 +72,7 @@ impl Inner {
     /// `name`, published by `instance`, left the store: a peer loaded as
     /// that instance is invalidated, its requests failing with `PeerGone`.
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
-    pub(in crate::engine) fn peer_gone(&self, name: &str, instance: u64) {
+    fn peer_gone(&self, name: &str, instance: u64) {
         let peer = {
             let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
             match peers.get(name) {

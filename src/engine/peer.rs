@@ -22,7 +22,7 @@ impl Inner {
     /// The descriptor, with the CUDA IPC handles of its exported GPU
     /// memory (a handle opens its whole allocation: for same-host peers
     /// that ask only, see [`desc_for`](Self::desc_for)).
-    pub(in crate::engine) fn local_desc(&self) -> AgentDesc {
+    fn local_desc(&self) -> AgentDesc {
         self.desc_for(Some(&self.host))
     }
 

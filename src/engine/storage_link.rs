@@ -27,7 +27,7 @@ use std::io;
 use std::sync::{Arc, Mutex};
 
 /// The link of the agent to itself: its storage.
-pub(in crate::engine) struct StorageLink {
+struct StorageLink {
     path: Arc<DataPath>,
     /// Set by [`Link::fail`] (the first cause wins).
     broken: Mutex<Option<Error>>,
@@ -65,7 +65,7 @@ impl transport::Transport for OwnStorage {
 
 impl StorageLink {
     /// The link, with the agent's storage I/O engine started.
-    pub(in crate::engine) fn open(inner: &Inner) -> Result<Arc<Self>, Error> {
+    fn open(inner: &Inner) -> Result<Arc<Self>, Error> {
         let io = inner.storage.engine()?;
         Ok(Arc::new(StorageLink {
             path: Arc::new(DataPath {

@@ -65,7 +65,7 @@ impl Engine {
 /// ahead: its local regions held (as on the other paths), nothing else;
 /// each submission resolves the request afresh.
 pub(in crate::engine) struct PreparedHold {
-    pub(in crate::engine) _guards: Few<RegionGuard>,
+    _guards: Few<RegionGuard>,
 }
 
 impl PreparedHold {
@@ -130,10 +130,7 @@ pub(in crate::engine) struct RemoteKey {
 impl Engine {
     /// The checks of a request that need no registry: the agent open, the
     /// shape, the memory type, the remote agent known. Returns the peer.
-    pub(in crate::engine) fn check_request(
-        &self,
-        req: &TransferRequest,
-    ) -> Result<Arc<Peer>, Error> {
+    fn check_request(&self, req: &TransferRequest) -> Result<Arc<Peer>, Error> {
         if self.inner.closing.load(Ordering::Relaxed) {
             return Err(Error::Closed);
         }
@@ -216,7 +213,7 @@ impl Engine {
     /// Looks `req`'s descriptors up: local ones in the registry (held),
     /// remote ones in what `peer` exported, with the keys of the peer's
     /// transport; checks the sync message's size.
-    pub(in crate::engine) fn resolve(
+    fn resolve(
         &self,
         req: &TransferRequest,
         sync: Option<&[u8]>,

@@ -30,28 +30,28 @@ use std::time::Duration;
 /// One initiator's link as seen by the target.
 pub(in crate::engine) struct Session {
     pub(in crate::engine) remote: String,
-    pub(in crate::engine) table: Mutex<RequestTable<HeldSync>>,
-    pub(in crate::engine) streams: AtomicUsize,
+    table: Mutex<RequestTable<HeldSync>>,
+    streams: AtomicUsize,
     /// Names this session to its transports, and on the local proof socket
     /// (see [`local_proof`]); sent to the initiator in `HelloAck`.
     pub(in crate::engine) ticket: u128,
     /// What the agent's transports keep for the session
     /// ([`Transport::open_session`]), told when its requests commit and
     /// finish.
-    pub(in crate::engine) transports: Few<Arc<dyn SessionState>>,
+    transports: Few<Arc<dyn SessionState>>,
     /// The storage each request wrote, synced before a durable one is
     /// acknowledged (`storage_target`).
     pub(in crate::engine) storage: Mutex<HashMap<u64, StorageWrites>>,
     /// Requests open in `table` (kept beside it, so that other sessions
     /// read it without its lock).
-    pub(in crate::engine) open: AtomicUsize,
+    open: AtomicUsize,
     /// The agent's count of requests open in all sessions; this session's
     /// are taken off it when it drops.
-    pub(in crate::engine) open_total: Arc<AtomicUsize>,
+    open_total: Arc<AtomicUsize>,
     /// Set when the session is to close for holding more than its share of
     /// the open-request budget (see `budget`): its streams end, telling
     /// the initiator `Overloaded`.
-    pub(in crate::engine) evicted: AtomicBool,
+    evicted: AtomicBool,
 }
 
 impl Drop for Session {
@@ -69,18 +69,18 @@ const BODY_RATE_FLOOR: u64 = 1 << 20;
 /// What a connection's reads wait under: the agent closing, and the
 /// deadlines a peer's frames must keep (see [`ServerIdle::on_idle`]).
 pub(in crate::engine) struct ServerIdle<'a> {
-    pub(in crate::engine) inner: &'a Inner,
+    inner: &'a Inner,
     pub(in crate::engine) clock: &'a ProgressClock,
     /// Touched when a frame ends and when a header is in: the time the
     /// next header, or the current body, has been awaited.
-    pub(in crate::engine) mark: ProgressClock,
+    mark: ProgressClock,
     /// How long the current frame's body may take (from its header).
-    pub(in crate::engine) body_allowance: Duration,
+    body_allowance: Duration,
     /// The session, once the connection is a data stream: its transports'
     /// holds expire while it waits.
     pub(in crate::engine) session: Option<Arc<Session>>,
     /// When the session's holds were last looked at.
-    pub(in crate::engine) swept: ProgressClock,
+    swept: ProgressClock,
 }
 
 /// The error that ends a session told to close for holding more than its
@@ -94,7 +94,7 @@ fn overloaded() -> io::Error {
 
 impl ServerIdle<'_> {
     /// A frame ended: the next header is awaited from now.
-    pub(in crate::engine) fn frame_done(&mut self) {
+    fn frame_done(&mut self) {
         self.mark.touch();
         self.sweep();
     }
@@ -492,11 +492,7 @@ impl Inner {
     /// Serves one incoming connection: authenticates it, then answers
     /// descriptor requests until a `Hello` makes it a data stream of a
     /// session.
-    pub(in crate::engine) fn serve(
-        &self,
-        sock: &TcpStream,
-        pending_auth: PreAuthSlot,
-    ) -> io::Result<()> {
+    fn serve(&self, sock: &TcpStream, pending_auth: PreAuthSlot) -> io::Result<()> {
         sock.set_nodelay(true)?;
         sock.set_read_timeout(Some(tick(self.config.io_timeout)))?;
         sock.set_write_timeout(Some(tick(self.config.io_timeout)))?;
@@ -592,7 +588,7 @@ impl Inner {
     /// when it was refused (logged). Nothing is answered before the
     /// initiator has authenticated, and it must do so within the connect
     /// timeout.
-    pub(in crate::engine) fn authenticate(
+    fn authenticate(
         &self,
         sock: &TcpStream,
         reader: &mut FrameReader<'_>,
@@ -628,7 +624,7 @@ impl Inner {
 
     /// Answers a descriptor request from a requester on host `host`
     /// (`None`: it asked for no GPU handles; see [`Inner::desc_for`]).
-    pub(in crate::engine) fn send_desc(
+    fn send_desc(
         &self,
         sock: &TcpStream,
         clock: &ProgressClock,
@@ -646,11 +642,7 @@ impl Inner {
     /// first stream, with this stream counted in it; the caller uncounts it
     /// (and removes the session after its last stream). A connection joins
     /// only the sessions of the agent it authenticated as.
-    pub(in crate::engine) fn join_session(
-        &self,
-        key: (u64, u64),
-        authenticated: &str,
-    ) -> io::Result<Arc<Session>> {
+    fn join_session(&self, key: (u64, u64), authenticated: &str) -> io::Result<Arc<Session>> {
         let mut sessions = lock(&self.sessions);
         let s = sessions.entry(key).or_insert_with(|| {
             let ticket = u128::from_le_bytes(crate::auth::random_bytes());
@@ -706,7 +698,7 @@ impl Inner {
         }
     }
 
-    pub(in crate::engine) fn serve_data(
+    fn serve_data(
         &self,
         sock: &TcpStream,
         reader: &mut FrameReader<'_>,

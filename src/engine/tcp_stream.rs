@@ -138,7 +138,7 @@ impl TcpLink {
     /// Posts `plan` as a new request: `guards` hold its local regions until
     /// it completes; `fence` orders it after every earlier request (a
     /// notification without data).
-    pub(in crate::engine) fn post_streams(
+    fn post_streams(
         self: &Arc<Self>,
         plan: &StreamPlan,
         mut sync: Option<Vec<u8>>,
@@ -192,7 +192,7 @@ impl TcpLink {
 }
 
 /// A request's segments on each stream of a TCP link.
-pub(in crate::engine) struct StreamPlan {
+struct StreamPlan {
     op: TransferOp,
     streams: Vec<Segs>,
     /// Segments on all streams.
@@ -204,10 +204,10 @@ pub(in crate::engine) struct StreamPlan {
 /// What a TCP [`PreparedTransfer`] keeps: the link and peer entry it was
 /// planned on, holds on its local regions, and its segments.
 pub(in crate::engine) struct PreparedTcp {
-    pub(in crate::engine) link: Arc<TcpLink>,
-    pub(in crate::engine) peer: Arc<Peer>,
-    pub(in crate::engine) guards: Few<RegionGuard>,
-    pub(in crate::engine) plan: StreamPlan,
+    link: Arc<TcpLink>,
+    peer: Arc<Peer>,
+    guards: Few<RegionGuard>,
+    plan: StreamPlan,
 }
 
 impl crate::status::Prepared for PreparedTcp {
@@ -448,7 +448,7 @@ impl<P: SocketPath> SocketLink<P> {
     ///
     /// # Safety
     /// As [`writev_all`].
-    pub(in crate::engine) unsafe fn write_abortable(
+    unsafe fn write_abortable(
         &self,
         fd: std::os::fd::RawFd,
         iovs: &mut [libc::iovec],
@@ -513,7 +513,7 @@ impl<P: SocketPath> SocketLink<P> {
         self.thread_exit();
     }
 
-    pub(in crate::engine) fn read_loop(
+    fn read_loop(
         &self,
         idx: usize,
         reader: &mut FrameReader<'_>,
@@ -679,7 +679,7 @@ impl<P: SocketPath> SocketLink<P> {
 
     /// Maps a reader error, preferring the cause already recorded (the
     /// reader's error is often the echo of a shutdown by another thread).
-    pub(in crate::engine) fn link_error(&self, e: io::Error) -> Error {
+    fn link_error(&self, e: io::Error) -> Error {
         if let Some(c) = &lock(&self.pending).broken {
             return c.clone();
         }
@@ -689,8 +689,8 @@ impl<P: SocketPath> SocketLink<P> {
 
 /// A link reader's idle check: the link broken, or requests outstanding
 /// and no progress within the I/O timeout, ends the wait.
-pub(in crate::engine) struct LinkIdle<'a, P: SocketPath> {
-    pub(in crate::engine) link: &'a SocketLink<P>,
+struct LinkIdle<'a, P: SocketPath> {
+    link: &'a SocketLink<P>,
 }
 
 impl<P: SocketPath> IdlePolicy for LinkIdle<'_, P> {
@@ -716,13 +716,13 @@ impl<P: SocketPath> IdlePolicy for LinkIdle<'_, P> {
 /// `writev` — headers, write-list tables, payloads straight from the local
 /// regions, and the sync message.
 #[derive(Default)]
-pub(in crate::engine) struct Framed {
-    pub(in crate::engine) headers: Vec<[u8; HEADER_LEN]>,
-    pub(in crate::engine) iovs: Vec<libc::iovec>,
-    pub(in crate::engine) tables: Vec<Vec<u8>>,
+struct Framed {
+    headers: Vec<[u8; HEADER_LEN]>,
+    iovs: Vec<libc::iovec>,
+    tables: Vec<Vec<u8>>,
     /// After each data frame: (iovecs so far, segments so far, bytes so
     /// far), where an aborted request may stop.
-    pub(in crate::engine) marks: Vec<(usize, usize, u64)>,
+    marks: Vec<(usize, usize, u64)>,
 }
 
 impl Framed {

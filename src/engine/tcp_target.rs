@@ -16,7 +16,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 /// Most `ReadReq`s for GPU memory answered through one staging pipeline.
-pub(in crate::engine) const GPU_READ_RUN: usize = 1024;
+const GPU_READ_RUN: usize = 1024;
 
 impl Inner {
     /// Lands a `Write` frame's payload at `addr` in host memory, or skips

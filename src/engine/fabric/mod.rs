@@ -67,7 +67,7 @@ const WAIT_MS: i32 = 200;
 
 /// What libfabric reported.
 #[derive(Debug, thiserror::Error)]
-pub(in crate::engine) enum FabricError {
+enum FabricError {
     /// A call failed.
     #[error("{call}: {text} ({code})")]
     Call {

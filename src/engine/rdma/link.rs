@@ -138,10 +138,7 @@ impl RdmaLink {
     /// Submits an RDMA request: its work requests planned on this link's
     /// queue pairs (and a small one remembered for its next submission),
     /// then posted.
-    pub(in crate::engine) fn submit_rdma(
-        self: Arc<Self>,
-        sub: Submission<'_>,
-    ) -> Result<TransferStatus, Error> {
+    fn submit_rdma(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
         let Submission {
             engine,
             req,
@@ -167,7 +164,7 @@ impl RdmaLink {
 
     /// What a prepared RDMA transfer keeps: its plan on this link and the
     /// holds on its local regions.
-    pub(in crate::engine) fn prepare_rdma(
+    fn prepare_rdma(
         self: Arc<Self>,
         engine: &Engine,
         peer: Arc<Peer>,
@@ -191,7 +188,7 @@ impl RdmaLink {
 
     /// What a waiting thread polls for this link's completions (weak: a
     /// status must not keep the link alive).
-    pub(in crate::engine) fn driver(self: &Arc<Self>) -> std::sync::Weak<dyn Progress> {
+    fn driver(self: &Arc<Self>) -> std::sync::Weak<dyn Progress> {
         let strong: Arc<dyn Progress> = Arc::clone(self) as Arc<dyn Progress>;
         Arc::downgrade(&strong)
     }
@@ -204,7 +201,7 @@ impl RdmaLink {
         }
     }
 
-    pub(in crate::engine) fn broken_cause(&self) -> Option<Error> {
+    fn broken_cause(&self) -> Option<Error> {
         if !self.is_broken() {
             return None;
         }
@@ -303,7 +300,7 @@ impl RdmaLink {
 
     /// Whether a sync message's gate is open: every work request it waits
     /// for on the other queue pairs has completed.
-    pub(in crate::engine) fn gate_open(&self, gate: &rdma::schedule::Gate) -> bool {
+    fn gate_open(&self, gate: &rdma::schedule::Gate) -> bool {
         gate.open(
             self.parts.qps[1..]
                 .iter()
@@ -323,7 +320,7 @@ impl RdmaLink {
     /// of aborted requests met at the head of the queue is not posted: it
     /// counts as done (for the gates of later sync messages) and its events
     /// fail with [`Error::Aborted`], once the lock is let go.
-    pub(in crate::engine) fn pump_locked<'c>(
+    fn pump_locked<'c>(
         &self,
         conn: &'c rdma::RdmaConn,
         q: std::sync::MutexGuard<'c, rdma::SendQueue>,
@@ -340,7 +337,7 @@ impl RdmaLink {
     /// The pump's loop: batches taken from the head of the queue and
     /// posted, one doorbell each, until the queue is empty or the window,
     /// the message buffers or a gate stop it.
-    pub(in crate::engine) fn pump_queue<'c>(
+    fn pump_queue<'c>(
         &self,
         conn: &'c rdma::RdmaConn,
         mut q: std::sync::MutexGuard<'c, rdma::SendQueue>,
@@ -385,7 +382,7 @@ impl RdmaLink {
     /// requests, while the window and the message buffers have room and no
     /// gate is shut ([`rdma::schedule::take_batch`]); aborted requests'
     /// work met on the way goes to `skipped`, counted as done.
-    pub(in crate::engine) fn take_batch(
+    fn take_batch(
         &self,
         conn: &rdma::RdmaConn,
         q: &mut rdma::SendQueue,
@@ -415,7 +412,7 @@ impl RdmaLink {
 
     /// The link is broken: every queued work request fails with `cause`
     /// (each counts its events, so requests still complete exactly once).
-    pub(in crate::engine) fn fail_queued(
+    fn fail_queued(
         &self,
         conn: &rdma::RdmaConn,
         mut q: std::sync::MutexGuard<'_, rdma::SendQueue>,
@@ -434,7 +431,7 @@ impl RdmaLink {
     /// A batch the queue pair refused (nothing of it was posted: atomic
     /// batches, or one): its window slots and message buffers given back,
     /// its events failed, the link failed.
-    pub(in crate::engine) fn fail_batch(
+    fn fail_batch(
         &self,
         conn: &rdma::RdmaConn,
         mut q: std::sync::MutexGuard<'_, rdma::SendQueue>,
@@ -461,12 +458,7 @@ impl RdmaLink {
 
     /// Whether `wr` may be posted at once, bypassing the send queue `q`:
     /// nothing queued before it, the link whole, a window slot taken for it.
-    pub(in crate::engine) fn room_alone(
-        &self,
-        conn: &rdma::RdmaConn,
-        q: &rdma::SendQueue,
-        wr: &rdma::Wr,
-    ) -> bool {
+    fn room_alone(&self, conn: &rdma::RdmaConn, q: &rdma::SendQueue, wr: &rdma::Wr) -> bool {
         q.items.is_empty() && !self.is_broken() && conn.try_take_slot(wr.len)
     }
 
@@ -477,7 +469,7 @@ impl RdmaLink {
     ///
     /// # Safety
     /// The pieces of `wr` must lie in regions held until its completion.
-    pub(in crate::engine) unsafe fn post_alone(
+    unsafe fn post_alone(
         &self,
         conn: &rdma::RdmaConn,
         q: std::sync::MutexGuard<'_, rdma::SendQueue>,
@@ -570,7 +562,7 @@ impl RdmaLink {
     /// `touched`: whether this drain has told the link's idle clock yet (a
     /// drain of express completions alone reads no clock: the idle check
     /// watches the table, which they stay out of).
-    pub(in crate::engine) fn on_send_completion(
+    fn on_send_completion(
         &self,
         conn: &rdma::RdmaConn,
         c: &crate::verbs::WorkCompletion,
@@ -691,7 +683,7 @@ impl rdma::RdmaParts {
     /// releases its regions, records the outcome, frees the lane.
     /// `close`: the link's last thread is leaving, no request may take
     /// the lane after this one.
-    pub(in crate::engine) fn finish_express(&self, result: Result<(), Error>, close: bool) {
+    fn finish_express(&self, result: Result<(), Error>, close: bool) {
         self.express.finish(close, |slot| {
             slot.guards.clear();
             if let Some(c) = &slot.status {

@@ -5,13 +5,13 @@
 //! regions; a request's sync message sent as a SEND on the same queue pair
 //! after its data, so RC ordering delivers it only after every byte landed.
 
-pub(in crate::engine) mod accept;
-pub(in crate::engine) mod fast;
+mod accept;
+mod fast;
 pub(crate) mod lane;
-pub(in crate::engine) mod link;
-pub(in crate::engine) mod progress;
-pub(in crate::engine) mod recv;
-pub(in crate::engine) mod schedule;
+mod link;
+mod progress;
+mod recv;
+mod schedule;
 pub(in crate::engine) mod transport;
 mod window;
 

@@ -113,6 +113,17 @@ impl Meter {
     }
 }
 
+/// A counter a transport keeps of its own, rendered with the agent's
+/// label.
+pub(crate) struct Counter {
+    /// Its metric name (`kvxfer_..._total`).
+    pub(crate) name: &'static str,
+    /// Its help text.
+    pub(crate) help: &'static str,
+    /// Its value now.
+    pub(crate) value: u64,
+}
+
 /// An agent's meters, one per (transport, peer) it has sent requests on.
 #[derive(Debug)]
 pub(crate) struct Metrics {
@@ -161,8 +172,9 @@ impl Metrics {
     }
 
     /// Everything, in the Prometheus text exposition format (0.0.4);
-    /// `in_flight`: the agent's requests not finished.
-    pub(crate) fn render(&self, in_flight: usize) -> String {
+    /// `in_flight`: the agent's requests not finished; `counters`: those
+    /// its transports keep of their own.
+    pub(crate) fn render(&self, in_flight: usize, counters: &[Counter]) -> String {
         let meters = self
             .meters
             .lock()
@@ -187,6 +199,15 @@ impl Metrics {
              # TYPE kvxfer_gpu_staging_bytes_total counter\n\
              kvxfer_gpu_staging_bytes_total {bytes}"
         );
+        for c in counters {
+            let _ = writeln!(
+                o,
+                "# HELP {n} {h}\n# TYPE {n} counter\n{n}{{agent=\"{agent}\"}} {v}",
+                n = c.name,
+                h = c.help,
+                v = c.value
+            );
+        }
         let _ = writeln!(
             o,
             "# HELP kvxfer_requests_total Requests finished, by transport, peer and outcome \
@@ -276,10 +297,19 @@ mod tests {
         t.record(Ok(()), 50, Some(Duration::from_millis(2)));
         t.record(Err(&Error::Aborted), 7, Some(Duration::from_secs(9)));
         assert!(Arc::ptr_eq(&t, &m.meter(TransportKind::Tcp, "peer-1")));
-        let text = m.render(2);
+        let text = m.render(
+            2,
+            &[Counter {
+                name: "kvxfer_test_things_total",
+                help: "Things.",
+                value: 5,
+            }],
+        );
         let l = "agent=\"a\\\"b\",transport=\"tcp\",peer=\"peer-1\"";
         for line in [
             "kvxfer_requests_in_flight{agent=\"a\\\"b\"} 2".to_owned(),
+            "# TYPE kvxfer_test_things_total counter".to_owned(),
+            "kvxfer_test_things_total{agent=\"a\\\"b\"} 5".to_owned(),
             format!("kvxfer_requests_total{{{l},outcome=\"ok\"}} 2"),
             format!("kvxfer_requests_total{{{l},outcome=\"aborted\"}} 1"),
             format!("kvxfer_bytes_total{{{l}}} 150"),
@@ -296,6 +326,6 @@ mod tests {
         plain
             .meter(TransportKind::Rdma, "p")
             .record(Ok(()), 1, None);
-        assert!(!plain.render(0).contains("duration"));
+        assert!(!plain.render(0, &[]).contains("duration"));
     }
 }

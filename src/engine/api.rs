@@ -91,7 +91,12 @@ impl TransferAgent for Engine {
     fn load_remote_agent(&self, desc: &AgentDesc) -> Result<(), Error> {
         desc.validate()?;
         let with_handles;
-        let desc = match self.inner.gpu_handles_for(desc) {
+        let completed = self
+            .inner
+            .transports
+            .iter()
+            .find_map(|t| t.complete(&self.inner, desc));
+        let desc = match completed {
             Some(d) => {
                 with_handles = d;
                 &with_handles
@@ -156,7 +161,7 @@ impl TransferAgent for Engine {
     }
 
     fn metrics_text(&self) -> String {
-        self.inner.metrics.render(self.inner.in_flight.count())
+        self.inner.render_metrics()
     }
 
     fn metrics_addr(&self) -> Option<std::net::SocketAddr> {

@@ -12,9 +12,10 @@
 //! delivered only once the data is in place. Nothing is staged.
 
 use crate::agent::{AgentConfig, Backend, DataPath, TransferOp, TransferStatus, TransportKind};
-use crate::desc::AgentDesc;
+use crate::desc::{AgentDesc, GpuAccess, LocalAccess};
 use crate::engine::cma_target::CmaSession;
 use crate::engine::cma_wire::CmaFrame;
+use crate::engine::peer::fetch_desc;
 use crate::engine::plan::{grant_ranges, should_delegate};
 use crate::engine::requests::Finished;
 use crate::engine::sock::{iov, writev_all};
@@ -27,6 +28,7 @@ use crate::engine::wire::{CommitOp, HEADER_LEN, status};
 use crate::engine::{Inner, PARALLEL_COPY_MIN, cma_wire, local_proof, lock, tick, wire};
 use crate::error::{Error, RejectReason};
 use crate::memory::MemoryType;
+use crate::metrics::Counter;
 use crate::shm;
 use crate::shm::{Direction, Piece};
 use crate::small::FastHash;
@@ -120,12 +122,6 @@ impl Shm {
     pub(in crate::engine) fn count_delegated(&self) {
         self.delegated.fetch_add(1, Ordering::Relaxed);
     }
-
-    /// Delegated copies done for initiators so far.
-    #[cfg(test)]
-    pub(in crate::engine) fn delegated(&self) -> u64 {
-        self.delegated.load(Ordering::Relaxed)
-    }
 }
 
 impl Transport for Shm {
@@ -156,6 +152,63 @@ impl Transport for Shm {
         // Data bypasses the socket; one stream carries the control.
         let pid = peer.local_access.as_ref().map_or(0, |a| a.pid);
         Ok(CmaLink::open(inner, self, peer, pid)?)
+    }
+
+    /// The process peers on this host attach to (its probe word), and
+    /// for a requester on this host the CUDA IPC handles of the exported
+    /// GPU memory (a handle opens its whole allocation: for same-host peers
+    /// that ask only).
+    fn describe(&self, inner: &Inner, desc: &mut AgentDesc, host: Option<&str>) {
+        desc.local_access = Some(LocalAccess {
+            host: self.host.clone(),
+            pid: std::process::id(),
+            probe_addr: self.probe_addr(),
+        });
+        desc.gpu = Some(inner.registry.ipc_exports())
+            .filter(|h| !h.is_empty() && host == Some(self.host.as_str()))
+            .map(|handles| GpuAccess {
+                host: self.host.clone(),
+                pid: std::process::id(),
+                handles,
+            });
+    }
+
+    /// `desc` with its CUDA IPC handles, asked of the agent itself (over
+    /// the authenticated side channel, naming this host), when it is a
+    /// same-host agent with GPU memory exported whose descriptor came
+    /// without them; `None` otherwise, or when the agent does not answer
+    /// with them (its GPU memory is then reached by staging over TCP).
+    fn complete(&self, inner: &Inner, desc: &AgentDesc) -> Option<AgentDesc> {
+        let wanted = desc.gpu.is_none()
+            && desc.instance != inner.instance
+            && desc
+                .local_access
+                .as_ref()
+                .is_some_and(|l| l.host == self.host)
+            && desc.regions.iter().any(|r| r.mem_type == MemoryType::Vram);
+        if !wanted {
+            return None;
+        }
+        let live = desc.endpoints.iter().find_map(|ep| match fetch_desc(inner, ep) {
+            Ok(live) if live.instance == desc.instance => Some(live),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::info!(agent = %inner.config.name, remote = %desc.name, error = %e, "could not ask for GPU handles; its GPU memory is staged over TCP");
+                None
+            }
+        })?;
+        Some(AgentDesc {
+            gpu: live.gpu,
+            ..desc.clone()
+        })
+    }
+
+    fn counters(&self) -> Vec<Counter> {
+        vec![Counter {
+            name: "kvxfer_shm_delegated_copies_total",
+            help: "Cross-memory copies this agent did for same-host initiators (delegated).",
+            value: self.delegated.load(Ordering::Relaxed),
+        }]
     }
 
     fn serve_frame(

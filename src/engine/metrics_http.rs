@@ -101,9 +101,7 @@ fn answer(inner: &Inner, mut s: TcpStream, deadline: Instant) -> io::Result<()> 
     let mut words = line.split(|&b| b == b' ');
     let (method, path) = (words.next(), words.next());
     let (status, body) = match (method, path) {
-        (Some(b"GET"), Some(b"/metrics")) => {
-            ("200 OK", inner.metrics.render(inner.in_flight.count()))
-        }
+        (Some(b"GET"), Some(b"/metrics")) => ("200 OK", inner.render_metrics()),
         _ => ("404 Not Found", "only GET /metrics is served\n".to_owned()),
     };
     let msg = format!(

@@ -107,6 +107,15 @@ const SUPPORTED: &[MemoryType] = &[
     MemoryType::Blk,
 ];
 
+impl Inner {
+    /// The agent's metrics in the Prometheus text format, its transports'
+    /// own counters included.
+    fn render_metrics(&self) -> String {
+        let counters: Vec<_> = self.transports.iter().flat_map(|t| t.counters()).collect();
+        self.metrics.render(self.in_flight.count(), &counters)
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -140,9 +149,6 @@ struct Inner {
     host: String,
     /// The transports this agent may use, in order of preference.
     transports: Vec<Arc<dyn transport::Transport>>,
-    /// Among them, cross-memory attach (shm and auto): its probe word and
-    /// GPU handles go in this agent's descriptor.
-    shm: Option<Arc<cma::Shm>>,
     endpoint: String,
     listen_addr: SocketAddr,
     registry: Registry,
@@ -206,8 +212,7 @@ impl Engine {
         let host = shm::host_id();
         let shm = cma::Shm::open(mode, &config, instance, &host);
         let inner = Arc::new(Inner {
-            transports: transport::for_backend(mode, devices, shm.as_ref()),
-            shm,
+            transports: transport::for_backend(mode, devices, shm),
             mode,
             instance,
             host,

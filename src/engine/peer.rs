@@ -3,7 +3,7 @@
 //! over the side channel, and a peer's link, opened on first use.
 
 use crate::agent::{AgentConfig, Backend};
-use crate::desc::{AgentDesc, ExportedRegion, LocalAccess, TransportOffer};
+use crate::desc::{AgentDesc, ExportedRegion, TransportOffer};
 use crate::engine::handshake::{self};
 use crate::engine::sock::{FrameReader, ProgressClock, UntilDeadline, iov, writev_all};
 use crate::engine::transport::{Link, Transport};
@@ -41,7 +41,7 @@ impl Inner {
             })
             .collect();
         let offered: Vec<&str> = transports.iter().map(|o| o.name.as_str()).collect();
-        AgentDesc {
+        let mut desc = AgentDesc {
             name: self.config.name.clone(),
             instance: self.instance,
             endpoints: vec![self.endpoint.clone()],
@@ -49,51 +49,13 @@ impl Inner {
                 .registry
                 .exported(&offered, |h| self.storage.get(h).map_or(1, |f| f.align)),
             transports,
-            local_access: self.shm.as_ref().map(|s| LocalAccess {
-                host: self.host.clone(),
-                pid: std::process::id(),
-                probe_addr: s.probe_addr(),
-            }),
-            gpu: Some(self.registry.ipc_exports())
-                .filter(|h| !h.is_empty() && self.shm.is_some() && host == Some(self.host.as_str()))
-                .map(|handles| crate::desc::GpuAccess {
-                    host: self.host.clone(),
-                    pid: std::process::id(),
-                    handles,
-                }),
+            local_access: None,
+            gpu: None,
+        };
+        for t in &self.transports {
+            t.describe(self, &mut desc, host);
         }
-    }
-
-    /// `desc` with its CUDA IPC handles, asked of the agent itself (over
-    /// the authenticated side channel, naming this host), when it is a
-    /// same-host agent with GPU memory exported whose descriptor came
-    /// without them and this agent could open them (shm, auto); `None`
-    /// otherwise, or when the agent does not answer with them (its GPU
-    /// memory is then reached by staging over TCP).
-    pub(in crate::engine) fn gpu_handles_for(&self, desc: &AgentDesc) -> Option<AgentDesc> {
-        let wanted = self.shm.is_some()
-            && desc.gpu.is_none()
-            && desc.instance != self.instance
-            && desc
-                .local_access
-                .as_ref()
-                .is_some_and(|l| l.host == self.host)
-            && desc.regions.iter().any(|r| r.mem_type == MemoryType::Vram);
-        if !wanted {
-            return None;
-        }
-        let live = desc.endpoints.iter().find_map(|ep| match fetch_desc(self, ep) {
-            Ok(live) if live.instance == desc.instance => Some(live),
-            Ok(_) => None,
-            Err(e) => {
-                tracing::info!(agent = %self.config.name, remote = %desc.name, error = %e, "could not ask for GPU handles; its GPU memory is staged over TCP");
-                None
-            }
-        })?;
-        Some(AgentDesc {
-            gpu: live.gpu,
-            ..desc.clone()
-        })
+        desc
     }
 
     /// Chooses the transport to a remote agent for requests from this

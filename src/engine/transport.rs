@@ -23,6 +23,7 @@ use crate::engine::wire::status;
 use crate::engine::{Engine, Inner, Peer, attach, inproc, rdma, wire};
 use crate::error::{Error, RejectReason};
 use crate::memory::MemoryType;
+use crate::metrics::Counter;
 use crate::registry::RegionGuard;
 use crate::registry::Registrar;
 use crate::small::Few;
@@ -54,6 +55,27 @@ pub(in crate::engine) trait Transport: Send + Sync {
     /// (peers reach it through the side channel alone).
     fn offer(&self) -> Option<Vec<u8>> {
         None
+    }
+
+    /// What it adds to this agent's descriptor `desc`, for a requester on
+    /// host `host` (`None`: one that did not say), beyond its offer: the
+    /// descriptor's fields for same-host peers (cross-memory attach: the
+    /// process to attach to, and the CUDA IPC handles of its exported GPU
+    /// memory for a requester on this host). By default nothing.
+    fn describe(&self, _inner: &Inner, _desc: &mut AgentDesc, _host: Option<&str>) {}
+
+    /// The descriptor `desc` of a peer being loaded, completed with what
+    /// this transport needs of it that the peer gives only when asked
+    /// (cross-memory attach: its GPU memory's IPC handles); `None` when it
+    /// needs nothing more, or could not get it. By default `None`.
+    fn complete(&self, _inner: &Inner, _desc: &AgentDesc) -> Option<AgentDesc> {
+        None
+    }
+
+    /// The counters it keeps of its own, for the agent's metrics. By
+    /// default none.
+    fn counters(&self) -> Vec<Counter> {
+        Vec::new()
     }
 
     /// Its registrations of this agent's regions with its device, when it
@@ -305,9 +327,9 @@ pub(in crate::engine) fn open_devices(
 pub(in crate::engine) fn for_backend(
     backend: Backend,
     devices: Vec<Arc<dyn Transport>>,
-    shm: Option<&Arc<Shm>>,
+    shm: Option<Arc<Shm>>,
 ) -> Vec<Arc<dyn Transport>> {
-    let shm = shm.map(|s| Arc::clone(s) as Arc<dyn Transport>);
+    let shm = shm.map(|s| s as Arc<dyn Transport>);
     let tcp = |host_memory| Arc::new(Tcp { host_memory }) as Arc<dyn Transport>;
     match backend {
         Backend::Tcp => vec![tcp(true)],
@@ -421,7 +443,7 @@ mod tests {
 
     #[test]
     fn auto_prefers_shm_then_rdma_then_tcp() {
-        let auto = for_backend(Backend::Auto, rdma_if(true), shm_on("this-host").as_ref());
+        let auto = for_backend(Backend::Auto, rdma_if(true), shm_on("this-host"));
         let kinds: Vec<_> = auto.iter().map(|t| t.kind()).collect();
         assert_eq!(
             kinds,
@@ -437,7 +459,7 @@ mod tests {
         let plain = desc(false, None);
         assert_eq!(kind(&auto, &plain), TransportKind::Tcp);
         // No device here: RDMA is not in the list at all.
-        let no_dev = for_backend(Backend::Auto, rdma_if(false), shm_on("this-host").as_ref());
+        let no_dev = for_backend(Backend::Auto, rdma_if(false), shm_on("this-host"));
         assert_eq!(kind(&no_dev, &other), TransportKind::Tcp);
     }
 
@@ -455,7 +477,7 @@ mod tests {
             }
             other => panic!("{other}"),
         }
-        let shm = for_backend(Backend::Shm, rdma_if(false), shm_on("h").as_ref());
+        let shm = for_backend(Backend::Shm, rdma_if(false), shm_on("h"));
         let e = choose(
             &shm,
             Backend::Shm,
@@ -470,7 +492,7 @@ mod tests {
             "{e}"
         );
         // A memory type no transport moves: each says so.
-        let auto = for_backend(Backend::Auto, rdma_if(true), shm_on("h").as_ref());
+        let auto = for_backend(Backend::Auto, rdma_if(true), shm_on("h"));
         let e = choose(
             &auto,
             Backend::Auto,

@@ -16,7 +16,7 @@ use crate::memory::{MemoryDesc, MemoryType, RegionMap};
 /// Magic bytes that open every encoded [`AgentDesc`].
 pub const DESC_MAGIC: [u8; 4] = *b"KVXA";
 /// The descriptor format version this build writes and reads.
-pub const DESC_VERSION: u16 = 5;
+pub const DESC_VERSION: u16 = 6;
 /// Longest agent name accepted, in bytes.
 pub const MAX_AGENT_NAME: usize = 256;
 /// Most transports one descriptor offers.
@@ -26,7 +26,7 @@ pub const MAX_TRANSPORT_NAME: usize = 32;
 /// Longest transport offer ([`TransportOffer::info`]), in bytes.
 pub const MAX_OFFER_INFO: usize = 4096;
 /// Longest region key of one transport ([`RegionKey::key`]), in bytes.
-pub const MAX_REGION_KEY: usize = 64;
+pub const MAX_REGION_KEY: usize = 128;
 
 /// Why an encoded [`AgentDesc`] was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -56,21 +56,6 @@ pub enum DescError {
     Invalid(String),
 }
 
-/// How a peer on the same host may reach the agent's memory directly
-/// (cross-memory attach). Present when the agent accepts it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LocalAccess {
-    /// Host identity: the kernel's boot id. Agents with different values are
-    /// on different hosts (or different boots) and never use this path.
-    pub host: String,
-    /// The agent's process id, in its own pid namespace.
-    pub pid: u32,
-    /// Address of an 8-byte word in the agent's memory holding `instance`:
-    /// a peer that reads it back through cross-memory attach has proved it
-    /// reaches this very process (same pid namespace, permission granted).
-    pub probe_addr: u64,
-}
-
 /// A region a remote agent may read or write, with its access keys.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExportedRegion {
@@ -82,9 +67,10 @@ pub struct ExportedRegion {
     /// cross-memory attach, storage) names the region by: a random 64-bit
     /// tag that changes with every registration.
     pub key: u64,
-    /// The keys of the region's registrations with the agent's transports
-    /// that a peer's hardware presents (an RDMA remote key, a libfabric
-    /// memory key): at most one per offered transport.
+    /// The region's keys with the agent's transports, at most one per
+    /// offered transport: what a peer's hardware presents (an RDMA remote
+    /// key, a libfabric memory key), or what a peer opens the region by
+    /// (the CUDA IPC handle of a GPU region, for a peer on the same host).
     pub keys: Vec<RegionKey>,
     /// What a request's offsets and lengths in the region must be multiples
     /// of: a storage region's direct-I/O block size, 1 otherwise. A power
@@ -92,31 +78,15 @@ pub struct ExportedRegion {
     pub align: u32,
 }
 
-/// How a peer on the same host may reach the agent's GPU memory directly:
-/// CUDA IPC handles of its exported VRAM regions' allocations. Present when
-/// the agent offers cross-memory access (the shm and auto backends) and
-/// has such regions.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GpuAccess {
-    /// Host identity (the kernel's boot id), as in [`LocalAccess`]: peers on
-    /// other hosts never open these handles.
-    pub host: String,
-    /// The agent's process id (a process never opens its own handles).
-    pub pid: u32,
-    /// One entry per exported VRAM region that has one.
-    pub handles: Vec<IpcExport>,
-}
-
-/// The IPC handle of one exported VRAM region's allocation.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct IpcExport {
-    /// The region's access key (names the region in [`AgentDesc::regions`]).
-    pub key: u64,
-    /// The allocation's legacy IPC handle (`cuIpcGetMemHandle`), 64 bytes.
-    pub handle: Vec<u8>,
-    /// Where the region starts in the allocation (its address minus the
-    /// allocation's base).
-    pub offset: u64,
+impl ExportedRegion {
+    /// The region's key with transport `transport` (its index in
+    /// [`AgentDesc::transports`]), if it has one.
+    pub fn key_for(&self, transport: u8) -> Option<&[u8]> {
+        self.keys
+            .iter()
+            .find(|k| k.transport == transport)
+            .map(|k| k.key.as_slice())
+    }
 }
 
 /// One region's key on one transport, of the width that transport uses.
@@ -153,13 +123,9 @@ pub struct AgentDesc {
     pub endpoints: Vec<String>,
     /// Regions exported for one-sided access.
     pub regions: Vec<ExportedRegion>,
-    /// Direct access for peers on the same host, if offered.
-    pub local_access: Option<LocalAccess>,
     /// The transports it offers beyond the side channel (RDMA when it has a
     /// device, …), which its regions' [`keys`](ExportedRegion::keys) name.
     pub transports: Vec<TransportOffer>,
-    /// GPU memory access for peers on the same host (CUDA IPC), if offered.
-    pub gpu: Option<GpuAccess>,
 }
 
 impl AgentDesc {
@@ -255,28 +221,7 @@ impl AgentDesc {
                 )));
             }
         }
-        let map = self.region_map()?;
-        if let Some(g) = &self.gpu {
-            for h in &g.handles {
-                if h.handle.len() != 64 {
-                    return Err(DescError::Invalid(format!(
-                        "IPC handle of {} bytes (64 expected)",
-                        h.handle.len()
-                    )));
-                }
-                let known = map.iter().any(|r| {
-                    r.mem_type == MemoryType::Vram
-                        && r.value.key == h.key
-                        && r.desc.addr >= h.offset
-                });
-                if !known {
-                    return Err(DescError::Invalid(format!(
-                        "IPC handle for key {:#x}, which names no exported VRAM region it can start",
-                        h.key
-                    )));
-                }
-            }
-        }
+        self.region_map()?;
         Ok(())
     }
 
@@ -358,28 +303,25 @@ mod tests {
                     mem_type: MemoryType::Vram,
                     desc: MemoryDesc::new(0x7f00_0000_0100, 1 << 20, 0),
                     key: 10,
-                    keys: Vec::new(),
+                    // Wider than any integer: a key is what the transport
+                    // says it is.
+                    keys: vec![RegionKey {
+                        transport: 1,
+                        key: vec![7; 72],
+                    }],
                     align: 1,
                 },
             ],
-            local_access: Some(LocalAccess {
-                host: "boot".into(),
-                pid: 42,
-                probe_addr: 0x1234,
-            }),
-            transports: vec![TransportOffer {
-                name: "rdma".into(),
-                info: b"rxe0".to_vec(),
-            }],
-            gpu: Some(GpuAccess {
-                host: "boot".into(),
-                pid: 42,
-                handles: vec![IpcExport {
-                    key: 10,
-                    handle: vec![7; 64],
-                    offset: 0x100,
-                }],
-            }),
+            transports: vec![
+                TransportOffer {
+                    name: "rdma".into(),
+                    info: b"rxe0".to_vec(),
+                },
+                TransportOffer {
+                    name: "shm".into(),
+                    info: b"anything the transport encodes".to_vec(),
+                },
+            ],
         }
     }
 
@@ -430,20 +372,8 @@ mod tests {
             AgentDesc::decode(&odd.encode()),
             Err(DescError::Invalid(e)) if e.contains("power of two")
         ));
-        let mut short = sample();
-        short.gpu.as_mut().unwrap().handles[0].handle.pop();
-        assert!(matches!(
-            AgentDesc::decode(&short.encode()),
-            Err(DescError::Invalid(e)) if e.contains("64 expected")
-        ));
-        let mut stray = sample();
-        stray.gpu.as_mut().unwrap().handles[0].key = 7;
-        assert!(matches!(
-            AgentDesc::decode(&stray.encode()),
-            Err(DescError::Invalid(e)) if e.contains("no exported VRAM region")
-        ));
         let mut stray_key = sample();
-        stray_key.regions[0].keys[0].transport = 1;
+        stray_key.regions[0].keys[0].transport = 2;
         assert!(matches!(
             AgentDesc::decode(&stray_key.encode()),
             Err(DescError::Invalid(e)) if e.contains("no offered transport")
@@ -474,6 +404,8 @@ mod tests {
             Some((0, &b"rxe0"[..]))
         );
         assert!(d.offer("fabric").is_none());
+        assert_eq!(d.regions[3].key_for(1), Some(&[7; 72][..]));
+        assert_eq!(d.regions[3].key_for(0), None);
         let mut unnamed = sample();
         unnamed.name.clear();
         assert!(matches!(

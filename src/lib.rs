@@ -100,7 +100,7 @@ pub use config::{
     AgentConfig, DEFAULT_RDMA_MAX_INFLIGHT, FabricConfig, GpuConfig, Limits, RdmaConfig,
     RdmaProgress, SecurityConfig, ShmConfig, TcpConfig,
 };
-pub use desc::{AgentDesc, DescError, ExportedRegion, GpuAccess, IpcExport, LocalAccess};
+pub use desc::{AgentDesc, DescError, ExportedRegion, RegionKey, TransportOffer};
 pub use engine::make_transfer_agent;
 pub use error::{Error, Landed, RejectReason};
 pub use events::CompletionQueue;

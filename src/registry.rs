@@ -1,6 +1,7 @@
 //! Backend-independent agent state: local registrations (with access keys
 //! and in-flight counters).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
@@ -357,17 +358,14 @@ impl Registry {
         )
     }
 
-    /// The IPC exports of the VRAM regions that have a handle.
-    pub(crate) fn ipc_exports(&self) -> Vec<crate::desc::IpcExport> {
+    /// The VRAM regions that have an IPC handle, by access key: their
+    /// allocation's handle and where they start in it.
+    pub(crate) fn ipc_exports(&self) -> HashMap<u64, ([u8; 64], u64)> {
         self.read()
             .iter()
             .filter_map(|r| {
                 let g = r.value.gpu?;
-                Some(crate::desc::IpcExport {
-                    key: r.value.key,
-                    handle: g.ipc?.to_vec(),
-                    offset: g.offset,
-                })
+                Some((r.value.key, (g.ipc?, g.offset)))
             })
             .collect()
     }

@@ -14,10 +14,24 @@ use std::marker::PhantomData;
 
 use caps::{CapSet, CapsHashSet};
 
-use crate::desc::LocalAccess;
-
 /// Most iovecs per call on each side (Linux `IOV_MAX`).
 const IOV_MAX: usize = 1024;
+
+/// How a peer on the same host may reach an agent's memory directly
+/// (cross-memory attach): what the shm transport offers in its descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct LocalAccess {
+    /// Host identity: the kernel's boot id. Agents with different values
+    /// are on different hosts (or different boots) and never attach.
+    pub(crate) host: String,
+    /// The agent's process id, in its own pid namespace.
+    pub(crate) pid: u32,
+    /// Address of an 8-byte word in the agent's memory holding its
+    /// instance: a peer that reads it back through cross-memory attach has
+    /// proved it reaches this very process (same pid namespace, permission
+    /// granted).
+    pub(crate) probe_addr: u64,
+}
 
 /// This host's identity: the kernel boot id (unique per host and boot).
 pub(crate) fn host_id() -> String {

@@ -52,7 +52,11 @@ fn same_host_uses_shm_other_host_uses_tcp() {
 
     // The same peer, described as living on another host.
     let mut elsewhere = auto.remote_agent_desc(&name).unwrap();
-    elsewhere.local_access.as_mut().unwrap().host = "some-other-host".into();
+    // The shm offer: pid (u32), probe address (u64), then the host id.
+    let (i, _) = elsewhere.offer("shm").unwrap();
+    let info = &mut elsewhere.transports[usize::from(i)].info;
+    info.truncate(12);
+    info.extend_from_slice(b"some-other-host");
     let auto2 = agent("auto2", Backend::Auto);
     auto2.load_remote_agent(&elsewhere).unwrap();
     assert_eq!(auto2.remote_transport(&name).unwrap(), "tcp");

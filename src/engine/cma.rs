@@ -12,7 +12,7 @@
 //! delivered only once the data is in place. Nothing is staged.
 
 use crate::agent::{AgentConfig, Backend, DataPath, TransferOp, TransferStatus, TransportKind};
-use crate::desc::{AgentDesc, GpuAccess, LocalAccess};
+use crate::desc::{AgentDesc, RegionKey};
 use crate::engine::cma_target::CmaSession;
 use crate::engine::cma_wire::CmaFrame;
 use crate::engine::peer::fetch_desc;
@@ -30,7 +30,7 @@ use crate::error::{Error, RejectReason};
 use crate::memory::MemoryType;
 use crate::metrics::Counter;
 use crate::shm;
-use crate::shm::{Direction, Piece};
+use crate::shm::{Direction, LocalAccess, Piece};
 use crate::small::FastHash;
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::HashMap;
@@ -124,6 +124,26 @@ impl Shm {
     }
 }
 
+/// `peer`'s cross-memory offer, decoded (or why it does not decode); `None`
+/// when it makes none.
+fn local_access(peer: &AgentDesc) -> Option<Result<LocalAccess, String>> {
+    let (_, o) = peer.offer(TransportKind::Shm.as_str())?;
+    Some(cma_wire::decode_offer(&o.info))
+}
+
+/// Whether `peer` is on host `host` and gives the CUDA IPC handles of its
+/// GPU regions (its descriptor carries their keys with the shm transport).
+fn gives_ipc_handles(peer: &AgentDesc, host: &str) -> bool {
+    let Some((i, o)) = peer.offer(TransportKind::Shm.as_str()) else {
+        return false;
+    };
+    cma_wire::decode_offer(&o.info).is_ok_and(|a| a.host == host)
+        && peer
+            .regions
+            .iter()
+            .any(|r| r.mem_type == MemoryType::Vram && r.key_for(i).is_some())
+}
+
 impl Transport for Shm {
     fn kind(&self) -> TransportKind {
         TransportKind::Shm
@@ -135,42 +155,57 @@ impl Transport for Shm {
             // The target's GPU memory, through CUDA IPC, when its GPU is on
             // this host.
             (MemoryType::Dram | MemoryType::Vram, MemoryType::Vram) => {
-                peer.gpu.as_ref().is_some_and(|g| g.host == self.host)
+                gives_ipc_handles(peer, &self.host)
             }
             _ => false,
         }
     }
 
     fn reach(&self, peer: &AgentDesc) -> Result<(), String> {
-        let Some(a) = &peer.local_access else {
-            return Err("the remote agent does not offer cross-memory access".into());
-        };
-        shm::probe(a, peer.instance, &self.host)
+        let a =
+            local_access(peer).ok_or("the remote agent does not offer cross-memory access")??;
+        shm::probe(&a, peer.instance, &self.host)
+    }
+
+    /// The process peers on this host attach to (its probe word)
+    /// ([`cma_wire::encode_offer`]).
+    fn offer(&self) -> Option<Vec<u8>> {
+        Some(cma_wire::encode_offer(&LocalAccess {
+            host: self.host.clone(),
+            pid: std::process::id(),
+            probe_addr: self.probe_addr(),
+        }))
     }
 
     fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
         // Data bypasses the socket; one stream carries the control.
-        let pid = peer.local_access.as_ref().map_or(0, |a| a.pid);
+        let pid = local_access(peer).and_then(Result::ok).map_or(0, |a| a.pid);
         Ok(CmaLink::open(inner, self, peer, pid)?)
     }
 
-    /// The process peers on this host attach to (its probe word), and
-    /// for a requester on this host the CUDA IPC handles of the exported
-    /// GPU memory (a handle opens its whole allocation: for same-host peers
-    /// that ask only).
+    /// For a requester on this host, the exported GPU regions' keys: the
+    /// CUDA IPC handles of their allocations ([`cma_wire::encode_ipc_key`];
+    /// a handle opens its whole allocation: for same-host peers that ask
+    /// only).
     fn describe(&self, inner: &Inner, desc: &mut AgentDesc, host: Option<&str>) {
-        desc.local_access = Some(LocalAccess {
-            host: self.host.clone(),
-            pid: std::process::id(),
-            probe_addr: self.probe_addr(),
-        });
-        desc.gpu = Some(inner.registry.ipc_exports())
-            .filter(|h| !h.is_empty() && host == Some(self.host.as_str()))
-            .map(|handles| GpuAccess {
-                host: self.host.clone(),
-                pid: std::process::id(),
-                handles,
-            });
+        if host != Some(self.host.as_str()) {
+            return;
+        }
+        let Some((i, _)) = desc.offer(TransportKind::Shm.as_str()) else {
+            return;
+        };
+        let exports = inner.registry.ipc_exports();
+        for r in &mut desc.regions {
+            if r.mem_type != MemoryType::Vram {
+                continue;
+            }
+            if let Some((handle, offset)) = exports.get(&r.key) {
+                r.keys.push(RegionKey {
+                    transport: i,
+                    key: cma_wire::encode_ipc_key(*offset, handle),
+                });
+            }
+        }
     }
 
     /// `desc` with its CUDA IPC handles, asked of the agent itself (over
@@ -179,13 +214,16 @@ impl Transport for Shm {
     /// without them; `None` otherwise, or when the agent does not answer
     /// with them (its GPU memory is then reached by staging over TCP).
     fn complete(&self, inner: &Inner, desc: &AgentDesc) -> Option<AgentDesc> {
-        let wanted = desc.gpu.is_none()
-            && desc.instance != inner.instance
-            && desc
-                .local_access
-                .as_ref()
-                .is_some_and(|l| l.host == self.host)
-            && desc.regions.iter().any(|r| r.mem_type == MemoryType::Vram);
+        let (i, _) = desc.offer(TransportKind::Shm.as_str())?;
+        let vram = || {
+            desc.regions
+                .iter()
+                .filter(|r| r.mem_type == MemoryType::Vram)
+        };
+        let wanted = desc.instance != inner.instance
+            && local_access(desc).is_some_and(|a| a.is_ok_and(|a| a.host == self.host))
+            && vram().next().is_some()
+            && vram().all(|r| r.key_for(i).is_none());
         if !wanted {
             return None;
         }
@@ -197,10 +235,22 @@ impl Transport for Shm {
                 None
             }
         })?;
-        Some(AgentDesc {
-            gpu: live.gpu,
-            ..desc.clone()
-        })
+        let (li, _) = live.offer(TransportKind::Shm.as_str())?;
+        let mut out = desc.clone();
+        for r in &mut out.regions {
+            let handle = live
+                .regions
+                .iter()
+                .find(|l| l.mem_type == r.mem_type && l.key == r.key && l.desc == r.desc)
+                .and_then(|l| l.key_for(li));
+            if let (MemoryType::Vram, Some(k)) = (r.mem_type, handle) {
+                r.keys.push(RegionKey {
+                    transport: i,
+                    key: k.to_vec(),
+                });
+            }
+        }
+        Some(out)
     }
 
     fn counters(&self) -> Vec<Counter> {
@@ -321,23 +371,24 @@ struct IpcPeer {
 impl IpcPeer {
     /// The IPC regions `peer` exports to agents of host `host`.
     fn new(peer: &AgentDesc, host: &str) -> Option<Self> {
-        let g = peer.gpu.as_ref().filter(|g| g.host == host)?;
-        let regions = g
-            .handles
+        let a = local_access(peer)?.ok().filter(|a| a.host == host)?;
+        let (i, _) = peer.offer(TransportKind::Shm.as_str())?;
+        // A key that is not an IPC key, or whose allocation would start
+        // below address 0, gives no handle: requests to its region fail.
+        let regions: HashMap<_, _, FastHash> = peer
+            .regions
             .iter()
-            .filter_map(|h| {
-                let r = peer
-                    .regions
-                    .iter()
-                    .find(|r| r.mem_type == MemoryType::Vram && r.key == h.key)?;
-                Some((
-                    h.key,
-                    (r.desc.addr, h.handle.as_slice().try_into().ok()?, h.offset),
-                ))
+            .filter(|r| r.mem_type == MemoryType::Vram)
+            .filter_map(|r| {
+                let (offset, handle) = cma_wire::decode_ipc_key(r.key_for(i)?)?;
+                (r.desc.addr >= offset).then_some((r.key, (r.desc.addr, handle, offset)))
             })
             .collect();
+        if regions.is_empty() {
+            return None;
+        }
         Some(IpcPeer {
-            same_process: g.pid == std::process::id(),
+            same_process: a.pid == std::process::id(),
             regions,
             opened: Mutex::new(HashMap::default()),
         })
@@ -802,5 +853,85 @@ mod tests {
         assert!(!p.take_answer(5, status::OK), "a second answer");
         assert_eq!(p.answer.1.try_recv(), Ok(7));
         assert!(p.answer.1.try_recv().is_err());
+    }
+
+    /// A same-host peer's GPU regions are reached by the IPC keys its
+    /// descriptor carries; an offer that does not decode, another host's,
+    /// or a key that is not an IPC key (or whose allocation would start
+    /// below address 0) gives no handle, and a peer without a decodable
+    /// offer is not reached, with the reason.
+    #[test]
+    fn ipc_handles_come_from_the_shm_keys_of_a_same_host_peer() {
+        use crate::desc::{ExportedRegion, TransportOffer};
+        use crate::memory::MemoryDesc;
+        let region = |key: u64, addr: u64, shm_key: Option<Vec<u8>>| ExportedRegion {
+            mem_type: MemoryType::Vram,
+            desc: MemoryDesc::new(addr, 4096, 0),
+            key,
+            keys: shm_key
+                .map(|key| RegionKey { transport: 1, key })
+                .into_iter()
+                .collect(),
+            align: 1,
+        };
+        let offer = |host: &str| {
+            cma_wire::encode_offer(&LocalAccess {
+                host: host.into(),
+                pid: std::process::id() + 1,
+                probe_addr: 0,
+            })
+        };
+        let mut peer = AgentDesc {
+            name: "peer".into(),
+            instance: 9,
+            endpoints: vec!["127.0.0.1:1".into()],
+            regions: vec![
+                region(
+                    1,
+                    0x10_0000,
+                    Some(cma_wire::encode_ipc_key(0x100, &[1; 64])),
+                ),
+                region(2, 0x20_0000, Some(vec![2; 64])),
+                region(3, 0x80, Some(cma_wire::encode_ipc_key(0x100, &[3; 64]))),
+                region(4, 0x40_0000, None),
+            ],
+            transports: vec![
+                TransportOffer {
+                    name: "rdma".into(),
+                    info: b"rxe0".to_vec(),
+                },
+                TransportOffer {
+                    name: "shm".into(),
+                    info: offer("h"),
+                },
+            ],
+        };
+        assert!(gives_ipc_handles(&peer, "h"));
+        let ipc = IpcPeer::new(&peer, "h").expect("region 1 has a handle");
+        assert!(!ipc.same_process);
+        let keys: Vec<_> = ipc.regions.keys().copied().collect();
+        assert_eq!(keys, [1]);
+        assert_eq!(ipc.regions[&1], (0x10_0000, [1; 64], 0x100));
+        for key in [2, 3, 4] {
+            let e = ipc.address(key, 0x20_0000, 0, "peer").unwrap_err();
+            assert!(e.to_string().contains("without a CUDA IPC handle"), "{e}");
+        }
+        assert!(IpcPeer::new(&peer, "elsewhere").is_none());
+        assert!(!gives_ipc_handles(&peer, "elsewhere"));
+        let shm = Shm::open(
+            Backend::Shm,
+            &AgentConfig::new("t").with_shm_delegate(false),
+            7,
+            "h",
+        )
+        .unwrap();
+        peer.transports[1].info.truncate(12);
+        assert!(IpcPeer::new(&peer, "h").is_none());
+        assert!(!gives_ipc_handles(&peer, "h"));
+        let why = shm.reach(&peer).unwrap_err();
+        assert!(why.contains("malformed cross-memory offer"), "{why}");
+        peer.transports.pop();
+        let why = shm.reach(&peer).unwrap_err();
+        assert!(why.contains("does not offer cross-memory access"), "{why}");
     }
 }

@@ -6,7 +6,6 @@
 //! of each session's requests ([`CmaSession`]); [`Shm::serve`] serves the
 //! frames.
 
-use crate::desc::LocalAccess;
 use crate::engine::cma::Shm;
 use crate::engine::cma_wire::{CmaFrame, Delegate, Grant};
 use crate::engine::plan::delegated_pieces;
@@ -20,6 +19,7 @@ use crate::error::RejectReason;
 use crate::memory::MemoryType;
 use crate::registry::RegionGuard;
 use crate::shm;
+use crate::shm::LocalAccess;
 use std::collections::HashMap;
 use std::io;
 use std::sync::Mutex;

@@ -5,6 +5,10 @@
 //!
 //! In the header's transport fields: `status` holds the frame's kind (low
 //! byte) and its flags (high byte); `id` the request.
+//!
+//! Also what the transport puts in a descriptor: its offer (the process a
+//! same-host peer attaches to, [`encode_offer`]) and a GPU region's key
+//! (the CUDA IPC handle of its allocation, [`encode_ipc_key`]).
 
 #![forbid(unsafe_code)]
 
@@ -13,7 +17,64 @@ use crate::engine::wire::{
     mem_from_code, op_flags,
 };
 use crate::memory::MemoryType;
+use crate::shm::LocalAccess;
 use crate::status::TransportKind;
+
+/// Longest host id an offer carries, in bytes.
+const MAX_HOST_ID: usize = 256;
+/// Bytes of a GPU region's key: where the region starts in its allocation
+/// (u64 LE), then the allocation's IPC handle.
+const IPC_KEY_LEN: usize = 8 + 64;
+
+/// The shm transport's offer in a descriptor: the agent's process id
+/// (u32 LE), the address of its probe word (u64 LE), then its host id
+/// (the kernel boot id, UTF-8).
+pub(crate) fn encode_offer(a: &LocalAccess) -> Vec<u8> {
+    let mut out = Vec::with_capacity(12 + a.host.len());
+    out.extend_from_slice(&a.pid.to_le_bytes());
+    out.extend_from_slice(&a.probe_addr.to_le_bytes());
+    out.extend_from_slice(a.host.as_bytes());
+    out
+}
+
+/// Decodes an offer written by [`encode_offer`].
+///
+/// # Errors
+/// Why it is not one (too short, a host id empty, too long or not UTF-8).
+pub(crate) fn decode_offer(info: &[u8]) -> Result<LocalAccess, String> {
+    if info.len() < 13 || info.len() > 12 + MAX_HOST_ID {
+        return Err(format!(
+            "malformed cross-memory offer ({} bytes)",
+            info.len()
+        ));
+    }
+    let host = std::str::from_utf8(&info[12..])
+        .map_err(|_| "malformed cross-memory offer (host id not UTF-8)".to_string())?;
+    Ok(LocalAccess {
+        host: host.to_owned(),
+        pid: u32::from_le_bytes(info[..4].try_into().expect("length checked")),
+        probe_addr: u64::from_le_bytes(info[4..12].try_into().expect("length checked")),
+    })
+}
+
+/// A GPU region's key with the shm transport: where the region starts in
+/// its allocation (`offset`), then the allocation's CUDA IPC `handle`.
+pub(crate) fn encode_ipc_key(offset: u64, handle: &[u8; 64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(IPC_KEY_LEN);
+    out.extend_from_slice(&offset.to_le_bytes());
+    out.extend_from_slice(handle);
+    out
+}
+
+/// Decodes a key written by [`encode_ipc_key`]: `(offset, handle)`, or
+/// `None` when it is not one.
+pub(crate) fn decode_ipc_key(key: &[u8]) -> Option<(u64, [u8; 64])> {
+    if key.len() != IPC_KEY_LEN {
+        return None;
+    }
+    let offset = u64::from_le_bytes(key[..8].try_into().ok()?);
+    Some((offset, key[8..].try_into().ok()?))
+}
 
 /// Most pieces in one [`CmaFrame::Delegate`].
 pub(crate) const DELEGATE_MAX: u32 = 1 << 16;
@@ -214,6 +275,28 @@ fn kind_flags(kind: u8, flags: u8) -> u16 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn offer_and_ipc_key_round_trip_and_refuse_what_they_are_not() {
+        let a = LocalAccess {
+            host: "boot-id".into(),
+            pid: 4242,
+            probe_addr: 0x7fff_0000_1234,
+        };
+        assert_eq!(decode_offer(&encode_offer(&a)), Ok(a.clone()));
+        let good = encode_offer(&a);
+        assert!(decode_offer(&good[..12]).is_err());
+        let mut long = good.clone();
+        long.extend_from_slice(&[b'x'; MAX_HOST_ID]);
+        assert!(decode_offer(&long).is_err());
+        let mut bad_utf8 = good[..12].to_vec();
+        bad_utf8.push(0xff);
+        assert!(decode_offer(&bad_utf8).is_err());
+        let key = encode_ipc_key(0x100, &[9; 64]);
+        assert_eq!(decode_ipc_key(&key), Some((0x100, [9; 64])));
+        assert_eq!(decode_ipc_key(&key[..71]), None);
+        assert_eq!(decode_ipc_key(&[key.clone(), vec![0]].concat()), None);
+    }
 
     fn decode(hdr: &[u8; HEADER_LEN]) -> Result<CmaFrame, WireError> {
         match Frame::decode(hdr)? {

@@ -49,8 +49,6 @@ impl Inner {
                 .registry
                 .exported(&offered, |h| self.storage.get(h).map_or(1, |f| f.align)),
             transports,
-            local_access: None,
-            gpu: None,
         };
         for t in &self.transports {
             t.describe(self, &mut desc, host);

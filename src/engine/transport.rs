@@ -383,8 +383,11 @@ pub(in crate::engine) fn choose(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::desc::{LocalAccess, TransportOffer};
+    use crate::desc::{ExportedRegion, RegionKey, TransportOffer};
+    use crate::engine::cma_wire;
     use crate::engine::storage_link;
+    use crate::memory::MemoryDesc;
+    use crate::shm::LocalAccess;
 
     /// What the RDMA transport answers, without a device.
     struct Rdma;
@@ -431,13 +434,15 @@ mod tests {
                     info: b"rxe0".to_vec(),
                 })
                 .into_iter()
+                .chain(local.map(|(host, pid)| TransportOffer {
+                    name: "shm".into(),
+                    info: cma_wire::encode_offer(&LocalAccess {
+                        host: host.into(),
+                        pid,
+                        probe_addr: 0,
+                    }),
+                }))
                 .collect(),
-            gpu: None,
-            local_access: local.map(|(host, pid)| LocalAccess {
-                host: host.into(),
-                pid,
-                probe_addr: 0,
-            }),
         }
     }
 
@@ -537,14 +542,25 @@ mod tests {
         // (CUDA IPC) when its GPU is on this host.
         assert!(shm.moves(Dram, Dram, &peer));
         assert!(!shm.moves(Dram, Vram, &peer) && !shm.moves(Vram, Dram, &peer));
-        peer.gpu = Some(crate::desc::GpuAccess {
-            host: "h".into(),
-            pid: 1,
-            handles: Vec::new(),
+        // A GPU region without its IPC handle (a descriptor served to a
+        // requester that did not ask): not through shm.
+        peer.regions.push(ExportedRegion {
+            mem_type: Vram,
+            desc: MemoryDesc::new(0x10_0000, 4096, 0),
+            key: 5,
+            keys: Vec::new(),
+            align: 1,
+        });
+        assert!(!shm.moves(Dram, Vram, &peer));
+        let (i, _) = peer.offer("shm").unwrap();
+        peer.regions[0].keys.push(RegionKey {
+            transport: i,
+            key: cma_wire::encode_ipc_key(0, &[3; 64]),
         });
         assert!(shm.moves(Dram, Vram, &peer) && shm.moves(Vram, Vram, &peer));
         assert!(!shm.moves(Vram, Dram, &peer));
-        peer.gpu.as_mut().unwrap().host = "elsewhere".into();
+        let elsewhere = desc(true, Some(("elsewhere", 1)));
+        peer.transports[usize::from(i)] = elsewhere.transports[usize::from(i)].clone();
         assert!(!shm.moves(Dram, Vram, &peer));
     }
 }

@@ -17,22 +17,6 @@ use caps::{CapSet, CapsHashSet};
 /// Most iovecs per call on each side (Linux `IOV_MAX`).
 const IOV_MAX: usize = 1024;
 
-/// How a peer on the same host may reach an agent's memory directly
-/// (cross-memory attach): what the shm transport offers in its descriptor.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct LocalAccess {
-    /// Host identity: the kernel's boot id. Agents with different values
-    /// are on different hosts (or different boots) and never attach.
-    pub(crate) host: String,
-    /// The agent's process id, in its own pid namespace.
-    pub(crate) pid: u32,
-    /// Address of an 8-byte word in the agent's memory holding its
-    /// instance: a peer that reads it back through cross-memory attach has
-    /// proved it reaches this very process (same pid namespace, permission
-    /// granted).
-    pub(crate) probe_addr: u64,
-}
-
 /// This host's identity: the kernel boot id (unique per host and boot).
 pub(crate) fn host_id() -> String {
     match std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
@@ -43,45 +27,39 @@ pub(crate) fn host_id() -> String {
     }
 }
 
-/// Checks that `access` describes a process this one can reach directly and
-/// that it is the agent with `instance`. Returns why not, otherwise.
-pub(crate) fn probe(access: &LocalAccess, instance: u64, my_host: &str) -> Result<(), String> {
-    if access.host != my_host {
-        return Err(format!(
-            "remote agent is on another host (host id {} vs {})",
-            access.host, my_host
-        ));
-    }
+/// Checks that process `pid` (of this host) is one this process can reach
+/// directly and that it is the agent with `instance`: the 8-byte word at
+/// its `probe_addr` holds `instance`. Returns why not, otherwise.
+pub(crate) fn probe(pid: u32, probe_addr: u64, instance: u64) -> Result<(), String> {
     let mut word = 0u64;
     let local = libc::iovec {
         iov_base: (&mut word as *mut u64).cast(),
         iov_len: 8,
     };
     let remote = libc::iovec {
-        iov_base: access.probe_addr as *mut libc::c_void,
+        iov_base: probe_addr as *mut libc::c_void,
         iov_len: 8,
     };
-    let pid = libc::pid_t::try_from(access.pid).map_err(|_| "pid out of range".to_string())?;
+    let pid_t = libc::pid_t::try_from(pid).map_err(|_| "pid out of range".to_string())?;
     // SAFETY: `local` points at `word`, 8 writable bytes on our stack; the
     // remote iovec is only dereferenced by the kernel in the other process,
     // where a bad address yields EFAULT.
-    let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+    let n = unsafe { libc::process_vm_readv(pid_t, &local, 1, &remote, 1, 0) };
     if n < 0 {
         let e = io::Error::last_os_error();
         return Err(match e.raw_os_error() {
             Some(libc::EPERM) => format!(
                 "cross-memory attach to pid {} denied ({e}): another user, ptrace restrictions, or missing CAP_SYS_PTRACE",
-                access.pid
+                pid
             ),
-            Some(libc::ESRCH) => format!("no process {} in this pid namespace", access.pid),
+            Some(libc::ESRCH) => format!("no process {pid} in this pid namespace"),
             Some(libc::ENOSYS) => "cross-memory attach is not available (ENOSYS)".into(),
             _ => format!("cross-memory attach probe failed: {e}"),
         });
     }
     if n != 8 || word != instance {
         return Err(format!(
-            "pid {} is not the agent that published this descriptor (another pid namespace?)",
-            access.pid
+            "pid {pid} is not the agent that published this descriptor (another pid namespace?)"
         ));
     }
     Ok(())
@@ -419,18 +397,10 @@ mod tests {
     fn copies_within_own_process_and_probes_self() {
         let instance = 0x1234_5678_9abc_def0u64;
         let word = Box::new(instance);
-        let access = LocalAccess {
-            host: host_id(),
-            pid: std::process::id(),
-            probe_addr: &*word as *const u64 as u64,
-        };
-        probe(&access, instance, &host_id()).unwrap();
-        assert!(probe(&access, instance ^ 1, &host_id()).is_err());
-        assert!(
-            probe(&access, instance, "elsewhere")
-                .unwrap_err()
-                .contains("another host")
-        );
+        let (pid, addr) = (std::process::id(), &*word as *const u64 as u64);
+        probe(pid, addr, instance).unwrap();
+        let why = probe(pid, addr, instance ^ 1).unwrap_err();
+        assert!(why.contains("not the agent"), "{why}");
 
         // 3000 pieces (more than one system call's worth), odd sizes.
         let src: Vec<u8> = (0..3000 * 7).map(|i| (i * 31 % 251) as u8).collect();

@@ -14,7 +14,7 @@
 use crate::agent::{AgentConfig, Backend, DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::{AgentDesc, RegionKey};
 use crate::engine::cma_target::CmaSession;
-use crate::engine::cma_wire::CmaFrame;
+use crate::engine::cma_wire::{CmaFrame, LocalAccess};
 use crate::engine::peer::fetch_desc;
 use crate::engine::plan::{grant_ranges, should_delegate};
 use crate::engine::requests::Finished;
@@ -30,7 +30,7 @@ use crate::error::{Error, RejectReason};
 use crate::memory::MemoryType;
 use crate::metrics::Counter;
 use crate::shm;
-use crate::shm::{Direction, LocalAccess, Piece};
+use crate::shm::{Direction, Piece};
 use crate::small::FastHash;
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::HashMap;
@@ -164,7 +164,13 @@ impl Transport for Shm {
     fn reach(&self, peer: &AgentDesc) -> Result<(), String> {
         let a =
             local_access(peer).ok_or("the remote agent does not offer cross-memory access")??;
-        shm::probe(&a, peer.instance, &self.host)
+        if a.host != self.host {
+            return Err(format!(
+                "remote agent is on another host (host id {} vs {})",
+                a.host, self.host
+            ));
+        }
+        shm::probe(a.pid, a.probe_addr, peer.instance)
     }
 
     /// The process peers on this host attach to (its probe word)
@@ -925,6 +931,10 @@ mod tests {
             "h",
         )
         .unwrap();
+        let config = AgentConfig::new("t").with_shm_delegate(false);
+        let there = Shm::open(Backend::Shm, &config, 7, "elsewhere").unwrap();
+        let why = there.reach(&peer).unwrap_err();
+        assert!(why.contains("another host"), "{why}");
         peer.transports[1].info.truncate(12);
         assert!(IpcPeer::new(&peer, "h").is_none());
         assert!(!gives_ipc_handles(&peer, "h"));

@@ -19,7 +19,6 @@ use crate::error::RejectReason;
 use crate::memory::MemoryType;
 use crate::registry::RegionGuard;
 use crate::shm;
-use crate::shm::LocalAccess;
 use std::collections::HashMap;
 use std::io;
 use std::sync::Mutex;
@@ -342,20 +341,13 @@ impl Shm {
             return None;
         };
         match peer.check(probe_addr, instance) {
-            Ok(p) if p == pid => {
-                let access = LocalAccess {
-                    host: inner.host.clone(),
-                    pid,
-                    probe_addr,
-                };
-                match shm::probe(&access, instance, &inner.host) {
-                    Ok(()) => Some(p),
-                    Err(why) => {
-                        tracing::info!(agent = %inner.config.name, remote = %state.remote, %why, "not copying for this initiator; it copies itself");
-                        None
-                    }
+            Ok(p) if p == pid => match shm::probe(pid, probe_addr, instance) {
+                Ok(()) => Some(p),
+                Err(why) => {
+                    tracing::info!(agent = %inner.config.name, remote = %state.remote, %why, "not copying for this initiator; it copies itself");
+                    None
                 }
-            }
+            },
             Ok(p) => {
                 tracing::warn!(agent = %inner.config.name, remote = %state.remote, claimed = pid, proven = p, "refused a delegated copy: the initiator did not prove it is that process");
                 None

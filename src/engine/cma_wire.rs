@@ -17,8 +17,23 @@ use crate::engine::wire::{
     mem_from_code, op_flags,
 };
 use crate::memory::MemoryType;
-use crate::shm::LocalAccess;
 use crate::status::TransportKind;
+
+/// How a peer on the same host may reach an agent's memory directly
+/// (cross-memory attach): what the shm transport offers in its descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct LocalAccess {
+    /// Host identity: the kernel's boot id. Agents with different values
+    /// are on different hosts (or different boots) and never attach.
+    pub(crate) host: String,
+    /// The agent's process id, in its own pid namespace.
+    pub(crate) pid: u32,
+    /// Address of an 8-byte word in the agent's memory holding its
+    /// instance: a peer that reads it back through cross-memory attach has
+    /// proved it reaches this very process (same pid namespace, permission
+    /// granted).
+    pub(crate) probe_addr: u64,
+}
 
 /// Longest host id an offer carries, in bytes.
 const MAX_HOST_ID: usize = 256;

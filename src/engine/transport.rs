@@ -385,9 +385,9 @@ mod tests {
     use super::*;
     use crate::desc::{ExportedRegion, RegionKey, TransportOffer};
     use crate::engine::cma_wire;
+    use crate::engine::cma_wire::LocalAccess;
     use crate::engine::storage_link;
     use crate::memory::MemoryDesc;
-    use crate::shm::LocalAccess;
 
     /// What the RDMA transport answers, without a device.
     struct Rdma;

@@ -518,32 +518,55 @@ impl std::fmt::Debug for PreparedTransfer {
     }
 }
 
-/// A data path: how bytes move between this agent and a peer.
+/// A data path: how bytes move between this agent and a peer. Its
+/// discriminant is its code on the wire (a transport's own frames name it
+/// by that code, `docs/wire-format.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
+#[repr(u8)]
 pub enum TransportKind {
     /// TCP streams: the kernel copies between the socket and registered
     /// memory (`sendmsg` / `readv`).
-    Tcp,
+    Tcp = 1,
     /// Cross-memory attach between processes of one host
     /// (`process_vm_writev` / `process_vm_readv`), by the initiator or, for
     /// scattered remote pieces, by the target.
-    Shm,
+    Shm = 2,
     /// One-sided RDMA WRITE / READ on reliable-connected queue pairs, zero
     /// copy.
-    Rdma,
+    Rdma = 3,
     /// One-sided `fi_write` / `fi_read` on a libfabric reliable-datagram
     /// endpoint, zero copy.
-    Fabric,
+    Fabric = 4,
     /// A plain copy between two agents of one process
     /// ([`Backend::InProcess`](crate::agent::Backend::InProcess)).
-    InProcess,
+    InProcess = 5,
     /// Reads and writes between host memory and the agent's own storage
     /// (FILE and BLK regions), by `io_uring` or `pread`/`pwrite`.
-    Storage,
+    Storage = 6,
 }
 
 impl TransportKind {
+    /// Every transport.
+    pub(crate) const ALL: [Self; 6] = [
+        Self::Tcp,
+        Self::Shm,
+        Self::Rdma,
+        Self::Fabric,
+        Self::InProcess,
+        Self::Storage,
+    ];
+
+    /// Its code on the wire (its discriminant).
+    pub(crate) fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// The transport whose code is `code`, if any.
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|t| t.code() == code)
+    }
+
     /// Its name: `"tcp"`, `"shm"`, `"rdma"`, `"fabric"`, `"inproc"` or
     /// `"storage"`.
     pub fn as_str(self) -> &'static str {
@@ -568,21 +591,18 @@ impl FromStr for TransportKind {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self, Error> {
-        [
-            Self::Tcp,
-            Self::Shm,
-            Self::Rdma,
-            Self::Fabric,
-            Self::InProcess,
-        ]
-        .into_iter()
-        .find(|t| t.as_str().eq_ignore_ascii_case(s))
-        .ok_or_else(|| {
-            Error::InvalidConfig(format!(
-                "unknown transport {:?} (tcp, shm, rdma, fabric, inproc)",
-                s.to_ascii_lowercase()
-            ))
-        })
+        // Storage is the agent's own, never a peer's data path.
+        let named = || Self::ALL.into_iter().filter(|t| *t != Self::Storage);
+        named()
+            .find(|t| t.as_str().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                let names: Vec<_> = named().map(Self::as_str).collect();
+                Error::InvalidConfig(format!(
+                    "unknown transport {:?} ({})",
+                    s.to_ascii_lowercase(),
+                    names.join(", ")
+                ))
+            })
     }
 }
 
@@ -759,6 +779,29 @@ impl TransferStatus {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each transport has one wire code and one name; names parse back
+    /// (any case) except the agent's own storage, and an unknown name's
+    /// error lists the others.
+    #[test]
+    fn transport_codes_and_names_round_trip() {
+        let mut codes: Vec<u8> = TransportKind::ALL.iter().map(|t| t.code()).collect();
+        codes.sort_unstable();
+        codes.dedup();
+        assert_eq!(codes.len(), TransportKind::ALL.len());
+        for t in TransportKind::ALL {
+            assert_eq!(TransportKind::from_code(t.code()), Some(t));
+            let parsed = t.as_str().to_ascii_uppercase().parse::<TransportKind>();
+            match t {
+                TransportKind::Storage => assert!(parsed.is_err()),
+                _ => assert_eq!(parsed.unwrap(), t),
+            }
+        }
+        assert_eq!(TransportKind::from_code(0), None);
+        assert_eq!(TransportKind::from_code(7), None);
+        let e = "ucx".parse::<TransportKind>().unwrap_err().to_string();
+        assert!(e.contains("tcp, shm, rdma, fabric, inproc"), "{e}");
+    }
 
     fn test_path() -> Arc<DataPath> {
         Arc::new(DataPath {

@@ -137,7 +137,7 @@ fn gives_ipc_handles(peer: &AgentDesc, host: &str) -> bool {
     let Some((i, o)) = peer.offer(TransportKind::Shm.as_str()) else {
         return false;
     };
-    cma_wire::decode_offer(&o.info).is_ok_and(|a| a.host == host)
+    cma_wire::offer_is_on(&o.info, host)
         && peer
             .regions
             .iter()

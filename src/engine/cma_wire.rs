@@ -72,6 +72,12 @@ pub(crate) fn decode_offer(info: &[u8]) -> Result<LocalAccess, String> {
     })
 }
 
+/// Whether an offer written by [`encode_offer`] names host `host` (what
+/// [`decode_offer`] would say, without a copy: it is asked per request).
+pub(crate) fn offer_is_on(info: &[u8], host: &str) -> bool {
+    info.len() > 12 && info.len() <= 12 + MAX_HOST_ID && &info[12..] == host.as_bytes()
+}
+
 /// A GPU region's key with the shm transport: where the region starts in
 /// its allocation (`offset`), then the allocation's CUDA IPC `handle`.
 pub(crate) fn encode_ipc_key(offset: u64, handle: &[u8; 64]) -> Vec<u8> {
@@ -300,6 +306,8 @@ mod tests {
         };
         assert_eq!(decode_offer(&encode_offer(&a)), Ok(a.clone()));
         let good = encode_offer(&a);
+        assert!(offer_is_on(&good, "boot-id"));
+        assert!(!offer_is_on(&good, "boot-i") && !offer_is_on(&good[..12], ""));
         assert!(decode_offer(&good[..12]).is_err());
         let mut long = good.clone();
         long.extend_from_slice(&[b'x'; MAX_HOST_ID]);

@@ -352,30 +352,6 @@ pub struct TransportHead {
     pub key: u64,
 }
 
-/// The code of `t` in a [`Frame::Transport`] header.
-fn transport_code(t: TransportKind) -> u8 {
-    match t {
-        TransportKind::Tcp => 1,
-        TransportKind::Shm => 2,
-        TransportKind::Rdma => 3,
-        TransportKind::Fabric => 4,
-        TransportKind::InProcess => 5,
-        TransportKind::Storage => 6,
-    }
-}
-
-fn transport_from_code(c: u8) -> Result<TransportKind, WireError> {
-    Ok(match c {
-        1 => TransportKind::Tcp,
-        2 => TransportKind::Shm,
-        3 => TransportKind::Rdma,
-        4 => TransportKind::Fabric,
-        5 => TransportKind::InProcess,
-        6 => TransportKind::Storage,
-        _ => return Err(WireError::BadField("transport code")),
-    })
-}
-
 /// A header that cannot be decoded.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {
@@ -601,7 +577,7 @@ impl Frame {
             }
             Frame::Transport { transport, head } => {
                 h.kind = K_TRANSPORT;
-                h.flags = transport_code(transport);
+                h.flags = transport.code();
                 h.status = head.status.into();
                 h.aux = head.aux.into();
                 h.id = head.id.into();
@@ -781,7 +757,8 @@ impl Frame {
                 }
             }
             K_TRANSPORT => Frame::Transport {
-                transport: transport_from_code(h.flags)?,
+                transport: TransportKind::from_code(h.flags)
+                    .ok_or(WireError::BadField("transport code"))?,
                 head: TransportHead {
                     status: h.status.get(),
                     aux,

@@ -92,7 +92,9 @@ echo "   (registration modes FI_MR_LOCAL, FI_MR_VIRT_ADDR, FI_MR_ALLOCATED, FI_M
 echo "   an agent refuses the provider while libfabric's registration cache is on (it would keep"
 echo "   deregistered memory open to remote writes); then the suites with the cache off."
 echo "   FI_UNIVERSE_SIZE=64: ofi_rxm sizes its verbs completion queue (tx + rx) x universe, 65536"
-echo "   by default, above rxe's max_cqe"
+echo "   by default, above rxe's max_cqe. KVXFER_TEST_IO_TIMEOUT_MS=5000: the I/O timeout of"
+echo "   frozen_target_times_out (1 s elsewhere); under TCG on a loaded host, ofi_rxm's new connection"
+echo "   to a resumed target took over 1 s without progress"
 fabric_agent_bin=$(test_bin agent --features fabric)
 fabric_cache_bin=$(test_bin cache --features fabric)
 long="write_and_read_256_mib tp_pp_matrix cancel_in_flight_from_either_side"
@@ -100,7 +102,7 @@ echo "SKIPPED on verbs;ofi_rxm in the guest: $long: minutes each over soft-RoCE 
 echo "   of the fabric transport that the rest of the suites leave out (they run on tcp;ofi_rxm and shm above)"
 skip_long=$(skips "$long")
 KVXFER_TEST_BACKEND=fabric ci/rxe-guest --timeout 1800 sh -c \
-  "export FI_UNIVERSE_SIZE=64 KVXFER_FABRIC_PROVIDER='verbs;ofi_rxm' && \
+  "export FI_UNIVERSE_SIZE=64 KVXFER_FABRIC_PROVIDER='verbs;ofi_rxm' KVXFER_TEST_IO_TIMEOUT_MS=5000 && \
    $fabric_agent_bin --color never --exact write_and_read_1_byte 2>&1 | grep -q 'FI_MR_CACHE_MAX_COUNT=0' && \
    echo 'the agent refused verbs;ofi_rxm with the registration cache on' && \
    export FI_MR_CACHE_MAX_COUNT=0 && \

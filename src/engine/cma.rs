@@ -124,11 +124,12 @@ impl Shm {
     }
 }
 
-/// `peer`'s cross-memory offer, decoded (or why it does not decode); `None`
-/// when it makes none.
-fn local_access(peer: &AgentDesc) -> Option<Result<LocalAccess, String>> {
-    let (_, o) = peer.offer(TransportKind::Shm.as_str())?;
-    Some(cma_wire::decode_offer(&o.info))
+/// `peer`'s cross-memory offer: its index (what its region keys name it
+/// by) and the offer decoded (or why it does not decode); `None` when it
+/// makes none.
+fn local_access(peer: &AgentDesc) -> Option<(u8, Result<LocalAccess, String>)> {
+    let (i, o) = peer.offer(TransportKind::Shm.as_str())?;
+    Some((i, cma_wire::decode_offer(&o.info)))
 }
 
 /// Whether `peer` is on host `host` and gives the CUDA IPC handles of its
@@ -162,8 +163,9 @@ impl Transport for Shm {
     }
 
     fn reach(&self, peer: &AgentDesc) -> Result<(), String> {
-        let a =
-            local_access(peer).ok_or("the remote agent does not offer cross-memory access")??;
+        let (_, a) =
+            local_access(peer).ok_or("the remote agent does not offer cross-memory access")?;
+        let a = a?;
         if a.host != self.host {
             return Err(format!(
                 "remote agent is on another host (host id {} vs {})",
@@ -185,7 +187,9 @@ impl Transport for Shm {
 
     fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
         // Data bypasses the socket; one stream carries the control.
-        let pid = local_access(peer).and_then(Result::ok).map_or(0, |a| a.pid);
+        let pid = local_access(peer)
+            .and_then(|(_, a)| a.ok())
+            .map_or(0, |a| a.pid);
         Ok(CmaLink::open(inner, self, peer, pid)?)
     }
 
@@ -220,14 +224,14 @@ impl Transport for Shm {
     /// without them; `None` otherwise, or when the agent does not answer
     /// with them (its GPU memory is then reached by staging over TCP).
     fn complete(&self, inner: &Inner, desc: &AgentDesc) -> Option<AgentDesc> {
-        let (i, _) = desc.offer(TransportKind::Shm.as_str())?;
+        let (i, access) = local_access(desc)?;
         let vram = || {
             desc.regions
                 .iter()
                 .filter(|r| r.mem_type == MemoryType::Vram)
         };
         let wanted = desc.instance != inner.instance
-            && local_access(desc).is_some_and(|a| a.is_ok_and(|a| a.host == self.host))
+            && access.is_ok_and(|a| a.host == self.host)
             && vram().next().is_some()
             && vram().all(|r| r.key_for(i).is_none());
         if !wanted {
@@ -377,8 +381,8 @@ struct IpcPeer {
 impl IpcPeer {
     /// The IPC regions `peer` exports to agents of host `host`.
     fn new(peer: &AgentDesc, host: &str) -> Option<Self> {
-        let a = local_access(peer)?.ok().filter(|a| a.host == host)?;
-        let (i, _) = peer.offer(TransportKind::Shm.as_str())?;
+        let (i, a) = local_access(peer)?;
+        let a = a.ok().filter(|a| a.host == host)?;
         // A key that is not an IPC key, or whose allocation would start
         // below address 0, gives no handle: requests to its region fail.
         let regions: HashMap<_, _, FastHash> = peer

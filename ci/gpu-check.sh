@@ -32,34 +32,61 @@ build)
   cargo build --locked --release -p kvxfer-bench
   cp target/release/kvxfer-bench .gpu/kvxfer-bench
   strip .gpu/gpu-tests .gpu/kvxfer-bench
+  # The benchmark links libfabric (and through it libibverbs, librdmacm,
+  # psm...), which the GPU machine's image does not have: the shared
+  # libraries beside glibc travel in .gpu/lib.
+  rm -rf .gpu/lib && mkdir -p .gpu/lib
+  ldd .gpu/kvxfer-bench .gpu/gpu-tests | awk '/=> \//{print $3}' |
+    grep -v -E '/(libc|libm|libgcc_s|libpthread|libdl|ld-linux[^/]*)\.so' | sort -u |
+    xargs -r -I{} cp -L {} .gpu/lib/
   ls -l .gpu
   ;;
 run)
   out=${OUT:-/tmp/gpu-check}
+  export LD_LIBRARY_PATH="$PWD/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   mkdir -p "$out"
   {
     echo "== date"; date -u
     echo "== nvidia-smi"; nvidia-smi
     echo "== GPUs"; nvidia-smi --query-gpu=name,driver_version,memory.total,pci.bus_id --format=csv
     echo "== RDMA devices"; ls -l /dev/infiniband 2>&1; ibv_devices 2>&1
+    echo "== libcuda"; ldconfig -p 2>&1 | grep -E 'libcuda|libibverbs|libnvidia-ml' ; ls /usr/local/nvidia/lib64 2>&1 | head -20
+    echo "== carried libraries resolve"; ldd .gpu/kvxfer-bench 2>&1 | grep -E 'not found|fabric'
     echo "== nvidia modules"; cat /proc/driver/nvidia/version 2>&1; ls /sys/module | grep -i -E 'nvidia|peermem' 2>&1
   } > "$out/probe.txt" 2>&1
   [ -x .gpu/gpu-tests ] || { echo "missing .gpu/gpu-tests: run 'ci/gpu-check.sh build' here and carry .gpu" | tee "$out/summary.txt"; exit 1; }
   timeout 150 .gpu/gpu-tests --test-threads 1 --nocapture > "$out/tests.txt" 2>&1
   rc=$?
   b=.gpu/kvxfer-bench
+  # With .gpu/kvxfer-bench-base (an earlier build, carried too), each line
+  # runs with both binaries in turn: before and after, side by side.
+  bins="$b"
+  [ -x .gpu/kvxfer-bench-base ] && bins="$b .gpu/kvxfer-bench-base"
   {
     # Side by side, one run each, in this order (the GPU issue's targets).
     for mem in dram vram; do
-      timeout 40 $b --backend tcp --memory $mem --block-size 64KiB --batch 256 --iters 200 --json
-      timeout 40 $b --backend tcp --memory $mem --block-size 1MiB --batch 64 --iters 50 --json
-      # READs (the serving frameworks' pull): the target's answers staged.
-      timeout 40 $b --backend tcp --op read --memory $mem --block-size 64KiB --batch 256 --iters 200 --json
+      for x in $bins; do
+        echo "# $x"
+        timeout 40 $x --backend tcp --memory $mem --block-size 64KiB --batch 256 --iters 200 --json
+        timeout 40 $x --backend tcp --memory $mem --block-size 1MiB --batch 64 --iters 50 --json
+        # READs (the serving frameworks' pull): the target's answers staged.
+        timeout 40 $x --backend tcp --op read --memory $mem --block-size 64KiB --batch 256 --iters 200 --json
+      done
     done
     timeout 40 $b --memcpy --memory vram --block-size 64MiB --batch 1 --iters 50
-    timeout 40 $b --backend shm --memory vram --block-size 64MiB --batch 1 --iters 50 --json
-    timeout 60 $b kv --backend shm --memory vram --model llama3-8b --ctx-tp 2 --gen-tp 1 --tokens 4096 --verify --json
-    timeout 60 $b kv --backend tcp --memory vram --model llama3-8b --ctx-tp 2 --gen-tp 1 --tokens 4096 --json
+    for x in $bins; do
+      echo "# $x"
+      timeout 40 $x --backend shm --memory vram --block-size 64MiB --batch 1 --iters 50 --json
+      # The same with four requests in flight (as perftest keeps its work
+      # requests outstanding): the control messages of one overlap the
+      # copies of others.
+      timeout 40 $x --backend shm --memory vram --block-size 64MiB --batch 1 --iters 50 --depth 4 --json
+      timeout 60 $x kv --backend shm --memory vram --model llama3-8b --ctx-tp 2 --gen-tp 1 --tokens 4096 --verify --json
+      timeout 60 $x kv --backend tcp --memory vram --model llama3-8b --ctx-tp 2 --gen-tp 1 --tokens 4096 --json
+    done
+    # The piece-copy kernel off (KVXFER_CUDA_COPY_KERNEL=0): the driver's
+    # batched copies instead.
+    KVXFER_CUDA_COPY_KERNEL=0 timeout 60 $b kv --backend shm --memory vram --model llama3-8b --ctx-tp 2 --gen-tp 1 --tokens 4096 --json
   } > "$out/bench.txt" 2>&1
   {
     echo "gpu suite exit status: $rc"

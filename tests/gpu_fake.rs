@@ -107,30 +107,68 @@ fn registration_sets_sync_memops() {
     assert_eq!(sync(g.addr()), 1);
 }
 
-/// Many small copies go to the driver as one batch (`cuMemcpyBatchAsync`,
-/// which the stand-in counts).
-#[test]
-fn small_copies_are_batched() {
+fn counter(name: &[u8]) -> u64 {
     type Count = unsafe extern "C" fn() -> u64;
-    // SAFETY: the stand-in's counter, with this signature.
-    let count: libloading::Symbol<'_, Count> =
-        unsafe { stand_in().get(b"fakecuda_batched_copies") }.unwrap();
-    let g1 = gpu::DeviceBuffer::new(0, 1 << 20).unwrap();
-    let g2 = gpu::DeviceBuffer::new(0, 1 << 20).unwrap();
-    g1.write(0, &suite::pattern(1 << 20, 3)).unwrap();
+    // SAFETY: one of the stand-in's counters, with this signature.
+    let count: libloading::Symbol<'_, Count> = unsafe { stand_in().get(name) }.unwrap();
     // SAFETY: reads a counter.
-    let before = unsafe { count() };
-    let pieces: Vec<(u64, u64, u64)> = (0..64)
-        .map(|i| (i * 16384, (63 - i) * 16384, 16384))
-        .collect();
-    g2.copy_pieces(&g1, &pieces).unwrap();
-    // SAFETY: as above.
-    assert!(unsafe { count() } >= before + 64);
-    let src = suite::device_bytes(&g1);
-    let dst = suite::device_bytes(&g2);
-    for i in 0..64usize {
-        assert!(dst[i * 16384..][..16384] == src[(63 - i) * 16384..][..16384]);
+    unsafe { count() }
+}
+
+/// Many small copies between memory of one device run as one launch of
+/// the piece-copy kernel (which the stand-in runs and counts); a piece
+/// over 64 KiB is split into table entries.
+#[test]
+fn small_device_copies_run_as_one_kernel_launch() {
+    let (launches, entries) = (
+        counter(b"fakecuda_kernel_launches"),
+        counter(b"fakecuda_kernel_entries"),
+    );
+    suite::small_pieces(0);
+    assert!(counter(b"fakecuda_kernel_launches") > launches);
+    assert!(counter(b"fakecuda_kernel_entries") >= entries + 64 + 4 + 3);
+}
+
+/// Copies between two devices' memory are not the kernel's (the other
+/// device's memory need not be reachable from its context): they go to
+/// the driver as one batch (`cuMemcpyBatchAsync`, counted by the
+/// stand-in).
+#[test]
+fn small_copies_across_devices_are_batched() {
+    let before = counter(b"fakecuda_batched_copies");
+    suite::small_pieces(1);
+    assert!(counter(b"fakecuda_batched_copies") >= before + 68);
+}
+
+/// Where the driver will not load the kernel (the stand-in with
+/// `FAKECUDA_NO_KERNEL`, as a driver too old for its PTX), small copies on
+/// one device are batched instead, the same bytes. Runs in a child process:
+/// the kernel is loaded once per process.
+#[test]
+fn without_the_kernel_small_copies_are_batched() {
+    if std::env::var_os("KVXFER_FAKE_NO_KERNEL_CHILD").is_some() {
+        let before = counter(b"fakecuda_batched_copies");
+        suite::small_pieces(0);
+        assert_eq!(counter(b"fakecuda_kernel_launches"), 0);
+        assert!(counter(b"fakecuda_batched_copies") >= before + 68);
+        return;
     }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "without_the_kernel_small_copies_are_batched",
+            "--nocapture",
+        ])
+        .env("KVXFER_FAKE_NO_KERNEL_CHILD", "1")
+        .env("FAKECUDA_NO_KERNEL", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "child failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// GPUDirect RDMA registration where the NIC cannot reach the stand-in's
@@ -646,4 +684,85 @@ fn layers_ready_after_their_cuda_event() {
     assert!(rh.wait(wait).is_err());
     drop(receiver);
     drop(sender);
+}
+
+/// Small pieces are packed into the staging buffers. With two buffers of
+/// 1 MiB, the copies of 32 pieces of 16 KiB are queued together, on the
+/// side that receives into GPU memory and on the side that sends from it,
+/// while that memory's copies are held (one buffer per piece would queue
+/// two copies and wait for the first); then the data lands exact.
+#[test]
+fn small_staged_pieces_share_a_buffer() {
+    ready("small_staged_pieces_share_a_buffer");
+    const N: u64 = 32;
+    const P: u64 = 16 << 10;
+    let make = |name: &str| {
+        kvxfer::make_transfer_agent(
+            kvxfer::Backend::Tcp,
+            kvxfer::AgentConfig::new(name)
+                .with_streams_per_peer(1)
+                .with_gpu_staging(1 << 20, 2),
+        )
+        .unwrap()
+    };
+    // The memory first: the agents are dropped before it, also when a
+    // check fails.
+    let src = suite::pattern((N * P) as usize, 9);
+    let dst = vec![0u8; (N * P) as usize];
+    let ga = gpu::DeviceBuffer::new(0, 2 * N * P).unwrap();
+    let gb = gpu::DeviceBuffer::new(0, 2 * N * P).unwrap();
+    let (a, b) = (make("pack-a"), make("pack-b"));
+    suite::register_dram(a.as_ref(), &src);
+    suite::register_dram(b.as_ref(), &dst);
+    suite::register_vram(a.as_ref(), &ga).unwrap();
+    suite::register_vram(b.as_ref(), &gb).unwrap();
+    a.load_remote_agent(&b.local_agent_desc()).unwrap();
+    let host = |buf: &[u8]| {
+        let l = (0..N)
+            .map(|i| kvxfer::MemoryDesc::new(buf.as_ptr() as u64 + i * P, P, 0))
+            .collect();
+        kvxfer::MemoryDescs::new(kvxfer::MemoryType::Dram, l)
+    };
+    // The i-th piece at (N - 1 - i) * 2 * P: none adjacent.
+    let vram = |g: &gpu::DeviceBuffer| {
+        let l = (0..N)
+            .map(|i| kvxfer::MemoryDesc::new(g.addr() + (N - 1 - i) * 2 * P, P, 0))
+            .collect();
+        kvxfer::MemoryDescs::new(kvxfer::MemoryType::Vram, l)
+    };
+    let placed = |g: &gpu::DeviceBuffer| {
+        let on = suite::device_bytes(g);
+        (0..N as usize).all(|i| {
+            let at = (N as usize - 1 - i) * 2 * P as usize;
+            on[at..][..P as usize] == src[i * P as usize..][..P as usize]
+        })
+    };
+    let queued_while_held = |g: &gpu::DeviceBuffer, req: kvxfer::TransferRequest| {
+        let held = hold(g.addr());
+        let before = copies_with(g.addr());
+        let st = a.submit_transfer(&req).unwrap();
+        until("the small pieces' copies queued while held", || {
+            copies_with(g.addr()) >= before + 8
+        });
+        assert_eq!(st.poll().unwrap(), kvxfer::TransferState::InProgress);
+        drop(held);
+        st.wait(std::time::Duration::from_secs(60)).unwrap();
+    };
+    // The target receives into GPU memory.
+    queued_while_held(
+        &gb,
+        kvxfer::TransferRequest::write(host(&src), vram(&gb), "pack-b"),
+    );
+    assert!(placed(&gb), "host → a peer's VRAM");
+    // The initiator sends from GPU memory.
+    for i in 0..N {
+        let at = (N - 1 - i) * 2 * P;
+        ga.write(at, &src[(i * P) as usize..][..P as usize])
+            .unwrap();
+    }
+    queued_while_held(
+        &ga,
+        kvxfer::TransferRequest::write(vram(&ga), host(&dst), "pack-b"),
+    );
+    assert!(dst == src, "VRAM → a peer's host memory");
 }

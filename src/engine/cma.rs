@@ -437,6 +437,10 @@ struct GpuJob {
     keys: Vec<u64>,
     /// The device whose context copies (the local GPU memory's, else 0).
     device: u32,
+    /// Whether the local memory is GPU memory too (both ends then device
+    /// memory reachable from `device`'s context: small pieces may go
+    /// through one kernel launch).
+    local_vram: bool,
 }
 
 /// A cross-memory request for the first stream's sender thread: grants,
@@ -591,6 +595,7 @@ impl CmaLink {
                 } else {
                     0
                 },
+                local_vram: req.local.mem_type == MemoryType::Vram,
             }),
             delegate: req.remote.mem_type != MemoryType::Vram && should_delegate(req),
             sync,
@@ -708,7 +713,7 @@ impl CmaLink {
         // granted (held until the commit that follows this copy), mapped
         // into this process by the allocation's IPC handle (kept open
         // while the link lives).
-        unsafe { crate::gpu::copy_many(&abs, g.device) }?;
+        unsafe { crate::gpu::copy_many(&abs, g.device, g.local_vram) }?;
         Ok(())
     }
 

@@ -179,10 +179,15 @@ impl LocalLink {
                 })
                 .collect();
             let device = g.descs.first().map_or(0, |d| d.device_id);
+            // Both ends GPU memory of that one device: its kernels reach
+            // every range.
+            let all_device = [&req.local, &req.remote].iter().all(|d| {
+                d.mem_type == MemoryType::Vram && d.descs.iter().all(|x| x.device_id == device)
+            });
             // SAFETY: as above; a GPU range was checked to be device memory
             // when registered, and the copies are waited for before this
             // returns.
-            unsafe { crate::gpu::copy_many(&pieces, device) }?;
+            unsafe { crate::gpu::copy_many(&pieces, device, all_device) }?;
         } else {
             for (l, r) in pairs {
                 let (from, to) = ends(l, r);

@@ -24,10 +24,42 @@ pub(crate) struct Cuda {
     /// Whether `cuMemcpyBatchAsync` is there (driver 12.8 or later) and has
     /// not failed: many small copies are then issued in one call.
     batch: std::sync::atomic::AtomicBool,
+    /// Whether many small copies between device memory run as one launch
+    /// of the piece-copy kernel (`kernels/copy_pieces.cu`): on unless
+    /// `KVXFER_CUDA_COPY_KERNEL=0`, off once loading or launching it
+    /// failed.
+    kernel: std::sync::atomic::AtomicBool,
     /// Per device ordinal: its primary context (as an address), retained on
     /// first use.
     contexts: Vec<OnceLock<Result<usize, GpuError>>>,
+    /// Per device ordinal: the piece-copy kernel loaded into its primary
+    /// context (the function's address), on first use; `None`: it did not
+    /// load there.
+    kernels: Vec<OnceLock<Option<usize>>>,
 }
+
+/// The piece-copy kernel's PTX (generated from `kernels/copy_pieces.cu` by
+/// `ci/gen-copy-ptx.py`), compiled by the driver for the GPU on first use.
+const COPY_PTX: &str = concat!(include_str!("kernels/copy_pieces.ptx"), "\0");
+
+/// The kernel's entry point in [`COPY_PTX`].
+const COPY_ENTRY: &CStr = c"kvxfer_copy_pieces";
+
+/// Longest table entry of the piece-copy kernel: longer pieces are split,
+/// so that one thread block's share stays small and a launch spreads over
+/// the GPU's multiprocessors.
+const KERNEL_ENTRY_MAX: u64 = 64 << 10;
+
+/// Fewest pieces that go through the kernel rather than one
+/// `cuMemcpyAsync` each.
+const KERNEL_MIN: usize = 4;
+
+/// Threads per block of the piece-copy kernel.
+const KERNEL_THREADS: u32 = 256;
+
+/// Most thread blocks of one launch (each walks the table in steps of the
+/// grid's size).
+const KERNEL_BLOCKS_MAX: usize = 1 << 16;
 
 static CUDA: OnceLock<Result<Cuda, GpuError>> = OnceLock::new();
 
@@ -71,10 +103,13 @@ fn load() -> Result<Cuda, GpuError> {
         batch_copies = batch,
         "CUDA driver loaded"
     );
+    let kernel = std::env::var("KVXFER_CUDA_COPY_KERNEL").map_or(true, |v| v != "0");
     Ok(Cuda {
         batch: std::sync::atomic::AtomicBool::new(batch),
+        kernel: std::sync::atomic::AtomicBool::new(kernel),
         version,
         contexts: (0..count.max(0)).map(|_| OnceLock::new()).collect(),
+        kernels: (0..count.max(0)).map(|_| OnceLock::new()).collect(),
     })
 }
 
@@ -112,10 +147,20 @@ pub(super) fn new_stream() -> Result<cu::CUstream, GpuError> {
     Ok(raw)
 }
 
-/// A stream of the calling thread on one device.
+/// A stream of the calling thread on one device, with the piece-copy
+/// kernel's table: entries written to pinned host memory, copied to device
+/// memory on the stream, read there by the kernel.
 struct Stream {
     device: u32,
     raw: cu::CUstream,
+    table: Option<Table>,
+}
+
+/// The kernel's table buffers of one [`Stream`], for `cap` entries.
+struct Table {
+    host: *mut u64,
+    dev: cu::CUdeviceptr,
+    cap: usize,
 }
 
 impl Drop for Stream {
@@ -123,6 +168,22 @@ impl Drop for Stream {
         // SAFETY: created by cuStreamCreate, destroyed once; work on it was
         // waited for by the call that issued it.
         let _ = unsafe { cu::cuStreamDestroy_v2(self.raw) };
+        if let Some(t) = self.table.take() {
+            free_table(self.device, t);
+        }
+    }
+}
+
+/// Frees a table's buffers (no copy or launch uses them any more: each was
+/// waited for by the call that issued it).
+fn free_table(device: u32, t: Table) {
+    if let Ok(cuda) = driver() {
+        let _ = cuda.bind(device);
+        // SAFETY: allocated by `Cuda::table`, freed once, no longer used.
+        unsafe {
+            let _ = cu::cuMemFreeHost(t.host.cast());
+            let _ = cu::cuMemFree_v2(t.dev);
+        }
     }
 }
 
@@ -242,11 +303,14 @@ impl Cuda {
         device: u32,
     ) -> Result<(), GpuError> {
         // SAFETY: forwarded contract.
-        unsafe { self.copy_many(&[(dst, src, len)], device) }
+        unsafe { self.copy_many(&[(dst, src, len)], device, false) }
     }
 
     /// Copies each `(dst, src, len)` with `device`'s context, all issued on
-    /// the thread's stream, then waits once for all of them.
+    /// the thread's stream, then waits once for all of them. With
+    /// `all_device` (every range is device memory that `device`'s kernels
+    /// can reach: its own, or mapped into its context), many pieces go
+    /// through one launch of the piece-copy kernel.
     ///
     /// # Safety
     /// Every range valid for its length for the whole call.
@@ -254,6 +318,7 @@ impl Cuda {
         &self,
         pieces: &[(u64, u64, u64)],
         device: u32,
+        all_device: bool,
     ) -> Result<(), GpuError> {
         if pieces.iter().all(|p| p.2 == 0) {
             return Ok(());
@@ -261,15 +326,44 @@ impl Cuda {
         self.bind(device)?;
         STREAMS.with(|s| {
             let mut streams = s.borrow_mut();
-            let stream = match streams.iter().position(|s| s.device == device) {
-                Some(i) => streams[i].raw,
+            let at = match streams.iter().position(|s| s.device == device) {
+                Some(i) => i,
                 None => {
                     let raw = new_stream()?;
-                    streams.push(Stream { device, raw });
-                    raw
+                    streams.push(Stream {
+                        device,
+                        raw,
+                        table: None,
+                    });
+                    streams.len() - 1
                 }
             };
+            let stream = streams[at].raw;
             let live: Vec<(u64, u64, u64)> = pieces.iter().copied().filter(|p| p.2 > 0).collect();
+            if all_device
+                && live.len() >= KERNEL_MIN
+                && self.kernel.load(std::sync::atomic::Ordering::Relaxed)
+                && let Some(f) = self.copy_kernel(device)
+            {
+                // SAFETY: every range is reachable device memory, valid for
+                // the call (the caller's contract); the launch is waited for
+                // below before the table or the ranges are let go.
+                let launched = unsafe { self.launch_copies(&mut streams[at], f, &live) };
+                // SAFETY: a stream of this thread.
+                let synced = check("cuStreamSynchronize", unsafe {
+                    cu::cuStreamSynchronize(stream)
+                });
+                match launched {
+                    Ok(()) => return synced,
+                    Err(e) => {
+                        // Nothing was launched (a launch that was accepted
+                        // does not fail here): copy the same bytes below.
+                        tracing::warn!(error = %e, "piece-copy kernel failed to launch; copying piece by piece from now on");
+                        self.kernel.store(false, std::sync::atomic::Ordering::Relaxed);
+                        synced?;
+                    }
+                }
+            }
             if live.len() >= BATCH_MIN && self.batch.load(std::sync::atomic::Ordering::Relaxed) {
                 // SAFETY: as for the single copies below.
                 match unsafe { batch_copy(&live, stream) } {
@@ -307,6 +401,136 @@ impl Cuda {
             });
             issued.and(synced)
         })
+    }
+
+    /// The piece-copy kernel in `device`'s context (the context is
+    /// current), loaded on first use; `None` when the driver would not load
+    /// it (logged once).
+    fn copy_kernel(&self, device: u32) -> Option<cu::CUfunction> {
+        let f = (*self.kernels.get(device as usize)?.get_or_init(|| {
+            let mut module: cu::CUmodule = std::ptr::null_mut();
+            // SAFETY: a NUL-terminated PTX image; the module stays loaded
+            // for the life of the process (never unloaded).
+            let loaded = check("cuModuleLoadData", unsafe {
+                cu::cuModuleLoadData(&mut module, COPY_PTX.as_ptr().cast())
+            });
+            let mut f: cu::CUfunction = std::ptr::null_mut();
+            let found = loaded.and_then(|()| {
+                // SAFETY: writes one function handle of the loaded module.
+                check("cuModuleGetFunction", unsafe {
+                    cu::cuModuleGetFunction(&mut f, module, COPY_ENTRY.as_ptr())
+                })
+            });
+            match found {
+                Ok(()) => Some(f as usize),
+                Err(e) => {
+                    tracing::warn!(device, error = %e, "the piece-copy kernel did not load; small copies go one by one");
+                    None
+                }
+            }
+        }))?;
+        Some(f as cu::CUfunction)
+    }
+
+    /// Writes `pieces` (split into entries of at most
+    /// [`KERNEL_ENTRY_MAX`] bytes) into `s`'s table, copies it to the
+    /// device and launches the kernel on `s`'s stream. Not waited for.
+    ///
+    /// # Safety
+    /// Every range is device memory reachable from the current context,
+    /// valid until the stream is synchronised; `s`'s earlier work has
+    /// completed (its table may be rewritten).
+    unsafe fn launch_copies(
+        &self,
+        s: &mut Stream,
+        f: cu::CUfunction,
+        pieces: &[(u64, u64, u64)],
+    ) -> Result<(), GpuError> {
+        let entries: usize = pieces
+            .iter()
+            .map(|p| p.2.div_ceil(KERNEL_ENTRY_MAX) as usize)
+            .sum();
+        let n = u32::try_from(entries).map_err(|_| GpuError::Driver {
+            call: "cuLaunchKernel",
+            code: cu::CUresult::CUDA_ERROR_INVALID_VALUE as u32,
+            name: format!("{entries} copies in one launch"),
+        })?;
+        let table = self.table(s, entries)?;
+        // SAFETY: the table's host buffer holds `cap >= entries` entries of
+        // three u64 each, and no copy reads it (earlier work completed).
+        let host = unsafe { std::slice::from_raw_parts_mut(table.host, entries * 3) };
+        let mut k = 0;
+        for &(dst, src, len) in pieces {
+            let mut off = 0;
+            while off < len {
+                let l = (len - off).min(KERNEL_ENTRY_MAX);
+                host[k..k + 3].copy_from_slice(&[dst + off, src + off, l]);
+                k += 3;
+                off += l;
+            }
+        }
+        let dev = table.dev;
+        // SAFETY: both buffers hold `entries * 24` bytes; the stream orders
+        // the copy before the launch that reads it.
+        check("cuMemcpyAsync", unsafe {
+            cu::cuMemcpyAsync(dev, table.host as u64, entries * 24, s.raw)
+        })?;
+        let blocks = entries.min(KERNEL_BLOCKS_MAX) as u32;
+        let (mut arg_table, mut arg_n) = (dev, n);
+        let mut args = [
+            (&mut arg_table as *mut u64).cast::<c_void>(),
+            (&mut arg_n as *mut u32).cast::<c_void>(),
+        ];
+        // SAFETY: the kernel takes (const Piece *table, unsigned n), given
+        // by pointers that live for the call; the table holds `n` entries
+        // of reachable ranges (the caller's contract).
+        check("cuLaunchKernel", unsafe {
+            cu::cuLaunchKernel(
+                f,
+                blocks,
+                1,
+                1,
+                KERNEL_THREADS,
+                1,
+                1,
+                0,
+                s.raw,
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+
+    /// `s`'s table, grown to hold at least `entries` entries.
+    fn table<'s>(&self, s: &'s mut Stream, entries: usize) -> Result<&'s Table, GpuError> {
+        if s.table.as_ref().is_some_and(|t| t.cap >= entries) {
+            return Ok(s.table.as_ref().expect("checked above"));
+        }
+        if let Some(t) = s.table.take() {
+            free_table(s.device, t);
+            self.bind(s.device)?;
+        }
+        let cap = entries.next_power_of_two().max(1024);
+        let mut host: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one pointer to `cap * 24` bytes of pinned memory.
+        check("cuMemHostAlloc", unsafe {
+            cu::cuMemHostAlloc(&mut host, cap * 24, 0)
+        })?;
+        let mut dev: cu::CUdeviceptr = 0;
+        // SAFETY: writes one device pointer.
+        let r = check("cuMemAlloc", unsafe {
+            cu::cuMemAlloc_v2(&mut dev, cap * 24)
+        });
+        if let Err(e) = r {
+            // SAFETY: allocated just above, not used.
+            unsafe { cu::cuMemFreeHost(host) };
+            return Err(e);
+        }
+        Ok(s.table.insert(Table {
+            host: host.cast(),
+            dev,
+            cap,
+        }))
     }
 
     /// A device attribute of `device`.
@@ -561,7 +785,7 @@ impl DeviceBuffer {
         }
         // SAFETY: every piece lies inside one of the two live allocations
         // (checked above).
-        unsafe { driver()?.copy_many(&abs, self.device) }
+        unsafe { driver()?.copy_many(&abs, self.device, src.device == self.device) }
     }
 
     fn range(&self, at: u64, len: u64) -> Result<u64, GpuError> {

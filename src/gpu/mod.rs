@@ -290,15 +290,22 @@ pub(crate) fn admit_registration(
 }
 
 /// Copies each `(dst, src, len)` (host or device memory, either way) with
-/// `device`'s context, issued together, and waits for all.
+/// `device`'s context, issued together, and waits for all. `all_device`:
+/// every range is device memory reachable from `device`'s context (its
+/// own, or mapped into it), so that many small pieces may go through one
+/// kernel launch.
 ///
 /// # Safety
 /// Every range valid for its length for the whole call.
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
-pub(crate) unsafe fn copy_many(pieces: &[(u64, u64, u64)], device: u32) -> Result<(), GpuError> {
+pub(crate) unsafe fn copy_many(
+    pieces: &[(u64, u64, u64)],
+    device: u32,
+    all_device: bool,
+) -> Result<(), GpuError> {
     // SAFETY: forwarded contract.
-    unsafe { driver()?.copy_many(pieces, device) }
+    unsafe { driver()?.copy_many(pieces, device, all_device) }
 }
 
 /// Without the `cuda` feature there is no device memory to copy.
@@ -307,7 +314,11 @@ pub(crate) unsafe fn copy_many(pieces: &[(u64, u64, u64)], device: u32) -> Resul
 /// None needed: it only fails.
 #[cfg(not(feature = "cuda"))]
 #[allow(unsafe_code)]
-pub(crate) unsafe fn copy_many(_pieces: &[(u64, u64, u64)], _device: u32) -> Result<(), GpuError> {
+pub(crate) unsafe fn copy_many(
+    _pieces: &[(u64, u64, u64)],
+    _device: u32,
+    _all_device: bool,
+) -> Result<(), GpuError> {
     Err(GpuError::NoDriver(
         "kvxfer was built without the `cuda` feature".into(),
     ))

@@ -2,9 +2,13 @@
 //! where a path cannot reach it (TCP, storage). One ring per thread and
 //! device, made on first use: a non-blocking stream, `slots` page-aligned
 //! pinned buffers of `chunk` bytes, and an event per buffer; the copy of
-//! the next chunk runs while the current one is written or read.
+//! the next chunk runs while the current one is written or read. Small
+//! pieces are packed: a buffer takes as many as fit, each its own copy
+//! into its own part of it, so that a buffer's worth of copies is in flight
+//! however small the pieces.
 
 use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -13,27 +17,35 @@ use cudarc::driver::sys as cu;
 use super::GpuError;
 use super::cuda::{Cuda, check, driver, new_stream};
 
-/// One pinned host buffer of a [`Staging`] ring and the event recorded
-/// after the last copy that used it.
+/// One pinned host buffer of a [`Staging`] ring and the event that marks
+/// its copies.
 struct Slot {
     host: *mut u8,
     event: cu::CUevent,
-    /// Whether a copy using it was issued and not yet waited for.
+    /// Whether copies using it were issued and not yet waited for.
     busy: bool,
-    /// The ring's number of that copy (see [`Staging::issued`]).
+    /// The ring's number of the last copy issued into or from it (see
+    /// [`Staging::issued`]).
     seq: u64,
+    /// Whether the event was recorded after that copy (it is recorded
+    /// when first waited for or asked after, not after every copy).
+    recorded: bool,
+    /// Bytes of the buffer taken since it was last waited for and reused.
+    fill: usize,
 }
 
 /// A pipelined staging ring of one thread for one device: pinned host
 /// buffers (`cuMemHostAlloc`), a non-blocking stream and one event per
-/// buffer. Moving device memory through a socket, the copy of chunk
-/// `k + 1` runs while chunk `k` is on the wire.
+/// buffer. Moving device memory through a socket, the copies of the next
+/// buffer run while the current one is on the wire.
 ///
-/// Copies are numbered in issue order and take the buffers round-robin
-/// (copy `q` uses slot `q % slots`), each buffer waited for before it is
-/// used again; they run in order on the one stream, so a copy known done
-/// means every earlier one is. A received segment's copies may be left in
-/// flight ([`recv_deferred`](Self::recv_deferred)) and asked after later
+/// Copies are numbered in issue order. Pieces take the buffers in turn,
+/// each buffer filled from its start until the next piece does not fit
+/// (a piece longer than what is left is cut there), then the next; a
+/// buffer is waited for (all its copies) before it is filled again. The
+/// copies run in order on the one stream, so a copy known done means
+/// every earlier one is. A received segment's copies may be left in flight
+/// ([`recv_deferred`](Self::recv_deferred)) and asked after later
 /// ([`landed`](Self::landed)).
 pub(crate) struct Staging {
     /// Tells this ring from one made after it (a [`Ticket`] names both).
@@ -42,6 +54,8 @@ pub(crate) struct Staging {
     shape: super::StagingShape,
     stream: cu::CUstream,
     slots: Vec<Slot>,
+    /// The buffer being filled.
+    cur: usize,
     /// Copies issued so far.
     issued: u64,
     /// Every copy numbered below this one has completed.
@@ -53,14 +67,19 @@ pub(crate) struct Staging {
 }
 
 /// Where a deferred receive's last copy stands in its ring: the ring (by
-/// device and id) and the copy's number.
+/// device and id), the copy's number and its buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Ticket {
     device: u32,
     ring: u64,
     /// Copies numbered below it are the segment's and those before.
     end: u64,
+    /// The buffer of the segment's last copy.
+    slot: usize,
 }
+
+/// The alignment of every part of a buffer that a chunk takes.
+const PAGE: usize = 4096;
 
 static RING_IDS: AtomicU64 = AtomicU64::new(0);
 
@@ -75,6 +94,7 @@ impl Staging {
             shape,
             stream,
             slots: Vec::with_capacity(shape.slots),
+            cur: 0,
             issued: 0,
             done: 0,
             fault: None,
@@ -103,50 +123,105 @@ impl Staging {
                 event,
                 busy: false,
                 seq: 0,
+                recorded: false,
+                fill: 0,
             });
         }
         Ok(s)
     }
 
-    /// The slot the next copy takes, waited for (its last copy done).
-    fn next_slot(&mut self) -> Result<usize, GpuError> {
-        let slot = (self.issued % self.slots.len() as u64) as usize;
-        self.wait(slot)?;
-        Ok(slot)
+    /// Room for up to `len` bytes (at most a buffer's, not 0): the rest of
+    /// the buffer being filled (perhaps less than `len`: the caller cuts
+    /// its chunk there), or, once that is full, the start of the next
+    /// buffer, waited for first (all its copies done). `reusable`
+    /// says whether a buffer may be taken again (the sender's buffers are
+    /// not while a chunk in them is unsent); `None` when the next one may
+    /// not.
+    fn take(
+        &mut self,
+        len: usize,
+        reusable: &dyn Fn(usize) -> bool,
+    ) -> Result<Option<(usize, usize)>, GpuError> {
+        debug_assert!(len > 0 && len <= self.shape.chunk);
+        let cur = &self.slots[self.cur];
+        if cur.fill > 0 && cur.fill < self.shape.chunk {
+            return Ok(Some((self.cur, cur.fill)));
+        }
+        let next = if cur.fill == 0 {
+            self.cur
+        } else {
+            (self.cur + 1) % self.slots.len()
+        };
+        if !reusable(next) {
+            return Ok(None);
+        }
+        self.wait(next)?;
+        self.cur = next;
+        self.slots[next].fill = 0;
+        Ok(Some((next, 0)))
     }
 
-    /// Issues the copy of `len` bytes `src → dst` on the ring's stream and
-    /// records `slot`'s event after it; `slot` is [`next_slot`]'s answer.
+    /// Issues the copy of `len` bytes `src → dst` on the ring's stream
+    /// into or from `slot`'s buffer at `off` (an answer of [`take`]), and
+    /// takes those bytes of it.
     ///
-    /// [`next_slot`]: Self::next_slot
-    fn issue(&mut self, slot: usize, dst: u64, src: u64, len: usize) -> Result<(), GpuError> {
-        debug_assert!(!self.slots[slot].busy);
-        debug_assert_eq!(slot as u64, self.issued % self.slots.len() as u64);
-        // SAFETY: the caller (send/recv) passes a slot's pinned buffer and a
-        // device range it holds; the copy is waited for (`wait`) before the
-        // buffer is reused, and before the range is let go.
+    /// [`take`]: Self::take
+    fn issue(
+        &mut self,
+        slot: usize,
+        off: usize,
+        dst: u64,
+        src: u64,
+        len: usize,
+    ) -> Result<(), GpuError> {
+        debug_assert_eq!(slot, self.cur);
+        debug_assert_eq!(off, self.slots[slot].fill);
+        // SAFETY: the caller (send/recv) passes its part of a slot's pinned
+        // buffer and a device range it holds; the copy is waited for
+        // (`wait`) before the buffer is reused, and before the range is let
+        // go.
         check("cuMemcpyAsync", unsafe {
             cu::cuMemcpyAsync(dst, src, len, self.stream)
         })?;
-        // SAFETY: an event and stream of this ring.
-        let recorded = check("cuEventRecord", unsafe {
-            cu::cuEventRecord(self.slots[slot].event, self.stream)
-        });
-        if let Err(e) = recorded {
-            // No event marks the copy: wait for it here, since the caller
-            // lets the buffer and the range go on failure.
-            // SAFETY: this ring's stream.
-            unsafe { cu::cuStreamSynchronize(self.stream) };
-            return Err(e);
-        }
         let s = &mut self.slots[slot];
         s.busy = true;
+        s.recorded = false;
         s.seq = self.issued;
+        // The next part starts page-aligned, as each buffer does: direct
+        // I/O (storage) reads and writes whole pages at aligned addresses.
+        s.fill = (off + len).next_multiple_of(PAGE).min(self.shape.chunk);
         self.issued += 1;
         Ok(())
     }
 
-    /// Records the outcome of a wait for `slot`'s copy.
+    /// Records `slot`'s event after its last copy, unless it already is.
+    fn record(&mut self, slot: usize) -> Result<(), GpuError> {
+        let s = &mut self.slots[slot];
+        if !s.busy || s.recorded {
+            return Ok(());
+        }
+        // SAFETY: an event and stream of this ring.
+        let r = check("cuEventRecord", unsafe {
+            cu::cuEventRecord(s.event, self.stream)
+        });
+        match r {
+            Ok(()) => {
+                s.recorded = true;
+                Ok(())
+            }
+            Err(e) => {
+                // No event marks the copies: wait for them here, since the
+                // caller lets the buffer and the ranges go on failure.
+                // SAFETY: this ring's stream.
+                let synced = check("cuStreamSynchronize", unsafe {
+                    cu::cuStreamSynchronize(self.stream)
+                });
+                self.waited(slot, synced.and(Err(e)))
+            }
+        }
+    }
+
+    /// Records the outcome of a wait for `slot`'s copies.
     fn waited(&mut self, slot: usize, r: Result<(), GpuError>) -> Result<(), GpuError> {
         let s = &mut self.slots[slot];
         s.busy = false;
@@ -159,8 +234,8 @@ impl Staging {
         }
     }
 
-    /// Waits for the last copy that used `slot`; a ring that saw a copy
-    /// fail answers with that failure.
+    /// Waits for the copies that used `slot`; a ring that saw a copy fail
+    /// answers with that failure.
     fn wait(&mut self, slot: usize) -> Result<(), GpuError> {
         if let Some(e) = &self.fault {
             return Err(e.clone());
@@ -168,12 +243,16 @@ impl Staging {
         self.sync(slot)
     }
 
-    /// Waits for the last copy that used `slot`, if any is outstanding.
+    /// Waits for the copies that used `slot`, if any is outstanding.
     fn sync(&mut self, slot: usize) -> Result<(), GpuError> {
         if !self.slots[slot].busy {
             return Ok(());
         }
-        // SAFETY: an event of this ring, recorded.
+        self.record(slot)?;
+        if !self.slots[slot].busy {
+            return Ok(());
+        }
+        // SAFETY: an event of this ring, recorded after the slot's copies.
         let r = check("cuEventSynchronize", unsafe {
             cu::cuEventSynchronize(self.slots[slot].event)
         });
@@ -207,16 +286,20 @@ impl Staging {
         if let Some(e) = &self.fault {
             return Err(e.clone());
         }
-        // Its last copy is not done, so that copy's slot has not been
-        // taken again (a slot is waited for first): it still holds it.
-        let last = ticket.end - 1;
-        let slot = (last % self.slots.len() as u64) as usize;
-        debug_assert!(self.slots[slot].busy && self.slots[slot].seq == last);
+        // Its last copy is not done, so that copy's buffer has not been
+        // taken again (a buffer is waited for first): it still holds it,
+        // perhaps with later copies (then waited for too).
+        let slot = ticket.slot;
+        debug_assert!(self.slots[slot].busy && self.slots[slot].seq + 1 >= ticket.end);
         if block {
             self.wait(slot)?;
             return Ok(true);
         }
-        // SAFETY: an event of this ring, recorded.
+        self.record(slot)?;
+        if !self.slots[slot].busy {
+            return Ok(true);
+        }
+        // SAFETY: an event of this ring, recorded after the slot's copies.
         let r = unsafe { cu::cuEventQuery(self.slots[slot].event) };
         if r == cu::CUresult::CUDA_ERROR_NOT_READY {
             return Ok(false);
@@ -226,13 +309,14 @@ impl Staging {
     }
 
     /// Sends device memory pieces `(address, length)` through `write`, in
-    /// order, chunk by chunk through the pinned buffers: the copies run
-    /// ahead across pieces (chunk `k + slots - 1` may belong to a later
-    /// piece), so many small pieces overlap their copies with the sends as
-    /// one large one does. `write(i, bytes)` gets each chunk of piece `i`.
-    /// `stop` is asked before each piece's first chunk: once it says so, no
-    /// more pieces are sent. Returns the pieces sent (all of them unless
-    /// stopped); every copy issued has completed by then.
+    /// order, through the pinned buffers: the copies run ahead across
+    /// pieces, packed into the buffers (a buffer holds many small pieces,
+    /// or a part of a large one), so many small pieces overlap their copies
+    /// with the sends as one large one does. `write(i, bytes)` gets each
+    /// chunk of piece `i`. `stop` is asked before each piece's first chunk:
+    /// once it says so, no more pieces are sent. Returns the pieces sent
+    /// (all of them unless stopped); every copy issued has completed by
+    /// then.
     ///
     /// # Safety
     /// Each piece is device memory of this ring's device, not empty,
@@ -245,45 +329,44 @@ impl Staging {
     ) -> Result<usize, super::StageError> {
         driver()?.bind(self.device)?;
         let chunk = self.shape.chunk as u64;
-        let n = self.slots.len() as u64;
-        // A position: (piece, offset in it); the chunk there, and the next.
-        let piece = |(i, off): (usize, u64)| (pieces[i].1 - off).min(chunk);
-        let next = |(i, off): (usize, u64)| {
-            let end = off + piece((i, off));
-            if end >= pieces[i].1 {
-                (i + 1, 0)
-            } else {
-                (i, end)
-            }
-        };
-        let (mut issue, mut send) = ((0usize, 0u64), (0usize, 0u64));
-        let base = self.issued;
-        let (mut issued, mut sent, mut bytes) = (0u64, 0u64, 0u64);
+        // Chunks issued and not yet sent, oldest first: (buffer, offset in
+        // it, piece, offset in the piece, length).
+        let mut queue: VecDeque<(usize, usize, usize, u64, usize)> = VecDeque::new();
+        let mut issue = (0usize, 0u64);
+        let (mut sent, mut bytes) = (0u64, 0u64);
         let r = (|| -> Result<usize, super::StageError> {
-            while send.0 < pieces.len() {
-                if send.1 == 0 && stop() {
-                    return Ok(send.0);
+            loop {
+                while issue.0 < pieces.len() {
+                    let (addr, len) = pieces[issue.0];
+                    let want = (len - issue.1).min(chunk) as usize;
+                    let unsent = |slot: usize| queue.iter().all(|q| q.0 != slot);
+                    let Some((slot, off)) = self.take(want, &unsent)? else {
+                        break;
+                    };
+                    let n = want.min(self.shape.chunk - off);
+                    let host = self.slots[slot].host as u64 + off as u64;
+                    self.issue(slot, off, host, addr + issue.1, n)?;
+                    queue.push_back((slot, off, issue.0, issue.1, n));
+                    issue.1 += n as u64;
+                    if issue.1 >= len {
+                        issue = (issue.0 + 1, 0);
+                    }
                 }
-                while issue.0 < pieces.len() && issued - sent < n {
-                    let slot = self.next_slot()?;
-                    let host = self.slots[slot].host as u64;
-                    let len = piece(issue) as usize;
-                    self.issue(slot, host, pieces[issue.0].0 + issue.1, len)?;
-                    issue = next(issue);
-                    issued += 1;
+                let Some(&(slot, off, i, at, n)) = queue.front() else {
+                    return Ok(pieces.len());
+                };
+                if at == 0 && stop() {
+                    return Ok(i);
                 }
-                let slot = ((base + sent) % n) as usize;
                 self.wait(slot)?;
-                let len = piece(send) as usize;
-                // SAFETY: the slot's copy has completed (waited above); its
-                // buffer holds `len` initialised bytes.
-                let b = unsafe { std::slice::from_raw_parts(self.slots[slot].host, len) };
-                write(send.0, b).map_err(super::StageError::Io)?;
-                send = next(send);
+                // SAFETY: the slot's copies have completed (waited above);
+                // these `n` bytes of its buffer were written by one of them.
+                let b = unsafe { std::slice::from_raw_parts(self.slots[slot].host.add(off), n) };
+                write(i, b).map_err(super::StageError::Io)?;
+                queue.pop_front();
                 sent += 1;
-                bytes += len as u64;
+                bytes += n as u64;
             }
-            Ok(pieces.len())
         })();
         let drained = self.drain();
         let done = r?;
@@ -293,15 +376,17 @@ impl Staging {
     }
 
     /// Receives `len` bytes through `read` into device memory at `dst`,
-    /// chunk by chunk through the pinned buffers (the copy of chunk `k`
-    /// runs while chunk `k + 1` is read), and returns once the last chunk's
-    /// copy is issued: the ticket tells when they have all landed
+    /// chunk by chunk through the pinned buffers (packed: a small segment
+    /// takes the next part of the buffer being filled), each chunk's copy
+    /// issued once it is read, and returns once the last chunk's copy is
+    /// issued: the ticket tells when they have all landed
     /// ([`landed`](Self::landed)). Chunks of later receives are read while
     /// these copies run.
     ///
     /// # Safety
     /// `[dst, dst + len)` is device memory of this ring's device, allocated
-    /// and writable until the ticket is known landed (or the ring drained).
+    /// and writable until the ticket is known landed (or the ring drained);
+    /// `len > 0`.
     pub(crate) unsafe fn recv_deferred(
         &mut self,
         dst: u64,
@@ -310,22 +395,29 @@ impl Staging {
     ) -> Result<Ticket, super::StageError> {
         driver()?.bind(self.device)?;
         let chunk = self.shape.chunk as u64;
-        let chunks = len.div_ceil(chunk);
-        for k in 0..chunks {
-            let piece = (chunk.min(len - k * chunk)) as usize;
-            let slot = self.next_slot()?;
-            // SAFETY: no copy reads the slot's buffer any more (waited for
-            // by `next_slot`); it has `chunk >= piece` bytes.
-            let buf = unsafe { std::slice::from_raw_parts_mut(self.slots[slot].host, piece) };
+        let (mut at, mut chunks) = (0u64, 0u64);
+        while at < len {
+            let want = (len - at).min(chunk) as usize;
+            let (slot, off) = self
+                .take(want, &|_| true)?
+                .expect("every buffer may be taken");
+            let n = want.min(self.shape.chunk - off);
+            // SAFETY: no copy uses these bytes of the buffer any more (the
+            // buffer was waited for before it was filled again, and this
+            // part was not taken since); it has `off + n <= chunk` bytes.
+            let buf = unsafe { std::slice::from_raw_parts_mut(self.slots[slot].host.add(off), n) };
             read(buf).map_err(super::StageError::Io)?;
-            let host = self.slots[slot].host as u64;
-            self.issue(slot, dst + k * chunk, host, piece)?;
+            let host = self.slots[slot].host as u64 + off as u64;
+            self.issue(slot, off, dst + at, host, n)?;
+            at += n as u64;
+            chunks += 1;
         }
         super::count_staged(chunks, len);
         Ok(Ticket {
             device: self.device,
             ring: self.id,
             end: self.issued,
+            slot: self.cur,
         })
     }
 }

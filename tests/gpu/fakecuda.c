@@ -322,7 +322,14 @@ struct op {
     size_t n;
     CUdeviceptr into, from; /* the destination's and source's allocations (0: host) */
     int fail;
+    /* A launch of the piece-copy kernel (kernel_n > 0): the table of
+     * (dst, src, len) entries at device address kernel_table, read when the
+     * launch runs (after the copies before it in the stream). */
+    CUdeviceptr kernel_table;
+    unsigned kernel_n;
 };
+
+static void run_kernel(struct op *o);
 
 static pthread_mutex_t hold_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t hold_cv = PTHREAD_COND_INITIALIZER;
@@ -372,6 +379,10 @@ static void *stream_main(void *arg) {
             pthread_mutex_unlock(&hold_mu);
             usleep(rand_r(&s->seed) % 300);
             if (!o->fail) memmove(o->dst, o->src, o->n);
+        }
+        if (o->kernel_n) {
+            usleep(rand_r(&s->seed) % 300);
+            run_kernel(o);
         }
         pthread_mutex_lock(&s->mu);
         s->head = o->next;
@@ -578,6 +589,89 @@ CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
     }
     __atomic_fetch_add(&batched_copies, count, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
+}
+
+/* The piece-copy kernel (src/gpu/kernels/copy_pieces.cu), run by the
+ * stream's thread: each table entry copies len bytes src -> dst, both
+ * device memory, as the real kernel's loads and stores would (host memory
+ * there would fault: here the launch fails as an illegal address does).
+ * FAKECUDA_NO_KERNEL=1 makes loading its module fail, as a driver too old
+ * for the PTX would. */
+struct module { char magic[8]; };
+static struct module the_module = { "fakemod" };
+static unsigned long long kernel_launches, kernel_entries;
+
+CUresult cuModuleLoadData(void **module, const void *image) {
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (getenv("FAKECUDA_NO_KERNEL")) return 218; /* CUDA_ERROR_INVALID_PTX */
+    if (!strstr(image, ".entry kvxfer_copy_pieces(")) return 218;
+    *module = &the_module;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuModuleGetFunction(void **f, void *module, const char *name) {
+    if (module != &the_module || strcmp(name, "kvxfer_copy_pieces")) return 500; /* NOT_FOUND */
+    *f = &the_module;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                        unsigned bz, unsigned shmem, void *stream, void **params, void **extra) {
+    (void)shmem;
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (f != &the_module || !stream || !params || extra || gx == 0 || gy != 1 || gz != 1 ||
+        bx == 0 || bx > 1024 || by != 1 || bz != 1)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr table = *(CUdeviceptr *)params[0];
+    unsigned n = *(unsigned *)params[1];
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(table);
+    int ok = a && n <= (a->size - (size_t)(table - a->base)) / 24;
+    pthread_mutex_unlock(&lock);
+    if (!ok) return CUDA_ERROR_INVALID_VALUE;
+    if (!n) return CUDA_SUCCESS;
+    struct op *o = calloc(1, sizeof *o);
+    o->kernel_table = table;
+    o->kernel_n = n;
+    struct stream *s = stream;
+    pthread_mutex_lock(&s->mu);
+    if (s->tail) s->tail->next = o; else s->head = o;
+    s->tail = o;
+    s->enqueued++;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    __atomic_fetch_add(&kernel_launches, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&kernel_entries, n, __ATOMIC_RELAXED);
+    return CUDA_SUCCESS;
+}
+
+static void run_kernel(struct op *o) {
+    pthread_mutex_lock(&lock);
+    const unsigned long long *t = (const unsigned long long *)host_of(o->kernel_table, (size_t)o->kernel_n * 24);
+    for (unsigned i = 0; t && i < o->kernel_n; i++) {
+        CUdeviceptr dst = t[3 * i], src = t[3 * i + 1];
+        size_t n = t[3 * i + 2];
+        struct alloc *d = find(dst), *s = find(src);
+        char *dh = host_of(dst, n), *sh = host_of(src, n);
+        if (!d || !s || !dh || !sh) {
+            o->fail = 1;
+            break;
+        }
+        d->copies++;
+        if (s != d) s->copies++;
+        memmove(dh, sh, n);
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+/* Launches of the piece-copy kernel, and table entries copied by them, so
+ * far (for the tests). */
+unsigned long long fakecuda_kernel_launches(void) {
+    return __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
+}
+
+unsigned long long fakecuda_kernel_entries(void) {
+    return __atomic_load_n(&kernel_entries, __ATOMIC_RELAXED);
 }
 
 /* Copies queued into or from the allocation based at `base` so far. */

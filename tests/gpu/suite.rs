@@ -949,6 +949,39 @@ pub fn storage_round_trips() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Many pieces copied between two buffers in one call (the piece-copy
+/// kernel's work on one device): 64 of 16 KiB in reverse order, then
+/// lengths and offsets off every alignment, one over the kernel's 64 KiB
+/// entry; every byte checked. `from`: the source buffer's device.
+pub fn small_pieces(from: u32) {
+    let g1 = DeviceBuffer::new(from, 2 << 20).unwrap();
+    let g2 = DeviceBuffer::new(0, 2 << 20).unwrap();
+    g1.write(0, &pattern(2 << 20, 3)).unwrap();
+    g2.write(0, &vec![0u8; 2 << 20]).unwrap();
+    let mut pieces: Vec<(u64, u64, u64)> = (0..64)
+        .map(|i| (i * 16384, (63 - i) * 16384, 16384))
+        .collect();
+    pieces.extend([
+        (1 << 20, (1 << 20) + 3, 200 << 10),
+        ((1 << 20) + (256 << 10) + 1, 17, 1000),
+        (
+            (1 << 20) + (300 << 10),
+            (1 << 20) + (300 << 10) + 16,
+            4096 + 15,
+        ),
+        ((1 << 20) + (320 << 10) + 8, 64, 1),
+    ]);
+    g2.copy_pieces(&g1, &pieces).unwrap();
+    let src = device_bytes(&g1);
+    let dst = device_bytes(&g2);
+    let mut want = vec![0u8; 2 << 20];
+    for &(at, src_at, len) in &pieces {
+        let (at, src_at, len) = (at as usize, src_at as usize, len as usize);
+        want[at..][..len].copy_from_slice(&src[src_at..][..len]);
+    }
+    assert!(dst == want, "pieces copied inexactly");
+}
+
 /// Defines the suite's tests; `$ready` says whether to run (else it has
 /// printed why not).
 #[macro_export]
@@ -965,6 +998,13 @@ macro_rules! gpu_suite {
         fn vram_registration_errors_are_typed_and_register_nothing() {
             if $ready("vram_registration_errors_are_typed_and_register_nothing") {
                 suite::registration_errors();
+            }
+        }
+
+        #[test]
+        fn vram_small_pieces_copy_exactly() {
+            if $ready("vram_small_pieces_copy_exactly") {
+                suite::small_pieces(0);
             }
         }
 

@@ -142,15 +142,19 @@ fn small_copies_across_devices_are_batched() {
 
 /// Where the driver will not load the kernel (the stand-in with
 /// `FAKECUDA_NO_KERNEL`, as a driver too old for its PTX), small copies on
-/// one device are batched instead, the same bytes. Runs in a child process:
+/// one device are batched instead, and the staging buffers' copies go one
+/// by one: the same bytes. Runs in a child process:
 /// the kernel is loaded once per process.
 #[test]
 fn without_the_kernel_small_copies_are_batched() {
     if std::env::var_os("KVXFER_FAKE_NO_KERNEL_CHILD").is_some() {
         let before = counter(b"fakecuda_batched_copies");
         suite::small_pieces(0);
-        assert_eq!(counter(b"fakecuda_kernel_launches"), 0);
         assert!(counter(b"fakecuda_batched_copies") >= before + 68);
+        // The staging buffers' copies go one by one (cuMemcpyAsync).
+        suite::tcp_round_trips();
+        suite::storage_round_trips();
+        assert_eq!(counter(b"fakecuda_kernel_launches"), 0);
         return;
     }
     let out = Command::new(std::env::current_exe().unwrap())
@@ -690,7 +694,8 @@ fn layers_ready_after_their_cuda_event() {
 /// 1 MiB, the copies of 32 pieces of 16 KiB are queued together, on the
 /// side that receives into GPU memory and on the side that sends from it,
 /// while that memory's copies are held (one buffer per piece would queue
-/// two copies and wait for the first); then the data lands exact.
+/// two copies and wait for the first), as a few launches of the piece-copy
+/// kernel; then the data lands exact.
 #[test]
 fn small_staged_pieces_share_a_buffer() {
     ready("small_staged_pieces_share_a_buffer");
@@ -748,6 +753,7 @@ fn small_staged_pieces_share_a_buffer() {
         drop(held);
         st.wait(std::time::Duration::from_secs(60)).unwrap();
     };
+    let launches = counter(b"fakecuda_kernel_launches");
     // The target receives into GPU memory.
     queued_while_held(
         &gb,
@@ -765,4 +771,8 @@ fn small_staged_pieces_share_a_buffer() {
         kvxfer::TransferRequest::write(vram(&ga), host(&dst), "pack-b"),
     );
     assert!(dst == src, "VRAM → a peer's host memory");
+    // Each side's copies went as launches of the piece-copy kernel (a
+    // buffer's worth each), not one by one.
+    let launched = counter(b"fakecuda_kernel_launches") - launches;
+    assert!((2..=16).contains(&launched), "{launched} launches");
 }

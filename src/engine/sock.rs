@@ -325,6 +325,8 @@ impl<'c> FrameReader<'c> {
     /// Hands each segment of `landings` whose copies into GPU memory have
     /// completed to `report`, in order, until all have or the next frame
     /// begins to arrive (then its segments are read while the copies run).
+    /// Copies still gathered are issued once no frame arrives within the
+    /// first pause.
     /// Looks at the copies again after pauses growing to 50 µs (a landed
     /// segment is told at most that late), asking `idle` every millisecond
     /// or so (an agent closing ends the wait).
@@ -346,6 +348,9 @@ impl<'c> FrameReader<'c> {
             if landings.is_empty() || self.frame_waiting(pause) {
                 return Ok(());
             }
+            // Nothing arriving: the copies still gathered go now (while
+            // frames arrive they go a staging buffer at a time).
+            landings.flush();
             waited += pause;
             if waited >= ASK_IDLE {
                 idle.on_idle(false).map_err(&on_idle)?;

@@ -48,7 +48,7 @@ const COPY_ENTRY: &CStr = c"kvxfer_copy_pieces";
 /// Longest table entry of the piece-copy kernel: longer pieces are split,
 /// so that one thread block's share stays small and a launch spreads over
 /// the GPU's multiprocessors.
-const KERNEL_ENTRY_MAX: u64 = 64 << 10;
+pub(super) const KERNEL_ENTRY_MAX: u64 = 64 << 10;
 
 /// Fewest pieces that go through the kernel rather than one
 /// `cuMemcpyAsync` each.
@@ -403,6 +403,16 @@ impl Cuda {
         })
     }
 
+    /// The piece-copy kernel for `device` (its context current) unless it
+    /// is turned off or failed: for the staging rings, whose tables live in
+    /// pinned host memory.
+    pub(super) fn staging_kernel(&self, device: u32) -> Option<cu::CUfunction> {
+        if !self.kernel.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        self.copy_kernel(device)
+    }
+
     /// The piece-copy kernel in `device`'s context (the context is
     /// current), loaded on first use; `None` when the driver would not load
     /// it (logged once).
@@ -475,30 +485,9 @@ impl Cuda {
         check("cuMemcpyAsync", unsafe {
             cu::cuMemcpyAsync(dev, table.host as u64, entries * 24, s.raw)
         })?;
-        let blocks = entries.min(KERNEL_BLOCKS_MAX) as u32;
-        let (mut arg_table, mut arg_n) = (dev, n);
-        let mut args = [
-            (&mut arg_table as *mut u64).cast::<c_void>(),
-            (&mut arg_n as *mut u32).cast::<c_void>(),
-        ];
-        // SAFETY: the kernel takes (const Piece *table, unsigned n), given
-        // by pointers that live for the call; the table holds `n` entries
-        // of reachable ranges (the caller's contract).
-        check("cuLaunchKernel", unsafe {
-            cu::cuLaunchKernel(
-                f,
-                blocks,
-                1,
-                1,
-                KERNEL_THREADS,
-                1,
-                1,
-                0,
-                s.raw,
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        // SAFETY: the table holds `n` entries of reachable ranges (the
+        // caller's contract), read after the copy above in stream order.
+        unsafe { launch_pieces(f, dev, n, s.raw) }
     }
 
     /// `s`'s table, grown to hold at least `entries` entries.
@@ -651,6 +640,45 @@ impl Cuda {
         // SAFETY: forwarded contract.
         check("cuMemFree", unsafe { cu::cuMemFree_v2(ptr) })
     }
+}
+
+/// Launches the piece-copy kernel `f` on `stream` over the `n` entries
+/// (`dst, src, len`, three u64 each) of the table at `table` (device
+/// memory, or pinned host memory: the GPU reads it where it is).
+///
+/// # Safety
+/// The table and every range in it reachable from the stream's context,
+/// valid until the launch has completed; no entry longer than
+/// [`KERNEL_ENTRY_MAX`] bytes.
+pub(super) unsafe fn launch_pieces(
+    f: cu::CUfunction,
+    table: u64,
+    n: u32,
+    stream: cu::CUstream,
+) -> Result<(), GpuError> {
+    let blocks = (n as usize).clamp(1, KERNEL_BLOCKS_MAX) as u32;
+    let (mut arg_table, mut arg_n) = (table, n);
+    let mut args = [
+        (&mut arg_table as *mut u64).cast::<c_void>(),
+        (&mut arg_n as *mut u32).cast::<c_void>(),
+    ];
+    // SAFETY: the kernel takes (const Piece *table, unsigned n), given by
+    // pointers that live for the call; the rest is the caller's contract.
+    check("cuLaunchKernel", unsafe {
+        cu::cuLaunchKernel(
+            f,
+            blocks,
+            1,
+            1,
+            KERNEL_THREADS,
+            1,
+            1,
+            0,
+            stream,
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    })
 }
 
 /// Fewest copies issued as one batch (`cuMemcpyBatchAsync`): per-copy

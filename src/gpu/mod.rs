@@ -431,9 +431,20 @@ impl<T> Landings<T> {
         }
     }
 
+    /// Issues the copies of received segments still gathered in the
+    /// thread's staging buffers (they are issued a buffer at a time, or
+    /// when waited for): for a receiver with nothing more to read now.
+    pub(crate) fn flush(&self) {
+        #[cfg(feature = "cuda")]
+        if !self.queue.is_empty() {
+            staging::flush_all();
+        }
+    }
+
     /// The oldest segment with its outcome once its copies have completed
     /// (or failed); `None` when none is in flight, or when the oldest is
-    /// still copying and `block` is false (else it is waited for).
+    /// still gathered or copying and `block` is false (else it is issued
+    /// and waited for).
     pub(crate) fn next(&mut self, block: bool) -> Option<(T, Result<(), GpuError>)> {
         let &(ticket, _) = self.queue.front()?;
         let r = match landed(ticket, block) {

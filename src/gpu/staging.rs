@@ -3,9 +3,12 @@
 //! device, made on first use: a non-blocking stream, `slots` page-aligned
 //! pinned buffers of `chunk` bytes, and an event per buffer; the copy of
 //! the next chunk runs while the current one is written or read. Small
-//! pieces are packed: a buffer takes as many as fit, each its own copy
-//! into its own part of it, so that a buffer's worth of copies is in flight
-//! however small the pieces.
+//! pieces are packed: a buffer takes as many as fit, each into its own
+//! page-aligned part of it. The copies of a buffer's parts are gathered in
+//! a table and issued together, as one launch of the piece-copy kernel
+//! (which reads and writes pinned host memory directly), where the driver
+//! would charge microseconds per `cuMemcpyAsync`; without the kernel, one
+//! `cuMemcpyAsync` each.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -15,21 +18,30 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cudarc::driver::sys as cu;
 
 use super::GpuError;
-use super::cuda::{Cuda, check, driver, new_stream};
+use super::cuda::{Cuda, KERNEL_ENTRY_MAX, check, driver, launch_pieces, new_stream};
 
-/// One pinned host buffer of a [`Staging`] ring and the event that marks
-/// its copies.
+/// One pinned host buffer of a [`Staging`] ring, its table of copies, and
+/// the event that marks them.
 struct Slot {
     host: *mut u8,
+    /// The copies into or from the buffer since it was last reused:
+    /// `(dst, src, len)`, three u64 each, in pinned host memory (the
+    /// kernel reads it there); room for one per page of the buffer.
+    table: *mut u64,
+    /// Entries of `table` written, and of those the ones issued.
+    entries: usize,
+    launched: usize,
     event: cu::CUevent,
-    /// Whether copies using it were issued and not yet waited for.
+    /// Whether copies using it were issued (or are gathered) and not yet
+    /// waited for.
     busy: bool,
-    /// The ring's number of the last copy issued into or from it (see
+    /// The ring's number of the last copy into or from it (see
     /// [`Staging::issued`]).
     seq: u64,
-    /// Whether the event was recorded after that copy (it is recorded
-    /// when first waited for or asked after, not after every copy).
-    recorded: bool,
+    /// The event was last recorded when the copies numbered below this
+    /// had been issued (it marks them all); `None`: not since the buffer's
+    /// last reuse.
+    mark: Option<u64>,
     /// Bytes of the buffer taken since it was last waited for and reused.
     fill: usize,
 }
@@ -39,30 +51,36 @@ struct Slot {
 /// buffer. Moving device memory through a socket, the copies of the next
 /// buffer run while the current one is on the wire.
 ///
-/// Copies are numbered in issue order. Pieces take the buffers in turn,
-/// each buffer filled from its start until the next piece does not fit
-/// (a piece longer than what is left is cut there), then the next; a
-/// buffer is waited for (all its copies) before it is filled again. The
-/// copies run in order on the one stream, so a copy known done means
-/// every earlier one is. A received segment's copies may be left in flight
-/// ([`recv_deferred`](Self::recv_deferred)) and asked after later
-/// ([`landed`](Self::landed)).
+/// Copies are numbered in the order they are gathered. Pieces take the
+/// buffers in turn, each buffer filled from its start (a piece longer than
+/// what is left is cut there), then the next; a buffer is waited for (all
+/// its copies) before it is filled again. Only the buffer being filled has
+/// copies gathered and not yet issued: they are issued when it is left for
+/// the next, when one of its copies is waited for, and on
+/// [`flush`](Self::flush). The copies run in order on the one stream, so a
+/// copy known done means every earlier one is. A received segment's copies
+/// may be left gathered or in flight ([`recv_deferred`](Self::recv_deferred))
+/// and asked after later ([`landed`](Self::landed)).
 pub(crate) struct Staging {
     /// Tells this ring from one made after it (a [`Ticket`] names both).
     id: u64,
     device: u32,
     shape: super::StagingShape,
     stream: cu::CUstream,
+    /// The piece-copy kernel, or `None`: one `cuMemcpyAsync` per copy.
+    kernel: Option<cu::CUfunction>,
     slots: Vec<Slot>,
     /// The buffer being filled.
     cur: usize,
-    /// Copies issued so far.
+    /// Copies gathered so far.
     issued: u64,
+    /// Copies numbered below this one have been issued to the driver.
+    launched: u64,
     /// Every copy numbered below this one has completed.
     done: u64,
-    /// The first failure seen waiting for a copy. The stream's later
-    /// copies cannot be trusted after it (the driver's asynchronous errors
-    /// are sticky): the ring answers every later wait with it.
+    /// The first failure seen issuing or waiting for a copy. The stream's
+    /// later copies cannot be trusted after it (the driver's asynchronous
+    /// errors are sticky): the ring answers every later wait with it.
     fault: Option<GpuError>,
 }
 
@@ -93,37 +111,56 @@ impl Staging {
             device,
             shape,
             stream,
+            kernel: cuda.staging_kernel(device),
             slots: Vec::with_capacity(shape.slots),
             cur: 0,
             issued: 0,
+            launched: 0,
             done: 0,
             fault: None,
         };
+        let rows = shape.chunk.div_ceil(PAGE);
         for _ in 0..shape.slots {
             let mut host: *mut c_void = std::ptr::null_mut();
             // SAFETY: writes one pointer to `chunk` bytes of pinned memory.
             check("cuMemHostAlloc", unsafe {
                 cu::cuMemHostAlloc(&mut host, shape.chunk, cu::CU_MEMHOSTALLOC_PORTABLE)
             })?;
+            let mut table: *mut c_void = std::ptr::null_mut();
+            // SAFETY: writes one pointer to `rows * 24` bytes of pinned
+            // memory.
+            let r = check("cuMemHostAlloc", unsafe {
+                cu::cuMemHostAlloc(&mut table, rows * 24, cu::CU_MEMHOSTALLOC_PORTABLE)
+            });
             let mut event: cu::CUevent = std::ptr::null_mut();
             // SAFETY: writes one event handle.
-            let r = check("cuEventCreate", unsafe {
-                cu::cuEventCreate(
-                    &mut event,
-                    cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-                )
+            let r = r.and_then(|()| {
+                check("cuEventCreate", unsafe {
+                    cu::cuEventCreate(
+                        &mut event,
+                        cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+                    )
+                })
             });
             if let Err(e) = r {
-                // SAFETY: allocated just above, not yet in a slot.
-                unsafe { cu::cuMemFreeHost(host) };
+                // SAFETY: allocated just above (or null), not yet in a slot.
+                unsafe {
+                    cu::cuMemFreeHost(host);
+                    if !table.is_null() {
+                        cu::cuMemFreeHost(table);
+                    }
+                }
                 return Err(e);
             }
             s.slots.push(Slot {
                 host: host.cast(),
+                table: table.cast(),
+                entries: 0,
+                launched: 0,
                 event,
                 busy: false,
                 seq: 0,
-                recorded: false,
+                mark: None,
                 fill: 0,
             });
         }
@@ -133,10 +170,10 @@ impl Staging {
     /// Room for up to `len` bytes (at most a buffer's, not 0): the rest of
     /// the buffer being filled (perhaps less than `len`: the caller cuts
     /// its chunk there), or, once that is full, the start of the next
-    /// buffer, waited for first (all its copies done). `reusable`
-    /// says whether a buffer may be taken again (the sender's buffers are
-    /// not while a chunk in them is unsent); `None` when the next one may
-    /// not.
+    /// buffer, waited for first (all its copies done); the copies gathered
+    /// for the one left are issued. `reusable` says whether a buffer may be
+    /// taken again (the sender's buffers are not while a chunk in them is
+    /// unsent); `None` when the next one may not.
     fn take(
         &mut self,
         len: usize,
@@ -155,68 +192,123 @@ impl Staging {
         if !reusable(next) {
             return Ok(None);
         }
+        // The buffer left: its copies issued, and its event recorded right
+        // after them (a wait for it then waits for them alone).
+        let left = self.cur;
+        self.flush()?;
+        if self.slots[left].busy {
+            let need = self.slots[left].seq + 1;
+            self.mark(left, need)?;
+        }
         self.wait(next)?;
         self.cur = next;
-        self.slots[next].fill = 0;
+        let s = &mut self.slots[next];
+        s.fill = 0;
+        s.entries = 0;
+        s.launched = 0;
+        s.mark = None;
         Ok(Some((next, 0)))
     }
 
-    /// Issues the copy of `len` bytes `src → dst` on the ring's stream
-    /// into or from `slot`'s buffer at `off` (an answer of [`take`]), and
-    /// takes those bytes of it.
+    /// Gathers the copy of `len` bytes `src → dst` into or from `slot`'s
+    /// buffer at `off` (an answer of [`take`]), and takes those bytes of
+    /// it. Issued later (see [`Staging`]).
     ///
     /// [`take`]: Self::take
-    fn issue(
-        &mut self,
-        slot: usize,
-        off: usize,
-        dst: u64,
-        src: u64,
-        len: usize,
-    ) -> Result<(), GpuError> {
+    fn gather(&mut self, slot: usize, off: usize, dst: u64, src: u64, len: usize) {
         debug_assert_eq!(slot, self.cur);
         debug_assert_eq!(off, self.slots[slot].fill);
-        // SAFETY: the caller (send/recv) passes its part of a slot's pinned
-        // buffer and a device range it holds; the copy is waited for
-        // (`wait`) before the buffer is reused, and before the range is let
-        // go.
-        check("cuMemcpyAsync", unsafe {
-            cu::cuMemcpyAsync(dst, src, len, self.stream)
-        })?;
         let s = &mut self.slots[slot];
+        // Entries of at most KERNEL_ENTRY_MAX bytes for the kernel (each a
+        // thread block's), the whole copy otherwise.
+        let most = if self.kernel.is_some() {
+            KERNEL_ENTRY_MAX
+        } else {
+            u64::MAX
+        };
+        let mut at = 0u64;
+        while at < len as u64 {
+            let n = (len as u64 - at).min(most);
+            // SAFETY: the table has a row per page of the buffer, and each
+            // entry covers at least a page's worth of the buffer's parts
+            // (every part starts page-aligned; an entry is a whole part or
+            // KERNEL_ENTRY_MAX bytes of one); no launch reads rows at or
+            // past `entries`.
+            let row = unsafe { std::slice::from_raw_parts_mut(s.table.add(s.entries * 3), 3) };
+            row.copy_from_slice(&[dst + at, src + at, n]);
+            s.entries += 1;
+            at += n;
+        }
         s.busy = true;
-        s.recorded = false;
         s.seq = self.issued;
         // The next part starts page-aligned, as each buffer does: direct
         // I/O (storage) reads and writes whole pages at aligned addresses.
         s.fill = (off + len).next_multiple_of(PAGE).min(self.shape.chunk);
         self.issued += 1;
-        Ok(())
     }
 
-    /// Records `slot`'s event after its last copy, unless it already is.
-    fn record(&mut self, slot: usize) -> Result<(), GpuError> {
-        let s = &mut self.slots[slot];
-        if !s.busy || s.recorded {
+    /// Issues the copies gathered for the buffer being filled: one kernel
+    /// launch, or one `cuMemcpyAsync` each. A failure fails the ring (every
+    /// copy issued waited for first).
+    pub(crate) fn flush(&mut self) -> Result<(), GpuError> {
+        let s = &mut self.slots[self.cur];
+        if s.launched == s.entries {
+            return Ok(());
+        }
+        let (from, n) = (s.launched, s.entries - s.launched);
+        s.launched = s.entries;
+        if let Some(e) = &self.fault {
+            return Err(e.clone());
+        }
+        // SAFETY: rows `from..from + n` of the table were written by
+        // `gather`, and are not rewritten before the buffer is waited for.
+        let rows = unsafe { std::slice::from_raw_parts(s.table.add(from * 3), n * 3) };
+        let r = match self.kernel {
+            // SAFETY: each row names a part of this slot's pinned buffer
+            // and device memory the caller holds until the copies are
+            // waited for (send/recv contracts); the table lives as long.
+            Some(f) => unsafe { launch_pieces(f, rows.as_ptr() as u64, n as u32, self.stream) },
+            None => rows.chunks_exact(3).try_for_each(|r| {
+                // SAFETY: as for the kernel.
+                check("cuMemcpyAsync", unsafe {
+                    cu::cuMemcpyAsync(r[0], r[1], r[2] as usize, self.stream)
+                })
+            }),
+        };
+        match r {
+            Ok(()) => {
+                self.launched = self.issued;
+                Ok(())
+            }
+            Err(e) => {
+                // SAFETY: this ring's stream.
+                unsafe { cu::cuStreamSynchronize(self.stream) };
+                Err(self.fault.get_or_insert(e).clone())
+            }
+        }
+    }
+
+    /// Records `slot`'s event after every copy issued so far, unless it
+    /// already marks the copies numbered below `need`.
+    fn mark(&mut self, slot: usize, need: u64) -> Result<(), GpuError> {
+        if self.slots[slot].mark.is_some_and(|m| m >= need) {
             return Ok(());
         }
         // SAFETY: an event and stream of this ring.
         let r = check("cuEventRecord", unsafe {
-            cu::cuEventRecord(s.event, self.stream)
+            cu::cuEventRecord(self.slots[slot].event, self.stream)
         });
         match r {
             Ok(()) => {
-                s.recorded = true;
+                self.slots[slot].mark = Some(self.launched);
                 Ok(())
             }
             Err(e) => {
                 // No event marks the copies: wait for them here, since the
                 // caller lets the buffer and the ranges go on failure.
                 // SAFETY: this ring's stream.
-                let synced = check("cuStreamSynchronize", unsafe {
-                    cu::cuStreamSynchronize(self.stream)
-                });
-                self.waited(slot, synced.and(Err(e)))
+                unsafe { cu::cuStreamSynchronize(self.stream) };
+                Err(self.fault.get_or_insert(e).clone())
             }
         }
     }
@@ -243,23 +335,35 @@ impl Staging {
         self.sync(slot)
     }
 
-    /// Waits for the copies that used `slot`, if any is outstanding.
+    /// Waits for the copies that used `slot`, if any is outstanding (those
+    /// still gathered are issued first).
     fn sync(&mut self, slot: usize) -> Result<(), GpuError> {
         if !self.slots[slot].busy {
             return Ok(());
         }
-        self.record(slot)?;
-        if !self.slots[slot].busy {
-            return Ok(());
-        }
-        // SAFETY: an event of this ring, recorded after the slot's copies.
-        let r = check("cuEventSynchronize", unsafe {
-            cu::cuEventSynchronize(self.slots[slot].event)
+        let issued = if slot == self.cur {
+            self.flush()
+        } else {
+            Ok(())
+        };
+        let need = self.slots[slot].seq + 1;
+        let r = issued.and_then(|()| self.mark(slot, need)).and_then(|()| {
+            // SAFETY: an event of this ring, recorded after the slot's
+            // copies.
+            check("cuEventSynchronize", unsafe {
+                cu::cuEventSynchronize(self.slots[slot].event)
+            })
         });
+        if r.is_err() {
+            // Nothing of the ring's may still run when its buffers are let
+            // go.
+            // SAFETY: this ring's stream.
+            unsafe { cu::cuStreamSynchronize(self.stream) };
+        }
         self.waited(slot, r)
     }
 
-    /// Waits for every copy issued. The buffers are free afterwards even
+    /// Waits for every copy gathered. The buffers are free afterwards even
     /// when a copy failed (the first failure is returned).
     fn drain(&mut self) -> Result<(), GpuError> {
         let mut first = Ok(());
@@ -277,7 +381,8 @@ impl Staging {
     }
 
     /// Whether the copies up to `ticket`'s have completed: asked of the
-    /// driver without blocking, or waited for when `block`.
+    /// driver without blocking (copies still gathered are not done: see
+    /// [`flush`](Self::flush)), or waited for when `block`.
     fn landed(&mut self, ticket: Ticket, block: bool) -> Result<bool, GpuError> {
         debug_assert_eq!((ticket.device, ticket.ring), (self.device, self.id));
         if ticket.end <= self.done {
@@ -295,16 +400,26 @@ impl Staging {
             self.wait(slot)?;
             return Ok(true);
         }
-        self.record(slot)?;
-        if !self.slots[slot].busy {
-            return Ok(true);
+        if ticket.end > self.launched {
+            return Ok(false);
         }
-        // SAFETY: an event of this ring, recorded after the slot's copies.
+        self.mark(slot, ticket.end)?;
+        let mark = self.slots[slot].mark.expect("marked above");
+        // SAFETY: an event of this ring, recorded after the ticket's
+        // copies.
         let r = unsafe { cu::cuEventQuery(self.slots[slot].event) };
         if r == cu::CUresult::CUDA_ERROR_NOT_READY {
             return Ok(false);
         }
-        self.waited(slot, check("cuEventQuery", r))?;
+        if let Err(e) = check("cuEventQuery", r) {
+            // SAFETY: this ring's stream.
+            unsafe { cu::cuStreamSynchronize(self.stream) };
+            return Err(self.fault.get_or_insert(e).clone());
+        }
+        self.done = self.done.max(mark);
+        if mark > self.slots[slot].seq {
+            self.slots[slot].busy = false;
+        }
         Ok(true)
     }
 
@@ -345,12 +460,20 @@ impl Staging {
                     };
                     let n = want.min(self.shape.chunk - off);
                     let host = self.slots[slot].host as u64 + off as u64;
-                    self.issue(slot, off, host, addr + issue.1, n)?;
+                    self.gather(slot, off, host, addr + issue.1, n);
                     queue.push_back((slot, off, issue.0, issue.1, n));
                     issue.1 += n as u64;
                     if issue.1 >= len {
                         issue = (issue.0 + 1, 0);
                     }
+                }
+                // Gathering stops with the current buffer full (or the
+                // pieces all in): its copies run while earlier buffers are
+                // sent.
+                self.flush()?;
+                if self.slots[self.cur].busy {
+                    let need = self.slots[self.cur].seq + 1;
+                    self.mark(self.cur, need)?;
                 }
                 let Some(&(slot, off, i, at, n)) = queue.front() else {
                     return Ok(pieces.len());
@@ -408,7 +531,7 @@ impl Staging {
             let buf = unsafe { std::slice::from_raw_parts_mut(self.slots[slot].host.add(off), n) };
             read(buf).map_err(super::StageError::Io)?;
             let host = self.slots[slot].host as u64 + off as u64;
-            self.issue(slot, off, dst + at, host, n)?;
+            self.gather(slot, off, dst + at, host, n);
             at += n as u64;
             chunks += 1;
         }
@@ -430,6 +553,7 @@ impl Drop for Staging {
             unsafe {
                 cu::cuEventDestroy_v2(s.event);
                 cu::cuMemFreeHost(s.host.cast());
+                cu::cuMemFreeHost(s.table.cast());
             }
         }
         // SAFETY: made in `new`, idle, destroyed once.
@@ -531,6 +655,17 @@ pub(crate) unsafe fn recv_deferred(
         }
         r
     })?
+}
+
+/// Issues the copies gathered in the calling thread's rings
+/// ([`Staging::flush`]); a failure fails its ring, and the tickets of its
+/// copies are told so.
+pub(crate) fn flush_all() {
+    let _ = STAGING.try_with(|s| {
+        for r in s.borrow_mut().live.iter_mut() {
+            let _ = r.flush();
+        }
+    });
 }
 
 /// Whether the copies up to `ticket`'s have completed ([`Staging::landed`]),

@@ -327,6 +327,11 @@ struct op {
      * launch runs (after the copies before it in the stream). */
     CUdeviceptr kernel_table;
     unsigned kernel_n;
+    /* For a launch whose table is in pinned host memory (read at launch):
+     * the allocations it touches (the first 8), held and counted as a
+     * copy's are, at launch. */
+    CUdeviceptr touched[8];
+    int counted;
 };
 
 static void run_kernel(struct op *o);
@@ -381,8 +386,12 @@ static void *stream_main(void *arg) {
             if (!o->fail) memmove(o->dst, o->src, o->n);
         }
         if (o->kernel_n) {
+            pthread_mutex_lock(&hold_mu);
+            for (int t = 0; t < 8 && held; t++)
+                while (held && held == o->touched[t]) pthread_cond_wait(&hold_cv, &hold_mu);
+            pthread_mutex_unlock(&hold_mu);
             usleep(rand_r(&s->seed) % 300);
-            run_kernel(o);
+            if (!o->fail) run_kernel(o);
         }
         pthread_mutex_lock(&s->mu);
         s->head = o->next;
@@ -509,18 +518,46 @@ CUresult cuEventDestroy_v2(void *e) {
 
 /* Page-aligned, as the real driver's pinned memory is (direct I/O from
  * staging buffers relies on it). */
+/* Pinned host allocations, which kernels may read and write (as the real
+ * driver maps them into the device's address space); other host memory a
+ * kernel touches is an illegal address. */
+#define MAX_PINNED 1024
+static struct { char *p; size_t n; } pinned[MAX_PINNED];
+
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) {
     (void)flags;
     if (posix_memalign(p, 4096, n ? n : 1) != 0) {
         *p = NULL;
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_PINNED; i++)
+        if (!pinned[i].p) {
+            pinned[i].p = *p;
+            pinned[i].n = n ? n : 1;
+            break;
+        }
+    pthread_mutex_unlock(&lock);
     return CUDA_SUCCESS;
 }
 
 CUresult cuMemFreeHost(void *p) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_PINNED; i++)
+        if (pinned[i].p == p) pinned[i].p = NULL;
+    pthread_mutex_unlock(&lock);
     free(p);
     return CUDA_SUCCESS;
+}
+
+/* Whether [p, p + n) lies in one pinned host allocation. Call with the lock
+ * held. */
+static int is_pinned(CUdeviceptr p, size_t n) {
+    for (int i = 0; i < MAX_PINNED; i++) {
+        CUdeviceptr b = (CUdeviceptr)(uintptr_t)pinned[i].p;
+        if (pinned[i].p && p >= b && n <= pinned[i].n - (size_t)(p - b)) return 1;
+    }
+    return 0;
 }
 
 /* Host address of [p, p + n): the bytes behind a device range (which must
@@ -593,8 +630,9 @@ CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
 
 /* The piece-copy kernel (src/gpu/kernels/copy_pieces.cu), run by the
  * stream's thread: each table entry copies len bytes src -> dst, both
- * device memory, as the real kernel's loads and stores would (host memory
- * there would fault: here the launch fails as an illegal address does).
+ * device memory or pinned host memory, as the real kernel's loads and
+ * stores would (other host memory there would fault: here the launch fails
+ * as an illegal address does).
  * FAKECUDA_NO_KERNEL=1 makes loading its module fail, as a driver too old
  * for the PTX would. */
 struct module { char magic[8]; };
@@ -626,13 +664,39 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
     unsigned n = *(unsigned *)params[1];
     pthread_mutex_lock(&lock);
     struct alloc *a = find(table);
-    int ok = a && n <= (a->size - (size_t)(table - a->base)) / 24;
+    int ok = a ? n <= (a->size - (size_t)(table - a->base)) / 24 : is_pinned(table, (size_t)n * 24);
     pthread_mutex_unlock(&lock);
     if (!ok) return CUDA_ERROR_INVALID_VALUE;
     if (!n) return CUDA_SUCCESS;
     struct op *o = calloc(1, sizeof *o);
     o->kernel_table = table;
     o->kernel_n = n;
+    if (!a) {
+        /* A table in pinned host memory is there at launch: count the
+         * copies and note what they touch now, as cuMemcpyAsync does. */
+        const unsigned long long *t = (const unsigned long long *)(uintptr_t)table;
+        int k = 0;
+        pthread_mutex_lock(&lock);
+        for (unsigned i = 0; i < n; i++) {
+            CUdeviceptr into = 0, from = 0;
+            counted(t[3 * i], t[3 * i + 1], &into, &from);
+            CUdeviceptr both[2] = {into, from};
+            for (int j = 0; j < 2; j++) {
+                int seen = !both[j];
+                for (int m = 0; m < k && !seen; m++) seen = o->touched[m] == both[j];
+                if (!seen && k < 8) o->touched[k++] = both[j];
+            }
+        }
+        pthread_mutex_unlock(&lock);
+        o->counted = 1;
+        pthread_mutex_lock(&hold_mu);
+        for (int m = 0; m < k && fail_with; m++)
+            if (o->touched[m] == fail_with) {
+                o->fail = 1;
+                fail_with = 0;
+            }
+        pthread_mutex_unlock(&hold_mu);
+    }
     struct stream *s = stream;
     pthread_mutex_lock(&s->mu);
     if (s->tail) s->tail->next = o; else s->head = o;
@@ -653,12 +717,14 @@ static void run_kernel(struct op *o) {
         size_t n = t[3 * i + 2];
         struct alloc *d = find(dst), *s = find(src);
         char *dh = host_of(dst, n), *sh = host_of(src, n);
-        if (!d || !s || !dh || !sh) {
+        if ((!d && !is_pinned(dst, n)) || (!s && !is_pinned(src, n)) || !dh || !sh) {
             o->fail = 1;
             break;
         }
-        d->copies++;
-        if (s != d) s->copies++;
+        if (!o->counted) {
+            if (d) d->copies++;
+            if (s && s != d) s->copies++;
+        }
         memmove(dh, sh, n);
     }
     pthread_mutex_unlock(&lock);

@@ -84,6 +84,11 @@ run)
       timeout 60 $x kv --backend shm --memory vram --model llama3-8b --ctx-tp 2 --gen-tp 1 --tokens 4096 --verify --json
       timeout 60 $x kv --backend tcp --memory vram --model llama3-8b --ctx-tp 2 --gen-tp 1 --tokens 4096 --json
     done
+    # What one small request costs on the shm path, host memory and GPU
+    # memory (the fixed part of every request above: grant, copy, commit).
+    for mem in dram vram; do
+      timeout 60 $b --backend shm --memory $mem --block-size 4KiB --batch 1 --iters 2000 --json
+    done
     # The piece-copy kernel off (KVXFER_CUDA_COPY_KERNEL=0): the driver's
     # batched copies instead.
     KVXFER_CUDA_COPY_KERNEL=0 timeout 60 $b kv --backend shm --memory vram --model llama3-8b --ctx-tp 2 --gen-tp 1 --tokens 4096 --json

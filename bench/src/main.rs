@@ -62,6 +62,14 @@ struct Args {
     /// Threads copying one large shm request (default: the library's).
     #[arg(long)]
     shm_copy_threads: Option<usize>,
+    /// Bytes per pinned buffer of the GPU staging rings, both sides
+    /// (default: the library's).
+    #[arg(long, value_parser = parse_size)]
+    gpu_staging_chunk: Option<u64>,
+    /// Pinned buffers per GPU staging ring, both sides (default: the
+    /// library's).
+    #[arg(long)]
+    gpu_staging_slots: Option<usize>,
     /// One JSON object per measured point on stdout instead of a table.
     #[arg(long)]
     json: bool,
@@ -277,6 +285,13 @@ fn config(name: &str, args: &Args) -> AgentConfig {
     }
     if let Some(n) = args.shm_copy_threads {
         cfg = cfg.with_shm_copy_threads(n);
+    }
+    if args.gpu_staging_chunk.is_some() || args.gpu_staging_slots.is_some() {
+        let chunk = args
+            .gpu_staging_chunk
+            .map_or(cfg.gpu.staging_chunk, |c| c as usize);
+        let slots = args.gpu_staging_slots.unwrap_or(cfg.gpu.staging_slots);
+        cfg = cfg.with_gpu_staging(chunk, slots);
     }
     if let Some(n) = args.rdma_qps {
         cfg = cfg.with_rdma_qps_per_peer(n);
@@ -517,6 +532,12 @@ fn spawn_target(args: &Args, region: u64) -> Result<(Child, String)> {
     }
     if args.dst_kind() == MemoryType::Vram {
         cmd.args(["--dst-memory", "vram", "--gpu", &args.gpu.to_string()]);
+    }
+    if let Some(c) = args.gpu_staging_chunk {
+        cmd.args(["--gpu-staging-chunk", &c.to_string()]);
+    }
+    if let Some(n) = args.gpu_staging_slots {
+        cmd.args(["--gpu-staging-slots", &n.to_string()]);
     }
     let mut child = cmd
         .args([

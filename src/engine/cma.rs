@@ -701,8 +701,19 @@ impl CmaLink {
                 ),
             })?;
         let mut abs = Vec::with_capacity(pieces.len());
+        // Within one region the mapping is an offset: looked up once per
+        // run of pieces in the same region (a KV cache's thousands of
+        // fragments mostly share one), as (key, remote address, mapped).
+        let mut last: Option<(u64, u64, u64)> = None;
         for (p, &key) in pieces.iter().zip(&g.keys) {
-            let remote = ipc.address(key, p.remote, g.device, &self.remote)?;
+            let remote = match last {
+                Some((k, at, mapped)) if k == key => mapped.wrapping_add(p.remote.wrapping_sub(at)),
+                _ => {
+                    let mapped = ipc.address(key, p.remote, g.device, &self.remote)?;
+                    last = Some((key, p.remote, mapped));
+                    mapped
+                }
+            };
             abs.push(match op {
                 TransferOp::Write => (remote, p.local, p.len),
                 TransferOp::Read => (p.local, remote, p.len),

@@ -133,8 +133,8 @@ impl Staging {
                 cu::cuMemHostAlloc(&mut table, rows * 24, cu::CU_MEMHOSTALLOC_PORTABLE)
             });
             let mut event: cu::CUevent = std::ptr::null_mut();
-            // SAFETY: writes one event handle.
             let r = r.and_then(|()| {
+                // SAFETY: writes one event handle.
                 check("cuEventCreate", unsafe {
                     cu::cuEventCreate(
                         &mut event,

@@ -1,5 +1,6 @@
 // The piece copy of kvxfer's GPU paths: many (dst, src, len) copies between
-// device memory in one launch, a thread block per table entry. The driver
+// device memory (or to and from pinned host memory: the staging buffers) in
+// one launch, a thread block per table entry. The driver
 // charges a few microseconds per cuMemcpyAsync (and per entry of
 // cuMemcpyBatchAsync), which caps a KV cache's 16 KiB fragments far below
 // the memory's speed; one launch does not.

@@ -325,9 +325,22 @@ def test_ctrl_c_ends_a_wait():
         "except KeyboardInterrupt:\n"
         "    print('interrupted after %.1f s' % (time.monotonic() - t0))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
-    )
+    # Unbuffered, with every Python thread's stack dumped at 20 s: should
+    # the child hang (seen once in a CI run, not reproduced in 60 runs
+    # alone or under load), its output says whether the wait or the exit
+    # did.
+    code = "import faulthandler\nfaulthandler.dump_traceback_later(20)\n" + code
+    try:
+        out = subprocess.run(
+            [sys.executable, "-u", "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(
+            "the child hung; stdout: %r, stderr: %r" % (e.stdout, e.stderr)
+        ) from e
     assert "interrupted after" in out.stdout, out.stdout + out.stderr
     assert float(out.stdout.split()[2]) < 30.0
 

@@ -148,18 +148,18 @@ pub(super) fn new_stream() -> Result<cu::CUstream, GpuError> {
 }
 
 /// A stream of the calling thread on one device, with the piece-copy
-/// kernel's table: entries written to pinned host memory, copied to device
-/// memory on the stream, read there by the kernel.
+/// kernel's table: entries written to pinned host memory and read there by
+/// the kernel.
 struct Stream {
     device: u32,
     raw: cu::CUstream,
     table: Option<Table>,
 }
 
-/// The kernel's table buffers of one [`Stream`], for `cap` entries.
+/// The kernel's table of one [`Stream`] (pinned host memory), for `cap`
+/// entries.
 struct Table {
     host: *mut u64,
-    dev: cu::CUdeviceptr,
     cap: usize,
 }
 
@@ -169,22 +169,16 @@ impl Drop for Stream {
         // waited for by the call that issued it.
         let _ = unsafe { cu::cuStreamDestroy_v2(self.raw) };
         if let Some(t) = self.table.take() {
-            free_table(self.device, t);
+            free_table(t);
         }
     }
 }
 
-/// Frees a table's buffers (no copy or launch uses them any more: each was
-/// waited for by the call that issued it).
-fn free_table(device: u32, t: Table) {
-    if let Ok(cuda) = driver() {
-        let _ = cuda.bind(device);
-        // SAFETY: allocated by `Cuda::table`, freed once, no longer used.
-        unsafe {
-            let _ = cu::cuMemFreeHost(t.host.cast());
-            let _ = cu::cuMemFree_v2(t.dev);
-        }
-    }
+/// Frees a table (no launch reads it any more: each was waited for by the
+/// call that issued it).
+fn free_table(t: Table) {
+    // SAFETY: allocated by `Cuda::table`, freed once, no longer used.
+    let _ = unsafe { cu::cuMemFreeHost(t.host.cast()) };
 }
 
 thread_local! {
@@ -342,8 +336,7 @@ impl Cuda {
             let live: Vec<(u64, u64, u64)> = pieces.iter().copied().filter(|p| p.2 > 0).collect();
             if all_device
                 && live.len() >= KERNEL_MIN
-                && self.kernel.load(std::sync::atomic::Ordering::Relaxed)
-                && let Some(f) = self.copy_kernel(device)
+                && let Some(f) = self.kernel_for(device)
             {
                 // SAFETY: every range is reachable device memory, valid for
                 // the call (the caller's contract); the launch is waited for
@@ -404,9 +397,8 @@ impl Cuda {
     }
 
     /// The piece-copy kernel for `device` (its context current) unless it
-    /// is turned off or failed: for the staging rings, whose tables live in
-    /// pinned host memory.
-    pub(super) fn staging_kernel(&self, device: u32) -> Option<cu::CUfunction> {
+    /// is turned off or failed.
+    pub(super) fn kernel_for(&self, device: u32) -> Option<cu::CUfunction> {
         if !self.kernel.load(std::sync::atomic::Ordering::Relaxed) {
             return None;
         }
@@ -443,8 +435,8 @@ impl Cuda {
     }
 
     /// Writes `pieces` (split into entries of at most
-    /// [`KERNEL_ENTRY_MAX`] bytes) into `s`'s table, copies it to the
-    /// device and launches the kernel on `s`'s stream. Not waited for.
+    /// [`KERNEL_ENTRY_MAX`] bytes) into `s`'s table and launches the kernel
+    /// on `s`'s stream. Not waited for.
     ///
     /// # Safety
     /// Every range is device memory reachable from the current context,
@@ -466,28 +458,20 @@ impl Cuda {
             name: format!("{entries} copies in one launch"),
         })?;
         let table = self.table(s, entries)?;
-        // SAFETY: the table's host buffer holds `cap >= entries` entries of
-        // three u64 each, and no copy reads it (earlier work completed).
+        // SAFETY: the table holds `cap >= entries` entries of three u64
+        // each, and no launch reads it (earlier work completed).
         let host = unsafe { std::slice::from_raw_parts_mut(table.host, entries * 3) };
-        let mut k = 0;
+        let mut rows = host.chunks_exact_mut(3);
         for &(dst, src, len) in pieces {
-            let mut off = 0;
-            while off < len {
-                let l = (len - off).min(KERNEL_ENTRY_MAX);
-                host[k..k + 3].copy_from_slice(&[dst + off, src + off, l]);
-                k += 3;
-                off += l;
-            }
+            for_each_entry(dst, src, len, KERNEL_ENTRY_MAX, |e| {
+                rows.next().expect("counted above").copy_from_slice(&e)
+            });
         }
-        let dev = table.dev;
-        // SAFETY: both buffers hold `entries * 24` bytes; the stream orders
-        // the copy before the launch that reads it.
-        check("cuMemcpyAsync", unsafe {
-            cu::cuMemcpyAsync(dev, table.host as u64, entries * 24, s.raw)
-        })?;
-        // SAFETY: the table holds `n` entries of reachable ranges (the
-        // caller's contract), read after the copy above in stream order.
-        unsafe { launch_pieces(f, dev, n, s.raw) }
+        let at = table.host as u64;
+        // SAFETY: the table (pinned host memory, which the GPU reads where
+        // it is) holds `n` entries of reachable ranges (the caller's
+        // contract).
+        unsafe { launch_pieces(f, at, n, s.raw) }
     }
 
     /// `s`'s table, grown to hold at least `entries` entries.
@@ -496,28 +480,16 @@ impl Cuda {
             return Ok(s.table.as_ref().expect("checked above"));
         }
         if let Some(t) = s.table.take() {
-            free_table(s.device, t);
-            self.bind(s.device)?;
+            free_table(t);
         }
         let cap = entries.next_power_of_two().max(1024);
         let mut host: *mut c_void = std::ptr::null_mut();
         // SAFETY: writes one pointer to `cap * 24` bytes of pinned memory.
         check("cuMemHostAlloc", unsafe {
-            cu::cuMemHostAlloc(&mut host, cap * 24, 0)
+            cu::cuMemHostAlloc(&mut host, cap * 24, cu::CU_MEMHOSTALLOC_PORTABLE)
         })?;
-        let mut dev: cu::CUdeviceptr = 0;
-        // SAFETY: writes one device pointer.
-        let r = check("cuMemAlloc", unsafe {
-            cu::cuMemAlloc_v2(&mut dev, cap * 24)
-        });
-        if let Err(e) = r {
-            // SAFETY: allocated just above, not used.
-            unsafe { cu::cuMemFreeHost(host) };
-            return Err(e);
-        }
         Ok(s.table.insert(Table {
             host: host.cast(),
-            dev,
             cap,
         }))
     }
@@ -639,6 +611,17 @@ impl Cuda {
         self.bind(device)?;
         // SAFETY: forwarded contract.
         check("cuMemFree", unsafe { cu::cuMemFree_v2(ptr) })
+    }
+}
+
+/// Calls `f` with the table entries (`[dst, src, len]`) of one copy: cut
+/// into parts of at most `most` bytes.
+pub(super) fn for_each_entry(dst: u64, src: u64, len: u64, most: u64, mut f: impl FnMut([u64; 3])) {
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(most);
+        f([dst + at, src + at, n]);
+        at += n;
     }
 }
 

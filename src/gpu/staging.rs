@@ -18,7 +18,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cudarc::driver::sys as cu;
 
 use super::GpuError;
-use super::cuda::{Cuda, KERNEL_ENTRY_MAX, check, driver, launch_pieces, new_stream};
+use super::cuda::{
+    Cuda, KERNEL_ENTRY_MAX, check, driver, for_each_entry, launch_pieces, new_stream,
+};
 
 /// One pinned host buffer of a [`Staging`] ring, its table of copies, and
 /// the event that marks them.
@@ -111,7 +113,7 @@ impl Staging {
             device,
             shape,
             stream,
-            kernel: cuda.staging_kernel(device),
+            kernel: cuda.kernel_for(device),
             slots: Vec::with_capacity(shape.slots),
             cur: 0,
             issued: 0,
@@ -226,19 +228,16 @@ impl Staging {
         } else {
             u64::MAX
         };
-        let mut at = 0u64;
-        while at < len as u64 {
-            let n = (len as u64 - at).min(most);
+        for_each_entry(dst, src, len as u64, most, |e| {
             // SAFETY: the table has a row per page of the buffer, and each
             // entry covers at least a page's worth of the buffer's parts
             // (every part starts page-aligned; an entry is a whole part or
             // KERNEL_ENTRY_MAX bytes of one); no launch reads rows at or
             // past `entries`.
             let row = unsafe { std::slice::from_raw_parts_mut(s.table.add(s.entries * 3), 3) };
-            row.copy_from_slice(&[dst + at, src + at, n]);
+            row.copy_from_slice(&e);
             s.entries += 1;
-            at += n;
-        }
+        });
         s.busy = true;
         s.seq = self.issued;
         // The next part starts page-aligned, as each buffer does: direct

@@ -2,6 +2,7 @@
 # The GPU check, in two halves:
 #
 #   ci/gpu-check.sh build   here (no GPU needed): builds the GPU test binary
+#                           (with the libfabric transport)
 #                           and kvxfer-bench with --release, strips them and
 #                           puts them in .gpu/ (git-ignored), to be carried
 #                           to the GPU machine;
@@ -26,7 +27,7 @@ build)
   bash ci/install-deps.sh build
   mkdir -p .gpu
   grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-  bin=$(cargo test --locked --release --test gpu --no-run 2>&1 | grep -o 'target/release/deps/gpu-[0-9a-f]*' | tail -n1)
+  bin=$(cargo test --locked --release --features fabric --test gpu --no-run 2>&1 | grep -o 'target/release/deps/gpu-[0-9a-f]*' | tail -n1)
   [ -n "$bin" ] || { echo "no test binary built" >&2; exit 1; }
   cp "$bin" .gpu/gpu-tests
   cargo build --locked --release -p kvxfer-bench

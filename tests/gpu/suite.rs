@@ -671,6 +671,104 @@ pub fn ipc_same_process() {
     assert!(matches!(e, Error::UnsupportedMemoryType { .. }), "{e:?}");
 }
 
+/// GPU memory on the libfabric transport, provider `shm` (the provider
+/// here that moves device memory, `FI_HMEM`, and then requires
+/// `FI_MR_HMEM`): a libfabric built with CUDA registers the regions with
+/// their device and the bytes move element-exact both ways; one built
+/// without (Debian's) registers none, and requests name the missing
+/// registration, typed, while host memory on the same agents still moves.
+pub fn fabric_round_trips() {
+    let fabric = |name: &str| {
+        make_transfer_agent(
+            Backend::Fabric,
+            AgentConfig::new(name).with_fabric_provider("shm"),
+        )
+    };
+    let (a, b) = match (fabric("a"), fabric("b")) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => {
+            assert!(matches!(e, Error::BackendUnavailable { .. }), "{e:?}");
+            println!("SKIPPED vram_over_fabric: no libfabric shm endpoint here: {e}");
+            return;
+        }
+    };
+    let n = 1u64 << 20;
+    let src = pattern(n as usize, 9);
+    let back = vec![0u8; n as usize];
+    let g = DeviceBuffer::new(0, n).unwrap();
+    let mine = DeviceBuffer::new(0, n).unwrap();
+    register_dram(a.as_ref(), &src);
+    register_dram(a.as_ref(), &back);
+    register_vram(a.as_ref(), &mine).unwrap();
+    register_vram(b.as_ref(), &g).unwrap();
+    let host = vec![0u8; n as usize];
+    register_dram(b.as_ref(), &host);
+    let desc = b.local_agent_desc();
+    a.load_remote_agent(&desc).unwrap();
+    assert_eq!(a.remote_transport("b").unwrap(), "fabric");
+    // Host memory moves whatever libfabric makes of GPU memory.
+    completed(a.submit_transfer(&TransferRequest::write(
+        MemoryDescs::dram(&src),
+        MemoryDescs::dram(&host),
+        "b",
+    )))
+    .unwrap();
+    assert!(host == src);
+    let fabric_index = desc
+        .transports
+        .iter()
+        .position(|t| t.name == "fabric")
+        .expect("a fabric agent offers its endpoint") as u8;
+    let gpu_region = desc
+        .regions
+        .iter()
+        .find(|r| r.mem_type == MemoryType::Vram)
+        .expect("the GPU region is exported");
+    let write = a.submit_transfer(&TransferRequest::write(
+        MemoryDescs::dram(&src),
+        vram(&g, 0, n),
+        "b",
+    ));
+    if gpu_region.key_for(fabric_index).is_none() {
+        let e = write.unwrap_err();
+        assert!(
+            matches!(&e, Error::BackendUnavailable { reason, .. } if reason.contains("without a fabric registration")),
+            "{e:?}"
+        );
+        let e = a
+            .submit_transfer(&TransferRequest::write(
+                vram(&mine, 0, 4096),
+                MemoryDescs::dram(&host[..4096]),
+                "b",
+            ))
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::BackendUnavailable { reason, .. } if reason.contains("without a registration with this agent's fabric device")),
+            "{e:?}"
+        );
+        println!(
+            "SKIPPED vram_over_fabric (its GPU part): this libfabric registers no GPU memory (built without CUDA); refusals checked"
+        );
+        return;
+    }
+    completed(write).unwrap();
+    assert!(device_bytes(&g) == src);
+    completed(a.submit_transfer(&TransferRequest::read(
+        vram(&mine, 0, n),
+        vram(&g, 0, n),
+        "b",
+    )))
+    .unwrap();
+    assert!(device_bytes(&mine) == src);
+    completed(a.submit_transfer(&TransferRequest::read(
+        MemoryDescs::dram(&back),
+        vram(&g, 0, n),
+        "b",
+    )))
+    .unwrap();
+    assert!(back == src);
+}
+
 /// The descriptor an unauthenticated-on-loopback raw client gets from the
 /// agent at `conn` with a `DescRequest` naming host `host` (empty: asks for
 /// no GPU handles), as a non-Rust peer would speak it.
@@ -1040,6 +1138,13 @@ macro_rules! gpu_suite {
         fn vram_over_tcp_stale_key_is_refused() {
             if $ready("vram_over_tcp_stale_key_is_refused") {
                 suite::tcp_stale_vram_key_is_refused();
+            }
+        }
+
+        #[test]
+        fn vram_over_fabric() {
+            if $ready("vram_over_fabric") {
+                suite::fabric_round_trips();
             }
         }
 

@@ -21,7 +21,9 @@
 //! `FI_MR_PROV_KEY` (else random keys this transport asks for), `FI_MR_ENDPOINT`
 //! (registrations bound to the endpoint), `FI_MR_ALLOCATED` (registered
 //! memory is the caller's, allocated) and `FI_MR_HMEM` (GPU memory through
-//! `fi_mr_regattr` with its CUDA device). Keys are up to 64 bits wide. A
+//! `fi_mr_regattr` with its CUDA device; device memory, `FI_HMEM`, is asked
+//! of the provider chosen for host memory, and taken when it moves it).
+//! Keys are up to 64 bits wide. A
 //! provider that registers with a NIC is refused while libfabric's
 //! registration cache is on (`cache_refusal`).
 
@@ -178,6 +180,63 @@ struct Found {
     tx_size: usize,
 }
 
+/// The `fi_info` list of reliable-datagram endpoints with RMA (`provider`
+/// and `domain`: by name; `hmem`: on device memory too), for the caller to
+/// free with `fi_freeinfo`.
+fn getinfo(
+    provider: Option<&CStr>,
+    domain: Option<&CStr>,
+    hmem: bool,
+) -> Result<*mut ffi::fi_info, FabricError> {
+    // SAFETY: plain libfabric calls; the hints are allocated by fi_dupinfo
+    // (of nothing) and freed below, the strings put in them duplicated with
+    // strdup (fi_freeinfo frees them).
+    unsafe {
+        let hints = ffi::fi_dupinfo(ptr::null());
+        if hints.is_null() {
+            return Err(FabricError::Call {
+                call: "fi_dupinfo",
+                code: 12,
+                text: "out of memory".into(),
+            });
+        }
+        let h = &mut *hints;
+        (*h.ep_attr).type_ = ffi::fi_ep_type_FI_EP_RDM;
+        h.caps = u64::from(
+            ffi::FI_RMA | ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ | ffi::FI_REMOTE_WRITE,
+        );
+        if hmem {
+            h.caps |= ffi::FI_HMEM;
+        }
+        // Operation contexts are ours (see `link::OpCtx`), with room for
+        // providers that need some.
+        h.mode = ffi::FI_CONTEXT | ffi::FI_CONTEXT2;
+        (*h.domain_attr).mr_mode = MR_MODES as i32;
+        (*h.domain_attr).threading = ffi::fi_threading_FI_THREAD_SAFE;
+        // No ordering asked for: the notification waits for delivery.
+        (*h.tx_attr).msg_order = u64::from(ffi::FI_ORDER_NONE);
+        (*h.tx_attr).op_flags = u64::from(ffi::FI_DELIVERY_COMPLETE);
+        if let Some(p) = provider {
+            (*h.fabric_attr).prov_name = libc::strdup(p.as_ptr());
+        }
+        if let Some(d) = domain {
+            (*h.domain_attr).name = libc::strdup(d.as_ptr());
+        }
+        let mut info = ptr::null_mut();
+        let rc = ffi::fi_getinfo(API_VERSION, ptr::null(), ptr::null(), 0, hints, &mut info);
+        ffi::fi_freeinfo(hints);
+        check("fi_getinfo", i64::from(rc))?;
+        if info.is_null() {
+            return Err(FabricError::Call {
+                call: "fi_getinfo",
+                code: 61,
+                text: "no provider with reliable-datagram endpoints and RMA".into(),
+            });
+        }
+        Ok(info)
+    }
+}
+
 impl Endpoint {
     /// Finds a provider with reliable-datagram endpoints and RMA (`provider`
     /// and `domain`: by name) and opens an endpoint on it.
@@ -192,68 +251,44 @@ impl Endpoint {
             mr_mode: 0,
             waits: false,
         };
-        let prov = provider
-            .map(CString::new)
-            .transpose()
-            .map_err(|_| FabricError::Call {
-                call: "provider name",
-                code: 0,
-                text: "contains a NUL byte".into(),
-            })?;
-        let dom = domain
-            .map(CString::new)
-            .transpose()
-            .map_err(|_| FabricError::Call {
-                call: "domain name",
-                code: 0,
-                text: "contains a NUL byte".into(),
-            })?;
-        // SAFETY: plain libfabric calls; the hints are allocated by
-        // fi_allocinfo (fi_dupinfo of nothing) and freed below, the strings
-        // put in them duplicated with strdup (fi_freeinfo frees them).
-        unsafe {
-            let hints = ffi::fi_dupinfo(ptr::null());
-            if hints.is_null() {
-                return Err(FabricError::Call {
-                    call: "fi_dupinfo",
-                    code: 12,
-                    text: "out of memory".into(),
-                });
-            }
-            let h = &mut *hints;
-            (*h.ep_attr).type_ = ffi::fi_ep_type_FI_EP_RDM;
-            h.caps = u64::from(
-                ffi::FI_RMA
-                    | ffi::FI_READ
-                    | ffi::FI_WRITE
-                    | ffi::FI_REMOTE_READ
-                    | ffi::FI_REMOTE_WRITE,
+        let name = |what: &'static str, v: Option<&str>| {
+            v.map(CString::new)
+                .transpose()
+                .map_err(|_| FabricError::Call {
+                    call: what,
+                    code: 0,
+                    text: "contains a NUL byte".into(),
+                })
+        };
+        let prov = name("provider name", provider)?;
+        let dom = name("domain name", domain)?;
+        // The provider and domain are chosen for host memory (asking for
+        // device memory too could pass over the first provider for one that
+        // moves it but not between hosts); then the same ones are asked
+        // for device memory (FI_HMEM), and taken with it when they move it.
+        let plain = getinfo(prov.as_deref(), dom.as_deref(), false)?;
+        // SAFETY: `plain` is a list fi_getinfo returned (its first entry's
+        // attributes are set); freed once, here or by `ep`'s drop.
+        let info = unsafe {
+            let i = &*plain;
+            let chosen = (
+                CStr::from_ptr((*i.fabric_attr).prov_name).to_owned(),
+                CStr::from_ptr((*i.domain_attr).name).to_owned(),
             );
-            // Operation contexts are ours (see `link::OpCtx`), with room for
-            // providers that need some.
-            h.mode = ffi::FI_CONTEXT | ffi::FI_CONTEXT2;
-            (*h.domain_attr).mr_mode = MR_MODES as i32;
-            (*h.domain_attr).threading = ffi::fi_threading_FI_THREAD_SAFE;
-            // No ordering asked for: the notification waits for delivery.
-            (*h.tx_attr).msg_order = u64::from(ffi::FI_ORDER_NONE);
-            (*h.tx_attr).op_flags = u64::from(ffi::FI_DELIVERY_COMPLETE);
-            if let Some(p) = &prov {
-                (*h.fabric_attr).prov_name = libc::strdup(p.as_ptr());
+            match getinfo(Some(&chosen.0), Some(&chosen.1), true) {
+                Ok(hmem) => {
+                    ffi::fi_freeinfo(plain);
+                    hmem
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, provider = ?chosen.0, "the provider does not move device memory (FI_HMEM)");
+                    plain
+                }
             }
-            if let Some(d) = &dom {
-                (*h.domain_attr).name = libc::strdup(d.as_ptr());
-            }
-            let mut info = ptr::null_mut();
-            let rc = ffi::fi_getinfo(API_VERSION, ptr::null(), ptr::null(), 0, hints, &mut info);
-            ffi::fi_freeinfo(hints);
-            check("fi_getinfo", i64::from(rc))?;
-            if info.is_null() {
-                return Err(FabricError::Call {
-                    call: "fi_getinfo",
-                    code: 61,
-                    text: "no provider with reliable-datagram endpoints and RMA".into(),
-                });
-            }
+        };
+        // SAFETY: plain libfabric calls on the objects opened here, each
+        // kept in `ep` (closed by its drop, children first).
+        unsafe {
             ep.info = info;
             let i = &*info;
             let found = Found {
@@ -795,11 +830,23 @@ impl Registrar for Fabric {
         // SAFETY: the caller keeps the range allocated while registered;
         // the registration is closed with the region (FabricRegion::drop).
         unsafe {
-            check(
+            let rc = check(
                 "fi_mr_regattr",
                 i64::from(ffi::fi_mr_regattr(ep.domain, &attr, 0, &mut mr)),
-            )
-            .map_err(err)?;
+            );
+            match (rc, cuda) {
+                (Ok(_), _) => {}
+                (Err(e), Some(device)) => {
+                    // The provider moves device memory, but this libfabric
+                    // cannot register GPU memory (built without CUDA, or
+                    // no driver): the region stays registered with the
+                    // agent, and requests to it on this transport fail,
+                    // naming the missing registration.
+                    tracing::warn!(device, error = %e, "libfabric did not register GPU memory; requests to it over fabric will fail");
+                    return Ok(None);
+                }
+                (Err(e), None) => return Err(err(e)),
+            }
             // Closed with this value if binding it fails.
             let mut region = FabricRegion {
                 mr,
@@ -883,6 +930,27 @@ mod tests {
         for p in ["tcp;ofi_rxm", "tcp", "sockets", "udp;ofi_rxd", "net"] {
             assert!(!waiters_poll(p), "{p}");
         }
+    }
+
+    #[test]
+    fn device_memory_is_asked_of_the_provider_chosen_for_host_memory() {
+        // shm moves device memory (FI_HMEM) and then requires FI_MR_HMEM:
+        // its registrations name their memory's interface.
+        let (ep, found) = Endpoint::open(Some("shm"), None).unwrap();
+        assert!(found.hmem);
+        assert_eq!(found.provider, "shm");
+        assert_ne!(
+            ep.mr_mode & u64::from(ffi::FI_MR_HMEM),
+            0,
+            "{:#x}",
+            ep.mr_mode
+        );
+        // tcp;ofi_rxm does not: it is opened without, rather than passed
+        // over for a provider that does.
+        let (ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), None).unwrap();
+        assert!(!found.hmem);
+        assert_eq!(found.provider, "tcp;ofi_rxm");
+        assert_eq!(ep.mr_mode & u64::from(ffi::FI_MR_HMEM), 0);
     }
 
     #[test]

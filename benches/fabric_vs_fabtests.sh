@@ -6,9 +6,11 @@
 #             --pingpong` (8-byte WRITEs bounced between two agents, half the
 #             round trip);
 #   bandwidth benches/fi_rma_loop.c (fi_write / fi_read of 1 MiB, 16 in
-#             flight, no agent) against `kvxfer-bench --backend fabric`
-#             (requests of 16 × 1 MiB, 2 in flight), and kvxfer's own TCP
-#             transport on the same requests.
+#             flight, no agent, cycling through 32 blocks: the 32 MiB that
+#             kvxfer's requests cover; WRITEs both as the provider completes
+#             them by default and on delivery, as kvxfer's complete) against
+#             `kvxfer-bench --backend fabric` (requests of 16 × 1 MiB, 2 in
+#             flight), and kvxfer's own TCP transport on the same requests.
 # Prints one JSON line per measurement, then the medians and their ratios.
 #   PROV=tcp;ofi_rxm ROUNDS=3 benches/fabric_vs_fabtests.sh
 # GUEST=1 runs it inside the soft-RoCE guest (ci/rxe-guest), by default on
@@ -46,15 +48,16 @@ for r in $(seq "$rounds"); do
   echo "{\"round\":$r,\"what\":\"fi_pingpong\",\"us\":$us}" | tee -a "$out"
   KVXFER_FABRIC_PROVIDER="$prov" "$bench" --backend fabric --pingpong --iters 5000 --json |
     sed "s/^{/{\"round\":$r,\"what\":\"kvxfer_fabric_pingpong\",/" | tee -a "$out"
-  for op in write read; do
-    flag=; [ "$op" = read ] && flag=-r
+  for op in write write_dc read; do
+    case $op in write) flag= ;; write_dc) flag=-D ;; read) flag=-r ;; esac
     port=$((port + 1))
-    "$loop" -s "$port" -p "$prov" >/dev/null 2>&1 &
+    "$loop" -s "$port" -p "$prov" -b 32 >/dev/null 2>&1 &
     srv=$!
     listening "$port" || sleep 1
-    "$loop" -c 127.0.0.1 "$port" -p "$prov" -z 1048576 -n 400 -d 16 $flag |
+    "$loop" -c 127.0.0.1 "$port" -p "$prov" -z 1048576 -n 400 -d 16 -b 32 $flag |
       sed "s/^{/{\"round\":$r,\"what\":\"fi_rma_loop\",/" | tee -a "$out"
     wait "$srv" || true
+    [ "$op" = write_dc ] && continue
     for b in fabric tcp; do
       KVXFER_FABRIC_PROVIDER="$prov" "$bench" --backend "$b" --op "$op" --block-size 1MiB \
         --batch 16 --iters 50 --depth 2 --json |
@@ -70,8 +73,15 @@ def med(what, key, op=None):
     return statistics.median(v)
 lat_fi, lat_kv = med("fi_pingpong", "us"), med("kvxfer_fabric_pingpong", "p50_us")
 print(f"8-byte latency (half round trip): fi_pingpong {lat_fi:.2f} us, kvxfer fabric {lat_kv:.2f} us, ratio {lat_kv / lat_fi:.3f}")
+def loop(op, dc):
+    v = [r["gb_per_s"] for r in rows
+         if r["what"] == "fi_rma_loop" and r["op"] == op and r.get("delivery_complete", 0) == dc]
+    return statistics.median(v)
 for op in ("write", "read"):
-    fi, fab, tcp = (med("fi_rma_loop", "gb_per_s", op), med("kvxfer_fabric", "gb_per_s", op),
-                    med("kvxfer_tcp", "gb_per_s", op))
-    print(f"1 MiB {op}: fi_rma_loop {fi:.3f} GB/s, kvxfer fabric {fab:.3f} GB/s ({fab / fi:.3f}x), kvxfer tcp {tcp:.3f} GB/s (fabric/tcp {fab / tcp:.3f})")
+    fi, fab, tcp = loop(op, 0), med("kvxfer_fabric", "gb_per_s", op), med("kvxfer_tcp", "gb_per_s", op)
+    line = f"1 MiB {op}: fi_rma_loop {fi:.3f} GB/s, kvxfer fabric {fab:.3f} GB/s ({fab / fi:.3f}x)"
+    if op == "write":
+        dc = loop(op, 1)
+        line += f"; fi_rma_loop on delivery {dc:.3f} GB/s ({fab / dc:.3f}x)"
+    print(f"{line}; kvxfer tcp {tcp:.3f} GB/s (fabric/tcp {fab / tcp:.3f})")
 PY

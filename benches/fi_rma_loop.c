@@ -1,5 +1,11 @@
 // Minimal fi_write/fi_read loop on an FI_EP_RDM endpoint (reference for kvxfer's libfabric transport).
-// server: fi_rma_loop -s PORT [-p PROV]           client: fi_rma_loop -c HOST PORT [-p PROV] [-z SIZE] [-n ITERS] [-r] [-d DEPTH]
+// server: fi_rma_loop -s PORT [-p PROV] [-b BLOCKS]
+// client: fi_rma_loop -c HOST PORT [-p PROV] [-z SIZE] [-n ITERS] [-r] [-d DEPTH] [-b BLOCKS] [-D]
+// Operation i moves block i % BLOCKS of SIZE bytes (same offset on both sides;
+// the buffer is BLOCKS * SIZE bytes, so the memory touched is that of a
+// workload rather than one cache-resident block). -D: writes complete on
+// delivery (FI_DELIVERY_COMPLETE, as kvxfer's do: a completed WRITE has
+// landed in the target's memory), else on transmit (the provider's default).
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
@@ -24,7 +30,7 @@ static void full(int fd, void *b, size_t n, int wr){ char *p=b; while(n){ ssize_
 
 int main(int argc, char **argv){
   int server = 0; const char *host = NULL; int port = 0; const char *prov = "tcp;ofi_rxm";
-  size_t size = 1<<20; long iters = 1000; int rd = 0; int depth = 16;
+  size_t size = 1<<20; long iters = 1000; int rd = 0; int depth = 16; size_t blocks = 1; int dc = 0;
   for (int i=1;i<argc;i++){
     if(!strcmp(argv[i],"-s")){server=1; port=atoi(argv[++i]);}
     else if(!strcmp(argv[i],"-c")){host=argv[++i]; port=atoi(argv[++i]);}
@@ -33,6 +39,8 @@ int main(int argc, char **argv){
     else if(!strcmp(argv[i],"-n")) iters=atol(argv[++i]);
     else if(!strcmp(argv[i],"-d")) depth=atoi(argv[++i]);
     else if(!strcmp(argv[i],"-r")) rd=1;
+    else if(!strcmp(argv[i],"-b")) blocks=strtoull(argv[++i],0,0);
+    else if(!strcmp(argv[i],"-D")) dc=1;
   }
   struct fi_info *hints = fi_allocinfo(), *info;
   hints->ep_attr->type = FI_EP_RDM;
@@ -40,6 +48,7 @@ int main(int argc, char **argv){
   hints->mode = FI_CONTEXT;
   hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
   hints->fabric_attr->prov_name = strdup(prov);
+  if (dc) hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
   // IPv4 addresses where the provider has them (shm names its endpoints).
   if (strcmp(prov, "shm")) hints->addr_format = FI_SOCKADDR_IN;
   CK(fi_getinfo(FI_VERSION(1, 9), NULL, NULL, 0, hints, &info));
@@ -55,9 +64,11 @@ int main(int argc, char **argv){
   CK(fi_ep_bind(ep, &av->fid, 0));
   CK(fi_enable(ep));
   uint64_t mrm = info->domain_attr->mr_mode;
-  char *buf; if (posix_memalign((void**)&buf, 4096, size)) return 1; memset(buf, server ? 0 : 0x5a, size);
+  if (blocks < 1) blocks = 1;
+  size_t total = size * blocks;
+  char *buf; if (posix_memalign((void**)&buf, 4096, total)) return 1; memset(buf, server ? 0 : 0x5a, total);
   struct fid_mr *mr;
-  CK(fi_mr_reg(dom, buf, size, FI_READ|FI_WRITE|FI_REMOTE_READ|FI_REMOTE_WRITE, 0, 42, 0, &mr, NULL));
+  CK(fi_mr_reg(dom, buf, total, FI_READ|FI_WRITE|FI_REMOTE_READ|FI_REMOTE_WRITE, 0, 42, 0, &mr, NULL));
   if (mrm & FI_MR_ENDPOINT) { CK(fi_mr_bind(mr, &ep->fid, 0)); CK(fi_mr_enable(mr)); }
   void *desc = fi_mr_desc(mr);
   struct xchg me = { .namelen = sizeof me.name, .addr = (mrm & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)buf : 0, .key = fi_mr_key(mr) }, peer;
@@ -80,14 +91,15 @@ int main(int argc, char **argv){
     // Manual data progress: the target polls its queue until the client says done.
     fcntl(fd, F_SETFL, O_NONBLOCK); char c;
     for (;;) { (void)fi_cq_read(cq, ce, 16); ssize_t k = read(fd, &c, 1); if (k == 1 || k == 0) break; }
-    printf("server: first byte %#x last byte %#x\n", (unsigned char)buf[0], (unsigned char)buf[size-1]);
+    printf("server: first byte %#x last byte %#x\n", (unsigned char)buf[0], (unsigned char)buf[total-1]);
     return 0;
   }
   long posted = 0, done = 0; double t0 = 0; long warm = iters / 10;
   while (done < iters + warm) {
     while (posted < iters + warm && posted - done < depth) {
-      ssize_t r = rd ? fi_read(ep, buf, size, desc, pa, peer.addr, peer.key, NULL)
-                     : fi_write(ep, buf, size, desc, pa, peer.addr, peer.key, NULL);
+      size_t off = (size_t)(posted % (long)blocks) * size;
+      ssize_t r = rd ? fi_read(ep, buf + off, size, desc, pa, peer.addr + off, peer.key, NULL)
+                     : fi_write(ep, buf + off, size, desc, pa, peer.addr + off, peer.key, NULL);
       if (r == -FI_EAGAIN) { (void)fi_cq_read(cq, ce, 0); break; }
       if (r) { fprintf(stderr, "post %zd %s\n", r, fi_strerror(-r)); return 1; }
       posted++;
@@ -97,7 +109,7 @@ int main(int argc, char **argv){
     else if (n != -FI_EAGAIN) { struct fi_cq_err_entry e = {0}; fi_cq_readerr(cq, &e, 0); fprintf(stderr, "cq %zd %s\n", n, fi_strerror(e.err)); return 1; }
   }
   double dt = now() - t0;
-  printf("{\"prov\":\"%s\",\"op\":\"%s\",\"size\":%zu,\"iters\":%ld,\"mr_mode\":%llu,\"key\":%llu,\"gb_per_s\":%.4f}\n", info->fabric_attr->prov_name, rd ? "read" : "write", size, iters, (unsigned long long)mrm, (unsigned long long)peer.key, (double)size * iters / dt / 1e9);
+  printf("{\"prov\":\"%s\",\"op\":\"%s\",\"delivery_complete\":%d,\"blocks\":%zu,\"size\":%zu,\"iters\":%ld,\"mr_mode\":%llu,\"key\":%llu,\"gb_per_s\":%.4f}\n", info->fabric_attr->prov_name, rd ? "read" : "write", dc, blocks, size, iters, (unsigned long long)mrm, (unsigned long long)peer.key, (double)size * iters / dt / 1e9);
   char c = 1; full(fd, &c, 1, 1);
   return 0;
 }

@@ -165,16 +165,32 @@ impl Default for ShmConfig {
 /// memory with a NIC (`verbs`, `efa`, …) is used only with libfabric's
 /// registration cache off (`FI_MR_CACHE_MAX_COUNT=0` in the environment):
 /// the cache would keep deregistered memory open to remote writes.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct FabricConfig {
     /// The provider, as libfabric names it (`efa`, `verbs;ofi_rxm`,
     /// `tcp;ofi_rxm`, …); `None`: `KVXFER_FABRIC_PROVIDER`, else the first
     /// provider with reliable-datagram endpoints and RMA.
     pub provider: Option<String>,
-    /// The domain (NIC) by name; `None`: `KVXFER_FABRIC_DOMAIN`, else the
+    /// The domain (NIC) by name; `None`: `KVXFER_FABRIC_DOMAIN`, else, with
+    /// several RDMA devices, the domain of the one nearest GPU `near_gpu`
+    /// (same PCIe switch, else same NUMA node) when the provider has one
+    /// (`efa`: `rdmap16s27-rdm` for device `rdmap16s27`), else the
     /// provider's first.
     pub domain: Option<String>,
+    /// The GPU (device ordinal) whose nearest NIC the agent takes when no
+    /// domain is named (default 0; `None`: never look).
+    pub near_gpu: Option<u32>,
+}
+
+impl Default for FabricConfig {
+    fn default() -> Self {
+        Self {
+            provider: None,
+            domain: None,
+            near_gpu: Some(0),
+        }
+    }
 }
 
 /// The RDMA data path.

@@ -237,10 +237,82 @@ fn getinfo(
     }
 }
 
+/// The provider and domain names of each entry of `list` (an `fi_info`
+/// list from [`getinfo`], freed here), in order; never empty.
+fn names_of(list: *mut ffi::fi_info) -> Vec<(CString, CString)> {
+    let mut names = Vec::new();
+    // SAFETY: a list fi_getinfo returned, every entry's attributes set;
+    // read, then freed once.
+    unsafe {
+        let mut i = list;
+        while !i.is_null() {
+            names.push((
+                CStr::from_ptr((*(*i).fabric_attr).prov_name).to_owned(),
+                CStr::from_ptr((*(*i).domain_attr).name).to_owned(),
+            ));
+            i = (*i).next;
+        }
+        ffi::fi_freeinfo(list);
+    }
+    names
+}
+
+/// The first entry of `list` (from [`getinfo`], freed here) on provider
+/// `provider` and domain `domain`, alone (for the caller to free): a
+/// provider may list other domains than the one asked for.
+fn entry_of(
+    list: *mut ffi::fi_info,
+    provider: &CStr,
+    domain: &CStr,
+) -> Result<*mut ffi::fi_info, FabricError> {
+    // SAFETY: a list fi_getinfo returned, every entry's attributes set;
+    // the entry taken is duplicated before the list is freed (once).
+    unsafe {
+        let mut i = list;
+        while !i.is_null()
+            && (CStr::from_ptr((*(*i).fabric_attr).prov_name) != provider
+                || CStr::from_ptr((*(*i).domain_attr).name) != domain)
+        {
+            i = (*i).next;
+        }
+        let one = if i.is_null() {
+            ptr::null_mut()
+        } else {
+            ffi::fi_dupinfo(i)
+        };
+        ffi::fi_freeinfo(list);
+        if one.is_null() {
+            return Err(FabricError::Call {
+                call: "fi_getinfo",
+                code: 61,
+                text: format!("provider {provider:?} lists no domain {domain:?}"),
+            });
+        }
+        Ok(one)
+    }
+}
+
+/// Which of a provider's `domains` (in order) is RDMA device `device`'s:
+/// the one named after it (`verbs`: `mlx5_0`), or after it with a suffix
+/// of the endpoint type (`efa`: `rdmap16s27-rdm`).
+fn domain_of_device<'a>(domains: impl IntoIterator<Item = &'a str>, device: &str) -> Option<usize> {
+    domains.into_iter().position(|d| {
+        d == device
+            || d.strip_prefix(device)
+                .is_some_and(|rest| rest.starts_with('-'))
+    })
+}
+
 impl Endpoint {
     /// Finds a provider with reliable-datagram endpoints and RMA (`provider`
-    /// and `domain`: by name) and opens an endpoint on it.
-    fn open(provider: Option<&str>, domain: Option<&str>) -> Result<(Self, Found), FabricError> {
+    /// and `domain`: by name; `near`: without a domain named, the domain of
+    /// that RDMA device if the provider has one) and opens an endpoint on
+    /// it.
+    fn open(
+        provider: Option<&str>,
+        domain: Option<&str>,
+        near: Option<&str>,
+    ) -> Result<(Self, Found), FabricError> {
         let mut ep = Endpoint {
             info: ptr::null_mut(),
             fabric: ptr::null_mut(),
@@ -266,24 +338,38 @@ impl Endpoint {
         // device memory too could pass over the first provider for one that
         // moves it but not between hosts); then the same ones are asked
         // for device memory (FI_HMEM), and taken with it when they move it.
-        let plain = getinfo(prov.as_deref(), dom.as_deref(), false)?;
-        // SAFETY: `plain` is a list fi_getinfo returned (its first entry's
-        // attributes are set); freed once, here or by `ep`'s drop.
-        let info = unsafe {
-            let i = &*plain;
-            let chosen = (
-                CStr::from_ptr((*i.fabric_attr).prov_name).to_owned(),
-                CStr::from_ptr((*i.domain_attr).name).to_owned(),
-            );
-            match getinfo(Some(&chosen.0), Some(&chosen.1), true) {
-                Ok(hmem) => {
-                    ffi::fi_freeinfo(plain);
-                    hmem
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, provider = ?chosen.0, "the provider does not move device memory (FI_HMEM)");
-                    plain
-                }
+        let entries = names_of(getinfo(prov.as_deref(), dom.as_deref(), false)?);
+        // The first provider's domains (the domain named, if one is: some
+        // providers list others too): the one of the device nearest the GPU
+        // when asked for and there, else the first.
+        let first = &entries[0].0;
+        let domains: Vec<usize> = (0..entries.len())
+            .filter(|&i| &entries[i].0 == first && dom.as_ref().is_none_or(|d| &entries[i].1 == d))
+            .collect();
+        if domains.is_empty() {
+            return Err(FabricError::Call {
+                call: "fi_getinfo",
+                code: 61,
+                text: format!("provider {first:?} has no domain named {dom:?}"),
+            });
+        }
+        let nearest = near.and_then(|nic| {
+            let names = domains.iter().map(|&i| entries[i].1.to_str().unwrap_or(""));
+            domain_of_device(names, nic).map(|k| domains[k])
+        });
+        let (p, d) = &entries[nearest.unwrap_or(domains[0])];
+        if let Some(nic) = near {
+            if nearest.is_some() {
+                tracing::info!(provider = ?p, domain = ?d, device = nic, "libfabric domain of the RDMA device nearest the GPU");
+            } else {
+                tracing::info!(provider = ?p, domain = ?d, device = nic, "no libfabric domain of the RDMA device nearest the GPU; the provider's first");
+            }
+        }
+        let info = match getinfo(Some(p), Some(d), true).and_then(|l| entry_of(l, p, d)) {
+            Ok(hmem) => hmem,
+            Err(e) => {
+                tracing::debug!(error = %e, provider = ?p, "the provider does not move device memory (FI_HMEM)");
+                entry_of(getinfo(Some(p), Some(d), false)?, p, d)?
             }
         };
         // SAFETY: plain libfabric calls on the objects opened here, each
@@ -551,8 +637,15 @@ impl Fabric {
             backend: "fabric",
             reason: e.to_string(),
         };
-        let (ep, found) =
-            Endpoint::open(provider.as_deref(), domain.as_deref()).map_err(unavailable)?;
+        // Without a domain named: the NIC nearest the agent's GPU (by PCI
+        // topology, as the RDMA transport picks its device), when the
+        // provider has a domain of it.
+        let near = domain
+            .is_none()
+            .then(|| config.fabric.near_gpu.and_then(crate::gpu::nearest_nic))
+            .flatten();
+        let (ep, found) = Endpoint::open(provider.as_deref(), domain.as_deref(), near.as_deref())
+            .map_err(unavailable)?;
         let env = |k: &str| std::env::var(k).ok();
         if let Some(reason) = cache_refusal(
             &found.provider,
@@ -936,7 +1029,7 @@ mod tests {
     fn device_memory_is_asked_of_the_provider_chosen_for_host_memory() {
         // shm moves device memory (FI_HMEM) and then requires FI_MR_HMEM:
         // its registrations name their memory's interface.
-        let (ep, found) = Endpoint::open(Some("shm"), None).unwrap();
+        let (ep, found) = Endpoint::open(Some("shm"), None, None).unwrap();
         assert!(found.hmem);
         assert_eq!(found.provider, "shm");
         assert_ne!(
@@ -947,10 +1040,57 @@ mod tests {
         );
         // tcp;ofi_rxm does not: it is opened without, rather than passed
         // over for a provider that does.
-        let (ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), None).unwrap();
+        let (ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), None, None).unwrap();
         assert!(!found.hmem);
         assert_eq!(found.provider, "tcp;ofi_rxm");
         assert_eq!(ep.mr_mode & u64::from(ffi::FI_MR_HMEM), 0);
+    }
+
+    #[test]
+    fn the_nearest_devices_domain_is_found_by_its_name() {
+        // verbs names a domain after its device; efa adds the endpoint type.
+        assert_eq!(domain_of_device(["mlx5_0", "mlx5_1"], "mlx5_1"), Some(1));
+        assert_eq!(
+            domain_of_device(["rdmap16s27-rdm", "rdmap79s0-rdm"], "rdmap79s0"),
+            Some(1)
+        );
+        // A longer name is another device, and tcp's domains are interfaces.
+        assert_eq!(domain_of_device(["mlx5_10", "mlx5_1"], "mlx5_1"), Some(1));
+        assert_eq!(domain_of_device(["mlx5_10"], "mlx5_1"), None);
+        assert_eq!(domain_of_device(["lo", "eth0"], "mlx5_0"), None);
+    }
+
+    #[test]
+    fn an_endpoint_opens_on_the_domain_of_the_device_asked_for() {
+        // tcp's domains are the host's interfaces (at least `lo`): the
+        // last one listed stands for the device nearest the GPU.
+        let prov = c"tcp;ofi_rxm";
+        let list = getinfo(Some(prov), None, false).unwrap();
+        let mut domains = Vec::new();
+        // SAFETY: a list fi_getinfo returned, read and then freed once.
+        unsafe {
+            let mut i = list;
+            while !i.is_null() {
+                let d = CStr::from_ptr((*(*i).domain_attr).name);
+                domains.push(d.to_string_lossy().into_owned());
+                i = (*i).next;
+            }
+            ffi::fi_freeinfo(list);
+        }
+        let last = domains.last().unwrap();
+        let (_ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), None, Some(last)).unwrap();
+        assert_eq!(&found.domain, last, "{domains:?}");
+        // A device without a domain of this provider: the provider's first.
+        let (_ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), None, Some("mlx5_9")).unwrap();
+        assert_eq!(found.domain, domains[0]);
+        // A domain named is the one opened (tcp lists the others too),
+        // whatever device is near; one the provider lacks is an error.
+        let (_ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), Some(last), Some("mlx5_9")).unwrap();
+        assert_eq!(&found.domain, last);
+        let Err(e) = Endpoint::open(Some("tcp;ofi_rxm"), Some("no-such-nic"), None) else {
+            panic!("a domain the provider lacks was opened");
+        };
+        assert!(e.to_string().contains("no-such-nic"), "{e}");
     }
 
     #[test]

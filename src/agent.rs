@@ -26,75 +26,11 @@ pub use crate::config::{AgentConfig, DEFAULT_RDMA_MAX_INFLIGHT, RdmaProgress};
 use crate::desc::AgentDesc;
 use crate::error::Error;
 use crate::memory::MemoryDescs;
+pub use crate::proto::{TransferOp, TransferRequest, TransportKind};
 pub(crate) use crate::status::{Completion, Progress};
-pub use crate::status::{DataPath, PreparedTransfer, TransferState, TransferStatus, TransportKind};
-
-/// Direction of a one-sided transfer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TransferOp {
-    /// Local memory is read, remote memory written.
-    Write,
-    /// Remote memory is read, local memory written.
-    Read,
-}
-
-/// One transfer: pairs of equally long local and remote descriptors.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TransferRequest {
-    /// Direction.
-    pub op: TransferOp,
-    /// Local descriptors (TensorRT-LLM's `src`).
-    pub local: MemoryDescs,
-    /// Remote descriptors (TensorRT-LLM's `dst`), pairwise with `local`.
-    pub remote: MemoryDescs,
-    /// Name of the remote agent.
-    pub remote_agent: String,
-    /// Delivered to the remote agent after all of this request's data.
-    pub sync_message: Option<Vec<u8>>,
-    /// Storage targets (FILE, BLK): the request completes only once the
-    /// data written is on stable storage (`fdatasync` of each file
-    /// written). Ignored by the other memory types.
-    pub durable: bool,
-}
+pub use crate::status::{DataPath, PreparedTransfer, TransferState, TransferStatus};
 
 impl TransferRequest {
-    /// WRITE `local` (source) into `remote` (destination) at `remote_agent`.
-    pub fn write(local: MemoryDescs, remote: MemoryDescs, remote_agent: impl Into<String>) -> Self {
-        Self {
-            op: TransferOp::Write,
-            local,
-            remote,
-            remote_agent: remote_agent.into(),
-            sync_message: None,
-            durable: false,
-        }
-    }
-
-    /// READ `remote` (source) at `remote_agent` into `local` (destination).
-    pub fn read(local: MemoryDescs, remote: MemoryDescs, remote_agent: impl Into<String>) -> Self {
-        Self {
-            op: TransferOp::Read,
-            local,
-            remote,
-            remote_agent: remote_agent.into(),
-            sync_message: None,
-            durable: false,
-        }
-    }
-
-    /// Storage targets: completes only once the data written is on stable
-    /// storage (see [`durable`](Self::durable)).
-    pub fn with_durable(mut self) -> Self {
-        self.durable = true;
-        self
-    }
-
-    /// Attaches a sync message, delivered after the request's data.
-    pub fn with_sync_message(mut self, msg: impl Into<Vec<u8>>) -> Self {
-        self.sync_message = Some(msg.into());
-        self
-    }
-
     /// Checks the pairing: same count, same lengths, non-empty descriptors.
     ///
     /// # Errors

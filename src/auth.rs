@@ -26,10 +26,7 @@ use std::path::Path;
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
-/// Bytes of a handshake nonce.
-pub const NONCE_LEN: usize = 32;
-/// Bytes of a handshake MAC (HMAC-SHA256).
-pub const MAC_LEN: usize = 32;
+pub use crate::proto::{MAC_LEN, NONCE_LEN};
 /// Shortest credential accepted, in bytes.
 pub const MIN_SECRET_LEN: usize = 16;
 /// Least estimated strength of a credential accepted, in bits (see

@@ -13,204 +13,8 @@ use std::time::Duration;
 
 use crate::desc::DescError;
 use crate::memory::{MemoryDesc, MemoryError, MemoryType};
-
-/// What of a refused request's data reached its destination.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Landed {
-    /// Not a byte: every piece was refused before any was written.
-    Nothing,
-    /// Some pieces landed whole, the others not at all (a deregistration
-    /// in the middle of the request).
-    Partly,
-    /// Every byte landed; what was refused came after the data (its sync
-    /// message, or a commit after its grants expired).
-    All,
-    /// The target did not say: a refused READ, a link the target closed,
-    /// or a target that predates the report.
-    Unknown,
-}
-
-impl Landed {
-    /// The code carried in an `Ack` frame's `aux` (0: unknown).
-    pub(crate) fn code(self) -> u32 {
-        match self {
-            Landed::Unknown => 0,
-            Landed::Nothing => 1,
-            Landed::Partly => 2,
-            Landed::All => 3,
-        }
-    }
-
-    /// The report a code carries (an unknown code: `Unknown`).
-    pub(crate) fn from_code(c: u32) -> Self {
-        match c {
-            1 => Landed::Nothing,
-            2 => Landed::Partly,
-            3 => Landed::All,
-            _ => Landed::Unknown,
-        }
-    }
-}
-
-impl std::fmt::Display for Landed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Landed::Nothing => "not a byte of it landed",
-            Landed::Partly => "part of it landed",
-            Landed::All => "all of its data landed",
-            Landed::Unknown => "what landed is unknown",
-        })
-    }
-}
-
-/// Why a remote agent refused part of a request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum RejectReason {
-    /// The range lies in no region the target registered and exported.
-    NotRegistered,
-    /// The access key does not match the region (stale descriptor: the region
-    /// was deregistered and registered again).
-    BadKey,
-    /// The target does not accept this memory type over this backend.
-    UnsupportedMemoryType,
-    /// The request was malformed.
-    Malformed,
-    /// The target agent is shutting down.
-    ShuttingDown,
-    /// The target holds as many bytes of sync messages (from this peer, or
-    /// in all) as it accepts until its application takes them; the data of
-    /// the request landed, its message was not kept.
-    InboxFull,
-    /// The initiator aborted the request: the segments it had sent landed,
-    /// the rest never came, and the sync message was not delivered.
-    Aborted,
-    /// A storage range (FILE or BLK) is not aligned to the block size its
-    /// direct I/O needs; nothing of it was read or written.
-    Misaligned,
-    /// A storage range ends past the end of the target's file or device (it
-    /// was truncated under its registration); nothing of it moved.
-    PastEnd,
-    /// The target's storage I/O failed with this OS error number (`ENOSPC`:
-    /// the disk is full). Data the request wrote before the failure may
-    /// have landed; earlier requests' data is intact.
-    StorageIo {
-        /// The `errno` (0 when the OS gave none).
-        errno: u16,
-    },
-    /// A copy between the target's GPU memory and its staging buffers
-    /// failed (a driver error, logged at the target). Data of the segment
-    /// may have landed in part.
-    GpuCopy,
-    /// The target holds as many open requests, from all its peers, as it
-    /// accepts (`Limits::max_open_requests`), and this connection held more
-    /// than its fair share of them: the target closed it, failing its
-    /// requests. Their data may have landed in part.
-    Overloaded,
-    /// The request's grants expired (the target's I/O timeout passed
-    /// between the grant and the commit): the target released the ranges
-    /// and failed the request. Its data may have landed in part.
-    GrantExpired,
-}
-
-impl RejectReason {
-    /// Numeric code used on the wire.
-    pub(crate) fn code(self) -> u16 {
-        match self {
-            RejectReason::NotRegistered => 1,
-            RejectReason::BadKey => 2,
-            RejectReason::UnsupportedMemoryType => 3,
-            RejectReason::Malformed => 4,
-            RejectReason::ShuttingDown => 5,
-            RejectReason::InboxFull => 6,
-            RejectReason::Aborted => 7,
-            RejectReason::Misaligned => 8,
-            RejectReason::PastEnd => 9,
-            RejectReason::GpuCopy => 18,
-            RejectReason::Overloaded => 19,
-            RejectReason::GrantExpired => 20,
-            RejectReason::StorageIo { errno } => STORAGE_IO_BASE.saturating_add(errno),
-        }
-    }
-
-    /// The reason for a failed storage read, write or sync at the target.
-    pub(crate) fn storage_io(e: &io::Error) -> Self {
-        if e.kind() == io::ErrorKind::UnexpectedEof {
-            // A read stopped short: the file shrank under its region.
-            return RejectReason::PastEnd;
-        }
-        let errno = e.raw_os_error().unwrap_or(0);
-        RejectReason::StorageIo {
-            errno: u16::try_from(errno)
-                .ok()
-                .filter(|&n| n < u16::MAX - STORAGE_IO_BASE)
-                .unwrap_or(0),
-        }
-    }
-
-    /// Decodes a wire code; unknown codes read as `Malformed`.
-    pub(crate) fn from_code(code: u16) -> Self {
-        match code {
-            1 => RejectReason::NotRegistered,
-            2 => RejectReason::BadKey,
-            3 => RejectReason::UnsupportedMemoryType,
-            5 => RejectReason::ShuttingDown,
-            6 => RejectReason::InboxFull,
-            7 => RejectReason::Aborted,
-            8 => RejectReason::Misaligned,
-            9 => RejectReason::PastEnd,
-            18 => RejectReason::GpuCopy,
-            19 => RejectReason::Overloaded,
-            20 => RejectReason::GrantExpired,
-            c if c >= STORAGE_IO_BASE => RejectReason::StorageIo {
-                errno: c - STORAGE_IO_BASE,
-            },
-            _ => RejectReason::Malformed,
-        }
-    }
-}
-
-/// Wire codes from here on are [`RejectReason::StorageIo`], the `errno`
-/// added.
-const STORAGE_IO_BASE: u16 = 0x100;
-
-impl std::fmt::Display for RejectReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let text = match self {
-            RejectReason::NotRegistered => "range not registered at the target",
-            RejectReason::BadKey => "access key does not match the region (stale descriptor)",
-            RejectReason::UnsupportedMemoryType => "memory type not supported by the target",
-            RejectReason::Malformed => "malformed request",
-            RejectReason::ShuttingDown => "target agent is shutting down",
-            RejectReason::InboxFull => {
-                "the target's sync-message inbox is full (its application is not taking messages)"
-            }
-            RejectReason::Aborted => "the initiator aborted the request",
-            RejectReason::Misaligned => {
-                "the storage range is not aligned to the target's direct-I/O block size"
-            }
-            RejectReason::PastEnd => {
-                "the storage range ends past the end of the target's file or device \
-                 (truncated under its registration)"
-            }
-            RejectReason::GpuCopy => "a copy to or from the target's GPU memory failed",
-            RejectReason::Overloaded => {
-                "the target holds as many open requests as it accepts, and this connection \
-                 held more than its share: the target closed it"
-            }
-            RejectReason::GrantExpired => {
-                "the request's grants expired at the target before its commit"
-            }
-            RejectReason::StorageIo { errno: 0 } => "storage I/O at the target failed",
-            RejectReason::StorageIo { errno } => {
-                let cause = io::Error::from_raw_os_error(i32::from(*errno));
-                return write!(f, "storage I/O at the target failed: {cause}");
-            }
-        };
-        f.write_str(text)
-    }
-}
+use crate::proto::UnknownTransport;
+pub use crate::proto::{Landed, RejectReason};
 
 /// Errors of the transfer-agent layer.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -346,9 +150,9 @@ pub enum Error {
         /// The memory type of the request.
         mem_type: MemoryType,
         /// The transport the configuration requires.
-        required: crate::agent::TransportKind,
+        required: crate::proto::TransportKind,
         /// The transport the peer is reached over.
-        actual: crate::agent::TransportKind,
+        actual: crate::proto::TransportKind,
     },
 
     /// The cluster credential could not be read or is too short.
@@ -533,5 +337,11 @@ impl From<MemoryError> for Error {
             }
             MemoryError::Overlap { desc, existing } => Error::Overlap { desc, existing },
         }
+    }
+}
+
+impl From<UnknownTransport> for Error {
+    fn from(e: UnknownTransport) -> Self {
+        Error::InvalidConfig(e.to_string())
     }
 }

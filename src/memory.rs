@@ -460,3 +460,11 @@ mod tests {
         }
     }
 }
+
+/// One piece of a copy: `len` bytes at `local` here and `remote` there.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Piece {
+    pub(crate) local: u64,
+    pub(crate) remote: u64,
+    pub(crate) len: u64,
+}

@@ -120,13 +120,7 @@ pub(crate) enum Direction {
     Read,
 }
 
-/// One piece of a copy: `len` bytes at `local` here and `remote` there.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Piece {
-    pub(crate) local: u64,
-    pub(crate) remote: u64,
-    pub(crate) len: u64,
-}
+pub(crate) use crate::memory::Piece;
 
 /// Most bytes one cross-memory call moves: an abort (see [`copy`]) takes
 /// effect within this much per copying thread (one TCP segment's worth,

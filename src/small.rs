@@ -5,6 +5,8 @@
 //! them; the agent's own tables (request ids it numbered, peer names, queue
 //! pair numbers) need no flooding-resistant hash.
 
+#![forbid(unsafe_code)]
+
 /// A list that stores one element inline and spills to the heap from the
 /// second on.
 pub(crate) type Few<T> = smallvec::SmallVec<[T; 1]>;

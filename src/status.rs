@@ -5,13 +5,13 @@
 
 #![forbid(unsafe_code)]
 
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::agent::TransferRequest;
 use crate::error::Error;
+pub use crate::proto::TransportKind;
 
 /// Progress of a transfer, as `wait` reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -515,94 +515,6 @@ impl std::fmt::Debug for PreparedTransfer {
             .field("indexed", &self.indexed.as_ref().map(|p| p.pairs()))
             .field("resolved", &self.resolved.is_some())
             .finish()
-    }
-}
-
-/// A data path: how bytes move between this agent and a peer. Its
-/// discriminant is its code on the wire (a transport's own frames name it
-/// by that code, `docs/wire-format.md`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-#[repr(u8)]
-pub enum TransportKind {
-    /// TCP streams: the kernel copies between the socket and registered
-    /// memory (`sendmsg` / `readv`).
-    Tcp = 1,
-    /// Cross-memory attach between processes of one host
-    /// (`process_vm_writev` / `process_vm_readv`), by the initiator or, for
-    /// scattered remote pieces, by the target.
-    Shm = 2,
-    /// One-sided RDMA WRITE / READ on reliable-connected queue pairs, zero
-    /// copy.
-    Rdma = 3,
-    /// One-sided `fi_write` / `fi_read` on a libfabric reliable-datagram
-    /// endpoint, zero copy.
-    Fabric = 4,
-    /// A plain copy between two agents of one process
-    /// ([`Backend::InProcess`](crate::agent::Backend::InProcess)).
-    InProcess = 5,
-    /// Reads and writes between host memory and the agent's own storage
-    /// (FILE and BLK regions), by `io_uring` or `pread`/`pwrite`.
-    Storage = 6,
-}
-
-impl TransportKind {
-    /// Every transport.
-    pub(crate) const ALL: [Self; 6] = [
-        Self::Tcp,
-        Self::Shm,
-        Self::Rdma,
-        Self::Fabric,
-        Self::InProcess,
-        Self::Storage,
-    ];
-
-    /// Its code on the wire (its discriminant).
-    pub(crate) fn code(self) -> u8 {
-        self as u8
-    }
-
-    /// The transport whose code is `code`, if any.
-    pub(crate) fn from_code(code: u8) -> Option<Self> {
-        Self::ALL.into_iter().find(|t| t.code() == code)
-    }
-
-    /// Its name: `"tcp"`, `"shm"`, `"rdma"`, `"fabric"`, `"inproc"` or
-    /// `"storage"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Tcp => "tcp",
-            Self::Shm => "shm",
-            Self::Rdma => "rdma",
-            Self::Fabric => "fabric",
-            Self::InProcess => "inproc",
-            Self::Storage => "storage",
-        }
-    }
-}
-
-impl std::fmt::Display for TransportKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for TransportKind {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self, Error> {
-        // Storage is the agent's own, never a peer's data path.
-        let named = || Self::ALL.into_iter().filter(|t| *t != Self::Storage);
-        named()
-            .find(|t| t.as_str().eq_ignore_ascii_case(s))
-            .ok_or_else(|| {
-                let names: Vec<_> = named().map(Self::as_str).collect();
-                Error::InvalidConfig(format!(
-                    "unknown transport {:?} ({})",
-                    s.to_ascii_lowercase(),
-                    names.join(", ")
-                ))
-            })
     }
 }
 

@@ -16,11 +16,11 @@ use crate::desc::{AgentDesc, RegionKey};
 use crate::engine::cma_target::CmaSession;
 use crate::engine::cma_wire::{CmaFrame, LocalAccess};
 use crate::engine::peer::fetch_desc;
-use crate::engine::plan::{grant_ranges, should_delegate};
+use crate::engine::plan::{GrantRange, grant_ranges, should_delegate};
 use crate::engine::requests::Finished;
 use crate::engine::sock::{iov, writev_all};
 use crate::engine::socket_link::{
-    CmaLink, CmaOutcome, Frames, GrantRange, Job, Pending, Segs, SocketPath, Tail, connect_streams,
+    CmaLink, CmaOutcome, Frames, Job, Pending, Segs, SocketPath, Tail, connect_streams,
 };
 use crate::engine::target::{Conn, HeldSync};
 use crate::engine::transport::{Link, SessionState, Submission, Transport};

@@ -17,7 +17,7 @@ use crate::engine::wire::{
     mem_from_code, op_flags,
 };
 use crate::memory::MemoryType;
-use crate::status::TransportKind;
+use crate::proto::TransportKind;
 
 /// How a peer on the same host may reach an agent's memory directly
 /// (cross-memory attach): what the shm transport offers in its descriptor.

@@ -333,3 +333,28 @@ pub(super) fn respond(
         ))
     })
 }
+
+/// The target's side of the connection handshake on `fd` (for the fuzz
+/// targets): whether it accepted.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_respond(
+    fd: std::os::fd::BorrowedFd<'_>,
+    cred: Option<&crate::auth::Credential>,
+) -> std::io::Result<bool> {
+    use crate::engine::sock::{FrameReader, ProgressClock};
+    use std::os::fd::AsRawFd;
+    use std::time::Duration;
+    let clock = ProgressClock::new();
+    let mut reader = FrameReader::new(fd.as_raw_fd(), &clock);
+    reader.set_deadline(Some(std::time::Instant::now() + Duration::from_secs(1)));
+    let v = respond(
+        fd,
+        &mut reader,
+        &|| false,
+        cred,
+        "target",
+        &clock,
+        Duration::from_secs(1),
+    )?;
+    Ok(matches!(v, Verdict::Accepted(_)))
+}

@@ -6,7 +6,7 @@
 #![forbid(unsafe_code)]
 
 use crate::agent::{PreparedTransfer, TransferAgent, TransferOp, TransportKind};
-use crate::engine::socket_link::Seg;
+use crate::engine::plan::Seg;
 use crate::engine::{Engine, Peer, lock};
 use crate::error::Error;
 use crate::indexed::{

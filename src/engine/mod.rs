@@ -65,7 +65,7 @@ mod transport;
 pub(crate) mod wire;
 
 #[cfg(feature = "fuzzing")]
-pub(crate) use plan::fuzz_respond;
+pub(crate) use handshake::fuzz_respond;
 #[cfg(feature = "fuzzing")]
 pub(crate) use plan::{delegated_pieces, write_list_pieces};
 use target::Session;

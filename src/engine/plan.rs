@@ -1,18 +1,53 @@
 //! Request planning, free of I/O: TCP segments per stream, write-list and
 //! delegate tables (parsed with bounds checks, also by the fuzz targets),
-//! cross-memory grants and the delegation choice, RDMA work requests.
+//! cross-memory grants and the delegation choice. It imports only the
+//! pure parts of the crate (the memory model, the protocol's vocabulary,
+//! the frame codecs); the RDMA link plans its work requests itself.
 
 #![forbid(unsafe_code)]
 
-use crate::agent::{AgentConfig, TransferRequest};
-use crate::engine::socket_link::{GrantRange, RdmaLink, Seg};
-use crate::engine::submit::Resolved;
-use crate::engine::wire::WRITE_LIST_ENTRY;
-use crate::engine::{cma_wire, rdma};
-use crate::error::Error;
-use crate::memory::{MemoryDescs, MemoryType};
-use crate::shm::Piece;
-use crate::small::Few;
+use crate::engine::cma_wire;
+use crate::engine::wire::{Frame, HEADER_LEN, WRITE_LIST_ENTRY};
+use crate::memory::{MemoryDescs, MemoryType, Piece};
+use crate::proto::TransferRequest;
+
+/// A piece of a TCP request on one stream: where it comes from here and
+/// goes to there.
+#[derive(Clone, Copy)]
+pub(in crate::engine) struct Seg {
+    pub(in crate::engine) mem_type: MemoryType,
+    /// The storage handle of a FILE or BLK destination (else unused).
+    pub(in crate::engine) device: u32,
+    pub(in crate::engine) local: u64,
+    /// The device of local GPU memory (moved through staging buffers).
+    pub(in crate::engine) local_gpu: Option<u32>,
+    pub(in crate::engine) remote: u64,
+    pub(in crate::engine) len: u64,
+    pub(in crate::engine) key: u64,
+}
+
+impl Seg {
+    /// Its `Write` frame header (the payload follows it).
+    pub(in crate::engine) fn write_header(&self, req: u64) -> [u8; HEADER_LEN] {
+        Frame::Write {
+            req,
+            mem_type: self.mem_type,
+            device: self.device,
+            addr: self.remote,
+            len: self.len,
+            key: self.key,
+        }
+        .encode()
+    }
+}
+
+/// A range the target must grant for a cross-memory request.
+pub(in crate::engine) struct GrantRange {
+    pub(in crate::engine) mem_type: MemoryType,
+    pub(in crate::engine) addr: u64,
+    pub(in crate::engine) len: u64,
+    pub(in crate::engine) key: u64,
+}
 
 /// Splits `(local, remote)` pairs into segments of at most `max` bytes and
 /// spreads them over `streams` streams, balancing bytes.
@@ -93,32 +128,6 @@ pub(crate) fn write_list_pieces(table: &[u8], total: u64) -> Result<WriteListTab
     Ok(WriteListTable { pieces, lo, hi })
 }
 
-/// The target's side of the connection handshake on `fd` (for the fuzz
-/// targets): whether it accepted.
-#[cfg(feature = "fuzzing")]
-pub(crate) fn fuzz_respond(
-    fd: std::os::fd::BorrowedFd<'_>,
-    cred: Option<&crate::auth::Credential>,
-) -> std::io::Result<bool> {
-    use crate::engine::handshake;
-    use crate::engine::sock::{FrameReader, ProgressClock};
-    use std::os::fd::AsRawFd;
-    use std::time::Duration;
-    let clock = ProgressClock::new();
-    let mut reader = FrameReader::new(fd.as_raw_fd(), &clock);
-    reader.set_deadline(Some(std::time::Instant::now() + Duration::from_secs(1)));
-    let v = handshake::respond(
-        fd,
-        &mut reader,
-        &|| false,
-        cred,
-        "target",
-        &clock,
-        Duration::from_secs(1),
-    )?;
-    Ok(matches!(v, handshake::Verdict::Accepted(_)))
-}
-
 /// The pieces of a `Delegate` table, as (local = the target's address,
 /// remote = the initiator's): each non-empty, and inside one of `spans`
 /// (the request's admitted grants).
@@ -195,41 +204,10 @@ pub(in crate::engine) fn grant_ranges(remote: &MemoryDescs, keys: &[u64]) -> Vec
     spans
 }
 
-/// Whether waiting threads poll the completion queue themselves for `req`:
-/// only for small, latency-bound requests — on large ones a spinning
+/// Whether waiting threads poll the completion queue themselves for `req`
+/// (of at most `max` bytes): only for small, latency-bound requests — on large ones a spinning
 /// waiter takes the CPU from the stack that moves the data (measured on
 /// soft-RoCE: dropped ACKs and stalls), and saves nothing.
-pub(in crate::engine) fn small(req: &TransferRequest) -> bool {
-    req.local.descs.iter().map(|d| d.len).sum::<u64>() <= crate::status::DRIVE_MAX_BYTES
-}
-
-/// `req`'s work requests on `link`'s queue pairs, from its resolved local
-/// and remote keys (32-bit: the RDMA transport's handles and its keys in
-/// descriptors hold nothing wider).
-pub(in crate::engine) fn plan_rdma(
-    req: &TransferRequest,
-    resolved: &Resolved,
-    link: &RdmaLink,
-    config: &AgentConfig,
-) -> Result<Few<rdma::Wr>, Error> {
-    let pieces: Few<_> = req
-        .local
-        .descs
-        .iter()
-        .zip(&resolved.local_keys)
-        .zip(req.remote.descs.iter().zip(&resolved.remote_keys))
-        .map(|((l, &lk), (r, rk))| (lk as u32, l.addr, rk.key as u32, r.addr, l.len))
-        .collect();
-    let conn = link.parts.qps.first().ok_or(Error::Closed)?;
-    let mut wrs = rdma::plan_wrs(
-        &pieces,
-        conn.max_msg.min(config.tcp.segment_size).min(rdma::WR_MAX),
-        conn.max_sge,
-    );
-    if req.local.mem_type == MemoryType::Vram {
-        for w in wrs.iter_mut() {
-            w.gpu = true;
-        }
-    }
-    Ok(wrs)
+pub(in crate::engine) fn small(req: &TransferRequest, max: u64) -> bool {
+    req.local.descs.iter().map(|d| d.len).sum::<u64>() <= max
 }

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use crate::error::{Landed, RejectReason};
+use crate::proto::{Landed, RejectReason};
 
 #[derive(Debug)]
 struct RequestProgress<M> {
@@ -43,7 +43,7 @@ pub(crate) struct Finished<M = Vec<u8>> {
     /// First refusal among the request's segments, if any.
     pub(crate) outcome: Result<(), RejectReason>,
     /// What of its data landed (`All` when nothing was refused).
-    pub(crate) landed: crate::error::Landed,
+    pub(crate) landed: crate::proto::Landed,
     /// The sync message to deliver (only present on success).
     pub(crate) sync: Option<M>,
 }

@@ -13,13 +13,12 @@ use crate::engine::cma::CmaParts;
 use crate::engine::indexed::IndexedSegs;
 use crate::engine::peer::connect_any;
 use crate::engine::peer::handshake;
+use crate::engine::plan::Seg;
 use crate::engine::sock::ProgressClock;
 use crate::engine::submit::{PreparedHold, Resolved};
 use crate::engine::transport::{Link, Submission};
-use crate::engine::wire::{Frame, HEADER_LEN};
 use crate::engine::{Engine, Inner, Peer, in_flight, lock, rdma, tick, wire};
 use crate::error::Error;
-use crate::memory::MemoryType;
 use crate::registry::RegionGuard;
 use crate::small::{FastHash, Few};
 use crate::status::Prepared;
@@ -111,34 +110,6 @@ pub(in crate::engine) struct ReadSlot {
     pub(in crate::engine) pending: Arc<Pending>,
 }
 
-#[derive(Clone, Copy)]
-pub(in crate::engine) struct Seg {
-    pub(in crate::engine) mem_type: MemoryType,
-    /// The storage handle of a FILE or BLK destination (else unused).
-    pub(in crate::engine) device: u32,
-    pub(in crate::engine) local: u64,
-    /// The device of local GPU memory (moved through staging buffers).
-    pub(in crate::engine) local_gpu: Option<u32>,
-    pub(in crate::engine) remote: u64,
-    pub(in crate::engine) len: u64,
-    pub(in crate::engine) key: u64,
-}
-
-impl Seg {
-    /// Its `Write` frame header (the payload follows it).
-    pub(in crate::engine) fn write_header(&self, req: u64) -> [u8; HEADER_LEN] {
-        Frame::Write {
-            req,
-            mem_type: self.mem_type,
-            device: self.device,
-            addr: self.remote,
-            len: self.len,
-            key: self.key,
-        }
-        .encode()
-    }
-}
-
 /// A request's segments on one stream: planned (shared with the prepared
 /// transfer that planned them, when it is one), or a share of a transfer
 /// made by index, found by the sender.
@@ -192,14 +163,6 @@ pub(in crate::engine) enum Tail {
         durable: bool,
     },
     Fence,
-}
-
-/// A range the target must grant for a cross-memory request.
-pub(in crate::engine) struct GrantRange {
-    pub(in crate::engine) mem_type: MemoryType,
-    pub(in crate::engine) addr: u64,
-    pub(in crate::engine) len: u64,
-    pub(in crate::engine) key: u64,
 }
 
 /// How a cross-memory request goes on after its grants and copy.

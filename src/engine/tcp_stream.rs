@@ -7,10 +7,10 @@
 use crate::agent::{DataPath, TransferOp, TransferRequest, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
 use crate::engine::indexed::IndexedSegs;
-use crate::engine::plan::plan_segments;
+use crate::engine::plan::{Seg, plan_segments};
 use crate::engine::sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
 use crate::engine::socket_link::{
-    Frames, Job, Pending, ReadSlot, Seg, Segs, SocketLink, SocketPath, Tail, TcpLink, TcpParts,
+    Frames, Job, Pending, ReadSlot, Segs, SocketLink, SocketPath, Tail, TcpLink, TcpParts,
     connect_streams,
 };
 use crate::engine::submit::Resolved;

@@ -8,7 +8,7 @@ use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 use crate::memory::MemoryType;
-use crate::status::TransportKind;
+use crate::proto::TransportKind;
 
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 40;
@@ -44,7 +44,7 @@ const _: () = assert!(std::mem::size_of::<RawHeader>() == HEADER_LEN);
 pub mod status {
     /// Success.
     pub const OK: u16 = 0;
-    // 1..=9 and 18..=20 are `RejectReason` codes (see `crate::error::RejectReason`).
+    // 1..=9 and 18..=20 are `RejectReason` codes (see `crate::proto::RejectReason`).
     /// Hello: the target is not the instance the initiator expected.
     pub const STALE_INSTANCE: u16 = 10;
     /// Hello: protocol version not supported.
@@ -94,7 +94,7 @@ const K_TRANSPORT: u8 = 24;
 
 /// Largest `AuthHello` / `AuthChallenge` body: nonce, MAC, longest name.
 pub const MAX_AUTH_BODY: u32 =
-    (crate::auth::NONCE_LEN + crate::auth::MAC_LEN + crate::desc::MAX_AGENT_NAME) as u32;
+    (crate::proto::NONCE_LEN + crate::proto::MAC_LEN + crate::desc::MAX_AGENT_NAME) as u32;
 
 /// Longest host id a `DescRequest` carries.
 pub const MAX_HOST_ID: u32 = 256;
@@ -151,7 +151,7 @@ pub enum Frame {
         idle_ms: u32,
     },
     /// First frame of every connection: the initiator's nonce and agent
-    /// name follow (`body_len` bytes: [`crate::auth::NONCE_LEN`] of nonce,
+    /// name follow (`body_len` bytes: [`crate::proto::NONCE_LEN`] of nonce,
     /// then the name).
     AuthHello {
         /// Whether the initiator holds a cluster credential.
@@ -170,7 +170,7 @@ pub enum Frame {
         /// Body length.
         body_len: u32,
     },
-    /// The initiator's MAC ([`crate::auth::MAC_LEN`] bytes follow).
+    /// The initiator's MAC ([`crate::proto::MAC_LEN`] bytes follow).
     AuthProof,
     /// The target's verdict on `AuthProof`.
     AuthResult {
@@ -328,7 +328,7 @@ pub enum Frame {
         /// `status::OK` or a reject code.
         status: u16,
         /// With a reject code: what of the data landed
-        /// ([`Landed::code`](crate::error::Landed); 0 unknown).
+        /// ([`Landed::code`](crate::proto::Landed); 0 unknown).
         landed: u32,
     },
 }
@@ -424,7 +424,7 @@ impl Frame {
             | Frame::DescReply { body_len: n }
             | Frame::DescRequest { host_len: n }
             | Frame::Commit { sync_len: n, .. } => u64::from(n),
-            Frame::AuthProof => crate::auth::MAC_LEN as u64,
+            Frame::AuthProof => crate::proto::MAC_LEN as u64,
             Frame::Write { len, .. } | Frame::ReadData { len, .. } => len,
             Frame::WriteList { count, total, .. } => {
                 total.saturating_add(u64::from(count) * WRITE_LIST_ENTRY as u64)
@@ -490,7 +490,7 @@ impl Frame {
             }
             Frame::AuthProof => {
                 h.kind = K_AUTH_PROOF;
-                h.aux = (crate::auth::MAC_LEN as u32).into();
+                h.aux = (crate::proto::MAC_LEN as u32).into();
             }
             Frame::AuthResult { status } => {
                 h.kind = K_AUTH_RESULT;
@@ -654,7 +654,7 @@ impl Frame {
                 }
                 let keyed = h.flags == 1;
                 if h.kind == K_AUTH_HELLO {
-                    if (aux as usize) < crate::auth::NONCE_LEN {
+                    if (aux as usize) < crate::proto::NONCE_LEN {
                         return Err(WireError::BadField("auth hello body length"));
                     }
                     Frame::AuthHello {
@@ -663,7 +663,8 @@ impl Frame {
                     }
                 } else {
                     let st = h.status.get();
-                    let min = crate::auth::NONCE_LEN + if keyed { crate::auth::MAC_LEN } else { 0 };
+                    let min =
+                        crate::proto::NONCE_LEN + if keyed { crate::proto::MAC_LEN } else { 0 };
                     if st == status::OK && (aux as usize) < min || st != status::OK && aux != 0 {
                         return Err(WireError::BadField("auth challenge body length"));
                     }
@@ -675,7 +676,7 @@ impl Frame {
                 }
             }
             K_AUTH_PROOF => {
-                if aux as usize != crate::auth::MAC_LEN {
+                if aux as usize != crate::proto::MAC_LEN {
                     return Err(WireError::BadField("auth proof length"));
                 }
                 Frame::AuthProof

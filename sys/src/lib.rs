@@ -740,7 +740,9 @@ pub unsafe extern "C" fn kvxfer_agent_new(
             {
                 // SAFETY: NUL-terminated per the contract.
                 let t = unsafe { text(p, "options.require_dram_transport")? };
-                cfg = cfg.with_required_transport(MemoryType::Dram, t.parse()?);
+                let kind: kvxfer_core::TransportKind =
+                    t.parse().map_err(kvxfer_core::Error::from)?;
+                cfg = cfg.with_required_transport(MemoryType::Dram, kind);
             }
             if let Some(p) = field!(etcd_endpoints: *const c_char).filter(|p| !p.is_null()) {
                 // SAFETY: NUL-terminated per the contract.

@@ -34,7 +34,7 @@ mod tests;
 use std::time::Instant;
 
 use super::wire::Msg;
-use crate::agent::TransferRequest;
+use crate::proto::TransferRequest;
 
 pub use receiver::{ReceiverEvent, ReceiverMachine};
 #[cfg(feature = "fuzzing")]

@@ -16,7 +16,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{Stopwatch, TransferAction, TransferId, Transmit, lap};
-use crate::agent::TransferRequest;
 use crate::cache::lookup::walk_back;
 use crate::cache::wire::{Msg, RequestInfo};
 use crate::cache::{
@@ -24,6 +23,7 @@ use crate::cache::{
     SenderConfig, SessionStats, distinct_heads, map_layers, rank_slice, target_ranks,
 };
 use crate::memory::{MemoryDesc, MemoryDescs};
+use crate::proto::TransferRequest;
 use crate::small::FastHash;
 
 /// Finished request ids remembered, so that a late request for one is

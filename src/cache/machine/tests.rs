@@ -13,13 +13,13 @@ use super::{
     ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine, TransferAction, TransferId,
     Transmit,
 };
-use crate::agent::TransferRequest;
 use crate::cache::pattern::{check_block, fill_block};
 use crate::cache::wire::{Msg, Reassembler, RequestInfo};
 use crate::cache::{
     Attention, CacheError, CacheState, DataType, RankSlice, ReceiverConfig, RecvRequest,
     SenderConfig, distinct_heads, rank_slice,
 };
+use crate::proto::TransferRequest;
 
 /// One message's flight.
 const LATENCY: Duration = Duration::from_millis(2);

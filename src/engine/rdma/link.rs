@@ -6,17 +6,19 @@
 use crate::agent::{
     Completion, DataPath, Progress, TransferOp, TransferRequest, TransferStatus, TransportKind,
 };
+use crate::config::AgentConfig;
 use crate::desc::AgentDesc;
-use crate::engine::plan::{plan_rdma, small};
+use crate::engine::plan::small;
 use crate::engine::rdma::recv::rdma_connect;
 use crate::engine::socket_link::{Frames, Pending, RdmaLink, SocketPath, connect_streams};
 use crate::engine::submit::Resolved;
 use crate::engine::transport::Submission;
 use crate::engine::{Engine, Inner, Peer, lock, rdma};
 use crate::error::Error;
+use crate::memory::MemoryType;
 use crate::registry::RegionGuard;
 use crate::small::Few;
-use crate::status::Prepared;
+use crate::status::{DRIVE_MAX_BYTES, Prepared};
 use crate::verbs::Device;
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -150,7 +152,7 @@ impl RdmaLink {
         } = sub;
         let config = &engine.inner.config;
         let wrs = plan_rdma(req, &resolved, &self, config)?;
-        let driver = small(req).then(|| self.driver());
+        let driver = small(req, DRIVE_MAX_BYTES).then(|| self.driver());
         if !fence && req.local.descs.len() <= fast::REMEMBER_MAX_DESCS && driver.is_some() {
             let planned = fast::Planned {
                 op: req.op,
@@ -173,7 +175,7 @@ impl RdmaLink {
     ) -> Result<fast::PreparedRdma, Error> {
         let config = &engine.inner.config;
         let wrs = plan_rdma(req, &resolved, &self, config)?;
-        let driver = small(req).then(|| self.driver());
+        let driver = small(req, DRIVE_MAX_BYTES).then(|| self.driver());
         Ok(fast::PreparedRdma {
             peer,
             link: self,
@@ -757,4 +759,35 @@ impl rdma::schedule::Room for LinkRoom<'_> {
     fn take_buffer(&mut self) -> Option<usize> {
         self.0.sends.try_acquire()
     }
+}
+
+/// `req`'s work requests on `link`'s queue pairs, from its resolved local
+/// and remote keys (32-bit: the RDMA transport's handles and its keys in
+/// descriptors hold nothing wider).
+fn plan_rdma(
+    req: &TransferRequest,
+    resolved: &Resolved,
+    link: &RdmaLink,
+    config: &AgentConfig,
+) -> Result<Few<rdma::Wr>, Error> {
+    let pieces: Few<_> = req
+        .local
+        .descs
+        .iter()
+        .zip(&resolved.local_keys)
+        .zip(req.remote.descs.iter().zip(&resolved.remote_keys))
+        .map(|((l, &lk), (r, rk))| (lk as u32, l.addr, rk.key as u32, r.addr, l.len))
+        .collect();
+    let conn = link.parts.qps.first().ok_or(Error::Closed)?;
+    let mut wrs = rdma::plan_wrs(
+        &pieces,
+        conn.max_msg.min(config.tcp.segment_size).min(rdma::WR_MAX),
+        conn.max_sge,
+    );
+    if req.local.mem_type == MemoryType::Vram {
+        for w in wrs.iter_mut() {
+            w.gpu = true;
+        }
+    }
+    Ok(wrs)
 }

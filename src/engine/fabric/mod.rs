@@ -339,20 +339,21 @@ impl Endpoint {
         // moves it but not between hosts); then the same ones are asked
         // for device memory (FI_HMEM), and taken with it when they move it.
         let entries = names_of(getinfo(prov.as_deref(), dom.as_deref(), false)?);
-        // The first provider's domains (the domain named, if one is: some
-        // providers list others too): the one of the device nearest the GPU
-        // when asked for and there, else the first.
-        let first = &entries[0].0;
-        let domains: Vec<usize> = (0..entries.len())
-            .filter(|&i| &entries[i].0 == first && dom.as_ref().is_none_or(|d| &entries[i].1 == d))
-            .collect();
-        if domains.is_empty() {
+        // The domains of the first provider that has the domain named (if
+        // one is: some providers list others too, whatever the hint): the
+        // one of the device nearest the GPU when asked for and there, else
+        // the first.
+        let named = |i: &usize| dom.as_ref().is_none_or(|d| &entries[*i].1 == d);
+        let Some(first) = (0..entries.len()).find(named).map(|i| &entries[i].0) else {
             return Err(FabricError::Call {
                 call: "fi_getinfo",
                 code: 61,
-                text: format!("provider {first:?} has no domain named {dom:?}"),
+                text: format!("no provider has a domain named {dom:?}"),
             });
-        }
+        };
+        let domains: Vec<usize> = (0..entries.len())
+            .filter(|i| &entries[*i].0 == first && named(i))
+            .collect();
         let nearest = near.and_then(|nic| {
             let names = domains.iter().map(|&i| entries[i].1.to_str().unwrap_or(""));
             domain_of_device(names, nic).map(|k| domains[k])
@@ -1091,6 +1092,14 @@ mod tests {
             panic!("a domain the provider lacks was opened");
         };
         assert!(e.to_string().contains("no-such-nic"), "{e}");
+        // A domain named, no provider: the provider that has it, though
+        // another (tcp, listing its interfaces whatever the hint) comes
+        // first.
+        let (_ep, found) = Endpoint::open(None, Some("shm"), None).unwrap();
+        assert_eq!(
+            (found.provider.as_str(), found.domain.as_str()),
+            ("shm", "shm")
+        );
     }
 
     #[test]

@@ -120,7 +120,7 @@ pub(crate) enum Direction {
     Read,
 }
 
-pub(crate) use crate::memory::Piece;
+use crate::memory::Piece;
 
 /// Most bytes one cross-memory call moves: an abort (see [`copy`]) takes
 /// effect within this much per copying thread (one TCP segment's worth,

@@ -203,11 +203,3 @@ pub(in crate::engine) fn grant_ranges(remote: &MemoryDescs, keys: &[u64]) -> Vec
     }
     spans
 }
-
-/// Whether waiting threads poll the completion queue themselves for `req`
-/// (of at most `max` bytes): only for small, latency-bound requests — on large ones a spinning
-/// waiter takes the CPU from the stack that moves the data (measured on
-/// soft-RoCE: dropped ACKs and stalls), and saves nothing.
-pub(in crate::engine) fn small(req: &TransferRequest, max: u64) -> bool {
-    req.local.descs.iter().map(|d| d.len).sum::<u64>() <= max
-}

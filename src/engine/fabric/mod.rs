@@ -1065,19 +1065,10 @@ mod tests {
     fn an_endpoint_opens_on_the_domain_of_the_device_asked_for() {
         // tcp's domains are the host's interfaces (at least `lo`): the
         // last one listed stands for the device nearest the GPU.
-        let prov = c"tcp;ofi_rxm";
-        let list = getinfo(Some(prov), None, false).unwrap();
-        let mut domains = Vec::new();
-        // SAFETY: a list fi_getinfo returned, read and then freed once.
-        unsafe {
-            let mut i = list;
-            while !i.is_null() {
-                let d = CStr::from_ptr((*(*i).domain_attr).name);
-                domains.push(d.to_string_lossy().into_owned());
-                i = (*i).next;
-            }
-            ffi::fi_freeinfo(list);
-        }
+        let domains: Vec<String> = names_of(getinfo(Some(c"tcp;ofi_rxm"), None, false).unwrap())
+            .into_iter()
+            .map(|(_, d)| d.to_string_lossy().into_owned())
+            .collect();
         let last = domains.last().unwrap();
         let (_ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), None, Some(last)).unwrap();
         assert_eq!(&found.domain, last, "{domains:?}");

@@ -376,7 +376,9 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
             }
         }
     }
-    if queued {
+    if queued || !shared.ep.waits {
+        // Operations for the progress thread to post; or, without a wait
+        // object, to read the completions of: it may be pausing.
         shared.wake();
     }
     // The poster's own hold.
@@ -597,19 +599,24 @@ impl Progress for Shared {
 /// The endpoint's progress thread: reads completions until `stop`, then
 /// for a grace period while operations are still in flight. While this
 /// agent's operations are in flight or wait to be posted, and for
-/// [`SPIN_AFTER`] after the last completion, it polls the queue (which also
-/// drives providers with manual progress), yielding instead while a
-/// waiting thread polls it; otherwise it blocks in it.
+/// [`SPIN_AFTER`] after the last completion it read, it polls the queue
+/// (which also drives providers with manual progress), yielding instead
+/// while a waiting thread polls it; otherwise it blocks in the queue's
+/// wait object. A queue without one (`shm`, `efa`: their peers cannot wake
+/// this process) is polled without pause also while peers are attached to
+/// this endpoint as targets (their operations may need this side's
+/// progress, and nothing tells when) or a waiting thread polls it; with
+/// none of that there is nothing to poll for, and the thread parks until a
+/// submission, a peer attaching or the transport's drop unparks it (or
+/// [`WAIT_MS`] passes, for its watch over stalled links).
 pub(super) fn progress(shared: &Shared, stop: &AtomicBool) {
-    /// How long it keeps polling after the last completion.
-    const SPIN_AFTER: Duration = Duration::from_micros(500);
     let (ep, credits) = (&*shared.ep, &shared.credits);
     let mut buf = [ffi::fi_cq_entry::default(); BATCH];
     let mut stopping: Option<Instant> = None;
-    let mut idle = 0u32;
     let mut watched = Instant::now();
     let mut active: Option<Instant> = None;
     let mut seen_driven = 0u64;
+    let _ = shared.thread.set(std::thread::current());
     loop {
         drain(shared);
         if watched.elapsed() >= Duration::from_millis(WAIT_MS as u64) {
@@ -630,32 +637,35 @@ pub(super) fn progress(shared: &Shared, stop: &AtomicBool) {
         let busy = credits.in_flight() > 0
             || active.is_some_and(|t| t.elapsed() < SPIN_AFTER)
             || !lock(&shared.backlog).is_empty();
-        // A waiter polling the queue meanwhile (see `Progress`): it reads
-        // the completions; this thread stands aside.
         let driven = shared.driven.load(Ordering::Relaxed);
-        if busy && driven != seen_driven {
-            seen_driven = driven;
-            std::thread::yield_now();
-            continue;
+        let waiter = driven != seen_driven;
+        seen_driven = driven;
+        if ep.waits {
+            // A waiter polling the queue meanwhile (see `Progress`): it
+            // reads the completions; this thread stands aside.
+            if busy && waiter {
+                std::thread::yield_now();
+                continue;
+            }
         }
+        // Without a wait object, nothing tells this thread when a peer's
+        // operation needs this side's progress: while peers are attached it
+        // polls without pause, beside a waiter too.
+        let busy = busy || (!ep.waits && (waiter || shared.inbound.load(Ordering::Acquire) > 0));
         let n = reap(shared, &mut buf, ep.waits && !busy);
         if n > 0 {
-            idle = 0;
             active = Some(Instant::now());
         } else if busy {
             std::thread::yield_now();
         } else if !ep.waits {
-            // No wait object: the provider only offers polling. Yield, and
-            // after a while of nothing sleep briefly between polls.
-            idle = idle.saturating_add(1);
-            if idle < 1000 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-            }
+            std::thread::park_timeout(Duration::from_millis(WAIT_MS as u64));
         }
     }
 }
+
+/// How long the progress thread keeps polling after the last completion it
+/// read.
+const SPIN_AFTER: Duration = Duration::from_micros(500);
 
 #[cfg(test)]
 mod tests {

@@ -303,6 +303,57 @@ fn domain_of_device<'a>(domains: impl IntoIterator<Item = &'a str>, device: &str
     })
 }
 
+/// Opens the endpoint's completion queue; whether it has a wait object
+/// that blocks (`fi_cq_sread` sleeps until the provider signals it). A
+/// wait object that only spins (`FI_WAIT_YIELD`, all `shm` offers: its
+/// peers cannot wake a process), or one that does not say what it is,
+/// would keep a core busy for as long as the agent lives; the queue is
+/// then opened without one, and the progress thread polls with its own
+/// back-off.
+///
+/// # Safety
+/// `domain` is an open domain.
+unsafe fn open_cq(domain: *mut ffi::fid_domain) -> Result<(*mut ffi::fid_cq, bool), FabricError> {
+    let open = |wait_obj| {
+        let mut attr = ffi::fi_cq_attr {
+            size: 4096,
+            format: ffi::fi_cq_format_FI_CQ_FORMAT_CONTEXT,
+            wait_obj,
+            ..Default::default()
+        };
+        let mut cq = ptr::null_mut();
+        // SAFETY: `domain` is open (the caller's promise); `cq` receives the
+        // queue.
+        let rc = unsafe { ffi::fi_cq_open(domain, &mut attr, &mut cq, ptr::null_mut()) };
+        (rc, cq)
+    };
+    let (rc, cq) = open(ffi::fi_wait_obj_FI_WAIT_UNSPEC);
+    if rc == 0 {
+        let mut obj = ffi::fi_wait_obj_FI_WAIT_NONE;
+        // SAFETY: `cq` was just opened; FI_GETWAITOBJ writes one
+        // `enum fi_wait_obj`.
+        let rc = unsafe {
+            ffi::fi_control(
+                &mut (*cq).fid,
+                ffi::FI_GETWAITOBJ as i32,
+                (&raw mut obj).cast(),
+            )
+        };
+        // A wait object that does not say what it is (libfabric's spinning
+        // one answers nothing) is taken for one that spins.
+        if rc == 0 && obj != ffi::fi_wait_obj_FI_WAIT_YIELD && obj != ffi::fi_wait_obj_FI_WAIT_NONE
+        {
+            return Ok((cq, true));
+        }
+        // SAFETY: opened above, used by nothing yet.
+        unsafe { ffi::fi_close(&mut (*cq).fid) };
+    }
+    // No wait object, or one that spins: the progress thread polls.
+    let (rc, cq) = open(ffi::fi_wait_obj_FI_WAIT_NONE);
+    check("fi_cq_open", i64::from(rc))?;
+    Ok((cq, false))
+}
+
 impl Endpoint {
     /// Finds a provider with reliable-datagram endpoints and RMA (`provider`
     /// and `domain`: by name; `near`: without a domain named, the domain of
@@ -408,28 +459,7 @@ impl Endpoint {
                     ptr::null_mut(),
                 )),
             )?;
-            let mut cq_attr = ffi::fi_cq_attr {
-                size: 4096,
-                format: ffi::fi_cq_format_FI_CQ_FORMAT_CONTEXT,
-                wait_obj: ffi::fi_wait_obj_FI_WAIT_UNSPEC,
-                ..Default::default()
-            };
-            ep.waits = true;
-            if ffi::fi_cq_open(ep.domain, &mut cq_attr, &mut ep.cq, ptr::null_mut()) != 0 {
-                // A provider without wait objects: the progress thread polls.
-                cq_attr.wait_obj = ffi::fi_wait_obj_FI_WAIT_NONE;
-                ep.waits = false;
-                ep.cq = ptr::null_mut();
-                check(
-                    "fi_cq_open",
-                    i64::from(ffi::fi_cq_open(
-                        ep.domain,
-                        &mut cq_attr,
-                        &mut ep.cq,
-                        ptr::null_mut(),
-                    )),
-                )?;
-            }
+            (ep.cq, ep.waits) = open_cq(ep.domain)?;
             let mut av_attr = ffi::fi_av_attr {
                 type_: ffi::fi_av_type_FI_AV_TABLE,
                 ..Default::default()
@@ -586,14 +616,44 @@ struct Shared {
     /// Polls of the queue by waiting threads so far (the progress thread
     /// stands aside while it grows).
     driven: AtomicU64,
+    /// Peers attached to this endpoint as targets: while there are any, a
+    /// queue without a wait object is polled without pause (their
+    /// operations may need this side's progress, and nothing tells when).
+    inbound: Arc<AtomicUsize>,
+    /// The progress thread, unparked from its pause while a queue without a
+    /// wait object has nothing to poll for (set by the thread as it
+    /// starts).
+    thread: std::sync::OnceLock<std::thread::Thread>,
+}
+
+/// A peer attached to this endpoint as a target, counted in
+/// [`Shared::inbound`] while its connection lasts.
+struct Inbound(Arc<AtomicUsize>);
+
+impl Inbound {
+    /// Counts a peer in, and wakes the progress thread to poll for it.
+    fn new(shared: &Shared) -> Self {
+        shared.inbound.fetch_add(1, Ordering::AcqRel);
+        shared.wake();
+        Self(Arc::clone(&shared.inbound))
+    }
+}
+
+impl Drop for Inbound {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Shared {
-    /// Wakes the progress thread (it then posts what waits, and watches).
+    /// Wakes the progress thread (it then posts what waits, and watches),
+    /// from its wait object or, without one, from its pause between polls.
     fn wake(&self) {
         if self.ep.waits {
             // SAFETY: the queue is open (the endpoint outlives this call).
             unsafe { ffi::fi_cq_signal(self.ep.cq) };
+        } else if let Some(t) = self.thread.get() {
+            t.unpark();
         }
     }
 }
@@ -669,6 +729,8 @@ impl Fabric {
             backlog: Mutex::default(),
             links: Mutex::default(),
             driven: AtomicU64::new(0),
+            inbound: Arc::default(),
+            thread: std::sync::OnceLock::new(),
         });
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
@@ -825,11 +887,17 @@ impl Transport for Fabric {
         _msg: &[u8],
     ) -> Result<(Vec<u8>, Option<attach::Attachment>), u16> {
         // One-sided operations need nothing of the initiator here: the
-        // answer is this endpoint's address.
-        self.shared.ep.name().map(|n| (n, None)).map_err(|e| {
-            tracing::warn!(remote = %remote, error = %e, "cannot answer a libfabric attach");
-            status::ATTACH_FAILED
-        })
+        // answer is this endpoint's address. The peer counts as attached
+        // until its connection ends.
+        let inbound: attach::Attachment = Box::new(Inbound::new(&self.shared));
+        self.shared
+            .ep
+            .name()
+            .map(|n| (n, Some(inbound)))
+            .map_err(|e| {
+                tracing::warn!(remote = %remote, error = %e, "cannot answer a libfabric attach");
+                status::ATTACH_FAILED
+            })
     }
 }
 
@@ -1024,6 +1092,17 @@ mod tests {
         for p in ["tcp;ofi_rxm", "tcp", "sockets", "udp;ofi_rxd", "net"] {
             assert!(!waiters_poll(p), "{p}");
         }
+    }
+
+    #[test]
+    fn a_queue_whose_wait_only_spins_is_opened_without_one() {
+        // shm's wait object spins (FI_WAIT_YIELD): blocking in it would
+        // keep a core busy for as long as the agent lives.
+        let (ep, _) = Endpoint::open(Some("shm"), None, None).unwrap();
+        assert!(!ep.waits);
+        // tcp;ofi_rxm's is a file descriptor its sockets wake.
+        let (ep, _) = Endpoint::open(Some("tcp;ofi_rxm"), None, None).unwrap();
+        assert!(ep.waits);
     }
 
     #[test]

@@ -157,7 +157,7 @@ pub enum Error {
 
     /// The cluster credential could not be read or is too short.
     #[error("invalid cluster credential: {0}")]
-    Credential(#[from] crate::auth::CredentialError),
+    Credential(#[from] crate::auth::error::CredentialError),
 
     // ---- peer's fault ---------------------------------------------------
     /// The connection handshake failed: the peer holds another cluster
@@ -223,9 +223,10 @@ pub enum Error {
     Rdma {
         /// The remote agent (empty for local operations such as registration).
         remote: String,
-        /// What the verbs layer reported.
+        /// What the verbs layer reported (a
+        /// [`VerbsError`](crate::verbs::VerbsError)).
         #[source]
-        source: Arc<crate::verbs::VerbsError>,
+        source: Arc<dyn std::error::Error + Send + Sync>,
     },
     /// An RDMA work request completed with an error status, e.g.
     /// `IBV_WC_REM_ACCESS_ERR` (the remote region was deregistered, or the
@@ -307,7 +308,7 @@ pub enum Error {
     /// that is not device memory, on another device than its descriptor
     /// names, or past its allocation, or a failed driver call.
     #[error("GPU memory: {0}")]
-    Gpu(#[from] crate::gpu::GpuError),
+    Gpu(#[from] crate::gpu::error::GpuError),
     /// A direct-I/O (`O_DIRECT`) storage range or buffer is not aligned to
     /// the device's logical block size; nothing was read or written.
     #[error("{what} {value:#x} is not a multiple of storage handle {handle}'s block size {block}")]

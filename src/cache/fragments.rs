@@ -14,7 +14,8 @@
 
 #![forbid(unsafe_code)]
 
-use super::{CacheError, CacheState};
+use crate::cache::error::CacheError;
+use crate::cache::state::CacheState;
 
 /// One contiguous piece to move: `len` bytes from `src` (context pool) to
 /// `dst` (generation pool).

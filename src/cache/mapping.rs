@@ -7,7 +7,8 @@
 
 #![forbid(unsafe_code)]
 
-use super::{CacheError, CacheState};
+use crate::cache::error::CacheError;
+use crate::cache::state::CacheState;
 
 /// The peer ranks one rank talks to, and the shape of that domain.
 #[derive(Clone, Debug, PartialEq, Eq)]

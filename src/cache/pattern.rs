@@ -5,7 +5,8 @@
 
 #![forbid(unsafe_code)]
 
-use super::{CacheState, RankSlice};
+use crate::cache::fragments::RankSlice;
+use crate::cache::state::CacheState;
 
 /// The value of one element (its low `dtype.size()` bytes are stored).
 pub fn element_value(layer: u32, kv: u32, head: u32, token: u32, dim: u32) -> u32 {

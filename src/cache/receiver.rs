@@ -12,54 +12,14 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::config::{ReceiverConfig, RecvRequest};
 use super::machine::{ReceiverEvent, ReceiverMachine};
 use super::sender::{Cell, lock};
-use super::stats::{Metrics, SessionStats, record_timings};
+use super::stats::{Metrics, SessionStats};
+use super::timings::record_timings;
 use super::wire::Reassembler;
 use super::{CacheError, CacheState};
 use crate::agent::TransferAgent;
-use crate::memory::MemoryType;
-
-/// Settings of a [`CacheReceiver`].
-#[derive(Clone, Debug)]
-pub struct ReceiverConfig {
-    /// How long a request may take, from `request` to the last share
-    /// (default 60 s); also bounds `cancel`.
-    pub timeout: Duration,
-    /// Directory for `rank_<r>_recv.csv` timings (default none).
-    pub timings_dir: Option<PathBuf>,
-    /// Memory type of the pool (default DRAM).
-    pub mem_type: MemoryType,
-}
-
-impl Default for ReceiverConfig {
-    fn default() -> Self {
-        Self {
-            timeout: Duration::from_secs(60),
-            timings_dir: None,
-            mem_type: MemoryType::Dram,
-        }
-    }
-}
-
-/// One request to receive.
-#[derive(Clone, Debug)]
-pub struct RecvRequest {
-    /// The request id (the context side's).
-    pub request_id: u64,
-    /// The context side's attention-DP group serving it (0 without DP).
-    pub ctx_dp_rank: u32,
-    /// Destination blocks in this rank's registered pool, oldest first:
-    /// the request's last `blocks.len()` blocks land there (earlier ones
-    /// are reused locally). Each block is written whole, in the layout of
-    /// the [module docs](super#block-layout), padding slots of the last
-    /// block included.
-    pub blocks: Vec<u64>,
-    /// Key of the sequence's last block, for the context side's block
-    /// lookup (partial reuse); `None`: the context side uses the blocks it
-    /// was given in `send`.
-    pub last_block_key: Option<u64>,
-}
 
 /// One request's layers as they land.
 #[derive(Default)]

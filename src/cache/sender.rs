@@ -12,48 +12,14 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::config::SenderConfig;
 use super::machine::{SenderEvent, SenderMachine, TransferAction, TransferId};
-use super::stats::{Metrics, SessionStats, record_timings};
+use super::stats::{Metrics, SessionStats};
+use super::timings::record_timings;
 use super::wire::{Msg, Reassembler};
 use super::{BlockLookup, CacheError, CacheState};
 use crate::agent::{TransferAgent, TransferState, TransferStatus};
-use crate::memory::MemoryType;
 use crate::small::FastHash;
-
-/// Settings of a [`CacheSender`].
-#[derive(Clone, Debug)]
-pub struct SenderConfig {
-    /// After `send`, how long every counterpart has to ask, and then how
-    /// long the writes have to complete (default 60 s).
-    pub timeout: Duration,
-    /// Bytes per posted write batch (default 64 MiB): cancellation stops
-    /// between batches.
-    pub batch_bytes: u64,
-    /// Write batches in flight per peer (default 4).
-    pub batches_in_flight: usize,
-    /// Directory for `rank_<r>_send.csv` timings (default none).
-    pub timings_dir: Option<PathBuf>,
-    /// Memory type of the pool (default DRAM).
-    pub mem_type: MemoryType,
-    /// Most generation ranks one context rank serves for a request
-    /// (default 1,024): each costs a plan and writes of its own, so a
-    /// request whose layout maps this rank onto more is refused (answered
-    /// `Cancelled`, a failure) before any planning.
-    pub max_peer_ranks: usize,
-}
-
-impl Default for SenderConfig {
-    fn default() -> Self {
-        Self {
-            timeout: Duration::from_secs(60),
-            batch_bytes: 64 << 20,
-            batches_in_flight: 4,
-            timings_dir: None,
-            mem_type: MemoryType::Dram,
-            max_peer_ranks: 1024,
-        }
-    }
-}
 
 /// Where an asynchronous operation's outcome lands.
 pub(crate) struct Cell<T> {

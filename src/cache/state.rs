@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::CacheError;
+use crate::cache::error::CacheError;
 
 /// Element type of the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

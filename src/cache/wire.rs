@@ -11,7 +11,8 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::{CacheError, CacheState};
+use crate::cache::error::CacheError;
+use crate::cache::state::CacheState;
 
 const MAGIC: [u8; 4] = *b"KVXC";
 const VERSION: u8 = 2;

@@ -33,7 +33,7 @@ mod tests;
 
 use std::time::Instant;
 
-use super::wire::Msg;
+use crate::cache::wire::Msg;
 use crate::proto::TransferRequest;
 
 pub use receiver::{ReceiverEvent, ReceiverMachine};

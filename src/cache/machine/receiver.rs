@@ -5,16 +5,20 @@
 //! reports each layer group as it lands (`Landed`); a layer of this rank
 //! is reported landed once every rank that sends it has.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use super::{Stopwatch, Transmit, lap};
+use crate::cache::config::{ReceiverConfig, RecvRequest};
+use crate::cache::error::CacheError;
+use crate::cache::machine::{Stopwatch, Transmit, lap};
+use crate::cache::mapping::{recv_ranks, target_ranks};
+use crate::cache::state::CacheState;
+use crate::cache::stats::{Metrics, PeerMeasure, SessionStats};
 use crate::cache::wire::{Msg, RequestInfo};
-use crate::cache::{
-    CacheError, CacheState, Metrics, PeerMeasure, ReceiverConfig, RecvRequest, SessionStats,
-    recv_ranks, target_ranks,
-};
+use crate::error::Error;
 
 /// What a [`ReceiverMachine`] reports to its driver.
 #[derive(Clone, Debug)]
@@ -288,13 +292,7 @@ impl ReceiverMachine {
     /// The transport refused `msg` for `to`. A request whose request info
     /// could not be sent is withdrawn: the ranks already asked are told to
     /// cancel, the rest are not asked, and it finishes with the error.
-    pub fn handle_transmit_failed(
-        &mut self,
-        to: &str,
-        msg: &Msg,
-        error: crate::Error,
-        _now: Instant,
-    ) {
+    pub fn handle_transmit_failed(&mut self, to: &str, msg: &Msg, error: Error, _now: Instant) {
         let Msg::Request(info) = msg else {
             tracing::debug!(remote = to, %error, "cannot notify a context rank");
             return;
@@ -324,7 +322,7 @@ impl ReceiverMachine {
     /// its process died, hung or restarted): every open request still
     /// waiting on its share fails with `error` at once instead of at its
     /// deadline (and, as after a timeout, stays known until it expires).
-    pub fn handle_peer_gone(&mut self, agent: &str, error: crate::Error, now: Instant) {
+    pub fn handle_peer_gone(&mut self, agent: &str, error: Error, now: Instant) {
         let ids: Vec<u64> = self
             .reqs
             .iter()
@@ -347,7 +345,7 @@ impl ReceiverMachine {
 
     /// Withdraws request `id`, which could not be sent to `to`: forgotten,
     /// every other rank asked told to cancel, and finished with `error`.
-    fn withdraw(&mut self, id: u64, to: &str, error: crate::Error) {
+    fn withdraw(&mut self, id: u64, to: &str, error: Error) {
         let Some(r) = self.reqs.remove(&id) else {
             return;
         };

@@ -10,18 +10,23 @@
 //! group's last write carrying `Landed` (or `Done`, for the share's last
 //! group). `send` is `begin` with every layer ready: one group.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{Stopwatch, TransferAction, TransferId, Transmit, lap};
-use crate::cache::lookup::walk_back;
+use crate::cache::config::SenderConfig;
+use crate::cache::error::{CacheError, check_within};
+use crate::cache::fragments::{FragmentStats, RankSlice, distinct_heads, map_layers, rank_slice};
+use crate::cache::lookup::{BlockLookup, walk_back};
+use crate::cache::machine::{Stopwatch, TransferAction, TransferId, Transmit, lap};
+use crate::cache::mapping::{needs_send, recv_ranks, target_ranks};
+use crate::cache::state::CacheState;
+use crate::cache::stats::{Metrics, PeerMeasure, SessionStats};
 use crate::cache::wire::{Msg, RequestInfo};
-use crate::cache::{
-    BlockLookup, CacheError, CacheState, FragmentStats, Metrics, PeerMeasure, RankSlice,
-    SenderConfig, SessionStats, distinct_heads, map_layers, rank_slice, target_ranks,
-};
+use crate::error::Error;
 use crate::memory::{MemoryDesc, MemoryDescs};
 use crate::proto::TransferRequest;
 use crate::small::FastHash;
@@ -274,7 +279,7 @@ impl SenderMachine {
     /// # Errors
     /// As [`layers_ready`](Self::layers_ready).
     pub fn check_layers(&self, request_id: u64, layers: &Range<u32>) -> Result<(), CacheError> {
-        crate::cache::check_within(layers, self.held_layers())?;
+        check_within(layers, self.held_layers())?;
         match self.reqs.get(&request_id) {
             Some(r) if r.blocks.is_some() => Ok(()),
             None if self.finished_set.contains(&request_id) => Ok(()),
@@ -388,7 +393,7 @@ impl SenderMachine {
     pub fn handle_transfer_done(
         &mut self,
         id: TransferId,
-        outcome: Result<(), crate::Error>,
+        outcome: Result<(), Error>,
         now: Instant,
     ) {
         let Some((request_id, share)) = self.transfers.remove(&id) else {
@@ -951,8 +956,8 @@ pub(crate) fn expected_ranks(
 /// (one sender among replicas of the same heads).
 pub(crate) fn sends_to(me: &CacheState, rank: u32, g: u32, info: &RequestInfo) -> bool {
     let ctx_dp = me.attention_dp.map_or(0, |d| d.rank);
-    crate::cache::needs_send(me, rank, &info.gen_state, info.gen_dp_rank).unwrap_or(false)
-        && crate::cache::recv_ranks(&info.gen_state, g, me, ctx_dp).is_ok_and(|v| v.contains(&rank))
+    needs_send(me, rank, &info.gen_state, info.gen_dp_rank).unwrap_or(false)
+        && recv_ranks(&info.gen_state, g, me, ctx_dp).is_ok_and(|v| v.contains(&rank))
 }
 
 /// The fragments that move context rank `rank`'s share of blocks
@@ -969,10 +974,10 @@ fn share_fragments(
     info: &RequestInfo,
     peer: &str,
     src_blocks: &[u64],
-    out: &mut Vec<crate::cache::Fragment>,
+    out: &mut Vec<crate::cache::fragments::Fragment>,
 ) -> Result<FragmentStats, CacheError> {
     let (src, dst) = share_slices(me, rank, g, info, peer, src_blocks)?;
-    crate::cache::map_blocks(&src, &dst, src_blocks, &info.blocks, out)
+    crate::cache::fragments::map_blocks(&src, &dst, src_blocks, &info.blocks, out)
 }
 
 /// What context rank `rank` and generation rank `g` hold of each block,

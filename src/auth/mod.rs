@@ -27,48 +27,14 @@ use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
 pub use crate::proto::{MAC_LEN, NONCE_LEN};
-/// Shortest credential accepted, in bytes.
-pub const MIN_SECRET_LEN: usize = 16;
-/// Least estimated strength of a credential accepted, in bits (see
-/// [`Credential::new`]).
-pub const MIN_SECRET_BITS: u32 = 128;
-/// Fewest distinct bytes a credential must have (a repeated byte or a
-/// short repeated pattern is refused whatever its length).
-pub const MIN_SECRET_DISTINCT: usize = 8;
+
+pub(crate) mod error;
+pub use error::{CredentialError, MIN_SECRET_BITS, MIN_SECRET_DISTINCT, MIN_SECRET_LEN};
 
 /// A handshake nonce.
 pub type Nonce = [u8; NONCE_LEN];
 /// A handshake MAC.
 pub type Tag = [u8; MAC_LEN];
-
-/// Why a credential could not be had.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum CredentialError {
-    /// Shorter than [`MIN_SECRET_LEN`] bytes.
-    #[error("a cluster secret must be at least {MIN_SECRET_LEN} bytes, got {0}")]
-    TooShort(usize),
-    /// Long enough, but guessable: its estimated strength is under
-    /// [`MIN_SECRET_BITS`] (its length and the kinds of characters in it),
-    /// or it has fewer than [`MIN_SECRET_DISTINCT`] distinct bytes.
-    #[error(
-        "the cluster secret is too weak: about {bits} bits from its length and kinds of characters, {distinct} distinct bytes (at least {MIN_SECRET_BITS} bits and {MIN_SECRET_DISTINCT} distinct bytes: e.g. 32 random bytes, or 32 hex digits from a random source)"
-    )]
-    TooWeak {
-        /// The estimated strength, in bits.
-        bits: u32,
-        /// Distinct bytes in it.
-        distinct: usize,
-    },
-    /// The secret file could not be read.
-    #[error("cannot read the cluster secret file {path}: {reason}")]
-    Unreadable {
-        /// The file.
-        path: String,
-        /// The OS error.
-        reason: String,
-    },
-}
 
 /// The cluster's shared secret: every agent of a cluster holds the same one.
 /// Its `Debug` shows no byte of it.

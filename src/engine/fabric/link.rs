@@ -101,6 +101,15 @@ impl SocketPath for FabricParts {
     ) -> Result<Option<Frames>, Error> {
         match job {}
     }
+
+    /// A broken link (its control stream lost, a stall, the agent's drop)
+    /// takes its peer's address out of the address vector, on which the
+    /// provider cancels what is still in flight to it (`tcp;ofi_rxm`,
+    /// `verbs;ofi_rxm`), so that its requests report now rather than when
+    /// the peer answers.
+    fn on_fail(&self) {
+        self.remove_peer();
+    }
 }
 
 impl FabricLink {

@@ -308,8 +308,8 @@ fn domain_of_device<'a>(domains: impl IntoIterator<Item = &'a str>, device: &str
 /// wait object that only spins (`FI_WAIT_YIELD`, all `shm` offers: its
 /// peers cannot wake a process), or one that does not say what it is,
 /// would keep a core busy for as long as the agent lives; the queue is
-/// then opened without one, and the progress thread polls with its own
-/// back-off.
+/// then opened without one, and the progress thread polls it while there
+/// is something to poll for and parks otherwise (see `link::progress`).
 ///
 /// # Safety
 /// `domain` is an open domain.

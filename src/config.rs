@@ -181,6 +181,11 @@ pub struct FabricConfig {
     /// The GPU (device ordinal) whose nearest NIC the agent takes when no
     /// domain is named (default 0; `None`: never look).
     pub near_gpu: Option<u32>,
+    /// Bytes of posted, uncompleted operations on the agent's endpoint, all
+    /// peers together (one operation may always be posted); what is over
+    /// waits in the agent, where an abort still stops it. Default
+    /// [`DEFAULT_RDMA_MAX_INFLIGHT`]; at least 64 KiB.
+    pub max_inflight: u64,
 }
 
 impl Default for FabricConfig {
@@ -189,6 +194,7 @@ impl Default for FabricConfig {
             provider: None,
             domain: None,
             near_gpu: Some(0),
+            max_inflight: DEFAULT_RDMA_MAX_INFLIGHT,
         }
     }
 }
@@ -523,6 +529,13 @@ impl AgentConfig {
         self
     }
 
+    /// Sets the bytes of libfabric operations in flight on the agent's
+    /// endpoint ([`FabricConfig::max_inflight`]).
+    pub fn with_fabric_max_inflight(mut self, bytes: u64) -> Self {
+        self.fabric.max_inflight = bytes;
+        self
+    }
+
     /// Replaces the RDMA group.
     pub fn with_rdma(mut self, rdma: RdmaConfig) -> Self {
         self.rdma = rdma;
@@ -770,6 +783,12 @@ impl AgentConfig {
                 self.rdma.max_inflight
             ));
         }
+        if self.fabric.max_inflight < 64 << 10 {
+            return bad(format!(
+                "fabric.max_inflight must be at least 64 KiB, got {}",
+                self.fabric.max_inflight
+            ));
+        }
         let l = &self.limits;
         if l.max_requests_in_flight == 0 {
             return bad("limits.max_requests_in_flight must be at least 1".into());
@@ -805,6 +824,7 @@ mod tests {
             AgentConfig::new("a").with_rdma_ack_timeout(32),
             AgentConfig::new("a").with_streams_per_peer(0),
             AgentConfig::new("a").with_rdma_max_inflight((64 << 10) - 1),
+            AgentConfig::new("a").with_fabric_max_inflight((64 << 10) - 1),
             AgentConfig::new("a").with_gpu_staging(4096 + 512, 2),
             AgentConfig::new("a").with_gpu_staging(1 << 20, 1),
         ] {

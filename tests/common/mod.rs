@@ -23,6 +23,17 @@ pub fn backend() -> Backend {
         .expect("KVXFER_TEST_BACKEND")
 }
 
+/// Whether the suite's data path moves data without the target's CPU:
+/// RDMA, and libfabric on a NIC's provider (`verbs`, `efa`).
+pub fn target_cpu_free() -> bool {
+    match backend() {
+        Backend::Rdma => true,
+        Backend::Fabric => std::env::var("KVXFER_FABRIC_PROVIDER")
+            .is_ok_and(|p| p.starts_with("verbs") || p.starts_with("efa")),
+        _ => false,
+    }
+}
+
 fn splitmix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -362,6 +373,10 @@ impl PeerProc {
 }
 
 impl Drop for PeerProc {
+    /// Asks the peer to quit (killing it after 10 s) and fails the test if
+    /// it had crashed: a peer ends by `quit` or by a kill, never otherwise
+    /// (libfabric's `psm3` provider, loaded with the others, turns a crash
+    /// into exit status 1).
     fn drop(&mut self) {
         let _ = writeln!(self.stdin, "quit");
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -372,6 +387,16 @@ impl Drop for PeerProc {
             std::thread::sleep(Duration::from_millis(10));
         }
         self.kill();
+        let end = self.child.wait();
+        if !std::thread::panicking() {
+            use std::os::unix::process::ExitStatusExt;
+            let st = end.expect("peer status");
+            assert!(
+                st.success() || st.signal() == Some(libc::SIGKILL),
+                "peer process {:?} crashed: {st}",
+                self.name
+            );
+        }
         if let Some(copy) = self.exe_copy.take() {
             let _ = std::fs::remove_file(&copy);
             if let Some(dir) = copy.parent() {

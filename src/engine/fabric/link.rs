@@ -13,14 +13,17 @@
 //! `FI_DELIVERY_COMPLETE`; a read: landed here) the request's
 //! commit (its sync message) goes to the target on the control stream, and
 //! the target's acknowledgement completes the status, as on the other
-//! socket links. Until then the request is not in the link's table: a link
-//! that breaks fails it only after its operations have completed, so its
-//! memory is never touched after its status reports. A link whose
-//! operations make no progress for the I/O timeout fails with
-//! `PeerTimedOut`; its peer's address leaves the address vector, which
-//! cancels its operations in flight.
+//! socket links. Until then the request is not in the link's table. A link
+//! that breaks fails its WRITEs at once, its READs only after their
+//! operations have completed (or the endpoint has closed), so that a
+//! READ's memory is never written after its status reports (see
+//! `on_fail`, and `Fabric::shut` for `shm`). A link whose operations make
+//! no progress for the I/O timeout fails with `PeerTimedOut`. Before
+//! serving requests a link reads its peer's probe (`warm`).
 
+use std::collections::HashMap;
 use std::ffi::c_void;
+use std::os::fd::AsRawFd;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -28,7 +31,10 @@ use std::time::{Duration, Instant};
 
 use kvxfer_fabric as ffi;
 
-use super::{Fabric, FabricError, Shared, WAIT_MS, check, fabric_err, strerror, waiters_poll};
+use super::{
+    Answer, CLOSE_GRACE, Fabric, FabricError, Shared, WAIT_MS, check, fabric_err, strerror,
+    waiters_poll,
+};
 use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
 use crate::engine::socket_link::{
@@ -37,7 +43,8 @@ use crate::engine::socket_link::{
 use crate::engine::transport::Submission;
 use crate::engine::{Inner, attach, lock, status};
 use crate::error::Error;
-use crate::status::{DRIVE_MAX_BYTES, Progress};
+use crate::small::{FastHash, Few};
+use crate::status::{Completion, DRIVE_MAX_BYTES, Progress};
 
 /// A libfabric link.
 pub(in crate::engine) type FabricLink = SocketLink<FabricParts>;
@@ -45,10 +52,9 @@ pub(in crate::engine) type FabricLink = SocketLink<FabricParts>;
 /// What a libfabric link adds to the control stream.
 pub(in crate::engine) struct FabricParts {
     shared: Arc<Shared>,
-    /// The peer's endpoint in the address vector.
+    /// The peer's endpoint in the address vector (released when this is
+    /// dropped: no operation of the link is in flight then).
     addr: ffi::fi_addr_t,
-    /// Set when the address has left the address vector.
-    removed: AtomicBool,
     /// When one of its operations last completed, or the first of those in
     /// flight began (what the watch over stalled links reads).
     last_progress: Mutex<Instant>,
@@ -67,23 +73,14 @@ pub(in crate::engine) struct FabricParts {
 
 #[derive(Default)]
 struct Open {
-    groups: usize,
+    /// By request id.
+    groups: HashMap<u64, Weak<Group>, FastHash>,
     fenced: Vec<Frames>,
-}
-
-impl FabricParts {
-    /// Takes the peer's address out of the address vector (once): the
-    /// provider cancels the operations still in flight to it.
-    fn remove_peer(&self) {
-        if !self.removed.swap(true, Ordering::AcqRel) {
-            self.shared.ep.remove(self.addr);
-        }
-    }
 }
 
 impl Drop for FabricParts {
     fn drop(&mut self) {
-        self.remove_peer();
+        self.shared.release_peer(self.addr);
     }
 }
 
@@ -102,13 +99,43 @@ impl SocketPath for FabricParts {
         match job {}
     }
 
-    /// A broken link (its control stream lost, a stall, the agent's drop)
-    /// takes its peer's address out of the address vector, on which the
-    /// provider cancels what is still in flight to it (`tcp;ofi_rxm`,
-    /// `verbs;ofi_rxm`), so that its requests report now rather than when
-    /// the peer answers.
+    /// A broken link (its control stream lost, a stall, the agent's
+    /// close) fails its requests now rather than when the peer answers,
+    /// where that is safe for this agent: its WRITEs still in flight (an
+    /// operation that moves later only reads this agent's memory; the
+    /// target never hears of the request, though a target that resumes may
+    /// still receive the data) and its notifications fenced behind them.
+    /// Its READs
+    /// still in flight finish when their operations complete, or when the
+    /// agent closes its endpoint: until then the provider may still write
+    /// their data here. The peer's address stays in the address vector
+    /// until the link is dropped, which is after every operation of it has
+    /// completed: leaving it cancels nothing on `shm` and `ofi_rxm` (unless
+    /// `FI_AV_REMOVE_CLEANUP=1`), and `shm` (libfabric 1.17) crashes on a
+    /// later completion for a removed peer.
     fn on_fail(&self) {
-        self.remove_peer();
+        let (writes, fenced) = {
+            let mut open = lock(&self.open);
+            let writes: Vec<_> = open
+                .groups
+                .values()
+                .filter_map(Weak::upgrade)
+                .filter(|g| g.op == TransferOp::Write)
+                .collect();
+            (writes, std::mem::take(&mut open.fenced))
+        };
+        for g in writes {
+            let cause = lock(&g.link.pending)
+                .broken
+                .clone()
+                .unwrap_or(Error::Closed);
+            g.abandon(cause);
+        }
+        for f in fenced {
+            if f.pending.event(Err(Error::Closed)) {
+                f.pending.finish(None);
+            }
+        }
     }
 }
 
@@ -122,6 +149,7 @@ impl FabricLink {
     ) -> Result<Arc<Self>, Error> {
         let cfg = &inner.config;
         let mut addr = None;
+        let mut probe = None;
         let streams = connect_streams(inner, peer, 1, |_, sock, clock, _| {
             let mine = fabric
                 .shared
@@ -137,9 +165,18 @@ impl FabricLink {
                 &mine,
             )?;
             match answer {
-                Ok(name) => {
-                    let a = fabric.shared.ep.insert(&name);
+                Ok(answer) => {
+                    let answer =
+                        Answer::decode(&answer).ok_or_else(|| Error::ProtocolViolation {
+                            remote: peer.name.clone(),
+                            detail: format!(
+                                "a libfabric attach answer of {} bytes (at least 17)",
+                                answer.len()
+                            ),
+                        })?;
+                    let a = fabric.shared.insert_peer(&answer.name);
                     addr = Some(a.map_err(|e| fabric_err(&peer.name, e))?);
+                    probe = Some((answer.probe_addr, answer.probe_key));
                     Ok(())
                 }
                 Err(st) => Err(Error::BackendUnavailable {
@@ -156,11 +193,10 @@ impl FabricLink {
                 }),
             }
         })?;
-        let addr = addr.ok_or(Error::Closed)?;
+        let (addr, probe) = addr.zip(probe).ok_or(Error::Closed)?;
         let parts = FabricParts {
             shared: Arc::clone(&fabric.shared),
             addr,
-            removed: AtomicBool::new(false),
             last_progress: Mutex::new(Instant::now()),
             max_msg: fabric.max_msg,
             virt: fabric.shared.ep.mr_mode & u64::from(ffi::FI_MR_VIRT_ADDR) != 0,
@@ -176,11 +212,62 @@ impl FabricLink {
             mechanism: "one-sided fi_write/fi_read on a reliable-datagram endpoint, zero copy; the notification after delivery completion",
         };
         let link = Self::start(inner, peer, streams, parts, path)?;
-        let mut links = lock(&fabric.shared.links);
-        links.retain(|l| l.strong_count() > 0);
-        links.push(Arc::downgrade(&link));
+        {
+            let mut links = lock(&fabric.shared.links);
+            links.retain(|l| l.strong_count() > 0);
+            links.push(Arc::downgrade(&link));
+        }
+        if let Err(e) = warm(&link, probe, cfg.connect_timeout) {
+            link.fail(e.clone());
+            return Err(e);
+        }
         Ok(link)
     }
+}
+
+/// A link's first operation, before it serves requests: an 8-byte READ of
+/// the peer's probe (at `probe`: its address and key) into this agent's,
+/// within `timeout`. The provider sets up its connection to the peer now
+/// rather than on the first request (`ofi_rxm`'s handshake), and on `shm`
+/// the peer has taken this endpoint in once it completes: libfabric 1.17's
+/// `shm` crashes a target that takes in a peer whose endpoint has closed
+/// meanwhile, and an operation posted and abandoned (the agent dropped
+/// while its target is stopped) would otherwise leave exactly that behind.
+fn warm(link: &Arc<FabricLink>, probe: (u64, u64), timeout: Duration) -> Result<(), Error> {
+    let parts = &link.parts;
+    let mine = &parts.shared.probe;
+    let op = Op {
+        local: mine.addr(),
+        desc: mine.region.desc,
+        remote: if parts.virt { probe.0 } else { 0 },
+        key: probe.1,
+        len: 8,
+    };
+    // Uncounted: not a request of the agent's.
+    let completion = Completion::counted(parts.driver.clone(), None);
+    let id = link.in_flight.next_id();
+    let group = Arc::new(Group {
+        link: Arc::clone(link),
+        req: id,
+        op: TransferOp::Read,
+        pending: Pending::new(&completion, 1, Few::new(), None),
+        sync: Mutex::new(None),
+        fence: false,
+        remaining: AtomicUsize::new(2),
+        failed: AtomicBool::new(false),
+        settled: AtomicBool::new(false),
+        posted: Mutex::default(),
+    });
+    lock(&parts.open).groups.insert(id, Arc::downgrade(&group));
+    launch(link, &group, vec![op]);
+    let status = TransferStatus::new(id, completion, Arc::clone(&link.path));
+    status.wait_success(timeout).map_err(|e| match e {
+        Error::Timeout { .. } => Error::PeerTimedOut {
+            remote: link.remote.clone(),
+            idle: timeout,
+        },
+        e => e,
+    })
 }
 
 /// One operation: where it reads or writes here, and there.
@@ -205,6 +292,21 @@ struct Group {
     remaining: AtomicUsize,
     /// Whether one failed (its error is in `pending`).
     failed: AtomicBool,
+    /// Set by whoever finishes the request: its last operation's
+    /// completion (`done`) or the transport's close (`abandon`).
+    settled: AtomicBool,
+    /// Its operations handed to the provider and not completed, whose
+    /// credits (see `Credits`) they hold.
+    posted: Mutex<Posted>,
+}
+
+/// Operations of a request held by the provider.
+#[derive(Default)]
+struct Posted {
+    ops: usize,
+    bytes: u64,
+    /// The request was abandoned: its credits were given back then.
+    abandoned: bool,
 }
 
 impl Group {
@@ -239,13 +341,15 @@ impl Group {
                 self.pending.failed.store(true, Ordering::Release);
             }
         }
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) != 1 {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) != 1
+            || self.settled.swap(true, Ordering::AcqRel)
+        {
             return;
         }
         let link = &self.link;
         let mut open = lock(&link.parts.open);
-        open.groups -= 1;
-        let release = if open.groups == 0 {
+        open.groups.remove(&self.req);
+        let release = if open.groups.is_empty() {
             std::mem::take(&mut open.fenced)
         } else {
             Vec::new()
@@ -273,7 +377,112 @@ impl Group {
             commit(link, f);
         }
     }
+
+    /// Counts an operation of `len` bytes handed to the provider.
+    fn hold(&self, len: u64) {
+        self.link.parts.shared.held.fetch_add(1, Ordering::AcqRel);
+        let mut p = lock(&self.posted);
+        p.ops += 1;
+        p.bytes += len;
+    }
+
+    /// An operation of `len` bytes is back from the provider (completed, or
+    /// not taken): whether its credits are to be given back (not when the
+    /// request was abandoned, which gave them back).
+    fn release(&self, len: u64) -> bool {
+        self.link.parts.shared.held.fetch_sub(1, Ordering::AcqRel);
+        let mut p = lock(&self.posted);
+        if p.abandoned {
+            return false;
+        }
+        p.ops -= 1;
+        p.bytes -= len;
+        true
+    }
+
+    /// Fails the request with `cause` without waiting for its operations
+    /// (unless it has finished): its link failed, or the endpoint closed.
+    fn abandon(&self, cause: Error) {
+        if self.settled.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Its operations will not complete (or complete late, giving
+        // nothing back): their credits are free for the other links.
+        let (ops, bytes) = {
+            let mut p = lock(&self.posted);
+            p.abandoned = true;
+            (std::mem::take(&mut p.ops), std::mem::take(&mut p.bytes))
+        };
+        self.link.parts.shared.credits.give(ops, bytes);
+        lock(&self.link.parts.open).groups.remove(&self.req);
+        if self.pending.event(Err(cause)) {
+            self.pending.finish(None);
+        }
+    }
 }
+
+/// Fails with `cause` every request of the endpoint's links whose
+/// operations are still in flight, and their fenced notifications
+/// (at the transport's close, once nothing of theirs can move any more).
+pub(super) fn abandon_all(shared: &Shared, cause: &Error) {
+    let links: Vec<_> = lock(&shared.links)
+        .iter()
+        .filter_map(Weak::upgrade)
+        .collect();
+    for link in links {
+        let (groups, fenced) = {
+            let mut open = lock(&link.parts.open);
+            let groups: Vec<_> = open.groups.values().filter_map(Weak::upgrade).collect();
+            (groups, std::mem::take(&mut open.fenced))
+        };
+        for g in groups {
+            g.abandon(cause.clone());
+        }
+        for f in fenced {
+            if f.pending.event(Err(cause.clone())) {
+                f.pending.finish(None);
+            }
+        }
+    }
+}
+
+/// System error numbers with which providers complete operations on a
+/// connection that is gone.
+const LOST: [i32; 7] = [
+    libc::ECONNRESET,
+    libc::ECONNABORTED,
+    libc::ENOTCONN,
+    libc::EPIPE,
+    libc::ESHUTDOWN,
+    libc::ECONNREFUSED,
+    libc::EHOSTUNREACH,
+];
+
+/// `ConnectionLost` if the peer closes the link's control stream (its
+/// process ended) within [`LOST_WAIT`]: asked when an operation completes
+/// with a lost connection (`ofi_rxm` over `tcp` cancels with `ENOTCONN`
+/// when the peer dies, and also when the peer refuses a key), so that a
+/// dead peer's requests fail as on the other transports, whichever of its
+/// sockets the kernel closed first.
+fn stream_lost(link: &FabricLink) -> Option<Error> {
+    let mut pfd = libc::pollfd {
+        fd: link.streams[0].sock.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    let wait = i32::try_from(LOST_WAIT.as_millis()).unwrap_or(i32::MAX);
+    // SAFETY: one pollfd, on the link's socket, open while the link lives.
+    let n = unsafe { libc::poll(&mut pfd, 1, wait) };
+    let gone = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+    (n > 0 && pfd.revents & gone != 0).then(|| Error::ConnectionLost {
+        remote: link.remote.clone(),
+        cause: Arc::new(std::io::ErrorKind::ConnectionReset.into()),
+    })
+}
+
+/// How long a failed operation's completion waits for the control stream
+/// to show the peer gone (once per request).
+const LOST_WAIT: Duration = Duration::from_millis(50);
 
 /// Sends a request's commit (the request joins the link's table, whose
 /// reader completes it on the target's acknowledgement).
@@ -341,18 +550,29 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
         fence,
         remaining: AtomicUsize::new(ops.len() + 1),
         failed: AtomicBool::new(false),
+        settled: AtomicBool::new(false),
+        posted: Mutex::default(),
     });
     {
         let mut open = lock(&parts.open);
-        if group.fence && ops.is_empty() && open.groups > 0 {
+        if group.fence && ops.is_empty() && !open.groups.is_empty() {
             // A notification ordered after the requests still in flight:
             // sent when the last of them has completed.
             open.fenced
                 .push(group.commit_frames(lock(&group.sync).take()));
             return Ok(status);
         }
-        open.groups += 1;
+        open.groups.insert(id, Arc::downgrade(&group));
     }
+    launch(&link, &group, ops);
+    Ok(status)
+}
+
+/// Posts `ops` of `group` (counted in its `remaining`, with one more that
+/// this call gives up when done), or queues them for the progress thread
+/// when the endpoint has no room or others wait.
+fn launch(link: &Arc<FabricLink>, group: &Arc<Group>, ops: Vec<Op>) {
+    let parts = &link.parts;
     if !ops.is_empty() {
         *lock(&parts.last_progress) = Instant::now();
     }
@@ -361,26 +581,24 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
     for op in ops {
         // Behind what already waits, or when the queues are full: for the
         // progress thread.
-        if queued || !lock(&shared.backlog).is_empty() || !shared.credits.try_take() {
+        if queued || !lock(&shared.backlog).is_empty() || !shared.credits.try_take(op.len) {
             lock(&shared.backlog).push_back(Queued {
-                group: Arc::clone(&group),
+                group: Arc::clone(group),
                 op,
             });
             queued = true;
             continue;
         }
-        match post(&link, &group, &op) {
+        match post(link, group, &op) {
             Ok(true) => {}
             Ok(false) => {
-                shared.credits.give(1);
                 lock(&shared.backlog).push_back(Queued {
-                    group: Arc::clone(&group),
+                    group: Arc::clone(group),
                     op,
                 });
                 queued = true;
             }
             Err(e) => {
-                shared.credits.give(1);
                 group.done(Err(fabric_err(&link.remote, e)));
             }
         }
@@ -392,7 +610,6 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
     }
     // The poster's own hold.
     group.done(Ok(()));
-    Ok(status)
 }
 
 /// What the provider hands back with an operation's completion: room for
@@ -402,6 +619,8 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
 struct OpCtx {
     provider: [*mut c_void; 8],
     group: Arc<Group>,
+    /// The operation's length.
+    len: u64,
 }
 
 /// An operation waiting for room in the endpoint's queues.
@@ -417,7 +636,10 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
     let ctx = Box::into_raw(Box::new(OpCtx {
         provider: [ptr::null_mut(); 8],
         group: Arc::clone(group),
+        len: op.len,
     }));
+    // Before the call: its completion may come before it returns.
+    group.hold(op.len);
     let iov = ffi::iovec {
         iov_base: op.local as *mut c_void,
         iov_len: op.len as usize,
@@ -438,12 +660,12 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
         context: ctx.cast(),
         data: 0,
     };
-    let ep = parts.shared.ep.ep;
     // SAFETY: the local range lies in a region held by the request (its
-    // guards, released only when the request finishes, after this
-    // operation's completion); the context lives until the completion is
-    // read (`complete`).
-    let rc = unsafe {
+    // guards, released only when the request finishes: after this
+    // operation's completion, or once the endpoint is closed, see
+    // `abandon`); the context lives until the completion is read
+    // (`complete`), or is leaked; the endpoint is open (`with_ep`).
+    let rc = parts.shared.ep.with_ep(|ep| unsafe {
         match group.op {
             TransferOp::Write => ffi::fi_writemsg(
                 ep,
@@ -452,7 +674,8 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
             ),
             TransferOp::Read => ffi::fi_readmsg(ep, &msg, u64::from(ffi::FI_COMPLETION)),
         }
-    };
+    });
+    let rc = rc.unwrap_or_else(|_| -(ffi::FI_ESHUTDOWN as isize));
     let call = match group.op {
         TransferOp::Write => "fi_writemsg",
         TransferOp::Read => "fi_readmsg",
@@ -462,6 +685,9 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
     }
     // SAFETY: not posted: the context is still this function's.
     drop(unsafe { Box::from_raw(ctx) });
+    if group.release(op.len) {
+        parts.shared.credits.give(1, op.len);
+    }
     if rc == -(ffi::FI_EAGAIN as isize) {
         return Ok(false);
     }
@@ -471,7 +697,7 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
 /// Posts what waits in the backlog while there is room; drops (as done)
 /// the operations of requests that failed, were aborted, or whose link
 /// broke.
-fn drain(shared: &Shared) {
+pub(super) fn drain(shared: &Shared) {
     loop {
         let Some(q) = lock(&shared.backlog).pop_front() else {
             return;
@@ -485,19 +711,17 @@ fn drain(shared: &Shared) {
             g.done(Err(Error::Aborted));
             continue;
         }
-        if !shared.credits.try_take() {
+        if !shared.credits.try_take(q.op.len) {
             lock(&shared.backlog).push_front(q);
             return;
         }
         match post(&g.link, g, &q.op) {
             Ok(true) => {}
             Ok(false) => {
-                shared.credits.give(1);
                 lock(&shared.backlog).push_front(q);
                 return;
             }
             Err(e) => {
-                shared.credits.give(1);
                 let remote = g.link.remote.clone();
                 g.done(Err(fabric_err(&remote, e)));
             }
@@ -506,8 +730,7 @@ fn drain(shared: &Shared) {
 }
 
 /// Fails the links whose operations have made no progress for their I/O
-/// timeout: `PeerTimedOut`, and their peers' addresses out of the address
-/// vector so that the provider cancels what is in flight.
+/// timeout: `PeerTimedOut` (see `on_fail`).
 fn watch(shared: &Shared) {
     let links: Vec<_> = lock(&shared.links)
         .iter()
@@ -515,7 +738,7 @@ fn watch(shared: &Shared) {
         .collect();
     for link in links {
         let parts = &link.parts;
-        if lock(&parts.open).groups == 0 || link.broken.load(Ordering::Acquire) {
+        if lock(&parts.open).groups.is_empty() || link.broken.load(Ordering::Acquire) {
             continue;
         }
         let idle = lock(&parts.last_progress).elapsed();
@@ -525,31 +748,51 @@ fn watch(shared: &Shared) {
                 remote: link.remote.clone(),
                 idle,
             });
-            parts.remove_peer();
         }
     }
 }
 
-/// The completion of the operation with context `ctx`.
+/// The completion of the operation with context `ctx`; the credits it
+/// gives back (operations, bytes).
 ///
 /// # Safety
 /// `ctx` is the context of a posted operation (made by `post`), whose
 /// completion is read once.
-unsafe fn complete(ctx: *mut c_void, result: Result<(), FabricError>) {
+unsafe fn complete(ctx: *mut c_void, result: Result<(), FabricError>) -> (usize, u64) {
     // SAFETY: by the caller: made by Box::into_raw in `post`, taken once.
     let op = unsafe { Box::from_raw(ctx.cast::<OpCtx>()) };
     *lock(&op.group.link.parts.last_progress) = Instant::now();
-    let remote = op.group.link.remote.clone();
-    op.group.done(result.map_err(|e| fabric_err(&remote, e)));
+    let back = if op.group.release(op.len) {
+        (1, op.len)
+    } else {
+        (0, 0)
+    };
+    let group = &op.group;
+    let link = &group.link;
+    let result = result.map_err(|e| {
+        let lost = matches!(&e, FabricError::Completion { code, prov, .. }
+            if LOST.contains(code) || LOST.contains(prov));
+        let first = !group.failed.load(Ordering::Acquire);
+        if lost
+            && first
+            && !link.broken.load(Ordering::Acquire)
+            && let Some(gone) = stream_lost(link)
+        {
+            return gone;
+        }
+        fabric_err(&link.remote, e)
+    });
+    group.done(result);
+    back
 }
 
 /// Completions read from the queue at once.
-const BATCH: usize = 64;
+pub(super) const BATCH: usize = 64;
 
 /// Reads the completions ready in the endpoint's queue (blocking up to
 /// [`WAIT_MS`] for one when `block`) and completes their operations; how
 /// many it read (an error entry counts one).
-fn reap(shared: &Shared, buf: &mut [ffi::fi_cq_entry; BATCH], block: bool) -> usize {
+pub(super) fn reap(shared: &Shared, buf: &mut [ffi::fi_cq_entry; BATCH], block: bool) -> usize {
     let ep = &*shared.ep;
     // SAFETY: `buf` holds BATCH entries of the queue's format.
     let n = unsafe {
@@ -560,12 +803,15 @@ fn reap(shared: &Shared, buf: &mut [ffi::fi_cq_entry; BATCH], block: bool) -> us
         }
     };
     if n > 0 {
+        let (mut ops, mut bytes) = (0, 0);
         for e in &buf[..n as usize] {
             // SAFETY: every operation is posted with an OpCtx, and each
             // completion is read once.
-            unsafe { complete(e.op_context, Ok(())) };
+            let (o, b) = unsafe { complete(e.op_context, Ok(())) };
+            ops += o;
+            bytes += b;
         }
-        shared.credits.give(n as usize);
+        shared.credits.give(ops, bytes);
         return n as usize;
     }
     if n != -(ffi::FI_EAVAIL as isize) {
@@ -588,8 +834,8 @@ fn reap(shared: &Shared, buf: &mut [ffi::fi_cq_entry; BATCH], block: bool) -> us
         text: strerror(i64::from(err.err)),
     };
     // SAFETY: as above.
-    unsafe { complete(err.op_context, Err(e)) };
-    shared.credits.give(1);
+    let (ops, bytes) = unsafe { complete(err.op_context, Err(e)) };
+    shared.credits.give(ops, bytes);
     1
 }
 
@@ -636,16 +882,18 @@ pub(super) fn progress(shared: &Shared, stop: &AtomicBool) {
             stopping = Some(Instant::now());
         }
         if let Some(t) = stopping
-            && (credits.in_flight() == 0 || t.elapsed() > Duration::from_secs(5))
+            && (shared.held.load(Ordering::Acquire) == 0 || t.elapsed() > CLOSE_GRACE)
         {
             return;
         }
         // Operations waiting to be posted count as work too: room may come
         // back without a completion (a provider still reaching its peer),
         // and some providers' blocking reads ignore their timeout.
+        // Closing: what the provider still holds, abandoned or not.
         let busy = credits.in_flight() > 0
             || active.is_some_and(|t| t.elapsed() < SPIN_AFTER)
-            || !lock(&shared.backlog).is_empty();
+            || !lock(&shared.backlog).is_empty()
+            || stopping.is_some();
         let driven = shared.driven.load(Ordering::Relaxed);
         let waiter = driven != seen_driven;
         seen_driven = driven;

@@ -29,11 +29,12 @@
 
 mod link;
 
+use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_void};
 use std::net::TcpStream;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
 use kvxfer_fabric as ffi;
@@ -41,7 +42,7 @@ use kvxfer_fabric as ffi;
 use crate::agent::{AgentConfig, Backend, TransportKind};
 use crate::desc::AgentDesc;
 use crate::engine::transport::{Link, Transport};
-use crate::engine::{Inner, attach, status};
+use crate::engine::{Inner, attach, lock, status};
 use crate::error::Error;
 use crate::memory::{MemoryDesc, MemoryType};
 use crate::registry::{GpuRegion, RegionHandle, Registrar};
@@ -92,6 +93,9 @@ enum FabricError {
         /// `fi_strerror`'s text.
         text: String,
     },
+    /// The endpoint was closed (the agent is closing).
+    #[error("the endpoint is closed")]
+    Closed,
 }
 
 fn strerror(code: i64) -> String {
@@ -138,6 +142,10 @@ struct Endpoint {
     mr_mode: u64,
     /// Whether the completion queue has a wait object (`fi_cq_sread`).
     waits: bool,
+    /// Whether `ep` is still open: read-locked by every call on it (posting,
+    /// its name, binding a registration), write-locked to close it early
+    /// ([`close_ep`](Self::close_ep)).
+    live: RwLock<bool>,
 }
 
 // SAFETY: the domain is opened with FI_THREAD_SAFE: every object under it
@@ -148,13 +156,14 @@ unsafe impl Sync for Endpoint {}
 
 impl Drop for Endpoint {
     fn drop(&mut self) {
+        self.close_ep();
         // SAFETY: each object was opened once by `Endpoint::open`, is closed
-        // once here, children before parents; nothing uses them any more
-        // (registrations and links hold this value).
+        // once here (the endpoint by `close_ep`), children before parents;
+        // nothing uses them any more (registrations and links hold this
+        // value).
         unsafe {
             for f in [
-                self.ep.cast::<ffi::fid>(),
-                self.av.cast(),
+                self.av.cast::<ffi::fid>(),
                 self.cq.cast(),
                 self.domain.cast(),
                 self.fabric.cast(),
@@ -373,6 +382,7 @@ impl Endpoint {
             ep: ptr::null_mut(),
             mr_mode: 0,
             waits: false,
+            live: RwLock::new(true),
         };
         let name = |what: &'static str, v: Option<&str>| {
             v.map(CString::new)
@@ -499,13 +509,37 @@ impl Endpoint {
         }
     }
 
+    /// `f` of the endpoint object, unless it has been closed.
+    fn with_ep<R>(&self, f: impl FnOnce(*mut ffi::fid_ep) -> R) -> Result<R, FabricError> {
+        let live = self.live.read().unwrap_or_else(|p| p.into_inner());
+        if *live {
+            Ok(f(self.ep))
+        } else {
+            Err(FabricError::Closed)
+        }
+    }
+
+    /// Closes the endpoint object (once; its queue, address vector and
+    /// domain stay open): the provider moves nothing more of the
+    /// operations it had under way, and reports none of them.
+    fn close_ep(&self) {
+        let mut live = self.live.write().unwrap_or_else(|p| p.into_inner());
+        if std::mem::replace(&mut *live, false) && !self.ep.is_null() {
+            // SAFETY: opened once by `Endpoint::open`, closed once here,
+            // while no call on it runs (`live` is write-locked).
+            unsafe { ffi::fi_close(self.ep.cast::<ffi::fid>()) };
+        }
+    }
+
     /// The endpoint's address, as peers insert it into their address
     /// vectors.
     fn name(&self) -> Result<Vec<u8>, FabricError> {
         let mut buf = vec![0u8; 256];
         let mut len = buf.len();
-        // SAFETY: `buf` has `len` bytes; the endpoint is open.
-        let rc = unsafe { ffi::fi_getname(&mut (*self.ep).fid, buf.as_mut_ptr().cast(), &mut len) };
+        // SAFETY: `buf` has `len` bytes; the endpoint is open (`with_ep`).
+        let rc = self.with_ep(|ep| unsafe {
+            ffi::fi_getname(&mut (*ep).fid, buf.as_mut_ptr().cast(), &mut len)
+        })?;
         check("fi_getname", i64::from(rc))?;
         buf.truncate(len);
         Ok(buf)
@@ -571,31 +605,51 @@ impl Offer {
     }
 }
 
-/// Operations the endpoint may still take (its transmit queue's depth):
-/// a poster takes one per operation, the progress thread gives them back
-/// as it reads completions.
+/// Operations the endpoint may still take (its transmit queue's depth),
+/// and the bytes they may cover (`FabricConfig::max_inflight`; one
+/// operation may always be in flight): a poster takes one operation and its
+/// length, the progress thread gives them back as it reads completions.
 struct Credits {
     cap: usize,
     free: AtomicUsize,
+    bytes_cap: u64,
+    bytes: AtomicU64,
 }
 
 impl Credits {
-    fn new(cap: usize) -> Self {
+    fn new(cap: usize, bytes_cap: u64) -> Self {
         Self {
             cap,
             free: AtomicUsize::new(cap),
+            bytes_cap,
+            bytes: AtomicU64::new(0),
         }
     }
 
-    /// Takes one if there is one.
-    fn try_take(&self) -> bool {
-        self.free
+    /// Takes one operation of `len` bytes if there is room for it.
+    fn try_take(&self, len: u64) -> bool {
+        let fits = |b: u64| (b == 0 || b.saturating_add(len) <= self.bytes_cap).then(|| b + len);
+        if self
+            .bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, fits)
+            .is_err()
+        {
+            return false;
+        }
+        let taken = self
+            .free
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-            .is_ok()
+            .is_ok();
+        if !taken {
+            self.bytes.fetch_sub(len, Ordering::AcqRel);
+        }
+        taken
     }
 
-    fn give(&self, k: usize) {
-        self.free.fetch_add(k, Ordering::AcqRel);
+    /// Gives back `ops` operations covering `bytes`.
+    fn give(&self, ops: usize, bytes: u64) {
+        self.bytes.fetch_sub(bytes, Ordering::AcqRel);
+        self.free.fetch_add(ops, Ordering::AcqRel);
     }
 
     /// Operations in flight.
@@ -624,6 +678,96 @@ struct Shared {
     /// wait object has nothing to poll for (set by the thread as it
     /// starts).
     thread: std::sync::OnceLock<std::thread::Thread>,
+    /// What each link to this agent reads as it opens.
+    probe: Probe,
+    /// Operations in the provider's hands (posted, not completed), those
+    /// of abandoned requests too: what the agent's close waits for.
+    held: AtomicUsize,
+    /// Peers' addresses by name, when they are never removed from the
+    /// address vector (`shm`: libfabric 1.17 crashes posting to a peer
+    /// removed and inserted again); `None` on other providers, where a
+    /// link's address leaves with it.
+    kept: Option<Mutex<HashMap<Vec<u8>, ffi::fi_addr_t>>>,
+}
+
+impl Shared {
+    /// `name`'s address in the address vector, inserted unless kept.
+    fn insert_peer(&self, name: &[u8]) -> Result<ffi::fi_addr_t, FabricError> {
+        let Some(kept) = &self.kept else {
+            return self.ep.insert(name);
+        };
+        let mut kept = lock(kept);
+        if let Some(&a) = kept.get(name) {
+            return Ok(a);
+        }
+        let a = self.ep.insert(name)?;
+        kept.insert(name.to_vec(), a);
+        Ok(a)
+    }
+
+    /// A link's address is no longer used: removed, unless kept.
+    fn release_peer(&self, addr: ffi::fi_addr_t) {
+        if self.kept.is_none() {
+            self.ep.remove(addr);
+        }
+    }
+}
+
+/// Eight registered bytes of each agent, which every link reads from its
+/// peer's as it opens, into its own (see `link::warm`): the provider's
+/// connection to the peer is then set up before the first request, and
+/// the peer has taken this agent in (`shm` on libfabric 1.17 crashes a
+/// target that takes in a peer whose endpoint has closed meanwhile).
+struct Probe {
+    /// Closed before the memory is freed (declared first).
+    region: FabricRegion,
+    /// Written by peers' reads into it, never read here.
+    buf: Box<AtomicU64>,
+}
+
+impl Probe {
+    fn open(ep: &Arc<Endpoint>) -> Result<Self, FabricError> {
+        let buf = Box::new(AtomicU64::new(0));
+        let access = ffi::FI_READ | ffi::FI_REMOTE_READ;
+        // SAFETY: the box lives as long as this value, which closes the
+        // registration first.
+        let region = unsafe { FabricRegion::register(ep, buf.as_ptr() as u64, 8, None, access)? };
+        Ok(Self { region, buf })
+    }
+
+    /// Its address in memory.
+    fn addr(&self) -> u64 {
+        self.buf.as_ptr() as u64
+    }
+}
+
+/// The answer to a libfabric `Attach`: where the target's [`Probe`] is and
+/// its key (u64 LE each), then the target endpoint's address.
+#[derive(Debug, PartialEq, Eq)]
+struct Answer {
+    probe_addr: u64,
+    probe_key: u64,
+    name: Vec<u8>,
+}
+
+impl Answer {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = self.probe_addr.to_le_bytes().to_vec();
+        v.extend_from_slice(&self.probe_key.to_le_bytes());
+        v.extend_from_slice(&self.name);
+        v
+    }
+
+    /// `None` when too short to hold both words and an address.
+    fn decode(b: &[u8]) -> Option<Self> {
+        let (addr, rest) = b.split_first_chunk::<8>()?;
+        let (key, name) = rest.split_first_chunk::<8>()?;
+        (!name.is_empty()).then(|| Self {
+            probe_addr: u64::from_le_bytes(*addr),
+            probe_key: u64::from_le_bytes(*key),
+            name: name.to_vec(),
+        })
+    }
 }
 
 /// A peer attached to this endpoint as a target, counted in
@@ -723,14 +867,19 @@ impl Fabric {
             });
         }
         tracing::info!(agent = %config.name, provider = %found.provider, domain = %found.domain, mr_mode = format_args!("{:#x}", found.mr_mode), waits = ep.waits, "libfabric endpoint open");
+        let ep = Arc::new(ep);
+        let probe = Probe::open(&ep).map_err(unavailable)?;
         let shared = Arc::new(Shared {
-            ep: Arc::new(ep),
-            credits: Credits::new(found.tx_size.min(MAX_CREDITS)),
+            ep,
+            credits: Credits::new(found.tx_size.min(MAX_CREDITS), config.fabric.max_inflight),
             backlog: Mutex::default(),
             links: Mutex::default(),
             driven: AtomicU64::new(0),
             inbound: Arc::default(),
             thread: std::sync::OnceLock::new(),
+            probe,
+            held: AtomicUsize::new(0),
+            kept: target_moves(&found.provider).then(Mutex::default),
         });
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
@@ -821,24 +970,79 @@ fn cache_refusal(provider: &str, env: &CacheEnv) -> Option<String> {
     ))
 }
 
-impl Drop for Fabric {
-    fn drop(&mut self) {
+/// Core providers whose target's process moves the data of an operation
+/// (its progress copies with cross-memory attach): closing the initiator's
+/// endpoint does not stop what it has queued at the target.
+const TARGET_MOVES: &[&str] = &["shm"];
+
+/// Whether `provider` stacks on one of [`TARGET_MOVES`].
+fn target_moves(provider: &str) -> bool {
+    provider.split(';').any(|p| TARGET_MOVES.contains(&p))
+}
+
+impl Fabric {
+    /// Stops the transport (once; the agent is closing). Its links fail
+    /// with `Closed` (their WRITEs at once: `FabricParts::on_fail`); the
+    /// progress thread reads the completions of what the provider still
+    /// holds, for at most [`CLOSE_GRACE`], and returns. What is still held
+    /// then will not complete (a stopped or unreachable peer): the endpoint
+    /// is closed, so that nothing of it moves any more, and the requests
+    /// still open fail with `Closed`; the operations' contexts, and with
+    /// them the endpoint's queue, address vector and domain, are leaked.
+    ///
+    /// On providers whose target moves the data (`shm`, [`TARGET_MOVES`]),
+    /// closing would stop nothing (the target's process copies, once it
+    /// runs again) and, on libfabric 1.17, crash a target still taking
+    /// this endpoint in: the endpoint is left open, and a READ still
+    /// queued at a stopped target may land after its request failed.
+    fn shut(&self) {
+        let Some(thread) = lock(&self.progress).take() else {
+            return;
+        };
+        let links: Vec<_> = lock(&self.shared.links)
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect();
+        for l in links {
+            l.fail(Error::Closed);
+        }
         self.stop.store(true, Ordering::Release);
         self.shared.wake();
-        if let Some(t) = self
-            .progress
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            let _ = t.join();
+        let _ = thread.join();
+        let shared = &self.shared;
+        let held = shared.held.load(Ordering::Acquire);
+        if held == 0 && lock(&shared.backlog).is_empty() {
+            return;
         }
+        if !target_moves(&self.offer.provider) {
+            shared.ep.close_ep();
+        }
+        tracing::warn!(operations = held, provider = %self.offer.provider, "libfabric operations still in flight at the agent's close; their requests fail");
+        // Queued operations (their links broken) are dropped; completions
+        // the close flushed are read; the rest are abandoned.
+        link::drain(shared);
+        let mut buf = [ffi::fi_cq_entry::default(); link::BATCH];
+        while link::reap(shared, &mut buf, false) > 0 {}
+        link::abandon_all(shared, &Error::Closed);
+    }
+}
+
+/// How long the agent's close waits for its operations in flight.
+const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        self.shut();
     }
 }
 
 impl Transport for Fabric {
     fn kind(&self) -> TransportKind {
         TransportKind::Fabric
+    }
+
+    fn stop(&self) {
+        self.shut();
     }
 
     fn moves(&self, local: MemoryType, remote: MemoryType, peer: &AgentDesc) -> bool {
@@ -887,13 +1091,21 @@ impl Transport for Fabric {
         _msg: &[u8],
     ) -> Result<(Vec<u8>, Option<attach::Attachment>), u16> {
         // One-sided operations need nothing of the initiator here: the
-        // answer is this endpoint's address. The peer counts as attached
-        // until its connection ends.
+        // answer is this endpoint's address, and where its probe is. The
+        // peer counts as attached until its connection ends.
         let inbound: attach::Attachment = Box::new(Inbound::new(&self.shared));
+        let probe = &self.shared.probe;
         self.shared
             .ep
             .name()
-            .map(|n| (n, Some(inbound)))
+            .map(|name| {
+                let answer = Answer {
+                    probe_addr: probe.addr(),
+                    probe_key: probe.region.key,
+                    name,
+                };
+                (answer.encode(), Some(inbound))
+            })
             .map_err(|e| {
                 tracing::warn!(remote = %remote, error = %e, "cannot answer a libfabric attach");
                 status::ATTACH_FAILED
@@ -966,17 +1178,51 @@ impl Registrar for Fabric {
             // Storage, and GPU memory without FI_HMEM: not registered.
             _ => return Ok(None),
         };
-        let err = |e| fabric_err("", e);
+        let access = ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ | ffi::FI_REMOTE_WRITE;
+        // SAFETY: by this function's contract, the range stays allocated
+        // while registered.
+        match unsafe { FabricRegion::register(&self.shared.ep, desc.addr, desc.len, cuda, access) }
+        {
+            Ok(region) => Ok(Some(Box::new(region))),
+            Err(e) => match cuda {
+                // The provider moves device memory, but this libfabric
+                // cannot register GPU memory (built without CUDA, or no
+                // driver): the region stays registered with the agent, and
+                // requests to it on this transport fail, naming the
+                // missing registration.
+                Some(device) => {
+                    tracing::warn!(device, error = %e, "libfabric did not register GPU memory; requests to it over fabric will fail");
+                    Ok(None)
+                }
+                None => Err(fabric_err("", e)),
+            },
+        }
+    }
+}
+
+impl FabricRegion {
+    /// Registers `[addr, addr + len)` (GPU memory of CUDA device `cuda`
+    /// when given) with the endpoint's domain for `access` (`FI_READ`,
+    /// `FI_REMOTE_WRITE`, …), bound to the endpoint where the provider
+    /// asks (`FI_MR_ENDPOINT`).
+    ///
+    /// # Safety
+    /// The range stays allocated until the region is dropped.
+    unsafe fn register(
+        ep: &Arc<Endpoint>,
+        addr: u64,
+        len: u64,
+        cuda: Option<u32>,
+        access: u32,
+    ) -> Result<Self, FabricError> {
         let iov = ffi::iovec {
-            iov_base: desc.addr as *mut c_void,
-            iov_len: desc.len as usize,
+            iov_base: addr as *mut c_void,
+            iov_len: len as usize,
         };
         let mut attr = ffi::fi_mr_attr {
             mr_iov: &iov,
             iov_count: 1,
-            access: u64::from(
-                ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ | ffi::FI_REMOTE_WRITE,
-            ),
+            access: u64::from(access),
             // Random: the key is what a peer on the fabric must know (with
             // the address) to reach the region (providers with
             // FI_MR_PROV_KEY choose their own).
@@ -987,29 +1233,15 @@ impl Registrar for Fabric {
             attr.iface = ffi::fi_hmem_iface_FI_HMEM_CUDA;
             attr.device.cuda = i32::try_from(d).unwrap_or(i32::MAX);
         }
-        let ep = &self.shared.ep;
         let mut mr = ptr::null_mut();
         // SAFETY: the caller keeps the range allocated while registered;
-        // the registration is closed with the region (FabricRegion::drop).
+        // the registration is closed with the region (FabricRegion::drop),
+        // which is made as soon as the registration exists.
         unsafe {
-            let rc = check(
+            check(
                 "fi_mr_regattr",
                 i64::from(ffi::fi_mr_regattr(ep.domain, &attr, 0, &mut mr)),
-            );
-            match (rc, cuda) {
-                (Ok(_), _) => {}
-                (Err(e), Some(device)) => {
-                    // The provider moves device memory, but this libfabric
-                    // cannot register GPU memory (built without CUDA, or
-                    // no driver): the region stays registered with the
-                    // agent, and requests to it on this transport fail,
-                    // naming the missing registration.
-                    tracing::warn!(device, error = %e, "libfabric did not register GPU memory; requests to it over fabric will fail");
-                    return Ok(None);
-                }
-                (Err(e), None) => return Err(err(e)),
-            }
-            // Closed with this value if binding it fails.
+            )?;
             let mut region = FabricRegion {
                 mr,
                 desc: ffi::fi_mr_desc(mr) as u64,
@@ -1017,15 +1249,12 @@ impl Registrar for Fabric {
                 _ep: Arc::clone(ep),
             };
             if ep.mr_mode & u64::from(ffi::FI_MR_ENDPOINT) != 0 {
-                check(
-                    "fi_mr_bind",
-                    i64::from(ffi::fi_mr_bind(mr, &mut (*ep.ep).fid, 0)),
-                )
-                .map_err(err)?;
-                check("fi_mr_enable", i64::from(ffi::fi_mr_enable(mr))).map_err(err)?;
+                let rc = ep.with_ep(|e| ffi::fi_mr_bind(mr, &mut (*e).fid, 0))?;
+                check("fi_mr_bind", i64::from(rc))?;
+                check("fi_mr_enable", i64::from(ffi::fi_mr_enable(mr)))?;
             }
             region.key = ffi::fi_mr_key(mr);
-            Ok(Some(Box::new(region)))
+            Ok(region)
         }
     }
 }
@@ -1044,6 +1273,18 @@ mod tests {
         assert_eq!(Offer::decode(&o.encode()), Some(o));
         assert_eq!(Offer::decode(&[1, 2, 3]), None);
         assert_eq!(Offer::decode(&[0; 8]), None);
+    }
+
+    #[test]
+    fn an_attach_answer_round_trips_and_a_short_one_is_none() {
+        let a = Answer {
+            probe_addr: 0x7f00_1234_5678,
+            probe_key: u64::MAX - 3,
+            name: vec![9, 8, 7],
+        };
+        assert_eq!(Answer::decode(&a.encode()), Some(a));
+        assert_eq!(Answer::decode(&[0; 16]), None, "no address");
+        assert_eq!(Answer::decode(&[0; 9]), None);
     }
 
     #[test]
@@ -1174,12 +1415,28 @@ mod tests {
 
     #[test]
     fn credits_run_out_and_come_back() {
-        let c = Credits::new(2);
-        assert!(c.try_take() && c.try_take());
-        assert!(!c.try_take());
+        let c = Credits::new(2, 1 << 20);
+        assert!(c.try_take(8) && c.try_take(8));
+        assert!(!c.try_take(8));
         assert_eq!(c.in_flight(), 2);
-        c.give(1);
+        c.give(1, 8);
         assert_eq!(c.in_flight(), 1);
-        assert!(c.try_take());
+        assert!(c.try_take(8));
+    }
+
+    #[test]
+    fn bytes_in_flight_are_bounded_but_one_operation_always_fits() {
+        let c = Credits::new(16, 1 << 20);
+        // Larger than the bound, alone: taken.
+        assert!(c.try_take(4 << 20));
+        assert!(!c.try_take(1));
+        c.give(1, 4 << 20);
+        assert!(c.try_take(512 << 10) && c.try_take(512 << 10));
+        assert!(!c.try_take(1), "the bound is reached");
+        assert_eq!(c.in_flight(), 2);
+        c.give(1, 512 << 10);
+        assert!(c.try_take(256 << 10));
+        assert!(!c.try_take(512 << 10), "256 KiB left");
+        assert_eq!(c.in_flight(), 2);
     }
 }

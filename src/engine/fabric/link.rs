@@ -378,12 +378,18 @@ impl Group {
         }
     }
 
-    /// Counts an operation of `len` bytes handed to the provider.
-    fn hold(&self, len: u64) {
-        self.link.parts.shared.held.fetch_add(1, Ordering::AcqRel);
+    /// Counts an operation of `len` bytes about to be handed to the
+    /// provider; false when the request was abandoned (nothing more of it
+    /// is posted).
+    fn hold(&self, len: u64) -> bool {
         let mut p = lock(&self.posted);
+        if p.abandoned {
+            return false;
+        }
         p.ops += 1;
         p.bytes += len;
+        self.link.parts.shared.held.fetch_add(1, Ordering::AcqRel);
+        true
     }
 
     /// An operation of `len` bytes is back from the provider (completed, or
@@ -639,7 +645,12 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
         len: op.len,
     }));
     // Before the call: its completion may come before it returns.
-    group.hold(op.len);
+    if !group.hold(op.len) {
+        // SAFETY: not posted: the context is still this function's.
+        drop(unsafe { Box::from_raw(ctx) });
+        parts.shared.credits.give(1, op.len);
+        return Err(FabricError::Closed);
+    }
     let iov = ffi::iovec {
         iov_base: op.local as *mut c_void,
         iov_len: op.len as usize,

@@ -114,16 +114,7 @@ impl SocketPath for FabricParts {
     /// `FI_AV_REMOVE_CLEANUP=1`), and `shm` (libfabric 1.17) crashes on a
     /// later completion for a removed peer.
     fn on_fail(&self) {
-        let (writes, fenced) = {
-            let mut open = lock(&self.open);
-            let writes: Vec<_> = open
-                .groups
-                .values()
-                .filter_map(Weak::upgrade)
-                .filter(|g| g.op == TransferOp::Write)
-                .collect();
-            (writes, std::mem::take(&mut open.fenced))
-        };
+        let (writes, fenced) = self.take_open(true);
         for g in writes {
             let cause = lock(&g.link.pending)
                 .broken
@@ -131,10 +122,30 @@ impl SocketPath for FabricParts {
                 .unwrap_or(Error::Closed);
             g.abandon(cause);
         }
-        for f in fenced {
-            if f.pending.event(Err(Error::Closed)) {
-                f.pending.finish(None);
-            }
+        fail_frames(fenced, &Error::Closed);
+    }
+}
+
+impl FabricParts {
+    /// Its requests with operations in flight (only the WRITEs when
+    /// `writes_only`), and its fenced notifications, taken out.
+    fn take_open(&self, writes_only: bool) -> (Vec<Arc<Group>>, Vec<Frames>) {
+        let mut open = lock(&self.open);
+        let groups = open
+            .groups
+            .values()
+            .filter_map(Weak::upgrade)
+            .filter(|g| !writes_only || g.op == TransferOp::Write)
+            .collect();
+        (groups, std::mem::take(&mut open.fenced))
+    }
+}
+
+/// Fails fenced notifications that will not be sent.
+fn fail_frames(frames: Vec<Frames>, cause: &Error) {
+    for f in frames {
+        if f.pending.event(Err(cause.clone())) {
+            f.pending.finish(None);
         }
     }
 }
@@ -431,24 +442,12 @@ impl Group {
 /// operations are still in flight, and their fenced notifications
 /// (at the transport's close, once nothing of theirs can move any more).
 pub(super) fn abandon_all(shared: &Shared, cause: &Error) {
-    let links: Vec<_> = lock(&shared.links)
-        .iter()
-        .filter_map(Weak::upgrade)
-        .collect();
-    for link in links {
-        let (groups, fenced) = {
-            let mut open = lock(&link.parts.open);
-            let groups: Vec<_> = open.groups.values().filter_map(Weak::upgrade).collect();
-            (groups, std::mem::take(&mut open.fenced))
-        };
+    for link in shared.live_links() {
+        let (groups, fenced) = link.parts.take_open(false);
         for g in groups {
             g.abandon(cause.clone());
         }
-        for f in fenced {
-            if f.pending.event(Err(cause.clone())) {
-                f.pending.finish(None);
-            }
-        }
+        fail_frames(fenced, cause);
     }
 }
 
@@ -639,18 +638,16 @@ pub(super) struct Queued {
 /// provider has no room for it now (`-FI_EAGAIN`).
 fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricError> {
     let parts = &link.parts;
+    // Before the call: its completion may come before it returns.
+    if !group.hold(op.len) {
+        parts.shared.credits.give(1, op.len);
+        return Err(FabricError::Closed);
+    }
     let ctx = Box::into_raw(Box::new(OpCtx {
         provider: [ptr::null_mut(); 8],
         group: Arc::clone(group),
         len: op.len,
     }));
-    // Before the call: its completion may come before it returns.
-    if !group.hold(op.len) {
-        // SAFETY: not posted: the context is still this function's.
-        drop(unsafe { Box::from_raw(ctx) });
-        parts.shared.credits.give(1, op.len);
-        return Err(FabricError::Closed);
-    }
     let iov = ffi::iovec {
         iov_base: op.local as *mut c_void,
         iov_len: op.len as usize,
@@ -743,11 +740,7 @@ pub(super) fn drain(shared: &Shared) {
 /// Fails the links whose operations have made no progress for their I/O
 /// timeout: `PeerTimedOut` (see `on_fail`).
 fn watch(shared: &Shared) {
-    let links: Vec<_> = lock(&shared.links)
-        .iter()
-        .filter_map(|l| l.upgrade())
-        .collect();
-    for link in links {
+    for link in shared.live_links() {
         let parts = &link.parts;
         if lock(&parts.open).groups.is_empty() || link.broken.load(Ordering::Acquire) {
             continue;

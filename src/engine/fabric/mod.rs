@@ -711,6 +711,14 @@ impl Shared {
             self.ep.remove(addr);
         }
     }
+
+    /// The links still open.
+    fn live_links(&self) -> Vec<Arc<FabricLink>> {
+        lock(&self.links)
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect()
+    }
 }
 
 /// Eight registered bytes of each agent, which every link reads from its
@@ -999,11 +1007,7 @@ impl Fabric {
         let Some(thread) = lock(&self.progress).take() else {
             return;
         };
-        let links: Vec<_> = lock(&self.shared.links)
-            .iter()
-            .filter_map(std::sync::Weak::upgrade)
-            .collect();
-        for l in links {
+        for l in self.shared.live_links() {
             l.fail(Error::Closed);
         }
         self.stop.store(true, Ordering::Release);

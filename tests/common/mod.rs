@@ -155,6 +155,27 @@ pub fn register(agent: &dyn TransferAgent, buf: &[u8]) {
     };
 }
 
+/// Deregisters `buf` once nothing holds it (it fails `RegionBusy` until
+/// then), within `within`: for a region whose request failed while a
+/// transport may still move it (the libfabric transport's WRITEs to a peer
+/// gone or stopped, held until the provider gives them back).
+pub fn deregister_once_free(agent: &dyn TransferAgent, buf: &[u8], within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        match agent.deregister_memory(&MemoryDescs::dram(buf)) {
+            Ok(()) => return,
+            Err(e @ kvxfer::Error::RegionBusy { .. }) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "still held after {within:?}: {e}"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => panic!("deregistering: {e}"),
+        }
+    }
+}
+
 /// Host descriptors for `(addr, len)` pairs.
 pub fn dram(pairs: impl IntoIterator<Item = (u64, u64)>) -> MemoryDescs {
     MemoryDescs::new(

@@ -43,6 +43,7 @@ use crate::engine::socket_link::{
 use crate::engine::transport::Submission;
 use crate::engine::{Inner, attach, lock, status};
 use crate::error::Error;
+use crate::registry::RegionGuard;
 use crate::small::{FastHash, Few};
 use crate::status::{Completion, DRIVE_MAX_BYTES, Progress};
 
@@ -102,7 +103,8 @@ impl SocketPath for FabricParts {
     /// A broken link (its control stream lost, a stall, the agent's
     /// close) fails its requests now rather than when the peer answers,
     /// where that is safe for this agent: its WRITEs still in flight (an
-    /// operation that moves later only reads this agent's memory; the
+    /// operation that moves later only reads this agent's memory, whose
+    /// regions stay held until it is given back, see `Group::kept`; the
     /// target never hears of the request, though a target that resumes may
     /// still receive the data) and its notifications fenced behind them.
     /// Its READs
@@ -268,6 +270,7 @@ fn warm(link: &Arc<FabricLink>, probe: (u64, u64), timeout: Duration) -> Result<
         failed: AtomicBool::new(false),
         settled: AtomicBool::new(false),
         posted: Mutex::default(),
+        kept: Mutex::default(),
     });
     lock(&parts.open).groups.insert(id, Arc::downgrade(&group));
     launch(link, &group, vec![op]);
@@ -309,6 +312,13 @@ struct Group {
     /// Its operations handed to the provider and not completed, whose
     /// credits (see `Credits`) they hold.
     posted: Mutex<Posted>,
+    /// Once it is abandoned with operations still in the provider's hands:
+    /// the holds on its regions, taken from its status, so that they stay
+    /// registered (deregistration refused, `RegionBusy`) until the last of
+    /// those operations is given back and this group is dropped with its
+    /// context. A provider may still read (a WRITE) or write (a READ at
+    /// close) their memory until then.
+    kept: Mutex<Few<RegionGuard>>,
 }
 
 /// Operations of a request held by the provider.
@@ -431,6 +441,10 @@ impl Group {
             (std::mem::take(&mut p.ops), std::mem::take(&mut p.bytes))
         };
         self.link.parts.shared.credits.give(ops, bytes);
+        if ops > 0 {
+            // The status reports now, its memory stays held (see `kept`).
+            *lock(&self.kept) = std::mem::take(&mut *lock(&self.pending.guards));
+        }
         lock(&self.link.parts.open).groups.remove(&self.req);
         if self.pending.event(Err(cause)) {
             self.pending.finish(None);
@@ -557,6 +571,7 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
         failed: AtomicBool::new(false),
         settled: AtomicBool::new(false),
         posted: Mutex::default(),
+        kept: Mutex::default(),
     });
     {
         let mut open = lock(&parts.open);

@@ -182,9 +182,10 @@ pub struct FabricConfig {
     /// domain is named (default 0; `None`: never look).
     pub near_gpu: Option<u32>,
     /// Bytes of posted, uncompleted operations on the agent's endpoint, all
-    /// peers together (one operation may always be posted); what is over
-    /// waits in the agent, where an abort still stops it. Default
-    /// [`DEFAULT_RDMA_MAX_INFLIGHT`]; at least 64 KiB.
+    /// peers together (one operation may always be posted), of which one
+    /// peer may hold half; what is over waits in the agent, where an abort
+    /// still stops it. Default [`DEFAULT_RDMA_MAX_INFLIGHT`]; at least
+    /// 64 KiB.
     pub max_inflight: u64,
 }
 

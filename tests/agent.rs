@@ -1135,6 +1135,48 @@ fn target_killed_mid_transfer_fails_within_timeout() {
     }
 }
 
+/// A target that stops taking data holds up no other peer of the same
+/// agent: with a large request to the stopped target under way (more than
+/// the libfabric transport's operations and bytes in flight), a small one
+/// to a bystander completes, long before the I/O timeout (60 s) would fail
+/// the stopped target's link; the large one completes once the target
+/// resumes.
+#[test]
+fn a_stopped_target_holds_up_no_other_peer() {
+    let size: u64 = 64 << 20;
+    let io_timeout = Duration::from_secs(60);
+    let peer = PeerProc::spawn("target", size, 3, &[]);
+    let agent = local_agent("init", |c| c.with_io_timeout(io_timeout));
+    let mut src = vec![0u8; size as usize];
+    fill(&mut src, 6, 0);
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let mut bystander = PeerProc::spawn("bystander", size, 4, &[]);
+    let other = agent
+        .load_remote_agent_by_connection(&bystander.conn)
+        .unwrap();
+    peer.signal("STOP");
+    let local = dram((0..4).map(|_| (src.as_ptr() as u64, size)));
+    let remote = dram((0..4).map(|_| (peer.addr, size)));
+    let big = agent
+        .submit_transfer(&TransferRequest::write(local, remote, &name))
+        .unwrap();
+    let t0 = Instant::now();
+    let small = agent
+        .submit_transfer(&TransferRequest::write(
+            dram([(src.as_ptr() as u64, 4096)]),
+            bystander.range(0, 4096),
+            &other,
+        ))
+        .unwrap();
+    let r = small.wait_success(io_timeout / 2);
+    let took = t0.elapsed();
+    peer.signal("CONT");
+    r.unwrap_or_else(|e| panic!("the bystander's request, after {took:?}: {e}"));
+    assert_eq!(bystander.cmd("check 6 0 4096"), "OK");
+    big.wait_success(WAIT).unwrap();
+}
+
 /// A target process that stops answering: on TCP, shm and libfabric over
 /// kernel sockets or shared memory (which need the target's threads) the
 /// request fails with `PeerTimedOut` after the I/O timeout. On RDMA (and

@@ -2,9 +2,10 @@
 //! vector and the control stream that carries its requests' commits.
 //!
 //! A request's operations are posted from the submitting thread while the
-//! endpoint's queues have room, else queued for the progress thread, which
-//! posts them as completions free room (a submission never waits for the
-//! peer); each carries an [`OpCtx`] the provider hands back in its
+//! endpoint's queues, and the link's share of them, have room, else queued
+//! for the progress thread, which posts them as completions free room, one
+//! per link in turn (a submission never waits for the peer; a peer that
+//! stops taking data holds up no other, see [`Backlog`]); each carries an [`OpCtx`] the provider hands back in its
 //! completion, and the request's [`Group`] counts them. Completions are
 //! read by the progress thread, or by a thread waiting on a request of at
 //! most [`DRIVE_MAX_BYTES`], which polls the queue itself while the
@@ -21,7 +22,7 @@
 //! no progress for the I/O timeout fails with `PeerTimedOut`. Before
 //! serving requests a link reads its peer's probe (`warm`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::os::fd::AsRawFd;
 use std::ptr;
@@ -32,8 +33,8 @@ use std::time::{Duration, Instant};
 use kvxfer_fabric as ffi;
 
 use super::{
-    Answer, CLOSE_GRACE, Fabric, FabricError, Shared, WAIT_MS, check, fabric_err, strerror,
-    waiters_poll,
+    Answer, CLOSE_GRACE, Credits, Fabric, FabricError, Shared, WAIT_MS, check, fabric_err,
+    strerror, waiters_poll,
 };
 use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
@@ -70,6 +71,9 @@ pub(in crate::engine) struct FabricParts {
     /// completion queue) rather than wait for the progress thread; `None`
     /// on providers over kernel sockets (see [`super::waiters_poll`]).
     driver: Option<Weak<dyn Progress>>,
+    /// The link's share of the endpoint's credits (`Credits::share`): what
+    /// its operations in the provider's hands may hold at most.
+    credits: Credits,
 }
 
 #[derive(Default)]
@@ -218,6 +222,7 @@ impl FabricLink {
                 let strong: Arc<dyn Progress> = Arc::clone(&fabric.shared) as Arc<dyn Progress>;
                 Arc::downgrade(&strong)
             }),
+            credits: fabric.shared.credits.share(),
         };
         let path = DataPath {
             transport: TransportKind::Fabric,
@@ -440,7 +445,7 @@ impl Group {
             p.abandoned = true;
             (std::mem::take(&mut p.ops), std::mem::take(&mut p.bytes))
         };
-        self.link.parts.shared.credits.give(ops, bytes);
+        give(&self.link, ops, bytes);
         if ops > 0 {
             // The status reports now, its memory stays held (see `kept`).
             *lock(&self.kept) = std::mem::take(&mut *lock(&self.pending.guards));
@@ -598,24 +603,27 @@ fn launch(link: &Arc<FabricLink>, group: &Arc<Group>, ops: Vec<Op>) {
     }
     let shared = &parts.shared;
     let mut queued = false;
-    for op in ops {
-        // Behind what already waits, or when the queues are full: for the
-        // progress thread.
-        if queued || !lock(&shared.backlog).is_empty() || !shared.credits.try_take(op.len) {
-            lock(&shared.backlog).push_back(Queued {
+    let queue = |op| {
+        lock(&shared.backlog).push(
+            link,
+            Queued {
                 group: Arc::clone(group),
                 op,
-            });
+            },
+        );
+    };
+    for op in ops {
+        // Behind what of this link already waits, or when the queues (or
+        // the link's share of them) are full: for the progress thread.
+        if queued || lock(&shared.backlog).holds(link) || !take(link, op.len) {
+            queue(op);
             queued = true;
             continue;
         }
         match post(link, group, &op) {
             Ok(true) => {}
             Ok(false) => {
-                lock(&shared.backlog).push_back(Queued {
-                    group: Arc::clone(group),
-                    op,
-                });
+                queue(op);
                 queued = true;
             }
             Err(e) => {
@@ -655,7 +663,7 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
     let parts = &link.parts;
     // Before the call: its completion may come before it returns.
     if !group.hold(op.len) {
-        parts.shared.credits.give(1, op.len);
+        give(link, 1, op.len);
         return Err(FabricError::Closed);
     }
     let ctx = Box::into_raw(Box::new(OpCtx {
@@ -709,7 +717,7 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
     // SAFETY: not posted: the context is still this function's.
     drop(unsafe { Box::from_raw(ctx) });
     if group.release(op.len) {
-        parts.shared.credits.give(1, op.len);
+        give(link, 1, op.len);
     }
     if rc == -(ffi::FI_EAGAIN as isize) {
         return Ok(false);
@@ -717,37 +725,137 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
     check(call, rc as i64).map(|_| false)
 }
 
-/// Posts what waits in the backlog while there is room; drops (as done)
-/// the operations of requests that failed, were aborted, or whose link
-/// broke.
+/// Takes the credits of an operation of `len` bytes on `link`: its share
+/// and the endpoint's; false (nothing taken) when either is full.
+fn take(link: &FabricLink, len: u64) -> bool {
+    let parts = &link.parts;
+    if !parts.credits.try_take(len) {
+        return false;
+    }
+    if parts.shared.credits.try_take(len) {
+        return true;
+    }
+    parts.credits.give(1, len);
+    false
+}
+
+/// Gives back the credits of `ops` operations of `bytes` on `link`.
+fn give(link: &FabricLink, ops: usize, bytes: u64) {
+    link.parts.credits.give(ops, bytes);
+    link.parts.shared.credits.give(ops, bytes);
+}
+
+/// Operations waiting to be posted, by link, in the order the links take
+/// their turns: a link whose peer stops taking data fills its share of the
+/// credits and waits, while the others' operations are posted.
+#[derive(Default)]
+pub(super) struct Backlog {
+    /// Each link with operations waiting (once), and those operations in
+    /// order.
+    turns: VecDeque<(Arc<FabricLink>, VecDeque<Queued>)>,
+}
+
+impl Backlog {
+    /// Whether nothing waits.
+    pub(super) fn is_empty(&self) -> bool {
+        self.turns.is_empty()
+    }
+
+    /// Whether operations of `link` wait.
+    fn holds(&self, link: &Arc<FabricLink>) -> bool {
+        self.turns.iter().any(|(l, _)| Arc::ptr_eq(l, link))
+    }
+
+    /// Queues `q` of `link` behind the link's others.
+    fn push(&mut self, link: &Arc<FabricLink>, q: Queued) {
+        match self.turns.iter_mut().find(|(l, _)| Arc::ptr_eq(l, link)) {
+            Some((_, ops)) => ops.push_back(q),
+            None => self
+                .turns
+                .push_back((Arc::clone(link), VecDeque::from([q]))),
+        }
+    }
+}
+
+/// What became of a link's turn in [`drain`].
+enum Turn {
+    /// An operation was posted, or dropped (its request over).
+    Moved,
+    /// The link's share is full: its operations wait for its completions.
+    Full,
+    /// The endpoint has no room: nothing more is posted now.
+    Stop,
+}
+
+/// Posts what waits in the backlog while there is room, one operation per
+/// link in turn; drops (as done) the operations of requests that failed,
+/// were aborted, or whose link broke.
 pub(super) fn drain(shared: &Shared) {
+    // Turns since one moved something: a whole round of full links ends.
+    let mut idle = 0;
     loop {
-        let Some(q) = lock(&shared.backlog).pop_front() else {
+        let Some((link, mut ops)) = lock(&shared.backlog).turns.pop_front() else {
             return;
         };
-        let g = &q.group;
-        if g.failed.load(Ordering::Acquire) || g.link.broken.load(Ordering::Acquire) {
-            g.done(Err(Error::Closed));
-            continue;
-        }
-        if g.pending.completion.abort_requested() {
-            g.done(Err(Error::Aborted));
-            continue;
-        }
-        if !shared.credits.try_take(q.op.len) {
-            lock(&shared.backlog).push_front(q);
-            return;
-        }
-        match post(&g.link, g, &q.op) {
-            Ok(true) => {}
-            Ok(false) => {
-                lock(&shared.backlog).push_front(q);
-                return;
+        let turn = match ops.pop_front() {
+            None => Turn::Moved,
+            Some(q) => {
+                let (turn, back) = drain_one(shared, q);
+                if let Some(q) = back {
+                    ops.push_front(q);
+                }
+                turn
             }
-            Err(e) => {
-                let remote = g.link.remote.clone();
-                g.done(Err(fabric_err(&remote, e)));
+        };
+        let mut backlog = lock(&shared.backlog);
+        let links = backlog.turns.len() + 1;
+        if !ops.is_empty() {
+            match turn {
+                // Its turn again first: the endpoint's room came back.
+                Turn::Stop => backlog.turns.push_front((link, ops)),
+                Turn::Moved | Turn::Full => backlog.turns.push_back((link, ops)),
             }
+        }
+        drop(backlog);
+        match turn {
+            Turn::Stop => return,
+            Turn::Moved => idle = 0,
+            Turn::Full => {
+                idle += 1;
+                if idle >= links {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// One turn of [`drain`] on queued operation `q`; `q` back when it is still
+/// to be posted.
+fn drain_one(shared: &Shared, q: Queued) -> (Turn, Option<Queued>) {
+    let g = &q.group;
+    if g.failed.load(Ordering::Acquire) || g.link.broken.load(Ordering::Acquire) {
+        g.done(Err(Error::Closed));
+        return (Turn::Moved, None);
+    }
+    if g.pending.completion.abort_requested() {
+        g.done(Err(Error::Aborted));
+        return (Turn::Moved, None);
+    }
+    if !g.link.parts.credits.try_take(q.op.len) {
+        return (Turn::Full, Some(q));
+    }
+    if !shared.credits.try_take(q.op.len) {
+        g.link.parts.credits.give(1, q.op.len);
+        return (Turn::Stop, Some(q));
+    }
+    match post(&g.link, g, &q.op) {
+        Ok(true) => (Turn::Moved, None),
+        Ok(false) => (Turn::Stop, Some(q)),
+        Err(e) => {
+            let remote = g.link.remote.clone();
+            g.done(Err(fabric_err(&remote, e)));
+            (Turn::Moved, None)
         }
     }
 }
@@ -782,6 +890,7 @@ unsafe fn complete(ctx: *mut c_void, result: Result<(), FabricError>) -> (usize,
     let op = unsafe { Box::from_raw(ctx.cast::<OpCtx>()) };
     *lock(&op.group.link.parts.last_progress) = Instant::now();
     let back = if op.group.release(op.len) {
+        op.group.link.parts.credits.give(1, op.len);
         (1, op.len)
     } else {
         (0, 0)

@@ -202,15 +202,23 @@ impl Credits {
     fn in_flight(&self) -> usize {
         self.cap - self.free.load(Ordering::Acquire)
     }
+
+    /// The share of these credits one link may hold: half the operations
+    /// and half the bytes (one operation of any length at least), so that
+    /// a peer that stops taking data leaves the other half to the rest.
+    fn share(&self) -> Self {
+        Self::new((self.cap / 2).max(1), self.bytes_cap / 2)
+    }
 }
 
 /// What the transport's links and its progress thread share.
 struct Shared {
     ep: Arc<Endpoint>,
     credits: Credits,
-    /// Operations waiting for room in the endpoint's queues, posted by the
-    /// progress thread as completions free it.
-    backlog: Mutex<std::collections::VecDeque<link::Queued>>,
+    /// Operations waiting for room in the endpoint's queues or in their
+    /// link's share of it, posted by the progress thread as completions
+    /// free it, the links taking turns.
+    backlog: Mutex<link::Backlog>,
     /// The links, for the progress thread's watch over them.
     links: Mutex<Vec<std::sync::Weak<FabricLink>>>,
     /// Polls of the queue by waiting threads so far (the progress thread
@@ -894,6 +902,17 @@ mod tests {
         c.give(1, 8);
         assert_eq!(c.in_flight(), 1);
         assert!(c.try_take(8));
+    }
+
+    #[test]
+    fn a_links_share_is_half_and_never_nothing() {
+        let s = Credits::new(64, 64 << 20).share();
+        assert_eq!((s.cap, s.bytes_cap), (32, 32 << 20));
+        let s = Credits::new(1, 64 << 10).share();
+        assert_eq!(s.cap, 1);
+        // A share smaller than one operation still takes one at a time.
+        assert!(s.try_take(4 << 20));
+        assert!(!s.try_take(1));
     }
 
     #[test]

@@ -1,13 +1,29 @@
 //! Bindings of the system libfabric (Debian's libfabric-dev): bindgen over
 //! its headers, and its static inline functions (fi_domain, fi_write, ...)
-//! wrapped in C by bindgen and compiled with cc.
+//! wrapped in C by bindgen and compiled with cc. Nothing links libfabric:
+//! the few functions it exports that are called (`EXPORTED`) are resolved
+//! at run time (src/lib.rs), so a program built with this crate runs
+//! without libfabric installed.
 
 use std::env;
 use std::path::PathBuf;
 
+/// The functions of libfabric's own (not inline) that src/lib.rs resolves
+/// at run time.
+const EXPORTED: [&str; 6] = [
+    "fi_getinfo",
+    "fi_freeinfo",
+    "fi_dupinfo",
+    "fi_fabric",
+    "fi_strerror",
+    "fi_version",
+];
+
 fn main() {
+    // Its headers only: no link directives.
     let lib = pkg_config::Config::new()
         .atleast_version("1.11")
+        .cargo_metadata(false)
         .probe("libfabric")
         .expect("libfabric-dev (pkg-config libfabric)");
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
@@ -15,6 +31,9 @@ fn main() {
     let mut b = bindgen::Builder::default()
         .header("src/fabric.h")
         .allowlist_function("fi_.*")
+        .blocklist_function(EXPORTED.join("|"))
+        // Inline, but calls fi_dupinfo: not wrapped (use fi_dupinfo(NULL)).
+        .blocklist_function("fi_allocinfo")
         .allowlist_type("fi_.*|fid.*")
         .allowlist_var("FI_.*")
         .wrap_static_fns(true)

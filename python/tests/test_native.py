@@ -1,5 +1,6 @@
-"""The native Python API: transfers between two processes over tcp and shm,
-typed errors that change nothing, deadlines, Ctrl-C."""
+"""The native Python API: transfers between two processes over tcp, shm and
+libfabric (provider `tcp;ofi_rxm`), typed errors that change nothing,
+deadlines, Ctrl-C."""
 
 import mmap
 import multiprocessing as mp
@@ -62,7 +63,17 @@ class Target:
             self.proc.join()
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+BACKENDS = ["tcp", "shm", "fabric"]
+
+
+@pytest.fixture(autouse=True)
+def fabric_provider(monkeypatch):
+    """libfabric's provider for `fabric` agents here and in the targets
+    (spawned processes inherit the environment): TCP sockets."""
+    monkeypatch.setenv("KVXFER_FABRIC_PROVIDER", "tcp;ofi_rxm")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_write_with_a_notification_lands_in_another_process(backend):
     t = Target(backend)
     try:
@@ -82,7 +93,7 @@ def test_write_with_a_notification_lands_in_another_process(backend):
         t.stop()
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_read_from_another_process(backend):
     want = pattern(SIZE, salt=3)
     t = Target(backend, fill=want)

@@ -139,6 +139,21 @@ fn c_agent_test() {
     c_program("agent_test", "agent_test", &[]);
 }
 
+/// The C library's libfabric transport (loaded at run time), on
+/// `tcp;ofi_rxm`.
+#[test]
+fn c_fabric_test() {
+    let exe = out_dir().join("fabric_test");
+    compile(
+        "gcc",
+        "-std=c11",
+        &manifest().join("tests/c/fabric_test.c"),
+        &exe,
+    );
+    let out = run_env(&exe, &[], &[("KVXFER_FABRIC_PROVIDER", "tcp;ofi_rxm")]);
+    assert!(out.contains("checks passed"), "{out}");
+}
+
 #[test]
 fn c_agent_test_under_valgrind() {
     c_program("agent_test", "agent_test_vg", VALGRIND);

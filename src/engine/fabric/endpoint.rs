@@ -92,6 +92,8 @@ fn getinfo(
     domain: Option<&CStr>,
     hmem: bool,
 ) -> Result<*mut ffi::fi_info, FabricError> {
+    // The first call into libfabric on every path: loads it.
+    ffi::load().map_err(FabricError::Unloaded)?;
     // SAFETY: plain libfabric calls; the hints are allocated by fi_dupinfo
     // (of nothing) and freed below, the strings put in them duplicated with
     // strdup (fi_freeinfo frees them).

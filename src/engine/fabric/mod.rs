@@ -92,6 +92,9 @@ enum FabricError {
     /// The endpoint was closed (the agent is closing).
     #[error("the endpoint is closed")]
     Closed,
+    /// libfabric could not be loaded (which file, and why).
+    #[error("{0}")]
+    Unloaded(String),
 }
 
 fn strerror(code: i64) -> String {
@@ -891,6 +894,34 @@ mod tests {
         for p in ["tcp;ofi_rxm", "tcp", "sockets", "udp;ofi_rxd", "net"] {
             assert!(!waiters_poll(p), "{p}");
         }
+    }
+
+    #[test]
+    fn an_agent_without_libfabric_is_refused_typed() {
+        // In a child process: whether libfabric loaded is the process's.
+        if std::env::var_os("KVXFER_FABRIC_CHILD").is_some() {
+            let cfg = AgentConfig::new("no-libfabric").with_fabric_provider("tcp;ofi_rxm");
+            let Err(e) = crate::make_transfer_agent(Backend::Fabric, cfg) else {
+                panic!("a fabric agent opened without libfabric");
+            };
+            assert!(
+                matches!(&e, Error::BackendUnavailable { backend: "fabric", reason }
+                    if reason.contains("/nonexistent/libfabric.so.1")),
+                "{e}"
+            );
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "engine::fabric::tests::an_agent_without_libfabric_is_refused_typed",
+            ])
+            .env("KVXFER_FABRIC_CHILD", "1")
+            .env("KVXFER_LIBFABRIC", "/nonexistent/libfabric.so.1")
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && said.contains("1 passed"), "{said}");
     }
 
     #[test]

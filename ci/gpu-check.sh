@@ -33,11 +33,13 @@ build)
   cargo build --locked --release -p kvxfer-bench
   cp target/release/kvxfer-bench .gpu/kvxfer-bench
   strip .gpu/gpu-tests .gpu/kvxfer-bench
-  # The benchmark links libfabric (and through it libibverbs, librdmacm,
-  # psm...), which the GPU machine's image does not have: the shared
-  # libraries beside glibc travel in .gpu/lib.
+  # The binaries load libfabric at run time (and it links libibverbs,
+  # librdmacm, psm...), which the GPU machine's image does not have: it
+  # and the shared libraries beside glibc travel in .gpu/lib.
   rm -rf .gpu/lib && mkdir -p .gpu/lib
-  ldd .gpu/kvxfer-bench .gpu/gpu-tests | awk '/=> \//{print $3}' |
+  fabric=$(ldconfig -p | awk '/libfabric\.so\.1 /{print $NF; exit}')
+  [ -n "$fabric" ] && cp -L "$fabric" .gpu/lib/
+  ldd .gpu/kvxfer-bench .gpu/gpu-tests $fabric | awk '/=> \//{print $3}' |
     grep -v -E '/(libc|libm|libgcc_s|libpthread|libdl|ld-linux[^/]*)\.so' | sort -u |
     xargs -r -I{} cp -L {} .gpu/lib/
   ls -l .gpu
@@ -52,7 +54,7 @@ run)
     echo "== GPUs"; nvidia-smi --query-gpu=name,driver_version,memory.total,pci.bus_id --format=csv
     echo "== RDMA devices"; ls -l /dev/infiniband 2>&1; ibv_devices 2>&1
     echo "== libcuda"; ldconfig -p 2>&1 | grep -E 'libcuda|libibverbs|libnvidia-ml' ; ls /usr/local/nvidia/lib64 2>&1 | head -20
-    echo "== carried libraries resolve"; ldd .gpu/kvxfer-bench 2>&1 | grep -E 'not found|fabric'
+    echo "== carried libraries resolve"; ldd .gpu/kvxfer-bench .gpu/lib/libfabric.so.1 2>&1 | grep -E 'not found|fabric'
     echo "== nvidia modules"; cat /proc/driver/nvidia/version 2>&1; ls /sys/module | grep -i -E 'nvidia|peermem' 2>&1
   } > "$out/probe.txt" 2>&1
   [ -x .gpu/gpu-tests ] || { echo "missing .gpu/gpu-tests: run 'ci/gpu-check.sh build' here and carry .gpu" | tee "$out/summary.txt"; exit 1; }

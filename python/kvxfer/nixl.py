@@ -13,10 +13,12 @@ on both sides merge unless `skip_desc_merge`) / `initialize_xfer`,
 by `NIXL_TELEMETRY_ENABLE` when set, else `capture_telemetry`),
 notifications, metadata bytes, `create_backend` and the plugin queries.
 
-The one plugin is `"UCX"`: kvxfer's transport selection (shared memory on
+Two plugins: `"UCX"` is kvxfer's transport selection (shared memory on
 one host, RDMA where both sides have a device, TCP otherwise;
-`KVXFER_NIXL_BACKEND` picks one). `query_xfer_transport` says which carried
-a transfer.
+`KVXFER_NIXL_BACKEND` picks one); `"LIBFABRIC"` is kvxfer's libfabric
+transport (EFA and the other fabrics libfabric drives; provider in
+`KVXFER_FABRIC_PROVIDER`), for the agent's transfers when it is among the
+configured backends. `query_xfer_transport` says which carried a transfer.
 
 Where kvxfer is stricter than NIXL:
 - a transfer whose peer died ends in `"ERR"` within the agent's I/O
@@ -201,7 +203,7 @@ class nixl_agent:
     # -- plugins and backends --------------------------------------------
 
     def get_plugin_list(self):
-        """The plugins kvxfer offers (`["UCX"]`)."""
+        """The plugins kvxfer offers (`["UCX", "LIBFABRIC"]`)."""
         return self.plugin_list
 
     def _load_plugin_params(self, plugin):
@@ -472,12 +474,13 @@ class nixl_agent:
         return self.agent.getXferTelemetry(handle._handle)
 
     def query_xfer_backend(self, handle):
-        """The backend (plugin) that carried the transfer: `"UCX"`."""
+        """The backend (plugin) that carried the transfer: `"UCX"`, or
+        `"LIBFABRIC"` when it was created."""
         b = self.agent.queryXferBackend(handle._handle)
         return next((name for name, h in self.backends.items() if h == b), "")
 
     def query_xfer_transport(self, handle):
-        """kvxfer's transport that carried it: `tcp`, `shm`, `rdma`."""
+        """kvxfer's transport that carried it: `tcp`, `shm`, `rdma`, `fabric`."""
         return self.agent.query_transport(handle._handle)
 
     def release_xfer_handle(self, handle):

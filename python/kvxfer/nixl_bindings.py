@@ -393,7 +393,13 @@ class nixlAgentConfig:
 
 
 _PLUGIN = "UCX"
+# NIXL's libfabric plugin (EFA and the other fabrics libfabric drives):
+# kvxfer's `fabric` transport.
+_FABRIC_PLUGIN = "LIBFABRIC"
+_PLUGINS = (_PLUGIN, _FABRIC_PLUGIN)
 _PLUGIN_MEMS = ["DRAM_SEG", "VRAM_SEG"]
+# Each plugin's backend handle differs (xor-ed with the agent's id).
+_HANDLE_SALT = {_PLUGIN: 0x5543_5800, _FABRIC_PLUGIN: 0x4F46_4900}
 
 
 def _telemetry_enabled(config):
@@ -469,26 +475,43 @@ class nixlAgent:
         self._backends = {}
         # A region registered again is counted, not registered twice.
         self._regs = {}
+        # Whether memory was registered or a peer loaded (the agent can no
+        # longer be replaced by the LIBFABRIC plugin's).
+        self._used = False
 
     # -- plugins and backends --------------------------------------------
 
     def getAvailPlugins(self):  # noqa: N802
         """The plugins kvxfer offers."""
-        return [_PLUGIN]
+        return list(_PLUGINS)
 
     def getPluginParams(self, plugin):  # noqa: N802
         """`(options, memory types)` of a plugin."""
-        if plugin != _PLUGIN:
-            raise nixlNotFoundError(f"plugin {plugin!r} not found (kvxfer offers {_PLUGIN!r})")
-        return {"kvxfer_transport": self.transport}, list(_PLUGIN_MEMS)
+        if plugin not in _PLUGINS:
+            raise nixlNotFoundError(f"plugin {plugin!r} not found (kvxfer offers {list(_PLUGINS)!r})")
+        transport = "fabric" if plugin == _FABRIC_PLUGIN else self.transport
+        return {"kvxfer_transport": transport}, list(_PLUGIN_MEMS)
 
     def createBackend(self, plugin, params):  # noqa: N802
-        """Instantiates a plugin; returns its handle."""
-        if plugin != _PLUGIN:
-            raise nixlNotFoundError(f"plugin {plugin!r} not found (kvxfer offers {_PLUGIN!r})")
+        """Instantiates a plugin; returns its handle. `LIBFABRIC` moves
+        this agent's transfers over kvxfer's libfabric transport (unless
+        `KVXFER_NIXL_BACKEND` names one): it must come before memory is
+        registered or a peer loaded, as NIXL's agent creates its backends."""
+        if plugin not in _PLUGINS:
+            raise nixlNotFoundError(f"plugin {plugin!r} not found (kvxfer offers {list(_PLUGINS)!r})")
         if plugin in self._backends:
             raise nixlInvalidParamError(f"backend already created for type {plugin!r}")
-        handle = id(self) ^ 0x5543_5800
+        if plugin == _FABRIC_PLUGIN and self.transport != "fabric" and "KVXFER_NIXL_BACKEND" not in os.environ:
+            if self._used:
+                raise nixlNotAllowedError(
+                    "createBackend: LIBFABRIC must be created before memory is registered or a peer loaded"
+                )
+            try:
+                agent = Agent(self.name, backend="fabric")
+            except KvxferError as e:
+                raise nixl_error(e) from e
+            self.kvxfer, self.transport = agent, "fabric"
+        handle = id(self) ^ _HANDLE_SALT[plugin]
         self._backends[plugin] = (handle, dict(params or {}))
         return handle
 
@@ -506,6 +529,8 @@ class nixlAgent:
             raise nixlNotFoundError(f"{what}: no available backends for mem type {mem.name!r}")
 
     def _backend_handle(self):
+        if self.transport == "fabric" and _FABRIC_PLUGIN in self._backends:
+            return self._backends[_FABRIC_PLUGIN][0]
         return next(iter(self._backends.values()))[0] if self._backends else 0
 
     # -- memory ------------------------------------------------------------
@@ -523,6 +548,7 @@ class nixlAgent:
             raise nixl_error(e) from e
         for d in triples:
             self._regs[(mem, d)] = self._regs.get((mem, d), 0) + 1
+        self._used = True
         return NIXL_SUCCESS
 
     def deregisterMem(self, descs, backends=()):  # noqa: N802
@@ -559,9 +585,11 @@ class nixlAgent:
     def loadRemoteMD(self, metadata):  # noqa: N802
         """Loads a peer from its metadata; its name as bytes."""
         try:
-            return self.kvxfer.add_remote_agent(bytes(metadata)).encode()
+            name = self.kvxfer.add_remote_agent(bytes(metadata)).encode()
         except KvxferError as e:
             raise nixl_error(e) from e
+        self._used = True
+        return name
 
     def invalidateRemoteMD(self, name):  # noqa: N802
         """Forgets a peer (its transfers in flight fail); an unknown name is

@@ -190,3 +190,49 @@ def test_descriptor_lists_edit_and_refuse_like_nixl():
     for bad in (b"pickle", b"KVXD1{", b'KVXD1{"mem":0,"reg":false,"descs":[[1]]}'):
         with pytest.raises(b.nixlInvalidParamError):
             a.deserialize_descs(bad)
+
+
+def test_the_libfabric_plugin_moves_transfers_over_kvxfer_fabric(monkeypatch):
+    """`backends=["LIBFABRIC"]` (how serving frameworks ask NIXL for EFA):
+    the agents' transfers go over kvxfer's libfabric transport, here on
+    provider `tcp;ofi_rxm`, with the notification after the data; the
+    plugin cannot replace an agent already in use."""
+    monkeypatch.delenv("KVXFER_NIXL_BACKEND", raising=False)
+    monkeypatch.setenv("KVXFER_FABRIC_PROVIDER", "tcp;ofi_rxm")
+    n = api("kvxfer.nixl")
+    conf = n.nixl_agent_config(backends=["LIBFABRIC"])
+    target = n.nixl_agent("fab-target", conf)
+    init = n.nixl_agent("fab-init", conf)
+    assert "LIBFABRIC" in init.get_plugin_list()
+    assert init.get_backend_params("LIBFABRIC")["kvxfer_transport"] == "fabric"
+    src = ctypes.create_string_buffer(pattern(SIZE, 9), SIZE)
+    dst = ctypes.create_string_buffer(SIZE)
+    init.register_memory(init.get_reg_descs([(ctypes.addressof(src), SIZE, 0, "")], "DRAM"))
+    target.register_memory(target.get_reg_descs([(ctypes.addressof(dst), SIZE, 0, "")], "DRAM"))
+    name = init.add_remote_agent(target.get_agent_metadata())
+    h = init.initialize_xfer(
+        "WRITE",
+        init.get_xfer_descs([(ctypes.addressof(src), SIZE, 0)], "DRAM"),
+        init.get_xfer_descs([(ctypes.addressof(dst), SIZE, 0)], "DRAM"),
+        name,
+        b"fabric-done",
+    )
+    state = init.transfer(h)
+    deadline = time.monotonic() + WAIT
+    while state == "PROC" and time.monotonic() < deadline:
+        time.sleep(0.001)
+        state = init.check_xfer_state(h)
+    assert state == "DONE"
+    assert init.query_xfer_backend(h) == "LIBFABRIC"
+    assert init.query_xfer_transport(h) == "fabric"
+    got = {}
+    while not got and time.monotonic() < deadline:
+        got = target.get_new_notifs()
+    assert got == {"fab-init": [b"fabric-done"]}
+    assert dst.raw == src.raw
+    init.release_xfer_handle(h)
+    # An agent in use keeps its transport: the plugin is refused, typed.
+    late = n.nixl_agent("late", n.nixl_agent_config(backends=["UCX"]))
+    late.register_memory(late.get_reg_descs([(ctypes.addressof(dst), SIZE, 0, "")], "DRAM"))
+    with pytest.raises(Exception, match="before memory is registered"):
+        late.create_backend("LIBFABRIC")

@@ -1079,6 +1079,38 @@ fn refused_request_withholds_its_sync_message() {
     assert_eq!(peer.cmd("msgs"), "");
 }
 
+/// An initiator "init" (I/O timeout `io_timeout`, `src` registered) with
+/// two peer processes of `size` bytes loaded: the target and a bystander.
+struct TwoPeers {
+    target: PeerProc,
+    bystander: PeerProc,
+    agent: Box<dyn kvxfer::TransferAgent>,
+    /// The target's name.
+    name: String,
+    /// The bystander's name.
+    other: String,
+}
+
+impl TwoPeers {
+    fn new(size: u64, io_timeout: Duration, src: &[u8]) -> Self {
+        let target = PeerProc::spawn("target", size, 3, &[]);
+        let agent = local_agent("init", |c| c.with_io_timeout(io_timeout));
+        register(agent.as_ref(), src);
+        let name = agent.load_remote_agent_by_connection(&target.conn).unwrap();
+        let bystander = PeerProc::spawn("bystander", size, 4, &[]);
+        let other = agent
+            .load_remote_agent_by_connection(&bystander.conn)
+            .unwrap();
+        Self {
+            target,
+            bystander,
+            agent,
+            name,
+            other,
+        }
+    }
+}
+
 /// A killed target fails its request at once (the connection breaks),
 /// long before the no-progress timeout; requests to another peer of the
 /// same agent go on. The timeout is wide (20 s) so that a slow machine or
@@ -1088,15 +1120,10 @@ fn refused_request_withholds_its_sync_message() {
 fn target_killed_mid_transfer_fails_within_timeout() {
     let size: u64 = 64 << 20;
     let io_timeout = Duration::from_secs(20);
-    let mut peer = PeerProc::spawn("target", size, 3, &[]);
-    let agent = local_agent("init", |c| c.with_io_timeout(io_timeout));
     let src = vec![7u8; size as usize];
-    register(agent.as_ref(), &src);
-    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
-    let mut bystander = PeerProc::spawn("bystander", size, 4, &[]);
-    let other = agent
-        .load_remote_agent_by_connection(&bystander.conn)
-        .unwrap();
+    let two = TwoPeers::new(size, io_timeout, &src);
+    let (mut peer, mut bystander, agent) = (two.target, two.bystander, two.agent);
+    let (name, other) = (two.name, two.other);
     // Freeze the target so the transfer is certainly in the middle, then
     // kill it.
     peer.signal("STOP");
@@ -1145,16 +1172,11 @@ fn target_killed_mid_transfer_fails_within_timeout() {
 fn a_stopped_target_holds_up_no_other_peer() {
     let size: u64 = 64 << 20;
     let io_timeout = Duration::from_secs(60);
-    let peer = PeerProc::spawn("target", size, 3, &[]);
-    let agent = local_agent("init", |c| c.with_io_timeout(io_timeout));
     let mut src = vec![0u8; size as usize];
     fill(&mut src, 6, 0);
-    register(agent.as_ref(), &src);
-    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
-    let mut bystander = PeerProc::spawn("bystander", size, 4, &[]);
-    let other = agent
-        .load_remote_agent_by_connection(&bystander.conn)
-        .unwrap();
+    let two = TwoPeers::new(size, io_timeout, &src);
+    let (peer, mut bystander, agent) = (two.target, two.bystander, two.agent);
+    let (name, other) = (two.name, two.other);
     peer.signal("STOP");
     let local = dram((0..4).map(|_| (src.as_ptr() as u64, size)));
     let remote = dram((0..4).map(|_| (peer.addr, size)));

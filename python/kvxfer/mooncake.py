@@ -13,9 +13,10 @@ or Mooncake's HTTP metadata protocol (`"http://host:port/metadata"`;
 sync, async and batch writes and reads with their status calls;
 `send_probe`; `get_first_buffer_address`; byte access to local buffers.
 
-Protocol `"rdma"` on a host without an RDMA device falls back to TCP with a
-warning, as Mooncake does (`get_transport()` says which path is used), and
-so does `"efa"` (kvxfer has no EFA transport yet);
+Protocol `"efa"` runs on kvxfer's libfabric transport (provider `efa`, on
+the RDM domain of the device named). Protocols `"rdma"` and `"efa"` where
+the host has no such device fall back to TCP with a warning, as Mooncake
+does (`get_transport()` says which path is used);
 `TransferEngine(require_protocol=True)` or `KVXFER_REQUIRE_PROTOCOL=1`
 refuses instead.
 
@@ -56,6 +57,17 @@ ERR_SOCKET = -102
 ERR_METADATA = -200
 
 _PROTOCOLS = {"tcp": "tcp", "rdma": "rdma", "shm": "shm", "auto": "auto", "efa": "efa"}
+
+
+def _efa(device):
+    """The libfabric settings of protocol `"efa"`: provider `efa` (or
+    `KVXFER_FABRIC_PROVIDER`, to stand another provider in), on the RDM
+    domain of the first device named (`rdmap16s27` -> `rdmap16s27-rdm`),
+    else libfabric's choice."""
+    provider = os.environ.get("KVXFER_FABRIC_PROVIDER", "efa")
+    dev = device.split(",")[0].strip()
+    domain = f"{dev}-rdm" if dev and provider == "efa" else None
+    return {"fabric_provider": provider, "fabric_domain": domain}
 
 _CODES = {
     "NotRegisteredError": ERR_ADDRESS_NOT_REGISTERED,
@@ -172,7 +184,7 @@ class TransferEngine:
             kw["etcd"] = meta.etcd
             kw["etcd_prefix"] = "/kvxfer/mooncake"
         try:
-            agent = self._start(name, backend, kw)
+            agent = self._start(name, backend, kw, str(device_name or ""))
         except (KvxferError, ValueError) as e:
             return self._fail(e, _CODES.get(type(e).__name__, ERR_INVALID_ARGUMENT))
         if meta.http:
@@ -184,11 +196,12 @@ class TransferEngine:
         self._agent, self._meta, self._name = agent, meta, name
         return 0
 
-    def _start(self, name, backend, kw):
+    def _start(self, name, backend, kw, device=""):
         try:
             if backend == "efa":
-                raise ValueError("kvxfer has no EFA transport yet")
-            agent = Agent(name, backend=backend, **kw)
+                agent = Agent(name, backend="fabric", **kw, **_efa(device))
+            else:
+                agent = Agent(name, backend=backend, **kw)
         except (KvxferError, ValueError) as e:
             if backend not in ("rdma", "efa") or self._require:
                 raise

@@ -133,8 +133,11 @@ impl PyAgent {
     /// agent in and find peers in by name, under `etcd_prefix`, with a
     /// lease of `etcd_lease_ttl` seconds; over TLS with `etcd_ca` (and a
     /// client certificate `etcd_cert` with its key `etcd_key`).
+    /// `fabric_provider`, `fabric_domain`: the libfabric provider and
+    /// domain of a `fabric` agent (default `KVXFER_FABRIC_PROVIDER`,
+    /// `KVXFER_FABRIC_DOMAIN`, else libfabric's choice).
     #[new]
-    #[pyo3(signature = (name, backend = "tcp", listen = None, secret = None, connect_timeout = 10.0, io_timeout = 30.0, etcd = None, etcd_prefix = "/kvxfer", etcd_lease_ttl = 5.0, etcd_ca = None, etcd_cert = None, etcd_key = None))]
+    #[pyo3(signature = (name, backend = "tcp", listen = None, secret = None, connect_timeout = 10.0, io_timeout = 30.0, etcd = None, etcd_prefix = "/kvxfer", etcd_lease_ttl = 5.0, etcd_ca = None, etcd_cert = None, etcd_key = None, fabric_provider = None, fabric_domain = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -150,6 +153,8 @@ impl PyAgent {
         etcd_ca: Option<std::path::PathBuf>,
         etcd_cert: Option<std::path::PathBuf>,
         etcd_key: Option<std::path::PathBuf>,
+        fabric_provider: Option<String>,
+        fabric_domain: Option<String>,
     ) -> PyResult<Self> {
         let backend: Backend = backend.parse().map_err(to_py)?;
         let io_timeout = secs("io_timeout", io_timeout)?;
@@ -161,6 +166,14 @@ impl PyAgent {
                 .parse()
                 .map_err(|e| PyValueError::new_err(format!("listen address {l:?}: {e}")))?;
             cfg = cfg.with_listen(addr);
+        }
+        if let Some(p) = fabric_provider {
+            cfg = cfg.with_fabric_provider(p);
+        }
+        if let Some(d) = fabric_domain {
+            let mut f = cfg.fabric.clone();
+            f.domain = Some(d);
+            cfg = cfg.with_fabric(f);
         }
         if let Some(s) = secret {
             let c = Credential::new(s.to_vec()).map_err(|e| to_py(Error::Credential(e)))?;

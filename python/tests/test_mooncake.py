@@ -126,7 +126,8 @@ def test_rdma_falls_back_to_tcp_unless_required(monkeypatch):
     strict = TransferEngine(require_protocol=True)
     assert strict.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == -1
     assert isinstance(strict.get_last_error(), kvxfer.KvxferError)
-    # SGLang's MOONCAKE_PROTOCOL=efa: no EFA transport in kvxfer yet.
+    # SGLang's MOONCAKE_PROTOCOL=efa on a host without EFA: TCP.
+    monkeypatch.delenv("KVXFER_FABRIC_PROVIDER", raising=False)
     efa = TransferEngine()
     assert efa.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == 0
     assert efa.get_transport() == "tcp"
@@ -134,6 +135,31 @@ def test_rdma_falls_back_to_tcp_unless_required(monkeypatch):
     monkeypatch.setenv("KVXFER_REQUIRE_PROTOCOL", "1")
     assert TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == -1
     assert TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
+
+
+def test_efa_runs_on_kvxfer_fabric(monkeypatch):
+    """Protocol `"efa"` is kvxfer's libfabric transport: here with provider
+    `tcp;ofi_rxm` standing in for `efa`, a WRITE and a READ between two
+    engines."""
+    from kvxfer.mooncake import TransferEngine
+
+    monkeypatch.setenv("KVXFER_FABRIC_PROVIDER", "tcp;ofi_rxm")
+    a, b = TransferEngine(require_protocol=True), TransferEngine(require_protocol=True)
+    assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == 0
+    assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == 0
+    assert a.get_transport() == "efa"
+    n = 1 << 20
+    src = ctypes.create_string_buffer(bytes((i * 7) % 251 for i in range(n)), n)
+    dst = ctypes.create_string_buffer(n)
+    back = ctypes.create_string_buffer(n)
+    assert a.register_memory(ctypes.addressof(src), n) == 0
+    assert a.register_memory(ctypes.addressof(back), n) == 0
+    assert b.register_memory(ctypes.addressof(dst), n) == 0
+    peer = f"127.0.0.1:{b.get_rpc_port()}"
+    assert a.transfer_sync_write(peer, ctypes.addressof(src), ctypes.addressof(dst), n) == 0
+    assert dst.raw == src.raw
+    assert a.transfer_sync_read(peer, ctypes.addressof(back), ctypes.addressof(dst), n) == 0
+    assert back.raw == src.raw
 
 
 def test_bad_input_changes_nothing():

@@ -15,8 +15,8 @@ set -euo pipefail
 # cmake, libclang-dev: rdma-mummy-sys (under sideway) builds vendored
 # rdma-core headers with cmake and runs bindgen; no rdma-core -dev package
 # is needed, libibverbs is loaded at run time. libfabric-dev: the `fabric`
-# backend's bindings (kvxfer-fabric runs bindgen over its headers and links
-# libfabric).
+# backend's bindings (kvxfer-fabric runs bindgen over its headers; libfabric
+# itself, which it brings, is loaded at run time).
 want=(gcc pkg-config ca-certificates cmake libclang-dev linux-libc-dev libfabric-dev)
 case "${1:-build}" in
   build) ;;

@@ -69,7 +69,7 @@ fn open() -> Result<Lib, String> {
     // state only (its providers are found and initialised later, by
     // fi_getinfo).
     let lib = unsafe { libloading::Library::new(&name) }
-        .map_err(|e| format!("cannot load libfabric ({shown}): {e}"))?;
+        .map_err(|e| format!("cannot load libfabric ({shown}): {}", with_cause(&e)))?;
     /// The function `name` of `lib`, as a `T`.
     ///
     /// # Safety
@@ -78,7 +78,7 @@ fn open() -> Result<Lib, String> {
         // SAFETY: by the caller, `T` is the symbol's type.
         unsafe { lib.get::<T>(name.as_bytes()) }
             .map(|s| *s)
-            .map_err(|e| format!("{file} lacks {name}: {e}"))
+            .map_err(|e| format!("{file} lacks {name}: {}", with_cause(&e)))
     }
     // SAFETY: each type is the function's prototype in rdma/fabric.h and
     // rdma/fi_errno.h.
@@ -93,6 +93,18 @@ fn open() -> Result<Lib, String> {
             _lib: lib,
         })
     }
+}
+
+/// `e` and its causes (libloading's own text is "dlopen failed"; the
+/// loader's reason is its source).
+fn with_cause(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text = format!("{text}: {c}");
+        cause = c.source();
+    }
+    text
 }
 
 /// The library, loaded.

@@ -615,7 +615,7 @@ fn launch(link: &Arc<FabricLink>, group: &Arc<Group>, ops: Vec<Op>) {
     for op in ops {
         // Behind what of this link already waits, or when the queues (or
         // the link's share of them) are full: for the progress thread.
-        if queued || lock(&shared.backlog).holds(link) || !take(link, op.len) {
+        if queued || lock(&shared.backlog).holds(link) || take(link, op.len).is_err() {
             queue(op);
             queued = true;
             continue;
@@ -726,17 +726,17 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
 }
 
 /// Takes the credits of an operation of `len` bytes on `link`: its share
-/// and the endpoint's; false (nothing taken) when either is full.
-fn take(link: &FabricLink, len: u64) -> bool {
+/// and the endpoint's; `Err` (nothing taken) says which is full.
+fn take(link: &FabricLink, len: u64) -> Result<(), Turn> {
     let parts = &link.parts;
     if !parts.credits.try_take(len) {
-        return false;
+        return Err(Turn::Full);
     }
     if parts.shared.credits.try_take(len) {
-        return true;
+        return Ok(());
     }
     parts.credits.give(1, len);
-    false
+    Err(Turn::Stop)
 }
 
 /// Gives back the credits of `ops` operations of `bytes` on `link`.
@@ -800,7 +800,7 @@ pub(super) fn drain(shared: &Shared) {
         let turn = match ops.pop_front() {
             None => Turn::Moved,
             Some(q) => {
-                let (turn, back) = drain_one(shared, q);
+                let (turn, back) = drain_one(q);
                 if let Some(q) = back {
                     ops.push_front(q);
                 }
@@ -832,7 +832,7 @@ pub(super) fn drain(shared: &Shared) {
 
 /// One turn of [`drain`] on queued operation `q`; `q` back when it is still
 /// to be posted.
-fn drain_one(shared: &Shared, q: Queued) -> (Turn, Option<Queued>) {
+fn drain_one(q: Queued) -> (Turn, Option<Queued>) {
     let g = &q.group;
     if g.failed.load(Ordering::Acquire) || g.link.broken.load(Ordering::Acquire) {
         g.done(Err(Error::Closed));
@@ -842,12 +842,8 @@ fn drain_one(shared: &Shared, q: Queued) -> (Turn, Option<Queued>) {
         g.done(Err(Error::Aborted));
         return (Turn::Moved, None);
     }
-    if !g.link.parts.credits.try_take(q.op.len) {
-        return (Turn::Full, Some(q));
-    }
-    if !shared.credits.try_take(q.op.len) {
-        g.link.parts.credits.give(1, q.op.len);
-        return (Turn::Stop, Some(q));
+    if let Err(full) = take(&g.link, q.op.len) {
+        return (full, Some(q));
     }
     match post(&g.link, g, &q.op) {
         Ok(true) => (Turn::Moved, None),

@@ -172,11 +172,14 @@ pub struct FabricConfig {
     /// `tcp;ofi_rxm`, …); `None`: `KVXFER_FABRIC_PROVIDER`, else the first
     /// provider with reliable-datagram endpoints and RMA.
     pub provider: Option<String>,
-    /// The domain (NIC) by name; `None`: `KVXFER_FABRIC_DOMAIN`, else, with
-    /// several RDMA devices, the domain of the one nearest GPU `near_gpu`
-    /// (same PCIe switch, else same NUMA node) when the provider has one
-    /// (`efa`: `rdmap16s27-rdm` for device `rdmap16s27`), else the
-    /// provider's first.
+    /// The domain (NIC) by name, or several separated by commas (rails: the
+    /// agent opens an endpoint on each, registers its regions with each,
+    /// and spreads every request over them, see `docs/architecture.md`; at
+    /// most 16); `None`: `KVXFER_FABRIC_DOMAIN`, else, with several RDMA
+    /// devices, the domain of the one nearest GPU `near_gpu` (same PCIe
+    /// switch, else same NUMA node) when the provider has one (`efa`:
+    /// `rdmap16s27-rdm` for device `rdmap16s27`), else the provider's
+    /// first.
     pub domain: Option<String>,
     /// The GPU (device ordinal) whose nearest NIC the agent takes when no
     /// domain is named (default 0; `None`: never look).
@@ -527,6 +530,13 @@ impl AgentConfig {
     /// Selects the libfabric provider by name (`efa`, `tcp;ofi_rxm`, …).
     pub fn with_fabric_provider(mut self, name: impl Into<String>) -> Self {
         self.fabric.provider = Some(name.into());
+        self
+    }
+
+    /// Selects the libfabric domain by name, or several separated by commas
+    /// (rails, [`FabricConfig::domain`]).
+    pub fn with_fabric_domain(mut self, name: impl Into<String>) -> Self {
+        self.fabric.domain = Some(name.into());
         self
     }
 

@@ -122,6 +122,9 @@ pub(crate) struct Counter {
     pub(crate) help: &'static str,
     /// Its value now.
     pub(crate) value: u64,
+    /// Labels beside the agent's (`name`, value), for counters kept per
+    /// device; counters of one name come one after another.
+    pub(crate) labels: Vec<(&'static str, String)>,
 }
 
 /// An agent's meters, one per (transport, peer) it has sent requests on.
@@ -199,12 +202,25 @@ impl Metrics {
              # TYPE kvxfer_gpu_staging_bytes_total counter\n\
              kvxfer_gpu_staging_bytes_total {bytes}"
         );
+        let mut named = None;
         for c in counters {
+            if named != Some(c.name) {
+                let _ = writeln!(
+                    o,
+                    "# HELP {n} {h}\n# TYPE {n} counter",
+                    n = c.name,
+                    h = c.help
+                );
+                named = Some(c.name);
+            }
+            let mut labels = String::new();
+            for (k, v) in &c.labels {
+                let _ = write!(labels, ",{k}=\"{}\"", esc(v));
+            }
             let _ = writeln!(
                 o,
-                "# HELP {n} {h}\n# TYPE {n} counter\n{n}{{agent=\"{agent}\"}} {v}",
+                "{n}{{agent=\"{agent}\"{labels}}} {v}",
                 n = c.name,
-                h = c.help,
                 v = c.value
             );
         }
@@ -299,17 +315,35 @@ mod tests {
         assert!(Arc::ptr_eq(&t, &m.meter(TransportKind::Tcp, "peer-1")));
         let text = m.render(
             2,
-            &[Counter {
-                name: "kvxfer_test_things_total",
-                help: "Things.",
-                value: 5,
-            }],
+            &[
+                Counter {
+                    name: "kvxfer_test_things_total",
+                    help: "Things.",
+                    value: 5,
+                    labels: Vec::new(),
+                },
+                Counter {
+                    name: "kvxfer_test_rail_total",
+                    help: "By rail.",
+                    value: 1,
+                    labels: vec![("rail", "0".into())],
+                },
+                Counter {
+                    name: "kvxfer_test_rail_total",
+                    help: "By rail.",
+                    value: 2,
+                    labels: vec![("rail", "1\"".into())],
+                },
+            ],
         );
+        assert_eq!(text.matches("# TYPE kvxfer_test_rail_total").count(), 1);
         let l = "agent=\"a\\\"b\",transport=\"tcp\",peer=\"peer-1\"";
         for line in [
             "kvxfer_requests_in_flight{agent=\"a\\\"b\"} 2".to_owned(),
             "# TYPE kvxfer_test_things_total counter".to_owned(),
             "kvxfer_test_things_total{agent=\"a\\\"b\"} 5".to_owned(),
+            "kvxfer_test_rail_total{agent=\"a\\\"b\",rail=\"0\"} 1".to_owned(),
+            "kvxfer_test_rail_total{agent=\"a\\\"b\",rail=\"1\\\"\"} 2".to_owned(),
             format!("kvxfer_requests_total{{{l},outcome=\"ok\"}} 2"),
             format!("kvxfer_requests_total{{{l},outcome=\"aborted\"}} 1"),
             format!("kvxfer_bytes_total{{{l}}} 150"),

@@ -1752,3 +1752,114 @@ fn statuses_report_their_path_and_required_transports_hold() {
         strict.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
     }
 }
+
+/// Bytes each libfabric rail of an agent moved, by its metrics
+/// (`kvxfer_fabric_rail_bytes_total`), with the rail's domain, in order.
+fn rail_bytes(agent: &dyn kvxfer::TransferAgent) -> Vec<(String, u64)> {
+    agent
+        .metrics_text()
+        .lines()
+        .filter_map(|l| l.strip_prefix("kvxfer_fabric_rail_bytes_total{"))
+        .map(|l| {
+            let domain = l
+                .split("domain=\"")
+                .nth(1)
+                .and_then(|d| d.split('"').next());
+            let value = l.rsplit(' ').next().and_then(|v| v.parse().ok());
+            (domain.expect(l).to_owned(), value.expect(l))
+        })
+        .collect()
+}
+
+/// A libfabric agent with two rails (its domain named twice: two endpoints)
+/// spreads a request over both, to a peer with three: the data lands
+/// whole, every rail carries part of it, and the rails' bytes add up to
+/// what was asked (and the 8-byte probe each lane reads as the link
+/// opens). A list with an empty name is refused, typed.
+#[test]
+fn requests_spread_over_every_fabric_rail() {
+    if backend() != Backend::Fabric {
+        println!(
+            "SKIPPED: rails are the libfabric transport's (backend {:?})",
+            backend()
+        );
+        return;
+    }
+    // The provider's domain, as an agent of the suite's settings names it.
+    let domain = {
+        let one = local_agent("one-rail", |c| c);
+        let rails = rail_bytes(one.as_ref());
+        assert!(!rails.is_empty(), "no rail in the metrics");
+        rails[0].0.clone()
+    };
+    let err = kvxfer::make_transfer_agent(
+        Backend::Fabric,
+        AgentConfig::new("bad-rails").with_fabric_domain(format!("{domain},,{domain}")),
+    )
+    .map(|_| ())
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::BackendUnavailable { backend: "fabric", reason } if reason.contains("empty name")),
+        "{err}"
+    );
+
+    let size: u64 = 24 << 20;
+    let three = [domain.as_str(); 3].join(",");
+    let mut peer = PeerProc::spawn("target", size, 11, &[("KVXFER_FABRIC_DOMAIN", &three)]);
+    let agent = local_agent("init", |c| {
+        c.with_fabric_domain(format!("{domain},{domain}"))
+    });
+    let mut src = vec![0u8; size as usize];
+    fill(&mut src, 22, 0);
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    // One large descriptor, then many small ones.
+    let st = agent
+        .submit_transfer(&TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, size),
+            &name,
+        ))
+        .unwrap();
+    st.wait_success(WAIT).unwrap();
+    assert_eq!(peer.cmd(&format!("check 22 0 {size}")), "OK");
+    let path = st.data_path();
+    assert!(
+        path.device
+            .as_deref()
+            .is_some_and(|d| d.ends_with(&format!("/{domain}+{domain}"))),
+        "{path:?}"
+    );
+    assert_eq!(peer.cmd("fill 33"), "OK");
+    let dst = vec![0u8; size as usize];
+    register(agent.as_ref(), &dst);
+    let pieces = 256;
+    let piece = size / pieces;
+    let descs = |base: u64| {
+        (0..pieces)
+            .map(|i| kvxfer::MemoryDesc::new(base + i * piece, piece, 0))
+            .collect::<Vec<_>>()
+    };
+    agent
+        .submit_transfer(&TransferRequest::read(
+            MemoryDescs::new(kvxfer::MemoryType::Dram, descs(dst.as_ptr() as u64)),
+            MemoryDescs::new(kvxfer::MemoryType::Dram, descs(peer.addr)),
+            &name,
+        ))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(first_mismatch(&dst, 33, 0), None);
+    let rails = rail_bytes(agent.as_ref());
+    assert_eq!(rails.len(), 2, "{rails:?}");
+    assert!(
+        rails.iter().all(|(_, b)| *b > 0),
+        "a rail moved nothing: {rails:?}"
+    );
+    let lanes = 3;
+    assert_eq!(
+        rails.iter().map(|(_, b)| b).sum::<u64>(),
+        2 * size + 8 * lanes,
+        "{rails:?}"
+    );
+}

@@ -14,7 +14,8 @@ sync, async and batch writes and reads with their status calls;
 `send_probe`; `get_first_buffer_address`; byte access to local buffers.
 
 Protocol `"efa"` runs on kvxfer's libfabric transport (provider `efa`, on
-the RDM domain of the device named). Protocols `"rdma"` and `"efa"` where
+the RDM domain of each device named: several devices are several rails,
+every transfer spread over them). Protocols `"rdma"` and `"efa"` where
 the host has no such device fall back to TCP with a warning, as Mooncake
 does (`get_transport()` says which path is used);
 `TransferEngine(require_protocol=True)` or `KVXFER_REQUIRE_PROTOCOL=1`
@@ -62,11 +63,12 @@ _PROTOCOLS = {"tcp": "tcp", "rdma": "rdma", "shm": "shm", "auto": "auto", "efa":
 def _efa(device):
     """The libfabric settings of protocol `"efa"`: provider `efa` (or
     `KVXFER_FABRIC_PROVIDER`, to stand another provider in), on the RDM
-    domain of the first device named (`rdmap16s27` -> `rdmap16s27-rdm`),
-    else libfabric's choice."""
+    domain of each device named (`rdmap16s27` -> `rdmap16s27-rdm`; several,
+    comma-separated as Mooncake takes them: one rail each, every transfer
+    spread over them), else libfabric's choice."""
     provider = os.environ.get("KVXFER_FABRIC_PROVIDER", "efa")
-    dev = device.split(",")[0].strip()
-    domain = f"{dev}-rdm" if dev and provider == "efa" else None
+    devs = [d.strip() for d in device.split(",") if d.strip()]
+    domain = ",".join(f"{d}-rdm" for d in devs) if devs and provider == "efa" else None
     return {"fabric_provider": provider, "fabric_domain": domain}
 
 _CODES = {

@@ -137,15 +137,31 @@ def test_rdma_falls_back_to_tcp_unless_required(monkeypatch):
     assert TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
 
 
-def test_efa_runs_on_kvxfer_fabric(monkeypatch):
+def test_efa_devices_are_rails():
+    """Protocol `"efa"` takes each device named as a rail: its RDM domain."""
+    from kvxfer.mooncake import _efa
+
+    assert _efa("rdmap16s27, rdmap32s27") == {
+        "fabric_provider": "efa",
+        "fabric_domain": "rdmap16s27-rdm,rdmap32s27-rdm",
+    }
+    assert _efa("")["fabric_domain"] is None
+
+
+@pytest.mark.parametrize("rails", [1, 2])
+def test_efa_runs_on_kvxfer_fabric(monkeypatch, rails):
     """Protocol `"efa"` is kvxfer's libfabric transport: here with provider
     `tcp;ofi_rxm` standing in for `efa`, a WRITE and a READ between two
-    engines."""
+    engines; with `rails` 2, the initiating engine has two rails (the
+    loopback domain twice) and the other one."""
     from kvxfer.mooncake import TransferEngine
 
     monkeypatch.setenv("KVXFER_FABRIC_PROVIDER", "tcp;ofi_rxm")
     a, b = TransferEngine(require_protocol=True), TransferEngine(require_protocol=True)
+    if rails > 1:
+        monkeypatch.setenv("KVXFER_FABRIC_DOMAIN", ",".join(["lo"] * rails))
     assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == 0
+    monkeypatch.delenv("KVXFER_FABRIC_DOMAIN", raising=False)
     assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == 0
     assert a.get_transport() == "efa"
     n = 1 << 20

@@ -269,6 +269,7 @@ impl Transport for Shm {
             name: "kvxfer_shm_delegated_copies_total",
             help: "Cross-memory copies this agent did for same-host initiators (delegated).",
             value: self.delegated.load(Ordering::Relaxed),
+            labels: Vec::new(),
         }]
     }
 

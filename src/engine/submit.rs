@@ -119,12 +119,16 @@ pub(in crate::engine) struct Resolved {
 
 /// A remote region's key on a transport that registers regions, and where
 /// the region starts (for transports that address a region by offset).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(in crate::engine) struct RemoteKey {
-    /// The key.
+    /// The key (the first one, of a key of several).
     pub(in crate::engine) key: u64,
     /// The region's first address.
     pub(in crate::engine) base: u64,
+    /// A key wider than 64 bits, read as several (little-endian each): one
+    /// per device of a transport that registers the region with several
+    /// (the libfabric transport's rails). `None` for a key of one.
+    pub(in crate::engine) keys: Option<Arc<[u64]>>,
 }
 
 impl Engine {
@@ -263,6 +267,9 @@ impl Engine {
         let mut keys = Vec::with_capacity(if registers { 0 } else { req.remote.descs.len() });
         let mut remote_keys = Few::new();
         let mut hint = None;
+        // The last region's key: descriptors in a row in one region share
+        // it (a key of several is not read again for each).
+        let mut last: Option<(*const ExportedRegion, RemoteKey)> = None;
         for d in &req.remote.descs {
             let r = peer.exported(req.remote.mem_type, d, hint)?;
             hint = Some(r);
@@ -282,15 +289,23 @@ impl Engine {
             }
             match offered {
                 None => keys.push(r.value.key),
-                Some(i) => remote_keys.push(remote_key(&r.value, i).ok_or_else(|| {
-                    Error::BackendUnavailable {
-                        backend: name,
-                        reason: format!(
-                            "remote agent {:?} exported region {:?} without a {name} registration",
-                            req.remote_agent, r.desc
-                        ),
+                Some(i) => {
+                    let at: *const ExportedRegion = &r.value;
+                    let key = match &last {
+                        Some((p, k)) if std::ptr::eq(*p, at) => k.clone(),
+                        _ => remote_key(&r.value, i).ok_or_else(|| Error::BackendUnavailable {
+                            backend: name,
+                            reason: format!(
+                                "remote agent {:?} exported region {:?} without a {name} registration",
+                                req.remote_agent, r.desc
+                            ),
+                        })?,
+                    };
+                    if key.keys.is_some() {
+                        last = Some((at, key.clone()));
                     }
-                })?),
+                    remote_keys.push(key);
+                }
             }
         }
         let max = transport.max_sync();
@@ -308,15 +323,71 @@ impl Engine {
     }
 }
 
-/// `region`'s key of the transport offered at index `transport`, read as a
-/// little-endian integer (transports' keys are at most 64 bits wide);
-/// `None` when it has none of that width.
+/// `region`'s key of the transport offered at index `transport`: a
+/// little-endian integer of at most 64 bits, or several 64-bit ones (a key
+/// whose length is a multiple of 8 bytes); `None` when it has none of
+/// those widths.
 fn remote_key(region: &ExportedRegion, transport: u8) -> Option<RemoteKey> {
     let k = region.keys.iter().find(|k| k.transport == transport)?;
+    if k.key.len() > 8 {
+        if !k.key.len().is_multiple_of(8) {
+            return None;
+        }
+        let keys: Arc<[u64]> = k
+            .key
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+            .collect();
+        return Some(RemoteKey {
+            key: keys[0],
+            base: region.desc.addr,
+            keys: Some(keys),
+        });
+    }
     let mut b = [0u8; 8];
     b.get_mut(..k.key.len())?.copy_from_slice(&k.key);
     Some(RemoteKey {
         key: u64::from_le_bytes(b),
         base: region.desc.addr,
+        keys: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::desc::RegionKey;
+    use crate::memory::MemoryDesc;
+
+    fn region(keys: Vec<RegionKey>) -> ExportedRegion {
+        ExportedRegion {
+            mem_type: MemoryType::Dram,
+            desc: MemoryDesc::new(0x1000, 4096, 0),
+            key: 7,
+            keys,
+            align: 1,
+        }
+    }
+
+    #[test]
+    fn a_remote_key_is_one_integer_or_several_of_64_bits() {
+        let k = |transport, key: &[u8]| RegionKey {
+            transport,
+            key: key.to_vec(),
+        };
+        let r = region(vec![k(0, &[1, 2, 3, 4]), k(1, &[9; 7])]);
+        let one = remote_key(&r, 0).unwrap();
+        assert_eq!((one.key, one.base, one.keys), (0x0403_0201, 0x1000, None));
+        assert_eq!(remote_key(&r, 1).unwrap().key, 0x0009_0909_0909_0909);
+        assert!(remote_key(&r, 2).is_none(), "no key of that transport");
+        let wide: Vec<u8> = [5u64, 6, u64::MAX]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let r = region(vec![k(0, &wide), k(1, &[1; 12])]);
+        let several = remote_key(&r, 0).unwrap();
+        assert_eq!(several.key, 5);
+        assert_eq!(several.keys.as_deref(), Some(&[5, 6, u64::MAX][..]));
+        assert!(remote_key(&r, 1).is_none(), "12 bytes: neither width");
+    }
 }

@@ -84,6 +84,14 @@ pub(super) struct Found {
     pub(super) tx_size: usize,
 }
 
+impl Found {
+    /// Whether `a` and `b` are of one provider with the same registration
+    /// modes (the rails of one agent must be).
+    pub(super) fn same_kind(a: &Self, b: &Self) -> bool {
+        a.provider == b.provider && a.mr_mode == b.mr_mode
+    }
+}
+
 /// The `fi_info` list of reliable-datagram endpoints with RMA (`provider`
 /// and `domain`: by name; `hmem`: on device memory too), for the caller to
 /// free with `fi_freeinfo`.

@@ -1,5 +1,12 @@
-//! A libfabric link to one peer: its address in the endpoint's address
-//! vector and the control stream that carries its requests' commits.
+//! A libfabric link to one peer: its lanes (pairs of this agent's rail and
+//! the peer's, each with the peer endpoint's address in the rail's address
+//! vector) and the control stream that carries its requests' commits.
+//!
+//! A request's descriptors are cut into operations (on a link of several
+//! lanes, a large descriptor into one piece per lane) and each operation
+//! given to the lane with the fewest bytes in flight (`plan`): a slower
+//! rail drains its credits later and takes less. Its commit waits for all
+//! of them, on every lane.
 //!
 //! A request's operations are posted from the submitting thread while the
 //! endpoint's queues, and the link's share of them, have room, else queued
@@ -33,17 +40,19 @@ use std::time::{Duration, Instant};
 use kvxfer_fabric as ffi;
 
 use super::{
-    Answer, CLOSE_GRACE, Credits, Fabric, FabricError, Shared, WAIT_MS, check, fabric_err,
-    strerror, waiters_poll,
+    Answer, CLOSE_GRACE, Credits, DescTable, Fabric, FabricError, Rails, Shared, WAIT_MS, check,
+    fabric_err, strerror, waiters_poll,
 };
 use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
 use crate::engine::socket_link::{
     Frames, Job, Pending, Segs, SocketLink, SocketPath, Tail, connect_streams,
 };
+use crate::engine::submit::RemoteKey;
 use crate::engine::transport::Submission;
 use crate::engine::{Inner, attach, lock, status};
 use crate::error::Error;
+use crate::memory::MemoryDesc;
 use crate::registry::RegionGuard;
 use crate::small::{FastHash, Few};
 use crate::status::{Completion, DRIVE_MAX_BYTES, Progress};
@@ -53,10 +62,18 @@ pub(in crate::engine) type FabricLink = SocketLink<FabricParts>;
 
 /// What a libfabric link adds to the control stream.
 pub(in crate::engine) struct FabricParts {
-    shared: Arc<Shared>,
-    /// The peer's endpoint in the address vector (released when this is
-    /// dropped: no operation of the link is in flight then).
-    addr: ffi::fi_addr_t,
+    /// Its lanes: lane `i` joins this agent's rail `i mod L` and the peer's
+    /// rail `i mod R` (`L`, `R`: their counts of rails), for `max(L, R)`
+    /// lanes, so every rail of either side carries a share. Never empty.
+    lanes: Vec<Lane>,
+    /// This agent's count of rails (`L`).
+    local_rails: usize,
+    /// The peer's (`R`).
+    remote_rails: usize,
+    /// The local descriptors of regions registered with several rails.
+    descs: Arc<DescTable>,
+    /// Where the next lane search starts among equally loaded lanes.
+    turn: AtomicUsize,
     /// When one of its operations last completed, or the first of those in
     /// flight began (what the watch over stalled links reads).
     last_progress: Mutex<Instant>,
@@ -71,8 +88,21 @@ pub(in crate::engine) struct FabricParts {
     /// completion queue) rather than wait for the progress thread; `None`
     /// on providers over kernel sockets (see [`super::waiters_poll`]).
     driver: Option<Weak<dyn Progress>>,
-    /// The link's share of the endpoint's credits (`Credits::share`): what
-    /// its operations in the provider's hands may hold at most.
+}
+
+/// A pair of rails, this agent's and the peer's, that a link's operations
+/// take.
+struct Lane {
+    /// This agent's rail.
+    shared: Arc<Shared>,
+    /// The peer's rail: its place among the peer's.
+    remote: usize,
+    /// The peer's endpoint on that rail, in the address vector of this
+    /// agent's (released when the link is dropped: no operation of it is
+    /// in flight then).
+    addr: ffi::fi_addr_t,
+    /// The lane's share of its rail's credits (`Credits::share`): what its
+    /// operations in the provider's hands may hold at most.
     credits: Credits,
 }
 
@@ -85,7 +115,9 @@ struct Open {
 
 impl Drop for FabricParts {
     fn drop(&mut self) {
-        self.shared.release_peer(self.addr);
+        for lane in &self.lanes {
+            lane.shared.release_peer(lane.addr);
+        }
     }
 }
 
@@ -157,43 +189,44 @@ fn fail_frames(frames: Vec<Frames>, cause: &Error) {
 }
 
 impl FabricLink {
-    /// Opens the control stream to `peer` and, over it, fetches its
-    /// endpoint's address.
+    /// Opens the control stream to `peer` and, over it, fetches the
+    /// addresses of its endpoints (one per rail).
     pub(in crate::engine) fn open(
         inner: &Inner,
         fabric: &Fabric,
         peer: &AgentDesc,
     ) -> Result<Arc<Self>, Error> {
         let cfg = &inner.config;
-        let mut addr = None;
-        let mut probe = None;
+        let rails = &fabric.rails.all;
+        let mut lanes = None;
+        let mut probes = Vec::new();
         let streams = connect_streams(inner, peer, 1, |_, sock, clock, _| {
-            let mine = fabric
-                .shared
-                .ep
-                .name()
-                .map_err(|e| fabric_err(&peer.name, e))?;
+            let mine = super::answer_of(rails).map_err(|e| fabric_err(&peer.name, e))?;
             let answer = attach::attach(
                 &peer.name,
                 sock,
                 clock,
                 cfg.connect_timeout,
                 TransportKind::Fabric,
-                &mine,
+                &mine.encode(),
             )?;
             match answer {
                 Ok(answer) => {
+                    let len = answer.len();
                     let answer =
                         Answer::decode(&answer).ok_or_else(|| Error::ProtocolViolation {
                             remote: peer.name.clone(),
                             detail: format!(
-                                "a libfabric attach answer of {} bytes (at least 17)",
-                                answer.len()
+                                "a libfabric attach answer of {len} bytes that does not decode (1 to {} rails, each with an address)",
+                                super::MAX_RAILS
                             ),
                         })?;
-                    let a = fabric.shared.insert_peer(&answer.name);
-                    addr = Some(a.map_err(|e| fabric_err(&peer.name, e))?);
-                    probe = Some((answer.probe_addr, answer.probe_key));
+                    lanes = Some(lanes_to(rails, &answer).map_err(|e| fabric_err(&peer.name, e))?);
+                    probes = answer
+                        .rails
+                        .iter()
+                        .map(|r| (r.probe_addr, r.probe_key))
+                        .collect();
                     Ok(())
                 }
                 Err(st) => Err(Error::BackendUnavailable {
@@ -210,19 +243,21 @@ impl FabricLink {
                 }),
             }
         })?;
-        let (addr, probe) = addr.zip(probe).ok_or(Error::Closed)?;
+        let lanes = lanes.ok_or(Error::Closed)?;
         let parts = FabricParts {
-            shared: Arc::clone(&fabric.shared),
-            addr,
+            lanes,
+            local_rails: rails.len(),
+            remote_rails: probes.len(),
+            descs: Arc::clone(&fabric.rails.descs),
+            turn: AtomicUsize::new(0),
             last_progress: Mutex::new(Instant::now()),
             max_msg: fabric.max_msg,
-            virt: fabric.shared.ep.mr_mode & u64::from(ffi::FI_MR_VIRT_ADDR) != 0,
+            virt: fabric.offer.mr_mode & u64::from(ffi::FI_MR_VIRT_ADDR) != 0,
             open: Mutex::new(Open::default()),
             driver: waiters_poll(&fabric.offer.provider).then(|| {
-                let strong: Arc<dyn Progress> = Arc::clone(&fabric.shared) as Arc<dyn Progress>;
+                let strong: Arc<dyn Progress> = Arc::clone(&fabric.rails) as Arc<dyn Progress>;
                 Arc::downgrade(&strong)
             }),
-            credits: fabric.shared.credits.share(),
         };
         let path = DataPath {
             transport: TransportKind::Fabric,
@@ -230,17 +265,44 @@ impl FabricLink {
             mechanism: "one-sided fi_write/fi_read on a reliable-datagram endpoint, zero copy; the notification after delivery completion",
         };
         let link = Self::start(inner, peer, streams, parts, path)?;
-        {
-            let mut links = lock(&fabric.shared.links);
+        for shared in rails {
+            let mut links = lock(&shared.links);
             links.retain(|l| l.strong_count() > 0);
             links.push(Arc::downgrade(&link));
         }
-        if let Err(e) = warm(&link, probe, cfg.connect_timeout) {
+        if let Err(e) = warm(&link, &probes, cfg.connect_timeout) {
             link.fail(e.clone());
             return Err(e);
         }
         Ok(link)
     }
+}
+
+/// The lanes of a link from this agent's `rails` to a peer that answered
+/// `answer`: `max(L, R)` of them, lane `i` from rail `i mod L` to the
+/// peer's rail `i mod R`, each with the peer's address inserted in its
+/// rail's address vector (released again if one fails).
+fn lanes_to(rails: &[Arc<Shared>], answer: &Answer) -> Result<Vec<Lane>, FabricError> {
+    let (l, r) = (rails.len(), answer.rails.len());
+    let mut lanes: Vec<Lane> = Vec::with_capacity(l.max(r));
+    for i in 0..l.max(r) {
+        let shared = &rails[i % l];
+        match shared.insert_peer(&answer.rails[i % r].name) {
+            Ok(addr) => lanes.push(Lane {
+                shared: Arc::clone(shared),
+                remote: i % r,
+                addr,
+                credits: shared.credits.share(),
+            }),
+            Err(e) => {
+                for lane in lanes {
+                    lane.shared.release_peer(lane.addr);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(lanes)
 }
 
 /// A link's first operation, before it serves requests: an 8-byte READ of
@@ -251,16 +313,26 @@ impl FabricLink {
 /// `shm` crashes a target that takes in a peer whose endpoint has closed
 /// meanwhile, and an operation posted and abandoned (the agent dropped
 /// while its target is stopped) would otherwise leave exactly that behind.
-fn warm(link: &Arc<FabricLink>, probe: (u64, u64), timeout: Duration) -> Result<(), Error> {
+fn warm(link: &Arc<FabricLink>, probes: &[(u64, u64)], timeout: Duration) -> Result<(), Error> {
     let parts = &link.parts;
-    let mine = &parts.shared.probe;
-    let op = Op {
-        local: mine.addr(),
-        desc: mine.region.desc,
-        remote: if parts.virt { probe.0 } else { 0 },
-        key: probe.1,
-        len: 8,
-    };
+    // One READ on every lane: each rail's connection is set up.
+    let ops: Vec<Op> = parts
+        .lanes
+        .iter()
+        .enumerate()
+        .map(|(i, lane)| {
+            let mine = &lane.shared.probe;
+            let (addr, key) = probes[lane.remote];
+            Op {
+                lane: i,
+                local: mine.addr(),
+                desc: mine.region.desc,
+                remote: if parts.virt { addr } else { 0 },
+                key,
+                len: 8,
+            }
+        })
+        .collect();
     // Uncounted: not a request of the agent's.
     let completion = Completion::counted(parts.driver.clone(), None);
     let id = link.in_flight.next_id();
@@ -271,14 +343,14 @@ fn warm(link: &Arc<FabricLink>, probe: (u64, u64), timeout: Duration) -> Result<
         pending: Pending::new(&completion, 1, Few::new(), None),
         sync: Mutex::new(None),
         fence: false,
-        remaining: AtomicUsize::new(2),
+        remaining: AtomicUsize::new(ops.len() + 1),
         failed: AtomicBool::new(false),
         settled: AtomicBool::new(false),
-        posted: Mutex::default(),
+        posted: Mutex::new(Posted::new(parts.lanes.len())),
         kept: Mutex::default(),
     });
     lock(&parts.open).groups.insert(id, Arc::downgrade(&group));
-    launch(link, &group, vec![op]);
+    launch(link, &group, ops);
     let status = TransferStatus::new(id, completion, Arc::clone(&link.path));
     status.wait_success(timeout).map_err(|e| match e {
         Error::Timeout { .. } => Error::PeerTimedOut {
@@ -289,8 +361,10 @@ fn warm(link: &Arc<FabricLink>, probe: (u64, u64), timeout: Duration) -> Result<
     })
 }
 
-/// One operation: where it reads or writes here, and there.
+/// One operation: the lane it takes, where it reads or writes here, and
+/// there.
 struct Op {
+    lane: usize,
     local: u64,
     desc: u64,
     remote: u64,
@@ -326,13 +400,21 @@ struct Group {
     kept: Mutex<Few<RegionGuard>>,
 }
 
-/// Operations of a request held by the provider.
-#[derive(Default)]
+/// Operations of a request held by the provider, by lane.
 struct Posted {
-    ops: usize,
-    bytes: u64,
+    /// Operations and their bytes, by lane.
+    lanes: Few<(usize, u64)>,
     /// The request was abandoned: its credits were given back then.
     abandoned: bool,
+}
+
+impl Posted {
+    fn new(lanes: usize) -> Self {
+        Self {
+            lanes: std::iter::repeat_n((0, 0), lanes).collect(),
+            abandoned: false,
+        }
+    }
 }
 
 impl Group {
@@ -404,31 +486,35 @@ impl Group {
         }
     }
 
-    /// Counts an operation of `len` bytes about to be handed to the
-    /// provider; false when the request was abandoned (nothing more of it
-    /// is posted).
-    fn hold(&self, len: u64) -> bool {
+    /// Counts an operation of `len` bytes on `lane` about to be handed to
+    /// the provider; false when the request was abandoned (nothing more of
+    /// it is posted).
+    fn hold(&self, lane: usize, len: u64) -> bool {
         let mut p = lock(&self.posted);
         if p.abandoned {
             return false;
         }
-        p.ops += 1;
-        p.bytes += len;
-        self.link.parts.shared.held.fetch_add(1, Ordering::AcqRel);
+        let (ops, bytes) = &mut p.lanes[lane];
+        *ops += 1;
+        *bytes += len;
+        let shared = &self.link.parts.lanes[lane].shared;
+        shared.held.fetch_add(1, Ordering::AcqRel);
         true
     }
 
-    /// An operation of `len` bytes is back from the provider (completed, or
-    /// not taken): whether its credits are to be given back (not when the
-    /// request was abandoned, which gave them back).
-    fn release(&self, len: u64) -> bool {
-        self.link.parts.shared.held.fetch_sub(1, Ordering::AcqRel);
+    /// An operation of `len` bytes on `lane` is back from the provider
+    /// (completed, or not taken): whether its credits are to be given back
+    /// (not when the request was abandoned, which gave them back).
+    fn release(&self, lane: usize, len: u64) -> bool {
+        let shared = &self.link.parts.lanes[lane].shared;
+        shared.held.fetch_sub(1, Ordering::AcqRel);
         let mut p = lock(&self.posted);
         if p.abandoned {
             return false;
         }
-        p.ops -= 1;
-        p.bytes -= len;
+        let (ops, bytes) = &mut p.lanes[lane];
+        *ops -= 1;
+        *bytes -= len;
         true
     }
 
@@ -440,12 +526,16 @@ impl Group {
         }
         // Its operations will not complete (or complete late, giving
         // nothing back): their credits are free for the other links.
-        let (ops, bytes) = {
+        let lanes = {
             let mut p = lock(&self.posted);
             p.abandoned = true;
-            (std::mem::take(&mut p.ops), std::mem::take(&mut p.bytes))
+            std::mem::take(&mut p.lanes)
         };
-        give(&self.link, ops, bytes);
+        let mut ops = 0;
+        for (lane, &(n, bytes)) in lanes.iter().enumerate() {
+            give(&self.link, lane, n, bytes);
+            ops += n;
+        }
         if ops > 0 {
             // The status reports now, its memory stays held (see `kept`).
             *lock(&self.kept) = std::mem::take(&mut *lock(&self.pending.guards));
@@ -535,28 +625,13 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
         ..
     } = sub;
     let parts = &link.parts;
-    let mut ops = Vec::new();
-    for ((l, &desc), (r, rk)) in req
-        .local
-        .descs
-        .iter()
-        .zip(&resolved.local_keys)
-        .zip(req.remote.descs.iter().zip(&resolved.remote_keys))
-    {
-        let remote = if parts.virt { r.addr } else { r.addr - rk.base };
-        let mut off = 0;
-        while off < l.len {
-            let len = (l.len - off).min(parts.max_msg);
-            ops.push(Op {
-                local: l.addr + off,
-                desc,
-                remote: remote + off,
-                key: rk.key,
-                len,
-            });
-            off += len;
-        }
-    }
+    let ops = plan(
+        &link,
+        &req.local.descs,
+        &resolved.local_keys,
+        &req.remote.descs,
+        &resolved.remote_keys,
+    )?;
     let bytes = req.local.total_len();
     // A small request's waiter polls the queue itself (no hand-over from
     // the progress thread); a large one leaves the CPU to that thread.
@@ -575,7 +650,7 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
         remaining: AtomicUsize::new(ops.len() + 1),
         failed: AtomicBool::new(false),
         settled: AtomicBool::new(false),
-        posted: Mutex::default(),
+        posted: Mutex::new(Posted::new(parts.lanes.len())),
         kept: Mutex::default(),
     });
     {
@@ -593,6 +668,103 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
     Ok(status)
 }
 
+/// Smallest piece a descriptor is cut into to spread it over several
+/// lanes (a smaller one goes whole, on one lane).
+const STRIPE_MIN: u64 = 256 << 10;
+
+/// The operations of a request on `link`: each pair of local and remote
+/// descriptors (`local_keys`, `remote_keys`: their keys, as the engine
+/// resolved them) cut into pieces of at most the largest operation and,
+/// on a link of several lanes, into one piece per lane (of at least
+/// [`STRIPE_MIN`]); each piece given to the lane with the fewest bytes in
+/// flight and planned, so that a slower rail takes less.
+///
+/// # Errors
+/// A remote region whose key does not have one key per rail of the peer,
+/// or a local one no longer registered.
+fn plan(
+    link: &FabricLink,
+    local: &[MemoryDesc],
+    local_keys: &[u64],
+    remote: &[MemoryDesc],
+    remote_keys: &[RemoteKey],
+) -> Result<Vec<Op>, Error> {
+    let parts = &link.parts;
+    let lanes = &parts.lanes;
+    let n = lanes.len() as u64;
+    // Bytes on each lane: in flight, then planned here.
+    let mut load: Few<u64> = lanes.iter().map(|l| l.credits.bytes_in_flight()).collect();
+    let mut start = parts.turn.fetch_add(1, Ordering::Relaxed);
+    // The local descriptors of the last region of several rails.
+    let mut last: Option<(u64, Arc<[u64]>)> = None;
+    let mut ops = Vec::new();
+    for ((l, &lk), (r, rk)) in local
+        .iter()
+        .zip(local_keys)
+        .zip(remote.iter().zip(remote_keys))
+    {
+        let rails = match &rk.keys {
+            Some(keys) => keys.len(),
+            None => 1,
+        };
+        let peer_rails = parts.remote_rails;
+        if rails != peer_rails {
+            return Err(Error::ProtocolViolation {
+                remote: link.remote.clone(),
+                detail: format!(
+                    "a region exported with {rails} libfabric keys by an agent of {peer_rails} rails"
+                ),
+            });
+        }
+        let descs = if parts.local_rails > 1 {
+            match &last {
+                Some((id, d)) if *id == lk => Some(Arc::clone(d)),
+                _ => {
+                    let d = parts
+                        .descs
+                        .get(lk)
+                        .ok_or_else(|| Error::BackendUnavailable {
+                            backend: "fabric",
+                            reason: "a local region is no longer registered with the agent's rails"
+                                .into(),
+                        })?;
+                    last = Some((lk, Arc::clone(&d)));
+                    Some(d)
+                }
+            }
+        } else {
+            None
+        };
+        let remote = if parts.virt { r.addr } else { r.addr - rk.base };
+        let piece = if n > 1 && l.len > STRIPE_MIN {
+            l.len.div_ceil(n).max(STRIPE_MIN).min(parts.max_msg)
+        } else {
+            parts.max_msg
+        };
+        let mut off = 0;
+        while off < l.len {
+            let len = (l.len - off).min(piece);
+            let lane = (0..lanes.len())
+                .map(|k| (start + k) % lanes.len())
+                .min_by_key(|&i| load[i])
+                .unwrap_or(0);
+            start = lane + 1;
+            load[lane] += len;
+            let on = &lanes[lane];
+            ops.push(Op {
+                lane,
+                local: l.addr + off,
+                desc: descs.as_ref().map_or(lk, |d| d[on.shared.rail]),
+                remote: remote + off,
+                key: rk.keys.as_ref().map_or(rk.key, |k| k[on.remote]),
+                len,
+            });
+            off += len;
+        }
+    }
+    Ok(ops)
+}
+
 /// Posts `ops` of `group` (counted in its `remaining`, with one more that
 /// this call gives up when done), or queues them for the progress thread
 /// when the endpoint has no room or others wait.
@@ -601,9 +773,31 @@ fn launch(link: &Arc<FabricLink>, group: &Arc<Group>, ops: Vec<Op>) {
     if !ops.is_empty() {
         *lock(&parts.last_progress) = Instant::now();
     }
-    let shared = &parts.shared;
-    let mut queued = false;
-    let queue = |op| {
+    // Lanes (by bit) with operations queued for their rail's progress
+    // thread.
+    let mut queued: u32 = 0;
+    let mut posted: u32 = 0;
+    for op in ops {
+        let bit = 1 << op.lane;
+        let shared = &parts.lanes[op.lane].shared;
+        // Behind what of this lane already waits, or when the queues (or
+        // the lane's share of them) are full: for the progress thread.
+        let wait = queued & bit != 0
+            || lock(&shared.backlog).holds(link, op.lane)
+            || take(link, op.lane, op.len).is_err();
+        if !wait {
+            match post(link, group, &op) {
+                Ok(true) => {
+                    posted |= bit;
+                    continue;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    group.done(Err(fabric_err(&link.remote, e)));
+                    continue;
+                }
+            }
+        }
         lock(&shared.backlog).push(
             link,
             Queued {
@@ -611,30 +805,15 @@ fn launch(link: &Arc<FabricLink>, group: &Arc<Group>, ops: Vec<Op>) {
                 op,
             },
         );
-    };
-    for op in ops {
-        // Behind what of this link already waits, or when the queues (or
-        // the link's share of them) are full: for the progress thread.
-        if queued || lock(&shared.backlog).holds(link) || take(link, op.len).is_err() {
-            queue(op);
-            queued = true;
-            continue;
-        }
-        match post(link, group, &op) {
-            Ok(true) => {}
-            Ok(false) => {
-                queue(op);
-                queued = true;
-            }
-            Err(e) => {
-                group.done(Err(fabric_err(&link.remote, e)));
-            }
-        }
+        queued |= bit;
     }
-    if queued || !shared.ep.waits {
-        // Operations for the progress thread to post; or, without a wait
-        // object, to read the completions of: it may be pausing.
-        shared.wake();
+    for (i, lane) in parts.lanes.iter().enumerate() {
+        let bit = 1 << i;
+        if queued & bit != 0 || (posted & bit != 0 && !lane.shared.ep.waits) {
+            // Operations for the progress thread to post; or, without a
+            // wait object, to read the completions of: it may be pausing.
+            lane.shared.wake();
+        }
     }
     // The poster's own hold.
     group.done(Ok(()));
@@ -647,6 +826,8 @@ fn launch(link: &Arc<FabricLink>, group: &Arc<Group>, ops: Vec<Op>) {
 struct OpCtx {
     provider: [*mut c_void; 8],
     group: Arc<Group>,
+    /// The operation's lane.
+    lane: usize,
     /// The operation's length.
     len: u64,
 }
@@ -660,15 +841,16 @@ pub(super) struct Queued {
 /// Posts `op` of `group` on the link's endpoint: `Ok(false)` when the
 /// provider has no room for it now (`-FI_EAGAIN`).
 fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricError> {
-    let parts = &link.parts;
+    let lane = &link.parts.lanes[op.lane];
     // Before the call: its completion may come before it returns.
-    if !group.hold(op.len) {
-        give(link, 1, op.len);
+    if !group.hold(op.lane, op.len) {
+        give(link, op.lane, 1, op.len);
         return Err(FabricError::Closed);
     }
     let ctx = Box::into_raw(Box::new(OpCtx {
         provider: [ptr::null_mut(); 8],
         group: Arc::clone(group),
+        lane: op.lane,
         len: op.len,
     }));
     let iov = ffi::iovec {
@@ -685,7 +867,7 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
         msg_iov: &iov,
         desc: &mut desc,
         iov_count: 1,
-        addr: parts.addr,
+        addr: lane.addr,
         rma_iov: &rma,
         rma_iov_count: 1,
         context: ctx.cast(),
@@ -696,7 +878,7 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
     // operation's completion, or once the endpoint is closed, see
     // `abandon`); the context lives until the completion is read
     // (`complete`), or is leaked; the endpoint is open (`with_ep`).
-    let rc = parts.shared.ep.with_ep(|ep| unsafe {
+    let rc = lane.shared.ep.with_ep(|ep| unsafe {
         match group.op {
             TransferOp::Write => ffi::fi_writemsg(
                 ep,
@@ -716,8 +898,8 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
     }
     // SAFETY: not posted: the context is still this function's.
     drop(unsafe { Box::from_raw(ctx) });
-    if group.release(op.len) {
-        give(link, 1, op.len);
+    if group.release(op.lane, op.len) {
+        give(link, op.lane, 1, op.len);
     }
     if rc == -(ffi::FI_EAGAIN as isize) {
         return Ok(false);
@@ -725,34 +907,38 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
     check(call, rc as i64).map(|_| false)
 }
 
-/// Takes the credits of an operation of `len` bytes on `link`: its share
-/// and the endpoint's; `Err` (nothing taken) says which is full.
-fn take(link: &FabricLink, len: u64) -> Result<(), Turn> {
-    let parts = &link.parts;
-    if !parts.credits.try_take(len) {
+/// Takes the credits of an operation of `len` bytes on `lane` of `link`:
+/// the lane's share and its rail's; `Err` (nothing taken) says which is
+/// full.
+fn take(link: &FabricLink, lane: usize, len: u64) -> Result<(), Turn> {
+    let lane = &link.parts.lanes[lane];
+    if !lane.credits.try_take(len) {
         return Err(Turn::Full);
     }
-    if parts.shared.credits.try_take(len) {
+    if lane.shared.credits.try_take(len) {
         return Ok(());
     }
-    parts.credits.give(1, len);
+    lane.credits.give(1, len);
     Err(Turn::Stop)
 }
 
-/// Gives back the credits of `ops` operations of `bytes` on `link`.
-fn give(link: &FabricLink, ops: usize, bytes: u64) {
-    link.parts.credits.give(ops, bytes);
-    link.parts.shared.credits.give(ops, bytes);
+/// Gives back the credits of `ops` operations of `bytes` on `lane` of
+/// `link`.
+fn give(link: &FabricLink, lane: usize, ops: usize, bytes: u64) {
+    let lane = &link.parts.lanes[lane];
+    lane.credits.give(ops, bytes);
+    lane.shared.credits.give(ops, bytes);
 }
 
-/// Operations waiting to be posted, by link, in the order the links take
-/// their turns: a link whose peer stops taking data fills its share of the
-/// credits and waits, while the others' operations are posted.
+/// A rail's operations waiting to be posted, by lane (a link's lane on
+/// the rail), in the order the lanes take their turns: a lane whose peer
+/// stops taking data fills its share of the credits and waits, while the
+/// others' operations are posted.
 #[derive(Default)]
 pub(super) struct Backlog {
-    /// Each link with operations waiting (once), and those operations in
-    /// order.
-    turns: VecDeque<(Arc<FabricLink>, VecDeque<Queued>)>,
+    /// Each lane with operations waiting (once: its link and its place
+    /// there), and those operations in order.
+    turns: VecDeque<(Arc<FabricLink>, usize, VecDeque<Queued>)>,
 }
 
 impl Backlog {
@@ -761,18 +947,25 @@ impl Backlog {
         self.turns.is_empty()
     }
 
-    /// Whether operations of `link` wait.
-    fn holds(&self, link: &Arc<FabricLink>) -> bool {
-        self.turns.iter().any(|(l, _)| Arc::ptr_eq(l, link))
+    /// Whether operations of `lane` of `link` wait.
+    fn holds(&self, link: &Arc<FabricLink>, lane: usize) -> bool {
+        self.turns
+            .iter()
+            .any(|(l, i, _)| *i == lane && Arc::ptr_eq(l, link))
     }
 
-    /// Queues `q` of `link` behind the link's others.
+    /// Queues `q` of `link` behind the others of its lane.
     fn push(&mut self, link: &Arc<FabricLink>, q: Queued) {
-        match self.turns.iter_mut().find(|(l, _)| Arc::ptr_eq(l, link)) {
-            Some((_, ops)) => ops.push_back(q),
+        let lane = q.op.lane;
+        match self
+            .turns
+            .iter_mut()
+            .find(|(l, i, _)| *i == lane && Arc::ptr_eq(l, link))
+        {
+            Some((_, _, ops)) => ops.push_back(q),
             None => self
                 .turns
-                .push_back((Arc::clone(link), VecDeque::from([q]))),
+                .push_back((Arc::clone(link), lane, VecDeque::from([q]))),
         }
     }
 }
@@ -794,7 +987,7 @@ pub(super) fn drain(shared: &Shared) {
     // Turns since one moved something: a whole round of full links ends.
     let mut idle = 0;
     loop {
-        let Some((link, mut ops)) = lock(&shared.backlog).turns.pop_front() else {
+        let Some((link, lane, mut ops)) = lock(&shared.backlog).turns.pop_front() else {
             return;
         };
         let turn = match ops.pop_front() {
@@ -812,8 +1005,8 @@ pub(super) fn drain(shared: &Shared) {
         if !ops.is_empty() {
             match turn {
                 // Its turn again first: the endpoint's room came back.
-                Turn::Stop => backlog.turns.push_front((link, ops)),
-                Turn::Moved | Turn::Full => backlog.turns.push_back((link, ops)),
+                Turn::Stop => backlog.turns.push_front((link, lane, ops)),
+                Turn::Moved | Turn::Full => backlog.turns.push_back((link, lane, ops)),
             }
         }
         drop(backlog);
@@ -842,7 +1035,7 @@ fn drain_one(q: Queued) -> (Turn, Option<Queued>) {
         g.done(Err(Error::Aborted));
         return (Turn::Moved, None);
     }
-    if let Err(full) = take(&g.link, q.op.len) {
+    if let Err(full) = take(&g.link, q.op.lane, q.op.len) {
         return (full, Some(q));
     }
     match post(&g.link, g, &q.op) {
@@ -884,9 +1077,13 @@ fn watch(shared: &Shared) {
 unsafe fn complete(ctx: *mut c_void, result: Result<(), FabricError>) -> (usize, u64) {
     // SAFETY: by the caller: made by Box::into_raw in `post`, taken once.
     let op = unsafe { Box::from_raw(ctx.cast::<OpCtx>()) };
+    let lane = &op.group.link.parts.lanes[op.lane];
     *lock(&op.group.link.parts.last_progress) = Instant::now();
-    let back = if op.group.release(op.len) {
-        op.group.link.parts.credits.give(1, op.len);
+    if result.is_ok() {
+        lane.shared.moved.fetch_add(op.len, Ordering::Relaxed);
+    }
+    let back = if op.group.release(op.lane, op.len) {
+        lane.credits.give(1, op.len);
         (1, op.len)
     } else {
         (0, 0)
@@ -972,6 +1169,17 @@ impl Progress for Shared {
         self.driven.fetch_add(1, Ordering::Relaxed);
         let mut buf = [ffi::fi_cq_entry::default(); BATCH];
         reap(self, &mut buf, false) > 0
+    }
+}
+
+/// A waiting thread polls every rail's queue.
+impl Progress for Rails {
+    fn progress(&self) -> bool {
+        let mut any = false;
+        for shared in &self.all {
+            any |= shared.progress();
+        }
+        any
     }
 }
 

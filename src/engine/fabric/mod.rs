@@ -3,14 +3,18 @@
 //! them, on whichever provider libfabric finds (`efa`, `verbs;ofi_rxm`,
 //! `tcp;ofi_rxm`, …).
 //!
-//! The transport owns one endpoint per agent, with its completion queue and
-//! address vector, and one progress thread that reads completions (and, on
-//! providers with manual progress, moves the target's data). A link is the
-//! usual control stream to the peer ([`FabricLink`]), on which an `Attach`
-//! named `fabric` fetches the peer endpoint's address. `endpoint` opens
-//! the provider's objects; `link` posts operations and reads their
-//! completions; this file holds the transport, its shared state and its
-//! memory registration.
+//! The transport owns one endpoint per rail (a domain: one NIC; an agent
+//! has one rail, or several when its configuration names several domains),
+//! each with its completion queue and address vector, and one progress
+//! thread per rail that reads completions (and, on providers with manual
+//! progress, moves the target's data). A link is the usual control stream
+//! to the peer ([`FabricLink`]), on which an `Attach` named `fabric`
+//! fetches the addresses of the peer's endpoints; a link's requests spread
+//! over its lanes (pairs of a local and a remote rail, see `link`).
+//! `endpoint` opens the provider's objects; `link` posts operations and
+//! reads their completions; this file holds the transport, its shared
+//! state and its memory registration (a region is registered on every
+//! rail, and its key is one per rail).
 //!
 //! The notification that follows a request's data does not rely on any
 //! ordering between RMA and messages (EFA's SRD has none; the endpoint asks
@@ -49,9 +53,10 @@ use crate::engine::transport::{Link, Transport};
 use crate::engine::{Inner, attach, lock, status};
 use crate::error::Error;
 use crate::memory::{MemoryDesc, MemoryType};
+use crate::metrics::Counter;
 use crate::registry::{GpuRegion, RegionHandle, Registrar};
 
-use endpoint::Endpoint;
+use endpoint::{Endpoint, Found};
 pub(in crate::engine) use link::FabricLink;
 
 /// Largest single RMA operation (larger pieces are split, so several are
@@ -63,6 +68,9 @@ const MAX_CREDITS: usize = 1024;
 /// How long the progress thread blocks in the completion queue at a time
 /// (it is woken early by `fi_cq_signal` when the agent closes).
 const WAIT_MS: i32 = 200;
+/// Most rails (domains) of one agent: a region's key is 8 bytes a rail, in
+/// a descriptor's key of at most `MAX_REGION_KEY` (128) bytes.
+const MAX_RAILS: usize = 16;
 
 /// What libfabric reported.
 #[derive(Debug, thiserror::Error)]
@@ -201,6 +209,11 @@ impl Credits {
         self.free.fetch_add(ops, Ordering::AcqRel);
     }
 
+    /// Bytes in flight.
+    fn bytes_in_flight(&self) -> u64 {
+        self.bytes.load(Ordering::Acquire)
+    }
+
     /// Operations in flight.
     fn in_flight(&self) -> usize {
         self.cap - self.free.load(Ordering::Acquire)
@@ -214,8 +227,16 @@ impl Credits {
     }
 }
 
-/// What the transport's links and its progress thread share.
+/// What the transport's links and a rail's progress thread share: one
+/// rail.
 struct Shared {
+    /// The rail's place among the agent's.
+    rail: usize,
+    /// Its domain's name.
+    domain: String,
+    /// Bytes of operations completed on it (its counter in the agent's
+    /// metrics).
+    moved: AtomicU64,
     ep: Arc<Endpoint>,
     credits: Credits,
     /// Operations waiting for room in the endpoint's queues or in their
@@ -306,51 +327,90 @@ impl Probe {
     }
 }
 
-/// The answer to a libfabric `Attach`: where the target's [`Probe`] is and
-/// its key (u64 LE each), then the target endpoint's address.
+/// The answer to a libfabric `Attach`, one entry per rail of the target:
+/// where the rail's [`Probe`] is, its key, and the rail endpoint's address.
+/// Encoded as the count of rails (u8, 1 to [`MAX_RAILS`]), then per rail
+/// the probe's address and key (u64 LE each), the address's length (u16
+/// LE) and the address.
 #[derive(Debug, PartialEq, Eq)]
 struct Answer {
+    rails: Vec<RailAnswer>,
+}
+
+/// One rail of an [`Answer`].
+#[derive(Debug, PartialEq, Eq)]
+struct RailAnswer {
     probe_addr: u64,
     probe_key: u64,
     name: Vec<u8>,
 }
 
+/// Longest endpoint address taken from a peer.
+const MAX_NAME: usize = 1024;
+
 impl Answer {
     fn encode(&self) -> Vec<u8> {
-        let mut v = self.probe_addr.to_le_bytes().to_vec();
-        v.extend_from_slice(&self.probe_key.to_le_bytes());
-        v.extend_from_slice(&self.name);
+        let mut v = vec![u8::try_from(self.rails.len()).unwrap_or(u8::MAX)];
+        for r in &self.rails {
+            v.extend_from_slice(&r.probe_addr.to_le_bytes());
+            v.extend_from_slice(&r.probe_key.to_le_bytes());
+            let len = u16::try_from(r.name.len()).unwrap_or(u16::MAX);
+            v.extend_from_slice(&len.to_le_bytes());
+            v.extend_from_slice(&r.name);
+        }
         v
     }
 
-    /// `None` when too short to hold both words and an address.
+    /// `None` unless it holds 1 to [`MAX_RAILS`] rails, each with an
+    /// address of 1 to [`MAX_NAME`] bytes, and nothing after them.
     fn decode(b: &[u8]) -> Option<Self> {
-        let (addr, rest) = b.split_first_chunk::<8>()?;
-        let (key, name) = rest.split_first_chunk::<8>()?;
-        (!name.is_empty()).then(|| Self {
-            probe_addr: u64::from_le_bytes(*addr),
-            probe_key: u64::from_le_bytes(*key),
-            name: name.to_vec(),
-        })
+        let (&n, mut rest) = b.split_first()?;
+        if n == 0 || usize::from(n) > MAX_RAILS {
+            return None;
+        }
+        let mut rails = Vec::with_capacity(usize::from(n));
+        for _ in 0..n {
+            let (addr, r) = rest.split_first_chunk::<8>()?;
+            let (key, r) = r.split_first_chunk::<8>()?;
+            let (len, r) = r.split_first_chunk::<2>()?;
+            let len = usize::from(u16::from_le_bytes(*len));
+            if len == 0 || len > MAX_NAME || r.len() < len {
+                return None;
+            }
+            let (name, r) = r.split_at(len);
+            rails.push(RailAnswer {
+                probe_addr: u64::from_le_bytes(*addr),
+                probe_key: u64::from_le_bytes(*key),
+                name: name.to_vec(),
+            });
+            rest = r;
+        }
+        rest.is_empty().then_some(Self { rails })
     }
 }
 
-/// A peer attached to this endpoint as a target, counted in
-/// [`Shared::inbound`] while its connection lasts.
-struct Inbound(Arc<AtomicUsize>);
+/// A peer attached to this agent's endpoints as a target, counted in
+/// every rail's [`Shared::inbound`] while its connection lasts.
+struct Inbound(Vec<Arc<AtomicUsize>>);
 
 impl Inbound {
-    /// Counts a peer in, and wakes the progress thread to poll for it.
-    fn new(shared: &Shared) -> Self {
-        shared.inbound.fetch_add(1, Ordering::AcqRel);
-        shared.wake();
-        Self(Arc::clone(&shared.inbound))
+    /// Counts a peer in, and wakes the progress threads to poll for it.
+    fn new(rails: &[Arc<Shared>]) -> Self {
+        let mut counts = Vec::with_capacity(rails.len());
+        for shared in rails {
+            shared.inbound.fetch_add(1, Ordering::AcqRel);
+            shared.wake();
+            counts.push(Arc::clone(&shared.inbound));
+        }
+        Self(counts)
     }
 }
 
 impl Drop for Inbound {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        for n in &self.0 {
+            n.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -367,25 +427,89 @@ impl Shared {
     }
 }
 
-/// The transport: the endpoint, its progress thread, and what it tells
-/// peers.
+/// The transport: its rails (an endpoint each, with its progress thread),
+/// and what it tells peers.
 pub(in crate::engine) struct Fabric {
-    shared: Arc<Shared>,
+    /// Never empty.
+    rails: Arc<Rails>,
     offer: Offer,
-    /// The domain's name, as statuses report the device.
+    /// The rails' domains' names (joined by `+`), as statuses report the
+    /// device.
     domain: String,
     max_msg: u64,
     stop: Arc<AtomicBool>,
-    progress: Mutex<Option<JoinHandle<()>>>,
+    /// The rails' progress threads, taken once by `shut`.
+    progress: Mutex<Option<Vec<JoinHandle<()>>>>,
+}
+
+/// An agent's rails, and the local descriptors of regions registered with
+/// several of them.
+pub(super) struct Rails {
+    all: Vec<Arc<Shared>>,
+    descs: Arc<DescTable>,
+}
+
+/// The memory descriptors, one per rail, of the regions registered with
+/// several rails, by the local key their handles give the engine (an id of
+/// this table's; a region of one rail gives its descriptor itself).
+#[derive(Default)]
+pub(super) struct DescTable {
+    next: AtomicU64,
+    by_id: std::sync::RwLock<HashMap<u64, Arc<[u64]>, crate::small::FastHash>>,
+}
+
+impl DescTable {
+    /// The descriptors of region `id`, while it is registered.
+    pub(super) fn get(&self, id: u64) -> Option<Arc<[u64]>> {
+        let t = self.by_id.read().unwrap_or_else(|p| p.into_inner());
+        t.get(&id).cloned()
+    }
+
+    fn insert(&self, descs: Arc<[u64]>) -> u64 {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut t = self.by_id.write().unwrap_or_else(|p| p.into_inner());
+        t.insert(id, descs);
+        id
+    }
+
+    fn remove(&self, id: u64) {
+        let mut t = self.by_id.write().unwrap_or_else(|p| p.into_inner());
+        t.remove(&id);
+    }
+}
+
+/// The domains an agent's rails open, from the configured names (one, or
+/// several separated by commas): `[None]` (one rail, chosen by the
+/// provider or the GPU's topology) when none is named.
+///
+/// # Errors
+/// A list with an empty name, or of more than [`MAX_RAILS`].
+fn domains_of(named: Option<&str>) -> Result<Vec<Option<String>>, String> {
+    let Some(named) = named else {
+        return Ok(vec![None]);
+    };
+    let names: Vec<&str> = named.split(',').map(str::trim).collect();
+    if names.iter().any(|n| n.is_empty()) {
+        return Err(format!("fabric domain list {named:?} has an empty name"));
+    }
+    if names.len() > MAX_RAILS {
+        return Err(format!(
+            "fabric domain list {named:?} names {} domains (at most {MAX_RAILS})",
+            names.len()
+        ));
+    }
+    Ok(names.into_iter().map(|n| Some(n.to_owned())).collect())
 }
 
 impl Fabric {
     /// The transport of an agent on `backend`, when it uses one: `fabric`
-    /// opens an endpoint on the configured provider, or fails.
+    /// opens an endpoint on each configured domain of the configured
+    /// provider, or fails.
     ///
     /// # Errors
-    /// [`Error::BackendUnavailable`]: no such provider, or it cannot open
-    /// an endpoint.
+    /// [`Error::BackendUnavailable`]: no such provider or domain, one
+    /// cannot open an endpoint, or the domains differ in provider or
+    /// registration modes.
     pub(in crate::engine) fn open(
         backend: Backend,
         config: &mut AgentConfig,
@@ -403,10 +527,11 @@ impl Fabric {
             .domain
             .clone()
             .or_else(|| std::env::var("KVXFER_FABRIC_DOMAIN").ok());
-        let unavailable = |e: FabricError| Error::BackendUnavailable {
+        let unavailable = |reason: String| Error::BackendUnavailable {
             backend: "fabric",
-            reason: e.to_string(),
+            reason,
         };
+        let domains = domains_of(domain.as_deref()).map_err(unavailable)?;
         // Without a domain named: the NIC nearest the agent's GPU (by PCI
         // topology, as the RDMA transport picks its device), when the
         // provider has a domain of it.
@@ -414,8 +539,27 @@ impl Fabric {
             .is_none()
             .then(|| config.fabric.near_gpu.and_then(crate::gpu::nearest_nic))
             .flatten();
-        let (ep, found) = Endpoint::open(provider.as_deref(), domain.as_deref(), near.as_deref())
-            .map_err(unavailable)?;
+        let mut opened = Vec::with_capacity(domains.len());
+        for d in &domains {
+            let (ep, found) = Endpoint::open(provider.as_deref(), d.as_deref(), near.as_deref())
+                .map_err(|e| unavailable(e.to_string()))?;
+            if let Some((_, first)) = opened.first()
+                && !Found::same_kind(first, &found)
+            {
+                let first: &Found = first;
+                return Err(unavailable(format!(
+                    "fabric rails must share one provider and its registration modes: domain {:?} is {} (modes {:#x}), domain {:?} is {} (modes {:#x})",
+                    first.domain,
+                    first.provider,
+                    first.mr_mode,
+                    found.domain,
+                    found.provider,
+                    found.mr_mode
+                )));
+            }
+            opened.push((ep, found));
+        }
+        let found = &opened[0].1;
         let env = |k: &str| std::env::var(k).ok();
         if let Some(reason) = cache_refusal(
             &found.provider,
@@ -426,44 +570,76 @@ impl Fabric {
                 efa: env("FI_EFA_MR_CACHE_ENABLE"),
             },
         ) {
-            return Err(Error::BackendUnavailable {
-                backend: "fabric",
-                reason,
-            });
+            return Err(unavailable(reason));
         }
-        tracing::info!(agent = %config.name, provider = %found.provider, domain = %found.domain, mr_mode = format_args!("{:#x}", found.mr_mode), waits = ep.waits, "libfabric endpoint open");
-        let ep = Arc::new(ep);
-        let probe = Probe::open(&ep).map_err(unavailable)?;
-        let shared = Arc::new(Shared {
-            ep,
-            credits: Credits::new(found.tx_size.min(MAX_CREDITS), config.fabric.max_inflight),
-            backlog: Mutex::default(),
-            links: Mutex::default(),
-            driven: AtomicU64::new(0),
-            inbound: Arc::default(),
-            thread: std::sync::OnceLock::new(),
-            probe,
-            held: AtomicUsize::new(0),
-            kept: target_moves(&found.provider).then(Mutex::default),
-        });
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (shared, stop) = (Arc::clone(&shared), Arc::clone(&stop));
-            std::thread::Builder::new()
-                .name(format!("kvxfer-fabric-{}", config.name))
-                .spawn(move || link::progress(&shared, &stop))?
+        let offer = Offer {
+            mr_mode: found.mr_mode,
+            hmem: opened.iter().all(|(_, f)| f.hmem),
+            provider: found.provider.clone(),
         };
+        let max_msg = opened
+            .iter()
+            .map(|(_, f)| f.max_msg)
+            .min()
+            .unwrap_or(MAX_OP)
+            .min(MAX_OP);
+        let names: Vec<&str> = opened.iter().map(|(_, f)| f.domain.as_str()).collect();
+        let domain = names.join("+");
+        let mut all = Vec::with_capacity(opened.len());
+        for (rail, (ep, found)) in opened.into_iter().enumerate() {
+            tracing::info!(agent = %config.name, rail, provider = %found.provider, domain = %found.domain, mr_mode = format_args!("{:#x}", found.mr_mode), waits = ep.waits, "libfabric endpoint open");
+            let ep = Arc::new(ep);
+            let probe = Probe::open(&ep).map_err(|e| unavailable(e.to_string()))?;
+            all.push(Arc::new(Shared {
+                rail,
+                domain: found.domain,
+                moved: AtomicU64::new(0),
+                ep,
+                credits: Credits::new(found.tx_size.min(MAX_CREDITS), config.fabric.max_inflight),
+                backlog: Mutex::default(),
+                links: Mutex::default(),
+                driven: AtomicU64::new(0),
+                inbound: Arc::default(),
+                thread: std::sync::OnceLock::new(),
+                probe,
+                held: AtomicUsize::new(0),
+                kept: target_moves(&found.provider).then(Mutex::default),
+            }));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::with_capacity(all.len());
+        for shared in &all {
+            let spawned = {
+                let (shared, stop) = (Arc::clone(shared), Arc::clone(&stop));
+                std::thread::Builder::new()
+                    .name(format!("kvxfer-fabric-{}", config.name))
+                    .spawn(move || link::progress(&shared, &stop))
+            };
+            match spawned {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    // The threads started so far end (nothing is in flight).
+                    stop.store(true, Ordering::Release);
+                    for s in &all {
+                        s.wake();
+                    }
+                    for t in threads {
+                        let _ = t.join();
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
         Ok(Some(Self {
-            shared,
-            offer: Offer {
-                mr_mode: found.mr_mode,
-                hmem: found.hmem,
-                provider: found.provider,
-            },
-            domain: found.domain,
-            max_msg: found.max_msg.min(MAX_OP),
+            rails: Arc::new(Rails {
+                all,
+                descs: Arc::default(),
+            }),
+            offer,
+            domain,
+            max_msg,
             stop,
-            progress: Mutex::new(Some(thread)),
+            progress: Mutex::new(Some(threads)),
         }))
     }
 }
@@ -561,30 +737,42 @@ impl Fabric {
     /// this endpoint in: the endpoint is left open, and a READ still
     /// queued at a stopped target may land after its request failed.
     fn shut(&self) {
-        let Some(thread) = lock(&self.progress).take() else {
+        let Some(threads) = lock(&self.progress).take() else {
             return;
         };
-        for l in self.shared.live_links() {
-            l.fail(Error::Closed);
+        let rails = &self.rails.all;
+        for shared in rails {
+            for l in shared.live_links() {
+                l.fail(Error::Closed);
+            }
         }
         self.stop.store(true, Ordering::Release);
-        self.shared.wake();
-        let _ = thread.join();
-        let shared = &self.shared;
-        let held = shared.held.load(Ordering::Acquire);
-        if held == 0 && lock(&shared.backlog).is_empty() {
+        for shared in rails {
+            shared.wake();
+        }
+        for t in threads {
+            let _ = t.join();
+        }
+        let held: usize = rails.iter().map(|s| s.held.load(Ordering::Acquire)).sum();
+        if held == 0 && rails.iter().all(|s| lock(&s.backlog).is_empty()) {
             return;
         }
         if !target_moves(&self.offer.provider) {
-            shared.ep.close_ep();
+            for shared in rails {
+                shared.ep.close_ep();
+            }
         }
         tracing::warn!(operations = held, provider = %self.offer.provider, "libfabric operations still in flight at the agent's close; their requests fail");
         // Queued operations (their links broken) are dropped; completions
         // the close flushed are read; the rest are abandoned.
-        link::drain(shared);
         let mut buf = [ffi::fi_cq_entry::default(); link::BATCH];
-        while link::reap(shared, &mut buf, false) > 0 {}
-        link::abandon_all(shared, &Error::Closed);
+        for shared in rails {
+            link::drain(shared);
+            while link::reap(shared, &mut buf, false) > 0 {}
+        }
+        for shared in rails {
+            link::abandon_all(shared, &Error::Closed);
+        }
     }
 }
 
@@ -604,6 +792,19 @@ impl Transport for Fabric {
 
     fn stop(&self) {
         self.shut();
+    }
+
+    fn counters(&self) -> Vec<Counter> {
+        self.rails
+            .all
+            .iter()
+            .map(|r| Counter {
+                name: "kvxfer_fabric_rail_bytes_total",
+                help: "Bytes of libfabric operations (WRITEs and READs this agent posted) completed, by rail.",
+                value: r.moved.load(Ordering::Relaxed),
+                labels: vec![("rail", r.rail.to_string()), ("domain", r.domain.clone())],
+            })
+            .collect()
     }
 
     fn moves(&self, local: MemoryType, remote: MemoryType, peer: &AgentDesc) -> bool {
@@ -654,24 +855,30 @@ impl Transport for Fabric {
         // One-sided operations need nothing of the initiator here: the
         // answer is this endpoint's address, and where its probe is. The
         // peer counts as attached until its connection ends.
-        let inbound: attach::Attachment = Box::new(Inbound::new(&self.shared));
-        let probe = &self.shared.probe;
-        self.shared
-            .ep
-            .name()
-            .map(|name| {
-                let answer = Answer {
-                    probe_addr: probe.addr(),
-                    probe_key: probe.region.key,
-                    name,
-                };
-                (answer.encode(), Some(inbound))
-            })
-            .map_err(|e| {
-                tracing::warn!(remote = %remote, error = %e, "cannot answer a libfabric attach");
-                status::ATTACH_FAILED
-            })
+        let rails = &self.rails.all;
+        let answer = answer_of(rails).map_err(|e| {
+            tracing::warn!(remote = %remote, error = %e, "cannot answer a libfabric attach");
+            status::ATTACH_FAILED
+        })?;
+        let inbound: attach::Attachment = Box::new(Inbound::new(rails));
+        Ok((answer.encode(), Some(inbound)))
     }
+}
+
+/// What `rails` tell a peer: each one's probe and endpoint address (the
+/// answer to an attach, and what an attach carries).
+fn answer_of(rails: &[Arc<Shared>]) -> Result<Answer, FabricError> {
+    let rails = rails
+        .iter()
+        .map(|shared| {
+            shared.ep.name().map(|name| RailAnswer {
+                probe_addr: shared.probe.addr(),
+                probe_key: shared.probe.region.key,
+                name,
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Answer { rails })
 }
 
 /// `peer`'s fabric offer, if it makes one that decodes.
@@ -740,24 +947,78 @@ impl Registrar for Fabric {
             _ => return Ok(None),
         };
         let access = ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ | ffi::FI_REMOTE_WRITE;
-        // SAFETY: by this function's contract, the range stays allocated
-        // while registered.
-        match unsafe { FabricRegion::register(&self.shared.ep, desc.addr, desc.len, cuda, access) }
-        {
-            Ok(region) => Ok(Some(Box::new(region))),
-            Err(e) => match cuda {
-                // The provider moves device memory, but this libfabric
-                // cannot register GPU memory (built without CUDA, or no
-                // driver): the region stays registered with the agent, and
-                // requests to it on this transport fail, naming the
-                // missing registration.
-                Some(device) => {
-                    tracing::warn!(device, error = %e, "libfabric did not register GPU memory; requests to it over fabric will fail");
-                    Ok(None)
+        let mut regs = Vec::with_capacity(self.rails.all.len());
+        let mut failed = None;
+        for shared in &self.rails.all {
+            // SAFETY: by this function's contract, the range stays
+            // allocated while registered.
+            match unsafe { FabricRegion::register(&shared.ep, desc.addr, desc.len, cuda, access) } {
+                Ok(r) => regs.push(r),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
                 }
-                None => Err(fabric_err("", e)),
-            },
+            }
         }
+        let Some(e) = failed else {
+            if regs.len() == 1 {
+                return Ok(regs.pop().map(|r| Box::new(r) as Box<dyn RegionHandle>));
+            }
+            let descs: Arc<[u64]> = regs.iter().map(|r| r.desc).collect();
+            let id = self.rails.descs.insert(descs);
+            return Ok(Some(Box::new(RailRegions {
+                regs,
+                id,
+                table: Arc::clone(&self.rails.descs),
+            })));
+        };
+        // What was registered on the other rails is closed with `regs`.
+        drop(regs);
+        match cuda {
+            // The provider moves device memory, but this libfabric cannot
+            // register GPU memory (built without CUDA, or no driver): the
+            // region stays registered with the agent, and requests to it
+            // on this transport fail, naming the missing registration.
+            Some(device) => {
+                tracing::warn!(device, error = %e, "libfabric did not register GPU memory; requests to it over fabric will fail");
+                Ok(None)
+            }
+            None => Err(fabric_err("", e)),
+        }
+    }
+}
+
+/// A region's registrations with several rails (one per rail, in order):
+/// its local key for the engine is its id in the transport's
+/// [`DescTable`], which holds their descriptors while it is registered;
+/// its remote key is the rails' keys, 8 bytes each.
+#[derive(Debug)]
+struct RailRegions {
+    regs: Vec<FabricRegion>,
+    id: u64,
+    table: Arc<DescTable>,
+}
+
+impl std::fmt::Debug for DescTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DescTable").finish_non_exhaustive()
+    }
+}
+
+impl Drop for RailRegions {
+    fn drop(&mut self) {
+        // Out of the table first; the registrations close after (`regs`).
+        self.table.remove(self.id);
+    }
+}
+
+impl RegionHandle for RailRegions {
+    fn local_key(&self) -> u64 {
+        self.id
+    }
+
+    fn remote_key(&self) -> Vec<u8> {
+        self.regs.iter().flat_map(|r| r.key.to_le_bytes()).collect()
     }
 }
 
@@ -837,15 +1098,55 @@ mod tests {
     }
 
     #[test]
-    fn an_attach_answer_round_trips_and_a_short_one_is_none() {
-        let a = Answer {
+    fn an_attach_answer_round_trips_and_a_bad_one_is_none() {
+        let rail = |k: u64, name: &[u8]| RailAnswer {
             probe_addr: 0x7f00_1234_5678,
-            probe_key: u64::MAX - 3,
-            name: vec![9, 8, 7],
+            probe_key: u64::MAX - k,
+            name: name.to_vec(),
         };
-        assert_eq!(Answer::decode(&a.encode()), Some(a));
-        assert_eq!(Answer::decode(&[0; 16]), None, "no address");
-        assert_eq!(Answer::decode(&[0; 9]), None);
+        let a = Answer {
+            rails: vec![rail(3, &[9, 8, 7]), rail(4, &[1; 64])],
+        };
+        let b = a.encode();
+        assert_eq!(Answer::decode(&b), Some(a));
+        // Cut anywhere, or with a byte more: nothing.
+        for n in 0..b.len() {
+            assert_eq!(Answer::decode(&b[..n]), None, "{n} bytes");
+        }
+        let mut long = b.clone();
+        long.push(0);
+        assert_eq!(Answer::decode(&long), None, "trailing byte");
+        // No rails, too many, an empty address, a too long one.
+        assert_eq!(Answer::decode(&[0]), None);
+        let many = Answer {
+            rails: (0..=MAX_RAILS as u64).map(|k| rail(k, &[1])).collect(),
+        };
+        assert_eq!(Answer::decode(&many.encode()), None);
+        let empty = Answer {
+            rails: vec![rail(0, &[])],
+        };
+        assert_eq!(Answer::decode(&empty.encode()), None);
+        let huge = Answer {
+            rails: vec![rail(0, &vec![1; MAX_NAME + 1])],
+        };
+        assert_eq!(Answer::decode(&huge.encode()), None);
+    }
+
+    #[test]
+    fn a_domain_list_names_the_rails() {
+        assert_eq!(domains_of(None), Ok(vec![None]));
+        assert_eq!(domains_of(Some("lo")), Ok(vec![Some("lo".into())]));
+        assert_eq!(
+            domains_of(Some("rdmap16s27-rdm, rdmap32s27-rdm")),
+            Ok(vec![
+                Some("rdmap16s27-rdm".into()),
+                Some("rdmap32s27-rdm".into())
+            ])
+        );
+        assert!(domains_of(Some("a,,b")).unwrap_err().contains("empty name"));
+        assert!(domains_of(Some("")).is_err());
+        let many = vec!["d"; MAX_RAILS + 1].join(",");
+        assert!(domains_of(Some(&many)).unwrap_err().contains("at most 16"));
     }
 
     #[test]

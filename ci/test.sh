@@ -28,6 +28,8 @@ for b in shm auto; do
 done
 echo "== agent suite and KV-cache protocol on fabric (libfabric, provider tcp;ofi_rxm, no ordering asked)"
 KVXFER_FABRIC_PROVIDER="tcp;ofi_rxm" KVXFER_TEST_BACKEND=fabric cargo test --locked --features fabric --test agent --test cache
+echo "== the same with two rails per agent (the loopback domain twice: two endpoints, every request spread over both)"
+KVXFER_FABRIC_DOMAIN="lo,lo" KVXFER_FABRIC_PROVIDER="tcp;ofi_rxm" KVXFER_TEST_BACKEND=fabric cargo test --locked --features fabric --test agent --test cache
 echo "== agent suite and KV-cache protocol on fabric, provider shm (FI_MR_VIRT_ADDR addressing, FI_MR_HMEM registrations; no order between RMA and messages: FI_ORDER_SAS only)"
 # libfabric's shm provider leaves a file in /dev/shm per endpoint; those of
 # processes that are gone (peers the tests kill) are removed.

@@ -134,7 +134,8 @@ impl PyAgent {
     /// lease of `etcd_lease_ttl` seconds; over TLS with `etcd_ca` (and a
     /// client certificate `etcd_cert` with its key `etcd_key`).
     /// `fabric_provider`, `fabric_domain`: the libfabric provider and
-    /// domain of a `fabric` agent (default `KVXFER_FABRIC_PROVIDER`,
+    /// domain of a `fabric` agent (several domains, comma-separated, are
+    /// several rails; default `KVXFER_FABRIC_PROVIDER`,
     /// `KVXFER_FABRIC_DOMAIN`, else libfabric's choice).
     #[new]
     #[pyo3(signature = (name, backend = "tcp", listen = None, secret = None, connect_timeout = 10.0, io_timeout = 30.0, etcd = None, etcd_prefix = "/kvxfer", etcd_lease_ttl = 5.0, etcd_ca = None, etcd_cert = None, etcd_key = None, fabric_provider = None, fabric_domain = None))]

@@ -176,10 +176,11 @@ pub struct FabricConfig {
     /// agent opens an endpoint on each, registers its regions with each,
     /// and spreads every request over them, see `docs/architecture.md`; at
     /// most 16); `None`: `KVXFER_FABRIC_DOMAIN`, else, with several RDMA
-    /// devices, the domain of the one nearest GPU `near_gpu` (same PCIe
-    /// switch, else same NUMA node) when the provider has one (`efa`:
-    /// `rdmap16s27-rdm` for device `rdmap16s27`), else the provider's
-    /// first.
+    /// devices, the domains of those nearest GPU `near_gpu`: one rail on
+    /// each device under its PCIe switch when the provider has domains of
+    /// several (`efa`: `rdmap16s27-rdm` for device `rdmap16s27`), else one
+    /// on the nearest (same switch, else same NUMA node) when the provider
+    /// has a domain of it, else the provider's first.
     pub domain: Option<String>,
     /// The GPU (device ordinal) whose nearest NIC the agent takes when no
     /// domain is named (default 0; `None`: never look).

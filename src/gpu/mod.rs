@@ -38,27 +38,47 @@ pub use error::GpuError;
 /// devices, and one is nearer than the others.
 #[cfg(feature = "cuda")]
 pub(crate) fn nearest_nic(gpu: u32) -> Option<String> {
-    let sys = std::path::Path::new("/sys");
-    let several = std::fs::read_dir(sys.join("class/infiniband"))
-        .ok()?
-        .count()
-        > 1;
-    if !several {
-        return None;
-    }
-    let cuda = driver().ok()?;
-    if gpu >= cuda.device_count() {
-        return None;
-    }
-    let bdf = cuda.pci_bus_id(gpu).ok()?;
-    let (g, nics) = topology::read_topology(sys, &bdf)?;
-    topology::nearest(&g, &nics).map(str::to_owned)
+    nearest_nics(gpu).into_iter().next()
 }
 
 /// Without the `cuda` feature no GPU is known.
 #[cfg(not(feature = "cuda"))]
 pub(crate) fn nearest_nic(_gpu: u32) -> Option<String> {
     None
+}
+
+/// The RDMA devices nearest GPU `gpu` (`topology::nearest_all`: every one
+/// under its PCIe switch, else one on its NUMA node), when there are
+/// several devices and one is nearer than another; else none.
+#[cfg(feature = "cuda")]
+pub(crate) fn nearest_nics(gpu: u32) -> Vec<String> {
+    let sys = std::path::Path::new("/sys");
+    let several = std::fs::read_dir(sys.join("class/infiniband")).map_or(0, Iterator::count) > 1;
+    if !several {
+        return Vec::new();
+    }
+    let Ok(cuda) = driver() else {
+        return Vec::new();
+    };
+    if gpu >= cuda.device_count() {
+        return Vec::new();
+    }
+    let Ok(bdf) = cuda.pci_bus_id(gpu) else {
+        return Vec::new();
+    };
+    let Some((g, nics)) = topology::read_topology(sys, &bdf) else {
+        return Vec::new();
+    };
+    topology::nearest_all(&g, &nics)
+        .into_iter()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Without the `cuda` feature no GPU is known.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn nearest_nics(_gpu: u32) -> Vec<String> {
+    Vec::new()
 }
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaEvent, DeviceBuffer, DeviceProbe, Probe, device_of, probe};

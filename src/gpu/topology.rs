@@ -2,7 +2,7 @@
 //! one under the same PCIe switch (the longest shared path of bridges below
 //! the root complex), else on the same NUMA node, else none preferred.
 //!
-//! The choice is pure ([`nearest`]); [`read_topology`] reads a sysfs tree
+//! The choice is pure ([`nearest_all`]); [`read_topology`] reads a sysfs tree
 //! (the real `/sys`, or a test's).
 
 #![forbid(unsafe_code)]
@@ -34,24 +34,34 @@ fn shared_bridges(a: &Path, b: &Path) -> usize {
     }
 }
 
-/// The NIC of `nics` (`(name, place)`) nearest `gpu`: the most shared
-/// bridges (same switch), then the same NUMA node; `None` when no NIC is
-/// nearer than another (the caller keeps its default).
-pub(crate) fn nearest<'a>(gpu: &Place, nics: &'a [(String, Place)]) -> Option<&'a str> {
+/// The NICs of `nics` (`(name, place)`) nearest `gpu`, in `nics`' order:
+/// those sharing the most bridges with it (its PCIe switch: an EFA host's
+/// several NICs per GPU), else the first on its NUMA node alone; empty
+/// when no NIC is nearer than another (the caller keeps its default). The
+/// first is the nearest NIC.
+pub(crate) fn nearest_all<'a>(gpu: &Place, nics: &'a [(String, Place)]) -> Vec<&'a str> {
     let score = |p: &Place| {
         (
             shared_bridges(&gpu.path, &p.path),
             u8::from(gpu.numa.is_some() && gpu.numa == p.numa),
         )
     };
-    let best = nics.iter().map(|(_, p)| score(p)).max()?;
+    let Some(best) = nics.iter().map(|(_, p)| score(p)).max() else {
+        return Vec::new();
+    };
     let tied = nics.iter().filter(|(_, p)| score(p) == best).count();
     if best == (0, 0) || (nics.len() > 1 && tied == nics.len()) {
-        return None;
+        return Vec::new();
     }
-    nics.iter()
-        .find(|(_, p)| score(p) == best)
+    let mut near: Vec<&str> = nics
+        .iter()
+        .filter(|(_, p)| score(p) == best)
         .map(|(n, _)| n.as_str())
+        .collect();
+    if best.0 == 0 {
+        near.truncate(1);
+    }
+    near
 }
 
 /// The place of the PCI device `bdf` (`0000:3b:00.0`) and of every RDMA
@@ -89,6 +99,10 @@ mod tests {
             path: PathBuf::from(path),
             numa,
         }
+    }
+
+    fn nearest<'a>(gpu: &Place, nics: &'a [(String, Place)]) -> Option<&'a str> {
+        nearest_all(gpu, nics).first().copied()
     }
 
     #[test]
@@ -132,6 +146,43 @@ mod tests {
             ),
         ];
         assert_eq!(nearest(&gpu, &twins), None);
+        assert!(nearest_all(&gpu, &twins).is_empty());
+    }
+
+    #[test]
+    fn every_nic_under_the_gpus_switch_and_one_by_node() {
+        // A p5-like switch: the GPU and two NICs below 0000:10:01.0, a third
+        // NIC below another switch of the same root complex, a fourth on
+        // another node.
+        let sw = "/sys/devices/pci0000:00/0000:00:01.0/0000:10:00.0/0000:11:01.0";
+        let gpu = at(&format!("{sw}/0000:12:00.0"), Some(0));
+        let nics = vec![
+            (
+                "efa_a".to_string(),
+                at(&format!("{sw}/0000:13:00.0"), Some(0)),
+            ),
+            (
+                "efa_b".to_string(),
+                at("/sys/devices/pci0000:00/0000:00:02.0/0000:20:00.0", Some(0)),
+            ),
+            (
+                "efa_c".to_string(),
+                at(&format!("{sw}/0000:14:00.0"), Some(0)),
+            ),
+            (
+                "efa_d".to_string(),
+                at("/sys/devices/pci0000:80/0000:80:01.0/0000:81:00.0", Some(1)),
+            ),
+        ];
+        assert_eq!(nearest_all(&gpu, &nics), vec!["efa_a", "efa_c"]);
+        assert_eq!(nearest(&gpu, &nics), Some("efa_a"));
+        // No shared switch: the node's first NIC only.
+        let by_node: Vec<_> = nics
+            .iter()
+            .filter(|(n, _)| n != "efa_a" && n != "efa_c")
+            .cloned()
+            .collect();
+        assert_eq!(nearest_all(&gpu, &by_node), vec!["efa_b"]);
     }
 
     #[test]

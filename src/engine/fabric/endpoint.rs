@@ -217,6 +217,22 @@ fn domain_of_device<'a>(domains: impl IntoIterator<Item = &'a str>, device: &str
     })
 }
 
+/// The domains of `domains` (one provider's, in order) of RDMA devices
+/// `nics`, in `nics`' order, each once: the rails of an agent whose GPU has
+/// several NICs under its PCIe switch (devices without a domain of the
+/// provider are left out).
+fn domains_of_devices<'a>(domains: &[&'a str], nics: &[String]) -> Vec<&'a str> {
+    let mut rails: Vec<&str> = Vec::new();
+    for nic in nics {
+        if let Some(i) = domain_of_device(domains.iter().copied(), nic)
+            && !rails.contains(&domains[i])
+        {
+            rails.push(domains[i]);
+        }
+    }
+    rails
+}
+
 /// Opens the endpoint's completion queue; whether it has a wait object
 /// that blocks (`fi_cq_sread` sleeps until the provider signals it). A
 /// wait object that only spins (`FI_WAIT_YIELD`, all `shm` offers: its
@@ -269,6 +285,34 @@ unsafe fn open_cq(domain: *mut ffi::fid_domain) -> Result<(*mut ffi::fid_cq, boo
 }
 
 impl Endpoint {
+    /// The domains of RDMA devices `nics` on `provider` (by name, else the
+    /// first with reliable-datagram endpoints and RMA), in `nics`' order
+    /// (see `domains_of_devices`).
+    pub(super) fn domains_near(
+        provider: Option<&str>,
+        nics: &[String],
+    ) -> Result<Vec<String>, FabricError> {
+        let prov = provider
+            .map(CString::new)
+            .transpose()
+            .map_err(|_| FabricError::Call {
+                call: "provider name",
+                code: 0,
+                text: "contains a NUL byte".into(),
+            })?;
+        let entries = names_of(getinfo(prov.as_deref(), None, false)?);
+        let first = &entries[0].0;
+        let domains: Vec<&str> = entries
+            .iter()
+            .filter(|(p, _)| p == first)
+            .map(|(_, d)| d.to_str().unwrap_or(""))
+            .collect();
+        Ok(domains_of_devices(&domains, nics)
+            .into_iter()
+            .map(str::to_owned)
+            .collect())
+    }
+
     /// Finds a provider with reliable-datagram endpoints and RMA (`provider`
     /// and `domain`: by name; `near`: without a domain named, the domain of
     /// that RDMA device if the provider has one) and opens an endpoint on
@@ -533,6 +577,27 @@ mod tests {
         assert_eq!(domain_of_device(["mlx5_10", "mlx5_1"], "mlx5_1"), Some(1));
         assert_eq!(domain_of_device(["mlx5_10"], "mlx5_1"), None);
         assert_eq!(domain_of_device(["lo", "eth0"], "mlx5_0"), None);
+    }
+
+    #[test]
+    fn the_domains_of_several_near_devices_are_rails() {
+        let domains = [
+            "rdmap16s27-rdm",
+            "rdmap16s27-dgrm",
+            "rdmap32s27-rdm",
+            "rdmap48s27-rdm",
+        ];
+        let nics = |n: &[&str]| n.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert_eq!(
+            domains_of_devices(&domains, &nics(&["rdmap32s27", "rdmap16s27"])),
+            vec!["rdmap32s27-rdm", "rdmap16s27-rdm"]
+        );
+        // A device without a domain is left out; one named twice counts once.
+        assert_eq!(
+            domains_of_devices(&domains, &nics(&["mlx5_0", "rdmap48s27", "rdmap48s27"])),
+            vec!["rdmap48s27-rdm"]
+        );
+        assert!(domains_of_devices(&domains, &[]).is_empty());
     }
 
     #[test]

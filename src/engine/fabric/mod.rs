@@ -531,14 +531,35 @@ impl Fabric {
             backend: "fabric",
             reason,
         };
-        let domains = domains_of(domain.as_deref()).map_err(unavailable)?;
-        // Without a domain named: the NIC nearest the agent's GPU (by PCI
-        // topology, as the RDMA transport picks its device), when the
-        // provider has a domain of it.
-        let near = domain
-            .is_none()
-            .then(|| config.fabric.near_gpu.and_then(crate::gpu::nearest_nic))
-            .flatten();
+        // Without a domain named: the NICs nearest the agent's GPU (by PCI
+        // topology, as the RDMA transport picks its device): a rail on each
+        // of those under its PCIe switch when the provider has domains of
+        // several, else one on the nearest when the provider has a domain
+        // of it.
+        let mut near = None;
+        let domains = match domain.as_deref() {
+            Some(named) => domains_of(Some(named)).map_err(unavailable)?,
+            None => {
+                let nics = config
+                    .fabric
+                    .near_gpu
+                    .map(crate::gpu::nearest_nics)
+                    .unwrap_or_default();
+                let mut rails = if nics.len() > 1 {
+                    Endpoint::domains_near(provider.as_deref(), &nics).unwrap_or_default()
+                } else {
+                    Vec::new()
+                };
+                rails.truncate(MAX_RAILS);
+                if rails.len() > 1 {
+                    tracing::info!(agent = %config.name, ?rails, "libfabric rails on the NICs under the GPU's PCIe switch");
+                    rails.into_iter().map(Some).collect()
+                } else {
+                    near = nics.into_iter().next();
+                    vec![None]
+                }
+            }
+        };
         let mut opened = Vec::with_capacity(domains.len());
         for d in &domains {
             let (ep, found) = Endpoint::open(provider.as_deref(), d.as_deref(), near.as_deref())

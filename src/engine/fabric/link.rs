@@ -736,18 +736,11 @@ fn plan(
             None
         };
         let remote = if parts.virt { r.addr } else { r.addr - rk.base };
-        let piece = if n > 1 && l.len > STRIPE_MIN {
-            l.len.div_ceil(n).max(STRIPE_MIN).min(parts.max_msg)
-        } else {
-            parts.max_msg
-        };
+        let piece = piece_len(l.len, n, parts.max_msg);
         let mut off = 0;
         while off < l.len {
             let len = (l.len - off).min(piece);
-            let lane = (0..lanes.len())
-                .map(|k| (start + k) % lanes.len())
-                .min_by_key(|&i| load[i])
-                .unwrap_or(0);
+            let lane = lightest(&load, start);
             start = lane + 1;
             load[lane] += len;
             let on = &lanes[lane];
@@ -763,6 +756,27 @@ fn plan(
         }
     }
     Ok(ops)
+}
+
+/// The length of the pieces a descriptor of `len` bytes is cut into on a
+/// link of `lanes` lanes whose largest operation is `max_msg`: one piece
+/// per lane, of at least [`STRIPE_MIN`], when there are several lanes and
+/// it is larger than that; never over `max_msg`.
+fn piece_len(len: u64, lanes: u64, max_msg: u64) -> u64 {
+    if lanes > 1 && len > STRIPE_MIN {
+        len.div_ceil(lanes).max(STRIPE_MIN).min(max_msg)
+    } else {
+        max_msg
+    }
+}
+
+/// The lane with the fewest bytes of `load` (the first such from `start`
+/// on, round the lanes).
+fn lightest(load: &[u64], start: usize) -> usize {
+    (0..load.len())
+        .map(|k| (start + k) % load.len())
+        .min_by_key(|&i| load[i])
+        .unwrap_or(0)
 }
 
 /// Posts `ops` of `group` (counted in its `remaining`, with one more that
@@ -1259,6 +1273,42 @@ const SPIN_AFTER: Duration = Duration::from_micros(500);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_large_descriptor_is_cut_one_piece_per_lane() {
+        const MIB: u64 = 1 << 20;
+        // One lane: pieces of the largest operation.
+        assert_eq!(piece_len(64 * MIB, 1, 4 * MIB), 4 * MIB);
+        // Several: one piece per lane, at most the largest operation.
+        assert_eq!(piece_len(2 * MIB, 2, 4 * MIB), MIB);
+        assert_eq!(piece_len(3 * MIB + 1, 3, 4 * MIB), MIB + 1);
+        assert_eq!(piece_len(64 * MIB, 4, 4 * MIB), 4 * MIB);
+        // Small ones go whole; pieces are at least STRIPE_MIN.
+        assert_eq!(piece_len(STRIPE_MIN, 4, 4 * MIB), 4 * MIB);
+        assert_eq!(piece_len(STRIPE_MIN + 4, 4, 4 * MIB), STRIPE_MIN);
+    }
+
+    #[test]
+    fn pieces_go_to_the_lane_with_the_fewest_bytes() {
+        assert_eq!(lightest(&[5, 3, 9], 0), 1);
+        // Ties: the first from `start` on, round the lanes.
+        assert_eq!(lightest(&[4, 4, 4], 0), 0);
+        assert_eq!(lightest(&[4, 4, 4], 2), 2);
+        assert_eq!(lightest(&[4, 7, 4], 1), 2);
+        // A lane slow to give its bytes back takes fewer pieces: planning
+        // 12 equal pieces over lanes loaded 0, 0 and 8 (in pieces).
+        let mut load = [0u64, 0, 8];
+        let mut start = 0;
+        let mut taken = [0; 3];
+        for _ in 0..12 {
+            let l = lightest(&load, start);
+            start = l + 1;
+            load[l] += 1;
+            taken[l] += 1;
+        }
+        assert_eq!(taken, [6, 6, 0]);
+        assert_eq!(lightest(&[1], 5), 0);
+    }
 
     #[test]
     fn an_operation_context_leaves_the_provider_its_room_first() {

@@ -28,6 +28,25 @@ fn peer_process_entry() {
     );
 }
 
+/// WRITEs all of `src` to the start of `peer`'s block (agent `name`) and
+/// waits for its success.
+fn write_whole(
+    agent: &dyn kvxfer::TransferAgent,
+    src: &[u8],
+    peer: &PeerProc,
+    name: &str,
+) -> kvxfer::TransferStatus {
+    let st = agent
+        .submit_transfer(&TransferRequest::write(
+            MemoryDescs::dram(src),
+            peer.range(0, src.len() as u64),
+            name,
+        ))
+        .unwrap();
+    st.wait_success(WAIT).unwrap();
+    st
+}
+
 fn write_then_read(size: u64) {
     let mut peer = PeerProc::spawn("target", size, 11, &[]);
     let mut src = vec![0u8; size as usize];
@@ -35,14 +54,7 @@ fn write_then_read(size: u64) {
     let (agent, name) = connect(&peer, &src);
     assert_eq!(name, "target");
 
-    let st = agent
-        .submit_transfer(&TransferRequest::write(
-            MemoryDescs::dram(&src),
-            peer.range(0, size),
-            &name,
-        ))
-        .unwrap();
-    st.wait_success(WAIT).unwrap();
+    let st = write_whole(agent.as_ref(), &src, &peer, &name);
     assert!(st.is_completed());
     assert_eq!(peer.cmd(&format!("check 22 0 {size}")), "OK");
 
@@ -1814,14 +1826,7 @@ fn requests_spread_over_every_fabric_rail() {
     register(agent.as_ref(), &src);
     let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
     // One large descriptor, then many small ones.
-    let st = agent
-        .submit_transfer(&TransferRequest::write(
-            MemoryDescs::dram(&src),
-            peer.range(0, size),
-            &name,
-        ))
-        .unwrap();
-    st.wait_success(WAIT).unwrap();
+    let st = write_whole(agent.as_ref(), &src, &peer, &name);
     assert_eq!(peer.cmd(&format!("check 22 0 {size}")), "OK");
     let path = st.data_path();
     assert!(

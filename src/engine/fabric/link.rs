@@ -101,7 +101,8 @@ struct Lane {
     /// agent's (released when the link is dropped: no operation of it is
     /// in flight then).
     addr: ffi::fi_addr_t,
-    /// The lane's share of its rail's credits (`Credits::share`): what its
+    /// The lane's share of its rail's credits (`Credits::share`: the
+    /// link's half of the rail, split among its lanes there): what its
     /// operations in the provider's hands may hold at most.
     credits: Credits,
 }
@@ -284,15 +285,19 @@ impl FabricLink {
 /// rail's address vector (released again if one fails).
 fn lanes_to(rails: &[Arc<Shared>], answer: &Answer) -> Result<Vec<Lane>, FabricError> {
     let (l, r) = (rails.len(), answer.rails.len());
-    let mut lanes: Vec<Lane> = Vec::with_capacity(l.max(r));
-    for i in 0..l.max(r) {
+    let n = l.max(r);
+    let mut lanes: Vec<Lane> = Vec::with_capacity(n);
+    for i in 0..n {
         let shared = &rails[i % l];
+        // The link's lanes on this rail (more than one when the peer has
+        // more rails): they split the link's share of it.
+        let ways = (i % l..n).step_by(l).count();
         match shared.insert_peer(&answer.rails[i % r].name) {
             Ok(addr) => lanes.push(Lane {
                 shared: Arc::clone(shared),
                 remote: i % r,
                 addr,
-                credits: shared.credits.share(),
+                credits: shared.credits.share(ways),
             }),
             Err(e) => {
                 for lane in lanes {

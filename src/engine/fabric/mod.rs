@@ -219,11 +219,17 @@ impl Credits {
         self.cap - self.free.load(Ordering::Acquire)
     }
 
-    /// The share of these credits one link may hold: half the operations
-    /// and half the bytes (one operation of any length at least), so that
-    /// a peer that stops taking data leaves the other half to the rest.
-    fn share(&self) -> Self {
-        Self::new((self.cap / 2).max(1), self.bytes_cap / 2)
+    /// The share of these credits one of `ways` lanes of a link on this
+    /// rail may hold: the link holds half the operations and half the
+    /// bytes, split `ways` ways (one operation of any length at least), so
+    /// that a peer that stops taking data leaves the other half to the
+    /// rest.
+    fn share(&self, ways: usize) -> Self {
+        let ways = ways.max(1);
+        Self::new(
+            (self.cap / 2 / ways).max(1),
+            self.bytes_cap / 2 / ways as u64,
+        )
     }
 }
 
@@ -1259,9 +1265,12 @@ mod tests {
 
     #[test]
     fn a_links_share_is_half_and_never_nothing() {
-        let s = Credits::new(64, 64 << 20).share();
+        let s = Credits::new(64, 64 << 20).share(1);
         assert_eq!((s.cap, s.bytes_cap), (32, 32 << 20));
-        let s = Credits::new(1, 64 << 10).share();
+        // A link with two lanes on the rail: half of it between them.
+        let s = Credits::new(64, 64 << 20).share(2);
+        assert_eq!((s.cap, s.bytes_cap), (16, 16 << 20));
+        let s = Credits::new(1, 64 << 10).share(3);
         assert_eq!(s.cap, 1);
         // A share smaller than one operation still takes one at a time.
         assert!(s.try_take(4 << 20));

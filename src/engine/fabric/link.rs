@@ -291,7 +291,7 @@ fn lanes_to(rails: &[Arc<Shared>], answer: &Answer) -> Result<Vec<Lane>, FabricE
         let shared = &rails[i % l];
         // The link's lanes on this rail (more than one when the peer has
         // more rails): they split the link's share of it.
-        let ways = (i % l..n).step_by(l).count();
+        let ways = lanes_on_rail(i % l, l, n);
         match shared.insert_peer(&answer.rails[i % r].name) {
             Ok(addr) => lanes.push(Lane {
                 shared: Arc::clone(shared),
@@ -671,6 +671,12 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
     }
     launch(&link, &group, ops);
     Ok(status)
+}
+
+/// How many of a link's `lanes` lanes take this agent's rail `rail` of
+/// `rails` (lane `i` takes rail `i mod rails`).
+fn lanes_on_rail(rail: usize, rails: usize, lanes: usize) -> usize {
+    (rail..lanes).step_by(rails.max(1)).count()
 }
 
 /// Smallest piece a descriptor is cut into to spread it over several
@@ -1291,6 +1297,17 @@ mod tests {
         // Small ones go whole; pieces are at least STRIPE_MIN.
         assert_eq!(piece_len(STRIPE_MIN, 4, 4 * MIB), 4 * MIB);
         assert_eq!(piece_len(STRIPE_MIN + 4, 4, 4 * MIB), STRIPE_MIN);
+    }
+
+    #[test]
+    fn lanes_are_counted_by_rail() {
+        // As many rails as lanes: one each.
+        assert_eq!(lanes_on_rail(1, 2, 2), 1);
+        // One rail to a peer of three: all three lanes on it.
+        assert_eq!(lanes_on_rail(0, 1, 3), 3);
+        // Two rails to a peer of three: lanes 0 and 2 on rail 0.
+        assert_eq!(lanes_on_rail(0, 2, 3), 2);
+        assert_eq!(lanes_on_rail(1, 2, 3), 1);
     }
 
     #[test]

@@ -233,6 +233,17 @@ fn domains_of_devices<'a>(domains: &[&'a str], nics: &[String]) -> Vec<&'a str> 
     rails
 }
 
+/// `v` (a provider's or domain's name: `what`) as a C string, if given.
+fn c_name(what: &'static str, v: Option<&str>) -> Result<Option<CString>, FabricError> {
+    v.map(CString::new)
+        .transpose()
+        .map_err(|_| FabricError::Call {
+            call: what,
+            code: 0,
+            text: "contains a NUL byte".into(),
+        })
+}
+
 /// Opens the endpoint's completion queue; whether it has a wait object
 /// that blocks (`fi_cq_sread` sleeps until the provider signals it). A
 /// wait object that only spins (`FI_WAIT_YIELD`, all `shm` offers: its
@@ -292,14 +303,7 @@ impl Endpoint {
         provider: Option<&str>,
         nics: &[String],
     ) -> Result<Vec<String>, FabricError> {
-        let prov = provider
-            .map(CString::new)
-            .transpose()
-            .map_err(|_| FabricError::Call {
-                call: "provider name",
-                code: 0,
-                text: "contains a NUL byte".into(),
-            })?;
+        let prov = c_name("provider name", provider)?;
         let entries = names_of(getinfo(prov.as_deref(), None, false)?);
         let first = &entries[0].0;
         let domains: Vec<&str> = entries
@@ -333,17 +337,8 @@ impl Endpoint {
             waits: false,
             live: RwLock::new(true),
         };
-        let name = |what: &'static str, v: Option<&str>| {
-            v.map(CString::new)
-                .transpose()
-                .map_err(|_| FabricError::Call {
-                    call: what,
-                    code: 0,
-                    text: "contains a NUL byte".into(),
-                })
-        };
-        let prov = name("provider name", provider)?;
-        let dom = name("domain name", domain)?;
+        let prov = c_name("provider name", provider)?;
+        let dom = c_name("domain name", domain)?;
         // The provider and domain are chosen for host memory (asking for
         // device memory too could pass over the first provider for one that
         // moves it but not between hosts); then the same ones are asked

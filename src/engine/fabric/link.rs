@@ -705,7 +705,13 @@ fn plan(
     let n = lanes.len() as u64;
     // Bytes on each lane: in flight, then planned here.
     let mut load: Few<u64> = lanes.iter().map(|l| l.credits.bytes_in_flight()).collect();
-    let mut start = parts.turn.fetch_add(1, Ordering::Relaxed);
+    // Where the search starts (moved on per request: equal lanes take
+    // turns); one lane needs none.
+    let mut start = if lanes.len() > 1 {
+        parts.turn.fetch_add(1, Ordering::Relaxed)
+    } else {
+        0
+    };
     // The local descriptors of the last region of several rails.
     let mut last: Option<(u64, Arc<[u64]>)> = None;
     let mut ops = Vec::new();

@@ -974,33 +974,33 @@ impl Registrar for Fabric {
             _ => return Ok(None),
         };
         let access = ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ | ffi::FI_REMOTE_WRITE;
-        let mut regs = Vec::with_capacity(self.rails.all.len());
-        let mut failed = None;
-        for shared in &self.rails.all {
+        // On every rail; on a failure, what was registered on the others
+        // is closed as the collected ones drop.
+        let regs = self
+            .rails
+            .all
+            .iter()
             // SAFETY: by this function's contract, the range stays
             // allocated while registered.
-            match unsafe { FabricRegion::register(&shared.ep, desc.addr, desc.len, cuda, access) } {
-                Ok(r) => regs.push(r),
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
-        let Some(e) = failed else {
-            if regs.len() == 1 {
+            .map(|shared| unsafe {
+                FabricRegion::register(&shared.ep, desc.addr, desc.len, cuda, access)
+            })
+            .collect::<Result<Vec<_>, _>>();
+        let e = match regs {
+            Ok(mut regs) if regs.len() == 1 => {
                 return Ok(regs.pop().map(|r| Box::new(r) as Box<dyn RegionHandle>));
             }
-            let descs: Arc<[u64]> = regs.iter().map(|r| r.desc).collect();
-            let id = self.rails.descs.insert(descs);
-            return Ok(Some(Box::new(RailRegions {
-                regs,
-                id,
-                table: Arc::clone(&self.rails.descs),
-            })));
+            Ok(regs) => {
+                let descs: Arc<[u64]> = regs.iter().map(|r| r.desc).collect();
+                let id = self.rails.descs.insert(descs);
+                return Ok(Some(Box::new(RailRegions {
+                    regs,
+                    id,
+                    table: Arc::clone(&self.rails.descs),
+                })));
+            }
+            Err(e) => e,
         };
-        // What was registered on the other rails is closed with `regs`.
-        drop(regs);
         match cuda {
             // The provider moves device memory, but this libfabric cannot
             // register GPU memory (built without CUDA, or no driver): the

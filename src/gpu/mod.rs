@@ -75,8 +75,9 @@ pub(crate) fn nearest_nics(gpu: u32) -> Vec<String> {
         .collect()
 }
 
-/// Without the `cuda` feature no GPU is known.
-#[cfg(not(feature = "cuda"))]
+/// Without the `cuda` feature no GPU is known (asked by the libfabric
+/// transport only).
+#[cfg(all(not(feature = "cuda"), feature = "fabric"))]
 pub(crate) fn nearest_nics(_gpu: u32) -> Vec<String> {
     Vec::new()
 }

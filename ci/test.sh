@@ -98,7 +98,9 @@ echo "   deregistered memory open to remote writes); then the suites with the ca
 echo "   FI_UNIVERSE_SIZE=64: ofi_rxm sizes its verbs completion queue (tx + rx) x universe, 65536"
 echo "   by default, above rxe's max_cqe. KVXFER_TEST_IO_TIMEOUT_MS=5000: the I/O timeout of"
 echo "   frozen_target_times_out (1 s elsewhere); under TCG on a loaded host, ofi_rxm's new connection"
-echo "   to a resumed target took over 1 s without progress"
+echo "   to a resumed target took over 1 s without progress. KVXFER_TEST_CONNECT_TIMEOUT_MS=30000:"
+echo "   a new link's first READ sets up ofi_rxm's connection, which under TCG took over the"
+echo "   default 5 s connect timeout once (a_block_lookup_miss_fails_on_both_sides)"
 fabric_agent_bin=$(test_bin agent --features fabric)
 fabric_cache_bin=$(test_bin cache --features fabric)
 long="write_and_read_256_mib tp_pp_matrix cancel_in_flight_from_either_side"
@@ -106,7 +108,7 @@ echo "SKIPPED on verbs;ofi_rxm in the guest: $long: minutes each over soft-RoCE 
 echo "   of the fabric transport that the rest of the suites leave out (they run on tcp;ofi_rxm and shm above)"
 skip_long=$(skips "$long")
 KVXFER_TEST_BACKEND=fabric ci/rxe-guest --timeout 1800 sh -c \
-  "export FI_UNIVERSE_SIZE=64 KVXFER_FABRIC_PROVIDER='verbs;ofi_rxm' KVXFER_TEST_IO_TIMEOUT_MS=5000 && \
+  "export FI_UNIVERSE_SIZE=64 KVXFER_FABRIC_PROVIDER='verbs;ofi_rxm' KVXFER_TEST_IO_TIMEOUT_MS=5000 KVXFER_TEST_CONNECT_TIMEOUT_MS=30000 && \
    $fabric_agent_bin --color never --exact write_and_read_1_byte 2>&1 | grep -q 'FI_MR_CACHE_MAX_COUNT=0' && \
    echo 'the agent refused verbs;ofi_rxm with the registration cache on' && \
    export FI_MR_CACHE_MAX_COUNT=0 && \

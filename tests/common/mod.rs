@@ -113,6 +113,10 @@ pub fn local_agent(
     if let Ok(v) = std::env::var("KVXFER_TEST_RDMA_SRQ") {
         cfg = cfg.with_rdma_srq(v != "0");
     }
+    if let Ok(ms) = std::env::var("KVXFER_TEST_CONNECT_TIMEOUT_MS") {
+        let ms = ms.parse().expect("KVXFER_TEST_CONNECT_TIMEOUT_MS");
+        cfg = cfg.with_connect_timeout(Duration::from_millis(ms));
+    }
     kvxfer::make_transfer_agent(backend(), tweak(cfg)).expect("agent")
 }
 

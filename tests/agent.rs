@@ -1768,10 +1768,16 @@ fn statuses_report_their_path_and_required_transports_hold() {
 /// Bytes each libfabric rail of an agent moved, by its metrics
 /// (`kvxfer_fabric_rail_bytes_total`), with the rail's domain, in order.
 fn rail_bytes(agent: &dyn kvxfer::TransferAgent) -> Vec<(String, u64)> {
+    rail_counter(agent, "kvxfer_fabric_rail_bytes_total")
+}
+
+/// A libfabric counter by rail: (domain, value), in the rails' order.
+fn rail_counter(agent: &dyn kvxfer::TransferAgent, name: &str) -> Vec<(String, u64)> {
+    let prefix = format!("{name}{{");
     agent
         .metrics_text()
         .lines()
-        .filter_map(|l| l.strip_prefix("kvxfer_fabric_rail_bytes_total{"))
+        .filter_map(|l| l.strip_prefix(prefix.as_str()))
         .map(|l| {
             let domain = l
                 .split("domain=\"")
@@ -1866,5 +1872,122 @@ fn requests_spread_over_every_fabric_rail() {
         rails.iter().map(|(_, b)| b).sum::<u64>(),
         2 * size + 8 * lanes,
         "{rails:?}"
+    );
+}
+
+/// A rail that fails on a link of several lanes costs its operations a
+/// second post on another lane, not their requests: the peer's second
+/// rail is given a wrong key in the descriptor this agent loads (so its
+/// provider refuses every operation there, as a failed NIC or path would),
+/// and a WRITE and a READ spread over both lanes still land whole; the
+/// failed lane is counted, taken out of service, and later requests keep
+/// off it; a request refused on every lane fails, typed.
+#[test]
+fn a_failed_fabric_rail_moves_its_operations_to_the_others() {
+    if backend() != Backend::Fabric {
+        println!(
+            "SKIPPED: rails are the libfabric transport's (backend {:?})",
+            backend()
+        );
+        return;
+    }
+    let domain = {
+        let one = local_agent("one-rail", |c| c);
+        rail_bytes(one.as_ref())[0].0.clone()
+    };
+    let two = format!("{domain},{domain}");
+    let size: u64 = 8 << 20;
+    let mut peer = PeerProc::spawn("target", size, 11, &[("KVXFER_FABRIC_DOMAIN", &two)]);
+    let agent = local_agent("init", |c| c.with_fabric_domain(two.clone()));
+    let mut desc = agent.fetch_remote_agent_desc(&peer.conn).unwrap();
+    let (fabric, _) = desc
+        .offer("fabric")
+        .expect("the peer offers no libfabric endpoint");
+    let mut bent = 0;
+    for region in &mut desc.regions {
+        for k in region.keys.iter_mut().filter(|k| k.transport == fabric) {
+            assert_eq!(k.key.len(), 16, "one key per rail of two");
+            // The second rail's key, wrong.
+            for b in &mut k.key[8..] {
+                *b ^= 0xa5;
+            }
+            bent += 1;
+        }
+    }
+    assert!(bent > 0, "no region of the peer has a libfabric key");
+    agent.load_remote_agent(&desc).unwrap();
+    let name = desc.name.clone();
+
+    let mut src = vec![0u8; size as usize];
+    fill(&mut src, 22, 0);
+    register(agent.as_ref(), &src);
+    // One descriptor: a piece on each lane.
+    write_whole(agent.as_ref(), &src, &peer, &name);
+    assert_eq!(peer.cmd(&format!("check 22 0 {size}")), "OK");
+    let failed = rail_counter(agent.as_ref(), "kvxfer_fabric_lane_failovers_total");
+    assert_eq!(
+        failed.iter().map(|(_, n)| n).collect::<Vec<_>>(),
+        [&0, &1],
+        "the lane of rail 1 (to the peer's rail 1) failed once: {failed:?}"
+    );
+    let before = rail_bytes(agent.as_ref());
+
+    // Out of service: later requests keep off it.
+    assert_eq!(peer.cmd("fill 33"), "OK");
+    let dst = vec![0u8; size as usize];
+    register(agent.as_ref(), &dst);
+    let pieces = 64;
+    let piece = size / pieces;
+    let descs = |base: u64| {
+        (0..pieces)
+            .map(|i| kvxfer::MemoryDesc::new(base + i * piece, piece, 0))
+            .collect::<Vec<_>>()
+    };
+    agent
+        .submit_transfer(&TransferRequest::read(
+            MemoryDescs::new(kvxfer::MemoryType::Dram, descs(dst.as_ptr() as u64)),
+            MemoryDescs::new(kvxfer::MemoryType::Dram, descs(peer.addr)),
+            &name,
+        ))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(first_mismatch(&dst, 33, 0), None);
+    let after = rail_bytes(agent.as_ref());
+    assert_eq!(
+        after[1], before[1],
+        "rail 1 moved more: {before:?} -> {after:?}"
+    );
+    assert_eq!(after[0].1 - before[0].1, size, "{before:?} -> {after:?}");
+    let failed = rail_counter(agent.as_ref(), "kvxfer_fabric_lane_failovers_total");
+    assert_eq!(failed[1].1, 1, "{failed:?}");
+
+    // A request refused on every lane (its region deregistered) fails,
+    // typed, once tried on each.
+    assert_eq!(peer.cmd("dereg"), "OK");
+    let err = agent
+        .submit_transfer(&TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, size),
+            &name,
+        ))
+        .unwrap()
+        .wait(WAIT)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Transport {
+                transport: "fabric",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let failed = rail_counter(agent.as_ref(), "kvxfer_fabric_lane_failovers_total");
+    assert_eq!(
+        failed.iter().map(|(_, n)| n).collect::<Vec<_>>(),
+        [&1, &1],
+        "{failed:?}"
     );
 }

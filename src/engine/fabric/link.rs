@@ -4,9 +4,11 @@
 //!
 //! A request's descriptors are cut into operations (on a link of several
 //! lanes, a large descriptor into one piece per lane) and each operation
-//! given to the lane with the fewest bytes in flight (`plan`): a slower
-//! rail drains its credits later and takes less. Its commit waits for all
-//! of them, on every lane.
+//! given to the lane with the fewest bytes in flight (`stripe::plan`): a
+//! slower rail drains its credits later and takes less. Its commit waits
+//! for all of them, on every lane. An operation that fails on one lane of
+//! several is posted again on another, and its lane rests out of service
+//! (`failover`).
 //!
 //! A request's operations are posted from the submitting thread while the
 //! endpoint's queues, and the link's share of them, have room, else queued
@@ -33,12 +35,13 @@ use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::os::fd::AsRawFd;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use kvxfer_fabric as ffi;
 
+use super::stripe::{Op, lanes_on_rail, plan};
 use super::{
     Answer, CLOSE_GRACE, Credits, DescTable, Fabric, FabricError, Rails, Shared, WAIT_MS, check,
     fabric_err, strerror, waiters_poll,
@@ -48,11 +51,9 @@ use crate::desc::AgentDesc;
 use crate::engine::socket_link::{
     Frames, Job, Pending, Segs, SocketLink, SocketPath, Tail, connect_streams,
 };
-use crate::engine::submit::RemoteKey;
 use crate::engine::transport::Submission;
 use crate::engine::{Inner, attach, lock, status};
 use crate::error::Error;
-use crate::memory::MemoryDesc;
 use crate::registry::RegionGuard;
 use crate::small::{FastHash, Few};
 use crate::status::{Completion, DRIVE_MAX_BYTES, Progress};
@@ -65,22 +66,30 @@ pub(in crate::engine) struct FabricParts {
     /// Its lanes: lane `i` joins this agent's rail `i mod L` and the peer's
     /// rail `i mod R` (`L`, `R`: their counts of rails), for `max(L, R)`
     /// lanes, so every rail of either side carries a share. Never empty.
-    lanes: Vec<Lane>,
+    pub(super) lanes: Vec<Lane>,
     /// This agent's count of rails (`L`).
-    local_rails: usize,
+    pub(super) local_rails: usize,
     /// The peer's (`R`).
-    remote_rails: usize,
+    pub(super) remote_rails: usize,
     /// The local descriptors of regions registered with several rails.
-    descs: Arc<DescTable>,
+    pub(super) descs: Arc<DescTable>,
     /// Where the next lane search starts among equally loaded lanes.
-    turn: AtomicUsize,
+    pub(super) turn: AtomicUsize,
+    /// Lanes (by bit) taken out of service: an operation on each failed,
+    /// and was moved to another lane (see [`failover`]). New operations
+    /// avoid them, unless every lane is down, until
+    /// [`LANE_REST`](super::stripe::LANE_REST) after the last lane went
+    /// down.
+    pub(super) down: AtomicU32,
+    /// When the last lane went out of service.
+    pub(super) down_since: Mutex<Instant>,
     /// When one of its operations last completed, or the first of those in
     /// flight began (what the watch over stalled links reads).
     last_progress: Mutex<Instant>,
     /// Largest operation.
-    max_msg: u64,
+    pub(super) max_msg: u64,
     /// Remote addresses are virtual addresses (else offsets in the region).
-    virt: bool,
+    pub(super) virt: bool,
     /// Requests whose operations have not all completed, and the fenced
     /// notifications waiting for them.
     open: Mutex<Open>,
@@ -92,11 +101,11 @@ pub(in crate::engine) struct FabricParts {
 
 /// A pair of rails, this agent's and the peer's, that a link's operations
 /// take.
-struct Lane {
+pub(super) struct Lane {
     /// This agent's rail.
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
     /// The peer's rail: its place among the peer's.
-    remote: usize,
+    pub(super) remote: usize,
     /// The peer's endpoint on that rail, in the address vector of this
     /// agent's (released when the link is dropped: no operation of it is
     /// in flight then).
@@ -104,7 +113,7 @@ struct Lane {
     /// The lane's share of its rail's credits (`Credits::share`: the
     /// link's half of the rail, split among its lanes there): what its
     /// operations in the provider's hands may hold at most.
-    credits: Credits,
+    pub(super) credits: Credits,
 }
 
 #[derive(Default)]
@@ -251,6 +260,8 @@ impl FabricLink {
             remote_rails: probes.len(),
             descs: Arc::clone(&fabric.rails.descs),
             turn: AtomicUsize::new(0),
+            down: AtomicU32::new(0),
+            down_since: Mutex::new(Instant::now()),
             last_progress: Mutex::new(Instant::now()),
             max_msg: fabric.max_msg,
             virt: fabric.offer.mr_mode & u64::from(ffi::FI_MR_VIRT_ADDR) != 0,
@@ -335,6 +346,9 @@ fn warm(link: &Arc<FabricLink>, probes: &[(u64, u64)], timeout: Duration) -> Res
                 remote: if parts.virt { addr } else { 0 },
                 key,
                 len: 8,
+                // The probe of this lane's rails: it stays on its lane.
+                alt: None,
+                failed_on: 0,
             }
         })
         .collect();
@@ -364,17 +378,6 @@ fn warm(link: &Arc<FabricLink>, probes: &[(u64, u64)], timeout: Duration) -> Res
         },
         e => e,
     })
-}
-
-/// One operation: the lane it takes, where it reads or writes here, and
-/// there.
-struct Op {
-    lane: usize,
-    local: u64,
-    desc: u64,
-    remote: u64,
-    key: u64,
-    len: u64,
 }
 
 /// A request's operations in flight, and what follows them.
@@ -673,129 +676,6 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
     Ok(status)
 }
 
-/// How many of a link's `lanes` lanes take this agent's rail `rail` of
-/// `rails` (lane `i` takes rail `i mod rails`).
-fn lanes_on_rail(rail: usize, rails: usize, lanes: usize) -> usize {
-    (rail..lanes).step_by(rails.max(1)).count()
-}
-
-/// Smallest piece a descriptor is cut into to spread it over several
-/// lanes (a smaller one goes whole, on one lane).
-const STRIPE_MIN: u64 = 256 << 10;
-
-/// The operations of a request on `link`: each pair of local and remote
-/// descriptors (`local_keys`, `remote_keys`: their keys, as the engine
-/// resolved them) cut into pieces of at most the largest operation and,
-/// on a link of several lanes, into one piece per lane (of at least
-/// [`STRIPE_MIN`]); each piece given to the lane with the fewest bytes in
-/// flight and planned, so that a slower rail takes less.
-///
-/// # Errors
-/// A remote region whose key does not have one key per rail of the peer,
-/// or a local one no longer registered.
-fn plan(
-    link: &FabricLink,
-    local: &[MemoryDesc],
-    local_keys: &[u64],
-    remote: &[MemoryDesc],
-    remote_keys: &[RemoteKey],
-) -> Result<Vec<Op>, Error> {
-    let parts = &link.parts;
-    let lanes = &parts.lanes;
-    let n = lanes.len() as u64;
-    // Bytes on each lane: in flight, then planned here.
-    let mut load: Few<u64> = lanes.iter().map(|l| l.credits.bytes_in_flight()).collect();
-    // Where the search starts (moved on per request: equal lanes take
-    // turns); one lane needs none.
-    let mut start = if lanes.len() > 1 {
-        parts.turn.fetch_add(1, Ordering::Relaxed)
-    } else {
-        0
-    };
-    // The local descriptors of the last region of several rails.
-    let mut last: Option<(u64, Arc<[u64]>)> = None;
-    let mut ops = Vec::new();
-    for ((l, &lk), (r, rk)) in local
-        .iter()
-        .zip(local_keys)
-        .zip(remote.iter().zip(remote_keys))
-    {
-        let rails = match &rk.keys {
-            Some(keys) => keys.len(),
-            None => 1,
-        };
-        let peer_rails = parts.remote_rails;
-        if rails != peer_rails {
-            return Err(Error::ProtocolViolation {
-                remote: link.remote.clone(),
-                detail: format!(
-                    "a region exported with {rails} libfabric keys by an agent of {peer_rails} rails"
-                ),
-            });
-        }
-        let descs = if parts.local_rails > 1 {
-            match &last {
-                Some((id, d)) if *id == lk => Some(Arc::clone(d)),
-                _ => {
-                    let d = parts
-                        .descs
-                        .get(lk)
-                        .ok_or_else(|| Error::BackendUnavailable {
-                            backend: "fabric",
-                            reason: "a local region is no longer registered with the agent's rails"
-                                .into(),
-                        })?;
-                    last = Some((lk, Arc::clone(&d)));
-                    Some(d)
-                }
-            }
-        } else {
-            None
-        };
-        let remote = if parts.virt { r.addr } else { r.addr - rk.base };
-        let piece = piece_len(l.len, n, parts.max_msg);
-        let mut off = 0;
-        while off < l.len {
-            let len = (l.len - off).min(piece);
-            let lane = lightest(&load, start);
-            start = lane + 1;
-            load[lane] += len;
-            let on = &lanes[lane];
-            ops.push(Op {
-                lane,
-                local: l.addr + off,
-                desc: descs.as_ref().map_or(lk, |d| d[on.shared.rail]),
-                remote: remote + off,
-                key: rk.keys.as_ref().map_or(rk.key, |k| k[on.remote]),
-                len,
-            });
-            off += len;
-        }
-    }
-    Ok(ops)
-}
-
-/// The length of the pieces a descriptor of `len` bytes is cut into on a
-/// link of `lanes` lanes whose largest operation is `max_msg`: one piece
-/// per lane, of at least [`STRIPE_MIN`], when there are several lanes and
-/// it is larger than that; never over `max_msg`.
-fn piece_len(len: u64, lanes: u64, max_msg: u64) -> u64 {
-    if lanes > 1 && len > STRIPE_MIN {
-        len.div_ceil(lanes).max(STRIPE_MIN).min(max_msg)
-    } else {
-        max_msg
-    }
-}
-
-/// The lane with the fewest bytes of `load` (the first such from `start`
-/// on, round the lanes).
-fn lightest(load: &[u64], start: usize) -> usize {
-    (0..load.len())
-        .map(|k| (start + k) % load.len())
-        .min_by_key(|&i| load[i])
-        .unwrap_or(0)
-}
-
 /// Posts `ops` of `group` (counted in its `remaining`, with one more that
 /// this call gives up when done), or queues them for the progress thread
 /// when the endpoint has no room or others wait.
@@ -824,7 +704,10 @@ fn launch(link: &Arc<FabricLink>, group: &Arc<Group>, ops: Vec<Op>) {
                 }
                 Ok(false) => {}
                 Err(e) => {
-                    group.done(Err(fabric_err(&link.remote, e)));
+                    let e = fabric_err(&link.remote, e);
+                    if !failover(group, op, &e) {
+                        group.done(Err(e));
+                    }
                     continue;
                 }
             }
@@ -857,10 +740,9 @@ fn launch(link: &Arc<FabricLink>, group: &Arc<Group>, ops: Vec<Op>) {
 struct OpCtx {
     provider: [*mut c_void; 8],
     group: Arc<Group>,
-    /// The operation's lane.
-    lane: usize,
-    /// The operation's length.
-    len: u64,
+    /// The operation (posted again on another lane if it fails, see
+    /// [`failover`]).
+    op: Op,
 }
 
 /// An operation waiting for room in the endpoint's queues.
@@ -881,8 +763,7 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
     let ctx = Box::into_raw(Box::new(OpCtx {
         provider: [ptr::null_mut(); 8],
         group: Arc::clone(group),
-        lane: op.lane,
-        len: op.len,
+        op: op.clone(),
     }));
     let iov = ffi::iovec {
         iov_base: op.local as *mut c_void,
@@ -1073,8 +954,10 @@ fn drain_one(q: Queued) -> (Turn, Option<Queued>) {
         Ok(true) => (Turn::Moved, None),
         Ok(false) => (Turn::Stop, Some(q)),
         Err(e) => {
-            let remote = g.link.remote.clone();
-            g.done(Err(fabric_err(&remote, e)));
+            let e = fabric_err(&g.link.remote, e);
+            if !failover(g, q.op, &e) {
+                g.done(Err(e));
+            }
             (Turn::Moved, None)
         }
     }
@@ -1107,19 +990,19 @@ fn watch(shared: &Shared) {
 /// completion is read once.
 unsafe fn complete(ctx: *mut c_void, result: Result<(), FabricError>) -> (usize, u64) {
     // SAFETY: by the caller: made by Box::into_raw in `post`, taken once.
-    let op = unsafe { Box::from_raw(ctx.cast::<OpCtx>()) };
-    let lane = &op.group.link.parts.lanes[op.lane];
-    *lock(&op.group.link.parts.last_progress) = Instant::now();
+    let ctx = unsafe { Box::from_raw(ctx.cast::<OpCtx>()) };
+    let OpCtx { group, op, .. } = *ctx;
+    let lane = &group.link.parts.lanes[op.lane];
+    *lock(&group.link.parts.last_progress) = Instant::now();
     if result.is_ok() {
         lane.shared.moved.fetch_add(op.len, Ordering::Relaxed);
     }
-    let back = if op.group.release(op.lane, op.len) {
+    let back = if group.release(op.lane, op.len) {
         lane.credits.give(1, op.len);
         (1, op.len)
     } else {
         (0, 0)
     };
-    let group = &op.group;
     let link = &group.link;
     let result = result.map_err(|e| {
         let lost = matches!(&e, FabricError::Completion { code, prov, .. }
@@ -1134,8 +1017,88 @@ unsafe fn complete(ctx: *mut c_void, result: Result<(), FabricError>) -> (usize,
         }
         fabric_err(&link.remote, e)
     });
+    if let Err(e) = &result
+        && failover(&group, op, e)
+    {
+        return back;
+    }
     group.done(result);
     back
+}
+
+/// Moves `op` of `group`, which failed on its lane with `cause`, to
+/// another lane of its link, and takes the failed lane out of service
+/// (new operations avoid it, see [`plan`]): on a link of several lanes, a
+/// rail that fails (a NIC, its port, its path to the peer) costs its
+/// operations a second post rather than their requests. Whether it did:
+/// not when the link has one lane, the operation is its probe, or its
+/// request is over (failed, aborted, abandoned, its link broken: the
+/// peer gone);
+/// nor once it has failed on every lane, which puts those lanes back in
+/// service (the fault was the request's).
+///
+/// The failed operation's count in the group carries over to the one
+/// posted in its place, whose memory is moved again whole (a WRITE that
+/// failed part-way is written again, a READ read again) before the
+/// request's commit. The lane is back in service after
+/// [`LANE_REST`](super::stripe::LANE_REST).
+fn failover(group: &Arc<Group>, mut op: Op, cause: &Error) -> bool {
+    let link = &group.link;
+    let parts = &link.parts;
+    let n = parts.lanes.len();
+    if op.alt.is_none()
+        || group.failed.load(Ordering::Acquire)
+        || group.settled.load(Ordering::Acquire)
+        || link.broken.load(Ordering::Acquire)
+        || group.pending.completion.abort_requested()
+        || matches!(
+            cause,
+            Error::ConnectionLost { .. } | Error::PeerTimedOut { .. }
+        )
+    {
+        return false;
+    }
+    let from = op.lane;
+    let bit = 1u32 << from;
+    op.failed_on |= bit;
+    let every = u32::MAX >> (32 - n);
+    if op.failed_on == every {
+        // It failed on every lane: its request's fault rather than theirs
+        // (a key the peer refuses on every rail), and those it took out of
+        // service go back.
+        let _since = lock(&parts.down_since);
+        parts.down.fetch_and(!op.failed_on, Ordering::AcqRel);
+        return false;
+    }
+    let mut since = lock(&parts.down_since);
+    let fresh = parts.down.fetch_or(bit, Ordering::AcqRel) & bit == 0;
+    if fresh {
+        *since = Instant::now();
+    }
+    let down = parts.down.load(Ordering::Acquire);
+    drop(since);
+    if fresh {
+        let lane = &parts.lanes[from];
+        lane.shared.failovers.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(remote = %link.remote, lane = from, rail = lane.shared.rail, domain = %lane.shared.domain, peer_rail = lane.remote, error = %cause, "libfabric lane failed: taken out of service, its operations moved to the link's other lanes");
+    }
+    // The next lane in service that it has not failed on, else the next
+    // it has not failed on.
+    let untried = (1..n)
+        .map(|k| (from + k) % n)
+        .filter(|&l| op.failed_on & (1 << l) == 0);
+    let Some(to) = untried
+        .clone()
+        .find(|&l| down & (1 << l) == 0)
+        .or_else(|| untried.clone().next())
+    else {
+        return false;
+    };
+    op.onto(&parts.lanes, to);
+    // `launch`'s own hold, which it gives up when done.
+    group.remaining.fetch_add(1, Ordering::AcqRel);
+    launch(link, group, vec![op]);
+    true
 }
 
 /// Completions read from the queue at once.
@@ -1290,53 +1253,6 @@ const SPIN_AFTER: Duration = Duration::from_micros(500);
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_large_descriptor_is_cut_one_piece_per_lane() {
-        const MIB: u64 = 1 << 20;
-        // One lane: pieces of the largest operation.
-        assert_eq!(piece_len(64 * MIB, 1, 4 * MIB), 4 * MIB);
-        // Several: one piece per lane, at most the largest operation.
-        assert_eq!(piece_len(2 * MIB, 2, 4 * MIB), MIB);
-        assert_eq!(piece_len(3 * MIB + 1, 3, 4 * MIB), MIB + 1);
-        assert_eq!(piece_len(64 * MIB, 4, 4 * MIB), 4 * MIB);
-        // Small ones go whole; pieces are at least STRIPE_MIN.
-        assert_eq!(piece_len(STRIPE_MIN, 4, 4 * MIB), 4 * MIB);
-        assert_eq!(piece_len(STRIPE_MIN + 4, 4, 4 * MIB), STRIPE_MIN);
-    }
-
-    #[test]
-    fn lanes_are_counted_by_rail() {
-        // As many rails as lanes: one each.
-        assert_eq!(lanes_on_rail(1, 2, 2), 1);
-        // One rail to a peer of three: all three lanes on it.
-        assert_eq!(lanes_on_rail(0, 1, 3), 3);
-        // Two rails to a peer of three: lanes 0 and 2 on rail 0.
-        assert_eq!(lanes_on_rail(0, 2, 3), 2);
-        assert_eq!(lanes_on_rail(1, 2, 3), 1);
-    }
-
-    #[test]
-    fn pieces_go_to_the_lane_with_the_fewest_bytes() {
-        assert_eq!(lightest(&[5, 3, 9], 0), 1);
-        // Ties: the first from `start` on, round the lanes.
-        assert_eq!(lightest(&[4, 4, 4], 0), 0);
-        assert_eq!(lightest(&[4, 4, 4], 2), 2);
-        assert_eq!(lightest(&[4, 7, 4], 1), 2);
-        // A lane slow to give its bytes back takes fewer pieces: planning
-        // 12 equal pieces over lanes loaded 0, 0 and 8 (in pieces).
-        let mut load = [0u64, 0, 8];
-        let mut start = 0;
-        let mut taken = [0; 3];
-        for _ in 0..12 {
-            let l = lightest(&load, start);
-            start = l + 1;
-            load[l] += 1;
-            taken[l] += 1;
-        }
-        assert_eq!(taken, [6, 6, 0]);
-        assert_eq!(lightest(&[1], 5), 0);
-    }
 
     #[test]
     fn an_operation_context_leaves_the_provider_its_room_first() {

@@ -36,6 +36,7 @@
 
 mod endpoint;
 mod link;
+mod stripe;
 
 use std::collections::HashMap;
 use std::ffi::{CStr, c_void};
@@ -243,6 +244,9 @@ struct Shared {
     /// Bytes of operations completed on it (its counter in the agent's
     /// metrics).
     moved: AtomicU64,
+    /// Lanes of its links taken out of service after an operation on them
+    /// failed (its counter in the agent's metrics).
+    failovers: AtomicU64,
     ep: Arc<Endpoint>,
     credits: Credits,
     /// Operations waiting for room in the endpoint's queues or in their
@@ -621,6 +625,7 @@ impl Fabric {
                 rail,
                 domain: found.domain,
                 moved: AtomicU64::new(0),
+                failovers: AtomicU64::new(0),
                 ep,
                 credits: Credits::new(found.tx_size.min(MAX_CREDITS), config.fabric.max_inflight),
                 backlog: Mutex::default(),
@@ -822,16 +827,21 @@ impl Transport for Fabric {
     }
 
     fn counters(&self) -> Vec<Counter> {
-        self.rails
-            .all
-            .iter()
-            .map(|r| Counter {
-                name: "kvxfer_fabric_rail_bytes_total",
-                help: "Bytes of libfabric operations (WRITEs and READs this agent posted) completed, by rail.",
-                value: r.moved.load(Ordering::Relaxed),
-                labels: vec![("rail", r.rail.to_string()), ("domain", r.domain.clone())],
-            })
-            .collect()
+        let labels = |r: &Shared| vec![("rail", r.rail.to_string()), ("domain", r.domain.clone())];
+        let rails = &self.rails.all;
+        let bytes = rails.iter().map(|r| Counter {
+            name: "kvxfer_fabric_rail_bytes_total",
+            help: "Bytes of libfabric operations (WRITEs and READs this agent posted) completed, by rail.",
+            value: r.moved.load(Ordering::Relaxed),
+            labels: labels(r),
+        });
+        let failovers = rails.iter().map(|r| Counter {
+            name: "kvxfer_fabric_lane_failovers_total",
+            help: "Lanes of links (pairs of this agent's rail and a peer's) taken out of service after an operation on them failed, their operations moved to other lanes, by this agent's rail.",
+            value: r.failovers.load(Ordering::Relaxed),
+            labels: labels(r),
+        });
+        bytes.chain(failovers).collect()
     }
 
     fn moves(&self, local: MemoryType, remote: MemoryType, peer: &AgentDesc) -> bool {

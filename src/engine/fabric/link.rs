@@ -41,10 +41,11 @@ use std::time::{Duration, Instant};
 
 use kvxfer_fabric as ffi;
 
+use super::region::DescTable;
 use super::stripe::{Op, lanes_on_rail, plan};
 use super::{
-    Answer, CLOSE_GRACE, Credits, DescTable, Fabric, FabricError, Rails, Shared, WAIT_MS, check,
-    fabric_err, strerror, waiters_poll,
+    Answer, CLOSE_GRACE, Credits, Fabric, FabricError, Rails, Shared, WAIT_MS, check, fabric_err,
+    strerror, waiters_poll,
 };
 use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;

@@ -11,10 +11,11 @@
 //! to the peer ([`FabricLink`]), on which an `Attach` named `fabric`
 //! fetches the addresses of the peer's endpoints; a link's requests spread
 //! over its lanes (pairs of a local and a remote rail, see `link`).
-//! `endpoint` opens the provider's objects; `link` posts operations and
-//! reads their completions; this file holds the transport, its shared
-//! state and its memory registration (a region is registered on every
-//! rail, and its key is one per rail).
+//! `endpoint` opens the provider's objects; `region` registers memory (a
+//! region is registered on every rail, and its key is one per rail);
+//! `stripe` cuts a request into operations over a link's lanes; `link`
+//! posts them, reads their completions and moves those that fail on one
+//! lane to another; this file holds the transport and its shared state.
 //!
 //! The notification that follows a request's data does not rely on any
 //! ordering between RMA and messages (EFA's SRD has none; the endpoint asks
@@ -36,12 +37,12 @@
 
 mod endpoint;
 mod link;
+mod region;
 mod stripe;
 
 use std::collections::HashMap;
-use std::ffi::{CStr, c_void};
+use std::ffi::CStr;
 use std::net::TcpStream;
-use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -53,12 +54,13 @@ use crate::desc::AgentDesc;
 use crate::engine::transport::{Link, Transport};
 use crate::engine::{Inner, attach, lock, status};
 use crate::error::Error;
-use crate::memory::{MemoryDesc, MemoryType};
+use crate::memory::MemoryType;
 use crate::metrics::Counter;
-use crate::registry::{GpuRegion, RegionHandle, Registrar};
+use crate::registry::Registrar;
 
 use endpoint::{Endpoint, Found};
 pub(in crate::engine) use link::FabricLink;
+use region::{DescTable, FabricRegion};
 
 /// Largest single RMA operation (larger pieces are split, so several are
 /// in flight at once).
@@ -457,35 +459,6 @@ pub(in crate::engine) struct Fabric {
 pub(super) struct Rails {
     all: Vec<Arc<Shared>>,
     descs: Arc<DescTable>,
-}
-
-/// The memory descriptors, one per rail, of the regions registered with
-/// several rails, by the local key their handles give the engine (an id of
-/// this table's; a region of one rail gives its descriptor itself).
-#[derive(Default)]
-pub(super) struct DescTable {
-    next: AtomicU64,
-    by_id: std::sync::RwLock<HashMap<u64, Arc<[u64]>, crate::small::FastHash>>,
-}
-
-impl DescTable {
-    /// The descriptors of region `id`, while it is registered.
-    pub(super) fn get(&self, id: u64) -> Option<Arc<[u64]>> {
-        let t = self.by_id.read().unwrap_or_else(|p| p.into_inner());
-        t.get(&id).cloned()
-    }
-
-    fn insert(&self, descs: Arc<[u64]>) -> u64 {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let mut t = self.by_id.write().unwrap_or_else(|p| p.into_inner());
-        t.insert(id, descs);
-        id
-    }
-
-    fn remove(&self, id: u64) {
-        let mut t = self.by_id.write().unwrap_or_else(|p| p.into_inner());
-        t.remove(&id);
-    }
 }
 
 /// The domains an agent's rails open, from the configured names (one, or
@@ -922,200 +895,6 @@ fn answer_of(rails: &[Arc<Shared>]) -> Result<Answer, FabricError> {
 fn peer_offer(peer: &AgentDesc) -> Option<Offer> {
     peer.offer(TransportKind::Fabric.as_str())
         .and_then(|(_, o)| Offer::decode(&o.info))
-}
-
-/// A region's registration with the domain.
-#[derive(Debug)]
-struct FabricRegion {
-    mr: *mut ffi::fid_mr,
-    desc: u64,
-    key: u64,
-    /// Keeps the domain open while registered (dropped after `drop` has
-    /// closed the registration).
-    _ep: Arc<Endpoint>,
-}
-
-impl std::fmt::Debug for Endpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Endpoint")
-            .field("mr_mode", &self.mr_mode)
-            .finish_non_exhaustive()
-    }
-}
-
-// SAFETY: the registration is used through the thread-safe domain only.
-unsafe impl Send for FabricRegion {}
-// SAFETY: as above.
-unsafe impl Sync for FabricRegion {}
-
-impl Drop for FabricRegion {
-    fn drop(&mut self) {
-        // SAFETY: registered once, closed once; the domain is still open
-        // (`_ep`).
-        unsafe { ffi::fi_close(&mut (*self.mr).fid) };
-    }
-}
-
-impl RegionHandle for FabricRegion {
-    fn local_key(&self) -> u64 {
-        self.desc
-    }
-
-    fn remote_key(&self) -> Vec<u8> {
-        self.key.to_le_bytes().to_vec()
-    }
-}
-
-impl Registrar for Fabric {
-    fn name(&self) -> &'static str {
-        TransportKind::Fabric.as_str()
-    }
-
-    unsafe fn register(
-        &self,
-        mem_type: MemoryType,
-        desc: &MemoryDesc,
-        gpu: Option<&GpuRegion>,
-    ) -> Result<Option<Box<dyn RegionHandle>>, Error> {
-        let cuda = match (mem_type, gpu) {
-            (MemoryType::Dram, _) => None,
-            (MemoryType::Vram, Some(g)) if self.offer.hmem => Some(g.device),
-            // Storage, and GPU memory without FI_HMEM: not registered.
-            _ => return Ok(None),
-        };
-        let access = ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ | ffi::FI_REMOTE_WRITE;
-        // On every rail; on a failure, what was registered on the others
-        // is closed as the collected ones drop.
-        let regs = self
-            .rails
-            .all
-            .iter()
-            // SAFETY: by this function's contract, the range stays
-            // allocated while registered.
-            .map(|shared| unsafe {
-                FabricRegion::register(&shared.ep, desc.addr, desc.len, cuda, access)
-            })
-            .collect::<Result<Vec<_>, _>>();
-        let e = match regs {
-            Ok(mut regs) if regs.len() == 1 => {
-                return Ok(regs.pop().map(|r| Box::new(r) as Box<dyn RegionHandle>));
-            }
-            Ok(regs) => {
-                let descs: Arc<[u64]> = regs.iter().map(|r| r.desc).collect();
-                let id = self.rails.descs.insert(descs);
-                return Ok(Some(Box::new(RailRegions {
-                    regs,
-                    id,
-                    table: Arc::clone(&self.rails.descs),
-                })));
-            }
-            Err(e) => e,
-        };
-        match cuda {
-            // The provider moves device memory, but this libfabric cannot
-            // register GPU memory (built without CUDA, or no driver): the
-            // region stays registered with the agent, and requests to it
-            // on this transport fail, naming the missing registration.
-            Some(device) => {
-                tracing::warn!(device, error = %e, "libfabric did not register GPU memory; requests to it over fabric will fail");
-                Ok(None)
-            }
-            None => Err(fabric_err("", e)),
-        }
-    }
-}
-
-/// A region's registrations with several rails (one per rail, in order):
-/// its local key for the engine is its id in the transport's
-/// [`DescTable`], which holds their descriptors while it is registered;
-/// its remote key is the rails' keys, 8 bytes each.
-#[derive(Debug)]
-struct RailRegions {
-    regs: Vec<FabricRegion>,
-    id: u64,
-    table: Arc<DescTable>,
-}
-
-impl std::fmt::Debug for DescTable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DescTable").finish_non_exhaustive()
-    }
-}
-
-impl Drop for RailRegions {
-    fn drop(&mut self) {
-        // Out of the table first; the registrations close after (`regs`).
-        self.table.remove(self.id);
-    }
-}
-
-impl RegionHandle for RailRegions {
-    fn local_key(&self) -> u64 {
-        self.id
-    }
-
-    fn remote_key(&self) -> Vec<u8> {
-        self.regs.iter().flat_map(|r| r.key.to_le_bytes()).collect()
-    }
-}
-
-impl FabricRegion {
-    /// Registers `[addr, addr + len)` (GPU memory of CUDA device `cuda`
-    /// when given) with the endpoint's domain for `access` (`FI_READ`,
-    /// `FI_REMOTE_WRITE`, …), bound to the endpoint where the provider
-    /// asks (`FI_MR_ENDPOINT`).
-    ///
-    /// # Safety
-    /// The range stays allocated until the region is dropped.
-    unsafe fn register(
-        ep: &Arc<Endpoint>,
-        addr: u64,
-        len: u64,
-        cuda: Option<u32>,
-        access: u32,
-    ) -> Result<Self, FabricError> {
-        let iov = ffi::iovec {
-            iov_base: addr as *mut c_void,
-            iov_len: len as usize,
-        };
-        let mut attr = ffi::fi_mr_attr {
-            mr_iov: &iov,
-            iov_count: 1,
-            access: u64::from(access),
-            // Random: the key is what a peer on the fabric must know (with
-            // the address) to reach the region (providers with
-            // FI_MR_PROV_KEY choose their own).
-            requested_key: crate::auth::random_u64(),
-            ..Default::default()
-        };
-        if let Some(d) = cuda {
-            attr.iface = ffi::fi_hmem_iface_FI_HMEM_CUDA;
-            attr.device.cuda = i32::try_from(d).unwrap_or(i32::MAX);
-        }
-        let mut mr = ptr::null_mut();
-        // SAFETY: the caller keeps the range allocated while registered;
-        // the registration is closed with the region (FabricRegion::drop),
-        // which is made as soon as the registration exists.
-        unsafe {
-            check(
-                "fi_mr_regattr",
-                i64::from(ffi::fi_mr_regattr(ep.domain, &attr, 0, &mut mr)),
-            )?;
-            let mut region = FabricRegion {
-                mr,
-                desc: ffi::fi_mr_desc(mr) as u64,
-                key: 0,
-                _ep: Arc::clone(ep),
-            };
-            if ep.mr_mode & u64::from(ffi::FI_MR_ENDPOINT) != 0 {
-                let rc = ep.with_ep(|e| ffi::fi_mr_bind(mr, &mut (*e).fid, 0))?;
-                check("fi_mr_bind", i64::from(rc))?;
-                check("fi_mr_enable", i64::from(ffi::fi_mr_enable(mr)))?;
-            }
-            region.key = ffi::fi_mr_key(mr);
-            Ok(region)
-        }
-    }
 }
 
 #[cfg(test)]

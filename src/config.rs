@@ -191,6 +191,12 @@ pub struct FabricConfig {
     /// still stops it. Default [`DEFAULT_RDMA_MAX_INFLIGHT`]; at least
     /// 64 KiB.
     pub max_inflight: u64,
+    /// How long a lane of a link of several (a pair of this agent's rail
+    /// and a peer's) stays out of service after an operation failed on it
+    /// and moved to another lane, counted from the last lane of the link
+    /// to fail; then it is tried again. Default
+    /// [`DEFAULT_FABRIC_LANE_REST`].
+    pub lane_rest: Duration,
 }
 
 impl Default for FabricConfig {
@@ -200,9 +206,15 @@ impl Default for FabricConfig {
             domain: None,
             near_gpu: Some(0),
             max_inflight: DEFAULT_RDMA_MAX_INFLIGHT,
+            lane_rest: DEFAULT_FABRIC_LANE_REST,
         }
     }
 }
+
+/// Default of [`FabricConfig::lane_rest`]: 10 s, long enough that a lane
+/// still failing costs its link's requests one moved operation per 10 s,
+/// short enough that a path that flapped is back in use soon after.
+pub const DEFAULT_FABRIC_LANE_REST: Duration = Duration::from_secs(10);
 
 /// The RDMA data path.
 #[derive(Clone, Debug)]
@@ -545,6 +557,13 @@ impl AgentConfig {
     /// endpoint ([`FabricConfig::max_inflight`]).
     pub fn with_fabric_max_inflight(mut self, bytes: u64) -> Self {
         self.fabric.max_inflight = bytes;
+        self
+    }
+
+    /// Sets how long a failed lane of a libfabric link rests out of
+    /// service ([`FabricConfig::lane_rest`]).
+    pub fn with_fabric_lane_rest(mut self, rest: Duration) -> Self {
+        self.fabric.lane_rest = rest;
         self
     }
 

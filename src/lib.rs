@@ -98,8 +98,8 @@ pub use agent::{
 };
 pub use auth::{Credential, CredentialError};
 pub use config::{
-    AgentConfig, DEFAULT_RDMA_MAX_INFLIGHT, FabricConfig, GpuConfig, Limits, RdmaConfig,
-    RdmaProgress, SecurityConfig, ShmConfig, TcpConfig,
+    AgentConfig, DEFAULT_FABRIC_LANE_REST, DEFAULT_RDMA_MAX_INFLIGHT, FabricConfig, GpuConfig,
+    Limits, RdmaConfig, RdmaProgress, SecurityConfig, ShmConfig, TcpConfig,
 };
 pub use desc::{AgentDesc, DescError, ExportedRegion, RegionKey, TransportOffer};
 pub use engine::make_transfer_agent;

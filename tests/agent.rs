@@ -1875,6 +1875,35 @@ fn requests_spread_over_every_fabric_rail() {
     );
 }
 
+/// The domain of the libfabric agents of the suite's settings.
+fn fabric_domain() -> String {
+    let one = local_agent("one-rail", |c| c);
+    rail_bytes(one.as_ref())[0].0.clone()
+}
+
+/// Loads `peer` (an agent of two rails) into `agent` with its regions'
+/// keys on its second rail wrong, so that its provider refuses every
+/// operation there; the peer's name.
+fn load_with_second_rail_bent(agent: &dyn kvxfer::TransferAgent, peer: &PeerProc) -> String {
+    let mut desc = agent.fetch_remote_agent_desc(&peer.conn).unwrap();
+    let (fabric, _) = desc
+        .offer("fabric")
+        .expect("the peer offers no libfabric endpoint");
+    let mut bent = 0;
+    for region in &mut desc.regions {
+        for k in region.keys.iter_mut().filter(|k| k.transport == fabric) {
+            assert_eq!(k.key.len(), 16, "one key per rail of two");
+            for b in &mut k.key[8..] {
+                *b ^= 0xa5;
+            }
+            bent += 1;
+        }
+    }
+    assert!(bent > 0, "no region of the peer has a libfabric key");
+    agent.load_remote_agent(&desc).unwrap();
+    desc.name
+}
+
 /// A rail that fails on a link of several lanes costs its operations a
 /// second post on another lane, not their requests: the peer's second
 /// rail is given a wrong key in the descriptor this agent loads (so its
@@ -1891,32 +1920,12 @@ fn a_failed_fabric_rail_moves_its_operations_to_the_others() {
         );
         return;
     }
-    let domain = {
-        let one = local_agent("one-rail", |c| c);
-        rail_bytes(one.as_ref())[0].0.clone()
-    };
+    let domain = fabric_domain();
     let two = format!("{domain},{domain}");
     let size: u64 = 8 << 20;
     let mut peer = PeerProc::spawn("target", size, 11, &[("KVXFER_FABRIC_DOMAIN", &two)]);
     let agent = local_agent("init", |c| c.with_fabric_domain(two.clone()));
-    let mut desc = agent.fetch_remote_agent_desc(&peer.conn).unwrap();
-    let (fabric, _) = desc
-        .offer("fabric")
-        .expect("the peer offers no libfabric endpoint");
-    let mut bent = 0;
-    for region in &mut desc.regions {
-        for k in region.keys.iter_mut().filter(|k| k.transport == fabric) {
-            assert_eq!(k.key.len(), 16, "one key per rail of two");
-            // The second rail's key, wrong.
-            for b in &mut k.key[8..] {
-                *b ^= 0xa5;
-            }
-            bent += 1;
-        }
-    }
-    assert!(bent > 0, "no region of the peer has a libfabric key");
-    agent.load_remote_agent(&desc).unwrap();
-    let name = desc.name.clone();
+    let name = load_with_second_rail_bent(agent.as_ref(), &peer);
 
     let mut src = vec![0u8; size as usize];
     fill(&mut src, 22, 0);
@@ -1990,4 +1999,40 @@ fn a_failed_fabric_rail_moves_its_operations_to_the_others() {
         [&1, &1],
         "{failed:?}"
     );
+}
+
+/// A failed lane rests out of service for the configured time, then is
+/// tried again: with a rest of 1 ms, a request after it spreads over both
+/// lanes again, and the failing one is taken out a second time (each
+/// request still lands whole).
+#[test]
+fn a_rested_fabric_lane_is_tried_again() {
+    if backend() != Backend::Fabric {
+        println!(
+            "SKIPPED: rails are the libfabric transport's (backend {:?})",
+            backend()
+        );
+        return;
+    }
+    let domain = fabric_domain();
+    let two = format!("{domain},{domain}");
+    let size: u64 = 8 << 20;
+    let mut peer = PeerProc::spawn("target", size, 11, &[("KVXFER_FABRIC_DOMAIN", &two)]);
+    let agent = local_agent("init", |c| {
+        c.with_fabric_domain(two.clone())
+            .with_fabric_lane_rest(Duration::from_millis(1))
+    });
+    let name = load_with_second_rail_bent(agent.as_ref(), &peer);
+    let mut src = vec![0u8; size as usize];
+    register(agent.as_ref(), &src);
+    for round in 1..=2u8 {
+        fill(&mut src, u64::from(round), 0);
+        // One descriptor: a piece on each lane in service.
+        write_whole(agent.as_ref(), &src, &peer, &name);
+        assert_eq!(peer.cmd(&format!("check {round} 0 {size}")), "OK");
+        let failed = rail_counter(agent.as_ref(), "kvxfer_fabric_lane_failovers_total");
+        assert_eq!(failed[1].1, u64::from(round), "round {round}: {failed:?}");
+        // Longer than the rest.
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

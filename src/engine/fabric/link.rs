@@ -78,12 +78,15 @@ pub(in crate::engine) struct FabricParts {
     pub(super) turn: AtomicUsize,
     /// Lanes (by bit) taken out of service: an operation on each failed,
     /// and was moved to another lane (see [`failover`]). New operations
-    /// avoid them, unless every lane is down, until
-    /// [`LANE_REST`](super::stripe::LANE_REST) after the last lane went
-    /// down.
+    /// avoid them, unless every lane is down, until `lane_rest` after the
+    /// last lane went down.
     pub(super) down: AtomicU32,
     /// When the last lane went out of service.
     pub(super) down_since: Mutex<Instant>,
+    /// How long lanes stay out of service ([`FabricConfig::lane_rest`]).
+    ///
+    /// [`FabricConfig::lane_rest`]: crate::FabricConfig::lane_rest
+    pub(super) lane_rest: Duration,
     /// When one of its operations last completed, or the first of those in
     /// flight began (what the watch over stalled links reads).
     last_progress: Mutex<Instant>,
@@ -263,6 +266,7 @@ impl FabricLink {
             turn: AtomicUsize::new(0),
             down: AtomicU32::new(0),
             down_since: Mutex::new(Instant::now()),
+            lane_rest: cfg.fabric.lane_rest,
             last_progress: Mutex::new(Instant::now()),
             max_msg: fabric.max_msg,
             virt: fabric.offer.mr_mode & u64::from(ffi::FI_MR_VIRT_ADDR) != 0,
@@ -1041,8 +1045,8 @@ unsafe fn complete(ctx: *mut c_void, result: Result<(), FabricError>) -> (usize,
 /// The failed operation's count in the group carries over to the one
 /// posted in its place, whose memory is moved again whole (a WRITE that
 /// failed part-way is written again, a READ read again) before the
-/// request's commit. The lane is back in service after
-/// [`LANE_REST`](super::stripe::LANE_REST).
+/// request's commit. The lane is back in service after the link's
+/// `lane_rest`.
 fn failover(group: &Arc<Group>, mut op: Op, cause: &Error) -> bool {
     let link = &group.link;
     let parts = &link.parts;

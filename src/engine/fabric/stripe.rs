@@ -7,7 +7,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use super::link::{FabricLink, Lane};
 use crate::engine::lock;
@@ -203,13 +202,10 @@ fn lightest(load: &[u64], start: usize) -> usize {
         .unwrap_or(0)
 }
 
-/// How long lanes taken out of service stay out (from the last one's
-/// failure): then every lane is tried again, and one still failing costs
-/// its operations a second post once more.
-pub(super) const LANE_REST: Duration = Duration::from_secs(10);
-
 /// The lanes of `link` out of service (by bit); puts them back when they
-/// have rested [`LANE_REST`].
+/// have rested the link's `lane_rest` (from the last one's failure): then
+/// every lane is tried again, and one still failing costs its operations
+/// a second post once more.
 pub(super) fn in_service(link: &FabricLink) -> u32 {
     let parts = &link.parts;
     if parts.down.load(Ordering::Acquire) == 0 {
@@ -217,7 +213,7 @@ pub(super) fn in_service(link: &FabricLink) -> u32 {
     }
     // Under the lock that `failover` takes them out under.
     let since = lock(&parts.down_since);
-    if since.elapsed() < LANE_REST {
+    if since.elapsed() < parts.lane_rest {
         return parts.down.load(Ordering::Acquire);
     }
     let down = parts.down.swap(0, Ordering::AcqRel);

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvxfer::{
-    AgentConfig, AgentDesc, Backend, DescError, Error, Landed, MemoryDescs, RejectReason,
-    TransferRequest, TransferState,
+    AgentConfig, AgentDesc, Backend, DEFAULT_FABRIC_LANE_REST, DescError, Error, Landed,
+    MemoryDescs, RejectReason, TransferRequest, TransferState,
 };
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -1841,26 +1841,7 @@ fn requests_spread_over_every_fabric_rail() {
             .is_some_and(|d| d.ends_with(&format!("/{domain}+{domain}"))),
         "{path:?}"
     );
-    assert_eq!(peer.cmd("fill 33"), "OK");
-    let dst = vec![0u8; size as usize];
-    register(agent.as_ref(), &dst);
-    let pieces = 256;
-    let piece = size / pieces;
-    let descs = |base: u64| {
-        (0..pieces)
-            .map(|i| kvxfer::MemoryDesc::new(base + i * piece, piece, 0))
-            .collect::<Vec<_>>()
-    };
-    agent
-        .submit_transfer(&TransferRequest::read(
-            MemoryDescs::new(kvxfer::MemoryType::Dram, descs(dst.as_ptr() as u64)),
-            MemoryDescs::new(kvxfer::MemoryType::Dram, descs(peer.addr)),
-            &name,
-        ))
-        .unwrap()
-        .wait_success(WAIT)
-        .unwrap();
-    assert_eq!(first_mismatch(&dst, 33, 0), None);
+    let _dst = read_in_pieces(agent.as_ref(), &mut peer, &name, 256);
     let rails = rail_bytes(agent.as_ref());
     assert_eq!(rails.len(), 2, "{rails:?}");
     assert!(
@@ -1875,10 +1856,65 @@ fn requests_spread_over_every_fabric_rail() {
     );
 }
 
+/// Fills `peer`'s range (seed 33) and reads it whole in `pieces` equal
+/// descriptors, checking every byte; the buffer read into, registered with
+/// `agent` (kept by the caller while the agent lives).
+fn read_in_pieces(
+    agent: &dyn kvxfer::TransferAgent,
+    peer: &mut PeerProc,
+    name: &str,
+    pieces: u64,
+) -> Vec<u8> {
+    assert_eq!(peer.cmd("fill 33"), "OK");
+    let size = peer.len;
+    let dst = vec![0u8; size as usize];
+    register(agent, &dst);
+    let piece = size / pieces;
+    let descs = |base: u64| {
+        (0..pieces)
+            .map(|i| kvxfer::MemoryDesc::new(base + i * piece, piece, 0))
+            .collect::<Vec<_>>()
+    };
+    agent
+        .submit_transfer(&TransferRequest::read(
+            MemoryDescs::new(kvxfer::MemoryType::Dram, descs(dst.as_ptr() as u64)),
+            MemoryDescs::new(kvxfer::MemoryType::Dram, descs(peer.addr)),
+            name,
+        ))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(first_mismatch(&dst, 33, 0), None);
+    dst
+}
+
 /// The domain of the libfabric agents of the suite's settings.
 fn fabric_domain() -> String {
     let one = local_agent("one-rail", |c| c);
     rail_bytes(one.as_ref())[0].0.clone()
+}
+
+/// For the failover tests: a peer of two rails (an 8 MiB buffer) and an
+/// agent of two rails, lanes resting `rest`, that loaded the peer with the
+/// keys of its second rail wrong, and the peer's name; `None` (SKIPPED
+/// printed) off the libfabric transport.
+fn bent_pair(rest: Duration) -> Option<(PeerProc, Box<dyn kvxfer::TransferAgent>, String)> {
+    if backend() != Backend::Fabric {
+        println!(
+            "SKIPPED: rails are the libfabric transport's (backend {:?})",
+            backend()
+        );
+        return None;
+    }
+    let domain = fabric_domain();
+    let two = format!("{domain},{domain}");
+    let peer = PeerProc::spawn("target", 8 << 20, 11, &[("KVXFER_FABRIC_DOMAIN", &two)]);
+    let agent = local_agent("init", |c| {
+        c.with_fabric_domain(two.clone())
+            .with_fabric_lane_rest(rest)
+    });
+    let name = load_with_second_rail_bent(agent.as_ref(), &peer);
+    Some((peer, agent, name))
 }
 
 /// Loads `peer` (an agent of two rails) into `agent` with its regions'
@@ -1913,19 +1949,10 @@ fn load_with_second_rail_bent(agent: &dyn kvxfer::TransferAgent, peer: &PeerProc
 /// off it; a request refused on every lane fails, typed.
 #[test]
 fn a_failed_fabric_rail_moves_its_operations_to_the_others() {
-    if backend() != Backend::Fabric {
-        println!(
-            "SKIPPED: rails are the libfabric transport's (backend {:?})",
-            backend()
-        );
+    let Some((mut peer, agent, name)) = bent_pair(DEFAULT_FABRIC_LANE_REST) else {
         return;
-    }
-    let domain = fabric_domain();
-    let two = format!("{domain},{domain}");
-    let size: u64 = 8 << 20;
-    let mut peer = PeerProc::spawn("target", size, 11, &[("KVXFER_FABRIC_DOMAIN", &two)]);
-    let agent = local_agent("init", |c| c.with_fabric_domain(two.clone()));
-    let name = load_with_second_rail_bent(agent.as_ref(), &peer);
+    };
+    let size = peer.len;
 
     let mut src = vec![0u8; size as usize];
     fill(&mut src, 22, 0);
@@ -1942,26 +1969,7 @@ fn a_failed_fabric_rail_moves_its_operations_to_the_others() {
     let before = rail_bytes(agent.as_ref());
 
     // Out of service: later requests keep off it.
-    assert_eq!(peer.cmd("fill 33"), "OK");
-    let dst = vec![0u8; size as usize];
-    register(agent.as_ref(), &dst);
-    let pieces = 64;
-    let piece = size / pieces;
-    let descs = |base: u64| {
-        (0..pieces)
-            .map(|i| kvxfer::MemoryDesc::new(base + i * piece, piece, 0))
-            .collect::<Vec<_>>()
-    };
-    agent
-        .submit_transfer(&TransferRequest::read(
-            MemoryDescs::new(kvxfer::MemoryType::Dram, descs(dst.as_ptr() as u64)),
-            MemoryDescs::new(kvxfer::MemoryType::Dram, descs(peer.addr)),
-            &name,
-        ))
-        .unwrap()
-        .wait_success(WAIT)
-        .unwrap();
-    assert_eq!(first_mismatch(&dst, 33, 0), None);
+    let _dst = read_in_pieces(agent.as_ref(), &mut peer, &name, 64);
     let after = rail_bytes(agent.as_ref());
     assert_eq!(
         after[1], before[1],
@@ -2007,22 +2015,10 @@ fn a_failed_fabric_rail_moves_its_operations_to_the_others() {
 /// request still lands whole).
 #[test]
 fn a_rested_fabric_lane_is_tried_again() {
-    if backend() != Backend::Fabric {
-        println!(
-            "SKIPPED: rails are the libfabric transport's (backend {:?})",
-            backend()
-        );
+    let Some((mut peer, agent, name)) = bent_pair(Duration::from_millis(1)) else {
         return;
-    }
-    let domain = fabric_domain();
-    let two = format!("{domain},{domain}");
-    let size: u64 = 8 << 20;
-    let mut peer = PeerProc::spawn("target", size, 11, &[("KVXFER_FABRIC_DOMAIN", &two)]);
-    let agent = local_agent("init", |c| {
-        c.with_fabric_domain(two.clone())
-            .with_fabric_lane_rest(Duration::from_millis(1))
-    });
-    let name = load_with_second_rail_bent(agent.as_ref(), &peer);
+    };
+    let size = peer.len;
     let mut src = vec![0u8; size as usize];
     register(agent.as_ref(), &src);
     for round in 1..=2u8 {

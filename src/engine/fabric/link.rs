@@ -574,8 +574,10 @@ pub(super) fn abandon_all(shared: &Shared, cause: &Error) {
 }
 
 /// System error numbers with which providers complete operations on a
-/// connection that is gone.
-const LOST: [i32; 7] = [
+/// connection that is gone (`ECANCELED`: `verbs` flushes the operations of
+/// a queue pair in error, as when its peer's process died).
+const LOST: [i32; 8] = [
+    libc::ECANCELED,
     libc::ECONNRESET,
     libc::ECONNABORTED,
     libc::ENOTCONN,
@@ -585,19 +587,21 @@ const LOST: [i32; 7] = [
     libc::EHOSTUNREACH,
 ];
 
-/// `ConnectionLost` if the peer closes the link's control stream (its
-/// process ended) within [`LOST_WAIT`]: asked when an operation completes
-/// with a lost connection (`ofi_rxm` over `tcp` cancels with `ENOTCONN`
-/// when the peer dies, and also when the peer refuses a key), so that a
-/// dead peer's requests fail as on the other transports, whichever of its
-/// sockets the kernel closed first.
-fn stream_lost(link: &FabricLink) -> Option<Error> {
+/// `ConnectionLost` if the peer has closed the link's control stream (its
+/// process ended), or closes it within `wait`: asked when an operation
+/// of a request fails first, so that a dead peer's requests fail as on
+/// the other transports, whichever of its sockets the kernel closed first
+/// and whatever the provider made of it; waiting [`LOST_WAIT`] when the
+/// operation completed with a lost connection (`ofi_rxm` over `tcp`
+/// cancels with `ENOTCONN` when the peer dies, and also when the peer
+/// refuses a key), not at all otherwise.
+fn stream_lost(link: &FabricLink, wait: Duration) -> Option<Error> {
     let mut pfd = libc::pollfd {
         fd: link.streams[0].sock.as_raw_fd(),
         events: libc::POLLRDHUP,
         revents: 0,
     };
-    let wait = i32::try_from(LOST_WAIT.as_millis()).unwrap_or(i32::MAX);
+    let wait = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
     // SAFETY: one pollfd, on the link's socket, open while the link lives.
     let n = unsafe { libc::poll(&mut pfd, 1, wait) };
     let gone = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
@@ -1013,10 +1017,10 @@ unsafe fn complete(ctx: *mut c_void, result: Result<(), FabricError>) -> (usize,
         let lost = matches!(&e, FabricError::Completion { code, prov, .. }
             if LOST.contains(code) || LOST.contains(prov));
         let first = !group.failed.load(Ordering::Acquire);
-        if lost
-            && first
+        let wait = if lost { LOST_WAIT } else { Duration::ZERO };
+        if first
             && !link.broken.load(Ordering::Acquire)
-            && let Some(gone) = stream_lost(link)
+            && let Some(gone) = stream_lost(link, wait)
         {
             return gone;
         }

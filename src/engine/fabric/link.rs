@@ -705,14 +705,16 @@ fn launch(link: &Arc<FabricLink>, group: &Arc<Group>, ops: Vec<Op>) {
         let wait = queued & bit != 0
             || lock(&shared.backlog).holds(link, op.lane)
             || take(link, op.lane, op.len).is_err();
-        if !wait {
-            match post(link, group, &op) {
-                Ok(true) => {
+        let op = if wait {
+            op
+        } else {
+            match post(link, group, op) {
+                Post::Done => {
                     posted |= bit;
                     continue;
                 }
-                Ok(false) => {}
-                Err(e) => {
+                Post::Full(op) => op,
+                Post::Failed(op, e) => {
                     let e = fabric_err(&link.remote, e);
                     if !failover(group, op, &e) {
                         group.done(Err(e));
@@ -720,7 +722,7 @@ fn launch(link: &Arc<FabricLink>, group: &Arc<Group>, ops: Vec<Op>) {
                     continue;
                 }
             }
-        }
+        };
         lock(&shared.backlog).push(
             link,
             Queued {
@@ -760,20 +762,25 @@ pub(super) struct Queued {
     op: Op,
 }
 
-/// Posts `op` of `group` on the link's endpoint: `Ok(false)` when the
-/// provider has no room for it now (`-FI_EAGAIN`).
-fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricError> {
+/// What became of an operation handed to [`post`].
+enum Post {
+    /// Posted: the provider holds it until its completion.
+    Done,
+    /// Given back: the provider has no room for it now (`-FI_EAGAIN`).
+    Full(Op),
+    /// Given back: refused.
+    Failed(Op, FabricError),
+}
+
+/// Posts `op` of `group` on the link's endpoint (its context then owns
+/// it), or gives it back.
+fn post(link: &FabricLink, group: &Arc<Group>, op: Op) -> Post {
     let lane = &link.parts.lanes[op.lane];
     // Before the call: its completion may come before it returns.
     if !group.hold(op.lane, op.len) {
         give(link, op.lane, 1, op.len);
-        return Err(FabricError::Closed);
+        return Post::Failed(op, FabricError::Closed);
     }
-    let ctx = Box::into_raw(Box::new(OpCtx {
-        provider: [ptr::null_mut(); 8],
-        group: Arc::clone(group),
-        op: op.clone(),
-    }));
     let iov = ffi::iovec {
         iov_base: op.local as *mut c_void,
         iov_len: op.len as usize,
@@ -784,6 +791,12 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
         len: op.len as usize,
         key: op.key,
     };
+    let (at, len) = (op.lane, op.len);
+    let ctx = Box::into_raw(Box::new(OpCtx {
+        provider: [ptr::null_mut(); 8],
+        group: Arc::clone(group),
+        op,
+    }));
     let msg = ffi::fi_msg_rma {
         msg_iov: &iov,
         desc: &mut desc,
@@ -815,17 +828,20 @@ fn post(link: &FabricLink, group: &Arc<Group>, op: &Op) -> Result<bool, FabricEr
         TransferOp::Read => "fi_readmsg",
     };
     if rc == 0 {
-        return Ok(true);
+        return Post::Done;
     }
     // SAFETY: not posted: the context is still this function's.
-    drop(unsafe { Box::from_raw(ctx) });
-    if group.release(op.lane, op.len) {
-        give(link, op.lane, 1, op.len);
+    let OpCtx { op, .. } = *unsafe { Box::from_raw(ctx) };
+    if group.release(at, len) {
+        give(link, at, 1, len);
     }
     if rc == -(ffi::FI_EAGAIN as isize) {
-        return Ok(false);
+        return Post::Full(op);
     }
-    check(call, rc as i64).map(|_| false)
+    match check(call, rc as i64) {
+        Ok(_) => Post::Full(op),
+        Err(e) => Post::Failed(op, e),
+    }
 }
 
 /// Takes the credits of an operation of `len` bytes on `lane` of `link`:
@@ -959,13 +975,14 @@ fn drain_one(q: Queued) -> (Turn, Option<Queued>) {
     if let Err(full) = take(&g.link, q.op.lane, q.op.len) {
         return (full, Some(q));
     }
-    match post(&g.link, g, &q.op) {
-        Ok(true) => (Turn::Moved, None),
-        Ok(false) => (Turn::Stop, Some(q)),
-        Err(e) => {
-            let e = fabric_err(&g.link.remote, e);
-            if !failover(g, q.op, &e) {
-                g.done(Err(e));
+    let Queued { group, op } = q;
+    match post(&group.link, &group, op) {
+        Post::Done => (Turn::Moved, None),
+        Post::Full(op) => (Turn::Stop, Some(Queued { group, op })),
+        Post::Failed(op, e) => {
+            let e = fabric_err(&group.link.remote, e);
+            if !failover(&group, op, &e) {
+                group.done(Err(e));
             }
             (Turn::Moved, None)
         }
@@ -1042,9 +1059,8 @@ unsafe fn complete(ctx: *mut c_void, result: Result<(), FabricError>) -> (usize,
 /// operations a second post rather than their requests. Whether it did:
 /// not when the link has one lane, the operation is its probe, or its
 /// request is over (failed, aborted, abandoned, its link broken: the
-/// peer gone);
-/// nor once it has failed on every lane, which puts those lanes back in
-/// service (the fault was the request's).
+/// peer gone); nor once it has failed on every lane, which puts those
+/// lanes back in service (the fault was the request's).
 ///
 /// The failed operation's count in the group carries over to the one
 /// posted in its place, whose memory is moved again whole (a WRITE that

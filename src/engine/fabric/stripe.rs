@@ -17,7 +17,6 @@ use crate::small::Few;
 
 /// One operation: the lane it takes, where it reads or writes here, and
 /// there.
-#[derive(Clone)]
 pub(super) struct Op {
     pub(super) lane: usize,
     pub(super) local: u64,

@@ -250,7 +250,7 @@ fn c_name(what: &'static str, v: Option<&str>) -> Result<Option<CString>, Fabric
 /// peers cannot wake a process), or one that does not say what it is,
 /// would keep a core busy for as long as the agent lives; the queue is
 /// then opened without one, and the progress thread polls it while there
-/// is something to poll for and parks otherwise (see `link::progress`).
+/// is something to poll for and parks otherwise (see `progress::progress`).
 ///
 /// # Safety
 /// `domain` is an open domain.

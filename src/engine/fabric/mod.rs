@@ -37,6 +37,7 @@
 
 mod endpoint;
 mod link;
+mod progress;
 mod region;
 mod stripe;
 
@@ -618,7 +619,7 @@ impl Fabric {
                 let (shared, stop) = (Arc::clone(shared), Arc::clone(&stop));
                 std::thread::Builder::new()
                     .name(format!("kvxfer-fabric-{}", config.name))
-                    .spawn(move || link::progress(&shared, &stop))
+                    .spawn(move || progress::progress(&shared, &stop))
             };
             match spawned {
                 Ok(t) => threads.push(t),
@@ -770,10 +771,10 @@ impl Fabric {
         tracing::warn!(operations = held, provider = %self.offer.provider, "libfabric operations still in flight at the agent's close; their requests fail");
         // Queued operations (their links broken) are dropped; completions
         // the close flushed are read; the rest are abandoned.
-        let mut buf = [ffi::fi_cq_entry::default(); link::BATCH];
+        let mut buf = [ffi::fi_cq_entry::default(); progress::BATCH];
         for shared in rails {
             link::drain(shared);
-            while link::reap(shared, &mut buf, false) > 0 {}
+            while progress::reap(shared, &mut buf, false) > 0 {}
         }
         for shared in rails {
             link::abandon_all(shared, &Error::Closed);

@@ -2,9 +2,11 @@
 # The libfabric transport (backend `fabric`) against libfabric's own tools on
 # the same provider and endpoint type, in one run, rounds alternating:
 #   latency   fi_pingpong (libfabric-bin; 8-byte messages on an RDM endpoint,
-#             half the round trip) against `kvxfer-bench --backend fabric
-#             --pingpong` (8-byte WRITEs bounced between two agents, half the
-#             round trip);
+#             half the round trip) and benches/fi_rma_loop.c -L -D (8-byte
+#             fi_writes bounced the same way, completing on delivery as
+#             kvxfer's do; one polling thread a side, no agent) against
+#             `kvxfer-bench --backend fabric --pingpong` (8-byte WRITEs
+#             bounced between two agents, half the round trip);
 #   bandwidth benches/fi_rma_loop.c (fi_write / fi_read of 1 MiB, 16 in
 #             flight, no agent, cycling through 32 blocks: the 32 MiB that
 #             kvxfer's requests cover; WRITEs both as the provider completes
@@ -30,6 +32,12 @@ if [ "${KVXFER_RDMA_GUEST:-}" != 1 ]; then
   fi
 fi
 prov=${PROV:-tcp;ofi_rxm}
+# The ping-pong's thread waiting for the answer yields its CPU every 1024
+# polls on the host, where a provider moving the target's data in the
+# target process (tcp, shm) needs the cores it would spin on; 2^16 in the
+# guest, where a yield under TCG costs more than the round trip.
+if [ "${KVXFER_RDMA_GUEST:-}" = 1 ]; then spin=65536; else spin=1024; fi
+spin=${SPIN_YIELD:-$spin}
 rounds=${ROUNDS:-3}
 bench=target/release/kvxfer-bench
 loop=target/fabric-bench/fi_rma_loop
@@ -46,7 +54,14 @@ for r in $(seq "$rounds"); do
   us=$(fi_pingpong -p "$prov" -e rdm -S 8 -I 5000 -P "$port" 127.0.0.1 | awk '$1 == 8 {print $7}')
   wait "$srv" || true
   echo "{\"round\":$r,\"what\":\"fi_pingpong\",\"us\":$us}" | tee -a "$out"
-  KVXFER_FABRIC_PROVIDER="$prov" "$bench" --backend fabric --pingpong --iters 5000 --json |
+  port=$((port + 1))
+  "$loop" -s "$port" -p "$prov" -L -D -n 5000 >/dev/null 2>&1 &
+  srv=$!
+  listening "$port" || sleep 1
+  "$loop" -c 127.0.0.1 "$port" -p "$prov" -L -D -n 5000 |
+    sed "s/^{/{\"round\":$r,\"what\":\"fi_rma_loop\",/" | tee -a "$out"
+  wait "$srv" || true
+  KVXFER_FABRIC_PROVIDER="$prov" "$bench" --backend fabric --pingpong --iters 5000 --spin-yield "$spin" --json |
     sed "s/^{/{\"round\":$r,\"what\":\"kvxfer_fabric_pingpong\",/" | tee -a "$out"
   for op in write write_dc read; do
     case $op in write) flag= ;; write_dc) flag=-D ;; read) flag=-r ;; esac
@@ -71,12 +86,14 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 def med(what, key, op=None):
     v = [r[key] for r in rows if r["what"] == what and (op is None or r.get("op") == op)]
     return statistics.median(v)
-lat_fi, lat_kv = med("fi_pingpong", "us"), med("kvxfer_fabric_pingpong", "p50_us")
-print(f"8-byte latency (half round trip): fi_pingpong {lat_fi:.2f} us, kvxfer fabric {lat_kv:.2f} us, ratio {lat_kv / lat_fi:.3f}")
-def loop(op, dc):
-    v = [r["gb_per_s"] for r in rows
+def loop(op, dc, key="gb_per_s"):
+    v = [r[key] for r in rows
          if r["what"] == "fi_rma_loop" and r["op"] == op and r.get("delivery_complete", 0) == dc]
     return statistics.median(v)
+lat_fi, lat_kv = med("fi_pingpong", "us"), med("kvxfer_fabric_pingpong", "p50_us")
+lat_wr = loop("pingpong", 1, "us")
+print(f"8-byte latency (half round trip): fi_pingpong {lat_fi:.2f} us, fi_write on delivery {lat_wr:.2f} us, "
+      f"kvxfer fabric {lat_kv:.2f} us, ratio {lat_kv / lat_fi:.3f} ({lat_kv / lat_wr:.3f} to fi_write)")
 for op in ("write", "read"):
     fi, fab, tcp = loop(op, 0), med("kvxfer_fabric", "gb_per_s", op), med("kvxfer_tcp", "gb_per_s", op)
     line = f"1 MiB {op}: fi_rma_loop {fi:.3f} GB/s, kvxfer fabric {fab:.3f} GB/s ({fab / fi:.3f}x)"

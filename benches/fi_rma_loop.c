@@ -1,11 +1,17 @@
 // Minimal fi_write/fi_read loop on an FI_EP_RDM endpoint (reference for kvxfer's libfabric transport).
 // server: fi_rma_loop -s PORT [-p PROV] [-b BLOCKS]
 // client: fi_rma_loop -c HOST PORT [-p PROV] [-z SIZE] [-n ITERS] [-r] [-d DEPTH] [-b BLOCKS] [-D]
+// ping-pong: fi_rma_loop -L -n ITERS [-D] with -s or -c as above, on both sides.
 // Operation i moves block i % BLOCKS of SIZE bytes (same offset on both sides;
 // the buffer is BLOCKS * SIZE bytes, so the memory touched is that of a
 // workload rather than one cache-resident block). -D: writes complete on
 // delivery (FI_DELIVERY_COMPLETE, as kvxfer's do: a completed WRITE has
 // landed in the target's memory), else on transmit (the provider's default).
+// -L: 8-byte WRITEs bounced between the two sides, as `kvxfer-bench
+// --pingpong` bounces them: each side writes the next value into the other's
+// buffer, waits for its WRITE's completion, then polls its queue (its
+// provider's progress) until the other's value lands in its own buffer. One
+// thread a side, as fi_pingpong. Prints half the median round trip.
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
@@ -26,11 +32,12 @@
 #define CK(x) do { int _r = (x); if (_r) { fprintf(stderr, "%s: %d %s\n", #x, _r, fi_strerror(-_r)); exit(1);} } while (0)
 struct xchg { char name[64]; size_t namelen; uint64_t addr, key; };
 static double now(void){ struct timespec t; clock_gettime(CLOCK_MONOTONIC,&t); return t.tv_sec+t.tv_nsec*1e-9; }
+static int by_value(const void *a, const void *b){ double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
 static void full(int fd, void *b, size_t n, int wr){ char *p=b; while(n){ ssize_t k = wr? write(fd,p,n):read(fd,p,n); if(k<=0){perror("oob");exit(1);} p+=k; n-=k; } }
 
 int main(int argc, char **argv){
   int server = 0; const char *host = NULL; int port = 0; const char *prov = "tcp;ofi_rxm";
-  size_t size = 1<<20; long iters = 1000; int rd = 0; int depth = 16; size_t blocks = 1; int dc = 0;
+  size_t size = 1<<20; long iters = 1000; int rd = 0; int depth = 16; size_t blocks = 1; int dc = 0; int lat = 0;
   for (int i=1;i<argc;i++){
     if(!strcmp(argv[i],"-s")){server=1; port=atoi(argv[++i]);}
     else if(!strcmp(argv[i],"-c")){host=argv[++i]; port=atoi(argv[++i]);}
@@ -41,7 +48,9 @@ int main(int argc, char **argv){
     else if(!strcmp(argv[i],"-r")) rd=1;
     else if(!strcmp(argv[i],"-b")) blocks=strtoull(argv[++i],0,0);
     else if(!strcmp(argv[i],"-D")) dc=1;
+    else if(!strcmp(argv[i],"-L")) lat=1;
   }
+  if (lat) { size = 16; blocks = 1; }
   struct fi_info *hints = fi_allocinfo(), *info;
   hints->ep_attr->type = FI_EP_RDM;
   hints->caps = FI_RMA | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
@@ -87,6 +96,34 @@ int main(int argc, char **argv){
   full(fd, &me, sizeof me, 1); full(fd, &peer, sizeof peer, 0);
   fi_addr_t pa; if (fi_av_insert(av, peer.name, 1, &pa, 0, NULL) != 1) { fprintf(stderr, "av_insert\n"); return 1; }
   struct fi_cq_entry ce[16];
+  if (lat) {
+    // The word at offset 0 receives, the one at 8 is sent from.
+    volatile uint64_t *in = (volatile uint64_t *)buf;
+    uint64_t *out = (uint64_t *)(buf + 8);
+    *in = 0;
+    char c = 0; full(fd, &c, 1, 1); full(fd, &c, 1, 0); // both sides registered and zeroed
+    long warm = iters / 10, n = iters + warm; double *rt = malloc(sizeof(double) * n), t = 0;
+    for (long i = 0; i < n; i++) {
+      uint64_t want = 2 * (uint64_t)i + (server ? 1 : 2);
+      if (server) while (*in != want) (void)fi_cq_read(cq, ce, 16);
+      if (!server) t = now();
+      *out = server ? want + 1 : want - 1;
+      ssize_t r;
+      while ((r = fi_write(ep, out, 8, desc, pa, peer.addr, peer.key, NULL)) == -FI_EAGAIN) (void)fi_cq_read(cq, ce, 0);
+      if (r) { fprintf(stderr, "post %zd %s\n", r, fi_strerror(-r)); return 1; }
+      for (;;) {
+        ssize_t k = fi_cq_read(cq, ce, 1);
+        if (k == 1) break;
+        if (k != -FI_EAGAIN) { struct fi_cq_err_entry e = {0}; fi_cq_readerr(cq, &e, 0); fprintf(stderr, "cq %zd %s\n", k, fi_strerror(e.err)); return 1; }
+      }
+      if (!server) { while (*in != want) (void)fi_cq_read(cq, ce, 16); rt[i] = now() - t; }
+    }
+    full(fd, &c, 1, 1); full(fd, &c, 1, 0);
+    if (server) return 0;
+    qsort(rt + warm, iters, sizeof(double), by_value);
+    printf("{\"prov\":\"%s\",\"op\":\"pingpong\",\"delivery_complete\":%d,\"iters\":%ld,\"us\":%.3f}\n", info->fabric_attr->prov_name, dc, iters, rt[warm + iters / 2] / 2 * 1e6);
+    return 0;
+  }
   if (server) {
     // Manual data progress: the target polls its queue until the client says done.
     fcntl(fd, F_SETFL, O_NONBLOCK); char c;

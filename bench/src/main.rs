@@ -155,6 +155,14 @@ struct Args {
     /// clock once, on the initiating side.
     #[arg(long)]
     phases: bool,
+    /// Ping-pongs: how many polls of its memory the thread waiting for the
+    /// other side's WRITE makes between yields of its CPU (and clock reads
+    /// for the timeout). Few (1024) where the transport's own threads need
+    /// the CPU that thread spins on (a provider moving the target's data
+    /// in the target process, `tcp` or `shm`, on a 2-core host); many
+    /// under TCG, where a yield costs more than a round trip.
+    #[arg(long, default_value_t = 1 << 16, value_parser = clap::value_parser!(u32).range(1..))]
+    spin_yield: u32,
     /// `--pingpong`: seconds to measure the two idle agents' CPU use for
     /// after the round trips (`idle_cpu_pct`); 0 skips it.
     #[arg(long, default_value_t = 1.0)]
@@ -930,6 +938,7 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
+    pingpong::set_spin_yield(args.spin_yield);
     if let Some(kind) = &args.pong_child {
         return pingpong::run_pong_child(&args, kind);
     }

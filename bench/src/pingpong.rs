@@ -4,6 +4,7 @@
 //! process or a child (`--two-process`).
 
 use super::*;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Timestamps for the ping-pong's per-iteration timing, as perftest takes
 /// them (`get_cycles`): the time-stamp counter on x86-64, converted to time
@@ -61,21 +62,31 @@ impl Ticks {
     }
 }
 
+/// Polls of its memory between yields in [`spin_until`] (`--spin-yield`).
+static SPIN_YIELD: AtomicU32 = AtomicU32::new(1 << 16);
+
+/// Sets the polls between yields in [`spin_until`].
+pub(super) fn set_spin_yield(n: u32) {
+    SPIN_YIELD.store(n.max(1), Ordering::Relaxed);
+}
+
 /// Spins until the first word of `buf` equals `want`, as `ib_write_lat`
 /// spins on its buffer: a load and a compare, no `pause` (under TCG each
 /// `pause` leaves the translated code for the emulator's loop: 0.2-0.3 µs
 /// a spin in the soft-RoCE guest, against a few nanoseconds for the load).
-/// Every 2^16 spins (about 0.3 ms there, 50 µs on a host) it reads the
-/// clock for the timeout (counted from the first read) and yields, so the
-/// transport's threads run where cores are scarce.
+/// Every `--spin-yield` spins (by default 2^16: about 0.3 ms there, 50 µs
+/// on a host) it reads the clock for the timeout (counted from the first
+/// read) and yields, so the transport's threads run where cores are
+/// scarce.
 fn spin_until(buf: &Buffer, want: u64, timeout: Duration) -> Result<()> {
     let mut start = None;
     let mut n = 0u32;
+    let every = SPIN_YIELD.load(Ordering::Relaxed);
     // SAFETY: the first word of a live, aligned buffer; read volatile
     // because the transport (another agent's WRITE) changes it.
     while unsafe { std::ptr::read_volatile(buf.mem.as_ptr()) } != want {
         n = n.wrapping_add(1);
-        if n.is_multiple_of(1 << 16) {
+        if n.is_multiple_of(every) {
             let now = Instant::now();
             if now - *start.get_or_insert(now) > timeout {
                 bail!("no ping-pong write with value {want} within {timeout:?}");

@@ -819,10 +819,13 @@ impl Transport for Fabric {
     }
 
     fn moves(&self, local: MemoryType, remote: MemoryType, peer: &AgentDesc) -> bool {
-        let peer_hmem = peer_offer(peer).is_some_and(|o| o.hmem);
-        let ok =
-            |m: MemoryType, hmem: bool| m == MemoryType::Dram || (m == MemoryType::Vram && hmem);
-        ok(local, self.offer.hmem) && ok(remote, peer_hmem)
+        use MemoryType::{Dram, Vram};
+        let local_ok = local == Dram || (local == Vram && self.offer.hmem);
+        // The peer's offer is decoded only for its GPU memory, not on every
+        // request between host memories.
+        let remote_ok =
+            remote == Dram || (remote == Vram && peer_offer(peer).is_some_and(|o| o.hmem));
+        local_ok && remote_ok
     }
 
     fn reach(&self, peer: &AgentDesc) -> Result<(), String> {

@@ -367,6 +367,7 @@ fn warm(link: &Arc<FabricLink>, probes: &[(u64, u64)], timeout: Duration) -> Res
         remaining: AtomicUsize::new(ops.len() + 1),
         failed: AtomicBool::new(false),
         settled: AtomicBool::new(false),
+        refused: AtomicBool::new(false),
         posted: Mutex::new(Posted::new(parts.lanes.len())),
         kept: Mutex::default(),
     });
@@ -398,6 +399,11 @@ struct Group {
     /// Set by whoever finishes the request: its last operation's
     /// completion (`done`) or the transport's close (`abandon`).
     settled: AtomicBool,
+    /// One of its operations failed on every lane (the request's fault,
+    /// not the lanes'): its other operations' failures take no lane out
+    /// of service (see [`failover`]). Written under the link's
+    /// `down_since`.
+    refused: AtomicBool,
     /// Its operations handed to the provider and not completed, whose
     /// credits (see `Credits`) they hold.
     posted: Mutex<Posted>,
@@ -664,6 +670,7 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
         remaining: AtomicUsize::new(ops.len() + 1),
         failed: AtomicBool::new(false),
         settled: AtomicBool::new(false),
+        refused: AtomicBool::new(false),
         posted: Mutex::new(Posted::new(parts.lanes.len())),
         kept: Mutex::default(),
     });
@@ -1057,7 +1064,8 @@ pub(super) unsafe fn complete(ctx: *mut c_void, result: Result<(), FabricError>)
 /// not when the link has one lane, the operation is its probe, or its
 /// request is over (failed, aborted, abandoned, its link broken: the
 /// peer gone); nor once it has failed on every lane, which puts those
-/// lanes back in service (the fault was the request's).
+/// lanes back in service (the fault was the request's), nor once another
+/// operation of its request has (its failure is the request's too).
 ///
 /// The failed operation's count in the group carries over to the one
 /// posted in its place, whose memory is moved again whole (a WRITE that
@@ -1089,10 +1097,17 @@ fn failover(group: &Arc<Group>, mut op: Op, cause: &Error) -> bool {
         // (a key the peer refuses on every rail), and those it took out of
         // service go back.
         let _since = lock(&parts.down_since);
+        group.refused.store(true, Ordering::Release);
         parts.down.fetch_and(!op.failed_on, Ordering::AcqRel);
         return false;
     }
     let mut since = lock(&parts.down_since);
+    if group.refused.load(Ordering::Acquire) {
+        // Another of its operations failed on every lane, and the lanes
+        // went back in service: this failure is the request's too (checked
+        // under the lock, so that it never takes a lane out after that).
+        return false;
+    }
     let fresh = parts.down.fetch_or(bit, Ordering::AcqRel) & bit == 0;
     if fresh {
         *since = Instant::now();

@@ -2,8 +2,9 @@
 # Two builds of kvxfer-bench side by side (before/after a change), with the
 # references in the same rounds: TCP WRITE 64 KiB x 256 (iperf3 beside it),
 # shm WRITE 64 KiB x 256 (memcpy beside it), the KV cache Llama-3-8B
-# TP2 -> TP1 against raw agents. One line per round; compare per-round
-# ratios, the machines are noisy.
+# TP2 -> TP1 against raw agents. The builds' order flips every round. One
+# line per round, then the medians and new/old; compare per-round ratios
+# too, the machines are noisy.
 #
 #   benches/ab.sh OLD_BENCH NEW_BENCH          # ROUNDS=5
 # e.g. git worktree add /tmp/base REV && (cd /tmp/base && cargo build --release -p kvxfer-bench)
@@ -18,6 +19,8 @@ for l in sys.stdin:
     d = json.loads(l)
     if d.get("kind") == "kv":
         print(d["gb_per_s"], d["raw_gb_per_s"], d["ratio"]); break'; }
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
 port=$((20000 + RANDOM % 20000))
 for r in $(seq "$ROUNDS"); do
   iperf3 -s -1 -p "$port" >/dev/null 2>&1 &
@@ -27,9 +30,35 @@ for r in $(seq "$ROUNDS"); do
   tcp=(--backend tcp --op write --block-size 64KiB --batch 256 --iters 500 --warmup 10 --json)
   shm=(--backend shm --op write --block-size 64KiB --batch 256 --iters 500 --warmup 20 --json)
   kvx=(kv --model llama3-8b --ctx-tp 2 --gen-tp 1 --tokens 4096 --iters 5 --json)
-  ta=$("$A" "${tcp[@]}" | g); tb=$("$B" "${tcp[@]}" | g)
+  if [ $((r % 2)) = 1 ]; then
+    ta=$("$A" "${tcp[@]}" | g); tb=$("$B" "${tcp[@]}" | g)
+  else
+    tb=$("$B" "${tcp[@]}" | g); ta=$("$A" "${tcp[@]}" | g)
+  fi
   mc=$("$B" --memcpy --block-size 64KiB --batch 256 --iters 500 --warmup 20 | g)
-  sa=$("$A" "${shm[@]}" | g); sb=$("$B" "${shm[@]}" | g)
-  ka=$("$A" "${kvx[@]}" | kv); kb=$("$B" "${kvx[@]}" | kv)
-  echo "round $r | iperf3 $ip | tcp old $ta new $tb | memcpy $mc | shm old $sa new $sb | kv (GB/s raw ratio) old $ka | new $kb"
+  if [ $((r % 2)) = 1 ]; then
+    sa=$("$A" "${shm[@]}" | g); sb=$("$B" "${shm[@]}" | g)
+    ka=$("$A" "${kvx[@]}" | kv); kb=$("$B" "${kvx[@]}" | kv)
+  else
+    sb=$("$B" "${shm[@]}" | g); sa=$("$A" "${shm[@]}" | g)
+    kb=$("$B" "${kvx[@]}" | kv); ka=$("$A" "${kvx[@]}" | kv)
+  fi
+  echo "round $r | iperf3 $ip | tcp old $ta new $tb | memcpy $mc | shm old $sa new $sb | kv (GB/s raw ratio) old $ka | new $kb" | tee -a "$out"
 done
+python3 - "$out" <<'PY'
+import statistics, sys
+rows = [l.split("|") for l in open(sys.argv[1])]
+med = statistics.median
+ip = med(float(r[1].split()[1]) for r in rows)
+mc = med(float(r[3].split()[1]) for r in rows)
+def pair(i):
+    o = [float(r[i].split()[2]) for r in rows]; n = [float(r[i].split()[4]) for r in rows]
+    return med(o), med(n)
+to, tn = pair(2); so, sn = pair(4)
+ko = med(float(r[5].split()[-3]) for r in rows); kn = med(float(r[6].split()[1]) for r in rows)
+kro = med(float(r[5].split()[-1]) for r in rows); krn = med(float(r[6].split()[3]) for r in rows)
+print(f"medians of {len(rows)} rounds:")
+print(f"TCP 64 KiB x 256: old {to:.3f} new {tn:.3f} GB/s (new/old {tn / to:.3f}); vs iperf3 {ip:.3f}: old {to / ip:.3f} new {tn / ip:.3f}")
+print(f"shm 64 KiB x 256: old {so:.3f} new {sn:.3f} GB/s (new/old {sn / so:.3f}); vs memcpy {mc:.3f}: old {so / mc:.3f} new {sn / mc:.3f}")
+print(f"KV TP2 -> TP1: old {ko:.3f} new {kn:.3f} GB/s (new/old {kn / ko:.3f}); vs raw agents: old {kro:.3f} new {krn:.3f}")
+PY

@@ -357,20 +357,15 @@ fn warm(link: &Arc<FabricLink>, probes: &[(u64, u64)], timeout: Duration) -> Res
     // Uncounted: not a request of the agent's.
     let completion = Completion::counted(parts.driver.clone(), None);
     let id = link.in_flight.next_id();
-    let group = Arc::new(Group {
-        link: Arc::clone(link),
-        req: id,
-        op: TransferOp::Read,
-        pending: Pending::new(&completion, 1, Few::new(), None),
-        sync: Mutex::new(None),
-        fence: false,
-        remaining: AtomicUsize::new(ops.len() + 1),
-        failed: AtomicBool::new(false),
-        settled: AtomicBool::new(false),
-        refused: AtomicBool::new(false),
-        posted: Mutex::new(Posted::new(parts.lanes.len())),
-        kept: Mutex::default(),
-    });
+    let group = Group::new(
+        link,
+        id,
+        TransferOp::Read,
+        Pending::new(&completion, 1, Few::new(), None),
+        None,
+        false,
+        ops.len(),
+    );
     lock(&parts.open).groups.insert(id, Arc::downgrade(&group));
     launch(link, &group, ops);
     let status = TransferStatus::new(id, completion, Arc::clone(&link.path));
@@ -434,6 +429,34 @@ impl Posted {
 }
 
 impl Group {
+    /// A request `req` of `ops` operations on `link`, with its sync message
+    /// and whether that is fenced (ordered after the link's other
+    /// requests); its count holds one more, the poster's (see [`launch`]).
+    fn new(
+        link: &Arc<FabricLink>,
+        req: u64,
+        op: TransferOp,
+        pending: Arc<Pending>,
+        sync: Option<Vec<u8>>,
+        fence: bool,
+        ops: usize,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            link: Arc::clone(link),
+            req,
+            op,
+            pending,
+            sync: Mutex::new(sync),
+            fence,
+            remaining: AtomicUsize::new(ops + 1),
+            failed: AtomicBool::new(false),
+            settled: AtomicBool::new(false),
+            refused: AtomicBool::new(false),
+            posted: Mutex::new(Posted::new(link.parts.lanes.len())),
+            kept: Mutex::default(),
+        })
+    }
+
     /// Its commit: no segments (its data moved beside the stream), its
     /// sync message.
     fn commit_frames(&self, sync: Option<Vec<u8>>) -> Frames {
@@ -660,20 +683,7 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
     let completion = link.in_flight.completion(driver, &link.meter, bytes);
     let pending = Pending::new(&completion, 1, resolved.guards, None);
     let status = TransferStatus::new(id, completion, Arc::clone(&link.path));
-    let group = Arc::new(Group {
-        link: Arc::clone(&link),
-        req: id,
-        op: req.op,
-        pending,
-        sync: Mutex::new(sync),
-        fence,
-        remaining: AtomicUsize::new(ops.len() + 1),
-        failed: AtomicBool::new(false),
-        settled: AtomicBool::new(false),
-        refused: AtomicBool::new(false),
-        posted: Mutex::new(Posted::new(parts.lanes.len())),
-        kept: Mutex::default(),
-    });
+    let group = Group::new(&link, id, req.op, pending, sync, fence, ops.len());
     {
         let mut open = lock(&parts.open);
         if group.fence && ops.is_empty() && !open.groups.is_empty() {

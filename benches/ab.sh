@@ -19,6 +19,18 @@ for l in sys.stdin:
     d = json.loads(l)
     if d.get("kind") == "kv":
         print(d["gb_per_s"], d["raw_gb_per_s"], d["ratio"]); break'; }
+# Both builds on the same arguments, reading the result with $1; the old
+# one first in odd rounds. Prints "old|new".
+both() {
+  local f=$1 a b
+  shift
+  if [ $((r % 2)) = 1 ]; then
+    a=$("$A" "$@" | $f); b=$("$B" "$@" | $f)
+  else
+    b=$("$B" "$@" | $f); a=$("$A" "$@" | $f)
+  fi
+  echo "$a|$b"
+}
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 port=$((20000 + RANDOM % 20000))
@@ -30,19 +42,10 @@ for r in $(seq "$ROUNDS"); do
   tcp=(--backend tcp --op write --block-size 64KiB --batch 256 --iters 500 --warmup 10 --json)
   shm=(--backend shm --op write --block-size 64KiB --batch 256 --iters 500 --warmup 20 --json)
   kvx=(kv --model llama3-8b --ctx-tp 2 --gen-tp 1 --tokens 4096 --iters 5 --json)
-  if [ $((r % 2)) = 1 ]; then
-    ta=$("$A" "${tcp[@]}" | g); tb=$("$B" "${tcp[@]}" | g)
-  else
-    tb=$("$B" "${tcp[@]}" | g); ta=$("$A" "${tcp[@]}" | g)
-  fi
+  IFS='|' read -r ta tb <<<"$(both g "${tcp[@]}")"
   mc=$("$B" --memcpy --block-size 64KiB --batch 256 --iters 500 --warmup 20 | g)
-  if [ $((r % 2)) = 1 ]; then
-    sa=$("$A" "${shm[@]}" | g); sb=$("$B" "${shm[@]}" | g)
-    ka=$("$A" "${kvx[@]}" | kv); kb=$("$B" "${kvx[@]}" | kv)
-  else
-    sb=$("$B" "${shm[@]}" | g); sa=$("$A" "${shm[@]}" | g)
-    kb=$("$B" "${kvx[@]}" | kv); ka=$("$A" "${kvx[@]}" | kv)
-  fi
+  IFS='|' read -r sa sb <<<"$(both g "${shm[@]}")"
+  IFS='|' read -r ka kb <<<"$(both kv "${kvx[@]}")"
   echo "round $r | iperf3 $ip | tcp old $ta new $tb | memcpy $mc | shm old $sa new $sb | kv (GB/s raw ratio) old $ka | new $kb" | tee -a "$out"
 done
 python3 - "$out" <<'PY'

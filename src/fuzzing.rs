@@ -115,6 +115,7 @@ pub fn tcp_frames(data: &[u8]) {
 pub fn kv_wire(data: &[u8]) {
     use crate::cache::wire::{Msg, Reassembler};
     use crate::cache::{Attention, CacheState, DataType};
+    let now = std::time::Instant::now();
     let mut r = Reassembler::default();
     let mut rest = data;
     while rest.len() >= 2 {
@@ -122,14 +123,16 @@ pub fn kv_wire(data: &[u8]) {
         let (chunk, tail) = rest[2..].split_at(n);
         rest = tail;
         let from = if n % 2 == 0 { "a" } else { "b" };
-        let Ok(Some(msg)) = r.feed(from, chunk) else {
+        let Ok(Some(msg)) = r.feed(from, chunk, now) else {
             continue;
         };
         // Whatever decodes encodes back to the same message.
         let mut again = Reassembler::default();
         let mut out = None;
         for c in msg.encode() {
-            out = again.feed("x", &c).expect("an encoded message decodes");
+            out = again
+                .feed("x", &c, now)
+                .expect("an encoded message decodes");
         }
         assert_eq!(out.as_ref(), Some(&msg));
         if let Msg::Request(info) = msg {

@@ -986,3 +986,93 @@ fn cancel_between_layer_groups_from_either_side() {
         }
     }
 }
+
+/// Fail closed: TP2 → TP1, context rank 0 cancels while rank 1 still
+/// writes its share. The generation handle reports the cancel only once
+/// rank 1 has stopped too, so the generation pool does not change after
+/// the handle ended (the blocks could go to the next request at once).
+/// Whole requests and layer by layer.
+#[test]
+fn nothing_lands_after_the_receiver_reports_a_cancel() {
+    let ctx_s = CacheState::new(8, 4, 128, 64, DataType::F32, Attention::Default, 2, 1);
+    let gen_s = CacheState::new(8, 8, 128, 64, DataType::F32, Attention::Default, 1, 1);
+    for layerwise in [false, true] {
+        let mut cut = false;
+        for round in 0..3 {
+            let tag = format!("fc-{}-{round}", u8::from(layerwise));
+            // 64 MiB a rank in 1 MiB batches, two in flight: rank 1 is
+            // still writing when rank 0's cancel reaches the receiver.
+            let sc = SenderConfig {
+                batch_bytes: 1 << 20,
+                batches_in_flight: 2,
+                ..Default::default()
+            };
+            let mut c = cluster(&tag, &ctx_s, &gen_s, 32, sc, ReceiverConfig::default());
+            let ids: Vec<u32> = (0..32).collect();
+            c.prefill(4, &ids);
+            let h = c.receivers[0]
+                .request(RecvRequest {
+                    request_id: 4,
+                    ctx_dp_rank: 0,
+                    blocks: ids.iter().map(|&b| c.gen_ranks[0].block_addr(b)).collect(),
+                    last_block_key: None,
+                })
+                .unwrap();
+            let sends: Vec<_> = (0..2)
+                .map(|r| {
+                    let blocks = ids.iter().map(|&b| c.ctx[r].block_addr(b)).collect();
+                    if layerwise {
+                        let h = c.senders[r].begin(4, blocks).unwrap();
+                        for l in c.senders[r].held_layers() {
+                            c.senders[r].layers_ready(4, l..l + 1).unwrap();
+                        }
+                        h
+                    } else {
+                        c.senders[r].send(4, blocks).unwrap()
+                    }
+                })
+                .collect();
+            // Let some of it move, then rank 0 cancels.
+            let deadline = Instant::now() + WAIT;
+            while c.gen_ranks[0].pool.iter().step_by(4096).all(|&b| b == 0)
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            c.senders[0].cancel(4).unwrap();
+            let outcome = h.wait(WAIT);
+            // A byte every KiB (every write is a run of whole fragments,
+            // 128 KiB here): taken in microseconds, so a write that lands
+            // just after the outcome shows.
+            let sample = |p: &[u8]| p.iter().step_by(1024).copied().collect::<Vec<u8>>();
+            let snapshot = sample(&c.gen_ranks[0].pool);
+            for s in &sends {
+                let _ = s.wait(WAIT);
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            let changed = sample(&c.gen_ranks[0].pool)
+                .iter()
+                .zip(&snapshot)
+                .filter(|(a, b)| a != b)
+                .count();
+            assert_eq!(
+                changed, 0,
+                "{tag}: {changed} KiB of the generation pool changed after the handle reported {outcome:?}"
+            );
+            match outcome {
+                Err(CacheError::Cancelled { .. }) => {
+                    h.wait_settled(Duration::ZERO).unwrap();
+                    cut = true;
+                    break;
+                }
+                // Every share landed before the cancel took: try again.
+                Ok(_) => continue,
+                Err(e) => panic!("{tag}: {e}"),
+            }
+        }
+        assert!(
+            cut,
+            "layer-wise {layerwise}: every request completed before its cancel"
+        );
+    }
+}

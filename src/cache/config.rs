@@ -49,6 +49,14 @@ pub struct ReceiverConfig {
     /// How long a request may take, from `request` to the last share
     /// (default 60 s); also bounds `cancel`.
     pub timeout: Duration,
+    /// Once a request failed or was cancelled, how long the context ranks
+    /// still writing into its blocks have to confirm that they stopped
+    /// (default 10 s). Its outcome waits for them; past this it is
+    /// reported as [`CacheError::Unsettled`](crate::cache::CacheError::Unsettled)
+    /// (the blocks are not yet safe to reuse) and
+    /// [`RecvHandle::wait_settled`](crate::cache::RecvHandle::wait_settled)
+    /// waits for the rest.
+    pub settle_timeout: Duration,
     /// Directory for `rank_<r>_recv.csv` timings (default none).
     pub timings_dir: Option<PathBuf>,
     /// Memory type of the pool (default DRAM).
@@ -59,6 +67,7 @@ impl Default for ReceiverConfig {
     fn default() -> Self {
         Self {
             timeout: Duration::from_secs(60),
+            settle_timeout: Duration::from_secs(10),
             timings_dir: None,
             mem_type: MemoryType::Dram,
         }

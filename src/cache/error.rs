@@ -80,6 +80,24 @@ pub enum CacheError {
         /// The model layers this rank holds.
         held: std::ops::Range<u32>,
     },
+    /// The request failed or was cancelled (`cause`), and context ranks
+    /// that write into its blocks did not confirm that they stopped within
+    /// the settle timeout (they stopped answering, or left the cluster):
+    /// their writes may still land. The blocks must not be reused until
+    /// [`RecvHandle::wait_settled`](crate::cache::RecvHandle::wait_settled)
+    /// returns `Ok`.
+    #[error(
+        "request {request_id} ended ({cause}), but context ranks {ranks:?} did not confirm they stopped writing: its blocks are not safe to reuse yet"
+    )]
+    Unsettled {
+        /// The request.
+        request_id: u64,
+        /// The context ranks that may still write.
+        ranks: Vec<u32>,
+        /// Why the request ended.
+        #[source]
+        cause: Box<CacheError>,
+    },
     /// The sender or receiver is shut down.
     #[error("the cache sender or receiver is closed")]
     Closed,

@@ -3,11 +3,16 @@
 //! messages in (stamped on arrival), the machine's messages out — on one
 //! thread per receiver (the receiver owns its agent's notifications).
 //! `request` sends its request infos from the caller's thread.
+//!
+//! A request's outcome is reported once nothing more of it can land in its
+//! blocks (see [the machine](super::machine::ReceiverMachine)), except an
+//! [`Unsettled`](CacheError::Unsettled) one, after which
+//! [`RecvHandle::wait_settled`] says when the blocks are safe to reuse.
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -34,6 +39,10 @@ struct Landings {
     runs: Vec<(Range<u32>, Instant)>,
     /// The request ended.
     ended: bool,
+    /// Nothing more of it can land: it ended and every rank writing it
+    /// stopped (`Some(Ok)`), or it was forgotten with ranks unconfirmed
+    /// (`Some(Err)`).
+    settled: Option<Result<(), CacheError>>,
 }
 
 impl Progress {
@@ -44,6 +53,11 @@ impl Progress {
 
     fn ended(&self) {
         lock(&self.state).ended = true;
+        self.cv.notify_all();
+    }
+
+    fn settled(&self, outcome: Result<(), CacheError>) {
+        lock(&self.state).settled.get_or_insert(outcome);
         self.cv.notify_all();
     }
 }
@@ -71,11 +85,51 @@ impl RecvHandle {
 
     /// Waits until every share landed.
     ///
+    /// Any outcome but [`CacheError::Unsettled`] (and this wait's own
+    /// `Timeout`) means that nothing of the request can land any more: the
+    /// blocks may be reused at once. After `Unsettled`, they may be reused
+    /// once [`wait_settled`](Self::wait_settled) returns `Ok`.
+    ///
     /// # Errors
     /// `Timeout` when `timeout` passes first; `Cancelled` when the context
-    /// side cancelled; the request's failure.
+    /// side cancelled; `Unsettled` when a context rank did not confirm that
+    /// it stopped writing; the request's failure.
     pub fn wait(&self, timeout: Duration) -> Result<SessionStats, CacheError> {
         self.cell.wait(timeout, "cache receive")
+    }
+
+    /// Waits until nothing of the request can land in its blocks any more:
+    /// it completed, or it ended otherwise and every context rank that
+    /// writes them delivered its share or confirmed that it stopped. After
+    /// `Ok` the blocks may be reused.
+    ///
+    /// # Errors
+    /// `Timeout` when `timeout` passes first (the request may still be
+    /// open, or ranks unconfirmed); the request's
+    /// [`Unsettled`](CacheError::Unsettled) outcome when it was forgotten
+    /// (one receiver timeout after that outcome) with ranks still
+    /// unconfirmed: whether they write is not known.
+    pub fn wait_settled(&self, timeout: Duration) -> Result<(), CacheError> {
+        let deadline = Instant::now() + timeout;
+        let mut g = lock(&self.progress.state);
+        loop {
+            if let Some(r) = &g.settled {
+                return r.clone();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(CacheError::Timeout {
+                    what: format!("request {} settling", self.request_id),
+                    after: timeout,
+                });
+            }
+            g = self
+                .progress
+                .cv
+                .wait_timeout(g, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
     }
 
     /// The runs of this rank's layers that landed whole so far (every
@@ -133,11 +187,17 @@ impl RecvHandle {
 /// this only bounds the wait.
 const IDLE_WAIT: Duration = Duration::from_secs(1);
 
+/// What a cancel waiting for its request to settle hears: settled, or the
+/// request's `Unsettled` outcome.
+type SettleWaiter = crossbeam_channel::Sender<Result<(), CacheError>>;
+
 /// The machine and what waits on its outcomes.
 struct Core {
     m: ReceiverMachine,
     cells: HashMap<u64, (Arc<Cell<SessionStats>>, Arc<Progress>)>,
-    settle_waiters: HashMap<u64, Vec<crossbeam_channel::Sender<()>>>,
+    /// Requests reported `Unsettled`, until they settle or are forgotten.
+    unsettled: HashMap<u64, (Arc<Progress>, CacheError)>,
+    settle_waiters: HashMap<u64, Vec<SettleWaiter>>,
 }
 
 struct Shared {
@@ -145,6 +205,9 @@ struct Shared {
     rank: u32,
     timings_dir: Option<PathBuf>,
     timeout: Duration,
+    settle_timeout: Duration,
+    /// Partial messages the protocol thread's reassembler dropped.
+    partials_dropped: AtomicU64,
     /// Lock order: `sending` before `core`.
     core: Mutex<Core>,
     /// Held while the machine's messages are sent, so that they go out in
@@ -167,9 +230,20 @@ impl Shared {
                         request_id,
                         outcome,
                     } => {
+                        if let Err(e @ CacheError::Unsettled { .. }) = &outcome {
+                            for w in c.settle_waiters.remove(&request_id).into_iter().flatten() {
+                                let _ = w.send(Err(e.clone()));
+                            }
+                        }
                         if let Some((cell, progress)) = c.cells.remove(&request_id) {
                             if let (Ok(stats), Some(_)) = (&outcome, &self.timings_dir) {
                                 rows.push(stats.clone());
+                            }
+                            if let Err(e @ CacheError::Unsettled { .. }) = &outcome {
+                                c.unsettled
+                                    .insert(request_id, (Arc::clone(&progress), e.clone()));
+                            } else {
+                                progress.settled(Ok(()));
                             }
                             cell.set(outcome);
                             progress.ended();
@@ -184,9 +258,17 @@ impl Shared {
                             progress.landed(layers, at);
                         }
                     }
-                    ReceiverEvent::CancelSettled { request_id } => {
+                    ReceiverEvent::Settled { request_id } => {
                         for w in c.settle_waiters.remove(&request_id).into_iter().flatten() {
-                            let _ = w.send(());
+                            let _ = w.send(Ok(()));
+                        }
+                        if let Some((progress, _)) = c.unsettled.remove(&request_id) {
+                            progress.settled(Ok(()));
+                        }
+                    }
+                    ReceiverEvent::Forgotten { request_id } => {
+                        if let Some((progress, e)) = c.unsettled.remove(&request_id) {
+                            progress.settled(Err(e));
                         }
                     }
                 }
@@ -259,7 +341,7 @@ impl CacheReceiver {
             .map(|c| agent.load_remote_agent_by_connection(c))
             .collect::<Result<Vec<_>, _>>()?;
         let timings_dir = config.timings_dir.clone();
-        let timeout = config.timeout;
+        let (timeout, settle_timeout) = (config.timeout, config.settle_timeout);
         let connection = agent.local_connection_info();
         let mut m = ReceiverMachine::new(state, rank, ctx_state, ctx_agents, connection, config)?;
         m.set_stopwatch(Instant::now);
@@ -268,9 +350,12 @@ impl CacheReceiver {
             rank,
             timings_dir,
             timeout,
+            settle_timeout,
+            partials_dropped: AtomicU64::new(0),
             core: Mutex::new(Core {
                 m,
                 cells: HashMap::new(),
+                unsettled: HashMap::new(),
                 settle_waiters: HashMap::new(),
             }),
             sending: Mutex::new(()),
@@ -336,21 +421,25 @@ impl CacheReceiver {
         self.request(req)?.wait(timeout)
     }
 
-    /// Totals over the requests this receiver finished.
+    /// Totals over the requests this receiver finished (and the partial
+    /// messages it dropped).
     pub fn metrics(&self) -> Metrics {
-        lock(&self.shared.core).m.metrics()
+        let mut m = lock(&self.shared.core).m.metrics();
+        m.partials_dropped = self.shared.partials_dropped.load(Ordering::Relaxed);
+        m
     }
 
     /// Cancels a request: every context rank asked is told, and this
     /// returns once each rank that sends has answered (`Cancelled` after
     /// its posted writes finished, or `Done`): nothing can still land in
     /// the destination blocks, which may be reused at once. The request's
-    /// handle fails with `Cancelled` (unless it had completed).
+    /// handle fails with `Cancelled` (unless it had completed or failed).
     ///
     /// # Errors
-    /// [`CacheError::UnknownRequest`]; `Timeout` when a context rank does
-    /// not answer within the configured timeout (then its writes may still
-    /// land: the blocks must not be reused).
+    /// [`CacheError::UnknownRequest`]; [`CacheError::Unsettled`] when a
+    /// context rank does not answer within the settle timeout (then its
+    /// writes may still land: the blocks must not be reused before
+    /// [`RecvHandle::wait_settled`] returns `Ok`).
     pub fn cancel(&self, request_id: u64) -> Result<(), CacheError> {
         let s = &self.shared;
         let (tx, rx) = crossbeam_channel::bounded(1);
@@ -364,9 +453,14 @@ impl CacheReceiver {
         })?;
         s.flush();
         s.agent.wake_sync_waiters();
-        rx.recv_timeout(s.timeout).map_err(|_| CacheError::Timeout {
-            what: format!("context ranks acknowledging the cancel of request {request_id}"),
-            after: s.timeout,
+        // The machine reports the request settled or `Unsettled` within the
+        // settle timeout; the margin only bounds this wait.
+        let bound = s.settle_timeout + s.timeout;
+        rx.recv_timeout(bound).unwrap_or_else(|_| {
+            Err(CacheError::Timeout {
+                what: format!("context ranks acknowledging the cancel of request {request_id}"),
+                after: bound,
+            })
         })
     }
 }
@@ -384,11 +478,14 @@ impl Drop for CacheReceiver {
 }
 
 /// The protocol thread: messages in (stamped on arrival, so a share's
-/// timings do not depend on when this thread got to them), deadlines.
+/// timings do not depend on when this thread got to them), deadlines. What
+/// the machine asks to send goes out as soon as it asks: a failure found
+/// at a deadline reaches the context ranks at once.
 fn run(s: &Shared) {
     let mut reasm = Reassembler::default();
     while !s.stop.load(Ordering::Relaxed) {
         let now = Instant::now();
+        let mut gone = Vec::new();
         let due = s.with_core(|c| {
             if c.m.poll_timeout().is_some_and(|t| t <= now) {
                 c.m.handle_timeout(now);
@@ -398,19 +495,31 @@ fn run(s: &Shared) {
             // deadline.
             for a in c.m.awaited_agents() {
                 if let Err(crate::Error::UnknownAgent(_)) = s.agent.remote_transport(&a) {
-                    let gone = crate::Error::PeerGone { remote: a.clone() };
-                    c.m.handle_peer_gone(&a, gone, now);
+                    let e = crate::Error::PeerGone { remote: a.clone() };
+                    c.m.handle_peer_gone(&a, e, now);
+                    gone.push(a);
                 }
             }
             c.m.poll_timeout()
         });
-        let wait = due.map_or(IDLE_WAIT, |t| {
-            t.saturating_duration_since(Instant::now()).min(IDLE_WAIT)
-        });
+        s.flush();
+        // Partial messages of ranks that left, or that stopped mid-message.
+        for a in &gone {
+            reasm.forget(a);
+        }
+        reasm.expire(now);
+        s.partials_dropped.store(reasm.dropped(), Ordering::Relaxed);
+        let wait = due
+            .into_iter()
+            .chain(reasm.next_expiry())
+            .min()
+            .map_or(IDLE_WAIT, |t| {
+                t.saturating_duration_since(Instant::now()).min(IDLE_WAIT)
+            });
         let mut msgs = Vec::new();
         for (from, chunks) in s.agent.wait_sync_messages_timed(wait) {
             for (chunk, at) in chunks {
-                if let Some(m) = reasm.accept(&from, &chunk) {
+                if let Some(m) = reasm.accept(&from, &chunk, at) {
                     msgs.push((from.clone(), m, at));
                 }
             }

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -115,6 +115,8 @@ struct Shared {
     rank: u32,
     timings_dir: Option<PathBuf>,
     timeout: Duration,
+    /// Partial messages the protocol thread's reassembler dropped.
+    partials_dropped: AtomicU64,
     /// Lock order: `posted` before `core`.
     core: Mutex<Core>,
     /// The posted writes; held while the machine's actions are carried
@@ -281,6 +283,7 @@ impl CacheSender {
             rank,
             timings_dir,
             timeout,
+            partials_dropped: AtomicU64::new(0),
             core: Mutex::new(Core {
                 m,
                 cells: HashMap::new(),
@@ -438,9 +441,12 @@ impl CacheSender {
         self.send(request_id, blocks)?.wait(timeout)
     }
 
-    /// Totals over the requests this sender finished.
+    /// Totals over the requests this sender finished (and the partial
+    /// messages it dropped).
     pub fn metrics(&self) -> Metrics {
-        lock(&self.shared.core).m.metrics()
+        let mut m = lock(&self.shared.core).m.metrics();
+        m.partials_dropped = self.shared.partials_dropped.load(Ordering::Relaxed);
+        m
     }
 
     /// Cancels a request: no new write is posted; returns once nothing
@@ -529,13 +535,20 @@ fn run(s: &Shared) {
         if s.finished.swap(false, Ordering::SeqCst) {
             s.reap();
         }
-        let wait = due.map_or(IDLE_WAIT, |t| {
-            t.saturating_duration_since(Instant::now()).min(IDLE_WAIT)
-        });
+        // Partial messages of peers that stopped mid-message.
+        reasm.expire(now);
+        s.partials_dropped.store(reasm.dropped(), Ordering::Relaxed);
+        let wait = due
+            .into_iter()
+            .chain(reasm.next_expiry())
+            .min()
+            .map_or(IDLE_WAIT, |t| {
+                t.saturating_duration_since(Instant::now()).min(IDLE_WAIT)
+            });
         let mut msgs = Vec::new();
-        for (from, chunks) in s.agent.wait_sync_messages(wait) {
-            for chunk in chunks {
-                if let Some(m) = reasm.accept(&from, &chunk) {
+        for (from, chunks) in s.agent.wait_sync_messages_timed(wait) {
+            for (chunk, at) in chunks {
+                if let Some(m) = reasm.accept(&from, &chunk, at) {
                     msgs.push((from.clone(), m));
                 }
             }

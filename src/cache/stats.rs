@@ -81,6 +81,17 @@ pub struct Metrics {
     pub fragments_coalesced: u64,
     /// Staging copies of KV bytes (0 on every path so far).
     pub staging_copies: u64,
+    /// Messages about a request from an agent that is not one of its
+    /// parties (a context rank that does not send or was not asked, a
+    /// generation agent that did not ask for it): dropped, never acted on.
+    pub strangers: u64,
+    /// Partial messages (of several chunks) dropped unfinished: expired,
+    /// evicted for a fair share of the reassembly budget, or malformed.
+    pub partials_dropped: u64,
+    /// Requests whose failure or cancel was reported
+    /// [`Unsettled`](crate::cache::CacheError::Unsettled): a context rank
+    /// did not confirm in time that it stopped writing.
+    pub unsettled: u64,
 }
 
 impl Metrics {

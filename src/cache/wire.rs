@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
@@ -148,14 +149,46 @@ pub fn is_ours(chunk: &[u8]) -> bool {
     chunk.len() >= HEADER && chunk[..4] == MAGIC
 }
 
+/// How long one sender's partial message may wait for its next chunk
+/// before it is dropped: an agent sends a message's chunks back to back,
+/// so a partial message this old belongs to a sender that stopped (died,
+/// lost its connection, or holds memory on purpose).
+pub const PARTIAL_TTL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// One sender's partial message.
+struct Partial {
+    /// Chunks received so far.
+    next: u16,
+    body: Vec<u8>,
+    /// When its latest chunk arrived.
+    touched: Instant,
+    /// Order of arrival of its first chunk (ties between equal holders).
+    seq: u64,
+}
+
 /// Reassembles chunks per sending agent, within [`MESSAGE_MAX`] per sender
-/// and [`REASSEMBLY_MAX`] in all.
+/// and [`REASSEMBLY_MAX`] in all. No sender can keep the others out:
+///
+/// - a partial message that gets no chunk for [`PARTIAL_TTL`] is dropped
+///   ([`expire`](Self::expire));
+/// - when a chunk would pass the budget, the sender holding the most is
+///   dropped first (oldest first among equals); the chunk is refused only
+///   when its own sender is that one, so a sender holding less than an
+///   equal share of the budget is never refused;
+/// - a sender's partial message goes with [`forget`](Self::forget) (its
+///   connection ended, it left the cluster).
+///
+/// Every partial message dropped is counted ([`dropped`](Self::dropped)).
 pub struct Reassembler {
-    partial: HashMap<String, (u16, Vec<u8>)>,
+    partial: HashMap<String, Partial>,
     /// Bytes held in `partial`.
     held: usize,
     message_max: usize,
     total_max: usize,
+    ttl: std::time::Duration,
+    dropped: u64,
+    /// Partial messages begun so far.
+    begun: u64,
 }
 
 impl Default for Reassembler {
@@ -173,7 +206,16 @@ impl Reassembler {
             held: 0,
             message_max,
             total_max,
+            ttl: PARTIAL_TTL,
+            dropped: 0,
+            begun: 0,
         }
+    }
+
+    /// The same with partial messages kept `ttl` without a chunk.
+    pub fn with_ttl(mut self, ttl: std::time::Duration) -> Self {
+        self.ttl = ttl;
+        self
     }
 
     /// Bytes of partial messages held now.
@@ -181,36 +223,114 @@ impl Reassembler {
         self.held
     }
 
-    /// Drops `from`'s partial message, if any.
-    fn forget(&mut self, from: &str) -> Vec<u8> {
+    /// Bytes of `from`'s partial message held now.
+    pub fn held_from(&self, from: &str) -> usize {
+        self.partial.get(from).map_or(0, |p| p.body.len())
+    }
+
+    /// Partial messages dropped so far: malformed, expired, evicted for a
+    /// fair share of the budget, or forgotten.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// When [`expire`](Self::expire) next has something to drop.
+    pub fn next_expiry(&self) -> Option<Instant> {
+        self.partial.values().map(|p| p.touched + self.ttl).min()
+    }
+
+    /// Drops the partial messages that got no chunk for the TTL; returns
+    /// how many.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let ttl = self.ttl;
+        let old: Vec<String> = self
+            .partial
+            .iter()
+            .filter(|(_, p)| now.saturating_duration_since(p.touched) >= ttl)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &old {
+            tracing::debug!(remote = k.as_str(), "a partial KV-cache message expired");
+            self.forget(k);
+        }
+        old.len()
+    }
+
+    /// Drops `from`'s partial message, if any (counted).
+    pub fn forget(&mut self, from: &str) {
+        if self.partial.contains_key(from) {
+            self.dropped += 1;
+        }
+        self.take(from);
+    }
+
+    /// Removes `from`'s partial message and gives its body.
+    fn take(&mut self, from: &str) -> Vec<u8> {
         let body = self
             .partial
             .remove(from)
-            .map(|(_, b)| b)
+            .map(|p| p.body)
             .unwrap_or_default();
         self.held -= body.len();
         body
     }
 
+    /// Makes room for `need` more bytes from `from`: drops the largest
+    /// holders (oldest first among equals) while the budget would be
+    /// passed. False when `from` itself is the largest holder (then its
+    /// partial message was dropped too).
+    fn make_room(&mut self, from: &str, need: usize) -> bool {
+        while self.held + need > self.total_max {
+            let Some(victim) = self
+                .partial
+                .iter()
+                .max_by_key(|(k, p)| {
+                    let size = p.body.len() + if k.as_str() == from { need } else { 0 };
+                    (size, std::cmp::Reverse((p.touched, p.seq)))
+                })
+                .map(|(k, _)| k.clone())
+            else {
+                return false;
+            };
+            let own = victim == from;
+            tracing::debug!(
+                remote = victim.as_str(),
+                held = self.held,
+                "reassembly full: dropping the largest partial KV-cache message"
+            );
+            self.forget(&victim);
+            if own {
+                return false;
+            }
+        }
+        true
+    }
+
     /// As [`feed`](Self::feed) for a sync message of any kind: another
     /// protocol's is skipped, a malformed one dropped with a warning.
-    pub fn accept(&mut self, from: &str, chunk: &[u8]) -> Option<Msg> {
+    pub fn accept(&mut self, from: &str, chunk: &[u8], now: Instant) -> Option<Msg> {
         if !is_ours(chunk) {
             return None;
         }
-        self.feed(from, chunk)
+        self.feed(from, chunk, now)
             .inspect_err(|e| tracing::warn!(%e, "dropping a KV-cache message"))
             .ok()
             .flatten()
     }
 
-    /// Feeds one chunk from `from`; returns a whole message when this chunk
-    /// completes one.
+    /// Feeds one chunk from `from`, arrived at `now`; returns a whole
+    /// message when this chunk completes one.
     ///
     /// # Errors
     /// [`CacheError::Protocol`] for a malformed chunk or message (the
-    /// partial message from that sender is dropped).
-    pub fn feed(&mut self, from: &str, chunk: &[u8]) -> Result<Option<Msg>, CacheError> {
+    /// partial message from that sender is dropped), or for a chunk that
+    /// does not fit in the budget while its sender holds the most.
+    pub fn feed(
+        &mut self,
+        from: &str,
+        chunk: &[u8],
+        now: Instant,
+    ) -> Result<Option<Msg>, CacheError> {
         let bad = |what: &str| CacheError::Protocol {
             peer: from.to_owned(),
             detail: what.to_owned(),
@@ -239,7 +359,7 @@ impl Reassembler {
                 self.message_max
             )));
         }
-        let expected = self.partial.get(from).map_or(0, |e| e.0);
+        let expected = self.partial.get(from).map_or(0, |e| e.next);
         if idx != expected || idx >= count {
             self.forget(from);
             return Err(bad(&format!("chunk {idx} of {count} out of order")));
@@ -250,21 +370,33 @@ impl Reassembler {
                 .map(Some)
                 .map_err(|e| bad(&format!("undecodable message: {e}")));
         }
-        if self.held + part.len() > self.total_max {
-            self.forget(from);
+        if !self.make_room(from, part.len()) {
             return Err(bad(&format!(
-                "reassembly full ({} bytes held from all senders)",
+                "reassembly full ({} bytes held from all senders, this one the most)",
                 self.held
             )));
         }
-        let entry = self.partial.entry(from.to_owned()).or_default();
-        entry.1.extend_from_slice(part);
-        entry.0 += 1;
+        let seq = self.begun;
+        let entry = self
+            .partial
+            .entry(from.to_owned())
+            .or_insert_with(|| Partial {
+                next: 0,
+                body: Vec::new(),
+                touched: now,
+                seq,
+            });
+        if entry.next == 0 {
+            self.begun += 1;
+        }
+        entry.body.extend_from_slice(part);
+        entry.next += 1;
+        entry.touched = now;
         self.held += part.len();
-        if entry.0 < count {
+        if entry.next < count {
             return Ok(None);
         }
-        let body = self.forget(from);
+        let body = self.take(from);
         postcard::from_bytes(&body)
             .map(Some)
             .map_err(|e| bad(&format!("undecodable message: {e}")))
@@ -294,6 +426,7 @@ mod tests {
 
     #[test]
     fn round_trip_small_and_chunked() {
+        let now = Instant::now();
         for n in [1, 300, 4096] {
             let m = Msg::Request(info(n));
             let chunks = m.encode();
@@ -302,7 +435,7 @@ mod tests {
             let mut r = Reassembler::default();
             let mut out = None;
             for (i, c) in chunks.iter().enumerate() {
-                let got = r.feed("gen0", c).unwrap();
+                let got = r.feed("gen0", c, now).unwrap();
                 assert_eq!(got.is_some(), i + 1 == chunks.len());
                 out = got;
             }
@@ -312,16 +445,17 @@ mod tests {
 
     #[test]
     fn interleaved_senders_reassemble_separately() {
+        let now = Instant::now();
         let (a, b) = (Msg::Request(info(1000)), Msg::Request(info(700)));
         let (ca, cb) = (a.encode(), b.encode());
         let mut r = Reassembler::default();
         let mut got = Vec::new();
         for i in 0..ca.len().max(cb.len()) {
             if let Some(c) = ca.get(i) {
-                got.extend(r.feed("a", c).unwrap());
+                got.extend(r.feed("a", c, now).unwrap());
             }
             if let Some(c) = cb.get(i) {
-                got.extend(r.feed("b", c).unwrap());
+                got.extend(r.feed("b", c, now).unwrap());
             }
         }
         assert!(got.contains(&a) && got.contains(&b));
@@ -329,20 +463,21 @@ mod tests {
 
     #[test]
     fn malformed_input_is_a_typed_error() {
+        let now = Instant::now();
         let mut r = Reassembler::default();
-        assert!(r.feed("x", b"hello").is_err());
+        assert!(r.feed("x", b"hello", now).is_err());
         let mut c = Msg::Ready { request_id: 1 }.encode().remove(0);
         c[4] = 9;
-        assert!(r.feed("x", &c).is_err());
+        assert!(r.feed("x", &c, now).is_err());
         let mut c = Msg::Ready { request_id: 1 }.encode().remove(0);
         c.truncate(HEADER + 1);
-        assert!(r.feed("x", &c).is_err());
+        assert!(r.feed("x", &c, now).is_err());
         // A chunk out of order drops the partial message.
         let chunks = Msg::Request(info(3000)).encode();
         assert!(chunks.len() >= 3);
-        assert!(r.feed("y", &chunks[1]).is_err());
-        assert!(r.feed("y", &chunks[0]).unwrap().is_none());
-        assert!(r.feed("y", &chunks[2]).is_err());
+        assert!(r.feed("y", &chunks[1], now).is_err());
+        assert!(r.feed("y", &chunks[0], now).unwrap().is_none());
+        assert!(r.feed("y", &chunks[2], now).is_err());
         assert_eq!(r.held(), 0);
     }
 
@@ -351,30 +486,32 @@ mod tests {
     /// nothing; the same sender's next good message decodes.
     #[test]
     fn oversized_chunks_and_messages_are_refused() {
+        let now = Instant::now();
         let mut r = Reassembler::with_limits(64 << 10, 1 << 20);
         let mut huge = Msg::Ready { request_id: 1 }.encode().remove(0);
         huge.resize(16 << 20, 0);
-        assert!(r.feed("x", &huge).is_err());
+        assert!(r.feed("x", &huge, now).is_err());
         // 64 KiB allows 17 chunks; a message of 100 chunks is refused at
         // its first.
         let big = Msg::Request(info(20_000)).encode();
         assert!(big.len() > 17);
-        assert!(r.feed("x", &big[0]).is_err());
+        assert!(r.feed("x", &big[0], now).is_err());
         assert_eq!(r.held(), 0);
         let ok = Msg::Request(info(2_000));
         let mut got = None;
         for c in ok.encode() {
-            got = r.feed("x", &c).unwrap();
+            got = r.feed("x", &c, now).unwrap();
         }
         assert_eq!(got, Some(ok));
         assert_eq!(r.held(), 0);
     }
 
-    /// The senders' partial messages share one budget: the chunk that would
-    /// pass it is refused (its sender's partial dropped), the others
-    /// complete, and one-chunk messages always decode.
+    /// The senders' partial messages share one budget: a chunk that would
+    /// pass it drops the largest holder (the oldest among equals), one-chunk
+    /// messages always decode, and the others complete.
     #[test]
     fn reassembly_is_bounded_across_senders() {
+        let now = Instant::now();
         let m = Msg::Request(info(2_000));
         let chunks = m.encode();
         assert_eq!(chunks.len(), 4);
@@ -383,18 +520,101 @@ mod tests {
         let mut r = Reassembler::with_limits(1 << 20, 4 * per + per / 2);
         for from in ["a", "b"] {
             for c in &chunks[..2] {
-                assert!(r.feed(from, c).unwrap().is_none());
+                assert!(r.feed(from, c, now).unwrap().is_none());
             }
         }
         assert_eq!(r.held(), 4 * per);
-        assert!(r.feed("c", &chunks[0]).is_err(), "past the budget");
-        assert_eq!(r.held(), 4 * per);
+        // `c` holds least: `a` (as large as `b`, and older) makes room.
+        assert!(r.feed("c", &chunks[0], now).unwrap().is_none());
+        assert_eq!((r.held_from("a"), r.held_from("c")), (0, per));
+        assert_eq!(r.dropped(), 1);
         let small = Msg::Ready { request_id: 9 };
-        assert_eq!(r.feed("c", &small.encode()[0]).unwrap(), Some(small));
-        assert!(r.feed("a", &chunks[2]).is_err(), "still full");
-        assert_eq!(r.held(), 2 * per);
-        assert!(r.feed("b", &chunks[2]).unwrap().is_none());
-        assert_eq!(r.feed("b", &chunks[3]).unwrap(), Some(m));
+        assert_eq!(r.feed("d", &small.encode()[0], now).unwrap(), Some(small));
+        assert!(r.feed("a", &chunks[2], now).is_err(), "its partial is gone");
+        assert!(r.feed("b", &chunks[2], now).unwrap().is_none());
+        // `b` now holds the most: `c`'s next chunk drops it, and `c`'s
+        // message completes.
+        assert!(r.feed("c", &chunks[1], now).unwrap().is_none());
+        assert_eq!((r.held_from("b"), r.dropped()), (0, 2));
+        assert!(r.feed("c", &chunks[2], now).unwrap().is_none());
+        assert_eq!(r.feed("c", &chunks[3], now).unwrap(), Some(m));
         assert_eq!(r.held(), 0);
+        // The largest holder feeding past the budget is refused.
+        for from in ["a", "b"] {
+            for c in &chunks[..2] {
+                assert!(r.feed(from, c, now).unwrap().is_none());
+            }
+        }
+        assert!(r.feed("b", &chunks[2], now).is_err());
+        assert_eq!((r.held_from("a"), r.held_from("b")), (2 * per, 0));
+    }
+
+    /// Five senders holding the whole budget in partial messages keep no
+    /// one else out: another sender's message of several chunks completes
+    /// (the largest holders dropped as it needs room), and a hog that feeds
+    /// more while it holds the most is refused.
+    #[test]
+    fn hogs_cannot_keep_others_out() {
+        let now = Instant::now();
+        let per = CHUNK_MAX - HEADER;
+        let big = Msg::Request(info(20_000)).encode();
+        assert!(big.len() > 20);
+        let mut r = Reassembler::with_limits(1 << 20, 40 * per);
+        for h in 0..5 {
+            for c in &big[..8] {
+                assert!(r.feed(&format!("hog{h}"), c, now).unwrap().is_none());
+            }
+        }
+        assert_eq!(r.held(), 40 * per);
+        let m = Msg::Request(info(2_000));
+        let mut got = None;
+        for c in m.encode() {
+            got = r.feed("honest", &c, now).unwrap();
+        }
+        assert_eq!(got, Some(m));
+        let evicted = (0..5)
+            .filter(|h| r.held_from(&format!("hog{h}")) == 0)
+            .count();
+        assert_eq!(evicted as u64, r.dropped());
+        assert!((1..5).contains(&evicted), "{evicted}");
+        // A hog that grows past the others is the one dropped.
+        let hog = (0..5)
+            .map(|h| format!("hog{h}"))
+            .find(|h| r.held_from(h) > 0)
+            .unwrap();
+        let mut refused = false;
+        for c in &big[8..] {
+            if r.feed(&hog, c, now).is_err() {
+                refused = true;
+                break;
+            }
+        }
+        assert!(refused, "a hog filled the budget alone");
+        assert_eq!(r.held_from(&hog), 0);
+        assert!(r.held() <= 40 * per);
+    }
+
+    /// A partial message that gets no chunk for its TTL is dropped (and its
+    /// sender's next chunk is out of order); forgetting a sender drops its.
+    #[test]
+    fn partial_messages_expire_and_go_with_their_sender() {
+        let t0 = Instant::now();
+        let ttl = std::time::Duration::from_secs(10);
+        let chunks = Msg::Request(info(2_000)).encode();
+        let mut r = Reassembler::default().with_ttl(ttl);
+        assert_eq!(r.next_expiry(), None);
+        assert!(r.feed("a", &chunks[0], t0).unwrap().is_none());
+        let t1 = t0 + ttl / 2;
+        assert!(r.feed("b", &chunks[0], t1).unwrap().is_none());
+        assert!(r.feed("a", &chunks[1], t1).unwrap().is_none());
+        assert_eq!(r.next_expiry(), Some(t1 + ttl));
+        assert_eq!(r.expire(t1 + ttl / 2), 0);
+        assert_eq!(r.expire(t1 + ttl), 2);
+        assert_eq!((r.held(), r.dropped()), (0, 2));
+        assert!(r.feed("a", &chunks[2], t1 + ttl).is_err());
+        assert!(r.feed("c", &chunks[0], t1 + ttl).unwrap().is_none());
+        r.forget("c");
+        r.forget("nobody");
+        assert_eq!((r.held(), r.dropped()), (0, 3));
     }
 }

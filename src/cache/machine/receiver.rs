@@ -4,6 +4,21 @@
 //! landed (`Done`, delivered after the data). A layer-wise sender also
 //! reports each layer group as it lands (`Landed`); a layer of this rank
 //! is reported landed once every rank that sends it has.
+//!
+//! # Fail closed
+//! A request that fails (a deadline, a context rank's cancel or failure, a
+//! rank that left, a protocol violation) or is cancelled here reports its
+//! outcome only once nothing more can land in its blocks: every rank that
+//! writes them has delivered its share (`Done`) or confirmed that it
+//! stopped (`Cancelled`, sent after its posted writes ended). The ranks
+//! still writing are told to stop the moment the failure is known. Where
+//! a rank does not confirm within the settle timeout (it stopped
+//! answering), or every rank still open has left the cluster, the outcome
+//! is [`CacheError::Unsettled`], which says so; [`ReceiverEvent::Settled`]
+//! follows if the rest confirm later.
+//!
+//! Messages about a request from an agent that is not one of its parties
+//! are dropped and counted ([`Metrics::strangers`]), never acted on.
 
 #![forbid(unsafe_code)]
 
@@ -26,20 +41,28 @@ use crate::error::Error;
 pub enum ReceiverEvent {
     /// The request's outcome, reported once: every share landed (`Ok`), a
     /// context rank cancelled or failed it, it timed out, or this side
-    /// cancelled it. After a timeout or a context rank's cancel, writes of
-    /// other ranks may still land: only [`CancelSettled`] says they cannot.
-    ///
-    /// [`CancelSettled`]: ReceiverEvent::CancelSettled
+    /// cancelled it. Any outcome but [`CacheError::Unsettled`] means that
+    /// nothing of the request can land any more (see the [module
+    /// docs](self)).
     Finished {
         /// The request.
         request_id: u64,
         /// Its outcome.
         outcome: Result<SessionStats, CacheError>,
     },
-    /// A [`ReceiverMachine::cancel`] settled: every rank that sends has
-    /// answered (`Cancelled` after its posted writes ended, or `Done`), so
-    /// nothing can still land in the request's blocks.
-    CancelSettled {
+    /// A request that ended otherwise than completed, or that this side
+    /// cancelled, settled: every rank that sends has answered (`Cancelled`
+    /// after its posted writes ended, or `Done`), so nothing can still land
+    /// in its blocks. Reported with its `Finished` (after it), or later for
+    /// one reported [`CacheError::Unsettled`].
+    Settled {
+        /// The request.
+        request_id: u64,
+    },
+    /// A request reported [`CacheError::Unsettled`] was forgotten at its
+    /// expiry (one timeout later) with ranks still unconfirmed: whether
+    /// they write is not known.
+    Forgotten {
         /// The request.
         request_id: u64,
     },
@@ -80,18 +103,26 @@ struct Req {
     asked: Vec<String>,
     /// Context agent → its share, for the ranks that send.
     senders: BTreeMap<String, Share>,
-    /// Agents that answered `Cancelled`.
+    /// Agents that answered `Cancelled` (or were never sent the request).
     settled: BTreeSet<String>,
+    /// Senders that left the cluster without settling.
+    gone: BTreeSet<String>,
     /// This side cancelled: the request ends when every sender settled.
     cancelling: bool,
+    /// The request failed: its outcome (and whether it counts as a
+    /// cancel), reported once every sender settled.
+    failure: Option<(CacheError, bool)>,
+    /// Once failed or cancelling: when the senders still open are given up
+    /// on (the outcome is then reported `Unsettled`).
+    settle_by: Option<Instant>,
     /// The outcome was reported.
     reported: bool,
     start: Instant,
     request_info: Duration,
     mapping: Duration,
     deadline: Instant,
-    /// After the outcome (a timeout, a context rank's cancel) or a cancel:
-    /// when the request is forgotten even if a sender never settles.
+    /// After an `Unsettled` outcome: when the request is forgotten even if
+    /// a sender never settles.
     expire: Option<Instant>,
     /// Per layer of this rank: senders that write it, and those that
     /// reported it landed.
@@ -100,11 +131,27 @@ struct Req {
 }
 
 impl Req {
-    /// A rank that sends has neither delivered nor settled.
-    fn open(&self) -> bool {
+    /// Senders that have neither delivered nor settled: they may write.
+    fn open_senders(&self) -> impl Iterator<Item = (&String, &Share)> {
         self.senders
             .iter()
-            .any(|(a, v)| v.done.is_none() && !self.settled.contains(a))
+            .filter(|(a, v)| v.done.is_none() && !self.settled.contains(*a))
+    }
+
+    /// A rank that sends has neither delivered nor settled.
+    fn open(&self) -> bool {
+        self.open_senders().next().is_some()
+    }
+
+    /// The request ended (failed or cancelled) and waits for its senders
+    /// to settle.
+    fn ending(&self) -> bool {
+        self.cancelling || self.failure.is_some()
+    }
+
+    /// Whether `agent` takes part: asked for it, or one of its senders.
+    fn party(&self, agent: &str) -> bool {
+        self.senders.contains_key(agent) || self.asked.iter().any(|a| a == agent)
     }
 }
 
@@ -262,7 +309,10 @@ impl ReceiverMachine {
                 asked,
                 senders,
                 settled: BTreeSet::new(),
+                gone: BTreeSet::new(),
                 cancelling: false,
+                failure: None,
+                settle_by: None,
                 reported: false,
                 start: now,
                 request_info: Duration::ZERO,
@@ -291,13 +341,14 @@ impl ReceiverMachine {
 
     /// The transport refused `msg` for `to`. A request whose request info
     /// could not be sent is withdrawn: the ranks already asked are told to
-    /// cancel, the rest are not asked, and it finishes with the error.
-    pub fn handle_transmit_failed(&mut self, to: &str, msg: &Msg, error: Error, _now: Instant) {
+    /// cancel, the rest are not asked, and it finishes with the error once
+    /// the ranks asked settled.
+    pub fn handle_transmit_failed(&mut self, to: &str, msg: &Msg, error: Error, now: Instant) {
         let Msg::Request(info) = msg else {
             tracing::debug!(remote = to, %error, "cannot notify a context rank");
             return;
         };
-        self.withdraw(info.request_id, to, error);
+        self.withdraw(info.request_id, to, error, now);
     }
 
     /// Context agents whose share of an open request has not landed.
@@ -305,11 +356,10 @@ impl ReceiverMachine {
         let mut v: Vec<String> = self
             .reqs
             .values()
-            .filter(|r| !r.reported && !r.cancelling)
+            .filter(|r| !r.reported)
             .flat_map(|r| {
-                r.senders
-                    .iter()
-                    .filter(|(a, s)| s.done.is_none() && !r.settled.contains(*a))
+                r.open_senders()
+                    .filter(|(a, _)| !r.gone.contains(*a))
                     .map(|(a, _)| a.clone())
             })
             .collect();
@@ -321,16 +371,14 @@ impl ReceiverMachine {
     /// Context agent `agent` is gone (it left the agent's metadata store:
     /// its process died, hung or restarted): every open request still
     /// waiting on its share fails with `error` at once instead of at its
-    /// deadline (and, as after a timeout, stays known until it expires).
+    /// deadline. Its writes are not known to have stopped: once every
+    /// sender still open is gone, the outcome is
+    /// [`CacheError::Unsettled`] at once, not after the settle timeout.
     pub fn handle_peer_gone(&mut self, agent: &str, error: Error, now: Instant) {
         let ids: Vec<u64> = self
             .reqs
             .iter()
-            .filter(|(_, r)| {
-                !r.reported
-                    && !r.cancelling
-                    && r.senders.get(agent).is_some_and(|s| s.done.is_none())
-            })
+            .filter(|(_, r)| !r.reported && r.open_senders().any(|(a, _)| a == agent))
             .map(|(id, _)| *id)
             .collect();
         for id in ids {
@@ -339,16 +387,19 @@ impl ReceiverMachine {
                 request_id = id,
                 "a context rank is gone; failing its request"
             );
+            if let Some(r) = self.reqs.get_mut(&id) {
+                r.gone.insert(agent.to_owned());
+            }
             self.fail(id, CacheError::Transfer(error.clone()), false, now);
+            self.settle(id, now);
         }
     }
 
-    /// Withdraws request `id`, which could not be sent to `to`: forgotten,
-    /// every other rank asked told to cancel, and finished with `error`.
-    fn withdraw(&mut self, id: u64, to: &str, error: Error) {
-        let Some(r) = self.reqs.remove(&id) else {
-            return;
-        };
+    /// Withdraws request `id`, which could not be sent to `to`: the ranks
+    /// not sent it yet are not asked, those already asked are told to
+    /// cancel, and it finishes with `error` once they settled (at once
+    /// when none was asked).
+    fn withdraw(&mut self, id: u64, to: &str, error: Error, now: Instant) {
         let unsent = |t: &Transmit| matches!(&t.msg, Msg::Request(i) if i.request_id == id);
         let pending: Vec<String> = self
             .transmits
@@ -357,23 +408,20 @@ impl ReceiverMachine {
             .map(|t| t.to.clone())
             .collect();
         self.transmits.retain(|t| !unsent(t));
-        for a in r.asked.iter().filter(|a| *a != to && !pending.contains(a)) {
-            self.transmits.push_back(Transmit {
-                to: a.clone(),
-                msg: Msg::Cancel { request_id: id },
-            });
-        }
-        if !r.reported {
-            self.events.push_back(ReceiverEvent::Finished {
-                request_id: id,
-                outcome: Err(CacheError::Transfer(error)),
-            });
-        }
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        // Neither `to` nor the ranks still pending got the request: they
+        // write nothing.
+        r.settled.insert(to.to_owned());
+        r.settled.extend(pending);
+        self.fail(id, CacheError::Transfer(error), false, now);
     }
 
     /// Cancels a request: every context rank asked is told; it settles
-    /// ([`ReceiverEvent::CancelSettled`], and `Finished` with `Cancelled`
-    /// unless it had ended) once each rank that sends has answered.
+    /// (`Finished` with `Cancelled` unless it had ended, then
+    /// [`ReceiverEvent::Settled`]) once each rank that sends has answered,
+    /// or is reported `Unsettled` after the settle timeout.
     ///
     /// # Errors
     /// [`CacheError::UnknownRequest`].
@@ -382,14 +430,16 @@ impl ReceiverMachine {
             return Err(CacheError::UnknownRequest(request_id));
         };
         r.cancelling = true;
-        r.expire = Some(now + self.config.timeout);
+        r.settle_by.get_or_insert(now + self.config.settle_timeout);
         for a in r.asked.clone() {
-            self.transmits.push_back(Transmit {
-                to: a,
-                msg: Msg::Cancel { request_id },
-            });
+            if !r.settled.contains(&a) {
+                self.transmits.push_back(Transmit {
+                    to: a,
+                    msg: Msg::Cancel { request_id },
+                });
+            }
         }
-        self.settle(request_id);
+        self.settle(request_id, now);
         Ok(())
     }
 
@@ -410,7 +460,8 @@ impl ReceiverMachine {
     }
 
     /// A message from context agent `from`, which reached this agent at
-    /// `now`.
+    /// `now`. One from an agent that is not a party to the request it names
+    /// is dropped and counted.
     pub fn handle_message(&mut self, from: &str, msg: Msg, now: Instant) {
         let id = msg.request_id();
         let Some(r) = self.reqs.get_mut(&id) else {
@@ -421,6 +472,15 @@ impl ReceiverMachine {
             );
             return;
         };
+        if !r.party(from) {
+            self.metrics.strangers += 1;
+            tracing::warn!(
+                remote = from,
+                request = id,
+                "dropping a KV-cache message from an agent that is not a party to the request"
+            );
+            return;
+        }
         match msg {
             Msg::Ready { .. } => {
                 if let Some(v) = r.senders.get_mut(from) {
@@ -475,13 +535,14 @@ impl ReceiverMachine {
                 v.fragments = fragments;
                 v.fragments_coalesced = fragments_coalesced;
                 if !r.reported && r.senders.values().all(|v| v.done.is_some()) {
+                    // Every share landed, even if a deadline or a cancel
+                    // came first: the request completed, as each context
+                    // rank that delivered saw it.
                     let r = self.reqs.remove(&id).expect("present");
                     self.complete(id, &r, now);
-                    if r.cancelling {
-                        // Every share landed before the cancel took: it
-                        // settles with the request complete.
+                    if r.ending() {
                         self.events
-                            .push_back(ReceiverEvent::CancelSettled { request_id: id });
+                            .push_back(ReceiverEvent::Settled { request_id: id });
                     }
                     return;
                 }
@@ -504,12 +565,13 @@ impl ReceiverMachine {
             }
             other => tracing::warn!(remote = from, ?other, "unexpected message on a receiver"),
         }
-        self.settle(id);
+        self.settle(id, now);
     }
 
-    /// Time passed: requests past their deadline fail with a timeout (and
-    /// stay open until a cancel settles them or they expire); requests
-    /// past their expiry are forgotten.
+    /// Time passed: requests past their deadline fail with a timeout
+    /// (reported once their senders settled); failed or cancelled requests
+    /// past their settle timeout are reported `Unsettled`; requests past
+    /// their expiry are forgotten.
     pub fn handle_timeout(&mut self, now: Instant) {
         let mut ids: Vec<u64> = self.reqs.keys().copied().collect();
         ids.sort_unstable();
@@ -517,7 +579,13 @@ impl ReceiverMachine {
             let r = &self.reqs[&id];
             if r.expire.is_some_and(|e| now >= e) {
                 self.reqs.remove(&id);
-            } else if !r.reported && now >= r.deadline {
+                self.events
+                    .push_back(ReceiverEvent::Forgotten { request_id: id });
+            } else if r.ending() {
+                if r.settle_by.is_some_and(|t| now >= t) {
+                    self.settle(id, now);
+                }
+            } else if now >= r.deadline {
                 let missing: Vec<u32> = r
                     .senders
                     .values()
@@ -540,6 +608,8 @@ impl ReceiverMachine {
             .filter_map(|r| {
                 if r.reported {
                     r.expire
+                } else if r.ending() {
+                    r.settle_by
                 } else {
                     Some(r.deadline)
                 }
@@ -599,19 +669,19 @@ impl ReceiverMachine {
         }
     }
 
-    /// Reports a failure as the request's outcome (once), tells the
-    /// context ranks still writing to stop (so that the whole request
-    /// quiesces and every rank ends it alike), and keeps the request
-    /// until its senders settle or it expires.
+    /// Records a failure as the request's outcome (the first one wins),
+    /// tells the context ranks still writing to stop at once (so that the
+    /// whole request quiesces and every rank ends it alike), and reports it
+    /// once they settled (see [`settle`](Self::settle)).
     fn fail(&mut self, id: u64, e: CacheError, cancelled: bool, now: Instant) {
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
         };
-        if r.reported {
+        if r.reported || r.failure.is_some() {
             return;
         }
-        r.reported = true;
-        r.expire.get_or_insert(now + self.config.timeout);
+        r.failure = Some((e, cancelled));
+        r.settle_by.get_or_insert(now + self.config.settle_timeout);
         if !r.cancelling {
             for a in &r.asked {
                 let delivered = r.senders.get(a).is_some_and(|v| v.done.is_some());
@@ -623,37 +693,76 @@ impl ReceiverMachine {
                 }
             }
         }
-        self.metrics.record_ended(cancelled);
-        self.events.push_back(ReceiverEvent::Finished {
-            request_id: id,
-            outcome: Err(e),
-        });
+        self.settle(id, now);
     }
 
-    /// Forgets a request nothing can still write once its outcome is
-    /// known; settles this side's cancel.
-    fn settle(&mut self, id: u64) {
-        let Some(r) = self.reqs.get(&id) else {
+    /// The outcome of a request that ended without completing, and whether
+    /// it counts as a cancel.
+    fn ending_outcome(id: u64, r: &Req) -> (CacheError, bool) {
+        match &r.failure {
+            Some((e, cancelled)) => (e.clone(), *cancelled),
+            None => (
+                CacheError::Cancelled {
+                    request_id: id,
+                    reason: "cancelled by the generation side".into(),
+                },
+                true,
+            ),
+        }
+    }
+
+    /// Reports a failed or cancelled request once nothing can land in its
+    /// blocks (every sender delivered or settled), and forgets it; reports
+    /// it `Unsettled` instead when its settle timeout passed, or every
+    /// sender still open left the cluster (then keeps it until it expires,
+    /// for a late `Settled`).
+    fn settle(&mut self, id: u64, now: Instant) {
+        let Some(r) = self.reqs.get_mut(&id) else {
             return;
         };
-        if r.open() || !(r.cancelling || r.reported) {
+        if !r.ending() {
+            return;
+        }
+        if r.open() {
+            let late = r.settle_by.is_some_and(|t| now >= t);
+            let all_gone = r.open_senders().all(|(a, _)| r.gone.contains(a));
+            if r.reported || !(late || all_gone) {
+                return;
+            }
+            r.reported = true;
+            r.expire = Some(now + self.config.timeout);
+            let mut ranks: Vec<u32> = r.open_senders().map(|(_, v)| v.rank).collect();
+            ranks.sort_unstable();
+            let (cause, cancelled) = Self::ending_outcome(id, r);
+            tracing::warn!(
+                request_id = id,
+                ?ranks,
+                %cause,
+                "context ranks did not confirm that they stopped writing"
+            );
+            self.metrics.record_ended(cancelled);
+            self.metrics.unsettled += 1;
+            self.events.push_back(ReceiverEvent::Finished {
+                request_id: id,
+                outcome: Err(CacheError::Unsettled {
+                    request_id: id,
+                    ranks,
+                    cause: Box::new(cause),
+                }),
+            });
             return;
         }
         let r = self.reqs.remove(&id).expect("present");
-        if r.cancelling {
-            if !r.reported {
-                self.metrics.record_ended(true);
-                self.events.push_back(ReceiverEvent::Finished {
-                    request_id: id,
-                    outcome: Err(CacheError::Cancelled {
-                        request_id: id,
-                        reason: "cancelled by the generation side".into(),
-                    }),
-                });
-            }
-            self.events
-                .push_back(ReceiverEvent::CancelSettled { request_id: id });
+        if !r.reported {
+            let (e, cancelled) = Self::ending_outcome(id, &r);
+            self.metrics.record_ended(cancelled);
+            self.events.push_back(ReceiverEvent::Finished {
+                request_id: id,
+                outcome: Err(e),
+            });
         }
+        self.events
+            .push_back(ReceiverEvent::Settled { request_id: id });
     }
 
     fn complete(&mut self, id: u64, r: &Req, now: Instant) {

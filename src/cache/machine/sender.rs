@@ -361,12 +361,26 @@ impl SenderMachine {
 
     /// A message from agent `from`. For a [`Msg::Request`], `from` is the
     /// name under which the driver loaded the agent of `info.connection`:
-    /// the writes and answers go there.
+    /// the writes and answers go there. A `Cancel` from an agent that did
+    /// not ask for the request is dropped and counted
+    /// ([`Metrics::strangers`]), as is a request info for a generation rank
+    /// that another agent already asked as.
     pub fn handle_message(&mut self, from: &str, msg: Msg, now: Instant) {
         match msg {
             Msg::Request(info) => self.request_info(from, info, now),
             Msg::Cancel { request_id } => {
-                if self.reqs.contains_key(&request_id) {
+                let stranger = self
+                    .reqs
+                    .get(&request_id)
+                    .is_some_and(|r| !r.asked.values().any(|(a, _)| a == from));
+                if stranger {
+                    self.metrics.strangers += 1;
+                    tracing::warn!(
+                        remote = from,
+                        request = request_id,
+                        "dropping a cancel from an agent that did not ask for the request"
+                    );
+                } else if self.reqs.contains_key(&request_id) {
                     let why = CacheError::Cancelled {
                         request_id,
                         reason: format!("cancelled by generation agent {from}"),
@@ -546,6 +560,18 @@ impl SenderMachine {
                     return;
                 }
             }
+        }
+        if r.asked.get(&info.gen_rank).is_some_and(|(a, _)| a != agent) {
+            // Someone else already asked as this rank: the first one's
+            // request stands; this one moves nothing.
+            self.metrics.strangers += 1;
+            tracing::warn!(
+                remote = agent,
+                request = id,
+                gen_rank = info.gen_rank,
+                "dropping a request info for a rank another agent asked as"
+            );
+            return;
         }
         r.deadline.get_or_insert(now + self.config.timeout);
         r.asked.insert(info.gen_rank, (agent.to_owned(), info));

@@ -27,6 +27,9 @@ const LATENCY: Duration = Duration::from_millis(2);
 const WRITE_TIME: Duration = Duration::from_millis(3);
 /// Both sides' request timeout.
 const TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the receiver waits for the ranks of a failed request to
+/// confirm that they stopped.
+const SETTLE: Duration = Duration::from_secs(1);
 /// Blocks per pool.
 const POOL_BLOCKS: u32 = 8;
 
@@ -120,6 +123,9 @@ struct Pair {
     late_aborts: bool,
     /// (context rank, generation rank) whose `Done` was delivered.
     dones: BTreeSet<(usize, usize)>,
+    /// Per generation rank: its request reported an outcome other than
+    /// `Unsettled` (until it asks again).
+    gen_ended: Vec<bool>,
 }
 
 fn state(tp: u32, pp: u32) -> CacheState {
@@ -175,6 +181,7 @@ impl Pair {
                     name(Side::Gen, r),
                     ReceiverConfig {
                         timeout: t,
+                        settle_timeout: SETTLE,
                         ..ReceiverConfig::default()
                     },
                 )
@@ -188,7 +195,6 @@ impl Pair {
             gen_state,
             senders,
             receivers,
-            gen_nodes,
             queue: BTreeMap::new(),
             seq: 0,
             posted: BTreeMap::new(),
@@ -202,6 +208,8 @@ impl Pair {
             ready: vec![BTreeSet::new(); ctx.len()],
             late_aborts: false,
             dones: BTreeSet::new(),
+            gen_ended: vec![false; gen_nodes.len()],
+            gen_nodes,
             ctx,
         }
     }
@@ -298,6 +306,7 @@ impl Pair {
             last_block_key: None,
         };
         self.receivers[g].request(req, self.now).unwrap();
+        self.gen_ended[g] = false;
         self.drain_gen(g);
     }
 
@@ -393,6 +402,11 @@ impl Pair {
             self.transmit(&me, t);
         }
         while let Some(e) = self.receivers[g].poll_event() {
+            if let ReceiverEvent::Finished { outcome, .. } = &e
+                && !matches!(outcome, Err(CacheError::Unsettled { .. }))
+            {
+                self.gen_ended[g] = true;
+            }
             self.gen_events.push((self.now, g, e));
         }
     }
@@ -424,6 +438,12 @@ impl Pair {
         } else if self.gen_nodes[g].dead {
             Err(crate::Error::Closed)
         } else {
+            // Fail closed: once a generation rank reported a request ended
+            // (anything but `Unsettled`), nothing of it lands there.
+            assert!(
+                !self.gen_ended[g],
+                "context rank {c} wrote into generation rank {g} after its outcome"
+            );
             for (l, r) in p.request.local.descs.iter().zip(&p.request.remote.descs) {
                 assert_eq!(l.len, r.len);
                 let src = (l.addr - base(Side::Ctx, c)) as usize;
@@ -435,7 +455,7 @@ impl Pair {
             self.landed.push((self.now, c, g));
             if let Some(chunk) = p.request.sync_message {
                 let m = Reassembler::default()
-                    .feed(&name(Side::Ctx, c), &chunk)
+                    .feed(&name(Side::Ctx, c), &chunk, self.now)
                     .unwrap()
                     .expect("one chunk");
                 if let Msg::Done { .. } = m {
@@ -481,10 +501,11 @@ impl Pair {
         {
             match self.queue.remove(&key).expect("present") {
                 Item::Deliver { from, to, chunks } => {
+                    let now = self.now;
                     let r = self.reasm.entry(to).or_default();
                     let mut msg = None;
                     for c in &chunks {
-                        msg = r.feed(&from, c).unwrap();
+                        msg = r.feed(&from, c, now).unwrap();
                     }
                     self.deliver(&from, to, msg.expect("a whole message"));
                 }
@@ -548,7 +569,9 @@ impl Pair {
                 ReceiverEvent::Finished { outcome, .. } => {
                     Some((*t, outcome.as_ref().map(|s| s.bytes).map_err(Clone::clone)))
                 }
-                ReceiverEvent::CancelSettled { .. } | ReceiverEvent::LayersLanded { .. } => None,
+                ReceiverEvent::Settled { .. }
+                | ReceiverEvent::Forgotten { .. }
+                | ReceiverEvent::LayersLanded { .. } => None,
             })
             .collect()
     }
@@ -556,7 +579,7 @@ impl Pair {
     fn settled(&self, g: usize) -> Vec<Instant> {
         self.gen_events
             .iter()
-            .filter(|e| e.1 == g && matches!(e.2, ReceiverEvent::CancelSettled { .. }))
+            .filter(|e| e.1 == g && matches!(e.2, ReceiverEvent::Settled { .. }))
             .map(|e| e.0)
             .collect()
     }
@@ -818,26 +841,40 @@ fn a_lost_context_rank_times_the_receiver_out_and_is_forgotten() {
     while p.gen_outcomes(0).is_empty() {
         assert!(p.step());
     }
+    // The deadline passes, the rank is told to stop and never confirms:
+    // the outcome says so after the settle timeout.
     let g = p.gen_outcomes(0);
-    assert_eq!(p.elapsed(g[0].0), TIMEOUT);
-    assert!(matches!(&g[0].1, Err(CacheError::Timeout { .. })));
+    assert_eq!(p.elapsed(g[0].0), TIMEOUT + SETTLE);
+    match &g[0].1 {
+        Err(CacheError::Unsettled { ranks, cause, .. }) => {
+            assert_eq!(ranks, &[0]);
+            assert!(matches!(**cause, CacheError::Timeout { .. }), "{cause}");
+        }
+        other => panic!("{other:?}"),
+    }
     // Still open: a late write could land. A cancel cannot settle (no one
-    // answers); the request is forgotten one timeout after it.
+    // answers); the request is forgotten one timeout after the outcome.
     assert_eq!(p.receivers[0].open_requests(), 1);
+    let t_out = g[0].0;
     p.cancel_gen(0, ID).unwrap();
-    let t_cancel = p.now;
     p.run();
     assert!(p.settled(0).is_empty());
     assert_eq!(p.receivers[0].open_requests(), 0);
-    assert_eq!(p.elapsed(p.now), p.elapsed(t_cancel) + TIMEOUT);
+    assert_eq!(p.now, t_out + TIMEOUT);
+    assert!(
+        p.gen_events
+            .iter()
+            .any(|e| matches!(e.2, ReceiverEvent::Forgotten { .. }) && e.0 == p.now)
+    );
     assert_eq!(p.gen_outcomes(0).len(), 1);
-    assert_eq!(p.receivers[0].metrics().failed, 1);
+    let m = p.receivers[0].metrics();
+    assert_eq!((m.failed, m.unsettled), (1, 1));
 }
 
 /// A context rank that left the agent's metadata store (its process died
 /// or hung): the request waiting on its share fails at once with the cause,
-/// not at its deadline; it is then awaited no more, and (as after a
-/// timeout) forgotten one timeout later.
+/// not at its deadline, as `Unsettled` (the rank never confirmed that it
+/// stopped); it is then awaited no more, and forgotten one timeout later.
 #[test]
 fn a_context_rank_that_leaves_fails_the_request_at_once() {
     let mut p = Pair::new(state(1, 1), state(1, 1));
@@ -858,7 +895,9 @@ fn a_context_rank_that_leaves_fails_the_request_at_once() {
     assert!(
         matches!(
             &g[0].1,
-            Err(CacheError::Transfer(crate::Error::PeerGone { .. }))
+            Err(CacheError::Unsettled { ranks, cause, .. })
+                if ranks == &[0]
+                    && matches!(**cause, CacheError::Transfer(crate::Error::PeerGone { .. }))
         ),
         "{:?}",
         g[0].1
@@ -1264,16 +1303,26 @@ fn a_context_rank_that_dies_mid_stream_fails_the_request_at_once() {
     let t_gone = p.now;
     p.receivers[0].handle_peer_gone(&ctx1, gone, p.now);
     p.drain_gen(0);
+    // The receiver tells rank 0 to stop at once, and reports the outcome
+    // once it confirmed (one round trip): only the rank that left is
+    // unconfirmed.
+    assert!(p.gen_outcomes(0).is_empty());
+    p.settle();
     let g = p.gen_outcomes(0);
     assert_eq!(g.len(), 1);
-    assert_eq!(g[0].0, t_gone);
-    assert!(matches!(
-        &g[0].1,
-        Err(CacheError::Transfer(crate::Error::PeerGone { .. }))
-    ));
-    // The receiver tells rank 0 to stop: its next layer is not written,
-    // and it ends the request as cancelled by the generation side.
-    p.settle();
+    assert_eq!(g[0].0, t_gone + 2 * LATENCY);
+    assert!(
+        matches!(
+            &g[0].1,
+            Err(CacheError::Unsettled { ranks, cause, .. })
+                if ranks == &[1]
+                    && matches!(**cause, CacheError::Transfer(crate::Error::PeerGone { .. }))
+        ),
+        "{:?}",
+        g[0].1
+    );
+    // Rank 0's next layer is not written, and it ends the request as
+    // cancelled by the generation side.
     let landed = p.landed.len();
     p.mark(0, ID, 3..4).unwrap();
     p.run();
@@ -1421,4 +1470,142 @@ fn a_cancel_racing_the_last_write_ends_alike_on_both_sides() {
             }
         }
     }
+}
+
+/// A generation deadline reaches every context rank at once (one message
+/// flight, no timer tick), and the generation side reports it once they
+/// confirmed they stopped: one round trip after the deadline.
+#[test]
+fn a_deadline_reaches_every_rank_at_once_and_reports_once_quiesced() {
+    let mut p = Pair::with_receiver_timeout(state(2, 1), state(1, 1), TIMEOUT / 2);
+    p.writes = Writes::Hang;
+    p.start(ID, 3);
+    p.run();
+    let deadline = TIMEOUT / 2;
+    for c in 0..2 {
+        let o = p.ctx_outcomes(c);
+        assert_eq!(o.len(), 1);
+        assert_eq!(p.elapsed(o[0].0), deadline + LATENCY, "context rank {c}");
+        assert!(
+            matches!(&o[0].1, Err(CacheError::Cancelled { reason, .. }) if reason.contains("gen0")),
+            "{:?}",
+            o[0].1
+        );
+    }
+    let g = p.gen_outcomes(0);
+    assert_eq!(g.len(), 1);
+    assert_eq!(p.elapsed(g[0].0), deadline + 2 * LATENCY);
+    assert!(
+        matches!(&g[0].1, Err(CacheError::Timeout { .. })),
+        "{:?}",
+        g[0].1
+    );
+    assert_eq!(p.settled(0), vec![g[0].0]);
+    p.assert_quiet();
+}
+
+/// One context rank cancels while the other's writes still move and its
+/// aborts come too late (each posted write lands whole): the generation
+/// side reports the cancel only after the last of them landed, and
+/// nothing lands after that (checked on every write by the pair).
+#[test]
+fn a_cancelled_request_reports_only_after_the_other_ranks_stopped() {
+    for k in 0..40 {
+        let mut p = Pair::new(state(2, 1), state(1, 1));
+        p.late_aborts = true;
+        p.start(ID, 3);
+        for _ in 0..k {
+            p.step();
+        }
+        let _ = p.cancel_ctx(0, ID);
+        p.run();
+        let g = p.gen_outcomes(0);
+        assert_eq!(g.len(), 1, "after {k} steps");
+        if g[0].1.is_err() {
+            assert!(
+                p.landed.iter().all(|&(t, _, _)| t <= g[0].0),
+                "after {k} steps: a write landed after the outcome"
+            );
+            assert_eq!(p.settled(0).len(), 1, "after {k} steps");
+        }
+        p.assert_quiet();
+    }
+}
+
+/// Messages about a request from agents that are not its parties are
+/// dropped and counted, never acted on: a `Cancelled`, `Landed` or `Done`
+/// from a stranger does not fail or complete the request, and a `Cancel`
+/// from a stranger does not stop a context rank; the request then
+/// completes.
+#[test]
+fn strangers_cannot_move_a_request() {
+    let mut p = Pair::new(state(2, 1), state(1, 1));
+    p.start(ID, 3);
+    p.step();
+    p.step();
+    let forged = [
+        Msg::Cancelled {
+            request_id: ID,
+            reason: "forged".into(),
+            failure: true,
+        },
+        Msg::Landed {
+            request_id: ID,
+            first_layer: 0,
+            layers: 1,
+        },
+        Msg::Done {
+            request_id: ID,
+            bytes: 1,
+            fragments: 1,
+            fragments_coalesced: 1,
+        },
+    ];
+    for m in forged {
+        p.deliver("mallory", (Side::Gen, 0), m);
+    }
+    for c in 0..2 {
+        p.deliver("mallory", (Side::Ctx, c), Msg::Cancel { request_id: ID });
+    }
+    p.run();
+    p.check_landed(3, 10);
+    assert!(p.gen_outcomes(0)[0].1.is_ok());
+    for c in 0..2 {
+        assert!(p.ctx_outcomes(c)[0].1.is_ok());
+        assert_eq!(p.senders[c].metrics().strangers, 1);
+    }
+    assert_eq!(p.receivers[0].metrics().strangers, 3);
+    p.assert_quiet();
+}
+
+/// A request info from another agent for a generation rank that already
+/// asked is dropped: the writes go where the first one asked.
+#[test]
+fn a_second_agent_asking_as_a_rank_is_dropped() {
+    let mut p = Pair::new(state(1, 1), state(1, 1));
+    p.prefill(2);
+    let mut info = None;
+    p.lose = Box::new(|_, _, _| false);
+    p.request(0, ID, 2);
+    // Capture the request info as it flies: the first queued delivery.
+    if let Some(Item::Deliver { chunks, .. }) = p.queue.values().next() {
+        let mut r = Reassembler::default();
+        for c in chunks {
+            info = r.feed("gen0", c, p.now).unwrap();
+        }
+    }
+    let Some(Msg::Request(mut forged)) = info else {
+        panic!("no request info in flight");
+    };
+    forged.connection = "gen9".into();
+    // The real one arrives first; the forged one while the request is open.
+    p.step();
+    p.deliver("gen9", (Side::Ctx, 0), Msg::Request(forged));
+    p.send(0, ID, 2);
+    p.run();
+    p.check_landed(2, 8);
+    assert!(p.ctx_outcomes(0)[0].1.is_ok());
+    assert!(p.gen_outcomes(0)[0].1.is_ok());
+    assert_eq!(p.senders[0].metrics().strangers, 1);
+    p.assert_quiet();
 }

@@ -24,9 +24,17 @@ pyo3::create_exception!(
     "A KV-cache protocol error (kvxfer's `CacheError`): an incompatible layout, a cancelled or timed-out request, a peer's protocol violation."
 );
 
+pyo3::create_exception!(
+    _kvxfer,
+    CacheUnsettledError,
+    CacheProtocolError,
+    "A KV-cache request ended, but context ranks writing into its blocks did not confirm that they stopped: their writes may still land. Reuse the blocks only once `RecvHandle.wait_settled` returns."
+);
+
 pub(crate) fn cache_err(e: CacheError) -> PyErr {
     match e {
         CacheError::Transfer(t) => to_py(t),
+        e @ CacheError::Unsettled { .. } => CacheUnsettledError::new_err(e.to_string()),
         other => CacheProtocolError::new_err(other.to_string()),
     }
 }
@@ -249,11 +257,40 @@ impl PyRecvHandle {
     }
 
     /// Waits until every share landed: the session's measures (a dict).
+    /// Any error but `CacheUnsettledError` (and this wait's own timeout)
+    /// means that nothing of the request can land any more: its blocks may
+    /// be reused at once; after `CacheUnsettledError`, once `wait_settled`
+    /// returns.
     fn wait<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
         wait_stats(py, timeout, |t| match self.h.wait(t) {
             Err(CacheError::Timeout { what, .. }) if what == "cache receive" => None,
             r => Some(r),
         })
+    }
+
+    /// Waits until nothing of the request can land in its blocks any more
+    /// (it completed, or every context rank writing them delivered or
+    /// confirmed that it stopped): then the blocks may be reused. Raises
+    /// `CacheProtocolError` on a timeout, `CacheUnsettledError` when the
+    /// request was forgotten with ranks still unconfirmed.
+    #[pyo3(signature = (timeout = 60.0))]
+    fn wait_settled(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let t = secs("timeout", timeout)?;
+        let deadline = std::time::Instant::now() + t;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let slice = left.min(Duration::from_millis(100));
+            match py.detach(|| self.h.wait_settled(slice)) {
+                Err(CacheError::Timeout { .. }) if !left.is_zero() => py.check_signals()?,
+                Err(CacheError::Timeout { .. }) => {
+                    return Err(cache_err(CacheError::Timeout {
+                        what: "the request settling".into(),
+                        after: t,
+                    }));
+                }
+                r => return r.map_err(cache_err),
+            }
+        }
     }
 
     /// The runs of this rank's model layers that landed so far, in the
@@ -400,8 +437,12 @@ impl PyCacheReceiver {
     /// A receiver for `rank` of an executor laid out as `state`, whose pools
     /// are registered with `agent`; the context executor is `ctx_state`,
     /// its ranks at `ctx_connections` (connection info by rank).
+    /// `settle_timeout`: how long the ranks of a failed request have to
+    /// confirm that they stopped writing before its outcome is
+    /// `CacheUnsettledError`.
     #[new]
-    #[pyo3(signature = (agent, state, rank, ctx_state, ctx_connections, timeout = 60.0))]
+    #[pyo3(signature = (agent, state, rank, ctx_state, ctx_connections, timeout = 60.0, settle_timeout = 10.0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         agent: &PyAgent,
@@ -410,9 +451,11 @@ impl PyCacheReceiver {
         ctx_state: &PyCacheState,
         ctx_connections: Vec<String>,
         timeout: f64,
+        settle_timeout: f64,
     ) -> PyResult<Self> {
         let cfg = ReceiverConfig {
             timeout: secs("timeout", timeout)?,
+            settle_timeout: secs("settle_timeout", settle_timeout)?,
             ..ReceiverConfig::default()
         };
         let a = Arc::clone(&agent.agent);
@@ -445,9 +488,27 @@ impl PyCacheReceiver {
     }
 
     /// Cancels a request; returns once no context rank can still write
-    /// its blocks.
+    /// its blocks (raises `CacheUnsettledError` when one did not confirm
+    /// within the settle timeout).
     fn cancel(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
         py.detach(|| self.r.cancel(request_id)).map_err(cache_err)
+    }
+
+    /// Totals over the requests this receiver finished, as a dict:
+    /// `completed`, `cancelled`, `failed`, `unsettled`, `bytes`,
+    /// `strangers` (messages from agents not party to the request they
+    /// name, dropped), `partials_dropped`.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.r.metrics();
+        let d = PyDict::new(py);
+        d.set_item("completed", m.completed)?;
+        d.set_item("cancelled", m.cancelled)?;
+        d.set_item("failed", m.failed)?;
+        d.set_item("unsettled", m.unsettled)?;
+        d.set_item("bytes", m.bytes)?;
+        d.set_item("strangers", m.strangers)?;
+        d.set_item("partials_dropped", m.partials_dropped)?;
+        Ok(d)
     }
 }
 
@@ -463,6 +524,10 @@ pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add(
         "CacheProtocolError",
         m.py().get_type::<CacheProtocolError>(),
+    )?;
+    m.add(
+        "CacheUnsettledError",
+        m.py().get_type::<CacheUnsettledError>(),
     )?;
     Ok(())
 }

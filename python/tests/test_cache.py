@@ -45,10 +45,19 @@ def test_a_request_nobody_answers_times_out_typed():
     buf = bytearray(kvxfer.block_bytes(ctx, 0, ctx) * 2)
     reg = g.register(buf)
     # The context agent exists but runs no sender: nobody answers.
-    r = kvxfer.CacheReceiver(g, ctx, 0, ctx, [t.connection_info()], timeout=0.5)
+    r = kvxfer.CacheReceiver(
+        g, ctx, 0, ctx, [t.connection_info()], timeout=0.5, settle_timeout=0.5
+    )
     h = r.request(1, [reg.addr])
-    with pytest.raises(kvxfer.CacheProtocolError, match="timed out"):
+    # Nobody confirms that it stopped writing either: the outcome says so,
+    # and the blocks are not reported safe to reuse.
+    assert issubclass(kvxfer.CacheUnsettledError, kvxfer.CacheProtocolError)
+    with pytest.raises(kvxfer.CacheUnsettledError, match="timed out"):
         h.wait(30.0)
+    with pytest.raises(kvxfer.CacheProtocolError, match="settling timed out"):
+        h.wait_settled(0.1)
+    m = r.metrics()
+    assert (m["failed"], m["unsettled"], m["strangers"]) == (1, 1, 0)
     assert bytes(buf) == bytes(len(buf))
 
 

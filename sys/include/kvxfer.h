@@ -91,6 +91,11 @@ typedef enum kvxfer_result {
   // that is not device memory, on another device than `device_id`
   // names, or past its allocation, or a failed driver call.
   KVXFER_ERR_GPU = 318,
+  // A KV-cache request ended (the message says why), but context ranks
+  // writing into its blocks did not confirm that they stopped: their
+  // writes may still land. Reuse the blocks only once
+  // `kvxfer_cache_wait_settled` returns `KVXFER_OK`.
+  KVXFER_ERR_UNSETTLED = 319,
   // A bug: a panic was caught at the boundary.
   KVXFER_ERR_PANIC = 900,
 } kvxfer_result;
@@ -852,6 +857,11 @@ enum kvxfer_result kvxfer_cache_receiver_free(struct kvxfer_cache_receiver *rece
 // `KVXFER_ERR_TIMEOUT` while it is still going; `KVXFER_ERR_CANCELLED`
 // when it was cancelled or failed on the context side.
 //
+// Any outcome but `KVXFER_ERR_TIMEOUT` (still going) and
+// `KVXFER_ERR_UNSETTLED` means that nothing of the request can land any
+// more: its blocks may be reused at once. After `KVXFER_ERR_UNSETTLED`,
+// reuse them once `kvxfer_cache_wait_settled` returns `KVXFER_OK`.
+//
 // # Safety
 // `handle` is a handle from `kvxfer_cache_sender_send` or
 // `kvxfer_cache_receiver_request` (checked); `stats` is NULL or valid for
@@ -859,6 +869,19 @@ enum kvxfer_result kvxfer_cache_receiver_free(struct kvxfer_cache_receiver *rece
 enum kvxfer_result kvxfer_cache_wait(const struct kvxfer_cache_handle *handle,
                                      int64_t timeout_ms,
                                      struct kvxfer_cache_stats *stats);
+
+// Waits up to `timeout_ms` (negative: 60 s at a time, until it is known)
+// until nothing of a request being received can land in its blocks any
+// more: it completed, or it ended otherwise and every context rank writing
+// them delivered its share or confirmed that it stopped. `KVXFER_OK`: the
+// blocks may be reused. `KVXFER_ERR_TIMEOUT` while not yet;
+// `KVXFER_ERR_UNSETTLED` when the request was forgotten with ranks still
+// unconfirmed; `KVXFER_ERR_INVALID_ARGUMENT` for a sender's handle.
+//
+// # Safety
+// `handle` is a handle from `kvxfer_cache_receiver_request` (checked).
+enum kvxfer_result kvxfer_cache_wait_settled(const struct kvxfer_cache_handle *handle,
+                                             int64_t timeout_ms);
 
 // Waits up to `timeout_ms` (negative: without end) until model layers
 // `first_layer .. first_layer + count` of a request being received have

@@ -109,6 +109,7 @@ fn cache_fail(e: CacheError) -> Fail {
         CacheError::Cancelled { .. } | CacheError::UnknownBlockKey(_) => KVXFER_ERR_CANCELLED,
         CacheError::Transfer(t) => return Fail::from(t.clone()),
         CacheError::Closed => KVXFER_ERR_CLOSED,
+        CacheError::Unsettled { .. } => KVXFER_ERR_UNSETTLED,
         _ => KVXFER_ERR_IO,
     };
     Fail::new(code, e.to_string())
@@ -498,6 +499,11 @@ pub unsafe extern "C" fn kvxfer_cache_receiver_free(
 /// `KVXFER_ERR_TIMEOUT` while it is still going; `KVXFER_ERR_CANCELLED`
 /// when it was cancelled or failed on the context side.
 ///
+/// Any outcome but `KVXFER_ERR_TIMEOUT` (still going) and
+/// `KVXFER_ERR_UNSETTLED` means that nothing of the request can land any
+/// more: its blocks may be reused at once. After `KVXFER_ERR_UNSETTLED`,
+/// reuse them once `kvxfer_cache_wait_settled` returns `KVXFER_OK`.
+///
 /// # Safety
 /// `handle` is a handle from `kvxfer_cache_sender_send` or
 /// `kvxfer_cache_receiver_request` (checked); `stats` is NULL or valid for
@@ -539,6 +545,45 @@ pub unsafe extern "C" fn kvxfer_cache_wait(
                 }
             };
         }
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Waits up to `timeout_ms` (negative: 60 s at a time, until it is known)
+/// until nothing of a request being received can land in its blocks any
+/// more: it completed, or it ended otherwise and every context rank writing
+/// them delivered its share or confirmed that it stopped. `KVXFER_OK`: the
+/// blocks may be reused. `KVXFER_ERR_TIMEOUT` while not yet;
+/// `KVXFER_ERR_UNSETTLED` when the request was forgotten with ranks still
+/// unconfirmed; `KVXFER_ERR_INVALID_ARGUMENT` for a sender's handle.
+///
+/// # Safety
+/// `handle` is a handle from `kvxfer_cache_receiver_request` (checked).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_cache_wait_settled(
+    handle: *const kvxfer_cache_handle,
+    timeout_ms: i64,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let h = unsafe { live(handle, Kind::CacheHandle, "handle")? };
+        let HandleKind::Recv(r) = &h.inner else {
+            return Err(Fail::new(
+                KVXFER_ERR_INVALID_ARGUMENT,
+                "blocks settle on the generation side: pass a receiver's handle",
+            ));
+        };
+        if timeout_ms < 0 {
+            loop {
+                match r.wait_settled(Duration::from_secs(60)) {
+                    Err(CacheError::Timeout { .. }) => continue,
+                    other => break other,
+                }
+            }
+        } else {
+            r.wait_settled(Duration::from_millis(timeout_ms as u64))
+        }
+        .map_err(cache_fail)?;
         Ok(KVXFER_OK)
     })
 }

@@ -117,6 +117,11 @@ pub enum kvxfer_result {
     /// that is not device memory, on another device than `device_id`
     /// names, or past its allocation, or a failed driver call.
     KVXFER_ERR_GPU = 318,
+    /// A KV-cache request ended (the message says why), but context ranks
+    /// writing into its blocks did not confirm that they stopped: their
+    /// writes may still land. Reuse the blocks only once
+    /// `kvxfer_cache_wait_settled` returns `KVXFER_OK`.
+    KVXFER_ERR_UNSETTLED = 319,
     /// A bug: a panic was caught at the boundary.
     KVXFER_ERR_PANIC = 900,
 }
@@ -619,6 +624,7 @@ pub extern "C" fn kvxfer_result_name(code: kvxfer_result) -> *const c_char {
         KVXFER_ERR_METADATA_STORE,
         KVXFER_ERR_NAME_TAKEN,
         KVXFER_ERR_GPU,
+        KVXFER_ERR_UNSETTLED,
         KVXFER_ERR_PANIC
     );
     s.as_ptr().cast()

@@ -90,6 +90,8 @@ int main(void) {
   CHECK(kvxfer_cache_wait(rh, 30000, &st));
   EXPECT(st.bytes == 3 * gen_block * sizeof(uint32_t) && st.bytes == sent);
   EXPECT(st.fragments > 0 && st.fragments_coalesced > 0);
+  /* Completed: nothing more can land, the blocks are settled. */
+  CHECK(kvxfer_cache_wait_settled(rh, 0));
   CHECK(kvxfer_cache_handle_free(rh));
   /* Every element, in the generation layout. */
   for (uint32_t i = 0; i < 3; i++)
@@ -123,6 +125,7 @@ int main(void) {
   EXPECT(kvxfer_cache_sender_layers_ready(snd[0], 10, 0, 0) == KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT(kvxfer_cache_sender_layers_ready(snd[0], 11, 0, 1) == KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT(kvxfer_cache_wait_layers(sh[0], 0, 1, 0) == KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT(kvxfer_cache_wait_settled(sh[0], 0) == KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT(kvxfer_cache_wait_layers(rh, LAYERS, 1, 0) == KVXFER_ERR_INVALID_ARGUMENT);
   for (int l = LAYERS - 1; l >= 0; l--) {
     for (int r = 0; r < 2; r++) CHECK(kvxfer_cache_sender_layers_ready(snd[r], 10, (uint32_t)l, 1));
@@ -159,8 +162,11 @@ int main(void) {
   /* A request the context side never sends: cancelled by the receiver. */
   CHECK(kvxfer_cache_receiver_request(rcv, 9, 0, gen_blocks, 1, &rh));
   EXPECT(kvxfer_cache_wait(rh, 50, NULL) == KVXFER_ERR_TIMEOUT);
+  EXPECT(kvxfer_cache_wait_settled(rh, 50) == KVXFER_ERR_TIMEOUT);
   CHECK(kvxfer_cache_receiver_cancel(rcv, 9));
   EXPECT(kvxfer_cache_wait(rh, 30000, NULL) == KVXFER_ERR_CANCELLED);
+  /* The ranks confirmed the cancel: the blocks may be reused. */
+  CHECK(kvxfer_cache_wait_settled(rh, 0));
   CHECK(kvxfer_cache_handle_free(rh));
 
   CHECK(kvxfer_cache_receiver_free(rcv));

@@ -135,3 +135,4 @@ target/release/kvxfer-bench --block-size 64KiB --batch 16 --iters 20 --warmup 2 
 target/release/kvxfer-bench --op read --block-size 4KiB --batch 64 --iters 20 --warmup 2 --json
 target/release/kvxfer-bench kv --tokens 256 --iters 2 --verify --json
 target/release/kvxfer-bench kv --model deepseek-v3 --ctx-tp 2 --gen-tp 1 --gen-pp 2 --tokens 256 --iters 2 --verify --json
+target/release/kvxfer-bench kv --failures 10 --json

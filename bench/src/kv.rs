@@ -91,6 +91,12 @@ pub struct KvArgs {
     /// SVG file.
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
+    /// Injected failures: N requests, each cancelled at a pseudo-random
+    /// point by one party (a context rank and a generation rank in turn);
+    /// reports p50 and p99 of the time from the cancel to the last
+    /// party's terminal outcome.
+    #[arg(long, default_value_t = 0)]
+    failures: u32,
 }
 
 /// A rank's block pool: host memory, or GPU memory.
@@ -316,6 +322,20 @@ pub fn run(a: &KvArgs) -> Result<()> {
         drop(senders);
         return r;
     }
+    if a.failures > 0 {
+        let x = crate::layerwise::Executors {
+            senders: &senders,
+            receivers: &receivers,
+            ctx: &ctx,
+            gen_ranks: &gen_ranks,
+            n,
+            layers: ctx_s.num_layers(),
+        };
+        let r = run_failures(a, &x);
+        drop(receivers);
+        drop(senders);
+        return r;
+    }
     let (mut kv_times, mut raw_times, mut batched_times) = (Vec::new(), Vec::new(), Vec::new());
     // Receiver's per-peer durations over the sender's, each round.
     let mut peer_ratios = Vec::new();
@@ -534,6 +554,55 @@ fn report(a: &KvArgs, f: &Figures<'_>) {
             coalesced,
         );
     }
+}
+
+/// `--failures`: one whole request timed (after the warm-up), then the
+/// injected cancels; prints p50 and p99 of the time to the last party's
+/// outcome.
+fn run_failures(a: &KvArgs, x: &crate::layerwise::Executors<'_>) -> Result<()> {
+    let mut whole = Duration::MAX;
+    for i in 0..a.warmup.max(1) + 1 {
+        let t = Instant::now();
+        kv_round(
+            x.senders,
+            x.receivers,
+            x.ctx,
+            x.gen_ranks,
+            x.n,
+            u64::from(i) + 1,
+        )?;
+        whole = whole.min(t.elapsed());
+    }
+    let mut p = crate::failures::run(x, a.failures, whole, 1_000)?;
+    let transport = x.ctx[0]
+        .agent
+        .remote_transport(&gen_agent_name(x.gen_ranks, 0))
+        .unwrap_or("unknown");
+    let cut = p.last_outcome.len();
+    if cut == 0 {
+        bail!("every request completed before its cancel took");
+    }
+    p.last_outcome.sort_by(|x, y| x.total_cmp(y));
+    let pct = |q: f64| p.last_outcome[((cut as f64 * q).ceil() as usize).clamp(1, cut) - 1] * 1e3;
+    let (p50, p99, max) = (pct(0.5), pct(0.99), p.last_outcome[cut - 1] * 1e3);
+    if a.json {
+        println!(
+            "{{{},\"failures\":{},\"cut\":{cut},\"completed_first\":{},\"whole_ms\":{:.3},\"last_outcome_p50_ms\":{p50:.3},\"last_outcome_p99_ms\":{p99:.3},\"last_outcome_max_ms\":{max:.3}}}",
+            run_json(a, "kv-failures", transport),
+            a.failures,
+            p.completed_first,
+            whole.as_secs_f64() * 1e3,
+        );
+    } else {
+        println!(
+            "{}: {} injected cancels ({cut} cut mid-request, {} completed first; a whole request {:.1} ms): cancel to the last party's outcome p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms",
+            run_text(a, transport),
+            a.failures,
+            p.completed_first,
+            whole.as_secs_f64() * 1e3,
+        );
+    }
+    Ok(())
 }
 
 /// The run's model, layouts and prompt as the start of a JSON object's

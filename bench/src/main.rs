@@ -5,6 +5,7 @@
 //! role, `--connect` only the initiator role, for runs across two hosts.
 //! `kvxfer-bench kv` measures the KV-cache protocol (see `kv.rs`).
 
+mod failures;
 mod kv;
 mod layerwise;
 mod names;

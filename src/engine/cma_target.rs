@@ -22,7 +22,7 @@ use crate::shm;
 use std::collections::HashMap;
 use std::io;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Most grants one request may announce, and most grants a session may
 /// hold at once.
@@ -83,6 +83,33 @@ struct Grants {
     /// A span is GPU memory (the initiator copies through CUDA IPC): never
     /// a delegated copy.
     gpu: bool,
+    /// A delegated copy runs inside the spans: the grant neither expires
+    /// nor is swept until it ended (the copy itself stops at the grant's
+    /// lifetime), so its regions stay registered under it.
+    copying: bool,
+}
+
+/// A delegated copy's hold on its request's grant: the grant is not swept
+/// while it lives (dropped once the copy and its commit are over).
+struct Copying<'a> {
+    state: &'a CmaSession,
+    req: u64,
+}
+
+impl Drop for Copying<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = lock(&self.state.grants).get_mut(&self.req) {
+            g.copying = false;
+        }
+    }
+}
+
+impl Grants {
+    /// Whether the grant is past `lifetime` without its commit, and no
+    /// copy runs inside it.
+    fn expired(&self, lifetime: Duration) -> bool {
+        !self.copying && self.refused.is_none() && self.since.idle() > lifetime
+    }
 }
 
 impl SessionState for CmaSession {
@@ -100,12 +127,12 @@ impl SessionState for CmaSession {
     }
 
     /// Releases the grants of requests granted more than `lifetime` ago
-    /// (their commit never came): each becomes a refusal its commit will
-    /// meet, holding no region.
+    /// (their commit never came), except those a delegated copy is using:
+    /// each becomes a refusal its commit will meet, holding no region.
     fn sweep(&self, lifetime: Duration) {
         let mut grants = lock(&self.grants);
         for g in grants.values_mut() {
-            if g.refused.is_none() && g.since.idle() > lifetime {
+            if g.expired(lifetime) {
                 g.refused = Some(RejectReason::GrantExpired);
                 g.guards.clear();
                 g.spans.clear();
@@ -265,16 +292,25 @@ impl Shm {
                 return Ok(None);
             }
         };
-        let (spans, expired) = lock(&state.grants)
-            .get(&req)
-            .map(|g| (g.spans.clone(), g.refused.is_some()))
-            .unwrap_or_default();
-        if expired {
+        // The grant is taken for the copy: no sweep releases its regions
+        // until the copy ended, and the copy ends by the grant's lifetime.
+        let lifetime = inner.config.io_timeout;
+        let taken = lock(&state.grants).get_mut(&req).and_then(|g| {
+            if g.refused.is_some() {
+                return None;
+            }
+            g.copying = true;
+            let left = lifetime.saturating_sub(g.since.idle());
+            Some((g.spans.clone(), Instant::now() + left))
+        });
+        let Some((spans, copy_by)) = taken else {
             drop(unprivileged);
             lock(&state.grants).remove(&req);
             answer(status::DELEGATE_FAILED)?;
             return Ok(None);
-        }
+        };
+        // Until the commit below (or this frame's end, however it ends).
+        let _copying = Copying { state, req };
         let pieces = delegated_pieces(&table, &spans).map_err(violation)?;
         let dir = match op {
             CommitOp::Write => shm::Direction::Read,
@@ -283,7 +319,8 @@ impl Shm {
         // SAFETY: every local range lies inside a span granted for this
         // request (checked above), in a region this agent registered, whose
         // registrant promised it stays valid while registered; the
-        // request's grant guards keep it registered until the commit below.
+        // request's grant guards keep it registered until the commit below
+        // (no sweep takes them while `copying` is set).
         let copied = unsafe {
             shm::copy_parallel(
                 pid,
@@ -291,12 +328,22 @@ impl Shm {
                 &pieces,
                 inner.config.shm.copy_threads,
                 PARALLEL_COPY_MIN,
-                &|| false,
+                &|| Instant::now() >= copy_by,
             )
         };
         drop(unprivileged);
+        let copied = copied.and_then(|whole| {
+            if whole {
+                Ok(())
+            } else {
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the copy ran past its grant's lifetime",
+                ))
+            }
+        });
         match copied {
-            Ok(_) => {
+            Ok(()) => {
                 self.count_delegated();
                 answer(status::OK)?;
                 commit(inner, session, req, 0, sync)
@@ -357,5 +404,40 @@ impl Shm {
                 None
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A grant a delegated copy is using is neither expired nor swept,
+    /// however old; once the copy ended it is.
+    #[test]
+    fn a_grant_in_use_by_a_copy_is_not_swept() {
+        let s = CmaSession::new("peer");
+        for (req, copying) in [(1, true), (2, false)] {
+            let g = Grants {
+                copying,
+                spans: vec![(0x1000 * req, 16)],
+                ..Grants::default()
+            };
+            lock(&s.grants).insert(req, g);
+        }
+        // The coarse clock moves in ticks of a few milliseconds.
+        std::thread::sleep(Duration::from_millis(30));
+        s.sweep(Duration::ZERO);
+        {
+            let g = lock(&s.grants);
+            assert_eq!(g[&1].refused, None);
+            assert_eq!(g[&1].spans, vec![(0x1000, 16)]);
+            assert_eq!(g[&2].refused, Some(RejectReason::GrantExpired));
+            assert!(g[&2].spans.is_empty());
+        }
+        assert_eq!(s.commit_refusal(1), None);
+        assert_eq!(s.commit_refusal(2), Some(RejectReason::GrantExpired));
+        lock(&s.grants).get_mut(&1).unwrap().copying = false;
+        s.sweep(Duration::ZERO);
+        assert_eq!(s.commit_refusal(1), Some(RejectReason::GrantExpired));
     }
 }

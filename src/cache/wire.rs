@@ -66,8 +66,9 @@ pub enum Msg {
         /// The request.
         request_id: u64,
     },
-    /// Context → generation: all of this peer's share landed (sent as the
-    /// sync message of the last write, so it arrives after the data).
+    /// Context → generation: all of this peer's share landed (sent once
+    /// every write of the share completed, so it arrives after the data;
+    /// never after a write of it failed).
     Done {
         /// The request.
         request_id: u64,
@@ -97,8 +98,8 @@ pub enum Msg {
         request_id: u64,
     },
     /// Context → generation: model layers `first_layer..first_layer +
-    /// layers` of this peer's share landed (sent as the sync message of
-    /// the layer group's last write, so it arrives after that data). Only
+    /// layers` of this peer's share landed (sent once the group's writes
+    /// and every earlier one of the share completed). Only
     /// layer-wise sending sends it; `Done` still closes the share. A peer
     /// that does not know it drops it and waits for `Done`.
     Landed {

@@ -42,8 +42,8 @@ pub enum ReceiverEvent {
     /// The request's outcome, reported once: every share landed (`Ok`), a
     /// context rank cancelled or failed it, it timed out, or this side
     /// cancelled it. Any outcome but [`CacheError::Unsettled`] means that
-    /// nothing of the request can land any more (see the [module
-    /// docs](self)).
+    /// nothing of the request can land any more (see "Fail closed" in the
+    /// module docs).
     Finished {
         /// The request.
         request_id: u64,

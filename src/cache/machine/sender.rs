@@ -1,14 +1,17 @@
 //! The context side's protocol: wait until every generation rank that
 //! needs part of a request has asked for it and the serving engine has
 //! called `send` (or `begin`), then write each share from the context pool
-//! straight into the generation pool, in batches, the last one carrying
-//! `Done` as its sync message so that it arrives after the share's data.
+//! straight into the generation pool, in batches, and send `Done` once
+//! every write of the share completed — never while one of them failed or
+//! is still in flight, so a share with a hole in it is never reported
+//! landed.
 //!
 //! Layer-wise: after `begin`, the engine marks layers ready as its prefill
 //! produces them (`layers_ready`); each newly ready run of layers is a
-//! group whose writes are queued as soon as the share is planned, the
-//! group's last write carrying `Landed` (or `Done`, for the share's last
-//! group). `send` is `begin` with every layer ready: one group.
+//! group whose writes are queued as soon as the share is planned; `Landed`
+//! (or `Done`, for the share's last group) goes once the group's writes
+//! and every earlier one of the share completed. `send` is `begin` with
+//! every layer ready: one group.
 
 #![forbid(unsafe_code)]
 
@@ -66,11 +69,22 @@ struct Share {
     released: u32,
     queued: VecDeque<TransferRequest>,
     inflight: Vec<TransferId>,
+    /// Writes queued so far (a write's sequence number is its place in
+    /// this count).
+    batches: u64,
+    /// Writes posted so far.
+    posted: u64,
+    /// Writes completed, from the first, with none missing before them.
+    acked: u64,
+    /// Writes completed beyond `acked`.
+    acked_beyond: BTreeSet<u64>,
+    /// Reports (`Landed`, `Done`) waiting for `acked` to reach the write
+    /// count before them.
+    reports: VecDeque<(u64, Msg)>,
     /// Abort was asked for what is in flight.
     aborted: bool,
-    /// The write carrying `Done`, once posted.
-    closing: Option<TransferId>,
-    /// It completed: `Done` was delivered after every byte of the share.
+    /// It completed: `Done` was sent once every write of the share had
+    /// completed.
     delivered: bool,
     /// Counts of what was queued so far.
     planned: FragmentStats,
@@ -79,7 +93,7 @@ struct Share {
 }
 
 impl Share {
-    /// Every layer's writes were queued (the last one carries `Done`).
+    /// Every layer's writes were queued (`Done` follows the last).
     fn all_released(&self) -> bool {
         self.released as usize >= self.layers.len()
     }
@@ -128,8 +142,8 @@ pub struct SenderMachine {
     reqs: HashMap<u64, Req>,
     finished: VecDeque<u64>,
     finished_set: HashSet<u64>,
-    /// Posted transfer → its request and share.
-    transfers: HashMap<TransferId, (u64, usize), FastHash>,
+    /// Posted transfer → its request, share and sequence number there.
+    transfers: HashMap<TransferId, (u64, usize, u64), FastHash>,
     next_transfer: u64,
     transmits: VecDeque<Transmit>,
     actions: VecDeque<TransferAction>,
@@ -410,13 +424,18 @@ impl SenderMachine {
         outcome: Result<(), Error>,
         now: Instant,
     ) {
-        let Some((request_id, share)) = self.transfers.remove(&id) else {
+        let Some((request_id, share, seq)) = self.transfers.remove(&id) else {
             return;
         };
         if let Some(r) = self.reqs.get_mut(&request_id) {
             if let Some(s) = r.shares.as_mut().and_then(|v| v.get_mut(share)) {
                 s.inflight.retain(|&t| t != id);
-                s.delivered |= outcome.is_ok() && s.closing == Some(id);
+                if outcome.is_ok() {
+                    s.acked_beyond.insert(seq);
+                    while s.acked_beyond.remove(&s.acked) {
+                        s.acked += 1;
+                    }
+                }
             }
             if let Err(e) = outcome {
                 r.cancelled.get_or_insert(CacheError::Transfer(e));
@@ -641,8 +660,8 @@ impl SenderMachine {
 
     /// Queues the writes of the layers marked ready and not yet queued,
     /// once the shares are planned: per share, each run of such layers
-    /// is a group whose last write carries `Landed`, or `Done` when it
-    /// completes the share.
+    /// is a group followed by `Landed`, or `Done` when it completes the
+    /// share (sent once its writes completed).
     fn release(&mut self, id: u64, now: Instant) {
         let first = self.held_layers().start;
         let t0 = lap(self.stopwatch, now);
@@ -686,7 +705,9 @@ impl SenderMachine {
         r.stats.mapping += t1.saturating_duration_since(t0);
     }
 
-    /// Posts queued batches up to the window, aborts what is posted once
+    /// Sends the reports whose writes, and every earlier one of their
+    /// share, completed (each arrives after their data, which has landed);
+    /// posts queued batches up to the window, aborts what is posted once
     /// the request is cancelled, finishes the request when nothing is
     /// queued or posted.
     fn progress(&mut self, id: u64, now: Instant) {
@@ -696,6 +717,7 @@ impl SenderMachine {
             next_transfer,
             actions,
             config,
+            transmits,
             ..
         } = self;
         let Some(r) = reqs.get_mut(&id) else {
@@ -709,6 +731,14 @@ impl SenderMachine {
         };
         let stop = r.cancelled.is_some();
         for (i, s) in shares.iter_mut().enumerate() {
+            while s.reports.front().is_some_and(|(end, _)| *end <= s.acked) {
+                let (_, msg) = s.reports.pop_front().expect("present");
+                s.delivered |= matches!(msg, Msg::Done { .. });
+                transmits.push_back(Transmit {
+                    to: s.agent.clone(),
+                    msg,
+                });
+            }
             if stop {
                 s.queued.clear();
                 if !s.aborted {
@@ -724,11 +754,9 @@ impl SenderMachine {
                 };
                 let t = TransferId(*next_transfer);
                 *next_transfer += 1;
-                transfers.insert(t, (id, i));
+                transfers.insert(t, (id, i, s.posted));
+                s.posted += 1;
                 s.inflight.push(t);
-                if s.queued.is_empty() && s.all_released() {
-                    s.closing = Some(t);
-                }
                 s.start.get_or_insert(now);
                 actions.push_back(TransferAction::Post { id: t, request });
             }
@@ -868,8 +896,12 @@ fn plan_share(
         released: 0,
         queued: VecDeque::new(),
         inflight: Vec::new(),
+        batches: 0,
+        posted: 0,
+        acked: 0,
+        acked_beyond: BTreeSet::new(),
+        reports: VecDeque::new(),
         aborted: false,
-        closing: None,
         delivered: false,
         planned: FragmentStats::default(),
         start: None,
@@ -878,9 +910,10 @@ fn plan_share(
 }
 
 /// Queues the writes of one layer group (`layers`, within the share's) of
-/// share `s`, in batches of at most `config.batch_bytes`, the last
-/// carrying `Done` when the group completes the share and `Landed`
-/// otherwise. Returns the group's counts.
+/// share `s`, in batches of at most `config.batch_bytes`, and its report —
+/// `Done` when the group completes the share, `Landed` otherwise — to be
+/// sent once those writes and every earlier one completed. Returns the
+/// group's counts.
 fn queue_group(
     info: &RequestInfo,
     config: &SenderConfig,
@@ -923,10 +956,6 @@ fn queue_group(
         }
     }
     let last = if s.all_released() {
-        // The share's last group: an empty one still carries `Done`.
-        if batches.is_empty() {
-            batches.push(Default::default());
-        }
         Msg::Done {
             request_id: info.request_id,
             bytes: s.planned.bytes,
@@ -940,20 +969,15 @@ fn queue_group(
             layers: layers.end - layers.start,
         }
     };
-    let closing = last.encode();
-    let n = batches.len();
-    for (i, (l, rm)) in batches.into_iter().enumerate() {
-        let t = TransferRequest::write(
+    for (l, rm) in batches {
+        s.queued.push_back(TransferRequest::write(
             MemoryDescs::new(config.mem_type, l),
             MemoryDescs::new(info.pool_mem_type, rm),
             &s.agent,
-        );
-        s.queued.push_back(if i + 1 == n {
-            t.with_sync_message(closing[0].clone())
-        } else {
-            t
-        });
+        ));
+        s.batches += 1;
     }
+    s.reports.push_back((s.batches, last));
     st
 }
 

@@ -121,6 +121,13 @@ struct Pair {
     ready: Vec<BTreeSet<u32>>,
     /// Aborts come too late: a posted write completes whole anyway.
     late_aborts: bool,
+    /// Per context rank: the indices (in posting order) of its writes that
+    /// the target refuses (nothing of them lands, no sync message).
+    refused: Vec<BTreeSet<usize>>,
+    /// Per context rank: writes posted so far.
+    posts: Vec<usize>,
+    /// Posted writes the target refuses.
+    refusing: BTreeSet<(usize, TransferId)>,
     /// (context rank, generation rank) whose `Done` was delivered.
     dones: BTreeSet<(usize, usize)>,
     /// Per generation rank: its request reported an outcome other than
@@ -207,6 +214,9 @@ impl Pair {
             lose: Box::new(|_, _, _| false),
             ready: vec![BTreeSet::new(); ctx.len()],
             late_aborts: false,
+            refused: vec![BTreeSet::new(); ctx.len()],
+            posts: vec![0; ctx.len()],
+            refusing: BTreeSet::new(),
             dones: BTreeSet::new(),
             gen_ended: vec![false; gen_nodes.len()],
             gen_nodes,
@@ -366,6 +376,10 @@ impl Pair {
                             self.ready[c]
                         );
                     }
+                    if self.refused[c].contains(&self.posts[c]) {
+                        self.refusing.insert((c, id));
+                    }
+                    self.posts[c] += 1;
                     let posted = Posted {
                         request,
                         aborted: false,
@@ -418,6 +432,9 @@ impl Pair {
                 self.drain_ctx(c);
             }
             (Side::Gen, g) if !self.gen_nodes[g].dead => {
+                if let (Msg::Done { .. }, Some(c)) = (&msg, from.strip_prefix("ctx")) {
+                    self.dones.insert((c.parse().expect("a context rank"), g));
+                }
                 self.receivers[g].handle_message(from, msg, self.now);
                 self.drain_gen(g);
             }
@@ -435,6 +452,12 @@ impl Pair {
         let (_, g) = node_of(&p.request.remote_agent);
         let outcome = if p.aborted {
             Err(crate::Error::Aborted)
+        } else if self.refusing.remove(&(c, id)) {
+            Err(crate::Error::RemoteRejected {
+                remote: name(Side::Gen, g),
+                reason: crate::error::RejectReason::NotRegistered,
+                landed: crate::error::Landed::Nothing,
+            })
         } else if self.gen_nodes[g].dead {
             Err(crate::Error::Closed)
         } else {
@@ -458,9 +481,6 @@ impl Pair {
                     .feed(&name(Side::Ctx, c), &chunk, self.now)
                     .unwrap()
                     .expect("one chunk");
-                if let Msg::Done { .. } = m {
-                    self.dones.insert((c, g));
-                }
                 self.deliver(&name(Side::Ctx, c), (Side::Gen, g), m);
             }
             Ok(())
@@ -586,7 +606,15 @@ impl Pair {
 
     /// Every generation rank's blocks `0..n` hold the request's cache.
     fn check_landed(&self, n: u32, tokens: u32) {
-        for (g, k) in self.gen_nodes.iter().enumerate() {
+        for g in 0..self.gen_nodes.len() {
+            self.check_landed_on(g, n, tokens);
+        }
+    }
+
+    /// Generation rank `g`'s blocks `0..n` hold the request's cache.
+    fn check_landed_on(&self, g: usize, n: u32, tokens: u32) {
+        {
+            let k = &self.gen_nodes[g];
             let bb = k.slice.block_bytes() as usize;
             for b in 0..n {
                 let blk = &k.pool[b as usize * bb..(b as usize + 1) * bb];
@@ -691,12 +719,13 @@ fn timings_follow_simulated_time_exactly() {
     p.start(ID, 3);
     p.run();
     // The request reaches the context rank after one latency; the write
-    // starts then and lands WRITE_TIME later, `Done` with it; `Ready`
-    // reaches the receiver one latency after the start.
+    // starts then and completes WRITE_TIME later, and `Done` goes then,
+    // reaching the receiver one latency later; `Ready` reaches the receiver
+    // one latency after the start.
     let (t, bytes) = p.ctx_outcomes(0)[0].clone();
     assert_eq!(p.elapsed(t), LATENCY + WRITE_TIME);
     let (tg, _) = p.gen_outcomes(0)[0].clone();
-    assert_eq!(p.elapsed(tg), LATENCY + WRITE_TIME);
+    assert_eq!(p.elapsed(tg), 2 * LATENCY + WRITE_TIME);
     let SenderEvent::Finished { outcome, .. } = &p.ctx_events[0].2;
     let st = outcome.as_ref().unwrap();
     assert_eq!(st.request_info, LATENCY);
@@ -711,8 +740,9 @@ fn timings_follow_simulated_time_exactly() {
             _ => None,
         })
         .expect("an outcome");
-    // From `Ready` (one latency after the write began) to `Done`.
-    assert_eq!(rs.transmission, WRITE_TIME - LATENCY);
+    // From `Ready` (one latency after the write began) to `Done` (one
+    // latency after it completed).
+    assert_eq!(rs.transmission, WRITE_TIME);
     assert_eq!(rs.peers[0].delay, 2 * LATENCY);
 }
 
@@ -1211,8 +1241,8 @@ fn a_late_generation_side_gets_the_ready_layers_at_once() {
     assert_eq!(reports[0].1, 0..3);
     // The request's flight, then the writes at once: each share is 3
     // layers × 3 blocks × 256 bytes, 5 batches of 512 bytes, two in
-    // flight: three rounds.
-    assert_eq!(reports[0].0 - t_ask, LATENCY + 3 * WRITE_TIME);
+    // flight: three rounds; then the report's flight.
+    assert_eq!(reports[0].0 - t_ask, 2 * LATENCY + 3 * WRITE_TIME);
     assert!(p.gen_outcomes(0).is_empty());
     for c in 0..2 {
         p.mark(c, ID, 3..4).unwrap();
@@ -1608,4 +1638,53 @@ fn a_second_agent_asking_as_a_rank_is_dropped() {
     assert!(p.gen_outcomes(0)[0].1.is_ok());
     assert_eq!(p.senders[0].metrics().strangers, 1);
     p.assert_quiet();
+}
+
+/// A write the target refuses (nothing of it lands) fails the request on
+/// every side, whichever of a share's writes it is — also when the share's
+/// later writes, the one carrying `Done` among them, land: a generation
+/// rank never reports landed a share with a hole in it. Layer by layer
+/// too, for the layers reported landed.
+#[test]
+fn a_refused_write_is_never_reported_landed() {
+    for ((ct, cp), (gt, gp)) in [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 2), (2, 1))] {
+        let writes = {
+            let mut p = Pair::new(state(ct, cp), state(gt, gp));
+            p.start(ID, 3);
+            p.run();
+            p.posts.clone()
+        };
+        for (c, k, late) in (0..writes.len())
+            .flat_map(|c| (0..writes[c]).map(move |k| (c, k)))
+            .flat_map(|(c, k)| [(c, k, false), (c, k, true)])
+        {
+            {
+                let tag = format!(
+                    "TP{ct}/PP{cp} -> TP{gt}/PP{gp}: context rank {c}'s write {k}, late aborts {late}"
+                );
+                let mut p = Pair::new(state(ct, cp), state(gt, gp));
+                // Aborts that come too late: the writes in flight beside
+                // the refused one land whole.
+                p.late_aborts = late;
+                p.refused[c].insert(k);
+                p.start(ID, 3);
+                p.run();
+                assert!(p.ctx_outcomes(c)[0].1.is_err(), "{tag}");
+                for g in 0..p.receivers.len() {
+                    let o = p.gen_outcomes(g);
+                    assert_eq!(o.len(), 1, "{tag}");
+                    if o[0].1.is_ok() {
+                        p.check_landed_on(g, 3, 10);
+                    }
+                }
+                // The context rank that wrote into the hole reports it to
+                // the ranks it wrote to: none of them completed.
+                let hit: Vec<usize> = (0..p.receivers.len())
+                    .filter(|&g| p.gen_outcomes(g)[0].1.is_err())
+                    .collect();
+                assert!(!hit.is_empty(), "{tag}");
+                p.assert_quiet();
+            }
+        }
+    }
 }

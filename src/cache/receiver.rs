@@ -466,7 +466,9 @@ impl CacheReceiver {
 }
 
 impl Drop for CacheReceiver {
-    /// Stops and joins the thread; open requests fail with `Closed`.
+    /// Stops and joins the thread; open requests fail with `Closed`
+    /// (`Unsettled`, caused by `Closed`, where a context rank may still
+    /// write: their `wait_settled` then fails).
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
         self.shared.agent.wake_sync_waiters();

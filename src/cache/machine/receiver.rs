@@ -444,17 +444,36 @@ impl ReceiverMachine {
     }
 
     /// Ends every open request with [`CacheError::Closed`] (those whose
-    /// outcome was not reported yet) and forgets them.
+    /// outcome was not reported yet) and forgets them. One that a context
+    /// rank may still be writing (it has neither delivered nor confirmed
+    /// that it stopped) ends [`CacheError::Unsettled`] with `Closed` as the
+    /// cause, and is then [`ReceiverEvent::Forgotten`], as is one reported
+    /// `Unsettled` before.
     pub fn close(&mut self) {
         let mut ids: Vec<u64> = self.reqs.keys().copied().collect();
         ids.sort_unstable();
         for id in ids {
             let r = self.reqs.remove(&id).expect("listed");
+            let mut ranks: Vec<u32> = r.open_senders().map(|(_, v)| v.rank).collect();
+            ranks.sort_unstable();
             if !r.reported {
+                let outcome = if ranks.is_empty() {
+                    CacheError::Closed
+                } else {
+                    CacheError::Unsettled {
+                        request_id: id,
+                        ranks: ranks.clone(),
+                        cause: Box::new(CacheError::Closed),
+                    }
+                };
                 self.events.push_back(ReceiverEvent::Finished {
                     request_id: id,
-                    outcome: Err(CacheError::Closed),
+                    outcome: Err(outcome),
                 });
+            }
+            if !ranks.is_empty() {
+                self.events
+                    .push_back(ReceiverEvent::Forgotten { request_id: id });
             }
         }
     }

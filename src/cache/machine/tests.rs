@@ -1688,3 +1688,53 @@ fn a_refused_write_is_never_reported_landed() {
         }
     }
 }
+
+/// Closing a receiver with a request whose context ranks may still write
+/// says so (`Unsettled`, caused by `Closed`, then forgotten); one no rank
+/// writes any more is simply `Closed`.
+#[test]
+fn closing_a_receiver_says_which_requests_may_still_be_written() {
+    let mut p = Pair::new(state(2, 1), state(1, 1));
+    p.prefill(3);
+    p.request(0, ID, 3);
+    // Context rank 0 delivers its share; rank 1 is still writing.
+    p.send(0, ID, 3);
+    p.begin(1, ID, 3);
+    p.mark(1, ID, 0..1).unwrap();
+    p.settle();
+    p.request(0, ID + 1, 3);
+    p.receivers[0].close();
+    p.drain_gen(0);
+    let finished: Vec<_> = p
+        .gen_events
+        .iter()
+        .filter_map(|e| match &e.2 {
+            ReceiverEvent::Finished {
+                request_id,
+                outcome,
+            } => Some((*request_id, outcome.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(finished.len(), 2);
+    match &finished[0] {
+        (ID, Err(CacheError::Unsettled { ranks, cause, .. })) => {
+            assert_eq!(ranks, &[1]);
+            assert!(matches!(**cause, CacheError::Closed));
+        }
+        other => panic!("{other:?}"),
+    }
+    // Nobody was asked for the second yet: ranks may still write into it
+    // once they get the request info, so it is unsettled as well.
+    assert!(matches!(
+        finished[1],
+        (_, Err(CacheError::Unsettled { .. }))
+    ));
+    let forgotten = p
+        .gen_events
+        .iter()
+        .filter(|e| matches!(e.2, ReceiverEvent::Forgotten { .. }))
+        .count();
+    assert_eq!(forgotten, 2);
+    assert_eq!(p.receivers[0].open_requests(), 0);
+}

@@ -375,8 +375,10 @@ impl CacheReceiver {
     /// Asks the context ranks for `req`'s cache. Returns at once.
     ///
     /// # Errors
-    /// A duplicate id, a mapping error, or a context rank that cannot be
-    /// reached (the request is then withdrawn from the ones asked).
+    /// A duplicate id, a mapping error, or the first context rank asked
+    /// that cannot be reached. A later rank that cannot be reached
+    /// withdraws the request from the ones already asked, and the handle
+    /// fails with it once they confirmed (they may have begun writing).
     pub fn request(&self, req: RecvRequest) -> Result<RecvHandle, CacheError> {
         let s = &self.shared;
         if s.stop.load(Ordering::Relaxed) {

@@ -1738,3 +1738,177 @@ fn closing_a_receiver_says_which_requests_may_still_be_written() {
     assert_eq!(forgotten, 2);
     assert_eq!(p.receivers[0].open_requests(), 0);
 }
+
+/// A small deterministic generator for the fault storm.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        self.0 >> 33
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+/// Faults drawn from a seed, hundreds of times: layouts, whole or
+/// layer-wise requests, lost messages, writes the target refuses, aborts
+/// that come too late, a cancel by either side, a context rank that dies
+/// (and leaves the store a while later) or a generation rank that dies, at
+/// a drawn step. After each run: nothing landed in a generation rank after
+/// it reported an outcome other than `Unsettled` (checked on every write);
+/// every live rank reported exactly one outcome, within its bounds; a
+/// generation rank that reported its request complete holds exactly the
+/// source's cache; and where every rank lived, the machines are idle and
+/// the next request completes.
+#[test]
+fn a_seeded_fault_storm_fails_closed() {
+    let layouts = [
+        ((1, 1), (1, 1)),
+        ((2, 1), (1, 1)),
+        ((1, 1), (2, 1)),
+        ((2, 2), (1, 2)),
+        ((1, 2), (2, 1)),
+    ];
+    // Generation outcomes seen: completed, failed, unsettled.
+    let mut seen = [0u32; 3];
+    for seed in 0..400u64 {
+        let mut rng = Lcg(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5eed);
+        let ((ct, cp), (gt, gp)) = layouts[rng.below(layouts.len() as u64) as usize];
+        let mut p = Pair::new(state(ct, cp), state(gt, gp));
+        let (nc, ng) = (p.senders.len(), p.receivers.len());
+        p.late_aborts = rng.chance(30);
+        for c in 0..nc {
+            if rng.chance(20) {
+                let k = rng.below(12) as usize;
+                p.refused[c].insert(k);
+            }
+        }
+        let loss = if rng.chance(30) { rng.below(10) } else { 0 };
+        let mut lose_rng = Lcg(seed ^ 0x1055);
+        p.lose = Box::new(move |_, _, _| lose_rng.chance(loss));
+        let layerwise = rng.chance(50);
+        let tag = format!(
+            "seed {seed}: TP{ct}/PP{cp} -> TP{gt}/PP{gp}, layer-wise {layerwise}, loss {loss}%, late aborts {}, refused {:?}",
+            p.late_aborts, p.refused
+        );
+        p.prefill(3);
+        for g in 0..ng {
+            p.request(g, ID, 3);
+        }
+        for c in 0..nc {
+            if layerwise {
+                p.begin(c, ID, 3);
+            } else {
+                p.send(c, ID, 3);
+            }
+        }
+        let steps = rng.below(40);
+        for _ in 0..steps {
+            if !p.step() {
+                break;
+            }
+        }
+        if layerwise {
+            for c in 0..nc {
+                let held = p.senders[c].held_layers();
+                let _ = p.mark(c, ID, held);
+            }
+        }
+        let (mut dead_ctx, mut dead_gen) = (None, None);
+        match rng.below(6) {
+            0 => {
+                let c = rng.below(nc as u64) as usize;
+                let _ = p.cancel_ctx(c, ID);
+            }
+            1 => {
+                let g = rng.below(ng as u64) as usize;
+                let _ = p.cancel_gen(g, ID);
+            }
+            2 => {
+                let c = rng.below(nc as u64) as usize;
+                p.ctx[c].dead = true;
+                dead_ctx = Some(c);
+            }
+            3 => {
+                let g = rng.below(ng as u64) as usize;
+                p.gen_nodes[g].dead = true;
+                dead_gen = Some(g);
+            }
+            _ => {}
+        }
+        // A dead context rank leaves the store a while later.
+        if let Some(c) = dead_ctx {
+            for _ in 0..rng.below(20) {
+                if !p.step() {
+                    break;
+                }
+            }
+            let who = name(Side::Ctx, c);
+            for g in 0..ng {
+                let e = crate::Error::PeerGone {
+                    remote: who.clone(),
+                };
+                p.receivers[g].handle_peer_gone(&who, e, p.now);
+                p.drain_gen(g);
+            }
+        }
+        p.run();
+        let bound = TIMEOUT + SETTLE + 8 * LATENCY;
+        for c in (0..nc).filter(|&c| Some(c) != dead_ctx) {
+            let o = p.ctx_outcomes(c);
+            assert_eq!(o.len(), 1, "{tag}: context rank {c}");
+            assert!(p.elapsed(o[0].0) <= bound, "{tag}: context rank {c} late");
+        }
+        for g in (0..ng).filter(|&g| Some(g) != dead_gen) {
+            let o = p.gen_outcomes(g);
+            assert_eq!(o.len(), 1, "{tag}: generation rank {g}");
+            assert!(
+                p.elapsed(o[0].0) <= bound,
+                "{tag}: generation rank {g} late"
+            );
+            match &o[0].1 {
+                Ok(_) => {
+                    seen[0] += 1;
+                    p.check_landed_on(g, 3, 10);
+                }
+                Err(CacheError::Unsettled { .. }) => seen[2] += 1,
+                Err(_) => seen[1] += 1,
+            }
+        }
+        if dead_ctx.is_some() || dead_gen.is_some() {
+            continue;
+        }
+        // Every rank lived: all idle, and the next request completes.
+        p.assert_quiet();
+        p.lose = Box::new(|_, _, _| false);
+        p.late_aborts = false;
+        for r in &mut p.refused {
+            r.clear();
+        }
+        let next = ID + 1;
+        for g in 0..ng {
+            p.request(g, next, 3);
+        }
+        for c in 0..nc {
+            p.send(c, next, 3);
+        }
+        p.run();
+        for g in 0..ng {
+            assert!(p.gen_outcomes(g)[1].1.is_ok(), "{tag}: the next request");
+        }
+        p.check_landed(3, 10);
+        p.assert_quiet();
+    }
+    // The storm reached every kind of outcome.
+    assert!(seen.iter().all(|&n| n >= 10), "{seen:?}");
+}

@@ -308,7 +308,7 @@ pub fn run(a: &KvArgs) -> Result<()> {
             k.agent.load_remote_agent(&g.agent.local_agent_desc())?;
         }
     }
-    if a.layerwise {
+    if a.layerwise || a.failures > 0 {
         let x = crate::layerwise::Executors {
             senders: &senders,
             receivers: &receivers,
@@ -317,21 +317,11 @@ pub fn run(a: &KvArgs) -> Result<()> {
             n,
             layers: ctx_s.num_layers(),
         };
-        let r = run_layerwise(a, &x);
-        drop(receivers);
-        drop(senders);
-        return r;
-    }
-    if a.failures > 0 {
-        let x = crate::layerwise::Executors {
-            senders: &senders,
-            receivers: &receivers,
-            ctx: &ctx,
-            gen_ranks: &gen_ranks,
-            n,
-            layers: ctx_s.num_layers(),
+        let r = if a.layerwise {
+            run_layerwise(a, &x)
+        } else {
+            run_failures(a, &x)
         };
-        let r = run_failures(a, &x);
         drop(receivers);
         drop(senders);
         return r;

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use super::config::{ReceiverConfig, RecvRequest};
 use super::machine::{ReceiverEvent, ReceiverMachine};
-use super::sender::{Cell, lock};
+use super::sender::{Cell, lock, next_messages};
 use super::stats::{Metrics, SessionStats};
 use super::timings::record_timings;
 use super::wire::Reassembler;
@@ -54,6 +54,29 @@ impl Progress {
     fn ended(&self) {
         lock(&self.state).ended = true;
         self.cv.notify_all();
+    }
+
+    /// Waits up to `timeout` until `done` holds: the state, or `None` when
+    /// the time ran out first.
+    fn wait_for(
+        &self,
+        timeout: Duration,
+        mut done: impl FnMut(&Landings) -> bool,
+    ) -> Option<std::sync::MutexGuard<'_, Landings>> {
+        let deadline = Instant::now() + timeout;
+        let mut g = lock(&self.state);
+        while !done(&g) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            g = self
+                .cv
+                .wait_timeout(g, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Some(g)
     }
 
     fn settled(&self, outcome: Result<(), CacheError>) {
@@ -110,26 +133,14 @@ impl RecvHandle {
     /// (one receiver timeout after that outcome) with ranks still
     /// unconfirmed: whether they write is not known.
     pub fn wait_settled(&self, timeout: Duration) -> Result<(), CacheError> {
-        let deadline = Instant::now() + timeout;
-        let mut g = lock(&self.progress.state);
-        loop {
-            if let Some(r) = &g.settled {
-                return r.clone();
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(CacheError::Timeout {
-                    what: format!("request {} settling", self.request_id),
-                    after: timeout,
-                });
-            }
-            g = self
-                .progress
-                .cv
-                .wait_timeout(g, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        let g = self
+            .progress
+            .wait_for(timeout, |g| g.settled.is_some())
+            .ok_or_else(|| CacheError::Timeout {
+                what: format!("request {} settling", self.request_id),
+                after: timeout,
+            })?;
+        g.settled.clone().expect("settled")
     }
 
     /// The runs of this rank's layers that landed whole so far (every
@@ -149,43 +160,29 @@ impl RecvHandle {
     /// the request's failure when it ended without them.
     pub fn wait_layers(&self, layers: Range<u32>, timeout: Duration) -> Result<(), CacheError> {
         super::check_within(&layers, self.held.clone())?;
-        let deadline = Instant::now() + timeout;
-        let mut g = lock(&self.progress.state);
-        loop {
+        let landed = |g: &Landings| {
             let mut want: Vec<bool> = vec![true; layers.len()];
             for (run, _) in &g.runs {
                 for l in run.start.max(layers.start)..run.end.min(layers.end) {
                     want[(l - layers.start) as usize] = false;
                 }
             }
-            if !want.contains(&true) {
-                return Ok(());
-            }
-            if g.ended {
-                drop(g);
-                return self.wait(Duration::ZERO).map(|_| ());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(CacheError::Timeout {
-                    what: format!("layers {layers:?} of request {}", self.request_id),
-                    after: timeout,
-                });
-            }
-            g = self
-                .progress
-                .cv
-                .wait_timeout(g, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            !want.contains(&true)
+        };
+        let g = self
+            .progress
+            .wait_for(timeout, |g| g.ended || landed(g))
+            .ok_or_else(|| CacheError::Timeout {
+                what: format!("layers {layers:?} of request {}", self.request_id),
+                after: timeout,
+            })?;
+        if landed(&g) {
+            return Ok(());
         }
+        drop(g);
+        self.wait(Duration::ZERO).map(|_| ())
     }
 }
-
-/// Longest wait of the protocol thread with no deadline due: messages, a
-/// peer leaving the metadata store, new requests and shutdown wake it;
-/// this only bounds the wait.
-const IDLE_WAIT: Duration = Duration::from_secs(1);
 
 /// What a cancel waiting for its request to settle hears: settled, or the
 /// request's `Unsettled` outcome.
@@ -507,27 +504,11 @@ fn run(s: &Shared) {
             c.m.poll_timeout()
         });
         s.flush();
-        // Partial messages of ranks that left, or that stopped mid-message.
+        // Partial messages of ranks that left.
         for a in &gone {
             reasm.forget(a);
         }
-        reasm.expire(now);
-        s.partials_dropped.store(reasm.dropped(), Ordering::Relaxed);
-        let wait = due
-            .into_iter()
-            .chain(reasm.next_expiry())
-            .min()
-            .map_or(IDLE_WAIT, |t| {
-                t.saturating_duration_since(Instant::now()).min(IDLE_WAIT)
-            });
-        let mut msgs = Vec::new();
-        for (from, chunks) in s.agent.wait_sync_messages_timed(wait) {
-            for (chunk, at) in chunks {
-                if let Some(m) = reasm.accept(&from, &chunk, at) {
-                    msgs.push((from.clone(), m, at));
-                }
-            }
-        }
+        let msgs = next_messages(s.agent.as_ref(), &mut reasm, due, &s.partials_dropped);
         if !msgs.is_empty() {
             s.with_core(|c| {
                 for (from, m, at) in msgs {

@@ -98,10 +98,10 @@ impl SendHandle {
     }
 }
 
-/// Longest wait of the protocol thread with no deadline due: messages,
+/// Longest wait of a protocol thread with no deadline due: messages,
 /// finished writes, new requests and shutdown wake it; this only bounds
 /// the wait.
-const IDLE_WAIT: Duration = Duration::from_secs(1);
+pub(crate) const IDLE_WAIT: Duration = Duration::from_secs(1);
 
 /// The machine and what waits on its outcomes.
 struct Core {
@@ -510,6 +510,38 @@ impl Drop for CacheSender {
     }
 }
 
+/// A protocol thread's wait for the agent's sync messages: drops the
+/// partial messages of peers that stopped mid-message (counting every
+/// partial message dropped so far in `dropped`), then waits until `due`,
+/// the next partial message's expiry or [`IDLE_WAIT`], whichever comes
+/// first (a message or a wake ends it sooner), and returns each whole KV
+/// message with its sender and when it reached the agent.
+pub(crate) fn next_messages(
+    agent: &dyn TransferAgent,
+    reasm: &mut Reassembler,
+    due: Option<Instant>,
+    dropped: &AtomicU64,
+) -> Vec<(String, Msg, Instant)> {
+    reasm.expire(Instant::now());
+    dropped.store(reasm.dropped(), Ordering::Relaxed);
+    let wait = due
+        .into_iter()
+        .chain(reasm.next_expiry())
+        .min()
+        .map_or(IDLE_WAIT, |t| {
+            t.saturating_duration_since(Instant::now()).min(IDLE_WAIT)
+        });
+    let mut msgs = Vec::new();
+    for (from, chunks) in agent.wait_sync_messages_timed(wait) {
+        for (chunk, at) in chunks {
+            if let Some(m) = reasm.accept(&from, &chunk, at) {
+                msgs.push((from.clone(), m, at));
+            }
+        }
+    }
+    msgs
+}
+
 /// Locks `m`, taking over a lock poisoned by a panic elsewhere.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -535,31 +567,14 @@ fn run(s: &Shared) {
         if s.finished.swap(false, Ordering::SeqCst) {
             s.reap();
         }
-        // Partial messages of peers that stopped mid-message.
-        reasm.expire(now);
-        s.partials_dropped.store(reasm.dropped(), Ordering::Relaxed);
-        let wait = due
-            .into_iter()
-            .chain(reasm.next_expiry())
-            .min()
-            .map_or(IDLE_WAIT, |t| {
-                t.saturating_duration_since(Instant::now()).min(IDLE_WAIT)
-            });
-        let mut msgs = Vec::new();
-        for (from, chunks) in s.agent.wait_sync_messages_timed(wait) {
-            for (chunk, at) in chunks {
-                if let Some(m) = reasm.accept(&from, &chunk, at) {
-                    msgs.push((from.clone(), m));
-                }
-            }
-        }
+        let msgs = next_messages(s.agent.as_ref(), &mut reasm, due, &s.partials_dropped);
         if msgs.is_empty() {
             continue;
         }
         // A request names the agent to write to by connection info: load
         // it (I/O, outside the machine's lock).
         let mut ready = Vec::with_capacity(msgs.len());
-        for (from, m) in msgs {
+        for (from, m, _) in msgs {
             let peer = match &m {
                 Msg::Request(info) => match peers.get(&info.connection) {
                     Some(a) => a.clone(),

@@ -573,17 +573,7 @@ pub unsafe extern "C" fn kvxfer_cache_wait_settled(
                 "blocks settle on the generation side: pass a receiver's handle",
             ));
         };
-        if timeout_ms < 0 {
-            loop {
-                match r.wait_settled(Duration::from_secs(60)) {
-                    Err(CacheError::Timeout { .. }) => continue,
-                    other => break other,
-                }
-            }
-        } else {
-            r.wait_settled(Duration::from_millis(timeout_ms as u64))
-        }
-        .map_err(cache_fail)?;
+        wait_ms(timeout_ms, |t| r.wait_settled(t)).map_err(cache_fail)?;
         Ok(KVXFER_OK)
     })
 }
@@ -614,17 +604,7 @@ pub unsafe extern "C" fn kvxfer_cache_wait_layers(
             ));
         };
         let layers = first_layer..first_layer.saturating_add(count);
-        if timeout_ms < 0 {
-            loop {
-                match r.wait_layers(layers.clone(), Duration::from_secs(60)) {
-                    Err(CacheError::Timeout { .. }) => continue,
-                    other => break other,
-                }
-            }
-        } else {
-            r.wait_layers(layers, Duration::from_millis(timeout_ms as u64))
-        }
-        .map_err(cache_fail)?;
+        wait_ms(timeout_ms, |t| r.wait_layers(layers.clone(), t)).map_err(cache_fail)?;
         Ok(KVXFER_OK)
     })
 }
@@ -664,6 +644,23 @@ pub unsafe extern "C" fn kvxfer_cache_layers_landed(
         unsafe { *landed = n };
         Ok(KVXFER_OK)
     })
+}
+
+/// Runs a wait of `timeout_ms` (negative: 60 s at a time until it ends
+/// otherwise than by timing out).
+fn wait_ms<T>(
+    timeout_ms: i64,
+    mut wait: impl FnMut(Duration) -> Result<T, CacheError>,
+) -> Result<T, CacheError> {
+    if timeout_ms >= 0 {
+        return wait(Duration::from_millis(timeout_ms as u64));
+    }
+    loop {
+        match wait(Duration::from_secs(60)) {
+            Err(CacheError::Timeout { .. }) => continue,
+            other => return other,
+        }
+    }
 }
 
 fn is_done(h: &kvxfer_cache_handle) -> bool {

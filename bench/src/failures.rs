@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use kvxfer::cache::{CacheError, RecvRequest};
+use kvxfer::cache::CacheError;
 
 use crate::layerwise::Executors;
 
@@ -45,25 +45,8 @@ pub(crate) fn run(
     };
     for i in 0..rounds {
         let id = first_id + u64::from(i);
-        let recv: Vec<_> = x
-            .receivers
-            .iter()
-            .enumerate()
-            .map(|(g, r)| {
-                r.request(RecvRequest {
-                    request_id: id,
-                    ctx_dp_rank: 0,
-                    blocks: (0..x.n).map(|b| x.gen_ranks[g].addr(b)).collect(),
-                    last_block_key: None,
-                })
-            })
-            .collect::<Result<_, _>>()?;
-        let send: Vec<_> = x
-            .senders
-            .iter()
-            .enumerate()
-            .map(|(c, s)| s.send(id, (0..x.n).map(|b| x.ctx[c].addr(b)).collect()))
-            .collect::<Result<_, _>>()?;
+        let (send, recv) =
+            crate::kv::start_request(x.senders, x.receivers, x.ctx, x.gen_ranks, x.n, id)?;
         std::thread::sleep(whole.mul_f64(next(&mut seed)));
         let (ends, t0, cancelled) = std::thread::scope(|sc| {
             let mut waits = Vec::new();

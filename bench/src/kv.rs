@@ -10,7 +10,7 @@ use clap::Args as ClapArgs;
 use kvxfer::cache::pattern::{check_block, fill_block};
 use kvxfer::cache::{
     Attention, CacheReceiver, CacheSender, CacheState, DataType, RankSlice, ReceiverConfig,
-    RecvRequest, SenderConfig, distinct_heads, rank_slice,
+    RecvHandle, RecvRequest, SendHandle, SenderConfig, distinct_heads, rank_slice,
 };
 use kvxfer::{
     AgentConfig, Backend, MemoryDesc, MemoryDescs, MemoryType, TransferAgent, TransferRequest,
@@ -429,23 +429,7 @@ fn kv_round(
     id: u64,
 ) -> Result<RoundStats> {
     let wait = Duration::from_secs(300);
-    let recv: Vec<_> = receivers
-        .iter()
-        .enumerate()
-        .map(|(g, r)| {
-            r.request(RecvRequest {
-                request_id: id,
-                ctx_dp_rank: 0,
-                blocks: (0..n).map(|b| gen_ranks[g].addr(b)).collect(),
-                last_block_key: None,
-            })
-        })
-        .collect::<Result<_, _>>()?;
-    let send: Vec<_> = senders
-        .iter()
-        .enumerate()
-        .map(|(c, s)| s.send(id, (0..n).map(|b| ctx[c].addr(b)).collect()))
-        .collect::<Result<_, _>>()?;
+    let (send, recv) = start_request(senders, receivers, ctx, gen_ranks, n, id)?;
     let mut it = RoundStats {
         bytes: 0,
         fragments: 0,
@@ -467,6 +451,36 @@ fn kv_round(
         it.peer_secs.1 += sum(&h.wait(wait)?.peers);
     }
     Ok(it)
+}
+
+/// Request `id` of `n` blocks started on every rank: every generation rank
+/// asks, every context rank sends; their handles.
+pub(crate) fn start_request(
+    senders: &[CacheSender],
+    receivers: &[CacheReceiver],
+    ctx: &[Rank],
+    gen_ranks: &[Rank],
+    n: u32,
+    id: u64,
+) -> Result<(Vec<SendHandle>, Vec<RecvHandle>)> {
+    let recv = receivers
+        .iter()
+        .enumerate()
+        .map(|(g, r)| {
+            r.request(RecvRequest {
+                request_id: id,
+                ctx_dp_rank: 0,
+                blocks: (0..n).map(|b| gen_ranks[g].addr(b)).collect(),
+                last_block_key: None,
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let send = senders
+        .iter()
+        .enumerate()
+        .map(|(c, s)| s.send(id, (0..n).map(|b| ctx[c].addr(b)).collect()))
+        .collect::<Result<_, _>>()?;
+    Ok((send, recv))
 }
 
 /// Checks every generation rank's blocks element by element.

@@ -567,12 +567,7 @@ pub unsafe extern "C" fn kvxfer_cache_wait_settled(
     boundary(|| {
         // SAFETY: checked against the handle table.
         let h = unsafe { live(handle, Kind::CacheHandle, "handle")? };
-        let HandleKind::Recv(r) = &h.inner else {
-            return Err(Fail::new(
-                KVXFER_ERR_INVALID_ARGUMENT,
-                "blocks settle on the generation side: pass a receiver's handle",
-            ));
-        };
+        let r = receiving(h)?;
         wait_ms(timeout_ms, |t| r.wait_settled(t)).map_err(cache_fail)?;
         Ok(KVXFER_OK)
     })
@@ -597,12 +592,7 @@ pub unsafe extern "C" fn kvxfer_cache_wait_layers(
     boundary(|| {
         // SAFETY: checked against the handle table.
         let h = unsafe { live(handle, Kind::CacheHandle, "handle")? };
-        let HandleKind::Recv(r) = &h.inner else {
-            return Err(Fail::new(
-                KVXFER_ERR_INVALID_ARGUMENT,
-                "layers land on the generation side: pass a receiver's handle",
-            ));
-        };
+        let r = receiving(h)?;
         let layers = first_layer..first_layer.saturating_add(count);
         wait_ms(timeout_ms, |t| r.wait_layers(layers.clone(), t)).map_err(cache_fail)?;
         Ok(KVXFER_OK)
@@ -627,12 +617,7 @@ pub unsafe extern "C" fn kvxfer_cache_layers_landed(
         // SAFETY: checked against the handle table.
         let h = unsafe { live(handle, Kind::CacheHandle, "handle")? };
         non_null(landed, "landed")?;
-        let HandleKind::Recv(r) = &h.inner else {
-            return Err(Fail::new(
-                KVXFER_ERR_INVALID_ARGUMENT,
-                "layers land on the generation side: pass a receiver's handle",
-            ));
-        };
+        let r = receiving(h)?;
         let want = first_layer..first_layer.saturating_add(count);
         let n: u32 = r
             .layers_landed()
@@ -644,6 +629,18 @@ pub unsafe extern "C" fn kvxfer_cache_layers_landed(
         unsafe { *landed = n };
         Ok(KVXFER_OK)
     })
+}
+
+/// The receiver's handle `h` is (layers land and blocks settle on the
+/// generation side): `KVXFER_ERR_INVALID_ARGUMENT` for a sender's.
+fn receiving(h: &kvxfer_cache_handle) -> Result<&RecvHandle, Fail> {
+    match &h.inner {
+        HandleKind::Recv(r) => Ok(r),
+        HandleKind::Send(_) => Err(Fail::new(
+            KVXFER_ERR_INVALID_ARGUMENT,
+            "layers land and blocks settle on the generation side: pass a receiver's handle",
+        )),
+    }
 }
 
 /// Runs a wait of `timeout_ms` (negative: 60 s at a time until it ends

@@ -227,7 +227,11 @@ impl Shared {
                         request_id,
                         outcome,
                     } => {
-                        if let Err(e @ CacheError::Unsettled { .. }) = &outcome {
+                        let unsettled = match &outcome {
+                            Err(e @ CacheError::Unsettled { .. }) => Some(e.clone()),
+                            _ => None,
+                        };
+                        if let Some(e) = &unsettled {
                             for w in c.settle_waiters.remove(&request_id).into_iter().flatten() {
                                 let _ = w.send(Err(e.clone()));
                             }
@@ -236,11 +240,11 @@ impl Shared {
                             if let (Ok(stats), Some(_)) = (&outcome, &self.timings_dir) {
                                 rows.push(stats.clone());
                             }
-                            if let Err(e @ CacheError::Unsettled { .. }) = &outcome {
-                                c.unsettled
-                                    .insert(request_id, (Arc::clone(&progress), e.clone()));
-                            } else {
-                                progress.settled(Ok(()));
+                            match unsettled {
+                                Some(e) => {
+                                    c.unsettled.insert(request_id, (Arc::clone(&progress), e));
+                                }
+                                None => progress.settled(Ok(())),
                             }
                             cell.set(outcome);
                             progress.ended();

@@ -287,7 +287,7 @@ impl Reassembler {
                 .iter()
                 .max_by_key(|(k, p)| {
                     let size = p.body.len() + if k.as_str() == from { need } else { 0 };
-                    (size, std::cmp::Reverse((p.touched, p.seq)))
+                    (size, std::cmp::Reverse(p.seq))
                 })
                 .map(|(k, _)| k.clone())
             else {

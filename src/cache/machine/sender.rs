@@ -383,33 +383,36 @@ impl SenderMachine {
         match msg {
             Msg::Request(info) => self.request_info(from, info, now),
             Msg::Cancel { request_id } => {
-                let stranger = self
+                // Whether `from` asked for it, when this rank has it.
+                let asked = self
                     .reqs
                     .get(&request_id)
-                    .is_some_and(|r| !r.asked.values().any(|(a, _)| a == from));
-                if stranger {
-                    self.metrics.strangers += 1;
-                    tracing::warn!(
-                        remote = from,
-                        request = request_id,
-                        "dropping a cancel from an agent that did not ask for the request"
-                    );
-                } else if self.reqs.contains_key(&request_id) {
-                    let why = CacheError::Cancelled {
-                        request_id,
-                        reason: format!("cancelled by generation agent {from}"),
-                    };
-                    self.cancel_with(request_id, why, now);
-                } else {
+                    .map(|r| r.asked.values().any(|(a, _)| a == from));
+                match asked {
+                    Some(true) => {
+                        let why = CacheError::Cancelled {
+                            request_id,
+                            reason: format!("cancelled by generation agent {from}"),
+                        };
+                        self.cancel_with(request_id, why, now);
+                    }
+                    Some(false) => {
+                        self.metrics.strangers += 1;
+                        tracing::warn!(
+                            remote = from,
+                            request = request_id,
+                            "dropping a cancel from an agent that did not ask for the request"
+                        );
+                    }
                     // Nothing of it is (or will be) in flight here.
-                    self.transmit(
+                    None => self.transmit(
                         from,
                         Msg::Cancelled {
                             request_id,
                             reason: "not in progress on the context side".into(),
                             failure: false,
                         },
-                    );
+                    ),
                 }
             }
             other => tracing::warn!(remote = from, ?other, "unexpected message on a sender"),

@@ -182,6 +182,25 @@ pub enum Error {
         /// What of the request's data reached its destination.
         landed: Landed,
     },
+    /// End-to-end integrity ([`TransferRequest::integrity`](crate::TransferRequest::integrity)):
+    /// a piece of the request did not match the CRC32C computed over its
+    /// source, or a frame header did not match its seal. The request is
+    /// not complete: what landed of it at the destination must be treated
+    /// as invalid, and its sync message was not delivered.
+    #[error("integrity check failed with {remote:?}: {what}")]
+    Integrity {
+        /// The remote agent.
+        remote: String,
+        /// What failed: the direction and the destination range.
+        what: String,
+    },
+    /// End-to-end integrity was asked of a path or memory type that cannot
+    /// check it yet; nothing was sent.
+    #[error("end-to-end integrity is not available {reason}")]
+    IntegrityUnsupported {
+        /// Where it is not available.
+        reason: String,
+    },
     /// The remote agent's process is not the one the loaded descriptor
     /// describes (it restarted); reload its descriptor.
     #[error("remote agent {remote:?} at {addr} is a different instance than the loaded descriptor")]

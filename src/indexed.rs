@@ -602,6 +602,7 @@ impl IndexedPairs {
             remote_agent: self.req.remote.remote_agent.clone().unwrap_or_default(),
             sync_message: self.req.sync_message.clone(),
             durable: false,
+            integrity: false,
         }
     }
 

@@ -79,6 +79,7 @@ pub mod fuzzing;
 pub mod gpu;
 mod inbox;
 pub mod indexed;
+mod integrity;
 pub mod memory;
 pub mod metadata;
 pub mod metrics;

@@ -40,7 +40,7 @@ const BOUNDS: [f64; 18] = [
 ];
 
 /// Failure causes, as the `outcome` label names them.
-const CAUSES: [&str; 10] = [
+const CAUSES: [&str; 11] = [
     "rejected",
     "peer_gone",
     "connection_lost",
@@ -51,6 +51,7 @@ const CAUSES: [&str; 10] = [
     "storage",
     "io",
     "other",
+    "integrity",
 ];
 
 /// The `outcome` label of a failure.
@@ -65,6 +66,7 @@ fn cause(e: &Error) -> usize {
         Error::Rdma { .. } | Error::RdmaCompletion { .. } => 6,
         Error::Storage { .. } | Error::Misaligned { .. } => 7,
         Error::Io(_) => 8,
+        Error::Integrity { .. } => 10,
         _ => 9,
     }
 }
@@ -133,6 +135,10 @@ pub(crate) struct Metrics {
     agent: String,
     timing: bool,
     meters: Mutex<Vec<Arc<Meter>>>,
+    /// Checked WRITE pieces landed here (as a target) whose bytes did not
+    /// match their CRC32C; an initiator counts its failed requests under
+    /// the `integrity` outcome.
+    pub(crate) integrity_failures: AtomicU64,
 }
 
 /// A label value escaped for the text format.
@@ -148,6 +154,7 @@ impl Metrics {
             agent: agent.to_owned(),
             timing: cfg.timing || cfg.listen.is_some(),
             meters: Mutex::new(Vec::new()),
+            integrity_failures: AtomicU64::new(0),
         }
     }
 
@@ -201,6 +208,15 @@ impl Metrics {
              # HELP kvxfer_gpu_staging_bytes_total Bytes of those copies.\n\
              # TYPE kvxfer_gpu_staging_bytes_total counter\n\
              kvxfer_gpu_staging_bytes_total {bytes}"
+        );
+        let _ = writeln!(
+            o,
+            "# HELP kvxfer_integrity_failures_total Checked WRITE pieces (end-to-end integrity) \
+             landed here whose bytes did not match their CRC32C; the initiator's requests \
+             fail with the outcome integrity.\n\
+             # TYPE kvxfer_integrity_failures_total counter\n\
+             kvxfer_integrity_failures_total{{agent=\"{agent}\"}} {}",
+            self.integrity_failures.load(Ordering::Relaxed)
         );
         let mut named = None;
         for c in counters {

@@ -138,6 +138,14 @@ pub struct TransferRequest {
     /// data written is on stable storage (`fdatasync` of each file
     /// written). Ignored by the other memory types.
     pub durable: bool,
+    /// End-to-end integrity: a CRC32C of every piece, computed over the
+    /// source bytes and checked over the destination bytes before the
+    /// request is reported complete. A mismatch fails the request with
+    /// [`Error::Integrity`](crate::error::Error::Integrity) and its sync
+    /// message is not delivered. Host memory (DRAM) on both sides, over
+    /// the TCP path; other paths and memory types refuse it at submission
+    /// with [`Error::IntegrityUnsupported`](crate::error::Error::IntegrityUnsupported).
+    pub integrity: bool,
 }
 
 impl TransferRequest {
@@ -150,6 +158,7 @@ impl TransferRequest {
             remote_agent: remote_agent.into(),
             sync_message: None,
             durable: false,
+            integrity: false,
         }
     }
 
@@ -162,6 +171,7 @@ impl TransferRequest {
             remote_agent: remote_agent.into(),
             sync_message: None,
             durable: false,
+            integrity: false,
         }
     }
 
@@ -169,6 +179,12 @@ impl TransferRequest {
     /// storage (see [`durable`](Self::durable)).
     pub fn with_durable(mut self) -> Self {
         self.durable = true;
+        self
+    }
+
+    /// Checks every piece end to end (see [`integrity`](Self::integrity)).
+    pub fn with_integrity(mut self) -> Self {
+        self.integrity = true;
         self
     }
 
@@ -277,6 +293,10 @@ pub enum RejectReason {
     /// between the grant and the commit): the target released the ranges
     /// and failed the request. Its data may have landed in part.
     GrantExpired,
+    /// A piece of a request with integrity checks did not match its
+    /// checksum (or a frame header its seal): what landed of it must be
+    /// treated as invalid, and the sync message was not delivered.
+    Integrity,
 }
 
 impl RejectReason {
@@ -295,6 +315,7 @@ impl RejectReason {
             RejectReason::GpuCopy => 18,
             RejectReason::Overloaded => 19,
             RejectReason::GrantExpired => 20,
+            RejectReason::Integrity => 21,
             RejectReason::StorageIo { errno } => STORAGE_IO_BASE.saturating_add(errno),
         }
     }
@@ -328,6 +349,7 @@ impl RejectReason {
             18 => RejectReason::GpuCopy,
             19 => RejectReason::Overloaded,
             20 => RejectReason::GrantExpired,
+            21 => RejectReason::Integrity,
             c if c >= STORAGE_IO_BASE => RejectReason::StorageIo {
                 errno: c - STORAGE_IO_BASE,
             },
@@ -366,6 +388,9 @@ impl std::fmt::Display for RejectReason {
             }
             RejectReason::GrantExpired => {
                 "the request's grants expired at the target before its commit"
+            }
+            RejectReason::Integrity => {
+                "a piece did not match its checksum at the target: what landed of it is invalid"
             }
             RejectReason::StorageIo { errno: 0 } => "storage I/O at the target failed",
             RejectReason::StorageIo { errno } => {

@@ -1076,3 +1076,178 @@ fn nothing_lands_after_the_receiver_reports_a_cancel() {
         );
     }
 }
+
+#[test]
+fn integrity_checked_requests_land_where_they_can_be_checked() {
+    // With `ReceiverConfig::integrity`, the context ranks write with a
+    // CRC32C per piece: over TCP the requests land whole, whole and layer
+    // by layer; on a path that cannot check, the context ranks refuse and
+    // both sides hear a failure that says so.
+    let ctx = state(4, 8, 2, 1, DataType::Bf16);
+    let gen_s = state(4, 8, 1, 1, DataType::Bf16);
+    let rc = ReceiverConfig {
+        integrity: true,
+        ..ReceiverConfig::default()
+    };
+    let mut c = cluster("integrity", &ctx, &gen_s, 16, SenderConfig::default(), rc);
+    let ctx_ids = c.ctx_blocks(4, 1);
+    c.prefill(21, &ctx_ids);
+    if common::backend() == kvxfer::Backend::Tcp {
+        for layerwise in [false, true] {
+            c.layerwise = layerwise;
+            let id = 21 + u64::from(layerwise);
+            if layerwise {
+                c.prefill(id, &ctx_ids);
+            }
+            c.transfer(id, 60, &ctx_ids, &[3, 0, 2, 1], None, 0, |_| true);
+        }
+        return;
+    }
+    let h = c.receivers[0]
+        .request(RecvRequest {
+            request_id: 21,
+            ctx_dp_rank: 0,
+            blocks: (0..4).map(|b| c.gen_ranks[0].block_addr(b)).collect(),
+            last_block_key: None,
+        })
+        .unwrap();
+    let sends: Vec<_> = (0..2)
+        .map(|r| {
+            let blocks = ctx_ids.iter().map(|&b| c.ctx[r].block_addr(b)).collect();
+            c.senders[r].send(21, blocks).unwrap()
+        })
+        .collect();
+    let e = h.wait(WAIT).unwrap_err();
+    assert!(e.to_string().contains("integrity"), "{e}");
+    for s in sends {
+        let e = s.wait(WAIT).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                CacheError::Transfer(kvxfer::Error::IntegrityUnsupported { .. })
+            ),
+            "{e}"
+        );
+    }
+    assert!(
+        c.gen_ranks[0].pool.iter().all(|&b| b == 0),
+        "nothing landed"
+    );
+}
+
+#[test]
+fn a_damaged_kv_write_fails_the_request_with_integrity() {
+    // A proxy in front of the generation rank's listener flips one bit of
+    // what the context rank writes. Whatever the bit hits, the request
+    // never completes with bad blocks: a payload bit fails it with
+    // `CacheError::Integrity` on the generation side (and the transfer's
+    // `Integrity` on the context side); a header bit (rare) breaks the
+    // connection. Some offset hits a payload.
+    if common::backend() != kvxfer::Backend::Tcp {
+        println!(
+            "SKIPPED: the proxy sits on the TCP path (backend {:?})",
+            common::backend()
+        );
+        return;
+    }
+    use common::proxy::{Dir, Proxy};
+    let ctx_s = state(32, 8, 1, 1, DataType::Bf16);
+    let gen_s = ctx_s.clone();
+    let d = distinct_heads(&ctx_s, &gen_s);
+    let mut seen_integrity = false;
+    for (round, at) in [300u64 << 10, 517 << 10, 701 << 10].into_iter().enumerate() {
+        let proxy = Proxy::start(Dir::Up, at);
+        // The generation rank listens on a port of its own and advertises
+        // the proxy's.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let gen_agent: Arc<dyn TransferAgent> = Arc::from(
+            kvxfer::make_transfer_agent(
+                kvxfer::Backend::Tcp,
+                AgentConfig::new(format!("dmg-gen-{round}"))
+                    .with_listen(port)
+                    .with_advertise(proxy.addr.to_string()),
+            )
+            .unwrap(),
+        );
+        proxy.forward_to(port);
+        let ctx_agent: Arc<dyn TransferAgent> = Arc::from(
+            kvxfer::make_transfer_agent(
+                kvxfer::Backend::Tcp,
+                AgentConfig::new(format!("dmg-ctx-{round}")).with_streams_per_peer(1),
+            )
+            .unwrap(),
+        );
+        let slice = rank_slice(&ctx_s, 0, d);
+        let blocks = 8u32;
+        let bb = slice.block_bytes() as usize;
+        let mut src = vec![0u8; bb * blocks as usize];
+        let gen_pool = vec![0u8; bb * blocks as usize];
+        for b in 0..blocks as usize {
+            fill_block(&ctx_s, &slice, &mut src[b * bb..(b + 1) * bb], b as u32);
+        }
+        // SAFETY: both pools outlive the agents' use of them (the sender,
+        // receiver and agents are dropped at the end of the round first).
+        unsafe {
+            ctx_agent.register_memory(&MemoryDescs::dram(&src)).unwrap();
+            gen_agent
+                .register_memory(&MemoryDescs::dram(&gen_pool))
+                .unwrap();
+        }
+        let sender = CacheSender::new(
+            Arc::clone(&ctx_agent),
+            ctx_s.clone(),
+            0,
+            None,
+            SenderConfig::default(),
+        )
+        .unwrap();
+        let receiver = CacheReceiver::new(
+            Arc::clone(&gen_agent),
+            gen_s.clone(),
+            0,
+            ctx_s.clone(),
+            &[ctx_agent.local_connection_info()],
+            ReceiverConfig {
+                integrity: true,
+                ..ReceiverConfig::default()
+            },
+        )
+        .unwrap();
+        let at_block = |base: &[u8], b: u32| base.as_ptr() as u64 + u64::from(b) * bb as u64;
+        let h = receiver
+            .request(RecvRequest {
+                request_id: 9,
+                ctx_dp_rank: 0,
+                blocks: (0..blocks).map(|b| at_block(&gen_pool, b)).collect(),
+                last_block_key: None,
+            })
+            .unwrap();
+        proxy
+            .armed
+            .store(true, std::sync::atomic::Ordering::Release);
+        let s = sender
+            .send(9, (0..blocks).map(|b| at_block(&src, b)).collect())
+            .unwrap();
+        let recv = h.wait(WAIT);
+        let sent = s.wait(WAIT);
+        assert_eq!(proxy.flipped.load(std::sync::atomic::Ordering::Relaxed), 1);
+        let e = recv.expect_err("a damaged request never completes");
+        assert!(sent.is_err(), "the context side failed too");
+        if let CacheError::Integrity { request_id, .. } = &e {
+            assert_eq!(*request_id, 9);
+            assert!(
+                matches!(
+                    sent,
+                    Err(CacheError::Transfer(kvxfer::Error::Integrity { .. }))
+                ),
+                "{sent:?}"
+            );
+            seen_integrity = true;
+        }
+        drop((sender, receiver));
+    }
+    assert!(seen_integrity, "no flip landed in a payload");
+}

@@ -97,6 +97,11 @@ pub struct KvArgs {
     /// party's terminal outcome.
     #[arg(long, default_value_t = 0)]
     failures: u32,
+    /// End-to-end integrity: the receivers ask for it
+    /// (`ReceiverConfig::integrity`), so every KV write carries a CRC32C
+    /// per piece, checked where it lands (the raw rounds stay unchecked).
+    #[arg(long)]
+    integrity: bool,
 }
 
 /// A rank's block pool: host memory, or GPU memory.
@@ -297,6 +302,7 @@ pub fn run(a: &KvArgs) -> Result<()> {
                 &conns,
                 ReceiverConfig {
                     mem_type,
+                    integrity: a.integrity,
                     ..ReceiverConfig::default()
                 },
             )

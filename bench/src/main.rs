@@ -57,6 +57,10 @@ struct Args {
     /// waits for each request before the next.
     #[arg(long, default_value_t = 1)]
     depth: usize,
+    /// End-to-end integrity on every request (`TransferRequest::
+    /// with_integrity`: a CRC32C per piece, checked where it lands).
+    #[arg(long)]
+    integrity: bool,
     /// TCP streams per peer (default: the library's, 2).
     #[arg(long)]
     streams: Option<usize>,
@@ -626,9 +630,16 @@ fn measure(
             .collect(),
     );
     let remote = target.remote.as_str();
-    let make = || match args.op.as_str() {
-        "read" => TransferRequest::read(local.clone(), dst.clone(), remote),
-        _ => TransferRequest::write(local.clone(), dst.clone(), remote),
+    let make = || {
+        let r = match args.op.as_str() {
+            "read" => TransferRequest::read(local.clone(), dst.clone(), remote),
+            _ => TransferRequest::write(local.clone(), dst.clone(), remote),
+        };
+        if args.integrity {
+            r.with_integrity()
+        } else {
+            r
+        }
     };
     let timeout = Duration::from_secs(120);
     for _ in 0..args.warmup {

@@ -31,9 +31,17 @@ pyo3::create_exception!(
     "A KV-cache request ended, but context ranks writing into its blocks did not confirm that they stopped: their writes may still land. Reuse the blocks only once `RecvHandle.wait_settled` returns."
 );
 
+pyo3::create_exception!(
+    _kvxfer,
+    CacheIntegrityError,
+    CacheProtocolError,
+    "A KV-cache request failed its end-to-end integrity check (`CacheReceiver(integrity=True)`): a context rank's write did not match its checksum where it landed. The blocks hold bytes that must not be used."
+);
+
 pub(crate) fn cache_err(e: CacheError) -> PyErr {
     match e {
         CacheError::Transfer(t) => to_py(t),
+        e @ CacheError::Integrity { .. } => CacheIntegrityError::new_err(e.to_string()),
         e @ CacheError::Unsettled { .. } => CacheUnsettledError::new_err(e.to_string()),
         other => CacheProtocolError::new_err(other.to_string()),
     }
@@ -439,9 +447,12 @@ impl PyCacheReceiver {
     /// its ranks at `ctx_connections` (connection info by rank).
     /// `settle_timeout`: how long the ranks of a failed request have to
     /// confirm that they stopped writing before its outcome is
-    /// `CacheUnsettledError`.
+    /// `CacheUnsettledError`. `integrity`: the context ranks write with a
+    /// CRC32C per piece, checked where it lands before anything is
+    /// reported landed (`CacheIntegrityError` on a mismatch; host memory
+    /// over TCP only).
     #[new]
-    #[pyo3(signature = (agent, state, rank, ctx_state, ctx_connections, timeout = 60.0, settle_timeout = 10.0))]
+    #[pyo3(signature = (agent, state, rank, ctx_state, ctx_connections, timeout = 60.0, settle_timeout = 10.0, integrity = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -452,10 +463,12 @@ impl PyCacheReceiver {
         ctx_connections: Vec<String>,
         timeout: f64,
         settle_timeout: f64,
+        integrity: bool,
     ) -> PyResult<Self> {
         let cfg = ReceiverConfig {
             timeout: secs("timeout", timeout)?,
             settle_timeout: secs("settle_timeout", settle_timeout)?,
+            integrity,
             ..ReceiverConfig::default()
         };
         let a = Arc::clone(&agent.agent);
@@ -528,6 +541,10 @@ pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add(
         "CacheUnsettledError",
         m.py().get_type::<CacheUnsettledError>(),
+    )?;
+    m.add(
+        "CacheIntegrityError",
+        m.py().get_type::<CacheIntegrityError>(),
     )?;
     Ok(())
 }

@@ -90,6 +90,8 @@ errors! {
     MetadataStore => MetadataStoreError,
     NameTaken => NameTakenError,
     Gpu => GpuError,
+    Integrity => IntegrityError,
+    IntegrityUnsupported => IntegrityUnsupportedError,
 }
 
 /// A duration from seconds, refusing what is negative or not a number.
@@ -319,8 +321,12 @@ impl PyAgent {
     /// Storage: the remote agent is this agent's own name, `remote_mem`
     /// `"file"` or `"blk"`, `remote_device` the handle `open_storage`
     /// returned (addresses are then file offsets); `durable` completes the
-    /// transfer only once written data is on stable storage.
-    #[pyo3(signature = (op, local, remote, remote_agent, notif = None, local_mem = "dram", remote_mem = "dram", remote_device = 0, durable = false))]
+    /// transfer only once written data is on stable storage. `integrity`
+    /// checks every piece end to end (a CRC32C computed over the source,
+    /// checked where it lands): a mismatch raises `IntegrityError` and the
+    /// notification is not delivered; `IntegrityUnsupportedError` where
+    /// the path cannot check (host memory over TCP only).
+    #[pyo3(signature = (op, local, remote, remote_agent, notif = None, local_mem = "dram", remote_mem = "dram", remote_device = 0, durable = false, integrity = false))]
     #[allow(clippy::too_many_arguments)]
     fn transfer(
         &self,
@@ -334,6 +340,7 @@ impl PyAgent {
         remote_mem: &str,
         remote_device: u32,
         durable: bool,
+        integrity: bool,
     ) -> PyResult<PyTransfer> {
         let pairs = |v: &[(u64, u64)], dev: u32| {
             v.iter().map(|&(a, l)| MemoryDesc::new(a, l, dev)).collect()
@@ -345,6 +352,7 @@ impl PyAgent {
             req = req.with_sync_message(n.to_vec());
         }
         req.durable = durable;
+        req.integrity = integrity;
         self.submit(py, &req)
     }
 

@@ -61,6 +61,14 @@ pub struct ReceiverConfig {
     pub timings_dir: Option<PathBuf>,
     /// Memory type of the pool (default DRAM).
     pub mem_type: MemoryType,
+    /// End-to-end integrity (default off): the context ranks write with a
+    /// CRC32C per piece, checked where it lands, before anything is
+    /// reported landed; a mismatch fails the request with
+    /// [`CacheError::Integrity`](crate::cache::CacheError::Integrity).
+    /// Host memory over TCP (see
+    /// [`TransferRequest::integrity`](crate::TransferRequest::integrity));
+    /// elsewhere the context ranks refuse the request.
+    pub integrity: bool,
 }
 
 impl Default for ReceiverConfig {
@@ -70,6 +78,7 @@ impl Default for ReceiverConfig {
             settle_timeout: Duration::from_secs(10),
             timings_dir: None,
             mem_type: MemoryType::Dram,
+            integrity: false,
         }
     }
 }

@@ -60,6 +60,16 @@ pub enum CacheError {
         /// Who cancelled, or why.
         reason: String,
     },
+    /// End-to-end integrity ([`ReceiverConfig::integrity`](crate::cache::ReceiverConfig::integrity)):
+    /// a context rank's write did not match its checksum where it landed.
+    /// The request failed; its blocks hold bytes that must not be used.
+    #[error("request {request_id} failed its integrity check: {reason}")]
+    Integrity {
+        /// The request.
+        request_id: u64,
+        /// Which context agent, and what failed.
+        reason: String,
+    },
     /// A request id already in use on this side.
     #[error("request {0} is already in progress")]
     DuplicateRequest(u64),

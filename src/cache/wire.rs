@@ -16,7 +16,7 @@ use crate::cache::error::CacheError;
 use crate::cache::state::CacheState;
 
 const MAGIC: [u8; 4] = *b"KVXC";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 /// Header: magic, version, chunk index (u16), chunk count (u16).
 const HEADER: usize = 4 + 1 + 2 + 2;
 /// Largest chunk on the wire, header included; a larger one is refused.
@@ -54,6 +54,10 @@ pub struct RequestInfo {
     pub blocks: Vec<u64>,
     /// Memory type of the destination pool.
     pub pool_mem_type: crate::memory::MemoryType,
+    /// End-to-end integrity: the context side's writes carry a CRC32C per
+    /// piece, checked where they land before they count as landed
+    /// ([`TransferRequest::integrity`](crate::TransferRequest::integrity)).
+    pub integrity: bool,
 }
 
 /// A protocol message.
@@ -91,6 +95,9 @@ pub enum Msg {
         /// was cancelled on purpose (by either side). Both sides count it
         /// alike in their metrics.
         failure: bool,
+        /// The failure was a write that did not match its checksum where
+        /// it landed (end-to-end integrity).
+        integrity: bool,
     },
     /// Generation → context: cancel this request.
     Cancel {
@@ -422,6 +429,7 @@ mod tests {
                 .map(|i| 0x7f00_0000_0000 + i * 65536)
                 .collect(),
             pool_mem_type: crate::memory::MemoryType::Dram,
+            integrity: true,
         }
     }
 

@@ -510,6 +510,7 @@ impl SocketPath for CmaParts {
                     },
                     pending,
                     aborted,
+                    checked: false,
                 }),
                 CmaOutcome::Done => None,
             },

@@ -464,7 +464,7 @@ impl<'c> FrameReader<'c> {
             // The next header's free space, only behind the last piece:
             // bytes past a capped list belong to the pieces after it.
             let free = HEADER_LEN - self.filled;
-            if free > 0 && pieces.len() - i <= 1023 {
+            if free > 0 && !self.no_read_ahead && pieces.len() - i <= 1023 {
                 // SAFETY: as in `readv_once`: inside `hdr`.
                 iovs.push(iov(unsafe { self.hdr.as_ptr().add(self.filled) }, free));
             }
@@ -489,6 +489,43 @@ impl<'c> FrameReader<'c> {
             }
         }
         Ok(())
+    }
+
+    /// Reads exactly `len` bytes of a checked payload into `dst`, its
+    /// trailer after it (no read-ahead), a chunk at a time; returns the
+    /// CRC32C of what landed, each chunk summed right after it landed
+    /// (still in the core's cache).
+    ///
+    /// # Safety
+    /// As [`read_into`](Self::read_into).
+    pub(crate) unsafe fn read_checked(
+        &mut self,
+        dst: *mut u8,
+        len: usize,
+        idle: &mut dyn IdlePolicy,
+    ) -> io::Result<u32> {
+        let mut crc = crate::integrity::Crc32c::new();
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(crate::integrity::CHECK_CHUNK);
+            // SAFETY: `done + n <= len`: inside the caller's buffer.
+            let at = unsafe { dst.add(done) };
+            // SAFETY: forwarded contract.
+            unsafe { self.read_part(at, n, false, idle)? };
+            // SAFETY: the chunk was just written, inside the caller's buffer.
+            crc.update(unsafe { std::slice::from_raw_parts(at.cast_const(), n) });
+            done += n;
+        }
+        Ok(crc.finish())
+    }
+
+    /// Runs `read` with no read-ahead into the next header: more of the
+    /// same frame follows what it reads (a checked frame's trailer).
+    pub(crate) fn mid_frame<R>(&mut self, read: impl FnOnce(&mut Self) -> R) -> R {
+        let saved = std::mem::replace(&mut self.no_read_ahead, true);
+        let r = read(self);
+        self.no_read_ahead = saved;
+        r
     }
 
     /// Reads `len` bytes that more of the same frame follows (no header

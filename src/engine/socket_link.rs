@@ -108,6 +108,8 @@ pub(in crate::engine) struct ReadSlot {
     /// The device of a GPU destination (its data is staged).
     pub(in crate::engine) gpu: Option<u32>,
     pub(in crate::engine) pending: Arc<Pending>,
+    /// Its data comes with a CRC32C, checked once landed.
+    pub(in crate::engine) checked: bool,
 }
 
 /// A request's segments on one stream: planned (shared with the prepared
@@ -197,6 +199,8 @@ pub(in crate::engine) struct Frames {
     /// Its data was aborted before the frames were made (an `Abort` frame
     /// goes before the tail).
     pub(in crate::engine) aborted: bool,
+    /// End-to-end integrity: its data frames carry seals and CRC32Cs.
+    pub(in crate::engine) checked: bool,
 }
 
 pub(in crate::engine) struct StreamHandle<X> {

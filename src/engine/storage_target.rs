@@ -173,6 +173,7 @@ impl Inner {
                     req,
                     len: 0,
                     status: reason.code(),
+                    checked: false,
                 };
                 c.send(&[refusal.encode()], io_timeout)?;
                 return Ok(Err(reason));
@@ -182,6 +183,7 @@ impl Inner {
             req,
             len,
             status: status::OK,
+            checked: false,
         }
         .encode();
         send_bytes(c.sock, &hdr, c.idle.clock, io_timeout)?;

@@ -2,7 +2,7 @@
 //! to the link; a request posted again by the peer's link, and prepared
 //! transfers.
 
-use crate::agent::{TransferRequest, TransferStatus};
+use crate::agent::{TransferRequest, TransferStatus, TransportKind};
 use crate::desc::ExportedRegion;
 use crate::engine::transport::Submission;
 use crate::engine::{Engine, Peer};
@@ -139,12 +139,17 @@ impl Engine {
             return Err(Error::Closed);
         }
         req.validate_shape()?;
-        self.check_route(
+        let data = !req.local.is_empty();
+        let peer = self.check_route(
             req.local.mem_type,
             req.remote.mem_type,
             &req.remote_agent,
-            !req.local.is_empty(),
-        )
+            data,
+        )?;
+        if req.integrity && data {
+            check_integrity(req, peer.transport.kind())?;
+        }
+        Ok(peer)
     }
 
     /// The checks of a request that need neither the registry nor its
@@ -321,6 +326,25 @@ impl Engine {
             remote_keys,
         })
     }
+}
+
+/// Whether end-to-end integrity can be checked for `req` over `transport`:
+/// host memory on both sides, over TCP (where the target lands each
+/// payload itself and can check it as it lands).
+fn check_integrity(req: &TransferRequest, transport: TransportKind) -> Result<(), Error> {
+    for mem_type in [req.local.mem_type, req.remote.mem_type] {
+        if mem_type != MemoryType::Dram {
+            return Err(Error::IntegrityUnsupported {
+                reason: format!("for {mem_type} memory (host memory, DRAM, only)"),
+            });
+        }
+    }
+    if transport != TransportKind::Tcp {
+        return Err(Error::IntegrityUnsupported {
+            reason: format!("over the {transport} transport (tcp only)"),
+        });
+    }
+    Ok(())
 }
 
 /// `region`'s key of the transport offered at index `transport`: a

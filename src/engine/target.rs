@@ -13,7 +13,7 @@ use crate::engine::sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_al
 use crate::engine::storage_target::{Bounce, StorageWrites};
 use crate::engine::transport::SessionState;
 use crate::engine::wire::{Frame, HEADER_LEN, PROTOCOL_VERSION, status};
-use crate::engine::{Inner, attach, budget, handshake, lock, tick};
+use crate::engine::{Inner, attach, budget, handshake, lock, tick, wire};
 use crate::error::RejectReason;
 use crate::inbox::{Inbox, Reservation};
 use crate::memory::MemoryType;
@@ -742,8 +742,22 @@ impl Inner {
                     addr,
                     len,
                     key,
+                    checked,
                 } => {
-                    let result = if is_storage(mem_type) {
+                    let result = if checked {
+                        // End-to-end integrity: host memory only; a header
+                        // that fails its seal cannot be trusted to frame
+                        // what follows, so the connection ends.
+                        if mem_type != MemoryType::Dram {
+                            return Err(violation("a checked write to memory other than DRAM"));
+                        }
+                        if !wire::sealed(&raw, &[]) {
+                            return Err(violation(
+                                "a checked write header does not match its seal",
+                            ));
+                        }
+                        Some(self.land_write_checked(&mut c, addr, len, key)?)
+                    } else if is_storage(mem_type) {
                         // The agent's files (`storage_target`).
                         Some(self.land_storage_write(
                             &mut c,
@@ -770,7 +784,11 @@ impl Inner {
                     addr,
                     len,
                     key,
+                    checked,
                 } => {
+                    if checked && mem_type != MemoryType::Dram {
+                        return Err(violation("a checked read of memory other than DRAM"));
+                    }
                     if mem_type == MemoryType::Vram {
                         // Told in turn, with the reads that follow it.
                         self.send_reads_gpu(&mut c, (req, addr, len, key))?;
@@ -779,7 +797,7 @@ impl Inner {
                     let result = if is_storage(mem_type) {
                         self.send_storage_read(&mut c, req, (mem_type, device), (addr, len), key)?
                     } else {
-                        self.send_read(&mut c, req, mem_type, addr, len, key)?
+                        self.send_read(&mut c, req, mem_type, (addr, len), key, checked)?
                     };
                     segment(self, session, req, 1, result)?
                 }
@@ -789,8 +807,13 @@ impl Inner {
                     count,
                     total,
                     key,
+                    checked,
                 } => {
-                    let result = self.land_write_list(&mut c, mem_type, count, total, key)?;
+                    if checked && mem_type != MemoryType::Dram {
+                        return Err(violation("a checked write list to memory other than DRAM"));
+                    }
+                    let result =
+                        self.land_write_list(&mut c, &raw, mem_type, (count, total), key, checked)?;
                     segment(self, session, req, u64::from(count), result)?
                 }
                 Frame::Fence { req } => segment(self, session, req, 1, Ok(()))?,

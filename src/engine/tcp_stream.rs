@@ -15,9 +15,12 @@ use crate::engine::socket_link::{
 };
 use crate::engine::submit::Resolved;
 use crate::engine::transport::Submission;
-use crate::engine::wire::{CommitOp, Frame, HEADER_LEN, WRITE_LIST_ENTRY, WRITE_LIST_MAX, status};
+use crate::engine::wire::{
+    self, CommitOp, Frame, HEADER_LEN, TRAILER_LEN, WRITE_LIST_ENTRY, WRITE_LIST_MAX, status,
+};
 use crate::engine::{ABORT_CHECK_BYTES, Engine, Inner, Peer, WRITE_LIST_PIECE_MAX, lock};
 use crate::error::{Error, RejectReason};
+use crate::integrity::CHECK_CHUNK;
 use crate::memory::MemoryType;
 use crate::registry::RegionGuard;
 use crate::small::Few;
@@ -89,9 +92,17 @@ impl TcpLink {
     /// regions' access keys).
     fn plan_streams(&self, engine: &Engine, req: &TransferRequest, keys: &[u64]) -> StreamPlan {
         let max = engine.inner.config.tcp.segment_size;
+        // A checked segment is summed just before it is sent and as it
+        // lands: no larger than what stays in the core's cache meanwhile.
+        let max = if req.integrity {
+            max.min(CHECK_CHUNK as u64)
+        } else {
+            max
+        };
         let plan = plan_segments(req, keys, max, self.streams.len());
         StreamPlan {
             op: req.op,
+            checked: req.integrity,
             segments: plan.iter().map(Vec::len).sum(),
             streams: plan
                 .into_iter()
@@ -114,6 +125,7 @@ impl TcpLink {
         let walk = segs.walk(bytes, self.streams.len());
         let plan = StreamPlan {
             op: segs.op(),
+            checked: false,
             segments: walk.segments,
             streams: walk
                 .shares
@@ -181,6 +193,7 @@ impl TcpLink {
                 tail,
                 pending: Arc::clone(&pending),
                 aborted: false,
+                checked: plan.checked,
             });
             if self.streams[k].tx.send(job).is_err() {
                 self.fail(Error::Closed);
@@ -194,6 +207,8 @@ impl TcpLink {
 /// A request's segments on each stream of a TCP link.
 struct StreamPlan {
     op: TransferOp,
+    /// End-to-end integrity: its frames carry seals and CRC32Cs.
+    checked: bool,
     streams: Vec<Segs>,
     /// Segments on all streams.
     segments: usize,
@@ -289,6 +304,7 @@ impl<P: SocketPath> SocketLink<P> {
                 tail,
                 pending,
                 mut aborted,
+                checked,
             } = frames;
             // Aborted before any of it went out: its segments are skipped
             // (a READ's events for them are counted here, as no data will
@@ -315,9 +331,9 @@ impl<P: SocketPath> SocketLink<P> {
                 continue;
             }
             if op == TransferOp::Write {
-                f.writes(req, segs);
+                f.writes(req, segs, checked);
             }
-            let data_end = f.tail(req, op, segs, aborted.then_some(skipped), &tail);
+            let data_end = f.tail(req, op, segs, aborted.then_some(skipped), &tail, checked);
             if op == TransferOp::Read {
                 let mut reads = lock(&self.streams[idx].reads);
                 for s in segs {
@@ -327,21 +343,39 @@ impl<P: SocketPath> SocketLink<P> {
                         len: s.len,
                         gpu: s.local_gpu,
                         pending: Arc::clone(&pending),
+                        checked,
                     });
                 }
             }
             let abortable = f.marks.last().is_some_and(|m| m.2 > ABORT_CHECK_BYTES);
-            // SAFETY: header iovecs point into `f.headers`, the sync iovec into
-            // the job (both alive until the call returns); payload iovecs
-            // point into local regions validated at submit time and held by
-            // the request's guards, which live until the request completes,
+            let checked = checked && !f.sums.is_empty();
+            let Framed {
+                trailers,
+                sums,
+                pieces,
+                iovs,
+                marks,
+                ..
+            } = &mut f;
+            // SAFETY: header iovecs point into `f.headers`, trailer iovecs
+            // into `f.trailers`, the sync iovec into the job (all alive until
+            // the call returns); payload iovecs (and `f.pieces`) point into
+            // local regions validated at submit time and held by the
+            // request's guards, which live until the request completes,
             // which cannot happen before this write returns (its
             // acknowledgement follows these bytes).
             let written = unsafe {
-                if abortable {
-                    self.write_abortable(fd, &mut f.iovs, &f.marks, data_end, req, &pending)
+                if checked {
+                    // Each batch's CRC32Cs just before it is written.
+                    let mut sum = |frames| sum_frames(trailers, sums, pieces, frames);
+                    let batches = (CHECK_CHUNK as u64, &mut sum as &mut dyn FnMut(_));
+                    self.write_abortable(fd, iovs, marks, data_end, (req, &pending), batches)
+                } else if abortable {
+                    let mut nothing = |_| {};
+                    let batches = (ABORT_CHECK_BYTES, &mut nothing as &mut dyn FnMut(_));
+                    self.write_abortable(fd, iovs, marks, data_end, (req, &pending), batches)
                 } else {
-                    writev_all(fd, &mut f.iovs, &self.clock, self.io_timeout)
+                    writev_all(fd, iovs, &self.clock, self.io_timeout)
                 }
             };
             if let Err(e) = written {
@@ -381,7 +415,7 @@ impl<P: SocketPath> SocketLink<P> {
         };
         let abort = |f: &mut Framed, left: usize| {
             f.clear();
-            f.tail(req, TransferOp::Write, &[], Some(left), tail);
+            f.tail(req, TransferOp::Write, &[], Some(left), tail, false);
             send(&mut f.iovs).map_err(|e| self.io_error(e))
         };
         let mut i = 0;
@@ -391,7 +425,7 @@ impl<P: SocketPath> SocketLink<P> {
             }
             let Some(device) = segs[i].local_gpu else {
                 let s = &segs[i];
-                let hdr = s.write_header(req);
+                let hdr = s.write_header(req, false);
                 let mut iovs = [
                     iov(hdr.as_ptr(), HEADER_LEN),
                     iov(s.local as *const u8, s.len as usize),
@@ -413,7 +447,7 @@ impl<P: SocketPath> SocketLink<P> {
                 let chunk = iov(bytes.as_ptr(), bytes.len());
                 if k != current {
                     current = k;
-                    let hdr = run[k].write_header(req);
+                    let hdr = run[k].write_header(req, false);
                     send(&mut [iov(hdr.as_ptr(), HEADER_LEN), chunk])
                 } else {
                     send(&mut [chunk])
@@ -436,15 +470,16 @@ impl<P: SocketPath> SocketLink<P> {
             i += run.len();
         }
         f.clear();
-        f.tail(req, TransferOp::Write, &[], None, tail);
+        f.tail(req, TransferOp::Write, &[], None, tail, false);
         send(&mut f.iovs).map_err(|e| self.io_error(e))
     }
 
-    /// Writes a job's frames as [`writev_all`] does, about
-    /// [`ABORT_CHECK_BYTES`] of payload at a time, looking before each batch
-    /// whether the request was aborted: if so, the rest of its data frames
-    /// is replaced by an `Abort` frame counting their segments, and its
-    /// tail (`iovs[data_end..]`) follows.
+    /// Writes a job's frames as [`writev_all`] does, about `batch` bytes of
+    /// payload at a time, looking before each batch whether the request was
+    /// aborted: if so, the rest of its data frames is replaced by an
+    /// `Abort` frame counting their segments, and its tail
+    /// (`iovs[data_end..]`) follows. `before` is given each batch's data
+    /// frames (indices into `marks`) before they are written.
     ///
     /// # Safety
     /// As [`writev_all`].
@@ -454,8 +489,8 @@ impl<P: SocketPath> SocketLink<P> {
         iovs: &mut [libc::iovec],
         marks: &[(usize, usize, u64)],
         data_end: usize,
-        req: u64,
-        pending: &Pending,
+        (req, pending): (u64, &Pending),
+        (batch, before): (u64, &mut dyn FnMut(std::ops::Range<usize>)),
     ) -> io::Result<()> {
         let segments = marks.last().map_or(0, |m| m.1);
         let (mut at, mut done) = (0, (0usize, 0usize, 0u64));
@@ -474,9 +509,11 @@ impl<P: SocketPath> SocketLink<P> {
                 // promised.
                 return unsafe { writev_all(fd, &mut rest, &self.clock, self.io_timeout) };
             }
-            while m + 1 < marks.len() && marks[m].2 - done.2 < ABORT_CHECK_BYTES {
+            let first = m;
+            while m + 1 < marks.len() && marks[m].2 - done.2 < batch {
                 m += 1;
             }
+            before(first..m + 1);
             let end = if m + 1 == marks.len() {
                 iovs.len()
             } else {
@@ -549,6 +586,7 @@ impl<P: SocketPath> SocketLink<P> {
                     req,
                     len,
                     status: st,
+                    checked,
                 } => {
                     let slot = lock(&self.streams[idx].reads).pop_front();
                     let Some(slot) = slot else {
@@ -561,10 +599,18 @@ impl<P: SocketPath> SocketLink<P> {
                         if len != slot.len {
                             return Err(self.violation("READ data length differs from the request"));
                         }
+                        if checked != slot.checked {
+                            return Err(
+                                self.violation("READ data checked differently from the request")
+                            );
+                        }
                         if slot.pending.completion.abort_requested() {
                             // Aborted: the bytes are drained, the
                             // destination left as it is.
-                            reader.discard(len, idle).map_err(|e| self.link_error(e))?;
+                            let trailer = if checked { TRAILER_LEN as u64 } else { 0 };
+                            reader
+                                .discard(len + trailer, idle)
+                                .map_err(|e| self.link_error(e))?;
                             self.complete_event(req, &slot.pending, Err(Error::Aborted));
                             continue;
                         }
@@ -572,14 +618,24 @@ impl<P: SocketPath> SocketLink<P> {
                             self.read_into_gpu(reader, idle, &mut landings, slot, device)?;
                             continue;
                         }
-                        // SAFETY: `slot.dst` lies inside a local region
-                        // that was registered and validated at submit
-                        // time, and the request's guards (in
-                        // `slot.pending`) keep it registered until every
-                        // event, this one included, has been processed.
-                        unsafe { reader.read_into(slot.dst as *mut u8, len as usize, idle) }
+                        // `slot.dst` lies inside a local region that was
+                        // registered and validated at submit time, and the
+                        // request's guards (in `slot.pending`) keep it
+                        // registered until every event, this one included,
+                        // has been processed.
+                        if checked {
+                            // SAFETY: as said above.
+                            let got = unsafe {
+                                reader.read_checked(slot.dst as *mut u8, len as usize, idle)
+                            }
                             .map_err(|e| self.link_error(e))?;
-                        Ok(())
+                            self.check_read(reader, idle, &slot, got)?
+                        } else {
+                            // SAFETY: as said above.
+                            unsafe { reader.read_into(slot.dst as *mut u8, len as usize, idle) }
+                                .map_err(|e| self.link_error(e))?;
+                            Ok(())
+                        }
                     } else {
                         Err(Error::RemoteRejected {
                             remote: self.remote.clone(),
@@ -607,6 +663,12 @@ impl<P: SocketPath> SocketLink<P> {
                         status::OK => Ok(()),
                         st => match RejectReason::from_code(st) {
                             RejectReason::Aborted => Err(Error::Aborted),
+                            RejectReason::Integrity => Err(Error::Integrity {
+                                remote: self.remote.clone(),
+                                what: "a WRITE piece did not match its CRC32C where it landed \
+                                       (the target logs its range)"
+                                    .into(),
+                            }),
                             reason => Err(Error::RemoteRejected {
                                 remote: self.remote.clone(),
                                 reason,
@@ -628,6 +690,38 @@ impl<P: SocketPath> SocketLink<P> {
                 other => return Err(self.violation(&format!("unexpected frame {other:?}"))),
             }
         }
+    }
+
+    /// Checks a checked READ's data, landed at `slot.dst` with the CRC32C
+    /// `got`, against the trailer that follows it; a mismatch is the
+    /// segment's outcome.
+    fn check_read(
+        &self,
+        reader: &mut FrameReader<'_>,
+        idle: &mut LinkIdle<'_, P>,
+        slot: &ReadSlot,
+        got: u32,
+    ) -> Result<Result<(), Error>, Error> {
+        let mut t = [0u8; TRAILER_LEN];
+        // SAFETY: `t` is a live local of exactly that length.
+        unsafe { reader.read_into(t.as_mut_ptr(), TRAILER_LEN, idle) }
+            .map_err(|e| self.link_error(e))?;
+        let sent = u32::from_le_bytes(t);
+        if sent == got {
+            return Ok(Ok(()));
+        }
+        tracing::warn!(
+            remote = %self.remote, dst = slot.dst, len = slot.len, sent, got,
+            "checked READ data did not match its CRC32C: the request fails"
+        );
+        Ok(Err(Error::Integrity {
+            remote: self.remote.clone(),
+            what: format!(
+                "READ data landed at {:#x}..{:#x} did not match the CRC32C of its source",
+                slot.dst,
+                slot.dst + slot.len
+            ),
+        }))
     }
 
     /// Lands READ data in local GPU memory through the thread's staging
@@ -718,6 +812,14 @@ impl<P: SocketPath> IdlePolicy for LinkIdle<'_, P> {
 #[derive(Default)]
 struct Framed {
     headers: Vec<[u8; HEADER_LEN]>,
+    /// CRC32C trailers of checked frames, one per data frame, filled in
+    /// by [`sum_frames`] just before the frame is written (its payload
+    /// then still in cache for the kernel's copy).
+    trailers: Vec<[u8; TRAILER_LEN]>,
+    /// Per checked data frame: the range of `pieces` its trailer covers.
+    sums: Vec<(usize, usize)>,
+    /// The payload pieces (address, length) of checked frames.
+    pieces: Vec<(u64, u64)>,
     iovs: Vec<libc::iovec>,
     tables: Vec<Vec<u8>>,
     /// After each data frame: (iovecs so far, segments so far, bytes so
@@ -728,6 +830,9 @@ struct Framed {
 impl Framed {
     fn clear(&mut self) {
         self.headers.clear();
+        self.trailers.clear();
+        self.sums.clear();
+        self.pieces.clear();
         self.iovs.clear();
         self.tables.clear();
         self.marks.clear();
@@ -736,16 +841,31 @@ impl Framed {
     /// A WRITE's data frames: runs of small segments to one region go as
     /// write lists (one frame and one scatter read at the target for up to
     /// `WRITE_LIST_MAX` of them); the rest as single segments.
-    fn writes(&mut self, req: u64, segs: &[Seg]) {
+    /// `checked`: each frame sealed, its payload's CRC32C after it.
+    fn writes(&mut self, req: u64, segs: &[Seg], checked: bool) {
         let Framed {
             headers,
+            trailers,
+            sums,
+            pieces,
             iovs,
             tables,
             marks,
         } = self;
         // Room for every header of the job (its data frames, an abort and
-        // the tail) up front: the iovecs point into this vector.
+        // the tail) and every trailer up front: the iovecs point into these
+        // vectors.
         headers.reserve(segs.len() + 3);
+        if checked {
+            trailers.reserve(segs.len());
+        }
+        // A checked list is summed where it lands once whole: small enough
+        // to be still in cache there.
+        let run_max = if checked {
+            crate::integrity::CHECK_CHUNK as u64
+        } else {
+            ABORT_CHECK_BYTES
+        };
         let mut bytes = 0;
         let mut i = 0;
         while i < segs.len() {
@@ -761,7 +881,7 @@ impl Framed {
                     && segs[j].len <= WRITE_LIST_PIECE_MAX
                     && segs[j].key == s0.key
                     && segs[j].mem_type == s0.mem_type
-                    && run_bytes + segs[j].len <= ABORT_CHECK_BYTES
+                    && run_bytes + segs[j].len <= run_max
                 {
                     run_bytes += segs[j].len;
                     j += 1;
@@ -775,33 +895,47 @@ impl Framed {
                     table.extend_from_slice(&s.len.to_le_bytes());
                 }
                 let total = run.iter().map(|s| s.len).sum();
-                headers.push(
-                    Frame::WriteList {
-                        req,
-                        mem_type: s0.mem_type,
-                        count: run.len() as u32,
-                        total,
-                        key: s0.key,
-                    }
-                    .encode(),
-                );
+                let mut h = Frame::WriteList {
+                    req,
+                    mem_type: s0.mem_type,
+                    count: run.len() as u32,
+                    total,
+                    key: s0.key,
+                    checked,
+                }
+                .encode();
+                if checked {
+                    wire::seal(&mut h, &table);
+                }
+                headers.push(h);
                 iovs.push(iov(
                     headers.last().expect("just pushed").as_ptr(),
                     HEADER_LEN,
                 ));
                 iovs.push(iov(table.as_ptr(), table.len()));
                 tables.push(table);
+                let lo = pieces.len();
                 for s in run {
                     iovs.push(iov(s.local as *const u8, s.len as usize));
+                    if checked {
+                        pieces.push((s.local, s.len));
+                    }
+                }
+                if checked {
+                    trailer(trailers, iovs, sums, (lo, pieces.len()));
                 }
                 bytes += total;
             } else {
-                headers.push(s0.write_header(req));
+                headers.push(s0.write_header(req, checked));
                 iovs.push(iov(
                     headers.last().expect("just pushed").as_ptr(),
                     HEADER_LEN,
                 ));
                 iovs.push(iov(s0.local as *const u8, s0.len as usize));
+                if checked {
+                    pieces.push((s0.local, s0.len));
+                    trailer(trailers, iovs, sums, (pieces.len() - 1, pieces.len()));
+                }
                 bytes += s0.len;
             }
             i = j;
@@ -819,6 +953,7 @@ impl Framed {
         segs: &[Seg],
         aborted: Option<usize>,
         tail: &'a Tail,
+        checked: bool,
     ) -> usize {
         let headers = &mut self.headers;
         let data_frames = headers.len();
@@ -831,6 +966,7 @@ impl Framed {
                     addr: s.remote,
                     len: s.len,
                     key: s.key,
+                    checked,
                 }
                 .encode(),
             );
@@ -882,5 +1018,56 @@ impl Framed {
             self.iovs.push(iov(m.as_ptr(), m.len()));
         }
         data_end
+    }
+}
+
+/// Adds a checked frame's trailer (filled in later, by [`sum_frames`])
+/// after its payload, covering `pieces[lo..hi]`.
+fn trailer(
+    trailers: &mut Vec<[u8; TRAILER_LEN]>,
+    iovs: &mut Vec<libc::iovec>,
+    sums: &mut Vec<(usize, usize)>,
+    (lo, hi): (usize, usize),
+) {
+    // `trailers` has room for every frame of the job (reserved up front):
+    // the iovec's pointer stays valid.
+    debug_assert!(trailers.len() < trailers.capacity());
+    trailers.push([0; TRAILER_LEN]);
+    iovs.push(iov(
+        trailers.last().expect("just pushed").as_ptr(),
+        TRAILER_LEN,
+    ));
+    sums.push((lo, hi));
+}
+
+/// Fills the trailers of the checked data frames `frames`: the CRC32C of
+/// each one's payload pieces.
+///
+/// # Safety
+/// Every piece must be readable (local regions validated at submit time,
+/// held registered by the request).
+unsafe fn sum_frames(
+    trailers: &mut [[u8; TRAILER_LEN]],
+    sums: &[(usize, usize)],
+    pieces: &[(u64, u64)],
+    frames: std::ops::Range<usize>,
+) {
+    for k in frames {
+        let (lo, hi) = sums[k];
+        let crc = if hi - lo == 1 {
+            let (p, n) = pieces[lo];
+            // SAFETY: forwarded to the caller.
+            crate::integrity::crc32c(unsafe {
+                std::slice::from_raw_parts(p as *const u8, n as usize)
+            })
+        } else {
+            let mut c = crate::integrity::Crc32c::new();
+            for &(p, n) in &pieces[lo..hi] {
+                // SAFETY: forwarded to the caller.
+                c.update(unsafe { std::slice::from_raw_parts(p as *const u8, n as usize) });
+            }
+            c.finish()
+        };
+        trailers[k] = crc.to_le_bytes();
     }
 }

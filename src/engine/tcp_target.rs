@@ -7,12 +7,13 @@ use crate::engine::Inner;
 use crate::engine::plan::{WriteListTable, write_list_pieces};
 use crate::engine::sock::{ProgressClock, iov, writev_all};
 use crate::engine::target::{Conn, GpuLandings, Session, segment, violation};
-use crate::engine::wire::{Frame, HEADER_LEN, WRITE_LIST_ENTRY, status};
+use crate::engine::wire::{self, Frame, HEADER_LEN, TRAILER_LEN, WRITE_LIST_ENTRY, status};
 use crate::error::RejectReason;
 use crate::memory::MemoryType;
 use rustix::fd::AsRawFd;
 use std::io;
 use std::net::TcpStream;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// Most `ReadReq`s for GPU memory answered through one staging pipeline.
@@ -34,8 +35,57 @@ impl Inner {
             // region registered with this agent, whose registrant promised
             // it stays valid for writes while registered, and the
             // admission's guard holds it registered during this read.
-            unsafe { c.reader.read_into(addr as *mut u8, len as usize, c.idle) }
+            unsafe { c.reader.read_into(addr as *mut u8, len as usize, c.idle) }.map(Ok)
         })
+    }
+
+    /// Lands a checked `Write` (its header's seal checked by the caller) in
+    /// host memory, then checks the CRC32C that follows the payload over
+    /// the bytes as they lie in the region (still in cache): a mismatch is
+    /// the segment's outcome ([`RejectReason::Integrity`]).
+    pub(in crate::engine) fn land_write_checked(
+        &self,
+        c: &mut Conn<'_, '_, '_>,
+        addr: u64,
+        len: u64,
+        key: u64,
+    ) -> io::Result<Result<(), RejectReason>> {
+        let span = (addr, addr + len);
+        self.land(
+            c,
+            MemoryType::Dram,
+            span,
+            key,
+            len + TRAILER_LEN as u64,
+            |c| {
+                // SAFETY: as in `land_write`; the trailer follows.
+                let got = unsafe { c.reader.read_checked(addr as *mut u8, len as usize, c.idle) }?;
+                let sent = read_trailer(c)?;
+                Ok(self.check(c, sent, got, span))
+            },
+        )
+    }
+
+    /// The outcome of a checked payload whose trailer said `sent` and whose
+    /// landed bytes give `got`; a mismatch is logged and counted.
+    fn check(
+        &self,
+        c: &Conn<'_, '_, '_>,
+        sent: u32,
+        got: u32,
+        (lo, hi): (u64, u64),
+    ) -> Result<(), RejectReason> {
+        if sent == got {
+            return Ok(());
+        }
+        self.metrics
+            .integrity_failures
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            remote = %c.session.remote, lo, hi, sent, got,
+            "a checked write did not match its CRC32C: the request fails"
+        );
+        Err(RejectReason::Integrity)
     }
 
     /// Reads a payload of `total` bytes with `read` once the registry has
@@ -48,13 +98,13 @@ impl Inner {
         (lo, hi): (u64, u64),
         key: u64,
         total: u64,
-        read: impl FnOnce(&mut Conn<'_, '_, '_>) -> io::Result<()>,
+        read: impl FnOnce(&mut Conn<'_, '_, '_>) -> io::Result<Result<(), RejectReason>>,
     ) -> io::Result<Result<(), RejectReason>> {
         match self.registry.admit_remote(mem_type, lo, hi - lo, key) {
             Ok(guard) => {
-                read(c)?;
+                let outcome = read(c)?;
                 drop(guard);
-                Ok(Ok(()))
+                Ok(outcome)
             }
             Err(reason) => {
                 tracing::debug!(remote = %c.session.remote, lo, hi, %reason, "refused write payload");
@@ -205,6 +255,7 @@ impl Inner {
                 req: run[k].0,
                 len: run[k].2,
                 status: status::OK,
+                checked: false,
             }
             .encode();
             // SAFETY: the header is a live local, the chunk a staging buffer
@@ -262,15 +313,16 @@ impl Inner {
         }
     }
 
-    /// Answers a `ReadReq` with the range's bytes, or with the refusal.
+    /// Answers a `ReadReq` with the range's bytes (`checked`: and their
+    /// CRC32C after them), or with the refusal.
     pub(in crate::engine) fn send_read(
         &self,
         c: &mut Conn<'_, '_, '_>,
         req: u64,
         mem_type: MemoryType,
-        addr: u64,
-        len: u64,
+        (addr, len): (u64, u64),
         key: u64,
+        checked: bool,
     ) -> io::Result<Result<(), RejectReason>> {
         match self.registry.admit_remote(mem_type, addr, len, key) {
             Ok(guard) => {
@@ -278,11 +330,22 @@ impl Inner {
                     req,
                     len,
                     status: status::OK,
+                    checked,
                 }
                 .encode();
+                let crc = if checked {
+                    // SAFETY: the range lies inside a region registered
+                    // here and held by `guard`.
+                    let src =
+                        unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+                    crate::integrity::crc32c(src).to_le_bytes()
+                } else {
+                    [0; TRAILER_LEN]
+                };
                 let mut iovs = [
                     iov(hdr.as_ptr(), HEADER_LEN),
                     iov(addr as *const u8, len as usize),
+                    iov(crc.as_ptr(), if checked { TRAILER_LEN } else { 0 }),
                 ];
                 // SAFETY: the payload range lies inside a region registered
                 // here and held by `guard`; the header is a live local.
@@ -312,6 +375,7 @@ impl Inner {
             req,
             len: 0,
             status: reason.code(),
+            checked: false,
         };
         c.send(&[refusal.encode()], self.config.io_timeout)?;
         Ok(Err(reason))
@@ -319,27 +383,61 @@ impl Inner {
 
     /// Lands a `WriteList`: its table, then its pieces' payloads back to
     /// back, admitted as one span (a key names one region, so the span
-    /// inside it puts every piece inside it).
+    /// inside it puts every piece inside it). `checked`: the header's seal
+    /// (`raw`) covers the table, checked before a byte lands, and the
+    /// pieces' CRC32C follows them.
     pub(in crate::engine) fn land_write_list(
         &self,
         c: &mut Conn<'_, '_, '_>,
+        raw: &[u8; HEADER_LEN],
         mem_type: MemoryType,
-        count: u32,
-        total: u64,
+        (count, total): (u32, u64),
         key: u64,
+        checked: bool,
     ) -> io::Result<Result<(), RejectReason>> {
         let table = c
             .reader
             .read_vec_mid_frame(count as usize * WRITE_LIST_ENTRY, c.idle)?;
+        if checked && !wire::sealed(raw, &table) {
+            return Err(violation("a checked write list does not match its seal"));
+        }
         let WriteListTable { pieces, lo, hi } =
             write_list_pieces(&table, total).map_err(violation)?;
+        let skip = total + if checked { TRAILER_LEN as u64 } else { 0 };
         // One admission for the span: a key names one region, so the span
         // inside it puts every piece inside it.
-        self.land(c, mem_type, (lo, hi), key, total, |c| {
+        self.land(c, mem_type, (lo, hi), key, skip, |c| {
+            let idle = &mut *c.idle;
             // SAFETY: every piece lies inside the admitted span of a
             // registered region, writable while registered; the admission's
             // guard holds the registration during this read.
-            unsafe { c.reader.read_into_many(&pieces, c.idle) }
+            let mut read = |r: &mut crate::engine::sock::FrameReader<'_>| unsafe {
+                r.read_into_many(&pieces, idle)
+            };
+            if checked {
+                // Its trailer follows the pieces: no read-ahead.
+                c.reader.mid_frame(read)?;
+            } else {
+                read(c.reader)?;
+            }
+            if !checked {
+                return Ok(Ok(()));
+            }
+            let sent = read_trailer(c)?;
+            let mut crc = crate::integrity::Crc32c::new();
+            for &(p, n) in &pieces {
+                // SAFETY: as above; each piece was just written.
+                crc.update(unsafe { std::slice::from_raw_parts(p.cast_const(), n) });
+            }
+            Ok(self.check(c, sent, crc.finish(), (lo, hi)))
         })
     }
+}
+
+/// Reads the CRC32C trailer of a checked frame.
+fn read_trailer(c: &mut Conn<'_, '_, '_>) -> io::Result<u32> {
+    let mut t = [0u8; TRAILER_LEN];
+    // SAFETY: `t` is a live local of exactly that length.
+    unsafe { c.reader.read_into(t.as_mut_ptr(), TRAILER_LEN, c.idle) }?;
+    Ok(u32::from_le_bytes(t))
 }

@@ -44,7 +44,7 @@ const _: () = assert!(std::mem::size_of::<RawHeader>() == HEADER_LEN);
 pub mod status {
     /// Success.
     pub const OK: u16 = 0;
-    // 1..=9 and 18..=20 are `RejectReason` codes (see `crate::proto::RejectReason`).
+    // 1..=9 and 18..=21 are `RejectReason` codes (see `crate::proto::RejectReason`).
     /// Hello: the target is not the instance the initiator expected.
     pub const STALE_INSTANCE: u16 = 10;
     /// Hello: protocol version not supported.
@@ -204,6 +204,9 @@ pub enum Frame {
         len: u64,
         /// Region access key.
         key: u64,
+        /// End-to-end integrity: the header carries its seal ([`seal`]) and
+        /// a CRC32C of the payload follows it ([`TRAILER_LEN`] bytes).
+        checked: bool,
     },
     /// Asks the target to send `len` bytes from `addr`.
     ReadReq {
@@ -219,6 +222,8 @@ pub enum Frame {
         len: u64,
         /// Region access key.
         key: u64,
+        /// End-to-end integrity: the answer carries a CRC32C of the bytes.
+        checked: bool,
     },
     /// Reply to the next outstanding `ReadReq` of this stream; `len` payload
     /// bytes follow when `status` is OK.
@@ -229,6 +234,9 @@ pub enum Frame {
         len: u64,
         /// `status::OK` or a reject code.
         status: u16,
+        /// A CRC32C of the payload follows it ([`TRAILER_LEN`] bytes;
+        /// with `status::OK` only).
+        checked: bool,
     },
     /// Closes a request: `segments` data frames were sent for it across all
     /// streams; a sync message of `sync_len` bytes follows.
@@ -263,6 +271,10 @@ pub enum Frame {
         total: u64,
         /// Region access key.
         key: u64,
+        /// End-to-end integrity: the header carries the seal of itself and
+        /// the table ([`seal`]), and a CRC32C of the payloads, back to
+        /// back, follows them ([`TRAILER_LEN`] bytes).
+        checked: bool,
     },
     /// Counts as one segment of request `req` once everything sent before it
     /// on this stream has been processed: orders a data-less request after
@@ -392,6 +404,47 @@ pub(crate) fn mem_from_code(c: u8) -> Result<MemoryType, WireError> {
     })
 }
 
+/// `flags` bit of `Write`, `WriteList`, `ReadReq` and `ReadData`: the
+/// frame is checked end to end (a seal in the header, a CRC32C trailer
+/// after the payload).
+const CHECKED: u8 = 0x80;
+
+/// Length of the CRC32C trailer after a checked frame's payload.
+pub const TRAILER_LEN: usize = 4;
+
+fn trailer(checked: bool) -> u64 {
+    if checked { TRAILER_LEN as u64 } else { 0 }
+}
+
+/// Offset of the `status` field in a header: a checked `Write` or
+/// `WriteList` carries its seal there.
+const SEAL_AT: std::ops::Range<usize> = 2..4;
+
+/// The seal of a checked `Write` or `WriteList` header: the low 16 bits of
+/// the CRC32C of the header (seal field zero) and of `table` (a write
+/// list's table; empty for a `Write`). The target checks it before it
+/// lands a byte, so a damaged address, length, key or table is refused
+/// instead of written elsewhere.
+fn seal_of(header: &[u8; HEADER_LEN], table: &[u8]) -> u16 {
+    let mut h = *header;
+    h[SEAL_AT].fill(0);
+    let mut crc = crate::integrity::Crc32c::new();
+    crc.update(&h);
+    crc.update(table);
+    crc.finish() as u16
+}
+
+/// Seals a checked frame's encoded header (see [`seal_of`]).
+pub fn seal(header: &mut [u8; HEADER_LEN], table: &[u8]) {
+    let s = seal_of(header, table);
+    header[SEAL_AT].copy_from_slice(&s.to_le_bytes());
+}
+
+/// Whether a checked frame's header (and table) matches its seal.
+pub fn sealed(header: &[u8; HEADER_LEN], table: &[u8]) -> bool {
+    header[SEAL_AT] == seal_of(header, table).to_le_bytes()
+}
+
 /// `flags` of `Commit` (and of the cross-memory `Delegate`): the direction
 /// in the low bits, bit 7 when a sync message follows.
 pub(crate) fn op_flags(op: CommitOp, has_sync: bool) -> u8 {
@@ -425,10 +478,17 @@ impl Frame {
             | Frame::DescRequest { host_len: n }
             | Frame::Commit { sync_len: n, .. } => u64::from(n),
             Frame::AuthProof => crate::proto::MAC_LEN as u64,
-            Frame::Write { len, .. } | Frame::ReadData { len, .. } => len,
-            Frame::WriteList { count, total, .. } => {
-                total.saturating_add(u64::from(count) * WRITE_LIST_ENTRY as u64)
+            Frame::Write { len, checked, .. } | Frame::ReadData { len, checked, .. } => {
+                len.saturating_add(trailer(checked))
             }
+            Frame::WriteList {
+                count,
+                total,
+                checked,
+                ..
+            } => total
+                .saturating_add(u64::from(count) * WRITE_LIST_ENTRY as u64)
+                .saturating_add(trailer(checked)),
             Frame::Attach { name_len, len } => u64::from(name_len) + u64::from(len),
             Frame::Attached { len, .. } => u64::from(len),
             _ => 0,
@@ -511,6 +571,7 @@ impl Frame {
                 addr,
                 len,
                 key,
+                checked,
             }
             | Frame::ReadReq {
                 req,
@@ -519,21 +580,28 @@ impl Frame {
                 addr,
                 len,
                 key,
+                checked,
             } => {
                 h.kind = if matches!(self, Frame::Write { .. }) {
                     K_WRITE
                 } else {
                     K_READ_REQ
                 };
-                h.flags = mem_code(mem_type);
+                h.flags = mem_code(mem_type) | if checked { CHECKED } else { 0 };
                 h.aux = device.into();
                 h.id = req.into();
                 h.addr = addr.into();
                 h.len = len.into();
                 h.key = key.into();
             }
-            Frame::ReadData { req, len, status } => {
+            Frame::ReadData {
+                req,
+                len,
+                status,
+                checked,
+            } => {
                 h.kind = K_READ_DATA;
+                h.flags = if checked { CHECKED } else { 0 };
                 h.id = req.into();
                 h.len = len.into();
                 h.status = status.into();
@@ -567,9 +635,10 @@ impl Frame {
                 count,
                 total,
                 key,
+                checked,
             } => {
                 h.kind = K_WRITE_LIST;
-                h.flags = mem_code(mem_type);
+                h.flags = mem_code(mem_type) | if checked { CHECKED } else { 0 };
                 h.id = req.into();
                 h.aux = count.into();
                 h.len = total.into();
@@ -694,7 +763,8 @@ impl Frame {
                 body_len: body_limit(aux)?,
             },
             K_WRITE | K_READ_REQ => {
-                let mem_type = mem_from_code(h.flags)?;
+                let mem_type = mem_from_code(h.flags & !CHECKED)?;
+                let checked = h.flags & CHECKED != 0;
                 let (req, addr, len, key) = (h.id.get(), h.addr.get(), h.len.get(), h.key.get());
                 if len == 0 {
                     return Err(WireError::BadField("zero-length segment"));
@@ -711,6 +781,7 @@ impl Frame {
                         addr,
                         len,
                         key,
+                        checked,
                     }
                 } else {
                     Frame::ReadReq {
@@ -720,14 +791,21 @@ impl Frame {
                         addr,
                         len,
                         key,
+                        checked,
                     }
                 }
             }
-            K_READ_DATA => Frame::ReadData {
-                req: h.id.get(),
-                len: h.len.get(),
-                status: h.status.get(),
-            },
+            K_READ_DATA => {
+                if h.flags & !CHECKED != 0 {
+                    return Err(WireError::BadField("read data flags"));
+                }
+                Frame::ReadData {
+                    req: h.id.get(),
+                    len: h.len.get(),
+                    status: h.status.get(),
+                    checked: h.flags & CHECKED != 0,
+                }
+            }
             K_COMMIT => Frame::Commit {
                 req: h.id.get(),
                 op: flags_op(h.flags).ok_or(WireError::BadField("commit op"))?,
@@ -751,10 +829,11 @@ impl Frame {
                 }
                 Frame::WriteList {
                     req: h.id.get(),
-                    mem_type: mem_from_code(h.flags)?,
+                    mem_type: mem_from_code(h.flags & !CHECKED)?,
                     count,
                     total: h.len.get(),
                     key: h.key.get(),
+                    checked: h.flags & CHECKED != 0,
                 }
             }
             K_TRANSPORT => Frame::Transport {
@@ -852,6 +931,7 @@ mod tests {
                 addr: 0x7fff_0000,
                 len: 65536,
                 key: 0xabcdef,
+                checked: false,
             },
             Frame::ReadReq {
                 req: 4,
@@ -860,11 +940,28 @@ mod tests {
                 addr: 8,
                 len: 1,
                 key: 1,
+                checked: false,
+            },
+            Frame::ReadReq {
+                req: 4,
+                mem_type: MemoryType::Dram,
+                device: 0,
+                addr: 8,
+                len: 1,
+                key: 1,
+                checked: true,
             },
             Frame::ReadData {
                 req: 4,
                 len: 1,
                 status: 0,
+                checked: false,
+            },
+            Frame::ReadData {
+                req: 4,
+                len: 1,
+                status: 0,
+                checked: true,
             },
             Frame::Commit {
                 req: 12,
@@ -881,6 +978,16 @@ mod tests {
                 addr: 1 << 40,
                 len: 4096,
                 key: 3,
+                checked: false,
+            },
+            Frame::Write {
+                req: 6,
+                mem_type: MemoryType::Dram,
+                device: 0,
+                addr: 1 << 40,
+                len: 4096,
+                key: 3,
+                checked: true,
             },
             Frame::Commit {
                 req: 5,
@@ -901,6 +1008,15 @@ mod tests {
                 count: 3,
                 total: 3 << 14,
                 key: 0xabc,
+                checked: false,
+            },
+            Frame::WriteList {
+                req: 16,
+                mem_type: MemoryType::Dram,
+                count: 3,
+                total: 3 << 14,
+                key: 0xabc,
+                checked: true,
             },
             Frame::Transport {
                 transport: TransportKind::Shm,
@@ -961,6 +1077,7 @@ mod tests {
             addr: 0,
             len: 1,
             key: 0,
+            checked: false,
         }
         .encode();
         w[1] = 9;
@@ -972,6 +1089,7 @@ mod tests {
             addr: u64::MAX,
             len: 2,
             key: 0,
+            checked: false,
         }
         .encode();
         assert!(matches!(Frame::decode(&wrap), Err(WireError::BadField(_))));
@@ -995,6 +1113,61 @@ mod tests {
                 Err(WireError::BadField("transport code"))
             );
         }
+    }
+
+    #[test]
+    fn a_checked_frame_counts_its_trailer_and_carries_its_seal() {
+        let w = Frame::Write {
+            req: 9,
+            mem_type: MemoryType::Dram,
+            device: 0,
+            addr: 0x1000,
+            len: 100,
+            key: 77,
+            checked: true,
+        };
+        assert_eq!(w.body_len(), 100 + TRAILER_LEN as u64);
+        let mut h = w.encode();
+        seal(&mut h, &[]);
+        assert!(sealed(&h, &[]));
+        // The seal does not change what the header says.
+        assert_eq!(Frame::decode(&h).unwrap(), w);
+        // Any one flipped bit outside the seal itself is seen.
+        for bit in 0..HEADER_LEN * 8 {
+            if SEAL_AT.contains(&(bit / 8)) {
+                continue;
+            }
+            let mut bad = h;
+            bad[bit / 8] ^= 1 << (bit % 8);
+            assert!(!sealed(&bad, &[]), "bit {bit}");
+        }
+        // A write list's seal covers its table too.
+        let table: Vec<u8> = (0..48u8).collect();
+        let l = Frame::WriteList {
+            req: 9,
+            mem_type: MemoryType::Dram,
+            count: 3,
+            total: 300,
+            key: 77,
+            checked: true,
+        };
+        assert_eq!(l.body_len(), 300 + 48 + TRAILER_LEN as u64);
+        let mut h = l.encode();
+        seal(&mut h, &table);
+        assert!(sealed(&h, &table));
+        for bit in 0..table.len() * 8 {
+            let mut bad = table.clone();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            assert!(!sealed(&h, &bad), "table bit {bit}");
+        }
+        // Unchecked frames carry no trailer.
+        let r = Frame::ReadData {
+            req: 1,
+            len: 10,
+            status: status::OK,
+            checked: false,
+        };
+        assert_eq!(r.body_len(), 10);
     }
 
     proptest! {

@@ -96,6 +96,14 @@ typedef enum kvxfer_result {
   // writes may still land. Reuse the blocks only once
   // `kvxfer_cache_wait_settled` returns `KVXFER_OK`.
   KVXFER_ERR_UNSETTLED = 319,
+  // End-to-end integrity (`KVXFER_SUBMIT_INTEGRITY`, or a KV receiver
+  // made with it): a piece did not match the CRC32C of its source where
+  // it landed. The transfer failed; what landed of it must not be used,
+  // and its notification was not delivered.
+  KVXFER_ERR_INTEGRITY = 320,
+  // End-to-end integrity was asked of a path or memory type that cannot
+  // check it (host memory over TCP only); nothing was sent.
+  KVXFER_ERR_INTEGRITY_UNSUPPORTED = 321,
   // A bug: a panic was caught at the boundary.
   KVXFER_ERR_PANIC = 900,
 } kvxfer_result;
@@ -290,6 +298,23 @@ typedef struct kvxfer_cache_state {
   const uint32_t *layers_per_pp;
 } kvxfer_cache_state;
 
+// Settings of a KV-cache receiver beyond its layout
+// (`kvxfer_cache_receiver_new_with`).
+typedef struct kvxfer_cache_receiver_options {
+  // Bounds each request and each cancel, in milliseconds (negative:
+  // 60 s).
+  int64_t timeout_ms;
+  // How long the context ranks of a failed or cancelled request have to
+  // confirm that they stopped writing before its outcome is
+  // `KVXFER_ERR_UNSETTLED`, in milliseconds (negative: 10 s).
+  int64_t settle_timeout_ms;
+  // Nonzero: end-to-end integrity. The context ranks write with a
+  // CRC32C per piece, checked where it lands before anything is reported
+  // landed (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over TCP
+  // only).
+  uint8_t integrity;
+} kvxfer_cache_receiver_options;
+
 // What one side measured for one request.
 typedef struct kvxfer_cache_stats {
   // Bytes moved.
@@ -331,6 +356,12 @@ typedef uint32_t kvxfer_storage_kind;
 // Storage targets (FILE, BLK): the transfer completes only once the data
 // written is on stable storage (`fdatasync` of each file written).
 #define KVXFER_SUBMIT_DURABLE 1
+
+// End-to-end integrity: a CRC32C of every piece, computed over the source
+// and checked where it lands before the transfer completes
+// (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over TCP only, else
+// `KVXFER_ERR_INTEGRITY_UNSUPPORTED`).
+#define KVXFER_SUBMIT_INTEGRITY 2
 
 // A regular file: `KVXFER_MEM_FILE` descriptors.
 #define KVXFER_STORAGE_FILE 0
@@ -808,7 +839,7 @@ enum kvxfer_result kvxfer_cache_sender_free(struct kvxfer_cache_sender *sender);
 // messages). The context executor has `ctx_state`; its ranks are reachable
 // at `ctx_connections` (`n` connection infos, by context rank), which are
 // loaded now. `timeout_ms` bounds each request and each cancel (negative:
-// 60 s).
+// 60 s). `kvxfer_cache_receiver_new_with` takes more settings.
 //
 // # Safety
 // The states are valid; `ctx_connections` holds `n` NUL-terminated
@@ -821,6 +852,19 @@ enum kvxfer_result kvxfer_cache_receiver_new(const struct kvxfer_agent *agent,
                                              size_t n,
                                              int64_t timeout_ms,
                                              struct kvxfer_cache_receiver **out);
+
+// As `kvxfer_cache_receiver_new`, with the settings in `options`.
+//
+// # Safety
+// As `kvxfer_cache_receiver_new`; `options` is valid for a read.
+enum kvxfer_result kvxfer_cache_receiver_new_with(const struct kvxfer_agent *agent,
+                                                  const struct kvxfer_cache_state *state,
+                                                  uint32_t rank,
+                                                  const struct kvxfer_cache_state *ctx_state,
+                                                  const char *const *ctx_connections,
+                                                  size_t n,
+                                                  const struct kvxfer_cache_receiver_options *options,
+                                                  struct kvxfer_cache_receiver **out);
 
 // Asks the context ranks for request `request_id` into `n` destination
 // blocks (start addresses in this rank's registered pool, oldest first;

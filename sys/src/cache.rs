@@ -110,6 +110,7 @@ fn cache_fail(e: CacheError) -> Fail {
         CacheError::Transfer(t) => return Fail::from(t.clone()),
         CacheError::Closed => KVXFER_ERR_CLOSED,
         CacheError::Unsettled { .. } => KVXFER_ERR_UNSETTLED,
+        CacheError::Integrity { .. } => KVXFER_ERR_INTEGRITY,
         _ => KVXFER_ERR_IO,
     };
     Fail::new(code, e.to_string())
@@ -363,12 +364,31 @@ pub unsafe extern "C" fn kvxfer_cache_sender_free(
     boundary(|| unsafe { free_handle(sender, Kind::CacheSender, "sender") })
 }
 
+/// Settings of a KV-cache receiver beyond its layout
+/// (`kvxfer_cache_receiver_new_with`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvxfer_cache_receiver_options {
+    /// Bounds each request and each cancel, in milliseconds (negative:
+    /// 60 s).
+    pub timeout_ms: i64,
+    /// How long the context ranks of a failed or cancelled request have to
+    /// confirm that they stopped writing before its outcome is
+    /// `KVXFER_ERR_UNSETTLED`, in milliseconds (negative: 10 s).
+    pub settle_timeout_ms: i64,
+    /// Nonzero: end-to-end integrity. The context ranks write with a
+    /// CRC32C per piece, checked where it lands before anything is reported
+    /// landed (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over TCP
+    /// only).
+    pub integrity: u8,
+}
+
 /// A receiver for generation `rank` of an executor with `state`, whose
 /// pools are registered with `agent` (it takes over the agent's sync
 /// messages). The context executor has `ctx_state`; its ranks are reachable
 /// at `ctx_connections` (`n` connection infos, by context rank), which are
 /// loaded now. `timeout_ms` bounds each request and each cancel (negative:
-/// 60 s).
+/// 60 s). `kvxfer_cache_receiver_new_with` takes more settings.
 ///
 /// # Safety
 /// The states are valid; `ctx_connections` holds `n` NUL-terminated
@@ -384,16 +404,55 @@ pub unsafe extern "C" fn kvxfer_cache_receiver_new(
     timeout_ms: i64,
     out: *mut *mut kvxfer_cache_receiver,
 ) -> kvxfer_result {
+    let options = kvxfer_cache_receiver_options {
+        timeout_ms,
+        settle_timeout_ms: -1,
+        integrity: 0,
+    };
+    // SAFETY: forwarded contract; `options` is a live local.
+    unsafe {
+        kvxfer_cache_receiver_new_with(
+            agent,
+            state,
+            rank,
+            ctx_state,
+            ctx_connections,
+            n,
+            &options,
+            out,
+        )
+    }
+}
+
+/// As `kvxfer_cache_receiver_new`, with the settings in `options`.
+///
+/// # Safety
+/// As `kvxfer_cache_receiver_new`; `options` is valid for a read.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvxfer_cache_receiver_new_with(
+    agent: *const kvxfer_agent,
+    state: *const kvxfer_cache_state,
+    rank: u32,
+    ctx_state: *const kvxfer_cache_state,
+    ctx_connections: *const *const c_char,
+    n: usize,
+    options: *const kvxfer_cache_receiver_options,
+    out: *mut *mut kvxfer_cache_receiver,
+) -> kvxfer_result {
     boundary(|| {
         // SAFETY: checked against the handle table.
         let a = unsafe { live(agent, Kind::Agent, "agent")? };
         non_null(state, "state")?;
         non_null(ctx_state, "ctx_state")?;
+        non_null(options, "options")?;
         non_null(out, "out")?;
         // SAFETY: non-null and valid per the contract.
         let st = unsafe { state_from(&*state, "state.layers_per_pp")? };
         // SAFETY: as above.
         let ctx = unsafe { state_from(&*ctx_state, "ctx_state.layers_per_pp")? };
+        // SAFETY: non-null and valid for a read per the contract.
+        let o = unsafe { *options };
         // SAFETY: valid for `n` reads.
         let ptrs = unsafe { slice(ctx_connections, n, "ctx_connections")? };
         let conns = ptrs
@@ -401,9 +460,13 @@ pub unsafe extern "C" fn kvxfer_cache_receiver_new(
             // SAFETY: each is NUL-terminated per the contract.
             .map(|&p| unsafe { text(p, "ctx_connections[i]") }.map(str::to_owned))
             .collect::<Result<Vec<_>, _>>()?;
+        let defaults = ReceiverConfig::default();
         let config = ReceiverConfig {
-            timeout: timeout_of(timeout_ms),
-            ..ReceiverConfig::default()
+            timeout: timeout_of(o.timeout_ms),
+            settle_timeout: u64::try_from(o.settle_timeout_ms)
+                .map_or(defaults.settle_timeout, Duration::from_millis),
+            integrity: o.integrity != 0,
+            ..defaults
         };
         let receiver = CacheReceiver::new(Arc::clone(&a.agent), st, rank, ctx, &conns, config)
             .map_err(cache_fail)?;

@@ -122,6 +122,14 @@ pub enum kvxfer_result {
     /// writes may still land. Reuse the blocks only once
     /// `kvxfer_cache_wait_settled` returns `KVXFER_OK`.
     KVXFER_ERR_UNSETTLED = 319,
+    /// End-to-end integrity (`KVXFER_SUBMIT_INTEGRITY`, or a KV receiver
+    /// made with it): a piece did not match the CRC32C of its source where
+    /// it landed. The transfer failed; what landed of it must not be used,
+    /// and its notification was not delivered.
+    KVXFER_ERR_INTEGRITY = 320,
+    /// End-to-end integrity was asked of a path or memory type that cannot
+    /// check it (host memory over TCP only); nothing was sent.
+    KVXFER_ERR_INTEGRITY_UNSUPPORTED = 321,
     /// A bug: a panic was caught at the boundary.
     KVXFER_ERR_PANIC = 900,
 }
@@ -154,6 +162,11 @@ pub type kvxfer_submit_flags = u32;
 /// Storage targets (FILE, BLK): the transfer completes only once the data
 /// written is on stable storage (`fdatasync` of each file written).
 pub const KVXFER_SUBMIT_DURABLE: kvxfer_submit_flags = 1;
+/// End-to-end integrity: a CRC32C of every piece, computed over the source
+/// and checked where it lands before the transfer completes
+/// (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over TCP only, else
+/// `KVXFER_ERR_INTEGRITY_UNSUPPORTED`).
+pub const KVXFER_SUBMIT_INTEGRITY: kvxfer_submit_flags = 2;
 
 /// One byte range: `[addr, addr + len)` on device `device_id`.
 #[repr(C)]
@@ -394,6 +407,8 @@ impl From<Error> for Fail {
             Error::MetadataStore { .. } => KVXFER_ERR_METADATA_STORE,
             Error::NameTaken { .. } => KVXFER_ERR_NAME_TAKEN,
             Error::Gpu(_) => KVXFER_ERR_GPU,
+            Error::Integrity { .. } => KVXFER_ERR_INTEGRITY,
+            Error::IntegrityUnsupported { .. } => KVXFER_ERR_INTEGRITY_UNSUPPORTED,
             _ => KVXFER_ERR_IO,
         };
         Fail::new(code, e.to_string())
@@ -625,6 +640,8 @@ pub extern "C" fn kvxfer_result_name(code: kvxfer_result) -> *const c_char {
         KVXFER_ERR_NAME_TAKEN,
         KVXFER_ERR_GPU,
         KVXFER_ERR_UNSETTLED,
+        KVXFER_ERR_INTEGRITY,
+        KVXFER_ERR_INTEGRITY_UNSUPPORTED,
         KVXFER_ERR_PANIC
     );
     s.as_ptr().cast()
@@ -1114,7 +1131,7 @@ pub unsafe extern "C" fn kvxfer_agent_submit_flags(
         let a = unsafe { live(agent, Kind::Agent, "agent")? };
         non_null(request, "request")?;
         non_null(out, "out")?;
-        if flags & !KVXFER_SUBMIT_DURABLE != 0 {
+        if flags & !(KVXFER_SUBMIT_DURABLE | KVXFER_SUBMIT_INTEGRITY) != 0 {
             return Err(Fail::new(
                 KVXFER_ERR_INVALID_ARGUMENT,
                 format!("unknown submit flags {flags:#x}"),
@@ -1123,6 +1140,7 @@ pub unsafe extern "C" fn kvxfer_agent_submit_flags(
         // SAFETY: non-null and valid per the contract.
         let mut req = unsafe { request_from(&*request)? };
         req.durable = flags & KVXFER_SUBMIT_DURABLE != 0;
+        req.integrity = flags & KVXFER_SUBMIT_INTEGRITY != 0;
         let status = a.agent.submit_transfer(&req)?;
         // SAFETY: `out` was checked non-null and is valid for a write.
         unsafe { hand_out(out, Box::new(kvxfer_status { status }), Kind::Status) }

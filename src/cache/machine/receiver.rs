@@ -272,6 +272,7 @@ impl ReceiverMachine {
             last_block_key: req.last_block_key,
             blocks: req.blocks,
             pool_mem_type: self.config.mem_type,
+            integrity: self.config.integrity,
         };
         let asked: Vec<String> = targets
             .ranks
@@ -567,16 +568,27 @@ impl ReceiverMachine {
                 }
             }
             Msg::Cancelled {
-                reason, failure, ..
+                reason,
+                failure,
+                integrity,
+                ..
             } => {
                 r.settled.insert(from.to_owned());
                 // This side's cancel records its own outcome; a replica
                 // that never sends has nothing of its own to report while
                 // ranks that send exist.
                 if !r.cancelling && (r.senders.contains_key(from) || r.senders.is_empty()) {
-                    let e = CacheError::Cancelled {
-                        request_id: id,
-                        reason: format!("context agent {from}: {reason}"),
+                    let reason = format!("context agent {from}: {reason}");
+                    let e = if integrity {
+                        CacheError::Integrity {
+                            request_id: id,
+                            reason,
+                        }
+                    } else {
+                        CacheError::Cancelled {
+                            request_id: id,
+                            reason,
+                        }
                     };
                     // Counted as the context side counts it.
                     self.fail(id, e, !failure, now);

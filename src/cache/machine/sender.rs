@@ -411,6 +411,7 @@ impl SenderMachine {
                             request_id,
                             reason: "not in progress on the context side".into(),
                             failure: false,
+                            integrity: false,
                         },
                     ),
                 }
@@ -518,6 +519,7 @@ impl SenderMachine {
                     request_id: id,
                     reason: why.to_string(),
                     failure: !matches!(why, CacheError::Cancelled { .. }),
+                    integrity: is_integrity(why),
                 },
             );
         }
@@ -530,6 +532,7 @@ impl SenderMachine {
                 request_id: id,
                 reason,
                 failure: true,
+                integrity: false,
             },
         );
     }
@@ -555,6 +558,7 @@ impl SenderMachine {
                 request_id: id,
                 reason: c.to_string(),
                 failure: !matches!(c, CacheError::Cancelled { .. }),
+                integrity: is_integrity(c),
             };
             self.transmit(agent, m);
             return;
@@ -863,6 +867,11 @@ impl SenderMachine {
     }
 }
 
+/// Whether `e` is a write that failed its end-to-end integrity check.
+fn is_integrity(e: &CacheError) -> bool {
+    matches!(e, CacheError::Transfer(Error::Integrity { .. }))
+}
+
 /// One share of a request, planned with nothing queued: its source
 /// blocks and the layers both ranks hold, checked against the peer's
 /// request (block counts, addresses).
@@ -973,11 +982,16 @@ fn queue_group(
         }
     };
     for (l, rm) in batches {
-        s.queued.push_back(TransferRequest::write(
+        let write = TransferRequest::write(
             MemoryDescs::new(config.mem_type, l),
             MemoryDescs::new(info.pool_mem_type, rm),
             &s.agent,
-        ));
+        );
+        s.queued.push_back(if info.integrity {
+            write.with_integrity()
+        } else {
+            write
+        });
         s.batches += 1;
     }
     s.reports.push_back((s.batches, last));

@@ -1102,11 +1102,12 @@ fn a_layout_mapping_onto_too_many_ranks_is_refused_before_planning() {
         last_block_key: None,
         blocks: vec![0x1000_0000],
         pool_mem_type: crate::memory::MemoryType::Dram,
+        integrity: false,
     };
     s.handle_message("gen", Msg::Request(info), now);
     let msg = s.poll_transmit().expect("an answer").msg;
     assert!(
-        matches!(&msg, Msg::Cancelled { request_id: 5, reason, failure: true } if reason.contains("131072 generation ranks")),
+        matches!(&msg, Msg::Cancelled { request_id: 5, reason, failure: true, .. } if reason.contains("131072 generation ranks")),
         "{msg:?}"
     );
     assert!(s.is_idle());
@@ -1578,6 +1579,7 @@ fn strangers_cannot_move_a_request() {
             request_id: ID,
             reason: "forged".into(),
             failure: true,
+            integrity: false,
         },
         Msg::Landed {
             request_id: ID,

@@ -471,6 +471,7 @@ impl Group {
             },
             pending: Arc::clone(&self.pending),
             aborted: false,
+            checked: false,
         }
     }
 

@@ -165,6 +165,22 @@ int main(void) {
     strict_opts.require_dram_transport = "pigeon";
     EXPECT_ERR(kvxfer_agent_new("c-strict", "tcp", &strict_opts, &strict), KVXFER_ERR_INVALID_ARGUMENT, "pigeon");
   }
+  /* End-to-end integrity: a checked WRITE lands whole and completes; an
+   * unknown flag is refused. */
+  {
+    memset(dst, 0, N);
+    kvxfer_request checked = req;
+    checked.sync_message = NULL;
+    checked.sync_message_len = 0;
+    kvxfer_status *cst = NULL;
+    CHECK(kvxfer_agent_submit_flags(init, &checked, KVXFER_SUBMIT_INTEGRITY, &cst));
+    CHECK(kvxfer_status_wait(cst, 10000));
+    CHECK(kvxfer_status_free(cst));
+    EXPECT(memcmp(dst, src, N) == 0);
+    kvxfer_status *none = NULL;
+    EXPECT_ERR(kvxfer_agent_submit_flags(init, &checked, 4, &none), KVXFER_ERR_INVALID_ARGUMENT, "flags");
+    EXPECT(none == NULL);
+  }
   /* Aborting a finished transfer: told it was no longer running. */
   bool running = true;
   CHECK(kvxfer_status_abort(st, &running));

@@ -68,7 +68,9 @@ int main(void) {
   for (int r = 0; r < 2; r++) CHECK(kvxfer_cache_sender_new(ctx[r], &ctx_state, (uint32_t)r, 30000, &snd[r]));
   const char *conns[2] = {conn[0], conn[1]};
   kvxfer_cache_receiver *rcv = NULL;
-  CHECK(kvxfer_cache_receiver_new(gen, &gen_state, 0, &ctx_state, conns, 2, 30000, &rcv));
+  /* With end-to-end integrity: every write checked where it lands. */
+  kvxfer_cache_receiver_options ropts = {.timeout_ms = 30000, .settle_timeout_ms = -1, .integrity = 1};
+  CHECK(kvxfer_cache_receiver_new_with(gen, &gen_state, 0, &ctx_state, conns, 2, &ropts, &rcv));
 
   /* Request 7: three blocks, into generation blocks 3, 0, 2 (scattered). */
   uint64_t gen_blocks[3], ctx_blocks[2][3];

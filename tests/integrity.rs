@@ -1,0 +1,316 @@
+//! End-to-end integrity (`TransferRequest::with_integrity`), tried through
+//! a TCP proxy that flips one bit of what crosses it: a checked request
+//! whose bytes were damaged on the way fails with `Error::Integrity`, its
+//! sync message is not delivered, the damage is counted, and the link
+//! serves the next request; the same flip in an unchecked request lands
+//! unnoticed (the proxy's premise). Paths and memory types that cannot
+//! check refuse it at submission.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvxfer::{
+    AgentConfig, Backend, Error, MemoryDescs, TransferAgent, TransferRequest, make_transfer_agent,
+};
+
+mod common;
+use common::proxy::{Dir, Proxy};
+use common::{dram, fill, first_mismatch, register};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// Two TCP agents in this process, the initiator reaching the target only
+/// through a proxy (one stream, so the proxy's byte offsets are the
+/// stream's).
+struct Pair {
+    init: Box<dyn TransferAgent>,
+    target: Box<dyn TransferAgent>,
+    name: String,
+    proxy: Proxy,
+}
+
+fn pair(dir: Dir, at: u64) -> Pair {
+    let target = make_transfer_agent(Backend::Tcp, AgentConfig::new("integrity-target")).unwrap();
+    let init = make_transfer_agent(
+        Backend::Tcp,
+        AgentConfig::new("integrity-init").with_streams_per_peer(1),
+    )
+    .unwrap();
+    let desc = target.local_agent_desc();
+    let proxy = Proxy::start(dir, at);
+    proxy.forward_to(desc.endpoints[0].parse().unwrap());
+    Pair {
+        init,
+        target,
+        name: desc.name,
+        proxy,
+    }
+}
+
+impl Pair {
+    /// Loads the target's descriptor (its regions registered by now) into
+    /// the initiator, with the proxy as its endpoint.
+    fn load(&self) {
+        let mut desc = self.target.local_agent_desc();
+        desc.endpoints = vec![self.proxy.addr.to_string()];
+        self.init.load_remote_agent(&desc).unwrap();
+    }
+}
+
+fn counter(agent: &dyn TransferAgent, name: &str) -> u64 {
+    let text = agent.metrics_text();
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// `n` pieces of `piece` bytes each, every other one of a buffer.
+fn pieces(buf: &[u8], n: usize, piece: usize) -> MemoryDescs {
+    dram((0..n).map(|i| (buf.as_ptr() as u64 + (2 * i * piece) as u64, piece as u64)))
+}
+
+/// A WRITE (of `n` pieces of `piece` bytes) through a proxy that flips a
+/// bit in its payload: unchecked, it lands damaged and reports success;
+/// checked, it fails with `Integrity`, its message is not delivered, the
+/// target counts it, and the next checked WRITE on the link lands whole.
+fn damaged_write(n: usize, piece: usize, at: u64) {
+    let p = pair(Dir::Up, at);
+    let len = 2 * n * piece;
+    let mut src = vec![0u8; len];
+    fill(&mut src, 7, 0);
+    let dst = vec![0u8; len];
+    register(p.init.as_ref(), &src);
+    register(p.target.as_ref(), &dst);
+    p.load();
+    let req = |checked: bool| {
+        let r = TransferRequest::write(pieces(&src, n, piece), pieces(&dst, n, piece), &p.name)
+            .with_sync_message(b"landed".to_vec());
+        if checked { r.with_integrity() } else { r }
+    };
+    let whole = |dst: &[u8]| {
+        (0..n).all(|i| {
+            let o = 2 * i * piece;
+            first_mismatch(&dst[o..o + piece], 7, o as u64).is_none()
+        })
+    };
+
+    // Unchecked: the flip lands, and the request says it landed.
+    p.proxy.armed.store(true, Ordering::Release);
+    p.init
+        .submit_transfer(&req(false))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(
+        p.proxy.flipped.load(Ordering::Relaxed),
+        1,
+        "the proxy flipped a bit"
+    );
+    assert!(!whole(&dst), "an unchecked request landed the damaged byte");
+    assert_eq!(
+        p.target.wait_sync_messages(WAIT)[&"integrity-init".to_string()].len(),
+        1
+    );
+
+    // Checked: the same damage fails it, and its message never comes.
+    let connections = p.proxy.accepted.load(Ordering::Relaxed);
+    p.proxy.armed.store(true, Ordering::Release);
+    let e = p
+        .init
+        .submit_transfer(&req(true))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap_err();
+    assert_eq!(
+        p.proxy.flipped.load(Ordering::Relaxed),
+        2,
+        "the proxy flipped a bit"
+    );
+    assert!(matches!(e, Error::Integrity { .. }), "{e}");
+    assert_eq!(
+        counter(p.target.as_ref(), "kvxfer_integrity_failures_total"),
+        1
+    );
+    assert!(
+        p.init.metrics_text().contains("outcome=\"integrity\"} 1"),
+        "{}",
+        p.init.metrics_text()
+    );
+
+    // The next checked request on the same connection lands whole, and
+    // only its message is delivered.
+    p.init
+        .submit_transfer(&req(true))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert!(whole(&dst), "the next checked request repaired the blocks");
+    let msgs = p.target.take_sync_messages();
+    assert_eq!(
+        msgs[&"integrity-init".to_string()],
+        vec![b"landed".to_vec()]
+    );
+    assert_eq!(
+        p.proxy.accepted.load(Ordering::Relaxed),
+        connections,
+        "the failure did not take the connection down"
+    );
+}
+
+#[test]
+fn a_damaged_write_segment_fails_with_integrity() {
+    // Two 4 MiB pieces, 4 MiB segments: the flip lands mid-payload.
+    damaged_write(2, 4 << 20, 6 << 20);
+}
+
+#[test]
+fn a_damaged_write_list_fails_with_integrity() {
+    // 512 pieces of 2 KiB go as write lists: the flip lands in a payload.
+    damaged_write(512, 2 << 10, 700 << 10);
+}
+
+#[test]
+fn damaged_read_data_fails_with_integrity() {
+    let p = pair(Dir::Down, 3 << 20);
+    let len = 8 << 20;
+    let mut src = vec![0u8; len];
+    fill(&mut src, 11, 0);
+    let dst = vec![0u8; len];
+    register(p.target.as_ref(), &src);
+    register(p.init.as_ref(), &dst);
+    p.load();
+    let req = |checked: bool| {
+        let r = TransferRequest::read(MemoryDescs::dram(&dst), MemoryDescs::dram(&src), &p.name);
+        if checked { r.with_integrity() } else { r }
+    };
+    p.proxy.armed.store(true, Ordering::Release);
+    p.init
+        .submit_transfer(&req(false))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(p.proxy.flipped.load(Ordering::Relaxed), 1);
+    assert!(
+        first_mismatch(&dst, 11, 0).is_some(),
+        "unchecked, the damage landed"
+    );
+
+    p.proxy.armed.store(true, Ordering::Release);
+    let e = p
+        .init
+        .submit_transfer(&req(true))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap_err();
+    assert_eq!(p.proxy.flipped.load(Ordering::Relaxed), 2);
+    let Error::Integrity { what, .. } = &e else {
+        panic!("{e}")
+    };
+    assert!(what.contains("READ"), "{what}");
+
+    p.init
+        .submit_transfer(&req(true))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(first_mismatch(&dst, 11, 0), None);
+}
+
+#[test]
+fn checked_requests_land_whole_in_every_layout() {
+    // No damage: many pieces, odd sizes, several streams, both directions.
+    let target = make_transfer_agent(Backend::Tcp, AgentConfig::new("whole-target")).unwrap();
+    let init = make_transfer_agent(
+        Backend::Tcp,
+        AgentConfig::new("whole-init")
+            .with_streams_per_peer(3)
+            .with_segment_size(256 << 10),
+    )
+    .unwrap();
+    let len = 6 << 20;
+    let mut src = vec![0u8; len];
+    fill(&mut src, 3, 0);
+    let mut dst = vec![0u8; len];
+    register(init.as_ref(), &src);
+    register(target.as_ref(), &dst);
+    let name = init
+        .load_remote_agent_by_connection(&target.local_connection_info())
+        .unwrap();
+    let layouts: [&[(u64, u64)]; 3] = [
+        &[(0, len as u64)],
+        &[(1, 3), (100, 65_535), (70_001, 1 << 20), (2 << 20, 4097)],
+        &[
+            (0, 512),
+            (4096, 512),
+            (8192, 1 << 16),
+            (1 << 17, 77),
+            (3 << 20, 2 << 20),
+        ],
+    ];
+    for (k, layout) in layouts.iter().enumerate() {
+        dst.fill(0);
+        let at = |base: &[u8]| dram(layout.iter().map(|&(o, l)| (base.as_ptr() as u64 + o, l)));
+        let req = TransferRequest::write(at(&src), at(&dst), &name).with_integrity();
+        init.submit_transfer(&req)
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+        for &(o, l) in layout.iter() {
+            let (o, l) = (o as usize, l as usize);
+            assert_eq!(
+                first_mismatch(&dst[o..o + l], 3, o as u64),
+                None,
+                "layout {k} write"
+            );
+        }
+        // READ back from the target's copy into a fresh local buffer.
+        let back = vec![0u8; len];
+        register(init.as_ref(), &back);
+        let at = |base: &[u8]| dram(layout.iter().map(|&(o, l)| (base.as_ptr() as u64 + o, l)));
+        let req = TransferRequest::read(at(&back), at(&dst), &name).with_integrity();
+        init.submit_transfer(&req)
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+        for &(o, l) in layout.iter() {
+            let (o, l) = (o as usize, l as usize);
+            assert_eq!(
+                first_mismatch(&back[o..o + l], 3, o as u64),
+                None,
+                "layout {k} read"
+            );
+        }
+        init.deregister_memory(&MemoryDescs::dram(&back)).unwrap();
+    }
+    assert_eq!(
+        counter(target.as_ref(), "kvxfer_integrity_failures_total"),
+        0
+    );
+}
+
+#[test]
+fn paths_that_cannot_check_refuse_integrity() {
+    // shm: the initiator copies into the target's memory itself.
+    let target = make_transfer_agent(Backend::Shm, AgentConfig::new("shm-target")).unwrap();
+    let init = make_transfer_agent(Backend::Shm, AgentConfig::new("shm-init")).unwrap();
+    let src = vec![1u8; 4096];
+    let dst = vec![0u8; 4096];
+    register(init.as_ref(), &src);
+    register(target.as_ref(), &dst);
+    let name = init
+        .load_remote_agent_by_connection(&target.local_connection_info())
+        .unwrap();
+    let req = TransferRequest::write(MemoryDescs::dram(&src), MemoryDescs::dram(&dst), &name);
+    let e = init
+        .submit_transfer(&req.clone().with_integrity())
+        .unwrap_err();
+    assert!(matches!(e, Error::IntegrityUnsupported { .. }), "{e}");
+    assert!(dst.iter().all(|&b| b == 0), "nothing was sent");
+    // Unchecked, the same request goes.
+    init.submit_transfer(&req)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+}

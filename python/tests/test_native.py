@@ -180,6 +180,30 @@ def test_inproc_agents_copy_in_the_submitting_call():
     assert dst2 == bytearray(4096)
 
 
+def test_integrity_checks_over_tcp_and_is_refused_where_it_cannot():
+    """`integrity=True`: over TCP a checked write lands whole with its
+    notification; in-process (a path that cannot check) it is refused,
+    typed, and nothing moves."""
+    for backend, checks in (("tcp", True), ("inproc", False)):
+        t = kvxfer.Agent(f"py-int-t-{backend}", backend=backend)
+        i = kvxfer.Agent(f"py-int-i-{backend}", backend=backend)
+        dst = bytearray(1 << 20)
+        rt = t.register(dst)
+        src = bytearray(pattern(1 << 20, 9))
+        ri = i.register(src)
+        name = i.add_remote_agent(t.metadata())
+        local, remote = [(ri.addr, len(src))], [(rt.addr, len(dst))]
+        if checks:
+            i.transfer("write", local, remote, name, notif=b"checked", integrity=True).wait(WAIT)
+            assert bytes(dst) == bytes(src)
+            assert t.wait_notifs(WAIT) == {i.name: [b"checked"]}
+        else:
+            with pytest.raises(kvxfer.IntegrityUnsupportedError):
+                i.transfer("write", local, remote, name, integrity=True)
+            assert dst == bytearray(1 << 20)
+        assert issubclass(kvxfer.IntegrityError, kvxfer.KvxferError)
+
+
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_transfers_are_awaitable_and_queued_as_they_finish(backend):
     """Completion as events: `await` in asyncio (the loop woken by the

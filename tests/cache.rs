@@ -1080,9 +1080,9 @@ fn nothing_lands_after_the_receiver_reports_a_cancel() {
 #[test]
 fn integrity_checked_requests_land_where_they_can_be_checked() {
     // With `ReceiverConfig::integrity`, the context ranks write with a
-    // CRC32C per piece: over TCP the requests land whole, whole and layer
-    // by layer; on a path that cannot check, the context ranks refuse and
-    // both sides hear a failure that says so.
+    // CRC32C per piece: over TCP and shm the requests land whole, whole
+    // and layer by layer; on a path that cannot check, the context ranks
+    // refuse and both sides hear a failure that says so.
     let ctx = state(4, 8, 2, 1, DataType::Bf16);
     let gen_s = state(4, 8, 1, 1, DataType::Bf16);
     let rc = ReceiverConfig {
@@ -1092,7 +1092,10 @@ fn integrity_checked_requests_land_where_they_can_be_checked() {
     let mut c = cluster("integrity", &ctx, &gen_s, 16, SenderConfig::default(), rc);
     let ctx_ids = c.ctx_blocks(4, 1);
     c.prefill(21, &ctx_ids);
-    if common::backend() == kvxfer::Backend::Tcp {
+    if matches!(
+        common::backend(),
+        kvxfer::Backend::Tcp | kvxfer::Backend::Shm
+    ) {
         for layerwise in [false, true] {
             c.layerwise = layerwise;
             let id = 21 + u64::from(layerwise);

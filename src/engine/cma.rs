@@ -457,6 +457,9 @@ pub(in crate::engine) struct CmaJob {
     delegate: bool,
     /// GPU memory: the driver copies (never delegated).
     gpu: Option<GpuJob>,
+    /// End-to-end integrity: each piece's remote key (one per piece), so
+    /// that the commit carries a check of each (never delegated).
+    checked: Option<Vec<u64>>,
     pending: Arc<Pending>,
 }
 
@@ -493,6 +496,7 @@ impl SocketPath for CmaParts {
             sync,
             delegate,
             gpu,
+            checked,
             pending,
         } = job;
         let delegate = delegate.then_some(sync.as_deref());
@@ -507,6 +511,18 @@ impl SocketPath for CmaParts {
                         segments: 0,
                         sync,
                         durable: false,
+                        // The copy is over (an aborted one is refused
+                        // anyway): each piece's CRC32C as it lies here, the
+                        // source of a WRITE, the destination of a READ.
+                        checks: match checked {
+                            Some(keys) if !aborted => {
+                                // SAFETY: local pieces lie in regions
+                                // validated at submit time and held by the
+                                // request's guards until it completes.
+                                unsafe { checks(&pieces, &keys) }
+                            }
+                            _ => Vec::new(),
+                        },
                     },
                     pending,
                     aborted,
@@ -600,7 +616,13 @@ impl CmaLink {
                 },
                 local_vram: req.local.mem_type == MemoryType::Vram,
             }),
-            delegate: req.remote.mem_type != MemoryType::Vram && should_delegate(req),
+            delegate: req.remote.mem_type != MemoryType::Vram
+                && !req.integrity
+                && should_delegate(req),
+            checked: req.integrity.then(|| {
+                // One key per remote descriptor, as per piece.
+                resolved.keys.clone()
+            }),
             sync,
             pending,
         });
@@ -855,6 +877,24 @@ impl CmaLink {
         }
         Ok(CmaOutcome::Commit { aborted: !copied })
     }
+}
+
+/// The checks a cross-memory commit carries for `pieces` (one remote key
+/// each): the remote range, its key, and the CRC32C of the local bytes.
+///
+/// # Safety
+/// Every piece's local range must be readable for the call.
+unsafe fn checks(pieces: &[Piece], keys: &[u64]) -> Vec<u8> {
+    let mut table = Vec::with_capacity(pieces.len() * wire::CHECK_ENTRY);
+    for (p, &key) in pieces.iter().zip(keys) {
+        // SAFETY: forwarded to the caller.
+        let local = unsafe { std::slice::from_raw_parts(p.local as *const u8, p.len as usize) };
+        table.extend_from_slice(&p.remote.to_le_bytes());
+        table.extend_from_slice(&p.len.to_le_bytes());
+        table.extend_from_slice(&key.to_le_bytes());
+        table.extend_from_slice(&crate::integrity::crc32c(local).to_le_bytes());
+    }
+    table
 }
 
 #[cfg(test)]

@@ -163,6 +163,10 @@ pub(in crate::engine) enum Tail {
         sync: Option<Vec<u8>>,
         /// The target syncs the storage it wrote before acknowledging.
         durable: bool,
+        /// End-to-end integrity of data moved beside the stream: the
+        /// checks table ([`wire::CHECK_ENTRY`] bytes each) that follows the
+        /// sync message.
+        checks: Vec<u8>,
     },
     Fence,
 }

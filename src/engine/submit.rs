@@ -329,8 +329,9 @@ impl Engine {
 }
 
 /// Whether end-to-end integrity can be checked for `req` over `transport`:
-/// host memory on both sides, over TCP (where the target lands each
-/// payload itself and can check it as it lands).
+/// host memory on both sides, over TCP (where the target checks each
+/// payload as it lands) or shm (where the target checks the ranges the
+/// initiator copied, when it commits).
 fn check_integrity(req: &TransferRequest, transport: TransportKind) -> Result<(), Error> {
     for mem_type in [req.local.mem_type, req.remote.mem_type] {
         if mem_type != MemoryType::Dram {
@@ -339,9 +340,9 @@ fn check_integrity(req: &TransferRequest, transport: TransportKind) -> Result<()
             });
         }
     }
-    if transport != TransportKind::Tcp {
+    if !matches!(transport, TransportKind::Tcp | TransportKind::Shm) {
         return Err(Error::IntegrityUnsupported {
-            reason: format!("over the {transport} transport (tcp only)"),
+            reason: format!("over the {transport} transport (tcp and shm only)"),
         });
     }
     Ok(())

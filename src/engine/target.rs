@@ -828,11 +828,32 @@ impl Inner {
                     sync_len,
                     has_sync,
                     durable,
+                    checks,
                 } => {
                     if durable {
                         session.durable(req);
                     }
-                    let sync = c.read_sync(&self.inbox, has_sync, sync_len)?;
+                    let sync = if checks > 0 {
+                        // The checks follow the message: no read-ahead.
+                        let (inbox, remote, idle) = (&self.inbox, &session.remote, &mut *c.idle);
+                        c.reader
+                            .mid_frame(|r| read_sync(r, inbox, remote, has_sync, sync_len, idle))?
+                    } else {
+                        c.read_sync(&self.inbox, has_sync, sync_len)?
+                    };
+                    if checks > 0 {
+                        // Data moved beside the stream (its copy is over):
+                        // checked here before the request can finish.
+                        if segments != 0 {
+                            return Err(violation("checks on a commit of data frames"));
+                        }
+                        let table = c
+                            .reader
+                            .read_vec(checks as usize * wire::CHECK_ENTRY, c.idle)?;
+                        if let Err(reason) = self.check_ranges(session, &table) {
+                            segment(self, session, req, 0, Err(reason))?;
+                        }
+                    }
                     commit(self, session, req, segments, sync)?
                 }
                 // A transport's own frame, for that transport to serve
@@ -857,6 +878,41 @@ impl Inner {
                 self.finish(sock, session, f, clock)?;
             }
         }
+    }
+
+    /// Checks a commit's table of checks against this agent's memory:
+    /// each range admitted as host memory of a region with that key, its
+    /// CRC32C computed here; the first refusal or mismatch is the
+    /// request's outcome.
+    fn check_ranges(&self, session: &Session, table: &[u8]) -> Result<(), RejectReason> {
+        let field =
+            |e: &[u8], at: usize| u64::from_le_bytes(e[at..at + 8].try_into().expect("8 bytes"));
+        for e in table.chunks_exact(wire::CHECK_ENTRY) {
+            let (addr, len, key) = (field(e, 0), field(e, 8), field(e, 16));
+            let sent = u32::from_le_bytes(e[24..28].try_into().expect("4 bytes"));
+            if len == 0 || addr.checked_add(len).is_none() {
+                return Err(RejectReason::Malformed);
+            }
+            let guard = self
+                .registry
+                .admit_remote(MemoryType::Dram, addr, len, key)?;
+            // SAFETY: the range lies inside a region registered here,
+            // held registered by `guard` for the call.
+            let here = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+            let got = crate::integrity::crc32c(here);
+            drop(guard);
+            if got != sent {
+                self.metrics
+                    .integrity_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    remote = %session.remote, addr, len, sent, got,
+                    "a checked range did not match its CRC32C: the request fails"
+                );
+                return Err(RejectReason::Integrity);
+            }
+        }
+        Ok(())
     }
 
     pub(in crate::engine) fn finish(

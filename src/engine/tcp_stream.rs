@@ -16,7 +16,8 @@ use crate::engine::socket_link::{
 use crate::engine::submit::Resolved;
 use crate::engine::transport::Submission;
 use crate::engine::wire::{
-    self, CommitOp, Frame, HEADER_LEN, TRAILER_LEN, WRITE_LIST_ENTRY, WRITE_LIST_MAX, status,
+    self, CHECK_ENTRY, CommitOp, Frame, HEADER_LEN, TRAILER_LEN, WRITE_LIST_ENTRY, WRITE_LIST_MAX,
+    status,
 };
 use crate::engine::{ABORT_CHECK_BYTES, Engine, Inner, Peer, WRITE_LIST_PIECE_MAX, lock};
 use crate::error::{Error, RejectReason};
@@ -178,6 +179,7 @@ impl TcpLink {
                     segments: (total + fences) as u64,
                     sync: sync.take(),
                     durable,
+                    checks: Vec::new(),
                 }
             } else if fence {
                 Tail::Fence
@@ -665,8 +667,8 @@ impl<P: SocketPath> SocketLink<P> {
                             RejectReason::Aborted => Err(Error::Aborted),
                             RejectReason::Integrity => Err(Error::Integrity {
                                 remote: self.remote.clone(),
-                                what: "a WRITE piece did not match its CRC32C where it landed \
-                                       (the target logs its range)"
+                                what: "a piece did not match its CRC32C at the target \
+                                       (which logs its range)"
                                     .into(),
                             }),
                             reason => Err(Error::RemoteRejected {
@@ -980,6 +982,7 @@ impl Framed {
                 .encode(),
             );
         }
+        let mut table: &'a [u8] = &[];
         let sync: Option<&'a [u8]> = match tail {
             Tail::None => None,
             Tail::Fence => {
@@ -990,7 +993,9 @@ impl Framed {
                 segments,
                 sync,
                 durable,
+                checks,
             } => {
+                table = checks;
                 headers.push(
                     Frame::Commit {
                         req,
@@ -1002,6 +1007,7 @@ impl Framed {
                         sync_len: sync.as_ref().map_or(0, |m| m.len() as u32),
                         has_sync: sync.is_some(),
                         durable: *durable,
+                        checks: (checks.len() / CHECK_ENTRY) as u32,
                     }
                     .encode(),
                 );
@@ -1016,6 +1022,9 @@ impl Framed {
         }
         if let Some(m) = sync {
             self.iovs.push(iov(m.as_ptr(), m.len()));
+        }
+        if !table.is_empty() {
+            self.iovs.push(iov(table.as_ptr(), table.len()));
         }
         data_end
     }

@@ -254,6 +254,13 @@ pub enum Frame {
         /// The target makes the request's storage writes durable
         /// (`fdatasync` of each file written) before it acknowledges.
         durable: bool,
+        /// End-to-end integrity of a request whose data moved beside the
+        /// stream (`segments` 0: the cross-memory path): a table of this
+        /// many [`CHECK_ENTRY`]-byte entries follows the sync message, each
+        /// a range of the target's memory and the CRC32C the initiator
+        /// computed over its side of it, checked by the target before it
+        /// finishes the request. At most [`MAX_CHECKS`].
+        checks: u32,
     },
     /// `count` small WRITE segments in one frame: a table of `count`
     /// (address, length) pairs (16 bytes each, little-endian) follows, then
@@ -457,9 +464,20 @@ pub(crate) fn op_flags(op: CommitOp, has_sync: bool) -> u8 {
 /// `flags` bit of `Commit`: make the request's storage writes durable.
 const DURABLE: u8 = 0x40;
 
+/// `flags` bit of `Commit`: a table of checks follows the sync message
+/// (`addr` = how many).
+const CHECKS: u8 = 0x20;
+
+/// Bytes of one check of a `Commit`: address, length and region key (u64
+/// each) and CRC32C (u32), little-endian.
+pub const CHECK_ENTRY: usize = 28;
+
+/// Most checks one `Commit` carries (14 MiB of table).
+pub const MAX_CHECKS: u32 = 1 << 19;
+
 /// The direction in `flags` made by [`op_flags`].
 pub(crate) fn flags_op(flags: u8) -> Option<CommitOp> {
-    match flags & 0x3f {
+    match flags & 0x1f {
         1 => Some(CommitOp::Write),
         2 => Some(CommitOp::Read),
         _ => None,
@@ -475,8 +493,10 @@ impl Frame {
             | Frame::AuthHello { body_len: n, .. }
             | Frame::AuthChallenge { body_len: n, .. }
             | Frame::DescReply { body_len: n }
-            | Frame::DescRequest { host_len: n }
-            | Frame::Commit { sync_len: n, .. } => u64::from(n),
+            | Frame::DescRequest { host_len: n } => u64::from(n),
+            Frame::Commit {
+                sync_len, checks, ..
+            } => u64::from(sync_len) + u64::from(checks) * CHECK_ENTRY as u64,
             Frame::AuthProof => crate::proto::MAC_LEN as u64,
             Frame::Write { len, checked, .. } | Frame::ReadData { len, checked, .. } => {
                 len.saturating_add(trailer(checked))
@@ -613,12 +633,16 @@ impl Frame {
                 sync_len,
                 has_sync,
                 durable,
+                checks,
             } => {
                 h.kind = K_COMMIT;
-                h.flags = op_flags(op, has_sync) | if durable { DURABLE } else { 0 };
+                h.flags = op_flags(op, has_sync)
+                    | if durable { DURABLE } else { 0 }
+                    | if checks > 0 { CHECKS } else { 0 };
                 h.id = req.into();
                 h.len = segments.into();
                 h.aux = sync_len.into();
+                h.addr = u64::from(checks).into();
             }
             Frame::Fence { req } => {
                 h.kind = K_FENCE;
@@ -813,6 +837,14 @@ impl Frame {
                 sync_len: body_limit(aux)?,
                 has_sync: h.flags & 0x80 != 0,
                 durable: h.flags & DURABLE != 0,
+                checks: if h.flags & CHECKS == 0 {
+                    0
+                } else {
+                    u32::try_from(h.addr.get())
+                        .ok()
+                        .filter(|n| (1..=MAX_CHECKS).contains(n))
+                        .ok_or(WireError::BadField("commit checks"))?
+                },
             },
             K_FENCE => Frame::Fence { req: h.id.get() },
             K_ABORT => Frame::Abort {
@@ -970,6 +1002,16 @@ mod tests {
                 sync_len: 0,
                 has_sync: true,
                 durable: false,
+                checks: 0,
+            },
+            Frame::Commit {
+                req: 12,
+                op: CommitOp::Read,
+                segments: 0,
+                sync_len: 3,
+                has_sync: true,
+                durable: false,
+                checks: MAX_CHECKS,
             },
             Frame::Write {
                 req: 5,
@@ -996,6 +1038,7 @@ mod tests {
                 sync_len: 9,
                 has_sync: true,
                 durable: true,
+                checks: 1,
             },
             Frame::Fence { req: 13 },
             Frame::Abort {
@@ -1160,6 +1203,23 @@ mod tests {
             bad[bit / 8] ^= 1 << (bit % 8);
             assert!(!sealed(&h, &bad), "table bit {bit}");
         }
+        // A commit's checks follow its sync message; too many, or the flag
+        // with none, are refused.
+        let c = Frame::Commit {
+            req: 1,
+            op: CommitOp::Write,
+            segments: 0,
+            sync_len: 5,
+            has_sync: true,
+            durable: false,
+            checks: 3,
+        };
+        assert_eq!(c.body_len(), 5 + 3 * CHECK_ENTRY as u64);
+        let mut h = c.encode();
+        h[16..24].copy_from_slice(&u64::from(MAX_CHECKS + 1).to_le_bytes());
+        assert!(Frame::decode(&h).is_err());
+        h[16..24].copy_from_slice(&0u64.to_le_bytes());
+        assert!(Frame::decode(&h).is_err());
         // Unchecked frames carry no trailer.
         let r = Frame::ReadData {
             req: 1,

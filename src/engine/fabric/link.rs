@@ -468,6 +468,7 @@ impl Group {
                 segments: 0,
                 sync,
                 durable: false,
+                checks: Vec::new(),
             },
             pending: Arc::clone(&self.pending),
             aborted: false,

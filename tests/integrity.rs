@@ -359,7 +359,7 @@ fn a_commit_whose_check_does_not_match_fails_and_delivers_nothing() {
     let ack = c.hello("raw-checker", 77).unwrap();
     assert_eq!(ack.status, 0);
     let (addr, len) = (mem.as_ptr() as u64 + 100, 30_000u64);
-    let good = crc32c_of(&mem[100..30_100]);
+    let good = common::raw::crc32c(&mem[100..30_100]);
     let mut commit = |id: u64, entry: (u64, u64, u64, u32)| {
         let msg = b"checked";
         let mut h = Hdr::new(COMMIT);
@@ -399,23 +399,6 @@ fn a_commit_whose_check_does_not_match_fails_and_delivers_nothing() {
         counter(target.as_ref(), "kvxfer_integrity_failures_total"),
         1
     );
-}
-
-/// CRC32C (Castagnoli, reflected), bit by bit: the reference the wire
-/// format names, independent of the library's implementation.
-fn crc32c_of(bytes: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &b in bytes {
-        crc ^= u32::from(b);
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0x82f6_3b78
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
 }
 
 #[test]

@@ -1,5 +1,5 @@
 //! The crate's pure parts — the memory model, the descriptor, the
-//! protocol's vocabulary, the frame codecs, request bookkeeping and
+//! protocol's vocabulary, the checksums, the frame codecs, request bookkeeping and
 //! planning, the open-request budget, the agent's and the KV-cache
 //! layer's errors, the KV-cache layer's states, mappings, messages and
 //! protocol machines — import only each other, forbid
@@ -18,6 +18,7 @@ const PURE: &[&str] = &[
     "desc",
     "proto",
     "small",
+    "integrity",
     "engine::wire",
     "engine::cma_wire",
     "engine::requests",

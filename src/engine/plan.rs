@@ -7,7 +7,7 @@
 #![forbid(unsafe_code)]
 
 use crate::engine::cma_wire;
-use crate::engine::wire::{self, Frame, HEADER_LEN, WRITE_LIST_ENTRY};
+use crate::engine::wire::{Frame, HEADER_LEN, WRITE_LIST_ENTRY};
 use crate::memory::{MemoryDescs, MemoryType, Piece};
 use crate::proto::TransferRequest;
 
@@ -30,7 +30,7 @@ impl Seg {
     /// Its `Write` frame header (the payload follows it); `checked`:
     /// sealed, and a CRC32C trailer follows the payload.
     pub(in crate::engine) fn write_header(&self, req: u64, checked: bool) -> [u8; HEADER_LEN] {
-        let mut h = Frame::Write {
+        Frame::Write {
             req,
             mem_type: self.mem_type,
             device: self.device,
@@ -39,11 +39,7 @@ impl Seg {
             key: self.key,
             checked,
         }
-        .encode();
-        if checked {
-            wire::seal(&mut h, &[]);
-        }
-        h
+        .encode()
     }
 }
 

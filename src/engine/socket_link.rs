@@ -108,8 +108,10 @@ pub(in crate::engine) struct ReadSlot {
     /// The device of a GPU destination (its data is staged).
     pub(in crate::engine) gpu: Option<u32>,
     pub(in crate::engine) pending: Arc<Pending>,
-    /// Its data comes with a CRC32C, checked once landed.
-    pub(in crate::engine) checked: bool,
+    /// Its data comes with a CRC32C, checked once landed, and its answer
+    /// is sealed as the read of this place in its request's reads on the
+    /// stream (see `wire::read_data_sealed`).
+    pub(in crate::engine) checked: Option<u32>,
 }
 
 /// A request's segments on one stream: planned (shared with the prepared

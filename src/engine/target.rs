@@ -400,6 +400,27 @@ impl Inner {
     }
 }
 
+/// The order of the checked frames on one stream: a request's frames come
+/// together (its share of the stream), numbered from 0.
+#[derive(Default)]
+struct Order {
+    req: Option<u64>,
+    next: u32,
+}
+
+impl Order {
+    /// The place of the next checked frame, of request `req`.
+    fn next(&mut self, req: u64) -> u32 {
+        if self.req != Some(req) {
+            self.req = Some(req);
+            self.next = 0;
+        }
+        let n = self.next;
+        self.next = self.next.wrapping_add(1);
+        n
+    }
+}
+
 pub(in crate::engine) fn violation(detail: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, detail.into())
 }
@@ -719,6 +740,9 @@ impl Inner {
         // Dropped first: waits for copies still writing GPU memory before
         // their guards go.
         let mut landings = GpuLandings::new();
+        // Where the checked frames of the request in progress on this
+        // stream have got to.
+        let mut order = Order::default();
         loop {
             if session.evicted.load(Ordering::Relaxed) {
                 return Ok(());
@@ -745,15 +769,17 @@ impl Inner {
                     checked,
                 } => {
                     let result = if checked {
-                        // End-to-end integrity: host memory only; a header
-                        // that fails its seal cannot be trusted to frame
-                        // what follows, so the connection ends.
+                        // End-to-end integrity: host memory only, and a
+                        // header that fails its seal (damaged, or repeated,
+                        // lost or moved within its request) cannot be
+                        // trusted to frame what follows: the connection
+                        // ends.
                         if mem_type != MemoryType::Dram {
                             return Err(violation("a checked write to memory other than DRAM"));
                         }
-                        if !wire::sealed(&raw, &[]) {
+                        if !wire::sealed_seq(&raw, &[], order.next(req)) {
                             return Err(violation(
-                                "a checked write header does not match its seal",
+                                "a checked write does not match its seal (damaged, repeated or out of order)",
                             ));
                         }
                         Some(self.land_write_checked(&mut c, addr, len, key)?)
@@ -786,8 +812,14 @@ impl Inner {
                     key,
                     checked,
                 } => {
+                    let seq = checked.then(|| order.next(req));
                     if checked && mem_type != MemoryType::Dram {
                         return Err(violation("a checked read of memory other than DRAM"));
+                    }
+                    if seq.is_some_and(|s| !wire::sealed_seq(&raw, &[], s)) {
+                        return Err(violation(
+                            "a checked read request does not match its seal (damaged, repeated or out of order)",
+                        ));
                     }
                     if mem_type == MemoryType::Vram {
                         // Told in turn, with the reads that follow it.
@@ -797,7 +829,7 @@ impl Inner {
                     let result = if is_storage(mem_type) {
                         self.send_storage_read(&mut c, req, (mem_type, device), (addr, len), key)?
                     } else {
-                        self.send_read(&mut c, req, mem_type, (addr, len), key, checked)?
+                        self.send_read(&mut c, req, mem_type, (addr, len), key, seq)?
                     };
                     segment(self, session, req, 1, result)?
                 }
@@ -812,8 +844,9 @@ impl Inner {
                     if checked && mem_type != MemoryType::Dram {
                         return Err(violation("a checked write list to memory other than DRAM"));
                     }
+                    let seq = checked.then(|| order.next(req));
                     let result =
-                        self.land_write_list(&mut c, &raw, mem_type, (count, total), key, checked)?;
+                        self.land_write_list(&mut c, &raw, mem_type, (count, total), key, seq)?;
                     segment(self, session, req, u64::from(count), result)?
                 }
                 Frame::Fence { req } => segment(self, session, req, 1, Ok(()))?,

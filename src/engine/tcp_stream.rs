@@ -338,14 +338,14 @@ impl<P: SocketPath> SocketLink<P> {
             let data_end = f.tail(req, op, segs, aborted.then_some(skipped), &tail, checked);
             if op == TransferOp::Read {
                 let mut reads = lock(&self.streams[idx].reads);
-                for s in segs {
+                for (k, s) in segs.iter().enumerate() {
                     reads.push_back(ReadSlot {
                         req,
                         dst: s.local,
                         len: s.len,
                         gpu: s.local_gpu,
                         pending: Arc::clone(&pending),
-                        checked,
+                        checked: checked.then_some(k as u32),
                     });
                 }
             }
@@ -601,10 +601,14 @@ impl<P: SocketPath> SocketLink<P> {
                         if len != slot.len {
                             return Err(self.violation("READ data length differs from the request"));
                         }
-                        if checked != slot.checked {
-                            return Err(
-                                self.violation("READ data checked differently from the request")
-                            );
+                        if checked != slot.checked.is_some()
+                            || slot
+                                .checked
+                                .is_some_and(|seq| !wire::read_data_sealed(&raw, seq))
+                        {
+                            return Err(self.violation(
+                                "READ data checked differently from the request, or not in its order",
+                            ));
                         }
                         if slot.pending.completion.abort_requested() {
                             // Aborted: the bytes are drained, the
@@ -869,6 +873,8 @@ impl Framed {
             ABORT_CHECK_BYTES
         };
         let mut bytes = 0;
+        // Checked frames: their place among the request's on this stream.
+        let mut seq = 0u32;
         let mut i = 0;
         while i < segs.len() {
             let s0 = &segs[i];
@@ -907,7 +913,8 @@ impl Framed {
                 }
                 .encode();
                 if checked {
-                    wire::seal(&mut h, &table);
+                    wire::seal_seq(&mut h, &table, seq);
+                    seq += 1;
                 }
                 headers.push(h);
                 iovs.push(iov(
@@ -928,7 +935,12 @@ impl Framed {
                 }
                 bytes += total;
             } else {
-                headers.push(s0.write_header(req, checked));
+                let mut h = s0.write_header(req, checked);
+                if checked {
+                    wire::seal_seq(&mut h, &[], seq);
+                    seq += 1;
+                }
+                headers.push(h);
                 iovs.push(iov(
                     headers.last().expect("just pushed").as_ptr(),
                     HEADER_LEN,
@@ -959,19 +971,21 @@ impl Framed {
     ) -> usize {
         let headers = &mut self.headers;
         let data_frames = headers.len();
-        for s in segs.iter().filter(|_| op == TransferOp::Read) {
-            headers.push(
-                Frame::ReadReq {
-                    req,
-                    mem_type: s.mem_type,
-                    device: s.device,
-                    addr: s.remote,
-                    len: s.len,
-                    key: s.key,
-                    checked,
-                }
-                .encode(),
-            );
+        for (k, s) in segs.iter().filter(|_| op == TransferOp::Read).enumerate() {
+            let mut h = Frame::ReadReq {
+                req,
+                mem_type: s.mem_type,
+                device: s.device,
+                addr: s.remote,
+                len: s.len,
+                key: s.key,
+                checked,
+            }
+            .encode();
+            if checked {
+                wire::seal_seq(&mut h, &[], k as u32);
+            }
+            headers.push(h);
         }
         if let Some(skipped) = aborted {
             headers.push(

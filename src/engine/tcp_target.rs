@@ -313,8 +313,10 @@ impl Inner {
         }
     }
 
-    /// Answers a `ReadReq` with the range's bytes (`checked`: and their
-    /// CRC32C after them), or with the refusal.
+    /// Answers a `ReadReq` with the range's bytes, or with the refusal.
+    /// `checked`: the read's place among its request's checked reads on
+    /// this stream, which seals the answer, and the bytes' CRC32C follows
+    /// them.
     pub(in crate::engine) fn send_read(
         &self,
         c: &mut Conn<'_, '_, '_>,
@@ -322,17 +324,21 @@ impl Inner {
         mem_type: MemoryType,
         (addr, len): (u64, u64),
         key: u64,
-        checked: bool,
+        seq: Option<u32>,
     ) -> io::Result<Result<(), RejectReason>> {
+        let checked = seq.is_some();
         match self.registry.admit_remote(mem_type, addr, len, key) {
             Ok(guard) => {
-                let hdr = Frame::ReadData {
+                let mut hdr = Frame::ReadData {
                     req,
                     len,
                     status: status::OK,
                     checked,
                 }
                 .encode();
+                if let Some(seq) = seq {
+                    wire::seal_read_data(&mut hdr, seq);
+                }
                 let crc = if checked {
                     // SAFETY: the range lies inside a region registered
                     // here and held by `guard`.
@@ -384,8 +390,9 @@ impl Inner {
     /// Lands a `WriteList`: its table, then its pieces' payloads back to
     /// back, admitted as one span (a key names one region, so the span
     /// inside it puts every piece inside it). `checked`: the header's seal
-    /// (`raw`) covers the table, checked before a byte lands, and the
-    /// pieces' CRC32C follows them.
+    /// (`raw`, the `seq`-th checked frame of its request on this stream)
+    /// covers the table, checked before a byte lands, and the pieces'
+    /// CRC32C follows them.
     pub(in crate::engine) fn land_write_list(
         &self,
         c: &mut Conn<'_, '_, '_>,
@@ -393,14 +400,17 @@ impl Inner {
         mem_type: MemoryType,
         (count, total): (u32, u64),
         key: u64,
-        checked: bool,
+        checked: Option<u32>,
     ) -> io::Result<Result<(), RejectReason>> {
         let table = c
             .reader
             .read_vec_mid_frame(count as usize * WRITE_LIST_ENTRY, c.idle)?;
-        if checked && !wire::sealed(raw, &table) {
-            return Err(violation("a checked write list does not match its seal"));
+        if checked.is_some_and(|seq| !wire::sealed_seq(raw, &table, seq)) {
+            return Err(violation(
+                "a checked write list does not match its seal (damaged, repeated or out of order)",
+            ));
         }
+        let checked = checked.is_some();
         let WriteListTable { pieces, lo, hi } =
             write_list_pieces(&table, total).map_err(violation)?;
         let skip = total + if checked { TRAILER_LEN as u64 } else { 0 };

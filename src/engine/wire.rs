@@ -13,7 +13,7 @@ use crate::proto::TransportKind;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 40;
 /// Protocol version carried in `Hello`.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// Longest transport name an `Attach` frame carries.
 pub const ATTACH_NAME_MAX: u8 = 32;
@@ -423,33 +423,99 @@ fn trailer(checked: bool) -> u64 {
     if checked { TRAILER_LEN as u64 } else { 0 }
 }
 
-/// Offset of the `status` field in a header: a checked `Write` or
-/// `WriteList` carries its seal there.
+/// Offset of the `status` field in a header: a checked `Write`, `ReadReq`
+/// or `WriteList` ([`seal_seq`]), and every `Commit`, carries its seal
+/// there.
 const SEAL_AT: std::ops::Range<usize> = 2..4;
+
+/// Offset of the `key` field: an `Ack` carries its seal there.
+const KEY_AT: std::ops::Range<usize> = 32..40;
+
+/// Where a header carries its seal.
+enum Seal {
+    /// The low 16 bits of the CRC32C of the header in `status`
+    /// ([`seal`]).
+    Status,
+    /// The CRC32C of the header (`key` zero) in `key`.
+    Key,
+}
+
+/// The headers [`Frame::encode`] seals and [`Frame::decode`] checks:
+/// every `Commit` (a damaged segment count would finish a request early)
+/// and every `Ack` (a damaged status would report a refused request
+/// complete). Checked data frames carry seals that also cover their order
+/// ([`seal_seq`], [`seal_read_data`]), which only their stream knows: its
+/// two ends seal and check them.
+fn sealed_kind(h: &[u8; HEADER_LEN]) -> Option<Seal> {
+    match h[0] {
+        K_COMMIT => Some(Seal::Status),
+        K_ACK => Some(Seal::Key),
+        _ => None,
+    }
+}
 
 /// The seal of a checked `Write` or `WriteList` header: the low 16 bits of
 /// the CRC32C of the header (seal field zero) and of `table` (a write
 /// list's table; empty for a `Write`). The target checks it before it
 /// lands a byte, so a damaged address, length, key or table is refused
 /// instead of written elsewhere.
-fn seal_of(header: &[u8; HEADER_LEN], table: &[u8]) -> u16 {
+fn seal_of(header: &[u8; HEADER_LEN], table: &[u8], seq: Option<u32>) -> u16 {
     let mut h = *header;
     h[SEAL_AT].fill(0);
     let mut crc = crate::integrity::Crc32c::new();
     crc.update(&h);
     crc.update(table);
+    if let Some(seq) = seq {
+        crc.update(&seq.to_le_bytes());
+    }
     crc.finish() as u16
 }
 
-/// Seals a checked frame's encoded header (see [`seal_of`]).
-pub fn seal(header: &mut [u8; HEADER_LEN], table: &[u8]) {
-    let s = seal_of(header, table);
+/// Seals an encoded `Commit` header (see [`seal_of`]).
+fn seal(header: &mut [u8; HEADER_LEN]) {
+    let s = seal_of(header, &[], None);
     header[SEAL_AT].copy_from_slice(&s.to_le_bytes());
 }
 
-/// Whether a checked frame's header (and table) matches its seal.
-pub fn sealed(header: &[u8; HEADER_LEN], table: &[u8]) -> bool {
-    header[SEAL_AT] == seal_of(header, table).to_le_bytes()
+/// Seals a checked `Write`, `WriteList` or `ReadReq` header (with a write
+/// list's `table`) as the `seq`-th checked frame of its request on its
+/// stream: the order is part of the seal, so a frame repeated, lost or
+/// moved within a request fails it where it arrives.
+pub fn seal_seq(header: &mut [u8; HEADER_LEN], table: &[u8], seq: u32) {
+    let s = seal_of(header, table, Some(seq));
+    header[SEAL_AT].copy_from_slice(&s.to_le_bytes());
+}
+
+/// Whether a checked frame's header (and table) carries the seal of the
+/// `seq`-th checked frame of its request on its stream.
+pub fn sealed_seq(header: &[u8; HEADER_LEN], table: &[u8], seq: u32) -> bool {
+    header[SEAL_AT] == seal_of(header, table, Some(seq)).to_le_bytes()
+}
+
+/// Offset of the `aux` field: a checked `ReadData` carries its seal there.
+const AUX_AT: std::ops::Range<usize> = 4..8;
+
+/// The seal of a checked `ReadData` answering the `seq`-th checked
+/// `ReadReq` of its request on its stream: the CRC32C of the header (`aux`
+/// zero) and `seq`.
+fn read_data_seal(header: &[u8; HEADER_LEN], seq: u32) -> [u8; 4] {
+    let mut h = *header;
+    h[AUX_AT].fill(0);
+    let mut crc = crate::integrity::Crc32c::new();
+    crc.update(&h);
+    crc.update(&seq.to_le_bytes());
+    crc.finish().to_le_bytes()
+}
+
+/// Seals a checked `ReadData` header answering read `seq`.
+pub fn seal_read_data(header: &mut [u8; HEADER_LEN], seq: u32) {
+    let s = read_data_seal(header, seq);
+    header[AUX_AT].copy_from_slice(&s);
+}
+
+/// Whether a checked `ReadData` header answers read `seq`, undamaged.
+pub fn read_data_sealed(header: &[u8; HEADER_LEN], seq: u32) -> bool {
+    header[AUX_AT] == read_data_seal(header, seq)
 }
 
 /// `flags` of `Commit` (and of the cross-memory `Delegate`): the direction
@@ -701,6 +767,14 @@ impl Frame {
         }
         let mut out = [0u8; HEADER_LEN];
         out.copy_from_slice(h.as_bytes());
+        match sealed_kind(&out) {
+            Some(Seal::Status) => seal(&mut out),
+            Some(Seal::Key) => {
+                let s = crate::integrity::crc32c(&out);
+                out[KEY_AT].copy_from_slice(&u64::from(s).to_le_bytes());
+            }
+            None => {}
+        }
         out
     }
 
@@ -710,6 +784,19 @@ impl Frame {
     /// A [`WireError`] for unknown kinds, unknown memory types, oversized
     /// control bodies and fields that make no sense for the kind.
     pub fn decode(bytes: &[u8; HEADER_LEN]) -> Result<Frame, WireError> {
+        match sealed_kind(bytes) {
+            Some(Seal::Status) if bytes[SEAL_AT] != seal_of(bytes, &[], None).to_le_bytes() => {
+                return Err(WireError::BadField("header seal"));
+            }
+            Some(Seal::Key) => {
+                let mut h = *bytes;
+                h[KEY_AT].fill(0);
+                if bytes[KEY_AT] != u64::from(crate::integrity::crc32c(&h)).to_le_bytes() {
+                    return Err(WireError::BadField("header seal"));
+                }
+            }
+            _ => {}
+        }
         let h = RawHeader::read_from_bytes(bytes).expect("exact size");
         let aux = h.aux.get();
         let body_limit = |n: u32| {
@@ -1171,8 +1258,10 @@ mod tests {
         };
         assert_eq!(w.body_len(), 100 + TRAILER_LEN as u64);
         let mut h = w.encode();
-        seal(&mut h, &[]);
-        assert!(sealed(&h, &[]));
+        seal_seq(&mut h, &[], 7);
+        assert!(sealed_seq(&h, &[], 7));
+        // Another place in the request's order is another seal.
+        assert!(!sealed_seq(&h, &[], 6) && !sealed_seq(&h, &[], 8));
         // The seal does not change what the header says.
         assert_eq!(Frame::decode(&h).unwrap(), w);
         // Any one flipped bit outside the seal itself is seen.
@@ -1182,7 +1271,7 @@ mod tests {
             }
             let mut bad = h;
             bad[bit / 8] ^= 1 << (bit % 8);
-            assert!(!sealed(&bad, &[]), "bit {bit}");
+            assert!(!sealed_seq(&bad, &[], 7), "bit {bit}");
         }
         // A write list's seal covers its table too.
         let table: Vec<u8> = (0..48u8).collect();
@@ -1196,12 +1285,12 @@ mod tests {
         };
         assert_eq!(l.body_len(), 300 + 48 + TRAILER_LEN as u64);
         let mut h = l.encode();
-        seal(&mut h, &table);
-        assert!(sealed(&h, &table));
+        seal_seq(&mut h, &table, 0);
+        assert!(sealed_seq(&h, &table, 0));
         for bit in 0..table.len() * 8 {
             let mut bad = table.clone();
             bad[bit / 8] ^= 1 << (bit % 8);
-            assert!(!sealed(&h, &bad), "table bit {bit}");
+            assert!(!sealed_seq(&h, &bad, 0), "table bit {bit}");
         }
         // A commit's checks follow its sync message; too many, or the flag
         // with none, are refused.
@@ -1221,6 +1310,8 @@ mod tests {
         h[16..24].copy_from_slice(&0u64.to_le_bytes());
         assert!(Frame::decode(&h).is_err());
         // Unchecked frames carry no trailer.
+        // Unchecked frames carry no trailer; a checked answer to a read
+        // carries the seal of its place in the request's reads.
         let r = Frame::ReadData {
             req: 1,
             len: 10,
@@ -1228,6 +1319,25 @@ mod tests {
             checked: false,
         };
         assert_eq!(r.body_len(), 10);
+        let mut h = Frame::ReadData {
+            req: 1,
+            len: 10,
+            status: status::OK,
+            checked: true,
+        }
+        .encode();
+        seal_read_data(&mut h, 3);
+        assert!(read_data_sealed(&h, 3) && !read_data_sealed(&h, 4));
+        // Commits and acknowledgements are sealed as they are encoded.
+        let mut a = Frame::Ack {
+            req: 9,
+            status: 1,
+            landed: 1,
+        }
+        .encode();
+        assert!(Frame::decode(&a).is_ok());
+        a[2] ^= 1; // status 1 (refused) read as 0 (complete)
+        assert_eq!(Frame::decode(&a), Err(WireError::BadField("header seal")));
     }
 
     proptest! {

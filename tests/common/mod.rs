@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod etcd;
+pub mod faults;
 pub mod proxy;
 pub mod raw;
 

@@ -88,6 +88,18 @@ impl Hdr {
         b
     }
 
+    /// With its seal, where `docs/wire-format.md` asks for one: a
+    /// `Commit`, and a checked `Write` or `ReadReq`, carry the low 16 bits
+    /// of the CRC32C of the header (`status` zero) in `status`.
+    pub fn sealed(mut self) -> Self {
+        let checked = self.flags & 0x80 != 0;
+        if self.kind == COMMIT || (checked && (self.kind == WRITE || self.kind == READ_REQ)) {
+            self.status = 0;
+            self.status = crc32c(&self.bytes()) as u16;
+        }
+        self
+    }
+
     pub fn parse(b: &[u8; 40]) -> Self {
         let w = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().unwrap());
         Self {
@@ -103,6 +115,23 @@ impl Hdr {
     }
 }
 
+/// CRC32C (Castagnoli, reflected), bit by bit: the checksum the wire
+/// format names, independent of the library's implementation.
+pub fn crc32c(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0x82f6_3b78
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
 /// One raw connection.
 pub struct RawConn {
     pub s: TcpStream,
@@ -115,8 +144,9 @@ impl RawConn {
         Self { s }
     }
 
+    /// Sends `h` (sealed where the protocol seals it) and `body`.
     pub fn send(&mut self, h: Hdr, body: &[u8]) -> std::io::Result<()> {
-        let mut v = h.bytes().to_vec();
+        let mut v = h.sealed().bytes().to_vec();
         v.extend_from_slice(body);
         self.s.write_all(&v)
     }
@@ -183,7 +213,7 @@ impl RawConn {
     pub fn hello(&mut self, name: &str, link: u64) -> Option<Hdr> {
         let mut h = Hdr::new(HELLO);
         h.id = 0x1234_5679;
-        h.status = 5; // protocol version (docs/wire-format.md)
+        h.status = 6; // protocol version (docs/wire-format.md)
         h.len = link;
         h.aux = name.len() as u32;
         self.send(h, name.as_bytes()).ok()?;

@@ -36,7 +36,7 @@ fn open_requests(c: &mut RawConn, reqs: std::ops::Range<u64>) {
         h.flags = 1;
         h.id = req;
         h.len = 1;
-        frames.extend_from_slice(&h.bytes());
+        frames.extend_from_slice(&h.sealed().bytes());
     }
     std::io::Write::write_all(&mut c.s, &frames).unwrap();
 }

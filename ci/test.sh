@@ -26,6 +26,8 @@ for b in shm auto; do
   echo "== agent suite and KV-cache protocol on $b"
   KVXFER_TEST_BACKEND=$b cargo test --locked --test agent --test cache
 done
+echo "== seeded fault injection on shm (on tcp it ran with the workspace's tests; ci/fault-soak.sh runs thousands)"
+KVXFER_TEST_BACKEND=shm cargo test --locked --test faults
 echo "== agent suite and KV-cache protocol on fabric (libfabric, provider tcp;ofi_rxm, no ordering asked)"
 KVXFER_FABRIC_PROVIDER="tcp;ofi_rxm" KVXFER_TEST_BACKEND=fabric cargo test --locked --features fabric --test agent --test cache
 echo "== the same with two rails per agent (the loopback domain twice: two endpoints, every request spread over both)"

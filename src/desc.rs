@@ -16,7 +16,7 @@ use crate::memory::{MemoryDesc, MemoryType, RegionMap};
 /// Magic bytes that open every encoded [`AgentDesc`].
 pub const DESC_MAGIC: [u8; 4] = *b"KVXA";
 /// The descriptor format version this build writes and reads.
-pub const DESC_VERSION: u16 = 6;
+pub const DESC_VERSION: u16 = 7;
 /// Longest agent name accepted, in bytes.
 pub const MAX_AGENT_NAME: usize = 256;
 /// Most transports one descriptor offers.
@@ -139,13 +139,18 @@ impl AgentDesc {
             .and_then(|(i, o)| Some((u8::try_from(i).ok()?, o)))
     }
 
-    /// Encodes the descriptor (magic, version, postcard body).
+    /// Encodes the descriptor (magic, version, postcard body, and the
+    /// CRC32C of all of it before, so that a descriptor damaged on its way
+    /// — a region key or address with a flipped bit — is refused rather
+    /// than used).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(64 + self.regions.len() * 24);
         out.extend_from_slice(&DESC_MAGIC);
         out.extend_from_slice(&DESC_VERSION.to_le_bytes());
         // Serialising plain data into a Vec cannot fail.
         postcard::to_io(self, &mut out).expect("postcard into Vec is infallible");
+        let crc = crate::integrity::crc32c(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
         out
     }
 
@@ -154,7 +159,7 @@ impl AgentDesc {
     /// # Errors
     /// A [`DescError`] naming the first problem found.
     pub fn decode(bytes: &[u8]) -> Result<Self, DescError> {
-        if bytes.len() < 6 {
+        if bytes.len() < 10 {
             return Err(DescError::Truncated(bytes.len()));
         }
         let magic: [u8; 4] = bytes[..4].try_into().expect("length checked");
@@ -167,6 +172,12 @@ impl AgentDesc {
                 found: version,
                 supported: DESC_VERSION,
             });
+        }
+        let (bytes, crc) = bytes.split_at(bytes.len() - 4);
+        if crc != crate::integrity::crc32c(bytes).to_le_bytes() {
+            return Err(DescError::Malformed(
+                "the descriptor does not match its CRC32C (damaged)".into(),
+            ));
         }
         let (desc, rest): (AgentDesc, &[u8]) = postcard::take_from_bytes(&bytes[6..])
             .map_err(|e| DescError::Malformed(e.to_string()))?;

@@ -17,8 +17,21 @@ use crate::cache::state::CacheState;
 
 const MAGIC: [u8; 4] = *b"KVXC";
 const VERSION: u8 = 3;
-/// Header: magic, version, chunk index (u16), chunk count (u16).
-const HEADER: usize = 4 + 1 + 2 + 2;
+/// Header: magic, version, chunk index (u16), chunk count (u16), and the
+/// CRC32C (u32) of the rest of the chunk (header before it, part after
+/// it): a message damaged on the way is dropped, never acted on.
+const HEADER: usize = 4 + 1 + 2 + 2 + 4;
+
+/// Where the chunk's CRC32C sits in its header.
+const CRC_AT: std::ops::Range<usize> = 9..13;
+
+/// The CRC32C of a chunk without its own checksum field.
+fn chunk_crc(chunk: &[u8]) -> u32 {
+    let mut c = crate::integrity::Crc32c::new();
+    c.update(&chunk[..CRC_AT.start]);
+    c.update(&chunk[CRC_AT.end..]);
+    c.finish()
+}
 /// Largest chunk on the wire, header included; a larger one is refused.
 pub const CHUNK_MAX: usize = 4000;
 /// Largest message one sender may have in reassembly (a `Request` naming
@@ -145,10 +158,23 @@ impl Msg {
                 c.push(VERSION);
                 c.extend_from_slice(&(i as u16).to_le_bytes());
                 c.extend_from_slice(&(count as u16).to_le_bytes());
+                c.extend_from_slice(&[0; 4]);
                 c.extend_from_slice(part);
+                let crc = chunk_crc(&c);
+                c[CRC_AT].copy_from_slice(&crc.to_le_bytes());
                 c
             })
             .collect()
+    }
+}
+
+/// Makes a chunk's checksum match it (the fuzzer's chunks, so that they
+/// reach the decoder behind the check).
+#[cfg(feature = "fuzzing")]
+pub(crate) fn reseal(chunk: &mut [u8]) {
+    if chunk.len() >= HEADER {
+        let crc = chunk_crc(chunk);
+        chunk[CRC_AT].copy_from_slice(&crc.to_le_bytes());
     }
 }
 
@@ -356,6 +382,10 @@ impl Reassembler {
                 chunk.len()
             )));
         }
+        if chunk.len() < HEADER || chunk[CRC_AT] != chunk_crc(chunk).to_le_bytes() {
+            self.forget(from);
+            return Err(bad("a chunk that does not match its CRC32C"));
+        }
         let idx = u16::from_le_bytes([chunk[5], chunk[6]]);
         let count = u16::from_le_bytes([chunk[7], chunk[8]]);
         let part = &chunk[HEADER..];
@@ -431,6 +461,30 @@ mod tests {
             pool_mem_type: crate::memory::MemoryType::Dram,
             integrity: true,
         }
+    }
+
+    #[test]
+    fn a_damaged_chunk_is_dropped_not_acted_on() {
+        let now = Instant::now();
+        let m = Msg::Landed {
+            request_id: 7,
+            first_layer: 3,
+            layers: 2,
+        };
+        let c = m.encode().remove(0);
+        for bit in 0..c.len() * 8 {
+            let mut bad = c.clone();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            let mut r = Reassembler::default();
+            assert!(
+                !matches!(r.feed("ctx0", &bad, now), Ok(Some(_))),
+                "bit {bit} went unseen"
+            );
+        }
+        assert_eq!(
+            Reassembler::default().feed("ctx0", &c, now).unwrap(),
+            Some(m)
+        );
     }
 
     #[test]

@@ -252,36 +252,28 @@ fn checked_requests_land_whole_in_every_layout() {
     for (k, layout) in layouts.iter().enumerate() {
         dst.fill(0);
         let at = |base: &[u8]| dram(layout.iter().map(|&(o, l)| (base.as_ptr() as u64 + o, l)));
+        let whole = |buf: &[u8], op: &str| {
+            for &(o, l) in layout.iter() {
+                let (o, l) = (o as usize, l as usize);
+                let bad = first_mismatch(&buf[o..o + l], 3, o as u64);
+                assert_eq!(bad, None, "layout {k} {op}");
+            }
+        };
         let req = TransferRequest::write(at(&src), at(&dst), &name).with_integrity();
         init.submit_transfer(&req)
             .unwrap()
             .wait_success(WAIT)
             .unwrap();
-        for &(o, l) in layout.iter() {
-            let (o, l) = (o as usize, l as usize);
-            assert_eq!(
-                first_mismatch(&dst[o..o + l], 3, o as u64),
-                None,
-                "layout {k} write"
-            );
-        }
+        whole(&dst, "write");
         // READ back from the target's copy into a fresh local buffer.
         let back = vec![0u8; len];
         register(init.as_ref(), &back);
-        let at = |base: &[u8]| dram(layout.iter().map(|&(o, l)| (base.as_ptr() as u64 + o, l)));
         let req = TransferRequest::read(at(&back), at(&dst), &name).with_integrity();
         init.submit_transfer(&req)
             .unwrap()
             .wait_success(WAIT)
             .unwrap();
-        for &(o, l) in layout.iter() {
-            let (o, l) = (o as usize, l as usize);
-            assert_eq!(
-                first_mismatch(&back[o..o + l], 3, o as u64),
-                None,
-                "layout {k} read"
-            );
-        }
+        whole(&back, "read");
         init.deregister_memory(&MemoryDescs::dram(&back)).unwrap();
     }
     assert_eq!(

@@ -61,10 +61,13 @@ def test_a_request_nobody_answers_times_out_typed():
     assert bytes(buf) == bytes(len(buf))
 
 
-def test_layer_by_layer_out_of_order():
+@pytest.mark.parametrize("integrity", [False, True])
+def test_layer_by_layer_out_of_order(integrity):
+    """Also with end-to-end integrity asked by the receiver: every write
+    checked where it lands before its layer is reported."""
     st = kvxfer.CacheState(4, 2, 16, 4, "bf16", tp=1)
-    c = kvxfer.Agent("py-lw-ctx")
-    g = kvxfer.Agent("py-lw-gen")
+    c = kvxfer.Agent(f"py-lw-ctx-{integrity}")
+    g = kvxfer.Agent(f"py-lw-gen-{integrity}")
     bb = kvxfer.block_bytes(st, 0, st)
     src = bytearray(bb * 2)
     dst = bytearray(bb * 2)
@@ -73,7 +76,7 @@ def test_layer_by_layer_out_of_order():
     rs = c.register(src)
     rd = g.register(dst)
     s = kvxfer.CacheSender(c, st, 0)
-    r = kvxfer.CacheReceiver(g, st, 0, st, [c.connection_info()])
+    r = kvxfer.CacheReceiver(g, st, 0, st, [c.connection_info()], integrity=integrity)
     assert s.held_layers == (0, 4)
     h = r.request(5, [rd.addr, rd.addr + bb])
     sh = s.begin(5, [rs.addr, rs.addr + bb])

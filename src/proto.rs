@@ -143,8 +143,9 @@ pub struct TransferRequest {
     /// request is reported complete. A mismatch fails the request with
     /// [`Error::Integrity`](crate::error::Error::Integrity) and its sync
     /// message is not delivered. Host memory (DRAM) on both sides, over
-    /// TCP (each piece checked as it lands) or shm (the copied ranges
-    /// checked by the target at the commit); other paths and memory types
+    /// TCP (each piece checked as it lands), shm (the copied ranges
+    /// checked by the target at the commit) or in-process (both sides of
+    /// each copy summed); other paths and memory types
     /// refuse it at submission with
     /// [`Error::IntegrityUnsupported`](crate::error::Error::IntegrityUnsupported).
     pub integrity: bool,

@@ -1080,9 +1080,10 @@ fn nothing_lands_after_the_receiver_reports_a_cancel() {
 #[test]
 fn integrity_checked_requests_land_where_they_can_be_checked() {
     // With `ReceiverConfig::integrity`, the context ranks write with a
-    // CRC32C per piece: over TCP and shm the requests land whole, whole
-    // and layer by layer; on a path that cannot check, the context ranks
-    // refuse and both sides hear a failure that says so.
+    // CRC32C per piece: over TCP, shm and in-process the requests land
+    // whole, whole and layer by layer; on a path that cannot check (RDMA,
+    // libfabric), the context ranks refuse and both sides hear a failure
+    // that says so.
     let ctx = state(4, 8, 2, 1, DataType::Bf16);
     let gen_s = state(4, 8, 1, 1, DataType::Bf16);
     let rc = ReceiverConfig {
@@ -1094,7 +1095,7 @@ fn integrity_checked_requests_land_where_they_can_be_checked() {
     c.prefill(21, &ctx_ids);
     if matches!(
         common::backend(),
-        kvxfer::Backend::Tcp | kvxfer::Backend::Shm
+        kvxfer::Backend::Tcp | kvxfer::Backend::Shm | kvxfer::Backend::InProcess
     ) {
         for layerwise in [false, true] {
             c.layerwise = layerwise;

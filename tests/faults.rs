@@ -87,7 +87,7 @@ fn no_leak(base: (usize, usize), seed: u64) {
 fn checks() -> bool {
     matches!(
         common::backend(),
-        kvxfer::Backend::Tcp | kvxfer::Backend::Shm
+        kvxfer::Backend::Tcp | kvxfer::Backend::Shm | kvxfer::Backend::InProcess
     )
 }
 

@@ -394,29 +394,59 @@ fn a_commit_whose_check_does_not_match_fails_and_delivers_nothing() {
 }
 
 #[test]
-fn paths_that_cannot_check_refuse_integrity() {
-    // In-process: the initiator copies in the submitting call; nothing
-    // checks what landed.
+fn in_process_copies_are_checked_and_storage_refuses() {
+    // In-process: the copying thread sums the source before and the
+    // destination after each copy.
     let target =
         make_transfer_agent(Backend::InProcess, AgentConfig::new("inproc-target")).unwrap();
     let init = make_transfer_agent(Backend::InProcess, AgentConfig::new("inproc-init")).unwrap();
-    let src = vec![1u8; 4096];
-    let dst = vec![0u8; 4096];
+    let mut src = vec![0u8; 1 << 20];
+    fill(&mut src, 17, 0);
+    let dst = vec![0u8; 1 << 20];
     register(init.as_ref(), &src);
     register(target.as_ref(), &dst);
     let name = init
         .load_remote_agent_by_connection(&target.local_connection_info())
         .unwrap();
-    let req = TransferRequest::write(MemoryDescs::dram(&src), MemoryDescs::dram(&dst), &name);
-    let e = init
-        .submit_transfer(&req.clone().with_integrity())
-        .unwrap_err();
-    assert!(matches!(e, Error::IntegrityUnsupported { .. }), "{e}");
-    assert!(dst.iter().all(|&b| b == 0), "nothing was sent");
-    // Unchecked, the same request goes.
+    let req = TransferRequest::write(MemoryDescs::dram(&src), MemoryDescs::dram(&dst), &name)
+        .with_integrity();
     init.submit_transfer(&req)
         .unwrap()
         .wait_success(WAIT)
         .unwrap();
-    assert!(dst.iter().all(|&b| b == 1));
+    assert_eq!(first_mismatch(&dst, 17, 0), None);
+
+    // Storage (the agent's own file): nothing checks what reaches the
+    // disk, so a checked request is refused and nothing is written.
+    let dir = std::env::temp_dir().join(format!("kvxfer-integrity-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("f");
+    let h = init
+        .open_storage(&kvxfer::StorageSpec::file(&path).create(4096))
+        .unwrap();
+    let file = MemoryDescs::new(
+        kvxfer::MemoryType::File,
+        vec![kvxfer::MemoryDesc::new(0, 4096, h)],
+    );
+    // SAFETY: a file range, not memory.
+    unsafe { init.register_memory(&file).unwrap() };
+    let local = dram([(src.as_ptr() as u64, 4096)]);
+    let to_file = TransferRequest::write(local.clone(), file.clone(), init.name());
+    let e = init
+        .submit_transfer(&to_file.clone().with_integrity())
+        .unwrap_err();
+    assert!(matches!(e, Error::IntegrityUnsupported { .. }), "{e}");
+    assert!(
+        std::fs::read(&path).unwrap().iter().all(|&b| b == 0),
+        "nothing was written"
+    );
+    // Unchecked, the same request goes.
+    init.submit_transfer(&to_file)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), src[..4096]);
+    init.deregister_memory(&file).unwrap();
+    init.close_storage(h).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
 }

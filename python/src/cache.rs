@@ -450,7 +450,7 @@ impl PyCacheReceiver {
     /// `CacheUnsettledError`. `integrity`: the context ranks write with a
     /// CRC32C per piece, checked where it lands before anything is
     /// reported landed (`CacheIntegrityError` on a mismatch; host memory
-    /// over TCP or shm only).
+    /// over TCP, shm or inproc only).
     #[new]
     #[pyo3(signature = (agent, state, rank, ctx_state, ctx_connections, timeout = 60.0, settle_timeout = 10.0, integrity = false))]
     #[allow(clippy::too_many_arguments)]

@@ -180,11 +180,11 @@ def test_inproc_agents_copy_in_the_submitting_call():
     assert dst2 == bytearray(4096)
 
 
-def test_integrity_checks_over_tcp_and_is_refused_where_it_cannot():
-    """`integrity=True`: over TCP a checked write lands whole with its
-    notification; in-process (a path that cannot check) it is refused,
-    typed, and nothing moves."""
-    for backend, checks in (("tcp", True), ("inproc", False)):
+def test_integrity_checks_where_it_can_and_is_refused_where_it_cannot(tmp_path):
+    """`integrity=True`: over TCP and in-process a checked write lands
+    whole with its notification; to storage (a path that cannot check) it
+    is refused, typed, and nothing moves."""
+    for backend in ("tcp", "inproc"):
         t = kvxfer.Agent(f"py-int-t-{backend}", backend=backend)
         i = kvxfer.Agent(f"py-int-i-{backend}", backend=backend)
         dst = bytearray(1 << 20)
@@ -193,15 +193,18 @@ def test_integrity_checks_over_tcp_and_is_refused_where_it_cannot():
         ri = i.register(src)
         name = i.add_remote_agent(t.metadata())
         local, remote = [(ri.addr, len(src))], [(rt.addr, len(dst))]
-        if checks:
-            i.transfer("write", local, remote, name, notif=b"checked", integrity=True).wait(WAIT)
-            assert bytes(dst) == bytes(src)
-            assert t.wait_notifs(WAIT) == {i.name: [b"checked"]}
-        else:
-            with pytest.raises(kvxfer.IntegrityUnsupportedError):
-                i.transfer("write", local, remote, name, integrity=True)
-            assert dst == bytearray(1 << 20)
-        assert issubclass(kvxfer.IntegrityError, kvxfer.KvxferError)
+        i.transfer("write", local, remote, name, notif=b"checked", integrity=True).wait(WAIT)
+        assert bytes(dst) == bytes(src)
+        assert t.wait_notifs(WAIT) == {i.name: [b"checked"]}
+    a = kvxfer.Agent("py-int-storage")
+    h = a.open_storage(str(tmp_path / "f"), size=4096)
+    a.register_raw([(0, 4096, h)], "file")
+    src = bytearray(pattern(4096, 3))
+    r = a.register(src)
+    with pytest.raises(kvxfer.IntegrityUnsupportedError):
+        a.transfer("write", [(r.addr, 4096)], [(0, 4096)], a.name, remote_mem="file", remote_device=h, integrity=True)
+    assert (tmp_path / "f").read_bytes() == bytes(4096)
+    assert issubclass(kvxfer.IntegrityError, kvxfer.KvxferError)
 
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])

@@ -191,9 +191,33 @@ impl LocalLink {
         } else {
             for (l, r) in pairs {
                 let (from, to) = ends(l, r);
+                let len = l.len as usize;
+                // End-to-end integrity: the source's CRC32C before the copy,
+                // the destination's after it.
+                // SAFETY: as above.
+                let sent = req
+                    .integrity
+                    .then(|| crate::integrity::crc32c(unsafe { bytes(from, len) }));
                 // SAFETY: as above; `copy` allows the ranges to overlap (an
                 // agent writing to itself).
-                unsafe { std::ptr::copy(from as *const u8, to as *mut u8, l.len as usize) };
+                unsafe { std::ptr::copy(from as *const u8, to as *mut u8, len) };
+                // SAFETY: as above.
+                let got = sent.map(|_| crate::integrity::crc32c(unsafe { bytes(to, len) }));
+                if sent != got {
+                    if req.op == TransferOp::Write {
+                        target
+                            .metrics
+                            .integrity_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    return Err(Error::Integrity {
+                        remote: self.remote.clone(),
+                        what: format!(
+                            "the copy to {to:#x}..{:#x} did not match the CRC32C of its source",
+                            to + l.len
+                        ),
+                    });
+                }
             }
         }
         if let (Some(room), Some(m)) = (room, sync) {
@@ -203,6 +227,15 @@ impl LocalLink {
         drop(resolved.guards);
         Ok(())
     }
+}
+
+/// The bytes of `[addr, addr + len)`.
+///
+/// # Safety
+/// The range must be readable for as long as the slice is used.
+unsafe fn bytes<'a>(addr: u64, len: usize) -> &'a [u8] {
+    // SAFETY: forwarded to the caller.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
 }
 
 /// The error of a target that no longer exists in this process.

@@ -330,8 +330,9 @@ impl Engine {
 
 /// Whether end-to-end integrity can be checked for `req` over `transport`:
 /// host memory on both sides, over TCP (where the target checks each
-/// payload as it lands) or shm (where the target checks the ranges the
-/// initiator copied, when it commits).
+/// payload as it lands), shm (where the target checks the ranges the
+/// initiator copied, when it commits) or in-process (the copying thread
+/// sums both sides).
 fn check_integrity(req: &TransferRequest, transport: TransportKind) -> Result<(), Error> {
     for mem_type in [req.local.mem_type, req.remote.mem_type] {
         if mem_type != MemoryType::Dram {
@@ -340,9 +341,12 @@ fn check_integrity(req: &TransferRequest, transport: TransportKind) -> Result<()
             });
         }
     }
-    if !matches!(transport, TransportKind::Tcp | TransportKind::Shm) {
+    if !matches!(
+        transport,
+        TransportKind::Tcp | TransportKind::Shm | TransportKind::InProcess
+    ) {
         return Err(Error::IntegrityUnsupported {
-            reason: format!("over the {transport} transport (tcp and shm only)"),
+            reason: format!("over the {transport} transport (tcp, shm and inproc only)"),
         });
     }
     Ok(())

@@ -102,7 +102,7 @@ typedef enum kvxfer_result {
   // and its notification was not delivered.
   KVXFER_ERR_INTEGRITY = 320,
   // End-to-end integrity was asked of a path or memory type that cannot
-  // check it (host memory over TCP or shm only); nothing was sent.
+  // check it (host memory over TCP, shm or inproc only); nothing was sent.
   KVXFER_ERR_INTEGRITY_UNSUPPORTED = 321,
   // A bug: a panic was caught at the boundary.
   KVXFER_ERR_PANIC = 900,
@@ -310,7 +310,7 @@ typedef struct kvxfer_cache_receiver_options {
   int64_t settle_timeout_ms;
   // Nonzero: end-to-end integrity. The context ranks write with a
   // CRC32C per piece, checked where it lands before anything is reported
-  // landed (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over TCP or shm
+  // landed (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over TCP, shm or inproc
   // only).
   uint8_t integrity;
 } kvxfer_cache_receiver_options;
@@ -359,7 +359,7 @@ typedef uint32_t kvxfer_storage_kind;
 
 // End-to-end integrity: a CRC32C of every piece, computed over the source
 // and checked where it lands before the transfer completes
-// (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over TCP or shm only, else
+// (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over TCP, shm or inproc only, else
 // `KVXFER_ERR_INTEGRITY_UNSUPPORTED`).
 #define KVXFER_SUBMIT_INTEGRITY 2
 

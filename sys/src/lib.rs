@@ -128,7 +128,7 @@ pub enum kvxfer_result {
     /// and its notification was not delivered.
     KVXFER_ERR_INTEGRITY = 320,
     /// End-to-end integrity was asked of a path or memory type that cannot
-    /// check it (host memory over TCP or shm only); nothing was sent.
+    /// check it (host memory over TCP, shm or inproc only); nothing was sent.
     KVXFER_ERR_INTEGRITY_UNSUPPORTED = 321,
     /// A bug: a panic was caught at the boundary.
     KVXFER_ERR_PANIC = 900,
@@ -164,7 +164,7 @@ pub type kvxfer_submit_flags = u32;
 pub const KVXFER_SUBMIT_DURABLE: kvxfer_submit_flags = 1;
 /// End-to-end integrity: a CRC32C of every piece, computed over the source
 /// and checked where it lands before the transfer completes
-/// (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over TCP or shm only, else
+/// (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over TCP, shm or inproc only, else
 /// `KVXFER_ERR_INTEGRITY_UNSUPPORTED`).
 pub const KVXFER_SUBMIT_INTEGRITY: kvxfer_submit_flags = 2;
 

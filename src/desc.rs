@@ -159,7 +159,7 @@ impl AgentDesc {
     /// # Errors
     /// A [`DescError`] naming the first problem found.
     pub fn decode(bytes: &[u8]) -> Result<Self, DescError> {
-        if bytes.len() < 10 {
+        if bytes.len() < 6 {
             return Err(DescError::Truncated(bytes.len()));
         }
         let magic: [u8; 4] = bytes[..4].try_into().expect("length checked");
@@ -172,6 +172,9 @@ impl AgentDesc {
                 found: version,
                 supported: DESC_VERSION,
             });
+        }
+        if bytes.len() < 10 {
+            return Err(DescError::Truncated(bytes.len()));
         }
         let (bytes, crc) = bytes.split_at(bytes.len() - 4);
         if crc != crate::integrity::crc32c(bytes).to_le_bytes() {

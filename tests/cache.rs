@@ -1093,10 +1093,7 @@ fn integrity_checked_requests_land_where_they_can_be_checked() {
     let mut c = cluster("integrity", &ctx, &gen_s, 16, SenderConfig::default(), rc);
     let ctx_ids = c.ctx_blocks(4, 1);
     c.prefill(21, &ctx_ids);
-    if matches!(
-        common::backend(),
-        kvxfer::Backend::Tcp | kvxfer::Backend::Shm | kvxfer::Backend::InProcess
-    ) {
+    if matches!(common::expected_transport(), "tcp" | "shm" | "inproc") {
         for layerwise in [false, true] {
             c.layerwise = layerwise;
             let id = 21 + u64::from(layerwise);

@@ -85,10 +85,7 @@ fn no_leak(base: (usize, usize), seed: u64) {
 /// Whether the suite's backend checks requests end to end (elsewhere they
 /// go unchecked: their data does not cross the proxy, only their control).
 fn checks() -> bool {
-    matches!(
-        common::backend(),
-        kvxfer::Backend::Tcp | kvxfer::Backend::Shm | kvxfer::Backend::InProcess
-    )
+    matches!(common::expected_transport(), "tcp" | "shm" | "inproc")
 }
 
 /// `r`, checked where the backend checks.

@@ -145,6 +145,7 @@ pub fn expected_transport() -> &'static str {
         Backend::Tcp => "tcp",
         Backend::Rdma => "rdma",
         Backend::Fabric => "fabric",
+        Backend::InProcess => "inproc",
         _ => "shm",
     }
 }

@@ -3,7 +3,7 @@
 # each backend that runs here: a frame-aware proxy damages one frame per
 # run (bit flips, truncation, duplicates, drops, delays, stalls, kills)
 # of a checked WRITE or READ, and of a KV request (a quarter as many), and
-# every run is checked to fail closed. The test command runs 16 seeds on
+# every run is checked to fail closed. The test command runs 8 seeds on
 # tcp and shm; this runs SEEDS (default 1000) from FIRST (default 1000).
 #   ci/fault-soak.sh [SEEDS] [FIRST]
 set -euo pipefail

@@ -11,7 +11,7 @@
 //! reported complete delivered its message; (i) once a READ has failed,
 //! its local destination no longer changes; (iv) the pair then serves a
 //! request unharmed; and after every run, (v) no thread or descriptor is
-//! left behind. `KVXFER_FAULT_SEEDS` runs more seeds (`ci/fault-soak.sh`).
+//! left behind. `KVXFER_FAULT_SEEDS` (default 8) runs more seeds (`ci/fault-soak.sh`).
 
 mod common;
 
@@ -214,7 +214,7 @@ fn seeded_faults_fail_closed() {
     let seeds: u64 = std::env::var("KVXFER_FAULT_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(16);
+        .unwrap_or(8);
     let first: u64 = std::env::var("KVXFER_FAULT_FIRST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())

@@ -934,16 +934,7 @@ impl Inner {
             let here = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
             let got = crate::integrity::crc32c(here);
             drop(guard);
-            if got != sent {
-                self.metrics
-                    .integrity_failures
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    remote = %session.remote, addr, len, sent, got,
-                    "a checked range did not match its CRC32C: the request fails"
-                );
-                return Err(RejectReason::Integrity);
-            }
+            self.check(&session.remote, sent, got, (addr, addr + len))?;
         }
         Ok(())
     }

@@ -1077,20 +1077,11 @@ unsafe fn sum_frames(
 ) {
     for k in frames {
         let (lo, hi) = sums[k];
-        let crc = if hi - lo == 1 {
-            let (p, n) = pieces[lo];
+        let mut c = crate::integrity::Crc32c::new();
+        for &(p, n) in &pieces[lo..hi] {
             // SAFETY: forwarded to the caller.
-            crate::integrity::crc32c(unsafe {
-                std::slice::from_raw_parts(p as *const u8, n as usize)
-            })
-        } else {
-            let mut c = crate::integrity::Crc32c::new();
-            for &(p, n) in &pieces[lo..hi] {
-                // SAFETY: forwarded to the caller.
-                c.update(unsafe { std::slice::from_raw_parts(p as *const u8, n as usize) });
-            }
-            c.finish()
-        };
-        trailers[k] = crc.to_le_bytes();
+            c.update(unsafe { std::slice::from_raw_parts(p as *const u8, n as usize) });
+        }
+        trailers[k] = c.finish().to_le_bytes();
     }
 }

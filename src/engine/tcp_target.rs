@@ -61,16 +61,17 @@ impl Inner {
                 // SAFETY: as in `land_write`; the trailer follows.
                 let got = unsafe { c.reader.read_checked(addr as *mut u8, len as usize, c.idle) }?;
                 let sent = read_trailer(c)?;
-                Ok(self.check(c, sent, got, span))
+                Ok(self.check(&c.session.remote, sent, got, span))
             },
         )
     }
 
-    /// The outcome of a checked payload whose trailer said `sent` and whose
-    /// landed bytes give `got`; a mismatch is logged and counted.
-    fn check(
+    /// The outcome of checked bytes `[lo, hi)` here, from `remote`, whose
+    /// sender's CRC32C is `sent` and whose own is `got`; a mismatch is
+    /// logged and counted (every path that checks at the target).
+    pub(in crate::engine) fn check(
         &self,
-        c: &Conn<'_, '_, '_>,
+        remote: &str,
         sent: u32,
         got: u32,
         (lo, hi): (u64, u64),
@@ -82,8 +83,12 @@ impl Inner {
             .integrity_failures
             .fetch_add(1, Ordering::Relaxed);
         tracing::warn!(
-            remote = %c.session.remote, lo, hi, sent, got,
-            "a checked write did not match its CRC32C: the request fails"
+            remote,
+            lo,
+            hi,
+            sent,
+            got,
+            "checked bytes did not match their CRC32C: the request fails"
         );
         Err(RejectReason::Integrity)
     }
@@ -439,7 +444,7 @@ impl Inner {
                 // SAFETY: as above; each piece was just written.
                 crc.update(unsafe { std::slice::from_raw_parts(p.cast_const(), n) });
             }
-            Ok(self.check(c, sent, crc.finish(), (lo, hi)))
+            Ok(self.check(&c.session.remote, sent, crc.finish(), (lo, hi)))
         })
     }
 }

@@ -7,32 +7,36 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install-deps.sh test
 export CARGO_TERM_COLOR=never RUST_BACKTRACE=1
+# Each stage is stamped with the minutes:seconds since the start (the run must stay
+# under 40 minutes on a quiet machine).
+t0=$(date +%s)
+stage() { local t=$(( $(date +%s) - t0 )); printf '== [%d:%02d] %s\n' $((t / 60)) $((t % 60)) "$*"; }
 
-echo "== cargo fmt --check"
+stage "cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy"
+stage "cargo clippy"
 cargo clippy --locked --workspace --all-targets -- -D warnings
 cargo clippy --locked -p kvxfer --lib --features fuzzing -- -D warnings
-echo "== cargo doc"
+stage "cargo doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --locked --workspace --no-deps -q
-echo "== cargo test (agent suite on tcp, unit tests, C/C++ ABI tests, benches in test mode)"
+stage "cargo test (agent suite on tcp, unit tests, C/C++ ABI tests, benches in test mode)"
 cargo test --locked --workspace --all-targets
 cargo test --locked --workspace --doc
-echo "== Python package: the abi3 wheel built with maturin, installed in a fresh venv, pytest"
+stage "Python package: the abi3 wheel built with maturin, installed in a fresh venv, pytest"
 bash ci/python.sh
-echo "== loom models of the lock-free code (every interleaving of its threads)"
+stage "loom models of the lock-free code (every interleaving of its threads)"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --locked -p kvxfer --lib loom
 for b in shm auto; do
-  echo "== agent suite and KV-cache protocol on $b"
+  stage "agent suite and KV-cache protocol on $b"
   KVXFER_TEST_BACKEND=$b cargo test --locked --test agent --test cache
 done
-echo "== seeded fault injection on shm (on tcp it ran with the workspace's tests; ci/fault-soak.sh runs thousands)"
+stage "seeded fault injection on shm (on tcp it ran with the workspace's tests; ci/fault-soak.sh runs thousands)"
 KVXFER_TEST_BACKEND=shm cargo test --locked --test faults
-echo "== agent suite and KV-cache protocol on fabric (libfabric, provider tcp;ofi_rxm, no ordering asked)"
+stage "agent suite and KV-cache protocol on fabric (libfabric, provider tcp;ofi_rxm, no ordering asked)"
 KVXFER_FABRIC_PROVIDER="tcp;ofi_rxm" KVXFER_TEST_BACKEND=fabric cargo test --locked --features fabric --test agent --test cache
-echo "== the same with two rails per agent (the loopback domain twice: two endpoints, every request spread over both)"
+stage "the same with two rails per agent (the loopback domain twice: two endpoints, every request spread over both)"
 KVXFER_FABRIC_DOMAIN="lo,lo" KVXFER_FABRIC_PROVIDER="tcp;ofi_rxm" KVXFER_TEST_BACKEND=fabric cargo test --locked --features fabric --test agent --test cache
-echo "== agent suite and KV-cache protocol on fabric, provider shm (FI_MR_VIRT_ADDR addressing, FI_MR_HMEM registrations; no order between RMA and messages: FI_ORDER_SAS only)"
+stage "agent suite and KV-cache protocol on fabric, provider shm (FI_MR_VIRT_ADDR addressing, FI_MR_HMEM registrations; no order between RMA and messages: FI_ORDER_SAS only)"
 # libfabric's shm provider leaves a file in /dev/shm per endpoint; those of
 # processes that are gone (peers the tests kill) are removed.
 clean_shm() {
@@ -52,15 +56,15 @@ inorder="target_killed_mid_transfer_fails_within_timeout a_stopped_target_holds_
 echo "SKIPPED on shm: $inorder: libfabric 1.17's shm provider returns an endpoint's completions in the order its operations were posted, so a target killed or stopped with operations pending holds back the completions of every later operation, to any peer (the bystander's request stalls); they run on tcp;ofi_rxm above"
 KVXFER_FABRIC_PROVIDER=shm KVXFER_TEST_BACKEND=fabric cargo test --locked --features fabric --test agent --test cache -- $(skips "$refused $inorder")
 clean_shm
-echo "== KV-cache protocol on inproc (agents of one process, plain copies)"
+stage "KV-cache protocol on inproc (agents of one process, plain copies)"
 KVXFER_TEST_BACKEND=inproc cargo test --locked --test cache
-echo "== agent suite and KV-cache protocol on tcp and shm, every agent holding a cluster secret"
+stage "agent suite and KV-cache protocol on tcp and shm, every agent holding a cluster secret"
 for b in tcp shm; do
   KVXFER_SECRET="ci-cluster-secret-$$-$RANDOM" KVXFER_TEST_BACKEND=$b cargo test --locked --test agent --test cache
 done
-echo "== RDMA verbs tests on the host (they say SKIPPED where no RDMA device exists)"
+stage "RDMA verbs tests on the host (they say SKIPPED where no RDMA device exists)"
 cargo test --locked --test rdma_verbs -- --nocapture
-echo "== RDMA tests inside the soft-RoCE guest (ci/rxe-guest: rxe0/rxe1 on a veth pair):"
+stage "RDMA tests inside the soft-RoCE guest (ci/rxe-guest: rxe0/rxe1 on a veth pair):"
 echo "   the verbs layer, the agent suite and the KV-cache protocol on the rdma backend;"
 echo "   GPUDirect RDMA registration of the stand-in driver's GPU memory (refused, typed)"
 test_bin() {
@@ -93,7 +97,7 @@ KVXFER_RDMA_ACK_TIMEOUT=20 KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 2400 
      write_and_read ten_thousand sync_message notify_follows target_killed && \
    $cache_bin --test-threads 2 --color never && \
    $gpu_bin --test-threads 1 --color never vram_on_rdma"
-echo "== agent suite and KV-cache protocol on fabric, provider verbs;ofi_rxm on soft-RoCE in the guest"
+stage "agent suite and KV-cache protocol on fabric, provider verbs;ofi_rxm on soft-RoCE in the guest"
 echo "   (registration modes FI_MR_LOCAL, FI_MR_VIRT_ADDR, FI_MR_ALLOCATED, FI_MR_PROV_KEY). First, that"
 echo "   an agent refuses the provider while libfabric's registration cache is on (it would keep"
 echo "   deregistered memory open to remote writes); then the suites with the cache off."
@@ -116,7 +120,7 @@ KVXFER_TEST_BACKEND=fabric ci/rxe-guest --timeout 1800 sh -c \
    export FI_MR_CACHE_MAX_COUNT=0 && \
    $fabric_agent_bin --test-threads 2 --color never $skip_long && \
    $fabric_cache_bin --test-threads 2 --color never $skip_long"
-echo "== fuzz targets (cargo fuzz, no sanitizer: stable toolchain), 60 s each from the committed corpus"
+stage "fuzz targets (cargo fuzz, no sanitizer: stable toolchain), 60 s each from the committed corpus"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install --locked cargo-fuzz --version 0.13.2
 fuzz_tmp=$(mktemp -d)
 trap 'rm -rf "$fuzz_tmp"' EXIT
@@ -131,7 +135,7 @@ for t in agent_desc tcp_frames kv_wire handshake; do
   fi
   echo "$t: $(grep -E '^Done' "$fuzz_tmp/$t.log")"
 done
-echo "== bench CLI smoke run"
+stage "bench CLI smoke run"
 cargo build --release --locked -p kvxfer-bench
 target/release/kvxfer-bench --block-size 64KiB --batch 16 --iters 20 --warmup 2 --json
 target/release/kvxfer-bench --op read --block-size 4KiB --batch 64 --iters 20 --warmup 2 --json

@@ -85,6 +85,22 @@ impl std::fmt::Debug for SyncWaker {
 /// around to taking them).
 pub type TimedSyncMessages = HashMap<String, Vec<(Vec<u8>, Instant)>>;
 
+/// Sync messages taken together with the peers that left meanwhile
+/// ([`TransferAgent::wait_sync_batch`]).
+#[derive(Debug, Default)]
+pub struct SyncBatch {
+    /// The messages, by sender, each with the moment it was received.
+    pub messages: TimedSyncMessages,
+    /// Peers whose last connection into this agent ended since the last
+    /// batch, each with how many of its messages in `messages` were
+    /// received before that (the last such end): a message in several
+    /// parts begun before it will not be finished on that connection.
+    /// Peers whose messages reach the agent without a connection (agents
+    /// of one process) are not listed; nor are departures past the first
+    /// 1,024 peers between two takes.
+    pub departed: HashMap<String, usize>,
+}
+
 /// Which backend [`make_transfer_agent`](crate::make_transfer_agent) builds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
@@ -358,6 +374,19 @@ pub trait TransferAgent: Send + Sync {
             .into_iter()
             .map(|(from, msgs)| (from, msgs.into_iter().map(|m| (m, now)).collect()))
             .collect()
+    }
+
+    /// As [`wait_sync_messages_timed`](Self::wait_sync_messages_timed),
+    /// with the peers whose last connection into this agent ended meanwhile
+    /// (their departure also ends the wait). For a protocol that
+    /// reassembles messages of several parts per sender: a sender's
+    /// unfinished message can go when its connection ends. The other
+    /// waits and takes drop departures. The default reports none.
+    fn wait_sync_batch(&self, timeout: Duration) -> SyncBatch {
+        SyncBatch {
+            messages: self.wait_sync_messages_timed(timeout),
+            departed: HashMap::new(),
+        }
     }
 
     /// Makes every thread now blocked in

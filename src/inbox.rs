@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::agent::{SyncMessages, TimedSyncMessages};
+use crate::agent::{SyncBatch, SyncMessages, TimedSyncMessages};
 use crate::error::RejectReason;
 
 /// Received sync messages, grouped by sender, held until taken within a
@@ -55,16 +55,25 @@ impl Mailbox {
         }
     }
 
-    /// Takes every queued message, giving back their bytes.
-    fn take(&mut self) -> TimedSyncMessages {
-        let msgs = std::mem::take(&mut self.messages);
-        for (from, list) in &msgs {
+    /// Takes every queued message, giving back their bytes, and the
+    /// departures recorded with them.
+    fn take(&mut self) -> SyncBatch {
+        let messages = std::mem::take(&mut self.messages);
+        for (from, list) in &messages {
             let n = list.iter().map(|(m, _)| m.len() as u64).sum();
             self.release(from, n);
         }
-        msgs
+        SyncBatch {
+            messages,
+            departed: std::mem::take(&mut self.departed),
+        }
     }
 }
+
+/// Most departures an inbox records between two takes (one per peer
+/// name): past it, a departure is not recorded (a KV-cache reassembler
+/// then drops that peer's partial message at its expiry instead).
+const DEPARTED_MAX: usize = 1024;
 
 /// The inbox's state: the messages, and how many times waiters were woken
 /// without one (see [`Inbox::wake`]).
@@ -75,6 +84,10 @@ struct Mailbox {
     wakes: u64,
     /// A wake no wait has answered yet (the next wait returns at once).
     woken: bool,
+    /// Peers whose last connection into the agent ended since the last
+    /// take, each with how many of its queued messages came before that
+    /// (see [`SyncBatch::departed`]).
+    departed: HashMap<String, usize>,
     /// Bytes of messages queued or reserved, in all.
     total: u64,
     /// The same per sending agent.
@@ -143,7 +156,21 @@ impl Inbox {
     }
 
     pub(crate) fn take(&self) -> SyncMessages {
-        untimed(self.lock().take())
+        untimed(self.lock().take().messages)
+    }
+
+    /// Records that `from`'s last connection into the agent ended: the
+    /// next batch taken says so, after the messages of it queued now (see
+    /// [`SyncBatch::departed`]); a waiter returns with it.
+    pub(crate) fn depart(&self, from: &str) {
+        let mut m = self.lock();
+        let queued = m.messages.get(from).map_or(0, Vec::len);
+        if m.departed.len() >= DEPARTED_MAX && !m.departed.contains_key(from) {
+            tracing::debug!(remote = from, "departures not taken: not recorded");
+            return;
+        }
+        m.departed.insert(from.to_owned(), queued);
+        self.cv.notify_all();
     }
 
     /// Makes every thread now in [`wait`](Self::wait) return at once, with
@@ -158,16 +185,22 @@ impl Inbox {
     }
 
     pub(crate) fn wait(&self, timeout: Duration) -> SyncMessages {
-        untimed(self.wait_timed(timeout))
+        untimed(self.wait_batch(timeout).messages)
     }
 
     /// As [`wait`](Self::wait), with each message's delivery time.
     pub(crate) fn wait_timed(&self, timeout: Duration) -> TimedSyncMessages {
+        self.wait_batch(timeout).messages
+    }
+
+    /// As [`wait_timed`](Self::wait_timed), with the departures recorded
+    /// meanwhile (a departure also ends the wait).
+    pub(crate) fn wait_batch(&self, timeout: Duration) -> SyncBatch {
         // `None`: no deadline (a timeout past what `Instant` can hold).
         let deadline = Instant::now().checked_add(timeout);
         let mut m = self.lock();
         let wakes = m.wakes;
-        while m.messages.is_empty() && m.wakes == wakes && !m.woken {
+        while m.messages.is_empty() && m.departed.is_empty() && m.wakes == wakes && !m.woken {
             let left = deadline.map_or(Duration::from_secs(3600), |d| {
                 d.saturating_duration_since(Instant::now())
             });
@@ -229,6 +262,47 @@ mod tests {
         let t0 = Instant::now();
         assert!(inbox.wait(Duration::from_millis(50)).is_empty());
         assert!(t0.elapsed() >= Duration::from_millis(50));
+    }
+
+    /// A departure ends a wait and comes with the batch, placed after the
+    /// messages of that peer queued before it; a later one of the same
+    /// peer in the batch moves the place; a plain take drops it.
+    #[test]
+    fn departures_are_placed_among_the_peers_messages() {
+        let inbox = Arc::new(Inbox::default());
+        let i = Arc::clone(&inbox);
+        let t = std::thread::spawn(move || i.wait_batch(Duration::from_secs(600)));
+        inbox.depart("a");
+        let b = t.join().unwrap();
+        assert!(b.messages.is_empty());
+        assert_eq!(b.departed.get("a"), Some(&0));
+        for m in [1u8, 2] {
+            inbox.deliver(inbox.reserve("a", 1).unwrap(), vec![m]);
+        }
+        inbox.depart("a");
+        inbox.depart("b");
+        inbox.deliver(inbox.reserve("a", 1).unwrap(), vec![3]);
+        let b = inbox.wait_batch(Duration::ZERO);
+        assert_eq!(b.messages["a"].len(), 3);
+        assert_eq!(b.departed.get("a"), Some(&2));
+        assert_eq!(b.departed.get("b"), Some(&0));
+        inbox.deliver(inbox.reserve("a", 1).unwrap(), vec![4]);
+        inbox.depart("a");
+        inbox.deliver(inbox.reserve("a", 1).unwrap(), vec![5]);
+        inbox.depart("a");
+        let b = inbox.wait_batch(Duration::ZERO);
+        assert_eq!(b.departed.get("a"), Some(&2));
+        inbox.depart("a");
+        assert!(inbox.take().is_empty());
+        assert!(inbox.wait_batch(Duration::ZERO).departed.is_empty());
+        // Bounded: a departure past the cap is not recorded.
+        for n in 0..DEPARTED_MAX + 5 {
+            inbox.depart(&format!("p{n}"));
+        }
+        assert_eq!(
+            inbox.wait_batch(Duration::ZERO).departed.len(),
+            DEPARTED_MAX
+        );
     }
 
     #[test]

@@ -94,8 +94,8 @@ pub mod storage;
 pub use kvxfer_verbs as verbs;
 
 pub use agent::{
-    Backend, DataPath, PreparedTransfer, SyncMessages, SyncWaker, TimedSyncMessages, TransferAgent,
-    TransferOp, TransferRequest, TransferState, TransferStatus, TransportKind,
+    Backend, DataPath, PreparedTransfer, SyncBatch, SyncMessages, SyncWaker, TimedSyncMessages,
+    TransferAgent, TransferOp, TransferRequest, TransferState, TransferStatus, TransportKind,
 };
 pub use auth::{Credential, CredentialError};
 pub use config::{

@@ -752,6 +752,55 @@ fn missing_counterpart_times_out_and_dead_peer_is_survived() {
     assert!(t.elapsed() < Duration::from_secs(5));
 }
 
+/// A peer that sent the first part of a KV message of several and whose
+/// connection then ended: its partial message goes at once (counted), not
+/// at the reassembler's expiry ten seconds on.
+#[test]
+fn a_partial_message_goes_when_its_connection_ends() {
+    if common::expected_transport() == "inproc" {
+        println!(
+            "SKIPPED: agents of one process reach each other without a connection (the same test runs on tcp, shm, fabric and rdma)"
+        );
+        return;
+    }
+    let st = state(2, 2, 1, 1, DataType::F32);
+    let c = cluster(
+        "pd",
+        &st,
+        &st,
+        1,
+        SenderConfig::default(),
+        ReceiverConfig::default(),
+    );
+    let stranger = common::local_agent("pd-stranger", |c| c);
+    let gen_name = stranger
+        .load_remote_agent_by_connection(&c.gen_ranks[0].agent.local_connection_info())
+        .unwrap();
+    let chunks = kvxfer::cache::wire::Msg::Cancelled {
+        request_id: 7,
+        reason: "x".repeat(3 * kvxfer::cache::wire::CHUNK_MAX),
+        failure: true,
+        integrity: false,
+    }
+    .encode();
+    assert!(chunks.len() > 1);
+    let st0 = stranger
+        .notify_sync_message(&gen_name, chunks[0].clone())
+        .unwrap();
+    st0.wait(WAIT).unwrap();
+    assert_eq!(c.receivers[0].metrics().partials_dropped, 0);
+    let t = Instant::now();
+    drop(stranger);
+    while c.receivers[0].metrics().partials_dropped == 0 {
+        assert!(
+            t.elapsed() < kvxfer::cache::wire::PARTIAL_TTL / 2,
+            "the partial message was not dropped when its connection ended"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(c.receivers[0].metrics().partials_dropped, 1);
+}
+
 #[test]
 fn mismatched_cache_state_is_a_typed_error() {
     let a = state(4, 4, 1, 1, DataType::F32);

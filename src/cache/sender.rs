@@ -512,7 +512,8 @@ impl Drop for CacheSender {
 
 /// A protocol thread's wait for the agent's sync messages: drops the
 /// partial messages of peers that stopped mid-message (counting every
-/// partial message dropped so far in `dropped`), then waits until `due`,
+/// partial message dropped so far in `dropped`) and those of peers whose
+/// connection ended (as the wait reports it), then waits until `due`,
 /// the next partial message's expiry or [`IDLE_WAIT`], whichever comes
 /// first (a message or a wake ends it sooner), and returns each whole KV
 /// message with its sender and when it reached the agent.
@@ -531,14 +532,30 @@ pub(crate) fn next_messages(
         .map_or(IDLE_WAIT, |t| {
             t.saturating_duration_since(Instant::now()).min(IDLE_WAIT)
         });
+    let mut batch = agent.wait_sync_batch(wait);
     let mut msgs = Vec::new();
-    for (from, chunks) in agent.wait_sync_messages_timed(wait) {
-        for (chunk, at) in chunks {
+    // A peer whose connection ended: its unfinished message goes at that
+    // point among its chunks (those after it came on a new connection).
+    for (from, chunks) in batch.messages {
+        let cut = batch.departed.remove(&from);
+        let n = chunks.len();
+        for (i, (chunk, at)) in chunks.into_iter().enumerate() {
+            if cut == Some(i) {
+                reasm.forget(&from);
+            }
             if let Some(m) = reasm.accept(&from, &chunk, at) {
                 msgs.push((from.clone(), m, at));
             }
         }
+        if cut.is_some_and(|c| c >= n) {
+            reasm.forget(&from);
+        }
     }
+    // Departed peers with nothing in this batch.
+    for from in batch.departed.keys() {
+        reasm.forget(from);
+    }
+    dropped.store(reasm.dropped(), Ordering::Relaxed);
     msgs
 }
 

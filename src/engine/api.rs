@@ -287,6 +287,10 @@ impl TransferAgent for Engine {
         self.inner.inbox.wait_timed(timeout)
     }
 
+    fn wait_sync_batch(&self, timeout: Duration) -> crate::agent::SyncBatch {
+        self.inner.inbox.wait_batch(timeout)
+    }
+
     fn wake_sync_waiters(&self) {
         self.inner.inbox.wake();
     }

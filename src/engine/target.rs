@@ -706,16 +706,24 @@ impl Inner {
     /// one.
     ///
     /// [`join_session`]: Self::join_session
+    ///
+    /// When no other session of its agent is left, the inbox records the
+    /// agent's departure (after its transports closed the session, so
+    /// after every sync message of it was delivered).
     fn leave_session(&self, key: (u64, u64), session: &Session) {
-        {
+        let last = {
             let mut sessions = lock(&self.sessions);
             if session.streams.fetch_sub(1, Ordering::SeqCst) != 1 {
                 return;
             }
             sessions.remove(&key);
-        }
+            !sessions.values().any(|s| s.remote == session.remote)
+        };
         for t in &self.transports {
             t.close_session(session.ticket);
+        }
+        if last {
+            self.inbox.depart(&session.remote);
         }
     }
 

@@ -146,6 +146,73 @@ fn ten_thousand_small_descriptors_in_one_request() {
 /// of CI's guest runs) the data is spread over several connections, so a
 /// message released when its own connection is done (rather than when
 /// every segment is) would be seen before the data and fail the check.
+/// End-to-end integrity on the path this backend takes: checked WRITEs
+/// and READs land whole (and the WRITE's sync message is delivered) where
+/// the path can check; RDMA refuses at submission. Where the target checks
+/// the ranges a request moved when it commits (shm, libfabric), two pieces
+/// written over one range cannot both match what landed: that request
+/// fails with `Integrity`, and the link serves on.
+#[test]
+fn checked_requests_are_checked_where_the_path_can() {
+    let size: u64 = 1 << 20;
+    let mut peer = PeerProc::spawn("target", size, 5, &[]);
+    let mut src = vec![0u8; size as usize];
+    fill(&mut src, 6, 0);
+    let back = vec![0u8; size as usize];
+    let (agent, name) = connect(&peer, &src);
+    register(agent.as_ref(), &back);
+    let pieces = [(3u64, 1000u64), (4096, 65536), (300_000, 600_000)];
+    let at = |base: u64| dram(pieces.iter().map(|&(o, l)| (base + o, l)));
+    let w = TransferRequest::write(at(src.as_ptr() as u64), at(peer.addr), &name)
+        .with_sync_message(b"checked".to_vec())
+        .with_integrity();
+    let transport = expected_transport();
+    if transport == "rdma" {
+        let e = agent.submit_transfer(&w).unwrap_err();
+        assert!(matches!(e, Error::IntegrityUnsupported { .. }), "{e}");
+        return;
+    }
+    agent
+        .submit_transfer(&w)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(peer.cmd("msgs"), "init=checked");
+    let r = TransferRequest::read(at(back.as_ptr() as u64), at(peer.addr), &name).with_integrity();
+    agent
+        .submit_transfer(&r)
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    for (o, l) in pieces {
+        let (o, l) = (o as usize, l as usize);
+        assert_eq!(first_mismatch(&back[o..o + l], 6, o as u64), None);
+    }
+    // Two different pieces over one remote range.
+    let overlap = TransferRequest::write(
+        dram([
+            (src.as_ptr() as u64, 4096),
+            (src.as_ptr() as u64 + 8192, 4096),
+        ]),
+        dram([(peer.addr, 4096), (peer.addr, 4096)]),
+        &name,
+    )
+    .with_sync_message(b"overlap".to_vec())
+    .with_integrity();
+    let outcome = agent.submit_transfer(&overlap).unwrap().wait_success(WAIT);
+    if matches!(transport, "shm" | "fabric") {
+        let e = outcome.unwrap_err();
+        assert!(matches!(e, Error::Integrity { .. }), "{e}");
+        assert_eq!(peer.cmd("msgs"), "", "a failed check delivers nothing");
+    } else {
+        // TCP checks each piece as it lands; in-process, each copy.
+        outcome.unwrap();
+        assert_eq!(peer.cmd("msgs"), "init=overlap");
+    }
+    write_whole(agent.as_ref(), &src, &peer, &name);
+    assert_eq!(peer.cmd(&format!("check 6 0 {size}")), "OK");
+}
+
 #[test]
 fn sync_message_arrives_after_all_data() {
     let size: u64 = 64 << 20;

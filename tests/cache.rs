@@ -1143,9 +1143,9 @@ fn nothing_lands_after_the_receiver_reports_a_cancel() {
 #[test]
 fn integrity_checked_requests_land_where_they_can_be_checked() {
     // With `ReceiverConfig::integrity`, the context ranks write with a
-    // CRC32C per piece: over TCP, shm and in-process the requests land
-    // whole, whole and layer by layer; on a path that cannot check (RDMA,
-    // libfabric), the context ranks refuse and both sides hear a failure
+    // CRC32C per piece: over TCP, shm, libfabric and in-process the
+    // requests land whole, whole and layer by layer; on a path that cannot
+    // check (RDMA), the context ranks refuse and both sides hear a failure
     // that says so.
     let ctx = state(4, 8, 2, 1, DataType::Bf16);
     let gen_s = state(4, 8, 1, 1, DataType::Bf16);
@@ -1156,7 +1156,10 @@ fn integrity_checked_requests_land_where_they_can_be_checked() {
     let mut c = cluster("integrity", &ctx, &gen_s, 16, SenderConfig::default(), rc);
     let ctx_ids = c.ctx_blocks(4, 1);
     c.prefill(21, &ctx_ids);
-    if matches!(common::expected_transport(), "tcp" | "shm" | "inproc") {
+    if matches!(
+        common::expected_transport(),
+        "tcp" | "shm" | "inproc" | "fabric"
+    ) {
         for layerwise in [false, true] {
             c.layerwise = layerwise;
             let id = 21 + u64::from(layerwise);

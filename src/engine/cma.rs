@@ -889,10 +889,8 @@ unsafe fn checks(pieces: &[Piece], keys: &[u64]) -> Vec<u8> {
     for (p, &key) in pieces.iter().zip(keys) {
         // SAFETY: forwarded to the caller.
         let local = unsafe { std::slice::from_raw_parts(p.local as *const u8, p.len as usize) };
-        table.extend_from_slice(&p.remote.to_le_bytes());
-        table.extend_from_slice(&p.len.to_le_bytes());
-        table.extend_from_slice(&key.to_le_bytes());
-        table.extend_from_slice(&crate::integrity::crc32c(local).to_le_bytes());
+        let crc = crate::integrity::crc32c(local);
+        wire::push_check(&mut table, p.remote, p.len, key, crc);
     }
     table
 }

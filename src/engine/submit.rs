@@ -5,7 +5,7 @@
 use crate::agent::{TransferRequest, TransferStatus, TransportKind};
 use crate::desc::ExportedRegion;
 use crate::engine::transport::Submission;
-use crate::engine::{Engine, Peer};
+use crate::engine::{Engine, Peer, wire};
 use crate::error::Error;
 use crate::memory::MemoryType;
 use crate::registry::RegionGuard;
@@ -269,7 +269,14 @@ impl Engine {
         } else {
             None
         };
-        let mut keys = Vec::with_capacity(if registers { 0 } else { req.remote.descs.len() });
+        // The access keys too where a checked request's target checks the
+        // ranges it moved by them (see `wire::push_check`).
+        let access_keys = !registers || req.integrity;
+        let mut keys = Vec::with_capacity(if access_keys {
+            req.remote.descs.len()
+        } else {
+            0
+        });
         let mut remote_keys = Few::new();
         let mut hint = None;
         // The last region's key: descriptors in a row in one region share
@@ -292,8 +299,11 @@ impl Engine {
                     }
                 }
             }
+            if access_keys {
+                keys.push(r.value.key);
+            }
             match offered {
-                None => keys.push(r.value.key),
+                None => {}
                 Some(i) => {
                     let at: *const ExportedRegion = &r.value;
                     let key = match &last {
@@ -330,8 +340,9 @@ impl Engine {
 
 /// Whether end-to-end integrity can be checked for `req` over `transport`:
 /// host memory on both sides, over TCP (where the target checks each
-/// payload as it lands), shm (where the target checks the ranges the
-/// initiator copied, when it commits) or in-process (the copying thread
+/// payload as it lands), shm and libfabric (where the target checks the
+/// ranges the request moved, when it commits: at most
+/// [`wire::MAX_CHECKS`] descriptors) or in-process (the copying thread
 /// sums both sides).
 fn check_integrity(req: &TransferRequest, transport: TransportKind) -> Result<(), Error> {
     for mem_type in [req.local.mem_type, req.remote.mem_type] {
@@ -341,15 +352,22 @@ fn check_integrity(req: &TransferRequest, transport: TransportKind) -> Result<()
             });
         }
     }
-    if !matches!(
-        transport,
-        TransportKind::Tcp | TransportKind::Shm | TransportKind::InProcess
-    ) {
-        return Err(Error::IntegrityUnsupported {
-            reason: format!("over the {transport} transport (tcp, shm and inproc only)"),
-        });
+    match transport {
+        TransportKind::Tcp | TransportKind::InProcess => Ok(()),
+        TransportKind::Shm | TransportKind::Fabric => {
+            if req.remote.descs.len() > wire::MAX_CHECKS as usize {
+                return Err(Error::InvalidRequest(format!(
+                    "a checked request over {transport} has at most {} descriptors, not {}",
+                    wire::MAX_CHECKS,
+                    req.remote.descs.len()
+                )));
+            }
+            Ok(())
+        }
+        _ => Err(Error::IntegrityUnsupported {
+            reason: format!("over the {transport} transport (tcp, shm, fabric and inproc only)"),
+        }),
     }
-    Ok(())
 }
 
 /// `region`'s key of the transport offered at index `transport`: a

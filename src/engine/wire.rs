@@ -541,6 +541,16 @@ pub const CHECK_ENTRY: usize = 28;
 /// Most checks one `Commit` carries (14 MiB of table).
 pub const MAX_CHECKS: u32 = 1 << 19;
 
+/// Appends one check to a `Commit`'s table: the target's range
+/// `remote..remote + len` of the region with access key `key`, and the
+/// CRC32C the initiator computed over its side of it.
+pub(crate) fn push_check(table: &mut Vec<u8>, remote: u64, len: u64, key: u64, crc: u32) {
+    table.extend_from_slice(&remote.to_le_bytes());
+    table.extend_from_slice(&len.to_le_bytes());
+    table.extend_from_slice(&key.to_le_bytes());
+    table.extend_from_slice(&crc.to_le_bytes());
+}
+
 /// The direction in `flags` made by [`op_flags`].
 pub(crate) fn flags_op(flags: u8) -> Option<CommitOp> {
     match flags & 0x1f {

@@ -44,13 +44,13 @@ use kvxfer_fabric as ffi;
 use super::region::DescTable;
 use super::stripe::{Op, lanes_on_rail, plan};
 use super::{Answer, Credits, Fabric, FabricError, Shared, check, fabric_err, waiters_poll};
-use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
+use crate::agent::{DataPath, TransferOp, TransferRequest, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
 use crate::engine::socket_link::{
     Frames, Job, Pending, Segs, SocketLink, SocketPath, Tail, connect_streams,
 };
 use crate::engine::transport::Submission;
-use crate::engine::{Inner, attach, lock, status};
+use crate::engine::{Inner, attach, lock, status, wire};
 use crate::error::Error;
 use crate::registry::RegionGuard;
 use crate::small::{FastHash, Few};
@@ -409,6 +409,66 @@ struct Group {
     /// context. A provider may still read (a WRITE) or write (a READ at
     /// close) their memory until then.
     kept: Mutex<Few<RegionGuard>>,
+    /// End-to-end integrity: what its commit tells the target to check.
+    checks: Mutex<Option<Checks>>,
+}
+
+/// A checked request's checks (see [`wire::push_check`]).
+enum Checks {
+    /// A WRITE's table, summed over the source before it was posted.
+    Ready(Vec<u8>),
+    /// A READ's ranges (local address, remote address, length, access
+    /// key), summed over the destination once every operation completed.
+    AfterRead(Vec<(u64, u64, u64, u64)>),
+}
+
+impl Checks {
+    /// The ranges of a checked request's descriptors, one access key per
+    /// remote descriptor; a WRITE's source summed now.
+    fn new(req: &TransferRequest, keys: &[u64]) -> Self {
+        let ranges: Vec<(u64, u64, u64, u64)> = req
+            .local
+            .descs
+            .iter()
+            .zip(&req.remote.descs)
+            .zip(keys)
+            .map(|((l, r), &key)| (l.addr, r.addr, l.len, key))
+            .collect();
+        match req.op {
+            // SAFETY: the source regions are registered and held by the
+            // request's guards until it completes.
+            TransferOp::Write => Checks::Ready(unsafe { table(&ranges) }),
+            TransferOp::Read => Checks::AfterRead(ranges),
+        }
+    }
+
+    /// The table to commit.
+    ///
+    /// # Safety
+    /// A READ's destination ranges must be readable: every operation of it
+    /// completed, its regions still held.
+    unsafe fn into_table(self) -> Vec<u8> {
+        match self {
+            Checks::Ready(t) => t,
+            // SAFETY: forwarded to the caller.
+            Checks::AfterRead(ranges) => unsafe { table(&ranges) },
+        }
+    }
+}
+
+/// The checks of `ranges` (local address, remote address, length, access
+/// key), each summed over the local side.
+///
+/// # Safety
+/// Every local range must be readable for the call.
+unsafe fn table(ranges: &[(u64, u64, u64, u64)]) -> Vec<u8> {
+    let mut t = Vec::with_capacity(ranges.len() * wire::CHECK_ENTRY);
+    for &(local, remote, len, key) in ranges {
+        // SAFETY: forwarded to the caller.
+        let bytes = unsafe { std::slice::from_raw_parts(local as *const u8, len as usize) };
+        wire::push_check(&mut t, remote, len, key, crate::integrity::crc32c(bytes));
+    }
+    t
 }
 
 /// Operations of a request held by the provider, by lane.
@@ -454,12 +514,13 @@ impl Group {
             refused: AtomicBool::new(false),
             posted: Mutex::new(Posted::new(link.parts.lanes.len())),
             kept: Mutex::default(),
+            checks: Mutex::new(None),
         })
     }
 
     /// Its commit: no segments (its data moved beside the stream), its
-    /// sync message.
-    fn commit_frames(&self, sync: Option<Vec<u8>>) -> Frames {
+    /// sync message, and the table of its checks (a checked request's).
+    fn commit_frames(&self, sync: Option<Vec<u8>>, checks: Vec<u8>) -> Frames {
         Frames {
             req: self.req,
             op: self.op,
@@ -468,7 +529,7 @@ impl Group {
                 segments: 0,
                 sync,
                 durable: false,
-                checks: Vec::new(),
+                checks,
             },
             pending: Arc::clone(&self.pending),
             aborted: false,
@@ -513,14 +574,24 @@ impl Group {
             self.failed.store(true, Ordering::Release);
         }
         let sync = lock(&self.sync).take();
-        if self.failed.load(Ordering::Acquire) || (sync.is_none() && !self.fence) {
+        let checks = lock(&self.checks).take();
+        if self.failed.load(Ordering::Acquire)
+            || (sync.is_none() && !self.fence && checks.is_none())
+        {
             // Failed; or done: every write delivered, every read landed,
-            // and no message for the target to deliver after them.
+            // and no message for the target to deliver after them nor
+            // anything to check.
             if self.pending.event(Ok(())) {
                 self.pending.finish(None);
             }
         } else {
-            commit(link, self.commit_frames(sync));
+            // SAFETY: every operation completed (a READ's data is in);
+            // the request's regions are held by its pending state until
+            // it finishes, which its commit's answer does.
+            let table = checks
+                .map(|c| unsafe { c.into_table() })
+                .unwrap_or_default();
+            commit(link, self.commit_frames(sync, table));
         }
         for f in release {
             commit(link, f);
@@ -686,13 +757,16 @@ fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, 
     let pending = Pending::new(&completion, 1, resolved.guards, None);
     let status = TransferStatus::new(id, completion, Arc::clone(&link.path));
     let group = Group::new(&link, id, req.op, pending, sync, fence, ops.len());
+    if req.integrity {
+        *lock(&group.checks) = Some(Checks::new(req, &resolved.keys));
+    }
     {
         let mut open = lock(&parts.open);
         if group.fence && ops.is_empty() && !open.groups.is_empty() {
             // A notification ordered after the requests still in flight:
             // sent when the last of them has completed.
             open.fenced
-                .push(group.commit_frames(lock(&group.sync).take()));
+                .push(group.commit_frames(lock(&group.sync).take(), Vec::new()));
             return Ok(status);
         }
         open.groups.insert(id, Arc::downgrade(&group));

@@ -327,6 +327,15 @@ fn checked_requests_over_shm_land_whole() {
         counter(target.as_ref(), "kvxfer_integrity_failures_total"),
         0
     );
+    // One check per descriptor, at most 2^19 in a commit: more is refused
+    // at submission, typed, and nothing moves.
+    let (s0, d0) = (src.as_ptr() as u64, dst.as_ptr() as u64);
+    let n = (1u64 << 19) + 1;
+    let many = |base: u64| dram((0..n).map(|i| (base + i % 4096, 1)));
+    let e = init
+        .submit_transfer(&TransferRequest::write(many(s0), many(d0), &name).with_integrity())
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidRequest(_)), "{e}");
 }
 
 #[test]

@@ -310,7 +310,9 @@ impl CacheSender {
 
     /// The request's KV cache is in `blocks` (start addresses in the
     /// registered pool, oldest first), every layer computed: send each
-    /// counterpart its share once it has asked. Returns at once.
+    /// counterpart its share once it has asked. Returns at once. A request
+    /// the generation side cancelled or failed before this call ends so at
+    /// once (the handle's outcome), with nothing written.
     ///
     /// # Errors
     /// [`CacheError::Closed`] after shutdown.

@@ -335,6 +335,9 @@ pub fn tcp_stale_vram_key_is_refused() {
 
 /// The KV cache with GPU pools: context TP2 → generation TP1 on the
 /// in-process path, every element of every block checked, no staging copy.
+/// Then a generation rank asking for end-to-end integrity, which GPU
+/// memory does not offer: the context ranks refuse, both sides hear why,
+/// and nothing lands.
 pub fn kv_tp2_to_tp1_vram_pools() {
     use kvxfer::cache::pattern::{check_block, fill_block};
     use kvxfer::cache::{
@@ -401,7 +404,7 @@ pub fn kv_tp2_to_tp1_vram_pools() {
         0,
         ctx_s.clone(),
         &conns,
-        rc,
+        rc.clone(),
     )
     .unwrap();
     // Generation blocks in reverse order.
@@ -445,6 +448,52 @@ pub fn kv_tp2_to_tp1_vram_pools() {
         }
     }
     drop(receiver);
+    let checked = CacheReceiver::new(
+        Arc::clone(&agents[2]),
+        gen_s.clone(),
+        0,
+        ctx_s.clone(),
+        &conns,
+        ReceiverConfig {
+            integrity: true,
+            ..rc
+        },
+    )
+    .unwrap();
+    let before = device_bytes(&gen_pool);
+    let recv = checked
+        .request(RecvRequest {
+            request_id: 10,
+            ctx_dp_rank: 0,
+            blocks: (0..n)
+                .map(|b| gen_pool.addr() + u64::from(b) * gb)
+                .collect(),
+            last_block_key: None,
+        })
+        .unwrap();
+    // The first rank to try refuses; the other may hear of it first (the
+    // generation side cancels the request on the first failure).
+    let mut refused = 0;
+    for (r, s) in senders.iter().enumerate() {
+        let bb = ctx_slices[r].block_bytes();
+        let blocks = (0..n).map(|b| ctx_pools[r].addr() + u64::from(b) * bb);
+        match s
+            .send(10, blocks.collect())
+            .unwrap()
+            .wait(Duration::from_secs(60))
+        {
+            Err(kvxfer::cache::CacheError::Transfer(Error::IntegrityUnsupported { .. })) => {
+                refused += 1
+            }
+            Err(kvxfer::cache::CacheError::Cancelled { .. }) => {}
+            other => panic!("context rank {r}: {other:?}"),
+        }
+    }
+    assert!(refused >= 1);
+    let e = recv.wait(Duration::from_secs(60)).unwrap_err();
+    assert!(e.to_string().contains("integrity"), "{e}");
+    assert!(device_bytes(&gen_pool) == before, "nothing landed");
+    drop(checked);
     drop(senders);
 }
 

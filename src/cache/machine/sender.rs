@@ -142,6 +142,10 @@ pub struct SenderMachine {
     reqs: HashMap<u64, Req>,
     finished: VecDeque<u64>,
     finished_set: HashSet<u64>,
+    /// Requests of `finished` that ended before this rank had their blocks
+    /// (the generation side cancelled or failed them first), with how: a
+    /// later `send` or `begin` of one ends so at once.
+    ended_unsent: HashMap<u64, CacheError>,
     /// Posted transfer → its request, share and sequence number there.
     transfers: HashMap<TransferId, (u64, usize, u64), FastHash>,
     next_transfer: u64,
@@ -180,6 +184,7 @@ impl SenderMachine {
             reqs: HashMap::new(),
             finished: VecDeque::new(),
             finished_set: HashSet::new(),
+            ended_unsent: HashMap::new(),
             transfers: HashMap::default(),
             next_transfer: 0,
             transmits: VecDeque::new(),
@@ -226,7 +231,9 @@ impl SenderMachine {
     /// registered pool, oldest first), every layer of it computed: each
     /// counterpart gets its share once it has asked. The request fails
     /// with a timeout when they have not all asked, or the writes have not
-    /// all landed, within `config.timeout`.
+    /// all landed, within `config.timeout`. A request the generation side
+    /// already cancelled or failed (before this call) ends so at once,
+    /// with nothing written.
     ///
     /// # Errors
     /// [`CacheError::DuplicateRequest`] when `send` or `begin` was already
@@ -321,6 +328,16 @@ impl SenderMachine {
         now: Instant,
     ) -> Result<(), CacheError> {
         let n = self.held_layers().len();
+        if let Some(why) = self.ended_unsent.remove(&request_id) {
+            // The generation side ended it before this rank had its
+            // blocks: it ends so now, with nothing written (the finished
+            // id stays known, so a late request info is refused).
+            self.events.push_back(SenderEvent::Finished {
+                request_id,
+                outcome: Err(why),
+            });
+            return Ok(());
+        }
         if self.finished_set.remove(&request_id) {
             self.finished.retain(|&f| f != request_id);
         }
@@ -851,6 +868,8 @@ impl SenderMachine {
                     .metrics
                     .record_ended(matches!(e, CacheError::Cancelled { .. })),
             }
+        } else if let Err(e) = &outcome {
+            self.ended_unsent.insert(id, e.clone());
         }
         self.events.push_back(SenderEvent::Finished {
             request_id: id,
@@ -863,6 +882,7 @@ impl SenderMachine {
             && let Some(old) = self.finished.pop_front()
         {
             self.finished_set.remove(&old);
+            self.ended_unsent.remove(&old);
         }
     }
 }

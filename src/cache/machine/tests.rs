@@ -1036,6 +1036,46 @@ fn a_request_for_a_finished_id_is_refused_and_ids_can_be_reused() {
     p.assert_quiet();
 }
 
+/// A request the generation side cancels before the context rank has
+/// called `send`: that later `send` ends at once with the cancel, writes
+/// nothing, and the id stays finished (a late ask is refused).
+#[test]
+fn a_send_after_the_generation_side_ended_the_request_ends_at_once() {
+    let mut p = Pair::new(state(1, 1), state(1, 1));
+    p.prefill(2);
+    p.request(0, ID, 2);
+    // The request info reaches the context rank.
+    assert!(p.step());
+    p.cancel_gen(0, ID).unwrap();
+    p.run();
+    assert!(matches!(
+        &p.gen_outcomes(0)[0].1,
+        Err(CacheError::Cancelled { .. })
+    ));
+    // The context rank heard of it (with no `send`, a driver has no
+    // handle to report it to).
+    let before = p.ctx_outcomes(0).len();
+    let t = p.now;
+    p.send(0, ID, 2);
+    p.run();
+    let o = p.ctx_outcomes(0);
+    assert_eq!(o.len(), before + 1);
+    let (at, outcome) = &o[before];
+    assert_eq!(*at, t, "at once, not at the deadline");
+    assert!(
+        matches!(outcome, Err(CacheError::Cancelled { .. })),
+        "{outcome:?}"
+    );
+    assert!(p.landed.is_empty());
+    p.request(0, ID, 2);
+    p.run();
+    let g = p.gen_outcomes(0);
+    assert!(
+        matches!(&g[g.len() - 1].1, Err(CacheError::Cancelled { reason, .. }) if reason.contains("already finished"))
+    );
+    p.assert_quiet();
+}
+
 #[test]
 fn api_misuse_is_typed_and_changes_nothing() {
     let mut p = Pair::new(state(1, 1), state(1, 1));

@@ -120,14 +120,14 @@ KVXFER_TEST_BACKEND=fabric ci/rxe-guest --timeout 1800 sh -c \
    export FI_MR_CACHE_MAX_COUNT=0 && \
    $fabric_agent_bin --test-threads 2 --color never $skip_long && \
    $fabric_cache_bin --test-threads 2 --color never $skip_long"
-stage "fuzz targets (cargo fuzz, no sanitizer: stable toolchain), 60 s each from the committed corpus"
+stage "fuzz targets (cargo fuzz, no sanitizer: stable toolchain), 30 s each from the committed corpus"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install --locked cargo-fuzz --version 0.13.2
 fuzz_tmp=$(mktemp -d)
 trap 'rm -rf "$fuzz_tmp"' EXIT
 for t in agent_desc tcp_frames kv_wire handshake; do
   cp -r "fuzz/corpus/$t" "$fuzz_tmp/$t"
   # A crash fails the run (non-zero exit) and names its input.
-  if ! cargo fuzz run -s none "$t" "$fuzz_tmp/$t" -- -max_total_time="${KVXFER_FUZZ_SECS:-60}" \
+  if ! cargo fuzz run -s none "$t" "$fuzz_tmp/$t" -- -max_total_time="${KVXFER_FUZZ_SECS:-30}" \
       -rss_limit_mb=2048 -print_final_stats=1 >"$fuzz_tmp/$t.log" 2>&1; then
     tail -n 60 "$fuzz_tmp/$t.log"
     echo "fuzz target $t failed" >&2

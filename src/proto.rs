@@ -143,11 +143,10 @@ pub struct TransferRequest {
     /// request is reported complete. A mismatch fails the request with
     /// [`Error::Integrity`](crate::error::Error::Integrity) and its sync
     /// message is not delivered. Host memory (DRAM) on both sides, over
-    /// TCP (each piece checked as it lands), shm and libfabric (the
+    /// TCP (each piece checked as it lands), shm, libfabric and RDMA (the
     /// ranges moved checked by the target at the commit; at most 2¹⁹
     /// descriptors) or in-process (both sides of each copy summed); other
-    /// paths (RDMA) and memory types
-    /// refuse it at submission with
+    /// memory types (GPU memory, storage) refuse it at submission with
     /// [`Error::IntegrityUnsupported`](crate::error::Error::IntegrityUnsupported).
     pub integrity: bool,
 }

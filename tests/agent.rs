@@ -147,13 +147,13 @@ fn ten_thousand_small_descriptors_in_one_request() {
 /// message released when its own connection is done (rather than when
 /// every segment is) would be seen before the data and fail the check.
 /// End-to-end integrity on the path this backend takes: checked WRITEs
-/// and READs land whole (and the WRITE's sync message is delivered) where
-/// the path can check; RDMA refuses at submission. Where the target checks
-/// the ranges a request moved when it commits (shm, libfabric), two pieces
-/// written over one range cannot both match what landed: that request
-/// fails with `Integrity`, and the link serves on.
+/// and READs land whole (and the WRITE's sync message is delivered).
+/// Where the target checks the ranges a request moved when it commits
+/// (shm, libfabric, RDMA), two pieces written over one range cannot both
+/// match what landed: that request fails with `Integrity`, and the link
+/// serves on.
 #[test]
-fn checked_requests_are_checked_where_the_path_can() {
+fn checked_requests_are_checked_on_every_path() {
     let size: u64 = 1 << 20;
     let mut peer = PeerProc::spawn("target", size, 5, &[]);
     let mut src = vec![0u8; size as usize];
@@ -167,11 +167,6 @@ fn checked_requests_are_checked_where_the_path_can() {
         .with_sync_message(b"checked".to_vec())
         .with_integrity();
     let transport = expected_transport();
-    if transport == "rdma" {
-        let e = agent.submit_transfer(&w).unwrap_err();
-        assert!(matches!(e, Error::IntegrityUnsupported { .. }), "{e}");
-        return;
-    }
     agent
         .submit_transfer(&w)
         .unwrap()
@@ -188,27 +183,47 @@ fn checked_requests_are_checked_where_the_path_can() {
         let (o, l) = (o as usize, l as usize);
         assert_eq!(first_mismatch(&back[o..o + l], 6, o as u64), None);
     }
-    // Two different pieces over one remote range.
-    let overlap = TransferRequest::write(
-        dram([
-            (src.as_ptr() as u64, 4096),
-            (src.as_ptr() as u64 + 8192, 4096),
-        ]),
-        dram([(peer.addr, 4096), (peer.addr, 4096)]),
-        &name,
-    )
-    .with_sync_message(b"overlap".to_vec())
-    .with_integrity();
-    let outcome = agent.submit_transfer(&overlap).unwrap().wait_success(WAIT);
-    if matches!(transport, "shm" | "fabric") {
-        let e = outcome.unwrap_err();
-        assert!(matches!(e, Error::Integrity { .. }), "{e}");
-        assert_eq!(peer.cmd("msgs"), "", "a failed check delivers nothing");
-    } else {
-        // TCP checks each piece as it lands; in-process, each copy.
-        outcome.unwrap();
-        assert_eq!(peer.cmd("msgs"), "init=overlap");
+    // Two different pieces over one remote range: unchecked first (a link
+    // may remember it, and must not post it again unchecked), then
+    // checked, submitted and prepared.
+    let to = peer.addr;
+    let overlap = |checked: bool| {
+        let r = TransferRequest::write(
+            dram([
+                (src.as_ptr() as u64, 4096),
+                (src.as_ptr() as u64 + 8192, 4096),
+            ]),
+            dram([(to, 4096), (to, 4096)]),
+            &name,
+        )
+        .with_sync_message(b"overlap".to_vec());
+        if checked { r.with_integrity() } else { r }
+    };
+    agent
+        .submit_transfer(&overlap(false))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(peer.cmd("msgs"), "init=overlap");
+    let prepared = agent.prepare_transfer(&overlap(true)).unwrap();
+    for round in 0..3 {
+        let st = if round == 0 {
+            agent.submit_transfer(&overlap(true))
+        } else {
+            agent.submit_prepared(&prepared)
+        };
+        let outcome = st.unwrap().wait_success(WAIT);
+        if matches!(transport, "shm" | "fabric" | "rdma") {
+            let e = outcome.unwrap_err();
+            assert!(matches!(e, Error::Integrity { .. }), "round {round}: {e}");
+            assert_eq!(peer.cmd("msgs"), "", "a failed check delivers nothing");
+        } else {
+            // TCP checks each piece as it lands; in-process, each copy.
+            outcome.unwrap();
+            assert_eq!(peer.cmd("msgs"), "init=overlap");
+        }
     }
+    drop(prepared);
     write_whole(agent.as_ref(), &src, &peer, &name);
     assert_eq!(peer.cmd(&format!("check 6 0 {size}")), "OK");
 }

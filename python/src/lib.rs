@@ -325,8 +325,7 @@ impl PyAgent {
     /// checks every piece end to end (a CRC32C computed over the source,
     /// checked where it lands): a mismatch raises `IntegrityError` and the
     /// notification is not delivered; `IntegrityUnsupportedError` where
-    /// the path cannot check (host memory over TCP, shm, libfabric or
-    /// inproc only).
+    /// the memory cannot be checked (host memory only).
     #[pyo3(signature = (op, local, remote, remote_agent, notif = None, local_mem = "dram", remote_mem = "dram", remote_device = 0, durable = false, integrity = false))]
     #[allow(clippy::too_many_arguments)]
     fn transfer(

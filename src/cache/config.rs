@@ -65,7 +65,7 @@ pub struct ReceiverConfig {
     /// CRC32C per piece, checked where it lands, before anything is
     /// reported landed; a mismatch fails the request with
     /// [`CacheError::Integrity`](crate::cache::CacheError::Integrity).
-    /// Host memory over TCP, shm, libfabric or in-process (see
+    /// Host memory on every transport (see
     /// [`TransferRequest::integrity`](crate::TransferRequest::integrity));
     /// elsewhere the context ranks refuse the request.
     pub integrity: bool,

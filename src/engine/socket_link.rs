@@ -173,6 +173,66 @@ pub(in crate::engine) enum Tail {
     Fence,
 }
 
+/// A checked request's checks, for a transport whose data moves beside the
+/// stream (the target checks them when the request commits, see
+/// [`wire::push_check`]).
+pub(in crate::engine) enum Checks {
+    /// A WRITE's table, summed over the source before it was posted.
+    Ready(Vec<u8>),
+    /// A READ's ranges (local address, remote address, length, access
+    /// key), summed over the destination once every operation completed.
+    AfterRead(Vec<(u64, u64, u64, u64)>),
+}
+
+impl Checks {
+    /// The ranges of a checked request's descriptors, one access key per
+    /// remote descriptor; a WRITE's source summed now.
+    pub(in crate::engine) fn new(req: &TransferRequest, keys: &[u64]) -> Self {
+        let ranges: Vec<(u64, u64, u64, u64)> = req
+            .local
+            .descs
+            .iter()
+            .zip(&req.remote.descs)
+            .zip(keys)
+            .map(|((l, r), &key)| (l.addr, r.addr, l.len, key))
+            .collect();
+        match req.op {
+            // SAFETY: the source regions are registered and held by the
+            // request's guards (the caller's) until it completes.
+            TransferOp::Write => Checks::Ready(unsafe { table(&ranges) }),
+            TransferOp::Read => Checks::AfterRead(ranges),
+        }
+    }
+
+    /// The table to commit.
+    ///
+    /// # Safety
+    /// A READ's destination ranges must be readable: every operation of it
+    /// completed, its regions still held.
+    pub(in crate::engine) unsafe fn into_table(self) -> Vec<u8> {
+        match self {
+            Checks::Ready(t) => t,
+            // SAFETY: forwarded to the caller.
+            Checks::AfterRead(ranges) => unsafe { table(&ranges) },
+        }
+    }
+}
+
+/// The checks of `ranges` (local address, remote address, length, access
+/// key), each summed over the local side.
+///
+/// # Safety
+/// Every local range must be readable for the call.
+unsafe fn table(ranges: &[(u64, u64, u64, u64)]) -> Vec<u8> {
+    let mut t = Vec::with_capacity(ranges.len() * wire::CHECK_ENTRY);
+    for &(local, remote, len, key) in ranges {
+        // SAFETY: forwarded to the caller.
+        let bytes = unsafe { std::slice::from_raw_parts(local as *const u8, len as usize) };
+        wire::push_check(&mut t, remote, len, key, crate::integrity::crc32c(bytes));
+    }
+    t
+}
+
 /// How a cross-memory request goes on after its grants and copy.
 pub(in crate::engine) enum CmaOutcome {
     /// Commit it (after an `Abort` frame when `aborted`: its copy stopped

@@ -92,7 +92,12 @@ impl Engine {
         req: &TransferRequest,
     ) -> Option<Result<TransferStatus, Error>> {
         let inner = &self.inner;
-        if !req.remote.mem_type.is_virtual_address() || inner.closing.load(Ordering::Relaxed) {
+        // A checked request is submitted in full: what a link remembers
+        // posts its data unchecked.
+        if req.integrity
+            || !req.remote.mem_type.is_virtual_address()
+            || inner.closing.load(Ordering::Relaxed)
+        {
             return None;
         }
         let link = {
@@ -340,8 +345,8 @@ impl Engine {
 
 /// Whether end-to-end integrity can be checked for `req` over `transport`:
 /// host memory on both sides, over TCP (where the target checks each
-/// payload as it lands), shm and libfabric (where the target checks the
-/// ranges the request moved, when it commits: at most
+/// payload as it lands), shm, libfabric and RDMA (where the target checks
+/// the ranges the request moved, when it commits: at most
 /// [`wire::MAX_CHECKS`] descriptors) or in-process (the copying thread
 /// sums both sides).
 fn check_integrity(req: &TransferRequest, transport: TransportKind) -> Result<(), Error> {
@@ -354,7 +359,7 @@ fn check_integrity(req: &TransferRequest, transport: TransportKind) -> Result<()
     }
     match transport {
         TransportKind::Tcp | TransportKind::InProcess => Ok(()),
-        TransportKind::Shm | TransportKind::Fabric => {
+        TransportKind::Shm | TransportKind::Fabric | TransportKind::Rdma => {
             if req.remote.descs.len() > wire::MAX_CHECKS as usize {
                 return Err(Error::InvalidRequest(format!(
                     "a checked request over {transport} has at most {} descriptors, not {}",
@@ -365,7 +370,9 @@ fn check_integrity(req: &TransferRequest, transport: TransportKind) -> Result<()
             Ok(())
         }
         _ => Err(Error::IntegrityUnsupported {
-            reason: format!("over the {transport} transport (tcp, shm, fabric and inproc only)"),
+            reason: format!(
+                "over the {transport} transport (tcp, shm, rdma, fabric and inproc only)"
+            ),
         }),
     }
 }

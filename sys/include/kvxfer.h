@@ -310,8 +310,7 @@ typedef struct kvxfer_cache_receiver_options {
   int64_t settle_timeout_ms;
   // Nonzero: end-to-end integrity. The context ranks write with a
   // CRC32C per piece, checked where it lands before anything is reported
-  // landed (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over
-  // TCP, shm, libfabric or inproc only).
+  // landed (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory only).
   uint8_t integrity;
 } kvxfer_cache_receiver_options;
 
@@ -359,8 +358,8 @@ typedef uint32_t kvxfer_storage_kind;
 
 // End-to-end integrity: a CRC32C of every piece, computed over the source
 // and checked where it lands before the transfer completes
-// (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over TCP, shm,
-// libfabric or inproc only, else `KVXFER_ERR_INTEGRITY_UNSUPPORTED`).
+// (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory only, else
+// `KVXFER_ERR_INTEGRITY_UNSUPPORTED`).
 #define KVXFER_SUBMIT_INTEGRITY 2
 
 // A regular file: `KVXFER_MEM_FILE` descriptors.

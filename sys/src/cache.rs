@@ -378,8 +378,7 @@ pub struct kvxfer_cache_receiver_options {
     pub settle_timeout_ms: i64,
     /// Nonzero: end-to-end integrity. The context ranks write with a
     /// CRC32C per piece, checked where it lands before anything is reported
-    /// landed (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over
-    /// TCP, shm, libfabric or inproc only).
+    /// landed (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory only).
     pub integrity: u8,
 }
 

@@ -164,8 +164,8 @@ pub type kvxfer_submit_flags = u32;
 pub const KVXFER_SUBMIT_DURABLE: kvxfer_submit_flags = 1;
 /// End-to-end integrity: a CRC32C of every piece, computed over the source
 /// and checked where it lands before the transfer completes
-/// (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory over TCP, shm,
-/// libfabric or inproc only, else `KVXFER_ERR_INTEGRITY_UNSUPPORTED`).
+/// (`KVXFER_ERR_INTEGRITY` on a mismatch; host memory only, else
+/// `KVXFER_ERR_INTEGRITY_UNSUPPORTED`).
 pub const KVXFER_SUBMIT_INTEGRITY: kvxfer_submit_flags = 2;
 
 /// One byte range: `[addr, addr + len)` on device `device_id`.

@@ -44,13 +44,13 @@ use kvxfer_fabric as ffi;
 use super::region::DescTable;
 use super::stripe::{Op, lanes_on_rail, plan};
 use super::{Answer, Credits, Fabric, FabricError, Shared, check, fabric_err, waiters_poll};
-use crate::agent::{DataPath, TransferOp, TransferRequest, TransferStatus, TransportKind};
+use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
 use crate::engine::socket_link::{
-    Frames, Job, Pending, Segs, SocketLink, SocketPath, Tail, connect_streams,
+    Checks, Frames, Job, Pending, Segs, SocketLink, SocketPath, Tail, connect_streams,
 };
 use crate::engine::transport::Submission;
-use crate::engine::{Inner, attach, lock, status, wire};
+use crate::engine::{Inner, attach, lock, status};
 use crate::error::Error;
 use crate::registry::RegionGuard;
 use crate::small::{FastHash, Few};
@@ -411,64 +411,6 @@ struct Group {
     kept: Mutex<Few<RegionGuard>>,
     /// End-to-end integrity: what its commit tells the target to check.
     checks: Mutex<Option<Checks>>,
-}
-
-/// A checked request's checks (see [`wire::push_check`]).
-enum Checks {
-    /// A WRITE's table, summed over the source before it was posted.
-    Ready(Vec<u8>),
-    /// A READ's ranges (local address, remote address, length, access
-    /// key), summed over the destination once every operation completed.
-    AfterRead(Vec<(u64, u64, u64, u64)>),
-}
-
-impl Checks {
-    /// The ranges of a checked request's descriptors, one access key per
-    /// remote descriptor; a WRITE's source summed now.
-    fn new(req: &TransferRequest, keys: &[u64]) -> Self {
-        let ranges: Vec<(u64, u64, u64, u64)> = req
-            .local
-            .descs
-            .iter()
-            .zip(&req.remote.descs)
-            .zip(keys)
-            .map(|((l, r), &key)| (l.addr, r.addr, l.len, key))
-            .collect();
-        match req.op {
-            // SAFETY: the source regions are registered and held by the
-            // request's guards until it completes.
-            TransferOp::Write => Checks::Ready(unsafe { table(&ranges) }),
-            TransferOp::Read => Checks::AfterRead(ranges),
-        }
-    }
-
-    /// The table to commit.
-    ///
-    /// # Safety
-    /// A READ's destination ranges must be readable: every operation of it
-    /// completed, its regions still held.
-    unsafe fn into_table(self) -> Vec<u8> {
-        match self {
-            Checks::Ready(t) => t,
-            // SAFETY: forwarded to the caller.
-            Checks::AfterRead(ranges) => unsafe { table(&ranges) },
-        }
-    }
-}
-
-/// The checks of `ranges` (local address, remote address, length, access
-/// key), each summed over the local side.
-///
-/// # Safety
-/// Every local range must be readable for the call.
-unsafe fn table(ranges: &[(u64, u64, u64, u64)]) -> Vec<u8> {
-    let mut t = Vec::with_capacity(ranges.len() * wire::CHECK_ENTRY);
-    for &(local, remote, len, key) in ranges {
-        // SAFETY: forwarded to the caller.
-        let bytes = unsafe { std::slice::from_raw_parts(local as *const u8, len as usize) };
-        wire::push_check(&mut t, remote, len, key, crate::integrity::crc32c(bytes));
-    }
-    t
 }
 
 /// Operations of a request held by the provider, by lane.

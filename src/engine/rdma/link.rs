@@ -9,8 +9,10 @@ use crate::agent::{
 use crate::config::AgentConfig;
 use crate::desc::AgentDesc;
 use crate::engine::rdma::recv::rdma_connect;
-use crate::engine::socket_link::{Frames, Pending, RdmaLink, SocketPath, connect_streams};
-use crate::engine::submit::Resolved;
+use crate::engine::socket_link::{
+    Checks, Frames, Job, Pending, RdmaLink, Segs, SocketPath, Tail, connect_streams,
+};
+use crate::engine::submit::{PreparedHold, Resolved};
 use crate::engine::transport::Submission;
 use crate::engine::{Engine, Inner, Peer, lock, rdma};
 use crate::error::Error;
@@ -38,8 +40,22 @@ impl Progress for RdmaLink {
     }
 }
 
+/// A checked request's commit, made on the link's first stream's thread
+/// once its data's work requests ended (see
+/// [`RdmaLink::submit_checked`]).
+pub(in crate::engine) struct CheckedCommit {
+    req: u64,
+    op: TransferOp,
+    checks: Checks,
+    sync: Option<Vec<u8>>,
+    /// The request's record: one event, the target's answer.
+    pending: Arc<Pending>,
+    /// How its data's work requests ended.
+    data: Result<(), Error>,
+}
+
 impl SocketPath for rdma::RdmaParts {
-    type Job = std::convert::Infallible;
+    type Job = CheckedCommit;
 
     fn submit(link: Arc<RdmaLink>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
         link.submit_rdma(sub)
@@ -52,6 +68,10 @@ impl SocketPath for rdma::RdmaParts {
         req: &TransferRequest,
         resolved: Resolved,
     ) -> Result<Box<dyn Prepared>, Error> {
+        if req.integrity {
+            // Checked requests are submitted in full each time.
+            return Ok(PreparedHold::keep(resolved));
+        }
         Ok(Box::new(link.prepare_rdma(engine, peer, req, resolved)?))
     }
 
@@ -68,12 +88,50 @@ impl SocketPath for rdma::RdmaParts {
         self.qps.len()
     }
 
+    /// A checked request's data moved: its commit, with the checks of
+    /// what it moved (a READ's destination summed now), or its failure
+    /// (an abort asked meanwhile takes effect here).
     fn run_job(
-        _: &RdmaLink,
+        link: &RdmaLink,
         _: std::os::fd::RawFd,
         job: Self::Job,
     ) -> Result<Option<Frames>, Error> {
-        match job {}
+        let CheckedCommit {
+            req,
+            op,
+            checks,
+            sync,
+            pending,
+            data,
+        } = job;
+        let data = data.and_then(|()| {
+            if pending.completion.abort_requested() {
+                Err(Error::Aborted)
+            } else {
+                Ok(())
+            }
+        });
+        if let Err(e) = data {
+            link.complete_event(req, &pending, Err(e));
+            return Ok(None);
+        }
+        Ok(Some(Frames {
+            req,
+            op,
+            segs: Segs::none(),
+            tail: Tail::Commit {
+                segments: 0,
+                sync,
+                durable: false,
+                // SAFETY: every work request of the data completed; the
+                // request's regions are held by `pending` until the
+                // target's answer finishes it.
+                checks: unsafe { checks.into_table() },
+            },
+            pending,
+            aborted: false,
+            checked: false,
+        }))
     }
 
     fn on_fail(&self) {
@@ -151,6 +209,9 @@ impl RdmaLink {
         } = sub;
         let config = &engine.inner.config;
         let wrs = plan_rdma(req, &resolved, &self, config)?;
+        if req.integrity && !wrs.is_empty() {
+            return self.submit_checked(req, resolved, sync, wrs);
+        }
         let driver = small(req).then(|| self.driver());
         if !fence && req.local.descs.len() <= fast::REMEMBER_MAX_DESCS && driver.is_some() {
             let planned = fast::Planned {
@@ -161,6 +222,64 @@ impl RdmaLink {
             self.remember(req, generation, &resolved.guards, planned);
         }
         self.post_planned(req.op, Cow::Owned(wrs), sync, resolved.guards, &driver)
+    }
+
+    /// Submits a checked request (end-to-end integrity): its work
+    /// requests go as a request of their own, without a status or a sync
+    /// message; once they ended, the first stream's thread commits the
+    /// request over the stream with the CRC32C of each range over this
+    /// side (a WRITE's source summed now, before posting; a READ's
+    /// destination once it landed) and its sync message, and the target
+    /// checks its side before it delivers the message and answers. The
+    /// request finishes with that answer. An abort takes effect once the
+    /// data's work requests ended (they are not cut short).
+    fn submit_checked(
+        self: Arc<Self>,
+        req: &TransferRequest,
+        resolved: Resolved,
+        sync: Option<Vec<u8>>,
+        wrs: Few<rdma::Wr>,
+    ) -> Result<TransferStatus, Error> {
+        let checks = Checks::new(req, &resolved.keys);
+        let id = self.in_flight.next_id();
+        let completion = self
+            .in_flight
+            .completion(None, &self.meter, req.local.total_len());
+        let pending = Pending::new(&completion, 1, resolved.guards, None);
+        self.insert(id, Arc::clone(&pending))?;
+        // The data: its own record in the table (the link's failure
+        // fails it), unmetered, completed by the progress threads.
+        let data_id = self.in_flight.next_id();
+        let data = crate::agent::Completion::counted(None, None);
+        let undriven = Arc::clone(&self.parts.undriven);
+        let data_pending = Pending::new(&data, wrs.len(), Few::new(), Some(Arc::clone(&undriven)));
+        if let Err(e) = self.insert(data_id, Arc::clone(&data_pending)) {
+            self.complete_event(id, &pending, Err(e.clone()));
+            return Err(e);
+        }
+        let tx = self.streams[0].tx.clone();
+        let op = req.op;
+        let commit = Arc::clone(&pending);
+        data.watch(Box::new(move |result| {
+            // Short and non-blocking, as a completion's watcher must be:
+            // the stream's thread does the rest (when the link broke, that
+            // thread is gone and the link's failure fails the request).
+            let _ = tx.send(Job::Path(CheckedCommit {
+                req: id,
+                op,
+                checks,
+                sync,
+                pending: commit,
+                data: result,
+            }));
+        }));
+        self.clock.touch();
+        // Counted before posting: the progress threads must be on the
+        // completion queue by the time it completes.
+        undriven.fetch_add(1, Ordering::AcqRel);
+        self.wake_progress();
+        self.post_rdma(data_id, op, wrs, None, &data_pending);
+        Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
     }
 
     /// What a prepared RDMA transfer keeps: its plan on this link and the

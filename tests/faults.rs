@@ -3,8 +3,9 @@
 //! seed — a flipped bit in a payload or header, a truncated, duplicated,
 //! dropped or delayed frame, a stalled (stopped, then resumed) or killed
 //! connection — while a checked WRITE (with a sync message) or READ is
-//! under way. Over TCP the data crosses the proxy; over shm only the
-//! side channel does (grants, commits with their checks, answers).
+//! under way. Over TCP the data crosses the proxy; over shm, libfabric
+//! and RDMA only the side channel does (grants, commits with their
+//! checks, answers).
 //!
 //! After each run: (ii) the request reached a terminal outcome within its
 //! bound; (iii) what is reported complete equals the source, and a WRITE

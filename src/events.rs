@@ -107,7 +107,7 @@ impl CompletionQueue {
     /// once when it has).
     pub fn watch(&self, status: &TransferStatus, token: u64) {
         let q = Arc::clone(&self.inner);
-        status.on_complete(move |outcome| q.push((token, outcome)));
+        status.watch_inline(move |outcome| q.push((token, outcome)));
     }
 
     /// Takes every outcome ready now (none: empty).

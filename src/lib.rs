@@ -68,6 +68,7 @@
 pub mod agent;
 pub mod auth;
 pub mod cache;
+mod callbacks;
 pub mod config;
 pub mod desc;
 mod engine;

@@ -211,6 +211,14 @@ impl Metrics {
         );
         let _ = writeln!(
             o,
+            "# HELP kvxfer_callback_panics_total Completion callbacks (on_complete) that \
+             panicked, in this process: caught and logged, the library goes on.\n\
+             # TYPE kvxfer_callback_panics_total counter\n\
+             kvxfer_callback_panics_total {}",
+            crate::callbacks::panics()
+        );
+        let _ = writeln!(
+            o,
             "# HELP kvxfer_integrity_failures_total Checked WRITE pieces (end-to-end integrity) \
              landed here whose bytes did not match their CRC32C; the initiator's requests \
              fail with the outcome integrity.\n\

@@ -658,17 +658,29 @@ impl TransferStatus {
         true
     }
 
-    /// Calls `f` once with the transfer's outcome when it finishes: at
-    /// once, on this thread, when it already has; otherwise on the thread
-    /// that completes it (a backend's I/O or progress thread), so `f`
-    /// must be short, must not block and must not call into the agent
-    /// (it may run under the agent's locks) — set a flag, send on a
-    /// channel, wake a task, as [`CompletionQueue`](crate::CompletionQueue)
-    /// does. No polling: a finished transfer wakes whoever waits.
-    /// Callbacks added to one status run in the order they were added.
-    /// Statuses of a [`PreparedTransfer`] submission are their own: a
-    /// callback fires for the submission it was added to.
+    /// Calls `f` once with the transfer's outcome when it finishes (at
+    /// once when it already has), on the process's callback thread: never
+    /// on a thread of the library, in the order the outcomes came in.
+    /// Callbacks added to one status run in the order they were added. A
+    /// callback that panics is caught, logged and counted
+    /// (`kvxfer_callback_panics_total`); one that blocks holds up the
+    /// callbacks after it (keep them short: set a flag, send on a channel,
+    /// wake a task), never a transfer. No polling: a finished transfer
+    /// wakes whoever waits. For the lowest latency,
+    /// [`CompletionQueue`](crate::CompletionQueue) is told on the
+    /// completing thread itself. Statuses of a [`PreparedTransfer`]
+    /// submission are their own: a callback fires for the submission it
+    /// was added to.
     pub fn on_complete(&self, f: impl FnOnce(Result<(), Error>) + Send + 'static) {
+        self.completion.watch(Box::new(move |outcome| {
+            crate::callbacks::run(Box::new(move || f(outcome)))
+        }));
+    }
+
+    /// As [`on_complete`](Self::on_complete), on the thread that completes
+    /// the transfer (or this one, when it has): for the library's own
+    /// watchers, which are short, never block and never panic.
+    pub(crate) fn watch_inline(&self, f: impl FnOnce(Result<(), Error>) + Send + 'static) {
         self.completion.watch(Box::new(f));
     }
 
@@ -748,19 +760,20 @@ mod tests {
         let st = TransferStatus::new(1, Arc::clone(&c), test_path());
         let (tx, rx) = mpsc::channel();
         let t = tx.clone();
+        let wait = Duration::from_secs(60);
         st.on_complete(move |r| t.send(("early", r.is_ok())).unwrap());
         assert!(rx.try_recv().is_err(), "fired before the outcome");
         assert!(c.complete(Err(Error::Closed)));
-        assert_eq!(rx.try_recv().unwrap(), ("early", false));
-        // Added after the outcome: at once, on this thread.
+        assert_eq!(rx.recv_timeout(wait).unwrap(), ("early", false));
+        // Added after the outcome: at once (on the callback thread).
         st.on_complete(move |r| {
             assert!(matches!(r, Err(Error::Closed)));
             tx.send(("late", false)).unwrap()
         });
-        assert_eq!(rx.try_recv().unwrap(), ("late", false));
+        assert_eq!(rx.recv_timeout(wait).unwrap(), ("late", false));
         // Each once: nothing more on later (ignored) outcomes.
         assert!(!c.complete(Ok(())));
-        assert!(rx.try_recv().is_err());
+        assert!(rx.recv_timeout(Duration::from_millis(50)).is_err());
     }
 
     /// A callback added while the outcome comes in on another thread runs
@@ -774,7 +787,7 @@ mod tests {
             let runs = Arc::new(AtomicUsize::new(0));
             let completer = std::thread::spawn(move || c.complete(Ok(())));
             let r = Arc::clone(&runs);
-            st.on_complete(move |o| {
+            st.watch_inline(move |o| {
                 assert!(o.is_ok());
                 r.fetch_add(1, Ordering::SeqCst);
             });

@@ -228,6 +228,59 @@ fn checked_requests_are_checked_on_every_path() {
     assert_eq!(peer.cmd(&format!("check 6 0 {size}")), "OK");
 }
 
+/// Completion callbacks run on the process's callback thread: one that
+/// panics is caught and counted, one that blocks holds up no transfer; the
+/// link serves on throughout.
+#[test]
+fn callbacks_that_panic_or_block_hold_up_no_transfer() {
+    let mut peer = PeerProc::spawn("target", 4096, 3, &[]);
+    let mut src = vec![0u8; 4096];
+    fill(&mut src, 8, 0);
+    let (agent, name) = connect(&peer, &src);
+    let write = || {
+        agent
+            .submit_transfer(&TransferRequest::write(
+                MemoryDescs::dram(&src),
+                peer.range(0, 4096),
+                &name,
+            ))
+            .unwrap()
+    };
+    let panics = |a: &dyn kvxfer::TransferAgent| {
+        a.metrics_text()
+            .lines()
+            .find(|l| l.starts_with("kvxfer_callback_panics_total "))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .expect("the counter")
+    };
+    let before = panics(agent.as_ref());
+    let st = write();
+    st.on_complete(|_| panic!("a callback that panics"));
+    st.wait_success(WAIT).unwrap();
+    // A callback that blocks until released, then later transfers.
+    let (release, blocked) = std::sync::mpsc::channel::<()>();
+    let (ran, seen) = std::sync::mpsc::channel();
+    let st = write();
+    st.on_complete(move |_| {
+        let _ = blocked.recv();
+    });
+    st.wait_success(WAIT).unwrap();
+    for _ in 0..3 {
+        let st = write();
+        let r = ran.clone();
+        st.on_complete(move |o| r.send(o.is_ok()).unwrap());
+        st.wait_success(WAIT).unwrap();
+    }
+    assert_eq!(peer.cmd("check 8 0 4096"), "OK");
+    // The callbacks after the blocked one run once it is released.
+    assert!(seen.try_recv().is_err());
+    release.send(()).unwrap();
+    for _ in 0..3 {
+        assert!(seen.recv_timeout(WAIT).unwrap());
+    }
+    assert!(panics(agent.as_ref()) > before, "the panic was counted");
+}
+
 #[test]
 fn sync_message_arrives_after_all_data() {
     let size: u64 = 64 << 20;

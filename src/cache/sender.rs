@@ -204,7 +204,7 @@ impl Shared {
                         Ok(st) => {
                             let (finished, waker) =
                                 (Arc::clone(&self.finished), self.waker.clone());
-                            st.on_complete(move |_| {
+                            st.watch_inline(move |_| {
                                 finished.store(true, Ordering::SeqCst);
                                 waker.wake();
                             });

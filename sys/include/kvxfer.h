@@ -662,12 +662,12 @@ enum kvxfer_result kvxfer_status_transport(const struct kvxfer_status *status, c
 // `out` is valid for a write.
 enum kvxfer_result kvxfer_status_id(const struct kvxfer_status *status, uint64_t *out);
 
-// Calls `callback(user_data, outcome)` once when the transfer finishes:
-// at once, on this thread, when it already has; otherwise on the library
-// thread that completes it. The callback must return quickly, must not
-// block and must not call into the agent (hand work to another thread:
-// post to an event loop, write to a pipe, signal a condition). The
-// status handle may be freed before it runs.
+// Calls `callback(user_data, outcome)` once when the transfer finishes
+// (at once when it already has), on the process's callback thread, never
+// on a thread of the library: one that blocks holds up the callbacks
+// after it, not the transfers. Keep it short (post to an event loop,
+// write to a pipe, signal a condition). The status handle may be freed
+// before it runs.
 //
 // # Safety
 // `callback` is safe to call from any thread with `user_data`, which must

@@ -274,6 +274,10 @@ int main(void) {
     EXPECT(tokens == 15);
     CHECK(kvxfer_cq_wait(cq, 0, got, 2, &n));
     EXPECT(n == 0 && poll(&pfd, 1, 0) == 0);
+    /* No room asked for: the count is still written. */
+    n = 99;
+    CHECK(kvxfer_cq_wait(cq, 0, NULL, 0, &n));
+    EXPECT(n == 0);
     /* Both callbacks ran once (the queue reported after its own). */
     CHECK(kvxfer_status_wait(a, 10000));
     CHECK(kvxfer_status_wait(b, 10000));
@@ -282,8 +286,12 @@ int main(void) {
       nanosleep(&ms10, NULL);
     }
     EXPECT(atomic_load(&calls) == 2 && atomic_load(&callback_outcome) == KVXFER_OK);
-    /* Added after the outcome: runs at once. */
+    /* Added after the outcome: runs at once, on the callback thread. */
     CHECK(kvxfer_status_on_complete(a, on_done, &calls));
+    for (int i = 0; i < 6000 && atomic_load(&calls) < 3; i++) {
+      struct timespec ms10 = {0, 10000000};
+      nanosleep(&ms10, NULL);
+    }
     EXPECT(atomic_load(&calls) == 3);
     CHECK(kvxfer_status_free(a));
     CHECK(kvxfer_status_free(b));

@@ -20,7 +20,7 @@ use crate::engine::plan::{GrantRange, grant_ranges, should_delegate};
 use crate::engine::requests::Finished;
 use crate::engine::sock::{iov, writev_all};
 use crate::engine::socket_link::{
-    CmaLink, CmaOutcome, Frames, Job, Pending, Segs, SocketPath, Tail, connect_streams,
+    CmaLink, CmaOutcome, Frames, Job, Pending, SocketPath, connect_streams,
 };
 use crate::engine::target::{Conn, HeldSync};
 use crate::engine::transport::{Link, SessionState, Submission, Transport};
@@ -503,31 +503,23 @@ impl SocketPath for CmaParts {
         let how = (delegate, gpu.as_ref());
         Ok(
             match link.run_cma(fd, req, op, &pieces, &grants, how, &pending)? {
-                CmaOutcome::Commit { aborted } => Some(Frames {
-                    req,
-                    op,
-                    segs: Segs::none(),
-                    tail: Tail::Commit {
-                        segments: 0,
-                        sync,
-                        durable: false,
-                        // The copy is over (an aborted one is refused
-                        // anyway): each piece's CRC32C as it lies here, the
-                        // source of a WRITE, the destination of a READ.
-                        checks: match checked {
-                            Some(keys) if !aborted => {
-                                // SAFETY: local pieces lie in regions
-                                // validated at submit time and held by the
-                                // request's guards until it completes.
-                                unsafe { checks(&pieces, &keys) }
-                            }
-                            _ => Vec::new(),
-                        },
-                    },
-                    pending,
-                    aborted,
-                    checked: false,
-                }),
+                CmaOutcome::Commit { aborted } => {
+                    // The copy is over (an aborted one is refused anyway):
+                    // each piece's CRC32C as it lies here, the source of a
+                    // WRITE, the destination of a READ.
+                    let checks = match checked {
+                        Some(keys) if !aborted => {
+                            // SAFETY: local pieces lie in regions validated
+                            // at submit time and held by the request's
+                            // guards until it completes.
+                            unsafe { checks(&pieces, &keys) }
+                        }
+                        _ => Vec::new(),
+                    };
+                    Some(Frames::commit_beside(
+                        req, op, sync, checks, pending, aborted,
+                    ))
+                }
                 CmaOutcome::Done => None,
             },
         )

@@ -269,6 +269,35 @@ pub(in crate::engine) struct Frames {
     pub(in crate::engine) checked: bool,
 }
 
+impl Frames {
+    /// The commit of request `req`, whose data moved beside the stream (no
+    /// segments): its sync message and the table of its checks (empty when
+    /// unchecked), after an `Abort` frame when `aborted`.
+    pub(in crate::engine) fn commit_beside(
+        req: u64,
+        op: TransferOp,
+        sync: Option<Vec<u8>>,
+        checks: Vec<u8>,
+        pending: Arc<Pending>,
+        aborted: bool,
+    ) -> Self {
+        Frames {
+            req,
+            op,
+            segs: Segs::none(),
+            tail: Tail::Commit {
+                segments: 0,
+                sync,
+                durable: false,
+                checks,
+            },
+            pending,
+            aborted,
+            checked: false,
+        }
+    }
+}
+
 pub(in crate::engine) struct StreamHandle<X> {
     pub(in crate::engine) tx: Sender<Job<X>>,
     pub(in crate::engine) reads: Mutex<VecDeque<ReadSlot>>,

@@ -47,7 +47,7 @@ use super::{Answer, Credits, Fabric, FabricError, Shared, check, fabric_err, wai
 use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
 use crate::engine::socket_link::{
-    Checks, Frames, Job, Pending, Segs, SocketLink, SocketPath, Tail, connect_streams,
+    Checks, Frames, Job, Pending, SocketLink, SocketPath, connect_streams,
 };
 use crate::engine::transport::Submission;
 use crate::engine::{Inner, attach, lock, status};
@@ -463,20 +463,8 @@ impl Group {
     /// Its commit: no segments (its data moved beside the stream), its
     /// sync message, and the table of its checks (a checked request's).
     fn commit_frames(&self, sync: Option<Vec<u8>>, checks: Vec<u8>) -> Frames {
-        Frames {
-            req: self.req,
-            op: self.op,
-            segs: Segs::none(),
-            tail: Tail::Commit {
-                segments: 0,
-                sync,
-                durable: false,
-                checks,
-            },
-            pending: Arc::clone(&self.pending),
-            aborted: false,
-            checked: false,
-        }
+        let pending = Arc::clone(&self.pending);
+        Frames::commit_beside(self.req, self.op, sync, checks, pending, false)
     }
 
     /// One of its operations completed with `result`; the last one commits

@@ -10,7 +10,7 @@ use crate::config::AgentConfig;
 use crate::desc::AgentDesc;
 use crate::engine::rdma::recv::rdma_connect;
 use crate::engine::socket_link::{
-    Checks, Frames, Job, Pending, RdmaLink, Segs, SocketPath, Tail, connect_streams,
+    Checks, Frames, Job, Pending, RdmaLink, SocketPath, connect_streams,
 };
 use crate::engine::submit::{PreparedHold, Resolved};
 use crate::engine::transport::Submission;
@@ -115,23 +115,13 @@ impl SocketPath for rdma::RdmaParts {
             link.complete_event(req, &pending, Err(e));
             return Ok(None);
         }
-        Ok(Some(Frames {
-            req,
-            op,
-            segs: Segs::none(),
-            tail: Tail::Commit {
-                segments: 0,
-                sync,
-                durable: false,
-                // SAFETY: every work request of the data completed; the
-                // request's regions are held by `pending` until the
-                // target's answer finishes it.
-                checks: unsafe { checks.into_table() },
-            },
-            pending,
-            aborted: false,
-            checked: false,
-        }))
+        // SAFETY: every work request of the data completed; the request's
+        // regions are held by `pending` until the target's answer finishes
+        // it.
+        let checks = unsafe { checks.into_table() };
+        Ok(Some(Frames::commit_beside(
+            req, op, sync, checks, pending, false,
+        )))
     }
 
     fn on_fail(&self) {

@@ -235,3 +235,61 @@ def test_http_metadata_server_bounds_and_refusals():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_http_metadata_server_holds_its_bounds_against_abuse(monkeypatch):
+    """An entry is replaced or deleted only by its writer; values, keys and
+    connections are bounded; a silent or trickling connection is closed at
+    its deadline, and a legitimate engine is served throughout."""
+    import http.client
+    import socket
+    import threading
+    import time
+
+    from kvxfer import mooncake_metadata as mm
+
+    monkeypatch.setattr(mm, "MAX_TOTAL", 1000)
+    monkeypatch.setattr(mm, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(mm, "DEADLINE", 1.0)
+    server = mm.MetadataServer("127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host, port = server.server_address[:2]
+
+    def call(method, path, body=None, source="127.0.0.1"):
+        c = http.client.HTTPConnection(host, port, timeout=30, source_address=(source, 0))
+        c.request(method, path, body=body)
+        r = c.getresponse()
+        out = (r.status, r.read())
+        c.close()
+        return out
+
+    try:
+        assert call("PUT", "/metadata?key=mine", b"x" * 600)[0] == 200
+        # Another address can neither replace nor delete it.
+        assert call("PUT", "/metadata?key=mine", b"y", source="127.0.0.2")[0] == 403
+        assert call("DELETE", "/metadata?key=mine", source="127.0.0.2")[0] == 403
+        assert call("GET", "/metadata?key=mine") == (200, b"x" * 600)
+        # 1000 bytes of values in all (600 held): 500 more is refused,
+        # replacing the 600 with 900 is not.
+        assert call("PUT", "/metadata?key=other", b"z" * 500, source="127.0.0.2")[0] == 507
+        assert call("PUT", "/metadata?key=mine", b"w" * 900)[0] == 200
+        # Four silent connections fill the server; a fifth is closed at
+        # once; after the deadline the silent ones are closed too and a
+        # legitimate call goes through.
+        silent = [socket.create_connection((host, port)) for _ in range(4)]
+        silent[0].sendall(b"GET /metadata?key=mine HTTP/1.1\r\n")  # trickles
+        time.sleep(0.2)
+        extra = socket.create_connection((host, port))
+        extra.settimeout(30)
+        assert extra.recv(1) == b""
+        for s in silent:
+            s.settimeout(30)
+            t0 = time.monotonic()
+            assert s.recv(1) == b""
+            assert time.monotonic() - t0 < 10
+        assert call("GET", "/metadata?key=mine") == (200, b"w" * 900)
+        assert call("DELETE", "/metadata?key=mine")[0] == 200
+        assert server.total == 0
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -25,7 +25,9 @@ use crate::engine::socket_link::{
 use crate::engine::target::{Conn, HeldSync};
 use crate::engine::transport::{Link, SessionState, Submission, Transport};
 use crate::engine::wire::{CommitOp, HEADER_LEN, status};
-use crate::engine::{Inner, PARALLEL_COPY_MIN, cma_wire, local_proof, lock, tick, wire};
+use crate::engine::{
+    Inner, PARALLEL_COPY_MIN, cma_wire, local_proof, lock, socket_link, tick, wire,
+};
 use crate::error::{Error, RejectReason};
 use crate::memory::MemoryType;
 use crate::memory::Piece;
@@ -512,7 +514,14 @@ impl SocketPath for CmaParts {
                             // SAFETY: local pieces lie in regions validated
                             // at submit time and held by the request's
                             // guards until it completes.
-                            unsafe { checks(&pieces, &keys) }
+                            unsafe {
+                                socket_link::table(
+                                    pieces
+                                        .iter()
+                                        .zip(&keys)
+                                        .map(|(p, &k)| (p.local, p.remote, p.len, k)),
+                                )
+                            }
                         }
                         _ => Vec::new(),
                     };
@@ -869,22 +878,6 @@ impl CmaLink {
         }
         Ok(CmaOutcome::Commit { aborted: !copied })
     }
-}
-
-/// The checks a cross-memory commit carries for `pieces` (one remote key
-/// each): the remote range, its key, and the CRC32C of the local bytes.
-///
-/// # Safety
-/// Every piece's local range must be readable for the call.
-unsafe fn checks(pieces: &[Piece], keys: &[u64]) -> Vec<u8> {
-    let mut table = Vec::with_capacity(pieces.len() * wire::CHECK_ENTRY);
-    for (p, &key) in pieces.iter().zip(keys) {
-        // SAFETY: forwarded to the caller.
-        let local = unsafe { std::slice::from_raw_parts(p.local as *const u8, p.len as usize) };
-        let crc = crate::integrity::crc32c(local);
-        wire::push_check(&mut table, p.remote, p.len, key, crc);
-    }
-    table
 }
 
 #[cfg(test)]

@@ -199,7 +199,7 @@ impl Checks {
         match req.op {
             // SAFETY: the source regions are registered and held by the
             // request's guards (the caller's) until it completes.
-            TransferOp::Write => Checks::Ready(unsafe { table(&ranges) }),
+            TransferOp::Write => Checks::Ready(unsafe { table(ranges.iter().copied()) }),
             TransferOp::Read => Checks::AfterRead(ranges),
         }
     }
@@ -213,7 +213,7 @@ impl Checks {
         match self {
             Checks::Ready(t) => t,
             // SAFETY: forwarded to the caller.
-            Checks::AfterRead(ranges) => unsafe { table(&ranges) },
+            Checks::AfterRead(ranges) => unsafe { table(ranges.iter().copied()) },
         }
     }
 }
@@ -223,9 +223,11 @@ impl Checks {
 ///
 /// # Safety
 /// Every local range must be readable for the call.
-unsafe fn table(ranges: &[(u64, u64, u64, u64)]) -> Vec<u8> {
+pub(in crate::engine) unsafe fn table(
+    ranges: impl ExactSizeIterator<Item = (u64, u64, u64, u64)>,
+) -> Vec<u8> {
     let mut t = Vec::with_capacity(ranges.len() * wire::CHECK_ENTRY);
-    for &(local, remote, len, key) in ranges {
+    for (local, remote, len, key) in ranges {
         // SAFETY: forwarded to the caller.
         let bytes = unsafe { std::slice::from_raw_parts(local as *const u8, len as usize) };
         wire::push_check(&mut t, remote, len, key, crate::integrity::crc32c(bytes));

@@ -307,25 +307,22 @@ impl Engine {
             if access_keys {
                 keys.push(r.value.key);
             }
-            match offered {
-                None => {}
-                Some(i) => {
-                    let at: *const ExportedRegion = &r.value;
-                    let key = match &last {
-                        Some((p, k)) if std::ptr::eq(*p, at) => k.clone(),
-                        _ => remote_key(&r.value, i).ok_or_else(|| Error::BackendUnavailable {
-                            backend: name,
-                            reason: format!(
-                                "remote agent {:?} exported region {:?} without a {name} registration",
-                                req.remote_agent, r.desc
-                            ),
-                        })?,
-                    };
-                    if key.keys.is_some() {
-                        last = Some((at, key.clone()));
-                    }
-                    remote_keys.push(key);
+            if let Some(i) = offered {
+                let at: *const ExportedRegion = &r.value;
+                let key = match &last {
+                    Some((p, k)) if std::ptr::eq(*p, at) => k.clone(),
+                    _ => remote_key(&r.value, i).ok_or_else(|| Error::BackendUnavailable {
+                        backend: name,
+                        reason: format!(
+                            "remote agent {:?} exported region {:?} without a {name} registration",
+                            req.remote_agent, r.desc
+                        ),
+                    })?,
+                };
+                if key.keys.is_some() {
+                    last = Some((at, key.clone()));
                 }
+                remote_keys.push(key);
             }
         }
         let max = transport.max_sync();

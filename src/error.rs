@@ -272,6 +272,17 @@ pub enum Error {
         #[source]
         source: Arc<dyn std::error::Error + Send + Sync>,
     },
+    /// A broken link's requests could not be proved settled: the target
+    /// still runs, and a transport outside the link's streams (a libfabric
+    /// provider) may still land their data there until it closes its agent
+    /// or exits (see [`TransferStatus::wait_settled`](crate::TransferStatus::wait_settled)).
+    #[error(
+        "remote agent {remote:?} still runs: what the libfabric provider moved for the broken link may land there until it closes its agent or exits"
+    )]
+    StillLanding {
+        /// The remote agent.
+        remote: String,
+    },
     /// The peer made no progress for longer than the configured I/O timeout.
     #[error("remote agent {remote:?} made no progress for {idle:?}; connection declared dead")]
     PeerTimedOut {

@@ -6,7 +6,7 @@
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::agent::TransferRequest;
@@ -69,6 +69,19 @@ pub(crate) struct Completion {
     /// completer sees it, or the watcher's adder sees the outcome. A
     /// request nobody watches pays one load.
     watched: AtomicBool,
+    /// Set before a failure whose request may still land at the target
+    /// (its link broke): how to prove it no longer can
+    /// ([`TransferStatus::wait_settled`]).
+    unsettled: OnceLock<Arc<dyn Settles>>,
+}
+
+/// Proof, for requests a broken link failed, that nothing of them lands
+/// at the target any more (see `engine::settle`).
+pub(crate) trait Settles: Send + Sync {
+    /// Whether it was proved.
+    fn is_settled(&self) -> bool;
+    /// Proves it within `timeout` (asking the target), or says why not.
+    fn settle(&self, timeout: Duration) -> Result<(), Error>;
 }
 
 /// A completion callback.
@@ -183,6 +196,7 @@ impl Completion {
             meter: None,
             watchers: Mutex::new(Vec::new()),
             watched: AtomicBool::new(false),
+            unsettled: OnceLock::new(),
         })
     }
 
@@ -236,6 +250,7 @@ impl Completion {
             .unwrap_or_else(|p| p.into_inner())
             .clear();
         *self.watched.get_mut() = false;
+        self.unsettled.take();
         if let Some(m) = &mut self.meter {
             m.bytes = bytes;
             if m.started.is_some() {
@@ -289,6 +304,16 @@ impl Completion {
         }
         if let Some(driver) = self.driver.as_ref().and_then(Weak::upgrade) {
             driver.progress();
+        }
+    }
+
+    /// Records, before the failure that follows, that the request may still
+    /// land at the target until `settle` proves otherwise. Nothing when the
+    /// outcome is already in.
+    pub(crate) fn mark_unsettled(&self, settle: &Arc<dyn Settles>) {
+        // Set before the outcome is: whoever sees the failure sees it.
+        if !self.is_done() {
+            let _ = self.unsettled.set(Arc::clone(settle));
         }
     }
 
@@ -682,6 +707,60 @@ impl TransferStatus {
     /// watchers, which are short, never block and never panic.
     pub(crate) fn watch_inline(&self, f: impl FnOnce(Result<(), Error>) + Send + 'static) {
         self.completion.watch(Box::new(f));
+    }
+
+    /// Whether the transfer finished and no byte of it can land any more,
+    /// in either agent's memory. False while it runs; true for every
+    /// outcome but one: a failure that broke the
+    /// connection ([`Error::PeerTimedOut`], [`Error::ConnectionLost`],
+    /// [`Error::Closed`] with the agent closing, ...). The initiator's own
+    /// memory is quiet then, but bytes it handed to the kernel may still
+    /// be in the target's socket buffers: a target that was stopped, not
+    /// dead, lands them when it resumes. Until this says true (or
+    /// [`wait_settled`](Self::wait_settled) returned `Ok`), treat the
+    /// destination of a WRITE as still being written, and do not tell the
+    /// target's owner that it may reuse it.
+    pub fn is_settled(&self) -> bool {
+        if !self.completion.is_done() {
+            return false;
+        }
+        self.completion
+            .unsettled
+            .get()
+            .is_none_or(|s| s.is_settled())
+    }
+
+    /// Waits (up to `timeout` in all) for the transfer to finish and for
+    /// proof that no byte of it can land any more (see
+    /// [`is_settled`](Self::is_settled)). After a failure that broke the
+    /// connection, it asks the target, over a new authenticated
+    /// connection, to end the broken link's streams: the target drops what
+    /// of them it had not read yet, and answers once they ended. A target
+    /// that no longer listens where it did (it closed, or its process is
+    /// gone), or that is another instance of the agent, holds nothing of
+    /// the link either. A target that is stopped does not answer: this
+    /// returns its error and may be called again.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when the transfer did not finish, or the target
+    /// did not answer, within `timeout`; the error of the attempt to reach
+    /// the target otherwise. Never the transfer's own failure: `Ok` means
+    /// settled, whatever the outcome.
+    pub fn wait_settled(&self, timeout: Duration) -> Result<(), Error> {
+        let start = Instant::now();
+        if self
+            .wait(timeout)
+            .is_ok_and(|s| s == TransferState::InProgress)
+        {
+            return Err(Error::Timeout {
+                what: "transfer",
+                after: timeout,
+            });
+        }
+        match self.completion.unsettled.get() {
+            None => Ok(()),
+            Some(s) => s.settle(timeout.saturating_sub(start.elapsed())),
+        }
     }
 
     /// Like [`wait`](Self::wait), but a transfer still running at the

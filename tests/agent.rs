@@ -1801,6 +1801,80 @@ fn an_abort_stops_within_a_segment_per_stream() {
     );
 }
 
+/// A link that breaks under a request (its target stopped: the sync
+/// message is never answered) fails it at once, but reports it unsettled:
+/// the bytes it handed to the kernel may still land when the target
+/// resumes. `wait_settled` cannot prove anything while the target is
+/// stopped; once it runs again, it proves that nothing more of the request
+/// lands (the target ended the broken link's streams), and nothing does.
+/// On libfabric only the target's exit proves it.
+#[test]
+fn a_broken_link_reports_its_requests_unsettled_until_proved() {
+    const PIECE: u64 = 1 << 20;
+    let size: u64 = 16 << 20;
+    let mut peer = PeerProc::spawn("target", size, 1, &[]);
+    let agent = local_agent("init", |c| c.with_io_timeout(Duration::from_secs(1)));
+    let mut src = vec![0u8; size as usize];
+    fill(&mut src, 9, 0);
+    register(agent.as_ref(), &src);
+    let name = agent.load_remote_agent_by_connection(&peer.conn).unwrap();
+    let pieces = |base: u64| dram((0..size / PIECE).map(|i| (base + i * PIECE, PIECE)));
+    let count =
+        |peer: &mut PeerProc| -> u64 { peer.cmd(&format!("count 9 0 {size}")).parse().unwrap() };
+    peer.signal("STOP");
+    let st = agent
+        .submit_transfer(
+            &TransferRequest::write(pieces(src.as_ptr() as u64), pieces(peer.addr), &name)
+                .with_sync_message(b"never answered".to_vec()),
+        )
+        .unwrap();
+    // The sync message needs the target's answer on every transport: the
+    // link breaks at its I/O timeout.
+    let outcome = st.wait(WAIT);
+    assert!(
+        matches!(outcome, Err(Error::PeerTimedOut { .. })),
+        "{outcome:?}"
+    );
+    assert!(!st.is_settled(), "a broken link's request reported settled");
+    // The target does not answer while stopped.
+    let early = st.wait_settled(Duration::from_millis(500));
+    assert!(early.is_err(), "settled while the target was stopped");
+    assert!(!st.is_settled());
+    peer.signal("CONT");
+    if backend() == Backend::Fabric {
+        // The provider, not the link's streams, moves the data: the
+        // target's ending the session proves nothing, its exit does.
+        let live = st.wait_settled(WAIT);
+        assert!(matches!(live, Err(Error::StillLanding { .. })), "{live:?}");
+        peer.kill();
+        st.wait_settled(WAIT).unwrap();
+        assert!(st.is_settled());
+        return;
+    }
+    st.wait_settled(WAIT).unwrap();
+    assert!(st.is_settled());
+    // Nothing lands after the proof.
+    let settled = count(&mut peer);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        count(&mut peer),
+        settled,
+        "bytes landed after the request settled"
+    );
+    // The agent serves the next request (a new link).
+    let one = |base: u64| dram([(base, PIECE)]);
+    agent
+        .submit_transfer(&TransferRequest::write(
+            one(src.as_ptr() as u64),
+            one(peer.addr),
+            &name,
+        ))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(peer.cmd(&format!("check 9 0 {PIECE}")), "OK");
+}
+
 /// A `Registration` registers a buffer for as long as it lives: a peer
 /// writes into it, and once it is dropped the range is neither a local
 /// source nor a remote target any more. Dropping it while a transfer uses

@@ -694,6 +694,25 @@ impl PyTransfer {
         }
     }
 
+    /// Whether it finished and no byte of it can land any more, in either
+    /// agent's memory: false while in flight, and after a failure that
+    /// broke the connection (`PeerTimedOutError`, `ConnectionLostError`)
+    /// until `wait_settled` proved it. Until then, treat a WRITE's
+    /// destination as still being written.
+    fn is_settled(&self) -> bool {
+        self.st.is_settled()
+    }
+
+    /// Waits at most `timeout` seconds in all for it to finish and for
+    /// proof that no byte of it can land any more (after a broken link,
+    /// the target is asked to end the link's streams). Returns once
+    /// settled, whatever the outcome; raises `TimeoutError` (kvxfer's) when
+    /// the transfer or the target's answer did not come in time.
+    fn wait_settled(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let t = secs("timeout", timeout)?;
+        py.detach(|| self.st.wait_settled(t)).map_err(to_py)
+    }
+
     /// Stops it: nothing more of it is sent; it ends (`AbortedError`) once
     /// nothing of it can touch either side's memory. False when it had
     /// already finished.

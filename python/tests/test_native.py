@@ -333,7 +333,10 @@ def test_a_peer_killed_mid_transfer_fails_it_within_the_timeout():
     name = a.add_remote_agent(t.metadata)
     src = bytearray(SIZE)
     reg = a.register(src)
-    a.write(reg.descs(), [(t.addr, t.len)], name).wait(WAIT)
+    done = a.write(reg.descs(), [(t.addr, t.len)], name)
+    done.wait(WAIT)
+    assert done.is_settled()
+    done.wait_settled(0.0)
     # Frozen, the target cannot acknowledge: the next write stays in flight
     # until the target dies under it.
     os.kill(t.proc.pid, signal.SIGSTOP)
@@ -348,6 +351,12 @@ def test_a_peer_killed_mid_transfer_fails_it_within_the_timeout():
         x.wait(20.0)
     assert x.state == "ERR"
     assert time.monotonic() - t0 < 10.0
+    # The broken link's bytes could still have been in a live target's
+    # socket buffers: unsettled until proved. The target's port now
+    # refuses: nothing of it lands any more.
+    assert not x.is_settled()
+    x.wait_settled(10.0)
+    assert x.is_settled()
     reg.deregister()  # nothing of the failed transfer holds the buffer
 
 

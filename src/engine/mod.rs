@@ -51,6 +51,7 @@ mod pre_auth;
 mod rdma;
 pub(crate) mod requests;
 mod serve_each;
+mod settle;
 mod sock;
 mod socket_link;
 mod storage_link;
@@ -157,6 +158,9 @@ struct Inner {
     closing: AtomicBool,
     server: Mutex<ServerConns>,
     sessions: Mutex<HashMap<(u64, u64), Arc<Session>>>,
+    /// Sessions whose last stream ended, until their transports let them
+    /// go (a [`Frame::Settle`](wire::Frame::Settle) waits for them).
+    leaving: Mutex<HashMap<(u64, u64), Arc<Session>>>,
     /// Requests open at this target, in all sessions (see
     /// [`Limits::max_open_requests`](crate::Limits::max_open_requests)).
     open_requests: Arc<AtomicUsize>,
@@ -227,6 +231,7 @@ impl Engine {
             closing: AtomicBool::new(false),
             server: Mutex::new(ServerConns::default()),
             sessions: Mutex::new(HashMap::new()),
+            leaving: Mutex::new(HashMap::new()),
             open_requests: Arc::new(AtomicUsize::new(0)),
             pre_auth: Arc::default(),
             in_flight: in_flight::InFlight::new(),
@@ -308,16 +313,15 @@ impl Drop for Engine {
         }
         // No in-process initiator copies into this agent after this.
         inproc::delist(inner);
-        // Wake the accept loop; it sees `closing` and returns, dropping
-        // the listener.
-        serve_each::wake_listener(self.listener_wake.as_ref(), inner.listen_addr);
-        if let Some(t) = self.listener_thread.take() {
-            let _ = t.join();
-        }
         for t in &inner.transports {
             t.stop();
         }
-        // Incoming connections: shut down, then join their threads.
+        // Incoming connections: shut down, then join their threads (they
+        // land nothing more once `closing` is set). Before the listener
+        // goes: an initiator whose link broke takes a refused connection
+        // as proof that nothing of it lands here any more (see
+        // `socket_link::Settle`). The accept loop starts no connection
+        // meanwhile: it sees `closing` first.
         let (socks, threads) = {
             let mut s = lock(&inner.server);
             (std::mem::take(&mut s.socks), std::mem::take(&mut s.threads))
@@ -326,6 +330,12 @@ impl Drop for Engine {
             let _ = s.shutdown(Shutdown::Both);
         }
         for t in threads {
+            let _ = t.join();
+        }
+        // Wake the accept loop; it sees `closing` and returns, dropping
+        // the listener.
+        serve_each::wake_listener(self.listener_wake.as_ref(), inner.listen_addr);
+        if let Some(t) = self.listener_thread.take() {
             let _ = t.join();
         }
         // Outgoing links.

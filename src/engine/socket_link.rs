@@ -14,6 +14,7 @@ use crate::engine::indexed::IndexedSegs;
 use crate::engine::peer::connect_any;
 use crate::engine::peer::handshake;
 use crate::engine::plan::Seg;
+use crate::engine::settle::Settle;
 use crate::engine::sock::ProgressClock;
 use crate::engine::submit::{PreparedHold, Resolved};
 use crate::engine::transport::{Link, Submission};
@@ -21,7 +22,7 @@ use crate::engine::{Engine, Inner, Peer, in_flight, lock, rdma, tick, wire};
 use crate::error::Error;
 use crate::registry::RegionGuard;
 use crate::small::{FastHash, Few};
-use crate::status::Prepared;
+use crate::status::{Prepared, Settles};
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -321,6 +322,12 @@ pub(in crate::engine) trait SocketPath: Send + Sync + Sized + 'static {
     /// The transport's own jobs ([`Job::Path`]).
     type Job: Send + 'static;
 
+    /// Whether the target ending a broken link's session (its streams)
+    /// proves that nothing more of the link's requests lands there (see
+    /// [`Settle`]): false where a provider outside the session moves the
+    /// data, which only the target's close or exit stops.
+    const SESSION_SETTLES: bool = true;
+
     /// [`Link::submit`] on a link of this transport.
     fn submit(link: Arc<SocketLink<Self>>, sub: Submission<'_>) -> Result<TransferStatus, Error>;
 
@@ -463,6 +470,9 @@ pub(in crate::engine) struct SocketLink<P: SocketPath> {
     pub(in crate::engine) clock: ProgressClock,
     pub(in crate::engine) alive: AtomicUsize,
     pub(in crate::engine) threads: Mutex<Vec<JoinHandle<()>>>,
+    /// How its requests, failed by its break, are proved settled (`None`:
+    /// the address it connected to is unknown; they are reported settled).
+    settle: Option<Arc<dyn Settles>>,
 }
 
 /// A link's streams, connected, authenticated and greeted, with the
@@ -472,6 +482,10 @@ pub(in crate::engine) struct Streams<X> {
     pub(in crate::engine) jobs: Vec<Receiver<Job<X>>>,
     /// The target's I/O timeout (the shortest its streams announced).
     pub(in crate::engine) target_timeout: Option<Duration>,
+    /// The link's id, as its `Hello`s named it.
+    pub(in crate::engine) link_id: u64,
+    /// The address the first stream connected to.
+    pub(in crate::engine) addr: Option<std::net::SocketAddr>,
 }
 
 /// Opens `n` streams to `peer`. `on_stream(i, sock, clock, ticket)` runs on
@@ -489,12 +503,17 @@ pub(in crate::engine) fn connect_streams<X>(
         handles: Vec::with_capacity(n),
         jobs: Vec::with_capacity(n),
         target_timeout: None,
+        link_id,
+        addr: None,
     };
     for i in 0..n {
         // Each stream: connected, authenticated and greeted within the
         // connect timeout, however slowly the peer answers.
         let deadline = std::time::Instant::now() + cfg.connect_timeout;
         let sock = connect_any(&peer.endpoints, deadline)?;
+        if streams.addr.is_none() {
+            streams.addr = sock.peer_addr().ok();
+        }
         let clock = ProgressClock::new();
         let (ticket, target_timeout) =
             handshake(inner, peer, &sock, link_id, i as u32, &clock, deadline)?;
@@ -531,7 +550,20 @@ impl<P: SocketPath> SocketLink<P> {
             handles,
             jobs,
             target_timeout,
+            link_id,
+            addr,
         } = streams;
+        let settle = addr.map(|addr| -> Arc<dyn Settles> {
+            Settle::new(
+                &inner.config,
+                inner.instance,
+                &peer.name,
+                peer.instance,
+                addr,
+                link_id,
+                P::SESSION_SETTLES,
+            )
+        });
         let link = Arc::new(SocketLink {
             alive: AtomicUsize::new(2 * handles.len() + parts.threads()),
             parts,
@@ -547,6 +579,7 @@ impl<P: SocketPath> SocketLink<P> {
             broken: AtomicBool::new(false),
             clock: ProgressClock::new(),
             threads: Mutex::new(Vec::new()),
+            settle,
         });
         for (i, rx) in jobs.into_iter().enumerate() {
             let (send, recv) = (Arc::clone(&link), Arc::clone(&link));
@@ -628,9 +661,19 @@ impl<P: SocketPath> SocketLink<P> {
             lock(&s.reads).clear();
         }
         for (_, p) in pending {
+            self.unsettle(&p);
             p.finish(Some(cause.clone()));
         }
         self.parts.on_closed(cause);
+    }
+
+    /// Marks `p`, about to fail for the link's break, unsettled: bytes of
+    /// it may still be on their way to the target until the link's
+    /// [`Settle`] proves otherwise.
+    pub(in crate::engine) fn unsettle(&self, p: &Pending) {
+        if let Some(settle) = &self.settle {
+            p.completion.mark_unsettled(settle);
+        }
     }
 
     pub(in crate::engine) fn join(&self) {

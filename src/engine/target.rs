@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 /// One initiator's link as seen by the target.
@@ -52,6 +52,17 @@ pub(in crate::engine) struct Session {
     /// the open-request budget (see `budget`): its streams end, telling
     /// the initiator `Overloaded`.
     evicted: AtomicBool,
+    /// Set when the initiator asked to settle the session (a
+    /// [`Frame::Settle`]: its link broke): its streams land nothing more
+    /// and end.
+    fenced: AtomicBool,
+    /// Another handle on each of its streams' sockets, shut down to wake
+    /// them when it is fenced.
+    socks: Mutex<Vec<TcpStream>>,
+    /// True once the session closed (its last stream ended and its
+    /// transports let it go); a fence waits for it.
+    gone: Mutex<bool>,
+    gone_cv: Condvar,
 }
 
 impl Drop for Session {
@@ -462,6 +473,11 @@ impl Inner {
                 }
             };
             let mut server = lock(&self.server);
+            // Looked at again under the lock the closing agent takes its
+            // connections under: none is started after it did.
+            if self.closing.load(Ordering::SeqCst) {
+                break;
+            }
             server.threads.retain(|t| !t.is_finished());
             if server.socks.len() >= self.config.limits.max_incoming_connections {
                 tracing::warn!(agent = %self.config.name, limit = self.config.limits.max_incoming_connections, peer = ?sock.peer_addr().ok(), "too many incoming connections; closing a new one");
@@ -582,7 +598,7 @@ impl Inner {
                         return hello_ack(st, 0);
                     }
                     let key = (instance, link);
-                    let session = self.join_session(key, &authenticated)?;
+                    let session = self.join_session(key, &authenticated, sock)?;
                     idle.session = Some(Arc::clone(&session));
                     let r = hello_ack(status::OK, session.ticket)
                         .and_then(|()| self.serve_data(sock, &mut reader, &mut idle, &session));
@@ -600,9 +616,53 @@ impl Inner {
                     }
                     return r;
                 }
+                Frame::Settle { instance, link } => {
+                    let status = self.settle_session((instance, link), &authenticated);
+                    let answer = Frame::Settled {
+                        instance: self.instance,
+                        status,
+                    };
+                    return send_frames(sock, &[answer.encode()], &clock, self.config.io_timeout);
+                }
                 other => return Err(violation(format!("unexpected first frame {other:?}"))),
             }
         }
+    }
+
+    /// Ends the session `key` of `authenticated` for a [`Frame::Settle`]:
+    /// its streams land nothing more (each stops before its next frame)
+    /// and are shut down; answers once the session closed, or when it did
+    /// not within the I/O timeout (`STILL_LANDING`). A session that does
+    /// not exist (never opened here, or closed already) is settled, as is
+    /// one of another agent (that one's initiator cannot settle it, and
+    /// nothing of this one's is in it).
+    fn settle_session(&self, key: (u64, u64), authenticated: &str) -> u16 {
+        let open = lock(&self.sessions).get(&key).cloned();
+        let found = open.or_else(|| lock(&self.leaving).get(&key).cloned());
+        let session = match found {
+            Some(s) if s.remote == authenticated => s,
+            _ => return status::OK,
+        };
+        session.fenced.store(true, Ordering::SeqCst);
+        for s in lock(&session.socks).iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        let deadline = std::time::Instant::now() + self.config.io_timeout;
+        let mut gone = lock(&session.gone);
+        while !*gone {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                tracing::warn!(agent = %self.config.name, remote = %session.remote, "a fenced session's streams had not ended within the I/O timeout");
+                return status::STILL_LANDING;
+            }
+            gone = session
+                .gone_cv
+                .wait_timeout(gone, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        tracing::debug!(agent = %self.config.name, remote = %session.remote, "settled a broken link's session");
+        status::OK
     }
 
     /// The connection's handshake: the name it authenticated as, or `None`
@@ -663,7 +723,13 @@ impl Inner {
     /// first stream, with this stream counted in it; the caller uncounts it
     /// (and removes the session after its last stream). A connection joins
     /// only the sessions of the agent it authenticated as.
-    fn join_session(&self, key: (u64, u64), authenticated: &str) -> io::Result<Arc<Session>> {
+    fn join_session(
+        &self,
+        key: (u64, u64),
+        authenticated: &str,
+        sock: &TcpStream,
+    ) -> io::Result<Arc<Session>> {
+        let handle = sock.try_clone()?;
         let mut sessions = lock(&self.sessions);
         let s = sessions.entry(key).or_insert_with(|| {
             let ticket = u128::from_le_bytes(crate::auth::random_bytes());
@@ -681,6 +747,10 @@ impl Inner {
                 open: AtomicUsize::new(0),
                 open_total: Arc::clone(&self.open_requests),
                 evicted: AtomicBool::new(false),
+                fenced: AtomicBool::new(false),
+                socks: Mutex::new(Vec::new()),
+                gone: Mutex::new(false),
+                gone_cv: Condvar::new(),
             })
         });
         if s.evicted.load(Ordering::SeqCst) {
@@ -694,7 +764,11 @@ impl Inner {
                 "{authenticated:?} tried to join a session of {owner:?}"
             )));
         }
+        if s.fenced.load(Ordering::SeqCst) {
+            return Err(violation("the session was settled: its link broke"));
+        }
         s.streams.fetch_add(1, Ordering::SeqCst);
+        lock(&s.socks).push(handle);
         Ok(Arc::clone(s))
     }
 
@@ -716,7 +790,11 @@ impl Inner {
             if session.streams.fetch_sub(1, Ordering::SeqCst) != 1 {
                 return;
             }
-            sessions.remove(&key);
+            // Closing until its transports let it go: a fence still
+            // finds it, and waits.
+            if let Some(s) = sessions.remove(&key) {
+                lock(&self.leaving).insert(key, s);
+            }
             !sessions.values().any(|s| s.remote == session.remote)
         };
         for t in &self.transports {
@@ -725,6 +803,9 @@ impl Inner {
         if last {
             self.inbox.depart(&session.remote);
         }
+        lock(&self.leaving).remove(&key);
+        *lock(&session.gone) = true;
+        session.gone_cv.notify_all();
     }
 
     fn serve_data(
@@ -762,6 +843,11 @@ impl Inner {
             let Some(raw) = c.reader.next_header(c.idle)? else {
                 return Ok(());
             };
+            // A settled session, or a closing agent, lands nothing more:
+            // what its initiator sent before is dropped unread.
+            if session.fenced.load(Ordering::SeqCst) || self.closing.load(Ordering::SeqCst) {
+                return Ok(());
+            }
             let frame = Frame::decode(&raw).map_err(|e| violation(e.to_string()))?;
             c.idle.header_in(frame.body_len());
             let finished = match frame {

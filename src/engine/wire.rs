@@ -66,6 +66,9 @@ pub mod status {
     pub const AUTH_REQUIRED: u16 = 16;
     /// AuthResult: the initiator's proof did not check out.
     pub const AUTH_FAILED: u16 = 17;
+    /// Settled: the session's streams had not all ended within the
+    /// target's I/O timeout (a stream busy landing a frame); ask again.
+    pub const STILL_LANDING: u16 = 22;
 }
 
 const K_HELLO: u8 = 1;
@@ -91,6 +94,8 @@ const K_ABORT: u8 = 21;
 const K_KEEPALIVE: u8 = 22;
 const K_CLOSING: u8 = 23;
 const K_TRANSPORT: u8 = 24;
+const K_SETTLE: u8 = 25;
+const K_SETTLED: u8 = 26;
 
 /// Largest `AuthHello` / `AuthChallenge` body: nonce, MAC, longest name.
 pub const MAX_AUTH_BODY: u32 =
@@ -309,6 +314,28 @@ pub enum Frame {
     /// fails its requests with that reason.
     Closing {
         /// Why (a `RejectReason` code).
+        status: u16,
+    },
+    /// First frame after the handshake of a side connection: ends the
+    /// session `(instance, link)` of the agent the connection
+    /// authenticated as (a link of its that broke with requests whose data
+    /// the target may still be reading). The target lands nothing more of
+    /// that session's streams and answers [`Frame::Settled`] once they all
+    /// ended.
+    Settle {
+        /// The initiator's instance id (as in its `Hello`).
+        instance: u64,
+        /// The link's id (as in its `Hello`).
+        link: u64,
+    },
+    /// Answer to [`Frame::Settle`]: `status::OK` when no stream of the
+    /// session is left (or it never existed), so nothing of it lands any
+    /// more; `status::STILL_LANDING` when one had not ended in time.
+    Settled {
+        /// The target's instance id: one other than the link's target
+        /// means that agent is gone.
+        instance: u64,
+        /// `status::OK` or `status::STILL_LANDING`.
         status: u16,
     },
     /// A frame of one transport's own, on the control stream of that
@@ -629,6 +656,16 @@ impl Frame {
                 h.kind = K_CLOSING;
                 h.status = status.into();
             }
+            Frame::Settle { instance, link } => {
+                h.kind = K_SETTLE;
+                h.id = instance.into();
+                h.len = link.into();
+            }
+            Frame::Settled { instance, status } => {
+                h.kind = K_SETTLED;
+                h.id = instance.into();
+                h.status = status.into();
+            }
             Frame::AuthHello { keyed, body_len } => {
                 h.kind = K_AUTH_HELLO;
                 h.flags = u8::from(keyed);
@@ -835,6 +872,14 @@ impl Frame {
             K_CLOSING => Frame::Closing {
                 status: h.status.get(),
             },
+            K_SETTLE => Frame::Settle {
+                instance: h.id.get(),
+                link: h.len.get(),
+            },
+            K_SETTLED => Frame::Settled {
+                instance: h.id.get(),
+                status: h.status.get(),
+            },
             K_AUTH_HELLO | K_AUTH_CHALLENGE => {
                 if h.flags > 1 {
                     return Err(WireError::BadField("auth flags"));
@@ -1032,6 +1077,14 @@ mod tests {
             },
             Frame::Keepalive,
             Frame::Closing { status: 19 },
+            Frame::Settle {
+                instance: 7,
+                link: u64::MAX,
+            },
+            Frame::Settled {
+                instance: 9,
+                status: status::STILL_LANDING,
+            },
             Frame::AuthHello {
                 keyed: true,
                 body_len: 40,

@@ -636,6 +636,31 @@ enum kvxfer_result kvxfer_status_is_completed(const struct kvxfer_status *status
 // None beyond a valid or NULL handle.
 enum kvxfer_result kvxfer_status_wait(const struct kvxfer_status *status, int64_t timeout_ms);
 
+// Writes whether the transfer finished and no byte of it can land any
+// more, in either agent's memory: false while it runs, and after a
+// failure that broke the connection (`KVXFER_ERR_PEER_TIMEOUT`,
+// `KVXFER_ERR_CONNECTION_LOST`, ...) until `kvxfer_status_wait_settled`
+// proved it. Until then, treat a WRITE's destination as still being
+// written.
+//
+// # Safety
+// `out` is valid for a write.
+enum kvxfer_result kvxfer_status_is_settled(const struct kvxfer_status *status, bool *out);
+
+// Waits up to `timeout_ms` (at least 0) in all for the transfer to finish
+// and for proof that no byte of it can land any more: after a failure
+// that broke the connection, the target is asked to end the broken
+// link's streams. Returns `KVXFER_OK` once settled, whatever the
+// transfer's outcome; `KVXFER_ERR_TIMEOUT` when the transfer or the
+// target's answer did not come in time (a stopped target);
+// `KVXFER_ERR_UNSETTLED` on libfabric while the target still runs; the
+// error of reaching the target otherwise. May be called again.
+//
+// # Safety
+// None beyond a valid or NULL handle.
+enum kvxfer_result kvxfer_status_wait_settled(const struct kvxfer_status *status,
+                                              int64_t timeout_ms);
+
 // Asks for the transfer to be aborted and writes whether it was still
 // running (`*out`: true; false when it had already finished, its outcome
 // standing). Does not block: nothing more of the request is sent, its

@@ -393,6 +393,7 @@ impl From<Error> for Fail {
             Error::ConnectionLost { .. } => KVXFER_ERR_CONNECTION_LOST,
             Error::Connect { .. } => KVXFER_ERR_CONNECT,
             Error::PeerTimedOut { .. } => KVXFER_ERR_PEER_TIMEOUT,
+            Error::StillLanding { .. } => KVXFER_ERR_UNSETTLED,
             Error::Timeout { .. } => KVXFER_ERR_TIMEOUT,
             Error::Closed => KVXFER_ERR_CLOSED,
             Error::WouldBlock { .. } => KVXFER_ERR_WOULD_BLOCK,
@@ -1429,6 +1430,56 @@ pub unsafe extern "C" fn kvxfer_status_wait(
             TransferState::Completed => KVXFER_OK,
             TransferState::InProgress => KVXFER_IN_PROGRESS,
         })
+    })
+}
+
+/// Writes whether the transfer finished and no byte of it can land any
+/// more, in either agent's memory: false while it runs, and after a
+/// failure that broke the connection (`KVXFER_ERR_PEER_TIMEOUT`,
+/// `KVXFER_ERR_CONNECTION_LOST`, ...) until `kvxfer_status_wait_settled`
+/// proved it. Until then, treat a WRITE's destination as still being
+/// written.
+///
+/// # Safety
+/// `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_status_is_settled(
+    status: *const kvxfer_status,
+    out: *mut bool,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let s = unsafe { live(status, Kind::Status, "status")? };
+        non_null(out, "out")?;
+        // SAFETY: non-null and valid for a write.
+        unsafe { *out = s.status.is_settled() };
+        Ok(KVXFER_OK)
+    })
+}
+
+/// Waits up to `timeout_ms` (at least 0) in all for the transfer to finish
+/// and for proof that no byte of it can land any more: after a failure
+/// that broke the connection, the target is asked to end the broken
+/// link's streams. Returns `KVXFER_OK` once settled, whatever the
+/// transfer's outcome; `KVXFER_ERR_TIMEOUT` when the transfer or the
+/// target's answer did not come in time (a stopped target);
+/// `KVXFER_ERR_UNSETTLED` on libfabric while the target still runs; the
+/// error of reaching the target otherwise. May be called again.
+///
+/// # Safety
+/// None beyond a valid or NULL handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_status_wait_settled(
+    status: *const kvxfer_status,
+    timeout_ms: i64,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let s = unsafe { live(status, Kind::Status, "status")? };
+        let timeout = u64::try_from(timeout_ms)
+            .map_err(|_| Error::InvalidRequest("timeout_ms must be at least 0".into()))?;
+        s.status.wait_settled(Duration::from_millis(timeout))?;
+        Ok(KVXFER_OK)
     })
 }
 

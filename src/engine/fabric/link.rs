@@ -135,6 +135,9 @@ impl Drop for FabricParts {
 impl SocketPath for FabricParts {
     type Job = std::convert::Infallible;
 
+    /// The provider moves the data, outside the link's session.
+    const SESSION_SETTLES: bool = false;
+
     fn submit(link: Arc<FabricLink>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
         submit(link, sub)
     }
@@ -169,6 +172,7 @@ impl SocketPath for FabricParts {
                 .broken
                 .clone()
                 .unwrap_or(Error::Closed);
+            g.link.unsettle(&g.pending);
             g.abandon(cause);
         }
         fail_frames(fenced, &Error::Closed);

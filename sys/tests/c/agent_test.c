@@ -186,6 +186,13 @@ int main(void) {
   CHECK(kvxfer_status_abort(st, &running));
   EXPECT(!running);
   CHECK(kvxfer_status_wait(st, 0));
+  /* A finished transfer is settled: nothing of it can land any more. */
+  bool settled = false;
+  CHECK(kvxfer_status_is_settled(st, &settled));
+  EXPECT(settled);
+  CHECK(kvxfer_status_wait_settled(st, 0));
+  EXPECT_ERR(kvxfer_status_wait_settled(st, -1), KVXFER_ERR_INVALID_ARGUMENT, "timeout_ms");
+  EXPECT_ERR(kvxfer_status_is_settled(st, NULL), KVXFER_ERR_NULL_ARGUMENT, "out");
   CHECK(kvxfer_status_free(st));
 
   /* Abort: 64 MiB (the region 64 times over) goes out, and a second such

@@ -338,6 +338,50 @@ fn checked_requests_over_shm_land_whole() {
     assert!(matches!(e, Error::InvalidRequest(_)), "{e}");
 }
 
+/// Every `Commit` with a sync message carries the message's CRC32C (in
+/// `key`, bit 32 set): a hand-written initiator's commit whose message
+/// does not match it is refused (status 21) and the message is never
+/// delivered; the right one is; a commit without one is taken as before;
+/// a malformed `key` is a protocol violation.
+#[test]
+fn a_damaged_sync_message_is_refused_and_never_delivered() {
+    use common::raw::{ACK, COMMIT, Hdr, RawConn};
+    let target = make_transfer_agent(Backend::Tcp, AgentConfig::new("raw-sync-target")).unwrap();
+    let mut c = RawConn::connect(&target.local_connection_info());
+    c.auth(
+        "raw-syncer",
+        kvxfer::Credential::from_env().unwrap().as_ref(),
+    )
+    .unwrap();
+    assert_eq!(c.hello("raw-syncer", 78).unwrap().status, 0);
+    let mut commit = |id: u64, msg: &[u8], key: u64| {
+        let mut h = Hdr::new(COMMIT);
+        h.flags = 1 | 0x80; // write, sync message
+        h.id = id;
+        h.aux = msg.len() as u32;
+        h.key = key;
+        c.send(h, msg).unwrap();
+        c.recv().map(|a| {
+            assert_eq!((a.kind, a.id), (ACK, id));
+            a.status
+        })
+    };
+    let msg = b"blocks 0-15 landed";
+    let crc = common::raw::crc32c(msg);
+    let mut damaged = msg.to_vec();
+    damaged[3] ^= 0x10;
+    assert_eq!(commit(1, &damaged, 1 << 32 | u64::from(crc)), Some(21));
+    assert_eq!(commit(2, msg, 1 << 32 | u64::from(crc)), Some(0));
+    assert_eq!(commit(3, b"unchecked", 0), Some(0));
+    let msgs = target.take_sync_messages();
+    assert_eq!(
+        msgs[&"raw-syncer".to_string()],
+        vec![msg.to_vec(), b"unchecked".to_vec()],
+        "the damaged message was delivered"
+    );
+    assert_eq!(commit(4, msg, 2 << 32 | u64::from(crc)), None);
+}
+
 #[test]
 fn a_commit_whose_check_does_not_match_fails_and_delivers_nothing() {
     // A hand-written initiator commits a request whose data "moved beside

@@ -956,6 +956,7 @@ impl Inner {
                     has_sync,
                     durable,
                     checks,
+                    sync_crc,
                 } => {
                     if durable {
                         session.durable(req);
@@ -967,6 +968,17 @@ impl Inner {
                             .mid_frame(|r| read_sync(r, inbox, remote, has_sync, sync_len, idle))?
                     } else {
                         c.read_sync(&self.inbox, has_sync, sync_len)?
+                    };
+                    // A damaged sync message is never delivered: the
+                    // request fails its check.
+                    let sync = match (sync, sync_crc) {
+                        (SyncBody::Held((m, _)), Some(crc))
+                            if crate::integrity::crc32c(&m) != crc =>
+                        {
+                            tracing::warn!(agent = %self.config.name, remote = %session.remote, req, "a sync message failed its CRC32C: the request is refused");
+                            SyncBody::Refused(RejectReason::Integrity)
+                        }
+                        (s, _) => s,
                     };
                     if checks > 0 {
                         // Data moved beside the stream (its copy is over):

@@ -1022,6 +1022,7 @@ impl Framed {
                         has_sync: sync.is_some(),
                         durable: *durable,
                         checks: (checks.len() / CHECK_ENTRY) as u32,
+                        sync_crc: sync.as_deref().map(crate::integrity::crc32c),
                     }
                     .encode(),
                 );

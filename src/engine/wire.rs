@@ -266,6 +266,11 @@ pub enum Frame {
         /// computed over its side of it, checked by the target before it
         /// finishes the request. At most [`MAX_CHECKS`].
         checks: u32,
+        /// The CRC32C of the sync message, which the target checks before
+        /// it delivers it (a mismatch refuses the request: status 21).
+        /// Carried in `key` with bit 32 set; `None` (0) from a sender that
+        /// computes none.
+        sync_crc: Option<u32>,
     },
     /// `count` small WRITE segments in one frame: a table of `count`
     /// (address, length) pairs (16 bytes each, little-endian) follows, then
@@ -442,6 +447,10 @@ pub(crate) fn mem_from_code(c: u8) -> Result<MemoryType, WireError> {
 /// frame is checked end to end (a seal in the header, a CRC32C trailer
 /// after the payload).
 const CHECKED: u8 = 0x80;
+
+/// Marks a `Commit`'s `key` as carrying its sync message's CRC32C (in
+/// the low 32 bits).
+const SYNC_CRC: u64 = 1 << 32;
 
 /// Length of the CRC32C trailer after a checked frame's payload.
 pub const TRAILER_LEN: usize = 4;
@@ -747,6 +756,7 @@ impl Frame {
                 has_sync,
                 durable,
                 checks,
+                sync_crc,
             } => {
                 h.kind = K_COMMIT;
                 h.flags = op_flags(op, has_sync)
@@ -756,6 +766,7 @@ impl Frame {
                 h.len = segments.into();
                 h.aux = sync_len.into();
                 h.addr = u64::from(checks).into();
+                h.key = sync_crc.map_or(0, |c| SYNC_CRC | u64::from(c)).into();
             }
             Frame::Fence { req } => {
                 h.kind = K_FENCE;
@@ -987,6 +998,11 @@ impl Frame {
                         .filter(|n| (1..=MAX_CHECKS).contains(n))
                         .ok_or(WireError::BadField("commit checks"))?
                 },
+                sync_crc: match h.key.get() {
+                    0 => None,
+                    k if k >> 32 == SYNC_CRC >> 32 && h.flags & 0x80 != 0 => Some(k as u32),
+                    _ => return Err(WireError::BadField("commit sync checksum")),
+                },
             },
             K_FENCE => Frame::Fence { req: h.id.get() },
             K_ABORT => Frame::Abort {
@@ -1153,6 +1169,7 @@ mod tests {
                 has_sync: true,
                 durable: false,
                 checks: 0,
+                sync_crc: None,
             },
             Frame::Commit {
                 req: 12,
@@ -1162,6 +1179,7 @@ mod tests {
                 has_sync: true,
                 durable: false,
                 checks: MAX_CHECKS,
+                sync_crc: Some(0),
             },
             Frame::Write {
                 req: 5,
@@ -1189,6 +1207,7 @@ mod tests {
                 has_sync: true,
                 durable: true,
                 checks: 1,
+                sync_crc: Some(u32::MAX),
             },
             Frame::Fence { req: 13 },
             Frame::Abort {
@@ -1365,6 +1384,7 @@ mod tests {
             has_sync: true,
             durable: false,
             checks: 3,
+            sync_crc: None,
         };
         assert_eq!(c.body_len(), 5 + 3 * CHECK_ENTRY as u64);
         let mut h = c.encode();

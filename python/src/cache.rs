@@ -510,7 +510,8 @@ impl PyCacheReceiver {
     /// Totals over the requests this receiver finished, as a dict:
     /// `completed`, `cancelled`, `failed`, `unsettled`, `bytes`,
     /// `strangers` (messages from agents not party to the request they
-    /// name, dropped), `partials_dropped`.
+    /// name, dropped), `partials_dropped`, `cancels_resent` (cancels sent
+    /// again to ranks that had not confirmed).
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let m = self.r.metrics();
         let d = PyDict::new(py);
@@ -518,6 +519,7 @@ impl PyCacheReceiver {
         d.set_item("cancelled", m.cancelled)?;
         d.set_item("failed", m.failed)?;
         d.set_item("unsettled", m.unsettled)?;
+        d.set_item("cancels_resent", m.cancels_resent)?;
         d.set_item("bytes", m.bytes)?;
         d.set_item("strangers", m.strangers)?;
         d.set_item("partials_dropped", m.partials_dropped)?;

@@ -92,6 +92,9 @@ pub struct Metrics {
     /// [`Unsettled`](crate::cache::CacheError::Unsettled): a context rank
     /// did not confirm in time that it stopped writing.
     pub unsettled: u64,
+    /// `Cancel`s sent again to context ranks that had not confirmed that
+    /// they stopped (the first, or its answer, may have been lost).
+    pub cancels_resent: u64,
 }
 
 impl Metrics {

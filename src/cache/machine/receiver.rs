@@ -115,6 +115,10 @@ struct Req {
     /// Once failed or cancelling: when the senders still open are given up
     /// on (the outcome is then reported `Unsettled`).
     settle_by: Option<Instant>,
+    /// Once failed or cancelling, while a sender is still open: when the
+    /// `Cancel` goes to it again (it, or its `Cancelled`, may have been
+    /// lost; a rank answers every `Cancel` once its writes ended).
+    resend_at: Option<Instant>,
     /// The outcome was reported.
     reported: bool,
     start: Instant,
@@ -153,6 +157,13 @@ impl Req {
     fn party(&self, agent: &str) -> bool {
         self.senders.contains_key(agent) || self.asked.iter().any(|a| a == agent)
     }
+}
+
+/// How often an ending request's `Cancel` goes again to the senders that
+/// have not confirmed: a fifth of the settle timeout (at least 10 ms, at
+/// most 2 s), so a lost message costs a fraction of it.
+fn resend_every(settle_timeout: Duration) -> Duration {
+    (settle_timeout / 5).clamp(Duration::from_millis(10), Duration::from_secs(2))
 }
 
 /// The generation side of the KV-cache protocol for one rank, without I/O
@@ -314,6 +325,7 @@ impl ReceiverMachine {
                 cancelling: false,
                 failure: None,
                 settle_by: None,
+                resend_at: None,
                 reported: false,
                 start: now,
                 request_info: Duration::ZERO,
@@ -432,6 +444,8 @@ impl ReceiverMachine {
         };
         r.cancelling = true;
         r.settle_by.get_or_insert(now + self.config.settle_timeout);
+        r.resend_at
+            .get_or_insert(now + resend_every(self.config.settle_timeout));
         for a in r.asked.clone() {
             if !r.settled.contains(&a) {
                 self.transmits.push_back(Transmit {
@@ -613,7 +627,14 @@ impl ReceiverMachine {
                 self.events
                     .push_back(ReceiverEvent::Forgotten { request_id: id });
             } else if r.ending() {
-                if r.settle_by.is_some_and(|t| now >= t) {
+                let (resend, late) = (
+                    r.resend_at.is_some_and(|t| now >= t),
+                    r.settle_by.is_some_and(|t| now >= t),
+                );
+                if resend {
+                    self.ask_again(id, now);
+                }
+                if late {
                     self.settle(id, now);
                 }
             } else if now >= r.deadline {
@@ -637,15 +658,41 @@ impl ReceiverMachine {
         self.reqs
             .values()
             .filter_map(|r| {
-                if r.reported {
+                let due = if r.reported {
                     r.expire
                 } else if r.ending() {
                     r.settle_by
                 } else {
                     Some(r.deadline)
-                }
+                };
+                due.into_iter().chain(r.resend_at).min()
             })
             .min()
+    }
+
+    /// Sends the `Cancel` of ending request `id` again to every sender
+    /// still open (neither delivered nor confirmed, and still in the
+    /// cluster): one that lost it, or whose `Cancelled` was lost, answers
+    /// now. Again every [`resend_every`] until they settled or the
+    /// request is forgotten.
+    fn ask_again(&mut self, id: u64, now: Instant) {
+        let every = resend_every(self.config.settle_timeout);
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        let open: Vec<String> = r
+            .open_senders()
+            .filter(|(a, _)| !r.gone.contains(*a))
+            .map(|(a, _)| a.clone())
+            .collect();
+        r.resend_at = (!open.is_empty()).then_some(now + every);
+        for a in open {
+            self.metrics.cancels_resent += 1;
+            self.transmits.push_back(Transmit {
+                to: a,
+                msg: Msg::Cancel { request_id: id },
+            });
+        }
     }
 
     /// The next message to send.
@@ -713,6 +760,8 @@ impl ReceiverMachine {
         }
         r.failure = Some((e, cancelled));
         r.settle_by.get_or_insert(now + self.config.settle_timeout);
+        r.resend_at
+            .get_or_insert(now + resend_every(self.config.settle_timeout));
         if !r.cancelling {
             for a in &r.asked {
                 let delivered = r.senders.get(a).is_some_and(|v| v.done.is_some());

@@ -1013,6 +1013,81 @@ fn lost_messages_end_in_timeouts_not_hangs() {
     }
 }
 
+/// A lost `Cancel`, or a lost `Cancelled`, costs a resend, not the
+/// settle timeout: the generation side asks the ranks that have not
+/// confirmed again (a fifth of the settle timeout later), and each
+/// answers once its writes ended. Only the rank that lost a message is
+/// asked again. A confirmation lost after the outcome was reported
+/// `Unsettled` (every answer lost until then) still settles the request
+/// later.
+#[test]
+fn a_lost_confirmation_is_asked_for_again() {
+    let every = SETTLE / 5;
+    for lost in ["Cancel", "Cancelled"] {
+        let mut p = Pair::new(state(2, 1), state(1, 1));
+        let first = std::cell::Cell::new(true);
+        p.lose = Box::new(move |from, to, m| {
+            let hit = match (lost, m) {
+                ("Cancel", Msg::Cancel { .. }) => to == name(Side::Ctx, 1),
+                ("Cancelled", Msg::Cancelled { .. }) => from == name(Side::Ctx, 1),
+                _ => false,
+            };
+            hit && first.replace(false)
+        });
+        // Writes end only when aborted: a rank that missed the cancel
+        // never delivers, so only a confirmation can settle it.
+        p.writes = Writes::Hang;
+        p.start(ID, 3);
+        p.step();
+        let t_cancel = p.now;
+        p.cancel_gen(0, ID).unwrap();
+        p.run();
+        let g = p.gen_outcomes(0);
+        assert_eq!(g.len(), 1, "{lost}");
+        assert!(
+            matches!(g[0].1, Err(CacheError::Cancelled { .. })),
+            "{lost}: {:?}",
+            g[0].1
+        );
+        let took = g[0].0 - t_cancel;
+        assert!(
+            took >= every && took < every + Duration::from_millis(50),
+            "{lost}: settled {took:?} after the cancel"
+        );
+        assert_eq!(p.settled(0).len(), 1, "{lost}");
+        let m = p.receivers[0].metrics();
+        assert_eq!((m.unsettled, m.cancels_resent), (0, 1), "{lost}");
+        p.assert_quiet();
+    }
+
+    // Every confirmation from rank 1 lost until after the settle timeout.
+    let mut p = Pair::new(state(2, 1), state(1, 1));
+    let t0 = p.t0;
+    let until = t0 + TIMEOUT;
+    let clock = std::rc::Rc::new(std::cell::Cell::new(t0));
+    let seen = std::rc::Rc::clone(&clock);
+    p.lose = Box::new(move |from, _, m| {
+        matches!(m, Msg::Cancelled { .. }) && from == name(Side::Ctx, 1) && seen.get() < until
+    });
+    p.writes = Writes::Hang;
+    p.start(ID, 3);
+    p.step();
+    p.cancel_gen(0, ID).unwrap();
+    while p.step() {
+        clock.set(p.now);
+    }
+    let g = p.gen_outcomes(0);
+    assert!(
+        matches!(&g[0].1, Err(CacheError::Unsettled { ranks, .. }) if ranks == &[1]),
+        "{:?}",
+        g[0].1
+    );
+    let settled = p.settled(0);
+    assert_eq!(settled.len(), 1, "a late confirmation settles it");
+    assert!(settled[0] >= until && settled[0] < until + every + Duration::from_millis(50));
+    p.assert_quiet();
+}
+
 #[test]
 fn a_request_for_a_finished_id_is_refused_and_ids_can_be_reused() {
     let mut p = Pair::new(state(1, 1), state(1, 1));

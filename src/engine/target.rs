@@ -56,9 +56,10 @@ pub(in crate::engine) struct Session {
     /// [`Frame::Settle`]: its link broke): its streams land nothing more
     /// and end.
     fenced: AtomicBool,
-    /// Another handle on each of its streams' sockets, shut down to wake
-    /// them when it is fenced.
-    socks: Mutex<Vec<TcpStream>>,
+    /// Its streams' connections, by their ids in the agent's table of
+    /// incoming connections (whose handles are shut down to wake them
+    /// when it is fenced).
+    conns: Mutex<Vec<u64>>,
     /// True once the session closed (its last stream ended and its
     /// transports let it go); a fence waits for it.
     gone: Mutex<bool>,
@@ -530,6 +531,7 @@ impl Inner {
     /// descriptor requests until a `Hello` makes it a data stream of a
     /// session.
     fn serve(&self, sock: &TcpStream, pending_auth: PreAuthSlot) -> io::Result<()> {
+        let conn_id = pending_auth.id;
         sock.set_nodelay(true)?;
         sock.set_read_timeout(Some(tick(self.config.io_timeout)))?;
         sock.set_write_timeout(Some(tick(self.config.io_timeout)))?;
@@ -598,7 +600,7 @@ impl Inner {
                         return hello_ack(st, 0);
                     }
                     let key = (instance, link);
-                    let session = self.join_session(key, &authenticated, sock)?;
+                    let session = self.join_session(key, &authenticated, conn_id)?;
                     idle.session = Some(Arc::clone(&session));
                     let r = hello_ack(status::OK, session.ticket)
                         .and_then(|()| self.serve_data(sock, &mut reader, &mut idle, &session));
@@ -644,8 +646,12 @@ impl Inner {
             _ => return status::OK,
         };
         session.fenced.store(true, Ordering::SeqCst);
-        for s in lock(&session.socks).iter() {
-            let _ = s.shutdown(Shutdown::Both);
+        let conns = lock(&session.conns).clone();
+        {
+            let server = lock(&self.server);
+            for s in conns.iter().filter_map(|id| server.socks.get(id)) {
+                let _ = s.shutdown(Shutdown::Both);
+            }
         }
         let deadline = std::time::Instant::now() + self.config.io_timeout;
         let mut gone = lock(&session.gone);
@@ -722,14 +728,14 @@ impl Inner {
     /// The session `key` (an initiator's instance and link), made on its
     /// first stream, with this stream counted in it; the caller uncounts it
     /// (and removes the session after its last stream). A connection joins
-    /// only the sessions of the agent it authenticated as.
+    /// only the sessions of the agent it authenticated as; `conn` is its id
+    /// among the agent's incoming connections.
     fn join_session(
         &self,
         key: (u64, u64),
         authenticated: &str,
-        sock: &TcpStream,
+        conn: u64,
     ) -> io::Result<Arc<Session>> {
-        let handle = sock.try_clone()?;
         let mut sessions = lock(&self.sessions);
         let s = sessions.entry(key).or_insert_with(|| {
             let ticket = u128::from_le_bytes(crate::auth::random_bytes());
@@ -748,7 +754,7 @@ impl Inner {
                 open_total: Arc::clone(&self.open_requests),
                 evicted: AtomicBool::new(false),
                 fenced: AtomicBool::new(false),
-                socks: Mutex::new(Vec::new()),
+                conns: Mutex::new(Vec::new()),
                 gone: Mutex::new(false),
                 gone_cv: Condvar::new(),
             })
@@ -768,7 +774,7 @@ impl Inner {
             return Err(violation("the session was settled: its link broke"));
         }
         s.streams.fetch_add(1, Ordering::SeqCst);
-        lock(&s.socks).push(handle);
+        lock(&s.conns).push(conn);
         Ok(Arc::clone(s))
     }
 

@@ -41,7 +41,7 @@ use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -200,10 +200,21 @@ impl Caller {
             return Err(io::Error::last_os_error());
         }
         let path = std::fs::read_link(format!("/proc/self/fd/{}", mem.as_raw_fd()))?;
-        if fs.f_type != libc::PROC_SUPER_MAGIC
-            || path != Path::new(&format!("/proc/{}/mem", self.pid))
-        {
+        let own = format!("/proc/{}/mem", self.pid);
+        if fs.f_type != libc::PROC_SUPER_MAGIC || path != Path::new(&own) {
             return refuse("the file sent is not the process's own memory");
+        }
+        // The name can lie: in a mount namespace of its own, a process may
+        // mount another's memory file over its own (`/proc/<pid>/mem`
+        // shows then in the file's path). The file must be the very one
+        // the kernel names for this pid here (a stat needs no access to
+        // the process).
+        let sent = File::from(mem.try_clone()?).metadata()?;
+        let named = std::fs::metadata(&own)?;
+        if (sent.dev(), sent.ino()) != (named.dev(), named.ino()) {
+            return refuse(
+                "the file sent is another file mounted over the process's memory file's name",
+            );
         }
         // Alive now: the pid named this process when it sent the file (a
         // pid is not reused while its process lives).

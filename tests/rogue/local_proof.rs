@@ -59,6 +59,9 @@ pub(super) fn role_main(role: &str) {
             let probe = Box::new(PROVER_PROBE);
             let bait = [BAIT; 64];
             let mut s = UnixStream::connect_addr(&local_socket(instance)).unwrap();
+            if let Ok(victim) = std::env::var("KVXFER_ROGUE_MEM_OF") {
+                mount_over_own_mem(&victim);
+            }
             let mem = std::fs::File::open("/proc/self/mem").unwrap();
             let answer = present(&mut s, ticket, Some(&mem)).map_or(-1, i32::from);
             if std::env::var_os("KVXFER_ROGUE_NONDUMPABLE").is_some() {
@@ -122,6 +125,44 @@ pub(super) fn role_main(role: &str) {
         other => panic!("unknown role {other}"),
     }
     std::process::exit(0);
+}
+
+/// In a mount namespace of its own (root: no user namespace needed),
+/// mounts `/proc/<victim>/mem` over this process's own memory file, so
+/// that opening `/proc/self/mem` opens the victim's.
+fn mount_over_own_mem(victim: &str) {
+    use std::ffi::CString;
+    let c = |s: &str| CString::new(s).unwrap();
+    // SAFETY: plain system calls on NUL-terminated strings that outlive
+    // them (or null where the call takes none).
+    unsafe {
+        assert_eq!(libc::unshare(libc::CLONE_NEWNS), 0, "unshare");
+        assert_eq!(
+            libc::mount(
+                std::ptr::null(),
+                c("/").as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null()
+            ),
+            0,
+            "private mounts"
+        );
+        let from = c(&format!("/proc/{victim}/mem"));
+        let to = c(&format!("/proc/{}/mem", std::process::id()));
+        assert_eq!(
+            libc::mount(
+                from.as_ptr(),
+                to.as_ptr(),
+                std::ptr::null(),
+                libc::MS_BIND,
+                std::ptr::null()
+            ),
+            0,
+            "bind mount: {}",
+            std::io::Error::last_os_error()
+        );
+    }
 }
 
 /// The arguments that run `rogue_role_entry` alone.
@@ -293,6 +334,48 @@ fn exec_after_proof_reaches_nothing_of_the_new_program() {
     let secret = (num(&holder[3]), num(&holder[4]));
     attack_holder(&v, &mut c, &mut req, pid, &[probe, own_probe], secret);
     assert_eq!(prover.finish(), ["intact"]);
+    drop(c);
+    v.still_serves(AgentConfig::new("good"));
+}
+
+/// A process that mounted another process's memory file over its own
+/// name (in a mount namespace of its own) and sends it as its own is not
+/// bound: the file is not the one the kernel names for the process that
+/// connected. No delegated copy reaches the other process (a holder of
+/// the same user, with a secret).
+#[test]
+fn a_memory_file_mounted_over_the_provers_binds_nothing() {
+    // SAFETY: a plain system call without arguments.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!(
+            "SKIPPED a_memory_file_mounted_over_the_provers_binds_nothing: needs root (a mount namespace and a bind mount)"
+        );
+        return;
+    }
+    let v = Victim::new(Backend::Shm, AgentConfig::new("target"));
+    let (mut c, ticket) = session(&v, 82);
+    let exe = std::env::current_exe().unwrap();
+    let mut holder = Role::spawn(Command::new(&exe), "holder");
+    let held = holder.line();
+    let hpid = holder.child.id();
+    let own_probe = (num(&held[1]), num(&held[2]));
+    let secret = (num(&held[3]), num(&held[4]));
+    let mut cmd = prover_cmd(&exe, &v, ticket, Path::new("/nonexistent"));
+    cmd.env("KVXFER_ROGUE_MEM_OF", hpid.to_string());
+    let mut prover = Role::spawn(cmd, "prover");
+    let pid = prover.child.id();
+    let proved = prover.line();
+    assert_ne!(
+        proved[..2],
+        ["proved", "0"],
+        "a process was bound with another's memory file"
+    );
+    let mut req = 0;
+    // Neither as the prover (its pid) nor as the holder.
+    attack_holder(&v, &mut c, &mut req, pid, &[own_probe], secret);
+    attack_holder(&v, &mut c, &mut req, hpid, &[own_probe], secret);
+    prover.kill();
+    assert_eq!(holder.finish(), ["intact"]);
     drop(c);
     v.still_serves(AgentConfig::new("good"));
 }

@@ -57,7 +57,9 @@ const BOUND: u8 = 0;
 /// cannot be bound (another user, exited, memory out of its owner's reach).
 const REFUSED: u8 = 1;
 
-/// Proof connections served at once; one more is closed unanswered.
+/// Proof connections served at once, half of them from one user at most;
+/// a new one takes the place of the oldest that has not sent its ticket
+/// (see `serve_each`).
 const MAX_PENDING: usize = 64;
 
 /// The target's local socket name for an agent instance.
@@ -272,6 +274,7 @@ fn answer(
     caller: io::Result<Caller>,
     deadline: Instant,
     bind: &(dyn Fn(u128, ProvenPeer) -> bool + Sync),
+    spoke: &dyn Fn(),
 ) {
     let (ticket, mem) = match read_ticket(&conn, deadline) {
         Ok(t) => t,
@@ -280,6 +283,7 @@ fn answer(
             return;
         }
     };
+    spoke();
     let bound = match caller.and_then(|c| c.prove(mem)) {
         Ok(peer) => bind(u128::from_le_bytes(ticket), peer),
         Err(e) => {
@@ -310,7 +314,8 @@ impl Listener {
 
     /// Serves connections until `stop` says so (checked after each accept;
     /// wake the loop with [`wake`](Self::wake)), each on a thread of its
-    /// own within `timeout` from accept, at most [`MAX_PENDING`] at once.
+    /// own within `timeout` from accept, at most [`MAX_PENDING`] at once
+    /// (silent ones giving way to new ones).
     /// `bind` gets each ticket and its proven process, and says whether it
     /// bound them. Returns once every connection has been answered or shut
     /// down.
@@ -322,14 +327,14 @@ impl Listener {
     ) {
         super::serve_each::serve_each(
             self.sock.incoming(),
-            MAX_PENDING,
+            (MAX_PENDING, MAX_PENDING / 2),
             "kvxfer-local-proof",
             stop,
-            &|conn: UnixStream| {
+            &|conn: UnixStream, spoke: &dyn Fn()| {
                 let deadline = Instant::now() + timeout;
                 // Who connected, before anything is read from them.
                 let caller = Caller::of(&conn);
-                answer(conn, caller, deadline, bind);
+                answer(conn, caller, deadline, bind, spoke);
             },
         );
     }
@@ -504,6 +509,31 @@ mod tests {
         drop(silent);
         drop(trickler);
         assert_eq!(s.stop(), vec![(42, Some(std::process::id()))]);
+    }
+
+    /// A flood of silent callers (more than the listener serves at once,
+    /// from this same user) keeps no proof out: each new caller takes the
+    /// place of the oldest silent one, and one that sent its ticket is
+    /// answered.
+    #[test]
+    fn a_flood_of_silent_callers_keeps_no_proof_out() {
+        let s = Served::start(Duration::from_secs(600));
+        let addr = SocketAddr::from_abstract_name(name(s.instance())).unwrap();
+        let mut flood: Vec<UnixStream> = (0..80)
+            .map(|_| UnixStream::connect_addr(&addr).unwrap())
+            .collect();
+        for _ in 0..10 {
+            prove(s.instance(), 42, Duration::from_secs(60)).unwrap();
+            flood.push(UnixStream::connect_addr(&addr).unwrap());
+        }
+        // The oldest were closed to make room, unanswered.
+        let mut a = [9u8];
+        flood[0]
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        assert!(matches!(flood[0].read(&mut a), Ok(0) | Err(_)));
+        drop(flood);
+        assert_eq!(s.stop().len(), 10);
     }
 
     /// A stalled connection is dropped unanswered at its deadline, however

@@ -1,7 +1,8 @@
 //! The metrics endpoint (cargo feature `metrics-endpoint`): a listener
 //! that answers `GET /metrics` with the agent's metrics in the Prometheus
 //! text format, one request per connection, each connection on a thread of
-//! its own (at most [`MAX_CLIENTS`] at once) within one deadline from
+//! its own (at most [`MAX_CLIENTS`] at once, shared fairly between
+//! addresses, silent clients giving way to new ones) within one deadline from
 //! accept to the last byte of the answer, so a client that trickles its
 //! request delays no other scrape; stopped when the agent closes.
 
@@ -19,7 +20,9 @@ use std::time::Duration;
 
 /// Longest request head read.
 const MAX_HEAD: usize = 8 << 10;
-/// Scrapes served at once; one more is closed unanswered.
+/// Clients served at once (half of them from one address at most); a
+/// new one takes the place of the oldest that has not sent its request
+/// (see `serve_each`).
 const MAX_CLIENTS: usize = 16;
 /// From accept to the last byte of the answer.
 const DEADLINE: Duration = Duration::from_secs(2);
@@ -48,12 +51,12 @@ impl MetricsServer {
                 };
                 serve_each::serve_each(
                     listener.incoming(),
-                    MAX_CLIENTS,
+                    (MAX_CLIENTS, MAX_CLIENTS / 2),
                     "kvxfer-metrics-client",
                     &stop,
-                    &|s: TcpStream| {
+                    &|s: TcpStream, spoke: &dyn Fn()| {
                         let Some(inner) = me.upgrade() else { return };
-                        if let Err(e) = answer(&inner, s, Instant::now() + DEADLINE) {
+                        if let Err(e) = answer(&inner, s, Instant::now() + DEADLINE, spoke) {
                             tracing::debug!(error = %e, "metrics request failed");
                         }
                     },
@@ -86,7 +89,7 @@ fn left(deadline: Instant) -> io::Result<Option<Duration>> {
 }
 
 /// Reads one request and answers it, all by `deadline`.
-fn answer(inner: &Inner, mut s: TcpStream, deadline: Instant) -> io::Result<()> {
+fn answer(inner: &Inner, mut s: TcpStream, deadline: Instant, spoke: &dyn Fn()) -> io::Result<()> {
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -97,6 +100,7 @@ fn answer(inner: &Inner, mut s: TcpStream, deadline: Instant) -> io::Result<()> 
         }
         head.extend_from_slice(&buf[..n]);
     }
+    spoke();
     let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
     let mut words = line.split(|&b| b == b' ');
     let (method, path) = (words.next(), words.next());

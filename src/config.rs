@@ -378,8 +378,10 @@ pub struct Limits {
     /// faster than the peers complete, instead of unbounded memory.
     pub max_requests_in_flight: usize,
     /// Most requests open at this agent as a target, over all the
-    /// connections of all peers (begun, not finished; default 262,144,
-    /// about 80 MiB of bookkeeping). Once they are all taken, a connection
+    /// connections of all peers (begun, not finished; default 262,144:
+    /// about 15 to 30 MiB of tables, an entry being about 57 bytes before
+    /// the hash tables' slack; a sync message held for a request is
+    /// counted in the inbox's budget). Once they are all taken, a connection
     /// holding its fair share (this over the sessions alive) that opens
     /// one more is closed, and one below its share is served while the
     /// session holding the most is closed instead; a closed connection's

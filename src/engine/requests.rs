@@ -20,7 +20,9 @@ struct RequestProgress<M> {
     refused: u64,
     expected: Option<u64>,
     error: Option<RejectReason>,
-    sync: Option<M>,
+    /// Boxed: most requests carry none, and an open request's entry stays
+    /// small (about 50 bytes; a target holds up to `max_open_requests`).
+    sync: Option<Box<M>>,
 }
 
 impl<M> Default for RequestProgress<M> {
@@ -113,7 +115,7 @@ impl<M> RequestTable<M> {
             return Err("more segments than the commit announced");
         }
         p.expected = Some(segments);
-        p.sync = sync;
+        p.sync = sync.map(Box::new);
         Ok(self.try_finish(req))
     }
 
@@ -127,7 +129,11 @@ impl<M> RequestTable<M> {
             Some(e) => Err(e),
             None => Ok(()),
         };
-        let sync = if outcome.is_ok() { p.sync } else { None };
+        let sync = if outcome.is_ok() {
+            p.sync.map(|b| *b)
+        } else {
+            None
+        };
         // A refusal of no segment (the sync message, a late commit) came
         // after all of the data.
         let landed = match p.refused {

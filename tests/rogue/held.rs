@@ -92,7 +92,8 @@ fn budget_spent_by_a_hog() -> (Victim, RawConn) {
 /// The exhaustion attack of the issue against a target process with the
 /// default limits: 24 connections each opening 65,534 requests that never
 /// finish (1,572,816, six times the default budget of 262,144; the target
-/// grew by 473 MiB without a budget, 157 MiB with it). The target closes connections
+/// grew by 473 MiB without a budget, 170 to 198 MiB with it, 85 to 93 MiB
+/// once an open request's sync message was boxed). The target closes connections
 /// as the budget runs out, so the requests it holds (and its memory) stay
 /// within the budget, and a good peer is served throughout.
 #[test]
@@ -142,7 +143,7 @@ fn connections_of_open_requests_stay_within_the_agent_wide_budget() {
     println!("connections still served: {alive} of 24; the target grew by {grown_mib} MiB");
     assert!(alive <= 4, "{alive} connections hold 65,532 requests each");
     assert!(alive >= 1);
-    assert!(grown_mib < 240, "the target grew by {grown_mib} MiB");
+    assert!(grown_mib < 160, "the target grew by {grown_mib} MiB");
     super::peer_still_serves(&peer);
     drop(conns);
     peer.kill();

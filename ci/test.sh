@@ -60,7 +60,7 @@ stage "KV-cache protocol on inproc (agents of one process, plain copies)"
 KVXFER_TEST_BACKEND=inproc cargo test --locked --test cache
 stage "agent suite and KV-cache protocol on tcp and shm, every agent holding a cluster secret"
 for b in tcp shm; do
-  KVXFER_SECRET="ci-cluster-secret-$$-$RANDOM" KVXFER_TEST_BACKEND=$b cargo test --locked --test agent --test cache
+  KVXFER_SECRET="$(od -An -tx1 -N24 /dev/urandom | tr -d " \n")" KVXFER_TEST_BACKEND=$b cargo test --locked --test agent --test cache
 done
 stage "RDMA verbs tests on the host (they say SKIPPED where no RDMA device exists)"
 cargo test --locked --test rdma_verbs -- --nocapture

@@ -175,8 +175,12 @@ pub fn handshake(data: &[u8]) {
     use std::io::Write;
     // Inputs up to the socket buffer: nothing to wait for.
     let data = &data[..data.len().min(64 << 10)];
-    let cred = crate::auth::Credential::new((0x42u8..0x62).collect::<Vec<u8>>())
-        .expect("32 distinct bytes");
+    let cred = crate::auth::Credential::new(
+        (0..32u8)
+            .map(|i| i.wrapping_mul(151) ^ 0x5a)
+            .collect::<Vec<u8>>(),
+    )
+    .expect("32 distinct bytes, not a pattern");
     for keyed in [false, true] {
         let (mut peer, mine) = std::os::unix::net::UnixStream::pair().expect("socketpair");
         peer.write_all(data).expect("socket buffer");

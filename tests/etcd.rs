@@ -151,7 +151,7 @@ fn a_rogue_store_writer_neither_redirects_nor_locks_out_agents() {
         return;
     };
     let p = prefix("rogue");
-    let cred = kvxfer::Credential::new(b"etcd-test-cluster-secret-0123456789".to_vec()).unwrap();
+    let cred = kvxfer::Credential::new(b"etcd-test-6f0c2e9b41a7d853e2c9".to_vec()).unwrap();
     let sealed = |name: &str| config(&etcd, name, &p).with_credential(cred.clone());
     let target = make_transfer_agent(Backend::Tcp, sealed("ctx-0")).unwrap();
     let dst = buffer(target.as_ref(), 1 << 20, 0);
@@ -500,7 +500,7 @@ fn agents_on_other_hosts_find_each_other_and_an_unplugged_host_is_gone() {
     };
     let endpoint = format!("{}:2379", Net::addr(2));
     let p = prefix("hosts");
-    let secret = "netns-cluster-secret-0123456789";
+    let secret = "netns-test-a4e19c70d3b25f86b1e7";
     let ttl = TTL.as_secs().to_string();
     let listen = format!("{}:0", Net::addr(0));
     const LEN: u64 = 64 << 20;

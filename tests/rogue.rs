@@ -258,6 +258,32 @@ fn credential(fill: u8) -> Credential {
     .unwrap()
 }
 
+/// The secrets the round-two attack found accepted are refused, typed,
+/// however they reach the agent: built directly, or read from a secret
+/// file.
+#[test]
+fn guessable_secrets_are_refused() {
+    let dir = std::env::temp_dir().join(format!("kvxfer-weak-{}", std::process::id()));
+    for weak in [
+        "abcdefgh".repeat(4),
+        "01234567".repeat(5),
+        "Password1".repeat(3),
+    ] {
+        let e = Credential::new(weak.clone().into_bytes()).unwrap_err();
+        assert!(
+            matches!(e, kvxfer::auth::CredentialError::TooWeak { .. }),
+            "{weak}: {e}"
+        );
+        std::fs::write(&dir, format!("{weak}\n")).unwrap();
+        let e = Credential::from_file(&dir).unwrap_err();
+        assert!(
+            matches!(e, kvxfer::auth::CredentialError::TooWeak { .. }),
+            "{weak}: {e}"
+        );
+    }
+    std::fs::remove_file(&dir).unwrap();
+}
+
 /// With a credential configured, a peer that does not prove it holds the
 /// secret is answered nothing: no descriptor, no keys, no data.
 #[test]

@@ -21,10 +21,12 @@ pub enum CredentialError {
     #[error("a cluster secret must be at least {MIN_SECRET_LEN} bytes, got {0}")]
     TooShort(usize),
     /// Long enough, but guessable: its estimated strength is under
-    /// [`MIN_SECRET_BITS`] (its length and the kinds of characters in it),
-    /// or it has fewer than [`MIN_SECRET_DISTINCT`] distinct bytes.
+    /// [`MIN_SECRET_BITS`] as a password cracker would count it (the
+    /// kinds of characters, common words, runs of sequences and keyboard
+    /// rows, repeats), or it has fewer than [`MIN_SECRET_DISTINCT`]
+    /// distinct bytes.
     #[error(
-        "the cluster secret is too weak: about {bits} bits from its length and kinds of characters, {distinct} distinct bytes (at least {MIN_SECRET_BITS} bits and {MIN_SECRET_DISTINCT} distinct bytes: e.g. 32 random bytes, or 32 hex digits from a random source)"
+        "the cluster secret is too weak: about {bits} bits as a guesser counts them (kinds of characters, common words, sequences, repeats), {distinct} distinct bytes (at least {MIN_SECRET_BITS} bits and {MIN_SECRET_DISTINCT} distinct bytes). Make one from a random source: `head -c 32 /dev/urandom > secret` for KVXFER_SECRET_FILE, or `openssl rand -hex 32` for KVXFER_SECRET"
     )]
     TooWeak {
         /// The estimated strength, in bits.

@@ -29,6 +29,7 @@ use sha2::Sha256;
 pub use crate::proto::{MAC_LEN, NONCE_LEN};
 
 pub(crate) mod error;
+mod strength;
 pub use error::{CredentialError, MIN_SECRET_BITS, MIN_SECRET_DISTINCT, MIN_SECRET_LEN};
 
 /// A handshake nonce.
@@ -49,10 +50,11 @@ impl fmt::Debug for Credential {
     }
 }
 
-/// Estimated strength of `secret` in bits: its length times the bits of
-/// a character drawn from the kinds it uses (lower case 26, upper case 26,
-/// digits 10, other printable ASCII 33, any other byte 256 in all), and
-/// how many distinct bytes it has. An upper bound for a secret someone
+/// Estimated strength of `secret` in bits, as a password cracker would
+/// guess it: a text secret cut into its cheapest pieces (characters of the
+/// kinds it uses, common words, runs of sequences and keyboard rows,
+/// repeats), a binary one 8 bits a byte of its shortest repeating unit;
+/// and how many distinct bytes it has. An upper bound for a secret someone
 /// chose: it only refuses what is surely weak (an offline guess needs one
 /// recorded handshake).
 pub fn secret_strength(secret: &[u8]) -> (u32, usize) {
@@ -61,23 +63,7 @@ pub fn secret_strength(secret: &[u8]) -> (u32, usize) {
         seen[usize::from(b)] = true;
     }
     let distinct = seen.iter().filter(|&&s| s).count();
-    let has = |f: fn(&u8) -> bool| secret.iter().any(f);
-    let pool: u32 = if has(|b| !(0x20..0x7f).contains(b)) {
-        256
-    } else {
-        [
-            (has(u8::is_ascii_lowercase), 26),
-            (has(u8::is_ascii_uppercase), 26),
-            (has(u8::is_ascii_digit), 10),
-            (has(|b| b.is_ascii_punctuation() || *b == b' '), 33),
-        ]
-        .iter()
-        .filter(|(present, _)| *present)
-        .map(|(_, n)| n)
-        .sum()
-    };
-    let bits = (secret.len() as f64 * f64::from(pool.max(1)).log2()).floor() as u32;
-    (bits, distinct)
+    (strength::guess_bits(secret).floor() as u32, distinct)
 }
 
 impl Credential {
@@ -250,8 +236,8 @@ mod tests {
 
     #[test]
     fn proofs_verify_with_the_same_secret_only() {
-        let k = Credential::new(*b"0123456789abcdef-0123456789abcdef").unwrap();
-        let other = Credential::new(*b"0123456789abcdef-0123456789abcdeg").unwrap();
+        let k = Credential::new(*b"9f2c4e81d07b3a65-e2f8c1d94a0b7e36").unwrap();
+        let other = Credential::new(*b"9f2c4e81d07b3a65-e2f8c1d94a0b7e37").unwrap();
         let t = transcript(b"gen-0", b"ctx-0");
         assert!(k.verify_target(&t, &k.target_tag(&t)));
         assert!(k.verify_initiator(&t, &k.initiator_tag(&t)));
@@ -316,26 +302,32 @@ mod tests {
     #[test]
     fn weak_secrets_are_refused() {
         for weak in [
-            &b"0123456789abcdef"[..],            // 16 hex digits: 64 bits
-            b"passwordpassword",                 // lower case only: 75 bits
-            &[7u8; 64],                          // one byte repeated
-            b"abababababababababababababababab", // two bytes repeated
-            b"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa1", // few distinct
+            &b"0123456789abcdef"[..],                    // a sequence twice
+            b"passwordpassword",                         // a word, repeated
+            &[7u8; 64],                                  // one byte repeated
+            b"abababababababababababababababab",         // two bytes repeated
+            b"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa1",         // few distinct
+            b"abcdefghabcdefghabcdefghabcdefgh",         // a run, four times
+            b"0123456701234567012345670123456701234567", // a run, five times
+            b"Password1Password1Password1",              // a word and a digit, three times
+            b"0123456789abcdef0123456789abcdef",         // two runs, twice
+            b"ci-cluster-secret-12345-6789",             // words and runs
         ] {
             assert!(
                 matches!(
                     Credential::new(weak.to_vec()),
                     Err(CredentialError::TooWeak { .. })
                 ),
-                "{weak:?}"
+                "{}",
+                String::from_utf8_lossy(weak)
             );
         }
-        let e = Credential::new(*b"0123456789abcdef").unwrap_err();
-        assert!(e.to_string().contains("82 bits"), "{e}");
+        let e = Credential::new(*b"abcdefghabcdefghabcdefghabcdefgh").unwrap_err();
+        assert!(e.to_string().contains("about 10 bits"), "{e}");
         for strong in [
             random_bytes::<16>().to_vec(),                // 128 random bits
-            b"0123456789abcdef0123456789abcdef".to_vec(), // 32 hex digits
-            b"ci-cluster-secret-12345-6789".to_vec(),     // mixed kinds
+            b"3f9a0c7d2e41b8a6c5d9e0f1a2b3c4d5".to_vec(), // 32 random hex digits
+            b"Zq7#mP2v!Lr9@xW4&nB6$kT1".to_vec(),         // 24 random printable
         ] {
             assert!(Credential::new(strong.clone()).is_ok(), "{strong:?}");
         }
@@ -344,12 +336,12 @@ mod tests {
     #[test]
     fn secret_file_drops_trailing_newline() {
         let dir = std::env::temp_dir().join(format!("kvxfer-auth-{}", random_u64()));
-        std::fs::write(&dir, b"0123456789abcdef-0123456789abcdef\n").unwrap();
+        std::fs::write(&dir, b"9f2c4e81d07b3a65-e2f8c1d94a0b7e36\n").unwrap();
         let k = Credential::from_file(&dir).unwrap();
         std::fs::remove_file(&dir).unwrap();
         assert_eq!(
             k,
-            Credential::new(*b"0123456789abcdef-0123456789abcdef").unwrap()
+            Credential::new(*b"9f2c4e81d07b3a65-e2f8c1d94a0b7e36").unwrap()
         );
         assert!(matches!(
             Credential::from_file("/nonexistent/kvxfer-secret"),

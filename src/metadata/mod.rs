@@ -311,9 +311,9 @@ mod tests {
     #[test]
     fn entries_are_sealed_to_their_key_with_the_credential() {
         let cred =
-            crate::auth::Credential::new(b"0123456789abcdef0123456789ABCDEF".to_vec()).unwrap();
+            crate::auth::Credential::new(b"7d1f3a9c5e0b8246-c0ffe5a1b9d4e273".to_vec()).unwrap();
         let other =
-            crate::auth::Credential::new(b"fedcba9876543210FEDCBA9876543210".to_vec()).unwrap();
+            crate::auth::Credential::new(b"e84b20c6f1a97d35-5b0e9f2c7a41d6e8".to_vec()).unwrap();
         let desc = [3u8, 1, 2, 3];
         let v = seal(Some(&cred), "/k/agents/a", &desc);
         assert_eq!(unseal(Some(&cred), "/k/agents/a", &v), Ok(&desc[..]));

@@ -60,7 +60,7 @@ int main(void) {
     char path[] = "/tmp/kvxfer-c-secret-XXXXXX";
     int fd = mkstemp(path);
     EXPECT(fd >= 0);
-    EXPECT(write(fd, "c-test-secret-0123456789\n", 25) == 25);
+    EXPECT(write(fd, "c-9e4b17d2f05a63c8e1b97a40\n", 27) == 27);
     close(fd);
     kvxfer_options keyed;
     memset(&keyed, 0, sizeof keyed);

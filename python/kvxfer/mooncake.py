@@ -44,7 +44,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from . import Agent, KvxferError, RemoteRangeNotExportedError
+from . import Agent, KvxferError, RemoteRangeNotExportedError, mooncake_metadata
 
 _log = logging.getLogger("kvxfer.mooncake")
 _ids = itertools.count(1)
@@ -111,6 +111,13 @@ class _Metadata:
 
     def _call(self, method, key, body=None, timeout=5.0):
         req = urllib.request.Request(self._url(key), data=body, method=method)
+        secret = mooncake_metadata.secret_from_env()
+        if secret is not None and method in ("PUT", "DELETE"):
+            # Writes prove the cluster secret to a server that holds it.
+            req.add_header(
+                mooncake_metadata.AUTH_HEADER,
+                mooncake_metadata.auth_header(secret, method, key, body),
+            )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.read()
 

@@ -7,9 +7,16 @@ same): one path, `/metadata?key=K`; `GET` gives the value (404 if none),
     python -m kvxfer.mooncake_metadata --port 8080 [--host 127.0.0.1]
 
 What it is for: engines publishing their segments and RPC addresses to
-each other inside one trusted cluster. It authenticates no one: it listens
-on 127.0.0.1 unless told otherwise, and an entry is replaced or deleted
-only from the address that wrote it (engines on one host share theirs).
+each other inside one trusted cluster. It listens on 127.0.0.1 unless told
+otherwise, and an entry is replaced or deleted only from the address that
+wrote it (engines on one host share theirs). Given the cluster secret
+(`--secret-file`, else `KVXFER_SECRET_FILE` / `KVXFER_SECRET`), it takes a
+`PUT` or `DELETE` only from a writer that holds it too: the request carries
+`X-Kvxfer-Auth: t=<unix seconds>;m=<hex HMAC-SHA256>` over the method, key,
+time and the body's SHA-256, within 60 s of the server's clock and never
+twice (kvxfer's Mooncake front sends it; Mooncake's own clients do not, so
+they can only read then). Reads stay open: entries are addresses, not
+secrets.
 
 Bounded: keys up to 4 KiB, values up to 16 MiB, 65,536 keys and 256 MiB of
 values in all; 64 connections at once (more are closed at once); each
@@ -18,6 +25,9 @@ idle for 10 s is closed.
 """
 
 import argparse
+import hashlib
+import hmac
+import os
 import socket
 import threading
 import time
@@ -30,6 +40,36 @@ MAX_KEYS = 65536
 MAX_TOTAL = 256 << 20
 MAX_CONNECTIONS = 64
 DEADLINE = 10.0
+# How far a writer's clock may be from the server's; proofs seen within it
+# are remembered (at most MAX_SEEN) so that none is taken twice.
+AUTH_WINDOW = 60.0
+MAX_SEEN = 65536
+AUTH_HEADER = "X-Kvxfer-Auth"
+
+
+def auth_mac(secret, method, key, stamp, body):
+    """The MAC a writer sends for `method` on `key` with `body` at `stamp`."""
+    msg = b"\n".join(
+        [b"kvxfer-metadata-v1", method.encode(), key.encode(), str(stamp).encode(),
+         hashlib.sha256(body or b"").hexdigest().encode()]
+    )
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def auth_header(secret, method, key, body, now=None):
+    """The `X-Kvxfer-Auth` value for a write (`now`: unix seconds)."""
+    stamp = int(time.time() if now is None else now)
+    return f"t={stamp};m={auth_mac(secret, method, key, stamp, body)}"
+
+
+def secret_from_env():
+    """The cluster secret as kvxfer's agents read it, or None."""
+    path = os.environ.get("KVXFER_SECRET_FILE")
+    if path:
+        with open(path, "rb") as f:
+            return f.read().rstrip()
+    value = os.environ.get("KVXFER_SECRET")
+    return value.encode() if value else None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -70,6 +110,31 @@ class _Handler(BaseHTTPRequestHandler):
     def _writer(self):
         return self.client_address[0]
 
+    def _authentic(self, method, key, body):
+        """Whether the write is proved by the cluster secret (always, when
+        the server holds none); answers 401 when not."""
+        secret = self.server.secret
+        if secret is None:
+            return True
+        fields = dict(
+            f.split("=", 1) for f in self.headers.get(AUTH_HEADER, "").split(";") if "=" in f
+        )
+        try:
+            stamp = int(fields.get("t", ""))
+        except ValueError:
+            stamp = None
+        mac = fields.get("m", "")
+        ok = (
+            stamp is not None
+            and abs(time.time() - stamp) <= AUTH_WINDOW
+            and hmac.compare_digest(mac, auth_mac(secret, method, key, stamp, body))
+            and self.server.first_sight(mac)
+        )
+        if not ok:
+            self.close_connection = True
+            self._reply(401, b"a write needs the cluster secret's proof (X-Kvxfer-Auth)")
+        return ok
+
     def do_GET(self):  # noqa: N802
         key = self._key()
         if key is None:
@@ -97,6 +162,8 @@ class _Handler(BaseHTTPRequestHandler):
         if len(body) != n:
             self.close_connection = True
             return
+        if not self._authentic("PUT", key, body):
+            return
         s = self.server
         with s.lock:
             old = s.store.get(key)
@@ -121,6 +188,8 @@ class _Handler(BaseHTTPRequestHandler):
         key = self._key()
         if key is None:
             return
+        if not self._authentic("DELETE", key, b""):
+            return
         s = self.server
         with s.lock:
             old = s.store.get(key)
@@ -139,8 +208,11 @@ class MetadataServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, host="127.0.0.1", port=8080):
+    def __init__(self, host="127.0.0.1", port=8080, secret=None):
         super().__init__((host, port), _Handler)
+        # bytes: writes need its proof (see the module docs).
+        self.secret = secret
+        self._seen = {}  # MAC -> when it may be forgotten
         self.store = {}  # key -> (value, writer's address)
         self.total = 0
         self.lock = threading.Lock()
@@ -149,6 +221,18 @@ class MetadataServer(ThreadingHTTPServer):
         self._deadlines = {}  # socket -> when its request must be in
         self._reaper = threading.Thread(target=self._reap, daemon=True)
         self._reaper.start()
+
+    def first_sight(self, mac):
+        """Whether a write's proof is new (then remembered for the window);
+        false for a replay, and when too many are remembered."""
+        now = time.monotonic()
+        with self.lock:
+            if len(self._seen) >= MAX_SEEN:
+                self._seen = {m: t for m, t in self._seen.items() if t > now}
+            if mac in self._seen or len(self._seen) >= MAX_SEEN:
+                return False
+            self._seen[mac] = now + 2 * AUTH_WINDOW
+            return True
 
     def arm(self, sock, deadline):
         """Sets (or, with None, clears) the deadline of `sock`'s request."""
@@ -209,8 +293,17 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kvxfer.mooncake_metadata")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--secret-file",
+        help="the cluster secret: writes need its proof (default: KVXFER_SECRET_FILE, KVXFER_SECRET)",
+    )
     a = p.parse_args(argv)
-    MetadataServer(a.host, a.port).serve_forever()
+    if a.secret_file:
+        with open(a.secret_file, "rb") as f:
+            secret = f.read().rstrip()
+    else:
+        secret = secret_from_env()
+    MetadataServer(a.host, a.port, secret).serve_forever()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ return codes and destination bytes must match."""
 import ctypes
 import importlib
 import multiprocessing as mp
+import time
+import urllib.error
 
 import pytest
 
@@ -290,6 +292,64 @@ def test_http_metadata_server_holds_its_bounds_against_abuse(monkeypatch):
         assert call("GET", "/metadata?key=mine") == (200, b"w" * 900)
         assert call("DELETE", "/metadata?key=mine")[0] == 200
         assert server.total == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_http_metadata_server_with_a_secret_takes_writes_only_from_members(monkeypatch):
+    """Given the cluster secret, the server takes a PUT or DELETE only with
+    a fresh proof of it: none, a wrong secret, a stale clock or a replay is
+    refused (401) and changes nothing; reads stay open; kvxfer's Mooncake
+    front, holding the secret, publishes and withdraws as before."""
+    import http.client
+    import threading
+
+    from kvxfer import mooncake_metadata as mm
+    from kvxfer.mooncake import _Metadata
+
+    secret = b"5c0d9e2a7f41b836-d2e7a90c4f1b5e63"
+    server = mm.MetadataServer("127.0.0.1", 0, secret)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host, port = server.server_address[:2]
+
+    def call(method, key, body=b"", auth=None):
+        c = http.client.HTTPConnection(host, port, timeout=10)
+        headers = {mm.AUTH_HEADER: auth} if auth else {}
+        c.request(method, f"/metadata?key={key}", body=body, headers=headers)
+        r = c.getresponse()
+        out = (r.status, r.read())
+        c.close()
+        return out
+
+    try:
+        assert call("PUT", "k", b"v")[0] == 401
+        wrong = mm.auth_header(b"another-cluster-0f9e8d7c6b5a4938", "PUT", "k", b"v")
+        assert call("PUT", "k", b"v", wrong)[0] == 401
+        stale = mm.auth_header(secret, "PUT", "k", b"v", now=time.time() - 600)
+        assert call("PUT", "k", b"v", stale)[0] == 401
+        other_body = mm.auth_header(secret, "PUT", "k", b"w")
+        assert call("PUT", "k", b"v", other_body)[0] == 401
+        assert call("GET", "k")[0] == 404
+        good = mm.auth_header(secret, "PUT", "k", b"v")
+        assert call("PUT", "k", b"v", good)[0] == 200
+        assert call("PUT", "k", b"v", good)[0] == 401  # replayed
+        assert call("GET", "k") == (200, b"v")  # reads stay open
+        assert call("DELETE", "k")[0] == 401
+        assert call("DELETE", "k", b"", mm.auth_header(secret, "DELETE", "k", b""))[0] == 200
+        # The front reads the secret as the agents do.
+        monkeypatch.setenv("KVXFER_SECRET", secret.decode())
+        meta = _Metadata(server.url)
+        meta.publish("engine-a", "127.0.0.1:1234", "127.0.0.1", 1234)
+        assert meta.lookup("engine-a") == "127.0.0.1:1234"
+        meta.withdraw("engine-a")
+        assert call("GET", "mooncake/rpc_meta/engine-a")[0] == 404
+        monkeypatch.delenv("KVXFER_SECRET")
+        try:
+            _Metadata(server.url).publish("engine-b", "x", "127.0.0.1", 1)
+            raise AssertionError("published without the secret")
+        except urllib.error.HTTPError as e:
+            assert e.code == 401
     finally:
         server.shutdown()
         server.server_close()

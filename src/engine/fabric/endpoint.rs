@@ -206,6 +206,79 @@ fn entry_of(
     }
 }
 
+/// Makes `ip` the source address of the endpoints opened with `info`
+/// (its provider's addresses being IP socket addresses of `ip`'s family,
+/// and `ip` a specific one), so the endpoint listens where the agent does
+/// and nowhere else: an agent on loopback is not reachable through its
+/// provider from the host's other interfaces. Otherwise leaves it.
+///
+/// # Safety
+/// `info` is an entry `fi_getinfo` or `fi_dupinfo` returned, not yet used
+/// to open anything; its `src_addr` was allocated with `malloc` (freed by
+/// `fi_freeinfo`).
+unsafe fn bind_source(info: *mut ffi::fi_info, ip: std::net::IpAddr) {
+    if ip.is_unspecified() {
+        return;
+    }
+    // SAFETY: `info` is valid (contract).
+    let i = unsafe { &mut *info };
+    let format = i.addr_format;
+    let bytes: Vec<u8> = match ip {
+        std::net::IpAddr::V4(v4) if format == ffi::FI_SOCKADDR_IN || format == ffi::FI_SOCKADDR => {
+            let sa = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: 0,
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(v4.octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: a plain C struct, read as its bytes.
+            unsafe { as_bytes(&sa) }
+        }
+        std::net::IpAddr::V6(v6)
+            if format == ffi::FI_SOCKADDR_IN6 || format == ffi::FI_SOCKADDR =>
+        {
+            let sa = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: 0,
+                sin6_flowinfo: 0,
+                sin6_addr: libc::in6_addr {
+                    s6_addr: v6.octets(),
+                },
+                sin6_scope_id: 0,
+            };
+            // SAFETY: as above.
+            unsafe { as_bytes(&sa) }
+        }
+        _ => return,
+    };
+    // SAFETY: a fresh allocation of the address's size, filled below;
+    // `fi_freeinfo` frees it with `free`, as it frees the one replaced.
+    unsafe {
+        let fresh = libc::malloc(bytes.len()).cast::<u8>();
+        if fresh.is_null() {
+            return;
+        }
+        ptr::copy_nonoverlapping(bytes.as_ptr(), fresh, bytes.len());
+        libc::free(i.src_addr);
+        i.src_addr = fresh.cast();
+        i.src_addrlen = bytes.len();
+    }
+    tracing::debug!(%ip, "libfabric endpoint bound where the agent listens");
+}
+
+/// The bytes of a plain C struct.
+///
+/// # Safety
+/// `T` has no padding whose bytes are uninitialised that matters to the
+/// reader (the socket address structs, zeroed in full here).
+unsafe fn as_bytes<T>(v: &T) -> Vec<u8> {
+    // SAFETY: `v` is a live `T` of `size_of::<T>()` bytes (contract).
+    unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
+        .to_vec()
+}
+
 /// Which of a provider's `domains` (in order) is RDMA device `device`'s:
 /// the one named after it (`verbs`: `mlx5_0`), or after it with a suffix
 /// of the endpoint type (`efa`: `rdmap16s27-rdm`).
@@ -321,10 +394,15 @@ impl Endpoint {
     /// and `domain`: by name; `near`: without a domain named, the domain of
     /// that RDMA device if the provider has one) and opens an endpoint on
     /// it.
+    ///
+    /// `bind`: the address the agent listens on; a socket provider (`tcp`,
+    /// `sockets`, under `ofi_rxm` or not) binds its endpoint there (see
+    /// [`bind_source`]).
     pub(super) fn open(
         provider: Option<&str>,
         domain: Option<&str>,
         near: Option<&str>,
+        bind: Option<std::net::IpAddr>,
     ) -> Result<(Self, Found), FabricError> {
         let mut ep = Endpoint {
             info: ptr::null_mut(),
@@ -382,6 +460,15 @@ impl Endpoint {
         // kept in `ep` (closed by its drop, children first).
         unsafe {
             ep.info = info;
+            // Socket providers only: an RDMA provider's IP address is its
+            // device's, which the agent's listening address need not be.
+            let sockets = CStr::from_ptr((*(*info).fabric_attr).prov_name)
+                .to_string_lossy()
+                .split(';')
+                .any(|p| p == "tcp" || p == "sockets");
+            if let Some(ip) = bind.filter(|_| sockets) {
+                bind_source(info, ip);
+            }
             let i = &*info;
             let found = Found {
                 provider: CStr::from_ptr((*i.fabric_attr).prov_name)
@@ -536,14 +623,37 @@ impl std::fmt::Debug for Endpoint {
 mod tests {
     use super::*;
 
+    /// A socket provider's endpoint listens where the agent does: on
+    /// loopback for an agent on loopback, whatever interface the provider
+    /// would pick first.
+    #[test]
+    fn a_socket_providers_endpoint_is_bound_where_the_agent_listens() {
+        let lo = std::net::IpAddr::from([127, 0, 0, 1]);
+        let (ep, _) = Endpoint::open(Some("tcp;ofi_rxm"), None, None, Some(lo)).unwrap();
+        let name = ep.name().unwrap();
+        eprintln!("bound: {name:?}");
+        assert!(name.len() >= 8, "{name:?}");
+        assert_eq!(
+            u16::from_ne_bytes([name[0], name[1]]),
+            libc::AF_INET as u16,
+            "{name:?}"
+        );
+        assert_eq!(name[4..8], [127, 0, 0, 1], "{name:?}");
+        let (ep, _) = Endpoint::open(Some("tcp;ofi_rxm"), None, None, None).unwrap();
+        eprintln!("unbound: {:?}", ep.name().unwrap());
+        // Not a socket address family: left as the provider has it.
+        let (ep, _) = Endpoint::open(Some("shm"), None, None, Some(lo)).unwrap();
+        assert!(ep.name().is_ok());
+    }
+
     #[test]
     fn a_queue_whose_wait_only_spins_is_opened_without_one() {
         // shm's wait object spins (FI_WAIT_YIELD): blocking in it would
         // keep a core busy for as long as the agent lives.
-        let (ep, _) = Endpoint::open(Some("shm"), None, None).unwrap();
+        let (ep, _) = Endpoint::open(Some("shm"), None, None, None).unwrap();
         assert!(!ep.waits);
         // tcp;ofi_rxm's is a file descriptor its sockets wake.
-        let (ep, _) = Endpoint::open(Some("tcp;ofi_rxm"), None, None).unwrap();
+        let (ep, _) = Endpoint::open(Some("tcp;ofi_rxm"), None, None, None).unwrap();
         assert!(ep.waits);
     }
 
@@ -551,7 +661,7 @@ mod tests {
     fn device_memory_is_asked_of_the_provider_chosen_for_host_memory() {
         // shm moves device memory (FI_HMEM) and then requires FI_MR_HMEM:
         // its registrations name their memory's interface.
-        let (ep, found) = Endpoint::open(Some("shm"), None, None).unwrap();
+        let (ep, found) = Endpoint::open(Some("shm"), None, None, None).unwrap();
         assert!(found.hmem);
         assert_eq!(found.provider, "shm");
         assert_ne!(
@@ -562,7 +672,7 @@ mod tests {
         );
         // tcp;ofi_rxm does not: it is opened without, rather than passed
         // over for a provider that does.
-        let (ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), None, None).unwrap();
+        let (ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), None, None, None).unwrap();
         assert!(!found.hmem);
         assert_eq!(found.provider, "tcp;ofi_rxm");
         assert_eq!(ep.mr_mode & u64::from(ffi::FI_MR_HMEM), 0);
@@ -612,23 +722,24 @@ mod tests {
             .map(|(_, d)| d.to_string_lossy().into_owned())
             .collect();
         let last = domains.last().unwrap();
-        let (_ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), None, Some(last)).unwrap();
+        let (_ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), None, Some(last), None).unwrap();
         assert_eq!(&found.domain, last, "{domains:?}");
         // A device without a domain of this provider: the provider's first.
-        let (_ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), None, Some("mlx5_9")).unwrap();
+        let (_ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), None, Some("mlx5_9"), None).unwrap();
         assert_eq!(found.domain, domains[0]);
         // A domain named is the one opened (tcp lists the others too),
         // whatever device is near; one the provider lacks is an error.
-        let (_ep, found) = Endpoint::open(Some("tcp;ofi_rxm"), Some(last), Some("mlx5_9")).unwrap();
+        let (_ep, found) =
+            Endpoint::open(Some("tcp;ofi_rxm"), Some(last), Some("mlx5_9"), None).unwrap();
         assert_eq!(&found.domain, last);
-        let Err(e) = Endpoint::open(Some("tcp;ofi_rxm"), Some("no-such-nic"), None) else {
+        let Err(e) = Endpoint::open(Some("tcp;ofi_rxm"), Some("no-such-nic"), None, None) else {
             panic!("a domain the provider lacks was opened");
         };
         assert!(e.to_string().contains("no-such-nic"), "{e}");
         // A domain named, no provider: the provider that has it, though
         // another (tcp, listing its interfaces whatever the hint) comes
         // first.
-        let (_ep, found) = Endpoint::open(None, Some("shm"), None).unwrap();
+        let (_ep, found) = Endpoint::open(None, Some("shm"), None, None).unwrap();
         assert_eq!(
             (found.provider.as_str(), found.domain.as_str()),
             ("shm", "shm")

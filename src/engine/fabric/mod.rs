@@ -546,8 +546,13 @@ impl Fabric {
         };
         let mut opened = Vec::with_capacity(domains.len());
         for d in &domains {
-            let (ep, found) = Endpoint::open(provider.as_deref(), d.as_deref(), near.as_deref())
-                .map_err(|e| unavailable(e.to_string()))?;
+            let (ep, found) = Endpoint::open(
+                provider.as_deref(),
+                d.as_deref(),
+                near.as_deref(),
+                Some(config.listen.ip()),
+            )
+            .map_err(|e| unavailable(e.to_string()))?;
             if let Some((_, first)) = opened.first()
                 && !Found::same_kind(first, &found)
             {

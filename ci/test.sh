@@ -83,7 +83,9 @@ faults_bin=$(test_bin faults)
 # The suite runs with the defaults (adaptive progress thread, shared receive
 # queue); the data-path tests once more with the progress thread on the
 # completion channel alone, with the polling progress thread and a receive
-# queue per connection, and with three queue pairs per peer; then the
+# queue per connection, and with three queue pairs per peer (without the
+# 256 MiB transfer, 80 s a run under TCG: the default run has it, and the
+# 64 KiB and 10,000-descriptor requests drive each mode's queues); then the
 # KV-cache protocol suite on RDMA.
 # ACK timeout 20 (4.3 s) instead of the library's 14 (67 ms): under TCG the
 # guest stalls for longer than 67 ms at times, each expiry resends everything
@@ -92,11 +94,12 @@ faults_bin=$(test_bin faults)
 KVXFER_RDMA_ACK_TIMEOUT=20 KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 2400 sh -c \
   "$verbs_bin --test-threads 1 --color never && $agent_bin --test-threads 2 --color never && \
    KVXFER_TEST_RDMA_PROGRESS=events $agent_bin --test-threads 2 --color never \
-     write_and_read sync_message notify_follows target_killed && \
+     write_and_read sync_message notify_follows target_killed --skip write_and_read_256_mib && \
    KVXFER_TEST_RDMA_PROGRESS=poll KVXFER_TEST_RDMA_SRQ=0 $agent_bin --test-threads 2 --color never \
-     write_and_read sync_message notify_follows target_killed write_after_target_deregistered && \
+     write_and_read sync_message notify_follows target_killed write_after_target_deregistered \
+     --skip write_and_read_256_mib && \
    KVXFER_TEST_RDMA_QPS=3 $agent_bin --test-threads 2 --color never \
-     write_and_read ten_thousand sync_message notify_follows target_killed && \
+     write_and_read ten_thousand sync_message notify_follows target_killed --skip write_and_read_256_mib && \
    $cache_bin --test-threads 2 --color never && \
    $gpu_bin --test-threads 1 --color never vram_on_rdma && \
    $faults_bin --color never"
@@ -123,14 +126,14 @@ KVXFER_TEST_BACKEND=fabric ci/rxe-guest --timeout 1800 sh -c \
    export FI_MR_CACHE_MAX_COUNT=0 && \
    $fabric_agent_bin --test-threads 2 --color never $skip_long && \
    $fabric_cache_bin --test-threads 2 --color never $skip_long"
-stage "fuzz targets (cargo fuzz, no sanitizer: stable toolchain), 30 s each from the committed corpus"
+stage "fuzz targets (cargo fuzz, no sanitizer: stable toolchain), 15 s each from the committed corpus"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install --locked cargo-fuzz --version 0.13.2
 fuzz_tmp=$(mktemp -d)
 trap 'rm -rf "$fuzz_tmp"' EXIT
 for t in agent_desc tcp_frames kv_wire handshake; do
   cp -r "fuzz/corpus/$t" "$fuzz_tmp/$t"
   # A crash fails the run (non-zero exit) and names its input.
-  if ! cargo fuzz run -s none "$t" "$fuzz_tmp/$t" -- -max_total_time="${KVXFER_FUZZ_SECS:-30}" \
+  if ! cargo fuzz run -s none "$t" "$fuzz_tmp/$t" -- -max_total_time="${KVXFER_FUZZ_SECS:-15}" \
       -rss_limit_mb=2048 -print_final_stats=1 >"$fuzz_tmp/$t.log" 2>&1; then
     tail -n 60 "$fuzz_tmp/$t.log"
     echo "fuzz target $t failed" >&2

@@ -192,9 +192,11 @@ pub(in crate::engine) fn serve_each<C: Connection>(
             let id = serial.fetch_add(1, Ordering::Relaxed);
             {
                 let Ok(c) = conn.another() else { continue };
+                // A system call: asked before the lock, not under it.
+                let source = conn.source();
                 let mut guard = lock();
                 let (handles, room) = &mut *guard;
-                match room.admit(id, conn.source(), per_source, max) {
+                match room.admit(id, source, per_source, max) {
                     Admit::Full => {
                         tracing::debug!(
                             listener = name,

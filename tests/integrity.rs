@@ -220,13 +220,21 @@ fn damaged_read_data_fails_with_integrity() {
 
 #[test]
 fn checked_requests_land_whole_in_every_layout() {
+    // 256 KiB segments, and 4 MiB ones (a WRITE's summed a chunk at a time
+    // after each `sendmsg`, small frames summed before and gathered).
+    for segment in [256 << 10, 4 << 20] {
+        land_whole_in_every_layout(segment);
+    }
+}
+
+fn land_whole_in_every_layout(segment: u64) {
     // No damage: many pieces, odd sizes, several streams, both directions.
     let target = make_transfer_agent(Backend::Tcp, AgentConfig::new("whole-target")).unwrap();
     let init = make_transfer_agent(
         Backend::Tcp,
         AgentConfig::new("whole-init")
             .with_streams_per_peer(3)
-            .with_segment_size(256 << 10),
+            .with_segment_size(segment),
     )
     .unwrap();
     let len = 6 << 20;
@@ -238,7 +246,7 @@ fn checked_requests_land_whole_in_every_layout() {
     let name = init
         .load_remote_agent_by_connection(&target.local_connection_info())
         .unwrap();
-    let layouts: [&[(u64, u64)]; 3] = [
+    let layouts: [&[(u64, u64)]; 4] = [
         &[(0, len as u64)],
         &[(1, 3), (100, 65_535), (70_001, 1 << 20), (2 << 20, 4097)],
         &[
@@ -247,6 +255,13 @@ fn checked_requests_land_whole_in_every_layout() {
             (8192, 1 << 16),
             (1 << 17, 77),
             (3 << 20, 2 << 20),
+        ],
+        // Small frames summed before, between large ones summed after.
+        &[
+            (0, 100),
+            (1 << 20, 300_000),
+            (2 << 20, 1000),
+            (5 << 20, 5000),
         ],
     ];
     for (k, layout) in layouts.iter().enumerate() {
@@ -502,4 +517,67 @@ fn in_process_copies_are_checked_and_storage_refuses() {
     init.deregister_memory(&file).unwrap();
     init.close_storage(h).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A checked WRITE aborted while its stream is held mid-frame: the frame
+/// under way ends with its trailer (summed after its chunks were sent),
+/// then the `Abort`; the stream stays in step, nothing fails its check,
+/// and the next checked WRITE lands whole on the same connection.
+#[test]
+fn a_checked_write_aborted_mid_frame_keeps_its_stream_in_step() {
+    // The default 4 MiB segments: sixteen frames, held inside the second.
+    let p = pair(Dir::Up, 0);
+    let len = 64 << 20;
+    let mut src = vec![0u8; len];
+    fill(&mut src, 5, 0);
+    let dst = vec![0u8; len];
+    register(p.init.as_ref(), &src);
+    register(p.target.as_ref(), &dst);
+    p.load();
+    let req = || {
+        TransferRequest::write(MemoryDescs::dram(&src), MemoryDescs::dram(&dst), &p.name)
+            .with_sync_message(b"landed".to_vec())
+            .with_integrity()
+    };
+    // A first request opens the connection (the proxy counts it).
+    let warm = TransferRequest::write(
+        dram([(src.as_ptr() as u64, 4096)]),
+        dram([(dst.as_ptr() as u64, 4096)]),
+        &p.name,
+    );
+    p.init
+        .submit_transfer(&warm.with_integrity())
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+
+    p.proxy.hold.after(6 << 20);
+    let st = p.init.submit_transfer(&req()).unwrap();
+    p.proxy.hold.wait_held();
+    // At most 6 MiB went through and the kernel's buffers hold far less
+    // than the rest: the request cannot have finished.
+    assert!(st.abort(), "finished before the abort: {:?}", st.poll());
+    p.proxy.hold.release();
+    assert!(
+        matches!(st.wait(WAIT), Err(Error::Aborted)),
+        "{:?}",
+        st.poll()
+    );
+    assert!(p.target.take_sync_messages().is_empty());
+
+    p.init
+        .submit_transfer(&req())
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert_eq!(first_mismatch(&dst, 5, 0), None);
+    assert_eq!(
+        counter(p.target.as_ref(), "kvxfer_integrity_failures_total"),
+        0
+    );
+    assert_eq!(
+        p.proxy.accepted.load(Ordering::Relaxed),
+        1,
+        "the abort took the connection down"
+    );
 }

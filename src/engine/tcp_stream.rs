@@ -93,9 +93,11 @@ impl TcpLink {
     /// regions' access keys).
     fn plan_streams(&self, engine: &Engine, req: &TransferRequest, keys: &[u64]) -> StreamPlan {
         let max = engine.inner.config.tcp.segment_size;
-        // A checked segment is summed just before it is sent and as it
-        // lands: no larger than what stays in the core's cache meanwhile.
-        let max = if req.integrity {
+        // A checked READ's segment is summed whole at each end (just before
+        // it is sent, once it landed): no larger than what stays in the
+        // core's cache meanwhile. A checked WRITE's is summed a chunk at a
+        // time as it goes (`write_checked`, `read_checked`).
+        let max = if req.integrity && req.op == TransferOp::Read {
             max.min(CHECK_CHUNK as u64)
         } else {
             max
@@ -351,14 +353,6 @@ impl<P: SocketPath> SocketLink<P> {
             }
             let abortable = f.marks.last().is_some_and(|m| m.2 > ABORT_CHECK_BYTES);
             let checked = checked && !f.sums.is_empty();
-            let Framed {
-                trailers,
-                sums,
-                pieces,
-                iovs,
-                marks,
-                ..
-            } = &mut f;
             // SAFETY: header iovecs point into `f.headers`, trailer iovecs
             // into `f.trailers`, the sync iovec into the job (all alive until
             // the call returns); payload iovecs (and `f.pieces`) point into
@@ -368,16 +362,12 @@ impl<P: SocketPath> SocketLink<P> {
             // acknowledgement follows these bytes).
             let written = unsafe {
                 if checked {
-                    // Each batch's CRC32Cs just before it is written.
-                    let mut sum = |frames| sum_frames(trailers, sums, pieces, frames);
-                    let batches = (CHECK_CHUNK as u64, &mut sum as &mut dyn FnMut(_));
-                    self.write_abortable(fd, iovs, marks, data_end, (req, &pending), batches)
+                    self.write_checked(fd, &mut f, data_end, (req, &pending))
                 } else if abortable {
-                    let mut nothing = |_| {};
-                    let batches = (ABORT_CHECK_BYTES, &mut nothing as &mut dyn FnMut(_));
-                    self.write_abortable(fd, iovs, marks, data_end, (req, &pending), batches)
+                    let Framed { iovs, marks, .. } = &mut f;
+                    self.write_abortable(fd, iovs, marks, data_end, (req, &pending))
                 } else {
-                    writev_all(fd, iovs, &self.clock, self.io_timeout)
+                    writev_all(fd, &mut f.iovs, &self.clock, self.io_timeout)
                 }
             };
             if let Err(e) = written {
@@ -476,12 +466,11 @@ impl<P: SocketPath> SocketLink<P> {
         send(&mut f.iovs).map_err(|e| self.io_error(e))
     }
 
-    /// Writes a job's frames as [`writev_all`] does, about `batch` bytes of
-    /// payload at a time, looking before each batch whether the request was
-    /// aborted: if so, the rest of its data frames is replaced by an
-    /// `Abort` frame counting their segments, and its tail
-    /// (`iovs[data_end..]`) follows. `before` is given each batch's data
-    /// frames (indices into `marks`) before they are written.
+    /// Writes a job's frames as [`writev_all`] does, about
+    /// `ABORT_CHECK_BYTES` of payload at a time, looking before each batch
+    /// whether the request was aborted: if so, the rest of its data frames
+    /// is replaced by an `Abort` frame counting their segments, and its tail
+    /// (`iovs[data_end..]`) follows.
     ///
     /// # Safety
     /// As [`writev_all`].
@@ -492,18 +481,13 @@ impl<P: SocketPath> SocketLink<P> {
         marks: &[(usize, usize, u64)],
         data_end: usize,
         (req, pending): (u64, &Pending),
-        (batch, before): (u64, &mut dyn FnMut(std::ops::Range<usize>)),
     ) -> io::Result<()> {
         let segments = marks.last().map_or(0, |m| m.1);
         let (mut at, mut done) = (0, (0usize, 0usize, 0u64));
         let mut m = 0;
         while m < marks.len() {
             if pending.completion.abort_requested() {
-                let abort = Frame::Abort {
-                    req,
-                    segments: (segments - done.1) as u64,
-                }
-                .encode();
+                let abort = abort_frame(req, segments - done.1);
                 let mut rest = Vec::with_capacity(1 + iovs.len() - data_end);
                 rest.push(iov(abort.as_ptr(), HEADER_LEN));
                 rest.extend_from_slice(&iovs[data_end..]);
@@ -511,11 +495,9 @@ impl<P: SocketPath> SocketLink<P> {
                 // promised.
                 return unsafe { writev_all(fd, &mut rest, &self.clock, self.io_timeout) };
             }
-            let first = m;
-            while m + 1 < marks.len() && marks[m].2 - done.2 < batch {
+            while m + 1 < marks.len() && marks[m].2 - done.2 < ABORT_CHECK_BYTES {
                 m += 1;
             }
-            before(first..m + 1);
             let end = if m + 1 == marks.len() {
                 iovs.len()
             } else {
@@ -529,6 +511,121 @@ impl<P: SocketPath> SocketLink<P> {
         }
         Ok(())
     }
+
+    /// Writes a checked WRITE job's frames, looking before each frame
+    /// whether the request was aborted (as [`Self::write_abortable`]).
+    ///
+    /// A frame of `SUM_BEFORE_MAX` payload bytes or more goes
+    /// `CHECK_CHUNK` bytes a call, each chunk added to the frame's CRC32C
+    /// right after the kernel copied it (read again from cache, not from
+    /// memory); its trailer, filled then, leads the next call. Smaller
+    /// frames are summed before they are written and gathered into calls
+    /// of about `CHECK_CHUNK` bytes.
+    ///
+    /// # Safety
+    /// As [`writev_all`]; `f` as [`Framed::writes`] and [`Framed::tail`]
+    /// left it.
+    unsafe fn write_checked(
+        &self,
+        fd: std::os::fd::RawFd,
+        f: &mut Framed,
+        data_end: usize,
+        (req, pending): (u64, &Pending),
+    ) -> io::Result<()> {
+        let Framed {
+            trailers,
+            sums,
+            pieces,
+            iovs,
+            marks,
+            ..
+        } = f;
+        let segments = marks.last().map_or(0, |m| m.1);
+        // The next iovec not yet written nor gathered into `out`.
+        let mut at = 0;
+        let mut out: Vec<libc::iovec> = Vec::new();
+        let mut out_bytes = 0u64;
+        // The payload parts of the call being made: summed once written.
+        let mut parts: Vec<(u64, u64)> = Vec::new();
+        let send = |out: &mut Vec<libc::iovec>| {
+            // SAFETY: as the caller promised for `iovs` (which `out` copies
+            // from) and `pieces`.
+            let r = unsafe { writev_all(fd, out, &self.clock, self.io_timeout) };
+            out.clear();
+            r
+        };
+        for k in 0..marks.len() {
+            let start = if k == 0 { 0 } else { marks[k - 1].0 };
+            if pending.completion.abort_requested() {
+                let done = if k == 0 { 0 } else { marks[k - 1].1 };
+                let abort = abort_frame(req, segments - done);
+                out.extend_from_slice(&iovs[at..start]);
+                out.push(iov(abort.as_ptr(), HEADER_LEN));
+                out.extend_from_slice(&iovs[data_end..]);
+                return send(&mut out);
+            }
+            let end = marks[k].0;
+            let (lo, hi) = sums[k];
+            let payload: u64 = pieces[lo..hi].iter().map(|p| p.1).sum();
+            if payload < SUM_BEFORE_MAX {
+                // SAFETY: forwarded contract.
+                unsafe { sum_frames(trailers, sums, pieces, k..k + 1) };
+                out.extend_from_slice(&iovs[at..end]);
+                at = end;
+                out_bytes += payload;
+                if out_bytes >= CHECK_CHUNK as u64 {
+                    send(&mut out)?;
+                    out_bytes = 0;
+                }
+                continue;
+            }
+            // Its trailer is the last iovec, its payload pieces the ones
+            // before it; the header (and table) before those.
+            let trailer = end - 1;
+            out.extend_from_slice(&iovs[at..trailer - (hi - lo)]);
+            let mut crc = crate::integrity::Crc32c::new();
+            let (mut p, mut off) = (lo, 0u64);
+            while p < hi {
+                let mut room = CHECK_CHUNK as u64;
+                while p < hi && room > 0 {
+                    let (addr, len) = pieces[p];
+                    let take = (len - off).min(room);
+                    out.push(iov((addr + off) as *const u8, take as usize));
+                    parts.push((addr + off, take));
+                    (off, room) = (off + take, room - take);
+                    if off == len {
+                        (p, off) = (p + 1, 0);
+                    }
+                }
+                send(&mut out)?;
+                for (addr, len) in parts.drain(..) {
+                    // SAFETY: a part of a piece, readable as the caller
+                    // promised.
+                    crc.update(unsafe {
+                        std::slice::from_raw_parts(addr as *const u8, len as usize)
+                    });
+                }
+            }
+            out_bytes = 0;
+            trailers[k] = crc.finish().to_le_bytes();
+            at = trailer;
+        }
+        out.extend_from_slice(&iovs[at..]);
+        send(&mut out)
+    }
+}
+
+/// Payload bytes below which a checked frame is summed before it is
+/// written (gathered with others into one call) rather than after.
+const SUM_BEFORE_MAX: u64 = 64 << 10;
+
+/// An `Abort` frame's header: `segments` data segments will not come.
+fn abort_frame(req: u64, segments: usize) -> [u8; HEADER_LEN] {
+    Frame::Abort {
+        req,
+        segments: segments as u64,
+    }
+    .encode()
 }
 
 impl<P: SocketPath> SocketLink<P> {
@@ -819,8 +916,7 @@ impl<P: SocketPath> IdlePolicy for LinkIdle<'_, P> {
 struct Framed {
     headers: Vec<[u8; HEADER_LEN]>,
     /// CRC32C trailers of checked frames, one per data frame, filled in
-    /// by [`sum_frames`] just before the frame is written (its payload
-    /// then still in cache for the kernel's copy).
+    /// as [`SocketLink::write_checked`] writes them.
     trailers: Vec<[u8; TRAILER_LEN]>,
     /// Per checked data frame: the range of `pieces` its trailer covers.
     sums: Vec<(usize, usize)>,
@@ -1045,7 +1141,7 @@ impl Framed {
     }
 }
 
-/// Adds a checked frame's trailer (filled in later, by [`sum_frames`])
+/// Adds a checked frame's trailer (filled in later, by [`SocketLink::write_checked`])
 /// after its payload, covering `pieces[lo..hi]`.
 fn trailer(
     trailers: &mut Vec<[u8; TRAILER_LEN]>,

@@ -438,12 +438,14 @@ impl Inner {
             if !checked {
                 return Ok(Ok(()));
             }
-            let sent = read_trailer(c)?;
+            // Summed before the trailer is read: the sender may send it
+            // only once its own sum is done.
             let mut crc = crate::integrity::Crc32c::new();
             for &(p, n) in &pieces {
                 // SAFETY: as above; each piece was just written.
                 crc.update(unsafe { std::slice::from_raw_parts(p.cast_const(), n) });
             }
+            let sent = read_trailer(c)?;
             Ok(self.check(&c.session.remote, sent, crc.finish(), (lo, hi)))
         })
     }

@@ -4,7 +4,7 @@
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 /// Which way the proxy damages.
@@ -29,8 +29,68 @@ pub struct Proxy {
     pub flipped: Arc<AtomicUsize>,
     /// Connections accepted so far.
     pub accepted: Arc<AtomicUsize>,
+    /// Holds what it carries in its direction (see [`Hold`]).
+    pub hold: Arc<Hold>,
     stop: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
+}
+
+/// Stops a proxy's carrying in its direction once a set number of bytes
+/// went through, until released: a sender held mid-request, observably.
+#[derive(Default)]
+pub struct Hold {
+    /// (bytes after which to hold, 0 for never; holding now; released).
+    state: Mutex<(u64, bool, bool)>,
+    cv: Condvar,
+}
+
+impl Hold {
+    /// Holds once `bytes` more went through (from the next read on).
+    pub fn after(&self, bytes: u64) {
+        *self.state.lock().unwrap() = (bytes, false, false);
+    }
+
+    /// Waits until it holds.
+    pub fn wait_held(&self) {
+        let g = self.state.lock().unwrap();
+        let (_g, t) = self
+            .cv
+            .wait_timeout_while(g, std::time::Duration::from_secs(60), |s| !s.1)
+            .unwrap();
+        assert!(!t.timed_out(), "the proxy never held");
+    }
+
+    /// Lets it carry on.
+    pub fn release(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.2 = true;
+        self.cv.notify_all();
+    }
+
+    /// Of `n` bytes read, how many to carry before holding (then holds
+    /// until released); `n` when not holding.
+    fn take(&self, n: usize, armed_at: &mut Option<u64>, seen: u64) -> usize {
+        let s = self.state.lock().unwrap();
+        if s.0 == 0 || s.1 {
+            *armed_at = None;
+            return n;
+        }
+        let at = *armed_at.get_or_insert(seen + s.0);
+        if seen + n as u64 <= at {
+            return n;
+        }
+        (at - seen) as usize
+    }
+
+    fn hold(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.1 = true;
+        self.cv.notify_all();
+        while !s.2 {
+            s = self.cv.wait(s).unwrap();
+        }
+        s.0 = 0;
+    }
 }
 
 impl Proxy {
@@ -46,6 +106,8 @@ impl Proxy {
         let flipped = Arc::new(AtomicUsize::new(0));
         let accepted = Arc::new(AtomicUsize::new(0));
         let stop = Arc::new(AtomicBool::new(false));
+        let hold = Arc::new(Hold::default());
+        let h = Arc::clone(&hold);
         let (a, f, n, s) = (
             Arc::clone(&armed),
             Arc::clone(&flipped),
@@ -70,8 +132,10 @@ impl Proxy {
                 let _ = down.set_nodelay(true);
                 let _ = up.set_nodelay(true);
                 let pump = |from: TcpStream, to: TcpStream, flip: bool| {
-                    let (a, f) = (Arc::clone(&a), Arc::clone(&f));
-                    std::thread::spawn(move || pump(from, to, flip.then_some((at, a, f))))
+                    let (a, f, h) = (Arc::clone(&a), Arc::clone(&f), Arc::clone(&h));
+                    std::thread::spawn(move || {
+                        pump(from, to, flip.then_some((at, a, f)), flip.then_some(h))
+                    })
                 };
                 pump(
                     down.try_clone().unwrap(),
@@ -87,6 +151,7 @@ impl Proxy {
             armed,
             flipped,
             accepted,
+            hold,
             stop,
             accept: Some(accept),
         }
@@ -105,14 +170,15 @@ impl Drop for Proxy {
 
 /// Copies `from` to `to` until either ends; with `flip`, once armed,
 /// flips bit 3 of the byte `at` bytes after the first one read since
-/// (disarming it).
+/// (disarming it); with `hold`, holds where it says.
 fn pump(
     mut from: TcpStream,
     mut to: TcpStream,
     flip: Option<(u64, Arc<AtomicBool>, Arc<AtomicUsize>)>,
+    hold: Option<Arc<Hold>>,
 ) {
     let mut buf = vec![0u8; 256 << 10];
-    let (mut seen, mut start) = (0u64, None);
+    let (mut seen, mut start, mut hold_at) = (0u64, None, None);
     loop {
         let n = match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
@@ -131,6 +197,21 @@ fn pump(
                 buf[(s + at - seen) as usize] ^= 1 << 3;
                 flipped.fetch_add(1, Ordering::Relaxed);
                 start = None;
+            }
+        }
+        if let Some(h) = &hold {
+            let first = h.take(n, &mut hold_at, seen);
+            if first < n {
+                if to.write_all(&buf[..first]).is_err() {
+                    break;
+                }
+                h.hold();
+                hold_at = None;
+                if to.write_all(&buf[first..n]).is_err() {
+                    break;
+                }
+                seen += n as u64;
+                continue;
             }
         }
         seen += n as u64;

@@ -12,6 +12,12 @@ pub(crate) fn crc32c(bytes: &[u8]) -> u32 {
     crc_fast::checksum(CrcAlgorithm::Crc32Iscsi, bytes) as u32
 }
 
+/// The CRC32C of `a` followed by `b`, from the CRC32Cs of each and the
+/// length of `b`.
+pub(crate) fn crc32c_combine(a: u32, b: u32, b_len: u64) -> u32 {
+    crc_fast::checksum_combine(CrcAlgorithm::Crc32Iscsi, a.into(), b.into(), b_len) as u32
+}
+
 /// Bytes a receiver checks at a time, right after they land: small enough
 /// to be still in the core's cache, large enough for few calls.
 pub(crate) const CHECK_CHUNK: usize = 256 << 10;
@@ -39,7 +45,7 @@ impl Crc32c {
 
 #[cfg(test)]
 mod tests {
-    use super::{Crc32c, crc32c};
+    use super::{Crc32c, crc32c, crc32c_combine};
 
     #[test]
     fn known_values() {
@@ -60,6 +66,8 @@ mod tests {
             d.update(a);
             d.update(b);
             assert_eq!(d.finish(), whole, "cut {cut}");
+            let joined = crc32c_combine(crc32c(a), crc32c(b), b.len() as u64);
+            assert_eq!(joined, whole, "combined at {cut}");
         }
     }
 

@@ -161,15 +161,22 @@ fn push_iov(v: &mut Vec<libc::iovec>, addr: u64, len: u64) {
 /// one, and when it says so the copy ends there: `Ok(false)` (the bytes
 /// copied so far are in place, the rest untouched). `Ok(true)`: all copied.
 ///
+/// `sums` (one per piece): each piece's CRC32C over its local side, the
+/// bytes of each call (then at most `integrity::CHECK_CHUNK`) summed right
+/// after it, still in cache; whole only when all was copied.
+///
 /// # Safety
 /// Every `local` range must be valid for reads (`Write`) or writes (`Read`)
-/// for the whole call, and not accessed by Rust code meanwhile.
+/// for the whole call, and not accessed by Rust code meanwhile (with
+/// `sums`, also readable, and not written meanwhile by anyone else).
 pub(crate) unsafe fn copy(
     pid: u32,
     dir: Direction,
     pieces: &[Piece],
     stop: &(dyn Fn() -> bool + Sync),
+    mut sums: Option<&mut [u32]>,
 ) -> io::Result<bool> {
+    debug_assert!(sums.as_ref().is_none_or(|s| s.len() == pieces.len()));
     let pid =
         libc::pid_t::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let mut local = Vec::with_capacity(IOV_MAX.min(pieces.len()));
@@ -182,7 +189,13 @@ pub(crate) unsafe fn copy(
         local.clear();
         remote.clear();
         let (mut j, mut o) = (i, off);
-        let mut room = CALL_MAX_BYTES;
+        // Summed: a call small enough that what it read (or wrote) here
+        // is still in the core's cache for the sum.
+        let mut room = if sums.is_some() {
+            crate::integrity::CHECK_CHUNK as u64
+        } else {
+            CALL_MAX_BYTES
+        };
         while j < pieces.len() && room > 0 {
             let p = pieces[j];
             let (l, r) = (p.local + o, p.remote + o);
@@ -223,17 +236,28 @@ pub(crate) unsafe fn copy(
         if n == 0 {
             return Err(io::Error::other("cross-memory copy made no progress"));
         }
-        // Advance by `n` bytes.
+        // Advance by `n` bytes (summing them).
         let mut left = n as u64;
         while left > 0 {
-            let rest = pieces[i].len - off;
-            if left >= rest {
-                left -= rest;
+            let take = (pieces[i].len - off).min(left);
+            if let Some(sums) = sums.as_deref_mut() {
+                // SAFETY: a part of a local piece, readable per the
+                // contract; the kernel has just copied it.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts((pieces[i].local + off) as *const u8, take as usize)
+                };
+                let c = crate::integrity::crc32c(bytes);
+                sums[i] = if off == 0 {
+                    c
+                } else {
+                    crate::integrity::crc32c_combine(sums[i], c, take)
+                };
+            }
+            left -= take;
+            off += take;
+            if off == pieces[i].len {
                 i += 1;
                 off = 0;
-            } else {
-                off += left;
-                left = 0;
             }
         }
     }
@@ -271,7 +295,8 @@ pub(crate) fn split(pieces: &[Piece], parts: usize) -> Vec<Vec<Piece>> {
 }
 
 /// [`copy`] with the pieces spread over `threads` threads (the caller's
-/// included) when there are at least `min_bytes` to move.
+/// included) when there are at least `min_bytes` to move; with `sums`, each
+/// thread sums what it copied and the parts of a split piece are combined.
 ///
 /// # Safety
 /// As [`copy`].
@@ -279,24 +304,42 @@ pub(crate) unsafe fn copy_parallel(
     pid: u32,
     dir: Direction,
     pieces: &[Piece],
-    threads: usize,
-    min_bytes: u64,
+    (threads, min_bytes): (usize, u64),
     stop: &(dyn Fn() -> bool + Sync),
+    sums: Option<&mut [u32]>,
 ) -> io::Result<bool> {
     let total: u64 = pieces.iter().map(|p| p.len).sum();
     if threads <= 1 || total < min_bytes {
         // SAFETY: forwarded contract.
-        return unsafe { copy(pid, dir, pieces, stop) };
+        return unsafe { copy(pid, dir, pieces, stop, sums) };
     }
     let parts = split(pieces, threads);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = parts[1..]
-            .iter()
-            // SAFETY: forwarded contract; each part is a subset of `pieces`.
-            .map(|part| s.spawn(move || unsafe { copy(pid, dir, part, stop) }))
+    let summed = sums.is_some();
+    let mut part_sums: Vec<Vec<u32>> = parts
+        .iter()
+        .map(|p| if summed { vec![0; p.len()] } else { Vec::new() })
+        .collect();
+    let copied = std::thread::scope(|s| {
+        let mut each = parts.iter().zip(part_sums.iter_mut());
+        let (part0, sums0) = each.next().expect("split gives one part at least");
+        let handles: Vec<_> = each
+            .map(|(part, ps)| {
+                let ps = summed.then_some(ps.as_mut_slice());
+                // SAFETY: forwarded contract; each part is a subset of
+                // `pieces`.
+                s.spawn(move || unsafe { copy(pid, dir, part, stop, ps) })
+            })
             .collect();
         // SAFETY: forwarded contract.
-        let first = unsafe { copy(pid, dir, &parts[0], stop) };
+        let first = unsafe {
+            copy(
+                pid,
+                dir,
+                part0,
+                stop,
+                summed.then_some(sums0.as_mut_slice()),
+            )
+        };
         handles
             .into_iter()
             .map(|h| {
@@ -304,7 +347,69 @@ pub(crate) unsafe fn copy_parallel(
                     .unwrap_or_else(|_| Err(io::Error::other("copy thread panicked")))
             })
             .fold(first, |acc, r| Ok(acc? & r?))
-    })
+    })?;
+    if let Some(sums) = sums
+        && copied
+    {
+        combine_parts(pieces, &parts, &part_sums, sums);
+    }
+    Ok(copied)
+}
+
+/// Each piece's sum from its parts' sums (`parts` as [`split`] made them:
+/// the pieces in order, a split piece's parts in a row).
+fn combine_parts(pieces: &[Piece], parts: &[Vec<Piece>], part_sums: &[Vec<u32>], sums: &mut [u32]) {
+    let mut parts = parts.iter().flatten().zip(part_sums.iter().flatten());
+    for (p, sum) in pieces.iter().zip(sums.iter_mut()) {
+        let mut covered = 0;
+        while covered < p.len {
+            let (part, &s) = parts.next().expect("the parts cover every piece");
+            *sum = if covered == 0 {
+                s
+            } else {
+                crate::integrity::crc32c_combine(*sum, s, part.len)
+            };
+            covered += part.len;
+        }
+    }
+}
+
+/// The CRC32C of each piece's local side, spread over `threads` threads
+/// (the caller's included) when there are at least `min_bytes`.
+///
+/// # Safety
+/// Every `local` range must be valid for reads for the whole call.
+pub(crate) unsafe fn sum_parallel(
+    pieces: &[Piece],
+    (threads, min_bytes): (usize, u64),
+) -> Vec<u32> {
+    let sum = |p: &Piece| {
+        // SAFETY: forwarded contract.
+        let bytes = unsafe { std::slice::from_raw_parts(p.local as *const u8, p.len as usize) };
+        crate::integrity::crc32c(bytes)
+    };
+    let total: u64 = pieces.iter().map(|p| p.len).sum();
+    if threads <= 1 || total < min_bytes {
+        return pieces.iter().map(sum).collect();
+    }
+    let parts = split(pieces, threads);
+    let part_sums: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = parts[1..]
+            .iter()
+            .map(|part| s.spawn(move || part.iter().map(sum).collect::<Vec<u32>>()))
+            .collect();
+        let first: Vec<u32> = parts[0].iter().map(sum).collect();
+        std::iter::once(first)
+            .chain(
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a sum does not panic")),
+            )
+            .collect()
+    });
+    let mut sums = vec![0u32; pieces.len()];
+    combine_parts(pieces, &parts, &part_sums, &mut sums);
+    sums
 }
 
 #[cfg(test)]
@@ -342,7 +447,7 @@ mod tests {
                 len: 8,
             }];
             // SAFETY: `w` is written by the kernel only.
-            unsafe { copy(pid, Direction::Read, &pieces, &|| false) }
+            unsafe { copy(pid, Direction::Read, &pieces, &|| false, None) }
         };
         let before = caps::read(None, CapSet::Effective).unwrap();
         assert!(before.contains(&caps::Capability::CAP_SYS_PTRACE));
@@ -406,13 +511,19 @@ mod tests {
                 len: 7,
             })
             .collect();
+        let mut sums = vec![0u32; pieces.len()];
         // SAFETY: `src` is valid for reads; `dst` is written by the kernel
         // only and read after the call.
         unsafe {
             assert!(
-                copy_parallel(std::process::id(), Direction::Write, &pieces, 3, 1, &|| {
-                    false
-                })
+                copy_parallel(
+                    std::process::id(),
+                    Direction::Write,
+                    &pieces,
+                    (3, 1),
+                    &|| false,
+                    Some(&mut sums)
+                )
                 .unwrap()
             )
         };
@@ -420,6 +531,84 @@ mod tests {
         for i in 0..3000 {
             assert_eq!(dst[i * 9..i * 9 + 7], src[i * 7..i * 7 + 7]);
             assert_eq!(dst[i * 9 + 7..i * 9 + 9], [0, 0]);
+            assert_eq!(sums[i], crate::integrity::crc32c(&src[i * 7..i * 7 + 7]));
+        }
+    }
+
+    /// Each piece's sum is its local side's CRC32C, also when a piece spans
+    /// several calls or is split between threads, both ways (and summed
+    /// alone, as a target checks).
+    #[test]
+    fn copies_sum_each_piece_across_calls_and_threads() {
+        let sizes = [CALL_MAX_BYTES + 3, 5 << 20, 100, 1, 3 << 20];
+        let len = sizes.iter().sum::<u64>() as usize;
+        let src: Vec<u8> = (0..len).map(|i| (i * 131 % 253) as u8).collect();
+        let dst = vec![0u8; len];
+        let mut at = 0u64;
+        let pieces: Vec<Piece> = sizes
+            .iter()
+            .map(|&n| {
+                let p = Piece {
+                    local: src.as_ptr() as u64 + at,
+                    remote: dst.as_ptr() as u64 + at,
+                    len: n,
+                };
+                at += n;
+                p
+            })
+            .collect();
+        let want: Vec<u32> = pieces
+            .iter()
+            .map(|p| {
+                let o = (p.local - src.as_ptr() as u64) as usize;
+                crate::integrity::crc32c(&src[o..o + p.len as usize])
+            })
+            .collect();
+        for threads in [1, 2, 3, 7] {
+            let mut sums = vec![0u32; pieces.len()];
+            // SAFETY: `src` is valid for reads; `dst` is written by the
+            // kernel only and read after the call.
+            let copied = unsafe {
+                copy_parallel(
+                    std::process::id(),
+                    Direction::Write,
+                    &pieces,
+                    (threads, 1),
+                    &|| false,
+                    Some(&mut sums),
+                )
+            };
+            assert!(copied.unwrap());
+            assert_eq!(sums, want, "{threads} threads, write");
+            assert!(std::hint::black_box(&dst) == &src);
+            // READ back into a fresh buffer: the sums are of what landed.
+            let back = vec![0u8; len];
+            let rev: Vec<Piece> = pieces
+                .iter()
+                .map(|p| Piece {
+                    local: back.as_ptr() as u64 + (p.local - src.as_ptr() as u64),
+                    remote: p.remote,
+                    len: p.len,
+                })
+                .collect();
+            let mut sums = vec![0u32; pieces.len()];
+            // SAFETY: `back` is written by the kernel only, `dst` read.
+            let copied = unsafe {
+                copy_parallel(
+                    std::process::id(),
+                    Direction::Read,
+                    &rev,
+                    (threads, 1),
+                    &|| false,
+                    Some(&mut sums),
+                )
+            };
+            assert!(copied.unwrap());
+            assert_eq!(sums, want, "{threads} threads, read");
+            assert!(std::hint::black_box(&back) == &src);
+            // SAFETY: `src` is valid for reads.
+            let summed = unsafe { sum_parallel(&pieces, (threads, 1)) };
+            assert_eq!(summed, want, "{threads} threads, summed");
         }
     }
 
@@ -449,7 +638,7 @@ mod tests {
         let stop = || calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 1;
         // SAFETY: `src` is valid for reads; `dst` is written by the kernel
         // only and read after the call.
-        let done = unsafe { copy(std::process::id(), Direction::Write, &pieces, &stop) };
+        let done = unsafe { copy(std::process::id(), Direction::Write, &pieces, &stop, None) };
         assert!(!done.unwrap());
         let dst = std::hint::black_box(dst);
         let copied = dst.iter().take_while(|&&b| b == 0xa5).count();
@@ -496,7 +685,7 @@ mod tests {
                 // SAFETY: `src` is readable; `other` is written by the kernel
                 // only and read after the call.
                 assert!(unsafe {
-                    copy(std::process::id(), Direction::Write, &w, &|| false).unwrap()
+                    copy(std::process::id(), Direction::Write, &w, &|| false, None).unwrap()
                 });
             }
             let pieces: Vec<Piece> = (0..n)
@@ -508,7 +697,7 @@ mod tests {
                 .collect();
             // SAFETY: local ranges lie in `src` (readable) or `here`
             // (written by the kernel only, read after the call).
-            assert!(unsafe { copy(std::process::id(), dir, &pieces, &|| false).unwrap() });
+            assert!(unsafe { copy(std::process::id(), dir, &pieces, &|| false, None).unwrap() });
             let (other, here) = (std::hint::black_box(other), std::hint::black_box(here));
             let mut touched = vec![false; r as usize];
             for i in 0..n as usize {

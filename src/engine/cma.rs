@@ -503,26 +503,37 @@ impl SocketPath for CmaParts {
         } = job;
         let delegate = delegate.then_some(sync.as_deref());
         let how = (delegate, gpu.as_ref());
+        // A checked copy's per-piece CRC32Cs, summed as it goes.
+        let mut sums = None;
+        let summed = checked.is_some().then_some(&mut sums);
         Ok(
-            match link.run_cma(fd, req, op, &pieces, &grants, how, &pending)? {
+            match link.run_cma(fd, req, op, &pieces, &grants, how, &pending, summed)? {
                 CmaOutcome::Commit { aborted } => {
                     // The copy is over (an aborted one is refused anyway):
                     // each piece's CRC32C as it lies here, the source of a
-                    // WRITE, the destination of a READ.
+                    // WRITE, the destination of a READ; summed by the copy
+                    // (right after each call, from cache) or now.
                     let checks = match checked {
-                        Some(keys) if !aborted => {
+                        Some(keys) if !aborted => match sums {
+                            Some(sums) => {
+                                let mut t = Vec::with_capacity(pieces.len() * wire::CHECK_ENTRY);
+                                for ((p, &k), &c) in pieces.iter().zip(&keys).zip(&sums) {
+                                    wire::push_check(&mut t, p.remote, p.len, k, c);
+                                }
+                                t
+                            }
                             // SAFETY: local pieces lie in regions validated
                             // at submit time and held by the request's
                             // guards until it completes.
-                            unsafe {
+                            None => unsafe {
                                 socket_link::table(
                                     pieces
                                         .iter()
                                         .zip(&keys)
                                         .map(|(p, &k)| (p.local, p.remote, p.len, k)),
                                 )
-                            }
-                        }
+                            },
+                        },
                         _ => Vec::new(),
                     };
                     Some(Frames::commit_beside(
@@ -757,6 +768,10 @@ impl CmaLink {
     /// Grants and direct copy of a cross-memory request; `Err`: the link is
     /// broken.
     #[allow(clippy::too_many_arguments)]
+    ///
+    /// `sums`: set to each piece's CRC32C over its local side when the copy
+    /// here moved every byte (a checked request's).
+    #[allow(clippy::too_many_arguments)]
     fn run_cma(
         &self,
         fd: std::os::fd::RawFd,
@@ -766,6 +781,7 @@ impl CmaLink {
         grants: &[GrantRange],
         (delegate, gpu): (Option<Option<&[u8]>>, Option<&GpuJob>),
         pending: &Pending,
+        sums: Option<&mut Option<Vec<u32>>>,
     ) -> Result<CmaOutcome, Error> {
         if pending.completion.abort_requested() {
             // Nothing sent yet: the target never hears of it.
@@ -851,6 +867,7 @@ impl CmaLink {
         // Each call of the copy starts before the grants' deadline (the
         // last may end after it, by one call's time).
         let stop = || pending.completion.abort_requested() || late();
+        let mut summed = sums.is_some().then(|| vec![0u32; pieces.len()]);
         // SAFETY: local pieces lie in regions validated at submit time and
         // held by the request's guards until it completes, which cannot
         // happen before this copy returns (the commit follows it).
@@ -859,9 +876,9 @@ impl CmaLink {
                 self.parts.pid,
                 dir,
                 pieces,
-                self.parts.copy_threads,
-                PARALLEL_COPY_MIN,
+                (self.parts.copy_threads, PARALLEL_COPY_MIN),
                 &stop,
+                summed.as_deref_mut(),
             )
         }
         .map_err(|e| Error::ConnectionLost {
@@ -875,6 +892,11 @@ impl CmaLink {
         self.clock.touch();
         if !copied && !pending.completion.abort_requested() {
             return too_late(pending);
+        }
+        if let Some(sums) = sums
+            && copied
+        {
+            *sums = summed;
         }
         Ok(CmaOutcome::Commit { aborted: !copied })
     }

@@ -326,9 +326,9 @@ impl Shm {
                 pid,
                 dir,
                 &pieces,
-                inner.config.shm.copy_threads,
-                PARALLEL_COPY_MIN,
+                (inner.config.shm.copy_threads, PARALLEL_COPY_MIN),
                 &|| Instant::now() >= copy_by,
+                None,
             )
         };
         drop(unprivileged);

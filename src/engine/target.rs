@@ -1029,24 +1029,37 @@ impl Inner {
     /// each range admitted as host memory of a region with that key, its
     /// CRC32C computed here; the first refusal or mismatch is the
     /// request's outcome.
+    /// Large tables are summed by `shm.copy_threads` threads: the
+    /// initiator waits for the answer meanwhile.
     fn check_ranges(&self, session: &Session, table: &[u8]) -> Result<(), RejectReason> {
         let field =
             |e: &[u8], at: usize| u64::from_le_bytes(e[at..at + 8].try_into().expect("8 bytes"));
+        let mut guards = Vec::with_capacity(table.len() / wire::CHECK_ENTRY);
+        let mut ranges = Vec::with_capacity(guards.capacity());
+        let mut sent = Vec::with_capacity(guards.capacity());
         for e in table.chunks_exact(wire::CHECK_ENTRY) {
             let (addr, len, key) = (field(e, 0), field(e, 8), field(e, 16));
-            let sent = u32::from_le_bytes(e[24..28].try_into().expect("4 bytes"));
             if len == 0 || addr.checked_add(len).is_none() {
                 return Err(RejectReason::Malformed);
             }
-            let guard = self
-                .registry
-                .admit_remote(MemoryType::Dram, addr, len, key)?;
-            // SAFETY: the range lies inside a region registered here,
-            // held registered by `guard` for the call.
-            let here = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
-            let got = crate::integrity::crc32c(here);
-            drop(guard);
-            self.check(&session.remote, sent, got, (addr, addr + len))?;
+            guards.push(
+                self.registry
+                    .admit_remote(MemoryType::Dram, addr, len, key)?,
+            );
+            ranges.push(crate::memory::Piece {
+                local: addr,
+                remote: 0,
+                len,
+            });
+            sent.push(u32::from_le_bytes(e[24..28].try_into().expect("4 bytes")));
+        }
+        let threads = (self.config.shm.copy_threads, super::PARALLEL_COPY_MIN);
+        // SAFETY: every range lies inside a region registered here, held
+        // registered by `guards` for the call.
+        let got = unsafe { crate::shm::sum_parallel(&ranges, threads) };
+        drop(guards);
+        for ((r, sent), got) in ranges.iter().zip(sent).zip(got) {
+            self.check(&session.remote, sent, got, (r.local, r.local + r.len))?;
         }
         Ok(())
     }

@@ -1821,18 +1821,20 @@ fn a_broken_link_reports_its_requests_unsettled_until_proved() {
     let pieces = |base: u64| dram((0..size / PIECE).map(|i| (base + i * PIECE, PIECE)));
     let count =
         |peer: &mut PeerProc| -> u64 { peer.cmd(&format!("count 9 0 {size}")).parse().unwrap() };
-    let one = |base: u64| dram([(base, PIECE)]);
+    // One piece, written and answered.
+    let peer_at = peer.addr;
+    let write_one = || {
+        let one = |base: u64| dram([(base, PIECE)]);
+        let req = TransferRequest::write(one(src.as_ptr() as u64), one(peer_at), &name);
+        agent
+            .submit_transfer(&req)
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+    };
     // The link is up (its handshake answered) before the target stops: a
     // loaded host may not have connected it yet.
-    agent
-        .submit_transfer(&TransferRequest::write(
-            one(src.as_ptr() as u64),
-            one(peer.addr),
-            &name,
-        ))
-        .unwrap()
-        .wait_success(WAIT)
-        .unwrap();
+    write_one();
     peer.signal("STOP");
     let st = agent
         .submit_transfer(
@@ -1874,15 +1876,7 @@ fn a_broken_link_reports_its_requests_unsettled_until_proved() {
         "bytes landed after the request settled"
     );
     // The agent serves the next request (a new link).
-    agent
-        .submit_transfer(&TransferRequest::write(
-            one(src.as_ptr() as u64),
-            one(peer.addr),
-            &name,
-        ))
-        .unwrap()
-        .wait_success(WAIT)
-        .unwrap();
+    write_one();
     assert_eq!(peer.cmd(&format!("check 9 0 {PIECE}")), "OK");
 }
 

@@ -564,21 +564,27 @@ mod tests {
                 crate::integrity::crc32c(&src[o..o + p.len as usize])
             })
             .collect();
-        for threads in [1, 2, 3, 7] {
+        // One checked copy, all of it: each piece's sum.
+        let copy_summed = |dir: Direction, pieces: &[Piece], threads: usize| {
             let mut sums = vec![0u32; pieces.len()];
-            // SAFETY: `src` is valid for reads; `dst` is written by the
-            // kernel only and read after the call.
+            // SAFETY: each local side is `src` (valid for reads) or `back`
+            // (written by the kernel only, read after the call); the remote
+            // side is `dst`, touched only by the kernel during the call.
             let copied = unsafe {
                 copy_parallel(
                     std::process::id(),
-                    Direction::Write,
-                    &pieces,
+                    dir,
+                    pieces,
                     (threads, 1),
                     &|| false,
                     Some(&mut sums),
                 )
             };
             assert!(copied.unwrap());
+            sums
+        };
+        for threads in [1, 2, 3, 7] {
+            let sums = copy_summed(Direction::Write, &pieces, threads);
             assert_eq!(sums, want, "{threads} threads, write");
             assert!(std::hint::black_box(&dst) == &src);
             // READ back into a fresh buffer: the sums are of what landed.
@@ -591,19 +597,7 @@ mod tests {
                     len: p.len,
                 })
                 .collect();
-            let mut sums = vec![0u32; pieces.len()];
-            // SAFETY: `back` is written by the kernel only, `dst` read.
-            let copied = unsafe {
-                copy_parallel(
-                    std::process::id(),
-                    Direction::Read,
-                    &rev,
-                    (threads, 1),
-                    &|| false,
-                    Some(&mut sums),
-                )
-            };
-            assert!(copied.unwrap());
+            let sums = copy_summed(Direction::Read, &rev, threads);
             assert_eq!(sums, want, "{threads} threads, read");
             assert!(std::hint::black_box(&back) == &src);
             // SAFETY: `src` is valid for reads.

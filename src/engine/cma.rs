@@ -767,7 +767,6 @@ impl CmaLink {
 
     /// Grants and direct copy of a cross-memory request; `Err`: the link is
     /// broken.
-    #[allow(clippy::too_many_arguments)]
     ///
     /// `sums`: set to each piece's CRC32C over its local side when the copy
     /// here moved every byte (a checked request's).

@@ -1029,6 +1029,7 @@ impl Inner {
     /// each range admitted as host memory of a region with that key, its
     /// CRC32C computed here; the first refusal or mismatch is the
     /// request's outcome.
+    ///
     /// Large tables are summed by `shm.copy_threads` threads: the
     /// initiator waits for the answer meanwhile.
     fn check_ranges(&self, session: &Session, table: &[u8]) -> Result<(), RejectReason> {

@@ -61,8 +61,11 @@ pub(crate) trait RegionHandle: Send + Sync + std::fmt::Debug {
     fn local_key(&self) -> u64;
 
     /// What a peer presents to reach the region, as the agent's descriptor
-    /// carries it (integers little-endian, of the transport's width).
-    fn remote_key(&self) -> Vec<u8>;
+    /// carries it (integers little-endian, of the transport's width), given
+    /// the region's access key (the descriptor's `key`), which a transport
+    /// that seals its keys in descriptors derives each seal from (the
+    /// libfabric transport's; see `engine::fabric`).
+    fn remote_key(&self, access: u64) -> Vec<u8>;
 }
 
 /// A transport that registers regions with its device.
@@ -459,7 +462,7 @@ impl Registry {
                         let i = offered.iter().position(|o| o == name)?;
                         Some(RegionKey {
                             transport: u8::try_from(i).ok()?,
-                            key: h.remote_key(),
+                            key: h.remote_key(r.value.key),
                         })
                     })
                     .collect(),
@@ -514,9 +517,10 @@ mod tests {
             self.0
         }
 
-        fn remote_key(&self) -> Vec<u8> {
-            // Wider than 32 bits, as libfabric keys may be.
-            (self.0 << 40).to_le_bytes().to_vec()
+        fn remote_key(&self, access: u64) -> Vec<u8> {
+            // Wider than 32 bits, as libfabric keys may be; sealed with the
+            // region's access key, as the libfabric transport's are.
+            ((self.0 << 40) ^ access).to_le_bytes().to_vec()
         }
     }
 
@@ -583,11 +587,12 @@ mod tests {
         // Exported under the offered index; not at all when not offered.
         let exp = r.exported(&["rdma", "fake"], |_| 4096);
         let of = |a: u64| exp.iter().find(|e| e.desc.addr == a).unwrap().clone();
+        let r2 = of(0x2000);
         assert_eq!(
-            of(0x2000).keys,
+            r2.keys,
             [RegionKey {
                 transport: 1,
-                key: (2u64 << 40).to_le_bytes().to_vec()
+                key: ((2u64 << 40) ^ r2.key).to_le_bytes().to_vec()
             }]
         );
         assert!(of(0).keys.is_empty());

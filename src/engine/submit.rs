@@ -134,6 +134,9 @@ pub(in crate::engine) struct RemoteKey {
     /// per device of a transport that registers the region with several
     /// (the libfabric transport's rails). `None` for a key of one.
     pub(in crate::engine) keys: Option<Arc<[u64]>>,
+    /// The region's access key (the descriptor's `key`), which a transport
+    /// that seals its keys in descriptors opens them with.
+    pub(in crate::engine) access: u64,
 }
 
 impl Engine {
@@ -393,6 +396,7 @@ fn remote_key(region: &ExportedRegion, transport: u8) -> Option<RemoteKey> {
             key: keys[0],
             base: region.desc.addr,
             keys: Some(keys),
+            access: region.key,
         });
     }
     let mut b = [0u8; 8];
@@ -401,6 +405,7 @@ fn remote_key(region: &ExportedRegion, transport: u8) -> Option<RemoteKey> {
         key: u64::from_le_bytes(b),
         base: region.desc.addr,
         keys: None,
+        access: region.key,
     })
 }
 

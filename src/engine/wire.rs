@@ -13,7 +13,7 @@ use crate::proto::TransportKind;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 40;
 /// Protocol version carried in `Hello`.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 
 /// Longest transport name an `Attach` frame carries.
 pub const ATTACH_NAME_MAX: u8 = 32;

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer_fabric as ffi;
 
-use super::region::DescTable;
+use super::region::{DescTable, Seal};
 use super::stripe::{Op, lanes_on_rail, plan};
 use super::{Answer, Credits, Fabric, FabricError, Shared, check, fabric_err, waiters_poll};
 use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
@@ -69,6 +69,8 @@ pub(in crate::engine) struct FabricParts {
     pub(super) local_rails: usize,
     /// The peer's (`R`).
     pub(super) remote_rails: usize,
+    /// The peer's seal: opens the keys its descriptor publishes.
+    pub(super) seal: Seal,
     /// The local descriptors of regions registered with several rails.
     pub(super) descs: Arc<DescTable>,
     /// Where the next lane search starts among equally loaded lanes.
@@ -215,8 +217,9 @@ impl FabricLink {
         let rails = &fabric.rails.all;
         let mut lanes = None;
         let mut probes = Vec::new();
+        let mut seal = None;
         let streams = connect_streams(inner, peer, 1, |_, sock, clock, _| {
-            let mine = super::answer_of(rails).map_err(|e| fabric_err(&peer.name, e))?;
+            let mine = super::answer_of(rails, None).map_err(|e| fabric_err(&peer.name, e))?;
             let answer = attach::attach(
                 &peer.name,
                 sock,
@@ -228,14 +231,16 @@ impl FabricLink {
             match answer {
                 Ok(answer) => {
                     let len = answer.len();
-                    let answer =
-                        Answer::decode(&answer).ok_or_else(|| Error::ProtocolViolation {
+                    let answer = Answer::decode(&answer)
+                        .filter(|a| a.seal.is_some())
+                        .ok_or_else(|| Error::ProtocolViolation {
                             remote: peer.name.clone(),
                             detail: format!(
-                                "a libfabric attach answer of {len} bytes that does not decode (1 to {} rails, each with an address)",
+                                "a libfabric attach answer of {len} bytes that does not decode (1 to {} rails, each with an address, and a seal)",
                                 super::MAX_RAILS
                             ),
                         })?;
+                    seal = answer.seal.map(Seal::from_bytes);
                     lanes = Some(lanes_to(rails, &answer).map_err(|e| fabric_err(&peer.name, e))?);
                     probes = answer
                         .rails
@@ -258,9 +263,12 @@ impl FabricLink {
                 }),
             }
         })?;
-        let lanes = lanes.ok_or(Error::Closed)?;
+        let (Some(lanes), Some(seal)) = (lanes, seal) else {
+            return Err(Error::Closed);
+        };
         let parts = FabricParts {
             lanes,
+            seal,
             local_rails: rails.len(),
             remote_rails: probes.len(),
             descs: Arc::clone(&fabric.rails.descs),

@@ -9,7 +9,8 @@
 //! thread per rail that reads completions (and, on providers with manual
 //! progress, moves the target's data). A link is the usual control stream
 //! to the peer ([`FabricLink`]), on which an `Attach` named `fabric`
-//! fetches the addresses of the peer's endpoints; a link's requests spread
+//! fetches the addresses of the peer's endpoints and the seal that opens
+//! the region keys its descriptor publishes; a link's requests spread
 //! over its lanes (pairs of a local and a remote rail, see `link`).
 //! `endpoint` opens the provider's objects; `region` registers memory (a
 //! region is registered on every rail, and its key is one per rail);
@@ -31,8 +32,11 @@
 //! memory is the caller's, allocated) and `FI_MR_HMEM` (GPU memory through
 //! `fi_mr_regattr` with its CUDA device; device memory, `FI_HMEM`, is asked
 //! of the provider chosen for host memory, and taken when it moves it).
-//! Keys are up to 64 bits wide. A
-//! provider that registers with a NIC is refused while libfabric's
+//! Keys are up to 64 bits wide, and never published in the clear: the
+//! descriptor holds each XORed with a pad derived from the agent's seal
+//! (`region::Seal`), which only the answer to an attach carries, so a
+//! reader of a published descriptor cannot reach a region through the
+//! provider. A provider that registers with a NIC is refused while libfabric's
 //! registration cache is on (`cache_refusal`).
 
 mod endpoint;
@@ -43,7 +47,7 @@ mod stripe;
 
 use std::collections::HashMap;
 use std::ffi::CStr;
-use std::net::TcpStream;
+use std::net::{IpAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -61,7 +65,7 @@ use crate::registry::Registrar;
 
 use endpoint::{Endpoint, Found};
 pub(in crate::engine) use link::FabricLink;
-use region::{DescTable, FabricRegion};
+use region::{DescTable, FabricRegion, SEAL_LEN, Seal};
 
 /// Largest single RMA operation (larger pieces are split, so several are
 /// in flight at once).
@@ -341,13 +345,16 @@ impl Probe {
 }
 
 /// The answer to a libfabric `Attach`, one entry per rail of the target:
-/// where the rail's [`Probe`] is, its key, and the rail endpoint's address.
-/// Encoded as the count of rails (u8, 1 to [`MAX_RAILS`]), then per rail
-/// the probe's address and key (u64 LE each), the address's length (u16
-/// LE) and the address.
+/// where the rail's [`Probe`] is, its key, and the rail endpoint's address;
+/// then the target's [`Seal`], which opens the keys its descriptor
+/// publishes (an initiator's attach carries its rails only). Encoded as
+/// the count of rails (u8, 1 to [`MAX_RAILS`]), then per rail the probe's
+/// address and key (u64 LE each), the address's length (u16 LE) and the
+/// address; then the seal's [`SEAL_LEN`] bytes, or nothing.
 #[derive(Debug, PartialEq, Eq)]
 struct Answer {
     rails: Vec<RailAnswer>,
+    seal: Option<[u8; SEAL_LEN]>,
 }
 
 /// One rail of an [`Answer`].
@@ -371,11 +378,15 @@ impl Answer {
             v.extend_from_slice(&len.to_le_bytes());
             v.extend_from_slice(&r.name);
         }
+        if let Some(seal) = &self.seal {
+            v.extend_from_slice(seal);
+        }
         v
     }
 
     /// `None` unless it holds 1 to [`MAX_RAILS`] rails, each with an
-    /// address of 1 to [`MAX_NAME`] bytes, and nothing after them.
+    /// address of 1 to [`MAX_NAME`] bytes, and after them a seal or
+    /// nothing.
     fn decode(b: &[u8]) -> Option<Self> {
         let (&n, mut rest) = b.split_first()?;
         if n == 0 || usize::from(n) > MAX_RAILS {
@@ -398,7 +409,12 @@ impl Answer {
             });
             rest = r;
         }
-        rest.is_empty().then_some(Self { rails })
+        let seal = match rest.len() {
+            0 => None,
+            SEAL_LEN => Some(rest.try_into().ok()?),
+            _ => return None,
+        };
+        Some(Self { rails, seal })
     }
 }
 
@@ -450,6 +466,8 @@ pub(in crate::engine) struct Fabric {
     /// device.
     domain: String,
     max_msg: u64,
+    /// What its regions' keys are sealed with in the descriptor.
+    seal: Arc<Seal>,
     stop: Arc<AtomicBool>,
     /// The rails' progress threads, taken once by `shut`.
     progress: Mutex<Option<Vec<JoinHandle<()>>>>,
@@ -550,7 +568,7 @@ impl Fabric {
                 provider.as_deref(),
                 d.as_deref(),
                 near.as_deref(),
-                Some(config.listen.ip()),
+                Some(bind_ip(config.listen.ip(), config.advertise.as_deref())),
             )
             .map_err(|e| unavailable(e.to_string()))?;
             if let Some((_, first)) = opened.first()
@@ -649,10 +667,24 @@ impl Fabric {
             offer,
             domain,
             max_msg,
+            seal: Arc::new(Seal::new()),
             stop,
             progress: Mutex::new(Some(threads)),
         }))
     }
+}
+
+/// Where a socket provider's endpoint listens: where the agent listens, or,
+/// for an agent listening on every interface, the address it advertises
+/// when that is an IP address (`10.0.0.5:7000`, `[fd00::5]:7000`), so the
+/// provider is reachable on the interface peers are told of only.
+fn bind_ip(listen: IpAddr, advertise: Option<&str>) -> IpAddr {
+    if !listen.is_unspecified() {
+        return listen;
+    }
+    advertise
+        .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
+        .map_or(listen, |a| a.ip())
 }
 
 /// Core providers whose registrations are checked in software by the
@@ -872,10 +904,12 @@ impl Transport for Fabric {
         _msg: &[u8],
     ) -> Result<(Vec<u8>, Option<attach::Attachment>), u16> {
         // One-sided operations need nothing of the initiator here: the
-        // answer is this endpoint's address, and where its probe is. The
-        // peer counts as attached until its connection ends.
+        // answer is this endpoint's address, where its probe is, and the
+        // seal that opens the keys the descriptor publishes (the peer
+        // passed the handshake). The peer counts as attached until its
+        // connection ends.
         let rails = &self.rails.all;
-        let answer = answer_of(rails).map_err(|e| {
+        let answer = answer_of(rails, Some(&self.seal)).map_err(|e| {
             tracing::warn!(remote = %remote, error = %e, "cannot answer a libfabric attach");
             status::ATTACH_FAILED
         })?;
@@ -884,9 +918,9 @@ impl Transport for Fabric {
     }
 }
 
-/// What `rails` tell a peer: each one's probe and endpoint address (the
-/// answer to an attach, and what an attach carries).
-fn answer_of(rails: &[Arc<Shared>]) -> Result<Answer, FabricError> {
+/// What `rails` tell a peer: each one's probe and endpoint address, and
+/// `seal` (the answer to an attach; what an attach carries has none).
+fn answer_of(rails: &[Arc<Shared>], seal: Option<&Seal>) -> Result<Answer, FabricError> {
     let rails = rails
         .iter()
         .map(|shared| {
@@ -897,7 +931,10 @@ fn answer_of(rails: &[Arc<Shared>]) -> Result<Answer, FabricError> {
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(Answer { rails })
+    Ok(Answer {
+        rails,
+        seal: seal.map(|s| *s.bytes()),
+    })
 }
 
 /// `peer`'s fabric offer, if it makes one that decodes.
@@ -931,13 +968,18 @@ mod tests {
         };
         let a = Answer {
             rails: vec![rail(3, &[9, 8, 7]), rail(4, &[1; 64])],
+            seal: Some([0xa5; SEAL_LEN]),
         };
         let b = a.encode();
         assert_eq!(Answer::decode(&b), Some(a));
-        // Cut anywhere, or with a byte more: nothing.
+        // Cut anywhere, or with a byte more: nothing (cut before its seal:
+        // an answer without one).
+        let unsealed = b.len() - SEAL_LEN;
         for n in 0..b.len() {
-            assert_eq!(Answer::decode(&b[..n]), None, "{n} bytes");
+            let d = Answer::decode(&b[..n]);
+            assert_eq!(d.is_some(), n == unsealed, "{n} bytes: {d:?}");
         }
+        assert_eq!(Answer::decode(&b[..unsealed]).unwrap().seal, None);
         let mut long = b.clone();
         long.push(0);
         assert_eq!(Answer::decode(&long), None, "trailing byte");
@@ -945,14 +987,17 @@ mod tests {
         assert_eq!(Answer::decode(&[0]), None);
         let many = Answer {
             rails: (0..=MAX_RAILS as u64).map(|k| rail(k, &[1])).collect(),
+            seal: None,
         };
         assert_eq!(Answer::decode(&many.encode()), None);
         let empty = Answer {
             rails: vec![rail(0, &[])],
+            seal: None,
         };
         assert_eq!(Answer::decode(&empty.encode()), None);
         let huge = Answer {
             rails: vec![rail(0, &vec![1; MAX_NAME + 1])],
+            seal: None,
         };
         assert_eq!(Answer::decode(&huge.encode()), None);
     }
@@ -1020,6 +1065,200 @@ mod tests {
         for p in ["tcp;ofi_rxm", "tcp", "sockets", "udp;ofi_rxd", "net"] {
             assert!(!waiters_poll(p), "{p}");
         }
+    }
+
+    /// A raw libfabric client of its own: an endpoint on `tcp;ofi_rxm`
+    /// with a registered buffer, and one peer's endpoint address inserted.
+    struct RawClient {
+        /// Closed before the buffer is freed (declared first).
+        region: FabricRegion,
+        ep: Arc<Endpoint>,
+        peer: ffi::fi_addr_t,
+        buf: Box<[u8; 4096]>,
+    }
+
+    impl RawClient {
+        fn open(peer: &[u8], fill: u8) -> Self {
+            let lo = std::net::IpAddr::from([127, 0, 0, 1]);
+            let (ep, _) = Endpoint::open(Some("tcp;ofi_rxm"), None, None, Some(lo)).unwrap();
+            let ep = Arc::new(ep);
+            let buf = Box::new([fill; 4096]);
+            let access = ffi::FI_READ | ffi::FI_WRITE;
+            // SAFETY: the buffer outlives the registration (field order).
+            let region =
+                unsafe { FabricRegion::register(&ep, buf.as_ptr() as u64, 4096, None, access) }
+                    .unwrap();
+            let peer = ep.insert(peer).unwrap();
+            Self {
+                region,
+                ep,
+                peer,
+                buf,
+            }
+        }
+
+        /// A 4 KiB WRITE of its buffer to (or READ into it from) `remote`
+        /// under `key`: its completion's outcome, or `Err` with none
+        /// within 5 s.
+        fn op(&mut self, write: bool, remote: u64, key: u64) -> Result<(), String> {
+            let iov = ffi::iovec {
+                iov_base: self.buf.as_mut_ptr().cast(),
+                iov_len: 4096,
+            };
+            let mut desc = self.region.desc as *mut std::ffi::c_void;
+            let rma = ffi::fi_rma_iov {
+                addr: remote,
+                len: 4096,
+                key,
+            };
+            // The provider's room in the context (FI_CONTEXT2), leaked if
+            // no completion comes (the provider may still write it).
+            let ctx: &'static mut [*mut std::ffi::c_void; 8] =
+                Box::leak(Box::new([std::ptr::null_mut(); 8]));
+            let msg = ffi::fi_msg_rma {
+                msg_iov: &iov,
+                desc: &mut desc,
+                iov_count: 1,
+                addr: self.peer,
+                rma_iov: &rma,
+                rma_iov_count: 1,
+                context: ctx.as_mut_ptr().cast(),
+                data: 0,
+            };
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            // One completion (or error) from the queue, within 100 ms; the
+            // read also drives the provider's progress.
+            let reap = || {
+                let mut e = [ffi::fi_cq_entry::default(); 1];
+                // SAFETY: one entry of the queue's format.
+                let n = unsafe {
+                    ffi::fi_cq_sread(self.ep.cq, e.as_mut_ptr().cast(), 1, std::ptr::null(), 100)
+                };
+                if n == 1 {
+                    return Some(Ok(()));
+                }
+                if n == -(ffi::FI_EAVAIL as isize) {
+                    let mut err = ffi::fi_cq_err_entry::default();
+                    // SAFETY: one error entry into `err`.
+                    unsafe { ffi::fi_cq_readerr(self.ep.cq, &mut err, 0) };
+                    return Some(Err(format!("failed: {}", strerror(i64::from(err.err)))));
+                }
+                None
+            };
+            // Posted again while the provider sets up its connection
+            // (EAGAIN).
+            loop {
+                // SAFETY: the buffer and context outlive the operation
+                // (the client waits for its completion below, the context
+                // is leaked).
+                let rc = self
+                    .ep
+                    .with_ep(|ep| unsafe {
+                        if write {
+                            ffi::fi_writemsg(
+                                ep,
+                                &msg,
+                                u64::from(ffi::FI_COMPLETION | ffi::FI_DELIVERY_COMPLETE),
+                            )
+                        } else {
+                            ffi::fi_readmsg(ep, &msg, u64::from(ffi::FI_COMPLETION))
+                        }
+                    })
+                    .unwrap();
+                if rc == 0 {
+                    break;
+                }
+                if rc != -(ffi::FI_EAGAIN as isize) || std::time::Instant::now() > deadline {
+                    return Err(format!("not posted: {}", strerror(rc as i64)));
+                }
+                if let Some(r) = reap() {
+                    return Err(format!("a completion before the post: {r:?}"));
+                }
+            }
+            while std::time::Instant::now() < deadline {
+                if let Some(r) = reap() {
+                    return r;
+                }
+            }
+            Err("no completion within 5 s".into())
+        }
+    }
+
+    /// The attack of round two, again: a raw libfabric client that holds
+    /// an agent's published descriptor (the region's address and the key
+    /// the descriptor publishes) and its provider endpoint's address (a
+    /// port scan finds it) neither reads nor writes the region. The same
+    /// client with the key opened by the agent's seal (as an attached peer
+    /// opens it) reads the region: the refusal is the key's.
+    #[test]
+    fn a_raw_client_with_a_published_descriptor_reaches_nothing() {
+        let mut config = AgentConfig::new("raw-target");
+        config.fabric.provider = Some("tcp;ofi_rxm".into());
+        config.fabric.domain = None;
+        let fabric = Fabric::open(Backend::Fabric, &mut config).unwrap().unwrap();
+        let canary = vec![0x5a_u8; 4096].into_boxed_slice();
+        let desc = crate::memory::MemoryDesc::new(canary.as_ptr() as u64, 4096, 0);
+        // SAFETY: the canary outlives the registration (dropped first).
+        let handle = unsafe { fabric.register(MemoryType::Dram, &desc, None) }
+            .unwrap()
+            .unwrap();
+        // What the agent's descriptor publishes for the region (the
+        // registry passes the region's access key; see Registry::exported).
+        let access = crate::auth::random_u64();
+        let published = u64::from_le_bytes(handle.remote_key(access).try_into().unwrap());
+        let name = fabric.rails.all[0].ep.name().unwrap();
+        let remote = if fabric.offer.mr_mode & u64::from(ffi::FI_MR_VIRT_ADDR) != 0 {
+            desc.addr
+        } else {
+            0
+        };
+        // The published key, each operation from a client of its own.
+        let mut writer = RawClient::open(&name, 0xee);
+        let wrote = writer.op(true, remote, published);
+        let mut reader = RawClient::open(&name, 0);
+        let read = reader.op(false, remote, published);
+        eprintln!("with the published key: write {wrote:?}, read {read:?}");
+        assert!(wrote.is_err(), "a WRITE under the published key completed");
+        assert!(read.is_err(), "a READ under the published key completed");
+        assert!(reader.buf.iter().all(|&b| b == 0), "a READ brought bytes");
+        assert!(canary.iter().all(|&b| b == 0x5a), "the canary changed");
+        // Nor with another pad: the published key is not the true one.
+        let opened = fabric.seal.open(published, access, 0);
+        assert_ne!(opened, published);
+        // The control: the opened key reads the canary.
+        let mut control = RawClient::open(&name, 0);
+        control.op(false, remote, opened).unwrap();
+        assert!(control.buf.iter().all(|&b| b == 0x5a));
+        drop(handle);
+    }
+
+    #[test]
+    fn a_provider_listens_where_the_agent_listens_or_advertises() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let any = ip("0.0.0.0");
+        assert_eq!(
+            bind_ip(ip("127.0.0.1"), Some("10.0.0.5:7000")),
+            ip("127.0.0.1")
+        );
+        assert_eq!(bind_ip(any, Some("10.0.0.5:7000")), ip("10.0.0.5"));
+        assert_eq!(bind_ip(ip("::"), Some("[fd00::5]:7000")), ip("fd00::5"));
+        // A host name, or nothing advertised: every interface, as the agent.
+        assert_eq!(bind_ip(any, Some("prefill-0:7000")), any);
+        assert_eq!(bind_ip(any, None), any);
+    }
+
+    /// A seal's pads differ by region and by rail, and a key sealed by one
+    /// agent's seal is opened by it only.
+    #[test]
+    fn a_key_is_sealed_per_region_and_rail() {
+        let (a, b) = (Seal::new(), Seal::new());
+        let key = 0x1234_5678_9abc_def0;
+        let sealed = key ^ a.pad(7, 0);
+        assert_eq!(a.open(sealed, 7, 0), key);
+        assert_ne!(b.open(sealed, 7, 0), key);
+        assert_ne!(a.pad(7, 0), a.pad(8, 0));
+        assert_ne!(a.pad(7, 0), a.pad(7, 1));
+        assert_eq!(format!("{a:?}"), "Seal(..)");
     }
 
     #[test]

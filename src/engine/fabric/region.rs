@@ -2,8 +2,10 @@
 //! rail (`FabricRegion`), honouring the provider's registration modes
 //! (keys of the provider's or of the agent's choosing, local descriptors,
 //! GPU memory through `FI_MR_HMEM`); a region of several rails
-//! (`RailRegions`) keeps its descriptors in the transport's `DescTable`
-//! and gives peers the rails' keys, 8 bytes each.
+//! (`Registered`) keeps its descriptors in the transport's `DescTable`
+//! and gives peers the rails' keys, 8 bytes each, sealed (`Seal`): the
+//! descriptor a peer reads holds each key XORed with a pad that only the
+//! agent's authenticated peers can compute.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -11,7 +13,9 @@ use std::ptr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use hmac::{Hmac, KeyInit, Mac};
 use kvxfer_fabric as ffi;
+use sha2::Sha256;
 
 use super::endpoint::Endpoint;
 use super::{Fabric, FabricError, check, fabric_err};
@@ -73,16 +77,6 @@ impl Drop for FabricRegion {
     }
 }
 
-impl RegionHandle for FabricRegion {
-    fn local_key(&self) -> u64 {
-        self.desc
-    }
-
-    fn remote_key(&self) -> Vec<u8> {
-        self.key.to_le_bytes().to_vec()
-    }
-}
-
 impl Registrar for Fabric {
     fn name(&self) -> &'static str {
         TransportKind::Fabric.as_str()
@@ -114,16 +108,17 @@ impl Registrar for Fabric {
             })
             .collect::<Result<Vec<_>, _>>();
         let e = match regs {
-            Ok(mut regs) if regs.len() == 1 => {
-                return Ok(regs.pop().map(|r| Box::new(r) as Box<dyn RegionHandle>));
-            }
             Ok(regs) => {
-                let descs: Arc<[u64]> = regs.iter().map(|r| r.desc).collect();
-                let id = self.rails.descs.insert(descs);
-                return Ok(Some(Box::new(RailRegions {
+                // A region of several rails: its descriptors in the table.
+                let id = (regs.len() > 1).then(|| {
+                    let descs: Arc<[u64]> = regs.iter().map(|r| r.desc).collect();
+                    self.rails.descs.insert(descs)
+                });
+                return Ok(Some(Box::new(Registered {
                     regs,
                     id,
                     table: Arc::clone(&self.rails.descs),
+                    seal: Arc::clone(&self.seal),
                 })));
             }
             Err(e) => e,
@@ -142,15 +137,17 @@ impl Registrar for Fabric {
     }
 }
 
-/// A region's registrations with several rails (one per rail, in order):
-/// its local key for the engine is its id in the transport's
-/// [`DescTable`], which holds their descriptors while it is registered;
-/// its remote key is the rails' keys, 8 bytes each.
+/// A region's registrations, one per rail (in order): its local key for
+/// the engine is its one rail's descriptor, or, with several rails, its id
+/// in the transport's [`DescTable`], which holds their descriptors while it
+/// is registered; its remote key is the rails' keys, 8 bytes each, sealed.
 #[derive(Debug)]
-struct RailRegions {
+struct Registered {
     regs: Vec<FabricRegion>,
-    id: u64,
+    /// Its id in `table` (several rails only).
+    id: Option<u64>,
     table: Arc<DescTable>,
+    seal: Arc<Seal>,
 }
 
 impl std::fmt::Debug for DescTable {
@@ -159,20 +156,86 @@ impl std::fmt::Debug for DescTable {
     }
 }
 
-impl Drop for RailRegions {
+impl Drop for Registered {
     fn drop(&mut self) {
         // Out of the table first; the registrations close after (`regs`).
-        self.table.remove(self.id);
+        if let Some(id) = self.id {
+            self.table.remove(id);
+        }
     }
 }
 
-impl RegionHandle for RailRegions {
+impl RegionHandle for Registered {
     fn local_key(&self) -> u64 {
-        self.id
+        match (self.id, self.regs.first()) {
+            (Some(id), _) => id,
+            (None, Some(r)) => r.desc,
+            (None, None) => 0,
+        }
     }
 
-    fn remote_key(&self) -> Vec<u8> {
-        self.regs.iter().flat_map(|r| r.key.to_le_bytes()).collect()
+    fn remote_key(&self, access: u64) -> Vec<u8> {
+        self.regs
+            .iter()
+            .enumerate()
+            .flat_map(|(rail, r)| (r.key ^ self.seal.pad(access, rail)).to_le_bytes())
+            .collect()
+    }
+}
+
+/// What an agent's libfabric keys are sealed with in its descriptor: 32
+/// random bytes of the transport's, never published, given only in the
+/// answer to an attach, that is to a peer that passed the handshake on
+/// the agent's side channel (with a cluster secret: a member). A key `k`
+/// of rail `r` of a region with access key `a` (the descriptor's `key`) is
+/// published as `k ^ pad(a, r)`; the pad is HMAC-SHA256 under the seal, so
+/// a descriptor's reader without the seal learns nothing of `k`.
+pub(super) struct Seal([u8; SEAL_LEN]);
+
+/// Bytes of a [`Seal`].
+pub(super) const SEAL_LEN: usize = 32;
+
+impl Seal {
+    /// A new random seal.
+    pub(super) fn new() -> Self {
+        Self(crate::auth::random_bytes())
+    }
+
+    /// A peer's seal, from its attach answer.
+    pub(super) fn from_bytes(b: [u8; SEAL_LEN]) -> Self {
+        Self(b)
+    }
+
+    /// Its bytes, for the attach answer.
+    pub(super) fn bytes(&self) -> &[u8; SEAL_LEN] {
+        &self.0
+    }
+
+    /// The pad of rail `rail`'s key of the region with access key
+    /// `access`: the first 8 bytes (little-endian) of HMAC-SHA256 under the
+    /// seal over a label, `access` (LE) and `rail` (one byte).
+    pub(super) fn pad(&self, access: u64, rail: usize) -> u64 {
+        let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(&self.0)
+            .expect("HMAC takes keys of any length");
+        m.update(b"kvxfer fabric key\0");
+        m.update(&access.to_le_bytes());
+        m.update(&[u8::try_from(rail).unwrap_or(u8::MAX)]);
+        let out = m.finalize().into_bytes();
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&out[..8]);
+        u64::from_le_bytes(b)
+    }
+
+    /// `key` (a descriptor's, of rail `rail` of the region with access key
+    /// `access`) opened.
+    pub(super) fn open(&self, key: u64, access: u64, rail: usize) -> u64 {
+        key ^ self.pad(access, rail)
+    }
+}
+
+impl std::fmt::Debug for Seal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Seal(..)")
     }
 }
 

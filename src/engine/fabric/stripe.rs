@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::link::{FabricLink, Lane};
+use super::region::Seal;
 use crate::engine::lock;
 use crate::engine::submit::RemoteKey;
 use crate::error::Error;
@@ -71,7 +72,8 @@ const STRIPE_MIN: u64 = 256 << 10;
 
 /// The operations of a request on `link`: each pair of local and remote
 /// descriptors (`local_keys`, `remote_keys`: their keys, as the engine
-/// resolved them) cut into pieces of at most the largest operation and,
+/// resolved them from the peer's descriptor, sealed, and opened here with
+/// the link's seal of the peer) cut into pieces of at most the largest operation and,
 /// on a link of several lanes, into one piece per lane (of at least
 /// [`STRIPE_MIN`]); each piece given to the lane with the fewest bytes in
 /// flight and planned, so that a slower rail takes less.
@@ -112,6 +114,8 @@ pub(super) fn plan(
     };
     // The local descriptors of the last region of several rails.
     let mut last: Option<(u64, Arc<[u64]>)> = None;
+    // The last remote region's keys, opened: by its access key.
+    let mut opened: Option<(u64, Opened)> = None;
     let mut ops = Vec::new();
     for ((l, &lk), (r, rk)) in local
         .iter()
@@ -150,11 +154,19 @@ pub(super) fn plan(
         } else {
             None
         };
+        let keys = match &opened {
+            Some((access, k)) if *access == rk.access => k.clone(),
+            _ => {
+                let k = open(&parts.seal, rk);
+                opened = Some((rk.access, k.clone()));
+                k
+            }
+        };
         let remote = if parts.virt { r.addr } else { r.addr - rk.base };
         let piece = piece_len(l.len, n, parts.max_msg);
         let alt = (lanes.len() > 1).then(|| Alt {
             descs: descs.clone(),
-            keys: rk.keys.clone(),
+            keys: keys.all.clone(),
         });
         let mut off = 0;
         while off < l.len {
@@ -167,7 +179,7 @@ pub(super) fn plan(
                 local: l.addr + off,
                 desc: lk,
                 remote: remote + off,
-                key: rk.key,
+                key: keys.first,
                 len,
                 alt: alt.clone(),
                 failed_on: 0,
@@ -178,6 +190,32 @@ pub(super) fn plan(
         }
     }
     Ok(ops)
+}
+
+/// A remote region's keys opened: its first rail's, and every rail's
+/// (several only).
+#[derive(Clone)]
+struct Opened {
+    first: u64,
+    all: Option<Arc<[u64]>>,
+}
+
+/// `rk`'s keys (as the peer's descriptor publishes them) opened with the
+/// peer's `seal`.
+fn open(seal: &Seal, rk: &RemoteKey) -> Opened {
+    let all: Option<Arc<[u64]>> = rk.keys.as_ref().map(|keys| {
+        keys.iter()
+            .enumerate()
+            .map(|(rail, &k)| seal.open(k, rk.access, rail))
+            .collect()
+    });
+    Opened {
+        first: all
+            .as_ref()
+            .and_then(|a| a.first().copied())
+            .unwrap_or_else(|| seal.open(rk.key, rk.access, 0)),
+        all,
+    }
 }
 
 /// The length of the pieces a descriptor of `len` bytes is cut into on a

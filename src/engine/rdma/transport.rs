@@ -160,7 +160,7 @@ impl RegionHandle for RdmaRegion {
         u64::from(self.0.lkey())
     }
 
-    fn remote_key(&self) -> Vec<u8> {
+    fn remote_key(&self, _access: u64) -> Vec<u8> {
         self.0.rkey().to_le_bytes().to_vec()
     }
 }

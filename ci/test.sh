@@ -67,7 +67,8 @@ cargo test --locked --test rdma_verbs -- --nocapture
 stage "RDMA tests inside the soft-RoCE guest (ci/rxe-guest: rxe0/rxe1 on a veth pair):"
 echo "   the verbs layer, the agent suite and the KV-cache protocol on the rdma backend;"
 echo "   GPUDirect RDMA registration of the stand-in driver's GPU memory (refused, typed);"
-echo "   seeded fault injection on the link's TCP stream (commits with their checks, answers)"
+echo "   seeded fault injection on the link's TCP stream (commits with their checks, answers);"
+echo "   encrypted connections (kernel TLS: the guest's kernel has it, this one may not)"
 test_bin() {
   local b name=$1
   shift
@@ -80,6 +81,7 @@ agent_bin=$(test_bin agent)
 cache_bin=$(test_bin cache)
 gpu_bin=$(test_bin gpu_fake)
 faults_bin=$(test_bin faults)
+encrypt_bin=$(test_bin encrypt)
 # The suite runs with the defaults (adaptive progress thread, shared receive
 # queue); the data-path tests once more with the progress thread on the
 # completion channel alone, with the polling progress thread and a receive
@@ -102,7 +104,8 @@ KVXFER_RDMA_ACK_TIMEOUT=20 KVXFER_TEST_BACKEND=rdma ci/rxe-guest --timeout 2400 
      write_and_read ten_thousand sync_message notify_follows target_killed --skip write_and_read_256_mib && \
    $cache_bin --test-threads 2 --color never && \
    $gpu_bin --test-threads 1 --color never vram_on_rdma && \
-   $faults_bin --color never"
+   $faults_bin --color never && \
+   $encrypt_bin --color never --nocapture"
 stage "agent suite and KV-cache protocol on fabric, provider verbs;ofi_rxm on soft-RoCE in the guest"
 echo "   (registration modes FI_MR_LOCAL, FI_MR_VIRT_ADDR, FI_MR_ALLOCATED, FI_MR_PROV_KEY). First, that"
 echo "   an agent refuses the provider while libfabric's registration cache is on (it would keep"

@@ -356,6 +356,17 @@ pub struct SecurityConfig {
     /// that every process reaching the port can read and write its
     /// exported memory. A warning is logged.
     pub insecure: bool,
+    /// Encrypts every connection to and from this agent (its TCP data path
+    /// and the control streams of every transport) with AES-128-GCM under
+    /// keys derived from each connection's handshake and the credential,
+    /// through the kernel's TLS (kTLS): the stream code sends and reads
+    /// application memory as it does in the clear. A connection is
+    /// encrypted when either side asks. Needs a credential and a kernel
+    /// with TLS (the `tls` module): without, the agent does not open
+    /// ([`Error::BackendUnavailable`], backend `ktls`). Data moved beside
+    /// the streams (RDMA, libfabric, shm copies) is not encrypted. `false`
+    /// (default): `KVXFER_ENCRYPT=1` turns it on.
+    pub encrypt: bool,
 }
 
 /// Bounds on what peers and the application can make an agent hold.
@@ -670,6 +681,12 @@ impl AgentConfig {
         self
     }
 
+    /// Encrypts this agent's connections ([`SecurityConfig::encrypt`]).
+    pub fn with_encryption(mut self, on: bool) -> Self {
+        self.security.encrypt = on;
+        self
+    }
+
     /// Chooses the storage I/O engine ([`storage_io`](Self::storage_io)).
     pub fn with_storage_io(mut self, io: crate::storage::StorageIo) -> Self {
         self.storage_io = io;
@@ -738,7 +755,9 @@ impl AgentConfig {
     /// # Errors
     /// [`Error::Credential`] for an unreadable or short secret;
     /// [`Error::InvalidConfig`] for a non-loopback listener with neither a
-    /// credential nor `insecure`.
+    /// credential nor `insecure`, or encryption without a credential;
+    /// [`Error::BackendUnavailable`] (`ktls`) for encryption on a kernel
+    /// without TLS.
     pub fn resolve_security(&mut self) -> Result<(), Error> {
         let sec = &mut self.security;
         if sec.credential.is_none() {
@@ -746,6 +765,21 @@ impl AgentConfig {
         }
         if !sec.insecure {
             sec.insecure = std::env::var("KVXFER_INSECURE").is_ok_and(|v| v.trim() == "1");
+        }
+        if !sec.encrypt {
+            sec.encrypt = std::env::var("KVXFER_ENCRYPT").is_ok_and(|v| v.trim() == "1");
+        }
+        if sec.encrypt {
+            if sec.credential.is_none() {
+                return Err(Error::InvalidConfig(
+                    "encrypted connections need a cluster credential (their keys come from it):                      set one (AgentConfig::with_credential, KVXFER_SECRET_FILE, KVXFER_SECRET)"
+                        .into(),
+                ));
+            }
+            crate::engine::kernel_tls_available().map_err(|reason| Error::BackendUnavailable {
+                backend: "ktls",
+                reason: format!("encrypted connections ({reason})"),
+            })?;
         }
         if sec.credential.is_none() && !self.listen.ip().is_loopback() {
             if !sec.insecure {

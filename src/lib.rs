@@ -104,7 +104,7 @@ pub use config::{
     Limits, RdmaConfig, RdmaProgress, SecurityConfig, ShmConfig, TcpConfig,
 };
 pub use desc::{AgentDesc, DescError, ExportedRegion, RegionKey, TransportOffer};
-pub use engine::make_transfer_agent;
+pub use engine::{kernel_tls_available, make_transfer_agent};
 pub use error::{Error, Landed, RejectReason};
 pub use events::CompletionQueue;
 pub use indexed::{IndexedRequest, PreparedDescList};

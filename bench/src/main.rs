@@ -93,6 +93,11 @@ struct Args {
     /// process that reaches the port can read and write the region.
     #[arg(long)]
     insecure: bool,
+    /// Encrypt every connection (`SecurityConfig::encrypt`: AES-128-GCM
+    /// through the kernel's TLS). Needs a cluster secret; both roles of one
+    /// process without one given share a random one.
+    #[arg(long)]
+    encrypt: bool,
     /// Run only the initiator role against the target at ADDR (host:port),
     /// or, with `--metadata`, the target agent of that name.
     #[arg(long)]
@@ -273,6 +278,20 @@ pub(crate) fn etcd_config(url: &str) -> Result<kvxfer::EtcdConfig> {
     Ok(kvxfer::EtcdConfig::new(eps.split(',').map(str::trim)))
 }
 
+/// A random cluster secret shared by the agents of this process.
+fn process_secret() -> kvxfer::Credential {
+    static SECRET: std::sync::OnceLock<kvxfer::Credential> = std::sync::OnceLock::new();
+    SECRET
+        .get_or_init(|| {
+            let hex: String = kvxfer::auth::random_bytes::<24>()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            kvxfer::Credential::new(hex.into_bytes()).expect("a random secret is strong")
+        })
+        .clone()
+}
+
 fn config(name: &str, args: &Args) -> AgentConfig {
     let mut cfg = AgentConfig::new(name).with_insecure(args.insecure);
     if let Some(url) = &args.metadata {
@@ -291,6 +310,16 @@ fn config(name: &str, args: &Args) -> AgentConfig {
                 eprintln!("{e}");
                 std::process::exit(2);
             }
+        }
+    }
+    if args.encrypt {
+        cfg = cfg.with_encryption(true);
+        let given = args.secret_file.is_some()
+            || ["KVXFER_SECRET_FILE", "KVXFER_SECRET"]
+                .iter()
+                .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()));
+        if !given {
+            cfg = cfg.with_credential(process_secret());
         }
     }
     if let Some(n) = args.streams {

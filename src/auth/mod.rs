@@ -23,6 +23,7 @@
 use std::fmt;
 use std::path::Path;
 
+use hkdf::Hkdf;
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
@@ -174,6 +175,69 @@ impl Credential {
     }
 }
 
+impl Credential {
+    /// The keys of an encrypted stream whose handshake covered `t`:
+    /// HKDF-SHA256 with this secret as input keying material, salt
+    /// [`STREAM_SALT`] and info a direction's label then `t` as the proofs
+    /// cover it, 28 bytes per direction (an AES-128-GCM key, then the
+    /// 12-byte IV its record nonces are made from). Each connection's
+    /// nonces are fresh, so are its keys.
+    pub(crate) fn stream_keys(&self, t: &Transcript<'_>) -> StreamKeys {
+        let hk = Hkdf::<Sha256>::new(Some(STREAM_SALT), &self.secret);
+        let mut covered =
+            Vec::with_capacity(2 * NONCE_LEN + 8 + t.initiator.len() + t.target.len());
+        covered.extend_from_slice(&t.initiator_nonce);
+        covered.extend_from_slice(&t.target_nonce);
+        for name in [t.initiator, t.target] {
+            covered.extend_from_slice(&(name.len() as u32).to_le_bytes());
+            covered.extend_from_slice(name);
+        }
+        let direction = |label: &[u8]| {
+            let mut okm = [0u8; 28];
+            hk.expand_multi_info(&[label, &covered], &mut okm)
+                .expect("28 bytes is within HKDF-SHA256's output");
+            let mut d = DirectionKey {
+                key: [0; 16],
+                iv: [0; 12],
+            };
+            d.key.copy_from_slice(&okm[..16]);
+            d.iv.copy_from_slice(&okm[16..]);
+            d
+        };
+        StreamKeys {
+            initiator_to_target: direction(b"kvxfer-stream-v1 initiator to target"),
+            target_to_initiator: direction(b"kvxfer-stream-v1 target to initiator"),
+        }
+    }
+}
+
+/// The salt of [`Credential::stream_keys`].
+const STREAM_SALT: &[u8] = b"kvxfer-stream-v1";
+
+/// The keys of one direction of an encrypted stream.
+pub(crate) struct DirectionKey {
+    /// The AES-128-GCM key.
+    pub(crate) key: [u8; 16],
+    /// The IV a record's nonce is made from (TLS 1.3: XOR its sequence
+    /// number).
+    pub(crate) iv: [u8; 12],
+}
+
+impl fmt::Debug for DirectionKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DirectionKey(redacted)")
+    }
+}
+
+/// Both directions' keys of an encrypted stream.
+#[derive(Debug)]
+pub(crate) struct StreamKeys {
+    /// What the initiator sends.
+    pub(crate) initiator_to_target: DirectionKey,
+    /// What the target sends.
+    pub(crate) target_to_initiator: DirectionKey,
+}
+
 const STORE_LABEL: &[u8] = b"kvxfer-store-v1";
 const TARGET_LABEL: &[u8] = b"kvxfer-auth-v1 target";
 const INITIATOR_LABEL: &[u8] = b"kvxfer-auth-v1 initiator";
@@ -224,6 +288,40 @@ pub fn random_bytes<const N: usize>() -> [u8; N] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stream's keys differ by direction, by connection (nonces), by
+    /// name and by secret, and both sides derive the same.
+    #[test]
+    fn stream_keys_are_per_direction_connection_and_secret() {
+        let c = Credential::new(*b"0f3a9c1e7b2d4f6a8c0e1b3d5f7a9c2e").unwrap();
+        let other = Credential::new(*b"9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b").unwrap();
+        let t = transcript(b"gen", b"ctx");
+        let k = c.stream_keys(&t);
+        let again = c.stream_keys(&t);
+        assert_eq!(k.initiator_to_target.key, again.initiator_to_target.key);
+        assert_eq!(k.target_to_initiator.iv, again.target_to_initiator.iv);
+        assert_ne!(k.initiator_to_target.key, k.target_to_initiator.key);
+        assert_ne!(k.initiator_to_target.iv, k.target_to_initiator.iv);
+        let mut fresh = t;
+        fresh.target_nonce = [9; NONCE_LEN];
+        assert_ne!(
+            c.stream_keys(&fresh).initiator_to_target.key,
+            k.initiator_to_target.key
+        );
+        let renamed = transcript(b"gen2", b"ctx");
+        assert_ne!(
+            c.stream_keys(&renamed).initiator_to_target.key,
+            k.initiator_to_target.key
+        );
+        assert_ne!(
+            other.stream_keys(&t).initiator_to_target.key,
+            k.initiator_to_target.key
+        );
+        assert_eq!(
+            format!("{:?}", k.initiator_to_target),
+            "DirectionKey(redacted)"
+        );
+    }
 
     fn transcript<'a>(a: &'a [u8], b: &'a [u8]) -> Transcript<'a> {
         Transcript {

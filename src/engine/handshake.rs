@@ -9,9 +9,11 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::auth::{Credential, MAC_LEN, NONCE_LEN, Nonce, Transcript, nonce};
+use crate::auth::{MAC_LEN, NONCE_LEN, Nonce, Transcript, nonce};
+use crate::config::SecurityConfig;
 use crate::error::Error;
 
+use super::ktls;
 use super::sock::{FrameReader, IdlePolicy, ProgressClock, UntilDeadline, iov, writev_all};
 use super::wire::{Frame, HEADER_LEN, status};
 
@@ -52,37 +54,44 @@ fn nonce_of(body: &[u8]) -> Nonce {
     body[..NONCE_LEN].try_into().expect("length checked")
 }
 
-/// The initiator's side: proves this agent holds `cred` (when it has one)
-/// and checks that the target holds it too and is called `expect` (when
-/// known). Returns the target's name.
+/// The initiator's side: proves this agent holds its credential (when it
+/// has one, in `security`) and checks that the target holds it too and is
+/// called `expect` (when known); asks for the connection to be encrypted
+/// when `security` says so (with a credential only), and encrypts it (kernel TLS, see [`ktls`]) when the
+/// target says so. Returns the target's name.
 ///
 /// # Errors
-/// [`Error::AuthFailed`] when either side's proof fails or the credentials
-/// differ in presence; [`Error::Timeout`] after `timeout`; connection
-/// errors as [`Error::Connect`].
+/// [`Error::AuthFailed`] when either side's proof fails, the credentials
+/// differ in presence, or encryption was asked and the target cannot
+/// encrypt; [`Error::BackendUnavailable`] (`ktls`) when the target
+/// encrypts and this kernel cannot; [`Error::Timeout`] after `timeout`;
+/// connection errors as [`Error::Connect`].
 pub(super) fn initiate(
     sock: &TcpStream,
-    cred: Option<&Credential>,
+    security: &SecurityConfig,
     me: &str,
     expect: Option<&str>,
     remote: &str,
     deadline: Instant,
     timeout: Duration,
 ) -> Result<String, Error> {
+    let (cred, encrypt) = (security.credential.as_ref(), security.encrypt);
     let clock = ProgressClock::new();
     let io_err = |e: io::Error| initiator_io_error(remote, timeout, e);
     let mine = nonce();
     let mut body = mine.to_vec();
     body.extend_from_slice(me.as_bytes());
+    let ask = encrypt && cred.is_some();
     let hello = Frame::AuthHello {
         keyed: cred.is_some(),
+        encrypt: ask,
         body_len: body.len() as u32,
     };
     send(sock.as_fd(), &hello.encode(), &body, &clock, timeout).map_err(io_err)?;
     let mut idle = UntilDeadline;
     let mut reader = FrameReader::new(sock.as_raw_fd(), &clock);
     reader.set_deadline(Some(deadline));
-    let (keyed, body) = read_challenge(&mut reader, &mut idle, remote, timeout)?;
+    let (keyed, encrypted, body) = read_challenge(&mut reader, &mut idle, remote, timeout)?;
     let theirs = nonce_of(&body);
     let (tag, name) = if keyed {
         body[NONCE_LEN..].split_at(MAC_LEN)
@@ -124,6 +133,13 @@ pub(super) fn initiate(
             "the target's proof does not check out (another cluster secret?)".into(),
         ));
     }
+    if ask && !encrypted {
+        return Err(auth_failed(
+            remote,
+            "this agent encrypts its connections and the target cannot (no kernel TLS there)"
+                .into(),
+        ));
+    }
     let proof = cred.initiator_tag(&t);
     send(
         sock.as_fd(),
@@ -138,7 +154,25 @@ pub(super) fn initiate(
         .map_err(io_err)?
         .ok_or_else(|| io_err(io::ErrorKind::UnexpectedEof.into()))?;
     match Frame::decode(&raw) {
-        Ok(Frame::AuthResult { status: status::OK }) => Ok(name),
+        Ok(Frame::AuthResult { status: status::OK }) => {
+            if encrypted {
+                // The target sends nothing more before this side's next
+                // frame, which goes encrypted.
+                let keys = cred.stream_keys(&t);
+                ktls::install(
+                    sock.as_fd(),
+                    &keys.initiator_to_target,
+                    &keys.target_to_initiator,
+                )
+                .map_err(|e| Error::BackendUnavailable {
+                    backend: "ktls",
+                    reason: format!(
+                        "the target {remote:?} encrypts its connections and this kernel cannot: {e}"
+                    ),
+                })?;
+            }
+            Ok(name)
+        }
         Ok(Frame::AuthResult { .. }) => Err(auth_failed(
             remote,
             "the target refused this agent's proof (another cluster secret?)".into(),
@@ -150,25 +184,26 @@ pub(super) fn initiate(
     }
 }
 
-/// The target's challenge: whether it is keyed, and its body (nonce, tag
-/// when keyed, name).
+/// The target's challenge: whether it is keyed, whether the connection is
+/// to be encrypted, and its body (nonce, tag when keyed, name).
 fn read_challenge(
     reader: &mut FrameReader<'_>,
     idle: &mut UntilDeadline,
     remote: &str,
     timeout: Duration,
-) -> Result<(bool, Vec<u8>), Error> {
+) -> Result<(bool, bool, Vec<u8>), Error> {
     let io_err = |e: io::Error| initiator_io_error(remote, timeout, e);
     let raw = reader
         .next_header(idle)
         .map_err(io_err)?
         .ok_or_else(|| io_err(io::ErrorKind::UnexpectedEof.into()))?;
-    let (keyed, body_len) = match Frame::decode(&raw) {
+    let (keyed, encrypt, body_len) = match Frame::decode(&raw) {
         Ok(Frame::AuthChallenge {
             status: status::OK,
             keyed,
+            encrypt,
             body_len,
-        }) => (keyed, body_len),
+        }) => (keyed, encrypt, body_len),
         Ok(Frame::AuthChallenge {
             status: status::AUTH_REQUIRED,
             ..
@@ -188,7 +223,7 @@ fn read_challenge(
         }
     };
     let body = reader.read_vec(body_len as usize, idle).map_err(io_err)?;
-    Ok((keyed, body))
+    Ok((keyed, encrypt, body))
 }
 
 /// An initiator's I/O error during the handshake: a timeout, or a failed
@@ -228,27 +263,34 @@ pub(super) enum Verdict {
 /// the proof. Nothing but this exchange is answered before it returns
 /// `Accepted`. The caller bounds it with the reader's deadline
 /// ([`FrameReader::set_deadline`]); `stop` abandons it when the agent
-/// closes.
+/// closes. The connection is encrypted (kernel TLS, see [`ktls`]) when
+/// `security` says so or the initiator asks and this kernel can, both
+/// sides keyed: installed before anything more is read or sent.
 ///
 /// # Errors
-/// Socket errors, the reader's deadline passing, and frames out of place
-/// (as `InvalidData`).
+/// Socket errors, the reader's deadline passing, frames out of place (as
+/// `InvalidData`), and the kernel's refusal to encrypt.
 pub(super) fn respond(
     sock: BorrowedFd<'_>,
     reader: &mut FrameReader<'_>,
     stop: &dyn Fn() -> bool,
-    cred: Option<&Credential>,
+    security: &SecurityConfig,
     me: &str,
     clock: &ProgressClock,
     timeout: Duration,
 ) -> io::Result<Verdict> {
+    let (cred, encrypt) = (security.credential.as_ref(), security.encrypt);
     let idle = &mut AbandonWhen(stop);
     let bad = |d: String| io::Error::new(io::ErrorKind::InvalidData, d);
     let Some(raw) = reader.next_header(idle)? else {
         return Ok(Verdict::Refused("closed before authenticating".into()));
     };
-    let (keyed, body_len) = match Frame::decode(&raw) {
-        Ok(Frame::AuthHello { keyed, body_len }) => (keyed, body_len),
+    let (keyed, asked, body_len) = match Frame::decode(&raw) {
+        Ok(Frame::AuthHello {
+            keyed,
+            encrypt,
+            body_len,
+        }) => (keyed, encrypt, body_len),
         other => {
             return Err(bad(format!(
                 "expected an authentication hello first, got {other:?}"
@@ -270,6 +312,7 @@ pub(super) fn respond(
         let hdr = Frame::AuthChallenge {
             status: status::OK,
             keyed: false,
+            encrypt: false,
             body_len: out.len() as u32,
         };
         send(sock, &hdr.encode(), &out, clock, timeout)?;
@@ -279,6 +322,7 @@ pub(super) fn respond(
         let hdr = Frame::AuthChallenge {
             status: status::AUTH_REQUIRED,
             keyed: false,
+            encrypt: false,
             body_len: 0,
         };
         send(sock, &hdr.encode(), &[], clock, timeout)?;
@@ -296,9 +340,13 @@ pub(super) fn respond(
     let mut out = mine.to_vec();
     out.extend_from_slice(&cred.target_tag(&t));
     out.extend_from_slice(me.as_bytes());
+    // This agent's own choice was checked when it opened (the kernel can);
+    // an initiator's is taken where the kernel can.
+    let encrypted = encrypt || asked && ktls::available().is_ok();
     let hdr = Frame::AuthChallenge {
         status: status::OK,
         keyed: true,
+        encrypt: encrypted,
         body_len: out.len() as u32,
     };
     send(sock, &hdr.encode(), &out, clock, timeout)?;
@@ -325,6 +373,10 @@ pub(super) fn respond(
         clock,
         timeout,
     )?;
+    if ok && encrypted {
+        let keys = cred.stream_keys(&t);
+        ktls::install(sock, &keys.target_to_initiator, &keys.initiator_to_target)?;
+    }
     Ok(if ok {
         Verdict::Accepted(name)
     } else {
@@ -347,11 +399,15 @@ pub(crate) fn fuzz_respond(
     let clock = ProgressClock::new();
     let mut reader = FrameReader::new(fd.as_raw_fd(), &clock);
     reader.set_deadline(Some(std::time::Instant::now() + Duration::from_secs(1)));
+    let security = SecurityConfig {
+        credential: cred.cloned(),
+        ..SecurityConfig::default()
+    };
     let v = respond(
         fd,
         &mut reader,
         &|| false,
-        cred,
+        &security,
         "target",
         &clock,
         Duration::from_secs(1),

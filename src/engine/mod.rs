@@ -41,6 +41,7 @@ mod handshake;
 mod in_flight;
 mod indexed;
 mod inproc;
+mod ktls;
 mod local_proof;
 #[cfg(feature = "metrics-endpoint")]
 mod metrics_http;
@@ -71,6 +72,18 @@ pub(crate) use handshake::fuzz_respond;
 pub(crate) use plan::{delegated_pieces, write_list_pieces};
 use target::Session;
 use transport::{Link, Transport};
+
+/// Whether this kernel can encrypt an agent's connections
+/// ([`SecurityConfig::encrypt`](crate::config::SecurityConfig::encrypt):
+/// TLS 1.3 AES-128-GCM through the kernel's TLS); `Err` says why not.
+/// Tried once per process.
+///
+/// # Errors
+/// Why not: the kernel has no TLS (no `tls` module), or refused the
+/// cipher.
+pub fn kernel_tls_available() -> Result<(), String> {
+    ktls::available()
+}
 
 use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};

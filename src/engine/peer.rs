@@ -183,7 +183,7 @@ pub(in crate::engine) fn handshake(
     sock.set_write_timeout(Some(tick(t)))?;
     handshake::initiate(
         sock,
-        inner.config.security.credential.as_ref(),
+        &inner.config.security,
         &inner.config.name,
         Some(&peer.name),
         &peer.name,
@@ -278,7 +278,7 @@ pub(in crate::engine) fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDe
     sock.set_write_timeout(Some(tick(timeout)))?;
     let target = handshake::initiate(
         &sock,
-        inner.config.security.credential.as_ref(),
+        &inner.config.security,
         &inner.config.name,
         None,
         info,

@@ -17,7 +17,7 @@
 //! [`TransferStatus::is_settled`]: crate::TransferStatus::is_settled
 
 use crate::agent::AgentConfig;
-use crate::auth::Credential;
+use crate::config::SecurityConfig;
 use crate::engine::handshake;
 use crate::engine::lock;
 use crate::engine::peer::timeout_or;
@@ -44,9 +44,9 @@ pub(in crate::engine) struct Settle {
     /// This agent's instance and the link's id, as its `Hello`s named them.
     instance: u64,
     link: u64,
-    /// This agent's name and credential.
+    /// This agent's name, and its credential and whether it encrypts.
     name: String,
-    credential: Option<Credential>,
+    security: SecurityConfig,
     connect_timeout: Duration,
     /// Whether the target ending the link's session proves it (see
     /// `SocketPath::SESSION_SETTLES`); otherwise only its absence does.
@@ -79,7 +79,7 @@ impl Settle {
             instance,
             link,
             name: config.name.clone(),
-            credential: config.security.credential.clone(),
+            security: config.security.clone(),
             connect_timeout: config.connect_timeout,
             session_proves,
             state: Mutex::new(State::default()),
@@ -112,7 +112,7 @@ impl Settle {
         sock.set_write_timeout(Some(tick(timeout)))?;
         handshake::initiate(
             &sock,
-            self.credential.as_ref(),
+            &self.security,
             &self.name,
             Some(&self.remote),
             &self.remote,

@@ -693,7 +693,7 @@ impl Inner {
             sock.as_fd(),
             reader,
             &stop,
-            self.config.security.credential.as_ref(),
+            &self.config.security,
             &self.config.name,
             clock,
             self.config.io_timeout,

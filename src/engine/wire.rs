@@ -22,6 +22,12 @@ pub const ATTACH_MAX: u32 = 4096;
 /// Largest control body (agent name, sync message, descriptor) accepted.
 pub const MAX_CONTROL_BODY: u32 = 16 << 20;
 
+/// The flags of `AuthHello` / `AuthChallenge`: bit 0 keyed, bit 1
+/// encrypt.
+fn auth_flags(keyed: bool, encrypt: bool) -> u8 {
+    u8::from(keyed) | u8::from(encrypt) << 1
+}
+
 /// The raw header, as it sits on the wire.
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable,
@@ -161,6 +167,9 @@ pub enum Frame {
     AuthHello {
         /// Whether the initiator holds a cluster credential.
         keyed: bool,
+        /// Whether the initiator asks for the connection to be encrypted
+        /// (keyed only).
+        encrypt: bool,
         /// Body length.
         body_len: u32,
     },
@@ -172,6 +181,9 @@ pub enum Frame {
         /// Whether the target holds a cluster credential (and a MAC
         /// follows its nonce).
         keyed: bool,
+        /// Whether the connection is encrypted once the handshake has
+        /// succeeded (keyed only).
+        encrypt: bool,
         /// Body length.
         body_len: u32,
     },
@@ -675,18 +687,23 @@ impl Frame {
                 h.id = instance.into();
                 h.status = status.into();
             }
-            Frame::AuthHello { keyed, body_len } => {
+            Frame::AuthHello {
+                keyed,
+                encrypt,
+                body_len,
+            } => {
                 h.kind = K_AUTH_HELLO;
-                h.flags = u8::from(keyed);
+                h.flags = auth_flags(keyed, encrypt);
                 h.aux = body_len.into();
             }
             Frame::AuthChallenge {
                 status,
                 keyed,
+                encrypt,
                 body_len,
             } => {
                 h.kind = K_AUTH_CHALLENGE;
-                h.flags = u8::from(keyed);
+                h.flags = auth_flags(keyed, encrypt);
                 h.status = status.into();
                 h.aux = body_len.into();
             }
@@ -892,19 +909,21 @@ impl Frame {
                 status: h.status.get(),
             },
             K_AUTH_HELLO | K_AUTH_CHALLENGE => {
-                if h.flags > 1 {
+                // Bit 0: keyed; bit 1: encrypt, only with bit 0.
+                if h.flags > 3 || h.flags == 2 {
                     return Err(WireError::BadField("auth flags"));
                 }
                 if aux > MAX_AUTH_BODY {
                     return Err(WireError::BodyTooLarge(aux));
                 }
-                let keyed = h.flags == 1;
+                let (keyed, encrypt) = (h.flags & 1 != 0, h.flags & 2 != 0);
                 if h.kind == K_AUTH_HELLO {
                     if (aux as usize) < crate::proto::NONCE_LEN {
                         return Err(WireError::BadField("auth hello body length"));
                     }
                     Frame::AuthHello {
                         keyed,
+                        encrypt,
                         body_len: aux,
                     }
                 } else {
@@ -917,6 +936,7 @@ impl Frame {
                     Frame::AuthChallenge {
                         status: st,
                         keyed,
+                        encrypt,
                         body_len: aux,
                     }
                 }
@@ -1103,16 +1123,30 @@ mod tests {
             },
             Frame::AuthHello {
                 keyed: true,
+                encrypt: false,
+                body_len: 40,
+            },
+            Frame::AuthHello {
+                keyed: true,
+                encrypt: true,
                 body_len: 40,
             },
             Frame::AuthChallenge {
                 status: status::OK,
                 keyed: false,
+                encrypt: false,
                 body_len: 37,
+            },
+            Frame::AuthChallenge {
+                status: status::OK,
+                keyed: true,
+                encrypt: true,
+                body_len: 70,
             },
             Frame::AuthChallenge {
                 status: status::AUTH_REQUIRED,
                 keyed: false,
+                encrypt: false,
                 body_len: 0,
             },
             Frame::AuthProof,

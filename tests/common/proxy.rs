@@ -1,5 +1,7 @@
 //! A TCP proxy for tests that flips one bit of what crosses it, on demand:
-//! a peer's data damaged on the way, for the end-to-end integrity tests.
+//! a peer's data damaged on the way, for the end-to-end integrity tests;
+//! it also keeps what it carried each way (the first [`CAPTURE_MAX`]
+//! bytes), as a capture on the wire would.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -8,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 /// Which way the proxy damages.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Dir {
     /// Initiator → target (WRITE payloads).
     Up,
@@ -31,9 +33,15 @@ pub struct Proxy {
     pub accepted: Arc<AtomicUsize>,
     /// Holds what it carries in its direction (see [`Hold`]).
     pub hold: Arc<Hold>,
+    /// What it carried initiator → target, and target → initiator, all
+    /// connections together (the first [`CAPTURE_MAX`] bytes each).
+    pub captured: [Arc<Mutex<Vec<u8>>>; 2],
     stop: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
 }
+
+/// Most bytes a proxy keeps of what it carried each way.
+pub const CAPTURE_MAX: usize = 64 << 20;
 
 /// Stops a proxy's carrying in its direction once a set number of bytes
 /// went through, until released: a sender held mid-request, observably.
@@ -116,6 +124,8 @@ impl Proxy {
         );
         let upstream = Arc::new(Mutex::new(None));
         let to = Arc::clone(&upstream);
+        let captured: [Arc<Mutex<Vec<u8>>>; 2] = Default::default();
+        let cap = captured.clone();
         let accept = std::thread::spawn(move || {
             for down in listener.incoming() {
                 if s.load(Ordering::Relaxed) {
@@ -131,18 +141,26 @@ impl Proxy {
                 n.fetch_add(1, Ordering::Relaxed);
                 let _ = down.set_nodelay(true);
                 let _ = up.set_nodelay(true);
-                let pump = |from: TcpStream, to: TcpStream, flip: bool| {
+                let pump = |from: TcpStream, to: TcpStream, flip: bool, cap: &Arc<_>| {
                     let (a, f, h) = (Arc::clone(&a), Arc::clone(&f), Arc::clone(&h));
+                    let cap = Arc::clone(cap);
                     std::thread::spawn(move || {
-                        pump(from, to, flip.then_some((at, a, f)), flip.then_some(h))
+                        pump(
+                            from,
+                            to,
+                            flip.then_some((at, a, f)),
+                            flip.then_some(h),
+                            &cap,
+                        )
                     })
                 };
                 pump(
                     down.try_clone().unwrap(),
                     up.try_clone().unwrap(),
                     dir == Dir::Up,
+                    &cap[0],
                 );
-                pump(up, down, dir == Dir::Down);
+                pump(up, down, dir == Dir::Down, &cap[1]);
             }
         });
         Proxy {
@@ -152,6 +170,7 @@ impl Proxy {
             flipped,
             accepted,
             hold,
+            captured,
             stop,
             accept: Some(accept),
         }
@@ -168,14 +187,16 @@ impl Drop for Proxy {
     }
 }
 
-/// Copies `from` to `to` until either ends; with `flip`, once armed,
-/// flips bit 3 of the byte `at` bytes after the first one read since
-/// (disarming it); with `hold`, holds where it says.
+/// Copies `from` to `to` until either ends, keeping what it carried in
+/// `capture` (up to [`CAPTURE_MAX`]); with `flip`, once armed, flips bit 3
+/// of the byte `at` bytes after the first one read since (disarming it);
+/// with `hold`, holds where it says.
 fn pump(
     mut from: TcpStream,
     mut to: TcpStream,
     flip: Option<(u64, Arc<AtomicBool>, Arc<AtomicUsize>)>,
     hold: Option<Arc<Hold>>,
+    capture: &Mutex<Vec<u8>>,
 ) {
     let mut buf = vec![0u8; 256 << 10];
     let (mut seen, mut start, mut hold_at) = (0u64, None, None);
@@ -184,6 +205,11 @@ fn pump(
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        {
+            let mut c = capture.lock().unwrap();
+            let room = CAPTURE_MAX.saturating_sub(c.len()).min(n);
+            c.extend_from_slice(&buf[..room]);
+        }
         if let Some((at, armed, flipped)) = &flip {
             if !armed.load(Ordering::Acquire) {
                 start = None;

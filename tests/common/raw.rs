@@ -213,7 +213,7 @@ impl RawConn {
     pub fn hello(&mut self, name: &str, link: u64) -> Option<Hdr> {
         let mut h = Hdr::new(HELLO);
         h.id = 0x1234_5679;
-        h.status = 6; // protocol version (docs/wire-format.md)
+        h.status = 7; // protocol version (docs/wire-format.md)
         h.len = link;
         h.aux = name.len() as u32;
         self.send(h, name.as_bytes()).ok()?;

@@ -1,0 +1,238 @@
+//! Encrypted connections (`SecurityConfig::encrypt`: kernel TLS, keys from
+//! each connection's handshake), seen from the wire: two TCP agents of
+//! this process, the initiator reaching the target through a proxy that
+//! keeps what it carries and can flip a bit of it. Encrypted, the capture
+//! holds no stretch of the data moved either way, and a byte changed on
+//! the way fails the request instead of landing; in the clear the same
+//! capture holds the data (the test's premise). Where the kernel has no
+//! TLS, an agent asked to encrypt does not open, typed; the wire tests say
+//! SKIPPED and run in the soft-RoCE guest (Debian's kernel, `tls` module).
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvxfer::{
+    AgentConfig, Backend, Credential, Error, TransferAgent, TransferRequest, make_transfer_agent,
+};
+
+mod common;
+use common::proxy::{Dir, Proxy};
+use common::{dram, register};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn credential() -> Credential {
+    Credential::new(b"encrypt-test-3c9f0a7e51d2b84f6e0c".to_vec()).unwrap()
+}
+
+/// Whether this kernel encrypts; prints the SKIPPED line when not.
+fn kernel_tls(test: &str) -> bool {
+    match kvxfer::kernel_tls_available() {
+        Ok(()) => true,
+        Err(why) => {
+            println!(
+                "SKIPPED {test}: {why} (it runs in the soft-RoCE guest, whose kernel has kTLS)"
+            );
+            false
+        }
+    }
+}
+
+/// The data moved: a line of text over and over, as a prompt's KV would
+/// not be, so that any 32 bytes of it in a capture are found.
+fn plaintext(len: usize) -> Vec<u8> {
+    let line = b"KVXFER-PLAINTEXT user prompt: the quick brown fox 0123456789\n";
+    line.iter().copied().cycle().take(len).collect()
+}
+
+/// Whether `hay` holds any 32-byte stretch of `line`'s repetition.
+fn holds_plaintext(hay: &[u8]) -> bool {
+    let p = plaintext(2 * 64);
+    let windows: Vec<&[u8]> = (0..62).map(|o| &p[o..o + 32]).collect();
+    hay.windows(32).any(|w| windows.contains(&w))
+}
+
+struct Pair {
+    init: Box<dyn TransferAgent>,
+    target: Box<dyn TransferAgent>,
+    name: String,
+    proxy: Proxy,
+}
+
+/// A target and an initiator holding one credential, encrypting as asked,
+/// the initiator reaching the target through a proxy.
+fn pair(init_encrypts: bool, target_encrypts: bool, dir: Dir, at: u64) -> Pair {
+    let target = make_transfer_agent(
+        Backend::Tcp,
+        AgentConfig::new("enc-target")
+            .with_credential(credential())
+            .with_encryption(target_encrypts),
+    )
+    .unwrap();
+    let init = make_transfer_agent(
+        Backend::Tcp,
+        AgentConfig::new("enc-init")
+            .with_credential(credential())
+            .with_encryption(init_encrypts)
+            .with_streams_per_peer(1),
+    )
+    .unwrap();
+    let desc = target.local_agent_desc();
+    let proxy = Proxy::start(dir, at);
+    proxy.forward_to(desc.endpoints[0].parse().unwrap());
+    Pair {
+        init,
+        target,
+        name: desc.name,
+        proxy,
+    }
+}
+
+impl Pair {
+    fn load(&self) {
+        let mut desc = self.target.local_agent_desc();
+        desc.endpoints = vec![self.proxy.addr.to_string()];
+        self.init.load_remote_agent(&desc).unwrap();
+    }
+
+    /// A 1 MiB WRITE of the plaintext and a READ of it back, both landing
+    /// whole; whether the capture holds plaintext each way.
+    fn write_and_read(&self) -> (bool, bool) {
+        let len = 1 << 20;
+        let src = plaintext(len);
+        let dst = vec![0u8; len];
+        let back = vec![0u8; len];
+        register(self.init.as_ref(), &src);
+        register(self.init.as_ref(), &back);
+        register(self.target.as_ref(), &dst);
+        self.load();
+        let one = |b: &[u8]| dram([(b.as_ptr() as u64, len as u64)]);
+        self.init
+            .submit_transfer(
+                &TransferRequest::write(one(&src), one(&dst), &self.name)
+                    .with_sync_message(b"a secret sync message".to_vec()),
+            )
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+        assert!(dst == src, "the WRITE landed whole");
+        self.init
+            .submit_transfer(&TransferRequest::read(one(&back), one(&dst), &self.name))
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+        assert!(back == src, "the READ landed whole");
+        let up = self.proxy.captured[0].lock().unwrap();
+        let down = self.proxy.captured[1].lock().unwrap();
+        assert!(up.len() > len && down.len() > len, "the proxy carried both");
+        let secret = b"a secret sync message";
+        assert_eq!(
+            holds_plaintext(&up),
+            up.windows(secret.len()).any(|w| w == secret),
+            "the payload and the sync message go alike"
+        );
+        (holds_plaintext(&up), holds_plaintext(&down))
+    }
+}
+
+#[test]
+fn an_agent_that_encrypts_needs_a_credential_and_a_kernel_with_tls() {
+    let Err(e) = make_transfer_agent(Backend::Tcp, AgentConfig::new("enc").with_encryption(true))
+    else {
+        panic!("an agent without a credential encrypts");
+    };
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
+    let encrypting = make_transfer_agent(
+        Backend::Tcp,
+        AgentConfig::new("enc")
+            .with_credential(credential())
+            .with_encryption(true),
+    );
+    match kvxfer::kernel_tls_available() {
+        Ok(()) => assert!(encrypting.is_ok()),
+        Err(why) => {
+            let Err(e) = encrypting else {
+                panic!("an agent encrypts on a kernel without TLS");
+            };
+            assert!(
+                matches!(
+                    e,
+                    Error::BackendUnavailable {
+                        backend: "ktls",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert!(e.to_string().contains(&why), "{e}");
+        }
+    }
+}
+
+/// In the clear the capture holds the data both ways (the proxy sees
+/// what an eavesdropper would); encrypted, whichever side asked, it holds
+/// none of it, and both requests land whole.
+#[test]
+fn encrypted_connections_carry_no_plaintext() {
+    let clear = pair(false, false, Dir::Up, 0).write_and_read();
+    assert_eq!(
+        clear,
+        (true, true),
+        "in the clear the capture holds the data"
+    );
+    if !kernel_tls("encrypted_connections_carry_no_plaintext") {
+        return;
+    }
+    for (init, target) in [(true, true), (true, false), (false, true)] {
+        let seen = pair(init, target, Dir::Up, 0).write_and_read();
+        assert_eq!(
+            seen,
+            (false, false),
+            "initiator encrypts: {init}, target encrypts: {target}"
+        );
+    }
+}
+
+/// A bit flipped on the way, in either direction, fails the request
+/// (the record's tag does not check out) instead of landing changed data,
+/// and the next request, on a new connection, lands whole.
+#[test]
+fn a_byte_changed_on_the_wire_fails_the_request() {
+    if !kernel_tls("a_byte_changed_on_the_wire_fails_the_request") {
+        return;
+    }
+    for dir in [Dir::Up, Dir::Down] {
+        let len = 1 << 20;
+        let p = pair(true, true, dir, 300 << 10);
+        let src = plaintext(len);
+        let dst = vec![0u8; len];
+        register(p.init.as_ref(), &src);
+        register(p.target.as_ref(), &dst);
+        p.load();
+        let one = |b: &[u8]| dram([(b.as_ptr() as u64, len as u64)]);
+        let req = || match dir {
+            Dir::Up => TransferRequest::write(one(&src), one(&dst), &p.name),
+            Dir::Down => TransferRequest::read(one(&src), one(&dst), &p.name),
+        };
+        p.proxy.armed.store(true, Ordering::Release);
+        let outcome = p
+            .init
+            .submit_transfer(&req())
+            .and_then(|s| s.wait_success(WAIT));
+        assert_eq!(p.proxy.flipped.load(Ordering::Relaxed), 1, "a bit flipped");
+        let e = outcome.expect_err("a request whose bytes changed on the wire succeeded");
+        assert!(
+            matches!(
+                e,
+                Error::ConnectionLost { .. } | Error::Transport { .. } | Error::Io(_)
+            ),
+            "{dir:?}: {e}"
+        );
+        // The next one lands whole.
+        p.init
+            .submit_transfer(&req())
+            .unwrap()
+            .wait_success(WAIT)
+            .unwrap();
+    }
+}

@@ -94,8 +94,8 @@ struct Args {
     #[arg(long)]
     insecure: bool,
     /// Encrypt every connection (`SecurityConfig::encrypt`: AES-128-GCM
-    /// through the kernel's TLS). Needs a cluster secret; both roles of one
-    /// process without one given share a random one.
+    /// through the kernel's TLS). Needs a cluster secret; without one
+    /// given, the initiator and the target it starts share a random one.
     #[arg(long)]
     encrypt: bool,
     /// Run only the initiator role against the target at ADDR (host:port),
@@ -278,18 +278,25 @@ pub(crate) fn etcd_config(url: &str) -> Result<kvxfer::EtcdConfig> {
     Ok(kvxfer::EtcdConfig::new(eps.split(',').map(str::trim)))
 }
 
-/// A random cluster secret shared by the agents of this process.
-fn process_secret() -> kvxfer::Credential {
-    static SECRET: std::sync::OnceLock<kvxfer::Credential> = std::sync::OnceLock::new();
-    SECRET
-        .get_or_init(|| {
-            let hex: String = kvxfer::auth::random_bytes::<24>()
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect();
-            kvxfer::Credential::new(hex.into_bytes()).expect("a random secret is strong")
-        })
-        .clone()
+/// A random cluster secret (hex) for the agents of this run: this
+/// process's, and its target child's (given in its environment).
+fn run_secret() -> &'static str {
+    static SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SECRET.get_or_init(|| {
+        kvxfer::auth::random_bytes::<24>()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    })
+}
+
+/// Whether a cluster secret was given (`--secret-file`, or the
+/// environment).
+fn secret_given(args: &Args) -> bool {
+    args.secret_file.is_some()
+        || ["KVXFER_SECRET_FILE", "KVXFER_SECRET"]
+            .iter()
+            .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()))
 }
 
 fn config(name: &str, args: &Args) -> AgentConfig {
@@ -314,12 +321,14 @@ fn config(name: &str, args: &Args) -> AgentConfig {
     }
     if args.encrypt {
         cfg = cfg.with_encryption(true);
-        let given = args.secret_file.is_some()
-            || ["KVXFER_SECRET_FILE", "KVXFER_SECRET"]
-                .iter()
-                .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()));
-        if !given {
-            cfg = cfg.with_credential(process_secret());
+        if !secret_given(args) {
+            match kvxfer::Credential::new(run_secret().as_bytes().to_vec()) {
+                Ok(c) => cfg = cfg.with_credential(c),
+                Err(e) => {
+                    eprintln!("{e}");
+                    std::process::exit(2);
+                }
+            }
         }
     }
     if let Some(n) = args.streams {
@@ -571,6 +580,12 @@ fn spawn_target(args: &Args, region: u64) -> Result<(Child, String)> {
     }
     if let Some(p) = &args.secret_file {
         cmd.arg("--secret-file").arg(p);
+    }
+    if args.encrypt {
+        cmd.arg("--encrypt");
+        if !secret_given(args) {
+            cmd.env("KVXFER_SECRET", run_secret());
+        }
     }
     if args.dst_kind() == MemoryType::Vram {
         cmd.args(["--dst-memory", "vram", "--gpu", &args.gpu.to_string()]);

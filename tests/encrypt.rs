@@ -11,12 +11,10 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use kvxfer::{
-    AgentConfig, Backend, Credential, Error, TransferAgent, TransferRequest, make_transfer_agent,
-};
+use kvxfer::{AgentConfig, Backend, Credential, Error, TransferRequest, make_transfer_agent};
 
 mod common;
-use common::proxy::{Dir, Proxy};
+use common::proxy::{Dir, Pair};
 use common::{dram, register};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -52,87 +50,59 @@ fn holds_plaintext(hay: &[u8]) -> bool {
     hay.windows(32).any(|w| windows.contains(&w))
 }
 
-struct Pair {
-    init: Box<dyn TransferAgent>,
-    target: Box<dyn TransferAgent>,
-    name: String,
-    proxy: Proxy,
-}
-
 /// A target and an initiator holding one credential, encrypting as asked,
 /// the initiator reaching the target through a proxy.
 fn pair(init_encrypts: bool, target_encrypts: bool, dir: Dir, at: u64) -> Pair {
-    let target = make_transfer_agent(
-        Backend::Tcp,
-        AgentConfig::new("enc-target")
-            .with_credential(credential())
-            .with_encryption(target_encrypts),
-    )
-    .unwrap();
-    let init = make_transfer_agent(
-        Backend::Tcp,
+    Pair::start(
         AgentConfig::new("enc-init")
             .with_credential(credential())
             .with_encryption(init_encrypts)
             .with_streams_per_peer(1),
+        AgentConfig::new("enc-target")
+            .with_credential(credential())
+            .with_encryption(target_encrypts),
+        dir,
+        at,
     )
-    .unwrap();
-    let desc = target.local_agent_desc();
-    let proxy = Proxy::start(dir, at);
-    proxy.forward_to(desc.endpoints[0].parse().unwrap());
-    Pair {
-        init,
-        target,
-        name: desc.name,
-        proxy,
-    }
 }
 
-impl Pair {
-    fn load(&self) {
-        let mut desc = self.target.local_agent_desc();
-        desc.endpoints = vec![self.proxy.addr.to_string()];
-        self.init.load_remote_agent(&desc).unwrap();
-    }
-
-    /// A 1 MiB WRITE of the plaintext and a READ of it back, both landing
-    /// whole; whether the capture holds plaintext each way.
-    fn write_and_read(&self) -> (bool, bool) {
-        let len = 1 << 20;
-        let src = plaintext(len);
-        let dst = vec![0u8; len];
-        let back = vec![0u8; len];
-        register(self.init.as_ref(), &src);
-        register(self.init.as_ref(), &back);
-        register(self.target.as_ref(), &dst);
-        self.load();
-        let one = |b: &[u8]| dram([(b.as_ptr() as u64, len as u64)]);
-        self.init
-            .submit_transfer(
-                &TransferRequest::write(one(&src), one(&dst), &self.name)
-                    .with_sync_message(b"a secret sync message".to_vec()),
-            )
-            .unwrap()
-            .wait_success(WAIT)
-            .unwrap();
-        assert!(dst == src, "the WRITE landed whole");
-        self.init
-            .submit_transfer(&TransferRequest::read(one(&back), one(&dst), &self.name))
-            .unwrap()
-            .wait_success(WAIT)
-            .unwrap();
-        assert!(back == src, "the READ landed whole");
-        let up = self.proxy.captured[0].lock().unwrap();
-        let down = self.proxy.captured[1].lock().unwrap();
-        assert!(up.len() > len && down.len() > len, "the proxy carried both");
-        let secret = b"a secret sync message";
-        assert_eq!(
-            holds_plaintext(&up),
-            up.windows(secret.len()).any(|w| w == secret),
-            "the payload and the sync message go alike"
-        );
-        (holds_plaintext(&up), holds_plaintext(&down))
-    }
+/// A 1 MiB WRITE of the plaintext and a READ of it back, both landing
+/// whole; whether the capture holds plaintext each way.
+fn write_and_read(p: &Pair) -> (bool, bool) {
+    let len = 1 << 20;
+    let src = plaintext(len);
+    let dst = vec![0u8; len];
+    let back = vec![0u8; len];
+    register(p.init.as_ref(), &src);
+    register(p.init.as_ref(), &back);
+    register(p.target.as_ref(), &dst);
+    p.load();
+    let one = |b: &[u8]| dram([(b.as_ptr() as u64, len as u64)]);
+    p.init
+        .submit_transfer(
+            &TransferRequest::write(one(&src), one(&dst), &p.name)
+                .with_sync_message(b"a secret sync message".to_vec()),
+        )
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert!(dst == src, "the WRITE landed whole");
+    p.init
+        .submit_transfer(&TransferRequest::read(one(&back), one(&dst), &p.name))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    assert!(back == src, "the READ landed whole");
+    let up = p.proxy.captured[0].lock().unwrap();
+    let down = p.proxy.captured[1].lock().unwrap();
+    assert!(up.len() > len && down.len() > len, "the proxy carried both");
+    let secret = b"a secret sync message";
+    assert_eq!(
+        holds_plaintext(&up),
+        up.windows(secret.len()).any(|w| w == secret),
+        "the payload and the sync message go alike"
+    );
+    (holds_plaintext(&up), holds_plaintext(&down))
 }
 
 #[test]
@@ -174,7 +144,7 @@ fn an_agent_that_encrypts_needs_a_credential_and_a_kernel_with_tls() {
 /// none of it, and both requests land whole.
 #[test]
 fn encrypted_connections_carry_no_plaintext() {
-    let clear = pair(false, false, Dir::Up, 0).write_and_read();
+    let clear = write_and_read(&pair(false, false, Dir::Up, 0));
     assert_eq!(
         clear,
         (true, true),
@@ -184,7 +154,7 @@ fn encrypted_connections_carry_no_plaintext() {
         return;
     }
     for (init, target) in [(true, true), (true, false), (false, true)] {
-        let seen = pair(init, target, Dir::Up, 0).write_and_read();
+        let seen = write_and_read(&pair(init, target, Dir::Up, 0));
         assert_eq!(
             seen,
             (false, false),

@@ -14,7 +14,7 @@ use kvxfer::{
 };
 
 mod common;
-use common::proxy::{Dir, Proxy};
+use common::proxy::{Dir, Pair};
 use common::{dram, fill, first_mismatch, register};
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -22,39 +22,13 @@ const WAIT: Duration = Duration::from_secs(20);
 /// Two TCP agents in this process, the initiator reaching the target only
 /// through a proxy (one stream, so the proxy's byte offsets are the
 /// stream's).
-struct Pair {
-    init: Box<dyn TransferAgent>,
-    target: Box<dyn TransferAgent>,
-    name: String,
-    proxy: Proxy,
-}
-
 fn pair(dir: Dir, at: u64) -> Pair {
-    let target = make_transfer_agent(Backend::Tcp, AgentConfig::new("integrity-target")).unwrap();
-    let init = make_transfer_agent(
-        Backend::Tcp,
+    Pair::start(
         AgentConfig::new("integrity-init").with_streams_per_peer(1),
+        AgentConfig::new("integrity-target"),
+        dir,
+        at,
     )
-    .unwrap();
-    let desc = target.local_agent_desc();
-    let proxy = Proxy::start(dir, at);
-    proxy.forward_to(desc.endpoints[0].parse().unwrap());
-    Pair {
-        init,
-        target,
-        name: desc.name,
-        proxy,
-    }
-}
-
-impl Pair {
-    /// Loads the target's descriptor (its regions registered by now) into
-    /// the initiator, with the proxy as its endpoint.
-    fn load(&self) {
-        let mut desc = self.target.local_agent_desc();
-        desc.endpoints = vec![self.proxy.addr.to_string()];
-        self.init.load_remote_agent(&desc).unwrap();
-    }
 }
 
 fn counter(agent: &dyn TransferAgent, name: &str) -> u64 {

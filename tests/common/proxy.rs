@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
+use kvxfer::{AgentConfig, Backend, TransferAgent, make_transfer_agent};
+
 /// Which way the proxy damages.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Dir {
@@ -247,4 +249,40 @@ fn pump(
     }
     let _ = to.shutdown(Shutdown::Write);
     let _ = from.shutdown(Shutdown::Read);
+}
+
+/// Two TCP agents of this process, the initiator reaching the target only
+/// through a [`Proxy`].
+pub struct Pair {
+    pub init: Box<dyn TransferAgent>,
+    pub target: Box<dyn TransferAgent>,
+    /// The target's name.
+    pub name: String,
+    pub proxy: Proxy,
+}
+
+impl Pair {
+    /// The agents of `init` and `target`, and a proxy to the target that
+    /// damages in `dir` at `at` when armed.
+    pub fn start(init: AgentConfig, target: AgentConfig, dir: Dir, at: u64) -> Pair {
+        let target = make_transfer_agent(Backend::Tcp, target).unwrap();
+        let init = make_transfer_agent(Backend::Tcp, init).unwrap();
+        let desc = target.local_agent_desc();
+        let proxy = Proxy::start(dir, at);
+        proxy.forward_to(desc.endpoints[0].parse().unwrap());
+        Pair {
+            init,
+            target,
+            name: desc.name,
+            proxy,
+        }
+    }
+
+    /// Loads the target's descriptor (its regions registered by now) into
+    /// the initiator, with the proxy as its endpoint.
+    pub fn load(&self) {
+        let mut desc = self.target.local_agent_desc();
+        desc.endpoints = vec![self.proxy.addr.to_string()];
+        self.init.load_remote_agent(&desc).unwrap();
+    }
 }

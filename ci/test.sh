@@ -68,7 +68,8 @@ stage "RDMA tests inside the soft-RoCE guest (ci/rxe-guest: rxe0/rxe1 on a veth 
 echo "   the verbs layer, the agent suite and the KV-cache protocol on the rdma backend;"
 echo "   GPUDirect RDMA registration of the stand-in driver's GPU memory (refused, typed);"
 echo "   seeded fault injection on the link's TCP stream (commits with their checks, answers);"
-echo "   encrypted connections (kernel TLS: the guest's kernel has it, this one may not)"
+echo "   encrypted connections with the kernel's TLS (this host has none: here they ran in user space),"
+echo "   against a peer process making its records in user space"
 test_bin() {
   local b name=$1
   shift

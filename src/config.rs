@@ -359,13 +359,14 @@ pub struct SecurityConfig {
     /// Encrypts every connection to and from this agent (its TCP data path
     /// and the control streams of every transport) with AES-128-GCM under
     /// keys derived from each connection's handshake and the credential,
-    /// through the kernel's TLS (kTLS): the stream code sends and reads
-    /// application memory as it does in the clear. A connection is
-    /// encrypted when either side asks. Needs a credential and a kernel
-    /// with TLS (the `tls` module): without, the agent does not open
-    /// ([`Error::BackendUnavailable`], backend `ktls`). Data moved beside
-    /// the streams (RDMA, libfabric, shm copies) is not encrypted. `false`
-    /// (default): `KVXFER_ENCRYPT=1` turns it on.
+    /// through the kernel's TLS (kTLS) where the kernel has it (the stream
+    /// code then sends and reads application memory as it does in the
+    /// clear), else the same TLS 1.3 records made in user space (a copy
+    /// each way more; `KVXFER_KTLS=0` asks for these anyway). A connection
+    /// is encrypted when either side asks. Needs a credential
+    /// ([`Error::InvalidConfig`] without). Data moved beside the streams
+    /// (RDMA, libfabric, shm copies) is not encrypted. `false` (default):
+    /// `KVXFER_ENCRYPT=1` turns it on.
     pub encrypt: bool,
 }
 
@@ -755,9 +756,7 @@ impl AgentConfig {
     /// # Errors
     /// [`Error::Credential`] for an unreadable or short secret;
     /// [`Error::InvalidConfig`] for a non-loopback listener with neither a
-    /// credential nor `insecure`, or encryption without a credential;
-    /// [`Error::BackendUnavailable`] (`ktls`) for encryption on a kernel
-    /// without TLS.
+    /// credential nor `insecure`, or encryption without a credential.
     pub fn resolve_security(&mut self) -> Result<(), Error> {
         let sec = &mut self.security;
         if sec.credential.is_none() {
@@ -769,17 +768,12 @@ impl AgentConfig {
         if !sec.encrypt {
             sec.encrypt = std::env::var("KVXFER_ENCRYPT").is_ok_and(|v| v.trim() == "1");
         }
-        if sec.encrypt {
-            if sec.credential.is_none() {
-                return Err(Error::InvalidConfig(
-                    "encrypted connections need a cluster credential (their keys come from it):                      set one (AgentConfig::with_credential, KVXFER_SECRET_FILE, KVXFER_SECRET)"
-                        .into(),
-                ));
-            }
-            crate::engine::kernel_tls_available().map_err(|reason| Error::BackendUnavailable {
-                backend: "ktls",
-                reason: format!("encrypted connections ({reason})"),
-            })?;
+        if sec.encrypt && sec.credential.is_none() {
+            return Err(Error::InvalidConfig(
+                "encrypted connections need a cluster credential (their keys come from it): \
+                 set one (AgentConfig::with_credential, KVXFER_SECRET_FILE, KVXFER_SECRET)"
+                    .into(),
+            ));
         }
         if sec.credential.is_none() && !self.listen.ip().is_loopback() {
             if !sec.insecure {

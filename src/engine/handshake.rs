@@ -57,15 +57,15 @@ fn nonce_of(body: &[u8]) -> Nonce {
 /// The initiator's side: proves this agent holds its credential (when it
 /// has one, in `security`) and checks that the target holds it too and is
 /// called `expect` (when known); asks for the connection to be encrypted
-/// when `security` says so (with a credential only), and encrypts it (kernel TLS, see [`ktls`]) when the
-/// target says so. Returns the target's name.
+/// when `security` says so (with a credential only), and encrypts it (see
+/// [`ktls::encrypt`]) when the target says so. Returns the target's name.
 ///
 /// # Errors
 /// [`Error::AuthFailed`] when either side's proof fails, the credentials
-/// differ in presence, or encryption was asked and the target cannot
-/// encrypt; [`Error::BackendUnavailable`] (`ktls`) when the target
-/// encrypts and this kernel cannot; [`Error::Timeout`] after `timeout`;
-/// connection errors as [`Error::Connect`].
+/// differ in presence, or encryption was asked and the target did not
+/// agree (a target of an older protocol); [`Error::Timeout`] after
+/// `timeout`; connection errors, and a failure to encrypt, as
+/// [`Error::Connect`].
 pub(super) fn initiate(
     sock: &TcpStream,
     security: &SecurityConfig,
@@ -136,8 +136,7 @@ pub(super) fn initiate(
     if ask && !encrypted {
         return Err(auth_failed(
             remote,
-            "this agent encrypts its connections and the target cannot (no kernel TLS there)"
-                .into(),
+            "this agent encrypts its connections and the target did not agree to".into(),
         ));
     }
     let proof = cred.initiator_tag(&t);
@@ -159,17 +158,12 @@ pub(super) fn initiate(
                 // The target sends nothing more before this side's next
                 // frame, which goes encrypted.
                 let keys = cred.stream_keys(&t);
-                ktls::install(
+                ktls::encrypt(
                     sock.as_fd(),
                     &keys.initiator_to_target,
                     &keys.target_to_initiator,
                 )
-                .map_err(|e| Error::BackendUnavailable {
-                    backend: "ktls",
-                    reason: format!(
-                        "the target {remote:?} encrypts its connections and this kernel cannot: {e}"
-                    ),
-                })?;
+                .map_err(io_err)?;
             }
             Ok(name)
         }
@@ -263,9 +257,9 @@ pub(super) enum Verdict {
 /// the proof. Nothing but this exchange is answered before it returns
 /// `Accepted`. The caller bounds it with the reader's deadline
 /// ([`FrameReader::set_deadline`]); `stop` abandons it when the agent
-/// closes. The connection is encrypted (kernel TLS, see [`ktls`]) when
-/// `security` says so or the initiator asks and this kernel can, both
-/// sides keyed: installed before anything more is read or sent.
+/// closes. The connection is encrypted (see [`ktls::encrypt`]) when
+/// `security` says so or the initiator asks, both sides keyed: from before
+/// anything more is read or sent.
 ///
 /// # Errors
 /// Socket errors, the reader's deadline passing, frames out of place (as
@@ -340,9 +334,8 @@ pub(super) fn respond(
     let mut out = mine.to_vec();
     out.extend_from_slice(&cred.target_tag(&t));
     out.extend_from_slice(me.as_bytes());
-    // This agent's own choice was checked when it opened (the kernel can);
-    // an initiator's is taken where the kernel can.
-    let encrypted = encrypt || asked && ktls::available().is_ok();
+    // Either side asking is enough.
+    let encrypted = encrypt || asked;
     let hdr = Frame::AuthChallenge {
         status: status::OK,
         keyed: true,
@@ -375,7 +368,7 @@ pub(super) fn respond(
     )?;
     if ok && encrypted {
         let keys = cred.stream_keys(&t);
-        ktls::install(sock, &keys.target_to_initiator, &keys.initiator_to_target)?;
+        ktls::encrypt(sock, &keys.target_to_initiator, &keys.initiator_to_target)?;
     }
     Ok(if ok {
         Verdict::Accepted(name)

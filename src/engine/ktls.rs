@@ -10,7 +10,9 @@
 //!
 //! Records go with sequence numbers from 0 in each direction; no record
 //! but application data is ever sent (no key update: a connection would
-//! need 2^64 records to wrap).
+//! need 2^64 records to wrap). Where the kernel has no TLS (or
+//! `KVXFER_KTLS=0`), the same records are made in user space
+//! ([`super::records`]): [`encrypt`] chooses.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -108,6 +110,28 @@ pub(in crate::engine) fn install(
     setsockopt(fd, libc::SOL_TCP, TCP_ULP, b"tls")?;
     setsockopt(fd, SOL_TLS, TLS_TX, bytes_of(&CryptoInfo::of(tx)))?;
     setsockopt(fd, SOL_TLS, TLS_RX, bytes_of(&CryptoInfo::of(rx)))
+}
+
+/// Encrypts the connected socket `fd`, sealing what it sends with `tx` and
+/// opening what it reads with `rx`: kernel TLS where the kernel has it and
+/// `KVXFER_KTLS` is not `0`, else the same records in user space.
+///
+/// # Errors
+/// The kernel's refusal of a step, or `fd` is not a socket.
+pub(in crate::engine) fn encrypt(
+    fd: BorrowedFd<'_>,
+    tx: &DirectionKey,
+    rx: &DirectionKey,
+) -> io::Result<()> {
+    static KERNEL: OnceLock<bool> = OnceLock::new();
+    let kernel = *KERNEL.get_or_init(|| {
+        std::env::var("KVXFER_KTLS").map_or(true, |v| v.trim() != "0") && available().is_ok()
+    });
+    if kernel {
+        install(fd, tx, rx)
+    } else {
+        super::records::install(fd.as_raw_fd(), tx, rx)
+    }
 }
 
 /// Whether this kernel offers TLS on TCP sockets with TLS 1.3 AES-128-GCM

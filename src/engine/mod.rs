@@ -50,6 +50,7 @@ mod peer;
 mod plan;
 mod pre_auth;
 mod rdma;
+mod records;
 pub(crate) mod requests;
 mod serve_each;
 mod settle;

@@ -95,7 +95,28 @@ fn would_block(e: &io::Error) -> bool {
 /// Every iovec must describe memory valid for reads for the whole call
 /// (kernel copies from it; a bad pointer yields `EFAULT`, not undefined
 /// behaviour in this process, but callers must still uphold it).
+///
+/// On a socket encrypted in user space (see [`super::records`]) the bytes
+/// go sealed in records.
 pub(crate) unsafe fn writev_all(
+    fd: RawFd,
+    iovs: &mut [libc::iovec],
+    clock: &ProgressClock,
+    io_timeout: std::time::Duration,
+) -> io::Result<()> {
+    if let Some(ch) = super::records::of(fd) {
+        // SAFETY: forwarded contract.
+        return unsafe { ch.writev_all(fd, iovs, clock, io_timeout) };
+    }
+    // SAFETY: forwarded contract.
+    unsafe { writev_plain(fd, iovs, clock, io_timeout) }
+}
+
+/// [`writev_all`] straight to the socket.
+///
+/// # Safety
+/// As [`writev_all`].
+pub(crate) unsafe fn writev_plain(
     fd: RawFd,
     iovs: &mut [libc::iovec],
     clock: &ProgressClock,
@@ -269,6 +290,7 @@ impl<'c> FrameReader<'c> {
     ) -> io::Result<usize> {
         // A header put back comes first: no byte after it may be read.
         debug_assert!(self.put_back.is_none());
+        let channel = super::records::of(self.fd);
         loop {
             if let Some(d) = self.deadline
                 && std::time::Instant::now() >= d
@@ -278,27 +300,35 @@ impl<'c> FrameReader<'c> {
                     "the exchange's deadline passed",
                 ));
             }
-            // SAFETY: forwarded contract.
-            let r = unsafe { libc::readv(self.fd, iovs.as_ptr(), iovs.len() as libc::c_int) };
-            if r > 0 {
-                self.clock.touch();
-                return Ok(r as usize);
+            let read = match &channel {
+                // SAFETY: forwarded contract.
+                Some(ch) => unsafe { ch.readv(self.fd, iovs) },
+                None => {
+                    // SAFETY: forwarded contract.
+                    let r =
+                        unsafe { libc::readv(self.fd, iovs.as_ptr(), iovs.len() as libc::c_int) };
+                    if r < 0 {
+                        Err(io::Error::last_os_error())
+                    } else {
+                        Ok(r as usize)
+                    }
+                }
+            };
+            match read {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "peer closed the connection",
+                    ));
+                }
+                Ok(n) => {
+                    self.clock.touch();
+                    return Ok(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if would_block(&e) => idle.on_idle(mid_frame)?,
+                Err(e) => return Err(e),
             }
-            if r == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "peer closed the connection",
-                ));
-            }
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            if would_block(&e) {
-                idle.on_idle(mid_frame)?;
-                continue;
-            }
-            return Err(e);
         }
     }
 
@@ -307,6 +337,9 @@ impl<'c> FrameReader<'c> {
     /// follows tells) within `timeout`.
     pub(crate) fn frame_waiting(&self, timeout: std::time::Duration) -> bool {
         if self.filled > 0 || self.put_back.is_some() {
+            return true;
+        }
+        if super::records::of(self.fd).is_some_and(|ch| ch.pending()) {
             return true;
         }
         let mut pfd = libc::pollfd {

@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::io;
 use std::ops::Range;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use ring::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
@@ -157,8 +157,13 @@ pub(in crate::engine) fn install(
     };
     let mut t = table().write().unwrap_or_else(|p| p.into_inner());
     // Channels of sockets closed since go (their descriptors reused by
-    // sockets of other cookies, or by none).
-    t.retain(|&f, c| cookie(f).is_ok_and(|k| k == c.cookie));
+    // sockets of other cookies, or by none), whenever the table has doubled
+    // since they last went: a cookie asked per entry, amortised.
+    static PRUNE_AT: AtomicUsize = AtomicUsize::new(64);
+    if t.len() >= PRUNE_AT.load(Ordering::Relaxed) {
+        t.retain(|&f, c| cookie(f).is_ok_and(|k| k == c.cookie));
+        PRUNE_AT.store((2 * t.len()).max(64), Ordering::Relaxed);
+    }
     t.insert(fd, Arc::new(ch));
     ANY.store(true, Ordering::Release);
     Ok(())
@@ -173,8 +178,15 @@ pub(in crate::engine) fn of(fd: RawFd) -> Option<Arc<Channel>> {
         let t = table().read().unwrap_or_else(|p| p.into_inner());
         Arc::clone(t.get(&fd)?)
     };
-    // A descriptor closed and reused is another socket.
-    cookie(fd).is_ok_and(|k| k == ch.cookie).then_some(ch)
+    // A descriptor closed and reused is another socket: its entry goes.
+    if cookie(fd).is_ok_and(|k| k == ch.cookie) {
+        return Some(ch);
+    }
+    let mut t = table().write().unwrap_or_else(|p| p.into_inner());
+    if t.get(&fd).is_some_and(|c| Arc::ptr_eq(c, &ch)) {
+        t.remove(&fd);
+    }
+    None
 }
 
 impl Channel {
@@ -499,9 +511,14 @@ mod tests {
         assert!(of(fd).is_some());
         drop(a);
         // The next socket most likely takes the same number; either way it
-        // has no channel.
+        // has no channel, and the stale entry goes.
         let (c, _d) = pair();
         assert!(of(c.as_raw_fd()).is_none());
+        let t = table().read().unwrap();
+        assert!(
+            t.get(&c.as_raw_fd())
+                .is_none_or(|ch| ch.cookie == cookie(c.as_raw_fd()).unwrap())
+        );
     }
 
     #[test]

@@ -9,7 +9,10 @@
 #                              #   etcd-server and etcd-client (etcdctl) for the
 #                              #   metadata-store tests' own etcd clusters, and
 #                              #   iproute2 for their network namespaces,
-#                              #   openssl for their TLS certificates
+#                              #   openssl for their TLS certificates;
+#                              #   ceph-mon, ceph-osd, radosgw (and uuid-runtime)
+#                              #   for the OBJ tests' one-node Ceph with its
+#                              #   RADOS Gateway (ci/s3-server.sh)
 #   ci/install-deps.sh guest   # + QEMU, busybox, rdma-core, perftest for ci/rxe-guest
 set -euo pipefail
 # cmake, libclang-dev: rdma-mummy-sys (under sideway) builds vendored
@@ -21,7 +24,7 @@ want=(gcc pkg-config ca-certificates cmake libclang-dev linux-libc-dev libfabric
 case "${1:-build}" in
   build) ;;
   bench) want+=(iperf3 fio python3 util-linux libfabric-bin) ;;
-  test) want+=(procps g++ valgrind python3 python3-venv util-linux mount etcd-server etcd-client iproute2 openssl) ;;
+  test) want+=(procps g++ valgrind python3 python3-venv util-linux mount etcd-server etcd-client iproute2 openssl ceph-mon ceph-osd radosgw ceph-common uuid-runtime curl) ;;
   guest) want+=(qemu-system-x86 busybox-static cpio kmod gzip rdma-core ibverbs-providers ibverbs-utils perftest iproute2) ;;
   *) echo "usage: $0 build|bench|test|guest" >&2; exit 2 ;;
 esac

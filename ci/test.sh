@@ -19,8 +19,18 @@ cargo clippy --locked --workspace --all-targets -- -D warnings
 cargo clippy --locked -p kvxfer --lib --features fuzzing -- -D warnings
 stage "cargo doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --locked --workspace --no-deps -q
-stage "cargo test (agent suite on tcp, unit tests, C/C++ ABI tests, benches in test mode)"
+stage "S3 server for the OBJ tests: one-node Ceph (monitor, OSD on memstore) with its RADOS Gateway"
+s3_dir=$(mktemp -d /tmp/kvxfer-s3.XXXXXX)
+trap 'bash ci/s3-server.sh stop "$s3_dir" || true; rm -rf "$s3_dir"' EXIT
+bash ci/s3-server.sh start "$s3_dir"
+# shellcheck disable=SC1091
+. "$s3_dir/env"
+stage "cargo test (agent suite on tcp, unit tests, OBJ against the gateway, C/C++ ABI tests, benches in test mode)"
 cargo test --locked --workspace --all-targets
+bash ci/s3-server.sh stop "$s3_dir"
+rm -rf "$s3_dir"
+trap - EXIT
+unset KVXFER_S3_ENDPOINT KVXFER_S3_ADMIN AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_REGION
 cargo test --locked --workspace --doc
 stage "Python package: the abi3 wheel built with maturin, installed in a fresh venv, pytest"
 bash ci/python.sh

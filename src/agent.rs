@@ -428,7 +428,26 @@ pub trait TransferAgent: Send + Sync {
     /// As [`open_storage`](Self::open_storage).
     fn adopt_storage(&self, fd: std::os::fd::OwnedFd) -> Result<u32, Error>;
 
-    /// Closes storage `handle`, refused while regions of it are registered.
+    /// Opens object `key` of `store` (it need not exist yet); returns its
+    /// handle, the `device_id` of the OBJ descriptors that name ranges of
+    /// it (`addr` = byte offset in the object). Register such descriptors
+    /// with [`register_memory`](Self::register_memory); a request to this
+    /// agent itself then PUTs host memory into the object (a descriptor
+    /// writes its object whole: `addr` 0) or reads ranges of it back
+    /// ([`crate::storage::obj`]). Close it with
+    /// [`close_storage`](Self::close_storage).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a key that is empty or longer than 1,024
+    /// bytes.
+    fn open_object(
+        &self,
+        store: &crate::storage::obj::ObjectStore,
+        key: &str,
+    ) -> Result<u32, Error>;
+
+    /// Closes storage or object `handle`, refused while regions of it are
+    /// registered.
     ///
     /// # Errors
     /// [`Error::InvalidRequest`] for an unknown handle or one in use.

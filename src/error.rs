@@ -334,6 +334,14 @@ pub enum Error {
         #[source]
         source: Arc<io::Error>,
     },
+    /// An object-store request failed: which, and of what kind (a missing
+    /// bucket or key, denied access, a full quota, throttling or an
+    /// unreachable store through every retry, a deadline, a bad range).
+    /// A failed WRITE leaves the object as it was (a PUT replaces it whole
+    /// or not at all; a failed multipart upload is aborted); a failed READ
+    /// may have written part of its destination.
+    #[error(transparent)]
+    Object(#[from] crate::storage::obj::error::ObjError),
     /// GPU memory could not be registered or moved: no driver, a range
     /// that is not device memory, on another device than its descriptor
     /// names, or past its allocation, or a failed driver call.

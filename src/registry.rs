@@ -421,10 +421,14 @@ impl Registry {
         Ok(RegionGuard::new(&r.value))
     }
 
-    /// Whether any FILE or BLK region of storage `handle` is registered.
+    /// Whether any FILE, BLK or OBJ region of storage `handle` is
+    /// registered.
     pub(crate) fn has_device_regions(&self, handle: u32) -> bool {
         self.read().iter().any(|r| {
-            matches!(r.mem_type, MemoryType::File | MemoryType::Blk) && r.desc.device_id == handle
+            matches!(
+                r.mem_type,
+                MemoryType::File | MemoryType::Blk | MemoryType::Obj
+            ) && r.desc.device_id == handle
         })
     }
 

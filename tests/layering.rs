@@ -14,6 +14,7 @@ const PURE: &[&str] = &[
     "error",
     "auth::error",
     "gpu::error",
+    "storage::obj::error",
     "memory",
     "desc",
     "proto",

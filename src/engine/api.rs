@@ -31,6 +31,14 @@ impl TransferAgent for Engine {
         self.inner.storage.adopt(fd)
     }
 
+    fn open_object(
+        &self,
+        store: &crate::storage::obj::ObjectStore,
+        key: &str,
+    ) -> Result<u32, Error> {
+        self.inner.storage.open_object(store, key)
+    }
+
     fn close_storage(&self, handle: u32) -> Result<(), Error> {
         let in_use = self.inner.registry.has_device_regions(handle);
         self.inner.storage.close(handle, in_use)
@@ -41,7 +49,10 @@ impl TransferAgent for Engine {
     }
 
     unsafe fn register_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
-        let storage = matches!(descs.mem_type, MemoryType::File | MemoryType::Blk);
+        let storage = matches!(
+            descs.mem_type,
+            MemoryType::File | MemoryType::Blk | MemoryType::Obj
+        );
         if storage {
             for d in &descs.descs {
                 self.inner.storage.check_region(descs.mem_type, d)?;

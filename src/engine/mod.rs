@@ -120,6 +120,7 @@ const SUPPORTED: &[MemoryType] = &[
     MemoryType::Vram,
     MemoryType::File,
     MemoryType::Blk,
+    MemoryType::Obj,
 ];
 
 impl Inner {

@@ -13,6 +13,8 @@ use std::os::fd::RawFd;
 
 use crate::storage::StorageFile;
 use crate::storage::io::{Batch, OP_MAX, Op};
+use crate::storage::obj::PARTS_MAX;
+use crate::storage::obj::pool::{ObjBatch, ObjOp};
 use crate::storage::staged::{Piece, StagedBatch};
 
 use crate::agent::{DataPath, TransferOp, TransferRequest, TransferStatus, TransportKind};
@@ -45,7 +47,12 @@ impl transport::Transport for OwnStorage {
     }
 
     fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
-        local.is_virtual_address() && matches!(remote, MemoryType::File | MemoryType::Blk)
+        match remote {
+            MemoryType::File | MemoryType::Blk => local.is_virtual_address(),
+            // Objects from host memory (GPU memory is not staged to them).
+            MemoryType::Obj => local == MemoryType::Dram,
+            _ => false,
+        }
     }
 
     fn reach(&self, _peer: &AgentDesc) -> Result<(), String> {
@@ -110,6 +117,38 @@ impl Link for StorageLink {
         // Only requests naming FILE or BLK regions reach the self-peer
         // (`Engine::check_request`); one without data is an empty batch.
         let held = inner.registry.acquire_local_keyed(&req.remote, None)?;
+        if req.remote.mem_type == MemoryType::Obj {
+            let ops = plan_objects(inner, req)?;
+            let room = match &sync {
+                Some(m) => Some(reserve(inner, me, m.len())?),
+                None => None,
+            };
+            let (id, completion) = inner.in_flight.start(&self.meter, req.local.total_len());
+            let inbox = Arc::clone(&inner.inbox);
+            let done_status = Arc::clone(&completion);
+            let guards = resolved.guards;
+            let done = Box::new(move |r: Result<(), Error>| {
+                // As for files: the regions go before the outcome is told.
+                drop(guards);
+                drop(held);
+                if let (Ok(()), Some(room), Some(m)) = (&r, room, sync) {
+                    inbox.deliver(room, m);
+                }
+                done_status.complete(r);
+            });
+            let asked = Arc::clone(&completion);
+            let batch = ObjBatch {
+                ops,
+                deadline: None,
+                done,
+                stop: Box::new(move || asked.abort_requested()),
+            };
+            // SAFETY: every op's memory lies in local regions checked and
+            // held (`guards`) until `done` has run; `plan_objects` refused
+            // READs whose destinations overlap.
+            unsafe { crate::storage::obj::pool::submit(batch)? };
+            return Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)));
+        }
         let vram = req.local.mem_type == MemoryType::Vram;
         let shape = inner.config.gpu.shape();
         let Planned {
@@ -315,6 +354,65 @@ fn plan(
         files: files.into_iter().map(|(f, _)| f).collect(),
         written,
     })
+}
+
+/// `req`'s object operations, after every check (nothing has been sent
+/// when this fails): each remote descriptor's object open; a WRITE writes
+/// its object whole (offset 0, one descriptor per object, at most
+/// [`PARTS_MAX`] parts); READs' destinations do not overlap.
+fn plan_objects(inner: &Inner, req: &TransferRequest) -> Result<Vec<ObjOp>, Error> {
+    let write = req.op == TransferOp::Write;
+    let mut ops = Vec::with_capacity(req.local.descs.len());
+    let mut written = std::collections::HashSet::new();
+    for (l, r) in req.local.descs.iter().zip(&req.remote.descs) {
+        let o = inner
+            .storage
+            .object(r.device_id)
+            .ok_or(Error::InvalidDescriptor {
+                desc: *r,
+                reason: "device_id is not an open object handle",
+            })?;
+        let part = o.store.config().part_size;
+        if write {
+            if r.addr != 0 {
+                return Err(Error::InvalidDescriptor {
+                    desc: *r,
+                    reason: "a WRITE to an object writes it whole: its offset must be 0",
+                });
+            }
+            if !written.insert(r.device_id) {
+                return Err(Error::InvalidRequest(format!(
+                    "object handle {} is written by two descriptors of one request",
+                    r.device_id
+                )));
+            }
+            if r.len.div_ceil(part) > PARTS_MAX {
+                return Err(Error::InvalidDescriptor {
+                    desc: *r,
+                    reason: "an object WRITE of more than 10,000 parts (raise the store's part size)",
+                });
+            }
+        }
+        ops.push(ObjOp {
+            store: Arc::clone(&o.store.inner),
+            key: Arc::clone(&o.key),
+            write,
+            buf: l.addr,
+            len: l.len,
+            offset: r.addr,
+        });
+    }
+    if !write {
+        let mut spans: Vec<(u64, u64)> = req.local.descs.iter().map(|d| (d.addr, d.len)).collect();
+        spans.sort_unstable();
+        if let Some(w) = spans.windows(2).find(|w| w[0].0 + w[0].1 > w[1].0) {
+            return Err(Error::InvalidRequest(format!(
+                "a READ from objects into overlapping memory ({:#x}+{} and {:#x})",
+                w[0].0, w[0].1, w[1].0
+            )));
+        }
+    }
+    Ok(ops)
 }
 
 /// Whether `d` lies inside `region`.

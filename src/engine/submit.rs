@@ -172,12 +172,13 @@ impl Engine {
         data: bool,
     ) -> Result<Arc<Peer>, Error> {
         let inner = &self.inner;
-        // Local memory is host or GPU memory; OBJ (an object store) is a
-        // target no path reaches.
+        // Local memory is host or GPU memory; objects (OBJ) are reached
+        // through the agent's own storage only.
         let unsupported = if !matches!(local_mem, MemoryType::Dram | MemoryType::Vram) {
             Some(local_mem)
         } else {
-            (remote_mem == MemoryType::Obj).then_some(MemoryType::Obj)
+            (remote_mem == MemoryType::Obj && remote_agent != inner.config.name)
+                .then_some(MemoryType::Obj)
         };
         if let Some(mem_type) = unsupported.filter(|_| data) {
             return Err(Error::UnsupportedMemoryType {
@@ -188,7 +189,10 @@ impl Engine {
         // The agent's own storage: its self-peer (its own name with host
         // memory is a loaded peer like any other); a peer's storage: the
         // entry whose path moves it.
-        let storage = matches!(remote_mem, MemoryType::File | MemoryType::Blk);
+        let storage = matches!(
+            remote_mem,
+            MemoryType::File | MemoryType::Blk | MemoryType::Obj
+        );
         let peer = if !storage {
             self.peer_or_reload(remote_agent)?
         } else if remote_agent == inner.config.name {

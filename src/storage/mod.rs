@@ -1,5 +1,6 @@
-//! Storage tiers: files (`MemoryType::File`) and block devices
-//! (`MemoryType::Blk`) as transfer targets, for KV-cache offload.
+//! Storage tiers: files (`MemoryType::File`), block devices
+//! (`MemoryType::Blk`) and objects (`MemoryType::Obj`, [`obj`]) as transfer
+//! targets, for KV-cache offload.
 //!
 //! An agent opens a file or a block device as *storage* ([`StorageSpec`])
 //! and gets a handle; FILE and BLK descriptors name a byte range of it
@@ -19,6 +20,7 @@
 //! size, checked before anything moves ([`Error::Misaligned`]).
 
 pub(crate) mod io;
+pub mod obj;
 pub(crate) mod staged;
 pub(crate) mod uring;
 
@@ -272,6 +274,8 @@ pub(crate) struct Storage {
     /// Moves GPU memory to and from storage (started on first use).
     stager: OnceLock<staged::Stager>,
     files: RwLock<HashMap<u32, Arc<StorageFile>>>,
+    /// Open objects (OBJ regions' handles), numbered with the files.
+    objects: RwLock<HashMap<u32, Arc<OpenObject>>>,
     next: AtomicU32,
     choice: StorageIo,
     /// Serialises starting the engine.
@@ -284,6 +288,7 @@ impl Storage {
             engine: OnceLock::new(),
             stager: OnceLock::new(),
             files: RwLock::new(HashMap::new()),
+            objects: RwLock::new(HashMap::new()),
             next: AtomicU32::new(1),
             choice,
             starting: Mutex::new(()),
@@ -328,9 +333,51 @@ impl Storage {
         Ok(handle)
     }
 
+    /// Opens object `key` of `store`; its handle.
+    pub(crate) fn open_object(&self, store: &obj::ObjectStore, key: &str) -> Result<u32, Error> {
+        if key.is_empty() || key.len() > 1024 {
+            return Err(Error::InvalidConfig(format!(
+                "an object key is 1 to 1024 bytes, not {}",
+                key.len()
+            )));
+        }
+        let handle = self.next.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(handle, bucket = %store.config().bucket, key, "object opened");
+        let o = OpenObject {
+            store: store.clone(),
+            key: key.into(),
+        };
+        self.objects
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(handle, Arc::new(o));
+        Ok(handle)
+    }
+
+    /// The open object `handle`.
+    pub(crate) fn object(&self, handle: u32) -> Option<Arc<OpenObject>> {
+        self.objects
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&handle)
+            .cloned()
+    }
+
     /// Closes `handle`; `in_use` tells whether regions of it are still
     /// registered (then it stays open).
     pub(crate) fn close(&self, handle: u32, in_use: bool) -> Result<(), Error> {
+        {
+            let mut objects = self.objects.write().unwrap_or_else(|p| p.into_inner());
+            if objects.contains_key(&handle) {
+                if in_use {
+                    return Err(Error::InvalidRequest(format!(
+                        "object handle {handle} still has registered regions: deregister them first"
+                    )));
+                }
+                objects.remove(&handle);
+                return Ok(());
+            }
+        }
         let mut files = self.write();
         if !files.contains_key(&handle) {
             return Err(Error::InvalidRequest(format!(
@@ -355,6 +402,15 @@ impl Storage {
     /// open and of the right kind, the range inside the file or device,
     /// aligned for direct I/O.
     pub(crate) fn check_region(&self, mem_type: MemoryType, d: &MemoryDesc) -> Result<(), Error> {
+        if mem_type == MemoryType::Obj {
+            // The object need not exist yet (a WRITE makes it); a READ past
+            // its end fails with `ObjErrorKind::InvalidRange`.
+            self.object(d.device_id).ok_or(Error::InvalidDescriptor {
+                desc: *d,
+                reason: "device_id is not an open object handle",
+            })?;
+            return Ok(());
+        }
         let f = self.get(d.device_id).ok_or(Error::InvalidDescriptor {
             desc: *d,
             reason: "device_id is not an open storage handle",
@@ -433,6 +489,12 @@ impl Storage {
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<u32, Arc<StorageFile>>> {
         self.files.write().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// An open object: its store and key.
+pub(crate) struct OpenObject {
+    pub(crate) store: obj::ObjectStore,
+    pub(crate) key: Arc<str>,
 }
 
 /// Whether `path` names a block device.

@@ -7,7 +7,8 @@
 #   ci/s3-server.sh stop DIR
 #
 # DIR/env sets KVXFER_S3_ENDPOINT, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-# AWS_REGION and KVXFER_S3_ADMIN (the radosgw-admin command line, for quotas).
+# AWS_REGION, KVXFER_S3_BUCKET (a bucket made for the tests) and
+# KVXFER_S3_ADMIN (the radosgw-admin command line, for quotas).
 set -euo pipefail
 cmd=${1:?start|stop}
 dir=$(realpath -m "${2:?a directory}")
@@ -80,8 +81,6 @@ setuser match path = $dir
 rgw frontends = beast endpoint=127.0.0.1:$rgw_port
 rgw dns name = localhost
 rgw bucket quota ttl = 0
-rgw user quota bucket sync interval = 0
-rgw user quota sync interval = 0
 rgw enable usage log = false
 CONF
 c=(-c "$conf")
@@ -108,11 +107,16 @@ access=$(head -c 10 /dev/urandom | od -An -tx1 | tr -d ' \n' | tr a-f A-F)
 secret=$(head -c 20 /dev/urandom | od -An -tx1 | tr -d ' \n')
 timeout 60 radosgw-admin "${c[@]}" user create --uid kvxfer --display-name kvxfer \
     --access-key "$access" --secret-key "$secret" >/dev/null
+# A bucket for the tests that cannot make one (the C and Python suites).
+empty_sha=e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855
+curl -sf -o /dev/null --aws-sigv4 "aws:amz:us-east-1:s3" --user "$access:$secret" \
+    -H "x-amz-content-sha256: $empty_sha" -X PUT "http://127.0.0.1:$rgw_port/kvxfer"
 cat > "$dir/env" <<ENV
 export KVXFER_S3_ENDPOINT=http://127.0.0.1:$rgw_port
 export AWS_ACCESS_KEY_ID=$access
 export AWS_SECRET_ACCESS_KEY=$secret
 export AWS_REGION=us-east-1
+export KVXFER_S3_BUCKET=kvxfer
 export KVXFER_S3_ADMIN="radosgw-admin -c $conf"
 ENV
 echo "radosgw on http://127.0.0.1:$rgw_port (environment in $dir/env)"

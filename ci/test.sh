@@ -27,13 +27,13 @@ bash ci/s3-server.sh start "$s3_dir"
 . "$s3_dir/env"
 stage "cargo test (agent suite on tcp, unit tests, OBJ against the gateway, C/C++ ABI tests, benches in test mode)"
 cargo test --locked --workspace --all-targets
-bash ci/s3-server.sh stop "$s3_dir"
-rm -rf "$s3_dir"
-trap - EXIT
-unset KVXFER_S3_ENDPOINT KVXFER_S3_ADMIN AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_REGION
 cargo test --locked --workspace --doc
 stage "Python package: the abi3 wheel built with maturin, installed in a fresh venv, pytest"
 bash ci/python.sh
+bash ci/s3-server.sh stop "$s3_dir"
+rm -rf "$s3_dir"
+trap - EXIT
+unset KVXFER_S3_ENDPOINT KVXFER_S3_BUCKET KVXFER_S3_ADMIN AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_REGION
 stage "loom models of the lock-free code (every interleaving of its threads)"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --locked -p kvxfer --lib loom
 for b in shm auto; do

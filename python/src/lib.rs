@@ -92,6 +92,7 @@ errors! {
     Gpu => GpuError,
     Integrity => IntegrityError,
     IntegrityUnsupported => IntegrityUnsupportedError,
+    Object => ObjectStoreError,
 }
 
 /// A duration from seconds, refusing what is negative or not a number.
@@ -124,6 +125,11 @@ const WAIT_SLICE: Duration = Duration::from_millis(100);
 pub(crate) struct PyAgent {
     pub(crate) agent: Arc<dyn TransferAgent>,
     io_timeout: Duration,
+    /// The object stores its objects were opened in, by (endpoint,
+    /// bucket): one connection pool each.
+    stores: std::sync::Mutex<
+        std::collections::HashMap<(Option<String>, String), kvxfer::storage::obj::ObjectStore>,
+    >,
 }
 
 #[pymethods]
@@ -201,6 +207,7 @@ impl PyAgent {
         Ok(Self {
             agent: Arc::from(agent),
             io_timeout,
+            stores: Default::default(),
         })
     }
 
@@ -387,7 +394,38 @@ impl PyAgent {
         self.agent.open_storage(&spec).map_err(to_py)
     }
 
-    /// Closes storage `handle` (refused while ranges of it are registered).
+    /// Opens object `key` of `bucket` in an S3-compatible store (it need
+    /// not exist yet); returns its handle, the `device` of the OBJ ranges
+    /// registered with `register_raw` (addresses are byte offsets in the
+    /// object). A WRITE replaces the object whole (offset 0); a READ is a
+    /// ranged GET. `endpoint` (`http://host:port`) defaults to what the AWS
+    /// tools find, as do the credentials and the region (`AWS_*`
+    /// variables, `~/.aws`). Objects of one bucket and endpoint share one
+    /// connection pool. Close with `close_storage`.
+    #[pyo3(signature = (bucket, key, endpoint = None))]
+    fn open_object(&self, bucket: &str, key: &str, endpoint: Option<&str>) -> PyResult<u32> {
+        let store = {
+            let mut stores = self.stores.lock().unwrap_or_else(|p| p.into_inner());
+            let k = (endpoint.map(str::to_owned), bucket.to_owned());
+            match stores.get(&k) {
+                Some(s) => s.clone(),
+                None => {
+                    let mut c =
+                        kvxfer::storage::obj::ObjectStoreConfig::from_env(bucket).map_err(to_py)?;
+                    if let Some(e) = endpoint {
+                        c.endpoint = e.to_owned();
+                    }
+                    let s = c.build().map_err(to_py)?;
+                    stores.insert(k, s.clone());
+                    s
+                }
+            }
+        };
+        self.agent.open_object(&store, key).map_err(to_py)
+    }
+
+    /// Closes storage or object `handle` (refused while ranges of it are
+    /// registered).
     fn close_storage(&self, handle: u32) -> PyResult<()> {
         self.agent.close_storage(handle).map_err(to_py)
     }

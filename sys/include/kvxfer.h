@@ -104,6 +104,11 @@ typedef enum kvxfer_result {
   // End-to-end integrity was asked of a path or memory type that cannot
   // check it (host memory over TCP, shm or inproc only); nothing was sent.
   KVXFER_ERR_INTEGRITY_UNSUPPORTED = 321,
+  // An object-store request failed (the message names the request, the
+  // bucket and key, and the kind: no such bucket or key, access denied,
+  // quota exceeded, throttled, invalid range, timeout, unreachable). A
+  // failed WRITE left the object as it was.
+  KVXFER_ERR_OBJECT_STORE = 322,
   // A bug: a panic was caught at the boundary.
   KVXFER_ERR_PANIC = 900,
 } kvxfer_result;
@@ -999,6 +1004,30 @@ enum kvxfer_result kvxfer_agent_open_storage(const struct kvxfer_agent *agent,
                                              uint64_t size,
                                              uint32_t direct,
                                              uint32_t *out_handle);
+
+// Opens object `key` of `bucket` in an S3-compatible store (it need not
+// exist yet) and writes its handle to `out_handle`: the `device_id` of the
+// `KVXFER_MEM_OBJ` descriptors (`addr` = byte offset in the object)
+// registered with `kvxfer_agent_register_memory`. A transfer whose remote
+// agent is this agent's own name then PUTs host memory into the object
+// (a descriptor writes its object whole: `addr` 0; multipart with parallel
+// parts when large) or reads ranges of it (parallel ranged GETs).
+// `endpoint` (`http://host:port`, `https://host`) may be NULL: the store
+// is then found as the AWS tools find it, as are the credentials and the
+// region (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+// `AWS_SESSION_TOKEN`, `AWS_REGION`, `AWS_ENDPOINT_URL(_S3)`,
+// `AWS_ENDPOINT_OVERRIDE`, `~/.aws/credentials` and `config`). Objects of
+// one bucket and endpoint share one connection pool and its workers.
+// Close it with `kvxfer_agent_close_storage`.
+//
+// # Safety
+// `bucket` and `key` are NUL-terminated strings, `endpoint` one or NULL;
+// `out_handle` is valid for a write.
+enum kvxfer_result kvxfer_agent_open_object(const struct kvxfer_agent *agent,
+                                            const char *endpoint,
+                                            const char *bucket,
+                                            const char *key,
+                                            uint32_t *out_handle);
 
 // Closes storage `handle`; refused (`KVXFER_ERR_INVALID_ARGUMENT`) while
 // ranges of it are registered.

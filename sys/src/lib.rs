@@ -130,6 +130,11 @@ pub enum kvxfer_result {
     /// End-to-end integrity was asked of a path or memory type that cannot
     /// check it (host memory over TCP, shm or inproc only); nothing was sent.
     KVXFER_ERR_INTEGRITY_UNSUPPORTED = 321,
+    /// An object-store request failed (the message names the request, the
+    /// bucket and key, and the kind: no such bucket or key, access denied,
+    /// quota exceeded, throttled, invalid range, timeout, unreachable). A
+    /// failed WRITE left the object as it was.
+    KVXFER_ERR_OBJECT_STORE = 322,
     /// A bug: a panic was caught at the boundary.
     KVXFER_ERR_PANIC = 900,
 }
@@ -272,6 +277,34 @@ pub struct kvxfer_agent {
     /// Shared with the KV-cache senders and receivers made on it: the agent
     /// lives until the last of them is freed too.
     agent: std::sync::Arc<dyn TransferAgent>,
+    /// The object stores its objects were opened in, by (endpoint, bucket):
+    /// one connection pool each.
+    stores: std::sync::Mutex<
+        std::collections::HashMap<(Option<String>, String), kvxfer_core::storage::obj::ObjectStore>,
+    >,
+}
+
+impl kvxfer_agent {
+    /// The store of `bucket` at `endpoint` (the AWS environment's when
+    /// `None`), made on first use.
+    fn object_store(
+        &self,
+        endpoint: Option<&str>,
+        bucket: &str,
+    ) -> Result<kvxfer_core::storage::obj::ObjectStore, Error> {
+        let mut stores = self.stores.lock().unwrap_or_else(|p| p.into_inner());
+        let k = (endpoint.map(str::to_owned), bucket.to_owned());
+        if let Some(s) = stores.get(&k) {
+            return Ok(s.clone());
+        }
+        let mut c = kvxfer_core::storage::obj::ObjectStoreConfig::from_env(bucket)?;
+        if let Some(e) = endpoint {
+            c.endpoint = e.to_owned();
+        }
+        let s = c.build()?;
+        stores.insert(k, s.clone());
+        Ok(s)
+    }
 }
 
 /// A submitted transfer. Thread-safe for `kvxfer_status_*` queries and
@@ -410,6 +443,7 @@ impl From<Error> for Fail {
             Error::Gpu(_) => KVXFER_ERR_GPU,
             Error::Integrity { .. } => KVXFER_ERR_INTEGRITY,
             Error::IntegrityUnsupported { .. } => KVXFER_ERR_INTEGRITY_UNSUPPORTED,
+            Error::Object(_) => KVXFER_ERR_OBJECT_STORE,
             _ => KVXFER_ERR_IO,
         };
         Fail::new(code, e.to_string())
@@ -643,6 +677,7 @@ pub extern "C" fn kvxfer_result_name(code: kvxfer_result) -> *const c_char {
         KVXFER_ERR_UNSETTLED,
         KVXFER_ERR_INTEGRITY,
         KVXFER_ERR_INTEGRITY_UNSUPPORTED,
+        KVXFER_ERR_OBJECT_STORE,
         KVXFER_ERR_PANIC
     );
     s.as_ptr().cast()
@@ -807,6 +842,7 @@ pub unsafe extern "C" fn kvxfer_agent_new(
                 out,
                 Box::new(kvxfer_agent {
                     agent: agent.into(),
+                    stores: Default::default(),
                 }),
                 Kind::Agent,
             )

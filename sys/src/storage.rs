@@ -59,6 +59,54 @@ pub unsafe extern "C" fn kvxfer_agent_open_storage(
     })
 }
 
+/// Opens object `key` of `bucket` in an S3-compatible store (it need not
+/// exist yet) and writes its handle to `out_handle`: the `device_id` of the
+/// `KVXFER_MEM_OBJ` descriptors (`addr` = byte offset in the object)
+/// registered with `kvxfer_agent_register_memory`. A transfer whose remote
+/// agent is this agent's own name then PUTs host memory into the object
+/// (a descriptor writes its object whole: `addr` 0; multipart with parallel
+/// parts when large) or reads ranges of it (parallel ranged GETs).
+/// `endpoint` (`http://host:port`, `https://host`) may be NULL: the store
+/// is then found as the AWS tools find it, as are the credentials and the
+/// region (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+/// `AWS_SESSION_TOKEN`, `AWS_REGION`, `AWS_ENDPOINT_URL(_S3)`,
+/// `AWS_ENDPOINT_OVERRIDE`, `~/.aws/credentials` and `config`). Objects of
+/// one bucket and endpoint share one connection pool and its workers.
+/// Close it with `kvxfer_agent_close_storage`.
+///
+/// # Safety
+/// `bucket` and `key` are NUL-terminated strings, `endpoint` one or NULL;
+/// `out_handle` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvxfer_agent_open_object(
+    agent: *const kvxfer_agent,
+    endpoint: *const c_char,
+    bucket: *const c_char,
+    key: *const c_char,
+    out_handle: *mut u32,
+) -> kvxfer_result {
+    boundary(|| {
+        // SAFETY: checked against the handle table.
+        let a = unsafe { live(agent, Kind::Agent, "agent")? };
+        // SAFETY: NUL-terminated per the contract.
+        let bucket = unsafe { text(bucket, "bucket")? };
+        // SAFETY: NUL-terminated per the contract.
+        let key = unsafe { text(key, "key")? };
+        let endpoint = if endpoint.is_null() {
+            None
+        } else {
+            // SAFETY: NUL-terminated per the contract.
+            Some(unsafe { text(endpoint, "endpoint")? })
+        };
+        non_null(out_handle, "out_handle")?;
+        let store = a.object_store(endpoint, bucket)?;
+        let h = a.agent.open_object(&store, key)?;
+        // SAFETY: checked non-null; valid for a write per the contract.
+        unsafe { *out_handle = h };
+        Ok(KVXFER_OK)
+    })
+}
+
 /// Closes storage `handle`; refused (`KVXFER_ERR_INVALID_ARGUMENT`) while
 /// ranges of it are registered.
 ///

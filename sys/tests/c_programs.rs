@@ -164,6 +164,32 @@ fn c_storage_test() {
     c_program("storage_test", "storage_test", &[]);
 }
 
+/// Objects through the C ABI, against the S3 server `ci/test.sh` starts
+/// (`KVXFER_S3_ENDPOINT`; SKIPPED without one): the harness makes the
+/// bucket, the program writes, reads and fails as it should.
+#[test]
+fn c_obj_test() {
+    let Ok(endpoint) = std::env::var("KVXFER_S3_ENDPOINT") else {
+        println!(
+            "SKIPPED c_obj_test: no S3 server (KVXFER_S3_ENDPOINT unset; ci/test.sh starts one)"
+        );
+        return;
+    };
+    let bucket = format!("kvxfer-c-{}", std::process::id());
+    let mut c = kvxfer_core::storage::obj::ObjectStoreConfig::from_env(bucket.as_str()).unwrap();
+    c.endpoint = endpoint;
+    c.build().unwrap().create_bucket().unwrap();
+    let exe = out_dir().join("obj_test");
+    compile(
+        "gcc",
+        "-std=c11",
+        &manifest().join("tests/c/obj_test.c"),
+        &exe,
+    );
+    let out = run_env(&exe, &[], &[("KVXFER_S3_BUCKET", &bucket)]);
+    assert!(out.contains("checks passed"), "{out}");
+}
+
 /// The etcd-backed metadata store through the C ABI, against an etcd of
 /// the test's own.
 #[test]

@@ -124,18 +124,7 @@ impl Link for StorageLink {
                 None => None,
             };
             let (id, completion) = inner.in_flight.start(&self.meter, req.local.total_len());
-            let inbox = Arc::clone(&inner.inbox);
-            let done_status = Arc::clone(&completion);
-            let guards = resolved.guards;
-            let done = Box::new(move |r: Result<(), Error>| {
-                // As for files: the regions go before the outcome is told.
-                drop(guards);
-                drop(held);
-                if let (Ok(()), Some(room), Some(m)) = (&r, room, sync) {
-                    inbox.deliver(room, m);
-                }
-                done_status.complete(r);
-            });
+            let done = finisher(inner, &completion, (resolved.guards, held), room, sync);
             let asked = Arc::clone(&completion);
             let batch = ObjBatch {
                 ops,
@@ -170,21 +159,14 @@ impl Link for StorageLink {
             .inner
             .in_flight
             .start(&self.meter, req.local.total_len());
-        let inbox = Arc::clone(&inner.inbox);
-        let done_status = Arc::clone(&completion);
-        let guards = resolved.guards;
-        let done = Box::new(move |r: Result<(), Error>| {
-            // The regions (and the files, open until now whatever happened
-            // to their handles) are let go before the status completes, so
-            // a caller may deregister them as soon as it sees the outcome.
-            drop(guards);
-            drop(held);
-            drop(files);
-            if let (Ok(()), Some(room), Some(m)) = (&r, room, sync) {
-                inbox.deliver(room, m);
-            }
-            done_status.complete(r);
-        });
+        // The files stay open until now, whatever happened to their handles.
+        let done = finisher(
+            inner,
+            &completion,
+            (resolved.guards, held, files),
+            room,
+            sync,
+        );
         // `TransferStatus::abort`: the ops not yet handed to the kernel are
         // skipped (and the sync message not delivered).
         let asked = Arc::clone(&completion);
@@ -217,6 +199,28 @@ impl Link for StorageLink {
         unsafe { inner.storage.engine()?.submit(batch) };
         Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
     }
+}
+
+/// What runs once a request's I/O has ended: `holds` (its regions, its
+/// files) are let go before the status completes, so a caller may
+/// deregister them as soon as it sees the outcome; then the sync message is
+/// delivered (on success) and the status completed.
+fn finisher<H: Send + 'static>(
+    inner: &Inner,
+    completion: &Arc<crate::status::Completion>,
+    holds: H,
+    room: Option<Reservation>,
+    sync: Option<Vec<u8>>,
+) -> crate::storage::io::Done {
+    let inbox = Arc::clone(&inner.inbox);
+    let done_status = Arc::clone(completion);
+    Box::new(move |r: Result<(), Error>| {
+        drop(holds);
+        if let (Ok(()), Some(room), Some(m)) = (&r, room, sync) {
+            inbox.deliver(room, m);
+        }
+        done_status.complete(r);
+    })
 }
 
 /// Room in this agent's inbox for its own sync message.

@@ -150,12 +150,7 @@ impl Client {
         if (200..300).contains(&status) {
             return Ok(resp);
         }
-        let text = resp
-            .body_mut()
-            .with_config()
-            .limit(ERROR_BODY_MAX)
-            .read_to_string()
-            .unwrap_or_default();
+        let text = body_text(&mut resp).unwrap_or_default();
         Err(self.status_error(op, key, status, &text))
     }
 
@@ -238,12 +233,7 @@ impl Client {
                 .create_multipart_upload(Some(&self.creds), key)
                 .sign(SIGNED_FOR);
             let mut resp = self.send(op, key, Method::POST, url, &[], &[])?;
-            let text = resp
-                .body_mut()
-                .with_config()
-                .limit(ERROR_BODY_MAX)
-                .read_to_string()
-                .map_err(|e| self.transport_error(op, key, e))?;
+            let text = body_text(&mut resp).map_err(|e| self.transport_error(op, key, e))?;
             rusty_s3::actions::CreateMultipartUpload::parse_response(&text)
                 .map(|r| r.upload_id().to_owned())
                 .map_err(|e| Attempt {
@@ -300,12 +290,7 @@ impl Client {
             let body = action.body();
             let mut resp = self.send(op, key, Method::POST, url, &[], body.as_bytes())?;
             // An error may come with status 200, in the body.
-            let text = resp
-                .body_mut()
-                .with_config()
-                .limit(ERROR_BODY_MAX)
-                .read_to_string()
-                .map_err(|e| self.transport_error(op, key, e))?;
+            let text = body_text(&mut resp).map_err(|e| self.transport_error(op, key, e))?;
             if text.contains("<Error>") {
                 return Err(self.status_error(op, key, 500, &text));
             }
@@ -436,6 +421,15 @@ impl Client {
             r => r,
         }
     }
+}
+
+/// A response's body as text, at most [`ERROR_BODY_MAX`] bytes (S3's
+/// XML answers and errors).
+fn body_text(resp: &mut Response<ureq::Body>) -> Result<String, ureq::Error> {
+    resp.body_mut()
+        .with_config()
+        .limit(ERROR_BODY_MAX)
+        .read_to_string()
 }
 
 /// The text of the first `<name>` element of an S3 error body.

@@ -125,11 +125,8 @@ const WAIT_SLICE: Duration = Duration::from_millis(100);
 pub(crate) struct PyAgent {
     pub(crate) agent: Arc<dyn TransferAgent>,
     io_timeout: Duration,
-    /// The object stores its objects were opened in, by (endpoint,
-    /// bucket): one connection pool each.
-    stores: std::sync::Mutex<
-        std::collections::HashMap<(Option<String>, String), kvxfer::storage::obj::ObjectStore>,
-    >,
+    /// The object stores its objects were opened in.
+    stores: kvxfer::storage::obj::ObjectStores,
 }
 
 #[pymethods]
@@ -404,23 +401,7 @@ impl PyAgent {
     /// connection pool. Close with `close_storage`.
     #[pyo3(signature = (bucket, key, endpoint = None))]
     fn open_object(&self, bucket: &str, key: &str, endpoint: Option<&str>) -> PyResult<u32> {
-        let store = {
-            let mut stores = self.stores.lock().unwrap_or_else(|p| p.into_inner());
-            let k = (endpoint.map(str::to_owned), bucket.to_owned());
-            match stores.get(&k) {
-                Some(s) => s.clone(),
-                None => {
-                    let mut c =
-                        kvxfer::storage::obj::ObjectStoreConfig::from_env(bucket).map_err(to_py)?;
-                    if let Some(e) = endpoint {
-                        c.endpoint = e.to_owned();
-                    }
-                    let s = c.build().map_err(to_py)?;
-                    stores.insert(k, s.clone());
-                    s
-                }
-            }
-        };
+        let store = self.stores.get(endpoint, bucket).map_err(to_py)?;
         self.agent.open_object(&store, key).map_err(to_py)
     }
 

@@ -369,13 +369,7 @@ fn plan_objects(inner: &Inner, req: &TransferRequest) -> Result<Vec<ObjOp>, Erro
     let mut ops = Vec::with_capacity(req.local.descs.len());
     let mut written = std::collections::HashSet::new();
     for (l, r) in req.local.descs.iter().zip(&req.remote.descs) {
-        let o = inner
-            .storage
-            .object(r.device_id)
-            .ok_or(Error::InvalidDescriptor {
-                desc: *r,
-                reason: "device_id is not an open object handle",
-            })?;
+        let o = inner.storage.object(r)?;
         let part = o.store.config().part_size;
         if write {
             if r.addr != 0 {

@@ -354,13 +354,17 @@ impl Storage {
         Ok(handle)
     }
 
-    /// The open object `handle`.
-    pub(crate) fn object(&self, handle: u32) -> Option<Arc<OpenObject>> {
+    /// The open object an OBJ descriptor names (its `device_id`).
+    pub(crate) fn object(&self, d: &MemoryDesc) -> Result<Arc<OpenObject>, Error> {
         self.objects
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .get(&handle)
+            .get(&d.device_id)
             .cloned()
+            .ok_or(Error::InvalidDescriptor {
+                desc: *d,
+                reason: "device_id is not an open object handle",
+            })
     }
 
     /// Closes `handle`; `in_use` tells whether regions of it are still
@@ -405,10 +409,7 @@ impl Storage {
         if mem_type == MemoryType::Obj {
             // The object need not exist yet (a WRITE makes it); a READ past
             // its end fails with `ObjErrorKind::InvalidRange`.
-            self.object(d.device_id).ok_or(Error::InvalidDescriptor {
-                desc: *d,
-                reason: "device_id is not an open object handle",
-            })?;
+            self.object(d)?;
             return Ok(());
         }
         let f = self.get(d.device_id).ok_or(Error::InvalidDescriptor {

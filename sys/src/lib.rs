@@ -277,34 +277,8 @@ pub struct kvxfer_agent {
     /// Shared with the KV-cache senders and receivers made on it: the agent
     /// lives until the last of them is freed too.
     agent: std::sync::Arc<dyn TransferAgent>,
-    /// The object stores its objects were opened in, by (endpoint, bucket):
-    /// one connection pool each.
-    stores: std::sync::Mutex<
-        std::collections::HashMap<(Option<String>, String), kvxfer_core::storage::obj::ObjectStore>,
-    >,
-}
-
-impl kvxfer_agent {
-    /// The store of `bucket` at `endpoint` (the AWS environment's when
-    /// `None`), made on first use.
-    fn object_store(
-        &self,
-        endpoint: Option<&str>,
-        bucket: &str,
-    ) -> Result<kvxfer_core::storage::obj::ObjectStore, Error> {
-        let mut stores = self.stores.lock().unwrap_or_else(|p| p.into_inner());
-        let k = (endpoint.map(str::to_owned), bucket.to_owned());
-        if let Some(s) = stores.get(&k) {
-            return Ok(s.clone());
-        }
-        let mut c = kvxfer_core::storage::obj::ObjectStoreConfig::from_env(bucket)?;
-        if let Some(e) = endpoint {
-            c.endpoint = e.to_owned();
-        }
-        let s = c.build()?;
-        stores.insert(k, s.clone());
-        Ok(s)
-    }
+    /// The object stores its objects were opened in.
+    stores: kvxfer_core::storage::obj::ObjectStores,
 }
 
 /// A submitted transfer. Thread-safe for `kvxfer_status_*` queries and

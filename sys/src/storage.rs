@@ -99,7 +99,7 @@ pub unsafe extern "C" fn kvxfer_agent_open_object(
             Some(unsafe { text(endpoint, "endpoint")? })
         };
         non_null(out_handle, "out_handle")?;
-        let store = a.object_store(endpoint, bucket)?;
+        let store = a.stores.get(endpoint, bucket)?;
         let h = a.agent.open_object(&store, key)?;
         // SAFETY: checked non-null; valid for a write per the contract.
         unsafe { *out_handle = h };

@@ -110,11 +110,9 @@ impl Client {
                     }
                     tracing::debug!(op, key, error = %a.error, tries, "object store: trying again");
                     // Jitter: up to half the wait again, from the clock.
-                    let nanos = Instant::now().elapsed().subsec_nanos()
-                        ^ std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map(|d| d.subsec_nanos())
-                            .unwrap_or(0);
+                    let nanos = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.subsec_nanos());
                     let jitter = wait.mul_f64(f64::from(nanos % 1000) / 2000.0);
                     std::thread::sleep(wait + jitter);
                     wait = (wait * 2).min(BACKOFF_MAX);

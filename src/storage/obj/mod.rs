@@ -266,6 +266,36 @@ impl ObjectStore {
     }
 }
 
+/// Object stores by (endpoint, bucket), made on first use from the AWS
+/// environment: what the C and Python fronts open objects in, one
+/// connection pool per bucket and endpoint.
+#[derive(Default)]
+pub struct ObjectStores {
+    stores: std::sync::Mutex<std::collections::HashMap<(Option<String>, String), ObjectStore>>,
+}
+
+impl ObjectStores {
+    /// The store of `bucket` at `endpoint` (the environment's when `None`,
+    /// see [`ObjectStoreConfig::from_env`]).
+    ///
+    /// # Errors
+    /// As [`ObjectStoreConfig::from_env`] and [`ObjectStoreConfig::build`].
+    pub fn get(&self, endpoint: Option<&str>, bucket: &str) -> Result<ObjectStore, Error> {
+        let mut stores = self.stores.lock().unwrap_or_else(|p| p.into_inner());
+        let k = (endpoint.map(str::to_owned), bucket.to_owned());
+        if let Some(s) = stores.get(&k) {
+            return Ok(s.clone());
+        }
+        let mut c = ObjectStoreConfig::from_env(bucket)?;
+        if let Some(e) = endpoint {
+            c.endpoint = e.to_owned();
+        }
+        let s = c.build()?;
+        stores.insert(k, s.clone());
+        Ok(s)
+    }
+}
+
 /// The value of `key` in `[section]` of an INI text (the AWS files).
 fn ini_value(text: &str, section: &str, key: &str) -> Option<String> {
     let mut inside = false;

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The Python package: builds the abi3 wheel with maturin, installs it into a
 # fresh virtual environment, and runs its tests (pytest).
-#   ci/python.sh            # build, install, test
+#   ci/python.sh            # build (release), install, test
+#   KVXFER_WHEEL_PROFILE="--profile dev" ci/python.sh
+#                           # the dev build (the test command: it reuses the
+#                           # crates `cargo test` built; no figure comes of it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=target/pyenv
 rm -rf "$venv" target/wheels
 python3 -m venv "$venv"
 "$venv/bin/pip" install -q --disable-pip-version-check "maturin>=1.9,<2" "pytest>=7"
-"$venv/bin/maturin" build --quiet --release -m python/Cargo.toml -o target/wheels
+"$venv/bin/maturin" build --quiet ${KVXFER_WHEEL_PROFILE:---release} -m python/Cargo.toml -o target/wheels
 "$venv/bin/pip" install -q --disable-pip-version-check target/wheels/kvxfer-*.whl
 # Imported from the installed wheel, not the source tree.
 (cd /tmp && "$OLDPWD/$venv/bin/python" -c "import kvxfer, sys; print('kvxfer', kvxfer.__version__, 'on Python', sys.version.split()[0])")

@@ -192,3 +192,46 @@ pub fn handshake(data: &[u8]) {
         );
     }
 }
+
+/// Every input of the committed corpora (`fuzz/corpus/<target>`) through
+/// its entry point: the fuzzers' findings stay fixed in the test command,
+/// which runs no fuzzer (`ci/fuzz.sh` does).
+#[cfg(test)]
+mod corpus {
+    use std::path::Path;
+
+    fn replay(target: &str, run: fn(&[u8])) {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fuzz/corpus")
+            .join(target);
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).expect("the committed corpus") {
+            let path = entry.expect("a corpus entry").path();
+            let data = std::fs::read(&path).expect("a corpus input");
+            let outcome = std::panic::catch_unwind(|| run(&data));
+            assert!(outcome.is_ok(), "{target} panicked on {}", path.display());
+            n += 1;
+        }
+        assert!(n > 0, "no input in {}", dir.display());
+    }
+
+    #[test]
+    fn agent_desc_corpus() {
+        replay("agent_desc", super::agent_desc);
+    }
+
+    #[test]
+    fn tcp_frames_corpus() {
+        replay("tcp_frames", super::tcp_frames);
+    }
+
+    #[test]
+    fn kv_wire_corpus() {
+        replay("kv_wire", super::kv_wire);
+    }
+
+    #[test]
+    fn handshake_corpus() {
+        replay("handshake", super::handshake);
+    }
+}

@@ -74,7 +74,7 @@ pub mod desc;
 mod engine;
 pub mod error;
 pub mod events;
-#[cfg(feature = "fuzzing")]
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod gpu;

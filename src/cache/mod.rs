@@ -50,7 +50,7 @@ pub use fragments::{
     Fragment, FragmentStats, RankSlice, distinct_heads, map_blocks, map_layers, rank_slice,
 };
 pub use lookup::{BlockLookup, MemBlockLookup};
-#[cfg(feature = "fuzzing")]
+#[cfg(any(test, feature = "fuzzing"))]
 pub use machine::context_plan;
 pub use machine::{ReceiverEvent, ReceiverMachine, SenderEvent, SenderMachine};
 pub use mapping::{TargetRanks, needs_send, recv_ranks, target_ranks};

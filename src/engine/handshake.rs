@@ -381,7 +381,7 @@ pub(super) fn respond(
 
 /// The target's side of the connection handshake on `fd` (for the fuzz
 /// targets): whether it accepted.
-#[cfg(feature = "fuzzing")]
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn fuzz_respond(
     fd: std::os::fd::BorrowedFd<'_>,
     cred: Option<&crate::auth::Credential>,

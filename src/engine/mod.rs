@@ -67,9 +67,9 @@ mod tests;
 mod transport;
 pub(crate) mod wire;
 
-#[cfg(feature = "fuzzing")]
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use handshake::fuzz_respond;
-#[cfg(feature = "fuzzing")]
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use plan::{delegated_pieces, write_list_pieces};
 use target::Session;
 use transport::{Link, Transport};

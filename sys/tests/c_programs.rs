@@ -18,9 +18,14 @@ fn manifest() -> PathBuf {
 /// The directory holding `libkvxfer.so` for this build profile.
 ///
 /// `cargo test` builds only what the test binaries link, and nothing links
-/// the cdylib, so the first caller runs `cargo build -p kvxfer-capi` for the
-/// test's own profile (a no-op when it is fresh): the programs are always
+/// the cdylib, so the first caller runs `cargo build --workspace
+/// --all-targets` for the test's own profile: the programs are always
 /// compiled against the library of the current sources, never a stale one.
+/// The whole workspace and every target, because that is what `cargo test
+/// --workspace --all-targets` (the test command) resolves features for: the
+/// library and its dependencies are then the ones the tests already built,
+/// and only the cdylib is new (`-p kvxfer-capi` alone resolves other
+/// features and rebuilds the library, a minute and more).
 fn lib_dir() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT
@@ -30,15 +35,18 @@ fn lib_dir() -> PathBuf {
             let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
             let target = dir.parent().unwrap();
             let mut cmd = Command::new(env!("CARGO"));
-            cmd.args(["build", "--quiet", "-p", "kvxfer-capi", "--lib"])
+            cmd.args(["build", "--quiet", "--workspace", "--all-targets"])
                 .arg("--target-dir")
                 .arg(target)
                 .current_dir(manifest());
             if dir.file_name().is_some_and(|n| n == "release") {
                 cmd.arg("--release");
             }
-            let status = cmd.status().expect("run cargo build -p kvxfer-capi");
-            assert!(status.success(), "cargo build -p kvxfer-capi failed");
+            let status = cmd.status().expect("run cargo build --workspace");
+            assert!(
+                status.success(),
+                "cargo build --workspace --all-targets failed"
+            );
             assert!(
                 dir.join("libkvxfer.so").exists(),
                 "libkvxfer.so not found in {} after building kvxfer-capi",

@@ -37,7 +37,7 @@ use crate::cache::wire::Msg;
 use crate::proto::TransferRequest;
 
 pub use receiver::{ReceiverEvent, ReceiverMachine};
-#[cfg(feature = "fuzzing")]
+#[cfg(any(test, feature = "fuzzing"))]
 pub use sender::context_plan;
 pub use sender::{SenderEvent, SenderMachine};
 

@@ -1053,7 +1053,7 @@ pub(crate) fn sends_to(me: &CacheState, rank: u32, g: u32, info: &RequestInfo) -
 ///
 /// # Errors
 /// As [`share_slices`].
-#[cfg(feature = "fuzzing")]
+#[cfg(any(test, feature = "fuzzing"))]
 fn share_fragments(
     me: &CacheState,
     rank: u32,
@@ -1112,7 +1112,7 @@ fn share_slices(
 /// threads (for the fuzz targets): the compatibility check, the expected
 /// ranks, and each share's fragments, from source blocks at fixed
 /// addresses.
-#[cfg(feature = "fuzzing")]
+#[cfg(any(test, feature = "fuzzing"))]
 pub fn context_plan(me: &CacheState, rank: u32, info: &RequestInfo) {
     if me.check_compatible(&info.gen_state).is_err() {
         return;

@@ -7,15 +7,13 @@
 
 mod accept;
 mod fast;
-pub(crate) mod lane;
 mod link;
 mod progress;
 mod recv;
 mod schedule;
 pub(in crate::engine) mod transport;
-mod window;
 
-use window::Window;
+use kvxfer_sync::{Lane, Window};
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -413,7 +411,7 @@ impl RdmaConn {
             poster: unsafe { qp.shared_poster() },
             qp: Mutex::new(qp),
             sends: MsgRing::new(dev, RING)?,
-            window: Window::new(),
+            window: Window::new(WINDOW),
             queue: Mutex::new(SendQueue::default()),
             waiting: AtomicUsize::new(0),
             posted: AtomicUsize::new(0),
@@ -504,7 +502,7 @@ impl RdmaParts {
 /// itself (callgrind, soft-RoCE ping-pong: about 550 of 2,040 instructions a
 /// request).
 ///
-/// The lane takes no lock ([`lane::Lane`], model-checked with loom):
+/// The lane takes no lock ([`Lane`], model-checked with loom):
 /// a submitter claims a free lane (one compare-and-swap), fills the slot,
 /// marks it posted and posts its work request through the queue pair's
 /// [`SharedPoster`](crate::verbs::SharedPoster) — outside the send queue's
@@ -516,7 +514,7 @@ impl RdmaParts {
 /// queue's `waiting` (queued, or popped and not yet posted), or the link
 /// broken: it takes the ordinary path, so it never overtakes earlier work
 /// of its caller.
-pub(crate) type ExpressLane = lane::Lane<Express>;
+pub(crate) type ExpressLane = Lane<Express>;
 
 /// What the express lane's slot holds.
 #[derive(Default)]

@@ -1,6 +1,6 @@
 //! The express lane's ownership protocol, apart from what it carries: one
 //! slot, and an atomic state that says which thread may touch it. Checked
-//! by a `loom` model (`RUSTFLAGS="--cfg loom" cargo test --lib lane`).
+//! by a `loom` model (`RUSTFLAGS="--cfg loom" cargo test -p kvxfer-sync`).
 //!
 //! ```text
 //!   FREE ──claim──► CLAIMED ──post──► POSTED ──finish──► FINISHING ──► FREE
@@ -33,10 +33,10 @@ const CLOSED: u8 = 4;
 /// `UnsafeCell` with loom's closure interface (loom's own under `loom`,
 /// so the model sees every access to the slot).
 #[cfg(not(loom))]
-struct Cell<T>(std::cell::UnsafeCell<T>);
+struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
 
 #[cfg(not(loom))]
-impl<T> Cell<T> {
+impl<T> UnsafeCell<T> {
     fn new(v: T) -> Self {
         Self(std::cell::UnsafeCell::new(v))
     }
@@ -47,12 +47,12 @@ impl<T> Cell<T> {
 }
 
 #[cfg(loom)]
-use loom::cell::UnsafeCell as Cell;
+use loom::cell::UnsafeCell;
 
 /// One slot of `T` and the state that says who owns it.
-pub(crate) struct Lane<T> {
+pub struct Lane<T> {
     state: AtomicU8,
-    slot: Cell<T>,
+    slot: UnsafeCell<T>,
 }
 
 // SAFETY: the slot is touched only through a `Claim` (whose creation moved
@@ -65,20 +65,20 @@ impl<T: Default> Default for Lane<T> {
     fn default() -> Self {
         Self {
             state: AtomicU8::new(FREE),
-            slot: Cell::new(T::default()),
+            slot: UnsafeCell::new(T::default()),
         }
     }
 }
 
 /// A submitter's exclusive hold on the slot: [`post`](Self::post) hands it
 /// to the finisher, dropping it frees the lane again.
-pub(crate) struct Claim<'a, T> {
+pub struct Claim<'a, T> {
     lane: &'a Lane<T>,
 }
 
 impl<T> Claim<'_, T> {
     /// Runs `f` on the slot.
-    pub(crate) fn with_slot<R>(&mut self, f: impl FnOnce(&mut T) -> R) -> R {
+    pub fn with_slot<R>(&mut self, f: impl FnOnce(&mut T) -> R) -> R {
         // SAFETY: this claim moved the state to CLAIMED and has not handed
         // it on: no other thread touches the slot.
         self.lane.slot.with_mut(|p| f(unsafe { &mut *p }))
@@ -86,7 +86,7 @@ impl<T> Claim<'_, T> {
 
     /// The request is about to be posted: from now on the slot belongs to
     /// whoever finishes it.
-    pub(crate) fn post(self) {
+    pub fn post(self) {
         self.lane.state.store(POSTED, Ordering::Release);
         std::mem::forget(self);
     }
@@ -101,7 +101,7 @@ impl<T> Drop for Claim<'_, T> {
 
 impl<T> Lane<T> {
     /// Claims the lane if it is free.
-    pub(crate) fn claim(&self) -> Option<Claim<'_, T>> {
+    pub fn claim(&self) -> Option<Claim<'_, T>> {
         self.state
             .compare_exchange(FREE, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
             .ok()
@@ -113,7 +113,7 @@ impl<T> Lane<T> {
     /// afterwards; a lane that is free is closed too, and a submitter or
     /// finisher holding the slot is waited for, a few instructions). Returns
     /// whether `f` ran.
-    pub(crate) fn finish(&self, close: bool, f: impl FnOnce(&mut T)) -> bool {
+    pub fn finish(&self, close: bool, f: impl FnOnce(&mut T)) -> bool {
         loop {
             match self.state.load(Ordering::Acquire) {
                 POSTED => {
@@ -148,8 +148,7 @@ impl<T> Lane<T> {
     }
 
     /// Whether the lane is closed.
-    #[cfg(test)]
-    pub(crate) fn is_closed(&self) -> bool {
+    pub fn is_closed(&self) -> bool {
         self.state.load(Ordering::Acquire) == CLOSED
     }
 }

@@ -1,6 +1,6 @@
 //! The RDMA send window: a lock-free ring of the sizes of the posted work
 //! requests, checked by a `loom` model (`RUSTFLAGS="--cfg loom" cargo test
-//! --lib window`).
+//! -p kvxfer-sync`).
 
 #![forbid(unsafe_code)]
 
@@ -8,8 +8,6 @@
 use loom::sync::atomic::{AtomicU64, Ordering};
 #[cfg(not(loom))]
 use std::sync::atomic::{AtomicU64, Ordering};
-
-use super::WINDOW;
 
 /// Under `loom`, a sequentially consistent fence; elsewhere nothing. The
 /// window relies on its `SeqCst` accesses being in one total order with
@@ -25,13 +23,13 @@ fn model_seq_cst() {
 }
 
 /// The send window without a lock: the sizes of the posted work requests
-/// in a ring indexed by posting order (at most [`WINDOW`]), and their sum.
+/// in a ring indexed by posting order (at most its `slots`), and their sum.
 /// Slots are taken (and unwound) by one thread at a time — the holder of
 /// the send queue's lock — and released in order by the one thread
 /// draining the completion queue; `taken` and `released` count them.
 /// A try and a release are sequentially consistent (with the send queue's
 /// `waiting` count), so a release never misses work that a try refused.
-pub(super) struct Window {
+pub struct Window {
     lens: Box<[AtomicU64]>,
     taken: AtomicU64,
     released: AtomicU64,
@@ -39,9 +37,11 @@ pub(super) struct Window {
 }
 
 impl Window {
-    pub(super) fn new() -> Self {
+    /// A window of `slots` work requests (at least one).
+    pub fn new(slots: u32) -> Self {
+        assert!(slots > 0, "a send window needs a slot");
         Self {
-            lens: (0..WINDOW).map(|_| AtomicU64::new(0)).collect(),
+            lens: (0..slots).map(|_| AtomicU64::new(0)).collect(),
             taken: AtomicU64::new(0),
             released: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
@@ -49,18 +49,18 @@ impl Window {
     }
 
     fn slot(&self, n: u64) -> &AtomicU64 {
-        &self.lens[(n % u64::from(WINDOW)) as usize]
+        &self.lens[(n % self.lens.len() as u64) as usize]
     }
 
     /// Takes a slot for a work request of `len` bytes if the ring has one
     /// and the bytes in flight stay within `max_bytes` (a lone request may
     /// always go).
-    pub(super) fn try_take(&self, len: u64, max_bytes: u64) -> bool {
+    pub fn try_take(&self, len: u64, max_bytes: u64) -> bool {
         model_seq_cst();
         let taken = self.taken.load(Ordering::Relaxed);
         let released = self.released.load(Ordering::SeqCst);
         let in_flight = taken - released;
-        if in_flight >= u64::from(WINDOW)
+        if in_flight >= self.lens.len() as u64
             || (in_flight > 0 && self.bytes.load(Ordering::SeqCst) + len > max_bytes)
         {
             return false;
@@ -73,7 +73,7 @@ impl Window {
     }
 
     /// Gives back the oldest taken slot (its work request completed).
-    pub(super) fn release(&self) {
+    pub fn release(&self) {
         let released = self.released.load(Ordering::Relaxed);
         if released == self.taken.load(Ordering::Acquire) {
             return;
@@ -85,7 +85,7 @@ impl Window {
     }
 
     /// Gives back the slot just taken (its work request was not posted).
-    pub(super) fn unwind(&self) {
+    pub fn unwind(&self) {
         let taken = self.taken.load(Ordering::Relaxed);
         if taken == self.released.load(Ordering::Acquire) {
             return;
@@ -100,9 +100,11 @@ impl Window {
 mod tests {
     use super::*;
 
+    const SLOTS: u32 = 256;
+
     #[test]
     fn bytes_and_slots_bound_what_is_in_flight() {
-        let w = Window::new();
+        let w = Window::new(SLOTS);
         // A lone request may exceed the byte bound.
         assert!(w.try_take(10, 4));
         assert!(!w.try_take(1, 4));
@@ -116,7 +118,7 @@ mod tests {
         w.release();
         // Releasing with nothing taken changes nothing.
         w.release();
-        for _ in 0..WINDOW {
+        for _ in 0..SLOTS {
             assert!(w.try_take(0, 4));
         }
         assert!(!w.try_take(0, 4), "the ring is full");
@@ -133,10 +135,13 @@ mod loom_model {
     use loom::sync::Arc;
     use loom::sync::atomic::AtomicUsize;
 
+    /// The RDMA transport's window (what the models ran with in the library).
+    const SLOTS: u32 = 256;
+
     #[test]
     fn take_unwind_and_release_keep_the_window_whole() {
         loom::model(|| {
-            let w = Arc::new(Window::new());
+            let w = Arc::new(Window::new(SLOTS));
             let posted = Arc::new(AtomicUsize::new(0));
             let (w2, p2) = (Arc::clone(&w), Arc::clone(&posted));
             let drainer = loom::thread::spawn(move || {
@@ -190,7 +195,7 @@ mod loom_model {
             }
         }
         loom::model(|| {
-            let w = Arc::new(Window::new());
+            let w = Arc::new(Window::new(SLOTS));
             // One request in flight fills the window.
             assert!(w.try_take(8, 8));
             let waiting = Arc::new(AtomicUsize::new(0));

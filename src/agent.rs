@@ -422,7 +422,10 @@ pub trait TransferAgent: Send + Sync {
     fn open_storage(&self, spec: &crate::storage::StorageSpec) -> Result<u32, Error>;
 
     /// Adopts an open descriptor of a regular file as storage (through the
-    /// page cache); returns its handle, as [`open_storage`](Self::open_storage).
+    /// page cache, with the descriptor's own access mode); returns its
+    /// handle, as [`open_storage`](Self::open_storage). Ranges may be
+    /// registered past the file's end and a WRITE there extends it, as
+    /// with [`StorageSpec::grow`](crate::storage::StorageSpec::grow).
     ///
     /// # Errors
     /// As [`open_storage`](Self::open_storage).

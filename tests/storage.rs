@@ -460,6 +460,74 @@ fn a_file_truncated_under_its_region_fails_the_next_transfer() {
     }
 }
 
+#[test]
+fn a_file_opened_to_grow_takes_writes_past_its_end_and_refuses_reads_there() {
+    for io in engines() {
+        let dir = tempdir();
+        let src = Buf::filled(16384, 21);
+        let back = Buf::new(16384);
+        let a = agent("grow", io);
+        let path = dir.join("f");
+        std::fs::File::create(&path).unwrap();
+        // Not opened to grow: a range past the end is refused at registration.
+        let h = a.open_storage(&StorageSpec::file(&path)).unwrap();
+        let region = file_descs(h, &[(0, 16384)], MemoryType::File);
+        // SAFETY: a storage range, not memory.
+        let e = unsafe { a.register_memory(&region) }.unwrap_err();
+        assert!(matches!(e, Error::InvalidDescriptor { .. }), "{io:?}: {e}");
+        a.close_storage(h).unwrap();
+        let h = a
+            .open_storage(&StorageSpec::file(&path).grow(true))
+            .unwrap();
+        let region = file_descs(h, &[(0, 16384)], MemoryType::File);
+        register(a.as_ref(), &region);
+        register(a.as_ref(), &src.all());
+        register(a.as_ref(), &back.all());
+        // A WRITE at 8 KiB of the empty file extends it to 12 KiB.
+        write(
+            a.as_ref(),
+            sub(&src, 0, 4096),
+            file_descs(h, &[(8192, 4096)], MemoryType::File),
+        )
+        .unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 12288, "{io:?}");
+        // The hole before it reads as zeros; the written part reads back.
+        read(
+            a.as_ref(),
+            sub(&back, 0, 12288),
+            file_descs(h, &[(0, 12288)], MemoryType::File),
+        )
+        .unwrap();
+        assert!(back.bytes()[..8192].iter().all(|&b| b == 0));
+        assert_eq!(&back.bytes()[8192..12288], &src.bytes()[..4096]);
+        // A READ past the end: refused before anything moves.
+        let before = back.bytes().to_vec();
+        let e = read(
+            a.as_ref(),
+            sub(&back, 0, 8192),
+            file_descs(h, &[(8192, 8192)], MemoryType::File),
+        )
+        .unwrap_err();
+        match &e {
+            Error::Storage { source, .. } => {
+                assert_eq!(source.kind(), std::io::ErrorKind::UnexpectedEof, "{e}");
+            }
+            other => panic!("{io:?}: {other}"),
+        }
+        assert_eq!(back.bytes(), &before[..], "nothing read");
+        // Outside the registered range stays refused.
+        let e = write(
+            a.as_ref(),
+            sub(&src, 0, 4096),
+            file_descs(h, &[(16384, 4096)], MemoryType::File),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::NotRegistered { .. }), "{io:?}: {e}");
+        drop(a);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
 /// A tmpfs of `size` bytes mounted on a new directory; unmounted on drop.
 struct Tmpfs(PathBuf);
 

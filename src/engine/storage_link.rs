@@ -325,8 +325,12 @@ fn plan(
     }
     // A file shrunk under its regions (truncated by someone else): refused
     // before anything moves, rather than a READ stopping short or a WRITE
-    // growing the file back.
+    // growing the file back. A file opened to grow: a WRITE may extend it,
+    // a READ past its end is refused the same way.
     for (f, end) in &files {
+        if write && f.grow {
+            continue;
+        }
         let size = f.size().map_err(|e| Error::Storage {
             handle: u64::from(f.handle),
             op: "fstat",

@@ -90,9 +90,11 @@ impl Session {
 impl Inner {
     /// The storage region `[addr, addr + len)` of handle `device`, checked
     /// for a peer: admitted (held while the guard lives), aligned for
-    /// direct I/O, inside the file as it is now.
+    /// direct I/O, inside the file as it is now (a `write` to a file
+    /// opened to grow may reach past its end).
     fn admit_storage(
         &self,
+        write: bool,
         mem_type: MemoryType,
         device: u32,
         (addr, len): (u64, u64),
@@ -110,9 +112,11 @@ impl Inner {
         if !addr.is_multiple_of(align) || !len.is_multiple_of(align) {
             return Err(RejectReason::Misaligned);
         }
-        let size = file.size().map_err(|e| RejectReason::storage_io(&e))?;
-        if addr + len > size {
-            return Err(RejectReason::PastEnd);
+        if !(write && file.grow) {
+            let size = file.size().map_err(|e| RejectReason::storage_io(&e))?;
+            if addr + len > size {
+                return Err(RejectReason::PastEnd);
+            }
         }
         Ok((guard, file))
     }
@@ -128,7 +132,7 @@ impl Inner {
         (addr, len): (u64, u64),
         key: u64,
     ) -> io::Result<Result<(), RejectReason>> {
-        let (guard, file) = match self.admit_storage(mem_type, device, (addr, len), key) {
+        let (guard, file) = match self.admit_storage(true, mem_type, device, (addr, len), key) {
             Ok(admitted) => admitted,
             Err(reason) => {
                 tracing::debug!(remote = %c.session.remote, device, addr, len, %reason, "refused storage write");
@@ -166,7 +170,7 @@ impl Inner {
         key: u64,
     ) -> io::Result<Result<(), RejectReason>> {
         let io_timeout = self.config.io_timeout;
-        let (guard, file) = match self.admit_storage(mem_type, device, (addr, len), key) {
+        let (guard, file) = match self.admit_storage(false, mem_type, device, (addr, len), key) {
             Ok(admitted) => admitted,
             Err(reason) => {
                 let refusal = Frame::ReadData {

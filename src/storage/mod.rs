@@ -68,6 +68,11 @@ pub struct StorageSpec {
     /// FILE: open with `O_DIRECT` (no page cache; alignment checked as for
     /// block devices). Block devices are always opened so.
     pub direct: bool,
+    /// FILE: ranges may be registered past the end of the file, and a
+    /// WRITE there extends it (as `pwrite` does); a READ of bytes past the
+    /// end is still refused before anything moves. Off: every registered
+    /// range lies inside the file.
+    pub grow: bool,
 }
 
 impl StorageSpec {
@@ -79,6 +84,7 @@ impl StorageSpec {
             create: false,
             size: None,
             direct: false,
+            grow: false,
         }
     }
 
@@ -90,6 +96,7 @@ impl StorageSpec {
             create: false,
             size: None,
             direct: true,
+            grow: false,
         }
     }
 
@@ -103,6 +110,13 @@ impl StorageSpec {
     /// FILE: `O_DIRECT` on or off.
     pub fn direct(mut self, on: bool) -> Self {
         self.direct = on || self.kind == StorageKind::Block;
+        self
+    }
+
+    /// FILE: ranges past the end allowed, WRITEs there extend the file
+    /// (see [`grow`](Self::grow)); a block device never grows.
+    pub fn grow(mut self, on: bool) -> Self {
+        self.grow = on && self.kind == StorageKind::File;
         self
     }
 }
@@ -144,6 +158,8 @@ pub(crate) struct StorageFile {
     /// (the logical block size); 1 without `O_DIRECT`.
     pub(crate) align: u32,
     pub(crate) path: PathBuf,
+    /// WRITEs may extend the file ([`StorageSpec::grow`]).
+    pub(crate) grow: bool,
 }
 
 impl StorageFile {
@@ -203,6 +219,7 @@ impl StorageFile {
             file,
             align,
             path: spec.path.clone(),
+            grow: spec.grow && spec.kind == StorageKind::File,
         })
     }
 
@@ -328,6 +345,9 @@ impl Storage {
             file,
             align: 1,
             path,
+            // The caller's descriptor: its file grows as WRITEs reach past
+            // the end, as `pwrite` on it would.
+            grow: true,
         };
         self.write().insert(handle, Arc::new(f));
         Ok(handle)
@@ -424,6 +444,15 @@ impl Storage {
         }
         f.aligned("offset", d.addr)?;
         f.aligned("length", d.len)?;
+        if d.addr.checked_add(d.len).is_none() {
+            return Err(Error::InvalidDescriptor {
+                desc: *d,
+                reason: "the range wraps around",
+            });
+        }
+        if f.grow {
+            return Ok(());
+        }
         let size = f.size().map_err(|e| Error::Storage {
             handle: u64::from(f.handle),
             op: "size",

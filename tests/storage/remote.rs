@@ -229,6 +229,51 @@ fn a_peers_file_truncated_under_its_region_is_refused() {
 }
 
 #[test]
+fn a_peer_writes_past_the_end_of_a_file_opened_to_grow() {
+    let dir = tempdir();
+    let path = dir.join("f");
+    std::fs::File::create(&path).unwrap();
+    let mut region = None;
+    let (target, init) = pair(Backend::Tcp, "grow", |t| {
+        let h = t
+            .open_storage(&StorageSpec::file(&path).grow(true))
+            .unwrap();
+        let r = file_descs(h, &[(0, 8192)], MemoryType::File);
+        register(t, &r);
+        region = Some(r);
+    });
+    let region = region.unwrap();
+    let tname = target.name().to_owned();
+    let src = Buf::filled(8192, 47);
+    let back = Buf::new(8192);
+    register(init.as_ref(), &src.all());
+    register(init.as_ref(), &back.all());
+    // A READ of the empty file: past its end, refused.
+    let e = run_remote(
+        init.as_ref(),
+        TransferRequest::read(back.all(), region.clone(), &tname),
+    )
+    .unwrap_err();
+    assert_eq!(rejected(&e), Some(RejectReason::PastEnd), "{e}");
+    // A WRITE grows it; then the READ finds the bytes.
+    run_remote(
+        init.as_ref(),
+        TransferRequest::write(src.all(), region.clone(), &tname),
+    )
+    .unwrap();
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 8192);
+    run_remote(
+        init.as_ref(),
+        TransferRequest::read(back.all(), region, &tname),
+    )
+    .unwrap();
+    assert_eq!(back.bytes(), src.bytes());
+    drop(init);
+    drop(target);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn a_peers_full_disk_is_a_typed_enospc_and_earlier_data_stays() {
     let fs = match Tmpfs::mount(1 << 20) {
         Ok(f) => f,

@@ -156,6 +156,17 @@ impl ObjectStoreConfig {
     /// # Errors
     /// [`Error::InvalidConfig`] when no credentials are found.
     pub fn from_env(bucket: impl Into<String>) -> Result<Self, Error> {
+        Self::from_env_with(bucket, &StoreOptions::default())
+    }
+
+    /// [`from_env`](Self::from_env) with what `options` gives taking the
+    /// place of what the environment says (credentials given there need
+    /// none in the environment; a region given there also picks AWS's
+    /// endpoint for it when none is named).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when no credentials are found.
+    pub fn from_env_with(bucket: impl Into<String>, options: &StoreOptions) -> Result<Self, Error> {
         let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let profile = env("AWS_PROFILE").unwrap_or_else(|| "default".into());
         let home = env("HOME").unwrap_or_default();
@@ -172,8 +183,10 @@ impl ObjectStoreConfig {
         } else {
             format!("profile {profile}")
         };
-        let (access_key, secret_key, session_token) =
-            match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
+        let given = options.access_key.clone().zip(options.secret_key.clone());
+        let (access_key, secret_key, session_token) = match given {
+            Some((a, s)) => (a, s, options.session_token.clone()),
+            None => match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
                 (Some(a), Some(s)) => (a, s, env("AWS_SESSION_TOKEN")),
                 _ => {
                     let get = |k| from_file(&creds_file, &creds_section, k);
@@ -187,12 +200,19 @@ impl ObjectStoreConfig {
                         }
                     }
                 }
-            };
-        let region = env("AWS_REGION")
+            },
+        };
+        let region = options
+            .region
+            .clone()
+            .or_else(|| env("AWS_REGION"))
             .or_else(|| env("AWS_DEFAULT_REGION"))
             .or_else(|| from_file(&config_file, &config_section, "region"))
             .unwrap_or_else(|| "us-east-1".into());
-        let endpoint = env("AWS_ENDPOINT_URL_S3")
+        let endpoint = options
+            .endpoint
+            .clone()
+            .or_else(|| env("AWS_ENDPOINT_URL_S3"))
             .or_else(|| env("AWS_ENDPOINT_URL"))
             .or_else(|| env("AWS_ENDPOINT_OVERRIDE"))
             .or_else(|| from_file(&config_file, &config_section, "endpoint_url"))
@@ -200,6 +220,9 @@ impl ObjectStoreConfig {
         let mut c = ObjectStoreConfig::new(endpoint, bucket, access_key, secret_key);
         c.region = region;
         c.session_token = session_token;
+        if let Some(v) = options.virtual_hosted {
+            c.virtual_hosted = v;
+        }
         Ok(c)
     }
 
@@ -271,7 +294,37 @@ impl ObjectStore {
 /// connection pool per bucket and endpoint.
 #[derive(Default)]
 pub struct ObjectStores {
-    stores: std::sync::Mutex<std::collections::HashMap<(Option<String>, String), ObjectStore>>,
+    stores: std::sync::Mutex<std::collections::HashMap<(String, StoreOptions), ObjectStore>>,
+}
+
+/// What a front takes from its caller in place of the environment when it
+/// opens a store ([`ObjectStores::get_with`]): each `None` is left to the
+/// environment, as [`ObjectStoreConfig::from_env`] finds it.
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
+pub struct StoreOptions {
+    /// The endpoint (`http://host:port`).
+    pub endpoint: Option<String>,
+    /// The region requests are signed for.
+    pub region: Option<String>,
+    /// The access key id (with `secret_key`).
+    pub access_key: Option<String>,
+    /// The secret access key (with `access_key`).
+    pub secret_key: Option<String>,
+    /// A session token (with the keys given here).
+    pub session_token: Option<String>,
+    /// Virtual-hosted-style URLs.
+    pub virtual_hosted: Option<bool>,
+}
+
+impl fmt::Debug for StoreOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreOptions")
+            .field("endpoint", &self.endpoint)
+            .field("region", &self.region)
+            .field("access_key", &self.access_key)
+            .field("virtual_hosted", &self.virtual_hosted)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ObjectStores {
@@ -281,16 +334,26 @@ impl ObjectStores {
     /// # Errors
     /// As [`ObjectStoreConfig::from_env`] and [`ObjectStoreConfig::build`].
     pub fn get(&self, endpoint: Option<&str>, bucket: &str) -> Result<ObjectStore, Error> {
+        let options = StoreOptions {
+            endpoint: endpoint.map(str::to_owned),
+            ..StoreOptions::default()
+        };
+        self.get_with(bucket, &options)
+    }
+
+    /// The store of `bucket` with `options` in place of what the
+    /// environment says (see [`ObjectStoreConfig::from_env_with`]); one per
+    /// bucket and options.
+    ///
+    /// # Errors
+    /// As [`ObjectStoreConfig::from_env_with`] and [`ObjectStoreConfig::build`].
+    pub fn get_with(&self, bucket: &str, options: &StoreOptions) -> Result<ObjectStore, Error> {
         let mut stores = self.stores.lock().unwrap_or_else(|p| p.into_inner());
-        let k = (endpoint.map(str::to_owned), bucket.to_owned());
+        let k = (bucket.to_owned(), options.clone());
         if let Some(s) = stores.get(&k) {
             return Ok(s.clone());
         }
-        let mut c = ObjectStoreConfig::from_env(bucket)?;
-        if let Some(e) = endpoint {
-            c.endpoint = e.to_owned();
-        }
-        let s = c.build()?;
+        let s = ObjectStoreConfig::from_env_with(bucket, options)?.build()?;
         stores.insert(k, s.clone());
         Ok(s)
     }

@@ -29,6 +29,36 @@ cp "$nixl_src/test/python/test_nixl_api.py" "$nixl_src/test/python/test_nixl_bin
 (cd "$work" && PYTHONPATH=$("$py" -m kvxfer.shim path nixl) "$py" -m pytest -q -rs -p no:cacheprovider \
    test_nixl_api.py test_nixl_bindings.py)
 
+echo "== NIXL examples/python, unmodified"
+# GPU-only and GDS-hardware examples excepted: expanded_two_peers.py and
+# basic_two_peers.py --use_cuda need GPUs; remote_storage_example needs
+# GDS hardware or an NVMe-oF target. nixl_gds_example.py runs on host
+# memory here (the GDS plugin is kvxfer's file storage).
+ex="$nixl_src/examples/python"
+nixl_py() { (cd "$work" && PYTHONPATH=$("$py" -m kvxfer.shim path nixl) timeout 300 "$py" "$@"); }
+nixl_py "$ex/nixl_gds_example.py" "$work/gds.bin"
+nixl_py "$ex/query_mem_example.py"
+NIXL_ETCD_ENDPOINTS= nixl_py "$ex/partial_md_example.py" --init-port "$(port)" --target-port "$(port)"
+tport=$(port)
+nixl_py "$ex/basic_two_peers.py" --mode target --ip 127.0.0.1 --port "$tport" &
+target=$!
+nixl_py "$ex/basic_two_peers.py" --mode initiator --ip 127.0.0.1 --port "$tport"
+wait "$target"
+echo "-- telemetry_reader.py against an agent's telemetry file"
+mkdir -p "$work/telemetry"
+(cd "$work" && PYTHONPATH=$("$py" -m kvxfer.shim path nixl) NIXL_TELEMETRY_ENABLE=1 \
+   NIXL_TELEMETRY_DIR="$work/telemetry" "$py" -c "
+import ctypes, os
+from nixl._api import nixl_agent, nixl_agent_config
+a = nixl_agent('GDSTester', nixl_agent_config(backends=[]))
+a.create_backend('POSIX')
+b = ctypes.create_string_buffer(4096)
+a.register_memory([(ctypes.addressof(b), 4096, 0, '')], 'DRAM')
+")
+(cd "$work" && timeout 5 "$py" "$ex/telemetry_reader.py" --telemetry_path "$work/telemetry/GDSTester" 2>&1 \
+   | tee "$work/telemetry.log" || true)
+grep -q "agent_memory_registered" "$work/telemetry.log"
+
 echo "== Mooncake mooncake-wheel/tests transfer engine"
 cp "$mooncake_src/mooncake-wheel/tests/transfer_engine_target.py" \
    "$mooncake_src/mooncake-wheel/tests/transfer_engine_initiator_test.py" "$work/"

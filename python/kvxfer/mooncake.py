@@ -29,6 +29,15 @@ transfer has a deadline (`io_timeout`, default 30 s); `get_last_error()`
 gives the typed reason of the last failure. A cluster secret comes from
 `KVXFER_SECRET_FILE` / `KVXFER_SECRET` (a non-loopback `local_hostname`
 requires one).
+
+Out of scope: Mooncake Store (`mooncake.store`, its master and the
+HiCache/LMCache store backends built on it), Mooncake EP
+(`mooncake.ep`), its process group and its own vLLM connector; under the
+shim, importing them raises an `ImportError` that says so. SGLang's
+`KVBootstrapServer` is SGLang's and runs unchanged over this engine.
+`get_engine()` / `get_engine_ptr()` hand out Mooncake's C++ engine, which
+only those components take: here they raise `MooncakeUnsupportedError`
+(the kvxfer agent underneath is `kvxfer_agent`).
 """
 
 import bisect
@@ -47,6 +56,11 @@ import urllib.request
 from . import Agent, KvxferError, RemoteRangeNotExportedError, mooncake_metadata
 
 _log = logging.getLogger("kvxfer.mooncake")
+
+
+class MooncakeUnsupportedError(KvxferError, NotImplementedError):
+    """A part of Mooncake that kvxfer's stand-in does not offer."""
+
 _ids = itertools.count(1)
 
 # Mooncake's error codes (its `error.h`).
@@ -249,7 +263,24 @@ class TransferEngine:
         return self._last_error
 
     def get_engine(self):
-        """The engine underneath: the kvxfer agent."""
+        """Mooncake's C++ engine, which Mooncake Store and Mooncake EP take:
+        kvxfer has none, so this raises `MooncakeUnsupportedError` (those
+        components are out of scope; every transfer goes through this
+        object's own methods, and the kvxfer agent is `kvxfer_agent`)."""
+        raise MooncakeUnsupportedError(
+            "get_engine(): the C++ engine handle Mooncake Store and Mooncake EP take; kvxfer's "
+            "stand-in has none (they are out of scope): use this TransferEngine's methods"
+        )
+
+    def get_engine_ptr(self):
+        """As `get_engine`: raises `MooncakeUnsupportedError`."""
+        raise MooncakeUnsupportedError(
+            "get_engine_ptr(): the C++ engine's address; kvxfer's stand-in has none"
+        )
+
+    @property
+    def kvxfer_agent(self):
+        """The kvxfer agent underneath (None once closed)."""
         return self._agent
 
     def close(self):

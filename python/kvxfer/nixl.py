@@ -13,12 +13,20 @@ on both sides merge unless `skip_desc_merge`) / `initialize_xfer`,
 by `NIXL_TELEMETRY_ENABLE` when set, else `capture_telemetry`),
 notifications, metadata bytes, `create_backend` and the plugin queries.
 
-Two plugins: `"UCX"` is kvxfer's transport selection (shared memory on
+The plugins: `"UCX"` is kvxfer's transport selection (shared memory on
 one host, RDMA where both sides have a device, TCP otherwise;
 `KVXFER_NIXL_BACKEND` picks one); `"LIBFABRIC"` is kvxfer's libfabric
 transport (EFA and the other fabrics libfabric drives; provider in
 `KVXFER_FABRIC_PROVIDER`), for the agent's transfers when it is among the
-configured backends. `query_xfer_transport` says which carried a transfer.
+configured backends; `"POSIX"`, `"GDS"` and `"GDS_MT"` are kvxfer's file
+storage (FILE descriptors as NIXL gives them, the file descriptor as the
+device and offsets as addresses; GPU memory staged through host memory),
+`"OBJ"` its object storage (S3; NIXL's parameters `bucket`,
+`endpoint_override`, `scheme`, `region`, `access_key`, `secret_key`,
+`session_token`, `use_virtual_addressing`, else the AWS environment; the
+key is the descriptor's meta, else its device id). Storage transfers are
+posted to the agent itself, as in NIXL. `query_xfer_transport` says which
+transport carried a transfer (`storage` for these).
 
 Where kvxfer is stricter than NIXL:
 - a transfer whose peer died ends in `"ERR"` within the agent's I/O
@@ -26,13 +34,20 @@ Where kvxfer is stricter than NIXL:
 - `release_xfer_handle` of a transfer in flight aborts it and returns only
   once nothing of it can touch either side's memory;
 - a notification is delivered only after all data of its transfer landed;
-- serialized descriptor lists are a plain, checked format, not pickle.
+- serialized descriptor lists are a plain, checked format, not pickle;
+- memory deregistered under a finished transfer handle (which NIXL allows)
+  is no longer reached by that handle: its next post fails.
 
-Not offered (each raises `nixlNotSupportedError`): loopback transfers (an
-agent to itself), GPU memory views (`prep_mem_view`), the listen-thread
-and etcd metadata exchange (`send_local_metadata`, `fetch_remote_metadata`
-and their kin; kvxfer's own agent has etcd membership), cost estimates and
-`query_memory`.
+The metadata exchange through NIXL's listener thread
+(`enable_listen_thread`: `send_local_metadata`, `fetch_remote_metadata`,
+partial metadata, `check_remote_metadata`, `invalidate_local_metadata`)
+is `kvxfer.nixl_listen`; a send or fetch returns once the peer has loaded
+or handed over the metadata (NIXL queues it and returns at once).
+
+Not offered (each raises `nixlNotSupportedError`): loopback transfers of
+memory (an agent to itself; storage is), GPU memory views
+(`prep_mem_view`), the etcd metadata exchange (the calls above without a
+peer address; kvxfer's own agent has etcd membership), cost estimates.
 """
 
 import enum
@@ -203,7 +218,8 @@ class nixl_agent:
     # -- plugins and backends --------------------------------------------
 
     def get_plugin_list(self):
-        """The plugins kvxfer offers (`["UCX", "LIBFABRIC"]`)."""
+        """The plugins kvxfer offers (`["UCX", "LIBFABRIC", "POSIX", "GDS",
+        "GDS_MT", "OBJ"]`)."""
         return self.plugin_list
 
     def _load_plugin_params(self, plugin):
@@ -340,11 +356,15 @@ class nixl_agent:
         return descs
 
     def deregister_memory(self, dereg_list, backends=[]):  # noqa: B006
-        """Deregisters regions `register_memory` registered."""
+        """Deregisters regions `register_memory` registered, also while a
+        finished transfer handle still names them (its next post fails);
+        refused while a transfer of them is in flight."""
         self.agent.deregisterMem(dereg_list, self._handles(backends))
 
     def query_memory(self, reg_list, backend, mem_type=None):
-        """Not offered by kvxfer (NIXL answers it for storage plugins)."""
+        """For each descriptor's meta (a path, an object key), what the
+        storage backend holds: a file's `{"size", "mode", "mtime"}`, `{}`
+        for an object that exists, `None` where there is none."""
         descs = self.get_reg_descs(reg_list, mem_type)
         if backend not in self.backends:
             raise ValueError(
@@ -395,18 +415,40 @@ class nixl_agent:
         peer is added; this checks the peer is known)."""
         self.agent.makeConnection(remote_agent, self._handles(backends))
 
-    def get_partial_agent_metadata(self, *args, **kwargs):
-        """Not offered (see the module's notes)."""
-        return self.agent.getLocalPartialMD(*args)
+    def get_partial_agent_metadata(self, descs, inc_conn_info=False, backends=[]):  # noqa: B006
+        """Metadata announcing `descs` alone (a peer that loads it may name
+        only those in transfers)."""
+        return self.agent.getLocalPartialMD(descs, inc_conn_info, self._handles(backends))
 
-    def send_local_metadata(self, *args, **kwargs):
-        """Not offered (see the module's notes)."""
-        return self.agent.sendLocalMD(*args)
+    def send_local_metadata(self, ip_addr="", port=DEFAULT_COMM_PORT):
+        """Sends this agent's metadata to the listener of the agent at
+        `ip_addr:port` (its `enable_listen_thread`), which loads it; returns
+        once it has. Without an address (NIXL's etcd exchange):
+        `nixlNotSupportedError`."""
+        self.agent.sendLocalMD(ip_addr, port)
 
-    send_partial_agent_metadata = send_local_metadata
-    fetch_remote_metadata = send_local_metadata
-    invalidate_local_metadata = send_local_metadata
-    check_remote_metadata = send_local_metadata
+    def send_partial_agent_metadata(self, descs, inc_conn_info=False, backends=[],  # noqa: B006
+                                    ip_addr="", port=DEFAULT_COMM_PORT, label=""):
+        """Sends partial metadata (`get_partial_agent_metadata`) to the
+        listener at `ip_addr:port`."""
+        self.agent.sendLocalPartialMD(descs, inc_conn_info, self._handles(backends), ip_addr, port, label)
+
+    def fetch_remote_metadata(self, remote_agent, ip_addr="", port=DEFAULT_COMM_PORT, label=""):
+        """Fetches the metadata of `remote_agent` from its listener at
+        `ip_addr:port` and loads it (retrying while the listener is not up
+        yet, `KVXFER_NIXL_EXCHANGE_TIMEOUT` seconds, 30 by default)."""
+        self.agent.fetchRemoteMD(remote_agent, ip_addr, port, label)
+
+    def invalidate_local_metadata(self, ip_addr="", port=DEFAULT_COMM_PORT):
+        """Tells the agent listening at `ip_addr:port` to forget this one."""
+        self.agent.invalidateLocalMD(ip_addr, port)
+
+    def check_remote_metadata(self, agent, descs=None):
+        """Whether `agent` is loaded and, when `descs` is given, each of
+        them is exported there (and announced, for partial metadata)."""
+        if descs is None:
+            descs = nixlXferDList(_b.DRAM_SEG)
+        return self.agent.checkRemoteMD(agent, descs) == _b.NIXL_SUCCESS
 
     # -- transfers --------------------------------------------------------
 

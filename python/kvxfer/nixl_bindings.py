@@ -7,19 +7,29 @@ NIXL's names, values and shapes. `kvxfer.nixl` (NIXL's `nixl._api`) is
 written against this module and looks `nixlAgent` up here at each agent
 made, as NIXL's `_api` does.
 
-The one plugin kvxfer offers is named `"UCX"`: it is kvxfer's transport
-selection (shared memory on one host, RDMA where both sides have a device,
-TCP otherwise; `KVXFER_NIXL_BACKEND` picks one), which is the role UCX has
-in NIXL. Any other plugin name is refused as NIXL refuses a plugin it did
-not find (`nixlNotFoundError`).
+The plugins: `"UCX"` is kvxfer's transport selection (shared memory on
+one host, RDMA where both sides have a device, TCP otherwise;
+`KVXFER_NIXL_BACKEND` picks one), which is the role UCX has in NIXL;
+`"LIBFABRIC"` is kvxfer's libfabric transport; `"POSIX"`, `"GDS"` and
+`"GDS_MT"` are kvxfer's storage (FILE descriptors as NIXL gives them: the
+file descriptor as the device, offsets as addresses; GPU memory staged
+through host memory, no GPUDirect Storage), `"OBJ"` kvxfer's object
+storage (an S3-compatible store; the object key is the descriptor's meta,
+else its device id). Storage transfers are requests of an agent to itself
+(NIXL's loopback). Any other plugin name is refused as NIXL refuses a
+plugin it did not find (`nixlNotFoundError`).
 """
 
 import enum
+import json
 import logging
 import os
 import time
+import weakref
 
 from . import Agent, KvxferError, _kvxfer
+from . import nixl_listen as _listen
+from . import nixl_telemetry as _telemetry
 
 _log = logging.getLogger("kvxfer.nixl")
 
@@ -396,10 +406,64 @@ _PLUGIN = "UCX"
 # NIXL's libfabric plugin (EFA and the other fabrics libfabric drives):
 # kvxfer's `fabric` transport.
 _FABRIC_PLUGIN = "LIBFABRIC"
-_PLUGINS = (_PLUGIN, _FABRIC_PLUGIN)
+# Storage: files through kvxfer's storage (GPU memory staged through host
+# memory; kvxfer has no GPUDirect Storage), objects in an S3-compatible store.
+_POSIX_PLUGIN, _GDS_PLUGIN, _GDS_MT_PLUGIN, _OBJ_PLUGIN = "POSIX", "GDS", "GDS_MT", "OBJ"
+_FILE_PLUGINS = (_POSIX_PLUGIN, _GDS_PLUGIN, _GDS_MT_PLUGIN)
+_NET_PLUGINS = (_PLUGIN, _FABRIC_PLUGIN)
+_PLUGINS = _NET_PLUGINS + _FILE_PLUGINS + (_OBJ_PLUGIN,)
 _PLUGIN_MEMS = ["DRAM_SEG", "VRAM_SEG"]
+# NIXL's parameters and memory types for the storage plugins, as NIXL's
+# plugins list them (`getPluginParams`); the backends' memory types as
+# NIXL's backends list them (`getBackendParams`).
+_STORAGE_PARAMS = {
+    _POSIX_PLUGIN: (
+        {"use_posix_aio": "false", "use_uring": "false", "use_aio": "false",
+         "kernel_queue_size": "256", "ios_pool_size": "65536"},
+        ["DRAM_SEG", "FILE_SEG"],
+        ["FILE_SEG", "DRAM_SEG"],
+    ),
+    _GDS_PLUGIN: ({}, ["DRAM_SEG", "VRAM_SEG", "FILE_SEG"], ["DRAM_SEG", "VRAM_SEG", "FILE_SEG"]),
+    _GDS_MT_PLUGIN: ({}, ["DRAM_SEG", "VRAM_SEG", "FILE_SEG"], ["DRAM_SEG", "VRAM_SEG", "FILE_SEG"]),
+    _OBJ_PLUGIN: ({}, ["DRAM_SEG", "OBJ_SEG"], ["DRAM_SEG", "OBJ_SEG"]),
+}
 # Each plugin's backend handle differs (xor-ed with the agent's id).
-_HANDLE_SALT = {_PLUGIN: 0x5543_5800, _FABRIC_PLUGIN: 0x4F46_4900}
+_HANDLE_SALT = {
+    _PLUGIN: 0x5543_5800, _FABRIC_PLUGIN: 0x4F46_4900, _POSIX_PLUGIN: 0x504F_5300,
+    _GDS_PLUGIN: 0x4744_5300, _GDS_MT_PLUGIN: 0x474D_5400, _OBJ_PLUGIN: 0x4F42_4A00,
+}
+_STORAGE_MEMS = (nixl_mem_t.FILE_SEG, nixl_mem_t.OBJ_SEG)
+
+
+def _obj_options(params):
+    """The OBJ plugin's parameters (NIXL's names) as `open_object`'s
+    keywords; the bucket from `bucket`, else `AWS_DEFAULT_BUCKET`."""
+    p = {k: str(v) for k, v in (params or {}).items()}
+    bucket = p.get("bucket") or os.environ.get("AWS_DEFAULT_BUCKET")
+    if not bucket:
+        raise nixlInvalidParamError("OBJ: no bucket (parameter 'bucket' or AWS_DEFAULT_BUCKET)")
+    opts = {}
+    endpoint = p.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_OVERRIDE")
+    if endpoint:
+        if "://" not in endpoint:
+            endpoint = f"{p.get('scheme', 'https')}://{endpoint}"
+        opts["endpoint"] = endpoint
+    if p.get("region"):
+        opts["region"] = p["region"]
+    if p.get("access_key") and p.get("secret_key"):
+        opts["access_key"], opts["secret_key"] = p["access_key"], p["secret_key"]
+        if p.get("session_token"):
+            opts["session_token"] = p["session_token"]
+    if "use_virtual_addressing" in p:
+        opts["virtual_hosted"] = p["use_virtual_addressing"].strip().lower() == "true"
+    return bucket, opts
+
+
+# Partial metadata (`getLocalPartialMD`): this prefix, the agent
+# description's length (4 bytes) and bytes, then the announced descriptors.
+_PARTIAL = b"KVXPMD1"
+# How long a metadata exchange keeps trying to reach the peer's listener.
+_EXCHANGE_TIMEOUT = float(os.environ.get("KVXFER_NIXL_EXCHANGE_TIMEOUT", "30"))
 
 
 def _telemetry_enabled(config):
@@ -423,29 +487,35 @@ def _name(agent):
 
 
 class _Prepped:
-    """A descriptor list prepared for one side (`prepXferDlist`)."""
+    """A descriptor list prepared for one side (`prepXferDlist`); for this
+    agent's storage, `native` holds kvxfer's storage handles where the
+    list has NIXL's devices (file descriptors, object ids)."""
 
     __slots__ = ("agent_name", "dlist", "native")
 
-    def __init__(self, agent_name, dlist):
+    def __init__(self, agent_name, dlist, native=None):
         self.agent_name = agent_name
         self.dlist = dlist
-        self.native = dlist.native()
+        self.native = dlist.native() if native is None else native
 
 
 class _XferReq:
     """A transfer request (`makeXferReq` / `createXferReq`): made once
     (descriptors selected and merged in Rust), posted again once ended."""
 
-    __slots__ = ("request", "xfer", "failed", "released", "start", "post", "t0", "end")
+    __slots__ = ("request", "xfer", "failed", "released", "start", "post", "t0", "end",
+                 "plugin", "write", "__weakref__")
 
-    def __init__(self, request):
+    def __init__(self, request, plugin=None, write=False):
         self.request = request
+        self.write = write
         self.xfer = None
         self.failed = False
         self.released = False
         self.start = self.post = self.t0 = 0
         self.end = None
+        # The storage plugin carrying it (None: the network's).
+        self.plugin = plugin
 
 
 # How long getXferStatus waits for a transfer in flight (seconds): a caller
@@ -467,6 +537,14 @@ class nixlAgent:
         self.name = str(name)
         self.config = config
         self.telemetry = _telemetry_enabled(config)
+        # NIXL's telemetry file (NIXL_TELEMETRY_DIR), when telemetry is on.
+        try:
+            self._tfile = _telemetry.open_for(self.name, self.telemetry)
+        except ValueError as e:
+            raise nixlInvalidParamError(str(e)) from e
+        except OSError as e:
+            _log.warning("telemetry file for %s: %s; running without one", self.name, e)
+            self._tfile = None
         self.transport = os.environ.get("KVXFER_NIXL_BACKEND", "auto")
         try:
             self.kvxfer = Agent(self.name, backend=self.transport)
@@ -475,9 +553,44 @@ class nixlAgent:
         self._backends = {}
         # A region registered again is counted, not registered twice.
         self._regs = {}
+        # Storage: NIXL's device (a file descriptor, an object id) to
+        # [kvxfer's storage handle, regions registered on it].
+        self._files = {}
+        self._objs = {}
+        # The OBJ backend's bucket and store options.
+        self._obj_store = None
+        # Requests not released: a deregistration lets finished ones' holds
+        # go (NIXL lets memory be deregistered under a finished handle).
+        self._reqs = weakref.WeakSet()
+        # Peers loaded from partial metadata: the descriptors they announced
+        # (`(mem, address, length, device)`), the only ones transfers may name.
+        self._announced = {}
         # Whether memory was registered or a peer loaded (the agent can no
         # longer be replaced by the LIBFABRIC plugin's).
         self._used = False
+        # NIXL's listener thread, for the metadata exchange.
+        self._listener = None
+        if config.useListenThread:
+            me = weakref.WeakMethod(self._on_exchange)
+            host = os.environ.get("KVXFER_NIXL_LISTEN_HOST", "0.0.0.0")
+            try:
+                self._listener = _listen.Listener(
+                    host, int(config.listenPort), lambda op, payload: me()(op, payload))
+            except OSError as e:
+                raise nixlBackendError(f"listener on {host}:{config.listenPort}: {e}") from e
+
+    def __del__(self):
+        listener = getattr(self, "_listener", None)
+        if listener is not None:
+            listener.close()
+        tfile = getattr(self, "_tfile", None)
+        if tfile is not None:
+            tfile.close()
+
+    def _count(self, kind, descs):
+        """Telemetry: memory registered or deregistered."""
+        if self._tfile is not None:
+            self._tfile.events((kind, sum(n for _, n, _ in descs.triples())))
 
     # -- plugins and backends --------------------------------------------
 
@@ -489,6 +602,9 @@ class nixlAgent:
         """`(options, memory types)` of a plugin."""
         if plugin not in _PLUGINS:
             raise nixlNotFoundError(f"plugin {plugin!r} not found (kvxfer offers {list(_PLUGINS)!r})")
+        if plugin in _STORAGE_PARAMS:
+            opts, mems, _ = _STORAGE_PARAMS[plugin]
+            return dict(opts), list(mems)
         transport = "fabric" if plugin == _FABRIC_PLUGIN else self.transport
         return {"kvxfer_transport": transport}, list(_PLUGIN_MEMS)
 
@@ -501,6 +617,8 @@ class nixlAgent:
             raise nixlNotFoundError(f"plugin {plugin!r} not found (kvxfer offers {list(_PLUGINS)!r})")
         if plugin in self._backends:
             raise nixlInvalidParamError(f"backend already created for type {plugin!r}")
+        if plugin == _OBJ_PLUGIN:
+            self._obj_store = _obj_options(params)
         if plugin == _FABRIC_PLUGIN and self.transport != "fabric" and "KVXFER_NIXL_BACKEND" not in os.environ:
             if self._used:
                 raise nixlNotAllowedError(
@@ -517,39 +635,151 @@ class nixlAgent:
 
     def getBackendParams(self, handle):  # noqa: N802
         """`(options, memory types)` of an instantiated backend."""
-        for h, params in self._backends.values():
+        for plugin, (h, params) in self._backends.items():
             if h == handle:
+                if plugin in _STORAGE_PARAMS:
+                    return {k: str(v) for k, v in params.items()}, list(_STORAGE_PARAMS[plugin][2])
                 opts = {"kvxfer_transport": self.transport}
                 opts.update({k: str(v) for k, v in params.items()})
                 return opts, list(_PLUGIN_MEMS)
         raise nixlNotFoundError(f"no backend with handle {handle}")
 
+    def _plugin_of(self, handle):
+        for plugin, (h, _) in self._backends.items():
+            if h == handle:
+                return plugin
+        raise nixlNotFoundError(f"no backend with handle {handle}")
+
+    def _storage_plugin(self, mem):
+        """The created plugin that moves memory type `mem` to storage (FILE:
+        POSIX, GDS_MT, GDS; OBJ: OBJ), or None."""
+        plugins = (_OBJ_PLUGIN,) if mem == nixl_mem_t.OBJ_SEG else _FILE_PLUGINS
+        return next((p for p in plugins if p in self._backends), None)
+
     def _need_backend(self, what, mem):
-        if not self._backends:
+        if mem in _STORAGE_MEMS:
+            ok = self._storage_plugin(mem) is not None
+        elif mem == nixl_mem_t.BLK_SEG:
+            ok = False
+        else:
+            ok = bool(self._backends)
+        if not ok:
             raise nixlNotFoundError(f"{what}: no available backends for mem type {mem.name!r}")
 
-    def _backend_handle(self):
+    def _backend_handle(self, plugin=None):
+        if plugin is not None:
+            return self._backends[plugin][0]
         if self.transport == "fabric" and _FABRIC_PLUGIN in self._backends:
             return self._backends[_FABRIC_PLUGIN][0]
-        return next(iter(self._backends.values()))[0] if self._backends else 0
+        net = [h for p, (h, _) in self._backends.items() if p in _NET_PLUGINS]
+        return net[0] if net else 0
+
+    # -- storage -----------------------------------------------------------
+
+    def _storage_handle(self, mem, device, meta=b"", create=False):
+        """kvxfer's storage handle for NIXL's `device` of memory `mem` (a
+        file descriptor, an object id); opened when `create` (the file
+        descriptor adopted, a duplicate, growing as WRITEs reach past its
+        end; the object by its key: the meta, else the id)."""
+        table = self._files if mem == nixl_mem_t.FILE_SEG else self._objs
+        ent = table.get(device)
+        if ent is not None:
+            return ent[0]
+        if not create:
+            raise nixlNotFoundError(
+                f"{mem.name} device {device} is not registered (no storage backend has it)"
+            )
+        try:
+            if mem == nixl_mem_t.FILE_SEG:
+                handle = self.kvxfer.adopt_storage(device)
+            else:
+                bucket, opts = self._obj_store
+                key = meta.decode() if meta else str(device)
+                handle = self.kvxfer.open_object(bucket, key, **opts)
+        except KvxferError as e:
+            raise nixl_error(e) from e
+        table[device] = [handle, 0]
+        return handle
+
+    def _native_storage(self, descs):
+        """`descs` with kvxfer's storage handles as devices."""
+        mem = descs.getType()
+        rows = [(a, n, self._storage_handle(mem, d)) for a, n, d in descs.triples()]
+        return _kvxfer.DescList(rows, _NATIVE_MEM[mem])
+
+    def _loosen(self):
+        """Lets the holds of every finished, unreleased request go (each
+        later post checks it in full), so that its memory may be
+        deregistered as NIXL allows."""
+        for r in list(self._reqs):
+            if not r.released and (r.xfer is None or r.xfer.done()):
+                r.request.release()
 
     # -- memory ------------------------------------------------------------
 
     def registerMem(self, descs, backends=()):  # noqa: N802
-        """Registers a `nixlRegDList`; returns NIXL_SUCCESS."""
+        """Registers a `nixlRegDList`; returns NIXL_SUCCESS. FILE: the
+        device is an open file descriptor, addresses are offsets (the
+        range may reach past the file's end: a WRITE extends it); OBJ: the
+        object's key is the meta, else the device id."""
         mem = descs.getType()
         self._need_backend("registerMem", mem)
         triples = descs.triples()
         new = [d for d in triples if (mem, d) not in self._regs]
+        if mem in _STORAGE_MEMS:
+            self._register_storage(descs, mem, triples, new)
+        else:
+            try:
+                if new:
+                    self.kvxfer.register_raw(new, _NATIVE_MEM[mem])
+            except KvxferError as e:
+                raise nixl_error(e) from e
+            for d in triples:
+                self._regs[(mem, d)] = self._regs.get((mem, d), 0) + 1
+            self._used = True
+        self._count(_telemetry.MEMORY_REGISTERED, descs)
+        return NIXL_SUCCESS
+
+    def _register_storage(self, descs, mem, triples, new):
+        table = self._files if mem == nixl_mem_t.FILE_SEG else self._objs
+        metas = {d: descs[i][3] for i, d in enumerate(triples)}
+        done = []
         try:
-            if new:
-                self.kvxfer.register_raw(new, _NATIVE_MEM[mem])
+            for d in new:
+                if (mem, d) in self._regs or d in done:
+                    continue
+                opened = d[2] not in table
+                h = self._storage_handle(mem, d[2], metas[d], create=True)
+                try:
+                    self.kvxfer.register_raw([(d[0], d[1], h)], _NATIVE_MEM[mem])
+                except KvxferError:
+                    if opened:
+                        del table[d[2]]
+                        self.kvxfer.close_storage(h)
+                    raise
+                table[d[2]][1] += 1
+                done.append(d)
         except KvxferError as e:
+            self._unregister_storage(mem, done)
             raise nixl_error(e) from e
+        except nixlNotFoundError:
+            self._unregister_storage(mem, done)
+            raise
         for d in triples:
             self._regs[(mem, d)] = self._regs.get((mem, d), 0) + 1
-        self._used = True
         return NIXL_SUCCESS
+
+    def _unregister_storage(self, mem, triples):
+        """Deregisters storage regions this agent registered; closes a
+        file or object once none of its regions is left."""
+        table = self._files if mem == nixl_mem_t.FILE_SEG else self._objs
+        for a, n, dev in triples:
+            ent = table[dev]
+            self.kvxfer.deregister_raw([(a, n, ent[0])], _NATIVE_MEM[mem])
+            ent[1] -= 1
+            if not ent[1]:
+                del table[dev]
+                self.kvxfer.close_storage(ent[0])
 
     def deregisterMem(self, descs, backends=()):  # noqa: N802
         """Deregisters what `registerMem` registered; returns NIXL_SUCCESS."""
@@ -558,9 +788,13 @@ class nixlAgent:
         missing = [d for d in triples if (mem, d) not in self._regs]
         if missing:
             raise nixlNotFoundError(f"deregisterMem: {len(missing)} regions are not registered")
-        last = [d for d in triples if self._regs[(mem, d)] == 1]
+        last = list(dict.fromkeys(d for d in triples if self._regs[(mem, d)] == 1))
+        if last:
+            self._loosen()
         try:
-            if last:
+            if last and mem in _STORAGE_MEMS:
+                self._unregister_storage(mem, last)
+            elif last:
                 self.kvxfer.deregister_raw(last, _NATIVE_MEM[mem])
         except KvxferError as e:
             raise nixl_error(e) from e
@@ -568,32 +802,76 @@ class nixlAgent:
             self._regs[(mem, d)] -= 1
             if not self._regs[(mem, d)]:
                 del self._regs[(mem, d)]
+        self._count(_telemetry.MEMORY_DEREGISTERED, descs)
         return NIXL_SUCCESS
 
     def queryMem(self, descs, backend):  # noqa: N802
-        """Not offered by kvxfer (NIXL answers it for storage plugins)."""
-        raise nixlNotSupportedError("queryMem: kvxfer's UCX plugin answers no queries")
+        """What storage holds for each descriptor's meta: a file's
+        `{"size", "mode", "mtime"}` (strings, as NIXL's POSIX plugin gives
+        them) for a file plugin, `{}` for an object that exists for OBJ;
+        `None` where there is none. The network plugins answer no query."""
+        plugin = self._plugin_of(backend)
+        out = []
+        for i in range(descs.descCount()):
+            meta = descs[i][3]
+            name = meta.decode() if isinstance(meta, (bytes, bytearray)) else str(meta)
+            if plugin in _FILE_PLUGINS:
+                try:
+                    st = os.stat(name)
+                except OSError:
+                    out.append(None)
+                    continue
+                out.append({"size": str(st.st_size), "mode": str(st.st_mode),
+                            "mtime": str(int(st.st_mtime))})
+            elif plugin == _OBJ_PLUGIN:
+                bucket, opts = self._obj_store
+                try:
+                    size = self.kvxfer.object_size(bucket, name, **opts)
+                except KvxferError as e:
+                    raise nixlBackendError(f"queryMem: {e}") from e
+                out.append(None if size is None else {})
+            else:
+                raise nixlNotSupportedError(f"queryMem: kvxfer's {plugin} plugin answers no queries")
+        return out
 
     # -- metadata and peers ----------------------------------------------
 
     def getLocalMD(self):  # noqa: N802
         """This agent's metadata."""
-        if not self._backends:
+        if not any(p in self._backends for p in _NET_PLUGINS):
             raise nixlInvalidParamError("getLocalMD: no backends support remote operations")
         return self.kvxfer.metadata()
 
     def loadRemoteMD(self, metadata):  # noqa: N802
-        """Loads a peer from its metadata; its name as bytes."""
+        """Loads a peer from its metadata (full, or partial: see
+        `getLocalPartialMD`); its name as bytes."""
+        metadata = bytes(metadata)
+        announced = None
+        if metadata.startswith(_PARTIAL):
+            try:
+                n = int.from_bytes(metadata[len(_PARTIAL):len(_PARTIAL) + 4], "big")
+                start = len(_PARTIAL) + 4
+                md, body = metadata[start:start + n], json.loads(metadata[start + n:])
+                mem = int(body["mem"])
+                announced = [(mem, int(a), int(ln), int(d)) for a, ln, d in body["descs"]]
+            except (ValueError, TypeError, KeyError) as e:
+                raise nixlMismatchError(f"malformed partial metadata: {e}") from e
+            metadata = md
         try:
-            name = self.kvxfer.add_remote_agent(bytes(metadata)).encode()
+            name = self.kvxfer.add_remote_agent(metadata)
         except KvxferError as e:
             raise nixl_error(e) from e
+        if announced is None:
+            self._announced.pop(name, None)
+        else:
+            self._announced.setdefault(name, set()).update(announced)
         self._used = True
-        return name
+        return name.encode()
 
     def invalidateRemoteMD(self, name):  # noqa: N802
         """Forgets a peer (its transfers in flight fail); an unknown name is
         not an error."""
+        self._announced.pop(_name(name), None)
         try:
             self.kvxfer.remove_remote_agent(_name(name))
         except KvxferError as e:
@@ -612,19 +890,105 @@ class nixlAgent:
         except KvxferError as e:
             raise nixl_error(e) from e
 
-    def _unsupported(self, *args, **kwargs):
-        raise nixlNotSupportedError(
-            "the listener/etcd metadata exchange and partial metadata are not offered by kvxfer"
-        )
+    # -- the metadata exchange (NIXL's listener thread) ---------------------
 
-    getLocalPartialMD = sendLocalMD = sendLocalPartialMD = _unsupported  # noqa: N815
-    fetchRemoteMD = checkRemoteMD = invalidateLocalMD = _unsupported  # noqa: N815
+    def getLocalPartialMD(self, descs, inc_conn_info=False, backends=()):  # noqa: N802
+        """Metadata that announces `descs` alone: a peer that loads it may
+        name only those (and those of earlier announcements) in transfers.
+        kvxfer's agent description goes with it whole (it is how the peer
+        connects); the restriction is this front's."""
+        if not any(p in self._backends for p in _NET_PLUGINS):
+            raise nixlInvalidParamError("getLocalPartialMD: no backends support remote operations")
+        mem = int(descs.getType())
+        body = json.dumps({"mem": mem, "conn": bool(inc_conn_info),
+                           "descs": [list(d) for d in descs.triples()]}).encode()
+        md = self.kvxfer.metadata()
+        return _PARTIAL + len(md).to_bytes(4, "big") + md + body
+
+    def _exchange(self, ip, port, op, payload):
+        if not ip:
+            raise nixlNotSupportedError(
+                "the etcd metadata exchange (no peer address): not offered by kvxfer's NIXL front; "
+                "kvxfer's own agent has etcd membership"
+            )
+        try:
+            return _listen.exchange(ip, int(port), op, payload, _EXCHANGE_TIMEOUT)
+        except _listen.ExchangeError as e:
+            raise nixlBackendError(str(e)) from e
+
+    def sendLocalMD(self, ip_addr="", port=DEFAULT_COMM_PORT):  # noqa: N802
+        """Sends this agent's metadata to the listener at `ip_addr:port`,
+        which loads it; returns once it has (or raises)."""
+        self._exchange(ip_addr, port, _listen.SEND, self.getLocalMD())
+        return NIXL_SUCCESS
+
+    def sendLocalPartialMD(self, descs, inc_conn_info=False, backends=(),  # noqa: N802
+                           ip_addr="", port=DEFAULT_COMM_PORT, label=""):
+        """Sends `getLocalPartialMD(descs, ...)` to the listener at
+        `ip_addr:port` (the label names an etcd entry: unused here)."""
+        self._exchange(ip_addr, port, _listen.SEND, self.getLocalPartialMD(descs, inc_conn_info, backends))
+        return NIXL_SUCCESS
+
+    def fetchRemoteMD(self, remote_name, ip_addr="", port=DEFAULT_COMM_PORT, label=""):  # noqa: N802
+        """Fetches the metadata of the agent listening at `ip_addr:port`
+        and loads it; it must be `remote_name`'s."""
+        md = self._exchange(ip_addr, port, _listen.FETCH, _bytes(label))
+        name = self.loadRemoteMD(md).decode()
+        if name != _name(remote_name):
+            self.invalidateRemoteMD(name)
+            raise nixlMismatchError(f"{ip_addr}:{port} is agent {name!r}, not {_name(remote_name)!r}")
+        return NIXL_SUCCESS
+
+    def invalidateLocalMD(self, ip_addr="", port=DEFAULT_COMM_PORT):  # noqa: N802
+        """Tells the listener at `ip_addr:port` to forget this agent."""
+        self._exchange(ip_addr, port, _listen.INVALIDATE, self.name.encode())
+        return NIXL_SUCCESS
+
+    def checkRemoteMD(self, remote_name, descs):  # noqa: N802
+        """NIXL_SUCCESS when `remote_name` is loaded and every descriptor of
+        `descs` is exported there (and announced, for partial metadata);
+        NIXL_ERR_NOT_FOUND otherwise."""
+        name = _name(remote_name)
+        try:
+            self.kvxfer.remote_transport(name)
+            if descs is not None and descs.descCount():
+                self.kvxfer.check_descs(descs.native(), name)
+                self._check_announced(name, descs)
+        except (KvxferError, nixlNotFoundError):
+            return NIXL_ERR_NOT_FOUND
+        return NIXL_SUCCESS
+
+    def _check_announced(self, name, descs):
+        ranges = self._announced.get(name)
+        if ranges is None:
+            return
+        mem = int(descs.getType())
+        for a, n, d in descs.triples():
+            if not any(m == mem and dv == d and ra <= a and a + n <= ra + rn for m, ra, rn, dv in ranges):
+                raise nixlNotFoundError(
+                    f"agent {name!r} has not announced ({a:#x}, {n}, {d}) in its partial metadata"
+                )
+
+    def _on_exchange(self, op, payload):
+        """An exchange the listener took: the answer's payload."""
+        if op == _listen.SEND:
+            self.loadRemoteMD(payload)
+            return b""
+        if op == _listen.FETCH:
+            return self.getLocalMD()
+        if op == _listen.INVALIDATE:
+            self.invalidateRemoteMD(payload.decode(errors="replace"))
+            return b""
+        raise nixlInvalidParamError(f"unknown operation {op!r}")
 
     # -- transfers ---------------------------------------------------------
 
     def _check(self, dlist, remote=None):
+        self._check_native(dlist.native(), remote)
+
+    def _check_native(self, native, remote=None):
         try:
-            self.kvxfer.check_descs(dlist.native(), remote)
+            self.kvxfer.check_descs(native, remote)
         except KvxferError as e:
             raise nixl_error(e) from e
 
@@ -638,10 +1002,19 @@ class nixlAgent:
             name = NIXL_INIT_AGENT
             self._check(descs)
         elif name == self.name:
-            raise nixlNotSupportedError("loopback transfers (an agent to itself): not offered by kvxfer")
+            # NIXL's loopback: this agent's storage.
+            if descs.getType() not in _STORAGE_MEMS:
+                raise nixlNotSupportedError(
+                    "loopback transfers of memory (an agent to itself): not offered by kvxfer; "
+                    "storage (FILE, OBJ) is"
+                )
+            native = self._native_storage(descs)
+            self._check_native(native)
+            return _Prepped(name, descs, native)
         else:
             self._remote(name)
             self._check(descs, name)
+            self._check_announced(name, descs)
         return _Prepped(name, descs)
 
     def releasedDlistH(self, handle):  # noqa: N802
@@ -649,7 +1022,7 @@ class nixlAgent:
         handle.dlist = handle.native = None
         return NIXL_SUCCESS
 
-    def _make(self, op, local, li, remote, ri, remote_name, notif, merge):
+    def _make(self, op, local, li, remote, ri, remote_name, notif, merge, plugin=None):
         try:
             req = self.kvxfer.make_request(
                 op, local, li, remote, ri, remote_name, _bytes(notif) or None, merge
@@ -658,7 +1031,9 @@ class nixlAgent:
             raise nixlInvalidParamError(str(e)) from e
         except KvxferError as e:
             raise nixl_error(e) from e
-        return _XferReq(req)
+        x = _XferReq(req, plugin, op == "WRITE")
+        self._reqs.add(x)
+        return x
 
     def makeXferReq(self, op, local, local_indices, remote, remote_indices, notif=b"",  # noqa: N802
                     backends=(), skip_desc_merge=False):
@@ -669,8 +1044,11 @@ class nixlAgent:
         # with caches cold from the previous transfer.
         if local.agent_name != NIXL_INIT_AGENT:
             raise nixlInvalidParamError("the local side must be prepared with NIXL_INIT_AGENT")
+        plugin = None
+        if remote.agent_name == self.name:
+            plugin = self._storage_plugin(remote.dlist.getType())
         return self._make(_OPS[op], local.native, local_indices, remote.native, remote_indices,
-                          remote.agent_name, notif, not skip_desc_merge)
+                          remote.agent_name, notif, not skip_desc_merge, plugin)
 
     def createXferReq(self, op, local, remote, remote_agent, notif=b"", backends=()):  # noqa: N802
         """A request of every descriptor of two lists, pair by pair (never
@@ -681,7 +1059,7 @@ class nixlAgent:
                 raise TypeError("createXferReq takes nixlXferDList descriptor lists")
         name = _name(remote_agent)
         if name == self.name:
-            raise nixlNotSupportedError("loopback transfers (an agent to itself): not offered by kvxfer")
+            return self._create_storage_req(op, local, remote, notif)
         self._remote(name)
         n, m = local.descCount(), remote.descCount()
         if n != m:
@@ -692,6 +1070,27 @@ class nixlAgent:
         req = self._make(_OPS[op], local.native(), ids, remote.native(), ids, name, notif, False)
         self._check(local)
         self._check(remote, name)
+        self._check_announced(name, remote)
+        return req
+
+    def _create_storage_req(self, op, local, remote, notif):
+        """NIXL's loopback: between this agent's memory and its storage."""
+        mem = remote.getType()
+        if mem not in _STORAGE_MEMS:
+            raise nixlNotSupportedError(
+                "loopback transfers of memory (an agent to itself): not offered by kvxfer; "
+                "storage (FILE, OBJ) is"
+            )
+        self._need_backend("createXferReq", mem)
+        n, m = local.descCount(), remote.descCount()
+        if n != m:
+            raise nixlInvalidParamError(f"{n} local descriptors for {m} remote ones")
+        native = self._native_storage(remote)
+        ids = list(range(n))
+        req = self._make(_OPS[op], local.native(), ids, native, ids, self.name, notif, False,
+                         self._storage_plugin(mem))
+        self._check(local)
+        self._check_native(native)
         return req
 
     def postXferReq(self, req, notif=b""):  # noqa: N802
@@ -713,6 +1112,8 @@ class nixlAgent:
             _log.error("postXferReq: %s", e)
             req.xfer = None
             req.failed = True
+            if self._tfile is not None:
+                self._tfile.error(NIXL_ERR_BACKEND)
         req.t0 = t0
         req.post = -(-(time.perf_counter_ns() - t0) // 1000)
         return self._status(req, 0.0)
@@ -723,6 +1124,12 @@ class nixlAgent:
         s = req.xfer.check(max_wait) if max_wait else req.xfer.state
         if s != "PROC" and req.end is None:
             req.end = time.perf_counter_ns()
+            if self._tfile is not None:
+                if s == "DONE":
+                    xfer = max(req.post, -(-(req.end - req.t0) // 1000))
+                    self._tfile.transfer(req.write, req.request.total_bytes, req.post, xfer)
+                else:
+                    self._tfile.error(NIXL_ERR_BACKEND)
         return _STATUS.get(s, NIXL_ERR_BACKEND)
 
     def getXferStatus(self, req):  # noqa: N802
@@ -750,7 +1157,7 @@ class nixlAgent:
 
     def queryXferBackend(self, req):  # noqa: N802
         """The handle of the backend that carries the request."""
-        return self._backend_handle()
+        return self._backend_handle(req.plugin)
 
     def query_transport(self, req):
         """kvxfer's transport that carried the last post (`tcp`, `shm`,

@@ -20,6 +20,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use descs::{Made, PyDescList, PyRequest, indices, merge};
 
 use kvxfer::auth::Credential;
+use kvxfer::storage::obj::StoreOptions;
 use kvxfer::{
     AgentConfig, AgentDesc, Backend, Error, IndexedRequest, MemoryDesc, MemoryDescs, MemoryType,
     TransferAgent, TransferOp, TransferRequest, TransferState, TransferStatus, make_transfer_agent,
@@ -361,21 +362,24 @@ impl PyAgent {
     }
 
     /// Opens a file (`kind="file"`; created with `size` bytes when `size`
-    /// is given; `O_DIRECT` when `direct`) or a block device
-    /// (`kind="blk"`, always `O_DIRECT`) as storage; returns its handle,
-    /// the `device` of the FILE or BLK ranges registered with
-    /// `register_raw` (addresses are byte offsets).
-    #[pyo3(signature = (path, kind = "file", size = None, direct = false))]
+    /// is given; `O_DIRECT` when `direct`; with `grow`, ranges may be
+    /// registered past its end and a WRITE there extends it, a READ past
+    /// the end is refused) or a block device (`kind="blk"`, always
+    /// `O_DIRECT`) as storage; returns its handle, the `device` of the
+    /// FILE or BLK ranges registered with `register_raw` (addresses are
+    /// byte offsets).
+    #[pyo3(signature = (path, kind = "file", size = None, direct = false, grow = false))]
     fn open_storage(
         &self,
         path: std::path::PathBuf,
         kind: &str,
         size: Option<u64>,
         direct: bool,
+        grow: bool,
     ) -> PyResult<u32> {
         let spec = match kind {
             "file" => {
-                let s = kvxfer::StorageSpec::file(path).direct(direct);
+                let s = kvxfer::StorageSpec::file(path).direct(direct).grow(grow);
                 match size {
                     Some(n) => s.create(n),
                     None => s,
@@ -391,6 +395,23 @@ impl PyAgent {
         self.agent.open_storage(&spec).map_err(to_py)
     }
 
+    /// Adopts open file descriptor `fd` (a duplicate of it: the caller
+    /// keeps and closes its own) as FILE storage, with its access mode;
+    /// ranges may be registered past the file's end and a WRITE there
+    /// extends it. Returns its handle, as `open_storage`.
+    fn adopt_storage(&self, fd: i32) -> PyResult<u32> {
+        use std::os::fd::BorrowedFd;
+        if fd < 0 {
+            return Err(PyValueError::new_err(format!("file descriptor {fd}")));
+        }
+        // SAFETY: `fd` is only borrowed for the duplication, which fails
+        // (EBADF) when it is not an open descriptor.
+        let owned = unsafe { BorrowedFd::borrow_raw(fd) }
+            .try_clone_to_owned()
+            .map_err(|e| to_py(Error::InvalidConfig(format!("file descriptor {fd}: {e}"))))?;
+        self.agent.adopt_storage(owned).map_err(to_py)
+    }
+
     /// Opens object `key` of `bucket` in an S3-compatible store (it need
     /// not exist yet); returns its handle, the `device` of the OBJ ranges
     /// registered with `register_raw` (addresses are byte offsets in the
@@ -399,10 +420,60 @@ impl PyAgent {
     /// tools find, as do the credentials and the region (`AWS_*`
     /// variables, `~/.aws`). Objects of one bucket and endpoint share one
     /// connection pool. Close with `close_storage`.
-    #[pyo3(signature = (bucket, key, endpoint = None))]
-    fn open_object(&self, bucket: &str, key: &str, endpoint: Option<&str>) -> PyResult<u32> {
-        let store = self.stores.get(endpoint, bucket).map_err(to_py)?;
+    ///
+    /// `region`, `access_key` with `secret_key` (and `session_token`), and
+    /// `virtual_hosted` take the place of what the environment says.
+    #[pyo3(signature = (bucket, key, endpoint = None, region = None, access_key = None, secret_key = None, session_token = None, virtual_hosted = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn open_object(
+        &self,
+        bucket: &str,
+        key: &str,
+        endpoint: Option<String>,
+        region: Option<String>,
+        access_key: Option<String>,
+        secret_key: Option<String>,
+        session_token: Option<String>,
+        virtual_hosted: Option<bool>,
+    ) -> PyResult<u32> {
+        let options = StoreOptions {
+            endpoint,
+            region,
+            access_key,
+            secret_key,
+            session_token,
+            virtual_hosted,
+        };
+        let store = self.stores.get_with(bucket, &options).map_err(to_py)?;
         self.agent.open_object(&store, key).map_err(to_py)
+    }
+
+    /// The size of object `key` of `bucket` (one HEAD request), or `None`
+    /// when it does not exist; the store as `open_object` finds it.
+    #[pyo3(signature = (bucket, key, endpoint = None, region = None, access_key = None, secret_key = None, session_token = None, virtual_hosted = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn object_size(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        key: &str,
+        endpoint: Option<String>,
+        region: Option<String>,
+        access_key: Option<String>,
+        secret_key: Option<String>,
+        session_token: Option<String>,
+        virtual_hosted: Option<bool>,
+    ) -> PyResult<Option<u64>> {
+        let options = StoreOptions {
+            endpoint,
+            region,
+            access_key,
+            secret_key,
+            session_token,
+            virtual_hosted,
+        };
+        let store = self.stores.get_with(bucket, &options).map_err(to_py)?;
+        py.detach(|| store.object_size(key)).map_err(to_py)
     }
 
     /// Closes storage or object `handle` (refused while ranges of it are

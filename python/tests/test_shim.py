@@ -96,3 +96,33 @@ def test_sync_mode_reaches_the_agent(monkeypatch, mode, listen):
     assert seen["mode"] == want.value
     with pytest.raises(TypeError, match="sync_mode must be a nixl_thread_sync_t"):
         kvxfer.nixl.nixl_agent_config(sync_mode=1)
+
+
+def test_what_the_mooncake_stand_in_leaves_out_says_so():
+    """Mooncake Store, EP, the process group and Mooncake's vLLM connector
+    are out of scope: importing them names kvxfer; `get_engine()` (the C++
+    engine those take) raises a typed error instead of handing out
+    something else."""
+    code = (
+        "import importlib\n"
+        "for m in ('store', 'ep', 'mooncake_ep_buffer', 'pg', 'mooncake_connector_v1', 'async_store'):\n"
+        "    try:\n"
+        "        importlib.import_module('mooncake.' + m)\n"
+        "    except ImportError as e:\n"
+        "        assert 'kvxfer' in str(e) and e.name == 'mooncake.' + m, e\n"
+        "    else:\n"
+        "        raise AssertionError(m)\n"
+        "from mooncake.engine import TransferEngine\n"
+        "from kvxfer.mooncake import MooncakeUnsupportedError\n"
+        "e = TransferEngine()\n"
+        "for f in (e.get_engine, e.get_engine_ptr):\n"
+        "    try:\n"
+        "        f()\n"
+        "    except MooncakeUnsupportedError as x:\n"
+        "        assert isinstance(x, NotImplementedError)\n"
+        "    else:\n"
+        "        raise AssertionError(f)\n"
+        "print('ok')\n"
+    )
+    out = py(code, shim_env("mooncake", over_real=True))
+    assert out.stdout.strip() == "ok", out.stderr

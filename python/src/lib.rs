@@ -421,58 +421,34 @@ impl PyAgent {
     /// variables, `~/.aws`). Objects of one bucket and endpoint share one
     /// connection pool. Close with `close_storage`.
     ///
-    /// `region`, `access_key` with `secret_key` (and `session_token`), and
-    /// `virtual_hosted` take the place of what the environment says.
-    #[pyo3(signature = (bucket, key, endpoint = None, region = None, access_key = None, secret_key = None, session_token = None, virtual_hosted = None))]
-    #[allow(clippy::too_many_arguments)]
+    /// Keywords `region`, `access_key` with `secret_key` (and
+    /// `session_token`), and `virtual_hosted` take the place of what the
+    /// environment says.
+    #[pyo3(signature = (bucket, key, endpoint = None, **options))]
     fn open_object(
         &self,
         bucket: &str,
         key: &str,
         endpoint: Option<String>,
-        region: Option<String>,
-        access_key: Option<String>,
-        secret_key: Option<String>,
-        session_token: Option<String>,
-        virtual_hosted: Option<bool>,
+        options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<u32> {
-        let options = StoreOptions {
-            endpoint,
-            region,
-            access_key,
-            secret_key,
-            session_token,
-            virtual_hosted,
-        };
-        let store = self.stores.get_with(bucket, &options).map_err(to_py)?;
+        let store = self.store(bucket, endpoint, options)?;
         self.agent.open_object(&store, key).map_err(to_py)
     }
 
     /// The size of object `key` of `bucket` (one HEAD request), or `None`
-    /// when it does not exist; the store as `open_object` finds it.
-    #[pyo3(signature = (bucket, key, endpoint = None, region = None, access_key = None, secret_key = None, session_token = None, virtual_hosted = None))]
-    #[allow(clippy::too_many_arguments)]
+    /// when it does not exist; the store as `open_object` finds it (the same
+    /// keywords).
+    #[pyo3(signature = (bucket, key, endpoint = None, **options))]
     fn object_size(
         &self,
         py: Python<'_>,
         bucket: &str,
         key: &str,
         endpoint: Option<String>,
-        region: Option<String>,
-        access_key: Option<String>,
-        secret_key: Option<String>,
-        session_token: Option<String>,
-        virtual_hosted: Option<bool>,
+        options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Option<u64>> {
-        let options = StoreOptions {
-            endpoint,
-            region,
-            access_key,
-            secret_key,
-            session_token,
-            virtual_hosted,
-        };
-        let store = self.stores.get_with(bucket, &options).map_err(to_py)?;
+        let store = self.store(bucket, endpoint, options)?;
         py.detach(|| store.object_size(key)).map_err(to_py)
     }
 
@@ -629,6 +605,38 @@ impl PyAgent {
 }
 
 impl PyAgent {
+    /// The object store of `bucket` with `endpoint` and the keywords of
+    /// `open_object` in place of the environment's settings.
+    fn store(
+        &self,
+        bucket: &str,
+        endpoint: Option<String>,
+        options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<kvxfer::storage::obj::ObjectStore> {
+        let mut o = StoreOptions {
+            endpoint,
+            ..StoreOptions::default()
+        };
+        for (k, v) in options.into_iter().flat_map(|d| d.iter()) {
+            let k: String = k.extract()?;
+            let text = || v.extract::<String>().map(Some);
+            match k.as_str() {
+                "region" => o.region = text()?,
+                "access_key" => o.access_key = text()?,
+                "secret_key" => o.secret_key = text()?,
+                "session_token" => o.session_token = text()?,
+                "virtual_hosted" => o.virtual_hosted = Some(v.extract()?),
+                other => {
+                    return Err(PyValueError::new_err(format!(
+                        "object store option {other:?}: expected region, access_key, \
+                         secret_key, session_token or virtual_hosted"
+                    )));
+                }
+            }
+        }
+        self.stores.get_with(bucket, &o).map_err(to_py)
+    }
+
     /// Submits `req` (the GIL released), timing the submission.
     fn submit(&self, py: Python<'_>, req: &TransferRequest) -> PyResult<PyTransfer> {
         let t0 = Instant::now();

@@ -9,41 +9,14 @@ to the relations NIXL promises.
 """
 
 import ctypes
-import json
 import os
-import sys
 import time
 
 import nixl._bindings as bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+from session import report, step
 
 N = 4096
-out = []
-
-
-def plain(v):
-    """A value as JSON: bytes marked, descriptor lists by class and size,
-    other objects by class."""
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, (bytes, bytearray)):
-        return "bytes:" + bytes(v).decode("latin-1")
-    if isinstance(v, (list, tuple)):
-        return [plain(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): plain(x) for k, x in v.items()}
-    if hasattr(v, "descCount"):
-        return [type(v).__name__, v.descCount()]
-    return type(v).__name__
-
-
-def step(name, f):
-    try:
-        out.append([name, ["ok", plain(f())]])
-    except Exception as e:  # noqa: BLE001  (the class is the observation)
-        out.append([name, ["raise", type(e).__name__]])
-
-
 def wait_done(agent, h, limit=30.0):
     deadline = time.monotonic() + limit
     s = agent.check_xfer_state(h)
@@ -234,8 +207,7 @@ def main():
     step("raw deregister again", lambda: x1.deregisterMem(r1, [u1]))
     step("raw invalidate", lambda: int(x1.invalidateRemoteMD("raw-2")))
 
-    sys.stdout.write("RESULT " + json.dumps(out) + "\n")
-    sys.stdout.flush()
+    report()
     # The real NIXL may crash in its destructors at exit: the result is out.
     os._exit(0)
 

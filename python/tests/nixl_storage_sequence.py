@@ -10,40 +10,15 @@ plugin too. Prints one line, `RESULT <json>` (as nixl_sequence.py).
 """
 
 import ctypes
-import json
 import os
 import sys
 import time
 import uuid
 
 from nixl._api import nixl_agent, nixl_agent_config
+from session import report, step
 
 N = 16384
-out = []
-
-
-def plain(v):
-    """A value as JSON: descriptor lists by class, other objects by class."""
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, (bytes, bytearray)):
-        return "bytes:" + bytes(v).decode("latin-1")
-    if isinstance(v, (list, tuple)):
-        return [plain(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): plain(x) for k, x in v.items()}
-    if hasattr(v, "descCount"):
-        return [type(v).__name__, v.descCount()]
-    return type(v).__name__
-
-
-def step(name, f):
-    try:
-        out.append([name, ["ok", plain(f())]])
-    except Exception as e:  # noqa: BLE001  (the class is the observation)
-        out.append([name, ["raise", type(e).__name__]])
-
-
 def run(agent, h, limit=60.0):
     """Posts `h` and waits for it: "DONE", or "failed" (NIXL raises
     nixlBackendError from the state check where kvxfer says "ERR": one
@@ -139,7 +114,7 @@ def main(d):
 
     if os.environ.get("KVXFER_S3_ENDPOINT"):
         obj_steps(d)
-    print("RESULT " + json.dumps(out))
+    report()
 
 
 def obj_steps(d):

@@ -55,6 +55,9 @@ import json
 import logging
 
 from . import nixl_bindings as _b
+# NIXL's `_api` imports its bindings as `nixlBind`, and frameworks take
+# them from there (SGLang's HiCacheNixl: `from nixl._api import nixlBind`).
+from . import nixl_bindings as nixlBind  # noqa: F401,N812
 from .nixl_bindings import (  # noqa: F401  (NIXL_INIT_AGENT, nixlNoTelemetryError: kept for callers)
     DEFAULT_COMM_PORT,
     NIXL_INIT_AGENT,

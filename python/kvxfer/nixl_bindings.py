@@ -433,6 +433,27 @@ _HANDLE_SALT = {
     _GDS_PLUGIN: 0x4744_5300, _GDS_MT_PLUGIN: 0x474D_5400, _OBJ_PLUGIN: 0x4F42_4A00,
 }
 _STORAGE_MEMS = (nixl_mem_t.FILE_SEG, nixl_mem_t.OBJ_SEG)
+# NIXL's path-mode FILE registration: a meta `<access>[,<flag>]*:<path>`
+# names the file to open (and close at deregistration) instead of an fd in
+# the device id.
+_PATH_ACCESS = {"ro": os.O_RDONLY, "rw": os.O_RDWR}
+_PATH_FLAGS = {"direct": os.O_DIRECT, "sync": os.O_SYNC, "noatime": os.O_NOATIME,
+               "create": os.O_CREAT}
+
+
+def _path_mode(meta):
+    """`(open flags, path)` of a path-mode meta, or None (fd mode)."""
+    text = meta.decode(errors="replace") if isinstance(meta, (bytes, bytearray)) else str(meta)
+    modes, sep, path = text.partition(":")
+    tokens = modes.split(",")
+    if not sep or not path or tokens[0] not in _PATH_ACCESS:
+        return None
+    flags = _PATH_ACCESS[tokens[0]] | os.O_CLOEXEC
+    for t in tokens[1:]:
+        if t not in _PATH_FLAGS:
+            return None
+        flags |= _PATH_FLAGS[t]
+    return flags, path
 
 
 def _obj_options(params):
@@ -678,9 +699,11 @@ class nixlAgent:
 
     def _storage_handle(self, mem, device, meta=b"", create=False):
         """kvxfer's storage handle for NIXL's `device` of memory `mem` (a
-        file descriptor, an object id); opened when `create` (the file
-        descriptor adopted, a duplicate, growing as WRITEs reach past its
-        end; the object by its key: the meta, else the id)."""
+        file descriptor, an object id); opened when `create`: the file
+        descriptor adopted (a duplicate, growing as WRITEs reach past its
+        end), or with a path-mode meta (`rw,create:/path`) the file opened
+        here with those flags; the object by its key: the meta, else the
+        id."""
         table = self._files if mem == nixl_mem_t.FILE_SEG else self._objs
         ent = table.get(device)
         if ent is not None:
@@ -689,8 +712,19 @@ class nixlAgent:
             raise nixlNotFoundError(
                 f"{mem.name} device {device} is not registered (no storage backend has it)"
             )
+        path_mode = _path_mode(meta) if mem == nixl_mem_t.FILE_SEG else None
         try:
-            if mem == nixl_mem_t.FILE_SEG:
+            if path_mode is not None:
+                flags, path = path_mode
+                try:
+                    fd = os.open(path, flags, 0o644)
+                except OSError as e:
+                    raise nixlBackendError(f"registerMem: {path}: {e}") from e
+                try:
+                    handle = self.kvxfer.adopt_storage(fd)
+                finally:
+                    os.close(fd)
+            elif mem == nixl_mem_t.FILE_SEG:
                 handle = self.kvxfer.adopt_storage(device)
             else:
                 bucket, opts = self._obj_store

@@ -106,15 +106,102 @@ def main(d):
         (r["mode"], r["mtime"]) == (str(os.stat(path).st_mode), str(int(os.stat(path).st_mtime)))
         for r in a.query_memory([(0, 0, 0, path)], "POSIX", mem_type="FILE")])
 
+    # NIXL's path-mode FILE registration (SGLang's HiCacheNixl probes for
+    # it, then registers `rw,create:<path>` with ids of its own).
+    step("path-mode probe", lambda: a.register_memory([(0, 4096, 1, "rw:/nonexistent-nixl-probe")], "FILE"))
+    pm = os.path.join(d, "pm.bin")
+    pm_reg = a.register_memory([(0, N, 4242, "rw,create:" + pm)], "FILE")
+    step("path-mode register", lambda: pm_reg)
+    step("path-mode created", lambda: os.path.getsize(pm))
+    pw = a.initialize_xfer("WRITE", dram_descs(sa, N), a.get_xfer_descs([(0, N, 4242)], "FILE"), "storage-seq")
+    step("path-mode write", lambda: run(a, pw))
+    step("path-mode landed", lambda: open(pm, "rb").read() == src.raw[:N])
+    ro_reg = a.register_memory([(0, N, 4343, "ro:" + pm)], "FILE")
+    step("read-only write", lambda: run(a, a.initialize_xfer(
+        "WRITE", dram_descs(sa, N), a.get_xfer_descs([(0, N, 4343)], "FILE"), "storage-seq")))
+    step("read-only read", lambda: run(a, a.initialize_xfer(
+        "READ", dram_descs(da, N), a.get_xfer_descs([(0, N, 4343)], "FILE"), "storage-seq")))
+    step("read-only read back", lambda: dst.raw[:N] == src.raw[:N])
+    a.release_xfer_handle(pw)
+    step("path-mode deregister", lambda: [a.deregister_memory(x) for x in (pm_reg, ro_reg)] and None)
+
     # LMCache: memory deregistered while it still holds finished handles.
     step("deregister DRAM under finished handles", lambda: a.deregister_memory(dram))
     step("release", lambda: [a.release_xfer_handle(h) for h in (w1, w2, r1, p1, p2)] and None)
     step("deregister FILE", lambda: a.deregister_memory(files))
     os.close(fd)
 
+    hicache_steps(d)
     if os.environ.get("KVXFER_S3_ENDPOINT"):
         obj_steps(d)
     report()
+
+
+def hicache_steps(d):
+    """SGLang's HiCacheNixl as it drives NIXL: its own bindings agent put in
+    the `nixl_agent` (from `nixl._api.nixlBind`), the first file plugin of
+    its list, the path-mode probe, one registered host buffer, then per
+    batch the files registered by path (created for a WRITE), a transfer
+    polled to its end and released, the registration dropped; existence by
+    `query_memory`."""
+    from nixl._api import nixlBind
+
+    cfg = nixl_agent_config(backends=[])
+    a = nixl_agent("hicache-seq", cfg)
+    bind_cfg = nixlBind.nixlAgentConfig()
+    bind_cfg.useProgThread = cfg.enable_pthread
+    bind_cfg.useListenThread = cfg.enable_listen
+    bind_cfg.listenPort = cfg.port
+    bind_cfg.syncMode = getattr(nixlBind, "NIXL_THREAD_SYNC_RW", nixlBind.NIXL_THREAD_SYNC_STRICT)
+    bind_cfg.pthrDelay = 0
+    bind_cfg.lthrDelay = 100000
+    bind_cfg.captureTelemetry = cfg.capture_telemetry
+    a.agent = nixlBind.nixlAgent("hicache-seq", bind_cfg)
+    a.plugin_list = a.agent.getAvailPlugins()
+    plugin = next(p for p in ["3FS", "POSIX", "GDS_MT", "GDS"] if p in a.plugin_list)
+    step("hicache plugin", lambda: plugin)
+    step("hicache create", lambda: a.create_backend(plugin, {}))
+
+    def probe():
+        try:
+            r = a.register_memory(a.get_reg_descs([(0, 4096, 1, "rw:/nonexistent-nixl-probe")], "FILE"))
+        except Exception:  # noqa: BLE001
+            return "path mode"
+        a.deregister_memory(r)
+        return "fd mode"
+    step("hicache probe", probe)
+
+    page, n = 8192, 4
+    host = ctypes.create_string_buffer(os.urandom(page * n), page * n)
+    base = ctypes.addressof(host)
+    host_reg = a.register_memory(a.get_reg_descs([(base, page * n, 0, "kv_buffer")], "DRAM"))
+    keys = [os.path.join(d, "hicache", f"key{i}_m_0_1") for i in range(n)]
+    os.makedirs(os.path.join(d, "hicache"), exist_ok=True)
+
+    def batch(direction, start):
+        spec = "rw,create" if direction == "WRITE" else "ro"
+        tuples = [(0, page, 100 + start + i, f"{spec}:{k}") for i, k in enumerate(keys)]
+        reg = a.register_memory(a.get_reg_descs(tuples, "FILE"))
+        try:
+            host_descs = a.get_xfer_descs([(base + i * page, page, 0) for i in range(n)], "DRAM")
+            h = a.initialize_xfer(direction, host_descs, reg.trim(), "hicache-seq")
+            try:
+                return run(a, h)
+            finally:
+                a.release_xfer_handle(h)
+        finally:
+            a.deregister_memory(reg)
+
+    exists = lambda: [r is not None for r in a.query_memory(  # noqa: E731
+        [(0, 0, 0, k) for k in keys + [keys[0] + ".missing"]], plugin, mem_type="FILE")]
+    step("hicache exists before", exists)
+    step("hicache set", lambda: batch("WRITE", 0))
+    step("hicache exists after", exists)
+    saved = host.raw
+    ctypes.memset(base, 0, page * n)
+    step("hicache get", lambda: batch("READ", n))
+    step("hicache got", lambda: host.raw == saved)
+    step("hicache deregister host", lambda: a.deregister_memory(host_reg))
 
 
 def obj_steps(d):

@@ -1,6 +1,7 @@
 """The storage side of kvxfer's NIXL stand-in: the POSIX, GDS, GDS_MT and
-OBJ plugins, transfers an agent posts to itself, `query_memory`,
-deregistration under a finished handle. One scripted session
+OBJ plugins, transfers an agent posts to itself, path-mode registration,
+`query_memory`, deregistration under a finished handle, and SGLang's
+HiCacheNixl call sequence. One scripted session
 (`nixl_storage_sequence.py`) runs unmodified on kvxfer and on the real
 NIXL (1.5.1, its POSIX plugin; OBJ where the gateway runs), step by step."""
 
@@ -30,8 +31,20 @@ MUST = {
     "prepped landed": ["ok", True],
     "prepped read back": ["ok", True],
     "query memory": ["ok", [[["mode", "mtime", "size"], str(3 * 16384)], None]],
+    "path-mode probe": ["raise", "nixlBackendError"],
+    "path-mode created": ["ok", 0],
+    "path-mode write": ["ok", "DONE"],
+    "path-mode landed": ["ok", True],
+    "read-only write": ["ok", "failed"],
+    "read-only read back": ["ok", True],
     "deregister DRAM under finished handles": ["ok", None],
     "deregister FILE": ["ok", None],
+    "hicache probe": ["ok", "path mode"],
+    "hicache exists before": ["ok", [False, False, False, False, False]],
+    "hicache set": ["ok", "DONE"],
+    "hicache exists after": ["ok", [True, True, True, True, False]],
+    "hicache get": ["ok", "DONE"],
+    "hicache got": ["ok", True],
 }
 MUST_OBJ = {
     "query before": ["ok", [None]],

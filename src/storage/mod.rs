@@ -444,25 +444,23 @@ impl Storage {
         }
         f.aligned("offset", d.addr)?;
         f.aligned("length", d.len)?;
-        if d.addr.checked_add(d.len).is_none() {
-            return Err(Error::InvalidDescriptor {
-                desc: *d,
-                reason: "the range wraps around",
-            });
-        }
-        if f.grow {
-            return Ok(());
-        }
-        let size = f.size().map_err(|e| Error::Storage {
-            handle: u64::from(f.handle),
-            op: "size",
-            source: Arc::new(e),
+        let end = d.addr.checked_add(d.len).ok_or(Error::InvalidDescriptor {
+            desc: *d,
+            reason: "the range wraps around",
         })?;
-        if d.addr.checked_add(d.len).is_none_or(|end| end > size) {
-            return Err(Error::InvalidDescriptor {
-                desc: *d,
-                reason: "the range ends past the end of the file or device",
-            });
+        // A file opened to grow takes ranges past its end.
+        if !f.grow {
+            let size = f.size().map_err(|e| Error::Storage {
+                handle: u64::from(f.handle),
+                op: "size",
+                source: Arc::new(e),
+            })?;
+            if end > size {
+                return Err(Error::InvalidDescriptor {
+                    desc: *d,
+                    reason: "the range ends past the end of the file or device",
+                });
+            }
         }
         Ok(())
     }

@@ -289,9 +289,9 @@ impl ObjectStore {
     }
 }
 
-/// Object stores by (endpoint, bucket), made on first use from the AWS
-/// environment: what the C and Python fronts open objects in, one
-/// connection pool per bucket and endpoint.
+/// Object stores by bucket and [`StoreOptions`], made on first use from
+/// the AWS environment and the options: what the C and Python fronts open
+/// objects in, one connection pool per bucket and options.
 #[derive(Default)]
 pub struct ObjectStores {
     stores: std::sync::Mutex<std::collections::HashMap<(String, StoreOptions), ObjectStore>>,

@@ -120,6 +120,7 @@ pub(crate) enum Direction {
     Read,
 }
 
+use crate::integrity::Crc32c;
 use crate::memory::Piece;
 
 /// Most bytes one cross-memory call moves: an abort (see [`copy`]) takes
@@ -182,6 +183,8 @@ pub(crate) unsafe fn copy(
     let mut local = Vec::with_capacity(IOV_MAX.min(pieces.len()));
     let mut remote = Vec::with_capacity(IOV_MAX.min(pieces.len()));
     let (mut i, mut off) = (0usize, 0u64);
+    // The running sum of a piece that spans calls.
+    let mut partial: Option<Crc32c> = None;
     while i < pieces.len() {
         if stop() {
             return Ok(false);
@@ -246,12 +249,17 @@ pub(crate) unsafe fn copy(
                 let bytes = unsafe {
                     std::slice::from_raw_parts((pieces[i].local + off) as *const u8, take as usize)
                 };
-                let c = crate::integrity::crc32c(bytes);
-                sums[i] = if off == 0 {
-                    c
+                if off == 0 && take == pieces[i].len {
+                    sums[i] = crate::integrity::crc32c(bytes);
                 } else {
-                    crate::integrity::crc32c_combine(sums[i], c, take)
-                };
+                    // A piece over several calls: one running sum (a
+                    // combination of two sums costs more than summing
+                    // the call's bytes).
+                    partial.get_or_insert_with(Crc32c::new).update(bytes);
+                    if off + take == pieces[i].len {
+                        sums[i] = partial.take().map_or(0, |c| c.finish());
+                    }
+                }
             }
             left -= take;
             off += take;

@@ -23,7 +23,7 @@ set -euo pipefail
 want=(gcc pkg-config ca-certificates cmake libclang-dev linux-libc-dev libfabric-dev)
 case "${1:-build}" in
   build) ;;
-  bench) want+=(iperf3 fio python3 util-linux libfabric-bin) ;;
+  bench) want+=(iperf3 fio python3 util-linux libfabric-bin rclone ceph-mon ceph-osd radosgw ceph-common uuid-runtime curl) ;;
   test) want+=(procps g++ valgrind python3 python3-venv util-linux mount etcd-server etcd-client iproute2 openssl ceph-mon ceph-osd radosgw ceph-common uuid-runtime curl) ;;
   guest) want+=(qemu-system-x86 busybox-static cpio kmod gzip rdma-core ibverbs-providers ibverbs-utils perftest iproute2) ;;
   *) echo "usage: $0 build|bench|test|guest" >&2; exit 2 ;;

@@ -9,6 +9,8 @@
 # DIR/env sets KVXFER_S3_ENDPOINT, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 # AWS_REGION, KVXFER_S3_BUCKET (a bucket made for the tests) and
 # KVXFER_S3_ADMIN (the radosgw-admin command line, for quotas).
+# KVXFER_S3_MEMSTORE_BYTES: the OSD's memory store (2 GiB by default; the
+# benchmarks take more).
 set -euo pipefail
 cmd=${1:?start|stop}
 dir=$(realpath -m "${2:?a directory}")
@@ -65,7 +67,7 @@ keyring = $dir/keyring
 mon data = $dir/mon
 osd data = $dir/osd
 osd objectstore = memstore
-memstore device bytes = 2147483648
+memstore device bytes = ${KVXFER_S3_MEMSTORE_BYTES:-2147483648}
 osd pool default size = 1
 osd pool default min size = 1
 osd pool default pg num = 8
@@ -82,6 +84,10 @@ rgw frontends = beast endpoint=127.0.0.1:$rgw_port
 rgw dns name = localhost
 rgw bucket quota ttl = 0
 rgw enable usage log = false
+# Overwritten objects' old data goes within seconds (the benchmarks
+# overwrite gigabytes; the default keeps it two hours).
+rgw gc obj min wait = 1
+rgw gc processor period = 2
 CONF
 c=(-c "$conf")
 # One keyring holds every entity's key; the monitor takes them in at mkfs.

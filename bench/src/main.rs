@@ -200,6 +200,10 @@ struct Args {
     /// with O_DIRECT unless `--buffered`) or `blk:DEVICE` (a block device,
     /// O_DIRECT). Compare with `fio --ioengine=io_uring --direct=1` at the
     /// same block size and `--iodepth` = `--batch` (benches/storage_vs_fio.sh).
+    /// Or `obj:BUCKET[/PREFIX]`: `--batch` objects in an S3 store (endpoint
+    /// and credentials from `KVXFER_S3_ENDPOINT` and the AWS variables),
+    /// each descriptor one whole object, `PREFIX/0`, `PREFIX/1`, ... (READ
+    /// reads objects a WRITE made; benches/obj_vs_rclone.sh).
     #[arg(long, conflicts_with_all = ["pingpong"])]
     memory: Option<String>,
     /// The initiator's memory: dram or vram (default: `--memory`'s, else
@@ -651,6 +655,10 @@ struct Target {
     mem_type: MemoryType,
     base: u64,
     device_id: u32,
+    /// OBJ: descriptor `i` is object `objects[i]` from its start (a
+    /// descriptor moves its object whole), instead of `base + i * block`
+    /// of `device_id`.
+    objects: Option<Vec<u32>>,
 }
 
 fn measure(
@@ -670,7 +678,10 @@ fn measure(
     let dst = MemoryDescs::new(
         target.mem_type,
         (0..pt.batch)
-            .map(|i| MemoryDesc::new(target.base + i * pt.block, pt.block, target.device_id))
+            .map(|i| match &target.objects {
+                Some(objects) => MemoryDesc::new(0, pt.block, objects[i as usize]),
+                None => MemoryDesc::new(target.base + i * pt.block, pt.block, target.device_id),
+            })
             .collect(),
     );
     let remote = target.remote.as_str();
@@ -854,6 +865,7 @@ fn run_initiator(args: &Args, conn: &str) -> Result<()> {
         mem_type: dst_kind,
         base: region.desc.addr,
         device_id: region.desc.device_id,
+        objects: None,
     };
     run_points(args, agent.as_ref(), &target, &src, &points)?;
     drop(agent);
@@ -881,8 +893,10 @@ fn run_points(
         b
     };
     // The data path actually used (auto picks shm on one host; storage is
-    // the agent's own, or a peer's through it over TCP).
+    // the agent's own, or a peer's through it over TCP; objects are the
+    // agent's own).
     let backend_name = match target.mem_type {
+        MemoryType::Obj => "obj",
         MemoryType::File | MemoryType::Blk if target.remote == agent.name() => "storage",
         MemoryType::File | MemoryType::Blk => "tcp",
         _ => agent.remote_transport(&target.remote)?,

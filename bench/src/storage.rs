@@ -2,9 +2,11 @@
 //! `--src-memory vram`) memory
 //! and the agent's own storage (or, `--storage-peer`, a peer agent's, through
 //! that agent over TCP), the plan's block sizes and batches, in the same
-//! table as the other runs.
+//! table as the other runs. `--memory obj:BUCKET[/PREFIX]`: the same with
+//! objects in an S3 store, one per descriptor.
 
 use anyhow::{Context, Result, bail};
+use kvxfer::storage::obj::ObjectStoreConfig;
 use kvxfer::{
     Backend, MemoryDesc, MemoryDescs, MemoryType, StorageIo, StorageSpec, TransferAgent,
     make_transfer_agent,
@@ -14,6 +16,9 @@ use crate::{Args, Mem, Target, config, plan, run_points};
 
 /// Runs the plan against the storage `memory` names.
 pub fn run(args: &Args, memory: &str) -> Result<()> {
+    if let Some(("obj", spec)) = memory.split_once(':') {
+        return run_obj(args, spec);
+    }
     let points = plan(args);
     let need = points.iter().map(|p| p.block * p.batch).max().unwrap_or(0);
     let io: StorageIo = args.storage_io.parse()?;
@@ -52,6 +57,7 @@ pub fn run(args: &Args, memory: &str) -> Result<()> {
         mem_type,
         base: 0,
         device_id: handle,
+        objects: None,
     };
     if mem_type == MemoryType::File && !args.json {
         eprintln!(
@@ -72,5 +78,49 @@ pub fn run(args: &Args, memory: &str) -> Result<()> {
     )?;
     drop(agent);
     drop(peer);
+    Ok(())
+}
+
+/// `--memory obj:BUCKET[/PREFIX]`: the plan's points against `--batch`
+/// objects of the agent's own, `PREFIX/<i>` (default prefix
+/// `kvxfer-bench`), in the store the environment names.
+fn run_obj(args: &Args, spec: &str) -> Result<()> {
+    if args.storage_peer {
+        bail!("--storage-peer: a peer's objects are not reached through it (OBJ is local)");
+    }
+    let (bucket, prefix) = spec.split_once('/').unwrap_or((spec, "kvxfer-bench"));
+    let points = plan(args);
+    let objects = points.iter().map(|p| p.batch).max().unwrap_or(0);
+    let largest = points.iter().map(|p| p.block).max().unwrap_or(0);
+    let need = points.iter().map(|p| p.block * p.batch).max().unwrap_or(0);
+    let store = ObjectStoreConfig::from_env(bucket)
+        .and_then(ObjectStoreConfig::build)
+        .context("the object store (AWS_ENDPOINT_URL, AWS credentials)")?;
+    let agent = make_transfer_agent(Backend::Tcp, config("kvxfer-bench-obj", args))?;
+    let src = Mem::new(args.src_kind(), need, args.gpu)?;
+    // SAFETY: `src` outlives the agent (dropped first, below) and is only
+    // touched by transfers.
+    unsafe { agent.register_memory(&src.desc())? };
+    let mut handles = Vec::with_capacity(objects as usize);
+    for i in 0..objects {
+        let key = format!("{prefix}/{i}");
+        let h = agent
+            .open_object(&store, &key)
+            .with_context(|| format!("opening object {key}"))?;
+        let region = MemoryDescs::new(MemoryType::Obj, vec![MemoryDesc::new(0, largest, h)]);
+        // SAFETY: a range of an object, not memory.
+        unsafe { agent.register_memory(&region) }
+            .with_context(|| format!("registering object {key}"))?;
+        handles.push(h);
+    }
+    let target = Target {
+        remote: agent.name().to_owned(),
+        mem_type: MemoryType::Obj,
+        base: 0,
+        device_id: 0,
+        objects: Some(handles),
+    };
+    run_points(args, agent.as_ref(), &target, &src, &points)?;
+    drop(agent);
     Ok(())
 }

@@ -132,9 +132,74 @@ def main(d):
     os.close(fd)
 
     hicache_steps(d)
+    lmcache_steps("POSIX", {"file_path": os.path.join(d, "lmcache"), "use_direct_io": "false"})
     if os.environ.get("KVXFER_S3_ENDPOINT"):
         obj_steps(d)
+        lmcache_steps("OBJ", obj_params())
     report()
+
+
+def lmcache_steps(backend, params):
+    """LMCache's NIXL storage (L2) adapter as it drives NIXL: an agent with
+    no backend, then `backend` with LMCache's parameters; the L1 host
+    buffer registered whole and prepared page by page for agent "" (the
+    local side); storage slots prepared for the agent itself — files of
+    two pages each (opened by LMCache, fds as device ids) for a file
+    plugin, one object a page (key as the registration's metadata, index
+    as device id) for OBJ; prepared transfers of page indices both ways
+    (slots in another order than pages), each posted, polled to its end
+    and released; then the close (dlist handles released, both
+    registrations dropped)."""
+    tag = "lmcache " + backend
+    name = "lmcache-" + backend.lower()
+    a = nixl_agent(name, nixl_agent_config(backends=[]))
+    step(tag + " create", lambda: a.create_backend(backend, params))
+    page, pages = 16384, 4
+    l1 = ctypes.create_string_buffer(os.urandom(page * pages), page * pages)
+    base = ctypes.addressof(l1)
+    mem_reg = a.register_memory([(base, page * pages, 0, "")], mem_type="DRAM")
+    mem_descs = a.get_xfer_descs([(base + i * page, page, 0) for i in range(pages)], mem_type="DRAM")
+    mem_h = a.prep_xfer_dlist("", mem_descs, mem_type="DRAM")
+    step(tag + " mem dlist", lambda: type(mem_h).__name__)
+    fds = []
+    if backend == "OBJ":
+        uniq = uuid.uuid4().hex[:8]
+        slots = [(0, page, i, f"lmcache-{uniq}-{i}") for i in range(pages)]
+        storage_reg = a.register_memory(slots, mem_type="OBJ")
+        descs = a.get_xfer_descs([(0, page, i) for i in range(pages)], mem_type="OBJ")
+        kind = "OBJ"
+    else:
+        os.makedirs(params["file_path"], exist_ok=True)
+        file_size = 2 * page
+        for i in range(pages // 2):
+            path = os.path.join(params["file_path"], f"obj_{i}.bin")
+            fds.append(os.open(path, os.O_CREAT | os.O_RDWR))
+        storage_reg = a.register_memory([(0, file_size, fd, "") for fd in fds], mem_type="FILE")
+        descs = a.get_xfer_descs(
+            [((i % 2) * page, page, fds[i // 2]) for i in range(pages)], mem_type="FILE")
+        kind = "FILE"
+    step(tag + " storage registered", lambda: storage_reg)
+    storage_h = a.prep_xfer_dlist(name, descs, mem_type=kind)
+    step(tag + " storage dlist", lambda: type(storage_h).__name__)
+    order = [2, 0, 3, 1]
+
+    def post(op):
+        h = a.make_prepped_xfer(op, mem_h, list(range(pages)), storage_h, order)
+        try:
+            return run(a, h)
+        finally:
+            a.release_xfer_handle(h)
+
+    saved = l1.raw
+    step(tag + " store", lambda: post("WRITE"))
+    ctypes.memset(base, 0, page * pages)
+    step(tag + " load", lambda: post("READ"))
+    step(tag + " loaded", lambda: l1.raw == saved)
+    step(tag + " close", lambda: [
+        a.release_dlist_handle(storage_h), a.release_dlist_handle(mem_h),
+        a.deregister_memory(storage_reg), a.deregister_memory(mem_reg)] and None)
+    for fd in fds:
+        os.close(fd)
 
 
 def hicache_steps(d):
@@ -204,9 +269,9 @@ def hicache_steps(d):
     step("hicache deregister host", lambda: a.deregister_memory(host_reg))
 
 
-def obj_steps(d):
-    """The OBJ plugin against the gateway ci/test.sh starts."""
-    params = {
+def obj_params():
+    """The OBJ plugin's parameters for the gateway ci/test.sh starts."""
+    return {
         "bucket": os.environ["KVXFER_S3_BUCKET"],
         "endpoint_override": os.environ["KVXFER_S3_ENDPOINT"],
         "scheme": "http",
@@ -217,6 +282,11 @@ def obj_steps(d):
         # which the test's RADOS Gateway (Ceph 16) refuses; kvxfer sends none.
         "req_checksum": "required",
     }
+
+
+def obj_steps(d):
+    """The OBJ plugin against the gateway ci/test.sh starts."""
+    params = obj_params()
     a = nixl_agent("storage-obj", nixl_agent_config(backends=[]))
     step("create OBJ", lambda: a.create_backend("OBJ", params))
     src = ctypes.create_string_buffer(os.urandom(2 * N), 2 * N)

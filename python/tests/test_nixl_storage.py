@@ -1,7 +1,7 @@
 """The storage side of kvxfer's NIXL stand-in: the POSIX, GDS, GDS_MT and
 OBJ plugins, transfers an agent posts to itself, path-mode registration,
 `query_memory`, deregistration under a finished handle, and SGLang's
-HiCacheNixl call sequence. One scripted session
+HiCacheNixl and LMCache's NIXL storage adapter call sequences. One scripted session
 (`nixl_storage_sequence.py`) runs unmodified on kvxfer and on the real
 NIXL (1.5.1, its POSIX plugin; OBJ where the gateway runs), step by step."""
 
@@ -46,11 +46,26 @@ MUST = {
     "hicache get": ["ok", "DONE"],
     "hicache got": ["ok", True],
 }
+
+
+def _lmcache(backend):
+    """LMCache's L2 adapter on `backend`: every step goes through."""
+    return {
+        f"lmcache {backend} create": ["ok", None],
+        f"lmcache {backend} store": ["ok", "DONE"],
+        f"lmcache {backend} load": ["ok", "DONE"],
+        f"lmcache {backend} loaded": ["ok", True],
+        f"lmcache {backend} close": ["ok", None],
+    }
+
+
+MUST.update(_lmcache("POSIX"))
 MUST_OBJ = {
     "query before": ["ok", [None]],
     "put": ["ok", "DONE"],
     "query after": ["ok", [{}]],
     "got the range": ["ok", True],
+    **_lmcache("OBJ"),
 }
 
 

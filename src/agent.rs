@@ -421,8 +421,10 @@ pub trait TransferAgent: Send + Sync {
     /// [`Error::BackendUnavailable`] when the I/O engine cannot start.
     fn open_storage(&self, spec: &crate::storage::StorageSpec) -> Result<u32, Error>;
 
-    /// Adopts an open descriptor of a regular file as storage (through the
-    /// page cache, with the descriptor's own access mode); returns its
+    /// Adopts an open descriptor of a regular file as storage (with the
+    /// descriptor's own access mode, through the page cache unless it was
+    /// opened with `O_DIRECT`: then offsets, lengths and addresses must be
+    /// multiples of 4096, [`Error::Misaligned`] otherwise); returns its
     /// handle, as [`open_storage`](Self::open_storage). Ranges may be
     /// registered past the file's end and a WRITE there extends it, as
     /// with [`StorageSpec::grow`](crate::storage::StorageSpec::grow).

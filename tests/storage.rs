@@ -416,6 +416,98 @@ fn bad_storage_requests_are_typed_errors_and_change_nothing() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// An adopted descriptor keeps its mode, on every engine: one opened
+/// through the page cache takes scattered, unaligned pieces both ways
+/// (its writes go to the page-cache writer); one opened with `O_DIRECT`
+/// has a misaligned offset refused, typed, before anything moves, and
+/// round-trips aligned pieces.
+#[test]
+fn an_adopted_descriptor_keeps_its_mode() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = tempdir();
+    for io in engines() {
+        let a = agent("adopter", io);
+        let src = Buf::filled(64 << 10, 7);
+        let back = Buf::new(64 << 10);
+        register(a.as_ref(), &src.all());
+        register(a.as_ref(), &back.all());
+        // Through the page cache.
+        let path = dir.join(format!("buffered-{io:?}"));
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        let h = a.adopt_storage(f.into()).unwrap();
+        register(
+            a.as_ref(),
+            &file_descs(h, &[(0, 1 << 20)], MemoryType::File),
+        );
+        let pieces = [(3u64, 1000u64), (5000, 20_000), (40_001, 7)];
+        let remote = file_descs(h, &pieces, MemoryType::File);
+        let local = |b: &Buf| {
+            MemoryDescs::new(
+                MemoryType::Dram,
+                pieces
+                    .iter()
+                    .map(|&(o, l)| MemoryDesc::new(b.addr() + o, l, 0))
+                    .collect(),
+            )
+        };
+        write(a.as_ref(), local(&src), remote.clone()).unwrap();
+        let on_disk = std::fs::read(&path).unwrap();
+        for &(o, l) in &pieces {
+            let (o, l) = (o as usize, l as usize);
+            assert_eq!(on_disk[o..o + l], src.bytes()[o..o + l], "{io:?}");
+        }
+        read(a.as_ref(), local(&back), remote).unwrap();
+        for &(o, l) in &pieces {
+            let (o, l) = (o as usize, l as usize);
+            assert_eq!(back.bytes()[o..o + l], src.bytes()[o..o + l], "{io:?}");
+        }
+        // With O_DIRECT, where the filesystem has it.
+        let path = dir.join(format!("direct-{io:?}"));
+        let direct = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path);
+        let Ok(f) = direct else {
+            println!(
+                "SKIPPED O_DIRECT adoption: {} refuses O_DIRECT",
+                dir.display()
+            );
+            continue;
+        };
+        let h = a.adopt_storage(f.into()).unwrap();
+        register(
+            a.as_ref(),
+            &file_descs(h, &[(0, 1 << 20)], MemoryType::File),
+        );
+        let e = write(
+            a.as_ref(),
+            sub(&src, 0, 4096),
+            file_descs(h, &[(100, 4096)], MemoryType::File),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::Misaligned { .. }), "{io:?}: {e}");
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            0,
+            "{io:?}: something moved"
+        );
+        let aligned = file_descs(h, &[(8192, 16384)], MemoryType::File);
+        write(a.as_ref(), sub(&src, 4096, 16384), aligned.clone()).unwrap();
+        read(a.as_ref(), sub(&back, 0, 16384), aligned).unwrap();
+        assert_eq!(back.bytes()[..16384], src.bytes()[4096..20480], "{io:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_file_truncated_under_its_region_fails_the_next_transfer() {
     for io in engines() {

@@ -146,6 +146,15 @@ impl Link for StorageLink {
             files,
             written,
         } = plan(inner, req, &resolved.guards, vram.then_some(shape))?;
+        // Writes into the page cache only: the page-cache writer (started
+        // before anything is counted in flight).
+        let io =
+            if req.op == TransferOp::Write && !files.is_empty() && files.iter().all(|f| f.buffered)
+            {
+                inner.storage.page_cache_writer()?
+            } else {
+                inner.storage.engine()?
+            };
         let room = match &sync {
             Some(m) => Some(reserve(inner, me, m.len())?),
             None => None,
@@ -196,7 +205,7 @@ impl Link for StorageLink {
         // (`guards`) and every fd belongs to a storage region held (`held`)
         // — a held region cannot be deregistered, and storage with
         // registered regions cannot be closed — until `done` has run.
-        unsafe { inner.storage.engine()?.submit(batch) };
+        unsafe { io.submit(batch) };
         Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
     }
 }

@@ -14,7 +14,9 @@
 //!
 //! The I/O runs on an I/O engine: `io_uring` (one ring and thread) where the
 //! kernel offers it, else `pread`/`pwrite` on worker threads (detected and
-//! logged, or chosen by [`StorageIo`]). Block devices, and files opened
+//! logged, or chosen by [`StorageIo`]); writes to files without `O_DIRECT`
+//! go to `pwrite` workers either way (a copy into the page cache, which
+//! `io_uring` would hand to its own workers). Block devices, and files opened
 //! with [`StorageSpec::direct`], use `O_DIRECT`: every offset, length and
 //! memory address must then be a multiple of the device's logical block
 //! size, checked before anything moves ([`Error::Misaligned`]).
@@ -160,6 +162,8 @@ pub(crate) struct StorageFile {
     pub(crate) path: PathBuf,
     /// WRITEs may extend the file ([`StorageSpec::grow`]).
     pub(crate) grow: bool,
+    /// Without `O_DIRECT`: its I/O goes through the page cache.
+    pub(crate) buffered: bool,
 }
 
 impl StorageFile {
@@ -220,6 +224,7 @@ impl StorageFile {
             align,
             path: spec.path.clone(),
             grow: spec.grow && spec.kind == StorageKind::File,
+            buffered: !direct,
         })
     }
 
@@ -283,11 +288,14 @@ fn block_device_size(fd: RawFd) -> std::io::Result<u64> {
 /// An agent's open storage and its I/O engine (started with the first
 /// handle).
 ///
-/// Drop order: the engine and the GPU stager first (their drops wait for
+/// Drop order: the engines and the GPU stager first (their drops wait for
 /// the batches in flight, whose requests also keep their files open), then
 /// the files.
 pub(crate) struct Storage {
     engine: OnceLock<Arc<dyn io::IoEngine>>,
+    /// Writes through the page cache when `engine` is `io_uring` (started
+    /// on first use): `pwrite` workers ([`Storage::page_cache_writer`]).
+    page_cache: OnceLock<Arc<dyn io::IoEngine>>,
     /// Moves GPU memory to and from storage (started on first use).
     stager: OnceLock<staged::Stager>,
     files: RwLock<HashMap<u32, Arc<StorageFile>>>,
@@ -303,6 +311,7 @@ impl Storage {
     pub(crate) fn new(choice: StorageIo) -> Self {
         Storage {
             engine: OnceLock::new(),
+            page_cache: OnceLock::new(),
             stager: OnceLock::new(),
             files: RwLock::new(HashMap::new()),
             objects: RwLock::new(HashMap::new()),
@@ -323,7 +332,8 @@ impl Storage {
     }
 
     /// Adopts an open descriptor of a regular file (through the page
-    /// cache).
+    /// cache, unless it was opened with `O_DIRECT`: then offsets, lengths
+    /// and addresses must be multiples of 4096).
     pub(crate) fn adopt(&self, fd: OwnedFd) -> Result<u32, Error> {
         self.engine()?;
         let handle = self.next.fetch_add(1, Ordering::Relaxed);
@@ -339,15 +349,19 @@ impl Storage {
                 "an adopted storage descriptor must be a regular file".into(),
             ));
         }
+        // SAFETY: F_GETFL on a descriptor this function owns; no pointer.
+        let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+        let direct = flags >= 0 && flags & libc::O_DIRECT != 0;
         let f = StorageFile {
             handle,
             kind: StorageKind::File,
             file,
-            align: 1,
+            align: if direct { 4096 } else { 1 },
             path,
             // The caller's descriptor: its file grows as WRITEs reach past
             // the end, as `pwrite` on it would.
             grow: true,
+            buffered: !direct,
         };
         self.write().insert(handle, Arc::new(f));
         Ok(handle)
@@ -495,6 +509,28 @@ impl Storage {
         }
         let e = io::start(self.choice)?;
         Ok(self.engine.get_or_init(|| e))
+    }
+
+    /// The engine for a batch of writes to files opened without
+    /// `O_DIRECT`: `pwrite` on worker threads even where the agent's
+    /// engine is `io_uring`, which hands buffered writes to its own
+    /// workers and moves them about a sixth slower (page-cache WRITE
+    /// 1 MiB × 64: 4.4 against 5.3 GB/s); the agent's engine itself when
+    /// that is `pread`/`pwrite`.
+    pub(crate) fn page_cache_writer(&self) -> Result<&Arc<dyn io::IoEngine>, Error> {
+        let engine = self.engine()?;
+        if engine.name() != "io_uring" {
+            return Ok(engine);
+        }
+        if let Some(e) = self.page_cache.get() {
+            return Ok(e);
+        }
+        let _g = self.starting.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = self.page_cache.get() {
+            return Ok(e);
+        }
+        let e = io::start(StorageIo::Psync)?;
+        Ok(self.page_cache.get_or_init(|| e))
     }
 
     /// The GPU stager, started on first use.

@@ -74,7 +74,7 @@ def real_nixl_env(tmp_path_factory):
     (d / "nixl" / "__init__.py").write_text(
         "import importlib, sys\n"
         "from nixl_cu12 import *  # noqa\n"
-        "for _n in ('_api', '_bindings', '_utils'):\n"
+        "for _n in ('_api', '_bindings', '_utils', 'logging'):\n"
         "    sys.modules['nixl.' + _n] = importlib.import_module('nixl_cu12.' + _n)\n"
         "    globals()[_n] = sys.modules['nixl.' + _n]\n"
     )

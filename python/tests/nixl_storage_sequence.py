@@ -133,10 +133,84 @@ def main(d):
 
     hicache_steps(d)
     lmcache_steps("POSIX", {"file_path": os.path.join(d, "lmcache"), "use_direct_io": "false"})
+    vllm_steps("POSIX", {}, d)
     if os.environ.get("KVXFER_S3_ENDPOINT"):
         obj_steps(d)
         lmcache_steps("OBJ", obj_params())
+        vllm_steps("OBJ", dict(obj_params(), num_threads="4"), d)
     report()
+
+
+def vllm_steps(backend, params, d):
+    """vLLM's storage offload tiers (its offloading connector's file and
+    object tiers) as they drive NIXL: one agent, "StorageOffloadEngine",
+    with no backend; the plugin listed and its memory types and parameters
+    asked; the backend created, its memory types asked; staging slots
+    registered one by one; then per job the files registered (fds opened
+    for the job, one entry a block; or one object a file, keyed by name,
+    its device id a hash of the key), the registration trimmed into the
+    transfer's remote side, an unprepared transfer to the agent itself,
+    polled; at its end the fds closed and the registration dropped before
+    the handle is released. A load reads back a file's tail (a partial
+    first file: an object read from an offset)."""
+    import hashlib
+
+    from nixl.logging import get_logger
+
+    get_logger("vllm_offload").debug("vLLM's offload sequence")
+    tag = "vllm " + backend
+    me = "StorageOffloadEngine"
+    a = nixl_agent(me, nixl_agent_config(backends=[]))
+    step(tag + " listed", lambda: backend in a.get_plugin_list())
+    step(tag + " plugin mems", lambda: sorted(a.get_plugin_mem_types(backend)))
+    step(tag + " create", lambda: a.create_backend(backend, params))
+    step(tag + " backend mems", lambda: sorted(a.get_backend_mem_types(backend)))
+    block, per_file, files = 8192, 2, 3
+    slots = [ctypes.create_string_buffer(os.urandom(block * per_file), block * per_file)
+             for _ in range(2 * files)]
+    regs = [a.register_memory([(ctypes.addressof(b), len(b), 0, "")], "DRAM") for b in slots]
+    uniq = uuid.uuid4().hex[:8]
+    names = [os.path.join(d, "vllm", f"{uniq}-{i}.bin") for i in range(files)]
+    os.makedirs(os.path.join(d, "vllm"), exist_ok=True)
+
+    def job(op, bufs, skip):
+        """One job over every file; `skip` blocks of each left out at its
+        head (a partial first file)."""
+        n = per_file - skip
+        if backend == "OBJ":
+            fds = None
+            local = [(ctypes.addressof(b), n * block, 0) for b in bufs]
+            entries = [(skip * block, n * block,
+                        int(hashlib.md5(k.encode()).hexdigest(), 16) % (2**31), k) for k in names]
+            kind = "OBJ"
+        else:
+            fds = [os.open(f, os.O_CREAT | os.O_RDWR) for f in names]
+            local = [(ctypes.addressof(b) + j * block, block, 0) for b in bufs for j in range(n)]
+            entries = [((skip + j) * block, block, fd, "") for fd in fds for j in range(n)]
+            kind = "FILE"
+        xfer = a.get_xfer_descs(local, "DRAM")
+        reg = a.register_memory(entries, kind)
+        h = a.initialize_xfer(op, xfer, reg.trim(), me)
+        try:
+            return run(a, h)
+        finally:
+            for fd in fds or []:
+                os.close(fd)
+            a.deregister_memory(reg)
+            a.release_xfer_handle(h)
+
+    src, dst = slots[:files], slots[files:]
+    for b in dst:
+        ctypes.memset(ctypes.addressof(b), 0, len(b))
+    step(tag + " store", lambda: job("WRITE", src, 0))
+    step(tag + " load", lambda: job("READ", dst, 0))
+    step(tag + " loaded", lambda: [x.raw == y.raw for x, y in zip(src, dst)])
+    for b in dst:
+        ctypes.memset(ctypes.addressof(b), 0, len(b))
+    step(tag + " load tail", lambda: job("READ", dst, 1))
+    step(tag + " tail loaded",
+         lambda: [x.raw[:block] == y.raw[block:] for x, y in zip(dst, src)])
+    step(tag + " shutdown", lambda: [a.deregister_memory(r) for r in regs] and None)
 
 
 def lmcache_steps(backend, params):

@@ -1,7 +1,8 @@
 """The storage side of kvxfer's NIXL stand-in: the POSIX, GDS, GDS_MT and
 OBJ plugins, transfers an agent posts to itself, path-mode registration,
 `query_memory`, deregistration under a finished handle, and SGLang's
-HiCacheNixl and LMCache's NIXL storage adapter call sequences. One scripted session
+HiCacheNixl, LMCache's NIXL storage adapter and vLLM's offload tiers'
+call sequences. One scripted session
 (`nixl_storage_sequence.py`) runs unmodified on kvxfer and on the real
 NIXL (1.5.1, its POSIX plugin; OBJ where the gateway runs), step by step."""
 
@@ -59,13 +60,28 @@ def _lmcache(backend):
     }
 
 
+def _vllm(backend):
+    """vLLM's offload tier on `backend`: every job goes through."""
+    return {
+        f"vllm {backend} create": ["ok", None],
+        f"vllm {backend} store": ["ok", "DONE"],
+        f"vllm {backend} load": ["ok", "DONE"],
+        f"vllm {backend} loaded": ["ok", [True, True, True]],
+        f"vllm {backend} load tail": ["ok", "DONE"],
+        f"vllm {backend} tail loaded": ["ok", [True, True, True]],
+        f"vllm {backend} shutdown": ["ok", None],
+    }
+
+
 MUST.update(_lmcache("POSIX"))
+MUST.update(_vllm("POSIX"))
 MUST_OBJ = {
     "query before": ["ok", [None]],
     "put": ["ok", "DONE"],
     "query after": ["ok", [{}]],
     "got the range": ["ok", True],
     **_lmcache("OBJ"),
+    **_vllm("OBJ"),
 }
 
 

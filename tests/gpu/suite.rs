@@ -1091,6 +1091,44 @@ pub fn storage_round_trips() {
     let (l, r) = scattered(gpu(&gb), (MemoryType::File, 0, h), N, PIECE);
     completed(a.submit_transfer(&TransferRequest::read(l, r, "st-peer"))).unwrap();
     assert!(device_bytes(&gb) == src, "a peer's FILE → VRAM");
+
+    // GPU memory to or from an object: refused, typed, before anything
+    // moves (objects take host memory); the store is never contacted.
+    let store_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", store_port.local_addr().unwrap());
+    let store = kvxfer::storage::obj::ObjectStoreConfig::new(endpoint, "b", "k", "s")
+        .build()
+        .unwrap();
+    let o = a.open_object(&store, "vram-object").unwrap();
+    // SAFETY: a range of an object, not memory.
+    unsafe {
+        a.register_memory(&MemoryDescs::new(
+            MemoryType::Obj,
+            vec![MemoryDesc::new(0, len, o)],
+        ))
+        .unwrap()
+    };
+    let me = a.name().to_owned();
+    let obj = MemoryDescs::new(MemoryType::Obj, vec![MemoryDesc::new(0, len, o)]);
+    for req in [
+        TransferRequest::write(vram(&ga, 0, len), obj.clone(), me.clone()),
+        TransferRequest::read(vram(&ga, 0, len), obj, me),
+    ] {
+        let e = a.submit_transfer(&req).map(|_| ()).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::UnsupportedMemoryType {
+                    mem_type: MemoryType::Vram,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+    store_port.set_nonblocking(true).unwrap();
+    assert!(store_port.accept().is_err(), "the store was contacted");
+    assert!(device_bytes(&ga) == src, "GPU memory changed");
     drop(a);
     drop(b);
     std::fs::remove_dir_all(&dir).unwrap();

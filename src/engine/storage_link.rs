@@ -49,8 +49,9 @@ impl transport::Transport for OwnStorage {
     fn moves(&self, local: MemoryType, remote: MemoryType, _peer: &AgentDesc) -> bool {
         match remote {
             MemoryType::File | MemoryType::Blk => local.is_virtual_address(),
-            // Objects from host memory (GPU memory is not staged to them).
-            MemoryType::Obj => local == MemoryType::Dram,
+            // Objects from host memory, or GPU memory through a host
+            // buffer per HTTP request.
+            MemoryType::Obj => matches!(local, MemoryType::Dram | MemoryType::Vram),
             _ => false,
         }
     }
@@ -411,6 +412,7 @@ fn plan_objects(inner: &Inner, req: &TransferRequest) -> Result<Vec<ObjOp>, Erro
             buf: l.addr,
             len: l.len,
             offset: r.addr,
+            device: (req.local.mem_type == MemoryType::Vram).then_some(l.device_id),
         });
     }
     if !write {

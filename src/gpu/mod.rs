@@ -280,6 +280,38 @@ pub(crate) unsafe fn copy_many(
     ))
 }
 
+/// Copies device memory `[src, src + dst.len())` on `device` into the host
+/// buffer `dst`, waited for; counted as a staging copy (a path that
+/// cannot reach device memory: objects).
+///
+/// # Safety
+/// The device range is memory on `device`, allocated for the whole call.
+#[allow(unsafe_code)]
+pub(crate) unsafe fn stage_out(device: u32, src: u64, dst: &mut [u8]) -> Result<(), GpuError> {
+    let piece = (dst.as_mut_ptr() as u64, src, dst.len() as u64);
+    // SAFETY: `dst` is a live host buffer of that length; the device range
+    // per this function's contract.
+    unsafe { copy_many(&[piece], device, false) }?;
+    count_staged(1, dst.len() as u64);
+    Ok(())
+}
+
+/// Copies the host buffer `src` into device memory at `dst` on `device`,
+/// waited for; counted as a staging copy.
+///
+/// # Safety
+/// `[dst, dst + src.len())` is memory on `device`, allocated and not
+/// otherwise accessed for the whole call.
+#[allow(unsafe_code)]
+pub(crate) unsafe fn stage_in(device: u32, dst: u64, src: &[u8]) -> Result<(), GpuError> {
+    let piece = (dst, src.as_ptr() as u64, src.len() as u64);
+    // SAFETY: `src` is a live host buffer of that length; the device range
+    // per this function's contract.
+    unsafe { copy_many(&[piece], device, false) }?;
+    count_staged(1, src.len() as u64);
+    Ok(())
+}
+
 /// Sends device memory pieces `(address, length)` on `device` through
 /// `write` (`write(i, bytes)`: a chunk of piece `i`), in order, staged
 /// through the calling thread's pinned ring with the copies running ahead

@@ -6,7 +6,8 @@
 //! handle; OBJ descriptors name a byte range of it (`addr` = offset in the
 //! object, `device_id` = handle) and are registered like FILE regions. A
 //! request to the agent itself with OBJ remote descriptors then moves host
-//! memory:
+//! memory (GPU memory through a host buffer per HTTP request, copied out
+//! before it is sent or in after it arrived):
 //!
 //! - **WRITE** = PUT: a descriptor writes its object whole (its `addr` must
 //!   be 0; objects are immutable, there is no partial write), as one PUT up

@@ -65,8 +65,11 @@ impl Pool {
     }
 }
 
-/// One descriptor's operation: host memory `[buf, buf + len)` to or from
-/// object `key` of `store` at `offset`.
+/// One descriptor's operation: memory `[buf, buf + len)` to or from
+/// object `key` of `store` at `offset`. Host memory, or GPU memory on
+/// `device`: then each unit (a PUT, a part, a ranged GET: at most a part
+/// size) goes through a host buffer of its own, copied out before it is
+/// sent or in after it arrived (a staging copy).
 pub(crate) struct ObjOp {
     pub(crate) store: Arc<Client>,
     pub(crate) key: Arc<str>,
@@ -74,6 +77,7 @@ pub(crate) struct ObjOp {
     pub(crate) buf: u64,
     pub(crate) len: u64,
     pub(crate) offset: u64,
+    pub(crate) device: Option<u32>,
 }
 
 /// A request's object operations.
@@ -120,14 +124,54 @@ impl Shared {
     }
 }
 
-/// Memory of a held region, as a slice for one unit.
+/// Memory of a held region, as a slice for one unit (GPU memory on
+/// `device`: through a host buffer).
 #[derive(Clone, Copy)]
 struct Span {
     addr: u64,
     len: usize,
+    device: Option<u32>,
 }
 
 impl Span {
+    /// `f` on the span's bytes: host memory as it lies, GPU memory copied
+    /// into a host buffer first.
+    ///
+    /// # Safety
+    /// As [`bytes`](Self::bytes) (for GPU memory: memory on `device`).
+    unsafe fn read_with<R>(self, f: impl FnOnce(&[u8]) -> Result<R, Error>) -> Result<R, Error> {
+        match self.device {
+            // SAFETY: the caller's contract.
+            None => f(unsafe { self.bytes() }),
+            Some(device) => {
+                let mut host = vec![0u8; self.len];
+                // SAFETY: the caller's contract.
+                unsafe { crate::gpu::stage_out(device, self.addr, &mut host) }?;
+                f(&host)
+            }
+        }
+    }
+
+    /// `f` filling the span: host memory in place, GPU memory through a
+    /// host buffer copied in once `f` succeeded.
+    ///
+    /// # Safety
+    /// As [`bytes_mut`](Self::bytes_mut) (for GPU memory: memory on
+    /// `device`).
+    unsafe fn fill_with(self, f: impl FnOnce(&mut [u8]) -> Result<(), Error>) -> Result<(), Error> {
+        match self.device {
+            // SAFETY: the caller's contract.
+            None => f(unsafe { self.bytes_mut() }),
+            Some(device) => {
+                let mut host = vec![0u8; self.len];
+                f(&mut host)?;
+                // SAFETY: the caller's contract.
+                unsafe { crate::gpu::stage_in(device, self.addr, &host) }?;
+                Ok(())
+            }
+        }
+    }
+
     /// # Safety
     /// `[addr, addr + len)` is valid for reads while the slice lives.
     unsafe fn bytes<'a>(self) -> &'a [u8] {
@@ -195,6 +239,7 @@ pub(crate) unsafe fn submit(batch: ObjBatch) -> Result<(), Error> {
         let span = Span {
             addr: op.buf + at,
             len: n as usize,
+            device: op.device,
         };
         let offset = op.offset + at;
         let pool = match op.store.pool() {
@@ -209,8 +254,9 @@ pub(crate) unsafe fn submit(batch: ObjBatch) -> Result<(), Error> {
             pool.run(Box::new(move || {
                 let r = sh.gate().and_then(|()| {
                     // SAFETY: `submit`'s contract; ranges do not overlap.
-                    let dst = unsafe { span.bytes_mut() };
-                    Ok(store.get_range(&key, offset, dst, sh.deadline)?)
+                    unsafe {
+                        span.fill_with(|dst| Ok(store.get_range(&key, offset, dst, sh.deadline)?))
+                    }
                 });
                 sh.finish(r);
             }));
@@ -218,8 +264,7 @@ pub(crate) unsafe fn submit(batch: ObjBatch) -> Result<(), Error> {
             pool.run(Box::new(move || {
                 let r = sh.gate().and_then(|()| {
                     // SAFETY: `submit`'s contract.
-                    let src = unsafe { span.bytes() };
-                    Ok(store.put(&key, src, sh.deadline)?)
+                    unsafe { span.read_with(|src| Ok(store.put(&key, src, sh.deadline)?)) }
                 });
                 sh.finish(r);
             }));
@@ -310,6 +355,7 @@ fn upload(store: Arc<Client>, key: Arc<str>, span: Span, sh: Arc<Shared>) {
         let piece = Span {
             addr: span.addr + (n * part) as u64,
             len: part.min(span.len - n * part),
+            device: span.device,
         };
         pool.run(Box::new(move || {
             let r = up.batch.gate().and_then(|()| {
@@ -319,10 +365,17 @@ fn upload(store: Arc<Client>, key: Arc<str>, span: Span, sh: Arc<Shared>) {
                 // SAFETY: `submit`'s contract (the WRITE's memory stays
                 // valid until the batch's `done`, which runs after this
                 // part).
-                let src = unsafe { piece.bytes() };
-                Ok(up
-                    .store
-                    .upload_part(&up.key, &up.id, (n + 1) as u16, src, up.batch.deadline)?)
+                unsafe {
+                    piece.read_with(|src| {
+                        Ok(up.store.upload_part(
+                            &up.key,
+                            &up.id,
+                            (n + 1) as u16,
+                            src,
+                            up.batch.deadline,
+                        )?)
+                    })
+                }
             });
             up.part_done(n, r);
         }));

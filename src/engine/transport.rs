@@ -538,9 +538,11 @@ mod tests {
         for t in [&tcp as &dyn Transport, &Rdma, shm] {
             assert!(!t.moves(Dram, Obj, &peer) && !t.moves(File, Dram, &peer));
         }
-        // Objects: the agent's own storage, from host memory only.
+        // Objects: the agent's own storage, from host memory or GPU memory
+        // (through a host buffer per HTTP request); never from storage.
         assert!(storage_link::OwnStorage.moves(Dram, Obj, &peer));
-        assert!(!storage_link::OwnStorage.moves(Vram, Obj, &peer));
+        assert!(storage_link::OwnStorage.moves(Vram, Obj, &peer));
+        assert!(!storage_link::OwnStorage.moves(File, Obj, &peer));
         // Cross-memory attach: host memory, and the target's GPU memory
         // (CUDA IPC) when its GPU is on this host.
         assert!(shm.moves(Dram, Dram, &peer));

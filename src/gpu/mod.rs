@@ -288,12 +288,9 @@ pub(crate) unsafe fn copy_many(
 /// The device range is memory on `device`, allocated for the whole call.
 #[allow(unsafe_code)]
 pub(crate) unsafe fn stage_out(device: u32, src: u64, dst: &mut [u8]) -> Result<(), GpuError> {
-    let piece = (dst.as_mut_ptr() as u64, src, dst.len() as u64);
     // SAFETY: `dst` is a live host buffer of that length; the device range
     // per this function's contract.
-    unsafe { copy_many(&[piece], device, false) }?;
-    count_staged(1, dst.len() as u64);
-    Ok(())
+    unsafe { staged_copy(device, (dst.as_mut_ptr() as u64, src, dst.len() as u64)) }
 }
 
 /// Copies the host buffer `src` into device memory at `dst` on `device`,
@@ -304,11 +301,21 @@ pub(crate) unsafe fn stage_out(device: u32, src: u64, dst: &mut [u8]) -> Result<
 /// otherwise accessed for the whole call.
 #[allow(unsafe_code)]
 pub(crate) unsafe fn stage_in(device: u32, dst: u64, src: &[u8]) -> Result<(), GpuError> {
-    let piece = (dst, src.as_ptr() as u64, src.len() as u64);
     // SAFETY: `src` is a live host buffer of that length; the device range
     // per this function's contract.
+    unsafe { staged_copy(device, (dst, src.as_ptr() as u64, src.len() as u64)) }
+}
+
+/// One `(dst, src, len)` copy between host and device memory with
+/// `device`'s context, waited for and counted as a staging copy.
+///
+/// # Safety
+/// Both ranges valid for their length for the whole call.
+#[allow(unsafe_code)]
+unsafe fn staged_copy(device: u32, piece: (u64, u64, u64)) -> Result<(), GpuError> {
+    // SAFETY: forwarded contract.
     unsafe { copy_many(&[piece], device, false) }?;
-    count_staged(1, src.len() as u64);
+    count_staged(1, piece.2);
     Ok(())
 }
 

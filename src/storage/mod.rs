@@ -500,15 +500,25 @@ impl Storage {
 
     /// The I/O engine, started on first use.
     pub(crate) fn engine(&self) -> Result<&Arc<dyn io::IoEngine>, Error> {
-        if let Some(e) = self.engine.get() {
-            return Ok(e);
+        self.started(&self.engine, || io::start(self.choice))
+    }
+
+    /// What `cell` holds, made by `start` on first use (one start at a
+    /// time: a thread that lost the race finds it made).
+    fn started<'a, T>(
+        &self,
+        cell: &'a OnceLock<T>,
+        start: impl FnOnce() -> Result<T, Error>,
+    ) -> Result<&'a T, Error> {
+        if let Some(v) = cell.get() {
+            return Ok(v);
         }
         let _g = self.starting.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(e) = self.engine.get() {
-            return Ok(e);
+        if let Some(v) = cell.get() {
+            return Ok(v);
         }
-        let e = io::start(self.choice)?;
-        Ok(self.engine.get_or_init(|| e))
+        let v = start()?;
+        Ok(cell.get_or_init(|| v))
     }
 
     /// The engine for a batch of writes to files opened without
@@ -522,28 +532,12 @@ impl Storage {
         if engine.name() != "io_uring" {
             return Ok(engine);
         }
-        if let Some(e) = self.page_cache.get() {
-            return Ok(e);
-        }
-        let _g = self.starting.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(e) = self.page_cache.get() {
-            return Ok(e);
-        }
-        let e = io::start(StorageIo::Psync)?;
-        Ok(self.page_cache.get_or_init(|| e))
+        self.started(&self.page_cache, || io::start(StorageIo::Psync))
     }
 
     /// The GPU stager, started on first use.
     pub(crate) fn stager(&self) -> Result<&staged::Stager, Error> {
-        if let Some(s) = self.stager.get() {
-            return Ok(s);
-        }
-        let _g = self.starting.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = self.stager.get() {
-            return Ok(s);
-        }
-        let s = staged::Stager::start()?;
-        Ok(self.stager.get_or_init(|| s))
+        self.started(&self.stager, staged::Stager::start)
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<u32, Arc<StorageFile>>> {

@@ -197,8 +197,29 @@ pub trait TransferAgent: Send + Sync {
     /// [`Error::UnsupportedMemoryType`].
     unsafe fn register_memory(&self, descs: &MemoryDescs) -> Result<(), Error>;
 
+    /// Registers all of `pool` (see [`crate::pool`]) as one host-memory
+    /// region, and offers it to same-host peers to map: on the shm
+    /// transport a proven peer maps the pool's file once and copies with
+    /// plain loads and stores; every other transport moves it as any host
+    /// memory. The registration holds the pool's mapping until
+    /// [`deregister_memory`](Self::deregister_memory) is given the
+    /// descriptors returned, which also revokes every peer's mapping.
+    ///
+    /// # Errors
+    /// As [`register_memory`](Self::register_memory).
+    fn register_shared_pool(
+        &self,
+        pool: &crate::pool::SharedPool,
+        access: crate::pool::PoolAccess,
+    ) -> Result<MemoryDescs, Error>;
+
     /// Deregisters ranges registered before, each given exactly as it was
     /// registered. All or nothing.
+    ///
+    /// A shared pool ([`register_shared_pool`](Self::register_shared_pool))
+    /// is revoked from every same-host peer that mapped it before this
+    /// returns: each unmaps it once its own copies into the pool have
+    /// ended (those hold no grant, so they do not make the pool busy).
     ///
     /// # Errors
     /// [`Error::NotARegistration`], or [`Error::RegionBusy`] while a

@@ -148,6 +148,12 @@ pub struct ShmConfig {
     /// `false` neither asks its targets to copy nor copies for initiators
     /// (its threads never spend time on other agents' requests).
     pub delegate: bool,
+    /// Shared pools (default true): this agent maps the pools that
+    /// same-host targets share with it ([`crate::pool`]) and copies into
+    /// and out of them itself, and hands its own registered pools to the
+    /// initiators that ask. `false`: it does neither; pools move as any
+    /// host memory.
+    pub pools: bool,
 }
 
 impl Default for ShmConfig {
@@ -157,6 +163,7 @@ impl Default for ShmConfig {
                 .map_or(1, |n| n.get())
                 .min(4),
             delegate: true,
+            pools: true,
         }
     }
 }
@@ -617,6 +624,13 @@ impl AgentConfig {
     /// ([`ShmConfig::copy_threads`]).
     pub fn with_shm_copy_threads(mut self, n: usize) -> Self {
         self.shm.copy_threads = n;
+        self
+    }
+
+    /// Sets whether this agent maps and hands out shared pools (see
+    /// [`ShmConfig::pools`]).
+    pub fn with_shm_pools(mut self, on: bool) -> Self {
+        self.shm.pools = on;
         self
     }
 

@@ -8,6 +8,7 @@ use std::sync::{Arc, RwLock};
 use crate::desc::{ExportedRegion, RegionKey};
 use crate::error::{Error, RejectReason};
 use crate::memory::{MemoryDesc, MemoryDescs, MemoryType, RegionMap};
+use crate::pool::Share;
 use crate::small::Few;
 
 /// One local registration.
@@ -27,6 +28,8 @@ pub(crate) struct LocalRegion {
     /// GPU memory: where it sits in its allocation, and the allocation's
     /// IPC handle.
     pub(crate) gpu: Option<GpuRegion>,
+    /// A shared pool ([`crate::pool`]): the file same-host peers may map.
+    pub(crate) share: Option<Share>,
 }
 
 /// What a VRAM region keeps of its allocation.
@@ -154,6 +157,7 @@ impl Registry {
         backend: &'static str,
         registrars: &[&dyn Registrar],
         gpu: &[GpuRegion],
+        share: Option<&Share>,
     ) -> Result<(), Error> {
         if !supported.contains(&descs.mem_type) {
             return Err(Error::UnsupportedMemoryType {
@@ -185,12 +189,13 @@ impl Registry {
         }
         for (i, (d, handles)) in descs.descs.iter().zip(handles).enumerate() {
             let region = Arc::new(LocalRegion {
-                key: crate::auth::random_u64(),
+                key: crate::pool::access_key(crate::auth::random_u64(), share.is_some()),
                 desc: *d,
                 storage_slot: std::sync::OnceLock::new(),
                 busy: AtomicUsize::new(0),
                 handles,
                 gpu: gpu.get(i).copied(),
+                share: share.cloned(),
             });
             map.insert(descs.mem_type, *d, region)
                 .expect("checked above under the same lock");
@@ -373,6 +378,14 @@ impl Registry {
             .collect()
     }
 
+    /// The shared pool registered under `key`, with its range.
+    pub(crate) fn shared(&self, key: u64) -> Option<(MemoryDesc, Share)> {
+        self.read()
+            .iter()
+            .find(|r| r.value.key == key)
+            .and_then(|r| Some((r.desc, r.value.share.clone()?)))
+    }
+
     /// Admits an access to host or GPU memory `[addr, addr + len)`
     /// presenting `key`, by a path that moves GPU memory (the in-process
     /// one): never storage.
@@ -486,7 +499,7 @@ mod tests {
 
     fn reg(r: &Registry, d: &MemoryDescs, t: &[MemoryType], b: &'static str) -> Result<(), Error> {
         // SAFETY: no device: nothing accesses the (fake) ranges.
-        unsafe { r.register(d, t, b, &[], &[]) }
+        unsafe { r.register(d, t, b, &[], &[], None) }
     }
 
     fn dram(descs: &[(u64, u64)]) -> MemoryDescs {
@@ -564,7 +577,7 @@ mod tests {
         };
         let types = [MemoryType::Dram, MemoryType::File];
         // SAFETY: the fake device touches no memory.
-        let register = |d: &MemoryDescs| unsafe { r.register(d, &types, "t", &[&fake], &[]) };
+        let register = |d: &MemoryDescs| unsafe { r.register(d, &types, "t", &[&fake], &[], None) };
         register(&dram(&[(0x1000, 100), (0x2000, 100)])).unwrap();
         assert_eq!(fake.alive.load(Ordering::SeqCst), 2);
         // One refused: the handle made before it is dropped, nothing added.

@@ -111,6 +111,17 @@ impl Drop for Unprivileged {
     }
 }
 
+/// The other side of a copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Peer {
+    /// Another process, reached by cross-memory attach; pieces' remote
+    /// addresses are that process's.
+    Process(u32),
+    /// Memory mapped into this process (a peer's shared pool): pieces'
+    /// remote addresses are this process's, and the copy is `memcpy`.
+    Mapped,
+}
+
 /// Direction of a cross-memory copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Direction {
@@ -170,14 +181,23 @@ fn push_iov(v: &mut Vec<libc::iovec>, addr: u64, len: u64) {
 /// Every `local` range must be valid for reads (`Write`) or writes (`Read`)
 /// for the whole call, and not accessed by Rust code meanwhile (with
 /// `sums`, also readable, and not written meanwhile by anyone else).
+///
+/// With [`Peer::Mapped`] the remote ranges must be valid for writes
+/// (`Write`) or reads (`Read`) in this process for the whole call, as the
+/// local ones.
 pub(crate) unsafe fn copy(
-    pid: u32,
+    peer: Peer,
     dir: Direction,
     pieces: &[Piece],
     stop: &(dyn Fn() -> bool + Sync),
     mut sums: Option<&mut [u32]>,
 ) -> io::Result<bool> {
     debug_assert!(sums.as_ref().is_none_or(|s| s.len() == pieces.len()));
+    let pid = match peer {
+        Peer::Process(pid) => pid,
+        // SAFETY: forwarded contract.
+        Peer::Mapped => return Ok(unsafe { copy_mapped(dir, pieces, stop, sums) }),
+    };
     let pid =
         libc::pid_t::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let mut local = Vec::with_capacity(IOV_MAX.min(pieces.len()));
@@ -272,6 +292,57 @@ pub(crate) unsafe fn copy(
     Ok(true)
 }
 
+/// [`copy`] within this process: each piece by `memcpy`, in parts of at
+/// most [`CALL_MAX_BYTES`] (of `integrity::CHECK_CHUNK` when summing: the
+/// sum reads the part from cache), `stop` asked before each part.
+///
+/// # Safety
+/// As [`copy`] with [`Peer::Mapped`].
+unsafe fn copy_mapped(
+    dir: Direction,
+    pieces: &[Piece],
+    stop: &(dyn Fn() -> bool + Sync),
+    mut sums: Option<&mut [u32]>,
+) -> bool {
+    let part = if sums.is_some() {
+        crate::integrity::CHECK_CHUNK as u64
+    } else {
+        CALL_MAX_BYTES
+    };
+    for (i, p) in pieces.iter().enumerate() {
+        let mut sum = sums.is_some().then(Crc32c::new);
+        let mut off = 0;
+        while off < p.len {
+            if stop() {
+                return false;
+            }
+            let n = (p.len - off).min(part);
+            let (from, to) = match dir {
+                Direction::Write => (p.local + off, p.remote + off),
+                Direction::Read => (p.remote + off, p.local + off),
+            };
+            // SAFETY: both ranges are valid per the contract; they lie in
+            // different mappings (a registered local region and a peer's
+            // pool), so they do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, n as usize);
+            }
+            if let Some(c) = sum.as_mut() {
+                // SAFETY: the local range, readable per the contract, just
+                // copied.
+                c.update(unsafe {
+                    std::slice::from_raw_parts((p.local + off) as *const u8, n as usize)
+                });
+            }
+            off += n;
+        }
+        if let (Some(sums), Some(c)) = (sums.as_deref_mut(), sum) {
+            sums[i] = c.finish();
+        }
+    }
+    true
+}
+
 /// Splits `pieces` into `parts` runs of about equal bytes (splitting pieces
 /// where needed), in order.
 pub(crate) fn split(pieces: &[Piece], parts: usize) -> Vec<Vec<Piece>> {
@@ -309,7 +380,7 @@ pub(crate) fn split(pieces: &[Piece], parts: usize) -> Vec<Vec<Piece>> {
 /// # Safety
 /// As [`copy`].
 pub(crate) unsafe fn copy_parallel(
-    pid: u32,
+    peer: Peer,
     dir: Direction,
     pieces: &[Piece],
     (threads, min_bytes): (usize, u64),
@@ -319,7 +390,7 @@ pub(crate) unsafe fn copy_parallel(
     let total: u64 = pieces.iter().map(|p| p.len).sum();
     if threads <= 1 || total < min_bytes {
         // SAFETY: forwarded contract.
-        return unsafe { copy(pid, dir, pieces, stop, sums) };
+        return unsafe { copy(peer, dir, pieces, stop, sums) };
     }
     let parts = split(pieces, threads);
     let summed = sums.is_some();
@@ -335,13 +406,13 @@ pub(crate) unsafe fn copy_parallel(
                 let ps = summed.then_some(ps.as_mut_slice());
                 // SAFETY: forwarded contract; each part is a subset of
                 // `pieces`.
-                s.spawn(move || unsafe { copy(pid, dir, part, stop, ps) })
+                s.spawn(move || unsafe { copy(peer, dir, part, stop, ps) })
             })
             .collect();
         // SAFETY: forwarded contract.
         let first = unsafe {
             copy(
-                pid,
+                peer,
                 dir,
                 part0,
                 stop,
@@ -455,7 +526,15 @@ mod tests {
                 len: 8,
             }];
             // SAFETY: `w` is written by the kernel only.
-            unsafe { copy(pid, Direction::Read, &pieces, &|| false, None) }
+            unsafe {
+                copy(
+                    Peer::Process(pid),
+                    Direction::Read,
+                    &pieces,
+                    &|| false,
+                    None,
+                )
+            }
         };
         let before = caps::read(None, CapSet::Effective).unwrap();
         assert!(before.contains(&caps::Capability::CAP_SYS_PTRACE));
@@ -525,7 +604,7 @@ mod tests {
         unsafe {
             assert!(
                 copy_parallel(
-                    std::process::id(),
+                    Peer::Process(std::process::id()),
                     Direction::Write,
                     &pieces,
                     (3, 1),
@@ -580,7 +659,7 @@ mod tests {
             // side is `dst`, touched only by the kernel during the call.
             let copied = unsafe {
                 copy_parallel(
-                    std::process::id(),
+                    Peer::Process(std::process::id()),
                     dir,
                     pieces,
                     (threads, 1),
@@ -640,7 +719,15 @@ mod tests {
         let stop = || calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 1;
         // SAFETY: `src` is valid for reads; `dst` is written by the kernel
         // only and read after the call.
-        let done = unsafe { copy(std::process::id(), Direction::Write, &pieces, &stop, None) };
+        let done = unsafe {
+            copy(
+                Peer::Process(std::process::id()),
+                Direction::Write,
+                &pieces,
+                &stop,
+                None,
+            )
+        };
         assert!(!done.unwrap());
         let dst = std::hint::black_box(dst);
         let copied = dst.iter().take_while(|&&b| b == 0xa5).count();
@@ -687,7 +774,14 @@ mod tests {
                 // SAFETY: `src` is readable; `other` is written by the kernel
                 // only and read after the call.
                 assert!(unsafe {
-                    copy(std::process::id(), Direction::Write, &w, &|| false, None).unwrap()
+                    copy(
+                        Peer::Process(std::process::id()),
+                        Direction::Write,
+                        &w,
+                        &|| false,
+                        None,
+                    )
+                    .unwrap()
                 });
             }
             let pieces: Vec<Piece> = (0..n)
@@ -699,7 +793,16 @@ mod tests {
                 .collect();
             // SAFETY: local ranges lie in `src` (readable) or `here`
             // (written by the kernel only, read after the call).
-            assert!(unsafe { copy(std::process::id(), dir, &pieces, &|| false, None).unwrap() });
+            assert!(unsafe {
+                copy(
+                    Peer::Process(std::process::id()),
+                    dir,
+                    &pieces,
+                    &|| false,
+                    None,
+                )
+                .unwrap()
+            });
             let (other, here) = (std::hint::black_box(other), std::hint::black_box(here));
             let mut touched = vec![false; r as usize];
             for i in 0..n as usize {

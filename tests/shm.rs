@@ -176,3 +176,157 @@ fn scattered_write_to_another_process() {
     assert_eq!(peer.cmd("msgs"), "init=s");
     a.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
 }
+
+/// The initiator's count of requests copied through a mapped pool.
+fn pooled_copies(a: &dyn kvxfer::TransferAgent) -> u64 {
+    a.metrics_text()
+        .lines()
+        .find(|l| l.starts_with("kvxfer_shm_pool_copies_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0, |v| v.parse().unwrap())
+}
+
+/// Mappings of shared pools in this process.
+fn pool_mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("memfd:kvxfer-pool"))
+        .count()
+}
+
+/// A same-host target's shared pool is mapped by the initiator and copied
+/// with plain loads and stores, both ways, scattered pieces included; a
+/// read-only pool is only read that way (a WRITE into it goes the
+/// cross-memory way and lands all the same); deregistration at the target
+/// unmaps it here before it returns, and a pool registered again is
+/// mapped again. (One test: the mapping count is the process's.)
+#[test]
+fn shared_pools_are_mapped_copied_and_revoked() {
+    const LEN: u64 = 4 << 20;
+    let mut peer = PeerProc::spawn(
+        "pool-target",
+        LEN,
+        1,
+        &[("KVXFER_TEST_BACKEND", "shm"), ("KVXFER_PEER_POOL", "rw")],
+    );
+    let a = agent("pool-init", Backend::Shm);
+    let name = a.load_remote_agent_by_connection(&peer.conn).unwrap();
+    assert_eq!(a.remote_transport(&name).unwrap(), "shm");
+    let before = pool_mappings();
+    write_and_check(a.as_ref(), &name, &mut peer, 2);
+    assert_eq!(
+        pooled_copies(a.as_ref()),
+        1,
+        "the WRITE went through the pool"
+    );
+    assert_eq!(pool_mappings(), before + 1, "mapped once");
+
+    // Scattered: 64 KiB pieces into reversed slots; then READ it all back.
+    let piece = 64 << 10;
+    let n = LEN / piece;
+    let mut src = vec![0u8; LEN as usize];
+    fill(&mut src, 3, 0);
+    register(a.as_ref(), &src);
+    let local: Vec<(u64, u64)> = (0..n)
+        .map(|i| (src.as_ptr() as u64 + i * piece, piece))
+        .collect();
+    let remote: Vec<(u64, u64)> = (0..n)
+        .map(|i| (peer.addr + (n - 1 - i) * piece, piece))
+        .collect();
+    a.submit_transfer(&TransferRequest::write(dram(local), dram(remote), &name))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap();
+    let dst = vec![0u8; LEN as usize];
+    register(a.as_ref(), &dst);
+    a.submit_transfer(&TransferRequest::read(
+        MemoryDescs::dram(&dst),
+        peer.range(0, LEN),
+        &name,
+    ))
+    .unwrap()
+    .wait_success(WAIT)
+    .unwrap();
+    a.deregister_memory(&MemoryDescs::dram(&dst)).unwrap();
+    for i in 0..n as usize {
+        let at = (n as usize - 1 - i) * piece as usize;
+        assert!(
+            dst[at..at + piece as usize] == src[i * piece as usize..(i + 1) * piece as usize],
+            "piece {i}"
+        );
+    }
+    assert_eq!(pooled_copies(a.as_ref()), 3);
+    assert_eq!(pool_mappings(), before + 1, "still mapped once");
+    // Checked end to end: summed here as it is copied, checked there.
+    a.submit_transfer(
+        &TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, LEN), &name)
+            .with_integrity(),
+    )
+    .unwrap()
+    .wait_success(WAIT)
+    .unwrap();
+    assert_eq!(peer.cmd(&format!("check 3 0 {LEN}")), "OK");
+    assert_eq!(pooled_copies(a.as_ref()), 4);
+
+    // Deregistered at the target: unmapped here by the time it answers.
+    assert_eq!(peer.cmd("dereg"), "OK");
+    assert_eq!(pool_mappings(), before, "revoked");
+    let err = a
+        .submit_transfer(&TransferRequest::write(
+            MemoryDescs::dram(&src),
+            peer.range(0, LEN),
+            &name,
+        ))
+        .and_then(|s| s.wait_success(WAIT))
+        .unwrap_err();
+    assert!(matches!(err, Error::RemoteRejected { .. }), "{err}");
+    // Registered again (a new key): mapped again once the descriptor is.
+    assert_eq!(peer.cmd("reg"), "OK");
+    let name = a.load_remote_agent_by_connection(&peer.conn).unwrap();
+    a.submit_transfer(&TransferRequest::write(
+        MemoryDescs::dram(&src),
+        peer.range(0, LEN),
+        &name,
+    ))
+    .unwrap()
+    .wait_success(WAIT)
+    .unwrap();
+    assert_eq!(peer.cmd(&format!("check 3 0 {LEN}")), "OK");
+    assert_eq!(pooled_copies(a.as_ref()), 5);
+    assert_eq!(pool_mappings(), before + 1);
+    a.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
+
+    // Read-only: READs through the mapping, WRITEs the cross-memory way.
+    let mut ro = PeerProc::spawn(
+        "pool-ro",
+        1 << 20,
+        5,
+        &[("KVXFER_TEST_BACKEND", "shm"), ("KVXFER_PEER_POOL", "ro")],
+    );
+    let ro_name = a.load_remote_agent_by_connection(&ro.conn).unwrap();
+    let count = pooled_copies(a.as_ref());
+    write_and_check(a.as_ref(), &ro_name, &mut ro, 6);
+    assert_eq!(
+        pooled_copies(a.as_ref()),
+        count,
+        "no WRITE through a read-only pool"
+    );
+    let back = vec![0u8; 1 << 20];
+    register(a.as_ref(), &back);
+    a.submit_transfer(&TransferRequest::read(
+        MemoryDescs::dram(&back),
+        ro.range(0, 1 << 20),
+        &ro_name,
+    ))
+    .unwrap()
+    .wait_success(WAIT)
+    .unwrap();
+    a.deregister_memory(&MemoryDescs::dram(&back)).unwrap();
+    assert!(first_mismatch(&back, 6, 0).is_none());
+    assert_eq!(pooled_copies(a.as_ref()), count + 1, "the READ through it");
+    drop(back);
+    // The initiator's agent closing unmaps every pool.
+    drop(a);
+    assert_eq!(pool_mappings(), before);
+}

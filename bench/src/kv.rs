@@ -102,17 +102,28 @@ pub struct KvArgs {
     /// per piece, checked where it lands (the raw rounds stay unchecked).
     #[arg(long)]
     integrity: bool,
+    /// Host pools are shared pools (`SharedPool`, registered with
+    /// `register_shared_pool`): on shm, every copy goes through the
+    /// target's pool mapped in the initiator.
+    #[arg(long)]
+    shared_pool: bool,
 }
 
 /// A rank's block pool: host memory, or GPU memory.
 enum Pool {
     Host(Vec<u8>),
     Gpu(kvxfer::gpu::DeviceBuffer),
+    Shared(kvxfer::SharedPool),
 }
 
 impl Pool {
-    fn new(memory: &str, gpu: u32, len: u64) -> Result<Self> {
-        Ok(if memory == "vram" {
+    fn new(memory: &str, gpu: u32, len: u64, shared: bool) -> Result<Self> {
+        Ok(if shared && memory != "vram" {
+            let p = kvxfer::SharedPool::new(usize::try_from(len)?)?;
+            // SAFETY: the pool is this rank's alone until registered.
+            unsafe { std::ptr::write_bytes(p.as_ptr(), 0x5a, len as usize) };
+            Pool::Shared(p)
+        } else if memory == "vram" {
             let b = kvxfer::gpu::DeviceBuffer::new(gpu, len).context("allocating a GPU pool")?;
             b.write(0, &vec![0x5au8; len as usize])?;
             Pool::Gpu(b)
@@ -125,6 +136,7 @@ impl Pool {
         match self {
             Pool::Host(v) => v.as_ptr() as u64,
             Pool::Gpu(b) => b.addr(),
+            Pool::Shared(p) => p.as_ptr() as u64,
         }
     }
 
@@ -132,19 +144,20 @@ impl Pool {
         match self {
             Pool::Host(v) => v.len() as u64,
             Pool::Gpu(b) => b.len(),
+            Pool::Shared(p) => p.len() as u64,
         }
     }
 
     fn mem_type(&self) -> MemoryType {
         match self {
-            Pool::Host(_) => MemoryType::Dram,
+            Pool::Host(_) | Pool::Shared(_) => MemoryType::Dram,
             Pool::Gpu(_) => MemoryType::Vram,
         }
     }
 
     fn device(&self) -> u32 {
         match self {
-            Pool::Host(_) => 0,
+            Pool::Host(_) | Pool::Shared(_) => 0,
             Pool::Gpu(b) => b.device(),
         }
     }
@@ -161,6 +174,14 @@ impl Pool {
         match self {
             Pool::Host(v) => v[at..at + data.len()].copy_from_slice(data),
             Pool::Gpu(b) => b.write(at as u64, data)?,
+            Pool::Shared(p) => {
+                assert!(at + data.len() <= p.len());
+                // SAFETY: inside the pool (checked); no transfer is in
+                // flight while the benchmark fills or reads its pools.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(data.as_ptr(), p.as_ptr().add(at), data.len())
+                }
+            }
         }
         Ok(())
     }
@@ -169,6 +190,11 @@ impl Pool {
     fn read(&self, at: usize, len: usize) -> Result<Vec<u8>> {
         Ok(match self {
             Pool::Host(v) => v[at..at + len].to_vec(),
+            Pool::Shared(p) => {
+                assert!(at + len <= p.len());
+                // SAFETY: as in `write`.
+                unsafe { std::slice::from_raw_parts(p.as_ptr().add(at), len) }.to_vec()
+            }
             Pool::Gpu(b) => {
                 let mut out = vec![0u8; len];
                 b.read(at as u64, &mut out)?;
@@ -215,10 +241,16 @@ impl Rank {
         let backend: Backend = a.backend.parse()?;
         let cfg = AgentConfig::new(name).with_shm_delegate(!a.no_shm_delegate);
         let agent: Arc<dyn TransferAgent> = Arc::from(make_transfer_agent(backend, cfg)?);
-        let pool = Pool::new(&a.memory, a.gpu, slice.block_bytes() * u64::from(blocks))?;
-        // SAFETY: the pool lives in `Rank` with the agent; senders and
-        // receivers using the agent are dropped before the ranks.
-        unsafe { agent.register_memory(&pool.descs())? };
+        let len = slice.block_bytes() * u64::from(blocks);
+        let pool = Pool::new(&a.memory, a.gpu, len, a.shared_pool)?;
+        match &pool {
+            Pool::Shared(p) => {
+                agent.register_shared_pool(p, kvxfer::PoolAccess::ReadWrite)?;
+            }
+            // SAFETY: the pool lives in `Rank` with the agent; senders and
+            // receivers using the agent are dropped before the ranks.
+            _ => unsafe { agent.register_memory(&pool.descs())? },
+        }
         Ok(Self { agent, slice, pool })
     }
 

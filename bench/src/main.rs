@@ -67,6 +67,11 @@ struct Args {
     /// Threads copying one large shm request (default: the library's).
     #[arg(long)]
     shm_copy_threads: Option<usize>,
+    /// The target's host memory is a shared pool (`SharedPool`, shared
+    /// read-write): a same-host shm initiator maps it and copies with
+    /// `memcpy` (`kvxfer_shm_pool_copies_total`).
+    #[arg(long)]
+    shared_pool: bool,
     /// Bytes per pinned buffer of the GPU staging rings, both sides
     /// (default: the library's).
     #[arg(long, value_parser = parse_size)]
@@ -457,6 +462,8 @@ impl Buffer {
 enum Mem {
     Host(Buffer),
     Gpu(kvxfer::gpu::DeviceBuffer),
+    /// Host memory in a shared pool (the target's, `--shared-pool`).
+    Pool(kvxfer::SharedPool),
 }
 
 impl Mem {
@@ -482,14 +489,14 @@ impl Mem {
 
     fn mem_type(&self) -> MemoryType {
         match self {
-            Mem::Host(_) => MemoryType::Dram,
+            Mem::Host(_) | Mem::Pool(_) => MemoryType::Dram,
             Mem::Gpu(_) => MemoryType::Vram,
         }
     }
 
     fn device(&self) -> u32 {
         match self {
-            Mem::Host(_) => 0,
+            Mem::Host(_) | Mem::Pool(_) => 0,
             Mem::Gpu(b) => b.device(),
         }
     }
@@ -498,12 +505,14 @@ impl Mem {
         match self {
             Mem::Host(b) => b.addr(),
             Mem::Gpu(b) => b.addr(),
+            Mem::Pool(p) => p.as_ptr() as u64,
         }
     }
 
     fn desc(&self) -> MemoryDescs {
         match self {
             Mem::Host(b) => b.desc(),
+            Mem::Pool(p) => p.descs(),
             Mem::Gpu(b) => MemoryDescs::new(
                 MemoryType::Vram,
                 vec![MemoryDesc::new(b.addr(), b.len(), b.device())],
@@ -546,10 +555,22 @@ fn run_target(args: &Args, listen: SocketAddr) -> Result<()> {
         cfg = cfg.with_advertise(a.clone());
     }
     let agent = make_transfer_agent(backend, cfg)?;
-    let buf = Mem::new(args.dst_kind(), args.region_size, args.gpu)?;
-    // SAFETY: `buf` lives until after the agent is dropped at the end of
-    // this function; this process never touches it otherwise.
-    unsafe { agent.register_memory(&buf.desc())? };
+    let buf = if args.shared_pool {
+        let len = usize::try_from(args.region_size)?;
+        let pool = kvxfer::SharedPool::new(len)?;
+        // SAFETY: the pool's bytes are this process's alone until it is
+        // registered below.
+        unsafe { std::ptr::write_bytes(pool.as_ptr(), 0x5a, len) };
+        agent.register_shared_pool(&pool, kvxfer::PoolAccess::ReadWrite)?;
+        Mem::Pool(pool)
+    } else {
+        Mem::new(args.dst_kind(), args.region_size, args.gpu)?
+    };
+    if !args.shared_pool {
+        // SAFETY: `buf` lives until after the agent is dropped at the end
+        // of this function; this process never touches it otherwise.
+        unsafe { agent.register_memory(&buf.desc())? };
+    }
     let mut out = std::io::stdout().lock();
     writeln!(out, "LISTENING {}", agent.local_connection_info())?;
     out.flush()?;
@@ -599,6 +620,9 @@ fn spawn_target(args: &Args, region: u64) -> Result<(Child, String)> {
     }
     if let Some(n) = args.gpu_staging_slots {
         cmd.args(["--gpu-staging-slots", &n.to_string()]);
+    }
+    if args.shared_pool {
+        cmd.arg("--shared-pool");
     }
     let mut child = cmd
         .args([

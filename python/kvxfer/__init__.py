@@ -39,6 +39,8 @@ from ._kvxfer import (  # noqa: F401
 __all__ = [
     "Agent",
     "Registration",
+    "SharedPool",
+    "PoolRegistration",
     "Transfer",
     "CompletionQueue",
     "KvxferError",
@@ -270,6 +272,65 @@ def _tensor_range(obj):
     return None
 
 
+class SharedPool(_kvxfer.SharedPool):
+    """Host memory in a memory file, mapped shared: `SharedPool(size)` or
+    `SharedPool(fd=...)` (all of that memory file). Registered with
+    `Agent.register_pool`, same-host shm peers map it once and copy with
+    plain loads and stores. `buffer()` is a writable view of its bytes
+    (valid while the pool object lives)."""
+
+    def buffer(self):
+        """A writable `memoryview` of the pool's bytes (it keeps the pool
+        alive)."""
+        arr = (ctypes.c_char * len(self)).from_address(self.addr)
+        arr._pool = self
+        return memoryview(arr).cast("B")
+
+
+class PoolRegistration:
+    """A `SharedPool` registered with an agent (`Agent.register_pool`):
+    `descs()`, `deregister()` (which revokes every peer's mapping before
+    it returns), a context manager. Holds the pool while registered."""
+
+    def __init__(self, agent, pool, read_only=False):
+        self._agent = agent
+        self._pool = pool
+        self.addr, self.len = agent.register_shared_pool(pool, read_only)
+        self.mem_type = "dram"
+        self.device = 0
+        self._live = True
+
+    def descs(self, offset=0, length=None):
+        """`[(address, length)]` for `length` bytes from `offset` (default:
+        to the end), checked against the registration."""
+        if length is None:
+            length = self.len - offset
+        if offset < 0 or length <= 0 or offset + length > self.len:
+            raise ValueError(
+                f"range {offset}+{length} outside the registered {self.len} bytes"
+            )
+        return [(self.addr + offset, length)]
+
+    def deregister(self):
+        """Deregisters the pool and revokes it from every peer."""
+        if not self._live:
+            return
+        self._agent.deregister_raw([(self.addr, self.len, 0)], "dram")
+        self._live = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.deregister()
+
+    def __del__(self):
+        try:
+            self.deregister()
+        except Exception:
+            pass
+
+
 class Agent(_kvxfer.Agent):
     """A kvxfer agent. `Agent(name, backend="tcp", listen=None, secret=None,
     connect_timeout=10.0, io_timeout=30.0, etcd=None, etcd_prefix="/kvxfer",
@@ -283,6 +344,11 @@ class Agent(_kvxfer.Agent):
         GPU memory, checked by the driver: `GpuError` when it is not, or no
         driver is present); returns its `Registration`."""
         return Registration(self, obj)
+
+    def register_pool(self, pool, read_only=False):
+        """Registers a `SharedPool` for same-host peers to map (read only
+        with `read_only`); returns its `PoolRegistration`."""
+        return PoolRegistration(self, pool, read_only)
 
     def write(self, local, remote, remote_agent, notif=None):
         """WRITE `local` `(address, length)` pieces into `remote` ones at

@@ -312,6 +312,25 @@ impl PyAgent {
         unsafe { self.agent.register_memory(&d) }.map_err(to_py)
     }
 
+    /// Registers all of `pool` (a `SharedPool`) as host memory that
+    /// same-host shm peers map and copy with `memcpy` (read only with
+    /// `read_only`); returns its `(address, length)`. Deregister it with
+    /// `deregister_raw`, which also revokes every peer's mapping.
+    #[pyo3(signature = (pool, read_only = false))]
+    fn register_shared_pool(&self, pool: &PySharedPool, read_only: bool) -> PyResult<(u64, u64)> {
+        let access = if read_only {
+            kvxfer::PoolAccess::ReadOnly
+        } else {
+            kvxfer::PoolAccess::ReadWrite
+        };
+        let d = self
+            .agent
+            .register_shared_pool(&pool.pool, access)
+            .map_err(to_py)?;
+        let d = d.descs[0];
+        Ok((d.addr, d.len))
+    }
+
     /// Deregisters ranges registered by `register_raw` (refused while
     /// transfers use them).
     #[pyo3(signature = (descs, mem_type = "dram"))]
@@ -905,6 +924,52 @@ impl PyCompletionQueue {
     }
 }
 
+/// Host memory in a memory file, mapped shared: registered with
+/// `Agent.register_shared_pool`, same-host peers map it and copy into and
+/// out of it with plain loads and stores (see the Rust `kvxfer::pool`).
+#[pyclass(module = "kvxfer._kvxfer", name = "SharedPool", subclass, frozen)]
+pub(crate) struct PySharedPool {
+    pool: kvxfer::SharedPool,
+}
+
+#[pymethods]
+impl PySharedPool {
+    /// A new zero-filled pool of `size` bytes (`memfd_create`), or, with
+    /// `fd`, a pool over all of that memory file (duplicated; the caller
+    /// keeps its descriptor).
+    #[new]
+    #[pyo3(signature = (size = None, fd = None))]
+    fn new(size: Option<usize>, fd: Option<i32>) -> PyResult<Self> {
+        let pool = match (size, fd) {
+            (Some(n), None) => kvxfer::SharedPool::new(n),
+            (None, Some(fd)) => {
+                // SAFETY: only borrowed for the duplication; the caller
+                // keeps ownership of `fd`.
+                let b = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+                let owned = b.try_clone_to_owned().map_err(|e| to_py(Error::from(e)))?;
+                kvxfer::SharedPool::from_fd(owned)
+            }
+            _ => {
+                return Err(PyValueError::new_err(
+                    "SharedPool takes a size or a file descriptor",
+                ));
+            }
+        }
+        .map_err(to_py)?;
+        Ok(Self { pool })
+    }
+
+    /// The pool's first byte.
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.pool.as_ptr() as u64
+    }
+
+    fn __len__(&self) -> usize {
+        self.pool.len()
+    }
+}
+
 /// The device ordinal of the GPU memory at `addr` (`GpuError` when it is
 /// not GPU memory or no CUDA driver is present).
 #[pyfunction]
@@ -916,6 +981,7 @@ fn gpu_device_of(addr: u64) -> PyResult<u32> {
 fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu_device_of, m)?)?;
     m.add_class::<PyAgent>()?;
+    m.add_class::<PySharedPool>()?;
     m.add_class::<PyTransfer>()?;
     m.add_class::<PyCompletionQueue>()?;
     m.add_class::<PyDescList>()?;

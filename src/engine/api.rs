@@ -78,8 +78,41 @@ impl TransferAgent for Engine {
                 self.inner.mode.as_str(),
                 &registrars,
                 &gpu,
+                None,
             )
         }
+    }
+
+    fn register_shared_pool(
+        &self,
+        pool: &crate::pool::SharedPool,
+        access: crate::pool::PoolAccess,
+    ) -> Result<MemoryDescs, Error> {
+        let descs = pool.descs();
+        let share = crate::pool::Share {
+            pool: Arc::clone(pool.mapping()),
+            writable: access == crate::pool::PoolAccess::ReadWrite,
+        };
+        let registrars: Few<&dyn crate::registry::Registrar> = self
+            .inner
+            .transports
+            .iter()
+            .filter_map(|t| t.registrar())
+            .collect();
+        // SAFETY: the registration holds the pool's mapping (`share`), so
+        // the range stays mapped while registered; the application reaches
+        // the pool's bytes only through raw pointers.
+        unsafe {
+            self.inner.registry.register(
+                &descs,
+                SUPPORTED,
+                self.inner.mode.as_str(),
+                &registrars,
+                &[],
+                Some(&share),
+            )
+        }?;
+        Ok(descs)
     }
 
     fn deregister_memory(&self, descs: &MemoryDescs) -> Result<(), Error> {
@@ -88,6 +121,13 @@ impl TransferAgent for Engine {
             // buffers before the caller may free it.
             if let Some(Some(slot)) = region.storage_slot.get() {
                 self.inner.storage.forget_buffer(*slot);
+            }
+            // A shared pool: every peer's mapping of it goes before this
+            // returns.
+            if region.share.is_some() {
+                for t in &self.inner.transports {
+                    t.revoke(&self.inner, region.key);
+                }
             }
         }
         Ok(())

@@ -26,7 +26,7 @@ use crate::engine::target::{Conn, HeldSync};
 use crate::engine::transport::{Link, SessionState, Submission, Transport};
 use crate::engine::wire::{CommitOp, HEADER_LEN, status};
 use crate::engine::{
-    Inner, PARALLEL_COPY_MIN, cma_wire, local_proof, lock, socket_link, tick, wire,
+    Inner, PARALLEL_COPY_MIN, cma_wire, local_proof, lock, pool, socket_link, tick, wire,
 };
 use crate::error::{Error, RejectReason};
 use crate::memory::MemoryType;
@@ -72,6 +72,9 @@ pub(in crate::engine) struct Shm {
     proof_thread: Mutex<Option<JoinHandle<()>>>,
     /// Delegated cross-memory copies this agent has done for initiators.
     delegated: AtomicU64,
+    /// Requests this agent copied through a target's shared pool mapped
+    /// here (shared with its links).
+    pooled: Arc<AtomicU64>,
 }
 
 impl Shm {
@@ -89,7 +92,7 @@ impl Shm {
         if !matches!(backend, Backend::Shm | Backend::Auto) {
             return None;
         }
-        let proofs = if config.shm.delegate {
+        let proofs = if config.shm.delegate || config.shm.pools {
             match local_proof::Listener::bind(instance) {
                 Ok(l) => Some(Arc::new(l)),
                 Err(e) => {
@@ -108,6 +111,7 @@ impl Shm {
             stopping: Arc::default(),
             proof_thread: Mutex::new(None),
             delegated: AtomicU64::new(0),
+            pooled: Arc::default(),
         }))
     }
 
@@ -267,12 +271,20 @@ impl Transport for Shm {
     }
 
     fn counters(&self) -> Vec<Counter> {
-        vec![Counter {
-            name: "kvxfer_shm_delegated_copies_total",
-            help: "Cross-memory copies this agent did for same-host initiators (delegated).",
-            value: self.delegated.load(Ordering::Relaxed),
-            labels: Vec::new(),
-        }]
+        vec![
+            Counter {
+                name: "kvxfer_shm_delegated_copies_total",
+                help: "Cross-memory copies this agent did for same-host initiators (delegated).",
+                value: self.delegated.load(Ordering::Relaxed),
+                labels: Vec::new(),
+            },
+            Counter {
+                name: "kvxfer_shm_pool_copies_total",
+                help: "Requests this agent copied through a same-host target's shared pool, mapped here.",
+                value: self.pooled.load(Ordering::Relaxed),
+                labels: Vec::new(),
+            },
+        ]
     }
 
     fn serve_frame(
@@ -296,13 +308,20 @@ impl Transport for Shm {
             Arc::clone(&self.stopping),
         );
         let (name, timeout) = (inner.config.name.clone(), inner.config.connect_timeout);
+        let registry = Arc::clone(&inner.registry);
         let t = std::thread::Builder::new()
             .name(format!("kvxfer-local-{name}"))
             .spawn(move || {
                 let stop = || stopping.load(Ordering::SeqCst);
                 l.serve(timeout, &stop, &|ticket, peer| {
-                    let s = lock(&sessions).get(&ticket).cloned();
-                    s.is_some_and(|s| s.prove(&name, peer))
+                    let s = lock(&sessions).get(&ticket).cloned()?;
+                    if !s.prove(&name, peer) {
+                        return None;
+                    }
+                    let registry = Arc::clone(&registry);
+                    Some(Box::new(move |conn| {
+                        s.keep_channel(conn, registry, timeout)
+                    }))
                 });
             })?;
         *lock(&self.proof_thread) = Some(t);
@@ -311,6 +330,10 @@ impl Transport for Shm {
 
     fn stop(&self) {
         self.stopping.store(true, Ordering::SeqCst);
+        let sessions: Vec<_> = lock(&self.sessions).values().cloned().collect();
+        for s in sessions {
+            s.close_channel();
+        }
         let t = lock(&self.proof_thread).take();
         if let (Some(l), Some(t)) = (&self.proofs, t) {
             l.wake();
@@ -325,7 +348,17 @@ impl Transport for Shm {
     }
 
     fn close_session(&self, ticket: u128) {
-        lock(&self.sessions).remove(&ticket);
+        let s = lock(&self.sessions).remove(&ticket);
+        if let Some(s) = s {
+            s.close_channel();
+        }
+    }
+
+    fn revoke(&self, inner: &Inner, key: u64) {
+        let sessions: Vec<_> = lock(&self.sessions).values().cloned().collect();
+        for s in sessions {
+            s.revoke(key, inner.config.io_timeout);
+        }
     }
 }
 
@@ -343,6 +376,11 @@ pub(in crate::engine) struct CmaParts {
     delegate_ok: AtomicBool,
     /// The target's GPU regions, when it exports IPC handles.
     ipc: Option<IpcPeer>,
+    /// The target's shared pools this process maps (see `engine::pool`);
+    /// `None`: pools are off here.
+    pools: Option<pool::Pools>,
+    /// The transport's count of requests copied through a pool.
+    pooled: Arc<AtomicU64>,
     /// The request whose grants (or delegate) the link's sender awaits the
     /// target's answer to, while it does (one at a time).
     awaited: Mutex<Option<u64>>,
@@ -453,6 +491,8 @@ pub(in crate::engine) struct CmaJob {
     req: u64,
     op: TransferOp,
     pieces: Vec<Piece>,
+    /// Each remote piece's region (access key).
+    keys: Vec<u64>,
     grants: Vec<GrantRange>,
     sync: Option<Vec<u8>>,
     /// Ask the target to copy (see [`should_delegate`]).
@@ -494,6 +534,7 @@ impl SocketPath for CmaParts {
             req,
             op,
             pieces,
+            keys,
             grants,
             sync,
             delegate,
@@ -507,7 +548,16 @@ impl SocketPath for CmaParts {
         let mut sums = None;
         let summed = checked.is_some().then_some(&mut sums);
         Ok(
-            match link.run_cma(fd, req, op, &pieces, &grants, how, &pending, summed)? {
+            match link.run_cma(
+                fd,
+                req,
+                op,
+                (&pieces, &keys),
+                &grants,
+                how,
+                &pending,
+                summed,
+            )? {
                 CmaOutcome::Commit { aborted } => {
                     // The copy is over (an aborted one is refused anyway):
                     // each piece's CRC32C as it lies here, the source of a
@@ -561,7 +611,9 @@ impl CmaLink {
         // delegation asked.
         let ask = cfg.shm.delegate && pid != std::process::id();
         let mut may_delegate = false;
+        let mut session = 0u128;
         let streams = connect_streams(inner, peer, 1, |_, _, _, ticket| {
+            session = ticket;
             if ask {
                 // The target copies for this process only once the kernel
                 // has told it on its local socket that this is the process.
@@ -582,11 +634,18 @@ impl CmaLink {
             awaited: Mutex::new(None),
             answer: crossbeam_channel::bounded(1),
             ipc: IpcPeer::new(peer, &inner.host),
+            // A target in this very process too: its pool is mapped a
+            // second time here, as for any other process.
+            pools: cfg.shm.pools.then(|| {
+                let wait = cfg.connect_timeout.min(cfg.io_timeout);
+                pool::Pools::new(peer.instance, session, wait)
+            }),
+            pooled: Arc::clone(&shm.pooled),
         };
         let path = DataPath {
             transport: TransportKind::Shm,
             device: None,
-            mechanism: "cross-memory attach (process_vm_writev/readv), one copy; the target's GPU memory through CUDA IPC, one device copy",
+            mechanism: "cross-memory attach (process_vm_writev/readv), one copy; the target's shared pools mapped here, one memcpy; the target's GPU memory through CUDA IPC, one device copy",
         };
         Self::start(inner, peer, streams, parts, path)
     }
@@ -619,6 +678,7 @@ impl CmaLink {
                 })
                 .collect(),
             grants: grant_ranges(&req.remote, &resolved.keys),
+            keys: resolved.keys.clone(),
             gpu: (req.remote.mem_type == MemoryType::Vram).then(|| GpuJob {
                 keys: resolved.keys.clone(),
                 device: if req.local.mem_type == MemoryType::Vram {
@@ -776,7 +836,7 @@ impl CmaLink {
         fd: std::os::fd::RawFd,
         req: u64,
         op: TransferOp,
-        pieces: &[Piece],
+        (pieces, keys): (&[Piece], &[u64]),
         grants: &[GrantRange],
         (delegate, gpu): (Option<Option<&[u8]>>, Option<&GpuJob>),
         pending: &Pending,
@@ -789,6 +849,48 @@ impl CmaLink {
         }
         if grants.is_empty() {
             return Ok(CmaOutcome::Commit { aborted: false });
+        }
+        let dir = match op {
+            TransferOp::Write => Direction::Write,
+            TransferOp::Read => Direction::Read,
+        };
+        // Host memory in the target's shared pools, mapped here: no grants.
+        // The mappings are held until the copy returns, and the target's
+        // deregistration of a pool waits until this process has unmapped
+        // it (`engine::pool`), which waits for the hold: the pool's bytes
+        // are the target's own until the commit, as under a grant.
+        let pooled = match (&self.parts.pools, gpu) {
+            (Some(p), None) => p.resolve(pieces, keys, op == TransferOp::Write),
+            _ => None,
+        };
+        if let Some(mapped) = pooled.as_ref().and_then(|p| p.hold(pieces)) {
+            let stop = || pending.completion.abort_requested();
+            let mut summed = sums.is_some().then(|| vec![0u32; pieces.len()]);
+            // SAFETY: local pieces lie in regions validated at submit time
+            // and held by the request's guards until it completes (after the
+            // commit that follows); the remote ones lie inside the target's
+            // pools (checked by `resolve`), mapped writable for a WRITE, and
+            // held mapped by `mapped` until the copy returns.
+            let copied = unsafe {
+                shm::copy_parallel(
+                    shm::Peer::Mapped,
+                    dir,
+                    &mapped.pieces,
+                    (self.parts.copy_threads, PARALLEL_COPY_MIN),
+                    &stop,
+                    summed.as_deref_mut(),
+                )
+            }
+            .map_err(|e| self.io_error(e))?;
+            drop(mapped);
+            self.clock.touch();
+            if copied {
+                self.parts.pooled.fetch_add(1, Ordering::Relaxed);
+                if let Some(sums) = sums {
+                    *sums = summed;
+                }
+            }
+            return Ok(CmaOutcome::Commit { aborted: !copied });
         }
         let frames: Vec<[u8; HEADER_LEN]> = grants
             .iter()
@@ -853,26 +955,22 @@ impl CmaLink {
             self.clock.touch();
             return Ok(CmaOutcome::Commit { aborted: false });
         }
+        // Each call of the copy starts before the grants' deadline (the
+        // last may end after it, by one call's time).
+        let stop = || pending.completion.abort_requested() || late();
+        let mut summed = sums.is_some().then(|| vec![0u32; pieces.len()]);
         if let (Some(sync), Some((probe_addr, instance))) = (delegate, self.parts.delegate_probe)
             && self.parts.delegate_ok.load(Ordering::Relaxed)
             && self.run_delegate(fd, req, op, pieces, sync, (probe_addr, instance))?
         {
             return Ok(CmaOutcome::Done);
         }
-        let dir = match op {
-            TransferOp::Write => Direction::Write,
-            TransferOp::Read => Direction::Read,
-        };
-        // Each call of the copy starts before the grants' deadline (the
-        // last may end after it, by one call's time).
-        let stop = || pending.completion.abort_requested() || late();
-        let mut summed = sums.is_some().then(|| vec![0u32; pieces.len()]);
         // SAFETY: local pieces lie in regions validated at submit time and
         // held by the request's guards until it completes, which cannot
         // happen before this copy returns (the commit follows it).
         let copied = unsafe {
             shm::copy_parallel(
-                self.parts.pid,
+                shm::Peer::Process(self.parts.pid),
                 dir,
                 pieces,
                 (self.parts.copy_threads, PARALLEL_COPY_MIN),
@@ -916,6 +1014,8 @@ mod tests {
             delegate_probe: None,
             delegate_ok: AtomicBool::new(false),
             ipc: None,
+            pools: None,
+            pooled: Arc::default(),
             awaited: Mutex::new(None),
             answer: crossbeam_channel::bounded(1),
         };

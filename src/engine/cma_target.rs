@@ -14,14 +14,15 @@ use crate::engine::sock::ProgressClock;
 use crate::engine::target::{Conn, HeldSync, commit, violation};
 use crate::engine::transport::SessionState;
 use crate::engine::wire::{CommitOp, TransportHead, status};
-use crate::engine::{Inner, PARALLEL_COPY_MIN, cma_wire, local_proof, lock};
+use crate::engine::{Inner, PARALLEL_COPY_MIN, cma_wire, local_proof, lock, pool};
 use crate::error::RejectReason;
 use crate::memory::MemoryType;
-use crate::registry::RegionGuard;
+use crate::registry::{RegionGuard, Registry};
 use crate::shm;
 use std::collections::HashMap;
 use std::io;
-use std::sync::Mutex;
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Most grants one request may announce, and most grants a session may
@@ -43,6 +44,9 @@ pub(in crate::engine) struct CmaSession {
     /// presented the session's ticket on the local proof socket: the only
     /// process a delegated copy may touch.
     proven: Mutex<Option<local_proof::ProvenPeer>>,
+    /// The channel on which the proven process asks for this agent's
+    /// shared pools (see `engine::pool`); a newer one replaces it.
+    channel: Mutex<Option<Arc<pool::Served>>>,
 }
 
 impl CmaSession {
@@ -52,6 +56,46 @@ impl CmaSession {
             remote: remote.to_owned(),
             grants: Mutex::default(),
             proven: Mutex::default(),
+            channel: Mutex::default(),
+        }
+    }
+
+    /// Serves `conn`, the proven process's local connection, as the
+    /// session's pool channel (pools looked up in `registry`), in place of
+    /// any it had.
+    pub(in crate::engine) fn keep_channel(
+        &self,
+        conn: UnixStream,
+        registry: Arc<Registry>,
+        timeout: Duration,
+    ) {
+        match pool::Served::start(conn, registry, &self.remote, timeout) {
+            Ok(c) => {
+                let old = lock(&self.channel).replace(c);
+                if let Some(old) = old {
+                    old.close();
+                }
+            }
+            Err(e) => tracing::debug!(remote = %self.remote, error = %e, "no pool channel"),
+        }
+    }
+
+    /// Revokes the pool `key` from the session's initiator, if it was
+    /// handed one (see [`pool::Served::revoke`]).
+    pub(in crate::engine) fn revoke(&self, key: u64, timeout: Duration) {
+        let c = lock(&self.channel).clone();
+        if let Some(c) = c
+            && !c.revoke(key, timeout)
+        {
+            tracing::warn!(remote = %self.remote, "a peer did not confirm it unmapped a deregistered pool; its pool channel is closed");
+        }
+    }
+
+    /// Ends the session's pool channel.
+    pub(in crate::engine) fn close_channel(&self) {
+        let c = lock(&self.channel).take();
+        if let Some(c) = c {
+            c.close();
         }
     }
 
@@ -60,8 +104,9 @@ impl CmaSession {
     /// binds.
     pub(in crate::engine) fn prove(&self, agent: &str, peer: local_proof::ProvenPeer) -> bool {
         let mut proven = lock(&self.proven);
-        if proven.is_some() {
-            return false;
+        if let Some(p) = proven.as_ref() {
+            // The same process again (for a new channel): still bound.
+            return p.same_process(&peer);
         }
         tracing::debug!(%agent, remote = %self.remote, "initiator process proven");
         *proven = Some(peer);
@@ -323,7 +368,7 @@ impl Shm {
         // (no sweep takes them while `copying` is set).
         let copied = unsafe {
             shm::copy_parallel(
-                pid,
+                shm::Peer::Process(pid),
                 dir,
                 &pieces,
                 (inner.config.shm.copy_threads, PARALLEL_COPY_MIN),

@@ -106,6 +106,12 @@ impl ProvenPeer {
         }
     }
 
+    /// Whether `other` is this very process (its pid, while this one
+    /// lives: a pid names one process while it lives).
+    pub(super) fn same_process(&self, other: &ProvenPeer) -> bool {
+        self.pid == other.pid && alive(&self.pidfd)
+    }
+
     /// The process id, while the process still lives.
     #[cfg(test)]
     pub(super) fn live_pid(&self) -> Option<u32> {
@@ -273,7 +279,7 @@ fn answer(
     mut conn: UnixStream,
     caller: io::Result<Caller>,
     deadline: Instant,
-    bind: &(dyn Fn(u128, ProvenPeer) -> bool + Sync),
+    bind: &Bind<'_>,
     spoke: &dyn Fn(),
 ) {
     let (ticket, mem) = match read_ticket(&conn, deadline) {
@@ -288,13 +294,26 @@ fn answer(
         Ok(peer) => bind(u128::from_le_bytes(ticket), peer),
         Err(e) => {
             tracing::info!(error = %e, "local proof refused: the caller cannot be bound");
-            false
+            None
         }
     };
     let left = deadline.saturating_duration_since(Instant::now());
     let _ = conn.set_write_timeout(Some(left.max(Duration::from_millis(1))));
-    let _ = conn.write_all(&[if bound { BOUND } else { REFUSED }]);
+    let answered = conn.write_all(&[if bound.is_some() { BOUND } else { REFUSED }]);
+    // The proven caller's connection goes on as the session's channel.
+    if let (Some(keep), Ok(())) = (bound, answered) {
+        keep(conn);
+    }
 }
+
+/// What a bound proof's connection becomes: the session's channel (see
+/// `engine::pool`), which an initiator that wants none just closes.
+pub(super) type Keep = Box<dyn FnOnce(UnixStream) + Send>;
+
+/// Binds a ticket's session to a proven process: `Some` (what to do with
+/// the connection) when it did, or when the session is bound to that very
+/// process already.
+pub(super) type Bind<'a> = dyn Fn(u128, ProvenPeer) -> Option<Keep> + Sync + 'a;
 
 /// The target's listener.
 pub(super) struct Listener {
@@ -319,12 +338,7 @@ impl Listener {
     /// `bind` gets each ticket and its proven process, and says whether it
     /// bound them. Returns once every connection has been answered or shut
     /// down.
-    pub(super) fn serve(
-        &self,
-        timeout: Duration,
-        stop: &dyn Fn() -> bool,
-        bind: &(dyn Fn(u128, ProvenPeer) -> bool + Sync),
-    ) {
+    pub(super) fn serve(&self, timeout: Duration, stop: &dyn Fn() -> bool, bind: &Bind<'_>) {
         super::serve_each::serve_each(
             self.sock.incoming(),
             (MAX_PENDING, MAX_PENDING / 2),
@@ -362,6 +376,16 @@ impl Listener {
 /// Why not (no local socket: another host or network namespace; refused;
 /// timed out).
 pub(super) fn prove(instance: u64, ticket: u128, timeout: Duration) -> io::Result<()> {
+    prove_and_keep(instance, ticket, timeout).map(drop)
+}
+
+/// [`prove`], and the connection after the target's answer: the session's
+/// channel (see `engine::pool`), with `timeout` on reads and writes.
+pub(super) fn prove_and_keep(
+    instance: u64,
+    ticket: u128,
+    timeout: Duration,
+) -> io::Result<UnixStream> {
     let mem = File::open("/proc/self/mem")?;
     let addr = SocketAddr::from_abstract_name(name(instance))?;
     let mut s = UnixStream::connect_addr(&addr)?;
@@ -382,7 +406,7 @@ pub(super) fn prove(instance: u64, ticket: u128, timeout: Duration) -> io::Resul
     let mut a = [REFUSED];
     s.read_exact(&mut a)?;
     if a[0] == BOUND {
-        Ok(())
+        Ok(s)
     } else {
         Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
@@ -419,7 +443,7 @@ mod tests {
                 std::thread::spawn(move || {
                     l.serve(timeout, &|| stop.load(Ordering::SeqCst), &|ticket, peer| {
                         lock_seen(&seen).push((ticket, peer.live_pid()));
-                        ticket == 42
+                        (ticket == 42).then(|| -> Keep { Box::new(drop) })
                     })
                 })
             };

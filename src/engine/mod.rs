@@ -48,6 +48,7 @@ mod metrics_http;
 mod names;
 mod peer;
 mod plan;
+mod pool;
 mod pre_auth;
 mod rdma;
 mod records;
@@ -167,7 +168,7 @@ struct Inner {
     transports: Vec<Arc<dyn transport::Transport>>,
     endpoint: String,
     listen_addr: SocketAddr,
-    registry: Registry,
+    registry: Arc<Registry>,
     inbox: Arc<Inbox>,
     peers: RwLock<HashMap<String, Arc<Peer>, FastHash>>,
     closing: AtomicBool,
@@ -237,7 +238,7 @@ impl Engine {
             host,
             endpoint,
             listen_addr,
-            registry: Registry::default(),
+            registry: Arc::default(),
             inbox: Arc::new(Inbox::new(
                 config.limits.inbox_max_bytes,
                 config.limits.inbox_max_bytes_per_peer,

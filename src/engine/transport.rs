@@ -156,6 +156,12 @@ pub(in crate::engine) trait Transport: Send + Sync {
     /// Target side: the session `ticket` closed (its last connection
     /// ended): let go of what [`open_session`](Self::open_session) made.
     fn close_session(&self, _ticket: u128) {}
+
+    /// The shared pool registered as region `key` was deregistered (no
+    /// request holds it): every peer this transport let map it must have
+    /// unmapped it when this returns (within the agent's I/O timeout, after
+    /// which a silent peer is cut off). By default nothing was handed out.
+    fn revoke(&self, _inner: &Inner, _key: u64) {}
 }
 
 /// What a transport keeps at the target for one initiator's session

@@ -150,6 +150,11 @@ typedef struct kvxfer_cq kvxfer_cq;
 // threads; free once.
 typedef struct kvxfer_messages kvxfer_messages;
 
+// A shared pool: memory mapped shared from a memory file. Thread-safe;
+// free once, after the last call. A registration holds the memory mapped
+// until it is deregistered, even when the handle is freed first.
+typedef struct kvxfer_pool kvxfer_pool;
+
 // A transfer resolved once (`kvxfer_agent_prepare`) and submitted again and
 // again (`kvxfer_agent_submit_prepared`) without peer, registry or key
 // lookups. Its local regions stay held (deregistration refused) until it
@@ -987,6 +992,50 @@ enum kvxfer_result kvxfer_cache_layers_landed(const struct kvxfer_cache_handle *
 // # Safety
 // `handle` is NULL or a request handle (checked).
 enum kvxfer_result kvxfer_cache_handle_free(struct kvxfer_cache_handle *handle);
+
+// Makes a zero-filled pool of `size` bytes (`memfd_create`) and writes
+// its handle to `out`.
+//
+// # Safety
+// `out` is valid for a write.
+enum kvxfer_result kvxfer_pool_new(size_t size, struct kvxfer_pool **out);
+
+// Makes a pool over all of the memory file `fd` (a `memfd`, or a file
+// under `/dev/shm`, open for reading and writing; duplicated: the caller
+// keeps `fd`) and writes its handle to `out`.
+//
+// # Safety
+// `fd` is an open descriptor; `out` is valid for a write.
+enum kvxfer_result kvxfer_pool_from_fd(int32_t fd, struct kvxfer_pool **out);
+
+// Writes the pool's first byte's address to `out_addr` and its size to
+// `out_len`.
+//
+// # Safety
+// `out_addr` and `out_len` are valid for writes.
+enum kvxfer_result kvxfer_pool_memory(const struct kvxfer_pool *pool,
+                                      uint8_t **out_addr,
+                                      size_t *out_len);
+
+// Registers all of `pool` with `agent` as one host-memory region that
+// same-host shm peers map (read only when `read_only` is not 0), and
+// writes its descriptor to `out_desc` (to deregister it with
+// `kvxfer_agent_deregister_memory`, which also revokes every peer's
+// mapping before it returns).
+//
+// # Safety
+// `out_desc` is valid for a write.
+enum kvxfer_result kvxfer_agent_register_shared_pool(const struct kvxfer_agent *agent,
+                                                     const struct kvxfer_pool *pool,
+                                                     uint32_t read_only,
+                                                     struct kvxfer_mem_desc *out_desc);
+
+// Frees a pool handle. Its memory stays mapped while an agent still has
+// it registered. NULL is a no-op.
+//
+// # Safety
+// No other call on `pool` may run concurrently or follow.
+enum kvxfer_result kvxfer_pool_free(struct kvxfer_pool *pool);
 
 // Opens a file (`KVXFER_STORAGE_FILE`: created and set to `size` bytes
 // when `size` is not 0; `O_DIRECT` when `direct` is not 0) or a block

@@ -23,8 +23,10 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 mod cache;
+mod pool;
 mod storage;
 pub use cache::*;
+pub use pool::*;
 pub use storage::*;
 
 use kvxfer_core::{
@@ -337,6 +339,7 @@ enum Kind {
     CacheSender,
     CacheReceiver,
     CacheHandle,
+    Pool,
 }
 
 fn handles() -> std::sync::MutexGuard<'static, HashMap<usize, Kind>> {

@@ -167,6 +167,12 @@ fn c_agent_test_under_valgrind() {
     c_program("agent_test", "agent_test_vg", VALGRIND);
 }
 
+/// Shared pools through the C ABI.
+#[test]
+fn c_pool_test() {
+    c_program("pool_test", "pool_test", &[]);
+}
+
 #[test]
 fn c_storage_test() {
     c_program("storage_test", "storage_test", &[]);

@@ -484,16 +484,36 @@ pub fn peer_main() {
         assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
     }
     let agent: &'static dyn TransferAgent = Box::leak(local_agent(&name, |c| c));
-    let buf: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
+    // KVXFER_PEER_POOL=rw|ro: the buffer is a shared pool, shared so.
+    let pool = std::env::var("KVXFER_PEER_POOL").ok().map(|v| {
+        let access = match v.as_str() {
+            "ro" => kvxfer::PoolAccess::ReadOnly,
+            _ => kvxfer::PoolAccess::ReadWrite,
+        };
+        (
+            &*Box::leak(Box::new(kvxfer::SharedPool::new(len).unwrap())),
+            access,
+        )
+    });
+    let buf: &'static mut [u8] = match pool {
+        // SAFETY: the pool is leaked, so its `len` bytes stay mapped for the
+        // process's life; only this slice names them here.
+        Some((p, _)) => unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), len) },
+        None => Box::leak(vec![0u8; len].into_boxed_slice()),
+    };
     fill(buf, seed, 0);
     let shared = Shared {
         ptr: buf.as_ptr() as usize,
         len,
     };
     let region = MemoryDescs::dram(buf);
-    // SAFETY: the buffer is leaked, so it lives as long as the process; the
-    // process only reads it through volatile snapshots.
-    unsafe { agent.register_memory(&region).expect("register") };
+    let register = || match pool {
+        Some((p, access)) => agent.register_shared_pool(p, access).map(drop),
+        // SAFETY: the buffer is leaked, so it lives as long as the process;
+        // the process only reads it through volatile snapshots.
+        None => unsafe { agent.register_memory(&region) },
+    };
+    register().expect("register");
     let out = |s: String| {
         let mut o = std::io::stdout().lock();
         writeln!(o, "\n{REPLY}{s}").unwrap();
@@ -553,8 +573,7 @@ pub fn peer_main() {
                 Ok(()) => "OK".into(),
                 Err(e) => format!("ERR {e}"),
             }),
-            // SAFETY: as at the start: the buffer is leaked.
-            Some("reg") => out(match unsafe { agent.register_memory(&region) } {
+            Some("reg") => out(match register() {
                 Ok(()) => "OK".into(),
                 Err(e) => format!("ERR {e}"),
             }),

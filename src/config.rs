@@ -425,6 +425,12 @@ pub struct Limits {
     /// How long an incoming connection may take to authenticate (default
     /// 3 s, at most `connect_timeout`); then it is dropped.
     pub auth_timeout: Duration,
+    /// Most bytes of objects that peers are writing to this agent's object
+    /// storage at once (default 1 GiB): an object is PUT whole, so a
+    /// peer's WRITE is assembled here until its request commits; a segment
+    /// past this bound fails its request with
+    /// [`RejectReason::ObjectAssemblyFull`](crate::RejectReason::ObjectAssemblyFull).
+    pub max_object_assembly: u64,
 }
 
 impl Default for Limits {
@@ -438,6 +444,7 @@ impl Default for Limits {
             max_unauthenticated: 64,
             max_unauthenticated_per_source: 64,
             auth_timeout: Duration::from_secs(3),
+            max_object_assembly: 1 << 30,
         }
     }
 }

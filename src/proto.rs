@@ -300,6 +300,15 @@ pub enum RejectReason {
     /// checksum (or a frame header its seal): what landed of it must be
     /// treated as invalid, and the sync message was not delivered.
     Integrity,
+    /// The target's object store failed the request's PUT or GET (the
+    /// store's error is logged at the target); an object a WRITE was
+    /// meant to replace is as it was.
+    ObjectStore,
+    /// The target holds as many bytes of objects being written by its
+    /// peers (assembled until their requests commit, then PUT whole) as it
+    /// accepts (`Limits::max_object_assembly`); nothing of this object was
+    /// stored.
+    ObjectAssemblyFull,
 }
 
 impl RejectReason {
@@ -319,6 +328,8 @@ impl RejectReason {
             RejectReason::Overloaded => 19,
             RejectReason::GrantExpired => 20,
             RejectReason::Integrity => 21,
+            RejectReason::ObjectStore => 23,
+            RejectReason::ObjectAssemblyFull => 24,
             RejectReason::StorageIo { errno } => STORAGE_IO_BASE.saturating_add(errno),
         }
     }
@@ -353,6 +364,8 @@ impl RejectReason {
             19 => RejectReason::Overloaded,
             20 => RejectReason::GrantExpired,
             21 => RejectReason::Integrity,
+            23 => RejectReason::ObjectStore,
+            24 => RejectReason::ObjectAssemblyFull,
             c if c >= STORAGE_IO_BASE => RejectReason::StorageIo {
                 errno: c - STORAGE_IO_BASE,
             },
@@ -394,6 +407,10 @@ impl std::fmt::Display for RejectReason {
             }
             RejectReason::Integrity => {
                 "a piece did not match its checksum at the target: what landed of it is invalid"
+            }
+            RejectReason::ObjectStore => "the target's object store failed the request",
+            RejectReason::ObjectAssemblyFull => {
+                "the target holds as many bytes of objects being written as it accepts"
             }
             RejectReason::StorageIo { errno: 0 } => "storage I/O at the target failed",
             RejectReason::StorageIo { errno } => {

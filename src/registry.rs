@@ -415,6 +415,25 @@ impl Registry {
         self.admit(&kinds, mem_type, MemoryDesc::new(addr, len, handle), key)
     }
 
+    /// Admits a remote access to `[addr, addr + len)` of object `handle`
+    /// (an OBJ region), presenting `key`: the agent PUTs or GETs it on the
+    /// peer's behalf.
+    pub(crate) fn admit_object(
+        &self,
+        handle: u32,
+        addr: u64,
+        len: u64,
+        key: u64,
+    ) -> Result<RegionGuard, RejectReason> {
+        let kinds = [MemoryType::Obj];
+        self.admit(
+            &kinds,
+            MemoryType::Obj,
+            MemoryDesc::new(addr, len, handle),
+            key,
+        )
+    }
+
     /// Admits `d` of `mem_type`, one of `kinds`, presenting `key`.
     fn admit(
         &self,
@@ -455,10 +474,10 @@ impl Registry {
     }
 
     /// The regions to export in the agent descriptor: host and GPU memory,
-    /// and storage (FILE and BLK) regions with their direct-I/O alignment
-    /// (`align` of a storage handle; peers reach those through the agent),
-    /// each with its transports' keys (`offered`: the names of the
-    /// transports the descriptor offers, in its order).
+    /// and storage (FILE, BLK and OBJ) regions with their direct-I/O
+    /// alignment (`align` of a storage handle; peers reach those through
+    /// the agent), each with its transports' keys (`offered`: the names of
+    /// the transports the descriptor offers, in its order).
     pub(crate) fn exported(
         &self,
         offered: &[&str],
@@ -466,7 +485,6 @@ impl Registry {
     ) -> Vec<ExportedRegion> {
         self.read()
             .iter()
-            .filter(|r| r.mem_type != MemoryType::Obj)
             .map(|r| ExportedRegion {
                 mem_type: r.mem_type,
                 desc: r.desc,

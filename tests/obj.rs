@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use kvxfer::storage::obj::{ObjErrorKind, ObjectStore, ObjectStoreConfig};
 use kvxfer::{
-    AgentConfig, Backend, Error, MemoryDesc, MemoryDescs, MemoryType, TransferAgent,
+    AgentConfig, Backend, Error, MemoryDesc, MemoryDescs, MemoryType, RejectReason, TransferAgent,
     TransferRequest, TransportKind, make_transfer_agent,
 };
 
@@ -246,6 +246,105 @@ fn objects_round_trip_by_one_put_and_by_parallel_parts() {
     for i in 0..3 {
         s.delete_object(&format!("kv/{i}")).unwrap();
     }
+}
+
+/// A peer's objects, through its agent (over TCP, as a peer's files):
+/// a WRITE is assembled at the target and PUT whole before the sync
+/// message is delivered; READs are ranged GETs; a WRITE not from offset 0
+/// or with integrity is refused before anything is sent; one past the
+/// target's assembly budget fails typed and stores nothing.
+#[test]
+fn a_peers_objects_through_its_agent() {
+    let Some(ep) = endpoint("a_peers_objects_through_its_agent") else {
+        return;
+    };
+    let s = store(&ep, "peer");
+    let n = 12 * MIB + 5;
+    let target = agent("obj-target");
+    let h = object(target.as_ref(), &s, "kv/peer", n);
+    let init = agent("obj-init");
+    let name = init
+        .load_remote_agent_by_connection(&target.local_connection_info())
+        .unwrap();
+    let src = Buf::filled(n as usize, 9);
+    let dst = Buf::new(n as usize);
+    register(init.as_ref(), &src.all());
+    register(init.as_ref(), &dst.all());
+    let req = TransferRequest::write(src.all(), obj(h, &[(0, n)]), &name)
+        .with_sync_message(b"stored".to_vec());
+    let st = init.submit_transfer(&req).unwrap();
+    st.wait_success(WAIT).unwrap();
+    assert_eq!(st.data_path().transport, TransportKind::Tcp);
+    assert_eq!(s.object_size("kv/peer").unwrap(), Some(n));
+    assert_eq!(
+        target
+            .take_sync_messages()
+            .get(init.name())
+            .map(Vec::as_slice),
+        Some(&[b"stored".to_vec()][..])
+    );
+    // Back in two ranges, the second from an odd offset.
+    let split = 3 * MIB + 1;
+    let local = MemoryDescs::new(
+        MemoryType::Dram,
+        vec![dst.desc(0, split), dst.desc(split, n - split)],
+    );
+    init.submit_transfer(&TransferRequest::read(
+        local,
+        obj(h, &[(0, split), (split, n - split)]),
+        &name,
+    ))
+    .unwrap()
+    .wait_success(WAIT)
+    .unwrap();
+    assert!(src.bytes() == dst.bytes(), "the object read back differs");
+
+    // Refused before anything is sent.
+    let e = init
+        .submit_transfer(&TransferRequest::write(
+            MemoryDescs::new(MemoryType::Dram, vec![src.desc(0, 4096)]),
+            obj(h, &[(4096, 4096)]),
+            &name,
+        ))
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidDescriptor { .. }), "{e}");
+    let e = init
+        .submit_transfer(
+            &TransferRequest::write(src.all(), obj(h, &[(0, n)]), &name).with_integrity(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::IntegrityUnsupported { .. }), "{e}");
+
+    // A target that assembles at most 1 MiB: a 4 MiB object fails typed,
+    // and the object it was to replace stays as it was.
+    let mut cfg = AgentConfig::new(unique("obj-small"));
+    cfg.limits.max_object_assembly = MIB;
+    let small = make_transfer_agent(Backend::Tcp, cfg).unwrap();
+    let hs = object(small.as_ref(), &s, "kv/peer", 4 * MIB);
+    let name = init
+        .load_remote_agent_by_connection(&small.local_connection_info())
+        .unwrap();
+    let e = init
+        .submit_transfer(&TransferRequest::write(
+            MemoryDescs::new(MemoryType::Dram, vec![src.desc(0, 4 * MIB)]),
+            obj(hs, &[(0, 4 * MIB)]),
+            &name,
+        ))
+        .unwrap()
+        .wait_success(WAIT)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::RemoteRejected {
+                reason: RejectReason::ObjectAssemblyFull,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(s.object_size("kv/peer").unwrap(), Some(n));
+    s.delete_object("kv/peer").unwrap();
 }
 
 #[test]

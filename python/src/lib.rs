@@ -342,9 +342,10 @@ impl PyAgent {
     /// Starts a transfer: `op` is `"write"` (local → remote) or `"read"`
     /// (remote → local); `local` and `remote` are paired `(address,
     /// length)` lists; `notif` is delivered to the peer after the data.
-    /// Storage: the remote agent is this agent's own name, `remote_mem`
-    /// `"file"` or `"blk"`, `remote_device` the handle `open_storage`
-    /// returned (addresses are then file offsets); `durable` completes the
+    /// Storage: the remote agent is this agent's own name (or a peer's,
+    /// through its agent), `remote_mem` `"file"`, `"blk"` or `"obj"`,
+    /// `remote_device` the handle `open_storage` / `open_object` returned
+    /// (addresses are then offsets); `durable` completes the
     /// transfer only once written data is on stable storage. `integrity`
     /// checks every piece end to end (a CRC32C computed over the source,
     /// checked where it lands): a mismatch raises `IntegrityError` and the

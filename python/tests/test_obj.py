@@ -58,3 +58,30 @@ def test_a_buffer_goes_to_an_object_and_comes_back_in_ranges():
     agent.deregister_raw([(0, 100, missing)], mem_type="obj")
     agent.close_storage(handle)
     agent.close_storage(missing)
+
+
+def test_a_peers_object_through_its_agent():
+    target = kvxfer.Agent("py-obj-target", backend="tcp")
+    n = (6 << 20) + 3
+    key = f"py/{os.getpid()}/peer"
+    handle = target.open_object(BUCKET, key, endpoint=ENDPOINT)
+    target.register_raw([(0, n, handle)], mem_type="obj")
+    agent = kvxfer.Agent("py-obj-init", backend="tcp")
+    name = agent.connect(target.connection_info())
+    src = bytearray(os.urandom(n))
+    back = bytearray(n)
+    s = agent.register(src)
+    b = agent.register(back)
+    t = agent.transfer("write", [(s.addr, n)], [(0, n)], name, notif=b"stored",
+                       remote_mem="obj", remote_device=handle)
+    t.wait(WAIT)
+    assert t.transport == "tcp"
+    assert target.wait_notifs(WAIT) == {"py-obj-init": [b"stored"]}
+    t = agent.transfer("read", [(b.addr, n)], [(0, n)], name,
+                       remote_mem="obj", remote_device=handle)
+    t.wait(WAIT)
+    assert bytes(back) == bytes(src)
+    s.deregister()
+    b.deregister()
+    target.deregister_raw([(0, n, handle)], mem_type="obj")
+    target.close_storage(handle)

@@ -190,6 +190,10 @@ struct Inner {
     door: RwLock<bool>,
     /// Files and block devices opened as storage, and their I/O engine.
     storage: crate::storage::Storage,
+    /// Bytes of objects peers are writing here, assembled until their
+    /// requests commit (`storage_target`; bounded by
+    /// `Limits::max_object_assembly`).
+    assembling: Arc<std::sync::atomic::AtomicU64>,
     /// The agent as its own peer: the target of requests to its storage.
     self_peer: OnceLock<Arc<Peer>>,
     /// Its publication in the metadata store, and the peers it loaded by
@@ -253,6 +257,7 @@ impl Engine {
             in_flight: in_flight::InFlight::new(),
             door: RwLock::new(true),
             storage: crate::storage::Storage::new(config.effective_storage_io()?),
+            assembling: Arc::default(),
             self_peer: OnceLock::new(),
             names: names::Names::default(),
             metrics: crate::metrics::Metrics::new(&config.name, &config.metrics),

@@ -1,10 +1,17 @@
-//! A peer's requests to this agent's storage (FILE and BLK regions), on
-//! the TCP path: the agent reads and writes its files on the peer's behalf
-//! through a bounce buffer (the one copy here: a file is not memory the
-//! socket can land in), checking each segment first — region and key,
+//! A peer's requests to this agent's storage (FILE, BLK and OBJ regions),
+//! on the TCP path: the agent reads and writes its files on the peer's
+//! behalf through a bounce buffer (the one copy here: a file is not memory
+//! the socket can land in), checking each segment first — region and key,
 //! direct-I/O alignment, the file not shrunk under the region — and
 //! records the files each request wrote, to sync them before the
 //! acknowledgement of a durable request.
+//!
+//! Objects are written whole: a peer's WRITE to an object lands in an
+//! assembly buffer here (within `Limits::max_object_assembly` over all
+//! peers), and when its request commits with every byte from offset 0 to
+//! its end in place, the object is PUT (multipart above the store's part
+//! size) before the acknowledgement; a request that fails stores nothing.
+//! A READ is a ranged GET into the bounce buffer, sent as it comes.
 
 use std::os::unix::fs::FileExt;
 
@@ -17,11 +24,13 @@ use crate::engine::{Inner, lock};
 use crate::error::RejectReason;
 use crate::memory::MemoryType;
 use crate::registry::RegionGuard;
+use crate::storage::obj::pool::{ObjBatch, ObjOp};
 use rustix::fd::AsRawFd;
 use std::io;
 use std::net::TcpStream;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// Most bytes of one segment read or written at a time (a multiple of every
 /// direct-I/O block size).
@@ -52,6 +61,53 @@ impl Bounce {
 pub(in crate::engine) struct StorageWrites {
     durable: bool,
     files: Vec<Arc<StorageFile>>,
+    /// Objects being written, PUT when the request finishes well.
+    objects: Vec<Assembly>,
+}
+
+/// An object a peer's request is writing, assembled here.
+///
+/// Drop order: the buffer, then its room in the agent's budget, then the
+/// hold on the region.
+struct Assembly {
+    handle: u32,
+    object: Arc<crate::storage::OpenObject>,
+    /// The object's bytes from offset 0; as long as the furthest segment's
+    /// end.
+    bytes: Vec<u8>,
+    /// Bytes landed (segments do not overlap in a well-formed request).
+    landed: u64,
+    /// Its share of `Inner::assembling`, given back when it drops.
+    room: Room,
+    _guard: RegionGuard,
+}
+
+/// Bytes counted in an agent-wide budget, given back when dropped.
+struct Room {
+    bytes: u64,
+    total: Arc<AtomicU64>,
+}
+
+impl Room {
+    /// Grows the room by `n` bytes, if the budget `max` allows.
+    fn grow(&mut self, n: u64, max: u64) -> bool {
+        let ok = self
+            .total
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                t.checked_add(n).filter(|&t| t <= max)
+            })
+            .is_ok();
+        if ok {
+            self.bytes += n;
+        }
+        ok
+    }
+}
+
+impl Drop for Room {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
 }
 
 impl Session {
@@ -69,12 +125,24 @@ impl Session {
     }
 
     /// Forgets the files finished request `req` wrote, syncing them first
-    /// when it succeeded (`ok`) and asked for durability.
-    pub(in crate::engine) fn sync_storage(&self, req: u64, ok: bool) -> Result<(), RejectReason> {
+    /// when it succeeded (`ok`) and asked for durability; PUTs the objects
+    /// it wrote when it succeeded, waiting at most `put_within`.
+    pub(in crate::engine) fn sync_storage(
+        &self,
+        req: u64,
+        ok: bool,
+        put_within: Duration,
+    ) -> Result<(), RejectReason> {
         let Some(w) = lock(&self.storage).remove(&req) else {
             return Ok(());
         };
-        if !ok || !w.durable {
+        if !ok {
+            return Ok(());
+        }
+        for a in w.objects {
+            put_object(&self.remote, a, put_within)?;
+        }
+        if !w.durable {
             return Ok(());
         }
         for f in &w.files {
@@ -88,6 +156,154 @@ impl Session {
 }
 
 impl Inner {
+    /// Lands a `Write` frame's payload in the assembly of the object
+    /// `handle` for request `req`: straight from the socket into place; the
+    /// payload skipped when the segment is refused (not a registered
+    /// object range, past the assembly budget, a non-zero start without
+    /// the part before it being possible).
+    pub(in crate::engine) fn land_object_write(
+        &self,
+        c: &mut Conn<'_, '_, '_>,
+        req: u64,
+        handle: u32,
+        (addr, len): (u64, u64),
+        key: u64,
+    ) -> io::Result<Result<(), RejectReason>> {
+        let refuse = |c: &mut Conn<'_, '_, '_>, reason: RejectReason| {
+            tracing::debug!(remote = %c.session.remote, handle, addr, len, %reason, "refused object write");
+            c.reader.discard(len, c.idle)?;
+            Ok(Err(reason))
+        };
+        let guard = match self.registry.admit_object(handle, addr, len, key) {
+            Ok(g) => g,
+            Err(reason) => return refuse(c, reason),
+        };
+        let object = match self
+            .storage
+            .object(&crate::memory::MemoryDesc::new(0, 0, handle))
+        {
+            Ok(o) => o,
+            Err(_) => return refuse(c, RejectReason::NotRegistered),
+        };
+        let Some(end) = addr.checked_add(len) else {
+            return refuse(c, RejectReason::Malformed);
+        };
+        let max = self.config.limits.max_object_assembly;
+        let mut writes = lock(&c.session.storage);
+        let w = writes.entry(req).or_default();
+        let i = match w.objects.iter().position(|a| a.handle == handle) {
+            Some(i) => i,
+            None => {
+                w.objects.push(Assembly {
+                    handle,
+                    object,
+                    bytes: Vec::new(),
+                    landed: 0,
+                    room: Room {
+                        bytes: 0,
+                        total: Arc::clone(&self.assembling),
+                    },
+                    _guard: guard,
+                });
+                w.objects.len() - 1
+            }
+        };
+        let a = &mut w.objects[i];
+        let have = a.bytes.len() as u64;
+        if end > have {
+            if !a.room.grow(end - have, max) {
+                drop(writes);
+                return refuse(c, RejectReason::ObjectAssemblyFull);
+            }
+            a.bytes.resize(end as usize, 0);
+        }
+        // Read straight into place, holding the session's table of writes:
+        // the other streams of the session wait for this segment only
+        // when they land a storage segment of their own.
+        let mut done = 0u64;
+        while done < len {
+            let n = (len - done).min(BOUNCE_MAX as u64);
+            let at = (addr + done) as usize;
+            c.reader
+                .read_chunk(&mut a.bytes[at..at + n as usize], done + n < len, c.idle)?;
+            done += n;
+        }
+        a.landed += len;
+        Ok(Ok(()))
+    }
+
+    /// Answers a `ReadReq` of an object range: ranged GETs of at most the
+    /// bounce buffer each, sent behind one `ReadData` header. A GET that
+    /// fails after the header went out sends zeros for the rest (the
+    /// frame's length is promised) and fails the segment.
+    pub(in crate::engine) fn send_object_read(
+        &self,
+        c: &mut Conn<'_, '_, '_>,
+        req: u64,
+        handle: u32,
+        (addr, len): (u64, u64),
+        key: u64,
+    ) -> io::Result<Result<(), RejectReason>> {
+        let io_timeout = self.config.io_timeout;
+        let admitted = self
+            .registry
+            .admit_object(handle, addr, len, key)
+            .and_then(|g| {
+                self.storage
+                    .object(&crate::memory::MemoryDesc::new(0, 0, handle))
+                    .map(|o| (g, o))
+                    .map_err(|_| RejectReason::NotRegistered)
+            });
+        let (guard, object) = match admitted {
+            Ok(a) => a,
+            Err(reason) => {
+                let refusal = Frame::ReadData {
+                    req,
+                    len: 0,
+                    status: reason.code(),
+                    checked: false,
+                };
+                c.send(&[refusal.encode()], io_timeout)?;
+                return Ok(Err(reason));
+            }
+        };
+        let hdr = Frame::ReadData {
+            req,
+            len,
+            status: status::OK,
+            checked: false,
+        }
+        .encode();
+        send_bytes(c.sock, &hdr, c.idle.clock, io_timeout)?;
+        let mut outcome = Ok(());
+        let mut done = 0u64;
+        while done < len {
+            let n = (len - done).min(BOUNCE_MAX as u64);
+            let buf = c.bounce.get(n as usize);
+            if outcome.is_ok() {
+                let deadline = Some(Instant::now() + io_timeout);
+                if let Err(e) =
+                    object
+                        .store
+                        .inner
+                        .get_range(&object.key, addr + done, buf, deadline)
+                {
+                    tracing::warn!(remote = %c.session.remote, handle, offset = addr + done, error = %e, "object GET for a peer failed");
+                    outcome = Err(RejectReason::ObjectStore);
+                }
+            }
+            if outcome.is_err() {
+                buf.fill(0);
+            }
+            send_bytes(c.sock, buf, c.idle.clock, io_timeout)?;
+            // Each GET is progress.
+            c.idle.clock.touch();
+            done += n;
+        }
+        drop(guard);
+        Ok(outcome)
+    }
+
     /// The storage region `[addr, addr + len)` of handle `device`, checked
     /// for a peer: admitted (held while the guard lives), aligned for
     /// direct I/O, inside the file as it is now (a `write` to a file
@@ -210,6 +426,63 @@ impl Inner {
         }
         drop(guard);
         Ok(outcome)
+    }
+}
+
+/// PUTs an assembled object whole, once every byte of it landed; waits
+/// for the store within `within`.
+fn put_object(remote: &str, a: Assembly, within: Duration) -> Result<(), RejectReason> {
+    let Assembly {
+        handle,
+        object,
+        bytes,
+        landed,
+        room,
+        _guard,
+    } = a;
+    let len = bytes.len() as u64;
+    if landed != len {
+        tracing::debug!(%remote, handle, landed, len, "an object WRITE left holes");
+        return Err(RejectReason::Malformed);
+    }
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let buf = bytes.as_ptr() as u64;
+    let key = Arc::clone(&object.key);
+    let batch = ObjBatch {
+        ops: vec![ObjOp {
+            store: Arc::clone(&object.store.inner),
+            key: Arc::clone(&object.key),
+            write: true,
+            buf,
+            len,
+            offset: 0,
+            device: None,
+        }],
+        deadline: Some(Instant::now() + within),
+        // The buffer, its room and the region's hold go when the batch has
+        // reported, whoever still waits for it.
+        done: Box::new(move |r| {
+            drop((bytes, room, _guard));
+            let _ = tx.send(r);
+        }),
+        stop: Box::new(|| false),
+    };
+    // SAFETY: the op's memory is the assembly's buffer, owned by the
+    // batch's `done`, which runs only once no unit touches it any more.
+    if let Err(e) = unsafe { crate::storage::obj::pool::submit(batch) } {
+        tracing::warn!(%remote, handle, error = %e, "object PUT for a peer could not start");
+        return Err(RejectReason::ObjectStore);
+    }
+    match rx.recv_timeout(within + Duration::from_secs(1)) {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => {
+            tracing::warn!(%remote, handle, %key, error = %e, "object PUT for a peer failed");
+            Err(RejectReason::ObjectStore)
+        }
+        Err(_) => {
+            tracing::warn!(%remote, handle, %key, "object PUT for a peer did not end in time");
+            Err(RejectReason::ObjectStore)
+        }
     }
 }
 

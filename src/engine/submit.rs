@@ -2,7 +2,7 @@
 //! to the link; a request posted again by the peer's link, and prepared
 //! transfers.
 
-use crate::agent::{TransferRequest, TransferStatus, TransportKind};
+use crate::agent::{TransferOp, TransferRequest, TransferStatus, TransportKind};
 use crate::desc::ExportedRegion;
 use crate::engine::transport::Submission;
 use crate::engine::{Engine, Peer, wire};
@@ -157,6 +157,12 @@ impl Engine {
         if req.integrity && data {
             check_integrity(req, peer.transport.kind())?;
         }
+        if req.remote.mem_type == MemoryType::Obj
+            && req.op == TransferOp::Write
+            && req.remote_agent != self.inner.config.name
+        {
+            check_object_writes(req)?;
+        }
         Ok(peer)
     }
 
@@ -172,14 +178,9 @@ impl Engine {
         data: bool,
     ) -> Result<Arc<Peer>, Error> {
         let inner = &self.inner;
-        // Local memory is host or GPU memory; objects (OBJ) are reached
-        // through the agent's own storage only.
-        let unsupported = if !matches!(local_mem, MemoryType::Dram | MemoryType::Vram) {
-            Some(local_mem)
-        } else {
-            (remote_mem == MemoryType::Obj && remote_agent != inner.config.name)
-                .then_some(MemoryType::Obj)
-        };
+        // Local memory is host or GPU memory.
+        let unsupported =
+            (!matches!(local_mem, MemoryType::Dram | MemoryType::Vram)).then_some(local_mem);
         if let Some(mem_type) = unsupported.filter(|_| data) {
             return Err(Error::UnsupportedMemoryType {
                 mem_type,
@@ -353,6 +354,27 @@ impl Engine {
 /// the ranges the request moved, when it commits: at most
 /// [`wire::MAX_CHECKS`] descriptors) or in-process (the copying thread
 /// sums both sides).
+/// A WRITE to a peer's objects writes each whole: from offset 0, one
+/// descriptor per object (as to the agent's own, `storage_link`).
+fn check_object_writes(req: &TransferRequest) -> Result<(), Error> {
+    let mut seen = std::collections::HashSet::new();
+    for r in &req.remote.descs {
+        if r.addr != 0 {
+            return Err(Error::InvalidDescriptor {
+                desc: *r,
+                reason: "a WRITE to an object writes it whole: its offset must be 0",
+            });
+        }
+        if !seen.insert(r.device_id) {
+            return Err(Error::InvalidRequest(format!(
+                "object handle {} is written by two descriptors of one request",
+                r.device_id
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn check_integrity(req: &TransferRequest, transport: TransportKind) -> Result<(), Error> {
     for mem_type in [req.local.mem_type, req.remote.mem_type] {
         if mem_type != MemoryType::Dram {

@@ -883,6 +883,9 @@ impl Inner {
                             ));
                         }
                         Some(self.land_write_checked(&mut c, addr, len, key)?)
+                    } else if mem_type == MemoryType::Obj {
+                        // The agent's objects, assembled (`storage_target`).
+                        Some(self.land_object_write(&mut c, req, device, (addr, len), key)?)
                     } else if is_storage(mem_type) {
                         // The agent's files (`storage_target`).
                         Some(self.land_storage_write(
@@ -926,7 +929,9 @@ impl Inner {
                         self.send_reads_gpu(&mut c, (req, addr, len, key))?;
                         continue;
                     }
-                    let result = if is_storage(mem_type) {
+                    let result = if mem_type == MemoryType::Obj {
+                        self.send_object_read(&mut c, req, device, (addr, len), key)?
+                    } else if is_storage(mem_type) {
                         self.send_storage_read(&mut c, req, (mem_type, device), (addr, len), key)?
                     } else {
                         self.send_read(&mut c, req, mem_type, (addr, len), key, seq)?
@@ -1081,7 +1086,7 @@ impl Inner {
         // A durable request's storage writes reach the disk before its
         // message and acknowledgement.
         let outcome = session
-            .sync_storage(f.req, f.outcome.is_ok())
+            .sync_storage(f.req, f.outcome.is_ok(), self.config.io_timeout)
             .and(f.outcome);
         if let (Ok(()), Some((msg, room))) = (&outcome, f.sync) {
             self.inbox.deliver(room, msg);

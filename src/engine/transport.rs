@@ -285,7 +285,9 @@ impl Transport for Tcp {
             && match remote {
                 MemoryType::Dram | MemoryType::Vram => self.host_memory,
                 MemoryType::File | MemoryType::Blk => true,
-                MemoryType::Obj => false,
+                // A peer's objects from host memory: assembled and PUT by
+                // its agent, or GET into its bounce buffer.
+                MemoryType::Obj => local == MemoryType::Dram,
             }
     }
 
@@ -508,7 +510,7 @@ mod tests {
             &auto,
             Backend::Auto,
             &desc(true, None),
-            dram,
+            MemoryType::Vram,
             MemoryType::Obj,
         )
         .map(|t| t.kind())
@@ -541,9 +543,12 @@ mod tests {
             assert!(storage_link::OwnStorage.moves(l, r, &peer));
             assert!(!Rdma.moves(l, r, &peer) && !shm.moves(l, r, &peer));
         }
-        for t in [&tcp as &dyn Transport, &Rdma, shm] {
+        for t in [&Rdma as &dyn Transport, shm] {
             assert!(!t.moves(Dram, Obj, &peer) && !t.moves(File, Dram, &peer));
         }
+        // A peer's objects: through its agent, from host memory.
+        assert!(tcp.moves(Dram, Obj, &peer) && storage_only.moves(Dram, Obj, &peer));
+        assert!(!tcp.moves(Vram, Obj, &peer) && !tcp.moves(File, Dram, &peer));
         // Objects: the agent's own storage, from host memory or GPU memory
         // (through a host buffer per HTTP request); never from storage.
         assert!(storage_link::OwnStorage.moves(Dram, Obj, &peer));

@@ -65,7 +65,8 @@ pub unsafe extern "C" fn kvxfer_agent_open_storage(
 /// registered with `kvxfer_agent_register_memory`. A transfer whose remote
 /// agent is this agent's own name then PUTs host memory into the object
 /// (a descriptor writes its object whole: `addr` 0; multipart with parallel
-/// parts when large) or reads ranges of it (parallel ranged GETs).
+/// parts when large) or reads ranges of it (parallel ranged GETs); a peer
+/// that loaded this agent does the same through it over TCP.
 /// `endpoint` (`http://host:port`, `https://host`) may be NULL: the store
 /// is then found as the AWS tools find it, as are the credentials and the
 /// region (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,

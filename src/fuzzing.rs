@@ -7,8 +7,8 @@
 use std::os::fd::AsFd;
 
 use crate::desc::{AgentDesc, DESC_VERSION};
-use crate::engine::cma_wire::{CmaFrame, Delegate};
 use crate::engine::requests::RequestTable;
+use crate::engine::shm::frames::{CmaFrame, Delegate};
 use crate::engine::wire::{CommitOp, Frame, HEADER_LEN};
 use crate::status::TransportKind;
 
@@ -93,12 +93,14 @@ pub fn tcp_frames(data: &[u8]) {
                 let CmaFrame::Delegate(Delegate { req, count, op, .. }) = f else {
                     continue;
                 };
-                let n = count as usize * crate::engine::cma_wire::DELEGATE_ENTRY;
+                let n = count as usize * crate::engine::shm::frames::DELEGATE_ENTRY;
                 let body = &rest[..n.min(rest.len())];
                 rest = &rest[body.len()..];
                 // Grants: one span a request, from its id.
                 let spans = [(req & 0xffff_f000, req >> 48)];
-                if crate::engine::delegated_pieces(body, &spans).is_ok() && op == CommitOp::Write {
+                if crate::engine::shm::plan::delegated_pieces(body, &spans).is_ok()
+                    && op == CommitOp::Write
+                {
                     let _ = table.commit(req, 0, None);
                 }
             }

@@ -6,6 +6,10 @@
 //! `unsafe`, and do no I/O, so that they could move into a crate of their
 //! own. Read from the sources: a change that makes one of them import the
 //! agent layer, a transport or the OS fails here, naming the line.
+//!
+//! The engine on two floors: its core (every engine file that is not a
+//! transport's) names no transport, and no transport names another; only
+//! the registry (`engine::transports`) names them all.
 
 use std::path::Path;
 
@@ -21,7 +25,8 @@ const PURE: &[&str] = &[
     "small",
     "integrity",
     "engine::wire",
-    "engine::cma_wire",
+    "engine::shm::frames",
+    "engine::shm::plan",
     "engine::requests",
     "engine::plan",
     "engine::budget",
@@ -176,8 +181,8 @@ fn the_checker_sees_what_it_must() {
         ["memory::MemoryType"]
     );
     assert_eq!(
-        named("use crate::engine::{cma_wire, rdma::Wr};"),
-        ["engine::cma_wire", "engine::rdma"]
+        named("use crate::engine::{shm::frames, rdma::Wr};"),
+        ["engine::shm", "engine::rdma"]
     );
     assert_eq!(
         named("    let n = crate::status::DRIVE_MAX_BYTES + crate::proto::MAC_LEN;"),
@@ -187,4 +192,140 @@ fn the_checker_sees_what_it_must() {
     assert!(is_pure("engine::wire::Frame") && is_pure("proto"));
     assert!(!is_pure("engine::rdma") && !is_pure("engine") && !is_pure("agent::TransferAgent"));
     assert!(!is_pure("engine::wire_extra") && is_pure("error::Error"));
+}
+
+/// The engine's transports, each a module of its own (a folder, or a file
+/// for the small ones).
+const TRANSPORTS: &[&str] = &["shm", "rdma", "fabric", "inproc", "tcp", "storage_link"];
+
+/// The engine's files that are not a transport's, nor the registry, nor
+/// its unit tests: its core.
+fn engine_core() -> Vec<String> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine");
+    let mut out: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            let m = name.strip_suffix(".rs")?.to_owned();
+            let skip = TRANSPORTS.contains(&m.as_str()) || m == "transports" || m == "tests";
+            (!skip).then_some(m)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// The transports `line` names: `crate::engine::<t>`, `super::<t>`, or
+/// (in the engine's own `mod.rs`) `<t>::` at the start of a path; a
+/// `mod <t>;` declaration names nothing.
+fn transports_named(line: &str) -> Vec<&'static str> {
+    let t = line.trim_start();
+    if t.starts_with("mod ")
+        || t.starts_with("pub(crate) mod ")
+        || t.starts_with("pub(in") && t.contains(" mod ")
+    {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for path in named(line) {
+        if let Some(rest) = path.strip_prefix("engine::") {
+            let first = rest.split("::").next().unwrap_or("");
+            if let Some(&t) = TRANSPORTS.iter().find(|&&t| t == first) {
+                out.push(t);
+            }
+        }
+    }
+    for &tr in TRANSPORTS {
+        let pat = format!("{tr}::");
+        let mut at = 0;
+        while let Some(i) = line[at..].find(&pat) {
+            let i = at + i;
+            let before = line[..i].chars().next_back();
+            let starts = before.is_none_or(|c| !(c.is_alphanumeric() || c == '_' || c == ':'))
+                || line[..i].ends_with("super::");
+            if starts && !out.contains(&tr) {
+                out.push(tr);
+            }
+            at = i + pat.len();
+        }
+    }
+    out
+}
+
+#[test]
+fn the_engine_core_names_no_transport_and_no_transport_another() {
+    let mut wrong = Vec::new();
+    for m in engine_core() {
+        let module = if m == "mod" {
+            "engine".to_owned()
+        } else {
+            format!("engine::{m}")
+        };
+        for (n, line) in source(&module) {
+            for t in transports_named(&line) {
+                wrong.push(format!(
+                    "{}:{n}: the core names transport {t}",
+                    file(&module)
+                ));
+            }
+        }
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine");
+    for &t in TRANSPORTS {
+        let mut files = Vec::new();
+        let dir = root.join(t);
+        if dir.is_dir() {
+            for e in std::fs::read_dir(&dir).unwrap() {
+                let name = e.unwrap().file_name().into_string().unwrap();
+                if let Some(m) = name.strip_suffix(".rs") {
+                    files.push(if m == "mod" {
+                        format!("engine::{t}")
+                    } else {
+                        format!("engine::{t}::{m}")
+                    });
+                }
+            }
+        } else {
+            files.push(format!("engine::{t}"));
+        }
+        for module in files {
+            for (n, line) in source(&module) {
+                for other in transports_named(&line).into_iter().filter(|&o| o != t) {
+                    wrong.push(format!(
+                        "{}:{n}: transport {t} names transport {other}",
+                        file(&module)
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "the engine's floors crossed:\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn the_floor_checker_sees_what_it_must() {
+    assert_eq!(transports_named("use crate::engine::shm::Shm;"), ["shm"]);
+    assert_eq!(
+        transports_named("use crate::engine::{Inner, inproc, rdma};"),
+        ["inproc", "rdma"]
+    );
+    assert_eq!(
+        transports_named("        let s = shm::Shm::open(a);"),
+        ["shm"]
+    );
+    assert_eq!(
+        transports_named("    x.rdma.ack_timeout; cross_memory::copy()"),
+        Vec::<&str>::new()
+    );
+    assert!(
+        transports_named("mod shm;").is_empty()
+            && transports_named("pub(crate) mod shm;").is_empty()
+    );
+    assert!(
+        engine_core().contains(&"submit".to_owned()) && !engine_core().contains(&"tcp".to_owned())
+    );
 }

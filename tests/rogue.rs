@@ -238,8 +238,11 @@ fn a_forged_delegate_reads_and_writes_nothing() {
     // process's pid does not match the proof.
     let ticket = u128::from(ack.addr) | u128::from(ack.len) << 64;
     assert_eq!(prove_local(v.desc.instance, ticket), 0);
-    // A ticket binds once.
-    assert_eq!(prove_local(v.desc.instance, ticket), 1);
+    // A ticket binds one process: proving it again (a session's pool
+    // channel) binds nothing new (another process is refused:
+    // `local_proof::a_bound_ticket_binds_no_other_process`); a ticket of
+    // no session binds nothing.
+    assert_eq!(prove_local(v.desc.instance, ticket), 0);
     assert_eq!(prove_local(v.desc.instance, ticket ^ 1), 1);
     attack(&mut c, me);
     attack(&mut c, third.id());

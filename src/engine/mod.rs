@@ -1,30 +1,26 @@
 //! The engine: one agent for every data path. [`Engine`] implements
-//! [`TransferAgent`]; a loaded peer is reached over TCP streams, by
-//! cross-memory attach (same host) or over RDMA queue pairs, chosen per
-//! peer and memory type among the transports the agent's [`Backend`]
-//! allows (`transport`).
+//! [`TransferAgent`]; a loaded peer is reached by one of the transports
+//! the agent's [`Backend`] allows, chosen per peer and memory type.
 //!
-//! One listener per agent serves the side channel (descriptor fetch) and
-//! incoming data streams. To each remote agent an initiator opens a *link*:
-//! `streams_per_peer` TCP connections, each with a sender and a reader
-//! thread (`tcp_stream`); on the cross-memory path the copy is the
-//! initiator's (`cma`), with grants and the commit over the socket; on RDMA
-//! one-sided work requests on the link's queue pairs (`rdma`). The target
-//! side (`target`) runs one thread per incoming connection.
+//! Two floors. The **core** names no transport (`tests/layering.rs`):
+//! `api` (the trait), `submit` (the submit path), `peer` and `names`
+//! (connecting, descriptors, the metadata store), `target` (the listener
+//! side: accept, serve, dispatch each frame to its transport, commit) with
+//! the side channel's own data serving (`tcp_target`, a peer's storage in
+//! `storage_target`), `attach` (transport set-up frames), `transport` (the
+//! `Transport` and `Link` traits and their vocabulary, the choice of a
+//! transport), `socket_link` and `socket_streams` (what every socket link
+//! shares: streams, their sender and reader threads), `plan`, `wire`,
+//! `requests`, `budget` (pure: planning, the frame codec, the target's
+//! request table), `sock` (vectored socket I/O), `handshake`, `ktls` and
+//! `records` (authentication, encrypted connections), `settle`,
+//! `serve_each`, `pre_auth`, `metrics_http`.
 //!
-//! Modules: `transport` (the `Transport` and `Link` traits, the choice of
-//! a transport per peer and memory type), `peer` (connecting,
-//! descriptors), `plan` (request planning, no I/O), `submit` (the submit
-//! path, transport-blind), `api` (the trait), `target` (the listener side:
-//! accept, serve, dispatch each frame to its transport, commit); per
-//! transport: `socket_link` (what the tcp, shm and rdma links share),
-//! `tcp_stream` and `tcp_target`, `cma`, `cma_target` and `cma_wire` (its
-//! frames, no I/O), `rdma` (data types, `link`, `progress`, `recv`,
-//! `accept`, `schedule`), `inproc`,
-//! `storage_link` (the agent's own FILE and BLK regions); `wire` and
-//! `requests` (the frame codec and the target's request table, no I/O),
-//! `sock` (vectored socket I/O), `handshake` and `local_proof`
-//! (authentication, the initiator's process proof).
+//! The **transports**, each a module that names no other: `tcp` (frames
+//! over the link's streams), `shm` (same host: cross-memory attach, shared
+//! pools, CUDA IPC), `rdma` (queue pairs), `fabric` (libfabric), `inproc`
+//! (agents of one process), `storage_link` (the agent's own storage).
+//! `transports` is the registry: the one file that names them all.
 //!
 //! See `docs/architecture.md` for threads and ownership, and
 //! `docs/wire-format.md` for the frames.
@@ -32,9 +28,6 @@
 mod api;
 mod attach;
 mod budget;
-mod cma;
-mod cma_target;
-pub(crate) mod cma_wire;
 #[cfg(feature = "fabric")]
 mod fabric;
 mod handshake;
@@ -42,36 +35,37 @@ mod in_flight;
 mod indexed;
 mod inproc;
 mod ktls;
-mod local_proof;
 #[cfg(feature = "metrics-endpoint")]
 mod metrics_http;
 mod names;
 mod peer;
 mod plan;
-mod pool;
 mod pre_auth;
 mod rdma;
 mod records;
 pub(crate) mod requests;
 mod serve_each;
 mod settle;
+pub(crate) mod shm;
 mod sock;
 mod socket_link;
+mod socket_streams;
 mod storage_link;
 mod storage_target;
 mod submit;
 mod target;
-mod tcp_stream;
+mod tcp;
 mod tcp_target;
 #[cfg(test)]
 mod tests;
 mod transport;
+mod transports;
 pub(crate) mod wire;
 
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use handshake::fuzz_respond;
 #[cfg(any(test, feature = "fuzzing"))]
-pub(crate) use plan::{delegated_pieces, write_list_pieces};
+pub(crate) use plan::write_list_pieces;
 use target::Session;
 use transport::{Link, Transport};
 
@@ -96,12 +90,12 @@ use std::time::Duration;
 
 use crate::agent::{AgentConfig, Backend, TransferAgent};
 use crate::auth::random_u64;
+use crate::cross_memory;
 use crate::desc::{AgentDesc, ExportedRegion};
 use crate::error::Error;
 use crate::inbox::Inbox;
 use crate::memory::{MemoryType, RegionMap};
 use crate::registry::Registry;
-use crate::shm;
 use crate::small::FastHash;
 
 use wire::status;
@@ -225,7 +219,7 @@ impl Engine {
         // Resolved once (the environment is read here, not per connection).
         config.rdma.ack_timeout = Some(config.rdma.effective_ack_timeout()?);
         // The transports with devices of their own this backend uses.
-        let devices = transport::open_devices(mode, &mut config)?;
+        let devices = transports::open_devices(mode, &mut config)?;
         let listener = TcpListener::bind(config.listen)?;
         let listen_addr = listener.local_addr()?;
         let endpoint = match &config.advertise {
@@ -233,10 +227,10 @@ impl Engine {
             None => listen_addr.to_string(),
         };
         let instance = random_u64() | 1;
-        let host = shm::host_id();
-        let shm = cma::Shm::open(mode, &config, instance, &host);
+        let host = cross_memory::host_id();
+        let shm = transports::shm(mode, &config, instance, &host);
         let inner = Arc::new(Inner {
-            transports: transport::for_backend(mode, devices, shm),
+            transports: transports::for_backend(mode, devices, shm),
             mode,
             instance,
             host,
@@ -263,9 +257,7 @@ impl Engine {
             metrics: crate::metrics::Metrics::new(&config.name, &config.metrics),
             config,
         });
-        if mode == Backend::InProcess {
-            inproc::enlist(&inner);
-        }
+        transports::opened(&inner);
         let acceptor = Arc::clone(&inner);
         let listener_wake = listener.try_clone().ok();
         let listener_thread = std::thread::Builder::new()
@@ -333,7 +325,7 @@ impl Drop for Engine {
             m.stop();
         }
         // No in-process initiator copies into this agent after this.
-        inproc::delist(inner);
+        transports::closing(inner);
         for t in &inner.transports {
             t.stop();
         }

@@ -8,7 +8,7 @@ use crate::engine::handshake::{self};
 use crate::engine::sock::{FrameReader, ProgressClock, UntilDeadline, iov, writev_all};
 use crate::engine::transport::{Link, Transport};
 use crate::engine::wire::{Frame, HEADER_LEN, PROTOCOL_VERSION, status};
-use crate::engine::{Inner, Peer, StorageRoute, lock, storage_link, tick, transport};
+use crate::engine::{Inner, Peer, StorageRoute, lock, tick, transport, transports};
 use crate::error::Error;
 use crate::memory::{MemoryType, RegionMap};
 use rustix::fd::{AsFd, AsRawFd};
@@ -83,7 +83,7 @@ impl Inner {
             Arc::new(Peer::new(
                 self.local_desc(),
                 RegionMap::new(),
-                Arc::new(storage_link::OwnStorage),
+                transports::own_storage(),
                 StorageRoute::Same,
             ))
         }))

@@ -1,14 +1,14 @@
-//! Request planning, free of I/O: TCP segments per stream, write-list and
-//! delegate tables (parsed with bounds checks, also by the fuzz targets),
-//! cross-memory grants and the delegation choice. It imports only the
-//! pure parts of the crate (the memory model, the protocol's vocabulary,
-//! the frame codecs); the RDMA link plans its work requests itself.
+//! Request planning, free of I/O: TCP segments per stream and write-list
+//! tables (parsed with bounds checks, also by the fuzz targets). It
+//! imports only the pure parts of the crate (the memory model, the
+//! protocol's vocabulary, the frame codecs); the shm transport plans its
+//! grants and delegated copies in `shm::plan`, the RDMA link its work
+//! requests itself.
 
 #![forbid(unsafe_code)]
 
-use crate::engine::cma_wire;
 use crate::engine::wire::{Frame, HEADER_LEN, WRITE_LIST_ENTRY};
-use crate::memory::{MemoryDescs, MemoryType, Piece};
+use crate::memory::MemoryType;
 use crate::proto::TransferRequest;
 
 /// A piece of a TCP request on one stream: where it comes from here and
@@ -41,14 +41,6 @@ impl Seg {
         }
         .encode()
     }
-}
-
-/// A range the target must grant for a cross-memory request.
-pub(in crate::engine) struct GrantRange {
-    pub(in crate::engine) mem_type: MemoryType,
-    pub(in crate::engine) addr: u64,
-    pub(in crate::engine) len: u64,
-    pub(in crate::engine) key: u64,
 }
 
 /// Splits `(local, remote)` pairs into segments of at most `max` bytes and
@@ -128,80 +120,4 @@ pub(crate) fn write_list_pieces(table: &[u8], total: u64) -> Result<WriteListTab
         ));
     }
     Ok(WriteListTable { pieces, lo, hi })
-}
-
-/// The pieces of a `Delegate` table, as (local = the target's address,
-/// remote = the initiator's): each non-empty, and inside one of `spans`
-/// (the request's admitted grants).
-pub(crate) fn delegated_pieces(
-    table: &[u8],
-    spans: &[(u64, u64)],
-) -> Result<Vec<Piece>, &'static str> {
-    let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
-    table
-        .chunks_exact(cma_wire::DELEGATE_ENTRY)
-        .map(|e| {
-            let (target, initiator, len) = (word(&e[..8]), word(&e[8..16]), word(&e[16..]));
-            let inside = len > 0
-                && target.checked_add(len).is_some_and(|end| {
-                    spans
-                        .iter()
-                        .any(|&(a, l)| target >= a && end <= a.saturating_add(l))
-                });
-            if inside {
-                Ok(Piece {
-                    local: target,
-                    remote: initiator,
-                    len,
-                })
-            } else {
-                Err("delegated piece outside the request's grants")
-            }
-        })
-        .collect()
-}
-
-/// Adjacent runs in a descriptor list (pieces that continue the previous
-/// one's range count once).
-pub(in crate::engine) fn runs(descs: &[crate::memory::MemoryDesc]) -> usize {
-    descs
-        .iter()
-        .zip(descs.iter().skip(1))
-        .filter(|(a, b)| a.addr.checked_add(a.len) != Some(b.addr))
-        .count()
-        + usize::from(!descs.is_empty())
-}
-
-/// Whether a cross-memory request should be copied by the target: its
-/// remote pieces are many and much more scattered than its local ones.
-pub(in crate::engine) fn should_delegate(req: &TransferRequest) -> bool {
-    let n = req.remote.descs.len();
-    if n > cma_wire::DELEGATE_MAX as usize {
-        return false;
-    }
-    let remote = runs(&req.remote.descs);
-    remote >= 16 && remote >= 2 * runs(&req.local.descs)
-}
-
-/// One grant per remote region a request touches, covering the span of its
-/// descriptors in that region.
-pub(in crate::engine) fn grant_ranges(remote: &MemoryDescs, keys: &[u64]) -> Vec<GrantRange> {
-    let mut spans: Vec<GrantRange> = Vec::new();
-    for (d, &key) in remote.descs.iter().zip(keys) {
-        let end = d.addr + d.len;
-        match spans.iter_mut().find(|g| g.key == key) {
-            Some(g) => {
-                let g_end = (g.addr + g.len).max(end);
-                g.addr = g.addr.min(d.addr);
-                g.len = g_end - g.addr;
-            }
-            None => spans.push(GrantRange {
-                mem_type: remote.mem_type,
-                addr: d.addr,
-                len: d.len,
-                key,
-            }),
-        }
-    }
-    spans
 }

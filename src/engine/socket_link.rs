@@ -9,7 +9,6 @@
 use crate::agent::{Completion, DataPath, TransferOp, TransferRequest, TransferStatus};
 use crate::auth::random_u64;
 use crate::desc::AgentDesc;
-use crate::engine::cma::CmaParts;
 use crate::engine::indexed::IndexedSegs;
 use crate::engine::peer::connect_any;
 use crate::engine::peer::handshake;
@@ -18,7 +17,7 @@ use crate::engine::settle::Settle;
 use crate::engine::sock::ProgressClock;
 use crate::engine::submit::{PreparedHold, Resolved};
 use crate::engine::transport::{Link, Submission};
-use crate::engine::{Engine, Inner, Peer, in_flight, lock, rdma, tick, wire};
+use crate::engine::{Engine, Inner, Peer, in_flight, lock, tick, wire};
 use crate::error::Error;
 use crate::registry::RegionGuard;
 use crate::small::{FastHash, Few};
@@ -236,17 +235,6 @@ pub(in crate::engine) unsafe fn table(
     t
 }
 
-/// How a cross-memory request goes on after its grants and copy.
-pub(in crate::engine) enum CmaOutcome {
-    /// Commit it (after an `Abort` frame when `aborted`: its copy stopped
-    /// or never began, and the target releases its grants and drops its
-    /// sync message).
-    Commit { aborted: bool },
-    /// Nothing more to send: it has finished (refused, aborted before
-    /// anything was sent), or the target copies and commits it.
-    Done,
-}
-
 /// Work for a stream's sender thread.
 pub(in crate::engine) enum Job<X> {
     /// Frames to write (a request's segments, its tail).
@@ -395,53 +383,6 @@ pub(in crate::engine) trait SocketPath: Send + Sync + Sized + 'static {
     /// outside the table of requests.
     fn on_closed(&self, _cause: Error) {}
 }
-
-/// The TCP transport's part of its link: nothing but the streams.
-pub(in crate::engine) struct TcpParts;
-
-impl SocketPath for TcpParts {
-    type Job = std::convert::Infallible;
-
-    fn submit(link: Arc<TcpLink>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
-        link.submit_streams(sub)
-    }
-
-    fn prepare(
-        link: Arc<TcpLink>,
-        engine: &Engine,
-        peer: Arc<Peer>,
-        req: &TransferRequest,
-        resolved: Resolved,
-    ) -> Result<Box<dyn Prepared>, Error> {
-        Ok(Box::new(link.prepare_streams(engine, peer, req, resolved)))
-    }
-
-    fn prepare_indexed(
-        link: Arc<TcpLink>,
-        peer: Arc<Peer>,
-        segs: &Arc<IndexedSegs>,
-        bytes: u64,
-        guards: Few<RegionGuard>,
-    ) -> Option<(Box<dyn Prepared>, usize)> {
-        let (kept, runs) = link.prepare_indexed_streams(peer, segs, bytes, guards);
-        Some((Box::new(kept), runs))
-    }
-
-    fn run_job(
-        _: &SocketLink<Self>,
-        _: std::os::fd::RawFd,
-        job: Self::Job,
-    ) -> Result<Option<Frames>, Error> {
-        match job {}
-    }
-}
-
-/// A TCP link: the data in frames over `streams_per_peer` streams.
-pub(in crate::engine) type TcpLink = SocketLink<TcpParts>;
-/// A cross-memory link: copies by this process, control on one stream.
-pub(in crate::engine) type CmaLink = SocketLink<CmaParts>;
-/// An RDMA link: queue pairs, control on one stream.
-pub(in crate::engine) type RdmaLink = SocketLink<rdma::RdmaParts>;
 
 /// The connections from this agent to one remote agent over one of the
 /// socket transports (`P`: the transport's own part).

@@ -1062,7 +1062,7 @@ impl Inner {
         let threads = (self.config.shm.copy_threads, super::PARALLEL_COPY_MIN);
         // SAFETY: every range lies inside a region registered here, held
         // registered by `guards` for the call.
-        let got = unsafe { crate::shm::sum_parallel(&ranges, threads) };
+        let got = unsafe { crate::cross_memory::sum_parallel(&ranges, threads) };
         drop(guards);
         for ((r, sent), got) in ranges.iter().zip(sent).zip(got) {
             self.check(&session.remote, sent, got, (r.local, r.local + r.len))?;

@@ -4,7 +4,7 @@ use crate::agent::{AgentConfig, Backend, TransferAgent, TransferRequest, Transpo
 use crate::desc::AgentDesc;
 use crate::engine::peer::connect_any;
 use crate::engine::peer::handshake;
-use crate::engine::plan::{delegated_pieces, runs, should_delegate};
+use crate::engine::shm::plan::{delegated_pieces, runs, should_delegate};
 use crate::engine::sock::ProgressClock;
 use crate::engine::{Engine, attach, wire};
 use crate::error::Error;

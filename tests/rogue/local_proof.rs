@@ -305,6 +305,34 @@ fn take_bait(v: &Victim, c: &mut RawConn, req: u64, pid: u32, proved: &[String])
     st
 }
 
+/// A ticket binds one process: once a process is bound to the session,
+/// another one presenting the same ticket (with its own memory file) is
+/// refused, and delegated copies still reach the first one only.
+#[test]
+fn a_bound_ticket_binds_no_other_process() {
+    let v = Victim::new(Backend::Shm, AgentConfig::new("target"));
+    let (mut c, ticket) = session(&v, 79);
+    let exe = std::env::current_exe().unwrap();
+    let mut first = Role::spawn(prover_cmd(&exe, &v, ticket, &exe), "prover");
+    let first_pid = first.child.id();
+    let proved = first.line();
+    assert_eq!(proved[..2], ["proved", "0"], "the first process is bound");
+    let mut second = Role::spawn(prover_cmd(&exe, &v, ticket, &exe), "prover");
+    let second_pid = second.child.id();
+    let refused = second.line();
+    assert_eq!(refused[..2], ["proved", "1"], "another process is refused");
+    // A delegated copy naming the second process is kept out; the first
+    // still takes its bait.
+    assert!(kept_out(take_bait(&v, &mut c, 1, second_pid, &refused)));
+    v.assert_untouched();
+    second.kill();
+    assert_eq!(take_bait(&v, &mut c, 2, first_pid, &proved), raw::ST_OK);
+    v.assert_untouched();
+    drop(c);
+    first.kill();
+    v.still_serves(AgentConfig::new("good"));
+}
+
 /// A process proves itself and then runs another program of its own user:
 /// the binding was to the program it proved itself in, so no delegated
 /// copy reaches the new one, even with the probe word that worked before.

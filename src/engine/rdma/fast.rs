@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::agent::{Progress, TransferOp, TransferRequest, TransferStatus};
-use crate::engine::socket_link::{Pending, RdmaLink};
+use crate::engine::rdma::RdmaLink;
+use crate::engine::socket_link::Pending;
 use crate::engine::{Engine, Peer, rdma};
 use crate::error::Error;
 use crate::memory::MemoryDescs;

@@ -8,10 +8,9 @@ use crate::agent::{
 };
 use crate::config::AgentConfig;
 use crate::desc::AgentDesc;
+use crate::engine::rdma::RdmaLink;
 use crate::engine::rdma::recv::rdma_connect;
-use crate::engine::socket_link::{
-    Checks, Frames, Job, Pending, RdmaLink, SocketPath, connect_streams,
-};
+use crate::engine::socket_link::{Checks, Frames, Job, Pending, SocketPath, connect_streams};
 use crate::engine::submit::{PreparedHold, Resolved};
 use crate::engine::transport::Submission;
 use crate::engine::{Engine, Inner, Peer, lock, rdma};

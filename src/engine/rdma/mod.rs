@@ -459,6 +459,9 @@ impl RdmaConn {
     }
 }
 
+/// An RDMA link: queue pairs, control on one stream.
+pub(in crate::engine) type RdmaLink = crate::engine::socket_link::SocketLink<RdmaParts>;
+
 /// The RDMA part of a socket link.
 pub(crate) struct RdmaParts {
     /// The link's queue pairs (none on the other paths); sync messages go

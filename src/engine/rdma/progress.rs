@@ -4,8 +4,8 @@
 //! the link is broken and nothing is posted.
 
 use crate::engine::rdma;
+use crate::engine::rdma::RdmaLink;
 use crate::engine::rdma::recv::Backoff;
-use crate::engine::socket_link::RdmaLink;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::agent::{AgentConfig, Backend, TransportKind};
 use crate::desc::AgentDesc;
-use crate::engine::socket_link::RdmaLink;
+use crate::engine::rdma::RdmaLink;
 use crate::engine::transport::{Link, Transport};
 use crate::engine::{Inner, attach, status};
 use crate::error::Error;

@@ -1,47 +1,71 @@
-//! The cross-memory (shm) transport ([`Shm`]: its state on both sides)
-//! and its requests at the initiator: grants, the direct copy
-//! (`process_vm_writev`/`readv`, stopped between calls by an abort), and
-//! delegating the copy to the target when its side is the contiguous one.
-//! Its target side is `cma_target`, its frames `cma_wire`.
+//! The shm transport: same-host peers, no socket for the data.
 //!
-//! The target's GPU memory is reached the same way, through CUDA IPC: its
-//! descriptor carries each VRAM region's allocation handle; the initiator
-//! opens it (once per allocation, kept until the link closes), and after
-//! the grants the copy is the driver's (device to device, or to and from
-//! host memory), waited for before the commit, so the sync message is
-//! delivered only once the data is in place. Nothing is staged.
+//! | file | what |
+//! |---|---|
+//! | `mod.rs` | [`Shm`] (the transport: its state on both sides) and the initiator's link: grants, the direct copy (`process_vm_writev`/`readv` in `crate::cross_memory`, stopped between calls by an abort), delegating the copy to the target when its side is the contiguous one, shared pools copied through their mapping, the target's GPU memory through CUDA IPC |
+//! | `at_target.rs` | the target's side of a session ([`at_target::CmaSession`]): grants held until the commit, delegated copies for the proven initiator, the pool channel |
+//! | `frames.rs` | its frames inside the engine's `Transport` frames, the descriptor's offer and IPC keys (pure) |
+//! | `plan.rs` | grants, the delegation choice, `Delegate` tables (pure) |
+//! | `proof.rs` | the local proof socket: which process is this initiator (the kernel's answer) |
+//! | `pool.rs` | shared pools: the channel on which a target hands its pools' files to a proven initiator and revokes them, and the initiator's mappings |
+//!
+//! The target's GPU memory is reached the same way as its host memory,
+//! through CUDA IPC: its descriptor carries each VRAM region's allocation
+//! handle; the initiator opens it (once per allocation, kept until the link
+//! closes), and after the grants the copy is the driver's (device to
+//! device, or to and from host memory), waited for before the commit, so
+//! the sync message is delivered only once the data is in place. Nothing
+//! is staged.
 
 use crate::agent::{AgentConfig, Backend, DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::{AgentDesc, RegionKey};
-use crate::engine::cma_target::CmaSession;
-use crate::engine::cma_wire::{CmaFrame, LocalAccess};
 use crate::engine::peer::fetch_desc;
-use crate::engine::plan::{GrantRange, grant_ranges, should_delegate};
 use crate::engine::requests::Finished;
+use crate::engine::shm::at_target::CmaSession;
+use crate::engine::shm::frames::{CmaFrame, LocalAccess};
+use crate::engine::shm::plan::{GrantRange, grant_ranges, should_delegate};
 use crate::engine::sock::{iov, writev_all};
-use crate::engine::socket_link::{
-    CmaLink, CmaOutcome, Frames, Job, Pending, SocketPath, connect_streams,
-};
+use crate::engine::socket_link::{Frames, Job, Pending, SocketLink, SocketPath, connect_streams};
 use crate::engine::target::{Conn, HeldSync};
 use crate::engine::transport::{Link, SessionState, Submission, Transport};
 use crate::engine::wire::{CommitOp, HEADER_LEN, status};
-use crate::engine::{
-    Inner, PARALLEL_COPY_MIN, cma_wire, local_proof, lock, pool, socket_link, tick, wire,
-};
+use crate::engine::{Inner, PARALLEL_COPY_MIN, lock, socket_link, tick, wire};
+
+pub(in crate::engine) mod at_target;
+pub(crate) mod frames;
+pub(crate) mod plan;
+mod pool;
+mod proof;
+
+use crate::cross_memory;
+use crate::cross_memory::Direction;
 use crate::error::{Error, RejectReason};
 use crate::memory::MemoryType;
 use crate::memory::Piece;
 use crate::metrics::Counter;
-use crate::shm;
-use crate::shm::Direction;
 use crate::small::FastHash;
 use crossbeam_channel::{Receiver, Sender};
+use proof as local_proof;
 use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+/// A cross-memory link: copies by this process, control on one stream.
+pub(in crate::engine) type CmaLink = SocketLink<CmaParts>;
+
+/// How a cross-memory request goes on after its grants and copy.
+pub(in crate::engine) enum CmaOutcome {
+    /// Commit it (after an `Abort` frame when `aborted`: its copy stopped
+    /// or never began, and the target releases its grants and drops its
+    /// sync message).
+    Commit { aborted: bool },
+    /// Nothing more to send: it has finished (refused, aborted before
+    /// anything was sent), or the target copies and commits it.
+    Done,
+}
 
 /// Cross-memory attach: a peer on this host that offers it and whose
 /// probe word this process can read. It owns what the path needs on both
@@ -136,7 +160,7 @@ impl Shm {
 /// makes none.
 fn local_access(peer: &AgentDesc) -> Option<(u8, Result<LocalAccess, String>)> {
     let (i, o) = peer.offer(TransportKind::Shm.as_str())?;
-    Some((i, cma_wire::decode_offer(&o.info)))
+    Some((i, frames::decode_offer(&o.info)))
 }
 
 /// Whether `peer` is on host `host` and gives the CUDA IPC handles of its
@@ -145,7 +169,7 @@ fn gives_ipc_handles(peer: &AgentDesc, host: &str) -> bool {
     let Some((i, o)) = peer.offer(TransportKind::Shm.as_str()) else {
         return false;
     };
-    cma_wire::offer_is_on(&o.info, host)
+    frames::offer_is_on(&o.info, host)
         && peer
             .regions
             .iter()
@@ -179,13 +203,13 @@ impl Transport for Shm {
                 a.host, self.host
             ));
         }
-        shm::probe(a.pid, a.probe_addr, peer.instance)
+        cross_memory::probe(a.pid, a.probe_addr, peer.instance)
     }
 
     /// The process peers on this host attach to (its probe word)
-    /// ([`cma_wire::encode_offer`]).
+    /// ([`frames::encode_offer`]).
     fn offer(&self) -> Option<Vec<u8>> {
-        Some(cma_wire::encode_offer(&LocalAccess {
+        Some(frames::encode_offer(&LocalAccess {
             host: self.host.clone(),
             pid: std::process::id(),
             probe_addr: self.probe_addr(),
@@ -201,7 +225,7 @@ impl Transport for Shm {
     }
 
     /// For a requester on this host, the exported GPU regions' keys: the
-    /// CUDA IPC handles of their allocations ([`cma_wire::encode_ipc_key`];
+    /// CUDA IPC handles of their allocations ([`frames::encode_ipc_key`];
     /// a handle opens its whole allocation: for same-host peers that ask
     /// only).
     fn describe(&self, inner: &Inner, desc: &mut AgentDesc, host: Option<&str>) {
@@ -219,7 +243,7 @@ impl Transport for Shm {
             if let Some((handle, offset)) = exports.get(&r.key) {
                 r.keys.push(RegionKey {
                     transport: i,
-                    key: cma_wire::encode_ipc_key(*offset, handle),
+                    key: frames::encode_ipc_key(*offset, handle),
                 });
             }
         }
@@ -432,7 +456,7 @@ impl IpcPeer {
             .iter()
             .filter(|r| r.mem_type == MemoryType::Vram)
             .filter_map(|r| {
-                let (offset, handle) = cma_wire::decode_ipc_key(r.key_for(i)?)?;
+                let (offset, handle) = frames::decode_ipc_key(r.key_for(i)?)?;
                 (r.desc.addr >= offset).then_some((r.key, (r.desc.addr, handle, offset)))
             })
             .collect();
@@ -732,13 +756,13 @@ impl CmaLink {
         sync: Option<&[u8]>,
         (probe_addr, instance): (u64, u64),
     ) -> Result<bool, Error> {
-        let mut table = Vec::with_capacity(pieces.len() * cma_wire::DELEGATE_ENTRY);
+        let mut table = Vec::with_capacity(pieces.len() * frames::DELEGATE_ENTRY);
         for p in pieces {
             table.extend_from_slice(&p.remote.to_le_bytes());
             table.extend_from_slice(&p.local.to_le_bytes());
             table.extend_from_slice(&p.len.to_le_bytes());
         }
-        let hdr = CmaFrame::Delegate(cma_wire::Delegate {
+        let hdr = CmaFrame::Delegate(frames::Delegate {
             req,
             op: match op {
                 TransferOp::Write => CommitOp::Write,
@@ -872,8 +896,8 @@ impl CmaLink {
             // pools (checked by `resolve`), mapped writable for a WRITE, and
             // held mapped by `mapped` until the copy returns.
             let copied = unsafe {
-                shm::copy_parallel(
-                    shm::Peer::Mapped,
+                cross_memory::copy_parallel(
+                    cross_memory::Peer::Mapped,
                     dir,
                     &mapped.pieces,
                     (self.parts.copy_threads, PARALLEL_COPY_MIN),
@@ -895,7 +919,7 @@ impl CmaLink {
         let frames: Vec<[u8; HEADER_LEN]> = grants
             .iter()
             .map(|g| {
-                CmaFrame::Grant(cma_wire::Grant {
+                CmaFrame::Grant(frames::Grant {
                     req,
                     mem_type: g.mem_type,
                     addr: g.addr,
@@ -969,8 +993,8 @@ impl CmaLink {
         // held by the request's guards until it completes, which cannot
         // happen before this copy returns (the commit follows it).
         let copied = unsafe {
-            shm::copy_parallel(
-                shm::Peer::Process(self.parts.pid),
+            cross_memory::copy_parallel(
+                cross_memory::Peer::Process(self.parts.pid),
                 dir,
                 pieces,
                 (self.parts.copy_threads, PARALLEL_COPY_MIN),
@@ -1048,7 +1072,7 @@ mod tests {
             align: 1,
         };
         let offer = |host: &str| {
-            cma_wire::encode_offer(&LocalAccess {
+            frames::encode_offer(&LocalAccess {
                 host: host.into(),
                 pid: std::process::id() + 1,
                 probe_addr: 0,
@@ -1059,13 +1083,9 @@ mod tests {
             instance: 9,
             endpoints: vec!["127.0.0.1:1".into()],
             regions: vec![
-                region(
-                    1,
-                    0x10_0000,
-                    Some(cma_wire::encode_ipc_key(0x100, &[1; 64])),
-                ),
+                region(1, 0x10_0000, Some(frames::encode_ipc_key(0x100, &[1; 64]))),
                 region(2, 0x20_0000, Some(vec![2; 64])),
-                region(3, 0x80, Some(cma_wire::encode_ipc_key(0x100, &[3; 64]))),
+                region(3, 0x80, Some(frames::encode_ipc_key(0x100, &[3; 64]))),
                 region(4, 0x40_0000, None),
             ],
             transports: vec![

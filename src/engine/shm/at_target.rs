@@ -6,19 +6,21 @@
 //! of each session's requests ([`CmaSession`]); [`Shm::serve`] serves the
 //! frames.
 
-use crate::engine::cma::Shm;
-use crate::engine::cma_wire::{CmaFrame, Delegate, Grant};
-use crate::engine::plan::delegated_pieces;
+use crate::cross_memory;
 use crate::engine::requests::Finished;
+use crate::engine::shm::Shm;
+use crate::engine::shm::frames;
+use crate::engine::shm::frames::{CmaFrame, Delegate, Grant};
+use crate::engine::shm::plan::delegated_pieces;
+use crate::engine::shm::{pool, proof as local_proof};
 use crate::engine::sock::ProgressClock;
 use crate::engine::target::{Conn, HeldSync, commit, violation};
 use crate::engine::transport::SessionState;
 use crate::engine::wire::{CommitOp, TransportHead, status};
-use crate::engine::{Inner, PARALLEL_COPY_MIN, cma_wire, local_proof, lock, pool};
+use crate::engine::{Inner, PARALLEL_COPY_MIN, lock};
 use crate::error::RejectReason;
 use crate::memory::MemoryType;
 use crate::registry::{RegionGuard, Registry};
-use crate::shm;
 use std::collections::HashMap;
 use std::io;
 use std::os::unix::net::UnixStream;
@@ -101,8 +103,9 @@ impl CmaSession {
 
     /// Binds `peer`, proven on agent `agent`'s local socket to hold the
     /// session's ticket, as the session's initiator: only the first proof
-    /// binds.
-    pub(in crate::engine) fn prove(&self, agent: &str, peer: local_proof::ProvenPeer) -> bool {
+    /// binds; `true` also for that same process proving again (its pool
+    /// channel), `false` for any other.
+    pub(in crate::engine::shm) fn prove(&self, agent: &str, peer: local_proof::ProvenPeer) -> bool {
         let mut proven = lock(&self.proven);
         if let Some(p) = proven.as_ref() {
             // The same process again (for a new channel): still bound.
@@ -305,7 +308,7 @@ impl Shm {
         // The sync message may follow: no header read-ahead.
         let table = c
             .reader
-            .read_vec_mid_frame(count as usize * cma_wire::DELEGATE_ENTRY, c.idle)?;
+            .read_vec_mid_frame(count as usize * frames::DELEGATE_ENTRY, c.idle)?;
         let sync = c.read_sync(&inner.inbox, has_sync, sync_len)?;
         let answer = |st| {
             c.send(
@@ -319,7 +322,7 @@ impl Shm {
         // proven owner (this process's user) could reach alone, whatever
         // the initiator became meanwhile (a set-user-id program, another
         // owner).
-        let unprivileged = match shm::Unprivileged::enter() {
+        let unprivileged = match cross_memory::Unprivileged::enter() {
             Ok(u) => Some(u),
             Err(e) => {
                 tracing::warn!(agent = %inner.config.name, error = %e, "cannot drop capabilities; not copying for initiators");
@@ -358,8 +361,8 @@ impl Shm {
         let _copying = Copying { state, req };
         let pieces = delegated_pieces(&table, &spans).map_err(violation)?;
         let dir = match op {
-            CommitOp::Write => shm::Direction::Read,
-            CommitOp::Read => shm::Direction::Write,
+            CommitOp::Write => cross_memory::Direction::Read,
+            CommitOp::Read => cross_memory::Direction::Write,
         };
         // SAFETY: every local range lies inside a span granted for this
         // request (checked above), in a region this agent registered, whose
@@ -367,8 +370,8 @@ impl Shm {
         // request's grant guards keep it registered until the commit below
         // (no sweep takes them while `copying` is set).
         let copied = unsafe {
-            shm::copy_parallel(
-                shm::Peer::Process(pid),
+            cross_memory::copy_parallel(
+                cross_memory::Peer::Process(pid),
                 dir,
                 &pieces,
                 (inner.config.shm.copy_threads, PARALLEL_COPY_MIN),
@@ -433,7 +436,7 @@ impl Shm {
             return None;
         };
         match peer.check(probe_addr, instance) {
-            Ok(p) if p == pid => match shm::probe(pid, probe_addr, instance) {
+            Ok(p) if p == pid => match cross_memory::probe(pid, probe_addr, instance) {
                 Ok(()) => Some(p),
                 Err(why) => {
                     tracing::info!(agent = %inner.config.name, remote = %state.remote, %why, "not copying for this initiator; it copies itself");

@@ -492,7 +492,7 @@ impl Pools {
     /// Opens the channel: proves this process to the target and starts the
     /// reading thread.
     fn open(&self) -> io::Result<Chan> {
-        let sock = super::local_proof::prove_and_keep(self.instance, self.ticket, self.timeout)?;
+        let sock = super::proof::prove_and_keep(self.instance, self.ticket, self.timeout)?;
         sock.set_read_timeout(None)?;
         sock.set_write_timeout(Some(self.timeout))?;
         let sock = Arc::new(sock);

@@ -28,7 +28,7 @@
 //! Before each delegated copy [`ProvenPeer::check`] asks the pidfd whether
 //! the process still lives and reads the initiator's probe word through
 //! the memory file; the copy itself then runs without effective
-//! capabilities ([`crate::shm::Unprivileged`]), so whatever happens between
+//! capabilities ([`crate::cross_memory::Unprivileged`]), so whatever happens between
 //! the check and the copy, the kernel lets it reach only a process its
 //! owner could reach.
 //!
@@ -339,7 +339,7 @@ impl Listener {
     /// bound them. Returns once every connection has been answered or shut
     /// down.
     pub(super) fn serve(&self, timeout: Duration, stop: &dyn Fn() -> bool, bind: &Bind<'_>) {
-        super::serve_each::serve_each(
+        crate::engine::serve_each::serve_each(
             self.sock.incoming(),
             (MAX_PENDING, MAX_PENDING / 2),
             "kvxfer-local-proof",

@@ -974,8 +974,21 @@ class nixlAgent:
         return NIXL_SUCCESS
 
     def invalidateLocalMD(self, ip_addr="", port=DEFAULT_COMM_PORT):  # noqa: N802
-        """Tells the listener at `ip_addr:port` to forget this agent."""
-        self._exchange(ip_addr, port, _listen.INVALIDATE, self.name.encode())
+        """Tells the listener at `ip_addr:port` to forget this agent. As
+        NIXL (which queues it and returns), it never fails: a listener that
+        is gone (connection refused, not tried again) holds nothing of this
+        agent; another failure is logged, and the peer's later transfers to
+        this agent fail typed on its stale metadata."""
+        if not ip_addr:
+            self._exchange(ip_addr, port, _listen.INVALIDATE, self.name.encode())
+        try:
+            _listen.exchange(ip_addr, int(port), _listen.INVALIDATE, self.name.encode(),
+                             _EXCHANGE_TIMEOUT, retry=False)
+        except _listen.ExchangeError as e:
+            if isinstance(e.__cause__, ConnectionRefusedError):
+                _log.debug("invalidate_local_metadata: nothing listens at %s:%s", ip_addr, port)
+            else:
+                _log.warning("invalidate_local_metadata at %s:%s failed: %s", ip_addr, port, e)
         return NIXL_SUCCESS
 
     def checkRemoteMD(self, remote_name, descs):  # noqa: N802

@@ -123,11 +123,12 @@ class Listener:
         self._thread.join(DEADLINE)
 
 
-def exchange(host, port, op, payload, timeout):
+def exchange(host, port, op, payload, timeout, retry=True):
     """Sends one frame to the listener at `host:port` and returns the
     answer's payload; a refused connection is tried again (backing off, the
-    listener may not be up yet) until `timeout` seconds have passed.
-    Raises `ExchangeError`."""
+    listener may not be up yet) until `timeout` seconds have passed, or,
+    without `retry`, raises at once. Raises `ExchangeError` (its cause the
+    `OSError`)."""
     deadline = time.monotonic() + timeout
     delay = 0.02
     while True:
@@ -139,7 +140,7 @@ def exchange(host, port, op, payload, timeout):
                 write_frame(s, op, payload, end)
                 rop, answer = read_frame(s, end)
         except (ConnectionRefusedError, ConnectionResetError, ConnectionError) as e:
-            if time.monotonic() + delay >= deadline:
+            if not retry or time.monotonic() + delay >= deadline:
                 raise ExchangeError(f"metadata exchange with {host}:{port}: {e}") from e
             time.sleep(delay)
             delay = min(delay * 2, 0.5)

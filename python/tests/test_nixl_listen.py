@@ -6,6 +6,7 @@ exchange)."""
 import ctypes
 import socket
 import struct
+import time
 
 import pytest
 
@@ -150,3 +151,19 @@ def test_a_listener_that_never_comes_up_fails_the_fetch_typed(monkeypatch):
     init = agent("early-init")
     with pytest.raises(b.nixlBackendError):
         init.fetch_remote_metadata("late-target", IP, port)
+
+
+def test_invalidating_at_a_listener_that_is_gone_succeeds_at_once(monkeypatch):
+    """basic_two_peers.py's tear-down: the initiator invalidates its
+    metadata at a target that has already exited. NIXL queues it and
+    returns; kvxfer's front tries once (nothing listens: nothing holds the
+    metadata) and returns without waiting out the exchange timeout."""
+    s = socket.socket()
+    s.bind((IP, 0))
+    port = s.getsockname()[1]
+    s.close()
+    monkeypatch.setattr(b, "_EXCHANGE_TIMEOUT", 3600.0)
+    init = agent("gone-init")
+    t0 = time.monotonic()
+    init.invalidate_local_metadata(IP, port)
+    assert time.monotonic() - t0 < 600.0, "waited out the exchange timeout"

@@ -443,7 +443,8 @@ class nixl_agent:
         self.agent.fetchRemoteMD(remote_agent, ip_addr, port, label)
 
     def invalidate_local_metadata(self, ip_addr="", port=DEFAULT_COMM_PORT):
-        """Tells the agent listening at `ip_addr:port` to forget this one."""
+        """Tells the agent listening at `ip_addr:port` to forget this one
+        (as NIXL, it does not fail: one gone holds nothing of this agent)."""
         self.agent.invalidateLocalMD(ip_addr, port)
 
     def check_remote_metadata(self, agent, descs=None):

@@ -91,6 +91,16 @@ _release_buffer.restype = None
 _PYBUF_SIMPLE = 0
 
 
+def _range(addr, total, offset, length):
+    """`[(address, length)]` of `length` bytes (default: to the end) from
+    `offset` in `total` registered bytes at `addr`; `ValueError` outside."""
+    if length is None:
+        length = total - offset
+    if offset < 0 or length <= 0 or offset + length > total:
+        raise ValueError(f"range {offset}+{length} outside the registered {total} bytes")
+    return [(addr + offset, length)]
+
+
 class Registration:
     """Memory registered with an agent: a Python buffer, or a tensor.
 
@@ -142,13 +152,7 @@ class Registration:
     def descs(self, offset=0, length=None):
         """`[(address, length)]` for `length` bytes from `offset` (default:
         to the end), checked against the registration."""
-        if length is None:
-            length = self.len - offset
-        if offset < 0 or length <= 0 or offset + length > self.len:
-            raise ValueError(
-                f"range {offset}+{length} outside the registered {self.len} bytes"
-            )
-        return [(self.addr + offset, length)]
+        return _range(self.addr, self.len, offset, length)
 
     def deregister(self):
         """Deregisters (refused with `RegionBusyError` while transfers use
@@ -303,13 +307,7 @@ class PoolRegistration:
     def descs(self, offset=0, length=None):
         """`[(address, length)]` for `length` bytes from `offset` (default:
         to the end), checked against the registration."""
-        if length is None:
-            length = self.len - offset
-        if offset < 0 or length <= 0 or offset + length > self.len:
-            raise ValueError(
-                f"range {offset}+{length} outside the registered {self.len} bytes"
-            )
-        return [(self.addr + offset, length)]
+        return _range(self.addr, self.len, offset, length)
 
     def deregister(self):
         """Deregisters the pool and revokes it from every peer."""

@@ -256,50 +256,19 @@ impl Inner {
             });
         let (guard, object) = match admitted {
             Ok(a) => a,
-            Err(reason) => {
-                let refusal = Frame::ReadData {
-                    req,
-                    len: 0,
-                    status: reason.code(),
-                    checked: false,
-                };
-                c.send(&[refusal.encode()], io_timeout)?;
-                return Ok(Err(reason));
-            }
+            Err(reason) => return refuse_read(c, req, reason, io_timeout),
         };
-        let hdr = Frame::ReadData {
-            req,
-            len,
-            status: status::OK,
-            checked: false,
-        }
-        .encode();
-        send_bytes(c.sock, &hdr, c.idle.clock, io_timeout)?;
-        let mut outcome = Ok(());
-        let mut done = 0u64;
-        while done < len {
-            let n = (len - done).min(BOUNCE_MAX as u64);
-            let buf = c.bounce.get(n as usize);
-            if outcome.is_ok() {
-                let deadline = Some(Instant::now() + io_timeout);
-                if let Err(e) =
-                    object
-                        .store
-                        .inner
-                        .get_range(&object.key, addr + done, buf, deadline)
-                {
-                    tracing::warn!(remote = %c.session.remote, handle, offset = addr + done, error = %e, "object GET for a peer failed");
-                    outcome = Err(RejectReason::ObjectStore);
-                }
-            }
-            if outcome.is_err() {
-                buf.fill(0);
-            }
-            send_bytes(c.sock, buf, c.idle.clock, io_timeout)?;
-            // Each GET is progress.
-            c.idle.clock.touch();
-            done += n;
-        }
+        let outcome = send_through_bounce(c, req, len, io_timeout, |buf, done| {
+            let deadline = Some(Instant::now() + io_timeout);
+            object
+                .store
+                .inner
+                .get_range(&object.key, addr + done, buf, deadline)
+                .map_err(|e| {
+                    tracing::warn!(handle, offset = addr + done, error = %e, "object GET for a peer failed");
+                    RejectReason::ObjectStore
+                })
+        })?;
         drop(guard);
         Ok(outcome)
     }
@@ -388,42 +357,14 @@ impl Inner {
         let io_timeout = self.config.io_timeout;
         let (guard, file) = match self.admit_storage(false, mem_type, device, (addr, len), key) {
             Ok(admitted) => admitted,
-            Err(reason) => {
-                let refusal = Frame::ReadData {
-                    req,
-                    len: 0,
-                    status: reason.code(),
-                    checked: false,
-                };
-                c.send(&[refusal.encode()], io_timeout)?;
-                return Ok(Err(reason));
-            }
+            Err(reason) => return refuse_read(c, req, reason, io_timeout),
         };
-        let hdr = Frame::ReadData {
-            req,
-            len,
-            status: status::OK,
-            checked: false,
-        }
-        .encode();
-        send_bytes(c.sock, &hdr, c.idle.clock, io_timeout)?;
-        let mut outcome = Ok(());
-        let mut done = 0u64;
-        while done < len {
-            let n = (len - done).min(BOUNCE_MAX as u64);
-            let buf = c.bounce.get(n as usize);
-            if outcome.is_ok()
-                && let Err(e) = file.file().read_exact_at(buf, addr + done)
-            {
-                tracing::warn!(remote = %c.session.remote, handle = device, offset = addr + done, error = %e, "storage read for a peer failed");
-                outcome = Err(RejectReason::storage_io(&e));
-            }
-            if outcome.is_err() {
-                buf.fill(0);
-            }
-            send_bytes(c.sock, buf, c.idle.clock, io_timeout)?;
-            done += n;
-        }
+        let outcome = send_through_bounce(c, req, len, io_timeout, |buf, done| {
+            file.file().read_exact_at(buf, addr + done).map_err(|e| {
+                tracing::warn!(handle = device, offset = addr + done, error = %e, "storage read for a peer failed");
+                RejectReason::storage_io(&e)
+            })
+        })?;
         drop(guard);
         Ok(outcome)
     }
@@ -484,6 +425,63 @@ fn put_object(remote: &str, a: Assembly, within: Duration) -> Result<(), RejectR
             Err(RejectReason::ObjectStore)
         }
     }
+}
+
+/// Answers a `ReadReq` refused for `reason` (an empty `ReadData` with it).
+fn refuse_read(
+    c: &mut Conn<'_, '_, '_>,
+    req: u64,
+    reason: RejectReason,
+    io_timeout: Duration,
+) -> io::Result<Result<(), RejectReason>> {
+    let refusal = Frame::ReadData {
+        req,
+        len: 0,
+        status: reason.code(),
+        checked: false,
+    };
+    c.send(&[refusal.encode()], io_timeout)?;
+    Ok(Err(reason))
+}
+
+/// Sends `len` bytes behind one `ReadData` header, each piece of at most
+/// the bounce buffer filled by `fill(piece, offset)` first. Once a fill
+/// fails, the rest is sent as zeros (the frame's length is promised) and
+/// the failure is the segment's outcome.
+fn send_through_bounce(
+    c: &mut Conn<'_, '_, '_>,
+    req: u64,
+    len: u64,
+    io_timeout: Duration,
+    mut fill: impl FnMut(&mut [u8], u64) -> Result<(), RejectReason>,
+) -> io::Result<Result<(), RejectReason>> {
+    let hdr = Frame::ReadData {
+        req,
+        len,
+        status: status::OK,
+        checked: false,
+    }
+    .encode();
+    send_bytes(c.sock, &hdr, c.idle.clock, io_timeout)?;
+    let mut outcome = Ok(());
+    let mut done = 0u64;
+    while done < len {
+        let n = (len - done).min(BOUNCE_MAX as u64);
+        let buf = c.bounce.get(n as usize);
+        if outcome.is_ok()
+            && let Err(reason) = fill(buf, done)
+        {
+            outcome = Err(reason);
+        }
+        if outcome.is_err() {
+            buf.fill(0);
+        }
+        send_bytes(c.sock, buf, c.idle.clock, io_timeout)?;
+        // Each piece is progress (a GET may take a while).
+        c.idle.clock.touch();
+        done += n;
+    }
+    Ok(outcome)
 }
 
 /// Sends `bytes` on the connection.

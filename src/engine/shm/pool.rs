@@ -35,12 +35,9 @@ use crate::memory::Piece;
 use crate::pool::Mapping;
 use crate::registry::Registry;
 use crossbeam_channel::{Receiver, Sender};
-use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags, recvmsg, sendmsg,
-};
+use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
 use std::collections::{HashMap, HashSet};
-use std::io::{self, IoSlice, IoSliceMut, Write};
+use std::io::{self, IoSlice, Write};
 use std::mem::MaybeUninit;
 use std::net::Shutdown;
 use std::os::fd::{AsFd, OwnedFd};
@@ -141,37 +138,11 @@ fn send(sock: &UnixStream, msg: Msg, fd: Option<&OwnedFd>) -> io::Result<()> {
 /// Reads one frame from `sock` and the descriptor sent with it, if any
 /// (others are closed). `Ok(None)` at the end of the stream.
 fn recv(sock: &UnixStream) -> io::Result<Option<(Msg, Option<OwnedFd>)>> {
-    let (mut f, mut got, mut fd) = ([0u8; FRAME], 0, None);
-    while got < FRAME {
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
-        let mut control = RecvAncillaryBuffer::new(&mut space);
-        let r = recvmsg(
-            sock,
-            &mut [IoSliceMut::new(&mut f[got..])],
-            &mut control,
-            RecvFlags::CMSG_CLOEXEC,
-        );
-        match r {
-            Ok(m) if m.bytes == 0 => {
-                return if got == 0 {
-                    Ok(None)
-                } else {
-                    Err(io::ErrorKind::UnexpectedEof.into())
-                };
-            }
-            Ok(m) => got += m.bytes,
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-        for msg in control.drain() {
-            if let RecvAncillaryMessage::ScmRights(fds) = msg {
-                for f in fds {
-                    fd.get_or_insert(f);
-                }
-            }
-        }
+    let mut f = [0u8; FRAME];
+    match super::proof::recv_full(sock, &mut f, None)? {
+        Some(fd) => Ok(Some((Msg::decode(&f)?, fd))),
+        None => Ok(None),
     }
-    Ok(Some((Msg::decode(&f)?, fd)))
 }
 
 // ---- the target's side ---------------------------------------------------

@@ -237,31 +237,38 @@ impl Caller {
     }
 }
 
-/// Reads the 16-byte ticket from `conn` by `deadline`, however the peer
-/// trickles, and the first descriptor sent with it.
-fn read_ticket(conn: &UnixStream, deadline: Instant) -> io::Result<([u8; 16], Option<OwnedFd>)> {
-    let (mut ticket, mut got, mut fd) = ([0u8; 16], 0, None);
-    while got < ticket.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::ErrorKind::TimedOut.into());
+/// Reads all of `buf` from `sock` (by `deadline` when given, however the
+/// peer trickles), and the first descriptor sent along (any others are
+/// closed). `Ok(None)`: the stream ended before the first byte.
+pub(super) fn recv_full(
+    sock: &UnixStream,
+    buf: &mut [u8],
+    deadline: Option<Instant>,
+) -> io::Result<Option<Option<OwnedFd>>> {
+    let (mut got, mut fd) = (0, None);
+    while got < buf.len() {
+        if let Some(deadline) = deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            sock.set_read_timeout(Some(left))?;
         }
-        conn.set_read_timeout(Some(left))?;
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let r = recvmsg(
-            conn,
-            &mut [IoSliceMut::new(&mut ticket[got..])],
+            sock,
+            &mut [IoSliceMut::new(&mut buf[got..])],
             &mut control,
             RecvFlags::CMSG_CLOEXEC,
         );
         match r {
+            Ok(m) if m.bytes == 0 && got == 0 => return Ok(None),
             Ok(m) if m.bytes == 0 => return Err(io::ErrorKind::UnexpectedEof.into()),
             Ok(m) => got += m.bytes,
             Err(rustix::io::Errno::INTR) => continue,
             Err(e) => return Err(e.into()),
         }
-        // Descriptors past the first are closed here.
         for msg in control.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = msg {
                 for f in fds {
@@ -270,7 +277,17 @@ fn read_ticket(conn: &UnixStream, deadline: Instant) -> io::Result<([u8; 16], Op
             }
         }
     }
-    Ok((ticket, fd))
+    Ok(Some(fd))
+}
+
+/// Reads the 16-byte ticket from `conn` by `deadline`, however the peer
+/// trickles, and the first descriptor sent with it.
+fn read_ticket(conn: &UnixStream, deadline: Instant) -> io::Result<([u8; 16], Option<OwnedFd>)> {
+    let mut ticket = [0u8; 16];
+    match recv_full(conn, &mut ticket, Some(deadline))? {
+        Some(fd) => Ok((ticket, fd)),
+        None => Err(io::ErrorKind::UnexpectedEof.into()),
+    }
 }
 
 /// Answers one proof connection: reads the ticket by `deadline`, proves

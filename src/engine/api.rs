@@ -64,23 +64,8 @@ impl TransferAgent for Engine {
                 gpu.push(crate::gpu::admit_registration(d)?);
             }
         }
-        let registrars: Few<&dyn crate::registry::Registrar> = self
-            .inner
-            .transports
-            .iter()
-            .filter_map(|t| t.registrar())
-            .collect();
         // SAFETY: forwarded contract of `register_memory`.
-        unsafe {
-            self.inner.registry.register(
-                descs,
-                SUPPORTED,
-                self.inner.mode.as_str(),
-                &registrars,
-                &gpu,
-                None,
-            )
-        }
+        unsafe { self.register_with(descs, &gpu, None) }
     }
 
     fn register_shared_pool(
@@ -93,25 +78,10 @@ impl TransferAgent for Engine {
             pool: Arc::clone(pool.mapping()),
             writable: access == crate::pool::PoolAccess::ReadWrite,
         };
-        let registrars: Few<&dyn crate::registry::Registrar> = self
-            .inner
-            .transports
-            .iter()
-            .filter_map(|t| t.registrar())
-            .collect();
         // SAFETY: the registration holds the pool's mapping (`share`), so
         // the range stays mapped while registered; the application reaches
         // the pool's bytes only through raw pointers.
-        unsafe {
-            self.inner.registry.register(
-                &descs,
-                SUPPORTED,
-                self.inner.mode.as_str(),
-                &registrars,
-                &[],
-                Some(&share),
-            )
-        }?;
+        unsafe { self.register_with(&descs, &[], Some(&share)) }?;
         Ok(descs)
     }
 
@@ -361,5 +331,38 @@ impl TransferAgent for Engine {
             .descs
             .iter()
             .all(|d| peer.regions.find(descs.mem_type, d).is_some())
+    }
+}
+
+impl Engine {
+    /// Registers `descs` (all or none) with the registry and every
+    /// transport that registers memory (`gpu`: where GPU memory lies in its
+    /// allocations; `share`: a shared pool's file).
+    ///
+    /// # Safety
+    /// As [`TransferAgent::register_memory`].
+    unsafe fn register_with(
+        &self,
+        descs: &MemoryDescs,
+        gpu: &[crate::registry::GpuRegion],
+        share: Option<&crate::pool::Share>,
+    ) -> Result<(), Error> {
+        let registrars: Few<&dyn crate::registry::Registrar> = self
+            .inner
+            .transports
+            .iter()
+            .filter_map(|t| t.registrar())
+            .collect();
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.inner.registry.register(
+                descs,
+                SUPPORTED,
+                self.inner.mode.as_str(),
+                &registrars,
+                gpu,
+                share,
+            )
+        }
     }
 }

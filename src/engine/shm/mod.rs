@@ -636,13 +636,17 @@ impl CmaLink {
         let ask = cfg.shm.delegate && pid != std::process::id();
         let mut may_delegate = false;
         let mut session = 0u128;
+        let mut proved = None;
         let streams = connect_streams(inner, peer, 1, |_, _, _, ticket| {
             session = ticket;
             if ask {
                 // The target copies for this process only once the kernel
                 // has told it on its local socket that this is the process.
-                match local_proof::prove(peer.instance, ticket, cfg.connect_timeout) {
-                    Ok(()) => may_delegate = true,
+                match local_proof::prove_and_keep(peer.instance, ticket, cfg.connect_timeout) {
+                    Ok(s) => {
+                        may_delegate = true;
+                        proved = Some(s);
+                    }
                     Err(e) => {
                         tracing::debug!(remote = %peer.name, error = %e, "no local proof; the target will not copy for this agent")
                     }
@@ -662,7 +666,7 @@ impl CmaLink {
             // second time here, as for any other process.
             pools: cfg.shm.pools.then(|| {
                 let wait = cfg.connect_timeout.min(cfg.io_timeout);
-                pool::Pools::new(peer.instance, session, wait)
+                pool::Pools::new(peer.instance, session, wait, proved.take())
             }),
             pooled: Arc::clone(&shm.pooled),
         };

@@ -356,14 +356,32 @@ enum Chan {
 impl Pools {
     /// The pools of the target `instance`, reached with the session
     /// `ticket`; every wait bounded by `timeout`.
-    pub(in crate::engine) fn new(instance: u64, ticket: u128, timeout: Duration) -> Self {
-        Self {
+    ///
+    /// `proved`: the connection of the proof this link made as it opened
+    /// (for delegated copies), kept as the channel: one proof connection
+    /// per session, so no older one can take the channel's place at the
+    /// target after a newer one.
+    pub(in crate::engine) fn new(
+        instance: u64,
+        ticket: u128,
+        timeout: Duration,
+        proved: Option<UnixStream>,
+    ) -> Self {
+        let me = Self {
             instance,
             ticket,
             timeout,
             maps: Arc::default(),
             chan: Mutex::new(Chan::Closed),
+        };
+        if let Some(sock) = proved {
+            let chan = me.start(sock).unwrap_or_else(|e| {
+                tracing::debug!(error = %e, "no pool channel; copies go the cross-memory way");
+                Chan::Failed
+            });
+            *lock(&me.chan) = chan;
         }
+        me
     }
 
     /// The local pieces with their remote sides moved into this process's
@@ -464,6 +482,12 @@ impl Pools {
     /// reading thread.
     fn open(&self) -> io::Result<Chan> {
         let sock = super::proof::prove_and_keep(self.instance, self.ticket, self.timeout)?;
+        self.start(sock)
+    }
+
+    /// Serves `sock`, a proven connection, as the channel: its reading
+    /// thread started.
+    fn start(&self, sock: UnixStream) -> io::Result<Chan> {
         sock.set_read_timeout(None)?;
         sock.set_write_timeout(Some(self.timeout))?;
         let sock = Arc::new(sock);
@@ -700,7 +724,7 @@ mod tests {
             remote: pool.as_ptr() as u64 + 100,
             len: 8,
         }];
-        let pools = Pools::new(0, 0, Duration::from_secs(1));
+        let pools = Pools::new(0, 0, Duration::from_secs(1), None);
         // The channel's maps, as a link's copies see them.
         let resolved = {
             let known = lock(&maps).regions.clone();

@@ -387,11 +387,13 @@ impl Listener {
 }
 
 /// The initiator's side: proves this process is the initiator of the
-/// session `ticket` names at target `instance`.
+/// session `ticket` names at target `instance` (and lets go of the
+/// connection; links keep it, [`prove_and_keep`]).
 ///
 /// # Errors
 /// Why not (no local socket: another host or network namespace; refused;
 /// timed out).
+#[cfg(test)]
 pub(super) fn prove(instance: u64, ticket: u128, timeout: Duration) -> io::Result<()> {
     prove_and_keep(instance, ticket, timeout).map(drop)
 }

@@ -156,11 +156,26 @@ impl Session {
 }
 
 impl Inner {
+    /// The object range `[addr, addr + len)` of `handle`, checked for a
+    /// peer: admitted (held while the guard lives), and its open object.
+    fn admit_object(
+        &self,
+        handle: u32,
+        (addr, len): (u64, u64),
+        key: u64,
+    ) -> Result<(RegionGuard, Arc<crate::storage::OpenObject>), RejectReason> {
+        let guard = self.registry.admit_object(handle, addr, len, key)?;
+        let object = self
+            .storage
+            .object(&crate::memory::MemoryDesc::new(0, 0, handle))
+            .map_err(|_| RejectReason::NotRegistered)?;
+        Ok((guard, object))
+    }
+
     /// Lands a `Write` frame's payload in the assembly of the object
     /// `handle` for request `req`: straight from the socket into place; the
     /// payload skipped when the segment is refused (not a registered
-    /// object range, past the assembly budget, a non-zero start without
-    /// the part before it being possible).
+    /// object range, past the assembly budget).
     pub(in crate::engine) fn land_object_write(
         &self,
         c: &mut Conn<'_, '_, '_>,
@@ -174,16 +189,9 @@ impl Inner {
             c.reader.discard(len, c.idle)?;
             Ok(Err(reason))
         };
-        let guard = match self.registry.admit_object(handle, addr, len, key) {
-            Ok(g) => g,
+        let (guard, object) = match self.admit_object(handle, (addr, len), key) {
+            Ok(admitted) => admitted,
             Err(reason) => return refuse(c, reason),
-        };
-        let object = match self
-            .storage
-            .object(&crate::memory::MemoryDesc::new(0, 0, handle))
-        {
-            Ok(o) => o,
-            Err(_) => return refuse(c, RejectReason::NotRegistered),
         };
         let Some(end) = addr.checked_add(len) else {
             return refuse(c, RejectReason::Malformed);
@@ -245,16 +253,7 @@ impl Inner {
         key: u64,
     ) -> io::Result<Result<(), RejectReason>> {
         let io_timeout = self.config.io_timeout;
-        let admitted = self
-            .registry
-            .admit_object(handle, addr, len, key)
-            .and_then(|g| {
-                self.storage
-                    .object(&crate::memory::MemoryDesc::new(0, 0, handle))
-                    .map(|o| (g, o))
-                    .map_err(|_| RejectReason::NotRegistered)
-            });
-        let (guard, object) = match admitted {
+        let (guard, object) = match self.admit_object(handle, (addr, len), key) {
             Ok(a) => a,
             Err(reason) => return refuse_read(c, req, reason, io_timeout),
         };

@@ -400,14 +400,14 @@ impl Pools {
         if pieces.is_empty() || keys.len() != pieces.len() {
             return None;
         }
+        if !keys.iter().all(|&k| crate::pool::is_pool_key(k)) {
+            // A region that is no pool: the request goes the cross-memory
+            // way, nothing to ask (and no lock taken).
+            return None;
+        }
         let unknown: Vec<u64> = {
             let maps = lock(&self.maps);
             let mut seen = HashSet::new();
-            if !keys.iter().all(|&k| crate::pool::is_pool_key(k)) {
-                // A region that is no pool: the request goes the
-                // cross-memory way, nothing to ask.
-                return None;
-            }
             keys.iter()
                 .copied()
                 .filter(|k| !maps.regions.contains_key(k) && seen.insert(*k))

@@ -9,7 +9,10 @@
 //!
 //! The engine on two floors: its core (every engine file that is not a
 //! transport's) names no transport, and no transport names another; only
-//! the registry (`engine::transports`) names them all.
+//! the registry (`engine::transports`) names them all. And the engine's
+//! parts (each file or folder under `src/engine/`, but the root that
+//! declares them and holds the agent's state) import each other without a
+//! cycle.
 
 use std::path::Path;
 
@@ -328,4 +331,179 @@ fn the_floor_checker_sees_what_it_must() {
     assert!(
         engine_core().contains(&"submit".to_owned()) && !engine_core().contains(&"tcp".to_owned())
     );
+}
+
+/// The engine's parts: each file and folder under `src/engine/` but the
+/// root (`mod.rs`, which declares them all and holds the agent's state
+/// that every part uses) and the unit tests.
+fn engine_units() -> Vec<String> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine");
+    let mut out: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.unwrap();
+            let name = e.file_name().into_string().unwrap();
+            let m = if e.path().is_dir() {
+                name
+            } else {
+                name.strip_suffix(".rs")?.to_owned()
+            };
+            (m != "mod" && m != "tests").then_some(m)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// The modules of part `unit`: its file, or every file of its folder
+/// (nested folders included).
+fn unit_modules(unit: &str) -> Vec<String> {
+    fn walk(dir: &Path, module: &str, out: &mut Vec<String>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let e = e.unwrap();
+            let name = e.file_name().into_string().unwrap();
+            if e.path().is_dir() {
+                walk(&e.path(), &format!("{module}::{name}"), out);
+            } else if let Some(m) = name.strip_suffix(".rs") {
+                out.push(if m == "mod" {
+                    module.to_owned()
+                } else {
+                    format!("{module}::{m}")
+                });
+            }
+        }
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine");
+    let mut out = Vec::new();
+    if root.join(unit).is_dir() {
+        walk(&root.join(unit), &format!("engine::{unit}"), &mut out);
+    } else {
+        out.push(format!("engine::{unit}"));
+    }
+    out.sort();
+    out
+}
+
+/// The parts `line` names (as `crate::engine::<part>`), of `units`.
+fn units_named<'a>(line: &str, units: &'a [String]) -> Vec<&'a str> {
+    let mut out = Vec::new();
+    for path in named(line) {
+        if let Some(rest) = path.strip_prefix("engine::") {
+            let first = rest.split("::").next().unwrap_or("");
+            if let Some(u) = units.iter().find(|u| *u == first)
+                && !out.contains(&u.as_str())
+            {
+                out.push(u.as_str());
+            }
+        }
+    }
+    out
+}
+
+/// A cycle in `edges` (part → the parts it names), as the parts on it.
+fn find_cycle(units: &[String], edges: &[(usize, usize)]) -> Option<Vec<String>> {
+    // Depth-first search, colouring: 0 unseen, 1 on the path, 2 done.
+    fn visit(
+        v: usize,
+        edges: &[(usize, usize)],
+        colour: &mut [u8],
+        path: &mut Vec<usize>,
+    ) -> Option<Vec<usize>> {
+        colour[v] = 1;
+        path.push(v);
+        for &(_, w) in edges.iter().filter(|(a, _)| *a == v) {
+            if colour[w] == 1 {
+                let at = path.iter().position(|&p| p == w).unwrap();
+                return Some(path[at..].to_vec());
+            }
+            if colour[w] == 0
+                && let Some(c) = visit(w, edges, colour, path)
+            {
+                return Some(c);
+            }
+        }
+        path.pop();
+        colour[v] = 2;
+        None
+    }
+    let mut colour = vec![0u8; units.len()];
+    for v in 0..units.len() {
+        if colour[v] == 0 {
+            let mut path = Vec::new();
+            if let Some(c) = visit(v, edges, &mut colour, &mut path) {
+                return Some(c.into_iter().map(|i| units[i].clone()).collect());
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn the_engine_parts_import_each_other_without_a_cycle() {
+    let units = engine_units();
+    let mut edges = Vec::new();
+    let mut why = Vec::new();
+    for (a, unit) in units.iter().enumerate() {
+        for module in unit_modules(unit) {
+            for (n, line) in source(&module) {
+                // Within a folder `super::` names the folder; a flat file
+                // names the other parts by `crate::engine::` (so it must).
+                if !module.contains(&format!("{unit}::")) && line.contains("super::") {
+                    panic!("{}:{n}: `super::` in a flat engine file", file(&module));
+                }
+                for named in units_named(&line, &units) {
+                    let b = units.iter().position(|u| u == named).unwrap();
+                    if a != b && !edges.contains(&(a, b)) {
+                        edges.push((a, b));
+                        why.push(format!("{}:{n}: {unit} -> {named}", file(&module)));
+                    }
+                }
+            }
+        }
+    }
+    if let Some(cycle) = find_cycle(&units, &edges) {
+        let lines: Vec<&String> =
+            why.iter()
+                .filter(|w| {
+                    cycle.iter().enumerate().any(|(i, u)| {
+                        w.ends_with(&format!(" {u} -> {}", cycle[(i + 1) % cycle.len()]))
+                    })
+                })
+                .collect();
+        panic!(
+            "the engine's parts import each other in a cycle: {}\n{}",
+            cycle.join(" -> "),
+            lines
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+}
+
+#[test]
+fn the_cycle_finder_sees_what_it_must() {
+    let units: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+    assert_eq!(find_cycle(&units, &[(0, 1), (1, 2)]), None);
+    assert_eq!(
+        find_cycle(&units, &[(0, 1), (1, 2), (2, 1)]),
+        Some(vec!["b".to_owned(), "c".to_owned()])
+    );
+    assert_eq!(
+        units_named(
+            "use crate::engine::{Inner, target::attach, sock};",
+            &units_of(&["target", "sock"])
+        ),
+        ["target", "sock"]
+    );
+    assert!(
+        engine_units().contains(&"target".to_owned())
+            && !engine_units().contains(&"mod".to_owned())
+    );
+    assert!(unit_modules("target").contains(&"engine::target::payload".to_owned()));
+}
+
+fn units_of(names: &[&str]) -> Vec<String> {
+    names.iter().map(|s| s.to_string()).collect()
 }

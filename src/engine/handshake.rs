@@ -13,9 +13,9 @@ use crate::auth::{MAC_LEN, NONCE_LEN, Nonce, Transcript, nonce};
 use crate::config::SecurityConfig;
 use crate::error::Error;
 
-use super::ktls;
-use super::sock::{FrameReader, IdlePolicy, ProgressClock, UntilDeadline, iov, writev_all};
-use super::wire::{Frame, HEADER_LEN, status};
+use crate::engine::sock::ktls;
+use crate::engine::sock::{FrameReader, IdlePolicy, ProgressClock, UntilDeadline, iov, writev_all};
+use crate::engine::wire::{Frame, HEADER_LEN, status};
 
 /// Idle policy of the target's side: abandoned when `stop` says the agent
 /// is closing (the reader's deadline ends a stalled exchange).

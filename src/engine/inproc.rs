@@ -14,9 +14,9 @@
 
 use std::sync::{LazyLock, Weak};
 
-use super::transport::Transport;
 use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
+use crate::engine::transport::Transport;
 use crate::engine::transport::{Link, Submission};
 use crate::engine::{Inner, lock};
 use crate::error::Error;

@@ -5,16 +5,16 @@
 //! Two floors. The **core** names no transport (`tests/layering.rs`):
 //! `api` (the trait), `submit` (the submit path), `peer` and `names`
 //! (connecting, descriptors, the metadata store), `target` (the listener
-//! side: accept, serve, dispatch each frame to its transport, commit) with
-//! the side channel's own data serving (`tcp_target`, a peer's storage in
-//! `storage_target`), `attach` (transport set-up frames), `transport` (the
-//! `Transport` and `Link` traits and their vocabulary, the choice of a
-//! transport), `socket_link` and `socket_streams` (what every socket link
-//! shares: streams, their sender and reader threads), `plan`, `wire`,
+//! side: accept, serve, dispatch each frame to its transport, commit; with
+//! the data carried in frames, a peer's storage, and transport set-up
+//! frames), `transport` (the `Transport` and `Link` traits and their
+//! vocabulary, the choice of a transport), `socket_link` (what every socket
+//! link shares: streams, their sender and reader threads), `plan`, `wire`,
 //! `requests`, `budget` (pure: planning, the frame codec, the target's
-//! request table), `sock` (vectored socket I/O), `handshake`, `ktls` and
-//! `records` (authentication, encrypted connections), `settle`,
-//! `serve_each`, `pre_auth`, `metrics_http`.
+//! request table), `sock` (vectored socket I/O, plain or encrypted),
+//! `handshake` (authentication), `settle`, `serve_each`, `pre_auth`,
+//! `metrics_http`. Their imports form no cycle (`tests/layering.rs`); only
+//! this root, which holds the agent's state, is named by every part.
 //!
 //! The **transports**, each a module that names no other: `tcp` (frames
 //! over the link's streams), `shm` (same host: cross-memory attach, shared
@@ -26,7 +26,6 @@
 //! `docs/wire-format.md` for the frames.
 
 mod api;
-mod attach;
 mod budget;
 #[cfg(feature = "fabric")]
 mod fabric;
@@ -34,7 +33,6 @@ mod handshake;
 mod in_flight;
 mod indexed;
 mod inproc;
-mod ktls;
 #[cfg(feature = "metrics-endpoint")]
 mod metrics_http;
 mod names;
@@ -42,20 +40,16 @@ mod peer;
 mod plan;
 mod pre_auth;
 mod rdma;
-mod records;
 pub(crate) mod requests;
 mod serve_each;
 mod settle;
 pub(crate) mod shm;
 mod sock;
 mod socket_link;
-mod socket_streams;
 mod storage_link;
-mod storage_target;
 mod submit;
 mod target;
 mod tcp;
-mod tcp_target;
 #[cfg(test)]
 mod tests;
 mod transport;
@@ -78,7 +72,7 @@ use transport::{Link, Transport};
 /// Why not: the kernel has no TLS (no `tls` module), or refused the
 /// cipher.
 pub fn kernel_tls_available() -> Result<(), String> {
-    ktls::available()
+    sock::ktls::available()
 }
 
 use std::collections::HashMap;
@@ -185,9 +179,12 @@ struct Inner {
     /// Files and block devices opened as storage, and their I/O engine.
     storage: crate::storage::Storage,
     /// Bytes of objects peers are writing here, assembled until their
-    /// requests commit (`storage_target`; bounded by
+    /// requests commit (`target::storage`; bounded by
     /// `Limits::max_object_assembly`).
     assembling: Arc<std::sync::atomic::AtomicU64>,
+    /// The transport of requests to the agent's own storage (the
+    /// registry's `own_storage`).
+    own_storage: Arc<dyn transport::Transport>,
     /// The agent as its own peer: the target of requests to its storage.
     self_peer: OnceLock<Arc<Peer>>,
     /// Its publication in the metadata store, and the peers it loaded by
@@ -252,6 +249,7 @@ impl Engine {
             door: RwLock::new(true),
             storage: crate::storage::Storage::new(config.effective_storage_io()?),
             assembling: Arc::default(),
+            own_storage: transports::own_storage(),
             self_peer: OnceLock::new(),
             names: names::Names::default(),
             metrics: crate::metrics::Metrics::new(&config.name, &config.metrics),
@@ -367,8 +365,8 @@ impl Drop for Engine {
     }
 }
 
-// Initiator side: peers, requests, links (their behaviour: `tcp_stream`,
-// `cma`, `rdma::link`).
+// Initiator side: peers, requests, links (their behaviour in each
+// transport's module).
 
 /// A loaded remote agent.
 struct Peer {

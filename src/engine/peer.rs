@@ -5,10 +5,10 @@
 use crate::agent::{AgentConfig, Backend};
 use crate::desc::{AgentDesc, ExportedRegion, TransportOffer};
 use crate::engine::handshake::{self};
-use crate::engine::sock::{FrameReader, ProgressClock, UntilDeadline, iov, writev_all};
+use crate::engine::sock::{FrameReader, ProgressClock, UntilDeadline, iov, timeout_or, writev_all};
 use crate::engine::transport::{Link, Transport};
 use crate::engine::wire::{Frame, HEADER_LEN, PROTOCOL_VERSION, status};
-use crate::engine::{Inner, Peer, StorageRoute, lock, tick, transport, transports};
+use crate::engine::{Inner, Peer, StorageRoute, lock, tick, transport};
 use crate::error::Error;
 use crate::memory::{MemoryType, RegionMap};
 use rustix::fd::{AsFd, AsRawFd};
@@ -83,7 +83,7 @@ impl Inner {
             Arc::new(Peer::new(
                 self.local_desc(),
                 RegionMap::new(),
-                transports::own_storage(),
+                Arc::clone(&self.own_storage),
                 StorageRoute::Same,
             ))
         }))
@@ -237,19 +237,6 @@ pub(in crate::engine) fn handshake(
             remote: peer.name.clone(),
             detail: format!("bad hello answer {other:?}"),
         }),
-    }
-}
-
-pub(in crate::engine) fn timeout_or(
-    e: io::Error,
-    what: &'static str,
-    after: Duration,
-    other: impl FnOnce(io::Error) -> Error,
-) -> Error {
-    if e.kind() == io::ErrorKind::TimedOut {
-        Error::Timeout { what, after }
-    } else {
-        other(e)
     }
 }
 

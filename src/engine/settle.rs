@@ -20,7 +20,7 @@ use crate::agent::AgentConfig;
 use crate::config::SecurityConfig;
 use crate::engine::handshake;
 use crate::engine::lock;
-use crate::engine::peer::timeout_or;
+use crate::engine::sock::timeout_or;
 use crate::engine::sock::{FrameReader, ProgressClock, UntilDeadline};
 use crate::engine::tick;
 use crate::engine::wire::{Frame, status};

@@ -4,11 +4,10 @@
 
 use crate::agent::{TransferOp, TransferRequest, TransferStatus, TransportKind};
 use crate::desc::ExportedRegion;
-use crate::engine::transport::Submission;
+use crate::engine::transport::{RemoteKey, Resolved, Submission};
 use crate::engine::{Engine, Peer, wire};
 use crate::error::Error;
 use crate::memory::MemoryType;
-use crate::registry::RegionGuard;
 use crate::small::Few;
 use crate::status::Prepared;
 use std::sync::Arc;
@@ -61,28 +60,6 @@ impl Engine {
     }
 }
 
-/// What a [`PreparedTransfer`] keeps when its transport plans nothing
-/// ahead: its local regions held (as on the other paths), nothing else;
-/// each submission resolves the request afresh.
-pub(in crate::engine) struct PreparedHold {
-    _guards: Few<RegionGuard>,
-}
-
-impl PreparedHold {
-    /// The holds of `resolved`, as a prepared transfer keeps them.
-    pub(in crate::engine) fn keep(resolved: Resolved) -> Box<dyn Prepared> {
-        Box::new(PreparedHold {
-            _guards: resolved.guards,
-        })
-    }
-}
-
-impl Prepared for PreparedHold {
-    fn post(&self, _: Option<&[u8]>, _: bool) -> Option<Result<TransferStatus, Error>> {
-        None
-    }
-}
-
 impl Engine {
     /// Posts `req` again through the link of its peer when that link
     /// remembers it (see [`Link::resubmit`]); `None`: submit it in full.
@@ -106,37 +83,6 @@ impl Engine {
         };
         link.resubmit(self, req)
     }
-}
-
-/// A request's local and remote keys, and the holds on its local regions.
-pub(in crate::engine) struct Resolved {
-    pub(in crate::engine) guards: Few<RegionGuard>,
-    /// The transport's local keys, one per local descriptor (transports
-    /// that register regions only, see [`Transport::registrar`]).
-    pub(in crate::engine) local_keys: Few<u64>,
-    /// Access keys of the remote regions (transports that do not register
-    /// regions).
-    pub(in crate::engine) keys: Vec<u64>,
-    /// The transport's remote keys, one per remote descriptor (transports
-    /// that register regions only).
-    pub(in crate::engine) remote_keys: Few<RemoteKey>,
-}
-
-/// A remote region's key on a transport that registers regions, and where
-/// the region starts (for transports that address a region by offset).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(in crate::engine) struct RemoteKey {
-    /// The key (the first one, of a key of several).
-    pub(in crate::engine) key: u64,
-    /// The region's first address.
-    pub(in crate::engine) base: u64,
-    /// A key wider than 64 bits, read as several (little-endian each): one
-    /// per device of a transport that registers the region with several
-    /// (the libfabric transport's rails). `None` for a key of one.
-    pub(in crate::engine) keys: Option<Arc<[u64]>>,
-    /// The region's access key (the descriptor's `key`), which a transport
-    /// that seals its keys in descriptors opens them with.
-    pub(in crate::engine) access: u64,
 }
 
 impl Engine {

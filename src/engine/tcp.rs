@@ -2,9 +2,9 @@
 //! streams, straight from and into registered memory. Its link is the
 //! shared socket link (`socket_link`) with nothing of its own but the
 //! streams ([`TcpParts`]); this file opens it and plans and posts each
-//! request's segments over the streams, whose threads (`tcp_stream`) write
-//! and read them. Its target side is the engine's own (`tcp_target`, and a
-//! peer's storage in `storage_target`).
+//! request's segments over the streams, whose threads (`socket_link::streams`) write
+//! and read them. Its target side is the engine's own (`target::payload`,
+//! and a peer's storage in `target::storage`).
 
 use crate::agent::{DataPath, TransferOp, TransferRequest, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
@@ -13,7 +13,7 @@ use crate::engine::plan::plan_segments;
 use crate::engine::socket_link::{
     Frames, Job, Pending, Segs, SocketLink, SocketPath, Tail, connect_streams,
 };
-use crate::engine::submit::Resolved;
+use crate::engine::transport::Resolved;
 use crate::engine::transport::{Link, Submission, Transport};
 use crate::engine::{Engine, Inner, Peer};
 use crate::error::Error;

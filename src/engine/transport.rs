@@ -15,11 +15,11 @@ use crate::agent::{Backend, TransferRequest, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
 use crate::engine::indexed::IndexedSegs;
 use crate::engine::requests::Finished;
-use crate::engine::submit::{PreparedHold, Resolved};
-use crate::engine::target::{Conn, HeldSync, violation};
+use crate::engine::target::attach;
+use crate::engine::target::{Conn, HeldSync, SessionState, violation};
 use crate::engine::wire::status;
-use crate::engine::{Engine, Inner, Peer, attach, wire};
-use crate::error::{Error, RejectReason};
+use crate::engine::{Engine, Inner, Peer, wire};
+use crate::error::Error;
 use crate::memory::MemoryType;
 use crate::metrics::Counter;
 use crate::registry::RegionGuard;
@@ -29,7 +29,6 @@ use crate::status::Prepared;
 use std::io;
 use std::net::TcpStream;
 use std::sync::Arc;
-use std::time::Duration;
 
 /// One way of moving data to a peer.
 pub(in crate::engine) trait Transport: Send + Sync {
@@ -162,23 +161,57 @@ pub(in crate::engine) trait Transport: Send + Sync {
     fn revoke(&self, _inner: &Inner, _key: u64) {}
 }
 
-/// What a transport keeps at the target for one initiator's session
-/// ([`Transport::open_session`]): the engine tells it when the session's
-/// requests commit and finish, and lets its holds expire.
-pub(in crate::engine) trait SessionState: Send + Sync {
-    /// The refusal `req`'s commit must carry for this transport's part in
-    /// it (a hold of it expired), if any.
-    fn commit_refusal(&self, _req: u64) -> Option<RejectReason> {
+/// A request's local and remote keys, and the holds on its local regions.
+pub(in crate::engine) struct Resolved {
+    pub(in crate::engine) guards: Few<RegionGuard>,
+    /// The transport's local keys, one per local descriptor (transports
+    /// that register regions only, see [`Transport::registrar`]).
+    pub(in crate::engine) local_keys: Few<u64>,
+    /// Access keys of the remote regions (transports that do not register
+    /// regions).
+    pub(in crate::engine) keys: Vec<u64>,
+    /// The transport's remote keys, one per remote descriptor (transports
+    /// that register regions only).
+    pub(in crate::engine) remote_keys: Few<RemoteKey>,
+}
+
+/// A remote region's key on a transport that registers regions, and where
+/// the region starts (for transports that address a region by offset).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(in crate::engine) struct RemoteKey {
+    /// The key (the first one, of a key of several).
+    pub(in crate::engine) key: u64,
+    /// The region's first address.
+    pub(in crate::engine) base: u64,
+    /// A key wider than 64 bits, read as several (little-endian each): one
+    /// per device of a transport that registers the region with several
+    /// (the libfabric transport's rails). `None` for a key of one.
+    pub(in crate::engine) keys: Option<Arc<[u64]>>,
+    /// The region's access key (the descriptor's `key`), which a transport
+    /// that seals its keys in descriptors opens them with.
+    pub(in crate::engine) access: u64,
+}
+
+/// What a [`PreparedTransfer`] keeps when its transport plans nothing
+/// ahead: its local regions held (as on the other paths), nothing else;
+/// each submission resolves the request afresh.
+pub(in crate::engine) struct PreparedHold {
+    _guards: Few<RegionGuard>,
+}
+
+impl PreparedHold {
+    /// The holds of `resolved`, as a prepared transfer keeps them.
+    pub(in crate::engine) fn keep(resolved: Resolved) -> Box<dyn Prepared> {
+        Box::new(PreparedHold {
+            _guards: resolved.guards,
+        })
+    }
+}
+
+impl Prepared for PreparedHold {
+    fn post(&self, _: Option<&[u8]>, _: bool) -> Option<Result<TransferStatus, Error>> {
         None
     }
-
-    /// `req` finished (before its sync message is delivered and its
-    /// acknowledgement sent): nothing of it is touched any more.
-    fn finished(&self, _req: u64) {}
-
-    /// Holds of requests older than `lifetime` expire (called at most
-    /// about once a second while a connection of the session lives).
-    fn sweep(&self, _lifetime: Duration) {}
 }
 
 /// An open connection to one peer, made by the transport its path names

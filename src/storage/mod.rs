@@ -10,7 +10,7 @@
 //! the range or READs it back, with the same status and sync-message
 //! contract as every other path. Storage regions are exported like host
 //! memory: a peer that loaded the agent reaches them through it, over TCP
-//! (`engine/storage_target.rs`).
+//! (`engine/target/storage.rs`).
 //!
 //! The I/O runs on an I/O engine: `io_uring` (one ring and thread) where the
 //! kernel offers it, else `pread`/`pwrite` on worker threads (detected and

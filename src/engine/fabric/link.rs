@@ -49,8 +49,9 @@ use crate::desc::AgentDesc;
 use crate::engine::socket_link::{
     Checks, Frames, Job, Pending, SocketLink, SocketPath, connect_streams,
 };
+use crate::engine::target::attach;
 use crate::engine::transport::Submission;
-use crate::engine::{Inner, attach, lock, status};
+use crate::engine::{Inner, lock, status};
 use crate::error::Error;
 use crate::registry::RegionGuard;
 use crate::small::{FastHash, Few};

@@ -56,8 +56,9 @@ use kvxfer_fabric as ffi;
 
 use crate::agent::{AgentConfig, Backend, TransportKind};
 use crate::desc::AgentDesc;
+use crate::engine::target::attach;
 use crate::engine::transport::{Link, Transport};
-use crate::engine::{Inner, attach, lock, status};
+use crate::engine::{Inner, lock, status};
 use crate::error::Error;
 use crate::memory::MemoryType;
 use crate::metrics::Counter;

@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use super::link::{FabricLink, Lane};
 use super::region::Seal;
 use crate::engine::lock;
-use crate::engine::submit::RemoteKey;
+use crate::engine::transport::RemoteKey;
 use crate::error::Error;
 use crate::memory::MemoryDesc;
 use crate::small::Few;

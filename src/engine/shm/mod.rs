@@ -26,8 +26,8 @@ use crate::engine::shm::frames::{CmaFrame, LocalAccess};
 use crate::engine::shm::plan::{GrantRange, grant_ranges, should_delegate};
 use crate::engine::sock::{iov, writev_all};
 use crate::engine::socket_link::{Frames, Job, Pending, SocketLink, SocketPath, connect_streams};
-use crate::engine::target::{Conn, HeldSync};
-use crate::engine::transport::{Link, SessionState, Submission, Transport};
+use crate::engine::target::{Conn, HeldSync, SessionState};
+use crate::engine::transport::{Link, Submission, Transport};
 use crate::engine::wire::{CommitOp, HEADER_LEN, status};
 use crate::engine::{Inner, PARALLEL_COPY_MIN, lock, socket_link, tick, wire};
 

@@ -130,7 +130,7 @@ pub(in crate::engine) fn encrypt(
     if kernel {
         install(fd, tx, rx)
     } else {
-        super::records::install(fd.as_raw_fd(), tx, rx)
+        crate::engine::sock::records::install(fd.as_raw_fd(), tx, rx)
     }
 }
 

@@ -1,19 +1,30 @@
 //! The target side: accept loop, authentication and `Hello`, the sessions
 //! of initiators' links (each transport keeps its own state of one,
 //! [`SessionState`]), and the per-connection service that lands WRITE
-//! payloads, answers READs, hands each transport its own frames (the
-//! cross-memory grants and delegated copies: `cma_target`), attaches
-//! transports beside the stream (RDMA queue pairs), and acknowledges each
-//! request once all its segments are processed (its sync message delivered
-//! first).
+//! payloads, answers READs, hands each transport its own frames (shm's
+//! grants and delegated copies), attaches transports beside the stream
+//! (RDMA queue pairs), and acknowledges each request once all its segments
+//! are processed (its sync message delivered first).
+//!
+//! Files: this one (accept loop, sessions, the connection's frame loop,
+//! commits), `payload` (the data carried in frames: WRITE payloads landed
+//! straight into registered memory, READs answered from it, write lists),
+//! `storage` (a peer's requests to this agent's FILE, BLK and OBJ regions,
+//! through a bounce buffer) and `attach` (a transport's exchange beside the
+//! connection, both sides). What a transport is handed here — [`Conn`],
+//! [`HeldSync`], [`SessionState`], [`attach::Attachment`] — is defined
+//! here, so that the target names no transport.
+
+pub(in crate::engine) mod attach;
+mod payload;
+mod storage;
 
 use crate::engine::pre_auth::PreAuthSlot;
 use crate::engine::requests::{Finished, RequestTable};
 use crate::engine::sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
-use crate::engine::storage_target::{Bounce, StorageWrites};
-use crate::engine::transport::SessionState;
+use crate::engine::target::storage::{Bounce, StorageWrites};
 use crate::engine::wire::{Frame, HEADER_LEN, PROTOCOL_VERSION, status};
-use crate::engine::{Inner, attach, budget, handshake, lock, tick, wire};
+use crate::engine::{Inner, budget, handshake, lock, tick, wire};
 use crate::error::RejectReason;
 use crate::inbox::{Inbox, Reservation};
 use crate::memory::MemoryType;
@@ -40,7 +51,7 @@ pub(in crate::engine) struct Session {
     /// finish.
     transports: Few<Arc<dyn SessionState>>,
     /// The storage each request wrote, synced before a durable one is
-    /// acknowledged (`storage_target`).
+    /// acknowledged (`storage`).
     pub(in crate::engine) storage: Mutex<HashMap<u64, StorageWrites>>,
     /// Requests open in `table` (kept beside it, so that other sessions
     /// read it without its lock).
@@ -182,6 +193,25 @@ impl IdlePolicy for ServerIdle<'_> {
     }
 }
 
+/// What a transport keeps at the target for one initiator's session
+/// ([`Transport::open_session`]): the engine tells it when the session's
+/// requests commit and finish, and lets its holds expire.
+pub(in crate::engine) trait SessionState: Send + Sync {
+    /// The refusal `req`'s commit must carry for this transport's part in
+    /// it (a hold of it expired), if any.
+    fn commit_refusal(&self, _req: u64) -> Option<RejectReason> {
+        None
+    }
+
+    /// `req` finished (before its sync message is delivered and its
+    /// acknowledgement sent): nothing of it is touched any more.
+    fn finished(&self, _req: u64) {}
+
+    /// Holds of requests older than `lifetime` expire (called at most
+    /// about once a second while a connection of the session lives).
+    fn sweep(&self, _lifetime: Duration) {}
+}
+
 /// One incoming connection as its handlers see it: the socket (answers go
 /// out on it), the frame reader and its idle policy, and the session.
 pub(in crate::engine) struct Conn<'c, 'r, 'i> {
@@ -230,7 +260,7 @@ fn is_storage(mem_type: MemoryType) -> bool {
 
 /// Segments of `Write` frames received into GPU memory whose copies may
 /// still be running, each with its request and the guard that holds its
-/// memory registered (`tcp_target`).
+/// memory registered (`payload`).
 pub(in crate::engine) type GpuLandings = crate::gpu::Landings<(u64, RegionGuard)>;
 
 /// Records the outcome of `n` segments of `req`.
@@ -858,7 +888,7 @@ impl Inner {
             c.idle.header_in(frame.body_len());
             let finished = match frame {
                 Frame::Keepalive => None,
-                // The TCP path's data (`tcp_target`).
+                // The TCP path's data (`payload`).
                 Frame::Write {
                     req,
                     mem_type,
@@ -884,10 +914,10 @@ impl Inner {
                         }
                         Some(self.land_write_checked(&mut c, addr, len, key)?)
                     } else if mem_type == MemoryType::Obj {
-                        // The agent's objects, assembled (`storage_target`).
+                        // The agent's objects, assembled (`storage`).
                         Some(self.land_object_write(&mut c, req, device, (addr, len), key)?)
                     } else if is_storage(mem_type) {
-                        // The agent's files (`storage_target`).
+                        // The agent's files (`storage`).
                         Some(self.land_storage_write(
                             &mut c,
                             req,
@@ -1007,7 +1037,7 @@ impl Inner {
                     commit(self, session, req, segments, sync)?
                 }
                 // A transport's own frame, for that transport to serve
-                // (the cross-memory path's: `cma_target`).
+                // (shm's).
                 Frame::Transport { transport, head } => {
                     let Some(t) = self.transports.iter().find(|t| t.kind() == transport) else {
                         return Err(violation(format!(
@@ -1059,7 +1089,10 @@ impl Inner {
             });
             sent.push(u32::from_le_bytes(e[24..28].try_into().expect("4 bytes")));
         }
-        let threads = (self.config.shm.copy_threads, super::PARALLEL_COPY_MIN);
+        let threads = (
+            self.config.shm.copy_threads,
+            crate::engine::PARALLEL_COPY_MIN,
+        );
         // SAFETY: every range lies inside a region registered here, held
         // registered by `guards` for the call.
         let got = unsafe { crate::cross_memory::sum_parallel(&ranges, threads) };

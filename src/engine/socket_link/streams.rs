@@ -529,8 +529,7 @@ impl<P: SocketPath> SocketLink<P> {
                     };
                     self.complete_event(req, &slot.pending, result);
                 }
-                // The link's transport's own frame (the cross-memory
-                // path's answers: `cma`).
+                // The link's transport's own frame (shm's answers).
                 Frame::Transport { transport, head } if transport == self.path.transport => {
                     P::on_frame(self, &head)?;
                 }

@@ -1,10 +1,15 @@
 //! What the socket transports' links share: TCP streams to one peer, which
-//! carry the data (`tcp`), or the control beside cross-memory copies
-//! (`shm`) or RDMA queue pairs (`rdma`); the table of requests in flight;
-//! the stream threads. Each transport is its own link type
-//! ([`SocketLink<P>`] with its part `P`: [`TcpLink`], [`CmaLink`],
-//! [`RdmaLink`]), opened, submitted to and driven by its own module
-//! (`tcp_stream`, `cma`, `rdma::link`).
+//! carry the data, or the control beside another transport's data path;
+//! the table of requests in flight; the stream threads. It names no
+//! transport: each is its own link type ([`SocketLink<P>`] with a part `P`
+//! of its own, behind [`SocketPath`]), opened, submitted to and driven by
+//! its own module.
+//!
+//! Files: this one (the link, its table of requests, connecting its
+//! streams, settling) and `streams` (the sender and reader threads of
+//! every stream).
+
+mod streams;
 
 use crate::agent::{Completion, DataPath, TransferOp, TransferRequest, TransferStatus};
 use crate::auth::random_u64;
@@ -15,8 +20,8 @@ use crate::engine::peer::handshake;
 use crate::engine::plan::Seg;
 use crate::engine::settle::Settle;
 use crate::engine::sock::ProgressClock;
-use crate::engine::submit::{PreparedHold, Resolved};
 use crate::engine::transport::{Link, Submission};
+use crate::engine::transport::{PreparedHold, Resolved};
 use crate::engine::{Engine, Inner, Peer, in_flight, lock, tick, wire};
 use crate::error::Error;
 use crate::registry::RegionGuard;

@@ -6,12 +6,21 @@
 //! Receiving reads the payload of frame *n* and the header of frame *n + 1*
 //! in one `readv`, so headers cost no extra system call when frames arrive
 //! back to back.
+//!
+//! Files: this one (plain sockets: vectored I/O, the frame reader, idle
+//! policies and progress clocks), `records` (TLS records in user space)
+//! and `ktls` (kernel TLS; falls back to `records`).
+
+pub(in crate::engine) mod ktls;
+mod records;
 
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::wire::HEADER_LEN;
+use crate::engine::wire::HEADER_LEN;
+use crate::error::Error;
+use std::time::Duration;
 
 /// Most iovecs passed to one `writev`/`readv` (Linux's `IOV_MAX`).
 pub(crate) const IOV_MAX: usize = 1024;
@@ -96,7 +105,7 @@ fn would_block(e: &io::Error) -> bool {
 /// (kernel copies from it; a bad pointer yields `EFAULT`, not undefined
 /// behaviour in this process, but callers must still uphold it).
 ///
-/// On a socket encrypted in user space (see [`super::records`]) the bytes
+/// On a socket encrypted in user space (see [`records`]) the bytes
 /// go sealed in records.
 pub(crate) unsafe fn writev_all(
     fd: RawFd,
@@ -104,7 +113,7 @@ pub(crate) unsafe fn writev_all(
     clock: &ProgressClock,
     io_timeout: std::time::Duration,
 ) -> io::Result<()> {
-    if let Some(ch) = super::records::of(fd) {
+    if let Some(ch) = records::of(fd) {
         // SAFETY: forwarded contract.
         return unsafe { ch.writev_all(fd, iovs, clock, io_timeout) };
     }
@@ -290,7 +299,7 @@ impl<'c> FrameReader<'c> {
     ) -> io::Result<usize> {
         // A header put back comes first: no byte after it may be read.
         debug_assert!(self.put_back.is_none());
-        let channel = super::records::of(self.fd);
+        let channel = records::of(self.fd);
         loop {
             if let Some(d) = self.deadline
                 && std::time::Instant::now() >= d
@@ -339,7 +348,7 @@ impl<'c> FrameReader<'c> {
         if self.filled > 0 || self.put_back.is_some() {
             return true;
         }
-        if super::records::of(self.fd).is_some_and(|ch| ch.pending()) {
+        if records::of(self.fd).is_some_and(|ch| ch.pending()) {
             return true;
         }
         let mut pfd = libc::pollfd {
@@ -617,6 +626,21 @@ impl<'c> FrameReader<'c> {
             len -= n as u64;
         }
         Ok(())
+    }
+}
+
+/// `e` as the agent's error: [`Error::Timeout`] for `what` after `after`
+/// when it timed out, else `other(e)`.
+pub(in crate::engine) fn timeout_or(
+    e: io::Error,
+    what: &'static str,
+    after: Duration,
+    other: impl FnOnce(io::Error) -> Error,
+) -> Error {
+    if e.kind() == io::ErrorKind::TimedOut {
+        Error::Timeout { what, after }
+    } else {
+        other(e)
     }
 }
 

@@ -28,9 +28,9 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use ring::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
 
-use super::lock;
-use super::sock::{ProgressClock, iov, writev_plain};
 use crate::auth::DirectionKey;
+use crate::engine::lock;
+use crate::engine::sock::{ProgressClock, iov, writev_plain};
 
 /// Most plaintext bytes in a record (TLS 1.3).
 const RECORD_MAX: usize = 1 << 14;

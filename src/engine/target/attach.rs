@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use crate::agent::TransportKind;
 use crate::engine::Inner;
 use crate::engine::handshake::send;
-use crate::engine::peer::timeout_or;
+use crate::engine::sock::timeout_or;
 use crate::engine::sock::{FrameReader, ProgressClock, UntilDeadline};
 use crate::engine::target::Conn;
 use crate::engine::wire::{ATTACH_MAX, ATTACH_NAME_MAX, Frame, HEADER_LEN, status};

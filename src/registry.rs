@@ -33,7 +33,7 @@ pub(crate) struct LocalRegion {
 }
 
 /// What a VRAM region keeps of its allocation.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct GpuRegion {
     /// The device it is on.
@@ -44,6 +44,29 @@ pub(crate) struct GpuRegion {
     pub(crate) offset: u64,
     /// The allocation's legacy IPC handle, when the driver gave one.
     pub(crate) ipc: Option<[u8; 64]>,
+    /// A VMM allocation's descriptor handle (no legacy handle exists for
+    /// one), when its creator made it shareable so.
+    pub(crate) vmm: Option<Arc<VmmShare>>,
+}
+
+/// A VMM allocation shareable through a POSIX file descriptor: given to a
+/// proven same-host peer on the shm transport's channel, which imports and
+/// maps it whole.
+#[derive(Debug)]
+pub(crate) struct VmmShare {
+    /// The descriptor (`cuMemExportToShareableHandle`).
+    pub(crate) fd: std::os::fd::OwnedFd,
+    /// The allocation's size: what the importer maps.
+    pub(crate) size: u64,
+}
+
+/// How a same-host peer opens a VRAM region's allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GpuHandle {
+    /// A legacy IPC handle, carried in the descriptor.
+    Ipc([u8; 64]),
+    /// A VMM allocation of this size, whose descriptor the peer asks for.
+    Vmm(u64),
 }
 
 impl LocalRegion {
@@ -194,7 +217,7 @@ impl Registry {
                 storage_slot: std::sync::OnceLock::new(),
                 busy: AtomicUsize::new(0),
                 handles,
-                gpu: gpu.get(i).copied(),
+                gpu: gpu.get(i).cloned(),
                 share: share.cloned(),
             });
             map.insert(descs.mem_type, *d, region)
@@ -368,14 +391,28 @@ impl Registry {
 
     /// The VRAM regions that have an IPC handle, by access key: their
     /// allocation's handle and where they start in it.
-    pub(crate) fn ipc_exports(&self) -> HashMap<u64, ([u8; 64], u64)> {
+    pub(crate) fn ipc_exports(&self) -> HashMap<u64, (GpuHandle, u64)> {
         self.read()
             .iter()
             .filter_map(|r| {
-                let g = r.value.gpu?;
-                Some((r.value.key, (g.ipc?, g.offset)))
+                let g = r.value.gpu.as_ref()?;
+                let handle = match (&g.ipc, &g.vmm) {
+                    (Some(h), _) => GpuHandle::Ipc(*h),
+                    (None, Some(v)) => GpuHandle::Vmm(v.size),
+                    (None, None) => return None,
+                };
+                Some((r.value.key, (handle, g.offset)))
             })
             .collect()
+    }
+
+    /// The VMM allocation of the VRAM region registered under `key`, when
+    /// it is shareable through a descriptor.
+    pub(crate) fn vmm_share(&self, key: u64) -> Option<Arc<VmmShare>> {
+        self.read()
+            .iter()
+            .find(|r| r.value.key == key)
+            .and_then(|r| r.value.gpu.as_ref()?.vmm.clone())
     }
 
     /// The shared pool registered under `key`, with its range.

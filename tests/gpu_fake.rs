@@ -87,7 +87,8 @@ fn device_buffer_bounds_are_checked() {
 }
 
 /// Registration sets `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` on the allocation
-/// (asked of the stand-in, which records it).
+/// (asked of the stand-in, which records it); on VMM memory, which refuses
+/// it, the context's `CU_CTX_SYNC_MEMOPS` flag.
 #[test]
 fn registration_sets_sync_memops() {
     type GetAttr = unsafe extern "C" fn(*mut std::ffi::c_void, i32, u64) -> i32;
@@ -105,6 +106,21 @@ fn registration_sets_sync_memops() {
     let a = suite::agent(kvxfer::Backend::InProcess, "a");
     suite::register_vram(a.as_ref(), &g).unwrap();
     assert_eq!(sync(g.addr()), 1);
+    // VMM memory refuses the attribute (as the driver does): registering
+    // it sets the context's flag instead (no other test puts VMM memory on
+    // device 1).
+    type Flags = unsafe extern "C" fn(i32) -> u32;
+    // SAFETY: the stand-in's fakecuda_ctx_flags(int).
+    let flags: libloading::Symbol<'_, Flags> =
+        unsafe { stand_in().get(b"fakecuda_ctx_flags") }.unwrap();
+    const SYNC_MEMOPS: u32 = 0x80;
+    // SAFETY: reads a device's recorded flags.
+    assert_eq!(unsafe { flags(1) } & SYNC_MEMOPS, 0);
+    let v = gpu::DeviceBuffer::new_vmm(1, 1 << 16).unwrap();
+    suite::register_vram(a.as_ref(), &v).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { flags(1) } & SYNC_MEMOPS, SYNC_MEMOPS);
+    a.deregister_memory(&suite::vram(&v, 0, v.len())).unwrap();
 }
 
 fn counter(name: &[u8]) -> u64 {

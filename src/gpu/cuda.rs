@@ -284,6 +284,41 @@ impl Cuda {
         })
     }
 
+    /// Whether the memory at `base` is a VMM allocation (`cuMemCreate`,
+    /// mapped), as PyTorch's expandable segments are.
+    pub(crate) fn is_vmm(&self, base: u64) -> bool {
+        let mut h: cu::CUmemGenericAllocationHandle = 0;
+        // SAFETY: writes one handle; fails for memory that is not VMM.
+        let r = unsafe { cu::cuMemRetainAllocationHandle(&mut h, base as *mut c_void) };
+        if check("cuMemRetainAllocationHandle", r).is_err() {
+            return false;
+        }
+        // SAFETY: the handle retained above, released once.
+        let _ = unsafe { cu::cuMemRelease(h) };
+        true
+    }
+
+    /// Sets `CU_CTX_SYNC_MEMOPS` on `device`'s primary context: what
+    /// [`set_sync_memops`](Self::set_sync_memops) does for one allocation,
+    /// for VMM memory, which refuses that attribute (drivers from CUDA
+    /// 12.1, which have `cuCtxSetFlags`).
+    pub(crate) fn set_ctx_sync_memops(&self, device: u32) -> Result<(), GpuError> {
+        self.bind(device)?;
+        // SAFETY: looks a symbol up in the loaded library (no call).
+        if unsafe { cu::culib().get::<unsafe extern "C" fn()>(b"cuCtxSetFlags") }.is_err() {
+            return check("cuCtxSetFlags", cu::CUresult::CUDA_ERROR_NOT_SUPPORTED);
+        }
+        let mut flags: std::ffi::c_uint = 0;
+        // SAFETY: writes one unsigned int.
+        check("cuCtxGetFlags", unsafe { cu::cuCtxGetFlags(&mut flags) })?;
+        let sync = cu::CUctx_flags::CU_CTX_SYNC_MEMOPS as std::ffi::c_uint;
+        if flags & sync != 0 {
+            return Ok(());
+        }
+        // SAFETY: sets flags of the current (bound) context.
+        check("cuCtxSetFlags", unsafe { cu::cuCtxSetFlags(flags | sync) })
+    }
+
     /// Copies `len` bytes from `src` to `dst` (host or device memory,
     /// either way) with `device`'s context, and waits for the copy.
     ///
@@ -592,6 +627,163 @@ impl Cuda {
         })
     }
 
+    /// The POSIX file descriptor of the VMM allocation (`cuMemCreate`)
+    /// mapped at `base`, exported for another process to import
+    /// (`cuMemExportToShareableHandle`); `None` when the memory is not a
+    /// VMM allocation, or its creator did not ask for descriptor handles.
+    pub(crate) fn vmm_export(&self, device: u32, base: u64) -> Result<Option<OwnedFd>, GpuError> {
+        self.bind(device)?;
+        let mut h: cu::CUmemGenericAllocationHandle = 0;
+        // SAFETY: writes one handle; fails for memory that is not VMM.
+        let r = unsafe { cu::cuMemRetainAllocationHandle(&mut h, base as *mut c_void) };
+        if check("cuMemRetainAllocationHandle", r).is_err() {
+            return Ok(None);
+        }
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: a POSIX descriptor handle is written as one int.
+        let r = unsafe {
+            cu::cuMemExportToShareableHandle(
+                (&mut fd as *mut std::ffi::c_int).cast::<c_void>(),
+                h,
+                cu::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        };
+        // SAFETY: the handle retained above, released once (the mapping
+        // keeps the allocation).
+        let _ = unsafe { cu::cuMemRelease(h) };
+        match check("cuMemExportToShareableHandle", r) {
+            // SAFETY: the driver made `fd`, and gives it to the caller.
+            Ok(()) if fd >= 0 => Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) })),
+            Ok(()) => Ok(None),
+            Err(e) => {
+                tracing::debug!(base, error = %e, "a VMM allocation without a descriptor handle");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Imports a peer process's VMM allocation of `size` bytes from its
+    /// descriptor `fd` and maps it whole, readable and writable from
+    /// `device`: its address in this process.
+    pub(crate) fn vmm_import(&self, device: u32, fd: &OwnedFd, size: u64) -> Result<u64, GpuError> {
+        use std::os::fd::AsRawFd;
+        self.bind(device)?;
+        let size = size as usize;
+        let mut h: cu::CUmemGenericAllocationHandle = 0;
+        // SAFETY: a POSIX descriptor handle is passed as the descriptor's
+        // value; the driver does not take ownership of it.
+        check("cuMemImportFromShareableHandle", unsafe {
+            cu::cuMemImportFromShareableHandle(
+                &mut h,
+                fd.as_raw_fd() as usize as *mut c_void,
+                cu::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        let mut ptr: cu::CUdeviceptr = 0;
+        // SAFETY: reserves address space (written to `ptr`), maps the
+        // imported handle whole into it and opens it to `device`, undoing
+        // each step done when a later one fails; the handle is released
+        // once (the mapping keeps the allocation).
+        let mapped = unsafe {
+            let r = check(
+                "cuMemAddressReserve",
+                cu::cuMemAddressReserve(&mut ptr, size, 0, 0, 0),
+            )
+            .and_then(|()| {
+                check("cuMemMap", cu::cuMemMap(ptr, size, 0, h, 0)).inspect_err(|_| {
+                    cu::cuMemAddressFree(ptr, size);
+                })
+            })
+            .and_then(|()| {
+                let access = access_desc(device);
+                check("cuMemSetAccess", cu::cuMemSetAccess(ptr, size, &access, 1)).inspect_err(
+                    |_| {
+                        cu::cuMemUnmap(ptr, size);
+                        cu::cuMemAddressFree(ptr, size);
+                    },
+                )
+            });
+            cu::cuMemRelease(h);
+            r
+        };
+        mapped.map(|()| ptr)
+    }
+
+    /// Unmaps a mapping from [`vmm_import`](Self::vmm_import) or
+    /// [`vmm_alloc`](Self::vmm_alloc) and frees its address range.
+    ///
+    /// # Safety
+    /// `ptr` and `size` are such a mapping's, not used afterwards.
+    pub(crate) unsafe fn vmm_unmap(
+        &self,
+        device: u32,
+        ptr: u64,
+        size: u64,
+    ) -> Result<(), GpuError> {
+        self.bind(device)?;
+        // SAFETY: forwarded contract.
+        check("cuMemUnmap", unsafe { cu::cuMemUnmap(ptr, size as usize) })?;
+        // SAFETY: the range reserved for the mapping, now unmapped.
+        check("cuMemAddressFree", unsafe {
+            cu::cuMemAddressFree(ptr, size as usize)
+        })
+    }
+
+    /// Allocates at least `len` bytes on `device` through the VMM API,
+    /// shareable as a POSIX file descriptor (as PyTorch's expandable
+    /// segments are when asked to share), mapped at a fresh address:
+    /// `(address, mapped size)`.
+    pub(crate) fn vmm_alloc(&self, device: u32, len: u64) -> Result<(u64, u64), GpuError> {
+        self.bind(device)?;
+        let mut prop: cu::CUmemAllocationProp = zeroed_prop();
+        prop.type_ = cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.requestedHandleTypes =
+            cu::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        prop.location = location(device);
+        let mut grain: usize = 0;
+        // SAFETY: writes one size.
+        check("cuMemGetAllocationGranularity", unsafe {
+            cu::cuMemGetAllocationGranularity(
+                &mut grain,
+                &prop,
+                cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        })?;
+        let grain = grain.max(1) as u64;
+        let size = len.max(1).div_ceil(grain) * grain;
+        let mut h: cu::CUmemGenericAllocationHandle = 0;
+        // SAFETY: writes one handle.
+        check("cuMemCreate", unsafe {
+            cu::cuMemCreate(&mut h, size as usize, &prop, 0)
+        })?;
+        let mut ptr: cu::CUdeviceptr = 0;
+        let n = size as usize;
+        // SAFETY: as in `vmm_import`: reserve, map, open to `device`, each
+        // undone when a later step fails; the handle released once.
+        let mapped = unsafe {
+            let r = check(
+                "cuMemAddressReserve",
+                cu::cuMemAddressReserve(&mut ptr, n, 0, 0, 0),
+            )
+            .and_then(|()| {
+                check("cuMemMap", cu::cuMemMap(ptr, n, 0, h, 0)).inspect_err(|_| {
+                    cu::cuMemAddressFree(ptr, n);
+                })
+            })
+            .and_then(|()| {
+                let access = access_desc(device);
+                check("cuMemSetAccess", cu::cuMemSetAccess(ptr, n, &access, 1)).inspect_err(|_| {
+                    cu::cuMemUnmap(ptr, n);
+                    cu::cuMemAddressFree(ptr, n);
+                })
+            });
+            cu::cuMemRelease(h);
+            r
+        };
+        mapped.map(|()| (ptr, size))
+    }
+
     /// Allocates `len` bytes of device memory on `device`.
     pub(crate) fn alloc(&self, device: u32, len: u64) -> Result<u64, GpuError> {
         self.bind(device)?;
@@ -716,6 +908,39 @@ pub(crate) fn flag(cuda: &Cuda, device: u32, attr: cu::CUdevice_attribute) -> bo
 
 pub(crate) use cu::CUdevice_attribute as DeviceAttribute;
 
+/// `device` as a VMM location.
+fn location(device: u32) -> cu::CUmemLocation {
+    cu::CUmemLocation {
+        type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: device as std::ffi::c_int,
+    }
+}
+
+/// Read and write access for `device`.
+fn access_desc(device: u32) -> cu::CUmemAccessDesc {
+    cu::CUmemAccessDesc {
+        location: location(device),
+        flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}
+
+/// An allocation property with every field zero (what the driver reads as
+/// "none" for each), for the caller to fill.
+fn zeroed_prop() -> cu::CUmemAllocationProp {
+    cu::CUmemAllocationProp {
+        type_: cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_INVALID,
+        requestedHandleTypes: cu::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: location(0),
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: cu::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
 /// Device memory allocated with `cuMemAlloc`, freed on drop: for tests,
 /// the benchmark and examples that need VRAM to register (kvxfer itself
 /// never allocates device memory for a caller).
@@ -724,6 +949,8 @@ pub struct DeviceBuffer {
     ptr: u64,
     len: u64,
     device: u32,
+    /// Made through the VMM API: the size mapped, unmapped on drop.
+    vmm: Option<u64>,
 }
 
 impl DeviceBuffer {
@@ -734,7 +961,31 @@ impl DeviceBuffer {
     /// the allocation fails.
     pub fn new(device: u32, len: u64) -> Result<Self, GpuError> {
         let ptr = driver()?.alloc(device, len)?;
-        Ok(Self { ptr, len, device })
+        Ok(Self {
+            ptr,
+            len,
+            device,
+            vmm: None,
+        })
+    }
+
+    /// `len` bytes (at least one) of device memory on `device` made through
+    /// the VMM API (`cuMemCreate`, mapped at an address of its own) and
+    /// shareable as a POSIX file descriptor, as PyTorch's expandable
+    /// segments make it: same-host peers reach it through that descriptor
+    /// rather than a legacy IPC handle, which VMM memory has none of.
+    ///
+    /// # Errors
+    /// [`GpuError::NoDriver`] without a driver; [`GpuError::Driver`] when
+    /// the allocation fails.
+    pub fn new_vmm(device: u32, len: u64) -> Result<Self, GpuError> {
+        let (ptr, size) = driver()?.vmm_alloc(device, len)?;
+        Ok(Self {
+            ptr,
+            len,
+            device,
+            vmm: Some(size),
+        })
     }
 
     /// Its device address (what a VRAM descriptor names).
@@ -815,9 +1066,16 @@ impl DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         if let Ok(cuda) = driver() {
-            // SAFETY: allocated by `new`, freed once; the owner promised (by
-            // registering) to deregister before dropping it.
-            if let Err(e) = unsafe { cuda.free(self.device, self.ptr) } {
+            // SAFETY: allocated by `new` (or mapped by `new_vmm`), freed
+            // once; the owner promised (by registering) to deregister
+            // before dropping it.
+            let freed = unsafe {
+                match self.vmm {
+                    None => cuda.free(self.device, self.ptr),
+                    Some(size) => cuda.vmm_unmap(self.device, self.ptr, size),
+                }
+            };
+            if let Err(e) = freed {
                 tracing::warn!(error = %e, "freeing device memory failed");
             }
         }
@@ -935,6 +1193,8 @@ pub fn probe() -> Result<Probe, GpuError> {
 pub(crate) struct IpcMapping {
     device: u32,
     base: u64,
+    /// Imported through a VMM descriptor: the size mapped.
+    vmm: Option<u64>,
 }
 
 impl IpcMapping {
@@ -942,7 +1202,23 @@ impl IpcMapping {
     pub(crate) fn open(device: u32, handle: &[u8; 64]) -> Result<Self, GpuError> {
         let base = driver()?.ipc_open(device, handle)?;
         tracing::debug!(device, base, "opened a peer's GPU allocation (CUDA IPC)");
-        Ok(Self { device, base })
+        Ok(Self {
+            device,
+            base,
+            vmm: None,
+        })
+    }
+
+    /// Imports a peer's VMM allocation of `size` bytes from its descriptor
+    /// `fd` and maps it for `device`.
+    pub(crate) fn import(device: u32, fd: &OwnedFd, size: u64) -> Result<Self, GpuError> {
+        let base = driver()?.vmm_import(device, fd, size)?;
+        tracing::debug!(device, base, size, "mapped a peer's VMM allocation");
+        Ok(Self {
+            device,
+            base,
+            vmm: Some(size),
+        })
     }
 
     /// The allocation's base address in this process.
@@ -956,7 +1232,13 @@ impl Drop for IpcMapping {
         if let Ok(cuda) = driver() {
             // SAFETY: opened by `open`, closed once; its owner (a link's IPC
             // table) is dropped only when no copy through it runs.
-            if let Err(e) = unsafe { cuda.ipc_close(self.device, self.base) } {
+            let closed = unsafe {
+                match self.vmm {
+                    None => cuda.ipc_close(self.device, self.base),
+                    Some(size) => cuda.vmm_unmap(self.device, self.base, size),
+                }
+            };
+            if let Err(e) = closed {
                 tracing::warn!(error = %e, "closing a peer's GPU allocation failed");
             }
         }

@@ -122,6 +122,16 @@ impl IpcMapping {
         ))
     }
 
+    pub(crate) fn import(
+        _device: u32,
+        _fd: &std::os::fd::OwnedFd,
+        _size: u64,
+    ) -> Result<Self, GpuError> {
+        Err(GpuError::NoDriver(
+            "kvxfer was built without the `cuda` feature".into(),
+        ))
+    }
+
     pub(crate) fn base(&self) -> u64 {
         0
     }
@@ -210,8 +220,9 @@ pub(crate) fn check_range(alloc: &Allocation, desc: &MemoryDesc) -> Result<(), G
 
 /// Checks a VRAM registration against the driver (see the module docs),
 /// sets `SYNC_MEMOPS` on its allocation, and takes the allocation's IPC
-/// handle (for peers on this host; none when the driver refuses one, as
-/// for memory it cannot share that way).
+/// handle for peers on this host — a legacy one, else (VMM memory) its
+/// POSIX file descriptor when its creator made it shareable so; none when
+/// the driver gives neither.
 #[cfg(feature = "cuda")]
 pub(crate) fn admit_registration(
     desc: &MemoryDesc,
@@ -219,19 +230,35 @@ pub(crate) fn admit_registration(
     let cuda = driver()?;
     let alloc = cuda.allocation(desc.addr)?;
     check_range(&alloc, desc)?;
-    cuda.set_sync_memops(alloc.base)?;
-    let ipc = match cuda.ipc_handle(alloc.device, alloc.base) {
-        Ok(h) => Some(h),
-        Err(e) => {
-            tracing::info!(addr = desc.addr, error = %e, "no IPC handle for a GPU region: peers on this host reach it over TCP");
-            None
-        }
+    if cuda.is_vmm(alloc.base) {
+        // VMM memory refuses the allocation's attribute: the context's
+        // flag orders its synchronous operations instead.
+        cuda.set_ctx_sync_memops(alloc.device)?;
+    } else {
+        cuda.set_sync_memops(alloc.base)?;
+    }
+    let (ipc, vmm) = match cuda.ipc_handle(alloc.device, alloc.base) {
+        Ok(h) => (Some(h), None),
+        Err(e) => match cuda.vmm_export(alloc.device, alloc.base)? {
+            Some(fd) => (
+                None,
+                Some(std::sync::Arc::new(crate::registry::VmmShare {
+                    fd,
+                    size: alloc.size,
+                })),
+            ),
+            None => {
+                tracing::info!(addr = desc.addr, error = %e, "no IPC handle for a GPU region: peers on this host reach it over TCP");
+                (None, None)
+            }
+        },
     };
     Ok(crate::registry::GpuRegion {
         device: alloc.device,
         base: alloc.base,
         offset: desc.addr - alloc.base,
         ipc,
+        vmm,
     })
 }
 

@@ -17,6 +17,12 @@
  * with CUDA_ERROR_INVALID_CONTEXT without it. A dma-buf export succeeds
  * only when FAKECUDA_DMABUF=1 (it hands out a memfd).
  *
+ * The VMM API: cuMemCreate makes a physical allocation (a memfd), mapped
+ * whole at an address reserved with cuMemAddressReserve; such memory has no
+ * legacy IPC handle, and is exported as a POSIX file descriptor (a
+ * duplicate of the memfd) only when its creator asked for that handle type.
+ * Imported in another process, it is the same bytes.
+ *
  * Built by the tests with gcc -shared -fPIC -Wl,-soname,libcuda.so and
  * loaded before kvxfer's first driver call, so that the dlopen of
  * "libcuda.so" finds it.
@@ -59,6 +65,7 @@ struct alloc {
     int fd;      /* the memfd holding the bytes */
     int opened;  /* mapped from another process's IPC handle */
     unsigned long long copies; /* copies queued into or from it */
+    unsigned long long vmm; /* the physical allocation mapped here (VMM), or 0 */
 };
 
 struct ipc_handle {
@@ -206,7 +213,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
 CUresult cuMemFree_v2(CUdeviceptr p) {
     pthread_mutex_lock(&lock);
     struct alloc *a = find(p);
-    if (!a || a->base != p || a->opened) {
+    if (!a || a->base != p || a->opened || a->vmm) {
         pthread_mutex_unlock(&lock);
         return CUDA_ERROR_INVALID_VALUE;
     }
@@ -218,7 +225,7 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
 CUresult cuIpcGetMemHandle(void *out, CUdeviceptr p) {
     pthread_mutex_lock(&lock);
     struct alloc *a = find(p);
-    if (!a || a->opened) {
+    if (!a || a->opened || a->vmm) { /* VMM memory has no legacy handle */
         pthread_mutex_unlock(&lock);
         return CUDA_ERROR_INVALID_VALUE;
     }
@@ -261,6 +268,213 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
     return CUDA_SUCCESS;
 }
 
+/* ---- the VMM API ---- */
+
+#define MAX_PHYS 1024
+#define VMM_GRAIN (2u << 20)
+#define HANDLE_POSIX_FD 1
+
+/* A physical allocation: handle = index + 1. */
+static struct phys {
+    int fd;
+    size_t size;
+    int device;
+    int types; /* the handle types its creator asked for */
+    int refs;  /* the creator's or importer's handle, and each mapping */
+} phys[MAX_PHYS];
+
+/* CUmemAllocationProp as the driver lays it out. */
+struct mem_prop {
+    int type;
+    int requested_handle_types;
+    struct { int type; int id; } location;
+    void *win32;
+    unsigned char compression, rdma;
+    unsigned short usage;
+    unsigned char reserved[4];
+};
+
+struct access_desc {
+    struct { int type; int id; } location;
+    int flags;
+};
+
+/* Call with the lock held. */
+static struct phys *phys_of(unsigned long long h) {
+    if (h == 0 || h > MAX_PHYS || phys[h - 1].refs == 0) return NULL;
+    return &phys[h - 1];
+}
+
+/* Drops one reference; call with the lock held. */
+static void phys_put(struct phys *p) {
+    if (--p->refs == 0) {
+        close(p->fd);
+        memset(p, 0, sizeof *p);
+    }
+}
+
+/* Records memfd `fd` (owned) as a new physical allocation; its handle or 0. */
+static unsigned long long phys_new(int fd, size_t size, int device, int types) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_PHYS; i++) {
+        if (phys[i].refs == 0) {
+            phys[i] = (struct phys){fd, size, device, types, 1};
+            pthread_mutex_unlock(&lock);
+            return (unsigned long long)i + 1;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    close(fd);
+    return 0;
+}
+
+CUresult cuMemGetAllocationGranularity(size_t *g, const struct mem_prop *prop, int option) {
+    (void)option;
+    if (!prop || prop->location.id < 0 || prop->location.id >= devices()) return CUDA_ERROR_INVALID_DEVICE;
+    *g = VMM_GRAIN;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemCreate(unsigned long long *h, size_t size, const struct mem_prop *prop, unsigned long long flags) {
+    if (flags != 0 || !prop || size == 0 || size % VMM_GRAIN) return CUDA_ERROR_INVALID_VALUE;
+    if (prop->location.id < 0 || prop->location.id >= devices()) return CUDA_ERROR_INVALID_DEVICE;
+    int fd = memfd_create("fakecuda-vmm", MFD_CLOEXEC);
+    if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (ftruncate(fd, (off_t)size) != 0) {
+        close(fd);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *h = phys_new(fd, size, prop->location.id, prop->requested_handle_types);
+    return *h ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult cuMemRelease(unsigned long long h) {
+    pthread_mutex_lock(&lock);
+    struct phys *p = phys_of(h);
+    if (p) phys_put(p);
+    pthread_mutex_unlock(&lock);
+    return p ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
+    (void)align;
+    (void)flags;
+    if (size == 0 || size % VMM_GRAIN || addr) return CUDA_ERROR_INVALID_VALUE;
+    void *va = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (va == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    *ptr = (CUdeviceptr)(uintptr_t)va;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    pthread_mutex_lock(&lock);
+    int mapped = find(ptr) != NULL;
+    pthread_mutex_unlock(&lock);
+    if (mapped) return CUDA_ERROR_INVALID_VALUE; /* unmap first */
+    return munmap((void *)(uintptr_t)ptr, size) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* Maps physical allocation h whole at ptr (reserved): the only shape the
+ * stand-in takes (offset 0, its size). */
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, unsigned long long h, unsigned long long flags) {
+    if (offset != 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    struct phys *p = phys_of(h);
+    if (!p || p->size != size || find(ptr)) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    int fd = dup(p->fd);
+    void *bytes = fd < 0 ? MAP_FAILED : mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (bytes == MAP_FAILED) {
+        if (fd >= 0) close(fd);
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].size == 0) {
+            allocs[i] = (struct alloc){ptr, size, size, bytes, p->device, 0, fd, 0};
+            allocs[i].vmm = h;
+            p->refs++;
+            pthread_mutex_unlock(&lock);
+            return CUDA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    munmap(bytes, size);
+    close(fd);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* Opens a mapping to a device: the mapping is then that device's. */
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const struct access_desc *desc, size_t count) {
+    if (count != 1 || !desc || desc->location.id < 0 || desc->location.id >= devices()) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(ptr);
+    int ok = a && a->vmm && a->base == ptr && a->mapped == size;
+    if (ok) a->device = desc->location.id;
+    pthread_mutex_unlock(&lock);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(ptr);
+    if (!a || !a->vmm || a->base != ptr || a->mapped != size) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    struct phys *p = phys_of(a->vmm);
+    munmap(a->bytes, a->mapped);
+    close(a->fd);
+    memset(a, 0, sizeof *a); /* the address stays reserved */
+    if (p) phys_put(p);
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemRetainAllocationHandle(unsigned long long *h, void *addr) {
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find((CUdeviceptr)(uintptr_t)addr);
+    struct phys *p = a && a->vmm ? phys_of(a->vmm) : NULL;
+    if (p) {
+        p->refs++;
+        *h = a->vmm;
+    }
+    pthread_mutex_unlock(&lock);
+    return p ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemExportToShareableHandle(void *out, unsigned long long h, int type, unsigned long long flags) {
+    if (type != HANDLE_POSIX_FD || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    struct phys *p = phys_of(h);
+    int fd = -1;
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+    if (p && !(p->types & HANDLE_POSIX_FD)) {
+        r = CUDA_ERROR_NOT_SUPPORTED; /* not asked for at cuMemCreate */
+    } else if (p && (fd = fcntl(p->fd, F_DUPFD_CLOEXEC, 0)) >= 0) {
+        *(int *)out = fd;
+        r = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+/* The descriptor stays the caller's; the device is set by cuMemSetAccess. */
+CUresult cuMemImportFromShareableHandle(unsigned long long *h, void *os, int type) {
+    if (type != HANDLE_POSIX_FD) return CUDA_ERROR_INVALID_VALUE;
+    int fd = fcntl((int)(intptr_t)os, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return CUDA_ERROR_INVALID_VALUE;
+    off_t size = lseek(fd, 0, SEEK_END);
+    if (size <= 0 || size % VMM_GRAIN) {
+        close(fd);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    *h = phys_new(fd, (size_t)size, 0, HANDLE_POSIX_FD);
+    return *h ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
 CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
     pthread_mutex_lock(&lock);
@@ -281,13 +495,35 @@ CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     return r;
 }
 
+/* As the driver: VMM memory refuses SYNC_MEMOPS (the context's flag,
+ * cuCtxSetFlags, stands for it). */
 CUresult cuPointerSetAttribute(const void *value, int attr, CUdeviceptr p) {
     if (attr != 6 /* SYNC_MEMOPS */) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&lock);
     struct alloc *a = find(p);
-    if (a) a->sync_memops = *(const unsigned *)value != 0;
+    int vmm = a && a->vmm;
+    if (a && !vmm) a->sync_memops = *(const unsigned *)value != 0;
     pthread_mutex_unlock(&lock);
-    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    return vmm ? CUDA_ERROR_NOT_SUPPORTED : a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+static unsigned ctx_flags[64];
+
+CUresult cuCtxGetFlags(unsigned *flags) {
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    *flags = ctx_flags[current];
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSetFlags(unsigned flags) {
+    if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    ctx_flags[current] = flags;
+    return CUDA_SUCCESS;
+}
+
+/* Test control: the flags of device's primary context. */
+unsigned fakecuda_ctx_flags(int device) {
+    return ctx_flags[device];
 }
 
 CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {

@@ -507,10 +507,16 @@ fn fnv(buf: &[u8]) -> u64 {
 /// memory (pattern seed 21) registered, its connection info printed as
 /// `READY <info>`, then commands on stdin: `HASH` (the memory's FNV hash),
 /// `NOTIFS` (sync messages received), `REREG` (deregister the memory and
-/// register it again: a new key), `EXIT`.
-pub fn ipc_child() {
+/// register it again: a new key), `EXIT`. `vmm`: the memory is a VMM
+/// allocation shareable as a file descriptor (PyTorch's expandable
+/// segments), not `cuMemAlloc`'s.
+pub fn ipc_child(vmm: bool) {
     use std::io::BufRead;
-    let g = DeviceBuffer::new(0, 4 << 20).unwrap();
+    let g = if vmm {
+        DeviceBuffer::new_vmm(0, 4 << 20).unwrap()
+    } else {
+        DeviceBuffer::new(0, 4 << 20).unwrap()
+    };
     g.write(0, &pattern(4 << 20, 21)).unwrap();
     let a = agent(Backend::Shm, "gpu-child");
     register_vram(a.as_ref(), &g).unwrap();
@@ -542,8 +548,11 @@ pub fn ipc_child() {
 /// on the shm path: scattered writes from host and GPU memory, reads back
 /// into GPU memory, the sync message delivered once the data is in place;
 /// checked against the child's own view of its memory. `spawn` starts the
-/// child (this test binary running `ipc_child`).
-pub fn ipc_two_processes(spawn: fn() -> std::process::Child) {
+/// child (this test binary running `ipc_child`). `vmm`: both sides' GPU
+/// memory is VMM memory, the child's reached through its allocation's file
+/// descriptor (handed over the proven local channel) instead of a legacy
+/// handle in the descriptor.
+pub fn ipc_two_processes(spawn: fn() -> std::process::Child, vmm: bool) {
     use std::io::{BufRead, BufReader, Write};
     const LEN: u64 = 4 << 20;
     /// Kills the child if the test fails before it exits.
@@ -573,7 +582,11 @@ pub fn ipc_two_processes(spawn: fn() -> std::process::Child) {
     };
     let conn = answer("", &mut input);
     let src = pattern(LEN as usize, 5);
-    let ga = DeviceBuffer::new(0, LEN).unwrap();
+    let ga = if vmm {
+        DeviceBuffer::new_vmm(0, LEN).unwrap()
+    } else {
+        DeviceBuffer::new(0, LEN).unwrap()
+    };
     ga.write(0, &pattern(LEN as usize, 9)).unwrap();
     let a = agent(Backend::Shm, "gpu-parent");
     register_dram(a.as_ref(), &src);
@@ -583,6 +596,11 @@ pub fn ipc_two_processes(spawn: fn() -> std::process::Child) {
         println!("SKIPPED ipc_two_processes: cross-memory attach is not allowed here");
         return;
     }
+    let desc = a.remote_agent_desc(&name).unwrap();
+    // A legacy handle (72 bytes) in the key, or a VMM allocation's offset
+    // and size (16 bytes: its descriptor goes over the local channel).
+    assert_eq!(ipc_handles(&desc), usize::from(!vmm));
+    assert_eq!(vmm_handles(&desc), usize::from(vmm));
     let base = a
         .remote_agent_desc(&name)
         .unwrap()
@@ -861,6 +879,18 @@ fn ipc_handles(desc: &kvxfer::AgentDesc) -> usize {
     desc.regions
         .iter()
         .filter(|r| r.mem_type == MemoryType::Vram && r.key_for(i).is_some_and(|k| k.len() == 72))
+        .count()
+}
+
+/// How many of `desc`'s GPU regions are VMM memory reached through its
+/// allocation's descriptor: a 16-byte key with the shm transport.
+fn vmm_handles(desc: &kvxfer::AgentDesc) -> usize {
+    let Some((i, _)) = desc.offer("shm") else {
+        return 0;
+    };
+    desc.regions
+        .iter()
+        .filter(|r| r.mem_type == MemoryType::Vram && r.key_for(i).is_some_and(|k| k.len() == 16))
         .count()
 }
 
@@ -1283,21 +1313,48 @@ macro_rules! gpu_suite {
         #[test]
         fn vram_through_cuda_ipc_between_two_processes() {
             if $ready("vram_through_cuda_ipc_between_two_processes") {
-                suite::ipc_two_processes(|| {
-                    std::process::Command::new(std::env::current_exe().unwrap())
-                        .args([
-                            "gpu_ipc_peer_child",
-                            "--exact",
-                            "--nocapture",
-                            "--test-threads",
-                            "1",
-                        ])
-                        .env("KVXFER_GPU_CHILD", "1")
-                        .stdin(std::process::Stdio::piped())
-                        .stdout(std::process::Stdio::piped())
-                        .spawn()
-                        .unwrap()
-                });
+                suite::ipc_two_processes(
+                    || {
+                        std::process::Command::new(std::env::current_exe().unwrap())
+                            .args([
+                                "gpu_ipc_peer_child",
+                                "--exact",
+                                "--nocapture",
+                                "--test-threads",
+                                "1",
+                            ])
+                            .env("KVXFER_GPU_CHILD", "legacy")
+                            .stdin(std::process::Stdio::piped())
+                            .stdout(std::process::Stdio::piped())
+                            .spawn()
+                            .unwrap()
+                    },
+                    false,
+                );
+            }
+        }
+
+        #[test]
+        fn vmm_vram_through_file_descriptors_between_two_processes() {
+            if $ready("vmm_vram_through_file_descriptors_between_two_processes") {
+                suite::ipc_two_processes(
+                    || {
+                        std::process::Command::new(std::env::current_exe().unwrap())
+                            .args([
+                                "gpu_ipc_peer_child",
+                                "--exact",
+                                "--nocapture",
+                                "--test-threads",
+                                "1",
+                            ])
+                            .env("KVXFER_GPU_CHILD", "vmm")
+                            .stdin(std::process::Stdio::piped())
+                            .stdout(std::process::Stdio::piped())
+                            .spawn()
+                            .unwrap()
+                    },
+                    true,
+                );
             }
         }
 
@@ -1305,8 +1362,10 @@ macro_rules! gpu_suite {
         /// `vram_through_cuda_ipc_between_two_processes`.
         #[test]
         fn gpu_ipc_peer_child() {
-            if std::env::var_os("KVXFER_GPU_CHILD").is_some() && $ready("gpu_ipc_peer_child") {
-                suite::ipc_child();
+            if let Some(kind) = std::env::var_os("KVXFER_GPU_CHILD")
+                && $ready("gpu_ipc_peer_child")
+            {
+                suite::ipc_child(kind == "vmm");
             }
         }
     };

@@ -40,6 +40,8 @@ const MAX_HOST_ID: usize = 256;
 /// Bytes of a GPU region's key: where the region starts in its allocation
 /// (u64 LE), then the allocation's IPC handle.
 const IPC_KEY_LEN: usize = 8 + 64;
+/// Bytes of a VMM region's key: offset and size, u64 LE.
+const VMM_KEY_LEN: usize = 16;
 
 /// The shm transport's offer in a descriptor: the agent's process id
 /// (u32 LE), the address of its probe word (u64 LE), then its host id
@@ -85,6 +87,26 @@ pub(crate) fn encode_ipc_key(offset: u64, handle: &[u8; 64]) -> Vec<u8> {
     out.extend_from_slice(&offset.to_le_bytes());
     out.extend_from_slice(handle);
     out
+}
+
+/// A VMM GPU region's key with the shm transport: where the region starts
+/// in its allocation (`offset`) and the allocation's size; the initiator
+/// asks for the allocation's descriptor on the pool channel.
+pub(crate) fn encode_vmm_key(offset: u64, size: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(VMM_KEY_LEN);
+    out.extend_from_slice(&offset.to_le_bytes());
+    out.extend_from_slice(&size.to_le_bytes());
+    out
+}
+
+/// Decodes a key written by [`encode_vmm_key`]: `(offset, size)`, or
+/// `None` when it is not one.
+pub(crate) fn decode_vmm_key(key: &[u8]) -> Option<(u64, u64)> {
+    if key.len() != VMM_KEY_LEN {
+        return None;
+    }
+    let word = |i: usize| key[i..i + 8].try_into().ok().map(u64::from_le_bytes);
+    Some((word(0)?, word(8)?))
 }
 
 /// Decodes a key written by [`encode_ipc_key`]: `(offset, handle)`, or
@@ -319,6 +341,11 @@ mod tests {
         assert_eq!(decode_ipc_key(&key), Some((0x100, [9; 64])));
         assert_eq!(decode_ipc_key(&key[..71]), None);
         assert_eq!(decode_ipc_key(&[key.clone(), vec![0]].concat()), None);
+        let vmm = encode_vmm_key(0x40, 2 << 20);
+        assert_eq!(decode_vmm_key(&vmm), Some((0x40, 2 << 20)));
+        assert_eq!(decode_ipc_key(&vmm), None);
+        assert_eq!(decode_vmm_key(&key), None);
+        assert_eq!(decode_vmm_key(&vmm[..15]), None);
     }
 
     fn decode(hdr: &[u8; HEADER_LEN]) -> Result<CmaFrame, WireError> {

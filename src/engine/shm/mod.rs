@@ -30,6 +30,7 @@ use crate::engine::target::{Conn, HeldSync, SessionState};
 use crate::engine::transport::{Link, Submission, Transport};
 use crate::engine::wire::{CommitOp, HEADER_LEN, status};
 use crate::engine::{Inner, PARALLEL_COPY_MIN, lock, socket_link, tick, wire};
+use crate::registry::GpuHandle;
 
 pub(in crate::engine) mod at_target;
 pub(crate) mod frames;
@@ -99,6 +100,9 @@ pub(in crate::engine) struct Shm {
     /// Requests this agent copied through a target's shared pool mapped
     /// here (shared with its links).
     pooled: Arc<AtomicU64>,
+    /// Shared pools on (`ShmConfig::pools`): the pool channel carries
+    /// pools and VMM GPU allocations, both ways.
+    pools: bool,
 }
 
 impl Shm {
@@ -136,6 +140,7 @@ impl Shm {
             proof_thread: Mutex::new(None),
             delegated: AtomicU64::new(0),
             pooled: Arc::default(),
+            pools: config.shm.pools,
         }))
     }
 
@@ -164,16 +169,21 @@ fn local_access(peer: &AgentDesc) -> Option<(u8, Result<LocalAccess, String>)> {
 }
 
 /// Whether `peer` is on host `host` and gives the CUDA IPC handles of its
-/// GPU regions (its descriptor carries their keys with the shm transport).
-fn gives_ipc_handles(peer: &AgentDesc, host: &str) -> bool {
+/// GPU regions (its descriptor carries their keys with the shm transport):
+/// legacy handles, or (`vmm`: this side asks on the pool channel) VMM
+/// allocations.
+fn gives_ipc_handles(peer: &AgentDesc, host: &str, vmm: bool) -> bool {
     let Some((i, o)) = peer.offer(TransportKind::Shm.as_str()) else {
         return false;
     };
     frames::offer_is_on(&o.info, host)
-        && peer
-            .regions
-            .iter()
-            .any(|r| r.mem_type == MemoryType::Vram && r.key_for(i).is_some())
+        && peer.regions.iter().any(|r| {
+            r.mem_type == MemoryType::Vram
+                && r.key_for(i).is_some_and(|k| {
+                    frames::decode_ipc_key(k).is_some()
+                        || vmm && frames::decode_vmm_key(k).is_some()
+                })
+        })
 }
 
 impl Transport for Shm {
@@ -187,7 +197,7 @@ impl Transport for Shm {
             // The target's GPU memory, through CUDA IPC, when its GPU is on
             // this host.
             (MemoryType::Dram | MemoryType::Vram, MemoryType::Vram) => {
-                gives_ipc_handles(peer, &self.host)
+                gives_ipc_handles(peer, &self.host, self.pools)
             }
             _ => false,
         }
@@ -240,12 +250,16 @@ impl Transport for Shm {
             if r.mem_type != MemoryType::Vram {
                 continue;
             }
-            if let Some((handle, offset)) = exports.get(&r.key) {
-                r.keys.push(RegionKey {
-                    transport: i,
-                    key: frames::encode_ipc_key(*offset, handle),
-                });
-            }
+            let key = match exports.get(&r.key) {
+                Some((GpuHandle::Ipc(h), offset)) => frames::encode_ipc_key(*offset, h),
+                // Its descriptor goes over the pool channel, which this
+                // agent serves with pools on only.
+                Some((GpuHandle::Vmm(size), offset)) if self.pools => {
+                    frames::encode_vmm_key(*offset, *size)
+                }
+                _ => continue,
+            };
+            r.keys.push(RegionKey { transport: i, key });
         }
     }
 
@@ -433,20 +447,31 @@ impl CmaParts {
     }
 }
 
-/// A same-host peer's GPU regions, reached through CUDA IPC.
+/// A same-host peer's GPU regions, reached through CUDA IPC: a legacy
+/// handle from the descriptor, or (VMM memory) the allocation's file
+/// descriptor, asked for on the pool channel.
 struct IpcPeer {
     /// The peer is this process: its device addresses are this one's.
     same_process: bool,
     /// By region key: the region's start (the peer's address), its
     /// allocation's handle, and where the region starts in it.
-    regions: HashMap<u64, (u64, [u8; 64], u64), FastHash>,
-    /// Allocations opened, by handle and device; closed with the link.
-    opened: Mutex<HashMap<([u8; 64], u32), crate::gpu::IpcMapping>>,
+    regions: HashMap<u64, (u64, GpuHandle, u64), FastHash>,
+    /// Allocations opened, by allocation and device; closed with the link.
+    opened: Mutex<HashMap<(Opened, u32), crate::gpu::IpcMapping>>,
+}
+
+/// An allocation of the peer's opened here: by its legacy handle, or (VMM)
+/// by its base address in the peer.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Opened {
+    Ipc([u8; 64]),
+    Vmm(u64),
 }
 
 impl IpcPeer {
-    /// The IPC regions `peer` exports to agents of host `host`.
-    fn new(peer: &AgentDesc, host: &str) -> Option<Self> {
+    /// The IPC regions `peer` exports to agents of host `host` (VMM ones
+    /// when `vmm`: this side asks for them on the pool channel).
+    fn new(peer: &AgentDesc, host: &str, vmm: bool) -> Option<Self> {
         let (i, a) = local_access(peer)?;
         let a = a.ok().filter(|a| a.host == host)?;
         // A key that is not an IPC key, or whose allocation would start
@@ -456,7 +481,15 @@ impl IpcPeer {
             .iter()
             .filter(|r| r.mem_type == MemoryType::Vram)
             .filter_map(|r| {
-                let (offset, handle) = frames::decode_ipc_key(r.key_for(i)?)?;
+                let key = r.key_for(i)?;
+                let (offset, handle) = match frames::decode_ipc_key(key) {
+                    Some((offset, h)) => (offset, GpuHandle::Ipc(h)),
+                    None if vmm => {
+                        let (offset, size) = frames::decode_vmm_key(key)?;
+                        (offset, GpuHandle::Vmm(size))
+                    }
+                    None => return None,
+                };
                 (r.desc.addr >= offset).then_some((r.key, (r.desc.addr, handle, offset)))
             })
             .collect();
@@ -472,8 +505,15 @@ impl IpcPeer {
 
     /// Where the peer's address `addr`, in its region `key`, is in this
     /// process (opening the region's allocation on `device` the first
-    /// time).
-    fn address(&self, key: u64, addr: u64, device: u32, remote: &str) -> Result<u64, Error> {
+    /// time; a VMM allocation's descriptor asked for on `pools`).
+    fn address(
+        &self,
+        key: u64,
+        addr: u64,
+        device: u32,
+        remote: &str,
+        pools: Option<&pool::Pools>,
+    ) -> Result<u64, Error> {
         if self.same_process {
             return Ok(addr);
         }
@@ -486,12 +526,38 @@ impl IpcPeer {
                         "remote agent {remote:?} exported a GPU region without a CUDA IPC handle"
                     ),
                 })?;
+        let which = match handle {
+            GpuHandle::Ipc(h) => Opened::Ipc(h),
+            GpuHandle::Vmm(_) => Opened::Vmm(start - offset),
+        };
         let mut opened = lock(&self.opened);
-        let base = match opened.entry((handle, device)) {
+        let base = match opened.entry((which, device)) {
             std::collections::hash_map::Entry::Occupied(e) => e.get().base(),
-            std::collections::hash_map::Entry::Vacant(v) => v
-                .insert(crate::gpu::IpcMapping::open(device, &handle)?)
-                .base(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let mapping = match handle {
+                    GpuHandle::Ipc(h) => crate::gpu::IpcMapping::open(device, &h)?,
+                    GpuHandle::Vmm(size) => {
+                        let (fd, given) = pools.and_then(|p| p.vmm(key)).ok_or_else(|| {
+                            Error::BackendUnavailable {
+                                backend: "shm",
+                                reason: format!(
+                                    "remote agent {remote:?} did not hand over its VMM GPU allocation (shared pools off on either side, or its process not proven)"
+                                ),
+                            }
+                        })?;
+                        if given != size {
+                            return Err(Error::ProtocolViolation {
+                                remote: remote.to_owned(),
+                                detail: format!(
+                                    "a VMM allocation of {given} bytes where its descriptor said {size}"
+                                ),
+                            });
+                        }
+                        crate::gpu::IpcMapping::import(device, &fd, size)?
+                    }
+                };
+                v.insert(mapping).base()
+            }
         };
         Ok(base + offset + (addr - start))
     }
@@ -661,7 +727,7 @@ impl CmaLink {
             delegate_ok: AtomicBool::new(may_delegate),
             awaited: Mutex::new(None),
             answer: crossbeam_channel::bounded(1),
-            ipc: IpcPeer::new(peer, &inner.host),
+            ipc: IpcPeer::new(peer, &inner.host, cfg.shm.pools),
             // A target in this very process too: its pool is mapped a
             // second time here, as for any other process.
             pools: cfg.shm.pools.then(|| {
@@ -834,7 +900,8 @@ impl CmaLink {
             let remote = match last {
                 Some((k, at, mapped)) if k == key => mapped.wrapping_add(p.remote.wrapping_sub(at)),
                 _ => {
-                    let mapped = ipc.address(key, p.remote, g.device, &self.remote)?;
+                    let pools = self.parts.pools.as_ref();
+                    let mapped = ipc.address(key, p.remote, g.device, &self.remote, pools)?;
                     last = Some((key, p.remote, mapped));
                     mapped
                 }
@@ -1091,6 +1158,7 @@ mod tests {
                 region(2, 0x20_0000, Some(vec![2; 64])),
                 region(3, 0x80, Some(frames::encode_ipc_key(0x100, &[3; 64]))),
                 region(4, 0x40_0000, None),
+                region(5, 0x50_0000, Some(frames::encode_vmm_key(0x40, 2 << 20))),
             ],
             transports: vec![
                 TransportOffer {
@@ -1103,18 +1171,31 @@ mod tests {
                 },
             ],
         };
-        assert!(gives_ipc_handles(&peer, "h"));
-        let ipc = IpcPeer::new(&peer, "h").expect("region 1 has a handle");
+        assert!(gives_ipc_handles(&peer, "h", true));
+        let ipc = IpcPeer::new(&peer, "h", true).expect("region 1 has a handle");
         assert!(!ipc.same_process);
-        let keys: Vec<_> = ipc.regions.keys().copied().collect();
-        assert_eq!(keys, [1]);
-        assert_eq!(ipc.regions[&1], (0x10_0000, [1; 64], 0x100));
+        let mut keys: Vec<_> = ipc.regions.keys().copied().collect();
+        keys.sort_unstable();
+        assert_eq!(keys, [1, 5]);
+        assert_eq!(ipc.regions[&1], (0x10_0000, GpuHandle::Ipc([1; 64]), 0x100));
+        assert_eq!(ipc.regions[&5], (0x50_0000, GpuHandle::Vmm(2 << 20), 0x40));
         for key in [2, 3, 4] {
-            let e = ipc.address(key, 0x20_0000, 0, "peer").unwrap_err();
+            let e = ipc.address(key, 0x20_0000, 0, "peer", None).unwrap_err();
             assert!(e.to_string().contains("without a CUDA IPC handle"), "{e}");
         }
-        assert!(IpcPeer::new(&peer, "elsewhere").is_none());
-        assert!(!gives_ipc_handles(&peer, "elsewhere"));
+        // A VMM region without a channel to ask for its allocation on.
+        let e = ipc.address(5, 0x50_0000, 0, "peer", None).unwrap_err();
+        assert!(e.to_string().contains("did not hand over its VMM"), "{e}");
+        // With pools off here, VMM keys give no handle.
+        let legacy = IpcPeer::new(&peer, "h", false).unwrap();
+        assert!(legacy.regions.contains_key(&1) && !legacy.regions.contains_key(&5));
+        let mut only_vmm = peer.clone();
+        only_vmm.regions.retain(|r| r.key == 5);
+        assert!(gives_ipc_handles(&only_vmm, "h", true));
+        assert!(!gives_ipc_handles(&only_vmm, "h", false));
+        assert!(IpcPeer::new(&only_vmm, "h", false).is_none());
+        assert!(IpcPeer::new(&peer, "elsewhere", true).is_none());
+        assert!(!gives_ipc_handles(&peer, "elsewhere", true));
         let shm = Shm::open(
             Backend::Shm,
             &AgentConfig::new("t").with_shm_delegate(false),
@@ -1127,8 +1208,8 @@ mod tests {
         let why = there.reach(&peer).unwrap_err();
         assert!(why.contains("another host"), "{why}");
         peer.transports[1].info.truncate(12);
-        assert!(IpcPeer::new(&peer, "h").is_none());
-        assert!(!gives_ipc_handles(&peer, "h"));
+        assert!(IpcPeer::new(&peer, "h", true).is_none());
+        assert!(!gives_ipc_handles(&peer, "h", true));
         let why = shm.reach(&peer).unwrap_err();
         assert!(why.contains("malformed cross-memory offer"), "{why}");
         peer.transports.pop();

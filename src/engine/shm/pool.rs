@@ -72,6 +72,12 @@ enum Msg {
     Drop { key: u64 },
     /// Initiator: the pool `key` is unmapped.
     Dropped { key: u64 },
+    /// Initiator: the VMM GPU allocation of the region with this access
+    /// key.
+    AskGpu { key: u64 },
+    /// Target: the region `key` is VMM GPU memory in an allocation of
+    /// `len` bytes, its descriptor attached.
+    GiveGpu { key: u64, len: u64 },
 }
 
 impl Msg {
@@ -87,6 +93,8 @@ impl Msg {
             Msg::Plain { key } => (3, 0, key, 0, 0),
             Msg::Drop { key } => (4, 0, key, 0, 0),
             Msg::Dropped { key } => (5, 0, key, 0, 0),
+            Msg::AskGpu { key } => (6, 0, key, 0, 0),
+            Msg::GiveGpu { key, len } => (7, 0, key, 0, len),
         };
         let mut f = [0u8; FRAME];
         f[0] = tag;
@@ -111,6 +119,8 @@ impl Msg {
             (3, 0) => Msg::Plain { key },
             (4, 0) => Msg::Drop { key },
             (5, 0) => Msg::Dropped { key },
+            (6, 0) => Msg::AskGpu { key },
+            (7, 0) => Msg::GiveGpu { key, len: word(24) },
             _ => return Err(io::Error::new(io::ErrorKind::InvalidData, "bad pool frame")),
         })
     }
@@ -231,6 +241,16 @@ impl Served {
                     lock(&self.handed).dropped.insert(key);
                     self.changed.notify_all();
                 }
+                Msg::AskGpu { key } => {
+                    let _w = lock(&self.write);
+                    match registry.vmm_share(key) {
+                        Some(v) => {
+                            let give = Msg::GiveGpu { key, len: v.size };
+                            send(&self.sock, give, Some(&v.fd))?;
+                        }
+                        None => send(&self.sock, Msg::Plain { key }, None)?,
+                    }
+                }
                 other => {
                     return Err(io::Error::new(
                         io::ErrorKind::InvalidData,
@@ -323,6 +343,9 @@ enum Known {
 #[derive(Default)]
 struct Maps {
     regions: HashMap<u64, Known>,
+    /// VMM GPU allocations' descriptors given, until their asker takes
+    /// them (with the allocation's size).
+    gpu: HashMap<u64, (OwnedFd, u64)>,
 }
 
 /// The initiator's side of a link's shared pools: the channel to the
@@ -415,7 +438,7 @@ impl Pools {
                 .collect()
         };
         if !unknown.is_empty() {
-            self.ask(&unknown);
+            self.ask(&unknown, |key| Msg::Ask { key });
         }
         let maps = lock(&self.maps);
         let mut pools: Vec<Arc<PeerPool>> = Vec::new();
@@ -443,9 +466,19 @@ impl Pools {
         Some(Resolved { pools, of })
     }
 
-    /// Asks the target about `keys`, waiting (within the timeout) for the
-    /// answers; the reading thread records them.
-    fn ask(&self, keys: &[u64]) {
+    /// The descriptor of the target's VMM GPU allocation holding its region
+    /// `key`, and the allocation's size, asked for on the channel; `None`
+    /// when the target gives none (not VMM memory, no channel, no answer
+    /// within the timeout).
+    pub(in crate::engine) fn vmm(&self, key: u64) -> Option<(OwnedFd, u64)> {
+        self.ask(&[key], |key| Msg::AskGpu { key });
+        lock(&self.maps).gpu.remove(&key)
+    }
+
+    /// Asks the target about `keys` (each in the frame `ask` makes),
+    /// waiting (within the timeout) for the answers; the reading thread
+    /// records them.
+    fn ask(&self, keys: &[u64], ask: fn(u64) -> Msg) {
         let mut chan = lock(&self.chan);
         if matches!(*chan, Chan::Closed) {
             *chan = match self.open() {
@@ -462,7 +495,7 @@ impl Pools {
         // Answers left over from an ask that timed out.
         while answers.try_recv().is_ok() {}
         for &key in keys {
-            if send(sock, Msg::Ask { key }, None).is_err() {
+            if send(sock, ask(key), None).is_err() {
                 return;
             }
         }
@@ -552,6 +585,12 @@ fn read_channel(sock: &UnixStream, maps: &Mutex<Maps>, answers: &Sender<u64>) ->
             }
             Msg::Plain { key } => {
                 lock(maps).regions.insert(key, Known::Plain);
+                let _ = answers.send(key);
+            }
+            Msg::GiveGpu { key, len } => {
+                if let Some(fd) = fd {
+                    lock(maps).gpu.insert(key, (fd, len));
+                }
                 let _ = answers.send(key);
             }
             Msg::Drop { key } => {
@@ -702,6 +741,55 @@ mod tests {
         t.join().unwrap().unwrap();
     }
 
+    /// Asked for a VRAM region's VMM allocation, the target gives the
+    /// allocation's descriptor (the same file) and size; asked for a
+    /// region that has none, it says `Plain` and nothing is kept.
+    #[test]
+    fn a_vmm_allocation_is_given_as_its_descriptor() {
+        use crate::registry::{GpuRegion, VmmShare};
+        use std::os::fd::AsRawFd;
+        let file = rustix::fs::memfd_create("vmm", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let r = Arc::new(Registry::default());
+        let desc = crate::memory::MemoryDescs::new(
+            MemoryType::Vram,
+            vec![crate::memory::MemoryDesc::new(0x7000_0000_1000, 4096, 0)],
+        );
+        let gpu = GpuRegion {
+            device: 0,
+            base: 0x7000_0000_0000,
+            offset: 0x1000,
+            ipc: None,
+            vmm: Some(Arc::new(VmmShare {
+                fd: file.try_clone().unwrap(),
+                size: 2 << 20,
+            })),
+        };
+        // SAFETY: nothing dereferences the range (no registrar, no copy).
+        unsafe { r.register(&desc, &[MemoryType::Vram], "t", &[], &[gpu], None) }.unwrap();
+        let key = r.acquire_local(&desc).unwrap()[0].region().key;
+        let (a, b) = UnixStream::pair().unwrap();
+        let served = Served::start(a, r, "t", Duration::from_secs(5)).unwrap();
+        let b = Arc::new(b);
+        let maps: Arc<Mutex<Maps>> = Arc::default();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let t = {
+            let (b, maps) = (Arc::clone(&b), Arc::clone(&maps));
+            std::thread::spawn(move || read_channel(&b, &maps, &tx))
+        };
+        send(&b, Msg::AskGpu { key }, None).unwrap();
+        send(&b, Msg::AskGpu { key: key ^ 2 }, None).unwrap();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), key);
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), key ^ 2);
+        let (fd, size) = lock(&maps).gpu.remove(&key).expect("given");
+        assert_eq!(size, 2 << 20);
+        let ino = |fd: i32| std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(ino(fd.as_raw_fd()).ino(), ino(file.as_raw_fd()).ino());
+        assert!(lock(&maps).gpu.is_empty(), "nothing kept for the other");
+        served.close();
+        t.join().unwrap().unwrap();
+    }
+
     /// A revocation waits for a copy that holds the mapping: the
     /// initiator unmaps, and answers, only once the copy lets go.
     #[test]
@@ -796,6 +884,11 @@ mod tests {
             Msg::Plain { key: u64::MAX },
             Msg::Drop { key: 9 },
             Msg::Dropped { key: 9 },
+            Msg::AskGpu { key: 4 },
+            Msg::GiveGpu {
+                key: 4,
+                len: 2 << 20,
+            },
         ] {
             assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
         }

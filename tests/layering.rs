@@ -12,7 +12,8 @@
 //! the registry (`engine::transports`) names them all. And the engine's
 //! parts (each file or folder under `src/engine/`, but the root that
 //! declares them and holds the agent's state) import each other without a
-//! cycle.
+//! cycle; and a transport reaches its agent only through its context
+//! (`engine::ctx::Ctx`), never the agent's whole state.
 
 use std::path::Path;
 
@@ -307,6 +308,70 @@ fn the_engine_core_names_no_transport_and_no_transport_another() {
         "the engine's floors crossed:\n{}",
         wrong.join("\n")
     );
+}
+
+/// The modules of every transport (its file, or each file of its folder).
+fn transport_modules() -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine");
+    let mut out = Vec::new();
+    for &t in TRANSPORTS {
+        if root.join(t).is_dir() {
+            out.extend(unit_modules(t));
+        } else {
+            out.push(format!("engine::{t}"));
+        }
+    }
+    out
+}
+
+/// What in `line` reaches past a transport's context to the agent's whole
+/// state: the state's type (`Inner`), the engine itself, or the context's
+/// way back to the state (`state()`, the core's).
+fn reaches_the_state(line: &str) -> Vec<&'static str> {
+    let word = |w: &str| {
+        line.match_indices(w).any(|(i, _)| {
+            let before = line[..i].chars().next_back();
+            let after = line[i + w.len()..].chars().next();
+            let edge = |c: Option<char>| c.is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
+            edge(before) && edge(after)
+        })
+    };
+    let mut out = Vec::new();
+    for w in ["Inner", "Engine"] {
+        if word(w) {
+            out.push(w);
+        }
+    }
+    if line.contains(".state()") {
+        out.push(".state()");
+    }
+    out
+}
+
+#[test]
+fn transports_reach_their_agent_through_their_context_only() {
+    let mut wrong = Vec::new();
+    for module in transport_modules() {
+        for (n, line) in source(&module) {
+            for what in reaches_the_state(&line) {
+                wrong.push(format!("{}:{n}: {what}", file(&module)));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "transports reaching past their context (engine::ctx::Ctx):\n{}",
+        wrong.join("\n")
+    );
+    // The checker itself.
+    assert_eq!(reaches_the_state("fn f(inner: &Inner) {"), ["Inner"]);
+    assert_eq!(reaches_the_state("let x = cx.state().peers;"), [".state()"]);
+    assert_eq!(
+        reaches_the_state("use crate::engine::{Engine, Peer};"),
+        ["Engine"]
+    );
+    assert!(reaches_the_state("let r = cx.registry(); InnerLoop; EngineKind").is_empty());
+    assert!(transport_modules().contains(&"engine::shm::pool".to_owned()));
 }
 
 #[test]

@@ -96,7 +96,7 @@ impl TransferAgent for Engine {
             // returns.
             if region.share.is_some() {
                 for t in &self.inner.transports {
-                    t.revoke(&self.inner, region.key);
+                    t.revoke(self.ctx(), region.key);
                 }
             }
         }
@@ -116,7 +116,7 @@ impl TransferAgent for Engine {
             .inner
             .transports
             .iter()
-            .find_map(|t| t.complete(&self.inner, desc));
+            .find_map(|t| t.complete(self.ctx(), desc));
         let desc = match completed {
             Some(d) => {
                 with_handles = d;
@@ -197,7 +197,7 @@ impl TransferAgent for Engine {
     }
 
     fn fetch_remote_agent_desc(&self, connection_info: &str) -> Result<AgentDesc, Error> {
-        fetch_desc(&self.inner, connection_info)
+        fetch_desc(self.ctx(), connection_info)
     }
 
     fn remote_agent_desc(&self, name: &str) -> Result<AgentDesc, Error> {

@@ -12,13 +12,14 @@
 //! that have begun are over (its `door`): when its drop returns, no
 //! in-process initiator touches its memory.
 
-use std::sync::{LazyLock, Weak};
+use std::sync::LazyLock;
 
 use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
+use crate::engine::ctx::{AgentRef, Ctx, LiveAgent};
+use crate::engine::lock;
 use crate::engine::transport::Transport;
 use crate::engine::transport::{Link, Submission};
-use crate::engine::{Inner, lock};
 use crate::error::Error;
 use crate::memory::MemoryType;
 use crate::registry::RegionGuard;
@@ -29,24 +30,26 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 /// The in-process agents of this process, by instance.
-static AGENTS: LazyLock<Mutex<HashMap<u64, Weak<Inner>, FastHash>>> =
+static AGENTS: LazyLock<Mutex<HashMap<u64, AgentRef, FastHash>>> =
     LazyLock::new(|| Mutex::new(HashMap::default()));
 
-/// Lists `inner` in the directory (an agent on [`Backend::InProcess`]).
-pub(in crate::engine) fn enlist(inner: &Arc<Inner>) {
-    lock(&AGENTS).insert(inner.instance, Arc::downgrade(inner));
+/// Lists `agent`, with `instance`, in the directory (an agent on
+/// [`Backend::InProcess`]).
+pub(in crate::engine) fn enlist(instance: u64, agent: AgentRef) {
+    lock(&AGENTS).insert(instance, agent);
 }
 
-/// Takes `inner` out of the directory, then closes its door: returns once
-/// no copy into or out of its memory is under way, and none starts.
-pub(in crate::engine) fn delist(inner: &Inner) {
-    lock(&AGENTS).remove(&inner.instance);
-    *inner.door.write().unwrap_or_else(|p| p.into_inner()) = false;
+/// Takes the agent of `cx` out of the directory, then closes its door:
+/// returns once no copy into or out of its memory is under way, and none
+/// starts.
+pub(in crate::engine) fn delist(cx: Ctx<'_>) {
+    lock(&AGENTS).remove(&cx.instance());
+    cx.close_door();
 }
 
 /// The agent of this process with `instance`, if it is listed.
-fn find(instance: u64) -> Option<Arc<Inner>> {
-    lock(&AGENTS).get(&instance).and_then(Weak::upgrade)
+fn find(instance: u64) -> Option<LiveAgent> {
+    lock(&AGENTS).get(&instance).and_then(AgentRef::live)
 }
 
 /// Reaches agents of this process made on [`Backend::InProcess`].
@@ -64,10 +67,10 @@ impl Transport for InProcess {
 
     fn reach(&self, peer: &AgentDesc) -> Result<(), String> {
         match find(peer.instance) {
-            Some(t) if t.config.name == peer.name => Ok(()),
+            Some(t) if t.ctx().name() == peer.name => Ok(()),
             Some(t) => Err(format!(
                 "the agent of this process with that instance is called {:?}",
-                t.config.name
+                t.ctx().name()
             )),
             None => {
                 Err("the remote agent is not an agent of this process on the inproc backend".into())
@@ -75,14 +78,14 @@ impl Transport for InProcess {
         }
     }
 
-    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
-        Ok(LocalLink::open(inner, peer)?)
+    fn connect(&self, cx: Ctx<'_>, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        Ok(LocalLink::open(cx, peer)?)
     }
 }
 
 /// A link to an agent of this process.
 struct LocalLink {
-    target: Weak<Inner>,
+    target: AgentRef,
     remote: String,
     path: Arc<DataPath>,
     /// Set by [`Link::fail`] (the first cause wins).
@@ -93,10 +96,10 @@ struct LocalLink {
 
 impl LocalLink {
     /// A link to `peer`, found in the directory.
-    fn open(inner: &Inner, peer: &AgentDesc) -> Result<Arc<Self>, Error> {
+    fn open(cx: Ctx<'_>, peer: &AgentDesc) -> Result<Arc<Self>, Error> {
         let target = find(peer.instance).ok_or_else(|| gone(&peer.name))?;
         Ok(Arc::new(LocalLink {
-            target: Arc::downgrade(&target),
+            target: target.weak(),
             remote: peer.name.clone(),
             path: Arc::new(DataPath {
                 transport: TransportKind::InProcess,
@@ -104,7 +107,7 @@ impl LocalLink {
                 mechanism: "in-process copy (memmove) by the submitting thread",
             }),
             broken: Mutex::new(None),
-            meter: inner.metrics.meter(TransportKind::InProcess, &peer.name),
+            meter: cx.metrics().meter(TransportKind::InProcess, &peer.name),
         }))
     }
 
@@ -113,16 +116,17 @@ impl LocalLink {
     /// the target gone) is the request's outcome.
     fn carry_out(&self, sub: Submission<'_>) -> Result<(), Error> {
         let Submission {
-            engine,
+            cx,
             req,
             resolved,
             sync,
             ..
         } = sub;
-        let target = self.target.upgrade().ok_or_else(|| gone(&self.remote))?;
+        let live = self.target.live().ok_or_else(|| gone(&self.remote))?;
         // Held while copying: the target's drop waits for it.
-        let open = target.door.read().unwrap_or_else(|p| p.into_inner());
-        if !*open || target.closing.load(Ordering::Acquire) {
+        let open = live.door();
+        let target = live.ctx();
+        if !*open || target.closing() {
             return Err(gone(&self.remote));
         }
         // Every admission, and the message's room, before any copy.
@@ -134,7 +138,7 @@ impl LocalLink {
         let mut holds: Few<RegionGuard> = Few::new();
         for (d, &key) in req.remote.descs.iter().zip(&resolved.keys) {
             let g = target
-                .registry
+                .registry()
                 .admit_memory(req.remote.mem_type, d.addr, d.len, key)
                 .map_err(refused)?;
             if !holds
@@ -147,8 +151,8 @@ impl LocalLink {
         let room = match &sync {
             Some(m) => Some(
                 target
-                    .inbox
-                    .reserve(&engine.inner.config.name, m.len() as u64)
+                    .inbox()
+                    .reserve(&cx.config().name, m.len() as u64)
                     .map_err(refused)?,
             ),
             None => None,
@@ -206,7 +210,7 @@ impl LocalLink {
                 if sent != got {
                     if req.op == TransferOp::Write {
                         target
-                            .metrics
+                            .metrics()
                             .integrity_failures
                             .fetch_add(1, Ordering::Relaxed);
                     }
@@ -221,7 +225,7 @@ impl LocalLink {
             }
         }
         if let (Some(room), Some(m)) = (room, sync) {
-            target.inbox.deliver(room, m);
+            target.inbox().deliver(room, m);
         }
         drop(holds);
         drop(resolved.guards);
@@ -251,7 +255,7 @@ fn gone(remote: &str) -> Error {
 
 impl Link for LocalLink {
     fn is_broken(&self) -> bool {
-        lock(&self.broken).is_some() || self.target.strong_count() == 0
+        lock(&self.broken).is_some() || self.target.gone()
     }
 
     fn fail(&self, cause: Error) {
@@ -265,9 +269,8 @@ impl Link for LocalLink {
             return Err(e);
         }
         let (id, completion) = sub
-            .engine
-            .inner
-            .in_flight
+            .cx
+            .in_flight()
             .start(&self.meter, sub.req.local.total_len());
         completion.complete(self.carry_out(sub));
         Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))

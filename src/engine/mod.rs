@@ -8,7 +8,8 @@
 //! side: accept, serve, dispatch each frame to its transport, commit; with
 //! the data carried in frames, a peer's storage, and transport set-up
 //! frames), `transport` (the `Transport` and `Link` traits and their
-//! vocabulary, the choice of a transport), `socket_link` (what every socket
+//! vocabulary, the choice of a transport), `ctx` (what a transport may use
+//! of its agent: its context, not the agent's state), `socket_link` (what every socket
 //! link shares: streams, their sender and reader threads), `plan`, `wire`,
 //! `requests`, `budget` (pure: planning, the frame codec, the target's
 //! request table), `sock` (vectored socket I/O, plain or encrypted),
@@ -27,6 +28,7 @@
 
 mod api;
 mod budget;
+mod ctx;
 #[cfg(feature = "fabric")]
 mod fabric;
 mod handshake;
@@ -262,7 +264,7 @@ impl Engine {
             .name(format!("kvxfer-accept-{}", inner.config.name))
             .spawn(move || acceptor.accept_loop(listener))?;
         for t in &inner.transports {
-            t.start(&inner)?;
+            t.start(ctx::Ctx::of(&inner))?;
         }
         tracing::debug!(agent = %inner.config.name, endpoint = %inner.endpoint, "tcp agent listening");
         #[cfg(feature = "metrics-endpoint")]

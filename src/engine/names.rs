@@ -114,7 +114,7 @@ impl Engine {
         let published = inner.resolve_name(name)?;
         let mut last = None;
         for ep in &published.endpoints {
-            match fetch_desc(inner, ep) {
+            match fetch_desc(crate::engine::ctx::Ctx::of(inner), ep) {
                 Ok(live) if live.instance == published.instance => {
                     lock(&inner.names.by_name).insert(name.to_owned());
                     return self.load_remote_agent(&live);

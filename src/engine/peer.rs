@@ -4,6 +4,7 @@
 
 use crate::agent::{AgentConfig, Backend};
 use crate::desc::{AgentDesc, ExportedRegion, TransportOffer};
+use crate::engine::ctx::Ctx;
 use crate::engine::handshake::{self};
 use crate::engine::sock::{FrameReader, ProgressClock, UntilDeadline, iov, timeout_or, writev_all};
 use crate::engine::transport::{Link, Transport};
@@ -51,7 +52,7 @@ impl Inner {
             transports,
         };
         for t in &self.transports {
-            t.describe(self, &mut desc, host);
+            t.describe(Ctx::of(self), &mut desc, host);
         }
         desc
     }
@@ -243,7 +244,8 @@ pub(in crate::engine) fn handshake(
 /// Fetches an agent descriptor over the side channel, after the
 /// authentication exchange; the descriptor must name the agent that
 /// authenticated.
-pub(in crate::engine) fn fetch_desc(inner: &Inner, info: &str) -> Result<AgentDesc, Error> {
+pub(in crate::engine) fn fetch_desc(cx: Ctx<'_>, info: &str) -> Result<AgentDesc, Error> {
+    let inner = cx.state();
     // One deadline for the whole exchange: connect, authenticate, fetch.
     let timeout = inner.config.connect_timeout;
     let deadline = std::time::Instant::now() + timeout;
@@ -403,7 +405,7 @@ impl Peer {
             let old = slot.take().expect("checked above");
             old.join();
         }
-        let l = self.transport.connect(inner, &self.desc)?;
+        let l = self.transport.connect(Ctx::of(inner), &self.desc)?;
         *slot = Some(Arc::clone(&l));
         Ok(l)
     }

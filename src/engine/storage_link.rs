@@ -19,8 +19,9 @@ use crate::storage::staged::{Piece, StagedBatch};
 
 use crate::agent::{DataPath, TransferOp, TransferRequest, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
+use crate::engine::ctx::Ctx;
 use crate::engine::transport::{Link, Submission};
-use crate::engine::{Inner, lock, transport};
+use crate::engine::{lock, transport};
 use crate::error::Error;
 use crate::inbox::Reservation;
 use crate::memory::MemoryType;
@@ -66,15 +67,15 @@ impl transport::Transport for OwnStorage {
         false
     }
 
-    fn connect(&self, inner: &Inner, _peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
-        Ok(StorageLink::open(inner)?)
+    fn connect(&self, cx: Ctx<'_>, _peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        Ok(StorageLink::open(cx)?)
     }
 }
 
 impl StorageLink {
     /// The link, with the agent's storage I/O engine started.
-    fn open(inner: &Inner) -> Result<Arc<Self>, Error> {
-        let io = inner.storage.engine()?;
+    fn open(cx: Ctx<'_>) -> Result<Arc<Self>, Error> {
+        let io = cx.storage().engine()?;
         Ok(Arc::new(StorageLink {
             path: Arc::new(DataPath {
                 transport: TransportKind::Storage,
@@ -84,9 +85,9 @@ impl StorageLink {
                             GPU memory through pinned staging buffers",
             }),
             broken: Mutex::new(None),
-            meter: inner
-                .metrics
-                .meter(TransportKind::Storage, &inner.config.name),
+            meter: cx
+                .metrics()
+                .meter(TransportKind::Storage, &cx.config().name),
         }))
     }
 }
@@ -107,25 +108,24 @@ impl Link for StorageLink {
             return Err(e);
         }
         let Submission {
-            engine,
+            cx,
             req,
             resolved,
             sync,
             ..
         } = sub;
-        let inner = &engine.inner;
-        let me = inner.config.name.as_str();
+        let me = cx.config().name.as_str();
         // Only requests naming FILE or BLK regions reach the self-peer
         // (`Engine::check_request`); one without data is an empty batch.
-        let held = inner.registry.acquire_local_keyed(&req.remote, None)?;
+        let held = cx.registry().acquire_local_keyed(&req.remote, None)?;
         if req.remote.mem_type == MemoryType::Obj {
-            let ops = plan_objects(inner, req)?;
+            let ops = plan_objects(cx, req)?;
             let room = match &sync {
-                Some(m) => Some(reserve(inner, me, m.len())?),
+                Some(m) => Some(reserve(cx, me, m.len())?),
                 None => None,
             };
-            let (id, completion) = inner.in_flight.start(&self.meter, req.local.total_len());
-            let done = finisher(inner, &completion, (resolved.guards, held), room, sync);
+            let (id, completion) = cx.in_flight().start(&self.meter, req.local.total_len());
+            let done = finisher(cx, &completion, (resolved.guards, held), room, sync);
             let asked = Arc::clone(&completion);
             let batch = ObjBatch {
                 ops,
@@ -140,24 +140,24 @@ impl Link for StorageLink {
             return Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)));
         }
         let vram = req.local.mem_type == MemoryType::Vram;
-        let shape = inner.config.gpu.shape();
+        let shape = cx.config().gpu.shape();
         let Planned {
             ops,
             pieces,
             files,
             written,
-        } = plan(inner, req, &resolved.guards, vram.then_some(shape))?;
+        } = plan(cx, req, &resolved.guards, vram.then_some(shape))?;
         // Writes into the page cache only: the page-cache writer (started
         // before anything is counted in flight).
         let io =
             if req.op == TransferOp::Write && !files.is_empty() && files.iter().all(|f| f.buffered)
             {
-                inner.storage.page_cache_writer()?
+                cx.storage().page_cache_writer()?
             } else {
-                inner.storage.engine()?
+                cx.storage().engine()?
             };
         let room = match &sync {
-            Some(m) => Some(reserve(inner, me, m.len())?),
+            Some(m) => Some(reserve(cx, me, m.len())?),
             None => None,
         };
         let syncs = if req.durable && req.op == TransferOp::Write {
@@ -165,18 +165,9 @@ impl Link for StorageLink {
         } else {
             Vec::new()
         };
-        let (id, completion) = engine
-            .inner
-            .in_flight
-            .start(&self.meter, req.local.total_len());
+        let (id, completion) = cx.in_flight().start(&self.meter, req.local.total_len());
         // The files stay open until now, whatever happened to their handles.
-        let done = finisher(
-            inner,
-            &completion,
-            (resolved.guards, held, files),
-            room,
-            sync,
-        );
+        let done = finisher(cx, &completion, (resolved.guards, held, files), room, sync);
         // `TransferStatus::abort`: the ops not yet handed to the kernel are
         // skipped (and the sync message not delivered).
         let asked = Arc::clone(&completion);
@@ -193,7 +184,7 @@ impl Link for StorageLink {
             // SAFETY: every piece's device memory lies in local VRAM
             // regions checked and held (`guards`) and every fd belongs to a
             // storage region held (`held`) until `done` has run.
-            unsafe { inner.storage.stager()?.submit(batch) };
+            unsafe { cx.storage().stager()?.submit(batch) };
             return Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)));
         }
         let batch = Batch {
@@ -216,13 +207,13 @@ impl Link for StorageLink {
 /// deregister them as soon as it sees the outcome; then the sync message is
 /// delivered (on success) and the status completed.
 fn finisher<H: Send + 'static>(
-    inner: &Inner,
+    cx: Ctx<'_>,
     completion: &Arc<crate::status::Completion>,
     holds: H,
     room: Option<Reservation>,
     sync: Option<Vec<u8>>,
 ) -> crate::storage::io::Done {
-    let inbox = Arc::clone(&inner.inbox);
+    let inbox = Arc::clone(cx.inbox());
     let done_status = Arc::clone(completion);
     Box::new(move |r: Result<(), Error>| {
         drop(holds);
@@ -234,9 +225,8 @@ fn finisher<H: Send + 'static>(
 }
 
 /// Room in this agent's inbox for its own sync message.
-fn reserve(inner: &Inner, me: &str, len: usize) -> Result<Reservation, Error> {
-    inner
-        .inbox
+fn reserve(cx: Ctx<'_>, me: &str, len: usize) -> Result<Reservation, Error> {
+    cx.inbox()
         .reserve(me, len as u64)
         // Reserved before any I/O.
         .map_err(|reason| Error::RemoteRejected {
@@ -265,7 +255,7 @@ struct Planned {
 /// through staging rings of this shape (whose pinned buffers, not the
 /// device addresses, meet the file's alignment: its chunk must).
 fn plan(
-    inner: &Inner,
+    cx: Ctx<'_>,
     req: &TransferRequest,
     guards: &[RegionGuard],
     staging: Option<crate::gpu::StagingShape>,
@@ -286,8 +276,8 @@ fn plan(
                 Arc::clone(f)
             }
             None => {
-                let f = inner
-                    .storage
+                let f = cx
+                    .storage()
                     .get(r.device_id)
                     .ok_or(Error::InvalidDescriptor {
                         desc: *r,
@@ -317,7 +307,7 @@ fn plan(
         while region.is_some_and(|g| !contains(&g.region().desc, l)) {
             region = held.next();
         }
-        let fixed = region.and_then(|g| inner.storage.buffer_slot(g.region()));
+        let fixed = region.and_then(|g| cx.storage().buffer_slot(g.region()));
         let mut done = 0;
         while done < l.len {
             let n = (l.len - done).min(OP_MAX);
@@ -378,12 +368,12 @@ fn plan(
 /// when this fails): each remote descriptor's object open; a WRITE writes
 /// its object whole (offset 0, one descriptor per object, at most
 /// [`PARTS_MAX`] parts); READs' destinations do not overlap.
-fn plan_objects(inner: &Inner, req: &TransferRequest) -> Result<Vec<ObjOp>, Error> {
+fn plan_objects(cx: Ctx<'_>, req: &TransferRequest) -> Result<Vec<ObjOp>, Error> {
     let write = req.op == TransferOp::Write;
     let mut ops = Vec::with_capacity(req.local.descs.len());
     let mut written = std::collections::HashSet::new();
     for (l, r) in req.local.descs.iter().zip(&req.remote.descs) {
-        let o = inner.storage.object(r)?;
+        let o = cx.storage().object(r)?;
         let part = o.store.config().part_size;
         if write {
             if r.addr != 0 {

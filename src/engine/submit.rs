@@ -38,7 +38,7 @@ impl Engine {
         let resolved = self.resolve(req, sync.as_deref(), &peer)?;
         let link = peer.link(&self.inner)?;
         link.submit(Submission {
-            engine: self,
+            cx: self.ctx(),
             req,
             resolved,
             sync,
@@ -56,7 +56,7 @@ impl Engine {
         let peer = self.check_request(req)?;
         let resolved = self.resolve(req, req.sync_message.as_deref(), &peer)?;
         let link = peer.link(&self.inner)?;
-        link.prepare(self, peer, req, resolved)
+        link.prepare(self.ctx(), peer, req, resolved)
     }
 }
 
@@ -81,7 +81,7 @@ impl Engine {
             let peers = inner.peers.read().unwrap_or_else(|p| p.into_inner());
             peers.get(&req.remote_agent)?.current_link()?
         };
-        link.resubmit(self, req)
+        link.resubmit(self.ctx(), req)
     }
 }
 

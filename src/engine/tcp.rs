@@ -8,6 +8,8 @@
 
 use crate::agent::{DataPath, TransferOp, TransferRequest, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
+use crate::engine::Peer;
+use crate::engine::ctx::Ctx;
 use crate::engine::indexed::IndexedSegs;
 use crate::engine::plan::plan_segments;
 use crate::engine::socket_link::{
@@ -15,7 +17,6 @@ use crate::engine::socket_link::{
 };
 use crate::engine::transport::Resolved;
 use crate::engine::transport::{Link, Submission, Transport};
-use crate::engine::{Engine, Inner, Peer};
 use crate::error::Error;
 use crate::integrity::CHECK_CHUNK;
 use crate::memory::MemoryType;
@@ -56,8 +57,8 @@ impl Transport for Tcp {
         Ok(())
     }
 
-    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
-        Ok(TcpLink::open(inner, peer)?)
+    fn connect(&self, cx: Ctx<'_>, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        Ok(TcpLink::open(cx, peer)?)
     }
 }
 
@@ -76,12 +77,12 @@ impl SocketPath for TcpParts {
 
     fn prepare(
         link: Arc<TcpLink>,
-        engine: &Engine,
+        cx: Ctx<'_>,
         peer: Arc<Peer>,
         req: &TransferRequest,
         resolved: Resolved,
     ) -> Result<Box<dyn Prepared>, Error> {
-        Ok(Box::new(link.prepare_streams(engine, peer, req, resolved)))
+        Ok(Box::new(link.prepare_streams(cx, peer, req, resolved)))
     }
 
     fn prepare_indexed(
@@ -106,9 +107,9 @@ impl SocketPath for TcpParts {
 
 impl TcpLink {
     /// Opens `streams_per_peer` streams to `peer`.
-    pub(in crate::engine) fn open(inner: &Inner, peer: &AgentDesc) -> Result<Arc<Self>, Error> {
-        let n = inner.config.tcp.streams_per_peer;
-        let streams = connect_streams(inner, peer, n, |_, _, _, _| Ok(()))?;
+    pub(in crate::engine) fn open(cx: Ctx<'_>, peer: &AgentDesc) -> Result<Arc<Self>, Error> {
+        let n = cx.config().tcp.streams_per_peer;
+        let streams = connect_streams(cx, peer, n, |_, _, _, _| Ok(()))?;
         let path = DataPath {
             transport: TransportKind::Tcp,
             device: streams.handles[0]
@@ -118,7 +119,7 @@ impl TcpLink {
                 .map(|a| a.to_string()),
             mechanism: "TCP streams; the kernel copies between socket and registered memory",
         };
-        Self::start(inner, peer, streams, TcpParts, path)
+        Self::start(cx, peer, streams, TcpParts, path)
     }
 
     /// Submits a request on the TCP streams: its segments spread over
@@ -129,14 +130,14 @@ impl TcpLink {
         sub: Submission<'_>,
     ) -> Result<TransferStatus, Error> {
         let Submission {
-            engine,
+            cx,
             req,
             resolved,
             sync,
             fence,
             ..
         } = sub;
-        let plan = self.plan_streams(engine, req, &resolved.keys);
+        let plan = self.plan_streams(cx, req, &resolved.keys);
         self.post_streams(&plan, sync, fence, req.durable, resolved.guards)
     }
 
@@ -144,7 +145,7 @@ impl TcpLink {
     /// (posting it then costs a few allocations, whatever its size).
     pub(in crate::engine) fn prepare_streams(
         self: &Arc<Self>,
-        engine: &Engine,
+        cx: Ctx<'_>,
         peer: Arc<Peer>,
         req: &TransferRequest,
         resolved: Resolved,
@@ -152,15 +153,15 @@ impl TcpLink {
         PreparedTcp {
             link: Arc::clone(self),
             peer,
-            plan: self.plan_streams(engine, req, &resolved.keys),
+            plan: self.plan_streams(cx, req, &resolved.keys),
             guards: resolved.guards,
         }
     }
 
     /// `req`'s segments on this link's streams (`keys`: its remote
     /// regions' access keys).
-    fn plan_streams(&self, engine: &Engine, req: &TransferRequest, keys: &[u64]) -> StreamPlan {
-        let max = engine.inner.config.tcp.segment_size;
+    fn plan_streams(&self, cx: Ctx<'_>, req: &TransferRequest, keys: &[u64]) -> StreamPlan {
+        let max = cx.config().tcp.segment_size;
         // A checked READ's segment is summed whole at each end (just before
         // it is sent, once it landed): no larger than what stays in the
         // core's cache meanwhile. A checked WRITE's is summed a chunk at a

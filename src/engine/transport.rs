@@ -13,12 +13,13 @@
 
 use crate::agent::{Backend, TransferRequest, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
+use crate::engine::ctx::Ctx;
 use crate::engine::indexed::IndexedSegs;
 use crate::engine::requests::Finished;
 use crate::engine::target::attach;
 use crate::engine::target::{Conn, HeldSync, SessionState, violation};
 use crate::engine::wire::status;
-use crate::engine::{Engine, Inner, Peer, wire};
+use crate::engine::{Peer, wire};
 use crate::error::Error;
 use crate::memory::MemoryType;
 use crate::metrics::Counter;
@@ -59,13 +60,13 @@ pub(in crate::engine) trait Transport: Send + Sync {
     /// descriptor's fields for same-host peers (cross-memory attach: the
     /// process to attach to, and the CUDA IPC handles of its exported GPU
     /// memory for a requester on this host). By default nothing.
-    fn describe(&self, _inner: &Inner, _desc: &mut AgentDesc, _host: Option<&str>) {}
+    fn describe(&self, _cx: Ctx<'_>, _desc: &mut AgentDesc, _host: Option<&str>) {}
 
     /// The descriptor `desc` of a peer being loaded, completed with what
     /// this transport needs of it that the peer gives only when asked
     /// (cross-memory attach: its GPU memory's IPC handles); `None` when it
     /// needs nothing more, or could not get it. By default `None`.
-    fn complete(&self, _inner: &Inner, _desc: &AgentDesc) -> Option<AgentDesc> {
+    fn complete(&self, _cx: Ctx<'_>, _desc: &AgentDesc) -> Option<AgentDesc> {
         None
     }
 
@@ -96,7 +97,7 @@ pub(in crate::engine) trait Transport: Send + Sync {
     }
 
     /// Opens a link to `peer` (which it reaches).
-    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error>;
+    fn connect(&self, cx: Ctx<'_>, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error>;
 
     /// Target side: a link of this transport attaches to connection `sock`
     /// of the authenticated initiator `remote` with its message `msg`
@@ -105,7 +106,7 @@ pub(in crate::engine) trait Transport: Send + Sync {
     /// none ([`status::NO_TRANSPORT`]).
     fn accept(
         &self,
-        _inner: &Inner,
+        _cx: Ctx<'_>,
         _remote: &str,
         _sock: &TcpStream,
         _msg: &[u8],
@@ -120,7 +121,7 @@ pub(in crate::engine) trait Transport: Send + Sync {
     /// protocol violation, which closes the connection.
     fn serve_frame(
         &self,
-        _inner: &Inner,
+        _cx: Ctx<'_>,
         _c: &mut Conn<'_, '_, '_>,
         _head: &wire::TransportHead,
     ) -> io::Result<Option<Finished<HeldSync>>> {
@@ -132,7 +133,7 @@ pub(in crate::engine) trait Transport: Send + Sync {
     ///
     /// # Errors
     /// It could not be started: the agent does not open.
-    fn start(&self, _inner: &Inner) -> io::Result<()> {
+    fn start(&self, _cx: Ctx<'_>) -> io::Result<()> {
         Ok(())
     }
 
@@ -158,7 +159,7 @@ pub(in crate::engine) trait Transport: Send + Sync {
     /// request holds it): every peer this transport let map it must have
     /// unmapped it when this returns (within the agent's I/O timeout, after
     /// which a silent peer is cut off). By default nothing was handed out.
-    fn revoke(&self, _inner: &Inner, _key: u64) {}
+    fn revoke(&self, _cx: Ctx<'_>, _key: u64) {}
 }
 
 /// A request's local and remote keys, and the holds on its local regions.
@@ -239,7 +240,7 @@ pub(in crate::engine) trait Link: Send + Sync {
     /// in full. By default it keeps none.
     fn resubmit(
         &self,
-        _engine: &Engine,
+        _cx: Ctx<'_>,
         _req: &TransferRequest,
     ) -> Option<Result<TransferStatus, Error>> {
         None
@@ -255,7 +256,7 @@ pub(in crate::engine) trait Link: Send + Sync {
     /// submission.
     fn prepare(
         self: Arc<Self>,
-        _engine: &Engine,
+        _cx: Ctx<'_>,
         _peer: Arc<Peer>,
         _req: &TransferRequest,
         resolved: Resolved,
@@ -282,7 +283,7 @@ pub(in crate::engine) trait Link: Send + Sync {
 /// A request on its way to a link: checked, its local regions held, its
 /// remote keys resolved.
 pub(in crate::engine) struct Submission<'a> {
-    pub(in crate::engine) engine: &'a Engine,
+    pub(in crate::engine) cx: Ctx<'a>,
     pub(in crate::engine) req: &'a TransferRequest,
     pub(in crate::engine) resolved: Resolved,
     /// The sync message (taken apart from the request, which the caller

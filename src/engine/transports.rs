@@ -4,6 +4,7 @@
 //! transports' own) names none (`tests/layering.rs`).
 
 use crate::agent::{AgentConfig, Backend};
+use crate::engine::ctx::{AgentRef, Ctx};
 use crate::engine::shm::Shm;
 use crate::engine::tcp::Tcp;
 use crate::engine::transport::Transport;
@@ -81,14 +82,14 @@ pub(in crate::engine) fn own_storage() -> Arc<dyn Transport> {
 /// process's other agents find it.
 pub(in crate::engine) fn opened(inner: &Arc<Inner>) {
     if inner.mode == Backend::InProcess {
-        inproc::enlist(inner);
+        inproc::enlist(inner.instance, AgentRef::to(inner));
     }
 }
 
 /// Tells them that it closes: no in-process initiator copies into it
 /// after this returns.
 pub(in crate::engine) fn closing(inner: &Inner) {
-    inproc::delist(inner);
+    inproc::delist(Ctx::of(inner));
 }
 
 #[cfg(test)]
@@ -121,7 +122,7 @@ mod tests {
             rdma::transport::reach(peer)
         }
 
-        fn connect(&self, _inner: &Inner, _peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        fn connect(&self, _cx: Ctx<'_>, _peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
             unreachable!("not connected in these tests")
         }
     }

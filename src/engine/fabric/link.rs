@@ -46,12 +46,13 @@ use super::stripe::{Op, lanes_on_rail, plan};
 use super::{Answer, Credits, Fabric, FabricError, Shared, check, fabric_err, waiters_poll};
 use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
+use crate::engine::ctx::Ctx;
 use crate::engine::socket_link::{
     Checks, Frames, Job, Pending, SocketLink, SocketPath, connect_streams,
 };
 use crate::engine::target::attach;
 use crate::engine::transport::Submission;
-use crate::engine::{Inner, lock, status};
+use crate::engine::{lock, status};
 use crate::error::Error;
 use crate::registry::RegionGuard;
 use crate::small::{FastHash, Few};
@@ -210,16 +211,16 @@ impl FabricLink {
     /// Opens the control stream to `peer` and, over it, fetches the
     /// addresses of its endpoints (one per rail).
     pub(in crate::engine) fn open(
-        inner: &Inner,
+        cx: Ctx<'_>,
         fabric: &Fabric,
         peer: &AgentDesc,
     ) -> Result<Arc<Self>, Error> {
-        let cfg = &inner.config;
+        let cfg = &cx.config();
         let rails = &fabric.rails.all;
         let mut lanes = None;
         let mut probes = Vec::new();
         let mut seal = None;
-        let streams = connect_streams(inner, peer, 1, |_, sock, clock, _| {
+        let streams = connect_streams(cx, peer, 1, |_, sock, clock, _| {
             let mine = super::answer_of(rails, None).map_err(|e| fabric_err(&peer.name, e))?;
             let answer = attach::attach(
                 &peer.name,
@@ -291,7 +292,7 @@ impl FabricLink {
             device: Some(format!("{}/{}", fabric.offer.provider, fabric.domain)),
             mechanism: "one-sided fi_write/fi_read on a reliable-datagram endpoint, zero copy; the notification after delivery completion",
         };
-        let link = Self::start(inner, peer, streams, parts, path)?;
+        let link = Self::start(cx, peer, streams, parts, path)?;
         for shared in rails {
             let mut links = lock(&shared.links);
             links.retain(|l| l.strong_count() > 0);

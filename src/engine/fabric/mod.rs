@@ -56,9 +56,10 @@ use kvxfer_fabric as ffi;
 
 use crate::agent::{AgentConfig, Backend, TransportKind};
 use crate::desc::AgentDesc;
+use crate::engine::ctx::Ctx;
 use crate::engine::target::attach;
 use crate::engine::transport::{Link, Transport};
-use crate::engine::{Inner, lock, status};
+use crate::engine::{lock, status};
 use crate::error::Error;
 use crate::memory::MemoryType;
 use crate::metrics::Counter;
@@ -893,13 +894,13 @@ impl Transport for Fabric {
         Some(self)
     }
 
-    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
-        Ok(FabricLink::open(inner, self, peer)?)
+    fn connect(&self, cx: Ctx<'_>, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        Ok(FabricLink::open(cx, self, peer)?)
     }
 
     fn accept(
         &self,
-        _inner: &Inner,
+        _cx: Ctx<'_>,
         remote: &str,
         _sock: &TcpStream,
         _msg: &[u8],

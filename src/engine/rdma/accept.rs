@@ -3,10 +3,11 @@
 //! its receives posted (on the agent's shared receive queue when it has
 //! one) and a thread that delivers the sync messages arriving as SENDs.
 
+use crate::engine::ctx::Ctx;
 use crate::engine::peer::ack_timeout;
 use crate::engine::rdma::recv::{RdmaReceiver, ReceiverCtx, SrqReceiver, SyncSink};
 use crate::engine::wire::status;
-use crate::engine::{Inner, lock, rdma};
+use crate::engine::{lock, rdma};
 use crate::verbs::QpInfo;
 use std::net::TcpStream;
 use std::sync::Arc;
@@ -48,25 +49,25 @@ impl super::transport::Rdma {
     /// sync messages arriving as SENDs.
     pub(in crate::engine) fn accept_qp(
         &self,
-        inner: &Inner,
+        cx: Ctx<'_>,
         remote: &QpInfo,
         remote_name: &str,
         sock: &TcpStream,
     ) -> Result<(QpInfo, RdmaReceiver), u16> {
         let dev = &self.device;
         let sink = SyncSink {
-            inbox: Arc::clone(&inner.inbox),
+            inbox: Arc::clone(cx.inbox()),
             remote: remote_name.to_owned(),
             sock: sock.try_clone().map_err(|_| status::ATTACH_FAILED)?,
-            io_timeout: inner.config.io_timeout,
+            io_timeout: cx.config().io_timeout,
         };
         let refused = |e: crate::verbs::VerbsError| {
             tracing::warn!(remote = %remote_name, error = %e, "cannot accept an RDMA connection");
             status::ATTACH_FAILED
         };
-        if let Some(rx) = self.srq_receiver(inner) {
+        if let Some(rx) = self.srq_receiver(cx) {
             let mut qp = dev.create_rc_on_srq(&rx.shared.srq).map_err(refused)?;
-            qp.set_ack_timeout(ack_timeout(&inner.config));
+            qp.set_ack_timeout(ack_timeout(cx.config()));
             qp.connect(remote).map_err(refused)?;
             let info = qp.info();
             lock(&rx.shared.conns).insert(info.qpn, Arc::new(sink));
@@ -79,7 +80,7 @@ impl super::transport::Rdma {
                 },
             ));
         }
-        let ack_timeout = ack_timeout(&inner.config);
+        let ack_timeout = ack_timeout(cx.config());
         let setup =
             || -> Result<(crate::verbs::RcQueuePair, rdma::MsgRing), crate::verbs::VerbsError> {
                 // Receive events: the thread sleeps until a SEND lands.
@@ -117,7 +118,7 @@ impl super::transport::Rdma {
     /// The agent's shared receive queue and thread, made on first use;
     /// `None` when connections receive on their own queues (configuration,
     /// or a device that cannot make one: logged once).
-    fn srq_receiver(&self, inner: &Inner) -> Option<Arc<SrqReceiver>> {
+    fn srq_receiver(&self, cx: Ctx<'_>) -> Option<Arc<SrqReceiver>> {
         let dev = &self.device;
         let mut st = lock(&self.srq);
         match &*st {
@@ -125,11 +126,11 @@ impl super::transport::Rdma {
             SrqState::PerQueuePair => return None,
             SrqState::Untried => {}
         }
-        if !inner.config.rdma.srq {
+        if !cx.config().rdma.srq {
             *st = SrqState::PerQueuePair;
             return None;
         }
-        match SrqReceiver::start(dev, &inner.config.name) {
+        match SrqReceiver::start(dev, &cx.config().name) {
             Ok(rx) => {
                 tracing::info!(device = %dev.name(), depth = rx.shared.srq.depth(), "RDMA connections share one receive queue");
                 *st = SrqState::Ready(Arc::clone(&rx));

@@ -14,9 +14,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::agent::{Progress, TransferOp, TransferRequest, TransferStatus};
+use crate::engine::ctx::Ctx;
 use crate::engine::rdma::RdmaLink;
 use crate::engine::socket_link::Pending;
-use crate::engine::{Engine, Peer, rdma};
+use crate::engine::{Peer, rdma};
 use crate::error::Error;
 use crate::memory::MemoryDescs;
 use crate::registry::{LocalRegion, RegionGuard};
@@ -146,7 +147,7 @@ impl RdmaLink {
     /// another request) is posted the ordinary way.
     pub(in crate::engine) fn resubmit_remembered(
         &self,
-        engine: &Engine,
+        cx: Ctx<'_>,
         req: &TransferRequest,
     ) -> Option<Result<TransferStatus, Error>> {
         if req.local.descs.len() > REMEMBER_MAX_DESCS
@@ -161,7 +162,7 @@ impl RdmaLink {
         let c = slot
             .as_deref()
             .filter(|c| c.matches(req) && !self.is_broken())?;
-        let registry = &engine.inner.registry;
+        let registry = &cx.registry();
         let p = &c.planned;
         if let (None, Some(driver), [wr]) = (&req.sync_message, &p.driver, p.wrs.as_slice()) {
             let id = self.in_flight.next_id();

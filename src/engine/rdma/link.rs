@@ -8,12 +8,13 @@ use crate::agent::{
 };
 use crate::config::AgentConfig;
 use crate::desc::AgentDesc;
+use crate::engine::ctx::Ctx;
 use crate::engine::rdma::RdmaLink;
 use crate::engine::rdma::recv::rdma_connect;
 use crate::engine::socket_link::{Checks, Frames, Job, Pending, SocketPath, connect_streams};
 use crate::engine::transport::Submission;
 use crate::engine::transport::{PreparedHold, Resolved};
-use crate::engine::{Engine, Inner, Peer, lock, rdma};
+use crate::engine::{Peer, lock, rdma};
 use crate::error::Error;
 use crate::memory::MemoryType;
 use crate::registry::RegionGuard;
@@ -62,7 +63,7 @@ impl SocketPath for rdma::RdmaParts {
 
     fn prepare(
         link: Arc<RdmaLink>,
-        engine: &Engine,
+        cx: Ctx<'_>,
         peer: Arc<Peer>,
         req: &TransferRequest,
         resolved: Resolved,
@@ -71,15 +72,15 @@ impl SocketPath for rdma::RdmaParts {
             // Checked requests are submitted in full each time.
             return Ok(PreparedHold::keep(resolved));
         }
-        Ok(Box::new(link.prepare_rdma(engine, peer, req, resolved)?))
+        Ok(Box::new(link.prepare_rdma(cx, peer, req, resolved)?))
     }
 
     fn resubmit(
         link: &RdmaLink,
-        engine: &Engine,
+        cx: Ctx<'_>,
         req: &TransferRequest,
     ) -> Option<Result<TransferStatus, Error>> {
-        link.resubmit_remembered(engine, req)
+        link.resubmit_remembered(cx, req)
     }
 
     fn threads(&self) -> usize {
@@ -147,15 +148,15 @@ impl RdmaLink {
     /// [`qps_per_peer`](crate::RdmaConfig::qps_per_peer) queue pairs, with
     /// a progress thread each.
     pub(in crate::engine) fn open(
-        inner: &Inner,
+        cx: Ctx<'_>,
         dev: &Arc<Device>,
         peer: &AgentDesc,
     ) -> Result<Arc<Self>, Error> {
-        let cfg = &inner.config;
+        let cfg = &cx.config();
         let mut qps = Vec::with_capacity(cfg.rdma.qps_per_peer);
-        let streams = connect_streams(inner, peer, 1, |_, sock, clock, _| {
+        let streams = connect_streams(cx, peer, 1, |_, sock, clock, _| {
             for k in 0..cfg.rdma.qps_per_peer {
-                qps.push(rdma_connect(inner, dev, peer, sock, clock, k)?);
+                qps.push(rdma_connect(cx, dev, peer, sock, clock, k)?);
             }
             Ok(())
         })?;
@@ -164,7 +165,7 @@ impl RdmaLink {
             device: Some(dev.name().to_owned()),
             mechanism: "one-sided RDMA WRITE/READ on RC queue pairs, zero copy",
         };
-        let link = Self::start(inner, peer, streams, rdma::RdmaParts::new(qps), path)?;
+        let link = Self::start(cx, peer, streams, rdma::RdmaParts::new(qps), path)?;
         let adaptive = cfg.rdma.progress == crate::agent::RdmaProgress::Adaptive;
         let mut progress = Vec::new();
         for k in 0..link.parts.qps.len() {
@@ -188,7 +189,7 @@ impl RdmaLink {
     /// then posted.
     fn submit_rdma(self: Arc<Self>, sub: Submission<'_>) -> Result<TransferStatus, Error> {
         let Submission {
-            engine,
+            cx,
             req,
             resolved,
             sync,
@@ -196,7 +197,7 @@ impl RdmaLink {
             generation,
             ..
         } = sub;
-        let config = &engine.inner.config;
+        let config = &cx.config();
         let wrs = plan_rdma(req, &resolved, &self, config)?;
         if req.integrity && !wrs.is_empty() {
             return self.submit_checked(req, resolved, sync, wrs);
@@ -275,12 +276,12 @@ impl RdmaLink {
     /// holds on its local regions.
     fn prepare_rdma(
         self: Arc<Self>,
-        engine: &Engine,
+        cx: Ctx<'_>,
         peer: Arc<Peer>,
         req: &TransferRequest,
         resolved: Resolved,
     ) -> Result<fast::PreparedRdma, Error> {
-        let config = &engine.inner.config;
+        let config = &cx.config();
         let wrs = plan_rdma(req, &resolved, &self, config)?;
         let driver = small(req).then(|| self.driver());
         Ok(fast::PreparedRdma {

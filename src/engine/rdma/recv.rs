@@ -4,12 +4,13 @@
 
 use crate::agent::TransportKind;
 use crate::desc::AgentDesc;
+use crate::engine::ctx::Ctx;
 use crate::engine::peer::ack_timeout;
 use crate::engine::sock::ProgressClock;
 use crate::engine::target::attach;
 use crate::engine::target::send_frames;
 use crate::engine::wire::{Frame, status};
-use crate::engine::{Inner, lock, rdma};
+use crate::engine::{lock, rdma};
 use crate::error::Error;
 use crate::inbox::Inbox;
 use crate::small::FastHash;
@@ -328,7 +329,7 @@ impl Drop for RdmaReceiver {
 
 /// Initiator side of the queue-pair exchange on a fresh stream.
 pub(in crate::engine) fn rdma_connect(
-    inner: &Inner,
+    cx: Ctx<'_>,
     dev: &Arc<Device>,
     peer: &AgentDesc,
     sock: &TcpStream,
@@ -336,12 +337,12 @@ pub(in crate::engine) fn rdma_connect(
     index: usize,
 ) -> Result<rdma::RdmaConn, Error> {
     let rerr = |e: crate::verbs::VerbsError| rdma::rdma_err(&peer.name, e);
-    let events = inner.config.rdma.progress != crate::agent::RdmaProgress::Poll;
+    let events = cx.config().rdma.progress != crate::agent::RdmaProgress::Poll;
     // One send-queue entry beyond the window: the express lane's, whose
     // lone work request bypasses the window (see `RdmaLink::post_express`).
     let mut qp = dev.create_rc_with(rdma::WINDOW + 1, events).map_err(rerr)?;
     let mine = qp.info();
-    let t = inner.config.connect_timeout;
+    let t = cx.config().connect_timeout;
     let msg = rdma::accept::qp_msg(&mine);
     let answer = attach::attach(&peer.name, sock, clock, t, TransportKind::Rdma, &msg)?;
     let theirs = match answer {
@@ -364,14 +365,14 @@ pub(in crate::engine) fn rdma_connect(
             });
         }
     };
-    qp.set_ack_timeout(ack_timeout(&inner.config));
+    qp.set_ack_timeout(ack_timeout(cx.config()));
     qp.connect(&theirs).map_err(rerr)?;
     rdma::RdmaConn::new(
         qp,
         dev,
         u64::MAX,
-        (index, inner.config.rdma.qps_per_peer),
-        inner.config.rdma.max_inflight,
+        (index, cx.config().rdma.qps_per_peer),
+        cx.config().rdma.max_inflight,
     )
     .map_err(rerr)
 }

@@ -7,10 +7,11 @@ use std::sync::{Arc, Mutex};
 
 use crate::agent::{AgentConfig, Backend, TransportKind};
 use crate::desc::AgentDesc;
+use crate::engine::ctx::Ctx;
 use crate::engine::rdma::RdmaLink;
+use crate::engine::status;
 use crate::engine::target::attach;
 use crate::engine::transport::{Link, Transport};
-use crate::engine::{Inner, status};
 use crate::error::Error;
 use crate::memory::{MemoryDesc, MemoryType};
 use crate::registry::{GpuRegion, RegionHandle, Registrar};
@@ -118,20 +119,20 @@ impl Transport for Rdma {
         super::SYNC_MSG_MAX
     }
 
-    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
-        Ok(RdmaLink::open(inner, &self.device, peer)?)
+    fn connect(&self, cx: Ctx<'_>, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+        Ok(RdmaLink::open(cx, &self.device, peer)?)
     }
 
     fn accept(
         &self,
-        inner: &Inner,
+        cx: Ctx<'_>,
         remote: &str,
         sock: &TcpStream,
         msg: &[u8],
     ) -> Result<(Vec<u8>, Option<attach::Attachment>), u16> {
         // A malformed queue pair: refused like one that cannot connect.
         let theirs = super::accept::qp_from_msg(msg).ok_or(status::ATTACH_FAILED)?;
-        let (mine, receiver) = self.accept_qp(inner, &theirs, remote, sock)?;
+        let (mine, receiver) = self.accept_qp(cx, &theirs, remote, sock)?;
         Ok((super::accept::qp_msg(&mine), Some(Box::new(receiver))))
     }
 }

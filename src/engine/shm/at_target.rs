@@ -7,6 +7,7 @@
 //! frames.
 
 use crate::cross_memory;
+use crate::engine::ctx::Ctx;
 use crate::engine::requests::Finished;
 use crate::engine::shm::Shm;
 use crate::engine::shm::frames;
@@ -16,7 +17,7 @@ use crate::engine::shm::{pool, proof as local_proof};
 use crate::engine::sock::ProgressClock;
 use crate::engine::target::{Conn, HeldSync, SessionState, commit, violation};
 use crate::engine::wire::{CommitOp, TransportHead, status};
-use crate::engine::{Inner, PARALLEL_COPY_MIN, lock};
+use crate::engine::{PARALLEL_COPY_MIN, lock};
 use crate::error::RejectReason;
 use crate::memory::MemoryType;
 use crate::registry::{RegionGuard, Registry};
@@ -193,7 +194,7 @@ impl Shm {
     /// on `inner`'s connection `c`: the request it finished, if any.
     pub(in crate::engine) fn serve(
         &self,
-        inner: &Inner,
+        cx: Ctx<'_>,
         c: &mut Conn<'_, '_, '_>,
         head: &TransportHead,
     ) -> io::Result<Option<Finished<HeldSync>>> {
@@ -204,10 +205,10 @@ impl Shm {
         };
         match frame {
             CmaFrame::Grant(g) => {
-                Self::grant(inner, &state, c, &g)?;
+                Self::grant(cx, &state, c, &g)?;
                 Ok(None)
             }
-            CmaFrame::Delegate(d) => self.delegate(inner, &state, c, &d),
+            CmaFrame::Delegate(d) => self.delegate(cx, &state, c, &d),
             CmaFrame::Granted { .. } => Err(violation("a grant answer sent to a target")),
         }
     }
@@ -216,7 +217,7 @@ impl Shm {
     /// all the request's grants have come, answers `Granted` (the first
     /// refusal, or OK).
     fn grant(
-        inner: &Inner,
+        cx: Ctx<'_>,
         state: &CmaSession,
         c: &mut Conn<'_, '_, '_>,
         &Grant {
@@ -231,9 +232,9 @@ impl Shm {
         // GPU memory is granted for an initiator that copies through CUDA
         // IPC (it opened the allocation's handle from the descriptor).
         let admitted = if mem_type == MemoryType::Vram {
-            inner.registry.admit_memory(mem_type, addr, len, key)
+            cx.registry().admit_memory(mem_type, addr, len, key)
         } else {
-            inner.registry.admit_remote(mem_type, addr, len, key)
+            cx.registry().admit_remote(mem_type, addr, len, key)
         };
         let answer = {
             let mut grants = lock(&state.grants);
@@ -276,7 +277,7 @@ impl Shm {
         match answer {
             Some(st) => c.send(
                 &[CmaFrame::Granted { req, status: st }.encode()],
-                inner.config.io_timeout,
+                cx.config().io_timeout,
             ),
             None => Ok(()),
         }
@@ -288,7 +289,7 @@ impl Shm {
     /// not copy for that initiator.
     fn delegate(
         &self,
-        inner: &Inner,
+        cx: Ctx<'_>,
         state: &CmaSession,
         c: &mut Conn<'_, '_, '_>,
         d: &Delegate,
@@ -308,11 +309,11 @@ impl Shm {
         let table = c
             .reader
             .read_vec_mid_frame(count as usize * frames::DELEGATE_ENTRY, c.idle)?;
-        let sync = c.read_sync(&inner.inbox, has_sync, sync_len)?;
+        let sync = c.read_sync(cx.inbox(), has_sync, sync_len)?;
         let answer = |st| {
             c.send(
                 &[CmaFrame::Granted { req, status: st }.encode()],
-                inner.config.io_timeout,
+                cx.config().io_timeout,
             )
         };
         let gpu = lock(&state.grants).get(&req).is_some_and(|g| g.gpu);
@@ -324,13 +325,13 @@ impl Shm {
         let unprivileged = match cross_memory::Unprivileged::enter() {
             Ok(u) => Some(u),
             Err(e) => {
-                tracing::warn!(agent = %inner.config.name, error = %e, "cannot drop capabilities; not copying for initiators");
+                tracing::warn!(agent = %cx.config().name, error = %e, "cannot drop capabilities; not copying for initiators");
                 None
             }
         };
         let pid = match unprivileged
             .as_ref()
-            .and_then(|_| Self::may_copy_for(inner, state, pid, probe_addr, instance))
+            .and_then(|_| Self::may_copy_for(cx, state, pid, probe_addr, instance))
         {
             Some(pid) if !gpu => pid,
             _ => {
@@ -341,7 +342,7 @@ impl Shm {
         };
         // The grant is taken for the copy: no sweep releases its regions
         // until the copy ended, and the copy ends by the grant's lifetime.
-        let lifetime = inner.config.io_timeout;
+        let lifetime = cx.config().io_timeout;
         let taken = lock(&state.grants).get_mut(&req).and_then(|g| {
             if g.refused.is_some() {
                 return None;
@@ -373,7 +374,7 @@ impl Shm {
                 cross_memory::Peer::Process(pid),
                 dir,
                 &pieces,
-                (inner.config.shm.copy_threads, PARALLEL_COPY_MIN),
+                (cx.config().shm.copy_threads, PARALLEL_COPY_MIN),
                 &|| Instant::now() >= copy_by,
                 None,
             )
@@ -393,10 +394,10 @@ impl Shm {
             Ok(()) => {
                 self.count_delegated();
                 answer(status::OK)?;
-                commit(inner, session, req, 0, sync)
+                commit(cx, session, req, 0, sync)
             }
             Err(e) => {
-                tracing::warn!(agent = %inner.config.name, remote = %session.remote, req, error = %e, "delegated cross-memory copy failed");
+                tracing::warn!(agent = %cx.config().name, remote = %session.remote, req, error = %e, "delegated cross-memory copy failed");
                 lock(&state.grants).remove(&req);
                 answer(status::DELEGATE_FAILED)?;
                 Ok(None)
@@ -416,38 +417,38 @@ impl Shm {
     /// than failing the copy). A pid taken from the frame alone is never
     /// trusted.
     fn may_copy_for(
-        inner: &Inner,
+        cx: Ctx<'_>,
         state: &CmaSession,
         pid: u32,
         probe_addr: u64,
         instance: u64,
     ) -> Option<u32> {
-        if !inner.config.shm.delegate {
+        if !cx.config().shm.delegate {
             return None;
         }
         if pid == std::process::id() {
-            tracing::warn!(agent = %inner.config.name, remote = %state.remote, "refused a delegated copy into this very process");
+            tracing::warn!(agent = %cx.config().name, remote = %state.remote, "refused a delegated copy into this very process");
             return None;
         }
         let proven = lock(&state.proven);
         let Some(peer) = proven.as_ref() else {
-            tracing::warn!(agent = %inner.config.name, remote = %state.remote, claimed = pid, "refused a delegated copy: the initiator never proved which process it is");
+            tracing::warn!(agent = %cx.config().name, remote = %state.remote, claimed = pid, "refused a delegated copy: the initiator never proved which process it is");
             return None;
         };
         match peer.check(probe_addr, instance) {
             Ok(p) if p == pid => match cross_memory::probe(pid, probe_addr, instance) {
                 Ok(()) => Some(p),
                 Err(why) => {
-                    tracing::info!(agent = %inner.config.name, remote = %state.remote, %why, "not copying for this initiator; it copies itself");
+                    tracing::info!(agent = %cx.config().name, remote = %state.remote, %why, "not copying for this initiator; it copies itself");
                     None
                 }
             },
             Ok(p) => {
-                tracing::warn!(agent = %inner.config.name, remote = %state.remote, claimed = pid, proven = p, "refused a delegated copy: the initiator did not prove it is that process");
+                tracing::warn!(agent = %cx.config().name, remote = %state.remote, claimed = pid, proven = p, "refused a delegated copy: the initiator did not prove it is that process");
                 None
             }
             Err(why) => {
-                tracing::warn!(agent = %inner.config.name, remote = %state.remote, pid, why, "refused a delegated copy");
+                tracing::warn!(agent = %cx.config().name, remote = %state.remote, pid, why, "refused a delegated copy");
                 None
             }
         }

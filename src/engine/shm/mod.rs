@@ -19,6 +19,7 @@
 
 use crate::agent::{AgentConfig, Backend, DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::{AgentDesc, RegionKey};
+use crate::engine::ctx::Ctx;
 use crate::engine::peer::fetch_desc;
 use crate::engine::requests::Finished;
 use crate::engine::shm::at_target::CmaSession;
@@ -29,7 +30,7 @@ use crate::engine::socket_link::{Frames, Job, Pending, SocketLink, SocketPath, c
 use crate::engine::target::{Conn, HeldSync, SessionState};
 use crate::engine::transport::{Link, Submission, Transport};
 use crate::engine::wire::{CommitOp, HEADER_LEN, status};
-use crate::engine::{Inner, PARALLEL_COPY_MIN, lock, socket_link, tick, wire};
+use crate::engine::{PARALLEL_COPY_MIN, lock, socket_link, tick, wire};
 use crate::registry::GpuHandle;
 
 pub(in crate::engine) mod at_target;
@@ -226,26 +227,26 @@ impl Transport for Shm {
         }))
     }
 
-    fn connect(&self, inner: &Inner, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
+    fn connect(&self, cx: Ctx<'_>, peer: &AgentDesc) -> Result<Arc<dyn Link>, Error> {
         // Data bypasses the socket; one stream carries the control.
         let pid = local_access(peer)
             .and_then(|(_, a)| a.ok())
             .map_or(0, |a| a.pid);
-        Ok(CmaLink::open(inner, self, peer, pid)?)
+        Ok(CmaLink::open(cx, self, peer, pid)?)
     }
 
     /// For a requester on this host, the exported GPU regions' keys: the
     /// CUDA IPC handles of their allocations ([`frames::encode_ipc_key`];
     /// a handle opens its whole allocation: for same-host peers that ask
     /// only).
-    fn describe(&self, inner: &Inner, desc: &mut AgentDesc, host: Option<&str>) {
+    fn describe(&self, cx: Ctx<'_>, desc: &mut AgentDesc, host: Option<&str>) {
         if host != Some(self.host.as_str()) {
             return;
         }
         let Some((i, _)) = desc.offer(TransportKind::Shm.as_str()) else {
             return;
         };
-        let exports = inner.registry.ipc_exports();
+        let exports = cx.registry().ipc_exports();
         for r in &mut desc.regions {
             if r.mem_type != MemoryType::Vram {
                 continue;
@@ -268,25 +269,25 @@ impl Transport for Shm {
     /// same-host agent with GPU memory exported whose descriptor came
     /// without them; `None` otherwise, or when the agent does not answer
     /// with them (its GPU memory is then reached by staging over TCP).
-    fn complete(&self, inner: &Inner, desc: &AgentDesc) -> Option<AgentDesc> {
+    fn complete(&self, cx: Ctx<'_>, desc: &AgentDesc) -> Option<AgentDesc> {
         let (i, access) = local_access(desc)?;
         let vram = || {
             desc.regions
                 .iter()
                 .filter(|r| r.mem_type == MemoryType::Vram)
         };
-        let wanted = desc.instance != inner.instance
+        let wanted = desc.instance != cx.instance()
             && access.is_ok_and(|a| a.host == self.host)
             && vram().next().is_some()
             && vram().all(|r| r.key_for(i).is_none());
         if !wanted {
             return None;
         }
-        let live = desc.endpoints.iter().find_map(|ep| match fetch_desc(inner, ep) {
+        let live = desc.endpoints.iter().find_map(|ep| match fetch_desc(cx, ep) {
             Ok(live) if live.instance == desc.instance => Some(live),
             Ok(_) => None,
             Err(e) => {
-                tracing::info!(agent = %inner.config.name, remote = %desc.name, error = %e, "could not ask for GPU handles; its GPU memory is staged over TCP");
+                tracing::info!(agent = %cx.config().name, remote = %desc.name, error = %e, "could not ask for GPU handles; its GPU memory is staged over TCP");
                 None
             }
         })?;
@@ -327,16 +328,16 @@ impl Transport for Shm {
 
     fn serve_frame(
         &self,
-        inner: &Inner,
+        cx: Ctx<'_>,
         c: &mut Conn<'_, '_, '_>,
         head: &wire::TransportHead,
     ) -> io::Result<Option<Finished<HeldSync>>> {
-        self.serve(inner, c, head)
+        self.serve(cx, c, head)
     }
 
     /// Serves the local proof socket, when there is one: a ticket binds
     /// the connecting process to its open session, once.
-    fn start(&self, inner: &Inner) -> io::Result<()> {
+    fn start(&self, cx: Ctx<'_>) -> io::Result<()> {
         let Some(l) = &self.proofs else {
             return Ok(());
         };
@@ -345,8 +346,8 @@ impl Transport for Shm {
             Arc::clone(&self.sessions),
             Arc::clone(&self.stopping),
         );
-        let (name, timeout) = (inner.config.name.clone(), inner.config.connect_timeout);
-        let registry = Arc::clone(&inner.registry);
+        let (name, timeout) = (cx.config().name.clone(), cx.config().connect_timeout);
+        let registry = Arc::clone(cx.registry());
         let t = std::thread::Builder::new()
             .name(format!("kvxfer-local-{name}"))
             .spawn(move || {
@@ -392,10 +393,10 @@ impl Transport for Shm {
         }
     }
 
-    fn revoke(&self, inner: &Inner, key: u64) {
+    fn revoke(&self, cx: Ctx<'_>, key: u64) {
         let sessions: Vec<_> = lock(&self.sessions).values().cloned().collect();
         for s in sessions {
-            s.revoke(key, inner.config.io_timeout);
+            s.revoke(key, cx.config().io_timeout);
         }
     }
 }
@@ -691,19 +692,19 @@ impl CmaLink {
     /// and proves this process to it (so that it may copy for this one)
     /// when delegation is on.
     pub(in crate::engine) fn open(
-        inner: &Inner,
+        cx: Ctx<'_>,
         shm: &Shm,
         peer: &AgentDesc,
         pid: u32,
     ) -> Result<Arc<Self>, Error> {
-        let cfg = &inner.config;
+        let cfg = &cx.config();
         // A target in this very process never copies for it: no proof, no
         // delegation asked.
         let ask = cfg.shm.delegate && pid != std::process::id();
         let mut may_delegate = false;
         let mut session = 0u128;
         let mut proved = None;
-        let streams = connect_streams(inner, peer, 1, |_, _, _, ticket| {
+        let streams = connect_streams(cx, peer, 1, |_, _, _, ticket| {
             session = ticket;
             if ask {
                 // The target copies for this process only once the kernel
@@ -723,11 +724,11 @@ impl CmaLink {
         let parts = CmaParts {
             pid,
             copy_threads: cfg.shm.copy_threads,
-            delegate_probe: cfg.shm.delegate.then(|| (shm.probe_addr(), inner.instance)),
+            delegate_probe: cfg.shm.delegate.then(|| (shm.probe_addr(), cx.instance())),
             delegate_ok: AtomicBool::new(may_delegate),
             awaited: Mutex::new(None),
             answer: crossbeam_channel::bounded(1),
-            ipc: IpcPeer::new(peer, &inner.host, cfg.shm.pools),
+            ipc: IpcPeer::new(peer, cx.host(), cfg.shm.pools),
             // A target in this very process too: its pool is mapped a
             // second time here, as for any other process.
             pools: cfg.shm.pools.then(|| {
@@ -741,7 +742,7 @@ impl CmaLink {
             device: None,
             mechanism: "cross-memory attach (process_vm_writev/readv), one copy; the target's shared pools mapped here, one memcpy; the target's GPU memory through CUDA IPC, one device copy",
         };
-        Self::start(inner, peer, streams, parts, path)
+        Self::start(cx, peer, streams, parts, path)
     }
 
     /// Submits a cross-memory request: the link's first stream grants,

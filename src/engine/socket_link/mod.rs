@@ -14,6 +14,7 @@ mod streams;
 use crate::agent::{Completion, DataPath, TransferOp, TransferRequest, TransferStatus};
 use crate::auth::random_u64;
 use crate::desc::AgentDesc;
+use crate::engine::ctx::Ctx;
 use crate::engine::indexed::IndexedSegs;
 use crate::engine::peer::connect_any;
 use crate::engine::peer::handshake;
@@ -22,7 +23,7 @@ use crate::engine::settle::Settle;
 use crate::engine::sock::ProgressClock;
 use crate::engine::transport::{Link, Submission};
 use crate::engine::transport::{PreparedHold, Resolved};
-use crate::engine::{Engine, Inner, Peer, in_flight, lock, tick, wire};
+use crate::engine::{Peer, in_flight, lock, tick, wire};
 use crate::error::Error;
 use crate::registry::RegionGuard;
 use crate::small::{FastHash, Few};
@@ -327,7 +328,7 @@ pub(in crate::engine) trait SocketPath: Send + Sync + Sized + 'static {
     /// [`Link::resubmit`] on a link of this transport; `None` by default.
     fn resubmit(
         _link: &SocketLink<Self>,
-        _engine: &Engine,
+        _cx: Ctx<'_>,
         _req: &TransferRequest,
     ) -> Option<Result<TransferStatus, Error>> {
         None
@@ -341,7 +342,7 @@ pub(in crate::engine) trait SocketPath: Send + Sync + Sized + 'static {
     /// in full on every submission).
     fn prepare(
         _link: Arc<SocketLink<Self>>,
-        _engine: &Engine,
+        _cx: Ctx<'_>,
         _peer: Arc<Peer>,
         _req: &TransferRequest,
         resolved: Resolved,
@@ -438,11 +439,12 @@ pub(in crate::engine) struct Streams<X> {
 /// each after its handshake (the transports set up their own channels on
 /// the first), before the stream's timeouts are set.
 pub(in crate::engine) fn connect_streams<X>(
-    inner: &Inner,
+    cx: Ctx<'_>,
     peer: &AgentDesc,
     n: usize,
     mut on_stream: impl FnMut(usize, &TcpStream, &ProgressClock, u128) -> Result<(), Error>,
 ) -> Result<Streams<X>, Error> {
+    let inner = cx.state();
     let cfg = &inner.config;
     let link_id = random_u64();
     let mut streams = Streams {
@@ -486,12 +488,13 @@ impl<P: SocketPath> SocketLink<P> {
     /// threads started (the transport starts its own, counted in
     /// [`SocketPath::threads`], once this returns).
     pub(in crate::engine) fn start(
-        inner: &Inner,
+        cx: Ctx<'_>,
         peer: &AgentDesc,
         streams: Streams<P::Job>,
         parts: P,
         path: DataPath,
     ) -> Result<Arc<Self>, Error> {
+        let inner = cx.state();
         let Streams {
             handles,
             jobs,
@@ -683,10 +686,10 @@ impl<P: SocketPath> Link for SocketLink<P> {
 
     fn resubmit(
         &self,
-        engine: &Engine,
+        cx: Ctx<'_>,
         req: &TransferRequest,
     ) -> Option<Result<TransferStatus, Error>> {
-        P::resubmit(self, engine, req)
+        P::resubmit(self, cx, req)
     }
 
     fn forget(&self) {
@@ -695,12 +698,12 @@ impl<P: SocketPath> Link for SocketLink<P> {
 
     fn prepare(
         self: Arc<Self>,
-        engine: &Engine,
+        cx: Ctx<'_>,
         peer: Arc<Peer>,
         req: &TransferRequest,
         resolved: Resolved,
     ) -> Result<Box<dyn Prepared>, Error> {
-        P::prepare(self, engine, peer, req, resolved)
+        P::prepare(self, cx, peer, req, resolved)
     }
 
     fn prepare_indexed(

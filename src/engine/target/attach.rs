@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::agent::TransportKind;
 use crate::engine::Inner;
+use crate::engine::ctx::Ctx;
 use crate::engine::handshake::send;
 use crate::engine::sock::timeout_or;
 use crate::engine::sock::{FrameReader, ProgressClock, UntilDeadline};
@@ -98,7 +99,7 @@ impl Inner {
         let name = c.reader.read_vec_mid_frame(usize::from(name_len), c.idle)?;
         let msg = c.reader.read_vec(len as usize, c.idle)?;
         let outcome = match self.transports.iter().find(|t| names(&name, t.kind())) {
-            Some(t) => t.accept(self, &c.session.remote, c.sock, &msg),
+            Some(t) => t.accept(Ctx::of(self), &c.session.remote, c.sock, &msg),
             None => Err(status::NO_TRANSPORT),
         };
         let outcome = outcome.map(|(answer, keep)| {

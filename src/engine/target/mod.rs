@@ -19,6 +19,7 @@ pub(in crate::engine) mod attach;
 mod payload;
 mod storage;
 
+use crate::engine::ctx::Ctx;
 use crate::engine::pre_auth::PreAuthSlot;
 use crate::engine::requests::{Finished, RequestTable};
 use crate::engine::sock::{FrameReader, IdlePolicy, ProgressClock, iov, writev_all};
@@ -323,12 +324,13 @@ pub(in crate::engine) fn read_sync(
 
 /// Records the commit of `req` with its sync message.
 pub(in crate::engine) fn commit(
-    inner: &Inner,
+    cx: Ctx<'_>,
     session: &Session,
     req: u64,
     segments: u64,
     sync: SyncBody,
 ) -> io::Result<Option<Finished<HeldSync>>> {
+    let inner = cx.state();
     let expired = session
         .transports
         .iter()
@@ -1034,7 +1036,7 @@ impl Inner {
                             segment(self, session, req, 0, Err(reason))?;
                         }
                     }
-                    commit(self, session, req, segments, sync)?
+                    commit(Ctx::of(self), session, req, segments, sync)?
                 }
                 // A transport's own frame, for that transport to serve
                 // (shm's).
@@ -1044,7 +1046,7 @@ impl Inner {
                             "a frame of transport {transport}, which this agent does not offer"
                         )));
                     };
-                    t.serve_frame(self, &mut c, &head)?
+                    t.serve_frame(Ctx::of(self), &mut c, &head)?
                 }
                 // A transport beside the stream (`attach`): its message to
                 // it, its answer back.

@@ -31,6 +31,7 @@ const PURE: &[&str] = &[
     "engine::wire",
     "engine::shm::frames",
     "engine::shm::plan",
+    "engine::fabric::tally",
     "engine::requests",
     "engine::plan",
     "engine::budget",

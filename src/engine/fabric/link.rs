@@ -29,7 +29,9 @@
 //! READ's memory is never written after its status reports (see
 //! `on_fail`, and `Fabric::shut` for `shm`). A link whose operations make
 //! no progress for the I/O timeout fails with `PeerTimedOut`. Before
-//! serving requests a link reads its peer's probe (`warm`).
+//! serving requests a link reads its peer's probe (`warm`). What of this
+//! needs no libfabric — a request's operations by lane, how it ends, where
+//! a failed operation goes — is in `tally`, tested alone.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
@@ -43,6 +45,7 @@ use kvxfer_fabric as ffi;
 
 use super::region::{DescTable, Seal};
 use super::stripe::{Op, lanes_on_rail, plan};
+use super::tally::{self, Ending, Failover, Posted};
 use super::{Answer, Credits, Fabric, FabricError, Shared, check, fabric_err, waiters_poll};
 use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
@@ -427,23 +430,6 @@ struct Group {
     checks: Mutex<Option<Checks>>,
 }
 
-/// Operations of a request held by the provider, by lane.
-struct Posted {
-    /// Operations and their bytes, by lane.
-    lanes: Few<(usize, u64)>,
-    /// The request was abandoned: its credits were given back then.
-    abandoned: bool,
-}
-
-impl Posted {
-    fn new(lanes: usize) -> Self {
-        Self {
-            lanes: std::iter::repeat_n((0, 0), lanes).collect(),
-            abandoned: false,
-        }
-    }
-}
-
 impl Group {
     /// A request `req` of `ops` operations on `link`, with its sync message
     /// and whether that is fenced (ordered after the link's other
@@ -519,9 +505,8 @@ impl Group {
         }
         let sync = lock(&self.sync).take();
         let checks = lock(&self.checks).take();
-        if self.failed.load(Ordering::Acquire)
-            || (sync.is_none() && !self.fence && checks.is_none())
-        {
+        let failed = self.failed.load(Ordering::Acquire);
+        if tally::ending(failed, sync.is_some(), self.fence, checks.is_some()) == Ending::Report {
             // Failed; or done: every write delivered, every read landed,
             // and no message for the target to deliver after them nor
             // anything to check.
@@ -546,13 +531,9 @@ impl Group {
     /// the provider; false when the request was abandoned (nothing more of
     /// it is posted).
     fn hold(&self, lane: usize, len: u64) -> bool {
-        let mut p = lock(&self.posted);
-        if p.abandoned {
+        if !lock(&self.posted).hold(lane, len) {
             return false;
         }
-        let (ops, bytes) = &mut p.lanes[lane];
-        *ops += 1;
-        *bytes += len;
         let shared = &self.link.parts.lanes[lane].shared;
         shared.held.fetch_add(1, Ordering::AcqRel);
         true
@@ -564,14 +545,7 @@ impl Group {
     fn release(&self, lane: usize, len: u64) -> bool {
         let shared = &self.link.parts.lanes[lane].shared;
         shared.held.fetch_sub(1, Ordering::AcqRel);
-        let mut p = lock(&self.posted);
-        if p.abandoned {
-            return false;
-        }
-        let (ops, bytes) = &mut p.lanes[lane];
-        *ops -= 1;
-        *bytes -= len;
-        true
+        lock(&self.posted).release(lane, len)
     }
 
     /// Fails the request with `cause` without waiting for its operations
@@ -582,11 +556,7 @@ impl Group {
         }
         // Its operations will not complete (or complete late, giving
         // nothing back): their credits are free for the other links.
-        let lanes = {
-            let mut p = lock(&self.posted);
-            p.abandoned = true;
-            std::mem::take(&mut p.lanes)
-        };
+        let lanes = lock(&self.posted).abandon();
         let mut ops = 0;
         for (lane, &(n, bytes)) in lanes.iter().enumerate() {
             give(&self.link, lane, n, bytes);
@@ -1120,15 +1090,13 @@ fn failover(group: &Arc<Group>, mut op: Op, cause: &Error) -> bool {
     }
     let from = op.lane;
     let bit = 1u32 << from;
-    op.failed_on |= bit;
-    let every = u32::MAX >> (32 - n);
-    if op.failed_on == every {
+    if let Failover::Refused { failed_on } = tally::failover(n, from, op.failed_on, 0) {
         // It failed on every lane: its request's fault rather than theirs
         // (a key the peer refuses on every rail), and those it took out of
         // service go back.
         let _since = lock(&parts.down_since);
         group.refused.store(true, Ordering::Release);
-        parts.down.fetch_and(!op.failed_on, Ordering::AcqRel);
+        parts.down.fetch_and(!failed_on, Ordering::AcqRel);
         return false;
     }
     let mut since = lock(&parts.down_since);
@@ -1151,16 +1119,10 @@ fn failover(group: &Arc<Group>, mut op: Op, cause: &Error) -> bool {
     }
     // The next lane in service that it has not failed on, else the next
     // it has not failed on.
-    let untried = (1..n)
-        .map(|k| (from + k) % n)
-        .filter(|&l| op.failed_on & (1 << l) == 0);
-    let Some(to) = untried
-        .clone()
-        .find(|&l| down & (1 << l) == 0)
-        .or_else(|| untried.clone().next())
-    else {
+    let Failover::Move { to, failed_on } = tally::failover(n, from, op.failed_on, down) else {
         return false;
     };
+    op.failed_on = failed_on;
     op.onto(&parts.lanes, to);
     // `launch`'s own hold, which it gives up when done.
     group.remaining.fetch_add(1, Ordering::AcqRel);

@@ -44,6 +44,7 @@ mod link;
 mod progress;
 mod region;
 mod stripe;
+mod tally;
 
 use std::collections::HashMap;
 use std::ffi::CStr;

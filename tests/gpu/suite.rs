@@ -548,11 +548,12 @@ pub fn ipc_child(vmm: bool) {
 /// on the shm path: scattered writes from host and GPU memory, reads back
 /// into GPU memory, the sync message delivered once the data is in place;
 /// checked against the child's own view of its memory. `spawn` starts the
-/// child (this test binary running `ipc_child`). `vmm`: both sides' GPU
+/// child (this test binary running `ipc_child`, with memory of the kind it
+/// is told: "legacy" or "vmm"). `vmm`: both sides' GPU
 /// memory is VMM memory, the child's reached through its allocation's file
 /// descriptor (handed over the proven local channel) instead of a legacy
 /// handle in the descriptor.
-pub fn ipc_two_processes(spawn: fn() -> std::process::Child, vmm: bool) {
+pub fn ipc_two_processes(spawn: fn(&str) -> std::process::Child, vmm: bool) {
     use std::io::{BufRead, BufReader, Write};
     const LEN: u64 = 4 << 20;
     /// Kills the child if the test fails before it exits.
@@ -563,7 +564,7 @@ pub fn ipc_two_processes(spawn: fn() -> std::process::Child, vmm: bool) {
             let _ = self.0.wait();
         }
     }
-    let mut child = Reap(spawn());
+    let mut child = Reap(spawn(if vmm { "vmm" } else { "legacy" }));
     let mut input = child.0.stdin.take().unwrap();
     let mut output = BufReader::new(child.0.stdout.take().unwrap());
     let mut answer = |cmd: &str, input: &mut std::process::ChildStdin| -> String {
@@ -1310,51 +1311,36 @@ macro_rules! gpu_suite {
             }
         }
 
+        /// This test binary again, as the child of the two-process IPC
+        /// tests: `gpu_ipc_peer_child` with memory of `kind` ("legacy" or
+        /// "vmm").
+        fn ipc_child_process(kind: &str) -> std::process::Child {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "gpu_ipc_peer_child",
+                    "--exact",
+                    "--nocapture",
+                    "--test-threads",
+                    "1",
+                ])
+                .env("KVXFER_GPU_CHILD", kind)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        }
+
         #[test]
         fn vram_through_cuda_ipc_between_two_processes() {
             if $ready("vram_through_cuda_ipc_between_two_processes") {
-                suite::ipc_two_processes(
-                    || {
-                        std::process::Command::new(std::env::current_exe().unwrap())
-                            .args([
-                                "gpu_ipc_peer_child",
-                                "--exact",
-                                "--nocapture",
-                                "--test-threads",
-                                "1",
-                            ])
-                            .env("KVXFER_GPU_CHILD", "legacy")
-                            .stdin(std::process::Stdio::piped())
-                            .stdout(std::process::Stdio::piped())
-                            .spawn()
-                            .unwrap()
-                    },
-                    false,
-                );
+                suite::ipc_two_processes(ipc_child_process, false);
             }
         }
 
         #[test]
         fn vmm_vram_through_file_descriptors_between_two_processes() {
             if $ready("vmm_vram_through_file_descriptors_between_two_processes") {
-                suite::ipc_two_processes(
-                    || {
-                        std::process::Command::new(std::env::current_exe().unwrap())
-                            .args([
-                                "gpu_ipc_peer_child",
-                                "--exact",
-                                "--nocapture",
-                                "--test-threads",
-                                "1",
-                            ])
-                            .env("KVXFER_GPU_CHILD", "vmm")
-                            .stdin(std::process::Stdio::piped())
-                            .stdout(std::process::Stdio::piped())
-                            .spawn()
-                            .unwrap()
-                    },
-                    true,
-                );
+                suite::ipc_two_processes(ipc_child_process, true);
             }
         }
 

@@ -692,6 +692,37 @@ mod tests {
         (r, key)
     }
 
+    /// A channel between a target serving `registry` (writes bounded by
+    /// `timeout`) and an initiator's reading thread.
+    struct Wired {
+        served: Arc<Served>,
+        /// The initiator's end, to send on.
+        b: Arc<UnixStream>,
+        maps: Arc<Mutex<Maps>>,
+        /// The keys answered, as the reading thread tells them.
+        rx: Receiver<u64>,
+        t: JoinHandle<io::Result<()>>,
+    }
+
+    fn wired(registry: Arc<Registry>, timeout: Duration) -> Wired {
+        let (a, b) = UnixStream::pair().unwrap();
+        let served = Served::start(a, registry, "t", timeout).unwrap();
+        let b = Arc::new(b);
+        let maps: Arc<Mutex<Maps>> = Arc::default();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let t = {
+            let (b, maps) = (Arc::clone(&b), Arc::clone(&maps));
+            std::thread::spawn(move || read_channel(&b, &maps, &tx))
+        };
+        Wired {
+            served,
+            b,
+            maps,
+            rx,
+            t,
+        }
+    }
+
     /// Asked for a pool, the target gives its file; asked for anything
     /// else, it says `Plain`. Deregistered, the pool is revoked: an honest
     /// initiator's thread unmaps it and answers before `revoke` returns.
@@ -701,15 +732,13 @@ mod tests {
         // SAFETY: the pool's bytes are ours; nothing else touches them yet.
         unsafe { pool.as_ptr().add(5).write(9) };
         let (registry, key) = registered(&pool, true);
-        let (a, b) = UnixStream::pair().unwrap();
-        let served = Served::start(a, Arc::clone(&registry), "t", Duration::from_secs(5)).unwrap();
-        let b = Arc::new(b);
-        let maps: Arc<Mutex<Maps>> = Arc::default();
-        let (tx, rx) = crossbeam_channel::unbounded();
-        let t = {
-            let (b, maps) = (Arc::clone(&b), Arc::clone(&maps));
-            std::thread::spawn(move || read_channel(&b, &maps, &tx))
-        };
+        let Wired {
+            served,
+            b,
+            maps,
+            rx,
+            t,
+        } = wired(Arc::clone(&registry), Duration::from_secs(5));
         send(&b, Msg::Ask { key }, None).unwrap();
         send(&b, Msg::Ask { key: key ^ 1 }, None).unwrap();
         assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), key);
@@ -767,15 +796,13 @@ mod tests {
         // SAFETY: nothing dereferences the range (no registrar, no copy).
         unsafe { r.register(&desc, &[MemoryType::Vram], "t", &[], &[gpu], None) }.unwrap();
         let key = r.acquire_local(&desc).unwrap()[0].region().key;
-        let (a, b) = UnixStream::pair().unwrap();
-        let served = Served::start(a, r, "t", Duration::from_secs(5)).unwrap();
-        let b = Arc::new(b);
-        let maps: Arc<Mutex<Maps>> = Arc::default();
-        let (tx, rx) = crossbeam_channel::unbounded();
-        let t = {
-            let (b, maps) = (Arc::clone(&b), Arc::clone(&maps));
-            std::thread::spawn(move || read_channel(&b, &maps, &tx))
-        };
+        let Wired {
+            served,
+            b,
+            maps,
+            rx,
+            t,
+        } = wired(r, Duration::from_secs(5));
         send(&b, Msg::AskGpu { key }, None).unwrap();
         send(&b, Msg::AskGpu { key: key ^ 2 }, None).unwrap();
         assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), key);
@@ -796,15 +823,13 @@ mod tests {
     fn a_revocation_waits_for_the_copy_in_flight() {
         let pool = SharedPool::new(4096).unwrap();
         let (registry, key) = registered(&pool, true);
-        let (a, b) = UnixStream::pair().unwrap();
-        let served = Served::start(a, Arc::clone(&registry), "t", Duration::from_secs(30)).unwrap();
-        let b = Arc::new(b);
-        let maps: Arc<Mutex<Maps>> = Arc::default();
-        let (tx, rx) = crossbeam_channel::unbounded();
-        let t = {
-            let (b, maps) = (Arc::clone(&b), Arc::clone(&maps));
-            std::thread::spawn(move || read_channel(&b, &maps, &tx))
-        };
+        let Wired {
+            served,
+            b,
+            maps,
+            rx,
+            t,
+        } = wired(Arc::clone(&registry), Duration::from_secs(30));
         send(&b, Msg::Ask { key }, None).unwrap();
         rx.recv_timeout(Duration::from_secs(5)).unwrap();
         let piece = [Piece {

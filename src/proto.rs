@@ -67,17 +67,29 @@ impl TransportKind {
         Self::ALL.into_iter().find(|t| t.code() == code)
     }
 
+    /// Its name, NUL-terminated: the one table of transport names (the
+    /// C API's included).
+    fn name_with_nul(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp\0",
+            Self::Shm => "shm\0",
+            Self::Rdma => "rdma\0",
+            Self::Fabric => "fabric\0",
+            Self::InProcess => "inproc\0",
+            Self::Storage => "storage\0",
+        }
+    }
+
     /// Its name: `"tcp"`, `"shm"`, `"rdma"`, `"fabric"`, `"inproc"` or
     /// `"storage"`.
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Tcp => "tcp",
-            Self::Shm => "shm",
-            Self::Rdma => "rdma",
-            Self::Fabric => "fabric",
-            Self::InProcess => "inproc",
-            Self::Storage => "storage",
-        }
+        let n = self.name_with_nul();
+        &n[..n.len() - 1]
+    }
+
+    /// Its name as a C string (for the C API).
+    pub fn as_cstr(self) -> &'static std::ffi::CStr {
+        std::ffi::CStr::from_bytes_with_nul(self.name_with_nul().as_bytes()).unwrap_or(c"unknown")
     }
 }
 

@@ -794,6 +794,8 @@ mod tests {
         assert_eq!(codes.len(), TransportKind::ALL.len());
         for t in TransportKind::ALL {
             assert_eq!(TransportKind::from_code(t.code()), Some(t));
+            assert_eq!(t.as_cstr().to_str().unwrap(), t.as_str(), "one name for C");
+            assert!(!t.as_str().is_empty() && !t.as_str().contains('\0'));
             let parsed = t.as_str().to_ascii_uppercase().parse::<TransportKind>();
             match t {
                 TransportKind::Storage => assert!(parsed.is_err()),

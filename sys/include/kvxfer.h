@@ -904,7 +904,8 @@ enum kvxfer_result kvxfer_status_wait_settled(const struct kvxfer_status *status
 enum kvxfer_result kvxfer_status_abort(const struct kvxfer_status *status, bool *out);
 
 // Writes the transport that carries (or carried) the transfer: a static
-// NUL-terminated `"tcp"`, `"shm"`, `"rdma"`, `"fabric"` or `"inproc"`.
+// NUL-terminated `"tcp"`, `"shm"`, `"rdma"`, `"fabric"`, `"inproc"` or
+// `"storage"`.
 //
 // # Safety
 // `out` is valid for a write.

@@ -141,7 +141,8 @@ pub unsafe extern "C" fn kvxfer_status_abort(
 }
 
 /// Writes the transport that carries (or carried) the transfer: a static
-/// NUL-terminated `"tcp"`, `"shm"`, `"rdma"`, `"fabric"` or `"inproc"`.
+/// NUL-terminated `"tcp"`, `"shm"`, `"rdma"`, `"fabric"`, `"inproc"` or
+/// `"storage"`.
 ///
 /// # Safety
 /// `out` is valid for a write.
@@ -154,16 +155,7 @@ pub unsafe extern "C" fn kvxfer_status_transport(
         // SAFETY: checked against the handle table.
         let s = unsafe { live(status, Kind::Status, "status")? };
         non_null(out, "out")?;
-        let name: &'static CStr = match s.status.data_path().transport {
-            kvxfer_core::TransportKind::Tcp => c"tcp",
-            kvxfer_core::TransportKind::Shm => c"shm",
-            kvxfer_core::TransportKind::Rdma => c"rdma",
-            kvxfer_core::TransportKind::Fabric => c"fabric",
-            kvxfer_core::TransportKind::InProcess => c"inproc",
-            kvxfer_core::TransportKind::Storage => c"storage",
-            // The enum is non-exhaustive: one this library does not know yet.
-            _ => c"unknown",
-        };
+        let name: &'static CStr = s.status.data_path().transport.as_cstr();
         // SAFETY: non-null and valid for a write.
         unsafe { *out = name.as_ptr() };
         Ok(KVXFER_OK)

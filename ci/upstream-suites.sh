@@ -39,6 +39,23 @@ nixl_py() { (cd "$work" && PYTHONPATH=$("$py" -m kvxfer.shim path nixl) timeout 
 nixl_py "$ex/nixl_gds_example.py" "$work/gds.bin"
 nixl_py "$ex/query_mem_example.py"
 NIXL_ETCD_ENDPOINTS= nixl_py "$ex/partial_md_example.py" --init-port "$(port)" --target-port "$(port)"
+# An etcd of this run's own (its client port in $cport), when there is an
+# etcd binary.
+etcd_up() {
+  cport=$(port); local pport; pport=$(port)
+  etcd --data-dir "$work/etcd-$cport" --listen-client-urls "http://127.0.0.1:$cport" \
+    --advertise-client-urls "http://127.0.0.1:$cport" --listen-peer-urls "http://127.0.0.1:$pport" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$pport" --initial-cluster "default=http://127.0.0.1:$pport" \
+    > "$work/etcd-$cport.log" 2>&1 &
+  for _ in $(seq 100); do grep -q "ready to serve client requests" "$work/etcd-$cport.log" && break; sleep 0.1; done
+}
+if command -v etcd > /dev/null; then
+  echo "-- partial_md_example.py --etcd (NIXL's etcd metadata exchange)"
+  etcd_up
+  NIXL_ETCD_ENDPOINTS="http://127.0.0.1:$cport" nixl_py "$ex/partial_md_example.py" --etcd
+else
+  echo "SKIPPED partial_md_example.py --etcd: no etcd binary (ci/install-deps.sh test installs it)"
+fi
 tport=$(port)
 nixl_py "$ex/basic_two_peers.py" --mode target --ip 127.0.0.1 --port "$tport" &
 target=$!
@@ -81,12 +98,7 @@ mport=$(port)
 mooncake_run "http://127.0.0.1:$mport/metadata"
 if command -v etcd > /dev/null; then
   echo "-- etcd"
-  cport=$(port); pport=$(port)
-  etcd --data-dir "$work/etcd" --listen-client-urls "http://127.0.0.1:$cport" \
-    --advertise-client-urls "http://127.0.0.1:$cport" --listen-peer-urls "http://127.0.0.1:$pport" \
-    --initial-advertise-peer-urls "http://127.0.0.1:$pport" --initial-cluster "default=http://127.0.0.1:$pport" \
-    > "$work/etcd.log" 2>&1 &
-  for _ in $(seq 100); do grep -q "ready to serve client requests" "$work/etcd.log" && break; sleep 0.1; done
+  etcd_up
   mooncake_run "127.0.0.1:$cport"
 else
   echo "SKIPPED etcd: no etcd binary (ci/install-deps.sh test installs it)"

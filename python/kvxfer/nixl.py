@@ -42,12 +42,15 @@ The metadata exchange through NIXL's listener thread
 (`enable_listen_thread`: `send_local_metadata`, `fetch_remote_metadata`,
 partial metadata, `check_remote_metadata`, `invalidate_local_metadata`)
 is `kvxfer.nixl_listen`; a send or fetch returns once the peer has loaded
-or handed over the metadata (NIXL queues it and returns at once).
+or handed over the metadata (NIXL queues it and returns at once). The
+same calls without a peer address, with `NIXL_ETCD_ENDPOINTS` set, go
+through etcd with NIXL's keys and are queued as NIXL queues them
+(`kvxfer.nixl_etcd`); without either they are refused
+(`nixlInvalidParamError`).
 
 Not offered (each raises `nixlNotSupportedError`): loopback transfers of
 memory (an agent to itself; storage is), GPU memory views
-(`prep_mem_view`), the etcd metadata exchange (the calls above without a
-peer address; kvxfer's own agent has etcd membership), cost estimates.
+(`prep_mem_view`), cost estimates.
 """
 
 import enum
@@ -426,8 +429,8 @@ class nixl_agent:
     def send_local_metadata(self, ip_addr="", port=DEFAULT_COMM_PORT):
         """Sends this agent's metadata to the listener of the agent at
         `ip_addr:port` (its `enable_listen_thread`), which loads it; returns
-        once it has. Without an address (NIXL's etcd exchange):
-        `nixlNotSupportedError`."""
+        once it has. Without an address: to etcd (`NIXL_ETCD_ENDPOINTS`),
+        queued as NIXL does; `nixlInvalidParamError` without etcd."""
         self.agent.sendLocalMD(ip_addr, port)
 
     def send_partial_agent_metadata(self, descs, inc_conn_info=False, backends=[],  # noqa: B006
@@ -439,7 +442,10 @@ class nixl_agent:
     def fetch_remote_metadata(self, remote_agent, ip_addr="", port=DEFAULT_COMM_PORT, label=""):
         """Fetches the metadata of `remote_agent` from its listener at
         `ip_addr:port` and loads it (retrying while the listener is not up
-        yet, `KVXFER_NIXL_EXCHANGE_TIMEOUT` seconds, 30 by default)."""
+        yet, `KVXFER_NIXL_EXCHANGE_TIMEOUT` seconds, 30 by default).
+        Without an address: from etcd (`NIXL_ETCD_ENDPOINTS`, entry
+        `label`), waiting for it up to the watch timeout, in the
+        background as NIXL does (`check_remote_metadata` sees it)."""
         self.agent.fetchRemoteMD(remote_agent, ip_addr, port, label)
 
     def invalidate_local_metadata(self, ip_addr="", port=DEFAULT_COMM_PORT):

@@ -24,10 +24,12 @@ import enum
 import json
 import logging
 import os
+import threading
 import time
 import weakref
 
 from . import Agent, KvxferError, _kvxfer
+from . import nixl_etcd as _etcd
 from . import nixl_listen as _listen
 from . import nixl_telemetry as _telemetry
 
@@ -586,9 +588,32 @@ class nixlAgent:
         # Peers loaded from partial metadata: the descriptors they announced
         # (`(mem, address, length, device)`), the only ones transfers may name.
         self._announced = {}
+        # Held while a peer is loaded and its announcement recorded, and
+        # while they are checked: a load on the etcd worker's thread is
+        # never seen half done.
+        self._md_lock = threading.RLock()
         # Whether memory was registered or a peer loaded (the agent can no
         # longer be replaced by the LIBFABRIC plugin's).
         self._used = False
+        # NIXL's etcd exchange (NIXL_ETCD_ENDPOINTS), for the metadata
+        # calls without a peer address.
+        self._etcd = None
+        if _etcd.configured():
+            me = weakref.ref(self)
+
+            def load(blob):
+                return me().loadRemoteMD(blob).decode()
+
+            def forget(name):
+                agent = me()
+                if agent is not None:
+                    agent.invalidateRemoteMD(name)
+
+            try:
+                self._etcd = _etcd.Exchange(self.name, load, forget,
+                                            int(getattr(config, "etcdWatchTimeout", 5000000)) / 1e6)
+            except _etcd.EtcdError as e:
+                raise nixlInvalidParamError(str(e)) from e
         # NIXL's listener thread, for the metadata exchange.
         self._listener = None
         if config.useListenThread:
@@ -601,6 +626,9 @@ class nixlAgent:
                 raise nixlBackendError(f"listener on {host}:{config.listenPort}: {e}") from e
 
     def __del__(self):
+        etcd = getattr(self, "_etcd", None)
+        if etcd is not None:
+            etcd.close()
         listener = getattr(self, "_listener", None)
         if listener is not None:
             listener.close()
@@ -891,26 +919,28 @@ class nixlAgent:
             except (ValueError, TypeError, KeyError) as e:
                 raise nixlMismatchError(f"malformed partial metadata: {e}") from e
             metadata = md
-        try:
-            name = self.kvxfer.add_remote_agent(metadata)
-        except KvxferError as e:
-            raise nixl_error(e) from e
-        if announced is None:
-            self._announced.pop(name, None)
-        else:
-            self._announced.setdefault(name, set()).update(announced)
+        with self._md_lock:
+            try:
+                name = self.kvxfer.add_remote_agent(metadata)
+            except KvxferError as e:
+                raise nixl_error(e) from e
+            if announced is None:
+                self._announced.pop(name, None)
+            else:
+                self._announced.setdefault(name, set()).update(announced)
         self._used = True
         return name.encode()
 
     def invalidateRemoteMD(self, name):  # noqa: N802
         """Forgets a peer (its transfers in flight fail); an unknown name is
         not an error."""
-        self._announced.pop(_name(name), None)
-        try:
-            self.kvxfer.remove_remote_agent(_name(name))
-        except KvxferError as e:
-            if type(e).__name__ != "UnknownAgentError":
-                raise nixl_error(e) from e
+        with self._md_lock:
+            self._announced.pop(_name(name), None)
+            try:
+                self.kvxfer.remove_remote_agent(_name(name))
+            except KvxferError as e:
+                if type(e).__name__ != "UnknownAgentError":
+                    raise nixl_error(e) from e
         return NIXL_SUCCESS
 
     def makeConnection(self, name, backends=()):  # noqa: N802
@@ -941,9 +971,8 @@ class nixlAgent:
 
     def _exchange(self, ip, port, op, payload):
         if not ip:
-            raise nixlNotSupportedError(
-                "the etcd metadata exchange (no peer address): not offered by kvxfer's NIXL front; "
-                "kvxfer's own agent has etcd membership"
+            raise nixlInvalidParamError(
+                "no peer address provided and no centralized store configured (set NIXL_ETCD_ENDPOINTS)"
             )
         try:
             return _listen.exchange(ip, int(port), op, payload, _EXCHANGE_TIMEOUT)
@@ -952,20 +981,35 @@ class nixlAgent:
 
     def sendLocalMD(self, ip_addr="", port=DEFAULT_COMM_PORT):  # noqa: N802
         """Sends this agent's metadata to the listener at `ip_addr:port`,
-        which loads it; returns once it has (or raises)."""
+        which loads it; returns once it has (or raises). Without an address,
+        with NIXL_ETCD_ENDPOINTS: stored in etcd (queued, as NIXL does)."""
+        if not ip_addr and self._etcd is not None:
+            self._etcd.send(self.getLocalMD())
+            return NIXL_SUCCESS
         self._exchange(ip_addr, port, _listen.SEND, self.getLocalMD())
         return NIXL_SUCCESS
 
     def sendLocalPartialMD(self, descs, inc_conn_info=False, backends=(),  # noqa: N802
                            ip_addr="", port=DEFAULT_COMM_PORT, label=""):
         """Sends `getLocalPartialMD(descs, ...)` to the listener at
-        `ip_addr:port` (the label names an etcd entry: unused here)."""
-        self._exchange(ip_addr, port, _listen.SEND, self.getLocalPartialMD(descs, inc_conn_info, backends))
+        `ip_addr:port`; without an address, with NIXL_ETCD_ENDPOINTS, to
+        etcd under `label` (NIXL's entry name; "metadata" when empty)."""
+        md = self.getLocalPartialMD(descs, inc_conn_info, backends)
+        if not ip_addr and self._etcd is not None:
+            self._etcd.send(md, (_name(label) if label else ""))
+            return NIXL_SUCCESS
+        self._exchange(ip_addr, port, _listen.SEND, md)
         return NIXL_SUCCESS
 
     def fetchRemoteMD(self, remote_name, ip_addr="", port=DEFAULT_COMM_PORT, label=""):  # noqa: N802
         """Fetches the metadata of the agent listening at `ip_addr:port`
-        and loads it; it must be `remote_name`'s."""
+        and loads it; it must be `remote_name`'s. Without an address, with
+        NIXL_ETCD_ENDPOINTS: from etcd (entry `label`, "metadata" when
+        empty), waiting for it up to the watch timeout, in the background
+        as NIXL does (`checkRemoteMD` sees it loaded)."""
+        if not ip_addr and self._etcd is not None:
+            self._etcd.fetch(_name(remote_name), (_name(label) if label else ""))
+            return NIXL_SUCCESS
         md = self._exchange(ip_addr, port, _listen.FETCH, _bytes(label))
         name = self.loadRemoteMD(md).decode()
         if name != _name(remote_name):
@@ -979,6 +1023,9 @@ class nixlAgent:
         is gone (connection refused, not tried again) holds nothing of this
         agent; another failure is logged, and the peer's later transfers to
         this agent fail typed on its stale metadata."""
+        if not ip_addr and self._etcd is not None:
+            self._etcd.invalidate()
+            return NIXL_SUCCESS
         if not ip_addr:
             self._exchange(ip_addr, port, _listen.INVALIDATE, self.name.encode())
         try:
@@ -997,16 +1044,19 @@ class nixlAgent:
         NIXL_ERR_NOT_FOUND otherwise."""
         name = _name(remote_name)
         try:
-            self.kvxfer.remote_transport(name)
-            if descs is not None and descs.descCount():
-                self.kvxfer.check_descs(descs.native(), name)
-                self._check_announced(name, descs)
+            with self._md_lock:
+                self.kvxfer.remote_transport(name)
+                if descs is not None and descs.descCount():
+                    self.kvxfer.check_descs(descs.native(), name)
+                    self._check_announced(name, descs)
         except (KvxferError, nixlNotFoundError):
             return NIXL_ERR_NOT_FOUND
         return NIXL_SUCCESS
 
     def _check_announced(self, name, descs):
-        ranges = self._announced.get(name)
+        with self._md_lock:
+            ranges = self._announced.get(name)
+            ranges = None if ranges is None else tuple(ranges)
         if ranges is None:
             return
         mem = int(descs.getType())

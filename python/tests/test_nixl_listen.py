@@ -103,7 +103,8 @@ def test_a_fetch_from_another_agent_and_no_address_are_refused():
     with pytest.raises(b.nixlMismatchError):
         init.fetch_remote_metadata("someone-else", IP, target.agent._listener.port)
     assert not init.check_remote_metadata("named-target")
-    with pytest.raises(b.nixlNotSupportedError):
+    # No address and no etcd (NIXL_ETCD_ENDPOINTS): refused, as NIXL does.
+    with pytest.raises(b.nixlInvalidParamError, match="NIXL_ETCD_ENDPOINTS"):
         init.send_local_metadata()
 
 

@@ -132,7 +132,9 @@ fn tick(io_timeout: Duration) -> Duration {
     (io_timeout / 4).clamp(Duration::from_millis(10), Duration::from_millis(200))
 }
 
-/// A transfer agent over TCP. See the module docs.
+/// A transfer agent on every data path its [`Backend`] allows: TCP, shm
+/// (cross-memory attach, shared pools, CUDA IPC), RDMA, libfabric, the
+/// in-process path, and its own storage. See the module docs.
 ///
 /// # Resource cleanup
 /// Dropping the agent stops the listener, closes every incoming connection

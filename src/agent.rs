@@ -105,9 +105,10 @@ pub struct SyncBatch {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Backend {
-    /// The best path per peer: cross-memory attach to peers on this host
-    /// that allow it, TCP to the others (RDMA once that backend exists);
-    /// each choice and its reason are logged.
+    /// The best path per peer: cross-memory attach (and shared pools, CUDA
+    /// IPC) to peers on this host that allow it, RDMA to peers with a device
+    /// when this host has one, TCP to the others; each choice and its
+    /// reason are logged.
     #[default]
     Auto,
     /// The TCP fallback.

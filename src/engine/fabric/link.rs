@@ -33,7 +33,7 @@
 //! needs no libfabric — a request's operations by lane, how it ends, where
 //! a failed operation goes — is in `tally`, tested alone.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::AsRawFd;
 use std::ptr;
@@ -45,7 +45,7 @@ use kvxfer_fabric as ffi;
 
 use super::region::{DescTable, Seal};
 use super::stripe::{Op, lanes_on_rail, plan};
-use super::tally::{self, Ending, Failover, Posted};
+use super::tally::{self, Ending, Failover, Posted, Turn};
 use super::{Answer, Credits, Fabric, FabricError, Shared, check, fabric_err, waiters_poll};
 use crate::agent::{DataPath, TransferOp, TransferStatus, TransportKind};
 use crate::desc::AgentDesc;
@@ -727,8 +727,10 @@ fn launch(link: &Arc<FabricLink>, group: &Arc<Group>, ops: Vec<Op>) {
                 }
             }
         };
+        let lane = op.lane;
         lock(&shared.backlog).push(
             link,
+            lane,
             Queued {
                 group: Arc::clone(group),
                 op,
@@ -871,97 +873,15 @@ fn give(link: &FabricLink, lane: usize, ops: usize, bytes: u64) {
     lane.shared.credits.give(ops, bytes);
 }
 
-/// A rail's operations waiting to be posted, by lane (a link's lane on
-/// the rail), in the order the lanes take their turns: a lane whose peer
-/// stops taking data fills its share of the credits and waits, while the
-/// others' operations are posted.
-#[derive(Default)]
-pub(super) struct Backlog {
-    /// Each lane with operations waiting (once: its link and its place
-    /// there), and those operations in order.
-    turns: VecDeque<(Arc<FabricLink>, usize, VecDeque<Queued>)>,
-}
-
-impl Backlog {
-    /// Whether nothing waits.
-    pub(super) fn is_empty(&self) -> bool {
-        self.turns.is_empty()
-    }
-
-    /// Whether operations of `lane` of `link` wait.
-    fn holds(&self, link: &Arc<FabricLink>, lane: usize) -> bool {
-        self.turns
-            .iter()
-            .any(|(l, i, _)| *i == lane && Arc::ptr_eq(l, link))
-    }
-
-    /// Queues `q` of `link` behind the others of its lane.
-    fn push(&mut self, link: &Arc<FabricLink>, q: Queued) {
-        let lane = q.op.lane;
-        match self
-            .turns
-            .iter_mut()
-            .find(|(l, i, _)| *i == lane && Arc::ptr_eq(l, link))
-        {
-            Some((_, _, ops)) => ops.push_back(q),
-            None => self
-                .turns
-                .push_back((Arc::clone(link), lane, VecDeque::from([q]))),
-        }
-    }
-}
-
-/// What became of a link's turn in [`drain`].
-enum Turn {
-    /// An operation was posted, or dropped (its request over).
-    Moved,
-    /// The link's share is full: its operations wait for its completions.
-    Full,
-    /// The endpoint has no room: nothing more is posted now.
-    Stop,
-}
+/// A rail's operations waiting to be posted, by a link's lane on the rail
+/// (see [`tally::Backlog`]).
+pub(super) type Backlog = tally::Backlog<FabricLink, Queued>;
 
 /// Posts what waits in the backlog while there is room, one operation per
-/// link in turn; drops (as done) the operations of requests that failed,
-/// were aborted, or whose link broke.
+/// link in turn ([`tally::drain`]); drops (as done) the operations of
+/// requests that failed, were aborted, or whose link broke.
 pub(super) fn drain(shared: &Shared) {
-    // Turns since one moved something: a whole round of full links ends.
-    let mut idle = 0;
-    loop {
-        let Some((link, lane, mut ops)) = lock(&shared.backlog).turns.pop_front() else {
-            return;
-        };
-        let turn = match ops.pop_front() {
-            None => Turn::Moved,
-            Some(q) => {
-                let (turn, back) = drain_one(q);
-                if let Some(q) = back {
-                    ops.push_front(q);
-                }
-                turn
-            }
-        };
-        let mut backlog = lock(&shared.backlog);
-        let links = backlog.turns.len() + 1;
-        if !ops.is_empty() {
-            match turn {
-                // Its turn again first: the endpoint's room came back.
-                Turn::Stop => backlog.turns.push_front((link, lane, ops)),
-                Turn::Moved | Turn::Full => backlog.turns.push_back((link, lane, ops)),
-            }
-        }
-        drop(backlog);
-        match turn {
-            Turn::Stop => return,
-            Turn::Moved => idle = 0,
-            Turn::Full => {
-                idle += 1;
-                if idle >= links {
-                    return;
-                }
-            }
-        }
-    }
+    tally::drain(&shared.backlog, drain_one);
 }
 
 /// One turn of [`drain`] on queued operation `q`; `q` back when it is still

@@ -1,12 +1,15 @@
 //! The libfabric link's bookkeeping that needs no libfabric: a request's
 //! operations held by the provider, by lane ([`Posted`]); how a request
-//! ends once its last operation is back ([`ending`]); and where an
-//! operation that failed on one lane goes next ([`failover`]). The link
+//! ends once its last operation is back ([`ending`]); where an operation
+//! that failed on one lane goes next ([`failover`]); and a rail's backlog,
+//! whose lanes take turns posting ([`Backlog`], [`drain`]). The link
 //! (`link.rs`) applies the decisions to its lanes, credits and endpoint.
 
 #![forbid(unsafe_code)]
 
 use crate::small::Few;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 
 /// A request's operations handed to the provider and not back, by lane:
 /// their count and bytes (the credits they hold).
@@ -118,6 +121,112 @@ pub(super) fn failover(n: usize, from: usize, failed_on: u32, down: u32) -> Fail
     }
 }
 
+/// A rail's operations (`Q`) waiting to be posted, by lane (a link `L`'s
+/// lane on the rail), in the order the lanes take their turns: a lane
+/// whose peer stops taking data fills its share of the credits and waits,
+/// while the others' operations are posted.
+pub(super) struct Backlog<L, Q> {
+    /// Each lane with operations waiting (once: its link and its place
+    /// there), and those operations in order.
+    turns: VecDeque<(Arc<L>, usize, VecDeque<Q>)>,
+}
+
+impl<L, Q> Default for Backlog<L, Q> {
+    fn default() -> Self {
+        Self {
+            turns: VecDeque::new(),
+        }
+    }
+}
+
+impl<L, Q> Backlog<L, Q> {
+    /// Whether nothing waits.
+    pub(super) fn is_empty(&self) -> bool {
+        self.turns.is_empty()
+    }
+
+    /// Whether operations of `lane` of `link` wait.
+    pub(super) fn holds(&self, link: &Arc<L>, lane: usize) -> bool {
+        self.turns
+            .iter()
+            .any(|(l, i, _)| *i == lane && Arc::ptr_eq(l, link))
+    }
+
+    /// Queues `q` on `lane` of `link`, behind the others of that lane.
+    pub(super) fn push(&mut self, link: &Arc<L>, lane: usize, q: Q) {
+        match self
+            .turns
+            .iter_mut()
+            .find(|(l, i, _)| *i == lane && Arc::ptr_eq(l, link))
+        {
+            Some((_, _, ops)) => ops.push_back(q),
+            None => self
+                .turns
+                .push_back((Arc::clone(link), lane, VecDeque::from([q]))),
+        }
+    }
+}
+
+/// What became of a lane's turn in [`drain`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Turn {
+    /// An operation was posted, or dropped (its request over).
+    Moved,
+    /// The lane's share is full: its operations wait for its completions.
+    Full,
+    /// The endpoint has no room: nothing more is posted now.
+    Stop,
+}
+
+/// Takes turns on what waits in `backlog` while there is room: one
+/// operation per lane in turn, handed to `step`, which says what became of
+/// it and gives it back when it is still to be posted. A `Stop` ends the
+/// drain with that lane first in line; a whole round of `Full` lanes ends
+/// it too. The backlog is not locked while `step` runs.
+pub(super) fn drain<L, Q>(
+    backlog: &Mutex<Backlog<L, Q>>,
+    mut step: impl FnMut(Q) -> (Turn, Option<Q>),
+) {
+    let lock = || backlog.lock().unwrap_or_else(|p| p.into_inner());
+    // Turns since one moved something: a whole round of full lanes ends.
+    let mut idle = 0;
+    loop {
+        let Some((link, lane, mut ops)) = lock().turns.pop_front() else {
+            return;
+        };
+        let turn = match ops.pop_front() {
+            None => Turn::Moved,
+            Some(q) => {
+                let (turn, back) = step(q);
+                if let Some(q) = back {
+                    ops.push_front(q);
+                }
+                turn
+            }
+        };
+        let mut b = lock();
+        let lanes = b.turns.len() + 1;
+        if !ops.is_empty() {
+            match turn {
+                // Its turn again first: the endpoint's room came back.
+                Turn::Stop => b.turns.push_front((link, lane, ops)),
+                Turn::Moved | Turn::Full => b.turns.push_back((link, lane, ops)),
+            }
+        }
+        drop(b);
+        match turn {
+            Turn::Stop => return,
+            Turn::Moved => idle = 0,
+            Turn::Full => {
+                idle += 1;
+                if idle >= lanes {
+                    return;
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,5 +302,63 @@ mod tests {
                 failed_on: u32::MAX
             }
         );
+    }
+
+    /// Lanes take turns; a full lane waits while the others post; a whole
+    /// round of full lanes ends the drain; a `Stop` ends it with that lane
+    /// first in line again.
+    #[test]
+    fn lanes_take_turns_and_a_full_one_holds_up_no_other() {
+        let (a, b) = (Arc::new("a"), Arc::new("b"));
+        let backlog: Mutex<Backlog<&str, (char, u32)>> = Mutex::default();
+        {
+            let mut q = backlog.lock().unwrap();
+            for i in 0..3 {
+                q.push(&a, 0, ('a', i));
+                q.push(&b, 1, ('b', i));
+            }
+            assert!(q.holds(&a, 0) && q.holds(&b, 1) && !q.holds(&a, 1));
+        }
+        // Lane `a` is full from the start: `b` posts all of its own, then
+        // a round of `a` alone being full ends the drain.
+        let mut seen = Vec::new();
+        drain(&backlog, |op| {
+            seen.push(op);
+            if op.0 == 'a' {
+                (Turn::Full, Some(op))
+            } else {
+                (Turn::Moved, None)
+            }
+        });
+        assert_eq!(
+            seen,
+            [
+                ('a', 0),
+                ('b', 0),
+                ('a', 0),
+                ('b', 1),
+                ('a', 0),
+                ('b', 2),
+                ('a', 0)
+            ]
+        );
+        assert!(backlog.lock().unwrap().holds(&a, 0));
+        assert!(!backlog.lock().unwrap().holds(&b, 1));
+        // The endpoint has no room: the drain stops at once, the lane
+        // first in line with its operation kept.
+        let mut stops = 0;
+        drain(&backlog, |op| {
+            stops += 1;
+            (Turn::Stop, Some(op))
+        });
+        assert_eq!(stops, 1);
+        // Room again: every operation goes, in order.
+        let mut order = Vec::new();
+        drain(&backlog, |op| {
+            order.push(op.1);
+            (Turn::Moved, None)
+        });
+        assert_eq!(order, [0, 1, 2]);
+        assert!(backlog.lock().unwrap().is_empty());
     }
 }

@@ -201,7 +201,7 @@ fn the_checker_sees_what_it_must() {
 
 /// The engine's transports, each a module of its own (a folder, or a file
 /// for the small ones).
-const TRANSPORTS: &[&str] = &["shm", "rdma", "fabric", "inproc", "tcp", "storage_link"];
+const TRANSPORTS: &[&str] = &["shm", "rdma", "fabric", "inproc", "tcp", "storage"];
 
 /// The engine's files that are not a transport's, nor the registry, nor
 /// its unit tests: its core.

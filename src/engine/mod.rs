@@ -20,7 +20,7 @@
 //! The **transports**, each a module that names no other: `tcp` (frames
 //! over the link's streams), `shm` (same host: cross-memory attach, shared
 //! pools, CUDA IPC), `rdma` (queue pairs), `fabric` (libfabric), `inproc`
-//! (agents of one process), `storage_link` (the agent's own storage).
+//! (agents of one process), `storage` (the agent's own storage).
 //! `transports` is the registry: the one file that names them all.
 //!
 //! See `docs/architecture.md` for threads and ownership, and
@@ -48,7 +48,7 @@ mod settle;
 pub(crate) mod shm;
 mod sock;
 mod socket_link;
-mod storage_link;
+mod storage;
 mod submit;
 mod target;
 mod tcp;

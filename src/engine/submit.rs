@@ -301,7 +301,7 @@ impl Engine {
 /// [`wire::MAX_CHECKS`] descriptors) or in-process (the copying thread
 /// sums both sides).
 /// A WRITE to a peer's objects writes each whole: from offset 0, one
-/// descriptor per object (as to the agent's own, `storage_link`).
+/// descriptor per object (as to the agent's own, `engine::storage`).
 fn check_object_writes(req: &TransferRequest) -> Result<(), Error> {
     let mut seen = std::collections::HashSet::new();
     for r in &req.remote.descs {

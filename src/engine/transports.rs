@@ -8,7 +8,7 @@ use crate::engine::ctx::{AgentRef, Ctx};
 use crate::engine::shm::Shm;
 use crate::engine::tcp::Tcp;
 use crate::engine::transport::Transport;
-use crate::engine::{Inner, inproc, rdma, storage_link};
+use crate::engine::{Inner, inproc, rdma, storage};
 use crate::error::Error;
 use std::sync::Arc;
 
@@ -74,7 +74,7 @@ pub(in crate::engine) fn shm(
 /// The transport of requests to the agent's own storage (FILE, BLK and
 /// OBJ regions): its I/O engine and object stores, in this process.
 pub(in crate::engine) fn own_storage() -> Arc<dyn Transport> {
-    Arc::new(storage_link::OwnStorage)
+    Arc::new(storage::OwnStorage)
 }
 
 /// Tells the transports that need the agent itself (not only its state)
@@ -100,7 +100,7 @@ mod tests {
     use crate::desc::{ExportedRegion, RegionKey, TransportOffer};
     use crate::engine::shm::frames as cma_wire;
     use crate::engine::shm::frames::LocalAccess;
-    use crate::engine::storage_link;
+    use crate::engine::storage;
     use crate::engine::transport::Link;
     use crate::engine::transport::choose;
     use crate::memory::MemoryDesc;
@@ -245,11 +245,11 @@ mod tests {
             assert!(Rdma.moves(l, r, &peer), "rdma {l}->{r}");
             assert!(inproc::InProcess.moves(l, r, &peer), "inproc {l}->{r}");
             assert!(!storage_only.moves(l, r, &peer));
-            assert!(!storage_link::OwnStorage.moves(l, r, &peer));
+            assert!(!storage::OwnStorage.moves(l, r, &peer));
         }
         for (l, r) in [(Dram, File), (Vram, Blk)] {
             assert!(tcp.moves(l, r, &peer) && storage_only.moves(l, r, &peer));
-            assert!(storage_link::OwnStorage.moves(l, r, &peer));
+            assert!(storage::OwnStorage.moves(l, r, &peer));
             assert!(!Rdma.moves(l, r, &peer) && !shm.moves(l, r, &peer));
         }
         for t in [&Rdma as &dyn Transport, shm] {
@@ -260,9 +260,9 @@ mod tests {
         assert!(!tcp.moves(Vram, Obj, &peer) && !tcp.moves(File, Dram, &peer));
         // Objects: the agent's own storage, from host memory or GPU memory
         // (through a host buffer per HTTP request); never from storage.
-        assert!(storage_link::OwnStorage.moves(Dram, Obj, &peer));
-        assert!(storage_link::OwnStorage.moves(Vram, Obj, &peer));
-        assert!(!storage_link::OwnStorage.moves(File, Obj, &peer));
+        assert!(storage::OwnStorage.moves(Dram, Obj, &peer));
+        assert!(storage::OwnStorage.moves(Vram, Obj, &peer));
+        assert!(!storage::OwnStorage.moves(File, Obj, &peer));
         // Cross-memory attach: host memory, and the target's GPU memory
         // (CUDA IPC) when its GPU is on this host.
         assert!(shm.moves(Dram, Dram, &peer));

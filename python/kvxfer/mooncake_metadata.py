@@ -217,6 +217,8 @@ class MetadataServer(ThreadingHTTPServer):
         self.total = 0
         self.lock = threading.Lock()
         self._armed = threading.Condition(self.lock)
+        # Told when a connection's thread has ended (see `wait_idle`).
+        self._ended = threading.Condition(self.lock)
         self._open = 0
         self._deadlines = {}  # socket -> when its request must be in
         self._reaper = threading.Thread(target=self._reap, daemon=True)
@@ -280,6 +282,14 @@ class MetadataServer(ThreadingHTTPServer):
             with self.lock:
                 self._open -= 1
                 self._deadlines.pop(request, None)
+                self._ended.notify_all()
+
+    def wait_idle(self, timeout):
+        """Whether every connection's thread has ended (its place free for
+        a new one) within `timeout` seconds. A client sees its connection
+        closed a moment before its thread lets the place go."""
+        with self.lock:
+            return self._ended.wait_for(lambda: self._open == 0, timeout)
 
     @property
     def url(self):

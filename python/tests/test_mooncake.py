@@ -289,6 +289,9 @@ def test_http_metadata_server_holds_its_bounds_against_abuse(monkeypatch):
             t0 = time.monotonic()
             assert s.recv(1) == b""
             assert time.monotonic() - t0 < 10
+        # Their threads let their places go (a moment after the close each
+        # client saw).
+        assert server.wait_idle(30)
         assert call("GET", "/metadata?key=mine") == (200, b"w" * 900)
         assert call("DELETE", "/metadata?key=mine")[0] == 200
         assert server.total == 0

@@ -680,34 +680,8 @@ impl Cuda {
                 cu::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
             )
         })?;
-        let mut ptr: cu::CUdeviceptr = 0;
-        // SAFETY: reserves address space (written to `ptr`), maps the
-        // imported handle whole into it and opens it to `device`, undoing
-        // each step done when a later one fails; the handle is released
-        // once (the mapping keeps the allocation).
-        let mapped = unsafe {
-            let r = check(
-                "cuMemAddressReserve",
-                cu::cuMemAddressReserve(&mut ptr, size, 0, 0, 0),
-            )
-            .and_then(|()| {
-                check("cuMemMap", cu::cuMemMap(ptr, size, 0, h, 0)).inspect_err(|_| {
-                    cu::cuMemAddressFree(ptr, size);
-                })
-            })
-            .and_then(|()| {
-                let access = access_desc(device);
-                check("cuMemSetAccess", cu::cuMemSetAccess(ptr, size, &access, 1)).inspect_err(
-                    |_| {
-                        cu::cuMemUnmap(ptr, size);
-                        cu::cuMemAddressFree(ptr, size);
-                    },
-                )
-            });
-            cu::cuMemRelease(h);
-            r
-        };
-        mapped.map(|()| ptr)
+        // SAFETY: the handle was just imported, and is given up here.
+        unsafe { map_whole(h, size, device) }
     }
 
     /// Unmaps a mapping from [`vmm_import`](Self::vmm_import) or
@@ -757,31 +731,9 @@ impl Cuda {
         check("cuMemCreate", unsafe {
             cu::cuMemCreate(&mut h, size as usize, &prop, 0)
         })?;
-        let mut ptr: cu::CUdeviceptr = 0;
-        let n = size as usize;
-        // SAFETY: as in `vmm_import`: reserve, map, open to `device`, each
-        // undone when a later step fails; the handle released once.
-        let mapped = unsafe {
-            let r = check(
-                "cuMemAddressReserve",
-                cu::cuMemAddressReserve(&mut ptr, n, 0, 0, 0),
-            )
-            .and_then(|()| {
-                check("cuMemMap", cu::cuMemMap(ptr, n, 0, h, 0)).inspect_err(|_| {
-                    cu::cuMemAddressFree(ptr, n);
-                })
-            })
-            .and_then(|()| {
-                let access = access_desc(device);
-                check("cuMemSetAccess", cu::cuMemSetAccess(ptr, n, &access, 1)).inspect_err(|_| {
-                    cu::cuMemUnmap(ptr, n);
-                    cu::cuMemAddressFree(ptr, n);
-                })
-            });
-            cu::cuMemRelease(h);
-            r
-        };
-        mapped.map(|()| (ptr, size))
+        // SAFETY: the handle was just made, and is given up here.
+        let ptr = unsafe { map_whole(h, size as usize, device) }?;
+        Ok((ptr, size))
     }
 
     /// Allocates `len` bytes of device memory on `device`.
@@ -907,6 +859,44 @@ pub(crate) fn flag(cuda: &Cuda, device: u32, attr: cu::CUdevice_attribute) -> bo
 }
 
 pub(crate) use cu::CUdevice_attribute as DeviceAttribute;
+
+/// Maps the physical allocation `h` of `size` bytes whole at a fresh
+/// address, readable and writable from `device`: reserves the range, maps
+/// the handle, opens it, undoing each step done when a later one fails;
+/// gives up the handle either way (a mapping keeps the allocation). The
+/// mapping's address.
+///
+/// # Safety
+/// `h` is a live handle of `size` bytes the caller owns and gives up.
+unsafe fn map_whole(
+    h: cu::CUmemGenericAllocationHandle,
+    size: usize,
+    device: u32,
+) -> Result<u64, GpuError> {
+    let mut ptr: cu::CUdeviceptr = 0;
+    // SAFETY: each call on the range this one reserved, undone in reverse
+    // when a later one fails; the handle released once.
+    unsafe {
+        let r = check(
+            "cuMemAddressReserve",
+            cu::cuMemAddressReserve(&mut ptr, size, 0, 0, 0),
+        )
+        .and_then(|()| {
+            check("cuMemMap", cu::cuMemMap(ptr, size, 0, h, 0)).inspect_err(|_| {
+                cu::cuMemAddressFree(ptr, size);
+            })
+        })
+        .and_then(|()| {
+            let access = access_desc(device);
+            check("cuMemSetAccess", cu::cuMemSetAccess(ptr, size, &access, 1)).inspect_err(|_| {
+                cu::cuMemUnmap(ptr, size);
+                cu::cuMemAddressFree(ptr, size);
+            })
+        });
+        cu::cuMemRelease(h);
+        r.map(|()| ptr)
+    }
+}
 
 /// `device` as a VMM location.
 fn location(device: u32) -> cu::CUmemLocation {

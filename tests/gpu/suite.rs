@@ -601,7 +601,7 @@ pub fn ipc_two_processes(spawn: fn(&str) -> std::process::Child, vmm: bool) {
     // A legacy handle (72 bytes) in the key, or a VMM allocation's offset
     // and size (16 bytes: its descriptor goes over the local channel).
     assert_eq!(ipc_handles(&desc), usize::from(!vmm));
-    assert_eq!(vmm_handles(&desc), usize::from(vmm));
+    assert_eq!(shm_keys_of(&desc, 16), usize::from(vmm));
     let base = a
         .remote_agent_desc(&name)
         .unwrap()
@@ -871,28 +871,22 @@ fn raw_desc(conn: &str, host: &[u8]) -> kvxfer::AgentDesc {
     kvxfer::AgentDesc::decode(&body).unwrap()
 }
 
-/// How many of `desc`'s GPU regions carry their CUDA IPC handle: a key with
-/// its shm transport (`docs/wire-format.md`).
-fn ipc_handles(desc: &kvxfer::AgentDesc) -> usize {
+/// How many of `desc`'s GPU regions have a key of `len` bytes with its shm
+/// transport (`docs/wire-format.md`): 72, a CUDA IPC handle; 16, a VMM
+/// allocation whose descriptor goes over the local channel.
+fn shm_keys_of(desc: &kvxfer::AgentDesc, len: usize) -> usize {
     let Some((i, _)) = desc.offer("shm") else {
         return 0;
     };
     desc.regions
         .iter()
-        .filter(|r| r.mem_type == MemoryType::Vram && r.key_for(i).is_some_and(|k| k.len() == 72))
+        .filter(|r| r.mem_type == MemoryType::Vram && r.key_for(i).is_some_and(|k| k.len() == len))
         .count()
 }
 
-/// How many of `desc`'s GPU regions are VMM memory reached through its
-/// allocation's descriptor: a 16-byte key with the shm transport.
-fn vmm_handles(desc: &kvxfer::AgentDesc) -> usize {
-    let Some((i, _)) = desc.offer("shm") else {
-        return 0;
-    };
-    desc.regions
-        .iter()
-        .filter(|r| r.mem_type == MemoryType::Vram && r.key_for(i).is_some_and(|k| k.len() == 16))
-        .count()
+/// How many of `desc`'s GPU regions carry their CUDA IPC handle.
+fn ipc_handles(desc: &kvxfer::AgentDesc) -> usize {
+    shm_keys_of(desc, 72)
 }
 
 /// CUDA IPC handles (each opens a whole allocation) go only to peers on

@@ -218,9 +218,9 @@ class Exchange:
             fn, args = job
             try:
                 fn(*args)
-            except EtcdError as e:
-                _log.error("NIXL etcd exchange (%s): %s", fn.__name__.lstrip("_"), e)
-            except Exception as e:  # a load that fails: logged, as NIXL does
+            # etcd's failures and a load that fails alike: logged, as NIXL
+            # does.
+            except Exception as e:
                 _log.error("NIXL etcd exchange (%s): %s", fn.__name__.lstrip("_"), e)
 
     def _send(self, blob, label):

@@ -290,7 +290,9 @@ impl<'c> FrameReader<'c> {
     /// after asking `idle`, on a timeout. Returns the bytes read (> 0).
     ///
     /// # Safety
-    /// Every iovec must be valid for writes for the whole call.
+    /// Every iovec must be valid for writes for the whole call, and no one
+    /// else may access that memory during it (an encrypted socket's
+    /// records may be opened in place there).
     unsafe fn readv_retry(
         &mut self,
         iovs: &[libc::iovec],

@@ -16,8 +16,12 @@
 //! reader's buffers (a record's rest, opened, and the next records) for the
 //! next read.
 //!
-//! What this costs over the kernel's: a copy each way (into the sealing
-//! buffer, out of the opened record), beside the cipher itself.
+//! What this costs over the kernel's, beside the cipher itself: a copy
+//! into the sealing buffer. A part (iovec) of a record or more is sealed
+//! in records of its own, the last one short, so that a reader whose
+//! memory for it is that large takes its records there and opens them in
+//! place (see [`Channel::readv`]); only the short records, and the bytes
+//! of reads into smaller memory, are copied out of the reader's buffer.
 
 use std::collections::HashMap;
 use std::io;
@@ -26,7 +30,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
-use ring::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
+use ring::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, Tag, UnboundKey};
 
 use crate::auth::DirectionKey;
 use crate::engine::lock;
@@ -43,10 +47,17 @@ const TAG: usize = 16;
 const BODY_MAX: usize = RECORD_MAX + 256;
 /// The content type of application data.
 const APPLICATION_DATA: u8 = 23;
+/// A part (iovec) of this many bytes or more is sealed in records of its
+/// own, which a reader can open where they land; smaller parts share
+/// records.
+const OWN_RECORDS: usize = RECORD_MAX;
 /// Plaintext sealed per `sendmsg`.
 const SEND_BATCH: usize = 256 << 10;
-/// Bytes asked of the socket per `read`.
+/// The most bytes asked of the socket per `read` into the buffer.
 const READ_CHUNK: usize = 256 << 10;
+/// Where in the receiving buffer bytes read past the caller's memory go:
+/// after room for a record's part moved in front of them.
+const SPILL_AT: usize = HEADER + BODY_MAX;
 
 /// One direction's key and sequence.
 struct Direction {
@@ -92,6 +103,160 @@ struct Receiving {
     /// The opened plaintext of the last record not yet handed out (in
     /// `buf`, before `start`).
     plain: Range<usize>,
+}
+
+impl Receiving {
+    /// Reads records into `dst` and opens each whole one there, its
+    /// plaintext moved down to follow the previous one's; returns the
+    /// plaintext bytes now at the start of `dst` (`Ok(Some(0))`: the peer
+    /// closed between records). The bytes this channel held (no more than
+    /// `dst` has) go first. Each read also asks for the headers and tags
+    /// that the records filling the rest of `dst` add, as this module's
+    /// writer cuts them, into `buf`: so the record cut short at the end of
+    /// `dst` usually arrives whole in the same call, and is held, opened
+    /// at the next read, with anything else read past the last whole
+    /// record in `dst`. `Ok(None)`: nothing opened yet, all held.
+    fn read_in_place(&mut self, fd: RawFd, dst: &mut [u8]) -> io::Result<Option<usize>> {
+        let held = self.end - self.start;
+        dst[..held].copy_from_slice(&self.buf[self.start..self.end]);
+        (self.start, self.end) = (0, 0);
+        // `dst[..out]`: plaintext; `dst[pos..raw]`: records read, not
+        // opened; `buf[SPILL_AT..][..spilled]`: read past `dst`.
+        let (mut out, mut pos, mut raw, mut spilled) = (0, 0, held, 0);
+        let result = loop {
+            while let Some(body) = record_at(&dst[pos..raw])? {
+                out += open_record(&mut self.dir, dst, pos, body, out)?;
+                pos += HEADER + body;
+            }
+            if out > 0 {
+                break Ok(Some(out));
+            }
+            if spilled > 0 {
+                break Ok(None);
+            }
+            if raw == dst.len() {
+                // Full of records without plaintext and part of another
+                // (`dst` holds the longest record whole, so `pos > 0`).
+                dst.copy_within(pos..raw, 0);
+                (pos, raw) = (0, raw - pos);
+            }
+            let room = dst.len() - raw;
+            let spill = overhead_of(room).min(READ_CHUNK);
+            let iovs = [
+                iov(dst[raw..].as_mut_ptr(), room),
+                iov(self.buf[SPILL_AT..].as_mut_ptr(), spill),
+            ];
+            // SAFETY: the iovecs lie in `dst` and in `buf` (`SPILL_AT +
+            // READ_CHUNK` is its length), both ours for the call.
+            let n = unsafe { libc::readv(fd, iovs.as_ptr(), 2) };
+            match n {
+                0 if pos == raw => break Ok(Some(0)),
+                0 => break Err(eof_inside_record()),
+                n if n < 0 => break Err(io::Error::last_os_error()),
+                n => {
+                    let n = n as usize;
+                    raw += n.min(room);
+                    spilled = n.saturating_sub(room);
+                }
+            }
+        };
+        // What is left in `dst` (part of a record) goes before what
+        // spilled past it.
+        let rest = raw - pos;
+        (self.start, self.end) = (SPILL_AT - rest, SPILL_AT + spilled);
+        self.buf[self.start..SPILL_AT].copy_from_slice(&dst[pos..raw]);
+        result
+    }
+}
+
+/// The bytes that headers, inner types and tags add to `len` bytes of a
+/// part sealed in records of its own (see [`tail_len`]).
+fn overhead_of(len: usize) -> usize {
+    let main = len.saturating_sub(tail_len(len));
+    (HEADER + 1 + TAG) * (main.div_ceil(RECORD_MAX) + 1)
+}
+
+/// Opens the record whose header starts at `buf[at]` (its body `body`
+/// bytes), writing its plaintext from `buf[to]` (`to <= at + HEADER`);
+/// returns the plaintext's length without its inner type and padding.
+fn open_record(
+    dir: &mut Direction,
+    buf: &mut [u8],
+    at: usize,
+    body: usize,
+    to: usize,
+) -> io::Result<usize> {
+    let mut aad = [0u8; HEADER];
+    aad.copy_from_slice(&buf[at..at + HEADER]);
+    let tag_at = at + HEADER + body - TAG;
+    let tag = Tag::try_from(&buf[tag_at..tag_at + TAG]).expect("TAG bytes make a tag");
+    let nonce = dir.next_nonce();
+    let opened = dir
+        .key
+        .open_in_place_separate_tag(
+            nonce,
+            Aad::from(aad),
+            tag,
+            &mut buf[to..tag_at],
+            at + HEADER - to..,
+        )
+        .map_err(|_| io::Error::from_raw_os_error(libc::EBADMSG))?;
+    // The inner type is the last byte that is not padding.
+    let len = opened
+        .iter()
+        .rposition(|&b| b != 0)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "a record of padding only"))?;
+    if opened[len] != APPLICATION_DATA {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "a record that is not application data",
+        ));
+    }
+    Ok(len)
+}
+
+fn eof_inside_record() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        "the peer closed the connection inside a record",
+    )
+}
+
+/// Starts a record at the end of `buf` (its length filled in by
+/// [`seal`]); returns where it starts.
+fn begin(buf: &mut Vec<u8>) -> usize {
+    let at = buf.len();
+    buf.extend_from_slice(&[APPLICATION_DATA, 3, 3, 0, 0]);
+    at
+}
+
+/// Seals the record started at `buf[at]`, whose plaintext is the rest of
+/// `buf`: its inner type, its length in the header, the tag after it.
+fn seal(dir: &mut Direction, buf: &mut Vec<u8>, at: usize) -> io::Result<()> {
+    buf.push(APPLICATION_DATA);
+    let len = (buf.len() - at - HEADER + TAG) as u16;
+    buf[at + 3..at + HEADER].copy_from_slice(&len.to_be_bytes());
+    let mut aad = [0u8; HEADER];
+    aad.copy_from_slice(&buf[at..at + HEADER]);
+    let nonce = dir.next_nonce();
+    let tag = dir
+        .key
+        .seal_in_place_separate_tag(nonce, Aad::from(aad), &mut buf[at + HEADER..])
+        .map_err(|_| io::Error::other("sealing a record failed"))?;
+    buf.extend_from_slice(tag.as_ref());
+    Ok(())
+}
+
+/// The plaintext bytes of the last record of a part of `len` bytes that
+/// gets records of its own: more than the headers, inner types and tags
+/// of all its records, so that its other records, read into the reader's
+/// memory for the part (see [`Channel::readv`]), fit there whole and open
+/// in place; only this short one is read and opened apart. At most half
+/// a record: a longer part is read in place a socket's worth at a time
+/// anyway.
+fn tail_len(len: usize) -> usize {
+    let overhead = (HEADER + 1 + TAG) * (len.div_ceil(RECORD_MAX) + 1);
+    (overhead + 64).min(RECORD_MAX / 2).min(len / 2)
 }
 
 /// A socket's user-space record layer.
@@ -204,43 +369,58 @@ impl Channel {
     ) -> io::Result<()> {
         let mut s = lock(&self.send);
         let Sending { dir, buf } = &mut *s;
-        let mut parts = iovs.iter().filter(|v| v.iov_len > 0).map(|v| {
+        let parts = iovs.iter().filter(|v| v.iov_len > 0).map(|v| {
             // SAFETY: valid for reads for the call (this function's
             // contract).
             unsafe { std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len) }
         });
-        let mut part: &[u8] = parts.next().unwrap_or_default();
-        while !part.is_empty() {
-            buf.clear();
-            while buf.len() < SEND_BATCH && !part.is_empty() {
-                // One record of up to RECORD_MAX bytes of the iovecs.
-                let at = buf.len();
-                buf.extend_from_slice(&[APPLICATION_DATA, 3, 3, 0, 0]);
-                let mut n = 0;
-                while n < RECORD_MAX && !part.is_empty() {
-                    let take = part.len().min(RECORD_MAX - n);
-                    buf.extend_from_slice(&part[..take]);
-                    part = &part[take..];
-                    n += take;
-                    if part.is_empty() {
-                        part = parts.next().unwrap_or_default();
-                    }
-                }
-                buf.push(APPLICATION_DATA);
-                let len = (n + 1 + TAG) as u16;
-                buf[at + 3..at + HEADER].copy_from_slice(&len.to_be_bytes());
-                let mut aad = [0u8; HEADER];
-                aad.copy_from_slice(&buf[at..at + HEADER]);
-                let nonce = dir.next_nonce();
-                let tag = dir
-                    .key
-                    .seal_in_place_separate_tag(nonce, Aad::from(aad), &mut buf[at + HEADER..])
-                    .map_err(|_| io::Error::other("sealing a record failed"))?;
-                buf.extend_from_slice(tag.as_ref());
-            }
+        let flush = |buf: &mut Vec<u8>| {
             let mut one = [iov(buf.as_ptr(), buf.len())];
             // SAFETY: `buf` is this function's, alive for the call.
-            unsafe { writev_plain(fd, &mut one, clock, io_timeout)? };
+            let r = unsafe { writev_plain(fd, &mut one, clock, io_timeout) };
+            buf.clear();
+            r
+        };
+        buf.clear();
+        // The start of the record being filled with small parts.
+        let mut open: Option<usize> = None;
+        for part in parts {
+            if part.len() >= OWN_RECORDS {
+                // Records of its own, the last short (see `tail_len`).
+                if let Some(at) = open.take() {
+                    seal(dir, buf, at)?;
+                }
+                let (main, tail) = part.split_at(part.len() - tail_len(part.len()));
+                for chunk in main.chunks(RECORD_MAX).chain([tail]) {
+                    let at = begin(buf);
+                    buf.extend_from_slice(chunk);
+                    seal(dir, buf, at)?;
+                    if buf.len() >= SEND_BATCH {
+                        flush(buf)?;
+                    }
+                }
+                continue;
+            }
+            let mut part = part;
+            while !part.is_empty() {
+                let at = *open.get_or_insert_with(|| begin(buf));
+                let take = part.len().min(RECORD_MAX - (buf.len() - at - HEADER));
+                buf.extend_from_slice(&part[..take]);
+                part = &part[take..];
+                if buf.len() - at - HEADER == RECORD_MAX {
+                    seal(dir, buf, at)?;
+                    open = None;
+                    if buf.len() >= SEND_BATCH {
+                        flush(buf)?;
+                    }
+                }
+            }
+        }
+        if let Some(at) = open {
+            seal(dir, buf, at)?;
+        }
+        if !buf.is_empty() {
+            flush(buf)?;
         }
         Ok(())
     }
@@ -251,8 +431,16 @@ impl Channel {
     /// as `WouldBlock`); a record that does not open (changed on the way)
     /// is `EBADMSG`, as kernel TLS reports it.
     ///
+    /// When the first iovec holds a record of the longest kind, the
+    /// records are read into it and opened where they lie, each record's
+    /// plaintext moved down over the headers and tags before it by the
+    /// cipher itself (no copy); its bytes past what is returned are then
+    /// unspecified (as in a buffer a `read` fills in part). Otherwise they
+    /// are read into the channel's buffer, opened there and copied out.
+    ///
     /// # Safety
-    /// Every iovec must be valid for writes for the whole call.
+    /// Every iovec must be valid for writes for the whole call, and no one
+    /// else may read or write that memory during the call.
     pub(in crate::engine) unsafe fn readv(
         &self,
         fd: RawFd,
@@ -261,7 +449,7 @@ impl Channel {
         let mut guard = lock(&self.recv);
         let r = &mut *guard;
         if r.buf.is_empty() {
-            r.buf = vec![0; READ_CHUNK + HEADER + BODY_MAX];
+            r.buf = vec![0; SPILL_AT + READ_CHUNK];
         }
         loop {
             if !r.plain.is_empty() {
@@ -289,31 +477,23 @@ impl Channel {
                 }
                 return Ok(done);
             }
+            if let Some(v) = iovs.iter().find(|v| v.iov_len > 0)
+                && v.iov_len >= HEADER + BODY_MAX
+                && r.end - r.start <= v.iov_len
+            {
+                // SAFETY: valid for writes and ours alone for the call
+                // (this function's contract); it cannot overlap `buf`,
+                // which is the channel's.
+                let dst = unsafe { std::slice::from_raw_parts_mut(v.iov_base.cast(), v.iov_len) };
+                match r.read_in_place(fd, dst)? {
+                    Some(n) => return Ok(n),
+                    None => continue,
+                }
+            }
             if let Some(body) = record_at(&r.buf[r.start..r.end])? {
                 let at = r.start;
                 r.start += HEADER + body;
-                let mut aad = [0u8; HEADER];
-                aad.copy_from_slice(&r.buf[at..at + HEADER]);
-                let nonce = r.dir.next_nonce();
-                let opened = r
-                    .dir
-                    .key
-                    .open_in_place(
-                        nonce,
-                        Aad::from(aad),
-                        &mut r.buf[at + HEADER..at + HEADER + body],
-                    )
-                    .map_err(|_| io::Error::from_raw_os_error(libc::EBADMSG))?;
-                // The inner type is the last byte that is not padding.
-                let len = opened.iter().rposition(|&b| b != 0).ok_or_else(|| {
-                    io::Error::new(io::ErrorKind::InvalidData, "a record of padding only")
-                })?;
-                if opened[len] != APPLICATION_DATA {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        "a record that is not application data",
-                    ));
-                }
+                let len = open_record(&mut r.dir, &mut r.buf, at, body, at + HEADER)?;
                 r.plain = at + HEADER..at + HEADER + len;
                 continue;
             }
@@ -324,17 +504,24 @@ impl Channel {
                 r.buf.copy_within(r.start..r.end, 0);
                 (r.start, r.end) = (0, r.end - r.start);
             }
-            let room = (r.buf.len() - r.end).min(READ_CHUNK);
+            // When a later iovec could take records in place, no more than
+            // the record begun (or one of the longest): what follows it
+            // is read there. Otherwise what the reader asked for.
+            let held = r.end - r.start;
+            let want = if iovs.iter().any(|v| v.iov_len >= HEADER + BODY_MAX) {
+                match r.buf[r.start..r.end].first_chunk::<HEADER>() {
+                    Some(h) => HEADER + usize::from(u16::from_be_bytes([h[3], h[4]])) - held,
+                    None => HEADER + BODY_MAX - held,
+                }
+            } else {
+                iovs.iter().map(|v| v.iov_len).sum::<usize>()
+            };
+            let room = (r.buf.len() - r.end).min(READ_CHUNK).min(want.max(1));
             // SAFETY: `room` bytes from `end` lie inside `buf`.
             let n = unsafe { libc::read(fd, r.buf.as_mut_ptr().add(r.end).cast(), room) };
             match n {
                 0 if r.start == r.end => return Ok(0),
-                0 => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "the peer closed the connection inside a record",
-                    ));
-                }
+                0 => return Err(eof_inside_record()),
                 n if n < 0 => return Err(io::Error::last_os_error()),
                 n => r.end += n as usize,
             }
@@ -461,6 +648,180 @@ mod tests {
         let e = receive(a.as_raw_fd(), 1, 1).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::WouldBlock, "{e}");
         assert!(!of(a.as_raw_fd()).unwrap().pending());
+    }
+
+    /// Reads `len` bytes into scattered buffers of `piece` bytes each
+    /// (every other one of twice as many, so none follows another in
+    /// memory), `piece` bytes asked per call as a frame reader asks.
+    fn receive_scattered(fd: RawFd, len: usize, piece: usize) -> io::Result<Vec<u8>> {
+        let ch = of(fd).unwrap();
+        let mut mem = vec![0u8; 2 * len.div_ceil(piece) * piece];
+        let mut got = 0;
+        while got < len {
+            let (i, at) = (got / piece, got % piece);
+            let n = (piece - at).min(len - got);
+            let start = 2 * i * piece + at;
+            let iovs = [iov(mem[start..].as_mut_ptr(), n)];
+            // SAFETY: the iovec points into `mem`, within its length.
+            let r = unsafe { ch.readv(fd, &iovs) }?;
+            assert!(r > 0 && r <= n, "{r} of {n}");
+            got += r;
+        }
+        Ok(mem
+            .chunks(piece)
+            .step_by(2)
+            .flatten()
+            .take(len)
+            .copied()
+            .collect())
+    }
+
+    /// Records sealed with `k`, one for each `(plaintext, padding)`.
+    fn records(k: &DirectionKey, plaintexts: &[(&[u8], usize)]) -> Vec<u8> {
+        let mut dir = Direction::new(k);
+        let mut buf = Vec::new();
+        for (p, padding) in plaintexts {
+            let at = begin(&mut buf);
+            buf.extend_from_slice(p);
+            buf.push(APPLICATION_DATA);
+            buf.resize(buf.len() + padding, 0);
+            let len = (buf.len() - at - HEADER + TAG) as u16;
+            buf[at + 3..at + HEADER].copy_from_slice(&len.to_be_bytes());
+            let aad: [u8; HEADER] = buf[at..at + HEADER].try_into().unwrap();
+            let nonce = dir.next_nonce();
+            let tag = dir
+                .key
+                .seal_in_place_separate_tag(nonce, Aad::from(aad), &mut buf[at + HEADER..])
+                .unwrap();
+            buf.extend_from_slice(tag.as_ref());
+        }
+        buf
+    }
+
+    #[test]
+    fn a_large_part_has_records_of_its_own_read_where_they_land() {
+        let (a, mut b) = pair();
+        install(a.as_raw_fd(), &key(1), &key(2)).unwrap();
+        let part: Vec<u8> = (0..65536).map(|i| (i * 7 % 253) as u8).collect();
+        // On the wire: the small part's record, then the large part's:
+        // full ones and a short last one, none shared with the small parts
+        // around it.
+        send(a.as_raw_fd(), &[&[1u8; 40], &part, &[2u8; 40]]);
+        let tail = tail_len(part.len());
+        let sizes = [
+            40,
+            RECORD_MAX,
+            RECORD_MAX,
+            RECORD_MAX,
+            RECORD_MAX - tail,
+            tail,
+            40,
+        ];
+        let mut wire = vec![0u8; sizes.iter().map(|n| HEADER + n + 1 + TAG).sum()];
+        std::io::Read::read_exact(&mut b, &mut wire).unwrap();
+        let mut at = 0;
+        for n in sizes {
+            let body = record_at(&wire[at..]).unwrap().unwrap();
+            assert_eq!(body, n + 1 + TAG);
+            at += HEADER + body;
+        }
+        assert_eq!(
+            overhead_of(part.len()),
+            (sizes.len() - 2) * (HEADER + 1 + TAG)
+        );
+
+        // Read into memory of the part's size: every record but the last
+        // opens in place, in one call, whose reads took the last one too.
+        let (c, d) = pair();
+        install(c.as_raw_fd(), &key(3), &key(4)).unwrap();
+        install(d.as_raw_fd(), &key(4), &key(3)).unwrap();
+        send(c.as_raw_fd(), &[&part, &[9u8; 100]]);
+        let ch = of(d.as_raw_fd()).unwrap();
+        let mut mem = vec![0u8; part.len()];
+        let iovs = [iov(mem.as_mut_ptr(), mem.len())];
+        // SAFETY: the iovec is `mem`.
+        let n = unsafe { ch.readv(d.as_raw_fd(), &iovs) }.unwrap();
+        assert_eq!(n, part.len() - tail);
+        assert!(mem[..n] == part[..n]);
+        {
+            let r = lock(&ch.recv);
+            assert_eq!(
+                record_at(&r.buf[r.start..r.end]).unwrap(),
+                Some(tail + 1 + TAG),
+                "the last record held whole"
+            );
+        }
+        let rest = receive(d.as_raw_fd(), tail + 100, 1 << 20).unwrap();
+        assert!(rest[..tail] == part[n..]);
+        assert_eq!(rest[tail..], [9u8; 100]);
+    }
+
+    #[test]
+    fn any_cut_of_records_opens_in_place_in_scattered_memory() {
+        let (a, b) = pair();
+        install(a.as_raw_fd(), &key(5), &key(6)).unwrap();
+        install(b.as_raw_fd(), &key(6), &key(5)).unwrap();
+        let data: Vec<u8> = (0..(3 << 20) + 11).map(|i| (i * 13 % 241) as u8).collect();
+        for piece in [RECORD_MAX + 300, 65536, 100_000, 1 << 20] {
+            // Parts of this module's writer, large and small.
+            let writer = std::thread::spawn({
+                let fd = a.as_raw_fd();
+                let data = data.clone();
+                move || {
+                    let parts: Vec<&[u8]> = data.chunks(piece / 3 + 1).collect();
+                    send(fd, &parts);
+                }
+            });
+            let got = receive_scattered(b.as_raw_fd(), data.len(), piece).unwrap();
+            writer.join().unwrap();
+            assert!(got == data, "pieces of {piece}");
+        }
+        // Records cut as another writer cuts them (kernel TLS: full ones
+        // across parts), records without plaintext, padding: all the same.
+        let (mut c, d) = pair();
+        install(d.as_raw_fd(), &key(7), &key(8)).unwrap();
+        let r = RECORD_MAX;
+        let wire = records(
+            &key(8),
+            &[
+                (&data[..r], 0),
+                (&[], 0),
+                (&[], 200),
+                (&data[r..r + 1000], 255),
+                (&data[r + 1000..2 * r + 1000], 0),
+                (&data[2 * r + 1000..3 * r], 0),
+            ],
+        );
+        let writer = std::thread::spawn(move || std::io::Write::write_all(&mut c, &wire));
+        let got = receive_scattered(d.as_raw_fd(), 3 * RECORD_MAX, 40_000).unwrap();
+        writer.join().unwrap().unwrap();
+        assert!(got == data[..3 * RECORD_MAX]);
+    }
+
+    #[test]
+    fn a_changed_byte_in_a_record_opened_in_place_fails_the_read() {
+        let (a, mut b) = pair();
+        install(a.as_raw_fd(), &key(1), &key(2)).unwrap();
+        send(a.as_raw_fd(), &[&[7u8; 65536]]);
+        let mut wire = vec![0u8; 65536 + overhead_of(65536)];
+        std::io::Read::read_exact(&mut b, &mut wire).unwrap();
+        for at in [
+            3,
+            HEADER + 1,
+            2 * HEADER + RECORD_MAX + 1 + TAG + 5,
+            wire.len() - 1,
+        ] {
+            let (mut c, d) = pair();
+            install(d.as_raw_fd(), &key(9), &key(1)).unwrap();
+            let mut bad = wire.clone();
+            bad[at] ^= 0x01;
+            std::io::Write::write_all(&mut c, &bad).unwrap();
+            let e = receive_scattered(d.as_raw_fd(), 65536, 65536).unwrap_err();
+            assert!(
+                e.raw_os_error() == Some(libc::EBADMSG) || e.kind() == io::ErrorKind::InvalidData,
+                "byte {at}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -233,6 +233,10 @@ pub(crate) struct FrameReader<'c> {
     /// A header read and put back ([`put_back`](Self::put_back)): the next
     /// one [`next_header`](Self::next_header) returns.
     put_back: Option<[u8; HEADER_LEN]>,
+    /// The socket's user-space record layer, once found (a socket keeps
+    /// it while the reader reads it; looked for again until then, as it
+    /// comes after the handshake).
+    channel: Option<std::sync::Arc<records::Channel>>,
 }
 
 impl<'c> FrameReader<'c> {
@@ -245,7 +249,16 @@ impl<'c> FrameReader<'c> {
             no_read_ahead: false,
             deadline: None,
             put_back: None,
+            channel: None,
         }
+    }
+
+    /// The socket's record layer, when it has one.
+    fn channel(&mut self) -> Option<std::sync::Arc<records::Channel>> {
+        if self.channel.is_none() {
+            self.channel = records::of(self.fd);
+        }
+        self.channel.clone()
     }
 
     /// Makes every read fail with `TimedOut` from `deadline` on (`None`:
@@ -301,7 +314,7 @@ impl<'c> FrameReader<'c> {
     ) -> io::Result<usize> {
         // A header put back comes first: no byte after it may be read.
         debug_assert!(self.put_back.is_none());
-        let channel = records::of(self.fd);
+        let channel = self.channel();
         loop {
             if let Some(d) = self.deadline
                 && std::time::Instant::now() >= d
@@ -350,7 +363,11 @@ impl<'c> FrameReader<'c> {
         if self.filled > 0 || self.put_back.is_some() {
             return true;
         }
-        if records::of(self.fd).is_some_and(|ch| ch.pending()) {
+        let channel = match &self.channel {
+            Some(ch) => Some(std::sync::Arc::clone(ch)),
+            None => records::of(self.fd),
+        };
+        if channel.is_some_and(|ch| ch.pending()) {
             return true;
         }
         let mut pfd = libc::pollfd {

@@ -75,6 +75,83 @@ impl Batch {
     pub(crate) fn stopped(stop: &Option<Stop>) -> bool {
         stop.as_ref().is_some_and(|s| s())
     }
+
+    /// The batch as at most `parts` batches of consecutive ops, about as
+    /// many bytes each and none under `min_part` bytes, to run at once:
+    /// the original `done` runs once, after the last part has finished,
+    /// with the first failure; a failed part makes the others stop before
+    /// their next op (they fail [`Error::Aborted`], which the first
+    /// failure outranks). A batch with files to sync stays whole.
+    pub(crate) fn split(self, parts: usize, min_part: u64) -> Vec<Batch> {
+        let total: u64 = self.ops.iter().map(|o| u64::from(o.len)).sum();
+        let parts = parts
+            .min(usize::try_from(total / min_part.max(1)).unwrap_or(usize::MAX))
+            .min(self.ops.len());
+        if parts < 2 || !self.sync.is_empty() {
+            return vec![self];
+        }
+        let Batch {
+            ops, done, stop, ..
+        } = self;
+        let joint = Arc::new(Joint {
+            state: std::sync::Mutex::new((parts, None, Some(done))),
+            failed: std::sync::atomic::AtomicBool::new(false),
+            stop: std::sync::Mutex::new(stop),
+        });
+        let mut out = Vec::with_capacity(parts);
+        let mut ops = ops.into_iter().peekable();
+        let mut moved = 0u64;
+        for k in 1..=parts {
+            // Ops until this part's share of the bytes (the last: the rest).
+            let upto = total * k as u64 / parts as u64;
+            let mut part = Vec::new();
+            while let Some(op) = ops.next_if(|_| k == parts || moved < upto) {
+                moved += u64::from(op.len);
+                part.push(op);
+            }
+            let (j, s) = (Arc::clone(&joint), Arc::clone(&joint));
+            out.push(Batch {
+                ops: part,
+                sync: Vec::new(),
+                done: Box::new(move |r| j.part_done(r)),
+                stop: Some(Box::new(move || s.stopped())),
+            });
+        }
+        out
+    }
+}
+
+/// What the parts of a split batch share.
+struct Joint {
+    /// Parts not yet done, the first failure, the batch's `done`.
+    state: std::sync::Mutex<(usize, Option<Error>, Option<Done>)>,
+    /// A part failed: the others stop.
+    failed: std::sync::atomic::AtomicBool,
+    /// The batch's own (behind a lock: a `Stop` is not `Sync`).
+    stop: std::sync::Mutex<Option<Stop>>,
+}
+
+impl Joint {
+    fn stopped(&self) -> bool {
+        self.failed.load(std::sync::atomic::Ordering::Relaxed)
+            || Batch::stopped(&self.stop.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn part_done(&self, r: Result<(), Error>) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = r {
+            self.failed
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            st.1.get_or_insert(e);
+        }
+        st.0 -= 1;
+        if st.0 == 0 {
+            let r = st.1.take().map_or(Ok(()), Err);
+            let done = st.2.take().expect("the last part runs done once");
+            drop(st);
+            done(r);
+        }
+    }
 }
 
 /// Moves batches. Implementations: [`super::uring::Uring`] and [`Psync`].
@@ -147,7 +224,7 @@ pub(crate) fn start(choice: StorageIo) -> Result<Arc<dyn IoEngine>, Error> {
 }
 
 /// Worker threads of the `pread`/`pwrite` engine: batches in flight at once.
-const PSYNC_THREADS: usize = 4;
+pub(crate) const PSYNC_THREADS: usize = 4;
 
 /// `pread`/`pwrite` on worker threads, a batch per thread at a time.
 pub(crate) struct Psync {
@@ -389,6 +466,83 @@ mod tests {
         // Never asked to stop: every op runs.
         let r = run(&engine, writes(&f, &src), Box::new(|| false));
         assert!(r.is_ok(), "{r:?}");
+        assert!(written(&path).iter().all(|&w| w));
+        drop(f);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn a_split_batch_reports_once_after_its_last_part_with_the_first_failure() {
+        let (path, f, src) = setup("split", 10);
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let batch = |stop: Option<Stop>| Batch {
+            ops: writes(&f, &src),
+            sync: Vec::new(),
+            done: Box::new({
+                let tx = tx.clone();
+                move |r| tx.send(r).unwrap()
+            }),
+            stop,
+        };
+        // Parts of consecutive ops, about as many bytes each; never more
+        // parts than `min_part` allows, nor than ops.
+        let lens = |b: &[Batch]| b.iter().map(|p| p.ops.len()).collect::<Vec<_>>();
+        assert_eq!(lens(&batch(None).split(3, 1)), [4, 3, 3]);
+        assert_eq!(lens(&batch(None).split(4, 3 * PIECE as u64)), [4, 3, 3]);
+        assert_eq!(lens(&batch(None).split(40, 1)).len(), 10);
+        assert_eq!(lens(&batch(None).split(4, 10 * PIECE as u64)), [10]);
+        let mut synced = batch(None);
+        synced.sync.push((1, f.as_raw_fd()));
+        assert_eq!(lens(&synced.split(4, 1)), [10]);
+        let offsets: Vec<u64> = batch(None)
+            .split(3, 1)
+            .iter()
+            .flat_map(|p| p.ops.iter().map(|o| o.offset))
+            .collect();
+        assert_eq!(
+            offsets,
+            (0..10).map(|i| (i * PIECE) as u64).collect::<Vec<_>>()
+        );
+        while rx.try_recv().is_ok() {}
+
+        // Done once, after the last part, with the first failure; a failed
+        // part stops the others; the batch's own stop reaches each part.
+        let parts = batch(None).split(3, 1);
+        let mut dones = Vec::new();
+        let mut stops = Vec::new();
+        for p in parts {
+            dones.push(p.done);
+            stops.push(p.stop);
+        }
+        assert!(stops.iter().all(|s| !Batch::stopped(s)));
+        let mut dones = dones.into_iter();
+        dones.next().unwrap()(Ok(()));
+        dones.next().unwrap()(Err(Error::Closed));
+        assert!(
+            stops.iter().all(Batch::stopped),
+            "a failed part stops the rest"
+        );
+        assert!(rx.try_recv().is_err(), "not before the last part");
+        dones.next().unwrap()(Err(Error::Aborted));
+        assert!(matches!(rx.try_recv(), Ok(Err(Error::Closed))));
+        assert!(rx.try_recv().is_err(), "once");
+        let asked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let a = Arc::clone(&asked);
+        let parts = batch(Some(Box::new(move || a.load(Ordering::SeqCst)))).split(2, 1);
+        assert!(parts.iter().all(|p| !Batch::stopped(&p.stop)));
+        asked.store(true, Ordering::SeqCst);
+        assert!(parts.iter().all(|p| Batch::stopped(&p.stop)));
+
+        // Run on the workers at once: every op, one outcome.
+        let engine = Psync::start(3).unwrap();
+        for p in batch(None).split(3, 1) {
+            // SAFETY: `src` and the file outlive the batch, waited for below.
+            unsafe { engine.submit(p) };
+        }
+        assert!(matches!(
+            rx.recv_timeout(std::time::Duration::from_secs(60)),
+            Ok(Ok(()))
+        ));
         assert!(written(&path).iter().all(|&w| w));
         drop(f);
         std::fs::remove_file(&path).unwrap();

@@ -16,7 +16,10 @@
 //! kernel offers it, else `pread`/`pwrite` on worker threads (detected and
 //! logged, or chosen by [`StorageIo`]); writes to files without `O_DIRECT`
 //! go to `pwrite` workers either way (a copy into the page cache, which
-//! `io_uring` would hand to its own workers). Block devices, and files opened
+//! `io_uring` would hand to its own workers), and so do reads of 8 MiB or
+//! more from them, split among the workers (each a copy out of the page
+//! cache, one core's worth; `io_uring` copies what is cached in its one
+//! thread). Block devices, and files opened
 //! with [`StorageSpec::direct`], use `O_DIRECT`: every offset, length and
 //! memory address must then be a multiple of the device's logical block
 //! size, checked before anything moves ([`Error::Misaligned`]).
@@ -293,8 +296,8 @@ fn block_device_size(fd: RawFd) -> std::io::Result<u64> {
 /// the files.
 pub(crate) struct Storage {
     engine: OnceLock<Arc<dyn io::IoEngine>>,
-    /// Writes through the page cache when `engine` is `io_uring` (started
-    /// on first use): `pwrite` workers ([`Storage::page_cache_writer`]).
+    /// I/O through the page cache when `engine` is `io_uring` (started on
+    /// first use): `pwrite`/`pread` workers ([`Storage::page_cache`]).
     page_cache: OnceLock<Arc<dyn io::IoEngine>>,
     /// Moves GPU memory to and from storage (started on first use).
     stager: OnceLock<staged::Stager>,
@@ -522,12 +525,13 @@ impl Storage {
     }
 
     /// The engine for a batch of writes to files opened without
-    /// `O_DIRECT`: `pwrite` on worker threads even where the agent's
-    /// engine is `io_uring`, which hands buffered writes to its own
-    /// workers and moves them about a sixth slower (page-cache WRITE
-    /// 1 MiB × 64: 4.4 against 5.3 GB/s); the agent's engine itself when
-    /// that is `pread`/`pwrite`.
-    pub(crate) fn page_cache_writer(&self) -> Result<&Arc<dyn io::IoEngine>, Error> {
+    /// `O_DIRECT`, and for the parts of a large read from them:
+    /// `pwrite`/`pread` on worker threads even where the agent's engine is
+    /// `io_uring`, which hands buffered writes to its own workers and
+    /// moves them about a sixth slower (page-cache WRITE 1 MiB × 64: 4.4
+    /// against 5.3 GB/s), and reads what is cached in its one thread; the
+    /// agent's engine itself when that is `pread`/`pwrite`.
+    pub(crate) fn page_cache(&self) -> Result<&Arc<dyn io::IoEngine>, Error> {
         let engine = self.engine()?;
         if engine.name() != "io_uring" {
             return Ok(engine);

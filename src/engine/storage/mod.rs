@@ -12,7 +12,7 @@
 use std::os::fd::RawFd;
 
 use crate::storage::StorageFile;
-use crate::storage::io::{Batch, OP_MAX, Op};
+use crate::storage::io::{Batch, OP_MAX, Op, PSYNC_THREADS};
 use crate::storage::obj::PARTS_MAX;
 use crate::storage::obj::pool::{ObjBatch, ObjOp};
 use crate::storage::staged::{Piece, StagedBatch};
@@ -28,6 +28,10 @@ use crate::memory::MemoryType;
 use crate::registry::RegionGuard;
 use std::io;
 use std::sync::{Arc, Mutex};
+
+/// A READ of this many bytes or more from files through the page cache is
+/// split among the page-cache workers, parts of at least half as many.
+const PAGE_CACHE_READ_SPLIT_MIN: u64 = 8 << 20;
 
 /// The link of the agent to itself: its storage.
 struct StorageLink {
@@ -147,15 +151,18 @@ impl Link for StorageLink {
             files,
             written,
         } = plan(cx, req, &resolved.guards, vram.then_some(shape))?;
-        // Writes into the page cache only: the page-cache writer (started
-        // before anything is counted in flight).
-        let io =
-            if req.op == TransferOp::Write && !files.is_empty() && files.iter().all(|f| f.buffered)
-            {
-                cx.storage().page_cache_writer()?
-            } else {
-                cx.storage().engine()?
-            };
+        // Through the page cache only: writes go to the page-cache
+        // workers, and so do large reads, split among them (started before
+        // anything is counted in flight).
+        let buffered = !files.is_empty() && files.iter().all(|f| f.buffered);
+        let parallel_read = buffered
+            && req.op == TransferOp::Read
+            && req.local.total_len() >= PAGE_CACHE_READ_SPLIT_MIN;
+        let io = if buffered && (req.op == TransferOp::Write || parallel_read) {
+            cx.storage().page_cache()?
+        } else {
+            cx.storage().engine()?
+        };
         let room = match &sync {
             Some(m) => Some(reserve(cx, me, m.len())?),
             None => None,
@@ -193,11 +200,22 @@ impl Link for StorageLink {
             done,
             stop: Some(stop),
         };
-        // SAFETY: every op's memory lies in local regions checked and held
-        // (`guards`) and every fd belongs to a storage region held (`held`)
-        // — a held region cannot be deregistered, and storage with
-        // registered regions cannot be closed — until `done` has run.
-        unsafe { io.submit(batch) };
+        let parts = if parallel_read {
+            // A page-cache read is a copy by the CPU, one core's worth a
+            // thread: several threads (reads take no lock of the file's).
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            batch.split(cores.min(PSYNC_THREADS), PAGE_CACHE_READ_SPLIT_MIN / 2)
+        } else {
+            vec![batch]
+        };
+        for batch in parts {
+            // SAFETY: every op's memory lies in local regions checked and
+            // held (`guards`) and every fd belongs to a storage region held
+            // (`held`) — a held region cannot be deregistered, and storage
+            // with registered regions cannot be closed — until `done` has
+            // run (the last part's).
+            unsafe { io.submit(batch) };
+        }
         Ok(TransferStatus::new(id, completion, Arc::clone(&self.path)))
     }
 }

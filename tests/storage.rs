@@ -292,6 +292,65 @@ fn scattered_64k_pieces_land_where_described() {
 }
 
 #[test]
+fn a_request_to_several_files_lands_in_each_split_among_the_workers() {
+    // 16 MiB over four files, durable: large enough that the page-cache
+    // workers take it in parts, a file each (and the READ back in parts of
+    // consecutive pieces).
+    const LEN: u64 = 4 << 20;
+    const FILES: usize = 4;
+    for io in engines() {
+        let dir = tempdir();
+        let src = Buf::filled(FILES * LEN as usize, 23);
+        let back = Buf::new(FILES * LEN as usize);
+        let a = agent("files", io);
+        let handles: Vec<u32> = (0..FILES)
+            .map(|i| open_file(a.as_ref(), &dir.join(format!("f{i}")), LEN).0)
+            .collect();
+        register(a.as_ref(), &src.all());
+        register(a.as_ref(), &back.all());
+        // File i takes the i-th quarter, in four pieces given in turn.
+        let mut local = Vec::new();
+        let mut remote = Vec::new();
+        for q in 0..4u64 {
+            for (i, &h) in handles.iter().enumerate() {
+                let off = i as u64 * LEN + q * LEN / 4;
+                local.push(MemoryDesc::new(src.addr() + off, LEN / 4, 0));
+                remote.push(MemoryDesc::new(q * LEN / 4, LEN / 4, h));
+            }
+        }
+        let local = MemoryDescs::new(MemoryType::Dram, local);
+        let remote = MemoryDescs::new(MemoryType::File, remote);
+        let me = a.name().to_owned();
+        run(
+            a.as_ref(),
+            TransferRequest::write(local.clone(), remote.clone(), me).with_durable(),
+        )
+        .unwrap();
+        for i in 0..FILES {
+            let path = dir.join(format!("f{i}"));
+            let on_disk = std::fs::read(&path).unwrap();
+            let want = &src.bytes()[i * LEN as usize..(i + 1) * LEN as usize];
+            assert!(on_disk == want, "{io:?}: file {i}");
+            if let Ok(n) = dirty_pages(&path, LEN as usize) {
+                assert_eq!(n, 0, "{io:?}: file {i} not synced");
+            }
+        }
+        let back_local = MemoryDescs::new(
+            MemoryType::Dram,
+            local
+                .descs
+                .iter()
+                .map(|d| MemoryDesc::new(d.addr - src.addr() + back.addr(), d.len, 0))
+                .collect(),
+        );
+        read(a.as_ref(), back_local, remote).unwrap();
+        assert!(back.bytes() == src.bytes(), "{io:?}: read back differs");
+        drop(a);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
 fn one_gib_round_trip_is_element_exact() {
     const LEN: u64 = 1 << 30;
     // One engine is enough for the size (both move the small cases above).

@@ -77,29 +77,16 @@ impl Batch {
     }
 
     /// The batch as at most `parts` batches of consecutive ops, about as
-    /// many bytes each and none under `min_part` bytes, to run at once:
-    /// the original `done` runs once, after the last part has finished,
-    /// with the first failure; a failed part makes the others stop before
-    /// their next op (they fail [`Error::Aborted`], which the first
-    /// failure outranks). A batch with files to sync stays whole.
+    /// many bytes each and none under `min_part` bytes, to run at once
+    /// (see [`Batch::into_parts`]). A batch with files to sync stays whole.
     pub(crate) fn split(self, parts: usize, min_part: u64) -> Vec<Batch> {
-        let total: u64 = self.ops.iter().map(|o| u64::from(o.len)).sum();
-        let parts = parts
-            .min(usize::try_from(total / min_part.max(1)).unwrap_or(usize::MAX))
-            .min(self.ops.len());
+        let parts = self.parts_for(parts, min_part);
         if parts < 2 || !self.sync.is_empty() {
             return vec![self];
         }
-        let Batch {
-            ops, done, stop, ..
-        } = self;
-        let joint = Arc::new(Joint {
-            state: std::sync::Mutex::new((parts, None, Some(done))),
-            failed: std::sync::atomic::AtomicBool::new(false),
-            stop: std::sync::Mutex::new(stop),
-        });
-        let mut out = Vec::with_capacity(parts);
-        let mut ops = ops.into_iter().peekable();
+        let total: u64 = self.ops.iter().map(|o| u64::from(o.len)).sum();
+        let mut groups = Vec::with_capacity(parts);
+        let mut ops = self.ops.iter().copied().peekable();
         let mut moved = 0u64;
         for k in 1..=parts {
             // Ops until this part's share of the bytes (the last: the rest).
@@ -109,17 +96,87 @@ impl Batch {
                 moved += u64::from(op.len);
                 part.push(op);
             }
-            let (j, s) = (Arc::clone(&joint), Arc::clone(&joint));
-            out.push(Batch {
-                ops: part,
-                sync: Vec::new(),
-                done: Box::new(move |r| j.part_done(r)),
-                stop: Some(Box::new(move || s.stopped())),
-            });
+            groups.push((part, Vec::new()));
         }
-        out
+        self.into_parts(groups)
+    }
+
+    /// The batch as at most `parts` batches each of the ops of whole files
+    /// (in their order) and those files' syncs, about as many bytes each
+    /// and none under `min_part` bytes, to run at once (see
+    /// [`Batch::into_parts`]): writes through the page cache to different
+    /// files go on together, where those to one file take turns (the file
+    /// system holds the file's lock for each).
+    pub(crate) fn split_by_file(self, parts: usize, min_part: u64) -> Vec<Batch> {
+        let mut files: Vec<(RawFd, u64)> = Vec::new();
+        for op in &self.ops {
+            match files.iter_mut().find(|f| f.0 == op.fd) {
+                Some(f) => f.1 += u64::from(op.len),
+                None => files.push((op.fd, u64::from(op.len))),
+            }
+        }
+        let parts = self.parts_for(parts, min_part).min(files.len());
+        if parts < 2 {
+            return vec![self];
+        }
+        // The largest files first, each to the part with the fewest bytes.
+        files.sort_by_key(|f| std::cmp::Reverse(f.1));
+        let mut load = vec![0u64; parts];
+        let mut part_of = Vec::with_capacity(files.len());
+        for (fd, bytes) in files {
+            let k = (0..parts).min_by_key(|&k| load[k]).expect("parts >= 2");
+            load[k] += bytes;
+            part_of.push((fd, k));
+        }
+        let part = |fd: RawFd| part_of.iter().find(|p| p.0 == fd).map_or(0, |p| p.1);
+        let mut groups: Vec<Group> = vec![(Vec::new(), Vec::new()); parts];
+        for &op in &self.ops {
+            groups[part(op.fd)].0.push(op);
+        }
+        for &s in &self.sync {
+            groups[part(s.1)].1.push(s);
+        }
+        self.into_parts(groups)
+    }
+
+    /// How many parts of at least `min_part` bytes, and at most `parts`
+    /// and one op each, the batch makes.
+    fn parts_for(&self, parts: usize, min_part: u64) -> usize {
+        let total: u64 = self.ops.iter().map(|o| u64::from(o.len)).sum();
+        parts
+            .min(usize::try_from(total / min_part.max(1)).unwrap_or(usize::MAX))
+            .min(self.ops.len())
+    }
+
+    /// A batch for each group of ops and syncs with an op: the original
+    /// `done` runs once, after the last part has finished, with the first
+    /// failure; a failed part makes the others stop before their next op
+    /// (they fail [`Error::Aborted`], which the first failure outranks);
+    /// the original `stop` reaches every part.
+    fn into_parts(self, groups: Vec<Group>) -> Vec<Batch> {
+        let groups: Vec<_> = groups.into_iter().filter(|g| !g.0.is_empty()).collect();
+        let joint = Arc::new(Joint {
+            state: std::sync::Mutex::new((groups.len(), None, Some(self.done))),
+            failed: std::sync::atomic::AtomicBool::new(false),
+            stop: std::sync::Mutex::new(self.stop),
+        });
+        groups
+            .into_iter()
+            .map(|(ops, sync)| {
+                let (j, s) = (Arc::clone(&joint), Arc::clone(&joint));
+                Batch {
+                    ops,
+                    sync,
+                    done: Box::new(move |r| j.part_done(r)),
+                    stop: Some(Box::new(move || s.stopped())),
+                }
+            })
+            .collect()
     }
 }
+
+/// A part's ops and the files it syncs after them.
+type Group = (Vec<Op>, Vec<(u32, RawFd)>);
 
 /// What the parts of a split batch share.
 struct Joint {
@@ -544,6 +601,89 @@ mod tests {
             Ok(Ok(()))
         ));
         assert!(written(&path).iter().all(|&w| w));
+        drop(f);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn a_batch_split_by_file_keeps_each_files_ops_and_syncs_in_one_part() {
+        let files: Vec<_> = (0..3).map(|i| setup(&format!("byfile{i}"), 5)).collect();
+        // Pieces of file 0 (5), 1 (3) and 2 (2), interleaved.
+        let order = [0, 1, 0, 2, 0, 1, 0, 2, 1, 0];
+        let mut next = [0usize; 3];
+        let ops: Vec<Op> = order
+            .iter()
+            .map(|&f| {
+                let (_, file, src) = &files[f];
+                let i = next[f];
+                next[f] += 1;
+                writes(file, src)[i]
+            })
+            .collect();
+        let fds: Vec<RawFd> = files.iter().map(|f| f.1.as_raw_fd()).collect();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let batch = Batch {
+            ops: ops.clone(),
+            sync: fds
+                .iter()
+                .enumerate()
+                .map(|(i, &fd)| (i as u32, fd))
+                .collect(),
+            done: Box::new(move |r| tx.send(r).unwrap()),
+            stop: None,
+        };
+        let parts = batch.split_by_file(2, 1);
+        // The largest file alone; the two others together.
+        let of = |p: &Batch| {
+            let mut f: Vec<RawFd> = p.ops.iter().map(|o| o.fd).collect();
+            f.dedup();
+            f
+        };
+        assert_eq!(parts.len(), 2);
+        assert_eq!(of(&parts[0]), [fds[0]]);
+        assert_eq!(parts[0].sync, [(0, fds[0])]);
+        assert_eq!(parts[1].sync, [(1, fds[1]), (2, fds[2])]);
+        for p in &parts {
+            // Each file's ops in their order.
+            let mine: Vec<u64> = p.ops.iter().map(|o| o.buf).collect();
+            let want: Vec<u64> = ops
+                .iter()
+                .filter(|o| p.ops.iter().any(|m| m.fd == o.fd))
+                .map(|o| o.buf)
+                .collect();
+            assert_eq!(mine, want);
+        }
+        assert_eq!(parts.iter().map(|p| p.ops.len()).sum::<usize>(), 10);
+        // Run at once: every file whole, synced, one outcome.
+        let engine = Psync::start(2).unwrap();
+        for p in parts {
+            // SAFETY: the sources and files outlive the batch, waited for
+            // below.
+            unsafe { engine.submit(p) };
+        }
+        assert!(matches!(
+            rx.recv_timeout(std::time::Duration::from_secs(60)),
+            Ok(Ok(()))
+        ));
+        for ((path, file, _), n) in files.into_iter().zip([5, 3, 2]) {
+            let w = written(&path);
+            assert!(w[..n].iter().all(|&w| w) && !w[n..].iter().any(|&w| w));
+            drop(file);
+            std::fs::remove_file(&path).unwrap();
+        }
+        // One file, or too few bytes: whole.
+        let (path, f, src) = setup("byfile-one", 4);
+        let one = |min| {
+            Batch {
+                ops: writes(&f, &src),
+                sync: Vec::new(),
+                done: Box::new(|_| {}),
+                stop: None,
+            }
+            .split_by_file(4, min)
+            .len()
+        };
+        assert_eq!(one(1), 1);
         drop(f);
         std::fs::remove_file(&path).unwrap();
     }

@@ -17,9 +17,10 @@
 //! logged, or chosen by [`StorageIo`]); writes to files without `O_DIRECT`
 //! go to `pwrite` workers either way (a copy into the page cache, which
 //! `io_uring` would hand to its own workers), and so do reads of 8 MiB or
-//! more from them, split among the workers (each a copy out of the page
-//! cache, one core's worth; `io_uring` copies what is cached in its one
-//! thread). Block devices, and files opened
+//! more from them; requests that large are split among the workers (each
+//! part a copy into or out of the page cache, one core's worth; `io_uring`
+//! copies what is cached in its one thread): reads in parts of
+//! consecutive ops, writes a file to a part. Block devices, and files opened
 //! with [`StorageSpec::direct`], use `O_DIRECT`: every offset, length and
 //! memory address must then be a multiple of the device's logical block
 //! size, checked before anything moves ([`Error::Misaligned`]).

@@ -29,9 +29,10 @@ use crate::registry::RegionGuard;
 use std::io;
 use std::sync::{Arc, Mutex};
 
-/// A READ of this many bytes or more from files through the page cache is
-/// split among the page-cache workers, parts of at least half as many.
-const PAGE_CACHE_READ_SPLIT_MIN: u64 = 8 << 20;
+/// A request of this many bytes or more through the page cache is split
+/// among the page-cache workers, in parts of at least half as many: a READ
+/// in any parts, a WRITE by file.
+const PAGE_CACHE_SPLIT_MIN: u64 = 8 << 20;
 
 /// The link of the agent to itself: its storage.
 struct StorageLink {
@@ -152,13 +153,12 @@ impl Link for StorageLink {
             written,
         } = plan(cx, req, &resolved.guards, vram.then_some(shape))?;
         // Through the page cache only: writes go to the page-cache
-        // workers, and so do large reads, split among them (started before
-        // anything is counted in flight).
+        // workers, and so do large reads; large requests are split among
+        // them (the workers started before anything is counted in
+        // flight).
         let buffered = !files.is_empty() && files.iter().all(|f| f.buffered);
-        let parallel_read = buffered
-            && req.op == TransferOp::Read
-            && req.local.total_len() >= PAGE_CACHE_READ_SPLIT_MIN;
-        let io = if buffered && (req.op == TransferOp::Write || parallel_read) {
+        let large = buffered && req.local.total_len() >= PAGE_CACHE_SPLIT_MIN;
+        let io = if buffered && (req.op == TransferOp::Write || large) {
             cx.storage().page_cache()?
         } else {
             cx.storage().engine()?
@@ -200,13 +200,15 @@ impl Link for StorageLink {
             done,
             stop: Some(stop),
         };
-        let parts = if parallel_read {
-            // A page-cache read is a copy by the CPU, one core's worth a
-            // thread: several threads (reads take no lock of the file's).
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            batch.split(cores.min(PSYNC_THREADS), PAGE_CACHE_READ_SPLIT_MIN / 2)
-        } else {
-            vec![batch]
+        // Each part a copy by the CPU into or out of the page cache, one
+        // core's worth: reads in any parts (they take no lock of the
+        // file's), writes a file to a part (one file's take turns).
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let (parts, min_part) = (cores.min(PSYNC_THREADS), PAGE_CACHE_SPLIT_MIN / 2);
+        let parts = match req.op {
+            _ if !large => vec![batch],
+            TransferOp::Read => batch.split(parts, min_part),
+            TransferOp::Write => batch.split_by_file(parts, min_part),
         };
         for batch in parts {
             // SAFETY: every op's memory lies in local regions checked and

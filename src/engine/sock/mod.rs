@@ -363,10 +363,7 @@ impl<'c> FrameReader<'c> {
         if self.filled > 0 || self.put_back.is_some() {
             return true;
         }
-        let channel = match &self.channel {
-            Some(ch) => Some(std::sync::Arc::clone(ch)),
-            None => records::of(self.fd),
-        };
+        let channel = self.channel.clone().or_else(|| records::of(self.fd));
         if channel.is_some_and(|ch| ch.pending()) {
             return true;
         }

@@ -42,6 +42,8 @@ const RECORD_MAX: usize = 1 << 14;
 const HEADER: usize = 5;
 /// AES-GCM's tag.
 const TAG: usize = 16;
+/// What a record adds to its plaintext: header, inner type, tag.
+const OVERHEAD: usize = HEADER + 1 + TAG;
 /// Longest record body taken from a peer: the plaintext, its inner type,
 /// the tag and the padding TLS 1.3 allows (RFC 8446 §5.2).
 const BODY_MAX: usize = RECORD_MAX + 256;
@@ -173,7 +175,7 @@ impl Receiving {
 /// part sealed in records of its own (see [`tail_len`]).
 fn overhead_of(len: usize) -> usize {
     let main = len.saturating_sub(tail_len(len));
-    (HEADER + 1 + TAG) * (main.div_ceil(RECORD_MAX) + 1)
+    OVERHEAD * (main.div_ceil(RECORD_MAX) + 1)
 }
 
 /// Opens the record whose header starts at `buf[at]` (its body `body`
@@ -255,7 +257,7 @@ fn seal(dir: &mut Direction, buf: &mut Vec<u8>, at: usize) -> io::Result<()> {
 /// a record: a longer part is read in place a socket's worth at a time
 /// anyway.
 fn tail_len(len: usize) -> usize {
-    let overhead = (HEADER + 1 + TAG) * (len.div_ceil(RECORD_MAX) + 1);
+    let overhead = OVERHEAD * (len.div_ceil(RECORD_MAX) + 1);
     (overhead + 64).min(RECORD_MAX / 2).min(len / 2)
 }
 
@@ -374,12 +376,21 @@ impl Channel {
             // contract).
             unsafe { std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len) }
         });
-        let flush = |buf: &mut Vec<u8>| {
+        let send = |buf: &mut Vec<u8>| {
             let mut one = [iov(buf.as_ptr(), buf.len())];
             // SAFETY: `buf` is this function's, alive for the call.
-            let r = unsafe { writev_plain(fd, &mut one, clock, io_timeout) };
+            unsafe { writev_plain(fd, &mut one, clock, io_timeout)? };
             buf.clear();
-            r
+            io::Result::Ok(())
+        };
+        // Seals the record begun at `at`; sends what is sealed once it is
+        // a batch.
+        let close = |dir: &mut Direction, buf: &mut Vec<u8>, at: usize| {
+            seal(dir, buf, at)?;
+            if buf.len() >= SEND_BATCH {
+                send(buf)?;
+            }
+            io::Result::Ok(())
         };
         buf.clear();
         // The start of the record being filled with small parts.
@@ -388,16 +399,13 @@ impl Channel {
             if part.len() >= OWN_RECORDS {
                 // Records of its own, the last short (see `tail_len`).
                 if let Some(at) = open.take() {
-                    seal(dir, buf, at)?;
+                    close(dir, buf, at)?;
                 }
                 let (main, tail) = part.split_at(part.len() - tail_len(part.len()));
                 for chunk in main.chunks(RECORD_MAX).chain([tail]) {
                     let at = begin(buf);
                     buf.extend_from_slice(chunk);
-                    seal(dir, buf, at)?;
-                    if buf.len() >= SEND_BATCH {
-                        flush(buf)?;
-                    }
+                    close(dir, buf, at)?;
                 }
                 continue;
             }
@@ -408,11 +416,8 @@ impl Channel {
                 buf.extend_from_slice(&part[..take]);
                 part = &part[take..];
                 if buf.len() - at - HEADER == RECORD_MAX {
-                    seal(dir, buf, at)?;
+                    close(dir, buf, at)?;
                     open = None;
-                    if buf.len() >= SEND_BATCH {
-                        flush(buf)?;
-                    }
                 }
             }
         }
@@ -420,7 +425,7 @@ impl Channel {
             seal(dir, buf, at)?;
         }
         if !buf.is_empty() {
-            flush(buf)?;
+            send(buf)?;
         }
         Ok(())
     }

@@ -34,6 +34,16 @@ use std::sync::{Arc, Mutex};
 /// in any parts, a WRITE by file.
 const PAGE_CACHE_SPLIT_MIN: u64 = 8 << 20;
 
+/// How many parts a large page-cache request is split in: the host's
+/// cores, up to the page-cache workers (asked once: the answer reads the
+/// process's cgroup files).
+fn page_cache_parts() -> usize {
+    static PARTS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PARTS.get_or_init(|| {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(PSYNC_THREADS))
+    })
+}
+
 /// The link of the agent to itself: its storage.
 struct StorageLink {
     path: Arc<DataPath>,
@@ -203,8 +213,7 @@ impl Link for StorageLink {
         // Each part a copy by the CPU into or out of the page cache, one
         // core's worth: reads in any parts (they take no lock of the
         // file's), writes a file to a part (one file's take turns).
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let (parts, min_part) = (cores.min(PSYNC_THREADS), PAGE_CACHE_SPLIT_MIN / 2);
+        let (parts, min_part) = (page_cache_parts(), PAGE_CACHE_SPLIT_MIN / 2);
         let parts = match req.op {
             _ if !large => vec![batch],
             TransferOp::Read => batch.split(parts, min_part),

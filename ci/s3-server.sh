@@ -36,6 +36,22 @@ stop() {
 if [ "$cmd" = stop ]; then stop; exit 0; fi
 [ "$cmd" = start ] || { echo "usage: $0 start|stop DIR" >&2; exit 2; }
 
+# A failed start says which command failed, with its exit status (the Ceph
+# tools exit with an errno: 28 is ENOSPC), the free space where the daemons
+# write, and the end of their logs.
+failed() {
+    local rc=$? line=$1
+    echo "ci/s3-server.sh: line $line exited $rc" >&2
+    df -h "$dir" /tmp >&2 || true
+    for f in "$dir"/log/*.log; do
+        [ -e "$f" ] || continue
+        echo "--- ${f##*/}" >&2
+        tail -n 20 "$f" >&2
+    done
+    exit "$rc"
+}
+trap 'failed $LINENO' ERR
+
 if ! command -v radosgw >/dev/null || ! command -v ceph-osd >/dev/null || ! command -v ceph-mon >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q >/dev/null

@@ -71,7 +71,7 @@ impl TlsClient {
     pub(crate) fn new(tls: &super::EtcdTls) -> Result<Self, String> {
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let mut roots = rustls::RootCertStore::empty();
         let certs = CertificateDer::pem_file_iter(&tls.ca_file)
             .map_err(|e| format!("{}: {e}", tls.ca_file.display()))?;

@@ -16,12 +16,14 @@
 //! reader's buffers (a record's rest, opened, and the next records) for the
 //! next read.
 //!
-//! What this costs over the kernel's, beside the cipher itself: a copy
-//! into the sealing buffer. A part (iovec) of a record or more is sealed
-//! in records of its own, the last one short, so that a reader whose
-//! memory for it is that large takes its records there and opens them in
-//! place (see [`Channel::readv`]); only the short records, and the bytes
-//! of reads into smaller memory, are copied out of the reader's buffer.
+//! What this costs over the kernel's, beside the cipher itself: small
+//! parts (iovecs) are copied into the sending buffer to share records,
+//! sealed there; a part of a record or more is sealed straight from the
+//! caller's memory into the buffer, in records of its own, the last one
+//! short, so that a reader whose memory for it is that large takes its
+//! records there and opens them in place (see [`Channel::readv`]); only
+//! the short records, and the bytes of reads into smaller memory, are
+//! copied out of the reader's buffer.
 
 use std::collections::HashMap;
 use std::io;
@@ -30,7 +32,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
-use ring::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, Tag, UnboundKey};
+use aws_lc_rs::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
 
 use crate::auth::DirectionKey;
 use crate::engine::lock;
@@ -53,8 +55,10 @@ const APPLICATION_DATA: u8 = 23;
 /// own, which a reader can open where they land; smaller parts share
 /// records.
 const OWN_RECORDS: usize = RECORD_MAX;
-/// Plaintext sealed per `sendmsg`.
+/// Sealed bytes sent per `sendmsg` (at least).
 const SEND_BATCH: usize = 256 << 10;
+/// The sending buffer: a batch and one more record of the longest.
+const SEND_ROOM: usize = SEND_BATCH + HEADER + RECORD_MAX + 1 + TAG;
 /// The most bytes asked of the socket per `read` into the buffer.
 const READ_CHUNK: usize = 256 << 10;
 /// Where in the receiving buffer bytes read past the caller's memory go:
@@ -92,6 +96,7 @@ impl Direction {
 
 struct Sending {
     dir: Direction,
+    /// Records sealed, not yet sent (`SEND_ROOM` bytes once first used).
     buf: Vec<u8>,
 }
 
@@ -190,19 +195,17 @@ fn open_record(
 ) -> io::Result<usize> {
     let mut aad = [0u8; HEADER];
     aad.copy_from_slice(&buf[at..at + HEADER]);
-    let tag_at = at + HEADER + body - TAG;
-    let tag = Tag::try_from(&buf[tag_at..tag_at + TAG]).expect("TAG bytes make a tag");
+    let end = at + HEADER + body;
     let nonce = dir.next_nonce();
-    let opened = dir
-        .key
-        .open_in_place_separate_tag(
-            nonce,
-            Aad::from(aad),
-            tag,
-            &mut buf[to..tag_at],
-            at + HEADER - to..,
-        )
-        .map_err(|_| io::Error::from_raw_os_error(libc::EBADMSG))?;
+    // Opened where it lies, then moved down to `to` (from cache).
+    let Ok(opened) =
+        dir.key
+            .open_within(nonce, Aad::from(aad), &mut buf[to..end], at + HEADER - to..)
+    else {
+        // What failed may have been decrypted in part: none of it stays.
+        buf[to..end].fill(0);
+        return Err(io::Error::from_raw_os_error(libc::EBADMSG));
+    };
     // The inner type is the last byte that is not padding.
     let len = opened
         .iter()
@@ -224,29 +227,52 @@ fn eof_inside_record() -> io::Error {
     )
 }
 
-/// Starts a record at the end of `buf` (its length filled in by
-/// [`seal`]); returns where it starts.
-fn begin(buf: &mut Vec<u8>) -> usize {
-    let at = buf.len();
-    buf.extend_from_slice(&[APPLICATION_DATA, 3, 3, 0, 0]);
-    at
+/// Writes the header of a record of `plain` plaintext bytes in `out`;
+/// returns it (the associated data).
+fn header(out: &mut [u8], plain: usize) -> [u8; HEADER] {
+    let [hi, lo] = ((plain + 1 + TAG) as u16).to_be_bytes();
+    let h = [APPLICATION_DATA, 3, 3, hi, lo];
+    out[..HEADER].copy_from_slice(&h);
+    h
 }
 
-/// Seals the record started at `buf[at]`, whose plaintext is the rest of
-/// `buf`: its inner type, its length in the header, the tag after it.
-fn seal(dir: &mut Direction, buf: &mut Vec<u8>, at: usize) -> io::Result<()> {
-    buf.push(APPLICATION_DATA);
-    let len = (buf.len() - at - HEADER + TAG) as u16;
-    buf[at + 3..at + HEADER].copy_from_slice(&len.to_be_bytes());
-    let mut aad = [0u8; HEADER];
-    aad.copy_from_slice(&buf[at..at + HEADER]);
+/// Seals `plain` (at most a record's) into a record at the start of `out`
+/// without copying it first: header, ciphertext, inner type, tag; returns
+/// the record's length.
+fn seal_from(dir: &mut Direction, out: &mut [u8], plain: &[u8]) -> io::Result<usize> {
+    let n = plain.len();
+    let aad = header(out, n);
+    let (body, rest) = out[HEADER..].split_at_mut(n);
     let nonce = dir.next_nonce();
-    let tag = dir
-        .key
-        .seal_in_place_separate_tag(nonce, Aad::from(aad), &mut buf[at + HEADER..])
+    dir.key
+        .seal_out_of_place_scatter(
+            nonce,
+            Aad::from(aad),
+            plain,
+            body,
+            &[APPLICATION_DATA],
+            &mut rest[..1 + TAG],
+        )
         .map_err(|_| io::Error::other("sealing a record failed"))?;
-    buf.extend_from_slice(tag.as_ref());
-    Ok(())
+    Ok(HEADER + n + 1 + TAG)
+}
+
+/// Seals the record at the start of `out` whose `plain` plaintext bytes
+/// follow its header's room, in place; returns the record's length.
+fn seal_here(dir: &mut Direction, out: &mut [u8], plain: usize) -> io::Result<usize> {
+    let aad = header(out, plain);
+    let (body, rest) = out[HEADER..].split_at_mut(plain);
+    let nonce = dir.next_nonce();
+    dir.key
+        .seal_in_place_scatter(
+            nonce,
+            Aad::from(aad),
+            body,
+            &[APPLICATION_DATA],
+            &mut rest[..1 + TAG],
+        )
+        .map_err(|_| io::Error::other("sealing a record failed"))?;
+    Ok(HEADER + plain + 1 + TAG)
 }
 
 /// The plaintext bytes of the last record of a part of `len` bytes that
@@ -371,61 +397,71 @@ impl Channel {
     ) -> io::Result<()> {
         let mut s = lock(&self.send);
         let Sending { dir, buf } = &mut *s;
+        if buf.is_empty() {
+            *buf = vec![0; SEND_ROOM];
+        }
         let parts = iovs.iter().filter(|v| v.iov_len > 0).map(|v| {
             // SAFETY: valid for reads for the call (this function's
             // contract).
             unsafe { std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len) }
         });
-        let send = |buf: &mut Vec<u8>| {
-            let mut one = [iov(buf.as_ptr(), buf.len())];
+        // `buf[..len]`: sealed, not sent; a record being filled with small
+        // parts starts at `open` (its plaintext from `open + HEADER` to
+        // `len`).
+        let (mut len, mut open) = (0, None::<usize>);
+        let send = |buf: &[u8], len: &mut usize| {
+            let mut one = [iov(buf.as_ptr(), *len)];
             // SAFETY: `buf` is this function's, alive for the call.
             unsafe { writev_plain(fd, &mut one, clock, io_timeout)? };
-            buf.clear();
+            *len = 0;
             io::Result::Ok(())
         };
-        // Seals the record begun at `at`; sends what is sealed once it is
-        // a batch.
-        let close = |dir: &mut Direction, buf: &mut Vec<u8>, at: usize| {
-            seal(dir, buf, at)?;
-            if buf.len() >= SEND_BATCH {
-                send(buf)?;
+        // Seals the record being filled; sends what is sealed once it is a
+        // batch.
+        let close = |dir: &mut Direction, buf: &mut [u8], len: &mut usize, at: usize| {
+            *len = at + seal_here(dir, &mut buf[at..], *len - at - HEADER)?;
+            if *len >= SEND_BATCH {
+                send(buf, len)?;
             }
             io::Result::Ok(())
         };
-        buf.clear();
-        // The start of the record being filled with small parts.
-        let mut open: Option<usize> = None;
         for part in parts {
             if part.len() >= OWN_RECORDS {
-                // Records of its own, the last short (see `tail_len`).
+                // Records of its own, the last short (see `tail_len`),
+                // sealed from where the part lies.
                 if let Some(at) = open.take() {
-                    close(dir, buf, at)?;
+                    close(dir, buf, &mut len, at)?;
                 }
                 let (main, tail) = part.split_at(part.len() - tail_len(part.len()));
                 for chunk in main.chunks(RECORD_MAX).chain([tail]) {
-                    let at = begin(buf);
-                    buf.extend_from_slice(chunk);
-                    close(dir, buf, at)?;
+                    len += seal_from(dir, &mut buf[len..], chunk)?;
+                    if len >= SEND_BATCH {
+                        send(buf, &mut len)?;
+                    }
                 }
                 continue;
             }
             let mut part = part;
             while !part.is_empty() {
-                let at = *open.get_or_insert_with(|| begin(buf));
-                let take = part.len().min(RECORD_MAX - (buf.len() - at - HEADER));
-                buf.extend_from_slice(&part[..take]);
+                let at = *open.get_or_insert_with(|| {
+                    len += HEADER;
+                    len - HEADER
+                });
+                let take = part.len().min(RECORD_MAX - (len - at - HEADER));
+                buf[len..len + take].copy_from_slice(&part[..take]);
+                len += take;
                 part = &part[take..];
-                if buf.len() - at - HEADER == RECORD_MAX {
-                    close(dir, buf, at)?;
+                if len - at - HEADER == RECORD_MAX {
+                    close(dir, buf, &mut len, at)?;
                     open = None;
                 }
             }
         }
         if let Some(at) = open {
-            seal(dir, buf, at)?;
+            len = at + seal_here(dir, &mut buf[at..], len - at - HEADER)?;
         }
-        if !buf.is_empty() {
-            send(buf)?;
+        if len > 0 {
+            send(buf, &mut len)?;
         }
         Ok(())
     }
@@ -686,7 +722,8 @@ mod tests {
         let mut dir = Direction::new(k);
         let mut buf = Vec::new();
         for (p, padding) in plaintexts {
-            let at = begin(&mut buf);
+            let at = buf.len();
+            buf.extend_from_slice(&[APPLICATION_DATA, 3, 3, 0, 0]);
             buf.extend_from_slice(p);
             buf.push(APPLICATION_DATA);
             buf.resize(buf.len() + padding, 0);

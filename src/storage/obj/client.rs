@@ -66,6 +66,15 @@ impl Client {
             .max_idle_connections_per_host(config.parallel * 2)
             .max_idle_connections(config.parallel * 2)
             .user_agent("kvxfer")
+            // https endpoints: rustls on the library's one crypto library
+            // (ureq is built without a provider of its own).
+            .tls_config(
+                ureq::tls::TlsConfig::builder()
+                    .unversioned_rustls_crypto_provider(std::sync::Arc::new(
+                        rustls::crypto::aws_lc_rs::default_provider(),
+                    ))
+                    .build(),
+            )
             .build()
             .new_agent();
         Ok(Client {
@@ -442,6 +451,32 @@ fn xml_field<'a>(body: &'a str, name: &str) -> Option<&'a str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_https_endpoint_speaks_tls_through_the_library_provider() {
+        // ureq is built without a crypto provider of its own: the client
+        // hands it the library's. A server that answers the ClientHello
+        // with plain HTTP sees TLS start, and the request fails as a typed
+        // error (no panic for want of a provider).
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut first = [0u8; 3];
+            s.read_exact(&mut first).unwrap();
+            s.write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+                .unwrap();
+            first
+        });
+        let mut config = ObjectStoreConfig::new(format!("https://127.0.0.1:{port}"), "b", "a", "s");
+        config.retries = 0;
+        config.timeout = std::time::Duration::from_secs(20);
+        let store = config.build().unwrap();
+        assert!(store.object_size("k").is_err());
+        // A TLS handshake record (22), version 3.x: a ClientHello.
+        assert_eq!(&server.join().unwrap()[..2], &[22, 3]);
+    }
 
     #[test]
     fn error_bodies_give_their_code() {

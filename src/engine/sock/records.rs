@@ -474,8 +474,8 @@ impl Channel {
     ///
     /// When the first iovec holds a record of the longest kind, the
     /// records are read into it and opened where they lie, each record's
-    /// plaintext moved down over the headers and tags before it by the
-    /// cipher itself (no copy); its bytes past what is returned are then
+    /// plaintext then moved down over the headers and tags before it
+    /// (within that memory, from cache); its bytes past what is returned are then
     /// unspecified (as in a buffer a `read` fills in part). Otherwise they
     /// are read into the channel's buffer, opened there and copied out.
     ///

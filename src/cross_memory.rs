@@ -11,6 +11,7 @@
 
 use std::io;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use caps::{CapSet, CapsHashSet};
 
@@ -112,14 +113,20 @@ impl Drop for Unprivileged {
 }
 
 /// The other side of a copy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Peer {
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Peer<'a> {
     /// Another process, reached by cross-memory attach; pieces' remote
     /// addresses are that process's.
     Process(u32),
     /// Memory mapped into this process (a peer's shared pool): pieces'
-    /// remote addresses are this process's, and the copy is `memcpy`.
-    Mapped,
+    /// remote addresses are this process's, and the copy is `memmove`.
+    Mapped {
+        /// A checked copy: both sides of each part are compared byte for
+        /// byte right after it moved (both still in cache), and this is set
+        /// when they differ. (No sums: whoever sees both sides compares
+        /// them exactly, where a CRC32C is only a digest to send along.)
+        differs: Option<&'a AtomicBool>,
+    },
 }
 
 /// Direction of a cross-memory copy.
@@ -175,7 +182,8 @@ fn push_iov(v: &mut Vec<libc::iovec>, addr: u64, len: u64) {
 ///
 /// `sums` (one per piece): each piece's CRC32C over its local side, the
 /// bytes of each call (then at most `integrity::CHECK_CHUNK`) summed right
-/// after it, still in cache; whole only when all was copied.
+/// after it, still in cache; whole only when all was copied. Never with
+/// [`Peer::Mapped`] (which compares instead).
 ///
 /// # Safety
 /// Every `local` range must be valid for reads (`Write`) or writes (`Read`)
@@ -184,9 +192,9 @@ fn push_iov(v: &mut Vec<libc::iovec>, addr: u64, len: u64) {
 ///
 /// With [`Peer::Mapped`] the remote ranges must be valid for writes
 /// (`Write`) or reads (`Read`) in this process for the whole call, as the
-/// local ones.
+/// local ones (and readable when comparing).
 pub(crate) unsafe fn copy(
-    peer: Peer,
+    peer: Peer<'_>,
     dir: Direction,
     pieces: &[Piece],
     stop: &(dyn Fn() -> bool + Sync),
@@ -196,7 +204,11 @@ pub(crate) unsafe fn copy(
     let pid = match peer {
         Peer::Process(pid) => pid,
         // SAFETY: forwarded contract.
-        Peer::Mapped => return Ok(unsafe { copy_mapped(dir, pieces, stop, sums) }),
+        Peer::Mapped { differs } => {
+            debug_assert!(sums.is_none(), "a mapped copy compares, it does not sum");
+            // SAFETY: forwarded contract.
+            return Ok(unsafe { copy_mapped(dir, pieces, stop, differs) });
+        }
     };
     let pid =
         libc::pid_t::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
@@ -292,9 +304,14 @@ pub(crate) unsafe fn copy(
     Ok(true)
 }
 
-/// [`copy`] within this process: each piece by `memcpy`, in parts of at
-/// most [`CALL_MAX_BYTES`] (of `integrity::CHECK_CHUNK` when summing: the
-/// sum reads the part from cache), `stop` asked before each part.
+/// Bytes a mapped copy moves at a time before it compares them: both
+/// sides stay in the core's own cache for the comparison.
+const COMPARE_CHUNK: u64 = 64 << 10;
+
+/// [`copy`] within this process: each piece by `memmove`, in parts of at
+/// most [`CALL_MAX_BYTES`] (of [`COMPARE_CHUNK`] when comparing), `stop`
+/// asked before each part; with `differs`, a part whose two sides differ
+/// once it moved sets it.
 ///
 /// # Safety
 /// As [`copy`] with [`Peer::Mapped`].
@@ -302,42 +319,41 @@ unsafe fn copy_mapped(
     dir: Direction,
     pieces: &[Piece],
     stop: &(dyn Fn() -> bool + Sync),
-    mut sums: Option<&mut [u32]>,
+    differs: Option<&AtomicBool>,
 ) -> bool {
-    let part = if sums.is_some() {
-        crate::integrity::CHECK_CHUNK as u64
+    let part = if differs.is_some() {
+        COMPARE_CHUNK
     } else {
         CALL_MAX_BYTES
     };
-    for (i, p) in pieces.iter().enumerate() {
-        let mut sum = sums.is_some().then(Crc32c::new);
+    for p in pieces {
         let mut off = 0;
         while off < p.len {
             if stop() {
                 return false;
             }
             let n = (p.len - off).min(part);
+            let (local, remote) = (p.local + off, p.remote + off);
             let (from, to) = match dir {
-                Direction::Write => (p.local + off, p.remote + off),
-                Direction::Read => (p.remote + off, p.local + off),
+                Direction::Write => (local, remote),
+                Direction::Read => (remote, local),
             };
-            // SAFETY: both ranges are valid per the contract; they lie in
-            // different mappings (a registered local region and a peer's
-            // pool), so they do not overlap.
-            unsafe {
-                std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, n as usize);
-            }
-            if let Some(c) = sum.as_mut() {
-                // SAFETY: the local range, readable per the contract, just
+            // SAFETY: both ranges are valid per the contract (they may
+            // overlap only where a process maps its own pool: `copy`
+            // allows that).
+            unsafe { std::ptr::copy(from as *const u8, to as *mut u8, n as usize) };
+            if let Some(differs) = differs {
+                // SAFETY: both ranges, readable per the contract, just
                 // copied.
-                c.update(unsafe {
-                    std::slice::from_raw_parts((p.local + off) as *const u8, n as usize)
-                });
+                let same = unsafe {
+                    std::slice::from_raw_parts(local as *const u8, n as usize)
+                        == std::slice::from_raw_parts(remote as *const u8, n as usize)
+                };
+                if !same {
+                    differs.store(true, Ordering::Relaxed);
+                }
             }
             off += n;
-        }
-        if let (Some(sums), Some(c)) = (sums.as_deref_mut(), sum) {
-            sums[i] = c.finish();
         }
     }
     true
@@ -380,7 +396,7 @@ pub(crate) fn split(pieces: &[Piece], parts: usize) -> Vec<Vec<Piece>> {
 /// # Safety
 /// As [`copy`].
 pub(crate) unsafe fn copy_parallel(
-    peer: Peer,
+    peer: Peer<'_>,
     dir: Direction,
     pieces: &[Piece],
     (threads, min_bytes): (usize, u64),
@@ -691,6 +707,89 @@ mod tests {
             let summed = unsafe { sum_parallel(&pieces, (threads, 1)) };
             assert_eq!(summed, want, "{threads} threads, summed");
         }
+    }
+
+    /// Within this process (a mapped pool), a checked copy compares both
+    /// sides of what it moved, both ways, across parts and threads: equal
+    /// sides leave `differs` clear; a piece whose source changes under its
+    /// copy sets it.
+    #[test]
+    fn mapped_copies_compare_both_sides() {
+        let sizes = [(1 << 20) + 5, 64 << 10, 1, 300 << 10];
+        let len = sizes.iter().sum::<u64>() as usize;
+        let mut src: Vec<u8> = (0..len).map(|i| (i * 131 % 253) as u8).collect();
+        let mut dst = vec![0u8; len];
+        let mut back = vec![0u8; len];
+        let (s, d, b) = (
+            src.as_mut_ptr() as u64,
+            dst.as_mut_ptr() as u64,
+            back.as_mut_ptr() as u64,
+        );
+        let mut at = 0u64;
+        let mut pieces = Vec::new();
+        for &n in &sizes {
+            pieces.push((at, n));
+            at += n;
+        }
+        for threads in [1, 2, 3] {
+            for (dir, local) in [(Direction::Write, s), (Direction::Read, b)] {
+                let ps: Vec<Piece> = pieces
+                    .iter()
+                    .map(|&(o, n)| Piece {
+                        local: local + o,
+                        remote: d + o,
+                        len: n,
+                    })
+                    .collect();
+                let differs = AtomicBool::new(false);
+                // SAFETY: the three buffers are live, distinct and not
+                // touched by Rust code during the call.
+                let copied = unsafe {
+                    copy_parallel(
+                        Peer::Mapped {
+                            differs: Some(&differs),
+                        },
+                        dir,
+                        &ps,
+                        (threads, 1),
+                        &|| false,
+                        None,
+                    )
+                };
+                assert!(copied.unwrap());
+                assert!(
+                    !differs.load(Ordering::Relaxed),
+                    "{threads} threads, {dir:?}"
+                );
+            }
+            assert!(dst == src && back == src);
+            dst.fill(0);
+            back.fill(0);
+        }
+        // A piece whose source changes under its copy (here it overlaps
+        // its own destination, so the move rewrites it): the sides differ
+        // once it moved, and that is seen.
+        let p = Piece {
+            local: s,
+            remote: s + 1,
+            len: 4096,
+        };
+        let differs = AtomicBool::new(false);
+        // SAFETY: both ranges lie in `src`, live and not touched by Rust
+        // code during the call; the mapped copy allows them to overlap.
+        let copied = unsafe {
+            copy(
+                Peer::Mapped {
+                    differs: Some(&differs),
+                },
+                Direction::Write,
+                &[p],
+                &|| false,
+                None,
+            )
+        };
+        assert!(copied.unwrap());
+        assert!(differs.load(Ordering::Relaxed));
     }
 
     /// A copy asked to stop ends at a call boundary: what it copied is one

@@ -258,7 +258,8 @@ fn shared_pools_are_mapped_copied_and_revoked() {
     }
     assert_eq!(pooled_copies(a.as_ref()), 3);
     assert_eq!(pool_mappings(), before + 1, "still mapped once");
-    // Checked end to end: summed here as it is copied, checked there.
+    // Checked end to end, both ways: both sides summed here as they are
+    // copied (the pool is mapped here), compared before the commit.
     a.submit_transfer(
         &TransferRequest::write(MemoryDescs::dram(&src), peer.range(0, LEN), &name)
             .with_integrity(),
@@ -267,7 +268,19 @@ fn shared_pools_are_mapped_copied_and_revoked() {
     .wait_success(WAIT)
     .unwrap();
     assert_eq!(peer.cmd(&format!("check 3 0 {LEN}")), "OK");
-    assert_eq!(pooled_copies(a.as_ref()), 4);
+    let back = vec![0u8; LEN as usize];
+    register(a.as_ref(), &back);
+    a.submit_transfer(
+        &TransferRequest::read(MemoryDescs::dram(&back), peer.range(0, LEN), &name)
+            .with_integrity(),
+    )
+    .unwrap()
+    .wait_success(WAIT)
+    .unwrap();
+    a.deregister_memory(&MemoryDescs::dram(&back)).unwrap();
+    assert!(back == src);
+    drop(back);
+    assert_eq!(pooled_copies(a.as_ref()), 5);
 
     // Deregistered at the target: unmapped here by the time it answers.
     assert_eq!(peer.cmd("dereg"), "OK");
@@ -293,7 +306,7 @@ fn shared_pools_are_mapped_copied_and_revoked() {
     .wait_success(WAIT)
     .unwrap();
     assert_eq!(peer.cmd(&format!("check 3 0 {LEN}")), "OK");
-    assert_eq!(pooled_copies(a.as_ref()), 5);
+    assert_eq!(pooled_copies(a.as_ref()), 6);
     assert_eq!(pool_mappings(), before + 1);
     a.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
 

@@ -69,6 +69,22 @@ pub(in crate::engine) enum CmaOutcome {
     Done,
 }
 
+/// What a checked copy learned of its pieces' sums.
+#[derive(Debug, Default)]
+enum Summed {
+    /// Nothing (the copy did not move every byte itself): the local sides
+    /// are summed at the commit.
+    #[default]
+    NotYet,
+    /// Each piece's CRC32C over its local side, summed as it moved, for
+    /// the target to check its own side against.
+    Local(Vec<u32>),
+    /// Both sides compared here as they moved (the target's pool is
+    /// mapped in this process) and equal: the target has nothing left to
+    /// check.
+    Matched,
+}
+
 /// Cross-memory attach: a peer on this host that offers it and whose
 /// probe word this process can read. It owns what the path needs on both
 /// sides: the probe word it publishes, the target's state of each
@@ -636,7 +652,7 @@ impl SocketPath for CmaParts {
         let delegate = delegate.then_some(sync.as_deref());
         let how = (delegate, gpu.as_ref());
         // A checked copy's per-piece CRC32Cs, summed as it goes.
-        let mut sums = None;
+        let mut sums = Summed::NotYet;
         let summed = checked.is_some().then_some(&mut sums);
         Ok(
             match link.run_cma(
@@ -656,7 +672,8 @@ impl SocketPath for CmaParts {
                     // (right after each call, from cache) or now.
                     let checks = match checked {
                         Some(keys) if !aborted => match sums {
-                            Some(sums) => {
+                            Summed::Matched => Vec::new(),
+                            Summed::Local(sums) => {
                                 let mut t = Vec::with_capacity(pieces.len() * wire::CHECK_ENTRY);
                                 for ((p, &k), &c) in pieces.iter().zip(&keys).zip(&sums) {
                                     wire::push_check(&mut t, p.remote, p.len, k, c);
@@ -666,7 +683,7 @@ impl SocketPath for CmaParts {
                             // SAFETY: local pieces lie in regions validated
                             // at submit time and held by the request's
                             // guards until it completes.
-                            None => unsafe {
+                            Summed::NotYet => unsafe {
                                 socket_link::table(
                                     pieces
                                         .iter()
@@ -924,8 +941,8 @@ impl CmaLink {
     /// Grants and direct copy of a cross-memory request; `Err`: the link is
     /// broken.
     ///
-    /// `sums`: set to each piece's CRC32C over its local side when the copy
-    /// here moved every byte (a checked request's).
+    /// `sums` (a checked request's): what the copy here learned of the
+    /// pieces' sums when it moved every byte.
     #[allow(clippy::too_many_arguments)]
     fn run_cma(
         &self,
@@ -936,7 +953,7 @@ impl CmaLink {
         grants: &[GrantRange],
         (delegate, gpu): (Option<Option<&[u8]>>, Option<&GpuJob>),
         pending: &Pending,
-        sums: Option<&mut Option<Vec<u32>>>,
+        sums: Option<&mut Summed>,
     ) -> Result<CmaOutcome, Error> {
         if pending.completion.abort_requested() {
             // Nothing sent yet: the target never hears of it.
@@ -961,20 +978,22 @@ impl CmaLink {
         };
         if let Some(mapped) = pooled.as_ref().and_then(|p| p.hold(pieces)) {
             let stop = || pending.completion.abort_requested();
-            let mut summed = sums.is_some().then(|| vec![0u32; pieces.len()]);
+            let differs = AtomicBool::new(false);
             // SAFETY: local pieces lie in regions validated at submit time
             // and held by the request's guards until it completes (after the
             // commit that follows); the remote ones lie inside the target's
-            // pools (checked by `resolve`), mapped writable for a WRITE, and
-            // held mapped by `mapped` until the copy returns.
+            // pools (checked by `resolve`), mapped readable (and writable for
+            // a WRITE), and held mapped by `mapped` until the copy returns.
             let copied = unsafe {
                 cross_memory::copy_parallel(
-                    cross_memory::Peer::Mapped,
+                    cross_memory::Peer::Mapped {
+                        differs: sums.is_some().then_some(&differs),
+                    },
                     dir,
                     &mapped.pieces,
                     (self.parts.copy_threads, PARALLEL_COPY_MIN),
                     &stop,
-                    summed.as_deref_mut(),
+                    None,
                 )
             }
             .map_err(|e| self.io_error(e))?;
@@ -983,7 +1002,15 @@ impl CmaLink {
             if copied {
                 self.parts.pooled.fetch_add(1, Ordering::Relaxed);
                 if let Some(sums) = sums {
-                    *sums = summed;
+                    // Both sides matched: checked. Where they did not, the
+                    // commit carries the sums of this side for the target
+                    // to check its own against (it fails there, logged and
+                    // counted by the agent whose memory it is).
+                    *sums = if differs.into_inner() {
+                        Summed::NotYet
+                    } else {
+                        Summed::Matched
+                    };
                 }
             }
             return Ok(CmaOutcome::Commit { aborted: !copied });
@@ -1086,10 +1113,10 @@ impl CmaLink {
         if !copied && !pending.completion.abort_requested() {
             return too_late(pending);
         }
-        if let Some(sums) = sums
+        if let (Some(sums), Some(summed)) = (sums, summed)
             && copied
         {
-            *sums = summed;
+            *sums = Summed::Local(summed);
         }
         Ok(CmaOutcome::Commit { aborted: !copied })
     }

@@ -5,7 +5,8 @@
 //! connection — while a checked WRITE (with a sync message) or READ is
 //! under way. Over TCP the data crosses the proxy; over shm, libfabric
 //! and RDMA only the side channel does (grants, commits with their
-//! checks, answers).
+//! checks, answers). On shm every other seed's target memory is a shared
+//! pool, copied through the initiator's mapping of it.
 //!
 //! After each run: (ii) the request reached a terminal outcome within its
 //! bound; (iii) what is reported complete equals the source, and a WRITE
@@ -20,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use common::faults::{Dir, Fault, FaultProxy, Plan, Rng};
 use common::{dram, fill, first_mismatch, register};
-use kvxfer::{AgentConfig, Error, TransferAgent, TransferRequest};
+use kvxfer::{AgentConfig, Error, PoolAccess, SharedPool, TransferAgent, TransferRequest};
 
 /// Both agents' I/O timeout: a silent peer is declared dead after it.
 const IO: Duration = Duration::from_millis(1500);
@@ -83,6 +84,15 @@ fn no_leak(base: (usize, usize), seed: u64) {
     }
 }
 
+/// The initiator's count of requests copied through a mapped pool.
+fn pooled_copies(a: &dyn TransferAgent) -> u64 {
+    a.metrics_text()
+        .lines()
+        .find(|l| l.starts_with("kvxfer_shm_pool_copies_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0, |v| v.parse().unwrap())
+}
+
 /// Whether the suite's backend checks requests end to end (elsewhere they
 /// go unchecked: their data does not cross the proxy, only their control).
 fn checks() -> bool {
@@ -100,14 +110,35 @@ fn run(seed: u64) {
     let plan = Plan::from_seed(seed, IO.as_millis() as u64);
     let write = !Rng(seed).next().is_multiple_of(3);
     {
+        // On shm, every other seed's target memory is a shared pool, which
+        // the initiator maps and copies (and checks) itself. (Declared
+        // before the agents: dropped after them.)
+        let pool = (common::expected_transport() == "shm" && seed % 2 == 1)
+            .then(|| SharedPool::new(LEN).unwrap());
         let mut p = pair(seed);
         let mut src = vec![0u8; LEN];
         fill(&mut src, seed, 0);
-        let dst = vec![0u8; LEN];
         let back = vec![0u8; LEN];
         register(p.init.as_ref(), &src);
         register(p.init.as_ref(), &back);
-        register(p.target.as_ref(), &dst);
+        let owned;
+        let dst: &[u8] = match &pool {
+            Some(pool) => {
+                p.target
+                    .register_shared_pool(pool, PoolAccess::ReadWrite)
+                    .unwrap();
+                // SAFETY: the pool's `LEN` bytes stay mapped until it drops,
+                // after the agents and `dst`'s last use; the agents write
+                // them only while a request runs, this thread reads them
+                // between.
+                unsafe { std::slice::from_raw_parts(pool.as_ptr(), LEN) }
+            }
+            None => {
+                owned = vec![0u8; LEN];
+                register(p.target.as_ref(), &owned);
+                &owned
+            }
+        };
         p.name = p
             .init
             .load_remote_agent_by_connection(&p.target.local_connection_info())
@@ -118,7 +149,7 @@ fn run(seed: u64) {
             let a = b.as_ptr() as u64;
             dram([(a, 1000), (a + 4096, 100_000), (a + (1 << 20), 2 << 20)])
         };
-        let put = maybe_checked(TransferRequest::write(pieces(&src), pieces(&dst), &p.name));
+        let put = maybe_checked(TransferRequest::write(pieces(&src), pieces(dst), &p.name));
         p.init
             .submit_transfer(&put)
             .unwrap()
@@ -128,10 +159,10 @@ fn run(seed: u64) {
 
         p.proxy.arm(plan);
         let req = maybe_checked(if write {
-            TransferRequest::write(pieces(&src), pieces(&dst), &p.name)
+            TransferRequest::write(pieces(&src), pieces(dst), &p.name)
                 .with_sync_message(seed.to_le_bytes().to_vec())
         } else {
-            TransferRequest::read(pieces(&back), pieces(&dst), &p.name)
+            TransferRequest::read(pieces(&back), pieces(dst), &p.name)
         });
         let t0 = Instant::now();
         let outcome = match p.init.submit_transfer(&req) {
@@ -155,7 +186,7 @@ fn run(seed: u64) {
             Ok(()) => {
                 // (iii) reported complete: the bytes are the source's.
                 if write {
-                    assert!(whole(&dst), "{what}: reported complete, bytes differ");
+                    assert!(whole(dst), "{what}: reported complete, bytes differ");
                     let msgs = p.target.take_sync_messages();
                     let mine = msgs.get(p.init.name()).cloned().unwrap_or_default();
                     assert!(
@@ -186,13 +217,13 @@ fn run(seed: u64) {
         // without the checks).
         if applied && matches!(plan.fault, Fault::FlipBody(_)) && plan.dir == Dir::Up && write {
             assert!(
-                outcome.is_err() || whole(&dst),
+                outcome.is_err() || whole(dst),
                 "{what}: a flipped bit reported landed"
             );
         }
         // (iv) the pair serves the next request (the link may have to be
         // made again: the first try may meet the old one's end).
-        let again = maybe_checked(TransferRequest::write(pieces(&src), pieces(&dst), &p.name));
+        let again = maybe_checked(TransferRequest::write(pieces(&src), pieces(dst), &p.name));
         let deadline = Instant::now() + BOUND;
         loop {
             match p
@@ -204,7 +235,11 @@ fn run(seed: u64) {
                 Err(e) => assert!(Instant::now() < deadline, "{what}: next request: {e}"),
             }
         }
-        assert!(whole(&dst), "{what}: the next request's bytes");
+        assert!(whole(dst), "{what}: the next request's bytes");
+        if pool.is_some() {
+            // The pool was mapped and copied through, not granted.
+            assert!(pooled_copies(p.init.as_ref()) > 0, "{what}: not pooled");
+        }
     }
     // (v) nothing left behind.
     no_leak(base, seed);

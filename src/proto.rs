@@ -157,7 +157,9 @@ pub struct TransferRequest {
     /// message is not delivered. Host memory (DRAM) on both sides, over
     /// TCP (each piece checked as it lands), shm, libfabric and RDMA (the
     /// ranges moved checked by the target at the commit; at most 2¹⁹
-    /// descriptors) or in-process (both sides of each copy summed); other
+    /// descriptors; a target's shared pool, mapped by the initiator:
+    /// both sides of each copy compared byte for byte there) or
+    /// in-process (both sides of each copy summed); other
     /// memory types (GPU memory, storage) refuse it at submission with
     /// [`Error::IntegrityUnsupported`](crate::error::Error::IntegrityUnsupported).
     pub integrity: bool,

@@ -669,7 +669,9 @@ impl SocketPath for CmaParts {
                     // The copy is over (an aborted one is refused anyway):
                     // each piece's CRC32C as it lies here, the source of a
                     // WRITE, the destination of a READ; summed by the copy
-                    // (right after each call, from cache) or now.
+                    // (right after each call, from cache) or now. None when
+                    // the copy compared both sides itself (a mapped pool)
+                    // and they matched.
                     let checks = match checked {
                         Some(keys) if !aborted => match sums {
                             Summed::Matched => Vec::new(),

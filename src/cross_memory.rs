@@ -338,9 +338,9 @@ unsafe fn copy_mapped(
                 Direction::Write => (local, remote),
                 Direction::Read => (remote, local),
             };
-            // SAFETY: both ranges are valid per the contract (they may
-            // overlap only where a process maps its own pool: `copy`
-            // allows that).
+            // SAFETY: both ranges are valid per the contract. They lie in
+            // different mappings; `copy` (memmove) stays correct even for
+            // ranges that overlap.
             unsafe { std::ptr::copy(from as *const u8, to as *mut u8, n as usize) };
             if let Some(differs) = differs {
                 // SAFETY: both ranges, readable per the contract, just

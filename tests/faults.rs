@@ -20,7 +20,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::faults::{Dir, Fault, FaultProxy, Plan, Rng};
-use common::{dram, fill, first_mismatch, register};
+use common::{dram, fill, first_mismatch, pooled_copies, register};
 use kvxfer::{AgentConfig, Error, PoolAccess, SharedPool, TransferAgent, TransferRequest};
 
 /// Both agents' I/O timeout: a silent peer is declared dead after it.
@@ -82,15 +82,6 @@ fn no_leak(base: (usize, usize), seed: u64) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-/// The initiator's count of requests copied through a mapped pool.
-fn pooled_copies(a: &dyn TransferAgent) -> u64 {
-    a.metrics_text()
-        .lines()
-        .find(|l| l.starts_with("kvxfer_shm_pool_copies_total"))
-        .and_then(|l| l.rsplit(' ').next())
-        .map_or(0, |v| v.parse().unwrap())
 }
 
 /// Whether the suite's backend checks requests end to end (elsewhere they

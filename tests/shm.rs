@@ -177,15 +177,6 @@ fn scattered_write_to_another_process() {
     a.deregister_memory(&MemoryDescs::dram(&src)).unwrap();
 }
 
-/// The initiator's count of requests copied through a mapped pool.
-fn pooled_copies(a: &dyn kvxfer::TransferAgent) -> u64 {
-    a.metrics_text()
-        .lines()
-        .find(|l| l.starts_with("kvxfer_shm_pool_copies_total"))
-        .and_then(|l| l.rsplit(' ').next())
-        .map_or(0, |v| v.parse().unwrap())
-}
-
 /// Mappings of shared pools in this process.
 fn pool_mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps")

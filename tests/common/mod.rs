@@ -94,6 +94,15 @@ pub fn fnv(buf: &[u8]) -> u64 {
     h
 }
 
+/// An initiator's count of requests copied through a mapped shared pool.
+pub fn pooled_copies(a: &dyn kvxfer::TransferAgent) -> u64 {
+    a.metrics_text()
+        .lines()
+        .find(|l| l.starts_with("kvxfer_shm_pool_copies_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0, |v| v.parse().unwrap())
+}
+
 /// A new agent in this process, on the suite's backend, with the RDMA
 /// progress mode `KVXFER_TEST_RDMA_PROGRESS` names, the queue pairs per
 /// peer `KVXFER_TEST_RDMA_QPS` asks for, and shared receive queues off when

@@ -70,11 +70,10 @@ pub(in crate::engine) enum CmaOutcome {
 }
 
 /// What a checked copy learned of its pieces' sums.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 enum Summed {
-    /// Nothing (the copy did not move every byte itself): the local sides
-    /// are summed at the commit.
-    #[default]
+    /// Nothing (the copy did not move every byte itself, or a mapped
+    /// copy's sides differed): the local sides are summed at the commit.
     NotYet,
     /// Each piece's CRC32C over its local side, summed as it moved, for
     /// the target to check its own side against.

@@ -9,13 +9,11 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use kvxfer::{
-    AgentConfig, Backend, Error, MemoryDescs, TransferAgent, TransferRequest, make_transfer_agent,
-};
+use kvxfer::{AgentConfig, Backend, Error, MemoryDescs, TransferRequest, make_transfer_agent};
 
 mod common;
 use common::proxy::{Dir, Pair};
-use common::{dram, fill, first_mismatch, register};
+use common::{counter, dram, fill, first_mismatch, register};
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -29,15 +27,6 @@ fn pair(dir: Dir, at: u64) -> Pair {
         dir,
         at,
     )
-}
-
-fn counter(agent: &dyn TransferAgent, name: &str) -> u64 {
-    let text = agent.metrics_text();
-    text.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 /// `n` pieces of `piece` bytes each, every other one of a buffer.

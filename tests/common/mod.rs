@@ -94,13 +94,19 @@ pub fn fnv(buf: &[u8]) -> u64 {
     h
 }
 
-/// An initiator's count of requests copied through a mapped shared pool.
-pub fn pooled_copies(a: &dyn kvxfer::TransferAgent) -> u64 {
+/// The value of the first metric line that starts with `name` (0 when
+/// there is none).
+pub fn counter(a: &dyn kvxfer::TransferAgent, name: &str) -> u64 {
     a.metrics_text()
         .lines()
-        .find(|l| l.starts_with("kvxfer_shm_pool_copies_total"))
+        .find(|l| l.starts_with(name))
         .and_then(|l| l.rsplit(' ').next())
-        .map_or(0, |v| v.parse().unwrap())
+        .map_or(0, |v| v.parse().expect("a counter's value"))
+}
+
+/// An initiator's count of requests copied through a mapped shared pool.
+pub fn pooled_copies(a: &dyn kvxfer::TransferAgent) -> u64 {
+    counter(a, "kvxfer_shm_pool_copies_total")
 }
 
 /// A new agent in this process, on the suite's backend, with the RDMA
